@@ -1,0 +1,30 @@
+# Two commands on a fresh machine: `make run` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# torch==2.13.0 comes from the machine's local CPU wheel; pinning it keeps CUDA packages away.
+WHEELS ?= /opt/wheels
+PIP_FLAGS := $(if $(wildcard $(WHEELS)),--find-links $(WHEELS),)
+
+.PHONY: run test proto bench clean
+
+$(VENV)/.installed: requirements.txt setup.py pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q $(PIP_FLAGS) -r requirements.txt
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+run: $(VENV)/.installed
+	$(PY) examples/compare.py
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+proto: $(VENV)/.installed
+	$(PY) -m gradsync.proto.generate
+
+bench: $(VENV)/.installed
+	$(PY) bench/step_time.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

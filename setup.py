@@ -1,0 +1,17 @@
+"""Install gradsync. Ranges here keep the user's own torch build; the Makefile pins exact versions."""
+from setuptools import find_packages, setup
+
+setup(
+    name="gradsync",
+    version="0.1.0",
+    description="Data-parallel PyTorch training with a parameter server or allreduce behind one API.",
+    packages=find_packages(include=["gradsync", "gradsync.*"]),
+    package_data={"gradsync.proto": ["*.proto", "*.pyi"]},
+    python_requires=">=3.10",
+    install_requires=["torch>=2.4", "numpy", "grpcio>=1.60", "protobuf>=5.26"],
+    extras_require={
+        "triton": ["triton>=3.0"],
+        "dev": ["pytest", "pytest-timeout", "grpcio-tools>=1.60", "triton>=3.0"],
+    },
+    entry_points={"console_scripts": ["gradsync = gradsync.cli:main"]},
+)
