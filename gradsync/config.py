@@ -1,0 +1,167 @@
+"""Typed job configuration: strategy, consistency mode, servers, timeouts and policies.
+
+Every field can come from an argument of `gradsync.init`/`launch`, from the
+environment a launcher sets (`GRADSYNC_*`, torchrun's `RANK`/`WORLD_SIZE`/...),
+or from its default; `JobConfig.from_env` merges them and `__post_init__`
+rejects bad values with a message that names the value and the fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Literal, get_args
+
+Strategy = Literal["ps", "allreduce"]
+Mode = Literal["sync", "async"]
+NonFinitePolicy = Literal["raise", "skip"]
+Compression = Literal["none", "fp16", "bf16", "int8"]
+
+
+class ConfigError(ValueError):
+    """A job setting is invalid; the message names the bad value and the fix."""
+
+
+def _choice(field: str, value: str, allowed_type, flag: str) -> None:
+    allowed = get_args(allowed_type)
+    if value not in allowed:
+        raise ConfigError(
+            f"unknown {field} {value!r}: expected one of {', '.join(repr(a) for a in allowed)} "
+            f"(set it with {flag})"
+        )
+
+
+@dataclasses.dataclass
+class JobConfig:
+    """Where this process sits in the job and how the job trains."""
+
+    strategy: Strategy = "ps"
+    """'ps' (parameter server) or 'allreduce' (DistributedDataParallel)."""
+    mode: Mode = "sync"
+    """'sync': servers average all workers' gradients each step; 'async': apply each as it arrives (PS only)."""
+    servers: int = 1
+    """Number of parameter-server processes; they are the first `servers` ranks. 0 for allreduce."""
+    rank: int = 0
+    """Global rank of this process, 0 .. world_size-1."""
+    world_size: int = 1
+    """servers + workers."""
+    master_addr: str = "127.0.0.1"
+    """Host of the rendezvous store."""
+    master_port: int = 29500
+    """Port of the rendezvous store."""
+    store_is_hosted: bool = False
+    """True when a launcher (gradsync run, torchrun's agent) already hosts the store, so rank 0 connects as a client."""
+    nonfinite: NonFinitePolicy = "raise"
+    """What a NaN/Inf gradient does: 'raise' names the parameter and worker; 'skip' drops that step."""
+    compression: Compression = "none"
+    """Wire format of gradients: 'none', 'fp16', 'bf16' or 'int8'."""
+    bucket_cap_mb: float = 25.0
+    """Largest parameter bucket, in MB (one bucket is one flat tensor on the wire)."""
+    startup_timeout: float = 120.0
+    """Seconds to wait for every rank to join and for the model to be registered."""
+    step_timeout: float = 60.0
+    """Seconds any single RPC or collective of a training step may take."""
+    shutdown_timeout: float = 30.0
+    """Seconds shutdown may wait for the other ranks before it gives up on a graceful exit."""
+
+    def __post_init__(self) -> None:
+        _choice("strategy", self.strategy, Strategy, "--strategy or GRADSYNC_STRATEGY")
+        _choice("mode", self.mode, Mode, "--mode or GRADSYNC_MODE")
+        _choice("nonfinite policy", self.nonfinite, NonFinitePolicy, "nonfinite= or GRADSYNC_NONFINITE")
+        _choice("compression", self.compression, Compression, "--compression or GRADSYNC_COMPRESSION")
+        if self.strategy == "ps" and self.servers < 1:
+            raise ConfigError(
+                f"the ps strategy needs at least one server, got servers={self.servers}: "
+                "pass --servers 1 (or more), or use --strategy allreduce"
+            )
+        if self.strategy == "allreduce" and self.servers != 0:
+            raise ConfigError(
+                f"the allreduce strategy uses no servers, got servers={self.servers}: pass --servers 0"
+            )
+        if self.strategy == "allreduce" and self.mode != "sync":
+            raise ConfigError("the allreduce strategy is synchronous: pass --mode sync, or use --strategy ps")
+        if self.servers < 0:
+            raise ConfigError(f"servers must be >= 0, got {self.servers}")
+        if self.world_size - self.servers < 1:
+            raise ConfigError(
+                f"world size {self.world_size} leaves no workers after {self.servers} servers: "
+                "start more processes or fewer servers"
+            )
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank {self.rank} is outside 0..{self.world_size - 1} (check RANK and WORLD_SIZE)")
+        if not 0 <= self.master_port < 65536:
+            raise ConfigError(f"master port {self.master_port} is not a TCP port (0..65535)")
+        for name in ("startup_timeout", "step_timeout", "shutdown_timeout", "bucket_cap_mb"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def num_workers(self) -> int:
+        return self.world_size - self.servers
+
+    @property
+    def is_server(self) -> bool:
+        return self.rank < self.servers
+
+    @property
+    def worker_rank(self) -> int:
+        """0 .. num_workers-1 on a worker; raises on a server."""
+        if self.is_server:
+            raise RuntimeError(f"rank {self.rank} is a parameter server, not a worker")
+        return self.rank - self.servers
+
+    @property
+    def name(self) -> str:
+        """RPC name of this process: 'ps<i>' or 'worker<i>'."""
+        return server_name(self.rank) if self.is_server else worker_name(self.worker_rank)
+
+    @classmethod
+    def from_env(cls, environ=None, **overrides) -> "JobConfig":
+        """Build the config from a launcher's environment; non-None `overrides` win."""
+        env = os.environ if environ is None else environ
+        strategy = overrides.get("strategy") or env.get("GRADSYNC_STRATEGY", "ps")
+        servers_env = env.get("GRADSYNC_SERVERS")
+        default_servers = 1 if strategy == "ps" else 0
+        values = dict(
+            strategy=strategy,
+            mode=env.get("GRADSYNC_MODE", "sync"),
+            servers=_int(env, "GRADSYNC_SERVERS", servers_env, default_servers),
+            rank=_int(env, "RANK", env.get("RANK"), 0),
+            world_size=_int(env, "WORLD_SIZE", env.get("WORLD_SIZE"), None),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=_int(env, "MASTER_PORT", env.get("MASTER_PORT"), 29500),
+            store_is_hosted=env.get("GRADSYNC_STORE_HOSTED") == "1"
+            or env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+            nonfinite=env.get("GRADSYNC_NONFINITE", "raise"),
+            compression=env.get("GRADSYNC_COMPRESSION", "none"),
+        )
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        if values["world_size"] is None:
+            values["world_size"] = values["servers"] + 1
+        return cls(**values)
+
+    def to_env(self) -> dict[str, str]:
+        """The GRADSYNC_* variables that reproduce this job's settings in a child process."""
+        return {
+            "GRADSYNC_STRATEGY": self.strategy,
+            "GRADSYNC_MODE": self.mode,
+            "GRADSYNC_SERVERS": str(self.servers),
+            "GRADSYNC_NONFINITE": self.nonfinite,
+            "GRADSYNC_COMPRESSION": self.compression,
+        }
+
+
+def _int(env, name: str, raw, default):
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer") from None
+
+
+def server_name(index: int) -> str:
+    return f"ps{index}"
+
+
+def worker_name(index: int) -> str:
+    return f"worker{index}"
