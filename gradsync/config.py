@@ -90,7 +90,7 @@ class JobConfig:
             raise ConfigError(f"rank {self.rank} is outside 0..{self.world_size - 1} (check RANK and WORLD_SIZE)")
         if not 0 <= self.master_port < 65536:
             raise ConfigError(f"master port {self.master_port} is not a TCP port (0..65535)")
-        for name in ("startup_timeout", "step_timeout", "shutdown_timeout", "bucket_cap_mb"):
+        for name in _FLOAT_FIELDS:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
 
@@ -134,6 +134,10 @@ class JobConfig:
             nonfinite=env.get("GRADSYNC_NONFINITE", "raise"),
             compression=env.get("GRADSYNC_COMPRESSION", "none"),
         )
+        for name in _FLOAT_FIELDS:
+            raw = env.get(f"GRADSYNC_{name.upper()}")
+            if raw:
+                values[name] = _float(f"GRADSYNC_{name.upper()}", raw)
         values.update({k: v for k, v in overrides.items() if v is not None})
         if values["world_size"] is None:
             values["world_size"] = values["servers"] + 1
@@ -147,7 +151,18 @@ class JobConfig:
             "GRADSYNC_SERVERS": str(self.servers),
             "GRADSYNC_NONFINITE": self.nonfinite,
             "GRADSYNC_COMPRESSION": self.compression,
+            **{f"GRADSYNC_{name.upper()}": str(getattr(self, name)) for name in _FLOAT_FIELDS},
         }
+
+
+_FLOAT_FIELDS = ("bucket_cap_mb", "startup_timeout", "step_timeout", "shutdown_timeout")
+
+
+def _float(name: str, raw: str) -> float:
+    try:
+        return float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number") from None
 
 
 def _int(env, name: str, raw, default):

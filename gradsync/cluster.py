@@ -1,0 +1,216 @@
+"""Roles, rendezvous, and the bounded start-up and shutdown of RPC and the process group.
+
+`init` reads the job's settings (arguments, then the launcher's environment),
+connects to the rendezvous store, starts torch RPC on every rank and, for the
+allreduce strategy, a gloo/nccl process group among the workers. On a server
+it then serves until every worker has called `shutdown`, and exits the process.
+"""
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import socket
+import sys
+import time
+import traceback
+import warnings
+
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+from torch.distributed.rendezvous import register_rendezvous_handler
+
+from gradsync.config import ConfigError, JobConfig
+
+_STATE: "Cluster | None" = None
+_DONE_KEY = "gradsync/done"
+_FAILED_KEY = "gradsync/failed"
+
+
+class Cluster:
+    """This process's place in the running job."""
+
+    def __init__(self, config: JobConfig, store: dist.Store):
+        self.config = config
+        self.store = store
+        self.has_process_group = False
+
+
+def current() -> Cluster:
+    """The running job; raises if `gradsync.init` was not called."""
+    if _STATE is None:
+        raise RuntimeError("gradsync is not initialized in this process: call gradsync.init() first")
+    return _STATE
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def connect_store(config: JobConfig) -> dist.TCPStore:
+    """Connect to the rendezvous store, hosting it on rank 0 unless a launcher already does."""
+    is_master = config.rank == 0 and not config.store_is_hosted
+    try:
+        return dist.TCPStore(
+            config.master_addr,
+            config.master_port,
+            is_master=is_master,
+            timeout=datetime.timedelta(seconds=config.startup_timeout),
+            wait_for_workers=False,
+        )
+    except (RuntimeError, OSError) as e:
+        if is_master and "in use" in str(e).lower():
+            raise ConfigError(
+                f"port {config.master_port} on {config.master_addr} is already in use: pick a free one "
+                "(MASTER_PORT, or --master-port 0 with gradsync run to let it choose)"
+            ) from e
+        raise
+
+
+def _use_loopback_interfaces(config: JobConfig) -> None:
+    """Keep TensorPipe and gloo on the loopback device when the whole job is on this machine."""
+    if is_loopback(config.master_addr):
+        os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+def _report_failures(store: dist.Store, rank: int) -> None:
+    """On an uncaught exception: write it to the launcher's error file and tell the other ranks."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        text = "".join(traceback.format_exception(kind, value, tb))
+        record_failure(store, rank, text)
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
+
+
+def record_failure(store: dist.Store | None, rank: int, text: str) -> None:
+    """Save a rank's traceback for the launcher (GRADSYNC_ERROR_FILE) and the other ranks (the store)."""
+    path = os.environ.get("GRADSYNC_ERROR_FILE")
+    if path:
+        with open(path, "w") as f:
+            f.write(text)
+    if store is not None:
+        try:
+            store.compare_set(_FAILED_KEY, "", f"rank {rank}: {text}")
+        except Exception:  # the store may be gone already; the launcher still has the file
+            pass
+
+
+def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=None, **timeouts) -> None:
+    """Join the job. Every rank must call it.
+
+    Args:
+        strategy: 'ps' or 'allreduce' (default: GRADSYNC_STRATEGY, else 'ps').
+        mode: 'sync' or 'async' (default: GRADSYNC_MODE, else 'sync').
+        servers: number of parameter servers, the first ranks (default: GRADSYNC_SERVERS).
+        nonfinite: 'raise' or 'skip' for NaN/Inf gradients.
+        compression: 'none', 'fp16', 'bf16' or 'int8' gradients on the wire.
+        timeouts: startup_timeout, step_timeout, shutdown_timeout (seconds).
+    On a server this call serves until the job ends and then exits the process.
+    """
+    global _STATE
+    if _STATE is not None:
+        raise RuntimeError("gradsync.init() was already called in this process")
+    config = JobConfig.from_env(
+        strategy=strategy, mode=mode, servers=servers, nonfinite=nonfinite, compression=compression, **timeouts
+    )
+    _use_loopback_interfaces(config)
+    store = connect_store(config)
+    _report_failures(store, config.rank)
+    _STATE = Cluster(config, store)
+    _start_rpc(config, store)
+    if config.is_server:
+        _serve(_STATE)
+    elif config.strategy == "allreduce":
+        dist.init_process_group(
+            "nccl" if _use_cuda() else "gloo",
+            store=dist.PrefixStore("gradsync/pg", store),
+            rank=config.worker_rank,
+            world_size=config.num_workers,
+            timeout=datetime.timedelta(seconds=config.step_timeout),
+        )
+        _STATE.has_process_group = True
+
+
+def _use_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and os.environ.get("GRADSYNC_DEVICE", "cuda") == "cuda"
+
+
+def _start_rpc(config: JobConfig, store: dist.Store) -> None:
+    prefixed = dist.PrefixStore("gradsync/rpc", store)
+
+    def handler(url, **kwargs):
+        yield prefixed, config.rank, config.world_size
+
+    register_rendezvous_handler("gradsync", handler)
+    # rpc.init_rpc's own all_gather_object trips a deprecation warning inside torch; it is not ours to fix
+    warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
+    options = rpc.TensorPipeRpcBackendOptions(
+        init_method="gradsync://", rpc_timeout=config.startup_timeout, num_worker_threads=max(16, 4 * config.world_size)
+    )
+    rpc.init_rpc(config.name, rank=config.rank, world_size=config.world_size, rpc_backend_options=options)
+    rpc._set_rpc_timeout(config.step_timeout)
+
+
+def _serve(cluster: Cluster) -> None:
+    from gradsync.ps.server import ParameterServer, install
+
+    config = cluster.config
+    install(ParameterServer(config.rank, config.num_workers, config.mode, config.nonfinite))
+    try:
+        _wait_for_workers(cluster, deadline=None)
+        _stop_rpc(config)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(0)
+
+
+def _wait_for_workers(cluster: Cluster, deadline: float | None) -> None:
+    """Wait until every worker has called shutdown; fail fast when another rank reported a failure."""
+    store, workers = cluster.store, cluster.config.num_workers
+    while store.add(_DONE_KEY, 0) < workers:
+        if store.check([_FAILED_KEY]):
+            raise RuntimeError(f"another rank failed, stopping: {store.get(_FAILED_KEY).decode()[:2000]}")
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"shutdown: workers still running after {cluster.config.shutdown_timeout:.0f} s")
+        time.sleep(0.05)
+
+
+def _stop_rpc(config: JobConfig) -> None:
+    try:
+        rpc.shutdown(graceful=True, timeout=config.shutdown_timeout)
+    except Exception:
+        rpc.shutdown(graceful=False)
+
+
+def shutdown() -> None:
+    """Leave the job: waits (bounded by the other workers finishing) and stops RPC. Every worker must call it."""
+    global _STATE
+    if _STATE is None:
+        return
+    cluster, _STATE = _STATE, None
+    cluster.store.add(_DONE_KEY, 1)
+    try:
+        _wait_for_workers(cluster, deadline=None)
+    finally:
+        if cluster.has_process_group:
+            dist.destroy_process_group()
+        _stop_rpc(cluster.config)
+
+
+def worker_rank() -> int:
+    """This worker's index, 0 .. num_workers()-1."""
+    return current().config.worker_rank
+
+
+def num_workers() -> int:
+    return current().config.num_workers

@@ -1,0 +1,61 @@
+"""Per-step timings and traffic of a worker, for the comparison table and benchmarks."""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """One training step: seconds spent in each phase and bytes on the wire."""
+
+    pull_s: float = 0.0
+    compute_s: float = 0.0
+    commit_s: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    @property
+    def total_s(self) -> float:
+        return self.pull_s + self.compute_s + self.commit_s
+
+
+class StepMetrics:
+    """Collects a `StepRecord` per step: pull (in the forward), compute (until step), commit (step)."""
+
+    def __init__(self):
+        self.records: list[StepRecord] = []
+        self._current = StepRecord()
+        self._mark: float | None = None
+
+    def pulled(self, seconds: float, bytes_received: int) -> None:
+        self._current.pull_s += seconds
+        self._current.bytes_received += bytes_received
+        self._mark = time.perf_counter()
+
+    def committed(self, started: float, bytes_sent: int, bytes_received: int = 0) -> None:
+        now = time.perf_counter()
+        if self._mark is not None:
+            self._current.compute_s = started - self._mark
+        self._current.commit_s = now - started
+        self._current.bytes_sent += bytes_sent
+        self._current.bytes_received += bytes_received
+        self.records.append(self._current)
+        self._current, self._mark = StepRecord(), None
+
+    def summary(self, skip: int = 1) -> dict[str, float]:
+        """Medians over the recorded steps (the first `skip` are warm-up and left out when possible)."""
+        records = self.records[skip:] or self.records
+        if not records:
+            return {}
+        med = lambda f: statistics.median(f(r) for r in records)  # noqa: E731
+        return {
+            "steps": len(self.records),
+            "step_s": med(lambda r: r.total_s),
+            "pull_s": med(lambda r: r.pull_s),
+            "compute_s": med(lambda r: r.compute_s),
+            "commit_s": med(lambda r: r.commit_s),
+            "bytes_sent": med(lambda r: r.bytes_sent),
+            "bytes_received": med(lambda r: r.bytes_received),
+        }
