@@ -1,11 +1,34 @@
-"""Gradient aggregation ops (placeholder reference; the op module replaces this file)."""
-from __future__ import annotations
+"""Gradient aggregation and compression ops: schema + CPU reference + Triton kernels.
 
-import torch
+Each op is a `torch.library` custom op (`torch.ops.gradsync.*`, registered in
+`ops`) with a plain-PyTorch CPU implementation (`reference`), a Triton CUDA
+implementation (`triton_impl`, kernels in `triton_kernels`) and a fake
+implementation for `torch.compile`; the functions below call them and the
+dispatcher picks the implementation from the tensors' device. `ddp_hook`
+builds DDP communication hooks on top of them.
+"""
+from .aggregation import aggregate, aggregate_buckets
+from .compression import (
+    DEFAULT_BLOCK_SIZE,
+    Int8Compressed,
+    compress,
+    compress_int8,
+    decompress,
+    decompress_int8,
+    dequantize_aggregate,
+)
+from .ddp_hook import DDPHookState, make_ddp_hook
 
-
-def aggregate(tensors, scale: float = 1.0, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Sum K same-shaped tensors (a list, or a stacked [K, ...] tensor) in fp32, times `scale`."""
-    stacked = torch.stack(list(tensors)) if not isinstance(tensors, torch.Tensor) else tensors
-    out = stacked.to(torch.float32).sum(0) * scale
-    return out.to(out_dtype or stacked.dtype)
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "DDPHookState",
+    "Int8Compressed",
+    "aggregate",
+    "aggregate_buckets",
+    "compress",
+    "compress_int8",
+    "decompress",
+    "decompress_int8",
+    "dequantize_aggregate",
+    "make_ddp_hook",
+]

@@ -1,0 +1,156 @@
+"""Launch wrappers for the Triton kernels: the CUDA implementations of the ops.
+
+Each function takes the same arguments as its counterpart in `reference`,
+validates them with `checks`, allocates the outputs and launches kernels from
+`triton_kernels`. They are the registered CUDA kernels of the ops, and with
+`TRITON_INTERPRET=1` set before Triton is imported they also run on CPU
+tensors, which is how the tests check them against the reference on a machine
+without a GPU.
+
+Non-contiguous inputs are copied to contiguous ones first. The bucket-list
+form launches one kernel per bucket of at least `FLATTEN_BELOW` elements
+(writing straight into its slice of the output) and one kernel for all
+smaller buckets together after flattening them with
+`torch._utils._flatten_dense_tensors`; there is no device pointer table (the
+interpreter cannot load pointers from memory), so host time grows with the
+number of large buckets only.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+from torch._utils import _flatten_dense_tensors
+
+from . import checks
+from . import triton_kernels as K
+
+BLOCK = 4096
+NUM_WARPS = 8
+QUANT_TILE = 4096
+"""Elements one quantization program handles: QUANT_TILE // block_size blocks (at least one)."""
+FLATTEN_BELOW = 1 << 20
+"""Buckets with fewer elements share one launch in `aggregate_buckets`."""
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _launch_sum(xs: Sequence[torch.Tensor], scale: float, out: torch.Tensor) -> None:
+    """out (contiguous, numel n) = (xs[0] + ... + xs[K-1]) * scale; xs contiguous, numel n each."""
+    n = out.numel()
+    if n == 0:
+        return
+    grid = (triton.cdiv(n, BLOCK),)
+    acc = out if out.dtype == torch.float32 else None
+    for start in range(0, len(xs), K.MAX_INPUTS):
+        group = list(xs[start : start + K.MAX_INPUTS])
+        last = start + K.MAX_INPUTS >= len(xs)
+        if not last and acc is None:
+            acc = torch.empty(n, dtype=torch.float32, device=out.device)
+        dst = out if last else acc
+        ptrs = group + [group[0]] * (K.MAX_INPUTS - len(group))
+        K.sum_kernel[grid](
+            dst, acc if acc is not None else dst, *ptrs, n, scale if last else 1.0,
+            NUM=len(group), HAS_ACC=start > 0, BLOCK=BLOCK, num_warps=NUM_WARPS,
+        )
+
+
+def aggregate(tensors: Sequence[torch.Tensor], scale: float, out_dtype: torch.dtype | None) -> torch.Tensor:
+    """Triton `aggregate`; same contract as `reference.aggregate`."""
+    checks.same_inputs("tensors", tensors)
+    dtype = out_dtype or tensors[0].dtype
+    checks.float_dtype("out_dtype", dtype)
+    out = torch.empty(tensors[0].shape, dtype=dtype, device=tensors[0].device)
+    _launch_sum([_dense(t) for t in tensors], scale, out)
+    return out
+
+
+def aggregate_into(tensors: Sequence[torch.Tensor], scale: float, out: torch.Tensor) -> None:
+    """Triton `aggregate_into`; same contract as `reference.aggregate_into`."""
+    checks.same_inputs("tensors", tensors)
+    checks.out_tensor(out, tensors[0].shape, tensors[0].device)
+    _launch_sum([_dense(t) for t in tensors], scale, out)
+
+
+def aggregate_buckets(
+    tensors: Sequence[torch.Tensor], num_workers: int, scale: float, out_dtype: torch.dtype | None
+) -> torch.Tensor:
+    """Triton `aggregate_buckets`; same contract as `reference.aggregate_buckets`."""
+    buckets = checks.bucket_lists(tensors, num_workers)
+    dtype = checks.bucket_out_dtype(tensors[:buckets], out_dtype)
+    sizes = [t.numel() for t in tensors[:buckets]]
+    starts = [sum(sizes[:b]) for b in range(buckets + 1)]
+    out = torch.empty(starts[-1], dtype=dtype, device=tensors[0].device)
+
+    def column(b: int) -> list[torch.Tensor]:
+        return [_dense(tensors[w * buckets + b]) for w in range(num_workers)]
+
+    small = [b for b in range(buckets) if 0 < sizes[b] < FLATTEN_BELOW]
+    for b in range(buckets):
+        if sizes[b] >= FLATTEN_BELOW or (len(small) == 1 and b in small):
+            _launch_sum(column(b), scale, out[starts[b] : starts[b + 1]])
+    if len(small) > 1:
+        flats = [_flatten_dense_tensors([tensors[w * buckets + b] for b in small]) for w in range(num_workers)]
+        if small == list(range(small[0], small[-1] + 1)):
+            _launch_sum(flats, scale, out[starts[small[0]] : starts[small[-1] + 1]])
+        else:
+            summed = torch.empty(flats[0].numel(), dtype=dtype, device=out.device)
+            _launch_sum(flats, scale, summed)
+            dsts = [out[starts[b] : starts[b + 1]] for b in small]
+            torch._foreach_copy_(dsts, list(summed.split([sizes[b] for b in small])))
+    return out
+
+
+def scaled_cast(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Triton `scaled_cast`; same contract as `reference.scaled_cast`."""
+    checks.float_dtype("x", x.dtype)
+    checks.float_dtype("dtype", dtype)
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    n = x.numel()
+    if n:
+        K.scaled_cast_kernel[(triton.cdiv(n, BLOCK),)](_dense(x), out, n, scale, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    return out
+
+
+def quantize_int8(
+    x: torch.Tensor, residual: torch.Tensor | None, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton `quantize_int8`; same contract as `reference.quantize_int8`."""
+    checks.float_dtype("x", x.dtype)
+    checks.block_size(block_size)
+    if residual is not None:
+        checks.residual(residual, x)
+    n = x.numel()
+    nb = checks.num_blocks(n, block_size)
+    payload = torch.empty(x.shape, dtype=torch.int8, device=x.device)
+    scales = torch.empty(nb, dtype=torch.float32, device=x.device)
+    if n:
+        x = _dense(x)
+        rows = max(1, QUANT_TILE // block_size)
+        K.quantize_int8_kernel[(triton.cdiv(nb, rows),)](
+            x, residual if residual is not None else x, payload, scales, n, nb,
+            HAS_RESIDUAL=residual is not None, BS=block_size, ROWS=rows,
+            num_warps=max(1, min(NUM_WARPS, rows * block_size // 256)),
+        )
+    return payload, scales
+
+
+def dequantize_aggregate(
+    payloads: torch.Tensor, scales: torch.Tensor, block_size: int, scale: float, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """Triton `dequantize_aggregate`; same contract as `reference.dequantize_aggregate`."""
+    checks.int8_payloads(payloads, scales, block_size)
+    checks.float_dtype("out_dtype", out_dtype)
+    k, n = payloads.shape
+    out = torch.empty(n, dtype=out_dtype, device=payloads.device)
+    if n:
+        q = payloads if payloads.stride(1) == 1 else payloads.contiguous()
+        s = scales if scales.stride(1) == 1 else scales.contiguous()
+        K.dequantize_sum_kernel[(triton.cdiv(n, BLOCK),)](
+            q, s, out, n, k, q.stride(0), s.stride(0), scale,
+            BS=block_size, BLOCK=BLOCK, num_warps=NUM_WARPS,
+        )
+    return out
