@@ -1,0 +1,257 @@
+"""A gRPC client for a run's parameter servers, and the `gradsync status` / `gradsync pull` commands.
+
+`Client` talks to every shard of a run (addresses and token from the run
+directory's `grpc-<shard>.json` files, or one address and a token). Pulls
+gather all shards into one state dict, each shard's tensors at one version;
+pushes route each gradient to the shard that owns it and push to every shard,
+since in sync mode each server waits for every worker. Every call has a
+deadline; failures raise builtin exceptions naming the call, the shard, its
+address and the elapsed time (ValueError: the server refused the input;
+TimeoutError: the deadline passed; PermissionError: bad token; ConnectionError:
+server unreachable; RuntimeError: anything else).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+import grpc
+import torch
+
+from gradsync.proto import gradsync_pb2 as pb
+from gradsync.proto import gradsync_pb2_grpc as pb_grpc
+from gradsync.proto import tensor_codec
+from gradsync.proto.endpoints import read_endpoints
+
+_ERRORS = {
+    grpc.StatusCode.INVALID_ARGUMENT: ValueError,
+    grpc.StatusCode.FAILED_PRECONDITION: ValueError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: TimeoutError,
+    grpc.StatusCode.UNAUTHENTICATED: PermissionError,
+    grpc.StatusCode.UNAVAILABLE: ConnectionError,
+}
+
+
+class Client:
+    """Calls on all parameter servers of one run.
+
+    Args:
+        address_or_run_dir: a run directory holding grpc-<shard>.json files, or one "host:port" (shard 0).
+        token: the bearer token; default: the one in the run directory.
+        timeout: deadline in seconds of each call (pull, push and checkpoint may override it).
+        root_cert: path of a PEM certificate to trust; given, the client speaks TLS.
+    """
+
+    def __init__(self, address_or_run_dir: str, token: str | None = None, timeout: float = 10.0,
+                 root_cert: str | None = None):
+        if os.path.isdir(address_or_run_dir):
+            self.addresses, run_token = read_endpoints(address_or_run_dir)
+            token = token or run_token
+        else:
+            self.addresses = {0: address_or_run_dir}
+        if not token:
+            raise ValueError(
+                f"no token for {address_or_run_dir!r}: pass token=... (a run directory's grpc-<shard>.json has it)"
+            )
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+        self.timeout = timeout
+        credentials = None
+        if root_cert is not None:
+            with open(root_cert, "rb") as f:
+                credentials = grpc.ssl_channel_credentials(root_certificates=f.read())
+        self._channels = {
+            shard: grpc.secure_channel(a, credentials) if credentials else grpc.insecure_channel(a)
+            for shard, a in self.addresses.items()
+        }
+        self._stubs = {shard: pb_grpc.ParameterServerStub(c) for shard, c in self._channels.items()}
+        self._metadata = (("authorization", f"Bearer {token}"),)
+        self._owners: dict[str, int] | None = None
+
+    def _error(self, call: str, shard: int, start: float, e: grpc.RpcError) -> Exception:
+        kind = _ERRORS.get(e.code(), RuntimeError)
+        return kind(
+            f"{call} on shard {shard} at {self.addresses[shard]} failed after {time.monotonic() - start:.2f} s: "
+            f"{e.code().name}: {e.details()}"
+        )
+
+    def _unary(self, call: str, shard: int, request, timeout: float | None = None):
+        start = time.monotonic()
+        try:
+            return getattr(self._stubs[shard], call)(request, timeout=timeout or self.timeout, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise self._error(call, shard, start, e) from None
+
+    def health(self) -> dict[int, dict]:
+        """Per shard: ready, version, and the names of its parameters and buffers."""
+        out = {}
+        for shard in self._stubs:
+            r = self._unary("Health", shard, pb.HealthRequest())
+            out[shard] = {"shard_id": r.shard_id, "ready": r.ready, "version": r.version,
+                          "parameters": list(r.parameters), "buffers": list(r.buffers)}
+        return out
+
+    def stats(self) -> dict[int, dict]:
+        """Per shard: version, workers_seen, pushes_applied/rejected, steps_skipped, max_staleness, bytes_in/out."""
+        out = {}
+        for shard in self._stubs:
+            r = self._unary("GetStats", shard, pb.GetStatsRequest())
+            out[shard] = {
+                "version": r.version, "workers_seen": list(r.workers_seen), "pushes_applied": r.pushes_applied,
+                "pushes_rejected": r.pushes_rejected, "steps_skipped": r.steps_skipped,
+                "max_staleness": r.max_staleness, "bytes_in": r.bytes_in, "bytes_out": r.bytes_out,
+            }
+        return out
+
+    def owners(self) -> dict[str, int]:
+        """The shard that owns each parameter and buffer (asked once, then cached)."""
+        if self._owners is None:
+            self._owners = {
+                name: shard
+                for shard, h in self.health().items()
+                for name in h["parameters"] + h["buffers"]
+            }
+        return self._owners
+
+    def _route(self, names) -> dict[int, list[str]]:
+        if len(self._stubs) == 1:
+            return {next(iter(self._stubs)): list(names)}
+        owners = self.owners()
+        unknown = sorted(set(names) - owners.keys())
+        if unknown:
+            raise ValueError(f"no server of this run owns {unknown[:5]}: check the names against model.state_dict()")
+        routes: dict[int, list[str]] = {shard: [] for shard in self._stubs}
+        for name in names:
+            routes[owners[name]].append(name)
+        return routes
+
+    def pull_versioned(self, names=None, timeout: float | None = None) -> tuple[dict[str, torch.Tensor], dict[int, int]]:
+        """Tensors by name from every shard (each shard's at one version), and that version by shard.
+
+        Args:
+            names: a subset of parameter/buffer names; None: everything.
+        """
+        routes = {shard: [] for shard in self._stubs} if names is None else self._route(names)
+        calls = {
+            shard: self._stubs[shard].Pull(
+                pb.PullRequest(worker=-1, names=wanted), timeout=timeout or self.timeout, metadata=self._metadata
+            )
+            for shard, wanted in routes.items()
+            if names is None or wanted
+        }
+        start = time.monotonic()
+        tensors: dict[str, torch.Tensor] = {}
+        versions: dict[int, int] = {}
+        for shard, call in calls.items():
+            try:
+                first = next(call, None)
+                if first is None or first.WhichOneof("item") != "header":
+                    raise RuntimeError(f"Pull on shard {shard}: the stream did not start with a PullHeader")
+                versions[shard] = first.header.version
+                tensors.update(tensor_codec.decode(r.chunk for r in call))
+            except grpc.RpcError as e:
+                raise self._error("Pull", shard, start, e) from None
+        return tensors, versions
+
+    def pull(self, names=None, timeout: float | None = None) -> dict[str, torch.Tensor]:
+        """The run's state dict (or the named subset), each shard's part at one version."""
+        return self.pull_versioned(names, timeout)[0]
+
+    def push(self, grads: dict[str, torch.Tensor], version: int | dict[int, int], worker: int,
+             timeout: float | None = None) -> dict[int, int]:
+        """Send gradients by parameter name; returns each shard's version once it applied them.
+
+        Every shard gets a push (an empty one if it owns none of `grads`): in sync mode it waits for all workers.
+        To push flat bucket gradients, pass `bucket.views(flat)` for each bucket (views, no copies).
+
+        Args:
+            version: the version the gradients were computed at: one for all shards, or by shard
+                (as `pull_versioned` returns).
+            worker: this worker's index, 0 .. W-1.
+        """
+        routes = self._route(grads)
+        if isinstance(version, int):
+            version = {shard: version for shard in self._stubs}
+        missing = sorted(set(self._stubs) - set(version))
+        if missing:
+            raise ValueError(f"push: no version for shards {missing}: pass the versions pull_versioned returned")
+
+        def messages(shard):
+            yield pb.PushRequest(header=pb.PushHeader(worker=worker, version=version[shard]))
+            for chunk in tensor_codec.encode_all({n: grads[n] for n in routes[shard]}):
+                yield pb.PushRequest(chunk=chunk)
+
+        start = time.monotonic()
+        futures = {
+            shard: stub.Push.future(messages(shard), timeout=timeout or self.timeout, metadata=self._metadata)
+            for shard, stub in self._stubs.items()
+        }
+        out = {}
+        for shard, fut in futures.items():
+            try:
+                out[shard] = fut.result().version
+            except grpc.RpcError as e:
+                raise self._error("Push", shard, start, e) from None
+        return out
+
+    def checkpoint(self, timeout: float | None = None) -> dict[int, tuple[str, int]]:
+        """Make every shard write its checkpoint now; returns (path on the server, version) by shard."""
+        out = {}
+        for shard in self._stubs:
+            r = self._unary("Checkpoint", shard, pb.CheckpointRequest(), timeout)
+            out[shard] = (r.path, r.version)
+        return out
+
+    def close(self) -> None:
+        for channel in self._channels.values():
+            channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def status_table(client: Client) -> str:
+    """`gradsync status RUN_DIR`: one row per shard, as a markdown table."""
+    health = client.health()
+    ready = [s for s, h in health.items() if h["ready"]]
+    stats = client.stats() if ready else {}
+    header = ["shard", "address", "ready", "version", "workers seen", "pushes applied", "pushes rejected",
+              "steps skipped", "max staleness", "MB in", "MB out"]
+    rows = []
+    for shard, h in sorted(health.items()):
+        s = stats.get(shard)
+        rows.append([str(shard), client.addresses[shard], "yes" if h["ready"] else "no", str(h["version"])] + (
+            [",".join(map(str, s["workers_seen"])), str(s["pushes_applied"]), str(s["pushes_rejected"]),
+             str(s["steps_skipped"]), str(s["max_staleness"]), f"{s['bytes_in'] / 1e6:.1f}",
+             f"{s['bytes_out'] / 1e6:.1f}"]
+            if s else ["-"] * 7
+        ))
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def pull_to_file(client: Client, path: str) -> dict[int, int]:
+    """`gradsync pull RUN_DIR out.pt`: save the run's state dict with `torch.save`, atomically.
+
+    Returns:
+        The version of each shard's part of the saved state.
+    """
+    state, versions = client.pull_versioned()
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".pull-", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return versions

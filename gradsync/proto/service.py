@@ -1,0 +1,301 @@
+"""The gRPC endpoint of one parameter server: a thin servicer, bearer-token auth, and `serve_grpc`.
+
+The servicer only translates: messages in, calls on a `ParameterServer` (and
+its `ShardState`) out, results back as messages. Errors map to status codes:
+bad input -> INVALID_ARGUMENT, a server without its model or without a
+checkpoint directory -> FAILED_PRECONDITION, a push the consistency rule did
+not resolve in time -> DEADLINE_EXCEEDED. Requests are parsed inside the
+handlers, so even bytes that are not a protobuf message get INVALID_ARGUMENT.
+Every call must carry `authorization: Bearer <token>` metadata; a call without
+it is refused with UNAUTHENTICATED before its request is read.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import hmac
+import secrets
+import threading
+import time
+from typing import Iterator
+
+import grpc
+import torch
+from google.protobuf.message import DecodeError
+
+from gradsync.proto import gradsync_pb2 as pb
+from gradsync.proto import tensor_codec
+from gradsync.ps import checkpoint
+from gradsync.ps.named_grads import commit_named
+from gradsync.ps.shard import GradientError
+
+SERVICE = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+
+
+def new_token() -> str:
+    """A fresh random bearer token (256 bits, URL-safe)."""
+    return secrets.token_urlsafe(32)
+
+
+class _Malformed:
+    """Stands in for a request whose bytes did not parse, so the handler can refuse it with INVALID_ARGUMENT."""
+
+    def __init__(self, kind: str, error: Exception | str):
+        self.message = f"the request is not a valid {kind} message ({str(error) or 'undecodable bytes'})"
+
+
+def _parser(cls):
+    def parse(data: bytes):
+        try:
+            return cls.FromString(data)
+        except DecodeError as e:
+            return _Malformed(cls.__name__, e)
+
+    return parse
+
+
+class _Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def _parsed(request):
+    if isinstance(request, _Malformed):
+        raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+    return request
+
+
+class Servicer:
+    """Messages <-> calls on one `ParameterServer`."""
+
+    def __init__(self, server, checkpoint_dir: str | None, step_timeout: float):
+        self.server = server
+        self.checkpoint_dir = checkpoint_dir
+        self.step_timeout = step_timeout
+
+    def _shard(self):
+        if not self.server.ready.is_set():
+            raise _Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"server {self.server.shard_id} has no model yet: every worker must create its Trainer first",
+            )
+        return self.server.shard
+
+    def health(self, request, context) -> pb.HealthResponse:
+        _parsed(request)
+        shard = self.server.shard if self.server.ready.is_set() else None
+        if shard is None:
+            return pb.HealthResponse(shard_id=self.server.shard_id, ready=False)
+        return pb.HealthResponse(
+            shard_id=shard.shard_id, ready=True, version=shard.version,
+            parameters=list(shard.params), buffers=list(shard.buffers),
+        )
+
+    def get_stats(self, request, context) -> pb.GetStatsResponse:
+        _parsed(request)
+        shard = self._shard()
+        with shard.lock:
+            s = shard.stats
+            return pb.GetStatsResponse(
+                shard_id=shard.shard_id, version=s.version, workers_seen=sorted(s.workers_seen),
+                pushes_applied=s.pushes_applied, pushes_rejected=s.pushes_rejected, steps_skipped=s.steps_skipped,
+                max_staleness=s.max_staleness, bytes_in=s.bytes_in, bytes_out=s.bytes_out,
+            )
+
+    def pull(self, request, context) -> Iterator[pb.PullResponse]:
+        request = _parsed(request)
+        shard = self._shard()
+        owned = list(shard.params) + list(shard.buffers)
+        unknown = sorted(set(request.names) - set(owned))
+        if unknown:
+            raise _Refused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"PullRequest.names: server {shard.shard_id} owns no tensor named {unknown[:5]}",
+            )
+        version, flats, buffers = self.server.pull(request.worker, None)
+        tensors: dict[str, torch.Tensor] = {}
+        for bucket, flat in zip(shard.buckets, flats):
+            tensors.update(bucket.views(flat))
+        tensors.update(buffers)
+        if request.names:
+            tensors = {n: tensors[n] for n in request.names}
+        yield pb.PullResponse(header=pb.PullHeader(shard_id=shard.shard_id, version=version))
+        for chunk in tensor_codec.encode_all(tensors):
+            yield pb.PullResponse(chunk=chunk)
+
+    def push(self, request_iterator, context) -> pb.PushResponse:
+        shard = self._shard()
+        first = next(request_iterator, None)
+        first = _parsed(_Malformed("PushRequest", "the stream is empty") if first is None else first)
+        if first.WhichOneof("item") != "header":
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "PushRequest: the first message must be a PushHeader")
+        header = first.header
+        limit = sum(p.numel() * p.element_size() for p in shard.params.values())
+        try:
+            grads = tensor_codec.decode(_chunks(request_iterator), max_bytes=limit)
+            fut = commit_named(self.server, header.worker, header.version, grads)
+        except ValueError as e:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
+        remaining = context.time_remaining()
+        timeout = self.step_timeout if remaining is None else min(self.step_timeout, remaining)
+        done = threading.Event()
+        fut.add_done_callback(lambda _: done.set())
+        start = time.monotonic()
+        if not done.wait(timeout):
+            raise _Refused(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"push of worker {header.worker} to server {shard.shard_id}: not applied after "
+                f"{time.monotonic() - start:.1f} s (in sync mode every worker must push each step)",
+            )
+        try:
+            return pb.PushResponse(version=fut.value())
+        except GradientError as e:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
+
+    def checkpoint(self, request, context) -> pb.CheckpointResponse:
+        _parsed(request)
+        shard = self._shard()
+        if self.checkpoint_dir is None:
+            raise _Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"server {shard.shard_id} has no checkpoint directory: pass checkpoint_dir to serve_grpc",
+            )
+        path, version = checkpoint.save(shard, self.checkpoint_dir)
+        return pb.CheckpointResponse(path=path, version=version)
+
+
+def _chunks(request_iterator) -> Iterator[pb.Tensor]:
+    for message in request_iterator:
+        if isinstance(message, _Malformed):
+            raise ValueError(message.message)
+        if message.WhichOneof("item") != "chunk":
+            raise ValueError("PushRequest: only the first message may be a PushHeader; later ones must be chunks")
+        yield message.chunk
+
+
+def _guarded(method, streaming_response: bool):
+    """Turn `_Refused` into the call's status code."""
+    if streaming_response:
+        def call_stream(request, context):
+            try:
+                yield from method(request, context)
+            except _Refused as e:
+                context.abort(e.code, str(e))
+        return call_stream
+
+    def call(request, context):
+        try:
+            return method(request, context)
+        except _Refused as e:
+            context.abort(e.code, str(e))
+    return call
+
+
+def _handlers(servicer: Servicer) -> grpc.GenericRpcHandler:
+    def unary(method, request_cls, response_cls):
+        return grpc.unary_unary_rpc_method_handler(
+            _guarded(method, False), _parser(request_cls), response_cls.SerializeToString
+        )
+
+    return grpc.method_handlers_generic_handler(SERVICE, {
+        "Health": unary(servicer.health, pb.HealthRequest, pb.HealthResponse),
+        "GetStats": unary(servicer.get_stats, pb.GetStatsRequest, pb.GetStatsResponse),
+        "Checkpoint": unary(servicer.checkpoint, pb.CheckpointRequest, pb.CheckpointResponse),
+        "Pull": grpc.unary_stream_rpc_method_handler(
+            _guarded(servicer.pull, True), _parser(pb.PullRequest), pb.PullResponse.SerializeToString
+        ),
+        "Push": grpc.stream_unary_rpc_method_handler(
+            _guarded(servicer.push, False), _parser(pb.PushRequest), pb.PushResponse.SerializeToString
+        ),
+    })
+
+
+class _BearerAuth(grpc.ServerInterceptor):
+    """Refuses, with UNAUTHENTICATED and without reading the request, a call whose token is missing or wrong."""
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+    def intercept_service(self, continuation, details):
+        given = dict(details.invocation_metadata or ()).get("authorization", "")
+        if hmac.compare_digest(given.encode() if isinstance(given, str) else given, self._expected):
+            return continuation(details)
+        handler = continuation(details)
+        if handler is None:
+            return None
+
+        def refuse(request, context):
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "missing or wrong bearer token: send 'authorization: Bearer <token>' metadata with the run's "
+                "token (grpc-<shard>.json in the run directory)",
+            )
+
+        kind = {
+            (False, False): grpc.unary_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler,
+        }[(handler.request_streaming, handler.response_streaming)]
+        return kind(refuse)
+
+
+class GrpcEndpoint:
+    """A running gRPC endpoint: `.address` ("host:port"), `.port`, `.stop(grace)`."""
+
+    def __init__(self, server: grpc.Server, host: str, port: int):
+        self._server = server
+        self.port = port
+        self.address = f"{host}:{port}"
+
+    def stop(self, grace: float = 1.0) -> None:
+        """Stop accepting calls, let running ones finish for up to `grace` seconds, then cancel them."""
+        self._server.stop(grace).wait(grace + 5.0)
+
+
+def serve_grpc(
+    server_obj,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    token: str,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+    checkpoint_dir: str | None = None,
+    step_timeout: float = 300.0,
+    max_workers: int | None = None,
+) -> GrpcEndpoint:
+    """Serve one `ParameterServer` over gRPC (returns at once; the endpoint runs on its own threads).
+
+    Args:
+        server_obj: the `ParameterServer`; it may get its model (become ready) later.
+        host, port: where to listen; port 0 picks a free port (see `.port`). Keep loopback unless you need more.
+        token: the bearer token every call must carry (`new_token()` makes one).
+        tls_cert, tls_key: paths of a PEM certificate and key; with both, the endpoint speaks TLS only.
+        checkpoint_dir: where `Checkpoint` writes `shard-<id>.ckpt`; None refuses Checkpoint calls.
+        step_timeout: longest a push waits for its consistency rule (the client's deadline may cut it shorter).
+        max_workers: handler threads; default leaves room for every worker of a sync step to wait at once.
+    Returns:
+        The running endpoint.
+    """
+    if not token:
+        raise ValueError("serve_grpc needs a non-empty token: pass token=gradsync.proto.service.new_token()")
+    if (tls_cert is None) != (tls_key is None):
+        raise ValueError(f"TLS needs both tls_cert and tls_key, got tls_cert={tls_cert!r}, tls_key={tls_key!r}")
+    threads = max_workers or max(8, 2 * server_obj.num_workers + 4)
+    server = grpc.server(
+        concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gradsync-grpc"),
+        handlers=[_handlers(Servicer(server_obj, checkpoint_dir, step_timeout))],
+        interceptors=[_BearerAuth(token)],
+    )
+    target = f"{host}:{port}"
+    if tls_cert is not None:
+        with open(tls_key, "rb") as k, open(tls_cert, "rb") as c:
+            credentials = grpc.ssl_server_credentials([(k.read(), c.read())])
+        bound = server.add_secure_port(target, credentials)
+    else:
+        bound = server.add_insecure_port(target)
+    if not bound:
+        raise OSError(f"gRPC could not listen on {target}: pick another host/port (port 0 picks a free one)")
+    server.start()
+    return GrpcEndpoint(server, host, bound)

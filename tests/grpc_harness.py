@@ -1,0 +1,55 @@
+"""A ready in-process ParameterServer behind a gRPC endpoint, for the gRPC and proto tests."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from gradsync.client import Client
+from gradsync.proto.service import serve_grpc
+from gradsync.ps.buckets import ModelSpec, plan_buckets
+from gradsync.ps.server import ParameterServer, make_setup
+
+TOKEN = "test-token-0123456789"
+
+
+def model_state(seed: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Parameters and buffers of a small two-layer model (several buckets at a 256-byte cap)."""
+    g = torch.Generator().manual_seed(seed)
+    params = {
+        "fc1.weight": torch.randn(16, 8, generator=g),
+        "fc1.bias": torch.randn(16, generator=g),
+        "fc2.weight": torch.randn(4, 16, generator=g),
+        "fc2.bias": torch.randn(4, generator=g),
+    }
+    buffers = {"norm.running_mean": torch.randn(4, generator=g), "norm.steps": torch.tensor(7)}
+    return params, buffers
+
+
+def make_server(mode: str = "sync", workers: int = 2, lr: float = 0.1, momentum: float = 0.0,
+                nonfinite: str = "raise", num_servers: int = 1, shard: int = 0) -> ParameterServer:
+    """A ParameterServer whose W workers have all registered the model of `model_state()`."""
+    params, buffers = model_state()
+    spec = ModelSpec.of(params, buffers)
+    buckets = [b for b in plan_buckets(spec.params, num_servers, cap_bytes=256) if b.server == shard]
+    mine = {e.name for b in buckets for e in b.entries}
+    setup = make_setup(buckets, params, {n: t for n, t in buffers.items() if shard == 0}, torch.optim.SGD,
+                       {"lr": lr, "momentum": momentum})
+    server = ParameterServer(shard, workers, mode, nonfinite)
+    futures = [server.register(w, spec, setup if w == 0 else None) for w in range(workers)]
+    for f in futures:
+        f.wait()
+    assert server.ready.is_set() and set(server.shard.params) == mine
+    return server
+
+
+@contextlib.contextmanager
+def served(server: ParameterServer, timeout: float = 10.0, **kwargs):
+    """(endpoint, client) for `server` on 127.0.0.1, stopped afterwards."""
+    endpoint = serve_grpc(server, token=TOKEN, **kwargs)
+    client = Client(endpoint.address, token=TOKEN, timeout=timeout)
+    try:
+        yield endpoint, client
+    finally:
+        client.close()
+        endpoint.stop(0.5)
