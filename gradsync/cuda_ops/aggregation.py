@@ -47,6 +47,8 @@ def aggregate(
         `out` when given. NaN and Inf propagate.
     """
     items = as_list(tensors, "tensors")
+    if not items:
+        raise ValueError("tensors: got an empty list; pass at least one tensor")
     if out is None:
         return ops.aggregate(items, float(scale), out_dtype)
     if out_dtype is not None and out_dtype != out.dtype:
@@ -81,5 +83,7 @@ def aggregate_buckets(
                 f"per_worker: per_worker[{w}] has {len(buckets)} buckets but per_worker[0] has "
                 f"{len(workers[0])}; every worker must pass the same bucket list"
             )
+    if not workers[0]:
+        raise ValueError("per_worker: the bucket lists are empty; pass at least one bucket per worker")
     flat = ops.aggregate_buckets([t for w in workers for t in w], len(workers), float(scale), out_dtype)
     return list(_unflatten_dense_tensors(flat, workers[0]))

@@ -1,0 +1,203 @@
+"""Bandwidth of the cuda_ops kernels against the plain PyTorch way, on one NVIDIA GPU.
+
+For each op: median time over repeated runs (CUDA events), achieved bandwidth
+(bytes read + written / time), that bandwidth as a percentage of a same-size
+device copy measured in the same run, and the speedup over the plain PyTorch
+way of computing the same thing. Inputs are at least --mb MB each (default
+256). Writes JSON to bench/results/cuda_ops-<device>.json and prints a
+markdown table.
+
+    python bench/cuda_ops.py              # on a GPU machine
+    python bench/cuda_ops.py --smoke      # tiny sizes on CPU, through the reference path
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import pathlib
+import platform
+import re
+import statistics
+import sys
+import time
+
+import torch
+
+from gradsync.cuda_ops import (
+    aggregate,
+    aggregate_buckets,
+    compress,
+    compress_int8,
+    decompress,
+    dequantize_aggregate,
+    reference,
+)
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mb", type=int, default=256, help="size of each fp32 input in MB (default 256)")
+    p.add_argument("--workers", type=int, default=8, help="K, the number of gradients reduced (default 8)")
+    p.add_argument("--reps", type=int, default=20, help="timed runs per measurement; the median is reported")
+    p.add_argument("--block-size", type=int, default=256, help="int8 block size (default 256)")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (reference path): checks the script")
+    p.add_argument("--out", type=pathlib.Path, help="JSON path (default bench/results/cuda_ops-<device>.json)")
+    return p.parse_args(argv)
+
+
+def timed_ms(fn, reps: int, device: str) -> float:
+    """Median wall time of fn() in ms after one warm-up call (which also compiles the kernels)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def cases(n: int, k: int, block: int, device: str):
+    """(op, dtype, bytes moved, our call, {baseline name: plain PyTorch call})."""
+    g = torch.Generator(device=device).manual_seed(0)
+    fp32 = [torch.randn(n, device=device, generator=g) for _ in range(k)]
+    bf16 = [x.bfloat16() for x in fp32]
+    s = 1.0 / k
+
+    def add_chain(xs, out_dtype):
+        acc = xs[0].float().clone()
+        for x in xs[1:]:
+            acc.add_(x)
+        return acc.mul_(s).to(out_dtype)
+
+    yield ("aggregate", "fp32", (k + 1) * n * 4, lambda: aggregate(fp32, s), {
+        "add_ chain": lambda: add_chain(fp32, torch.float32),
+        "stack.sum": lambda: torch.stack(fp32).sum(0).mul_(s),
+    })
+    yield ("aggregate", "bf16", (k + 1) * n * 2, lambda: aggregate(bf16, s), {
+        "add_ chain": lambda: add_chain(bf16, torch.bfloat16),
+        "stack.sum": lambda: torch.stack(bf16).sum(0, dtype=torch.float32).mul_(s).bfloat16(),
+    })
+
+    big = [n // 16] * 12  # DDP-like large buckets (own launches) around 64 small ones (flattened)
+    small = [(n - sum(big)) // 64] * 63
+    small.append(n - sum(big) - sum(small))
+    sizes = small[:32] + big + small[32:]
+    per_worker = [list(x.split(sizes)) for x in fp32]
+
+    def foreach_chain():
+        acc = [t.clone() for t in per_worker[0]]
+        for w in per_worker[1:]:
+            torch._foreach_add_(acc, w)
+        torch._foreach_mul_(acc, s)
+        return acc
+
+    yield ("aggregate_buckets", "fp32", (k + 1) * n * 4, lambda: aggregate_buckets(per_worker, s), {
+        "_foreach_add_ chain": foreach_chain,
+    })
+
+    x, world = fp32[0], k
+    for name, dtype in (("compress_fp16", torch.float16), ("compress_bf16", torch.bfloat16)):
+        yield (name, "fp32", n * 6, lambda dtype=dtype: compress(x, dtype, 1.0 / world), {
+            "DDP hook: div_ then cast": lambda dtype=dtype: torch.div(x, world).to(dtype),
+        })
+    half = x.half()
+    out = torch.empty_like(x)
+    yield ("decompress_fp16", "fp16", n * 6, lambda: decompress(half), {
+        "DDP hook: copy_": lambda: out.copy_(half),
+    })
+
+    residual = torch.zeros_like(x)
+    nb = -(-n // block)
+    yield ("compress_int8", "fp32", n * 4 * 3 + n + nb * 4, lambda: compress_int8(x, residual, block), {
+        "cast-divide-copy chain": lambda: reference.quantize_int8(x, residual, block),
+    })
+    c = compress_int8(x, block_size=block)
+    payloads = c.payload.expand(k, n).contiguous()
+    scales = c.scales.expand(k, nb).contiguous()
+    yield ("dequantize_aggregate", "int8", k * (n + nb * 4) + n * 4,
+           lambda: dequantize_aggregate(payloads, scales, block), {
+               "cast-multiply-add chain": lambda: reference.dequantize_aggregate(payloads, scales, block, s,
+                                                                                 torch.float32),
+           })
+
+
+def run(args) -> dict:
+    device = "cpu" if args.smoke else "cuda"
+    n = 4099 if args.smoke else args.mb * 2**20 // 4
+    k = 3 if args.smoke else args.workers
+    reps = 3 if args.smoke else args.reps
+    rows = []
+    for op, dtype, nbytes, ours, baselines in cases(n, k, args.block_size, device):
+        src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        copy_ms = timed_ms(lambda: dst.copy_(src), reps, device)
+        ms = timed_ms(ours, reps, device)
+        del src, dst
+        for name, fn in baselines.items():
+            base_ms = timed_ms(fn, reps, device)
+            rows.append({
+                "op": op, "dtype": dtype, "bytes": nbytes, "ms": ms,
+                "GBps": nbytes / ms / 1e6, "copy_GBps": nbytes / copy_ms / 1e6,
+                "pct_of_copy": 100 * copy_ms / ms,
+                "baseline": name, "baseline_ms": base_ms, "speedup": base_ms / ms,
+            })
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    name = "cpu (smoke)" if args.smoke else torch.cuda.get_device_name()
+    return {
+        "device": name,
+        "command": "python bench/cuda_ops.py " + " ".join(sys.argv[1:]),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "elements_per_input": n, "workers": k, "reps": reps, "block_size": args.block_size,
+        "results": rows,
+    }
+
+
+def table(report: dict) -> str:
+    lines = [
+        f"cuda_ops on {report['device']}: {report['elements_per_input']} elements per input, "
+        f"K={report['workers']}, median of {report['reps']}",
+        "",
+        "| op | dtype | ms | GB/s | % of copy | plain PyTorch | its ms | speedup |",
+        "|---|---|---:|---:|---:|---|---:|---:|",
+    ]
+    for r in report["results"]:
+        lines.append(
+            f"| {r['op']} | {r['dtype']} | {r['ms']:.3f} | {r['GBps']:.1f} | {r['pct_of_copy']:.0f}% | "
+            f"{r['baseline']} | {r['baseline_ms']:.3f} | {r['speedup']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if not args.smoke:
+        if not torch.cuda.is_available():
+            sys.exit("bench/cuda_ops.py needs a CUDA GPU (torch.cuda.is_available() is False); run it on an "
+                     "NVIDIA GPU machine, or pass --smoke to check the script on CPU")
+        if importlib.util.find_spec("triton") is None:
+            sys.exit("bench/cuda_ops.py needs Triton for the CUDA kernels: pip install 'triton>=3.0'")
+    report = run(args)
+    slug = re.sub(r"[^a-z0-9]+", "-", report["device"].lower()).strip("-")
+    out = args.out or RESULTS / f"cuda_ops-{slug}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(table(report))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
