@@ -74,7 +74,7 @@ def encode_all(tensors: dict[str, torch.Tensor], chunk_bytes: int = CHUNK_BYTES)
 class _Partial:
     """A tensor whose chunks are still arriving."""
 
-    def __init__(self, chunk: pb.Tensor, budget: int | None):
+    def __init__(self, chunk: pb.Tensor, budget: int | None, max_bytes: int | None):
         where = f"tensor {chunk.name!r}"
         if not chunk.name:
             raise ValueError("Tensor.name is empty: every chunk must name its tensor")
@@ -91,7 +91,10 @@ class _Partial:
                 f"needs {expected} bytes"
             )
         if budget is not None and self.total > budget:
-            raise ValueError(f"{where}: Tensor.total_bytes {self.total} exceeds the {budget} bytes this call accepts")
+            raise ValueError(
+                f"{where}: Tensor.total_bytes {self.total} exceeds the {budget} bytes left of the {max_bytes} "
+                "this call accepts (is it the right tensor for this server?)"
+            )
         self.buffer = bytearray(self.total)
         self.received = 0
 
@@ -154,7 +157,7 @@ def decode(chunks: Iterable[pb.Tensor], max_bytes: int | None = None) -> dict[st
         if current is None:
             if chunk.name in out:
                 raise ValueError(f"tensor {chunk.name!r} was sent twice (duplicate Tensor.name)")
-            current = _Partial(chunk, budget)
+            current = _Partial(chunk, budget, max_bytes)
             if budget is not None:
                 budget -= current.total
         current.add(chunk)

@@ -1,0 +1,115 @@
+"""Tensor <-> chunk messages: bit-exact round trips and strict rejection of malformed chunk sequences."""
+from __future__ import annotations
+
+import filecmp
+import os
+
+import pytest
+import torch
+
+from gradsync.proto import generate, tensor_codec
+from gradsync.proto import gradsync_pb2 as pb
+from gradsync.proto.tensor_codec import CHUNK_BYTES, decode, encode, encode_all
+
+GENERATED = ("gradsync_pb2.py", "gradsync_pb2.pyi", "gradsync_pb2_grpc.py")
+
+
+def test_generated_code_is_up_to_date(tmp_path):
+    generate.generate(str(tmp_path))
+    here = os.path.dirname(tensor_codec.__file__)
+    for name in GENERATED:
+        fresh = tmp_path / "gradsync" / "proto" / name
+        assert filecmp.cmp(fresh, os.path.join(here, name), shallow=False), (
+            f"gradsync/proto/{name} is out of date with gradsync.proto: run `make proto`"
+        )
+
+
+@pytest.mark.parametrize("dtype", list(tensor_codec.DTYPES.values()))
+def test_round_trip_every_dtype_bit_for_bit(dtype):
+    g = torch.Generator().manual_seed(1)
+    raw = torch.randint(0, 256, (3, 5, 7 * dtype.itemsize), dtype=torch.uint8, generator=g)
+    t = raw.view(dtype) if dtype != torch.bool else raw % 2 == 1  # every bit pattern, NaNs included
+    back = decode(encode("x", t))["x"]
+    assert back.dtype == dtype and back.shape == t.shape
+    assert torch.equal(back.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+
+
+def test_round_trip_chunked_scalar_empty_and_noncontiguous():
+    big = torch.arange(10_000, dtype=torch.float32)
+    chunks = list(encode("big", big, chunk_bytes=4096))
+    assert len(chunks) == 10 and [c.offset for c in chunks] == [4096 * i for i in range(10)]
+    assert all(c.total_bytes == 40_000 for c in chunks)
+    tensors = {
+        "big": big, "scalar": torch.tensor(3.5, dtype=torch.float64), "empty": torch.empty(0, 3),
+        "transposed": torch.arange(12.0).reshape(3, 4).t(),
+    }
+    back = decode(encode_all(tensors, chunk_bytes=4096))
+    assert list(back) == list(tensors)
+    for name, t in tensors.items():
+        assert back[name].shape == t.shape and torch.equal(back[name], t)
+
+
+def test_decoded_tensor_owns_its_memory():
+    chunks = list(encode("x", torch.ones(4)))
+    t = decode(chunks)["x"]
+    t.add_(1)
+    assert torch.equal(decode(chunks)["x"], torch.ones(4))
+
+
+def _chunks(n=3, chunk=16):
+    return list(encode("w", torch.arange(4.0 * n), chunk_bytes=chunk))
+
+
+def _edit(chunk: pb.Tensor, **fields) -> pb.Tensor:
+    c = pb.Tensor()
+    c.CopyFrom(chunk)
+    for k, v in fields.items():
+        if k == "shape":
+            del c.shape[:]
+            c.shape.extend(v)
+        else:
+            setattr(c, k, v)
+    return c
+
+
+BAD = {
+    "unknown dtype": (lambda c: [_edit(c[0], dtype="float8")] + c[1:], "Tensor.dtype"),
+    "shape/bytes mismatch": (lambda c: [_edit(x, shape=[5]) for x in c], "Tensor.total_bytes"),
+    "negative dimension": (lambda c: [_edit(x, shape=[-12]) for x in c], "Tensor.shape"),
+    "missing chunk": (lambda c: [c[0], c[2]], "Tensor.offset"),
+    "duplicate chunk": (lambda c: [c[0], c[0], c[1], c[2]], "Tensor.offset"),
+    "out of order": (lambda c: [c[1], c[0], c[2]], "Tensor.offset"),
+    "truncated at the end": (lambda c: c[:2], "truncated"),
+    "chunk past the end": (lambda c: c[:2] + [_edit(c[2], data=c[2].data + b"\0" * 4)], "Tensor.total_bytes"),
+    "oversized chunk": (
+        lambda c: [_edit(c[0], shape=[CHUNK_BYTES], total_bytes=4 * CHUNK_BYTES, data=b"\0" * (CHUNK_BYTES + 4))],
+        "Tensor.data",
+    ),
+    "header changes mid-tensor": (lambda c: [c[0], _edit(c[1], dtype="int32"), c[2]], "mid-tensor"),
+    "empty name": (lambda c: [_edit(x, name="") for x in c], "Tensor.name"),
+    "empty data": (lambda c: [c[0], _edit(c[1], data=b"")] + c[1:], "empty Tensor.data"),
+    "tensor sent twice": (lambda c: c + c, "duplicate Tensor.name"),
+    "interleaved tensors": (lambda c: [c[0]] + list(encode("v", torch.ones(1))) + c[1:], "truncated"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_decode_rejects_malformed_sequences(case):
+    mutate, field = BAD[case]
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        decode(mutate(_chunks()))
+
+
+def test_decode_budget_is_checked_before_allocating():
+    huge = pb.Tensor(name="w", dtype="float32", shape=[1 << 40], total_bytes=4 << 40, offset=0, data=b"\0")
+    with pytest.raises(ValueError, match="exceeds the 1024 bytes left of the 1024"):
+        decode([huge], max_bytes=1024)
+    with pytest.raises(ValueError, match="exceeds the 8 bytes left of the 20"):
+        decode(encode_all({"a": torch.ones(3), "b": torch.ones(3)}), max_bytes=20)
+
+
+def test_encode_refuses_unsupported_dtype_and_empty_name():
+    with pytest.raises(ValueError, match="complex64"):
+        list(encode("z", torch.zeros(2, dtype=torch.complex64)))
+    with pytest.raises(ValueError, match="non-empty name"):
+        list(encode("", torch.zeros(2)))
