@@ -1,0 +1,138 @@
+"""The gRPC service through the Client: consistent pulls, sync and async pushes against closed-form SGD, stats, shards."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from gradsync.client import Client, pull_to_file, status_table
+from gradsync.proto.endpoints import write_endpoints
+from gradsync.proto.service import serve_grpc
+from grpc_harness import TOKEN, make_server, model_state, served
+
+LR = 0.1
+
+
+def _grads(seed: int, server) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(p.shape, generator=g) for n, p in server.shard.params.items()}
+
+
+@pytest.mark.timeout(60)
+def test_pull_is_the_shard_state_bit_for_bit_with_its_version():
+    server = make_server("async", workers=1)
+    with served(server) as (_, client):
+        state, versions = client.pull_versioned()
+        assert versions == {0: 0}
+        live = server.state_dict()
+        assert list(state) == list(live)
+        for name, value in live.items():
+            assert state[name].dtype == value.dtype and torch.equal(state[name], value), name
+        subset = client.pull(["fc1.bias", "norm.steps"])
+        assert list(subset) == ["fc1.bias", "norm.steps"] and int(subset["norm.steps"]) == 7
+        with pytest.raises(ValueError, match=r"INVALID_ARGUMENT: PullRequest\.names.*'nope'"):
+            client.pull(["nope"])
+
+
+@pytest.mark.timeout(60)
+def test_sync_push_from_w_clients_applies_the_mean_sgd_step_once():
+    workers = 3
+    server = make_server("sync", workers=workers, lr=LR)
+    before = {n: p.detach().clone() for n, p in server.shard.params.items()}
+    grads = [_grads(w, server) for w in range(workers)]
+    del grads[2]["fc1.bias"]  # a parameter a worker leaves out counts as a zero gradient
+    results: dict[int, object] = {}
+    with served(server) as (endpoint, _):
+        def push(w):
+            with Client(endpoint.address, token=TOKEN) as c:
+                results[w] = c.push(grads[w], 0, worker=w)
+
+        threads = [threading.Thread(target=push, args=(w,)) for w in range(workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    assert results == {w: {0: 1} for w in range(workers)}
+    after = server.state_dict()
+    for name, p in before.items():
+        gs = [g.get(name, torch.zeros_like(p)) for g in grads]
+        mean = torch.stack(gs).sum(0) * (1.0 / workers)
+        assert torch.equal(after[name], p.add(mean, alpha=-LR)), name
+    stats = server.shard.stats
+    assert (stats.version, stats.pushes_applied, stats.workers_seen) == (1, 1, {0, 1, 2})
+
+
+@pytest.mark.timeout(60)
+def test_async_push_applies_at_once_and_records_staleness():
+    server = make_server("async", workers=2, lr=LR)
+    with served(server) as (_, client):
+        state0 = client.pull()
+        g0, g1 = _grads(0, server), _grads(1, server)
+        assert client.push(g0, 0, worker=0) == {0: 1}
+        state1 = client.pull()
+        for name, g in g0.items():
+            assert torch.equal(state1[name], state0[name].add(g, alpha=-LR)), name
+        assert client.push(g1, 0, worker=1) == {0: 2}  # computed at version 0: one step stale
+        state2, versions = client.pull_versioned()
+        assert versions == {0: 2}
+        for name, g in g1.items():
+            assert torch.equal(state2[name], state1[name].add(g, alpha=-LR)), name
+        stats = client.stats()[0]
+    assert stats["version"] == 2 and stats["pushes_applied"] == 2 and stats["pushes_rejected"] == 0
+    assert stats["workers_seen"] == [0, 1] and stats["max_staleness"] == 1
+    grad_bytes = sum(p.numel() * 4 for p in server.shard.params.values())
+    assert stats["bytes_in"] == 2 * grad_bytes
+    assert stats["bytes_out"] == 3 * sum(t.numel() * t.element_size() for t in state0.values())
+
+
+@pytest.mark.timeout(60)
+def test_sync_push_without_the_other_workers_times_out_naming_the_call():
+    server = make_server("sync", workers=2)
+    with served(server, timeout=0.5) as (_, client):
+        with pytest.raises(TimeoutError, match=r"Push on shard 0 at 127\.0\.0\.1:\d+ failed after 0\.\d+ s"):
+            client.push(_grads(0, server), 0, worker=0)
+    assert server.shard.version == 0
+
+
+@pytest.mark.timeout(60)
+def test_not_ready_server_answers_health_and_refuses_the_rest():
+    from gradsync.ps.server import ParameterServer
+
+    server = ParameterServer(0, 2, "sync", "raise")
+    with served(server) as (_, client):
+        assert client.health()[0]["ready"] is False
+        with pytest.raises(ValueError, match="FAILED_PRECONDITION: server 0 has no model yet"):
+            client.pull()
+        assert "| 0 | 127.0.0.1:" in status_table(client)
+
+
+@pytest.mark.timeout(60)
+def test_run_dir_client_gathers_and_routes_across_shards(tmp_path):
+    servers = [make_server("async", workers=1, lr=LR, num_servers=2, shard=s) for s in range(2)]
+    endpoints = [serve_grpc(s, token=TOKEN) for s in servers]
+    try:
+        for shard, e in enumerate(endpoints):
+            write_endpoints(str(tmp_path), shard, e.address, TOKEN)
+        with Client(str(tmp_path)) as client:
+            params, buffers = model_state()
+            state, versions = client.pull_versioned()
+            assert versions == {0: 0, 1: 0}
+            assert sorted(state) == sorted({**params, **buffers})
+            assert all(torch.equal(state[n], t) for n, t in {**params, **buffers}.items())
+            owners = client.owners()
+            assert {owners[n] for n in params} == {0, 1}
+            g = torch.ones(16)
+            assert client.push({"fc1.bias": g}, versions, worker=0) == {0: 1, 1: 1}
+            assert torch.equal(client.pull(["fc1.bias"])["fc1.bias"], params["fc1.bias"].add(g, alpha=-LR))
+            table = status_table(client)
+            out = tmp_path / "out.pt"
+            assert pull_to_file(client, str(out)) == {0: 1, 1: 1}
+        saved = torch.load(out, weights_only=True)
+        assert torch.equal(saved["fc1.weight"], params["fc1.weight"])
+        lines = table.splitlines()
+        assert lines[0].startswith("| shard | address | ready | version") and len(lines) == 4
+        assert lines[2].split(" | ")[2:5] == ["yes", "1", "0"]
+    finally:
+        for e in endpoints:
+            e.stop(0.5)
