@@ -1,0 +1,97 @@
+"""Bearer-token auth (refused calls change nothing) and TLS."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import grpc
+import pytest
+import torch
+
+from gradsync.client import Client
+from gradsync.proto import gradsync_pb2 as pb
+from gradsync.proto import gradsync_pb2_grpc as pb_grpc
+from gradsync.proto.service import serve_grpc
+from grpc_harness import TOKEN, make_server, served
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("metadata", [None, (("authorization", "Bearer wrong"),), (("authorization", TOKEN),)],
+                         ids=["missing", "wrong", "not-bearer"])
+def test_every_call_without_the_token_is_refused_and_changes_nothing(metadata):
+    server = make_server("async", workers=1)
+    before = server.state_dict()
+    with served(server) as (endpoint, _), grpc.insecure_channel(endpoint.address) as channel:
+        stub = pb_grpc.ParameterServerStub(channel)
+        push = iter([
+            pb.PushRequest(header=pb.PushHeader(worker=0, version=0)),
+            pb.PushRequest(chunk=pb.Tensor(name="fc1.bias", dtype="float32", shape=[16], total_bytes=64,
+                                           data=torch.ones(16).numpy().tobytes())),
+        ])
+        calls = {
+            "Health": lambda: stub.Health(pb.HealthRequest(), timeout=5, metadata=metadata),
+            "GetStats": lambda: stub.GetStats(pb.GetStatsRequest(), timeout=5, metadata=metadata),
+            "Pull": lambda: list(stub.Pull(pb.PullRequest(), timeout=5, metadata=metadata)),
+            "Push": lambda: stub.Push(push, timeout=5, metadata=metadata),
+            "Checkpoint": lambda: stub.Checkpoint(pb.CheckpointRequest(), timeout=5, metadata=metadata),
+        }
+        for name, call in calls.items():
+            with pytest.raises(grpc.RpcError) as info:
+                call()
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
+            assert "bearer token" in info.value.details()
+    after = server.state_dict()
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    assert server.shard.stats.version == 0 and server.shard.stats.pushes_rejected == 0
+
+
+@pytest.mark.timeout(60)
+def test_client_with_a_wrong_token_gets_permission_error():
+    server = make_server("async", workers=1)
+    with served(server) as (endpoint, _):
+        with Client(endpoint.address, token="wrong") as client:
+            with pytest.raises(PermissionError, match="Health on shard 0 .* UNAUTHENTICATED"):
+                client.health()
+            with pytest.raises(PermissionError, match="UNAUTHENTICATED"):
+                client.push({"fc1.bias": torch.ones(16)}, 0, worker=0)
+    assert server.shard.version == 0
+
+
+def test_serving_needs_a_token_and_both_tls_files():
+    server = make_server("async", workers=1)
+    with pytest.raises(ValueError, match="non-empty token"):
+        serve_grpc(server, token="")
+    with pytest.raises(ValueError, match="both tls_cert and tls_key"):
+        serve_grpc(server, token=TOKEN, tls_cert="cert.pem")
+    with pytest.raises(ValueError, match="no token for"):
+        Client("127.0.0.1:1")
+
+
+def _self_signed(tmp_path) -> tuple[str, str]:
+    """A self-signed certificate for 127.0.0.1 made with the openssl command (the cryptography package is not installed)."""
+    cert, key = str(tmp_path / "cert.pem"), str(tmp_path / "key.pem")
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+         "-keyout", key, "-out", cert, "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+        check=True, capture_output=True, timeout=30,
+    )
+    return cert, key
+
+
+@pytest.mark.timeout(60)
+def test_tls_endpoint_serves_tls_clients_only(tmp_path):
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is not installed; it makes the self-signed test certificate")
+    cert, key = _self_signed(tmp_path)
+    server = make_server("async", workers=1)
+    endpoint = serve_grpc(server, token=TOKEN, tls_cert=cert, tls_key=key)
+    try:
+        with Client(endpoint.address, token=TOKEN, root_cert=cert) as client:
+            state = client.pull()
+            assert torch.equal(state["fc1.weight"], server.state_dict()["fc1.weight"])
+        with Client(endpoint.address, token=TOKEN, timeout=2) as plain:
+            with pytest.raises((ConnectionError, RuntimeError)):
+                plain.health()
+    finally:
+        endpoint.stop(0.5)
