@@ -24,7 +24,7 @@ from gradsync.config import ConfigError, JobConfig
 
 _STATE: "Cluster | None" = None
 _DONE_KEY = "gradsync/done"
-_FAILED_KEY = "gradsync/failed"
+FAILED_KEY = "gradsync/failed"
 
 
 class Cluster:
@@ -97,7 +97,7 @@ def record_failure(store: dist.Store | None, rank: int, text: str) -> None:
             f.write(text)
     if store is not None:
         try:
-            store.compare_set(_FAILED_KEY, "", f"rank {rank}: {text}")
+            store.compare_set(FAILED_KEY, "", f"rank {rank}: {text}")
         except Exception:  # the store may be gone already; the launcher still has the file
             pass
 
@@ -178,8 +178,8 @@ def _wait_for_workers(cluster: Cluster, deadline: float | None) -> None:
     """Wait until every worker has called shutdown; fail fast when another rank reported a failure."""
     store, workers = cluster.store, cluster.config.num_workers
     while store.add(_DONE_KEY, 0) < workers:
-        if store.check([_FAILED_KEY]):
-            raise RuntimeError(f"another rank failed, stopping: {store.get(_FAILED_KEY).decode()[:2000]}")
+        if store.check([FAILED_KEY]):
+            raise RuntimeError(f"another rank failed, stopping: {store.get(FAILED_KEY).decode()[:2000]}")
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"shutdown: workers still running after {cluster.config.shutdown_timeout:.0f} s")
         time.sleep(0.05)

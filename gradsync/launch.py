@@ -22,6 +22,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from gradsync.cluster import FAILED_KEY
 from gradsync.config import ConfigError, JobConfig
 
 _POLL_S = 0.05
@@ -126,7 +127,21 @@ def _failure_text(config: JobConfig, run_dir: str, rank: int, code: int) -> str:
     return text
 
 
-def supervise(config: JobConfig, ranks: list[_Rank], run_dir: str, timeout: float | None) -> None:
+def _first_failure(failed: list[tuple[int, int]], store: dist.Store) -> tuple[int, int]:
+    """The root cause among ranks seen failed together: one killed by a signal (it could not report),
+    else the first to record its failure in the store, else the lowest rank."""
+    for rank, code in failed:
+        if code < 0:
+            return rank, code
+    if store.check([FAILED_KEY]):
+        first = int(store.get(FAILED_KEY).decode().split(":", 1)[0].split()[1])
+        for rank, code in failed:
+            if rank == first:
+                return rank, code
+    return failed[0]
+
+
+def supervise(config: JobConfig, ranks: list[_Rank], run_dir: str, store: dist.Store, timeout: float | None) -> None:
     """Wait for every rank; on the first failure (or the timeout) kill the rest and raise JobFailed."""
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
@@ -134,7 +149,7 @@ def supervise(config: JobConfig, ranks: list[_Rank], run_dir: str, timeout: floa
             codes = [r.exitcode() for r in ranks]
             failed = [(r.rank, c) for r, c in zip(ranks, codes) if c not in (None, 0)]
             if failed:
-                rank, code = failed[0]
+                rank, code = _first_failure(failed, store)
                 _kill_all(ranks)
                 raise JobFailed(_failure_text(config, run_dir, rank, code), rank)
             if all(c == 0 for c in codes):
@@ -167,7 +182,7 @@ def run_script(script: str, script_args: list[str], *, strategy: str, workers: i
         proc = subprocess.Popen([sys.executable, script, *script_args], env={**os.environ, **env},
                                 start_new_session=True)
         ranks.append(_Rank(rank, proc))
-    supervise(config, ranks, run_dir, timeout)
+    supervise(config, ranks, run_dir, store, timeout)
 
 
 def _run_function(env: dict, fn, args: tuple, result_path: str) -> None:
@@ -212,7 +227,7 @@ def launch(fn, *, strategy: str, workers: int, servers: int = 0, mode: str = "sy
             proc = context.Process(target=_run_function, args=(env, fn, args, result_path), daemon=False)
             proc.start()
             ranks.append(_Rank(rank, proc))
-        supervise(config, ranks, run_dir, timeout)
+        supervise(config, ranks, run_dir, store, timeout)
         return [
             torch.load(os.path.join(run_dir, f"result-{rank}.pt"), weights_only=False)
             for rank in range(config.servers, config.world_size)

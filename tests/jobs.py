@@ -45,3 +45,114 @@ def reference_mlp(steps: int, workers: int, lr: float = 0.1, momentum: float = 0
         F.cross_entropy(model(torch.cat(xs)), torch.cat(ys)).backward()
         opt.step()
     return model.state_dict()
+
+
+def train_mlp_stats(steps: int, steps_worker1: int | None = None) -> dict:
+    """Train (worker 1 may stop early) and return server 0's counters as seen at the end."""
+    import torch.distributed.rpc as rpc
+
+    from gradsync.ps import server
+
+    me = gradsync.worker_rank()
+    trainer = gradsync.Trainer(make_mlp(), torch.optim.SGD, lr=0.05)
+    mine = steps_worker1 if (me == 1 and steps_worker1 is not None) else steps
+    for step in range(mine):
+        x, y = batch(step, me)
+        with dist_autograd.context() as cid:
+            dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
+            trainer.step(cid)
+    return rpc.rpc_sync("ps0", server.rpc_stats)
+
+
+def fail_at(step_to_fail: int, how: str) -> None:
+    """Worker 1 raises (how='raise') or kills itself (how='kill') at `step_to_fail`; the others train."""
+    import os
+    import signal
+
+    me = gradsync.worker_rank()
+    trainer = gradsync.Trainer(make_mlp(), torch.optim.SGD, lr=0.1)
+    for step in range(50):
+        if me == 1 and step == step_to_fail:
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError("worker 1 broke on purpose")
+        x, y = batch(step, me)
+        with dist_autograd.context() as cid:
+            dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
+            trainer.step(cid)
+
+
+def build_mismatched() -> None:
+    """Worker 1 builds a wider model than the others."""
+    torch.manual_seed(0)
+    width = HIDDEN + (1 if gradsync.worker_rank() == 1 else 0)
+    gradsync.Trainer(nn.Sequential(nn.Linear(IN, width), nn.Linear(width, OUT)), torch.optim.SGD, lr=0.1)
+
+
+def train_with_nan(steps: int, nan_step: int) -> dict[str, torch.Tensor]:
+    """Worker 1's loss is NaN at `nan_step`."""
+    trainer = gradsync.Trainer(make_mlp(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    me = gradsync.worker_rank()
+    for step in range(steps):
+        x, y = batch(step, me)
+        with dist_autograd.context() as cid:
+            loss = F.cross_entropy(trainer.model(x), y)
+            if me == 1 and step == nan_step:
+                loss = loss * float("nan")
+            dist_autograd.backward(cid, [loss])
+            trainer.step(cid)
+    return trainer.state_dict()
+
+
+def reference_skipping(steps: int, workers: int, skip: int) -> dict[str, torch.Tensor]:
+    """`reference_mlp` with step `skip` left out entirely."""
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        if step == skip:
+            continue
+        xs, ys = zip(*(batch(step, w) for w in range(workers)))
+        opt.zero_grad()
+        F.cross_entropy(model(torch.cat(xs)), torch.cat(ys)).backward()
+        opt.step()
+    return model.state_dict()
+
+
+def make_bn_net(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.BatchNorm1d(HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, OUT))
+
+
+def train_bn(steps: int) -> dict[str, torch.Tensor]:
+    """A BatchNorm model trained with Adam (the server-side optimizer keeps Adam's state)."""
+    trainer = gradsync.Trainer(make_bn_net(), torch.optim.Adam, lr=0.01)
+    me = gradsync.worker_rank()
+    for step in range(steps):
+        x, y = batch(step, me)
+        with dist_autograd.context() as cid:
+            dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
+            trainer.step(cid)
+    return trainer.state_dict()
+
+
+def reference_bn(steps: int, workers: int) -> dict[str, torch.Tensor]:
+    """Single process, W simulated workers: mean of their gradients, mean of their updated buffers."""
+    import copy
+
+    model = make_bn_net()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for step in range(steps):
+        grads, buffers = [], []
+        for w in range(workers):
+            replica = copy.deepcopy(model)
+            x, y = batch(step, w)
+            F.cross_entropy(replica(x), y).backward()
+            grads.append([p.grad for p in replica.parameters()])
+            buffers.append([b.detach().clone() for b in replica.buffers()])
+        for p, *gs in zip(model.parameters(), *grads):
+            p.grad = torch.stack(gs).sum(0) / workers
+        opt.step()
+        with torch.no_grad():
+            for b, *bs in zip(model.buffers(), *buffers):
+                b.copy_(torch.stack(bs).sum(0) / workers if b.is_floating_point() else bs[0])
+    return model.state_dict()

@@ -79,7 +79,8 @@ def quantize_int8(
     amax = vb.abs().amax(dim=1)
     usable = finite & (amax > 0)
     scales = torch.where(finite, amax / 127.0, float("nan"))
-    inv = torch.where(usable, 127.0 / torch.where(usable, amax, 1.0), 0.0)
+    # full_like(...) / t is a true division; 127.0 / t would be reciprocal(t) * 127 (other rounding).
+    inv = torch.where(usable, torch.full_like(amax, 127.0) / torch.where(usable, amax, 1.0), 0.0)
     q = torch.floor(vb * inv[:, None] + 0.5).clamp_(-127.0, 127.0)
     q = torch.where(finite[:, None], q, 0.0)
     if residual is not None:

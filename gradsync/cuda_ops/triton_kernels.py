@@ -86,8 +86,8 @@ def quantize_int8_kernel(
     finite = nonfinite == 0
     amax = tl.max(tl.where(finite[:, None], mag, 0.0), axis=1)
     usable = finite & (amax > 0.0)
-    scale = tl.where(finite, amax / 127.0, float("nan"))
-    inv = tl.where(usable, 127.0 / tl.where(usable, amax, 1.0), 0.0)
+    scale = tl.where(finite, tl.math.div_rn(amax, 127.0), float("nan"))  # IEEE division, as on CPU
+    inv = tl.where(usable, tl.math.div_rn(127.0, tl.where(usable, amax, 1.0)), 0.0)
     q = tl.floor(v * inv[:, None] + 0.5)
     q = tl.minimum(tl.maximum(q, -127.0), 127.0)
     q = tl.where(finite[:, None], q, 0.0)

@@ -9,6 +9,7 @@ worker's distributed autograd context and handed to the consistency rule).
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import torch
@@ -164,3 +165,12 @@ def make_setup(buckets: list[Bucket], params, buffers, optimizer_cls, optimizer_
         "optimizer_cls": optimizer_cls,
         "optimizer_kwargs": optimizer_kwargs,
     }
+
+
+def rpc_stats() -> dict:
+    """This server's counters (version, pushes applied/rejected, staleness, bytes)."""
+    shard = _server()._shard()
+    with shard.lock:
+        stats = dataclasses.asdict(shard.stats)
+    stats["workers_seen"] = sorted(stats["workers_seen"])
+    return stats

@@ -39,12 +39,19 @@ def _wait(futures: dict[int, torch.futures.Future], what: str, timeout: float) -
     results = {}
     for server, fut in futures.items():
         try:
-            results[server] = fut.wait()
+            result = fut.wait()
         except Exception as e:
-            elapsed = time.monotonic() - start
-            raise RuntimeError(
-                f"{what} on {server_name(server)} failed after {elapsed:.1f} s (step timeout {timeout:.0f} s): {e}"
-            ) from e
+            error = e
+        else:
+            # torch RPC hands an exception set on an async_execution future back as a value
+            if not isinstance(result, BaseException):
+                results[server] = result
+                continue
+            error = result
+        elapsed = time.monotonic() - start
+        raise RuntimeError(
+            f"{what} on {server_name(server)} failed after {elapsed:.1f} s (step timeout {timeout:.0f} s): {error}"
+        ) from error
     return results
 
 

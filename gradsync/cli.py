@@ -1,0 +1,49 @@
+"""The `gradsync` console command: `gradsync run ... SCRIPT [ARGS...]`."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from gradsync.config import ConfigError
+from gradsync.launch import JobFailed, run_script
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gradsync", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="spawn servers and workers on this machine and run SCRIPT on each")
+    run.add_argument("--strategy", required=True, help="ps or allreduce")
+    run.add_argument("--workers", type=int, required=True, help="number of worker processes")
+    run.add_argument("--servers", type=int, default=None, help="parameter servers (default 1 for ps, 0 for allreduce)")
+    run.add_argument("--mode", default="sync", help="sync or async (ps only)")
+    run.add_argument("--nonfinite", default="raise", help="raise or skip, for NaN/Inf gradients")
+    run.add_argument("--compression", default="none", help="none, fp16, bf16 or int8 gradients on the wire")
+    run.add_argument("--master-port", type=int, default=0, help="port of the rendezvous store (0: a free one)")
+    run.add_argument("--run-dir", default=None, help="directory for the job's files (default: a new temp dir)")
+    run.add_argument("--timeout", type=float, default=None, help="seconds before the whole job is killed")
+    run.add_argument("script", help="the training script")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "run":
+            servers = args.servers if args.servers is not None else (1 if args.strategy == "ps" else 0)
+            run_script(
+                args.script, args.args, strategy=args.strategy, workers=args.workers, servers=servers,
+                mode=args.mode, master_port=args.master_port, run_dir=args.run_dir, timeout=args.timeout,
+                nonfinite=args.nonfinite, compression=args.compression,
+            )
+    except ConfigError as e:
+        print(f"gradsync: error: {e}", file=sys.stderr)
+        return 2
+    except JobFailed as e:
+        print(f"gradsync: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

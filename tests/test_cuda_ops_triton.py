@@ -1,0 +1,255 @@
+"""The Triton kernels (through their launch wrappers, `triton_impl`) against the CPU reference.
+
+Triton decides when a kernel is defined whether it is interpreted, so
+TRITON_INTERPRET=1 must be set before `gradsync.cuda_ops.triton_kernels` is
+imported, and it must not leak into other tests. Run normally, this file
+therefore contributes one test that re-runs the file in a child pytest with
+TRITON_INTERPRET=1, where the kernel tests run on CPU tensors; on a GPU
+machine they also run here, on CUDA tensors, compiled.
+
+Under the interpreter the kernels must match the reference bit for bit,
+except that the interpreter truncates fp32 -> bf16 where GPUs and PyTorch
+round to nearest (1 bf16 ulp). On a GPU the compiler may fuse a multiply-add
+(int8 rounding and dequantization), hence the small tolerances there.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gradsync.cuda_ops import reference as R
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+BIG = (1 << 20) + 3
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy on NaN/Inf under the interpreter
+kernels = pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()),
+                             reason="runs in the TRITON_INTERPRET=1 child below, or on a GPU")
+
+if not INTERPRET:
+
+    @pytest.mark.timeout(240)
+    def test_triton_kernels_under_the_interpreter():
+        if importlib.util.find_spec("triton") is None:
+            pytest.skip("triton is not installed")
+        cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-W", "error::UserWarning"]
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=230)
+        assert r.returncode == 0, f"interpreter run failed:\n{r.stdout[-8000:]}\n{r.stderr[-2000:]}"
+        assert " passed" in r.stdout and " failed" not in r.stdout
+
+
+@pytest.fixture(scope="module")
+def T():
+    return pytest.importorskip("gradsync.cuda_ops.triton_impl")
+
+
+def randn(*shape, dtype=torch.float32, seed=0, scale=1.0):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
+
+
+def dev(tensors):
+    return [t.to(DEVICE) for t in tensors]
+
+
+def check(got: torch.Tensor, ref: torch.Tensor, rtol_gpu: float = 0.0):
+    """got (from a kernel) equals ref (from the reference); bf16 within 1 ulp (see the module docstring)."""
+    assert got.device.type == DEVICE and got.shape == ref.shape and got.dtype == ref.dtype
+    rtol = 2.0**-7 if ref.dtype == torch.bfloat16 else (0.0 if INTERPRET else rtol_gpu)
+    torch.testing.assert_close(got.cpu().float(), ref.float(), rtol=rtol, atol=0.0, equal_nan=True)
+
+
+# --- aggregate --------------------------------------------------------------------------------
+
+@kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", [1, 2, 5, 16, 17])
+@pytest.mark.parametrize("n", [1, 127, 4097])
+def test_aggregate(T, dtype, k, n):
+    xs = [randn(n, dtype=dtype, seed=i) for i in range(k)]
+    check(T.aggregate(dev(xs), 0.3, None), R.aggregate(xs, 0.3, None))
+    check(T.aggregate(dev(xs), 1.0, torch.float32), R.aggregate(xs, 1.0, torch.float32))
+
+
+@kernels
+@pytest.mark.parametrize("dtype,k", [(torch.float32, 3), (torch.bfloat16, 2)])
+def test_aggregate_1m_plus_3(T, dtype, k):
+    xs = [randn(BIG, dtype=dtype, seed=i) for i in range(k)]
+    check(T.aggregate(dev(xs), 0.5, torch.float32), R.aggregate(xs, 0.5, torch.float32))
+
+
+@kernels
+def test_aggregate_non_contiguous_and_strided_views(T):
+    stacked = randn(3, 40, 30, seed=1)
+    views = list(stacked[:, ::2, 1::3].to(DEVICE).unbind(0))  # non-contiguous
+    ref = R.aggregate(list(stacked[:, ::2, 1::3].unbind(0)), 2.0, None)
+    check(T.aggregate(views, 2.0, None), ref)
+    rows = list(randn(5, 1001, seed=2).to(DEVICE)[:, 3:1000].unbind(0))  # contiguous rows at odd offsets
+    check(T.aggregate(rows, 1.0, None), R.aggregate([r.cpu() for r in rows], 1.0, None))
+
+
+@kernels
+def test_aggregate_empty_and_non_finite(T):
+    assert T.aggregate(dev([torch.empty(0, 3)] * 2), 1.0, None).shape == (0, 3)
+    with pytest.raises(ValueError, match="tensors: got an empty list"):
+        T.aggregate([], 1.0, None)
+    a = torch.tensor([1.0, float("nan"), float("inf"), float("inf"), 2.0])
+    b = torch.tensor([1.0, 0.0, 1.0, float("-inf"), float("-inf")])
+    got = T.aggregate(dev([a, b]), 1.0, torch.float16).cpu()
+    assert got[0] == 2 and got[1].isnan() and got[2] == float("inf") and got[3].isnan()
+    assert got[4] == float("-inf")
+
+
+@kernels
+@pytest.mark.parametrize("k,out_dtype", [(3, torch.bfloat16), (17, torch.float32), (33, torch.float16)])
+def test_aggregate_into(T, k, out_dtype):
+    xs = [randn(300, seed=i) for i in range(k)]
+    out = torch.full((300,), 9.0, dtype=out_dtype, device=DEVICE)
+    T.aggregate_into(dev(xs), 0.1, out)
+    check(out, R.aggregate(xs, 0.1, out_dtype))
+    with pytest.raises(ValueError, match=r"out: shape \(299,\)"):
+        T.aggregate_into(dev(xs), 0.1, out[:299])
+
+
+@kernels
+@pytest.mark.parametrize("sizes", [[5, 300, 7, 0, 200, 3], [5, 7, 3], [5, 300], [300]])
+def test_aggregate_buckets_all_launch_paths(T, monkeypatch, sizes):
+    """FLATTEN_BELOW=100: buckets >= 100 get their own launch, smaller ones share one."""
+    monkeypatch.setattr(T, "FLATTEN_BELOW", 100)
+    k = 3
+    flat = [randn(s, seed=10 * w + b) for w in range(k) for b, s in enumerate(sizes)]
+    check(T.aggregate_buckets(dev(flat), k, 0.25, None), R.aggregate_buckets(flat, k, 0.25, None))
+    half = [t.half() for t in flat]
+    check(T.aggregate_buckets(dev(half), k, 1.0, torch.float32), R.aggregate_buckets(half, k, 1.0, torch.float32))
+
+
+@kernels
+def test_aggregate_buckets_rejects_mismatched_buckets(T):
+    with pytest.raises(ValueError, match=r"per_worker\[1\]\[0\]"):
+        T.aggregate_buckets(dev([torch.ones(3), torch.ones(4)]), 2, 1.0, None)
+
+
+# --- scaled cast ------------------------------------------------------------------------------
+
+CASTS = [(torch.float32, torch.float16), (torch.float32, torch.bfloat16), (torch.float16, torch.float32),
+         (torch.bfloat16, torch.float32), (torch.float32, torch.float32)]
+
+
+@kernels
+@pytest.mark.parametrize("src,dst", CASTS)
+@pytest.mark.parametrize("n", [1, 127, 4097])
+def test_scaled_cast(T, src, dst, n):
+    x = randn(n, dtype=src, seed=n, scale=100.0)
+    x[0] = float("nan")
+    if n > 2:
+        x[1], x[2] = float("inf"), float("-inf")
+    check(T.scaled_cast(x.to(DEVICE), 0.125, dst), R.scaled_cast(x, 0.125, dst))
+
+
+@kernels
+def test_scaled_cast_1m_plus_3_non_contiguous_and_empty(T):
+    x = randn(BIG, seed=3, scale=1e5)  # overflows fp16 without the scale
+    check(T.scaled_cast(x.to(DEVICE), 1 / 8, torch.float16), R.scaled_cast(x, 1 / 8, torch.float16))
+    m = randn(30, 20, seed=4)
+    check(T.scaled_cast(m.to(DEVICE).t(), 2.0, torch.bfloat16), R.scaled_cast(m.t(), 2.0, torch.bfloat16))
+    assert T.scaled_cast(torch.empty(0, device=DEVICE), 1.0, torch.float16).shape == (0,)
+
+
+# --- int8 -------------------------------------------------------------------------------------
+
+def check_quantized(got, ref, block, got_res=None, ref_res=None):
+    """Same scales; same int8 values (+-1 on a GPU, where a fused multiply-add may round a tie
+    the other way, moving that element's residual by one step)."""
+    (q, s), (rq, rs) = got, ref
+    assert q.device.type == DEVICE and q.dtype == torch.int8 and q.shape == rq.shape and s.shape == rs.shape
+    torch.testing.assert_close(s.cpu(), rs, rtol=0, atol=0, equal_nan=True)
+    if q.numel():
+        assert (q.cpu().int() - rq.int()).abs().max().item() <= (0 if INTERPRET else 1)
+    if got_res is not None:
+        step = torch.nan_to_num(rs).repeat_interleave(block)[: q.numel()]
+        slack = 0.0 if INTERPRET else 1.001
+        assert ((got_res.cpu() - ref_res).abs() <= step * slack).all()
+
+
+@kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 127, 4097])
+@pytest.mark.parametrize("block", [8, 64, 8192])
+def test_quantize_int8(T, dtype, n, block):
+    x = randn(n, dtype=dtype, seed=n + block, scale=3.0)
+    check_quantized(T.quantize_int8(x.to(DEVICE), None, block), R.quantize_int8(x, None, block), block)
+    res = randn(n, seed=5, scale=0.01)
+    res_dev = res.clone().to(DEVICE)
+    ref = R.quantize_int8(x, res, block)
+    check_quantized(T.quantize_int8(x.to(DEVICE), res_dev, block), ref, block, res_dev, res)
+
+
+@kernels
+def test_quantize_int8_1m_plus_3(T):
+    x, res = randn(BIG, seed=6), randn(BIG, seed=7, scale=0.01)
+    res_dev = res.clone().to(DEVICE)
+    ref = R.quantize_int8(x, res, 256)
+    check_quantized(T.quantize_int8(x.to(DEVICE), res_dev, 256), ref, 256, res_dev, res)
+
+
+@kernels
+def test_quantize_int8_non_finite_zero_empty_and_non_contiguous(T):
+    x = randn(100, seed=8)
+    x[3], x[40], x[99] = float("nan"), float("inf"), float("-inf")
+    x[64:80] = 0.0
+    res = torch.full((100,), 0.5)
+    res_dev = res.clone().to(DEVICE)
+    ref = R.quantize_int8(x, res, 16)
+    got = T.quantize_int8(x.to(DEVICE), res_dev, 16)
+    check_quantized(got, ref, 16, res_dev, res)
+    assert got[1].cpu()[[0, 2, 6]].isnan().all() and got[1].cpu()[4] == 0  # bad blocks -> NaN, zero block -> 0
+    m = randn(40, 30, seed=9)
+    check_quantized(T.quantize_int8(m.to(DEVICE).t(), None, 32), R.quantize_int8(m.t(), None, 32), 32)
+    q, s = T.quantize_int8(torch.empty(0, device=DEVICE), None, 8)
+    assert q.shape == (0,) and s.shape == (0,)
+    with pytest.raises(ValueError, match="block_size: got 12"):
+        T.quantize_int8(x.to(DEVICE), None, 12)
+
+
+def compressed(k, n, block, seed=0):
+    cs = [R.quantize_int8(randn(n, seed=seed + i, scale=i + 1.0), None, block) for i in range(k)]
+    return torch.stack([c[0] for c in cs]), torch.stack([c[1] for c in cs])
+
+
+@kernels
+@pytest.mark.parametrize("k", [1, 3, 16])
+@pytest.mark.parametrize("n", [1, 127, 4097])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_aggregate(T, k, n, out_dtype):
+    q, s = compressed(k, n, 64)
+    check(T.dequantize_aggregate(q.to(DEVICE), s.to(DEVICE), 64, 1 / k, out_dtype),
+          R.dequantize_aggregate(q, s, 64, 1 / k, out_dtype), rtol_gpu=1e-6)
+
+
+@kernels
+def test_dequantize_aggregate_1m_plus_3_strided_rows_and_nan(T):
+    q, s = compressed(2, BIG, 1024)
+    check(T.dequantize_aggregate(q.to(DEVICE), s.to(DEVICE), 1024, 0.5, torch.float32),
+          R.dequantize_aggregate(q, s, 1024, 0.5, torch.float32), rtol_gpu=1e-6)
+    q, s = compressed(4, 300, 8)
+    wide_q = torch.zeros(4, 310, dtype=torch.int8)
+    wide_q[:, 5:305] = q
+    s[1, 3] = float("nan")
+    got = T.dequantize_aggregate(wide_q.to(DEVICE)[:, 5:305], s.to(DEVICE).t().contiguous().t(), 8, 0.25,
+                                 torch.float32)
+    ref = R.dequantize_aggregate(q, s, 8, 0.25, torch.float32)
+    check(got, ref, rtol_gpu=1e-6)
+    assert got.cpu()[24:32].isnan().all() and not got.cpu()[:24].isnan().any()
+    with pytest.raises(ValueError, match=r"scales: expected a torch.float32 tensor of shape \(4, 38\)"):
+        T.dequantize_aggregate(q.to(DEVICE), s[:, :-1].to(DEVICE), 8, 1.0, torch.float32)
+    assert T.dequantize_aggregate(torch.empty(2, 0, dtype=torch.int8, device=DEVICE),
+                                  torch.empty(2, 0, device=DEVICE), 8, 1.0, torch.float32).shape == (0,)

@@ -1,0 +1,119 @@
+"""Failure behaviour: a broken worker fails the whole job fast, with its rank and traceback."""
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+import gradsync
+from gradsync.config import ConfigError
+from jobs import build_mismatched, fail_at, reference_mlp, reference_skipping, train_mlp_stats, train_with_nan
+from test_parity import max_diff
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("strategy,servers", [("ps", 1), ("allreduce", 0)])
+@pytest.mark.parametrize("how", ["raise", "kill"])
+def test_failing_worker_fails_the_job_within_30s(strategy, servers, how):
+    start = time.monotonic()
+    with pytest.raises(gradsync.JobFailed) as info:
+        gradsync.launch(fail_at, strategy=strategy, workers=3, servers=servers, args=(3, how), timeout=80)
+    elapsed = time.monotonic() - start
+    message = str(info.value)
+    assert f"rank {servers + 1} (worker1)" in message
+    if how == "raise":
+        assert "worker 1 broke on purpose" in message and "Traceback" in message
+    else:
+        assert "SIGKILL" in message
+    assert elapsed < 30 + 15  # 30 s after the failure, plus start-up of the ranks on a loaded 2-core machine
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("strategy,servers", [("ps", 1), ("allreduce", 0)])
+def test_workers_with_different_models_are_refused(strategy, servers):
+    with pytest.raises(gradsync.JobFailed, match=r"worker 1's model differs from worker 0's: param '0.weight'"):
+        gradsync.launch(build_mismatched, strategy=strategy, workers=2, servers=servers, timeout=80)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy,servers", [("ps", 1), ("allreduce", 0)])
+def test_nan_gradient_raises_naming_parameter_and_worker(strategy, servers):
+    with pytest.raises(gradsync.JobFailed, match=r"non-finite gradient .* for parameter '\d\.(weight|bias)' from worker 1"):
+        gradsync.launch(train_with_nan, strategy=strategy, workers=2, servers=servers, args=(6, 2), timeout=100)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy,servers", [("ps", 2), ("allreduce", 0)])
+def test_nan_gradient_skip_drops_exactly_that_step(strategy, servers):
+    states = gradsync.launch(
+        train_with_nan, strategy=strategy, workers=2, servers=servers, args=(6, 2), nonfinite="skip", timeout=100
+    )
+    assert max_diff(states[0], reference_skipping(6, 2, skip=2)) <= 1e-5
+    assert max_diff(states[0], reference_mlp(6, 2)) > 1e-4
+
+
+@pytest.mark.timeout(120)
+def test_async_applies_every_push_and_uneven_workers_shut_down():
+    stats = gradsync.launch(train_mlp_stats, strategy="ps", mode="async", workers=3, servers=1, args=(12, 3), timeout=100)
+    # workers 0 and 2 run 12 steps, worker 1 only 3; whoever finishes last has seen every push applied
+    assert max(s["pushes_applied"] for s in stats) == 27
+    assert max(s["version"] for s in stats) == 27
+    assert all(s["pushes_rejected"] == 0 for s in stats)
+    assert max(s["workers_seen"] for s in stats) == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(strategy="bogus", workers=2), "unknown strategy 'bogus'"),
+        (dict(strategy="ps", workers=2, servers=1, mode="eventually"), "unknown mode 'eventually'"),
+        (dict(strategy="ps", workers=2, servers=0), "needs at least one server, got servers=0"),
+        (dict(strategy="ps", workers=0, servers=1), "workers must be a positive integer"),
+        (dict(strategy="allreduce", workers=2, mode="async"), "allreduce strategy is synchronous"),
+    ],
+)
+def test_bad_settings_are_refused_before_anything_starts(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        gradsync.launch(train_mlp_stats, **kwargs)
+
+
+def _gradsync_run(*args, timeout=60):
+    return subprocess.run(
+        [sys.executable, "-m", "gradsync.cli", "run", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.mark.timeout(60)
+def test_cli_reports_a_port_in_use():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = _gradsync_run("--strategy", "ps", "--workers", "1", "--master-port", str(port), "x.py")
+    assert done.returncode == 2
+    assert f"port {port} on 127.0.0.1 is already in use" in done.stderr
+
+
+@pytest.mark.timeout(60)
+def test_cli_refuses_ps_without_servers():
+    done = _gradsync_run("--strategy", "ps", "--workers", "2", "--servers", "0", "x.py")
+    assert done.returncode == 2 and "--servers 1" in done.stderr
+
+
+@pytest.mark.timeout(90)
+def test_cli_failing_script_exits_nonzero_with_rank_and_traceback(tmp_path):
+    script = tmp_path / "broken.py"
+    script.write_text(
+        "import gradsync\n"
+        "gradsync.init()\n"
+        "if gradsync.worker_rank() == 1:\n"
+        "    raise ValueError('bad batch 7')\n"
+        "gradsync.shutdown()\n"
+    )
+    start = time.monotonic()
+    done = _gradsync_run("--strategy", "ps", "--workers", "2", str(script), timeout=80)
+    assert done.returncode == 1
+    assert "rank 2 (worker1) failed with exit code 1" in done.stderr
+    assert "ValueError: bad batch 7" in done.stderr
+    assert time.monotonic() - start < 45
