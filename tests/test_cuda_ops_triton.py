@@ -207,6 +207,7 @@ def test_quantize_int8_non_finite_zero_empty_and_non_contiguous(T):
     x[3], x[40], x[99] = float("nan"), float("inf"), float("-inf")
     x[64:80] = 0.0
     res = torch.full((100,), 0.5)
+    res[64:80] = 0.0
     res_dev = res.clone().to(DEVICE)
     ref = R.quantize_int8(x, res, 16)
     got = T.quantize_int8(x.to(DEVICE), res_dev, 16)
