@@ -1,0 +1,208 @@
+"""Bad input never changes a server: a matrix of malformed pushes and pulls, then a seeded fuzz test."""
+from __future__ import annotations
+
+import random
+
+import grpc
+import pytest
+import torch
+
+from gradsync.proto import gradsync_pb2 as pb
+from gradsync.proto.tensor_codec import encode, encode_all
+from grpc_harness import TOKEN, make_server, served
+
+METADATA = (("authorization", f"Bearer {TOKEN}"),)
+LR = 0.1
+REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
+
+
+def _bits(state: dict[str, torch.Tensor]) -> dict[str, bytes]:
+    return {n: t.reshape(-1).view(torch.uint8).numpy().tobytes() for n, t in state.items()}
+
+
+def _header(worker=0, version=0) -> pb.PushRequest:
+    return pb.PushRequest(header=pb.PushHeader(worker=worker, version=version))
+
+
+def _chunks(tensors: dict[str, torch.Tensor], chunk_bytes: int = 1 << 20) -> list[pb.PushRequest]:
+    return [pb.PushRequest(chunk=c) for c in encode_all(tensors, chunk_bytes)]
+
+
+def _send(channel, messages, method="Push") -> tuple[grpc.StatusCode, str]:
+    """Send raw messages (protobuf objects or bytes) and return the status code and details."""
+    raw = [m if isinstance(m, bytes) else m.SerializeToString() for m in messages]
+    try:
+        if method == "Push":
+            channel.stream_unary(f"/gradsync.ParameterServer/{method}")(iter(raw), timeout=10, metadata=METADATA)
+        elif method == "Pull":
+            list(channel.unary_stream(f"/gradsync.ParameterServer/{method}")(raw[0], timeout=10, metadata=METADATA))
+        else:
+            channel.unary_unary(f"/gradsync.ParameterServer/{method}")(raw[0], timeout=10, metadata=METADATA)
+    except grpc.RpcError as e:
+        return e.code(), e.details()
+    return grpc.StatusCode.OK, ""
+
+
+def _ones(name, shape=(16,), dtype=torch.float32):
+    return {name: torch.ones(shape, dtype=dtype)}
+
+
+def _edited(messages: list[pb.PushRequest], index: int, **fields) -> list[pb.PushRequest]:
+    out = [pb.PushRequest.FromString(m.SerializeToString()) for m in messages]
+    for k, v in fields.items():
+        if k == "shape":
+            del out[index].chunk.shape[:]
+            out[index].chunk.shape.extend(v)
+        else:
+            setattr(out[index].chunk, k, v)
+    return out
+
+
+W1 = _chunks({"fc1.weight": torch.ones(16, 8)}, chunk_bytes=128)  # 4 chunks
+CASES = {
+    "unknown parameter": ([_header()] + _chunks(_ones("nope")), "does not own"),
+    "valid and unknown together": ([_header()] + _chunks({**_ones("fc1.bias"), **_ones("nope")}), "does not own"),
+    "wrong dtype": ([_header()] + _chunks(_ones("fc1.bias", dtype=torch.float64)), "expected (16,) torch.float32"),
+    "wrong shape": ([_header()] + _chunks(_ones("fc1.bias", (4, 4))), "expected (16,)"),
+    "unknown dtype": ([_header()] + _chunks(_ones("fc1.bias"))[:0] + [pb.PushRequest(chunk=pb.Tensor(
+        name="fc1.bias", dtype="float8", shape=[16], total_bytes=16, data=b"\1" * 16))], "Tensor.dtype"),
+    "truncated tensor": ([_header()] + W1[:3], "truncated"),
+    "missing chunk": ([_header()] + W1[:1] + W1[2:], "Tensor.offset"),
+    "repeated chunk": ([_header()] + W1[:2] + W1[1:], "Tensor.offset"),
+    "out of order": ([_header(), W1[1], W1[0]] + W1[2:], "Tensor.offset"),
+    "chunk past the end": ([_header()] + _edited(W1, 3, data=W1[3].chunk.data + b"\0\0\0\0"), "Tensor.total_bytes"),
+    "oversized tensor": ([_header()] + _edited(W1[:1], 0, shape=[1 << 30], total_bytes=4 << 30), "exceeds"),
+    "shape and bytes disagree": ([_header()] + _edited(W1, 0, total_bytes=4), "Tensor.total_bytes"),
+    "version from the future": ([_header(version=7)] + _chunks(_ones("fc1.bias")), "version from the future"),
+    "worker out of range": ([_header(worker=5)] + _chunks(_ones("fc1.bias")), "not a worker of this job"),
+    "NaN gradient": ([_header()] + _chunks({"fc1.bias": torch.full((16,), float("nan"))}), "non-finite"),
+    "garbage bytes": ([_header().SerializeToString(), b"\xff\xfe\xfd garbage"], "not a valid PushRequest"),
+    "empty stream": ([], "stream is empty"),
+    "no header": (_chunks(_ones("fc1.bias")), "first message must be a PushHeader"),
+    "second header": ([_header(), _header()] + _chunks(_ones("fc1.bias")), "only the first message"),
+}
+
+
+@pytest.fixture(scope="module")
+def endpoint():
+    server = make_server("async", workers=2, lr=LR)
+    with served(server) as (endpoint, _), grpc.insecure_channel(endpoint.address) as channel:
+        yield server, channel
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_push_is_refused_naming_the_field_and_changes_nothing(endpoint, case):
+    server, channel = endpoint
+    messages, expected = CASES[case]
+    before = _bits(server.state_dict())
+    code, details = _send(channel, messages)
+    assert code in REFUSED and expected in details, (code, details)
+    assert _bits(server.state_dict()) == before and server.shard.version == 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("method", ["Health", "GetStats", "Pull", "Checkpoint"])
+def test_garbage_unary_requests_are_invalid_argument(endpoint, method):
+    server, channel = endpoint
+    code, details = _send(channel, [b"\x0a\xff\xff\xff\xff\xff"], method)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and f"not a valid {method}Request" in details
+
+
+@pytest.mark.timeout(60)
+def test_bad_pull_names_are_refused(endpoint):
+    _, channel = endpoint
+    code, details = _send(channel, [pb.PullRequest(names=["fc1.bias", "ghost"])], "Pull")
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "PullRequest.names" in details and "ghost" in details
+
+
+def _mutate(rng: random.Random, messages: list[pb.PushRequest], names: list[str]) -> list[bytes]:
+    raw = [m.SerializeToString() for m in messages]
+    for _ in range(rng.randint(1, 3)):
+        op = rng.randrange(9)
+        i = rng.randrange(len(raw)) if raw else 0
+        if op == 0 and raw and raw[i]:  # flip a byte
+            b = bytearray(raw[i])
+            b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
+            raw[i] = bytes(b)
+        elif op == 1 and raw:  # cut a message short
+            raw[i] = raw[i][: rng.randrange(len(raw[i]) + 1)]
+        elif op == 2 and raw:  # drop a message
+            del raw[i]
+        elif op == 3 and raw:  # repeat a message
+            raw.insert(i, raw[i])
+        elif op == 4 and len(raw) > 1:  # swap two messages
+            j = rng.randrange(len(raw))
+            raw[i], raw[j] = raw[j], raw[i]
+        elif op == 5:  # random bytes
+            raw.insert(i, rng.randbytes(rng.randrange(1, 64)))
+        elif op in (6, 7) and raw:  # change one field of a parsed message
+            m = pb.PushRequest.FromString(messages[0].SerializeToString())
+            try:
+                m = pb.PushRequest.FromString(raw[i])
+            except Exception:
+                pass
+            if m.WhichOneof("item") == "header":
+                if rng.random() < 0.5:
+                    m.header.worker = rng.choice([-1, 0, 1, 2, 1 << 40])
+                else:
+                    m.header.version = rng.choice([0, 1, 2, 3, 1 << 63])
+            else:
+                field = rng.choice(["name", "dtype", "shape", "total_bytes", "offset", "data"])
+                c = m.chunk
+                if field == "name":
+                    c.name = rng.choice(names + ["", "x" * 300])
+                elif field == "dtype":
+                    c.dtype = rng.choice(["float64", "int8", "bool", "float16", "", "complex64"])
+                elif field == "shape":
+                    del c.shape[:]
+                    c.shape.extend(rng.choice([[], [0], [16], [-1], [4, 4], [1 << 62, 4]]))
+                elif field == "total_bytes":
+                    c.total_bytes = rng.choice([0, 1, 63, 64, 65, 1 << 63])
+                elif field == "offset":
+                    c.offset = rng.choice([0, 1, 64, 1 << 63])
+                else:
+                    c.data = rng.randbytes(rng.randrange(0, 200))
+            raw[i] = m.SerializeToString()
+        elif op == 8:  # a non-finite value in a real gradient
+            name = rng.choice(names)
+            raw += [m.SerializeToString() for m in _chunks({name: torch.full((16,), float("inf"))})]
+    return raw
+
+
+@pytest.mark.timeout(60)
+def test_fuzzed_pushes_never_corrupt_the_server():
+    """Random and mutated streams: each is refused with nothing changed, or applied as exactly one step."""
+    rng = random.Random(1234)
+    server = make_server("async", workers=2, lr=LR)
+    names = list(server.shard.params)
+    shapes = {n: p.shape for n, p in server.shard.params.items()}
+    applied = 0
+    with served(server) as (endpoint, client), grpc.insecure_channel(endpoint.address) as channel:
+        reference = _bits(server.state_dict())
+        for trial in range(300):
+            version = server.shard.version
+            chosen = rng.sample(names, rng.randint(1, len(names)))
+            g = torch.Generator().manual_seed(trial)
+            grads = {n: torch.randn(shapes[n], generator=g) for n in chosen}
+            messages = [_header(worker=rng.randrange(2), version=version)] + _chunks(grads, rng.choice([16, 64, 4096]))
+            raw = _mutate(rng, messages, names) if trial % 8 else [rng.randbytes(rng.randrange(1, 100))
+                                                                   for _ in range(rng.randrange(1, 4))]
+            code, details = _send(channel, raw)
+            now = _bits(server.state_dict())
+            if code == grpc.StatusCode.OK:
+                applied += 1
+                assert server.shard.version == version + 1
+                reference = now
+            else:
+                assert code in REFUSED, (trial, code, details)
+                assert details, trial
+                assert now == reference and server.shard.version == version, trial
+        assert 0 < applied < 300
+        # the server still works exactly: one clean push is one SGD step on the current state
+        state = client.pull()
+        grads = {n: torch.full(shapes[n], 0.5) for n in names}
+        client.push(grads, server.shard.version, worker=0)
+        after = client.pull()
+        for n in names:
+            assert _bits({n: after[n]}) == _bits({n: state[n].add(grads[n], alpha=-LR)}), n
