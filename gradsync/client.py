@@ -217,8 +217,7 @@ class Client:
 def status_table(client: Client) -> str:
     """`gradsync status RUN_DIR`: one row per shard, as a markdown table."""
     health = client.health()
-    ready = [s for s, h in health.items() if h["ready"]]
-    stats = client.stats() if ready else {}
+    stats = client.stats() if all(h["ready"] for h in health.values()) else {}  # GetStats needs a ready shard
     header = ["shard", "address", "ready", "version", "workers seen", "pushes applied", "pushes rejected",
               "steps skipped", "max staleness", "MB in", "MB out"]
     rows = []

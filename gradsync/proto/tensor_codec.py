@@ -109,7 +109,8 @@ class _Partial:
                 f"{where}: chunk at Tensor.offset {chunk.offset}, expected {self.received} "
                 "(a chunk is missing, repeated or out of order)"
             )
-        size = len(chunk.data)
+        data = chunk.data  # each read of a bytes field makes a copy: read it once
+        size = len(data)
         if size > CHUNK_BYTES:
             raise ValueError(f"{where}: chunk of {size} bytes exceeds the {CHUNK_BYTES}-byte limit on Tensor.data")
         if self.received + size > self.total:
@@ -119,7 +120,7 @@ class _Partial:
             )
         if size == 0 and self.total != 0:
             raise ValueError(f"{where}: empty Tensor.data in a chunk of a non-empty tensor")
-        self.buffer[self.received : self.received + size] = chunk.data
+        self.buffer[self.received : self.received + size] = data
         self.received += size
 
     @property
