@@ -28,6 +28,8 @@ from . import triton_kernels as K
 
 BLOCK = 4096
 NUM_WARPS = 8
+EXACT = {"enable_fp_fusion": False}
+"""No fused multiply-adds: the kernels round exactly as the reference does."""
 QUANT_TILE = 4096
 """Elements one quantization program handles: QUANT_TILE // block_size blocks (at least one)."""
 FLATTEN_BELOW = 1 << 20
@@ -54,7 +56,7 @@ def _launch_sum(xs: Sequence[torch.Tensor], scale: float, out: torch.Tensor) -> 
         ptrs = group + [group[0]] * (K.MAX_INPUTS - len(group))
         K.sum_kernel[grid](
             dst, acc if acc is not None else dst, *ptrs, n, scale if last else 1.0,
-            NUM=len(group), HAS_ACC=start > 0, BLOCK=BLOCK, num_warps=NUM_WARPS,
+            NUM=len(group), HAS_ACC=start > 0, BLOCK=BLOCK, num_warps=NUM_WARPS, **EXACT,
         )
 
 
@@ -111,7 +113,9 @@ def scaled_cast(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tens
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     n = x.numel()
     if n:
-        K.scaled_cast_kernel[(triton.cdiv(n, BLOCK),)](_dense(x), out, n, scale, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        K.scaled_cast_kernel[(triton.cdiv(n, BLOCK),)](
+            _dense(x), out, n, scale, BLOCK=BLOCK, num_warps=NUM_WARPS, **EXACT
+        )
     return out
 
 
@@ -133,7 +137,7 @@ def quantize_int8(
         K.quantize_int8_kernel[(triton.cdiv(nb, rows),)](
             x, residual if residual is not None else x, payload, scales, n, nb,
             HAS_RESIDUAL=residual is not None, BS=block_size, ROWS=rows,
-            num_warps=max(1, min(NUM_WARPS, rows * block_size // 256)),
+            num_warps=max(1, min(NUM_WARPS, rows * block_size // 256)), **EXACT,
         )
     return payload, scales
 
@@ -151,6 +155,6 @@ def dequantize_aggregate(
         s = scales if scales.stride(1) == 1 else scales.contiguous()
         K.dequantize_sum_kernel[(triton.cdiv(n, BLOCK),)](
             q, s, out, n, k, q.stride(0), s.stride(0), scale,
-            BS=block_size, BLOCK=BLOCK, num_warps=NUM_WARPS,
+            BS=block_size, BLOCK=BLOCK, num_warps=NUM_WARPS, **EXACT,
         )
     return out
