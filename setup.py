@@ -8,10 +8,10 @@ setup(
     packages=find_packages(include=["gradsync", "gradsync.*"]),
     package_data={"gradsync.proto": ["*.proto", "*.pyi"]},
     python_requires=">=3.10",
-    install_requires=["torch>=2.4", "numpy", "grpcio>=1.60", "protobuf>=5.26"],
+    install_requires=["torch>=2.4", "numpy", "grpcio>=1.85.1", "protobuf>=7.35,<8"],
     extras_require={
         "triton": ["triton>=3.0"],
-        "dev": ["pytest", "pytest-timeout", "grpcio-tools>=1.60", "triton>=3.0"],
+        "dev": ["pytest", "pytest-timeout", "grpcio-tools>=1.85.1", "triton>=3.0"],
     },
     entry_points={"console_scripts": ["gradsync = gradsync.cli:main"]},
 )

@@ -1,4 +1,4 @@
-"""The `gradsync` console command: `gradsync run ... SCRIPT [ARGS...]`."""
+"""The `gradsync` console command: `run` a job here; `status` and `pull` reach a running job over gRPC."""
 from __future__ import annotations
 
 import argparse
@@ -23,6 +23,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--timeout", type=float, default=None, help="seconds before the whole job is killed")
     run.add_argument("script", help="the training script")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    status = commands.add_parser("status", help="print a table of a running job's shards")
+    status.add_argument("run_dir", help="the job's run directory (printed at start-up)")
+    pull = commands.add_parser("pull", help="save a running job's current weights with torch.save")
+    pull.add_argument("run_dir", help="the job's run directory (printed at start-up)")
+    pull.add_argument("out", help="where to write the state dict (.pt)")
     return parser
 
 
@@ -36,7 +41,16 @@ def main(argv: list[str] | None = None) -> int:
                 mode=args.mode, master_port=args.master_port, run_dir=args.run_dir, timeout=args.timeout,
                 nonfinite=args.nonfinite, compression=args.compression,
             )
-    except ConfigError as e:
+        else:
+            from gradsync.client import Client, pull_to_file, status_table
+
+            with Client(args.run_dir) as client:
+                if args.command == "status":
+                    print(status_table(client))
+                else:
+                    versions = pull_to_file(client, args.out)
+                    print(f"wrote {args.out} (versions by shard: {versions})")
+    except (ConfigError, FileNotFoundError, ValueError, ConnectionError, TimeoutError, PermissionError) as e:
         print(f"gradsync: error: {e}", file=sys.stderr)
         return 2
     except JobFailed as e:

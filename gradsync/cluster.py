@@ -163,11 +163,16 @@ def _start_rpc(config: JobConfig, store: dist.Store) -> None:
 def _serve(cluster: Cluster) -> None:
     from gradsync.ps.server import ParameterServer, install
 
+    from gradsync.ps.endpoint import start_endpoint
+
     config = cluster.config
-    install(ParameterServer(config.rank, config.num_workers, config.mode, config.nonfinite))
+    server = ParameterServer(config.rank, config.num_workers, config.mode, config.nonfinite)
+    install(server)
+    endpoint = start_endpoint(server, cluster.store, config.step_timeout)
     try:
         _wait_for_workers(cluster, deadline=None)
         _stop_rpc(config)
+        endpoint.stop()
     finally:
         sys.stdout.flush()
         sys.stderr.flush()

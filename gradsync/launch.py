@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from gradsync.cluster import FAILED_KEY
 from gradsync.config import ConfigError, JobConfig
+from gradsync.proto.service import new_token
 
 _POLL_S = 0.05
 _KILL_GRACE_S = 3.0
@@ -62,6 +63,7 @@ def rank_environments(config: JobConfig, port: int, run_dir: str) -> list[dict[s
         LOCAL_WORLD_SIZE=str(config.world_size),
         GRADSYNC_STORE_HOSTED="1",
         GRADSYNC_RUN_DIR=run_dir,
+        GRADSYNC_TOKEN=os.environ.get("GRADSYNC_TOKEN") or new_token(),
         TP_SOCKET_IFNAME="lo",
         GLOO_SOCKET_IFNAME="lo",
         OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
@@ -175,8 +177,9 @@ def run_script(script: str, script_args: list[str], *, strategy: str, workers: i
     """Run `python script args` on every rank (the `gradsync run` command). Raises JobFailed."""
     config = _job_config(strategy, workers, servers, mode, **settings)
     store = host_store(master_port)
-    run_dir = run_dir or tempfile.mkdtemp(prefix="gradsync-run-")
+    run_dir = os.path.abspath(run_dir or tempfile.mkdtemp(prefix="gradsync-run-"))
     os.makedirs(run_dir, exist_ok=True)
+    print(f"gradsync: run dir {run_dir}", file=sys.stderr, flush=True)
     ranks = []
     for rank, env in enumerate(rank_environments(config, store.port, run_dir)):
         proc = subprocess.Popen([sys.executable, script, *script_args], env={**os.environ, **env},

@@ -156,3 +156,33 @@ def reference_bn(steps: int, workers: int) -> dict[str, torch.Tensor]:
             for b, *bs in zip(model.buffers(), *buffers):
                 b.copy_(torch.stack(bs).sum(0) / workers if b.is_floating_point() else bs[0])
     return model.state_dict()
+
+
+def train_then_read_over_grpc(steps: int) -> dict:
+    """Train, then read the job from outside the RPC world: the gRPC client and the CLI."""
+    import os
+    import stat
+    import subprocess
+    import sys
+
+    from gradsync.client import Client
+
+    state = train_mlp(steps)
+    run_dir = os.environ["GRADSYNC_RUN_DIR"]
+    with Client(run_dir) as client:
+        pulled, versions = client.pull_versioned()
+        stats = client.stats()
+    out = os.path.join(run_dir, "weights.pt")
+    cli = [sys.executable, "-m", "gradsync.cli"]
+    status = subprocess.run([*cli, "status", run_dir], capture_output=True, text=True, timeout=60)
+    pulled_cli = subprocess.run([*cli, "pull", run_dir, out], capture_output=True, text=True, timeout=60)
+    return dict(
+        state=state,
+        pulled=pulled,
+        versions=versions,
+        stats=stats,
+        modes=[stat.S_IMODE(os.stat(os.path.join(run_dir, f)).st_mode) for f in sorted(os.listdir(run_dir))
+               if f.startswith("grpc-")],
+        status=status.stdout + status.stderr,
+        cli_weights=torch.load(out) if pulled_cli.returncode == 0 else pulled_cli.stderr,
+    )

@@ -1,0 +1,20 @@
+"""Every server of a launched job serves gRPC: clients outside the RPC world read the live job."""
+import pytest
+
+import gradsync
+from jobs import train_then_read_over_grpc
+
+
+@pytest.mark.timeout(150)
+def test_servers_of_a_job_serve_grpc_with_owner_only_endpoint_files():
+    result = gradsync.launch(train_then_read_over_grpc, strategy="ps", workers=1, servers=2, args=(3,), timeout=140)[0]
+    state, pulled = result["state"], result["pulled"]
+    assert sorted(pulled) == sorted(state)
+    for name in state:
+        assert pulled[name].dtype == state[name].dtype and pulled[name].equal(state[name]), name
+    assert result["versions"] == {0: 3, 1: 3}
+    assert result["modes"] == [0o600, 0o600]
+    assert all(result["stats"][shard]["version"] == 3 for shard in (0, 1)), result["stats"]
+    assert "| 0 |" in result["status"] and "| 1 |" in result["status"], result["status"]
+    assert isinstance(result["cli_weights"], dict), result["cli_weights"]
+    assert all(result["cli_weights"][k].equal(state[k]) for k in state)
