@@ -17,6 +17,7 @@ number of large buckets only.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -36,28 +37,37 @@ FLATTEN_BELOW = 1 << 20
 """Buckets with fewer elements share one launch in `aggregate_buckets`."""
 
 
+def _on(device: torch.device):
+    """Launch on the tensors' GPU, not the current one (a no-op for CPU tensors, interpreter)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def _dense(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
 def _launch_sum(xs: Sequence[torch.Tensor], scale: float, out: torch.Tensor) -> None:
-    """out (contiguous, numel n) = (xs[0] + ... + xs[K-1]) * scale; xs contiguous, numel n each."""
+    """out (contiguous, numel n) = (xs[0] + ... + xs[K-1]) * scale; xs contiguous, numel n each.
+
+    Launches ceil(K / MAX_INPUTS) kernels; all but the last write the partial fp32 sum into
+    `out` (when it is fp32) or a temporary, and the next launch continues from it.
+    """
     n = out.numel()
     if n == 0:
         return
     grid = (triton.cdiv(n, BLOCK),)
-    acc = out if out.dtype == torch.float32 else None
-    for start in range(0, len(xs), K.MAX_INPUTS):
-        group = list(xs[start : start + K.MAX_INPUTS])
-        last = start + K.MAX_INPUTS >= len(xs)
-        if not last and acc is None:
-            acc = torch.empty(n, dtype=torch.float32, device=out.device)
-        dst = out if last else acc
-        ptrs = group + [group[0]] * (K.MAX_INPUTS - len(group))
-        K.sum_kernel[grid](
-            dst, acc if acc is not None else dst, *ptrs, n, scale if last else 1.0,
-            NUM=len(group), HAS_ACC=start > 0, BLOCK=BLOCK, num_warps=NUM_WARPS, **EXACT,
-        )
+    acc = out if out.dtype == torch.float32 or len(xs) <= K.MAX_INPUTS else None
+    if acc is None:
+        acc = torch.empty(n, dtype=torch.float32, device=out.device)
+    with _on(out.device):
+        for start in range(0, len(xs), K.MAX_INPUTS):
+            group = list(xs[start : start + K.MAX_INPUTS])
+            last = start + K.MAX_INPUTS >= len(xs)
+            ptrs = group + [group[0]] * (K.MAX_INPUTS - len(group))
+            K.sum_kernel[grid](
+                out if last else acc, acc, *ptrs, n, scale if last else 1.0,
+                NUM=len(group), HAS_ACC=start > 0, BLOCK=BLOCK, num_warps=NUM_WARPS, **EXACT,
+            )
 
 
 def aggregate(tensors: Sequence[torch.Tensor], scale: float, out_dtype: torch.dtype | None) -> torch.Tensor:
@@ -90,11 +100,13 @@ def aggregate_buckets(
     def column(b: int) -> list[torch.Tensor]:
         return [_dense(tensors[w * buckets + b]) for w in range(num_workers)]
 
+    own = [b for b in range(buckets) if sizes[b] >= FLATTEN_BELOW]
     small = [b for b in range(buckets) if 0 < sizes[b] < FLATTEN_BELOW]
-    for b in range(buckets):
-        if sizes[b] >= FLATTEN_BELOW or (len(small) == 1 and b in small):
-            _launch_sum(column(b), scale, out[starts[b] : starts[b + 1]])
-    if len(small) > 1:
+    if len(small) == 1:
+        own, small = own + small, []
+    for b in own:
+        _launch_sum(column(b), scale, out[starts[b] : starts[b + 1]])
+    if small:
         flats = [_flatten_dense_tensors([tensors[w * buckets + b] for b in small]) for w in range(num_workers)]
         if small == list(range(small[0], small[-1] + 1)):
             _launch_sum(flats, scale, out[starts[small[0]] : starts[small[-1] + 1]])
@@ -113,7 +125,8 @@ def scaled_cast(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tens
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     n = x.numel()
     if n:
-        K.scaled_cast_kernel[(triton.cdiv(n, BLOCK),)](
+        with _on(x.device):
+            K.scaled_cast_kernel[(triton.cdiv(n, BLOCK),)](
             _dense(x), out, n, scale, BLOCK=BLOCK, num_warps=NUM_WARPS, **EXACT
         )
     return out
@@ -134,11 +147,12 @@ def quantize_int8(
     if n:
         x = _dense(x)
         rows = max(1, QUANT_TILE // block_size)
-        K.quantize_int8_kernel[(triton.cdiv(nb, rows),)](
-            x, residual if residual is not None else x, payload, scales, n, nb,
-            HAS_RESIDUAL=residual is not None, BS=block_size, ROWS=rows,
-            num_warps=max(1, min(NUM_WARPS, rows * block_size // 256)), **EXACT,
-        )
+        with _on(x.device):
+            K.quantize_int8_kernel[(triton.cdiv(nb, rows),)](
+                x, residual if residual is not None else x, payload, scales, n, nb,
+                HAS_RESIDUAL=residual is not None, BS=block_size, ROWS=rows,
+                num_warps=max(1, min(NUM_WARPS, rows * block_size // 256)), **EXACT,
+            )
     return payload, scales
 
 
@@ -153,8 +167,9 @@ def dequantize_aggregate(
     if n:
         q = payloads if payloads.stride(1) == 1 else payloads.contiguous()
         s = scales if scales.stride(1) == 1 else scales.contiguous()
-        K.dequantize_sum_kernel[(triton.cdiv(n, BLOCK),)](
-            q, s, out, n, k, q.stride(0), s.stride(0), scale,
-            BS=block_size, BLOCK=BLOCK, num_warps=NUM_WARPS, **EXACT,
-        )
+        with _on(out.device):
+            K.dequantize_sum_kernel[(triton.cdiv(n, BLOCK),)](
+                q, s, out, n, k, q.stride(0), s.stride(0), scale,
+                BS=block_size, BLOCK=BLOCK, num_warps=NUM_WARPS, **EXACT,
+            )
     return out
