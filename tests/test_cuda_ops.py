@@ -99,6 +99,12 @@ def test_aggregate_writes_into_out():
     assert torch.equal(out.float(), (sum(xs) * 0.5).bfloat16().float())
 
 
+def test_aggregate_can_accumulate_into_one_of_its_inputs():
+    acc, g = torch.tensor([1.0, 2.0]), torch.tensor([10.0, 20.0])
+    aggregate([acc, g], out=acc)
+    assert acc.tolist() == [11.0, 22.0]
+
+
 def test_aggregate_fp32_sum_beats_naive_fp16():
     xs = [torch.full((4,), 1000.0, dtype=torch.float16)] * 100  # 1e5 overflows fp16 (max 65504)
     assert torch.equal(aggregate(xs, 1 / 100), torch.full((4,), 1000.0, dtype=torch.float16))

@@ -95,6 +95,9 @@ def test_aggregate_into(T, k, out_dtype):
     out = torch.full((300,), 9.0, dtype=out_dtype, device=DEVICE)
     T.aggregate_into(dev(xs), 0.1, out)
     check(out, R.aggregate(xs, 0.1, out_dtype))
+    acc = xs[0].clone().to(DEVICE)  # out may be one of the inputs: an accumulator
+    T.aggregate_into([acc] + dev(xs[1:]), 0.1, acc)
+    check(acc, R.aggregate(xs, 0.1, torch.float32))
     with pytest.raises(ValueError, match=r"out: shape \(299,\)"):
         T.aggregate_into(dev(xs), 0.1, out[:299])
 

@@ -40,7 +40,8 @@ def aggregate(
         scale: multiplies the sum (e.g. 1 / K for the mean).
         out_dtype: dtype of the result; default the inputs' dtype.
         out: optional contiguous tensor of the inputs' shape to write the result into
-            (its dtype is the output dtype).
+            (its dtype is the output dtype); it may be one of the inputs, to accumulate
+            in place: `aggregate([acc, grad], out=acc)`.
 
     Returns:
         `(tensors[0] + ... + tensors[K-1]) * scale`, summed left to right in fp32;
