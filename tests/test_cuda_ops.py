@@ -2,7 +2,8 @@
 
 Values are checked against closed forms (integer-valued inputs sum exactly
 in fp32) or float64 references; the CUDA twins at the end skip without a GPU.
-The Triton kernels themselves are checked in test_cuda_ops_triton.py.
+The Triton kernels themselves are checked in test_cuda_ops_kernels.py (run under the
+interpreter by test_cuda_ops_interpreter.py) and test_cuda_ops_compile.py.
 """
 from __future__ import annotations
 

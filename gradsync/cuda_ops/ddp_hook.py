@@ -34,9 +34,9 @@ class DDPHookState:
     """Group to average over; None is the default group (pass DDP's group if it is another)."""
     block_size: int = DEFAULT_BLOCK_SIZE
     """Elements per int8 scale (a power of two); unused by the other compressions."""
-    residuals: dict = dataclasses.field(default_factory=dict)
+    residuals: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict, init=False)
     """int8 error-feedback buffers, fp32, keyed by bucket index."""
-    _layouts: dict = dataclasses.field(default_factory=dict, repr=False)
+    _layouts: dict[int, tuple] = dataclasses.field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self):
         allowed = get_args(Compression)

@@ -18,7 +18,13 @@ from . import checks, reference
 
 
 def _triton():
-    return importlib.import_module("gradsync.cuda_ops.triton_impl")
+    try:
+        return importlib.import_module("gradsync.cuda_ops.triton_impl")
+    except ImportError as e:
+        raise RuntimeError(
+            f"gradsync.cuda_ops: CUDA tensors need Triton ({e}); pip install 'triton>=3.0', "
+            f"or pass CPU tensors to use the PyTorch implementation"
+        ) from e
 
 
 @custom_op("gradsync::aggregate", mutates_args=(), device_types="cpu")

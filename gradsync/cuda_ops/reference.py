@@ -3,7 +3,7 @@
 Every function here is the registered CPU kernel of its op and the ground truth
 the Triton kernels are tested against, so each one performs the same fp32
 operations in the same order as its kernel (sequential accumulation, scale
-applied last, `floor(v * 127 / amax + 0.5)` rounding). They run on any
+applied last, `floor(v * (127 / amax) + 0.5)` rounding). They run on any
 device, which lets `bench/cuda_ops.py` time them on a GPU as "the plain
 PyTorch way". Inputs are validated with `checks` before anything is written.
 """
