@@ -124,9 +124,10 @@ def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=
     store = connect_store(config)
     _report_failures(store, config.rank)
     _STATE = Cluster(config, store)
+    server = _install_server(config) if config.is_server else None
     _start_rpc(config, store)
-    if config.is_server:
-        _serve(_STATE)
+    if server is not None:
+        _serve(_STATE, server)
     elif config.strategy == "allreduce":
         dist.init_process_group(
             "nccl" if _use_cuda() else "gloo",
@@ -160,14 +161,19 @@ def _start_rpc(config: JobConfig, store: dist.Store) -> None:
     rpc._set_rpc_timeout(config.step_timeout)
 
 
-def _serve(cluster: Cluster) -> None:
+def _install_server(config: JobConfig):
+    """Create this process's parameter server before RPC starts, so no request can arrive first."""
     from gradsync.ps.server import ParameterServer, install
 
+    server = ParameterServer(config.rank, config.num_workers, config.mode, config.nonfinite)
+    install(server)
+    return server
+
+
+def _serve(cluster: Cluster, server) -> None:
     from gradsync.ps.endpoint import start_endpoint
 
     config = cluster.config
-    server = ParameterServer(config.rank, config.num_workers, config.mode, config.nonfinite)
-    install(server)
     endpoint = start_endpoint(server, cluster.store, config.step_timeout)
     try:
         _wait_for_workers(cluster, deadline=None)
