@@ -12,15 +12,16 @@ every rank's payload and scales, and decodes their mean in one pass
 bucket; like any collective, every rank of the group must reach it.
 """
 import dataclasses
-from typing import Callable, Literal, Optional, get_args
+from typing import Callable, Optional, get_args
 
 import torch
 import torch.distributed as dist
 
+from gradsync.config import Compression
+
 from . import checks
 from .compression import DEFAULT_BLOCK_SIZE, compress, compress_int8, decompress, dequantize_aggregate
 
-Compression = Literal["none", "fp16", "bf16", "int8"]
 _HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
