@@ -383,3 +383,15 @@ def test_cuda_int8_matches_cpu():
     assert torch.equal(res_gpu.cpu(), res_cpu)
     mean_gpu = dequantize_aggregate([cc.payload.cuda()] * 3, [cc.scales.cuda()] * 3, 64)
     assert torch.equal(mean_gpu.cpu(), dequantize_aggregate([cc.payload] * 3, [cc.scales] * 3, 64))
+
+
+@pytest.mark.parametrize("magnitude", [1e-30, 1e-38, 1e-44])
+def test_int8_tiny_blocks_stay_finite_and_keep_their_value_in_the_residual(magnitude):
+    """127 / amax overflows fp32 for amax below ~3.7e-37: such blocks must send zeros, not NaN."""
+    x = torch.zeros(300)
+    x[3] = magnitude
+    residual = torch.zeros(300)
+    c = compress_int8(x, residual=residual, block_size=256)
+    out = decompress_int8(c)
+    assert torch.isfinite(out).all() and torch.isfinite(residual).all()
+    assert (out + residual)[3].item() == pytest.approx(magnitude, rel=1e-2)

@@ -20,3 +20,16 @@ def test_digits_reaches_95_percent(strategy, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     accuracy = float(re.search(r"test accuracy ([\d.]+)", done.stdout).group(1))
     assert accuracy >= 0.95, done.stdout
+
+
+@pytest.mark.timeout(200)
+def test_digits_with_int8_compressed_allreduce_is_within_one_point():
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import gradsync
+    from digits import train
+
+    plain = gradsync.launch(train, strategy="allreduce", workers=2, timeout=190)[0]
+    int8 = gradsync.launch(train, strategy="allreduce", workers=2, compression="int8", timeout=190)[0]
+    assert int8["test_accuracy"] >= plain["test_accuracy"] - 0.01, (int8, plain)
+    assert int8["test_accuracy"] >= 0.95
+    assert int8["final_loss"] != plain["final_loss"]  # the hook really ran: compressed training differs

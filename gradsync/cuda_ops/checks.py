@@ -15,6 +15,8 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 MIN_BLOCK_SIZE = 8
 MAX_BLOCK_SIZE = 8192
+MIN_INT8_AMAX = 1e-36
+"""Smallest block magnitude int8 quantizes; 127 / amax stays finite in fp32 above it."""
 
 
 def _names(dtypes) -> str:

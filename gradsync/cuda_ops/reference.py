@@ -77,7 +77,7 @@ def quantize_int8(
     vb = F.pad(v, (0, nb * block_size - n)).view(nb, block_size)
     finite = torch.isfinite(vb).all(dim=1)
     amax = vb.abs().amax(dim=1)
-    usable = finite & (amax > 0)
+    usable = finite & (amax >= checks.MIN_INT8_AMAX)  # below it, 127 / amax overflows: the block sends zeros
     scales = torch.where(finite, amax / 127.0, float("nan"))
     # full_like(...) / t is a true division; 127.0 / t would be reciprocal(t) * 127 (other rounding).
     inv = torch.where(usable, torch.full_like(amax, 127.0) / torch.where(usable, amax, 1.0), 0.0)

@@ -14,6 +14,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+MIN_AMAX = tl.constexpr(1e-36)
+"""Same as `checks.MIN_INT8_AMAX`: smaller blocks send zeros (127 / amax would overflow)."""
+
 MAX_INPUTS = 16
 """Input pointers one `sum_kernel` launch takes; more inputs chain launches through an fp32 buffer."""
 
@@ -85,7 +88,7 @@ def quantize_int8_kernel(
     nonfinite = tl.sum(tl.where(mag < float("inf"), 0, 1), axis=1)
     finite = nonfinite == 0
     amax = tl.max(tl.where(finite[:, None], mag, 0.0), axis=1)
-    usable = finite & (amax > 0.0)
+    usable = finite & (amax >= MIN_AMAX)  # below it, 127 / amax overflows: the block sends zeros
     scale = tl.where(finite, tl.math.div_rn(amax, 127.0), float("nan"))  # IEEE division, as on CPU
     inv = tl.where(usable, tl.math.div_rn(127.0, tl.where(usable, amax, 1.0)), 0.0)
     q = tl.floor(v * inv[:, None] + 0.5)
