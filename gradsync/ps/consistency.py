@@ -64,6 +64,7 @@ class SyncRule:
         self.nonfinite = nonfinite
         self._pending: dict[int, tuple[list[torch.Tensor], dict, torch.futures.Future]] = {}
         self._failure: Exception | None = None
+        self._skip_step = False
 
     def commit(self, worker: int, pulled_version: int, grads: list, buffers: dict) -> torch.futures.Future:
         shard = self.shard
@@ -89,11 +90,13 @@ class SyncRule:
                 return _done(error=self._failure)
             fut: torch.futures.Future = torch.futures.Future()
             self._pending[worker] = (checked, buffers, fut)
+            self._skip_step = self._skip_step or name is not None
             if len(self._pending) < self.num_workers:
                 return fut
             pending = [self._pending[w] for w in sorted(self._pending)]
             self._pending = {}
-            if any(self.shard.nonfinite_parameter(g) is not None for g, _, _ in pending):
+            if self._skip_step:  # nonfinite='skip': a NaN/Inf from any worker drops the whole step
+                self._skip_step = False
                 shard.stats.steps_skipped += 1
             else:
                 scale = 1.0 / self.num_workers
