@@ -13,7 +13,7 @@ server unreachable; RuntimeError: anything else).
 from __future__ import annotations
 
 import os
-import tempfile
+import io
 import time
 
 import grpc
@@ -22,6 +22,7 @@ import torch
 from gradsync.proto import gradsync_pb2 as pb
 from gradsync.proto import gradsync_pb2_grpc as pb_grpc
 from gradsync.proto import tensor_codec
+from gradsync.atomic_file import write_atomically
 from gradsync.proto.endpoints import read_endpoints
 
 _ERRORS = {
@@ -241,16 +242,7 @@ def pull_to_file(client: Client, path: str) -> dict[int, int]:
         The version of each shard's part of the saved state.
     """
     state, versions = client.pull_versioned()
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".pull-", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    payload = io.BytesIO()
+    torch.save(state, payload)
+    write_atomically(path, payload.getvalue())
     return versions

@@ -11,27 +11,17 @@ import glob
 import json
 import os
 import re
-import tempfile
+
+from gradsync.atomic_file import write_atomically
 
 _NAME = re.compile(r"grpc-(\d+)\.json$")
 
 
 def write_endpoints(run_dir: str, shard_id: int, address: str, token: str) -> str:
     """Record one server's endpoint in `run_dir/grpc-<shard_id>.json`; returns the file's path."""
-    os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, f"grpc-{shard_id}.json")
     entry = {"shard": shard_id, "address": address, "token": token}
-    fd, tmp = tempfile.mkstemp(prefix=f".grpc-{shard_id}-", suffix=".tmp", dir=run_dir)  # mode 0600
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(entry, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_atomically(path, json.dumps(entry).encode())  # mode 0600: it holds the token
     return path
 
 

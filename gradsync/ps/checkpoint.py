@@ -12,10 +12,10 @@ import copy
 import hashlib
 import io
 import os
-import tempfile
 
 import torch
 
+from gradsync.atomic_file import write_atomically
 from gradsync.ps.shard import ShardState
 
 MAGIC = b"GRADSYNC-CHECKPOINT-1\n"
@@ -44,24 +44,9 @@ def save(shard: ShardState, directory: str) -> tuple[str, int]:
     payload = io.BytesIO()
     torch.save(state, payload)
     data = payload.getvalue()
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f"shard-{shard.shard_id}.ckpt")
-    fd, tmp = tempfile.mkstemp(prefix=f".shard-{shard.shard_id}-", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(MAGIC + hashlib.sha256(data).digest() + data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    path = write_atomically(
+        os.path.join(directory, f"shard-{shard.shard_id}.ckpt"), MAGIC + hashlib.sha256(data).digest() + data
+    )
     return path, state["version"]
 
 

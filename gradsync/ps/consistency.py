@@ -33,6 +33,23 @@ def _check_version(shard: ShardState, worker: int, pulled_version: int, exact: b
         )
 
 
+def _validated(shard: ShardState, worker: int, pulled_version: int, grads: list, buffers: dict, exact: bool):
+    """Check one push; returns (gradients, buffers, first non-finite parameter or None). Call with the lock held.
+
+    Raises:
+        GradientError: counted as a rejected push; nothing is changed.
+    """
+    try:
+        _check_version(shard, worker, pulled_version, exact)
+        checked = shard.check_gradients(worker, grads)
+        buffers = shard.check_buffers(worker, buffers)
+    except GradientError:
+        shard.stats.pushes_rejected += 1
+        raise
+    shard.stats.workers_seen.add(worker)
+    return checked, buffers, shard.nonfinite_parameter(checked)
+
+
 def _nonfinite_error(shard: ShardState, worker: int, name: str) -> GradientError:
     return GradientError(
         f"non-finite gradient (NaN or Inf) for parameter {name!r} from worker {worker}: "
@@ -71,17 +88,13 @@ class SyncRule:
         with shard.lock:
             if self._failure is not None:
                 return _done(error=self._failure)
-            try:
-                _check_version(shard, worker, pulled_version, exact=True)
-                if worker in self._pending:
-                    raise GradientError(f"worker {worker} committed twice at version {shard.version}")
-                checked = shard.check_gradients(worker, grads)
-                buffers = shard.check_buffers(worker, buffers)
-            except GradientError as e:
+            if worker in self._pending:
                 shard.stats.pushes_rejected += 1
+                return _done(error=GradientError(f"worker {worker} committed twice at version {shard.version}"))
+            try:
+                checked, buffers, name = _validated(shard, worker, pulled_version, grads, buffers, exact=True)
+            except GradientError as e:
                 return _done(error=e)
-            shard.stats.workers_seen.add(worker)
-            name = shard.nonfinite_parameter(checked)
             if name is not None and self.nonfinite == "raise":
                 self._failure = _nonfinite_error(shard, worker, name)
                 for _, _, fut in self._pending.values():
@@ -119,14 +132,9 @@ class AsyncRule:
         shard = self.shard
         with shard.lock:
             try:
-                _check_version(shard, worker, pulled_version, exact=False)
-                checked = shard.check_gradients(worker, grads)
-                buffers = shard.check_buffers(worker, buffers)
+                checked, buffers, name = _validated(shard, worker, pulled_version, grads, buffers, exact=False)
             except GradientError as e:
-                shard.stats.pushes_rejected += 1
                 return _done(error=e)
-            shard.stats.workers_seen.add(worker)
-            name = shard.nonfinite_parameter(checked)
             if name is not None:
                 shard.stats.pushes_rejected += 1
                 if self.nonfinite == "raise":
