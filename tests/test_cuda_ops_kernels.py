@@ -192,6 +192,18 @@ def test_quantize_int8_non_finite_zero_empty_and_non_contiguous(T):
         T.quantize_int8(x.to(DEVICE), None, 12)
 
 
+def test_quantize_int8_tiny_blocks_match_the_reference(T):
+    """Blocks below MIN_INT8_AMAX send zeros (127 / amax would overflow to inf and make NaN)."""
+    x = torch.zeros(48)
+    x[1], x[17], x[33] = 1e-30, 1e-38, 1e-44  # one tiny value in each block of 16
+    res = torch.zeros(48)
+    res_dev = res.clone().to(DEVICE)
+    ref = R.quantize_int8(x, res, 16)
+    got = T.quantize_int8(x.to(DEVICE), res_dev, 16)
+    check_quantized(got, ref, res_dev, res)
+    assert torch.isfinite(res).all() and got[0].cpu()[[17, 33]].eq(0).all()
+
+
 def compressed(k, n, block, seed=0):
     cs = [R.quantize_int8(randn(n, seed=seed + i, scale=i + 1.0), None, block) for i in range(k)]
     return torch.stack([c[0] for c in cs]), torch.stack([c[1] for c in cs])
