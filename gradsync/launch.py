@@ -129,17 +129,19 @@ def _failure_text(config: JobConfig, run_dir: str, rank: int, code: int) -> str:
     return text
 
 
-def _first_failure(failed: list[tuple[int, int]], store: dist.Store) -> tuple[int, int]:
-    """The root cause among ranks seen failed together: one killed by a signal (it could not report),
-    else the first to record its failure in the store, else the lowest rank."""
+def _first_failure(ranks: list[_Rank], failed: list[tuple[int, int]], store: dist.Store) -> tuple[int, int]:
+    """The root cause among failed ranks: one killed by a signal (it could not report), else the first
+    to record its failure in the store (given a few seconds to exit by itself), else the lowest rank."""
     for rank, code in failed:
         if code < 0:
             return rank, code
     if store.check([FAILED_KEY]):
-        first = int(store.get(FAILED_KEY).decode().split(":", 1)[0].split()[1])
-        for rank, code in failed:
-            if rank == first:
-                return rank, code
+        first = ranks[int(store.get(FAILED_KEY).decode().split(":", 1)[0].split()[1])]
+        deadline = time.monotonic() + _KILL_GRACE_S
+        while first.exitcode() is None and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+        if first.exitcode() not in (None, 0):
+            return first.rank, first.exitcode()
     return failed[0]
 
 
@@ -151,7 +153,7 @@ def supervise(config: JobConfig, ranks: list[_Rank], run_dir: str, store: dist.S
             codes = [r.exitcode() for r in ranks]
             failed = [(r.rank, c) for r, c in zip(ranks, codes) if c not in (None, 0)]
             if failed:
-                rank, code = _first_failure(failed, store)
+                rank, code = _first_failure(ranks, failed, store)
                 _kill_all(ranks)
                 raise JobFailed(_failure_text(config, run_dir, rank, code), rank)
             if all(c == 0 for c in codes):

@@ -114,6 +114,6 @@ def test_cli_failing_script_exits_nonzero_with_rank_and_traceback(tmp_path):
     start = time.monotonic()
     done = _gradsync_run("--strategy", "ps", "--workers", "2", str(script), timeout=80)
     assert done.returncode == 1
-    assert "rank 2 (worker1) failed with exit code 1" in done.stderr
+    assert "rank 2 (worker1) failed with exit code 1" in done.stderr, done.stderr
     assert "ValueError: bad batch 7" in done.stderr
     assert time.monotonic() - start < 45
