@@ -21,14 +21,16 @@ def main() -> int:
     parser.add_argument("--servers", type=int, default=1)
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--mode", default="sync")
+    parser.add_argument("--compression", default="none", help="none, fp16, bf16 or int8")
     args = parser.parse_args()
     jobs = [
         (f"ps ({args.mode}, {args.servers} server{'s' * (args.servers > 1)})",
-         dict(strategy="ps", servers=args.servers, mode=args.mode)),
-        ("allreduce", dict(strategy="allreduce", servers=0)),
+         dict(strategy="ps", servers=args.servers, mode=args.mode, compression=args.compression)),
+        ("allreduce", dict(strategy="allreduce", servers=0, compression=args.compression)),
     ]
     lines = [
-        f"digits, {args.workers} workers, {args.epochs} epochs (medians per step, worker 0)",
+        f"digits, {args.workers} workers, {args.epochs} epochs, compression {args.compression} "
+        "(medians per step, worker 0)",
         "",
         "| strategy | final loss | test acc | samples/s | step ms | pull ms | compute ms | commit ms "
         "| sent KB/step | recv KB/step |",

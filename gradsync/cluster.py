@@ -165,7 +165,7 @@ def _install_server(config: JobConfig):
     """Create this process's parameter server before RPC starts, so no request can arrive first."""
     from gradsync.ps.server import ParameterServer, install
 
-    server = ParameterServer(config.rank, config.num_workers, config.mode, config.nonfinite)
+    server = ParameterServer(config.rank, config.num_workers, config.mode, config.nonfinite, config.compression)
     install(server)
     return server
 

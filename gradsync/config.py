@@ -79,11 +79,6 @@ class JobConfig:
             )
         if self.strategy == "allreduce" and self.mode != "sync":
             raise ConfigError("the allreduce strategy is synchronous: pass --mode sync, or use --strategy ps")
-        if self.strategy == "ps" and self.compression != "none":
-            raise ConfigError(
-                f"compression {self.compression!r} is not available with the ps strategy yet (its pushes travel "
-                "uncompressed): pass --compression none, or use --strategy allreduce"
-            )
         if self.servers < 0:
             raise ConfigError(f"servers must be >= 0, got {self.servers}")
         if self.world_size - self.servers < 1:

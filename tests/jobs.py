@@ -186,3 +186,15 @@ def train_then_read_over_grpc(steps: int) -> dict:
         status=status.stdout + status.stderr,
         cli_weights=torch.load(out) if pulled_cli.returncode == 0 else pulled_cli.stderr,
     )
+
+
+def train_mlp_with_metrics(steps: int) -> tuple[dict[str, torch.Tensor], dict]:
+    """`train_mlp`, also returning worker's step metrics (bytes on the wire)."""
+    trainer = gradsync.Trainer(make_mlp(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    me = gradsync.worker_rank()
+    for step in range(steps):
+        x, y = batch(step, me)
+        with dist_autograd.context() as cid:
+            dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
+            trainer.step(cid)
+    return trainer.state_dict(), trainer.metrics.summary()

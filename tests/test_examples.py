@@ -23,13 +23,14 @@ def test_digits_reaches_95_percent(strategy, tmp_path):
 
 
 @pytest.mark.timeout(200)
-def test_digits_with_int8_compressed_allreduce_is_within_one_point():
+@pytest.mark.parametrize("strategy,servers", [("ps", 1), ("allreduce", 0)])
+def test_digits_with_int8_compression_is_within_one_point(strategy, servers):
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     import gradsync
     from digits import train
 
-    plain = gradsync.launch(train, strategy="allreduce", workers=2, timeout=190)[0]
-    int8 = gradsync.launch(train, strategy="allreduce", workers=2, compression="int8", timeout=190)[0]
+    plain = gradsync.launch(train, strategy=strategy, workers=2, servers=servers, timeout=190)[0]
+    int8 = gradsync.launch(train, strategy=strategy, workers=2, servers=servers, compression="int8", timeout=190)[0]
     assert int8["test_accuracy"] >= plain["test_accuracy"] - 0.01, (int8, plain)
     assert int8["test_accuracy"] >= 0.95
     assert int8["final_loss"] != plain["final_loss"]  # the hook really ran: compressed training differs

@@ -1,7 +1,8 @@
 """Consistency rules: when a server applies the gradients its workers commit.
 
 `SyncRule` waits for all W workers of a step, averages their gradients in
-worker order (one fused `aggregate` per bucket, so the result is the same
+worker order (one fused pass per bucket: `aggregate`, or `dequantize_aggregate`
+for int8 pushes; see `wire`), so the result is the same
 bit for bit whatever the arrival order), applies the optimizer once and then
 releases every waiting worker. `AsyncRule` applies each worker's gradient as
 it arrives and tracks staleness. Both return a `torch.futures.Future` that
@@ -12,7 +13,9 @@ from __future__ import annotations
 import torch
 
 from gradsync.cuda_ops import aggregate
+from gradsync.ps.buckets import Bucket
 from gradsync.ps.shard import GradientError, ShardState
+from gradsync.ps.wire import PLAIN
 
 
 def _done(value=None, error: Exception | None = None) -> torch.futures.Future:
@@ -33,7 +36,7 @@ def _check_version(shard: ShardState, worker: int, pulled_version: int, exact: b
         )
 
 
-def _validated(shard: ShardState, worker: int, pulled_version: int, grads: list, buffers: dict, exact: bool):
+def _validated(shard: ShardState, worker: int, pulled_version: int, grads: list, buffers: dict, wire, exact: bool):
     """Check one push; returns (gradients, buffers, first non-finite parameter or None). Call with the lock held.
 
     Raises:
@@ -41,13 +44,22 @@ def _validated(shard: ShardState, worker: int, pulled_version: int, grads: list,
     """
     try:
         _check_version(shard, worker, pulled_version, exact)
-        checked = shard.check_gradients(worker, grads)
+        checked = shard.check_gradients(worker, grads, wire)
         buffers = shard.check_buffers(worker, buffers)
     except GradientError:
         shard.stats.pushes_rejected += 1
         raise
     shard.stats.workers_seen.add(worker)
-    return checked, buffers, shard.nonfinite_parameter(checked)
+    return checked, buffers, shard.nonfinite_parameter(checked, wire)
+
+
+def _mean(bucket: Bucket, pushes: list[tuple[object, object]]) -> torch.Tensor:
+    """The mean of W workers' (payload, wire) for one bucket, in one fused pass when they share a format."""
+    wires = {wire.name for _, wire in pushes}
+    if len(wires) == 1:
+        return pushes[0][1].mean([payload for payload, _ in pushes], bucket.dtype)
+    decoded = [wire.decode(payload, torch.float32) for payload, wire in pushes]
+    return aggregate(decoded, 1.0 / len(decoded), bucket.dtype)
 
 
 def _nonfinite_error(shard: ShardState, worker: int, name: str) -> GradientError:
@@ -79,11 +91,11 @@ class SyncRule:
         self.shard = shard
         self.num_workers = num_workers
         self.nonfinite = nonfinite
-        self._pending: dict[int, tuple[list[torch.Tensor], dict, torch.futures.Future]] = {}
+        self._pending: dict[int, tuple[list, dict, torch.futures.Future, object]] = {}
         self._failure: Exception | None = None
         self._skip_step = False
 
-    def commit(self, worker: int, pulled_version: int, grads: list, buffers: dict) -> torch.futures.Future:
+    def commit(self, worker: int, pulled_version: int, grads: list, buffers: dict, wire=PLAIN) -> torch.futures.Future:
         shard = self.shard
         with shard.lock:
             if self._failure is not None:
@@ -92,17 +104,17 @@ class SyncRule:
                 shard.stats.pushes_rejected += 1
                 return _done(error=GradientError(f"worker {worker} committed twice at version {shard.version}"))
             try:
-                checked, buffers, name = _validated(shard, worker, pulled_version, grads, buffers, exact=True)
+                checked, buffers, name = _validated(shard, worker, pulled_version, grads, buffers, wire, exact=True)
             except GradientError as e:
                 return _done(error=e)
             if name is not None and self.nonfinite == "raise":
                 self._failure = _nonfinite_error(shard, worker, name)
-                for _, _, fut in self._pending.values():
+                for _, _, fut, _ in self._pending.values():
                     fut.set_exception(self._failure)
                 self._pending.clear()
                 return _done(error=self._failure)
             fut: torch.futures.Future = torch.futures.Future()
-            self._pending[worker] = (checked, buffers, fut)
+            self._pending[worker] = (checked, buffers, fut, wire)
             self._skip_step = self._skip_step or name is not None
             if len(self._pending) < self.num_workers:
                 return fut
@@ -112,11 +124,10 @@ class SyncRule:
                 self._skip_step = False
                 shard.stats.steps_skipped += 1
             else:
-                scale = 1.0 / self.num_workers
-                mean = [aggregate([g[i] for g, _, _ in pending], scale) for i in range(len(shard.buckets))]
-                shard.apply(mean, mean_buffers([b for _, b, _ in pending]))
+                mean = [_mean(b, [(g[i], w) for g, _, _, w in pending]) for i, b in enumerate(shard.buckets)]
+                shard.apply(mean, mean_buffers([b for _, b, _, _ in pending]))
             version = shard.version
-        for _, _, waiting in pending:
+        for _, _, waiting, _ in pending:
             waiting.set_result(version)
         return fut
 
@@ -128,11 +139,11 @@ class AsyncRule:
         self.shard = shard
         self.nonfinite = nonfinite
 
-    def commit(self, worker: int, pulled_version: int, grads: list, buffers: dict) -> torch.futures.Future:
+    def commit(self, worker: int, pulled_version: int, grads: list, buffers: dict, wire=PLAIN) -> torch.futures.Future:
         shard = self.shard
         with shard.lock:
             try:
-                checked, buffers, name = _validated(shard, worker, pulled_version, grads, buffers, exact=False)
+                checked, buffers, name = _validated(shard, worker, pulled_version, grads, buffers, wire, exact=False)
             except GradientError as e:
                 return _done(error=e)
             if name is not None:
@@ -141,7 +152,7 @@ class AsyncRule:
                     return _done(error=_nonfinite_error(shard, worker, name))
                 return _done(shard.version)
             shard.stats.max_staleness = max(shard.stats.max_staleness, shard.version - pulled_version)
-            shard.apply(checked, buffers)
+            shard.apply([wire.decode(g, b.dtype) for g, b in zip(checked, shard.buckets)], buffers)
             return _done(shard.version)
 
 

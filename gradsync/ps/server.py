@@ -5,7 +5,8 @@ the module-level `rpc_*` functions below (torch RPC pickles functions by module
 path). The server waits until all W workers have registered the same model,
 builds its `ShardState` from worker 0's values, then serves pulls (consistent
 copies, recorded by distributed autograd) and commits (gradients read from the
-worker's distributed autograd context and handed to the consistency rule).
+worker's distributed autograd context and handed to the consistency rule), or,
+with compression, pushes of gradients the worker encoded itself.
 """
 from __future__ import annotations
 
@@ -19,13 +20,15 @@ import torch.distributed.rpc as rpc
 from gradsync.ps.buckets import Bucket, ModelSpec
 from gradsync.ps.consistency import RULES
 from gradsync.ps.shard import GradientError, ShardState
+from gradsync.ps.wire import make_wire
 
 
 class ParameterServer:
     """State of one server process; methods are thread-safe."""
 
-    def __init__(self, shard_id: int, num_workers: int, mode: str, nonfinite: str):
+    def __init__(self, shard_id: int, num_workers: int, mode: str, nonfinite: str, compression: str = "none"):
         self.shard_id = shard_id
+        self.wire = make_wire(compression)
         self.num_workers = num_workers
         self.mode = mode
         self.nonfinite = nonfinite
@@ -111,6 +114,10 @@ class ParameterServer:
         grads = [grads_by_leaf.get(leaf) for leaf in leaves]
         return self.rule.commit(worker, pulled_version, grads, buffers)
 
+    def push(self, worker: int, pulled_version: int, payloads: list, buffers: dict) -> torch.futures.Future:
+        """Gradients the worker read from its context and encoded in this job's wire format (compression)."""
+        return self.rule.commit(worker, pulled_version, payloads, buffers, self.wire)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         shard = self._shard()
         with shard.lock:
@@ -149,6 +156,11 @@ def rpc_pull(worker: int, context_id: int | None):
 @rpc.functions.async_execution
 def rpc_commit(worker: int, context_id: int, pulled_version: int, buffers: dict) -> torch.futures.Future:
     return _server().commit(worker, context_id, pulled_version, buffers)
+
+
+@rpc.functions.async_execution
+def rpc_push(worker: int, pulled_version: int, payloads: list, buffers: dict) -> torch.futures.Future:
+    return _server().push(worker, pulled_version, payloads, buffers)
 
 
 def rpc_state_dict() -> dict[str, torch.Tensor]:

@@ -72,8 +72,8 @@ class ShardState:
         self.stats.bytes_out += sum(f.nbytes for f in flats) + sum(b.nbytes for b in buffers.values())
         return self.version, flats, buffers
 
-    def check_gradients(self, worker: int, grads: list[torch.Tensor | None]) -> list[torch.Tensor]:
-        """Validate one worker's bucket gradients; missing ones become zeros.
+    def check_gradients(self, worker: int, grads: list, wire) -> list:
+        """Validate one worker's bucket payloads in `wire`'s format; a missing plain gradient becomes zeros.
 
         Raises:
             GradientError: naming the bucket/parameter and the worker; nothing is changed.
@@ -85,16 +85,12 @@ class ShardState:
             )
         checked = []
         for bucket, grad in zip(self.buckets, grads):
-            if grad is None:
+            if grad is None and wire.name == "none":
                 checked.append(torch.zeros(bucket.numel, dtype=bucket.dtype, device=self.device))
                 continue
-            if grad.shape != (bucket.numel,) or grad.dtype != bucket.dtype:
-                raise GradientError(
-                    f"worker {worker}: gradient of bucket {bucket.index} ({bucket.entries[0].name}, ...) "
-                    f"is {tuple(grad.shape)} {grad.dtype}, expected ({bucket.numel},) {bucket.dtype}"
-                )
-            checked.append(grad.to(self.device))
-        self.stats.bytes_in += sum(g.nbytes for g in grads if g is not None)
+            wire.validate(worker, bucket, grad)
+            checked.append(wire.to_device(grad, self.device))
+        self.stats.bytes_in += sum(wire.nbytes(g) for g in grads if g is not None)
         return checked
 
     def check_buffers(self, worker: int, buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -110,11 +106,11 @@ class ShardState:
                 )
         return {n: v.to(self.device) for n, v in buffers.items()}
 
-    def nonfinite_parameter(self, grads: list[torch.Tensor]) -> str | None:
+    def nonfinite_parameter(self, grads: list, wire) -> str | None:
         """Name of the first parameter whose gradient holds NaN or Inf, or None."""
         for bucket, grad in zip(self.buckets, grads):
-            if not bool(torch.isfinite(grad).all()):
-                for name, view in bucket.views(grad).items():
+            if wire.nonfinite(grad):
+                for name, view in bucket.views(wire.decode(grad, torch.float32)).items():
                     if not bool(torch.isfinite(view).all()):
                         return name
         return None

@@ -19,6 +19,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradsync.cluster import Cluster
+from gradsync.cuda_ops import DEFAULT_BLOCK_SIZE
 from gradsync.ps.buckets import ModelSpec
 from gradsync.worker.metrics import StepMetrics
 from gradsync.worker.model_state import named_tensors, to_state_dict
@@ -35,6 +36,16 @@ def _check_same_model(spec: ModelSpec, worker: int, num_workers: int) -> None:
                 f"worker {other}'s model differs from worker 0's: {diff}. Every worker must build the "
                 "same model (same classes, same constructor arguments)"
             )
+
+
+def _wire_bytes(params, workers: int, compression: str) -> int:
+    """Bytes each worker sends (and receives) per step: a ring allreduce moves 2 (W-1)/W of the
+    payload; int8 all-gathers 1 byte per value plus one fp32 scale per block to W-1 peers."""
+    numel = sum(p.numel() for p in params)
+    if compression == "int8":
+        return (workers - 1) * (numel + 4 * -(-numel // DEFAULT_BLOCK_SIZE))
+    itemsize = 2 if compression in ("fp16", "bf16") else 4
+    return int(2 * (workers - 1) / workers * numel * itemsize)
 
 
 def _no_buffer_broadcast() -> dict:
@@ -80,7 +91,7 @@ class AllreduceStrategy:
         self.ddp.register_comm_hook(state, self._checked(hook))
         self.model = _Timer(self.ddp, self.metrics)
         self.optimizer = optimizer_cls(list(params.values()), **optimizer_kwargs)
-        self.param_bytes = sum(p.nbytes for p in params.values())
+        self.wire_bytes = _wire_bytes(params.values(), config.num_workers, config.compression)
 
     def _checked(self, hook):
         """Wrap a DDP comm hook so a NaN/Inf in this worker's own gradient is noticed before averaging."""
@@ -111,10 +122,7 @@ class AllreduceStrategy:
             for b in self.buffers:
                 dist.all_reduce(b)
                 b.div_(self.config.num_workers)
-        # ring allreduce: each worker sends and receives 2 (W-1)/W of the gradient bytes
-        w = self.config.num_workers
-        wire = int(2 * (w - 1) / w * self.param_bytes)
-        self.metrics.committed(start, wire, wire)
+        self.metrics.committed(start, self.wire_bytes, self.wire_bytes)
 
     def _nonfinite(self, name: str) -> None:
         """All workers see the same averaged NaN; find which worker's local gradient produced it."""

@@ -5,7 +5,9 @@ buckets with one asynchronous RPC per server (inside a dist_autograd context
 the pulled tensors are recorded, so `dist_autograd.backward` sends each
 bucket's gradient back to its server), then runs the module on views of them
 with `torch.func.functional_call`. `step(context_id)` asks every server to
-apply that context's gradients and waits for the new versions.
+apply that context's gradients and waits for the new versions. With
+compression the pulled buckets are local leaves instead: `step` reads their
+gradients from the context, encodes them (`ps.wire`) and pushes them.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from gradsync.cluster import Cluster
 from gradsync.config import server_name
 from gradsync.ps import server as ps_server
 from gradsync.ps.buckets import ModelSpec, assign_buffers, plan_buckets
+from gradsync.ps.wire import make_wire
 from gradsync.worker.metrics import StepMetrics
 from gradsync.worker.model_state import named_tensors, to_state_dict
 
@@ -56,12 +59,14 @@ def _wait(futures: dict[int, torch.futures.Future], what: str, timeout: float) -
 
 
 class _Pulled:
-    """Tensors of one pull: parameter views and buffers by name, plus each server's version."""
+    """Tensors of one pull: parameter views and buffers by name, each server's version and bucket tensors."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], versions: dict[int, int], buffer_names: dict[int, list]):
+    def __init__(self, tensors: dict[str, torch.Tensor], versions: dict[int, int], buffer_names: dict[int, list],
+                 flats: dict[int, list[torch.Tensor]]):
         self.tensors = tensors
         self.versions = versions
         self.buffer_names = buffer_names
+        self.flats = flats
 
 
 class PSModel(nn.Module):
@@ -92,6 +97,9 @@ class PSStrategy:
         self.buckets = plan_buckets(self.spec.params, self.config.servers, cap)
         self.buffer_server = assign_buffers(self.spec.buffers, self.config.servers)
         self.servers = sorted({b.server for b in self.buckets} | set(self.buffer_server.values()))
+        self.wire = make_wire(self.config.compression)
+        # uncompressed, gradients ride the distributed backward; compressed, step() encodes and pushes them
+        self.explicit_push = self.config.compression != "none"
         self._register(params, buffers, optimizer_cls, optimizer_kwargs)
         for p in params.values():  # the servers own the values now; the local copies are never used
             p.requires_grad_(False)
@@ -119,21 +127,25 @@ class PSStrategy:
         if context_id is not None and self._last is not None and self._last[0] == context_id:
             return self._last[1]
         start = time.perf_counter()
+        recorded = None if self.explicit_push else context_id
         futures = {
-            s: rpc.rpc_async(server_name(s), ps_server.rpc_pull, args=(self.worker, context_id), timeout=self.timeout)
+            s: rpc.rpc_async(server_name(s), ps_server.rpc_pull, args=(self.worker, recorded), timeout=self.timeout)
             for s in self.servers
         }
         results = _wait(futures, "pull", self.timeout)
-        tensors, versions, buffer_names, received = {}, {}, {}, 0
+        tensors, versions, buffer_names, all_flats, received = {}, {}, {}, {}, 0
         for s, (version, flats, buffers) in results.items():
             versions[s] = version
-            for bucket, flat in zip([b for b in self.buckets if b.server == s], flats):
+            if self.explicit_push and context_id is not None:
+                flats = [f.requires_grad_(True) for f in flats]  # local leaves: backward leaves their grads here
+            all_flats[s] = flats
+            for bucket, flat in zip(self._buckets_of(s), flats):
                 tensors.update(bucket.views(flat))
                 received += flat.nbytes
             tensors.update(buffers)
             buffer_names[s] = list(buffers)
             received += sum(b.nbytes for b in buffers.values())
-        pulled = _Pulled(tensors, versions, buffer_names)
+        pulled = _Pulled(tensors, versions, buffer_names, all_flats)
         if context_id is not None:
             self._last = (context_id, pulled)
             self.metrics.pulled(time.perf_counter() - start, received)
@@ -149,20 +161,28 @@ class PSStrategy:
         pulled = self._last[1]
         self._last = None
         start = time.perf_counter()
-        futures = {}
+        grads = dist_autograd.get_gradients(context_id) if self.explicit_push else None
+        futures, sent = {}, 0
         for s in self.servers:
             buffers = {n: pulled.tensors[n].detach() for n in pulled.buffer_names[s]}
-            futures[s] = rpc.rpc_async(
-                server_name(s),
-                ps_server.rpc_commit,
-                args=(self.worker, context_id, pulled.versions[s], buffers),
-                timeout=self.timeout,
-            )
+            sent += sum(b.nbytes for b in buffers.values())
+            if grads is None:
+                args = (self.worker, context_id, pulled.versions[s], buffers)
+                futures[s] = rpc.rpc_async(server_name(s), ps_server.rpc_commit, args=args, timeout=self.timeout)
+                sent += sum(b.nbytes for b in self._buckets_of(s))
+                continue
+            payloads = [
+                self.wire.encode(grads[flat] if flat in grads else torch.zeros_like(flat), bucket.index)
+                for bucket, flat in zip(self._buckets_of(s), pulled.flats[s])
+            ]
+            sent += sum(self.wire.nbytes(p) for p in payloads)
+            args = (self.worker, pulled.versions[s], payloads, buffers)
+            futures[s] = rpc.rpc_async(server_name(s), ps_server.rpc_push, args=args, timeout=self.timeout)
         _wait(futures, "commit", self.timeout)
-        sent = sum(b.nbytes for b in self.buckets) + sum(
-            pulled.tensors[n].nbytes for names in pulled.buffer_names.values() for n in names
-        )
         self.metrics.committed(start, sent)
+
+    def _buckets_of(self, server: int) -> list:
+        return [b for b in self.buckets if b.server == server]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         futures = {s: rpc.rpc_async(server_name(s), ps_server.rpc_state_dict, timeout=self.timeout) for s in self.servers}

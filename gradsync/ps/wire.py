@@ -1,0 +1,133 @@
+"""Wire formats of pushed gradients: plain, fp16/bf16, or int8 with per-block scales.
+
+A `WireFormat` is the one policy both ends share. The worker `encode`s each
+bucket's gradient (int8 keeps an error-feedback residual per bucket); the
+server `validate`s what arrives, spots NaN/Inf cheaply, and in sync mode
+turns the K workers' payloads into their mean in one fused pass (`mean`:
+`aggregate` for plain and 16-bit payloads, `dequantize_aggregate` for int8).
+"""
+from __future__ import annotations
+
+import torch
+
+from gradsync.cuda_ops import (
+    DEFAULT_BLOCK_SIZE,
+    Int8Compressed,
+    aggregate,
+    compress,
+    compress_int8,
+    decompress_int8,
+    dequantize_aggregate,
+)
+from gradsync.ps.buckets import Bucket
+from gradsync.ps.shard import GradientError
+
+
+def _expect(worker: int, bucket: Bucket, what: str, got: torch.Tensor, shape: tuple, dtype: torch.dtype) -> None:
+    if not isinstance(got, torch.Tensor) or tuple(got.shape) != shape or got.dtype != dtype:
+        described = f"{tuple(got.shape)} {got.dtype}" if isinstance(got, torch.Tensor) else type(got).__name__
+        raise GradientError(
+            f"worker {worker}: {what} of bucket {bucket.index} ({bucket.entries[0].name}, ...) "
+            f"is {described}, expected {shape} {dtype}"
+        )
+
+
+class PlainWire:
+    """Gradients travel in the parameters' own dtype."""
+
+    name = "none"
+
+    def encode(self, grad: torch.Tensor, key: int):
+        return grad
+
+    def validate(self, worker: int, bucket: Bucket, payload) -> None:
+        _expect(worker, bucket, "gradient", payload, (bucket.numel,), bucket.dtype)
+
+    def nonfinite(self, payload) -> bool:
+        return not bool(torch.isfinite(payload).all())
+
+    def decode(self, payload, dtype: torch.dtype) -> torch.Tensor:
+        return payload
+
+    def mean(self, payloads: list, dtype: torch.dtype) -> torch.Tensor:
+        return aggregate(payloads, 1.0 / len(payloads), dtype)
+
+    def to_device(self, payload, device: torch.device):
+        return payload.to(device)
+
+    def nbytes(self, payload) -> int:
+        return payload.nbytes
+
+
+class HalfWire(PlainWire):
+    """Gradients travel as fp16 or bf16 (half the bytes of fp32)."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+        self.name = "fp16" if dtype == torch.float16 else "bf16"
+
+    def encode(self, grad: torch.Tensor, key: int):
+        return compress(grad, self.dtype)
+
+    def validate(self, worker: int, bucket: Bucket, payload) -> None:
+        _expect(worker, bucket, f"{self.name} gradient", payload, (bucket.numel,), self.dtype)
+
+    def decode(self, payload, dtype: torch.dtype) -> torch.Tensor:
+        return payload.to(dtype)
+
+
+class Int8Wire:
+    """Gradients travel as int8 with one fp32 scale per block, with error feedback on the worker."""
+
+    name = "int8"
+
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE):
+        self.block_size = block_size
+        self.residuals: dict[int, torch.Tensor] = {}
+
+    def encode(self, grad: torch.Tensor, key: int) -> Int8Compressed:
+        residual = self.residuals.get(key)
+        if residual is None or residual.shape != grad.shape:
+            residual = self.residuals[key] = torch.zeros(grad.shape, dtype=torch.float32, device=grad.device)
+        return compress_int8(grad, residual, self.block_size)
+
+    def validate(self, worker: int, bucket: Bucket, payload) -> None:
+        if not isinstance(payload, Int8Compressed) or payload.block_size != self.block_size:
+            raise GradientError(
+                f"worker {worker}: bucket {bucket.index} gradient is not int8 with block size {self.block_size}"
+            )
+        blocks = -(-bucket.numel // self.block_size)
+        _expect(worker, bucket, "int8 gradient", payload.payload, (bucket.numel,), torch.int8)
+        _expect(worker, bucket, "int8 scales", payload.scales, (blocks,), torch.float32)
+
+    def nonfinite(self, payload: Int8Compressed) -> bool:
+        return not bool(torch.isfinite(payload.scales).all())  # a block holding NaN/Inf has a NaN scale
+
+    def decode(self, payload: Int8Compressed, dtype: torch.dtype) -> torch.Tensor:
+        return decompress_int8(payload, out_dtype=dtype)
+
+    def mean(self, payloads: list[Int8Compressed], dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_aggregate(
+            [p.payload for p in payloads], [p.scales for p in payloads], self.block_size, None, dtype
+        )
+
+    def to_device(self, payload: Int8Compressed, device: torch.device) -> Int8Compressed:
+        return Int8Compressed(payload.payload.to(device), payload.scales.to(device), payload.block_size)
+
+    def nbytes(self, payload: Int8Compressed) -> int:
+        return payload.payload.nbytes + payload.scales.nbytes
+
+
+PLAIN = PlainWire()
+"""The format of gradients that arrive uncompressed (through distributed autograd, or gRPC pushes)."""
+
+
+def make_wire(compression: str) -> PlainWire | HalfWire | Int8Wire:
+    """The wire format for a job's `compression` setting."""
+    formats = {
+        "none": lambda: PLAIN,
+        "fp16": lambda: HalfWire(torch.float16),
+        "bf16": lambda: HalfWire(torch.bfloat16),
+        "int8": Int8Wire,
+    }
+    return formats[compression]()
