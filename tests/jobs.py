@@ -22,9 +22,8 @@ def batch(step: int, worker: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, IN, generator=g), torch.randint(0, OUT, (BATCH,), generator=g)
 
 
-def train_mlp(steps: int, lr: float = 0.1, momentum: float = 0.9) -> dict[str, torch.Tensor]:
-    """The user loop of the README, on every worker; returns the final state dict."""
-    trainer = gradsync.Trainer(make_mlp(), torch.optim.SGD, lr=lr, momentum=momentum)
+def run_loop(trainer: gradsync.Trainer, steps: int) -> None:
+    """The user loop of the README on this worker's batches."""
     me = gradsync.worker_rank()
     for step in range(steps):
         x, y = batch(step, me)
@@ -32,6 +31,12 @@ def train_mlp(steps: int, lr: float = 0.1, momentum: float = 0.9) -> dict[str, t
             loss = F.cross_entropy(trainer.model(x), y)
             dist_autograd.backward(cid, [loss])
             trainer.step(cid)
+
+
+def train_mlp(steps: int, lr: float = 0.1, momentum: float = 0.9) -> dict[str, torch.Tensor]:
+    """Train the MLP with SGD on every worker; returns the final state dict."""
+    trainer = gradsync.Trainer(make_mlp(), torch.optim.SGD, lr=lr, momentum=momentum)
+    run_loop(trainer, steps)
     return trainer.state_dict()
 
 
@@ -126,12 +131,7 @@ def make_bn_net(seed: int = 0) -> nn.Module:
 def train_bn(steps: int) -> dict[str, torch.Tensor]:
     """A BatchNorm model trained with Adam (the server-side optimizer keeps Adam's state)."""
     trainer = gradsync.Trainer(make_bn_net(), torch.optim.Adam, lr=0.01)
-    me = gradsync.worker_rank()
-    for step in range(steps):
-        x, y = batch(step, me)
-        with dist_autograd.context() as cid:
-            dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
-            trainer.step(cid)
+    run_loop(trainer, steps)
     return trainer.state_dict()
 
 
@@ -191,10 +191,5 @@ def train_then_read_over_grpc(steps: int) -> dict:
 def train_mlp_with_metrics(steps: int) -> tuple[dict[str, torch.Tensor], dict]:
     """`train_mlp`, also returning worker's step metrics (bytes on the wire)."""
     trainer = gradsync.Trainer(make_mlp(), torch.optim.SGD, lr=0.1, momentum=0.9)
-    me = gradsync.worker_rank()
-    for step in range(steps):
-        x, y = batch(step, me)
-        with dist_autograd.context() as cid:
-            dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
-            trainer.step(cid)
+    run_loop(trainer, steps)
     return trainer.state_dict(), trainer.metrics.summary()
