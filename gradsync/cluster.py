@@ -165,7 +165,9 @@ def _install_server(config: JobConfig):
     """Create this process's parameter server before RPC starts, so no request can arrive first."""
     from gradsync.ps.server import ParameterServer, install
 
-    server = ParameterServer(config.rank, config.num_workers, config.mode, config.nonfinite, config.compression)
+    server = ParameterServer(
+        config.rank, config.num_workers, config.mode, config.nonfinite, config.compression, config.server_device
+    )
     install(server)
     return server
 

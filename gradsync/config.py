@@ -54,6 +54,9 @@ class JobConfig:
     """What a NaN/Inf gradient does: 'raise' names the parameter and worker; 'skip' drops that step."""
     compression: Compression = "none"
     """Wire format of gradients: 'none', 'fp16', 'bf16' or 'int8'."""
+    server_device: str = "cpu"
+    """Where each server keeps its shard and aggregates: 'cpu', 'cuda' or 'cuda:N' (pulls and pushes still
+    cross the RPC boundary on the CPU, as distributed autograd requires)."""
     bucket_cap_mb: float = 25.0
     """Largest parameter bucket, in MB (one bucket is one flat tensor on the wire)."""
     startup_timeout: float = 120.0
@@ -79,6 +82,11 @@ class JobConfig:
             )
         if self.strategy == "allreduce" and self.mode != "sync":
             raise ConfigError("the allreduce strategy is synchronous: pass --mode sync, or use --strategy ps")
+        if not (self.server_device == "cpu" or self.server_device == "cuda" or self.server_device.startswith("cuda:")):
+            raise ConfigError(
+                f"server_device {self.server_device!r} is not a device: use 'cpu', 'cuda' or 'cuda:N' "
+                "(--server-device or GRADSYNC_SERVER_DEVICE)"
+            )
         if self.servers < 0:
             raise ConfigError(f"servers must be >= 0, got {self.servers}")
         if self.world_size - self.servers < 1:
@@ -133,6 +141,7 @@ class JobConfig:
             or env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
             nonfinite=env.get("GRADSYNC_NONFINITE", "raise"),
             compression=env.get("GRADSYNC_COMPRESSION", "none"),
+            server_device=env.get("GRADSYNC_SERVER_DEVICE", "cpu"),
         )
         for name in _FLOAT_FIELDS:
             raw = env.get(f"GRADSYNC_{name.upper()}")
@@ -151,6 +160,7 @@ class JobConfig:
             "GRADSYNC_SERVERS": str(self.servers),
             "GRADSYNC_NONFINITE": self.nonfinite,
             "GRADSYNC_COMPRESSION": self.compression,
+            "GRADSYNC_SERVER_DEVICE": self.server_device,
             **{f"GRADSYNC_{name.upper()}": str(getattr(self, name)) for name in _FLOAT_FIELDS},
         }
 

@@ -29,6 +29,7 @@ def test_settings_survive_the_trip_through_the_environment():
         ({"RANK": "4", "WORLD_SIZE": "3"}, "rank 4 is outside 0..2"),
         ({"WORLD_SIZE": "2", "GRADSYNC_SERVERS": "2"}, "leaves no workers"),
         ({"GRADSYNC_COMPRESSION": "zip"}, "unknown compression 'zip'"),
+        ({"GRADSYNC_SERVER_DEVICE": "gpu0"}, "server_device 'gpu0' is not a device"),
         ({"GRADSYNC_STRATEGY": "allreduce", "GRADSYNC_SERVERS": "1", "WORLD_SIZE": "3"}, "pass --servers 0"),
     ],
 )

@@ -77,3 +77,26 @@ def test_sync_nan_with_raise_fails_every_waiting_worker_and_keeps_the_parameters
     with pytest.raises(GradientError, match="from worker 1"):
         waiting.wait()
     assert all(a.equal(b) for a, b in zip(before, shard.flats))
+
+
+def test_a_cuda_shard_is_refused_without_cuda():
+    from gradsync.ps.server import ParameterServer
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(RuntimeError, match="server_device 'cuda' asked for, but this server has no CUDA device"):
+        ParameterServer(0, 2, "sync", "raise", device="cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sync_on_a_cuda_shard_matches_the_cpu_shard():
+    cpu, params = make_shard()
+    buckets = cpu.buckets
+    gpu = ShardState(0, buckets, params, {}, torch.optim.SGD, {"lr": 0.5, "momentum": 0.9}, device="cuda")
+    for shard in (cpu, gpu):
+        rule = SyncRule(shard, num_workers=3, nonfinite="raise")
+        futures = [rule.commit(w, 0, grads_of(w, shard), {}) for w in range(3)]
+        assert [f.wait() for f in futures] == [1, 1, 1]
+    for a, b in zip(cpu.flats, gpu.flats):
+        assert b.device.type == "cuda"
+        torch.testing.assert_close(a, b.cpu(), rtol=0, atol=1e-5)

@@ -26,8 +26,10 @@ from gradsync.ps.wire import make_wire
 class ParameterServer:
     """State of one server process; methods are thread-safe."""
 
-    def __init__(self, shard_id: int, num_workers: int, mode: str, nonfinite: str, compression: str = "none"):
+    def __init__(self, shard_id: int, num_workers: int, mode: str, nonfinite: str, compression: str = "none",
+                 device: str = "cpu"):
         self.shard_id = shard_id
+        self.device = _usable_device(device)
         self.wire = make_wire(compression)
         self.num_workers = num_workers
         self.mode = mode
@@ -60,7 +62,8 @@ class ParameterServer:
             if error is None:
                 s = self._setup
                 self.shard = ShardState(
-                    self.shard_id, s["buckets"], s["params"], s["buffers"], s["optimizer_cls"], s["optimizer_kwargs"]
+                    self.shard_id, s["buckets"], s["params"], s["buffers"], s["optimizer_cls"], s["optimizer_kwargs"],
+                    self.device,
                 )
                 self.rule = RULES[self.mode](self.shard, self.num_workers, self.nonfinite)
                 self._setup = None
@@ -127,6 +130,15 @@ class ParameterServer:
         if self.shard is None:
             raise RuntimeError(f"server {self.shard_id} has no model yet: every worker must create the Trainer")
         return self.shard
+
+
+def _usable_device(device: str) -> torch.device:
+    """The server's shard device; refuses CUDA on a machine without it."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"server_device {device!r} asked for, but this server has no CUDA device: use --server-device cpu"
+        )
+    return torch.device(device)
 
 
 _SERVER: ParameterServer | None = None
