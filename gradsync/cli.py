@@ -18,6 +18,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--mode", default="sync", help="sync or async (ps only)")
     run.add_argument("--nonfinite", default="raise", help="raise or skip, for NaN/Inf gradients")
     run.add_argument("--compression", default="none", help="none, fp16, bf16 or int8 gradients on the wire")
+    run.add_argument("--transport", default="rpc", help="rpc or grpc: how ps workers reach the servers")
     run.add_argument("--server-device", default="cpu", help="where servers keep their shard: cpu, cuda, cuda:N")
     run.add_argument("--master-port", type=int, default=0, help="port of the rendezvous store (0: a free one)")
     run.add_argument("--run-dir", default=None, help="directory for the job's files (default: a new temp dir)")
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.script, args.args, strategy=args.strategy, workers=args.workers, servers=servers,
                 mode=args.mode, master_port=args.master_port, run_dir=args.run_dir, timeout=args.timeout,
                 nonfinite=args.nonfinite, compression=args.compression, server_device=args.server_device,
+                transport=args.transport,
             )
         else:
             from gradsync.client import Client, pull_to_file, status_table

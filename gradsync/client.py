@@ -38,15 +38,18 @@ class Client:
     """Calls on all parameter servers of one run.
 
     Args:
-        address_or_run_dir: a run directory holding grpc-<shard>.json files, or one "host:port" (shard 0).
+        address_or_run_dir: a run directory holding grpc-<shard>.json files, one "host:port" (shard 0),
+            or {shard: "host:port"}.
         token: the bearer token; default: the one in the run directory.
         timeout: deadline in seconds of each call (pull, push and checkpoint may override it).
         root_cert: path of a PEM certificate to trust; given, the client speaks TLS.
     """
 
-    def __init__(self, address_or_run_dir: str, token: str | None = None, timeout: float = 10.0,
+    def __init__(self, address_or_run_dir: str | dict[int, str], token: str | None = None, timeout: float = 10.0,
                  root_cert: str | None = None):
-        if os.path.isdir(address_or_run_dir):
+        if isinstance(address_or_run_dir, dict):
+            self.addresses = dict(address_or_run_dir)
+        elif os.path.isdir(address_or_run_dir):
             self.addresses, run_token = read_endpoints(address_or_run_dir)
             token = token or run_token
         else:

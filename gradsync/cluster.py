@@ -17,6 +17,7 @@ import traceback
 import warnings
 
 import torch.distributed as dist
+import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch.distributed.rendezvous import register_rendezvous_handler
 
@@ -102,7 +103,8 @@ def record_failure(store: dist.Store | None, rank: int, text: str) -> None:
             pass
 
 
-def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=None, **timeouts) -> None:
+def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=None, transport=None,
+         **timeouts) -> None:
     """Join the job. Every rank must call it.
 
     Args:
@@ -111,6 +113,7 @@ def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=
         servers: number of parameter servers, the first ranks (default: GRADSYNC_SERVERS).
         nonfinite: 'raise' or 'skip' for NaN/Inf gradients.
         compression: 'none', 'fp16', 'bf16' or 'int8' gradients on the wire.
+        transport: 'rpc' (torch RPC) or 'grpc' (ps only: pulls and pushes over gRPC, no TensorPipe).
         timeouts: startup_timeout, step_timeout, shutdown_timeout (seconds).
     On a server this call serves until the job ends and then exits the process.
     """
@@ -118,14 +121,18 @@ def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=
     if _STATE is not None:
         raise RuntimeError("gradsync.init() was already called in this process")
     config = JobConfig.from_env(
-        strategy=strategy, mode=mode, servers=servers, nonfinite=nonfinite, compression=compression, **timeouts
+        strategy=strategy, mode=mode, servers=servers, nonfinite=nonfinite, compression=compression,
+        transport=transport, **timeouts
     )
     _use_loopback_interfaces(config)
     store = connect_store(config)
     _report_failures(store, config.rank)
     _STATE = Cluster(config, store)
     server = _install_server(config) if config.is_server else None
-    _start_rpc(config, store)
+    if config.transport == "rpc":
+        _start_rpc(config, store)
+    else:  # gRPC carries everything; contexts still work without an RPC agent
+        dist_autograd._init(config.rank)
     if server is not None:
         _serve(_STATE, server)
     elif config.strategy == "allreduce":
@@ -178,8 +185,13 @@ def _serve(cluster: Cluster, server) -> None:
     config = cluster.config
     endpoint = start_endpoint(server, cluster.store, config.step_timeout)
     try:
+        if config.transport == "grpc":
+            from gradsync.worker.grpc_transport import register_from_store
+
+            register_from_store(server, cluster.store, config)
         _wait_for_workers(cluster, deadline=None)
-        _stop_rpc(config)
+        if config.transport == "rpc":
+            _stop_rpc(config)
         endpoint.stop()
     finally:
         sys.stdout.flush()
@@ -217,7 +229,8 @@ def shutdown() -> None:
     finally:
         if cluster.has_process_group:
             dist.destroy_process_group()
-        _stop_rpc(cluster.config)
+        if cluster.config.transport == "rpc":
+            _stop_rpc(cluster.config)
 
 
 def worker_rank() -> int:

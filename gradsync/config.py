@@ -15,6 +15,7 @@ Strategy = Literal["ps", "allreduce"]
 Mode = Literal["sync", "async"]
 NonFinitePolicy = Literal["raise", "skip"]
 Compression = Literal["none", "fp16", "bf16", "int8"]
+Transport = Literal["rpc", "grpc"]
 
 
 class ConfigError(ValueError):
@@ -54,6 +55,8 @@ class JobConfig:
     """What a NaN/Inf gradient does: 'raise' names the parameter and worker; 'skip' drops that step."""
     compression: Compression = "none"
     """Wire format of gradients: 'none', 'fp16', 'bf16' or 'int8'."""
+    transport: Transport = "rpc"
+    """How ps workers reach the servers: 'rpc' (torch RPC, TensorPipe) or 'grpc' (no TensorPipe at all)."""
     server_device: str = "cpu"
     """Where each server keeps its shard and aggregates: 'cpu', 'cuda' or 'cuda:N' (pulls and pushes still
     cross the RPC boundary on the CPU, as distributed autograd requires)."""
@@ -71,6 +74,12 @@ class JobConfig:
         _choice("mode", self.mode, Mode, "--mode or GRADSYNC_MODE")
         _choice("nonfinite policy", self.nonfinite, NonFinitePolicy, "nonfinite= or GRADSYNC_NONFINITE")
         _choice("compression", self.compression, Compression, "--compression or GRADSYNC_COMPRESSION")
+        _choice("transport", self.transport, Transport, "--transport or GRADSYNC_TRANSPORT")
+        if self.transport == "grpc" and (self.strategy != "ps" or self.compression != "none"):
+            raise ConfigError(
+                f"the grpc transport serves the ps strategy without compression, got strategy={self.strategy!r}, "
+                f"compression={self.compression!r}: use --strategy ps --compression none, or --transport rpc"
+            )
         if self.strategy == "ps" and self.servers < 1:
             raise ConfigError(
                 f"the ps strategy needs at least one server, got servers={self.servers}: "
@@ -142,6 +151,7 @@ class JobConfig:
             nonfinite=env.get("GRADSYNC_NONFINITE", "raise"),
             compression=env.get("GRADSYNC_COMPRESSION", "none"),
             server_device=env.get("GRADSYNC_SERVER_DEVICE", "cpu"),
+            transport=env.get("GRADSYNC_TRANSPORT", "rpc"),
         )
         for name in _FLOAT_FIELDS:
             raw = env.get(f"GRADSYNC_{name.upper()}")
@@ -161,6 +171,7 @@ class JobConfig:
             "GRADSYNC_NONFINITE": self.nonfinite,
             "GRADSYNC_COMPRESSION": self.compression,
             "GRADSYNC_SERVER_DEVICE": self.server_device,
+            "GRADSYNC_TRANSPORT": self.transport,
             **{f"GRADSYNC_{name.upper()}": str(getattr(self, name)) for name in _FLOAT_FIELDS},
         }
 

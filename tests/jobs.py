@@ -193,3 +193,36 @@ def train_mlp_with_metrics(steps: int) -> tuple[dict[str, torch.Tensor], dict]:
     trainer = gradsync.Trainer(make_mlp(), torch.optim.SGD, lr=0.1, momentum=0.9)
     run_loop(trainer, steps)
     return trainer.state_dict(), trainer.metrics.summary()
+
+
+def train_with_outside_worker(steps: int, steps_worker1: int) -> dict:
+    """Async gRPC job: worker 1 leaves early; midway, a process outside the job joins as worker 9,
+    pulls and pushes one gradient over gRPC, and leaves. Returns what worker 0 saw at the end."""
+    import os
+    import subprocess
+    import sys
+
+    import torch.distributed.rpc as rpc
+
+    from gradsync.client import Client
+
+    me = gradsync.worker_rank()
+    trainer = gradsync.Trainer(make_mlp(), torch.optim.SGD, lr=0.05)
+    outsider = None
+    run_loop(trainer, steps if me == 0 else steps_worker1)
+    if me == 0:
+        code = (
+            "import sys, torch, torch.nn.functional as F; sys.path.insert(0, %r)\n"
+            "from gradsync.client import Client; import jobs\n"
+            "c = Client(%r)\n"
+            "state, versions = c.pull_versioned()\n"
+            "model = jobs.make_mlp(); model.load_state_dict(state)\n"
+            "x, y = jobs.batch(99, 9); F.cross_entropy(model(x), y).backward()\n"
+            "print(c.push({n: p.grad for n, p in model.named_parameters()}, versions, worker=9))\n"
+        ) % (os.path.dirname(__file__), os.environ["GRADSYNC_RUN_DIR"])
+        outsider = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        run_loop(trainer, 2)
+    with Client(os.environ["GRADSYNC_RUN_DIR"]) as client:
+        stats = client.stats()
+    return dict(stats=stats, rpc_agent=rpc.api._is_current_rpc_agent_set(),
+                outsider=None if outsider is None else (outsider.returncode, outsider.stdout + outsider.stderr))

@@ -130,7 +130,7 @@ class Servicer:
         if first.WhichOneof("item") != "header":
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "PushRequest: the first message must be a PushHeader")
         header = first.header
-        limit = sum(p.numel() * p.element_size() for p in shard.params.values())
+        limit = sum(t.numel() * t.element_size() for t in [*shard.params.values(), *shard.buffers.values()])
         try:
             grads = tensor_codec.decode(_chunks(request_iterator), max_bytes=limit)
             fut = commit_named(self.server, header.worker, header.version, grads)

@@ -18,6 +18,8 @@ from gradsync.proto.service import GrpcEndpoint, new_token, serve_grpc
 from gradsync.ps.server import ParameterServer
 
 _TOKEN_KEY = "gradsync/grpc_token"
+ADDRESS_KEY = "gradsync/grpc/address/{}"
+"""Store key where server i publishes its gRPC address (workers of the grpc transport read it)."""
 
 
 def run_dir() -> str:
@@ -50,5 +52,6 @@ def start_endpoint(server: ParameterServer, store: dist.Store, step_timeout: flo
         step_timeout=step_timeout,
     )
     write_endpoints(directory, server.shard_id, endpoint.address, job_token(store))
+    store.set(ADDRESS_KEY.format(server.shard_id), endpoint.address)
     print(f"gradsync: ps{server.shard_id} serves gRPC at {endpoint.address} (run dir {directory})", flush=True)
     return endpoint

@@ -2,7 +2,8 @@
 
 Transports that send gradients by name (gRPC) use `commit_named`; a parameter
 left out of a push counts as a zero gradient, and a bucket with no named
-parameter at all is passed as None (the rule treats it as zeros too).
+parameter at all is passed as None (the rule treats it as zeros too). Names of
+the shard's buffers carry the worker's updated buffer values.
 """
 from __future__ import annotations
 
@@ -52,13 +53,16 @@ def commit_named(server, worker: int, pulled_version: int, grads: dict[str, torc
     """
     shard = server.shard
     try:
-        if not 0 <= worker < server.num_workers:
+        if server.mode == "sync" and not 0 <= worker < server.num_workers:
             raise GradientError(f"worker {worker} is not a worker of this job: expected 0 .. {server.num_workers - 1}")
-        flats = bucket_gradients(shard, worker, grads)
+        if worker < 0:  # async: any worker may join and leave, under a non-negative id
+            raise GradientError(f"worker {worker} is not a worker id: expected an integer >= 0")
+        buffers = {n: grads[n] for n in grads if n in shard.buffers}
+        flats = bucket_gradients(shard, worker, {n: g for n, g in grads.items() if n not in buffers})
     except GradientError as e:
         with shard.lock:
             shard.stats.pushes_rejected += 1
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_exception(e)
         return fut
-    return server.rule.commit(worker, pulled_version, flats, {})
+    return server.rule.commit(worker, pulled_version, flats, buffers)

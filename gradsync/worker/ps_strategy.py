@@ -1,13 +1,14 @@
 """Worker side of the parameter-server strategy: pull, functional forward, commit.
 
 `PSStrategy.model` wraps the user's module. Its forward pulls every server's
-buckets with one asynchronous RPC per server (inside a dist_autograd context
-the pulled tensors are recorded, so `dist_autograd.backward` sends each
-bucket's gradient back to its server), then runs the module on views of them
-with `torch.func.functional_call`. `step(context_id)` asks every server to
-apply that context's gradients and waits for the new versions. With
-compression the pulled buckets are local leaves instead: `step` reads their
-gradients from the context, encodes them (`ps.wire`) and pushes them.
+buckets (one asynchronous call per server, through the job's transport), then
+runs the module on views of them with `torch.func.functional_call`. Over torch
+RPC without compression the pulled tensors are recorded by distributed
+autograd, so `dist_autograd.backward` sends each bucket's gradient back to its
+server and `step(context_id)` only asks every server to apply it. Otherwise
+(compression, or the gRPC transport) the pulled buckets are local leaves:
+`step` reads their gradients from the context, encodes them (`ps.wire`) and
+pushes them. Either way `step` returns once every server has applied the step.
 """
 from __future__ import annotations
 
@@ -15,15 +16,15 @@ import time
 
 import torch
 import torch.distributed.autograd as dist_autograd
-import torch.distributed.rpc as rpc
 from torch import nn
 from torch.func import functional_call
 
 from gradsync.cluster import Cluster
-from gradsync.config import server_name
 from gradsync.ps import server as ps_server
 from gradsync.ps.buckets import ModelSpec, assign_buffers, plan_buckets
 from gradsync.ps.wire import make_wire
+from gradsync.worker.grpc_transport import GrpcTransport
+from gradsync.worker.rpc_transport import RpcTransport
 from gradsync.worker.metrics import StepMetrics
 from gradsync.worker.model_state import named_tensors, to_state_dict
 
@@ -34,28 +35,6 @@ def current_context_id() -> int | None:
         return dist_autograd._current_context()._context_id()
     except RuntimeError:
         return None
-
-
-def _wait(futures: dict[int, torch.futures.Future], what: str, timeout: float) -> dict[int, object]:
-    """Wait for one future per server; the error names the operation, server and elapsed time."""
-    start = time.monotonic()
-    results = {}
-    for server, fut in futures.items():
-        try:
-            result = fut.wait()
-        except Exception as e:
-            error = e
-        else:
-            # torch RPC hands an exception set on an async_execution future back as a value
-            if not isinstance(result, BaseException):
-                results[server] = result
-                continue
-            error = result
-        elapsed = time.monotonic() - start
-        raise RuntimeError(
-            f"{what} on {server_name(server)} failed after {elapsed:.1f} s (step timeout {timeout:.0f} s): {error}"
-        ) from error
-    return results
 
 
 class _Pulled:
@@ -89,17 +68,21 @@ class PSStrategy:
     def __init__(self, cluster: Cluster, module: nn.Module, optimizer_cls, optimizer_kwargs: dict):
         self.config = cluster.config
         self.worker = self.config.worker_rank
-        self.timeout = self.config.step_timeout
         self.metrics = StepMetrics()
         params, buffers = named_tensors(module)
         self.spec = ModelSpec.of(params, buffers)
         cap = int(self.config.bucket_cap_mb * 2**20)
         self.buckets = plan_buckets(self.spec.params, self.config.servers, cap)
         self.buffer_server = assign_buffers(self.spec.buffers, self.config.servers)
-        self.servers = sorted({b.server for b in self.buckets} | set(self.buffer_server.values()))
+        self.servers = list(range(self.config.servers))
         self.wire = make_wire(self.config.compression)
-        # uncompressed, gradients ride the distributed backward; compressed, step() encodes and pushes them
-        self.explicit_push = self.config.compression != "none"
+        if self.config.transport == "grpc":
+            self.transport = GrpcTransport(self.config, cluster.store, self.servers, self.buckets, self.buffer_server)
+        else:
+            self.transport = RpcTransport(self.config, self.servers)
+        # over torch RPC without compression, gradients ride the distributed backward to the servers;
+        # otherwise the pulled buckets are local leaves and step() encodes and pushes their gradients
+        self.explicit_push = not self.transport.records_gradients
         self._register(params, buffers, optimizer_cls, optimizer_kwargs)
         for p in params.values():  # the servers own the values now; the local copies are never used
             p.requires_grad_(False)
@@ -107,32 +90,21 @@ class PSStrategy:
         self._last: tuple[int | None, _Pulled] | None = None
 
     def _register(self, params, buffers, optimizer_cls, optimizer_kwargs) -> None:
-        futures = {}
+        setups = {}
         for s in self.servers:
-            setup = None
+            setups[s] = None
             if self.worker == 0:
-                mine = [b for b in self.buckets if b.server == s]
                 my_buffers = {n: t for n, t in buffers.items() if self.buffer_server[n] == s}
-                setup = ps_server.make_setup(mine, params, my_buffers, optimizer_cls, optimizer_kwargs)
-            futures[s] = rpc.rpc_async(
-                server_name(s),
-                ps_server.rpc_register,
-                args=(self.worker, self.spec, setup),
-                timeout=self.config.startup_timeout,
-            )
-        _wait(futures, "registering the model", self.config.startup_timeout)
+                setups[s] = ps_server.make_setup(self._buckets_of(s), params, my_buffers, optimizer_cls,
+                                                 optimizer_kwargs)
+        self.transport.register(self.spec, setups)
 
     def pull(self, context_id: int | None) -> _Pulled:
         """Fetch every server's buckets (once per context; a second forward reuses them)."""
         if context_id is not None and self._last is not None and self._last[0] == context_id:
             return self._last[1]
         start = time.perf_counter()
-        recorded = None if self.explicit_push else context_id
-        futures = {
-            s: rpc.rpc_async(server_name(s), ps_server.rpc_pull, args=(self.worker, recorded), timeout=self.timeout)
-            for s in self.servers
-        }
-        results = _wait(futures, "pull", self.timeout)
+        results = self.transport.pull(context_id)
         tensors, versions, buffer_names, all_flats, received = {}, {}, {}, {}, 0
         for s, (version, flats, buffers) in results.items():
             versions[s] = version
@@ -161,32 +133,26 @@ class PSStrategy:
         pulled = self._last[1]
         self._last = None
         start = time.perf_counter()
-        grads = dist_autograd.get_gradients(context_id) if self.explicit_push else None
-        futures, sent = {}, 0
-        for s in self.servers:
-            buffers = {n: pulled.tensors[n].detach() for n in pulled.buffer_names[s]}
-            sent += sum(b.nbytes for b in buffers.values())
-            if grads is None:
-                args = (self.worker, context_id, pulled.versions[s], buffers)
-                futures[s] = rpc.rpc_async(server_name(s), ps_server.rpc_commit, args=args, timeout=self.timeout)
-                sent += sum(b.nbytes for b in self._buckets_of(s))
-                continue
-            payloads = [
-                self.wire.encode(grads[flat] if flat in grads else torch.zeros_like(flat), bucket.index)
-                for bucket, flat in zip(self._buckets_of(s), pulled.flats[s])
-            ]
-            sent += sum(self.wire.nbytes(p) for p in payloads)
-            args = (self.worker, pulled.versions[s], payloads, buffers)
-            futures[s] = rpc.rpc_async(server_name(s), ps_server.rpc_push, args=args, timeout=self.timeout)
-        _wait(futures, "commit", self.timeout)
+        buffers = {s: {n: pulled.tensors[n].detach() for n in pulled.buffer_names[s]} for s in self.servers}
+        sent = sum(b.nbytes for per_server in buffers.values() for b in per_server.values())
+        if not self.explicit_push:
+            self.transport.commit(context_id, pulled.versions, buffers)
+            sent += sum(b.nbytes for b in self.buckets)
+        else:
+            grads = dist_autograd.get_gradients(context_id)
+            payloads = {
+                s: [
+                    self.wire.encode(grads[flat] if flat in grads else torch.zeros_like(flat), bucket.index)
+                    for bucket, flat in zip(self._buckets_of(s), pulled.flats[s])
+                ]
+                for s in self.servers
+            }
+            sent += sum(self.wire.nbytes(p) for per_server in payloads.values() for p in per_server)
+            self.transport.push(pulled.versions, payloads, buffers)
         self.metrics.committed(start, sent)
 
     def _buckets_of(self, server: int) -> list:
         return [b for b in self.buckets if b.server == server]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        futures = {s: rpc.rpc_async(server_name(s), ps_server.rpc_state_dict, timeout=self.timeout) for s in self.servers}
-        values = {}
-        for part in _wait(futures, "state_dict", self.timeout).values():
-            values.update(part)
-        return to_state_dict(self.model.module, values)
+        return to_state_dict(self.model.module, self.transport.state_dict())

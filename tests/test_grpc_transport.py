@@ -1,0 +1,51 @@
+"""The ps strategy over gRPC (`--transport grpc`): same math as torch RPC, no TensorPipe, open membership."""
+import pytest
+
+import gradsync
+from jobs import reference_bn, reference_mlp, train_bn, train_mlp, train_with_outside_worker
+from test_parity import max_diff
+
+
+@pytest.mark.timeout(200)
+def test_grpc_transport_matches_rpc_transport_and_single_process():
+    over_grpc = gradsync.launch(train_mlp, strategy="ps", workers=2, servers=2, args=(20,), transport="grpc",
+                                timeout=150)
+    over_rpc = gradsync.launch(train_mlp, strategy="ps", workers=2, servers=2, args=(20,), timeout=150)[0]
+    for state in over_grpc:
+        assert max_diff(state, over_rpc) <= 1e-5
+        assert max_diff(state, reference_mlp(20, 2)) <= 1e-5
+
+
+@pytest.mark.timeout(150)
+def test_grpc_transport_carries_batchnorm_buffers_and_adam():
+    state = gradsync.launch(train_bn, strategy="ps", workers=2, servers=2, args=(8,), transport="grpc",
+                            timeout=140)[0]
+    assert state["1.num_batches_tracked"].item() == 8
+    assert max_diff(state, reference_bn(8, 2)) <= 1e-5
+
+
+@pytest.mark.timeout(150)
+def test_async_grpc_job_lets_workers_join_and_leave():
+    results = gradsync.launch(train_with_outside_worker, strategy="ps", mode="async", workers=2, servers=1,
+                              args=(10, 3), transport="grpc", timeout=140)
+    first = results[0]
+    code, output = first["outsider"]
+    assert code == 0, output
+    stats = first["stats"][0]
+    assert stats["workers_seen"] == [0, 1, 9]
+    assert stats["pushes_applied"] == 10 + 3 + 1 + 2  # worker 0, worker 1 (left early), the outsider, worker 0 again
+    assert stats["pushes_rejected"] == 0
+    assert not first["rpc_agent"] and not results[1]["rpc_agent"]  # no TensorPipe agent on the workers
+
+
+@pytest.mark.parametrize(
+    "settings,match",
+    [
+        (dict(strategy="allreduce", workers=2, transport="grpc"), "grpc transport serves the ps strategy"),
+        (dict(strategy="ps", workers=2, servers=1, transport="grpc", compression="int8"), "compression='int8'"),
+        (dict(strategy="ps", workers=2, servers=1, transport="carrier-pigeon"), "unknown transport"),
+    ],
+)
+def test_grpc_transport_refuses_what_it_cannot_carry(settings, match):
+    with pytest.raises(gradsync.config.ConfigError, match=match):
+        gradsync.launch(train_mlp, args=(1,), **settings)
