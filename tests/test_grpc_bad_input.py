@@ -74,7 +74,7 @@ CASES = {
     "oversized tensor": ([_header()] + _edited(W1[:1], 0, shape=[1 << 30], total_bytes=4 << 30), "exceeds"),
     "shape and bytes disagree": ([_header()] + _edited(W1, 0, total_bytes=4), "Tensor.total_bytes"),
     "version from the future": ([_header(version=7)] + _chunks(_ones("fc1.bias")), "version from the future"),
-    "worker out of range": ([_header(worker=5)] + _chunks(_ones("fc1.bias")), "not a worker of this job"),
+    "negative worker id": ([_header(worker=-1)] + _chunks(_ones("fc1.bias")), "is not a worker id"),
     "NaN gradient": ([_header()] + _chunks({"fc1.bias": torch.full((16,), float("nan"))}), "non-finite"),
     "garbage bytes": ([_header().SerializeToString(), b"\xff\xfe\xfd garbage"], "not a valid PushRequest"),
     "empty stream": ([], "stream is empty"),
@@ -99,6 +99,16 @@ def test_bad_push_is_refused_naming_the_field_and_changes_nothing(endpoint, case
     code, details = _send(channel, messages)
     assert code in REFUSED and expected in details, (code, details)
     assert _bits(server.state_dict()) == before and server.shard.version == 0
+
+
+@pytest.mark.timeout(60)
+def test_sync_server_refuses_a_worker_outside_the_job():
+    server = make_server("sync", workers=2, lr=LR)
+    with served(server) as (endpoint, _), grpc.insecure_channel(endpoint.address) as channel:
+        before = _bits(server.state_dict())
+        code, details = _send(channel, [_header(worker=5)] + _chunks(_ones("fc1.bias")))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "worker 5 is not a worker of this job" in details
+    assert _bits(server.state_dict()) == before
 
 
 @pytest.mark.timeout(60)
