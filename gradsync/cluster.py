@@ -189,7 +189,7 @@ def _serve(cluster: Cluster, server) -> None:
             from gradsync.worker.grpc_transport import register_from_store
 
             register_from_store(server, cluster.store, config)
-        _wait_for_workers(cluster, deadline=None)
+        _wait_for_workers(cluster)
         if config.transport == "rpc":
             _stop_rpc(config)
         endpoint.stop()
@@ -199,14 +199,12 @@ def _serve(cluster: Cluster, server) -> None:
     os._exit(0)
 
 
-def _wait_for_workers(cluster: Cluster, deadline: float | None) -> None:
+def _wait_for_workers(cluster: Cluster) -> None:
     """Wait until every worker has called shutdown; fail fast when another rank reported a failure."""
     store, workers = cluster.store, cluster.config.num_workers
     while store.add(_DONE_KEY, 0) < workers:
         if store.check([FAILED_KEY]):
             raise RuntimeError(f"another rank failed, stopping: {store.get(FAILED_KEY).decode()[:2000]}")
-        if deadline is not None and time.monotonic() > deadline:
-            raise TimeoutError(f"shutdown: workers still running after {cluster.config.shutdown_timeout:.0f} s")
         time.sleep(0.05)
 
 
@@ -225,7 +223,7 @@ def shutdown() -> None:
     cluster, _STATE = _STATE, None
     cluster.store.add(_DONE_KEY, 1)
     try:
-        _wait_for_workers(cluster, deadline=None)
+        _wait_for_workers(cluster)
     finally:
         if cluster.has_process_group:
             dist.destroy_process_group()

@@ -136,16 +136,15 @@ class JobConfig:
         """Build the config from a launcher's environment; non-None `overrides` win."""
         env = os.environ if environ is None else environ
         strategy = overrides.get("strategy") or env.get("GRADSYNC_STRATEGY", "ps")
-        servers_env = env.get("GRADSYNC_SERVERS")
         default_servers = 1 if strategy == "ps" else 0
         values = dict(
             strategy=strategy,
             mode=env.get("GRADSYNC_MODE", "sync"),
-            servers=_int(env, "GRADSYNC_SERVERS", servers_env, default_servers),
-            rank=_int(env, "RANK", env.get("RANK"), 0),
-            world_size=_int(env, "WORLD_SIZE", env.get("WORLD_SIZE"), None),
+            servers=_int(env, "GRADSYNC_SERVERS", default_servers),
+            rank=_int(env, "RANK", 0),
+            world_size=_int(env, "WORLD_SIZE", None),
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=_int(env, "MASTER_PORT", env.get("MASTER_PORT"), 29500),
+            master_port=_int(env, "MASTER_PORT", 29500),
             store_is_hosted=env.get("GRADSYNC_STORE_HOSTED") == "1"
             or env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
             nonfinite=env.get("GRADSYNC_NONFINITE", "raise"),
@@ -186,7 +185,8 @@ def _float(name: str, raw: str) -> float:
         raise ConfigError(f"{name}={raw!r} is not a number") from None
 
 
-def _int(env, name: str, raw, default):
+def _int(env, name: str, default):
+    raw = env.get(name)
     if raw is None or raw == "":
         return default
     try:

@@ -154,13 +154,11 @@ def supervise(config: JobConfig, ranks: list[_Rank], run_dir: str, store: dist.S
             failed = [(r.rank, c) for r, c in zip(ranks, codes) if c not in (None, 0)]
             if failed:
                 rank, code = _first_failure(ranks, failed, store)
-                _kill_all(ranks)
                 raise JobFailed(_failure_text(config, run_dir, rank, code), rank)
             if all(c == 0 for c in codes):
                 return
             if deadline is not None and time.monotonic() > deadline:
                 running = [role(config, r.rank) for r, c in zip(ranks, codes) if c is None]
-                _kill_all(ranks)
                 raise JobFailed(f"job timed out after {timeout:.0f} s; still running: {', '.join(running)}")
             time.sleep(_POLL_S)
     finally:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gradsync.proto import gradsync_pb2 as pb
-from gradsync.proto.tensor_codec import encode, encode_all
+from gradsync.proto.tensor_codec import encode_all
 from grpc_harness import TOKEN, make_server, served
 
 METADATA = (("authorization", f"Bearer {TOKEN}"),)

@@ -1,6 +1,5 @@
 """Parity: PS-sync and allreduce end where single-process training on the global batch ends."""
 import pytest
-import torch
 
 import gradsync
 from jobs import reference_bn, reference_mlp, train_bn, train_mlp

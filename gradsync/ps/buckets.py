@@ -137,6 +137,11 @@ def plan_buckets(params: tuple[TensorSpec, ...], num_servers: int, cap_bytes: in
     return buckets
 
 
+def by_server(buckets: list[Bucket], num_servers: int) -> dict[int, list[Bucket]]:
+    """Each server's buckets, in plan order (a server may own none)."""
+    return {s: [b for b in buckets if b.server == s] for s in range(num_servers)}
+
+
 def assign_buffers(buffers: tuple[TensorSpec, ...], num_servers: int) -> dict[str, int]:
     """Server index of each buffer (round robin in registration order)."""
     return {b.name: i % num_servers for i, b in enumerate(buffers)}

@@ -41,17 +41,18 @@ def start_endpoint(server: ParameterServer, store: dist.Store, step_timeout: flo
     """Serve `server` over gRPC and write its address and the token to the run directory."""
     directory = run_dir()
     port = int(os.environ.get("GRADSYNC_GRPC_PORT", "0"))
+    token = job_token(store)
     endpoint = serve_grpc(
         server,
         host=os.environ.get("GRADSYNC_GRPC_HOST", "127.0.0.1"),
         port=port + server.shard_id if port else 0,
-        token=job_token(store),
+        token=token,
         tls_cert=os.environ.get("GRADSYNC_TLS_CERT"),
         tls_key=os.environ.get("GRADSYNC_TLS_KEY"),
         checkpoint_dir=os.path.join(directory, "checkpoints"),
         step_timeout=step_timeout,
     )
-    write_endpoints(directory, server.shard_id, endpoint.address, job_token(store))
+    write_endpoints(directory, server.shard_id, endpoint.address, token)
     store.set(ADDRESS_KEY.format(server.shard_id), endpoint.address)
     print(f"gradsync: ps{server.shard_id} serves gRPC at {endpoint.address} (run dir {directory})", flush=True)
     return endpoint

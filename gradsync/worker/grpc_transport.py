@@ -37,17 +37,17 @@ def from_bytes(data: bytes):
 class GrpcTransport:
     """Pull and push through each server's gRPC endpoint."""
 
-    def __init__(self, config: JobConfig, store: dist.Store, servers: list[int], buckets: list[Bucket],
+    def __init__(self, config: JobConfig, store: dist.Store, server_buckets: dict[int, list[Bucket]],
                  buffer_server: dict[str, int]):
         self.config = config
         self.store = store
         self.worker = config.worker_rank
-        self.servers = servers
-        self.buckets = buckets
+        self.servers = list(server_buckets)
+        self.server_buckets = server_buckets
         self.buffer_server = buffer_server
         self.records_gradients = False
-        store.wait([ADDRESS_KEY.format(s) for s in servers])  # bounded by the store's start-up timeout
-        addresses = {s: store.get(ADDRESS_KEY.format(s)).decode() for s in servers}
+        store.wait([ADDRESS_KEY.format(s) for s in self.servers])  # bounded by the store's start-up timeout
+        addresses = {s: store.get(ADDRESS_KEY.format(s)).decode() for s in self.servers}
         self.client = Client(addresses, token=job_token(store), timeout=config.step_timeout)
 
     def register(self, spec, setups: dict[int, dict | None]) -> None:
@@ -65,7 +65,7 @@ class GrpcTransport:
         tensors, versions = self.client.pull_versioned()
         out = {}
         for s in self.servers:
-            flats = [b.flatten(tensors) for b in self.buckets if b.server == s]
+            flats = [b.flatten(tensors) for b in self.server_buckets[s]]
             buffers = {n: tensors[n] for n, owner in self.buffer_server.items() if owner == s}
             out[s] = (versions[s], flats, buffers)
         return out
@@ -73,7 +73,7 @@ class GrpcTransport:
     def push(self, versions: dict[int, int], payloads: dict[int, list], buffers: dict[int, dict]) -> None:
         named: dict[str, torch.Tensor] = {}
         for s in self.servers:
-            for bucket, grad in zip([b for b in self.buckets if b.server == s], payloads[s]):
+            for bucket, grad in zip(self.server_buckets[s], payloads[s]):
                 named.update(bucket.views(grad))
             named.update(buffers[s])
         self.client.push(named, versions, self.worker)

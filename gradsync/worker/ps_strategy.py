@@ -21,7 +21,7 @@ from torch.func import functional_call
 
 from gradsync.cluster import Cluster
 from gradsync.ps import server as ps_server
-from gradsync.ps.buckets import ModelSpec, assign_buffers, plan_buckets
+from gradsync.ps.buckets import ModelSpec, assign_buffers, by_server, plan_buckets
 from gradsync.ps.wire import make_wire
 from gradsync.worker.grpc_transport import GrpcTransport
 from gradsync.worker.rpc_transport import RpcTransport
@@ -75,9 +75,10 @@ class PSStrategy:
         self.buckets = plan_buckets(self.spec.params, self.config.servers, cap)
         self.buffer_server = assign_buffers(self.spec.buffers, self.config.servers)
         self.servers = list(range(self.config.servers))
+        self.server_buckets = by_server(self.buckets, self.config.servers)
         self.wire = make_wire(self.config.compression)
         if self.config.transport == "grpc":
-            self.transport = GrpcTransport(self.config, cluster.store, self.servers, self.buckets, self.buffer_server)
+            self.transport = GrpcTransport(self.config, cluster.store, self.server_buckets, self.buffer_server)
         else:
             self.transport = RpcTransport(self.config, self.servers)
         # over torch RPC without compression, gradients ride the distributed backward to the servers;
@@ -95,7 +96,7 @@ class PSStrategy:
             setups[s] = None
             if self.worker == 0:
                 my_buffers = {n: t for n, t in buffers.items() if self.buffer_server[n] == s}
-                setups[s] = ps_server.make_setup(self._buckets_of(s), params, my_buffers, optimizer_cls,
+                setups[s] = ps_server.make_setup(self.server_buckets[s], params, my_buffers, optimizer_cls,
                                                  optimizer_kwargs)
         self.transport.register(self.spec, setups)
 
@@ -111,7 +112,7 @@ class PSStrategy:
             if self.explicit_push and context_id is not None:
                 flats = [f.requires_grad_(True) for f in flats]  # local leaves: backward leaves their grads here
             all_flats[s] = flats
-            for bucket, flat in zip(self._buckets_of(s), flats):
+            for bucket, flat in zip(self.server_buckets[s], flats):
                 tensors.update(bucket.views(flat))
                 received += flat.nbytes
             tensors.update(buffers)
@@ -143,16 +144,13 @@ class PSStrategy:
             payloads = {
                 s: [
                     self.wire.encode(grads[flat] if flat in grads else torch.zeros_like(flat), bucket.index)
-                    for bucket, flat in zip(self._buckets_of(s), pulled.flats[s])
+                    for bucket, flat in zip(self.server_buckets[s], pulled.flats[s])
                 ]
                 for s in self.servers
             }
             sent += sum(self.wire.nbytes(p) for per_server in payloads.values() for p in per_server)
             self.transport.push(pulled.versions, payloads, buffers)
         self.metrics.committed(start, sent)
-
-    def _buckets_of(self, server: int) -> list:
-        return [b for b in self.buckets if b.server == server]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return to_state_dict(self.model.module, self.transport.state_dict())

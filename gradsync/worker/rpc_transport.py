@@ -32,7 +32,7 @@ def wait_all(futures: dict[int, torch.futures.Future], what: str, timeout: float
             error = result
         elapsed = time.monotonic() - start
         raise RuntimeError(
-            f"{what} on {server_name(server)} failed after {elapsed:.1f} s (step timeout {timeout:.0f} s): {error}"
+            f"{what} on {server_name(server)} failed after {elapsed:.1f} s (timeout {timeout:.0f} s): {error}"
         ) from error
     return results
 
