@@ -89,7 +89,7 @@ def _grpc_servers(run_dirs: dict[int, str], ready, stop) -> None:
     """One 1-shard ParameterServer (one float32 parameter) per size, each on its own endpoint."""
     from gradsync.proto.endpoints import write_endpoints
     from gradsync.proto.service import serve_grpc
-    from gradsync.ps.buckets import ModelSpec, plan_buckets
+    from gradsync.core.buckets import ModelSpec, plan_buckets
     from gradsync.ps.server import ParameterServer, make_setup
 
     endpoints = []

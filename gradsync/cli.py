@@ -37,9 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "run":
-            servers = args.servers if args.servers is not None else (1 if args.strategy == "ps" else 0)
             run_script(
-                args.script, args.args, strategy=args.strategy, workers=args.workers, servers=servers,
+                args.script, args.args, strategy=args.strategy, workers=args.workers, servers=args.servers,
                 mode=args.mode, master_port=args.master_port, run_dir=args.run_dir, timeout=args.timeout,
                 nonfinite=args.nonfinite, compression=args.compression, server_device=args.server_device,
                 transport=args.transport,

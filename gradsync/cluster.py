@@ -14,14 +14,12 @@ import socket
 import sys
 import time
 import traceback
-import warnings
 
 import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
-import torch.distributed.rpc as rpc
-from torch.distributed.rendezvous import register_rendezvous_handler
 
 from gradsync.config import ConfigError, JobConfig
+from gradsync.transport.rpc import install, start_rpc, stop_rpc
 
 _STATE: "Cluster | None" = None
 _DONE_KEY = "gradsync/done"
@@ -118,19 +116,20 @@ def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=
     On a server this call serves until the job ends and then exits the process.
     """
     global _STATE
-    if _STATE is not None:
-        raise RuntimeError("gradsync.init() was already called in this process")
     config = JobConfig.from_env(
         strategy=strategy, mode=mode, servers=servers, nonfinite=nonfinite, compression=compression,
         transport=transport, **timeouts
     )
+    if _STATE is not None:
+        _join_launched(_STATE.config, config)
+        return
     _use_loopback_interfaces(config)
     store = connect_store(config)
     _report_failures(store, config.rank)
     _STATE = Cluster(config, store)
     server = _install_server(config) if config.is_server else None
     if config.transport == "rpc":
-        _start_rpc(config, store)
+        start_rpc(config, store)
     else:  # gRPC carries everything; contexts still work without an RPC agent
         dist_autograd._init(config.rank)
     if server is not None:
@@ -146,31 +145,29 @@ def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=
         _STATE.has_process_group = True
 
 
+def _join_launched(running: JobConfig, asked: JobConfig) -> None:
+    """A second init() is fine inside `gradsync.launch`'s function when it asks for the job that runs."""
+    if os.environ.get("GRADSYNC_LAUNCHED") != "1":
+        raise RuntimeError("gradsync.init() was already called in this process")
+    differ = [f"{f}={getattr(asked, f)!r} (the job runs {getattr(running, f)!r})"
+              for f in ("strategy", "mode", "servers", "nonfinite", "compression", "transport")
+              if getattr(asked, f) != getattr(running, f)]
+    if differ:
+        raise ConfigError(
+            f"gradsync.init() inside gradsync.launch asked for {', '.join(differ)}: pass those settings to "
+            "gradsync.launch(...), or call gradsync.init() with no arguments"
+        )
+
+
 def _use_cuda() -> bool:
     import torch
 
     return torch.cuda.is_available() and os.environ.get("GRADSYNC_DEVICE", "cuda") == "cuda"
 
 
-def _start_rpc(config: JobConfig, store: dist.Store) -> None:
-    prefixed = dist.PrefixStore("gradsync/rpc", store)
-
-    def handler(url, **kwargs):
-        yield prefixed, config.rank, config.world_size
-
-    register_rendezvous_handler("gradsync", handler)
-    # rpc.init_rpc's own all_gather_object trips a deprecation warning inside torch; it is not ours to fix
-    warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
-    options = rpc.TensorPipeRpcBackendOptions(
-        init_method="gradsync://", rpc_timeout=config.startup_timeout, num_worker_threads=max(16, 4 * config.world_size)
-    )
-    rpc.init_rpc(config.name, rank=config.rank, world_size=config.world_size, rpc_backend_options=options)
-    rpc._set_rpc_timeout(config.step_timeout)
-
-
 def _install_server(config: JobConfig):
     """Create this process's parameter server before RPC starts, so no request can arrive first."""
-    from gradsync.ps.server import ParameterServer, install
+    from gradsync.ps.server import ParameterServer
 
     server = ParameterServer(
         config.rank, config.num_workers, config.mode, config.nonfinite, config.compression, config.server_device
@@ -180,18 +177,16 @@ def _install_server(config: JobConfig):
 
 
 def _serve(cluster: Cluster, server) -> None:
-    from gradsync.ps.endpoint import start_endpoint
+    from gradsync.transport.grpc import register_from_store, start_endpoint
 
     config = cluster.config
     endpoint = start_endpoint(server, cluster.store, config.step_timeout)
     try:
         if config.transport == "grpc":
-            from gradsync.worker.grpc_transport import register_from_store
-
             register_from_store(server, cluster.store, config)
         _wait_for_workers(cluster)
         if config.transport == "rpc":
-            _stop_rpc(config)
+            stop_rpc(config)
         endpoint.stop()
     finally:
         sys.stdout.flush()
@@ -208,13 +203,6 @@ def _wait_for_workers(cluster: Cluster) -> None:
         time.sleep(0.05)
 
 
-def _stop_rpc(config: JobConfig) -> None:
-    try:
-        rpc.shutdown(graceful=True, timeout=config.shutdown_timeout)
-    except Exception:
-        rpc.shutdown(graceful=False)
-
-
 def shutdown() -> None:
     """Leave the job: waits (bounded by the other workers finishing) and stops RPC. Every worker must call it."""
     global _STATE
@@ -228,7 +216,7 @@ def shutdown() -> None:
         if cluster.has_process_group:
             dist.destroy_process_group()
         if cluster.config.transport == "rpc":
-            _stop_rpc(cluster.config)
+            stop_rpc(cluster.config)
 
 
 def worker_rank() -> int:

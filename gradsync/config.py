@@ -136,11 +136,10 @@ class JobConfig:
         """Build the config from a launcher's environment; non-None `overrides` win."""
         env = os.environ if environ is None else environ
         strategy = overrides.get("strategy") or env.get("GRADSYNC_STRATEGY", "ps")
-        default_servers = 1 if strategy == "ps" else 0
         values = dict(
             strategy=strategy,
             mode=env.get("GRADSYNC_MODE", "sync"),
-            servers=_int(env, "GRADSYNC_SERVERS", default_servers),
+            servers=_int(env, "GRADSYNC_SERVERS", default_servers(strategy)),
             rank=_int(env, "RANK", 0),
             world_size=_int(env, "WORLD_SIZE", None),
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
@@ -193,6 +192,11 @@ def _int(env, name: str, default):
         return int(raw)
     except ValueError:
         raise ConfigError(f"{name}={raw!r} is not an integer") from None
+
+
+def default_servers(strategy: str) -> int:
+    """Parameter servers a job gets when none are asked for: 1 for ps, 0 for allreduce."""
+    return 1 if strategy == "ps" else 0
 
 
 def server_name(index: int) -> str:

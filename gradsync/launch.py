@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from gradsync.cluster import FAILED_KEY
-from gradsync.config import ConfigError, JobConfig
-from gradsync.proto.service import new_token
+from gradsync.config import ConfigError, JobConfig, default_servers
+from gradsync.proto.endpoints import new_token
 
 _POLL_S = 0.05
 _KILL_GRACE_S = 3.0
@@ -168,10 +168,12 @@ def supervise(config: JobConfig, ranks: list[_Rank], run_dir: str, store: dist.S
 def _job_config(strategy, workers, servers, mode, **settings) -> JobConfig:
     if not isinstance(workers, int) or workers < 1:
         raise ConfigError(f"workers must be a positive integer, got {workers!r}")
+    if servers is None:
+        servers = default_servers(strategy)
     return JobConfig(strategy=strategy, mode=mode, servers=servers, world_size=servers + workers, **settings)
 
 
-def run_script(script: str, script_args: list[str], *, strategy: str, workers: int, servers: int, mode: str,
+def run_script(script: str, script_args: list[str], *, strategy: str, workers: int, servers: int | None, mode: str,
                master_port: int = 0, run_dir: str | None = None, timeout: float | None = None,
                **settings) -> None:
     """Run `python script args` on every rank (the `gradsync run` command). Raises JobFailed."""
@@ -190,7 +192,7 @@ def run_script(script: str, script_args: list[str], *, strategy: str, workers: i
 
 def _run_function(env: dict, fn, args: tuple, result_path: str) -> None:
     """Body of a spawned rank: init, then fn on workers; a failure is recorded for the launcher."""
-    os.environ.update(env)
+    os.environ.update(env, GRADSYNC_LAUNCHED="1")
     from gradsync import cluster
 
     try:
@@ -206,13 +208,15 @@ def _run_function(env: dict, fn, args: tuple, result_path: str) -> None:
         os._exit(1)
 
 
-def launch(fn, *, strategy: str, workers: int, servers: int = 0, mode: str = "sync", args: tuple = (),
+def launch(fn, *, strategy: str, workers: int, servers: int | None = None, mode: str = "sync", args: tuple = (),
            timeout: float | None = None, **settings) -> list:
     """Run `fn(*args)` on each worker of a local job and return the results in worker order.
 
     Args:
-        fn: a picklable (module-level) function; it runs after `gradsync.init()`.
-        strategy: 'ps' or 'allreduce'; workers: W >= 1; servers: S (>= 1 for ps, 0 for allreduce).
+        fn: a picklable (module-level) function; it runs after `gradsync.init()` (a `gradsync.init()`
+            call inside it joins this job, and so does a `gradsync.shutdown()`).
+        strategy: 'ps' or 'allreduce'; workers: W >= 1; servers: S (>= 1 for ps, 0 for allreduce;
+            None: 1 for ps, 0 for allreduce, as `gradsync run`).
         mode: 'sync' or 'async'.
         timeout: seconds for the whole job (None: no limit).
         settings: other JobConfig fields (nonfinite, compression, step_timeout, ...).

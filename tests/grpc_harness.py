@@ -7,7 +7,7 @@ import torch
 
 from gradsync.client import Client
 from gradsync.proto.service import serve_grpc
-from gradsync.ps.buckets import ModelSpec, plan_buckets
+from gradsync.core.buckets import ModelSpec, plan_buckets
 from gradsync.ps.server import ParameterServer, make_setup
 
 TOKEN = "test-token-0123456789"
@@ -22,6 +22,7 @@ def model_state(seed: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, torch
         "fc2.weight": torch.randn(4, 16, generator=g),
         "fc2.bias": torch.randn(4, generator=g),
     }
+    params = {n: p.requires_grad_() for n, p in params.items()}
     buffers = {"norm.running_mean": torch.randn(4, generator=g), "norm.steps": torch.tensor(7)}
     return params, buffers
 
@@ -32,8 +33,8 @@ def make_server(mode: str = "sync", workers: int = 2, lr: float = 0.1, momentum:
     params, buffers = model_state()
     spec = ModelSpec.of(params, buffers)
     buckets = [b for b in plan_buckets(spec.params, num_servers, cap_bytes=256) if b.server == shard]
-    mine = {e.name for b in buckets for e in b.entries}
-    setup = make_setup(buckets, params, {n: t for n, t in buffers.items() if shard == 0}, torch.optim.SGD,
+    mine = {e.key for b in buckets for e in b.entries}
+    setup = make_setup(buckets, params, {n: t for n, t in buffers.items() if shard == 0}, {}, torch.optim.SGD,
                        {"lr": lr, "momentum": momentum})
     server = ParameterServer(shard, workers, mode, nonfinite)
     futures = [server.register(w, spec, setup if w == 0 else None) for w in range(workers)]

@@ -54,10 +54,6 @@ def reference_mlp(steps: int, workers: int, lr: float = 0.1, momentum: float = 0
 
 def train_mlp_stats(steps: int, steps_worker1: int | None = None) -> dict:
     """Train (worker 1 may stop early) and return server 0's counters as seen at the end."""
-    import torch.distributed.rpc as rpc
-
-    from gradsync.ps import server
-
     me = gradsync.worker_rank()
     trainer = gradsync.Trainer(make_mlp(), torch.optim.SGD, lr=0.05)
     mine = steps_worker1 if (me == 1 and steps_worker1 is not None) else steps
@@ -66,7 +62,7 @@ def train_mlp_stats(steps: int, steps_worker1: int | None = None) -> dict:
         with dist_autograd.context() as cid:
             dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
             trainer.step(cid)
-    return rpc.rpc_sync("ps0", server.rpc_stats)
+    return trainer._strategy.transport.stats()[0]
 
 
 def fail_at(step_to_fail: int, how: str) -> None:

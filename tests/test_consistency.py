@@ -2,14 +2,19 @@
 import pytest
 import torch
 
-from gradsync.ps.buckets import ModelSpec, plan_buckets
+from gradsync.core.buckets import ModelSpec, plan_buckets
 from gradsync.ps.consistency import AsyncRule, SyncRule
-from gradsync.ps.shard import GradientError, ShardState
+from gradsync.core.errors import GradientError
+from gradsync.ps.shard import ShardState
+
+
+ALL = [()]
+"""No absent entries in make_shard's one bucket: every parameter got a gradient."""
 
 
 def make_shard():
     torch.manual_seed(0)
-    params = {"w": torch.randn(3, 4), "b": torch.randn(4)}
+    params = {"w": torch.randn(3, 4, requires_grad=True), "b": torch.randn(4, requires_grad=True)}
     buckets = plan_buckets(ModelSpec.of(params, {}).params, 1, 10**9)
     shard = ShardState(0, buckets, params, {}, torch.optim.SGD, {"lr": 0.5, "momentum": 0.9})
     return shard, params
@@ -24,16 +29,16 @@ def grads_of(worker, shard):
 def test_sync_result_is_bit_identical_whatever_the_arrival_order(order):
     shard, _ = make_shard()
     rule = SyncRule(shard, num_workers=3, nonfinite="raise")
-    futures = [rule.commit(w, 0, grads_of(w, shard), {}) for w in order]
-    assert [f.wait() for f in futures] == [1, 1, 1]
+    futures = [rule.commit(w, 0, grads_of(w, shard), ALL, {}) for w in order]
+    assert [f.wait().version for f in futures] == [1, 1, 1]
     reference, _ = make_shard()
     mean = [sum(grads_of(w, reference)[i].double() for w in range(3)) / 3 for i in range(len(reference.buckets))]
-    reference.apply([m.float() for m in mean], {})
+    reference.apply([m.float() for m in mean], [set()] * len(mean), {})
     for a, b in zip(shard.flats, reference.flats):
         assert torch.allclose(a, b, rtol=0, atol=1e-4)
     first, _ = make_shard()
     rule = SyncRule(first, num_workers=3, nonfinite="raise")
-    [rule.commit(w, 0, grads_of(w, first), {}) for w in (0, 1, 2)]
+    [rule.commit(w, 0, grads_of(w, first), ALL, {}) for w in (0, 1, 2)]
     assert all(a.equal(b) for a, b in zip(shard.flats, first.flats))
 
 
@@ -50,7 +55,7 @@ def test_bad_push_is_refused_and_changes_nothing(mutate, match):
     before = [f.clone() for f in shard.flats]
     for rule in (SyncRule(shard, 2, "raise"), AsyncRule(shard, 2, "raise")):
         with pytest.raises(GradientError, match=match):
-            rule.commit(0, 0, mutate(grads_of(0, shard)), {}).wait()
+            rule.commit(0, 0, mutate(grads_of(0, shard)), ALL, {}).wait()
     assert all(a.equal(b) for a, b in zip(before, shard.flats))
     assert shard.stats.pushes_rejected == 2 and shard.version == 0
 
@@ -59,9 +64,9 @@ def test_async_rejects_a_version_from_the_future_and_tracks_staleness():
     shard, _ = make_shard()
     rule = AsyncRule(shard, 2, "raise")
     with pytest.raises(GradientError, match=r"version 5 .* \(a version from the future\)"):
-        rule.commit(0, 5, grads_of(0, shard), {}).wait()
-    assert rule.commit(0, 0, grads_of(0, shard), {}).wait() == 1
-    assert rule.commit(1, 0, grads_of(1, shard), {}).wait() == 2
+        rule.commit(0, 5, grads_of(0, shard), ALL, {}).wait()
+    assert rule.commit(0, 0, grads_of(0, shard), ALL, {}).wait().version == 1
+    assert rule.commit(1, 0, grads_of(1, shard), ALL, {}).wait().version == 2
     assert shard.stats.max_staleness == 1
 
 
@@ -69,11 +74,11 @@ def test_sync_nan_with_raise_fails_every_waiting_worker_and_keeps_the_parameters
     shard, _ = make_shard()
     before = [f.clone() for f in shard.flats]
     rule = SyncRule(shard, 2, "raise")
-    waiting = rule.commit(0, 0, grads_of(0, shard), {})
+    waiting = rule.commit(0, 0, grads_of(0, shard), ALL, {})
     bad = grads_of(1, shard)
     bad[0][1] = float("nan")
     with pytest.raises(GradientError, match="from worker 1"):
-        rule.commit(1, 0, bad, {}).wait()
+        rule.commit(1, 0, bad, ALL, {}).wait()
     with pytest.raises(GradientError, match="from worker 1"):
         waiting.wait()
     assert all(a.equal(b) for a, b in zip(before, shard.flats))
@@ -95,8 +100,8 @@ def test_sync_on_a_cuda_shard_matches_the_cpu_shard():
     gpu = ShardState(0, buckets, params, {}, torch.optim.SGD, {"lr": 0.5, "momentum": 0.9}, device="cuda")
     for shard in (cpu, gpu):
         rule = SyncRule(shard, num_workers=3, nonfinite="raise")
-        futures = [rule.commit(w, 0, grads_of(w, shard), {}) for w in range(3)]
-        assert [f.wait() for f in futures] == [1, 1, 1]
+        futures = [rule.commit(w, 0, grads_of(w, shard), ALL, {}) for w in range(3)]
+        assert [f.wait().version for f in futures] == [1, 1, 1]
     for a, b in zip(cpu.flats, gpu.flats):
         assert b.device.type == "cuda"
         torch.testing.assert_close(a, b.cpu(), rtol=0, atol=1e-5)

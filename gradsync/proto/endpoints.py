@@ -11,10 +11,16 @@ import glob
 import json
 import os
 import re
+import secrets
 
 from gradsync.atomic_file import write_atomically
 
 _NAME = re.compile(r"grpc-(\d+)\.json$")
+
+
+def new_token() -> str:
+    """A fresh random bearer token (256 bits, URL-safe)."""
+    return secrets.token_urlsafe(32)
 
 
 def write_endpoints(run_dir: str, shard_id: int, address: str, token: str) -> str:

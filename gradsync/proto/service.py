@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import hmac
-import secrets
 import threading
 import time
 from typing import Iterator
@@ -24,16 +23,12 @@ from google.protobuf.message import DecodeError
 
 from gradsync.proto import gradsync_pb2 as pb
 from gradsync.proto import tensor_codec
+from gradsync.proto.endpoints import new_token
 from gradsync.ps import checkpoint
-from gradsync.ps.named_grads import commit_named
-from gradsync.ps.shard import GradientError
+from gradsync.ps.named_grads import push_named
+from gradsync.core.errors import GradientError
 
 SERVICE = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
-
-
-def new_token() -> str:
-    """A fresh random bearer token (256 bits, URL-safe)."""
-    return secrets.token_urlsafe(32)
 
 
 class _Malformed:
@@ -88,7 +83,7 @@ class Servicer:
             return pb.HealthResponse(shard_id=self.server.shard_id, ready=False)
         return pb.HealthResponse(
             shard_id=shard.shard_id, ready=True, version=shard.version,
-            parameters=list(shard.params), buffers=list(shard.buffers),
+            parameters=list(shard.params) + list(shard.frozen), buffers=list(shard.buffers),
         )
 
     def get_stats(self, request, context) -> pb.GetStatsResponse:
@@ -105,18 +100,19 @@ class Servicer:
     def pull(self, request, context) -> Iterator[pb.PullResponse]:
         request = _parsed(request)
         shard = self._shard()
-        owned = list(shard.params) + list(shard.buffers)
+        owned = list(shard.params) + list(shard.buffers) + list(shard.frozen)
         unknown = sorted(set(request.names) - set(owned))
         if unknown:
             raise _Refused(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"PullRequest.names: server {shard.shard_id} owns no tensor named {unknown[:5]}",
             )
-        version, flats, buffers = self.server.pull(request.worker, None)
+        version, flats, buffers = self.server.pull()
         tensors: dict[str, torch.Tensor] = {}
         for bucket, flat in zip(shard.buckets, flats):
             tensors.update(bucket.views(flat))
         tensors.update(buffers)
+        tensors.update(shard.frozen)
         if request.names:
             tensors = {n: tensors[n] for n in request.names}
         yield pb.PullResponse(header=pb.PullHeader(shard_id=shard.shard_id, version=version))
@@ -133,7 +129,7 @@ class Servicer:
         limit = sum(t.numel() * t.element_size() for t in [*shard.params.values(), *shard.buffers.values()])
         try:
             grads = tensor_codec.decode(_chunks(request_iterator), max_bytes=limit)
-            fut = commit_named(self.server, header.worker, header.version, grads)
+            fut = push_named(self.server, header.worker, header.version, grads)
         except ValueError as e:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
         remaining = context.time_remaining()
@@ -148,7 +144,7 @@ class Servicer:
                 f"{time.monotonic() - start:.1f} s (in sync mode every worker must push each step)",
             )
         try:
-            return pb.PushResponse(version=fut.value())
+            return pb.PushResponse(version=fut.value().version)
         except GradientError as e:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
 

@@ -30,6 +30,7 @@ def capture(shard: ShardState) -> dict:
             "version": shard.version,
             "params": {n: p.detach().to("cpu", copy=True) for n, p in shard.params.items()},
             "buffers": {n: b.to("cpu", copy=True) for n, b in shard.buffers.items()},
+            "frozen": {n: t.clone() for n, t in shard.frozen.items()},
             "optimizer": copy.deepcopy(shard.optimizer.state_dict()) if shard.optimizer is not None else None,
         }
 
@@ -51,7 +52,7 @@ def save(shard: ShardState, directory: str) -> tuple[str, int]:
 
 
 def load(path: str) -> dict:
-    """Read and verify a checkpoint: keys shard_id, version, params, buffers, optimizer.
+    """Read and verify a checkpoint: keys shard_id, version, params, buffers, frozen, optimizer.
 
     Raises:
         ValueError: the file is not a gradsync checkpoint or its digest does not match (torn or altered).
@@ -81,3 +82,4 @@ def restore(shard: ShardState, state: dict) -> None:
         if shard.optimizer is not None:
             shard.optimizer.load_state_dict(state["optimizer"])
         shard.stats.version = state["version"]
+        shard.restored()

@@ -1,20 +1,26 @@
-"""Consistency rules: when a server applies the gradients its workers commit.
+"""Consistency rules: when a server applies the gradients its workers push.
 
-`SyncRule` waits for all W workers of a step, averages their gradients in
+`SyncRule` waits for all W workers of a step, then averages their gradients in
 worker order (one fused pass per bucket: `aggregate`, or `dequantize_aggregate`
-for int8 pushes; see `wire`), so the result is the same
-bit for bit whatever the arrival order), applies the optimizer once and then
-releases every waiting worker. `AsyncRule` applies each worker's gradient as
-it arrives and tracks staleness. Both return a `torch.futures.Future` that
-resolves to the shard's new version, or fails with the reason.
+for int8 pushes; see `wire`), so the result is the same bit for bit whatever
+the arrival order. A bucket entry that no worker produced a gradient for is
+skipped by the optimizer; one that some workers did is averaged over all W
+(zeros from the others), which is what single-process training on the joint
+batch computes. `AsyncRule` applies each worker's gradient as it arrives and
+tracks staleness. Both return a `torch.futures.Future` that resolves to the
+shard's `Snapshot` after the step, or fails with the reason.
+
+NaN/Inf is found with one cheap reduction per bucket (`core.finite`); only
+when it trips is the parameter and the worker searched for.
 """
 from __future__ import annotations
 
 import torch
 
+from gradsync.core.errors import GradientError, nonfinite_error
+from gradsync.core.finite import first_nonfinite, maybe_nonfinite
 from gradsync.cuda_ops import aggregate
-from gradsync.ps.buckets import Bucket
-from gradsync.ps.shard import GradientError, ShardState
+from gradsync.ps.shard import ShardState
 from gradsync.ps.wire import PLAIN
 
 
@@ -36,38 +42,67 @@ def _check_version(shard: ShardState, worker: int, pulled_version: int, exact: b
         )
 
 
-def _validated(shard: ShardState, worker: int, pulled_version: int, grads: list, buffers: dict, wire, exact: bool):
-    """Check one push; returns (gradients, buffers, first non-finite parameter or None). Call with the lock held.
+def _validated(shard: ShardState, worker: int, pulled_version: int, grads: list, absent: list, buffers: dict,
+               wire, exact: bool):
+    """Check one push; returns (payloads, buffers). Call with the lock held.
 
     Raises:
         GradientError: counted as a rejected push; nothing is changed.
     """
     try:
         _check_version(shard, worker, pulled_version, exact)
-        checked = shard.check_gradients(worker, grads, wire)
+        checked = shard.check_gradients(worker, grads, absent, wire)
         buffers = shard.check_buffers(worker, buffers)
     except GradientError:
         shard.stats.pushes_rejected += 1
         raise
     shard.stats.workers_seen.add(worker)
-    return checked, buffers, shard.nonfinite_parameter(checked, wire)
+    return checked, buffers
 
 
-def _mean(bucket: Bucket, pushes: list[tuple[object, object]]) -> torch.Tensor:
-    """The mean of W workers' (payload, wire) for one bucket, in one fused pass when they share a format."""
-    wires = {wire.name for _, wire in pushes}
-    if len(wires) == 1:
-        return pushes[0][1].mean([payload for payload, _ in pushes], bucket.dtype)
-    decoded = [wire.decode(payload, torch.float32) for payload, wire in pushes]
-    return aggregate(decoded, 1.0 / len(decoded), bucket.dtype)
+def _skipped(shard: ShardState, pushes: list[tuple[list, list]]) -> list[set[int]]:
+    """Per bucket, the entries no worker sent a gradient for (pushes: (payloads, absent) per worker)."""
+    out = []
+    for b, bucket in enumerate(shard.buckets):
+        every = set(range(len(bucket.entries)))
+        for payloads, absent in pushes:
+            every &= every if payloads[b] is None else set(absent[b])
+        out.append(every)
+    return out
 
 
-def _nonfinite_error(shard: ShardState, worker: int, name: str) -> GradientError:
-    return GradientError(
-        f"non-finite gradient (NaN or Inf) for parameter {name!r} from worker {worker}: "
-        "lower the learning rate or check the loss; pass nonfinite='skip' to gradsync.init "
-        "(or GRADSYNC_NONFINITE=skip) to drop such steps instead"
-    )
+def _named(shard: ShardState, b: int, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Bucket b's gradient `flat` by parameter name (one piece each)."""
+    return {e.name: e.view(flat) for e in shard.buckets[b].entries}
+
+
+def _blame(shard: ShardState, means: list, per_worker: list[tuple[int, list, object]]) -> GradientError | None:
+    """The error naming the first parameter whose mean gradient is non-finite and the worker that sent
+    NaN/Inf for it (None when every mean is finite: the cheap check was a false alarm)."""
+    for b, mean in enumerate(means):
+        if mean is None or not maybe_nonfinite(mean):
+            continue
+        name = first_nonfinite(_named(shard, b, mean))
+        if name is None:
+            continue
+        for worker, payloads, wire in per_worker:
+            if payloads[b] is not None:
+                decoded = wire.decode(payloads[b], torch.float32)
+                if first_nonfinite({name: _named(shard, b, decoded)[name]}) is not None:
+                    return nonfinite_error(name, worker)
+        return nonfinite_error(name, "none alone (the average of finite gradients overflowed)")
+    return None
+
+
+def _mean(shard: ShardState, b: int, pushes: list[tuple[object, object]], workers: int) -> torch.Tensor | None:
+    """Sum of the workers' (payload, wire) for bucket b divided by all W; None when no worker sent one."""
+    pushes = [(p, w) for p, w in pushes if p is not None]
+    if not pushes:
+        return None
+    dtype = shard.buckets[b].dtype
+    if len({wire.name for _, wire in pushes}) == 1:
+        return pushes[0][1].mean([p for p, _ in pushes], dtype, 1.0 / workers)
+    return aggregate([wire.decode(p, torch.float32) for p, wire in pushes], 1.0 / workers, dtype)
 
 
 def mean_buffers(per_worker: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -91,11 +126,11 @@ class SyncRule:
         self.shard = shard
         self.num_workers = num_workers
         self.nonfinite = nonfinite
-        self._pending: dict[int, tuple[list, dict, torch.futures.Future, object]] = {}
+        self._pending: dict[int, tuple[list, list, dict, torch.futures.Future, object]] = {}
         self._failure: Exception | None = None
-        self._skip_step = False
 
-    def commit(self, worker: int, pulled_version: int, grads: list, buffers: dict, wire=PLAIN) -> torch.futures.Future:
+    def commit(self, worker: int, pulled_version: int, grads: list, absent: list, buffers: dict,
+               wire=PLAIN) -> torch.futures.Future:
         shard = self.shard
         with shard.lock:
             if self._failure is not None:
@@ -104,32 +139,41 @@ class SyncRule:
                 shard.stats.pushes_rejected += 1
                 return _done(error=GradientError(f"worker {worker} committed twice at version {shard.version}"))
             try:
-                checked, buffers, name = _validated(shard, worker, pulled_version, grads, buffers, wire, exact=True)
+                checked, buffers = _validated(shard, worker, pulled_version, grads, absent, buffers, wire, exact=True)
             except GradientError as e:
                 return _done(error=e)
-            if name is not None and self.nonfinite == "raise":
-                self._failure = _nonfinite_error(shard, worker, name)
-                for _, _, fut, _ in self._pending.values():
-                    fut.set_exception(self._failure)
-                self._pending.clear()
-                return _done(error=self._failure)
             fut: torch.futures.Future = torch.futures.Future()
-            self._pending[worker] = (checked, buffers, fut, wire)
-            self._skip_step = self._skip_step or name is not None
+            self._pending[worker] = (checked, absent, buffers, fut, wire)
             if len(self._pending) < self.num_workers:
                 return fut
-            pending = [self._pending[w] for w in sorted(self._pending)]
+            pending = [(w, *self._pending[w]) for w in sorted(self._pending)]
             self._pending = {}
-            if self._skip_step:  # nonfinite='skip': a NaN/Inf from any worker drops the whole step
-                self._skip_step = False
-                shard.stats.steps_skipped += 1
+            error = self._step(pending)
+            if error is not None and self.nonfinite == "raise":
+                self._failure = error
+            snapshot = shard.published
+        for *_, waiting, _ in pending:
+            if error is not None and self.nonfinite == "raise":
+                waiting.set_exception(error)
             else:
-                mean = [_mean(b, [(g[i], w) for g, _, _, w in pending]) for i, b in enumerate(shard.buckets)]
-                shard.apply(mean, mean_buffers([b for _, b, _, _ in pending]))
-            version = shard.version
-        for _, _, waiting, _ in pending:
-            waiting.set_result(version)
+                waiting.set_result(snapshot)
         return fut
+
+    def _step(self, pending: list) -> GradientError | None:
+        """Average and apply one step; returns the non-finite error instead of applying (nothing changes)."""
+        shard = self.shard
+        means = [
+            _mean(shard, b, [(payloads[b], wire) for _, payloads, _, _, _, wire in pending], self.num_workers)
+            for b in range(len(shard.buckets))
+        ]
+        if any(m is not None and maybe_nonfinite(m) for m in means):
+            error = _blame(shard, means, [(w, payloads, wire) for w, payloads, _, _, _, wire in pending])
+            if error is not None:
+                shard.stats.steps_skipped += self.nonfinite == "skip"
+                return error
+        skipped = _skipped(shard, [(payloads, absent) for _, payloads, absent, _, _, _ in pending])
+        shard.apply(means, skipped, mean_buffers([buffers for _, _, _, buffers, _, _ in pending]))
+        return None
 
 
 class AsyncRule:
@@ -139,21 +183,23 @@ class AsyncRule:
         self.shard = shard
         self.nonfinite = nonfinite
 
-    def commit(self, worker: int, pulled_version: int, grads: list, buffers: dict, wire=PLAIN) -> torch.futures.Future:
+    def commit(self, worker: int, pulled_version: int, grads: list, absent: list, buffers: dict,
+               wire=PLAIN) -> torch.futures.Future:
         shard = self.shard
         with shard.lock:
             try:
-                checked, buffers, name = _validated(shard, worker, pulled_version, grads, buffers, wire, exact=False)
+                checked, buffers = _validated(shard, worker, pulled_version, grads, absent, buffers, wire, exact=False)
             except GradientError as e:
                 return _done(error=e)
-            if name is not None:
-                shard.stats.pushes_rejected += 1
-                if self.nonfinite == "raise":
-                    return _done(error=_nonfinite_error(shard, worker, name))
-                return _done(shard.version)
+            decoded = [None if g is None else wire.decode(g, b.dtype) for g, b in zip(checked, shard.buckets)]
+            if any(g is not None and maybe_nonfinite(g) for g in decoded):
+                error = _blame(shard, decoded, [(worker, checked, wire)])
+                if error is not None:
+                    shard.stats.pushes_rejected += 1
+                    return _done(error=error) if self.nonfinite == "raise" else _done(shard.published)
             shard.stats.max_staleness = max(shard.stats.max_staleness, shard.version - pulled_version)
-            shard.apply([wire.decode(g, b.dtype) for g, b in zip(checked, shard.buckets)], buffers)
-            return _done(shard.version)
+            shard.apply(decoded, _skipped(shard, [(checked, absent)]), buffers)
+            return _done(shard.published)
 
 
 RULES = {"sync": SyncRule, "async": AsyncRule}

@@ -1,12 +1,12 @@
-"""The parameter server: registration barrier, pulls and commits over torch RPC.
+"""The parameter server: registration barrier, pulls and pushes, with no transport inside.
 
-One `ParameterServer` lives in each server process. Workers reach it through
-the module-level `rpc_*` functions below (torch RPC pickles functions by module
-path). The server waits until all W workers have registered the same model,
-builds its `ShardState` from worker 0's values, then serves pulls (consistent
-copies, recorded by distributed autograd) and commits (gradients read from the
-worker's distributed autograd context and handed to the consistency rule), or,
-with compression, pushes of gradients the worker encoded itself.
+One `ParameterServer` lives in each server process; a transport
+(`gradsync.transport.rpc`, `gradsync.transport.grpc`) turns its messages into
+calls on it. The server waits until all W workers have registered the same
+model, builds its `ShardState` from worker 0's values, then serves pulls (the
+published snapshot of the current version) and pushes (one worker's bucket
+gradients, absent entries and buffers at the version it pulled, in the job's
+wire format), handed to the consistency rule.
 """
 from __future__ import annotations
 
@@ -14,12 +14,11 @@ import dataclasses
 import threading
 
 import torch
-import torch.distributed.autograd as dist_autograd
-import torch.distributed.rpc as rpc
 
-from gradsync.ps.buckets import Bucket, ModelSpec
+from gradsync.core.buckets import Bucket, ModelSpec
+from gradsync.core.errors import GradientError, model_mismatch_error
 from gradsync.ps.consistency import RULES
-from gradsync.ps.shard import GradientError, ShardState
+from gradsync.ps.shard import ShardState, Snapshot
 from gradsync.ps.wire import make_wire
 
 
@@ -39,13 +38,13 @@ class ParameterServer:
         self._lock = threading.Lock()
         self._registrations: dict[int, tuple[ModelSpec, torch.futures.Future]] = {}
         self._setup: dict | None = None
-        self._pulled: dict[int, tuple[int, list[torch.Tensor]]] = {}
         self.ready = threading.Event()
 
     def register(self, worker: int, spec: ModelSpec, setup: dict | None) -> torch.futures.Future:
         """Barrier of all W workers; worker 0 brings `setup` (buckets, values, optimizer).
 
-        The returned future fails on every worker when any worker's model differs from worker 0's.
+        The returned future resolves to this shard's frozen parameters (worker 0's values, which every
+        worker then uses), and fails on every worker when any worker's model differs from worker 0's.
         """
         fut: torch.futures.Future = torch.futures.Future()
         with self._lock:
@@ -63,14 +62,14 @@ class ParameterServer:
                 s = self._setup
                 self.shard = ShardState(
                     self.shard_id, s["buckets"], s["params"], s["buffers"], s["optimizer_cls"], s["optimizer_kwargs"],
-                    self.device,
+                    self.device, s["frozen"],
                 )
                 self.rule = RULES[self.mode](self.shard, self.num_workers, self.nonfinite)
                 self._setup = None
                 self.ready.set()
         for _, waiting in registrations.values():
             if error is None:
-                waiting.set_result(None)
+                waiting.set_result(self.shard.frozen)
             else:
                 waiting.set_exception(error)
         return fut
@@ -82,54 +81,66 @@ class ParameterServer:
         for worker in sorted(registrations):
             diff = reference.difference(registrations[worker][0])
             if diff is not None:
-                return ValueError(
-                    f"worker {worker}'s model differs from worker 0's: {diff}. Every worker must build the "
-                    "same model (same classes, same constructor arguments)"
-                )
+                return model_mismatch_error(worker, diff)
         return None
 
-    def pull(self, worker: int, context_id: int | None) -> tuple[int, list[torch.Tensor], dict[str, torch.Tensor]]:
-        """A consistent copy of this shard; inside a context the copies are the gradient leaves."""
+    def pull(self) -> Snapshot:
+        """The shard's current published snapshot (shared by every pull of that version; never modified)."""
+        shard = self._shard()
+        snapshot = shard.published
+        with shard.lock:
+            shard.stats.bytes_out += shard.snapshot_bytes()
+        return snapshot
+
+    def push(self, worker: int, pulled_version: int, payloads: list, absent: list, buffers: dict,
+             wire=None) -> torch.futures.Future:
+        """One worker's step: bucket payloads (None: no gradient in that bucket) in `wire`'s format (default:
+        the job's), the indices of entries without a gradient per bucket, and its updated buffers.
+        Resolves to the `Snapshot` after the step (in sync mode once all W pushed), or fails with the reason.
+        """
+        shard = self._shard()
+        if self.mode == "sync" and not 0 <= worker < self.num_workers:
+            return _failed(shard, GradientError(
+                f"worker {worker} is not a worker of this job: expected 0 .. {self.num_workers - 1}"
+            ))
+        if worker < 0:  # async: any worker may join and leave, under a non-negative id
+            return _failed(shard, GradientError(f"worker {worker} is not a worker id: expected an integer >= 0"))
+        return self.rule.commit(worker, pulled_version, payloads, absent, buffers, wire or self.wire)
+
+    def state(self) -> tuple[int, list[torch.Tensor], dict[str, torch.Tensor]]:
+        """(version, bucket tensors, buffers and frozen parameters by name): CPU copies at one version."""
         shard = self._shard()
         with shard.lock:
-            version, flats, buffers = shard.snapshot()
-        if context_id is not None:
-            flats = [f.requires_grad_(True) for f in flats]
-            with self._lock:
-                self._pulled[worker] = (context_id, flats)
-        return version, flats, buffers
-
-    def commit(self, worker: int, context_id: int, pulled_version: int, buffers: dict) -> torch.futures.Future:
-        """Hand the gradients of `context_id` to the consistency rule; resolves to the new version."""
-        with self._lock:
-            cid, leaves = self._pulled.pop(worker, (None, None))
-        if cid != context_id:
-            fut: torch.futures.Future = torch.futures.Future()
-            fut.set_exception(
-                GradientError(
-                    f"worker {worker} committed context {context_id} to server {self.shard_id}, which served "
-                    f"its last pull in context {cid}: call trainer.model(...) inside the same "
-                    "dist_autograd.context() as trainer.step(context_id)"
-                )
-            )
-            return fut
-        grads_by_leaf = dist_autograd.get_gradients(context_id)
-        grads = [grads_by_leaf.get(leaf) for leaf in leaves]
-        return self.rule.commit(worker, pulled_version, grads, buffers)
-
-    def push(self, worker: int, pulled_version: int, payloads: list, buffers: dict) -> torch.futures.Future:
-        """Gradients the worker read from its context and encoded in this job's wire format (compression)."""
-        return self.rule.commit(worker, pulled_version, payloads, buffers, self.wire)
+            named = {n: b.to("cpu", copy=True) for n, b in shard.buffers.items()}
+            named.update({n: t.clone() for n, t in shard.frozen.items()})
+            return shard.version, [f.detach().to("cpu", copy=True) for f in shard.flats], named
 
     def state_dict(self) -> dict[str, torch.Tensor]:
+        """CPU copies of this shard's tensors by name (a split parameter's piece as `name[start:end]`)."""
         shard = self._shard()
         with shard.lock:
             return shard.state_dict()
+
+    def stats(self) -> dict:
+        """This server's counters (version, pushes applied/rejected, staleness, bytes)."""
+        shard = self._shard()
+        with shard.lock:
+            stats = dataclasses.asdict(shard.stats)
+        stats["workers_seen"] = sorted(stats["workers_seen"])
+        return stats
 
     def _shard(self) -> ShardState:
         if self.shard is None:
             raise RuntimeError(f"server {self.shard_id} has no model yet: every worker must create the Trainer")
         return self.shard
+
+
+def _failed(shard: ShardState, error: GradientError) -> torch.futures.Future:
+    with shard.lock:
+        shard.stats.pushes_rejected += 1
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_exception(error)
+    return fut
 
 
 def _usable_device(device: str) -> torch.device:
@@ -141,60 +152,17 @@ def _usable_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-_SERVER: ParameterServer | None = None
-
-
-def install(server: ParameterServer) -> None:
-    """Make `server` the target of this process's RPC handlers."""
-    global _SERVER
-    _SERVER = server
-
-
-def _server() -> ParameterServer:
-    if _SERVER is None:
-        raise RuntimeError("this process is not a gradsync parameter server")
-    return _SERVER
-
-
-@rpc.functions.async_execution
-def rpc_register(worker: int, spec: ModelSpec, setup: dict | None) -> torch.futures.Future:
-    return _server().register(worker, spec, setup)
-
-
-def rpc_pull(worker: int, context_id: int | None):
-    return _server().pull(worker, context_id)
-
-
-@rpc.functions.async_execution
-def rpc_commit(worker: int, context_id: int, pulled_version: int, buffers: dict) -> torch.futures.Future:
-    return _server().commit(worker, context_id, pulled_version, buffers)
-
-
-@rpc.functions.async_execution
-def rpc_push(worker: int, pulled_version: int, payloads: list, buffers: dict) -> torch.futures.Future:
-    return _server().push(worker, pulled_version, payloads, buffers)
-
-
-def rpc_state_dict() -> dict[str, torch.Tensor]:
-    return _server().state_dict()
-
-
-def make_setup(buckets: list[Bucket], params, buffers, optimizer_cls, optimizer_kwargs) -> dict:
-    """What worker 0 sends one server at registration: its buckets' values and the optimizer."""
+def make_setup(buckets: list[Bucket], params, buffers, frozen, optimizer_cls, optimizer_kwargs) -> dict:
+    """What worker 0 sends one server at registration: its buckets, the values of the parameters they
+    hold pieces of, its buffers and frozen parameters, and the optimizer."""
     names = {e.name for b in buckets for e in b.entries}
+    cpu = lambda tensors: {n: t.detach().cpu() for n, t in tensors.items()}  # noqa: E731
     return {
         "buckets": buckets,
-        "params": {n: t.detach().cpu() for n, t in params.items() if n in names},
-        "buffers": {n: t.detach().cpu() for n, t in buffers.items()},
+        "params": cpu({n: t for n, t in params.items() if n in names}),
+        "buffers": cpu(buffers),
+        "frozen": cpu(frozen),
         "optimizer_cls": optimizer_cls,
         "optimizer_kwargs": optimizer_kwargs,
     }
 
-
-def rpc_stats() -> dict:
-    """This server's counters (version, pushes applied/rejected, staleness, bytes)."""
-    shard = _server()._shard()
-    with shard.lock:
-        stats = dataclasses.asdict(shard.stats)
-    stats["workers_seen"] = sorted(stats["workers_seen"])
-    return stats

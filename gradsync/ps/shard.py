@@ -1,24 +1,32 @@
-"""One server's part of the model: flat parameter buckets, buffers, optimizer and version.
+"""One server's part of the model: flat parameter buckets, buffers, frozen parameters, optimizer and version.
 
-`ShardState` knows nothing of transports or consistency rules: it hands out
-consistent copies (`snapshot`), validates incoming gradients (`check_gradients`)
-and applies an averaged gradient with the server-side optimizer (`apply`).
-The optimizer sees each parameter as its own tensor (a view into the bucket),
-so any `torch.optim` class behaves exactly as it would on the model.
-Callers hold `lock` around anything that must see one version.
+`ShardState` knows nothing of transports or consistency rules. It publishes
+one read-only CPU copy of its buckets and buffers per version (`published`:
+every pull and every push reply of that version shares it), validates incoming
+gradients (`check_gradients`) and applies a gradient with the server-side
+optimizer (`apply`). The optimizer sees each bucket entry as its own tensor (a
+view into the bucket), and an entry that got no gradient this step has
+`.grad = None`, so any `torch.optim` class skips it exactly as it would on the
+model. Callers hold `lock` around anything that must see one version.
 """
 from __future__ import annotations
 
 import dataclasses
 import threading
+from typing import NamedTuple
 
 import torch
 
-from gradsync.ps.buckets import Bucket
+from gradsync.core.buckets import Bucket
+from gradsync.core.errors import GradientError
 
 
-class GradientError(ValueError):
-    """A pushed gradient is unusable (wrong shape/dtype, non-finite, stale); nothing was changed."""
+class Snapshot(NamedTuple):
+    """A shard at one version: CPU bucket tensors and buffers that are never modified after publication."""
+
+    version: int
+    flats: list[torch.Tensor]
+    buffers: dict[str, torch.Tensor]
 
 
 @dataclasses.dataclass
@@ -36,7 +44,7 @@ class ShardStats:
 
 
 class ShardState:
-    """Parameters of the buckets one server owns, plus its buffers and optimizer."""
+    """The buckets one server owns, plus its buffers, frozen parameters and optimizer."""
 
     def __init__(
         self,
@@ -47,46 +55,54 @@ class ShardState:
         optimizer_cls,
         optimizer_kwargs: dict,
         device: torch.device | str = "cpu",
+        frozen: dict[str, torch.Tensor] | None = None,
     ):
         self.shard_id = shard_id
         self.buckets = list(buckets)
         self.device = torch.device(device)
         self.flats = [b.flatten(params).to(self.device).contiguous() for b in self.buckets]
-        self.params: dict[str, torch.Tensor] = {}
-        for bucket, flat in zip(self.buckets, self.flats):
-            for name, view in bucket.views(flat).items():
-                self.params[name] = view.requires_grad_(True)
+        self.entries = [[e.view(flat).requires_grad_(True) for e in b.entries] for b, flat in zip(self.buckets, self.flats)]
+        self.params = {e.key: t for b, ts in zip(self.buckets, self.entries) for e, t in zip(b.entries, ts)}
         self.buffers = {n: t.detach().clone().to(self.device) for n, t in buffers.items()}
+        self.frozen = {n: t.detach().to("cpu", copy=True) for n, t in (frozen or {}).items()}
         self.optimizer = optimizer_cls(list(self.params.values()), **optimizer_kwargs) if self.params else None
         self.lock = threading.Lock()
         self.stats = ShardStats()
+        self.published = self._publish()
 
     @property
     def version(self) -> int:
         return self.stats.version
 
-    def snapshot(self) -> tuple[int, list[torch.Tensor], dict[str, torch.Tensor]]:
-        """A CPU copy of every bucket and buffer at one version. Call with `lock` held."""
+    def _publish(self) -> Snapshot:
         flats = [f.detach().to("cpu", copy=True) for f in self.flats]
         buffers = {n: b.to("cpu", copy=True) for n, b in self.buffers.items()}
-        self.stats.bytes_out += sum(f.nbytes for f in flats) + sum(b.nbytes for b in buffers.values())
-        return self.version, flats, buffers
+        return Snapshot(self.version, flats, buffers)
 
-    def check_gradients(self, worker: int, grads: list, wire) -> list:
-        """Validate one worker's bucket payloads in `wire`'s format; a missing plain gradient becomes zeros.
+    def snapshot_bytes(self) -> int:
+        return sum(f.nbytes for f in self.published.flats) + sum(b.nbytes for b in self.published.buffers.values())
+
+    def check_gradients(self, worker: int, grads: list, absent: list, wire) -> list:
+        """Validate one worker's bucket payloads in `wire`'s format (None: no gradient for the whole bucket)
+        and its `absent` entry indices per bucket. Returns the payloads on the shard's device.
 
         Raises:
-            GradientError: naming the bucket/parameter and the worker; nothing is changed.
+            GradientError: naming the bucket and the worker; nothing is changed.
         """
-        if len(grads) != len(self.buckets):
+        if len(grads) != len(self.buckets) or len(absent) != len(self.buckets):
             raise GradientError(
-                f"worker {worker} sent {len(grads)} bucket gradients to server {self.shard_id}, "
-                f"which owns {len(self.buckets)} buckets"
+                f"worker {worker} sent {len(grads)} bucket gradients ({len(absent)} absence lists) to server "
+                f"{self.shard_id}, which owns {len(self.buckets)} buckets"
             )
         checked = []
-        for bucket, grad in zip(self.buckets, grads):
-            if grad is None and wire.name == "none":
-                checked.append(torch.zeros(bucket.numel, dtype=bucket.dtype, device=self.device))
+        for bucket, grad, missing in zip(self.buckets, grads, absent):
+            if any(not isinstance(i, int) or not 0 <= i < len(bucket.entries) for i in missing):
+                raise GradientError(
+                    f"worker {worker}: bucket {bucket.index} lists absent entries {list(missing)}, "
+                    f"expected indices in 0..{len(bucket.entries) - 1}"
+                )
+            if grad is None:
+                checked.append(None)
                 continue
             wire.validate(worker, bucket, grad)
             checked.append(wire.to_device(grad, self.device))
@@ -99,40 +115,40 @@ class ShardState:
             mine = self.buffers.get(name)
             if mine is None:
                 raise GradientError(f"worker {worker} sent unknown buffer {name!r} to server {self.shard_id}")
-            if value.shape != mine.shape or value.dtype != mine.dtype:
+            if not isinstance(value, torch.Tensor) or value.shape != mine.shape or value.dtype != mine.dtype:
+                described = f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else type(value)
                 raise GradientError(
-                    f"worker {worker}: buffer {name!r} is {tuple(value.shape)} {value.dtype}, "
-                    f"expected {tuple(mine.shape)} {mine.dtype}"
+                    f"worker {worker}: buffer {name!r} is {described}, expected {tuple(mine.shape)} {mine.dtype}"
                 )
         return {n: v.to(self.device) for n, v in buffers.items()}
 
-    def nonfinite_parameter(self, grads: list, wire) -> str | None:
-        """Name of the first parameter whose gradient holds NaN or Inf, or None."""
-        for bucket, grad in zip(self.buckets, grads):
-            if wire.nonfinite(grad):
-                for name, view in bucket.views(wire.decode(grad, torch.float32)).items():
-                    if not bool(torch.isfinite(view).all()):
-                        return name
-        return None
-
-    def apply(self, grads: list[torch.Tensor], buffers: dict[str, torch.Tensor] | None) -> None:
-        """One optimizer step with these (already averaged) bucket gradients. Call with `lock` held."""
+    def apply(self, grads: list[torch.Tensor | None], skipped: list[set[int]],
+              buffers: dict[str, torch.Tensor] | None) -> None:
+        """One optimizer step with these (already averaged) bucket gradients. Entries in `skipped[b]` (and
+        every entry of a None bucket) had no gradient from any worker: the optimizer leaves them alone.
+        Publishes the new version. Call with `lock` held."""
         if self.optimizer is not None:
-            for bucket, grad in zip(self.buckets, grads):
-                for name, view in bucket.views(grad).items():
-                    self.params[name].grad = view
+            for grad, entries, bucket, skip in zip(grads, self.entries, self.buckets, skipped):
+                for i, (entry, tensor) in enumerate(zip(bucket.entries, entries)):
+                    tensor.grad = None if grad is None or i in skip else entry.view(grad)
             self.optimizer.step()
-            for p in self.params.values():
-                p.grad = None
+            for tensor in self.params.values():
+                tensor.grad = None
         if buffers:
             with torch.no_grad():
                 for name, value in buffers.items():
                     self.buffers[name].copy_(value)
         self.stats.version += 1
         self.stats.pushes_applied += 1
+        self.published = self._publish()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """CPU copies of this shard's parameters and buffers by name. Call with `lock` held."""
+        """CPU copies of this shard's entries (by entry key), buffers and frozen parameters. Call with `lock` held."""
         out = {n: p.detach().to("cpu", copy=True) for n, p in self.params.items()}
         out.update({n: b.to("cpu", copy=True) for n, b in self.buffers.items()})
+        out.update({n: t.clone() for n, t in self.frozen.items()})
         return out
+
+    def restored(self) -> None:
+        """Publish the current values after a checkpoint was loaded into the shard. Call with `lock` held."""
+        self.published = self._publish()

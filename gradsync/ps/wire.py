@@ -2,8 +2,8 @@
 
 A `WireFormat` is the one policy both ends share. The worker `encode`s each
 bucket's gradient (int8 keeps an error-feedback residual per bucket); the
-server `validate`s what arrives, spots NaN/Inf cheaply, and in sync mode
-turns the K workers' payloads into their mean in one fused pass (`mean`:
+server `validate`s what arrives and in sync mode turns the K workers'
+payloads into their mean in one fused pass (`mean`:
 `aggregate` for plain and 16-bit payloads, `dequantize_aggregate` for int8).
 """
 from __future__ import annotations
@@ -19,8 +19,8 @@ from gradsync.cuda_ops import (
     decompress_int8,
     dequantize_aggregate,
 )
-from gradsync.ps.buckets import Bucket
-from gradsync.ps.shard import GradientError
+from gradsync.core.buckets import Bucket
+from gradsync.core.errors import GradientError
 
 
 def _expect(worker: int, bucket: Bucket, what: str, got: torch.Tensor, shape: tuple, dtype: torch.dtype) -> None:
@@ -43,14 +43,12 @@ class PlainWire:
     def validate(self, worker: int, bucket: Bucket, payload) -> None:
         _expect(worker, bucket, "gradient", payload, (bucket.numel,), bucket.dtype)
 
-    def nonfinite(self, payload) -> bool:
-        return not bool(torch.isfinite(payload).all())
-
     def decode(self, payload, dtype: torch.dtype) -> torch.Tensor:
         return payload
 
-    def mean(self, payloads: list, dtype: torch.dtype) -> torch.Tensor:
-        return aggregate(payloads, 1.0 / len(payloads), dtype)
+    def mean(self, payloads: list, dtype: torch.dtype, scale: float) -> torch.Tensor:
+        """`scale` times the sum of the payloads (scale = 1 / W for the mean over W workers)."""
+        return aggregate(payloads, scale, dtype)
 
     def to_device(self, payload, device: torch.device):
         return payload.to(device)
@@ -100,15 +98,12 @@ class Int8Wire:
         _expect(worker, bucket, "int8 gradient", payload.payload, (bucket.numel,), torch.int8)
         _expect(worker, bucket, "int8 scales", payload.scales, (blocks,), torch.float32)
 
-    def nonfinite(self, payload: Int8Compressed) -> bool:
-        return not bool(torch.isfinite(payload.scales).all())  # a block holding NaN/Inf has a NaN scale
-
     def decode(self, payload: Int8Compressed, dtype: torch.dtype) -> torch.Tensor:
         return decompress_int8(payload, out_dtype=dtype)
 
-    def mean(self, payloads: list[Int8Compressed], dtype: torch.dtype) -> torch.Tensor:
+    def mean(self, payloads: list[Int8Compressed], dtype: torch.dtype, scale: float) -> torch.Tensor:
         return dequantize_aggregate(
-            [p.payload for p in payloads], [p.scales for p in payloads], self.block_size, None, dtype
+            [p.payload for p in payloads], [p.scales for p in payloads], self.block_size, scale, dtype
         )
 
     def to_device(self, payload: Int8Compressed, device: torch.device) -> Int8Compressed:

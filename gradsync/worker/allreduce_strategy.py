@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradsync.cluster import Cluster
 from gradsync.cuda_ops import DEFAULT_BLOCK_SIZE
-from gradsync.ps.buckets import ModelSpec
+from gradsync.core.buckets import ModelSpec
 from gradsync.worker.metrics import StepMetrics
 from gradsync.worker.model_state import named_tensors, to_state_dict
 

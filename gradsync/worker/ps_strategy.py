@@ -1,14 +1,15 @@
-"""Worker side of the parameter-server strategy: pull, functional forward, commit.
+"""Worker side of the parameter-server strategy: pull, functional forward, one push per server per step.
 
-`PSStrategy.model` wraps the user's module. Its forward pulls every server's
-buckets (one asynchronous call per server, through the job's transport), then
-runs the module on views of them with `torch.func.functional_call`. Over torch
-RPC without compression the pulled tensors are recorded by distributed
-autograd, so `dist_autograd.backward` sends each bucket's gradient back to its
-server and `step(context_id)` only asks every server to apply it. Otherwise
-(compression, or the gRPC transport) the pulled buckets are local leaves:
-`step` reads their gradients from the context, encodes them (`ps.wire`) and
-pushes them. Either way `step` returns once every server has applied the step.
+`PSStrategy.model` wraps the user's module. Its forward runs the module with
+`torch.func.functional_call` on the servers' current values: each trainable
+parameter is a leaf tensor of its own (a view of the pulled bucket, or the
+pieces of a parameter split across servers joined), so backward writes each
+parameter's gradient once and knows which parameters got none. `step` reads
+the gradients from the dist_autograd context, packs them into the bucket plan
+(with the entries that got no gradient listed), encodes them (`ps.wire`) and
+pushes them, one call per server; each reply carries the snapshot after the
+step, which the next forward uses without another pull. Frozen parameters
+(`requires_grad=False`) never travel after registration.
 """
 from __future__ import annotations
 
@@ -20,11 +21,10 @@ from torch import nn
 from torch.func import functional_call
 
 from gradsync.cluster import Cluster
-from gradsync.ps import server as ps_server
-from gradsync.ps.buckets import ModelSpec, assign_buffers, by_server, plan_buckets
+from gradsync.core.buckets import Bucket, ModelSpec, assign_tensors, by_server, may_split, plan_buckets
+from gradsync.ps.server import make_setup
+from gradsync.ps.shard import Snapshot
 from gradsync.ps.wire import make_wire
-from gradsync.worker.grpc_transport import GrpcTransport
-from gradsync.worker.rpc_transport import RpcTransport
 from gradsync.worker.metrics import StepMetrics
 from gradsync.worker.model_state import named_tensors, to_state_dict
 
@@ -37,15 +37,45 @@ def current_context_id() -> int | None:
         return None
 
 
-class _Pulled:
-    """Tensors of one pull: parameter views and buffers by name, each server's version and bucket tensors."""
+def whole_params(params, server_buckets: dict[int, list[Bucket]], flats: dict[int, list[torch.Tensor]]
+                 ) -> dict[str, torch.Tensor]:
+    """Each parameter of `params` (TensorSpecs) from its bucket pieces: a view when it is whole in one
+    bucket, else its pieces joined in a new tensor."""
+    pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for s, buckets in server_buckets.items():
+        for bucket, flat in zip(buckets, flats[s]):
+            for entry in bucket.entries:
+                pieces.setdefault(entry.name, []).append((entry.start, entry.view(flat)))
+    out = {}
+    for p in params:
+        parts = sorted(pieces[p.name], key=lambda part: part[0])
+        out[p.name] = parts[0][1] if len(parts) == 1 else torch.cat([t for _, t in parts]).view(p.shape)
+    return out
 
-    def __init__(self, tensors: dict[str, torch.Tensor], versions: dict[int, int], buffer_names: dict[int, list],
-                 flats: dict[int, list[torch.Tensor]]):
+
+def bucket_gradient(bucket: Bucket, grads: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, tuple[int, ...]]:
+    """Bucket `bucket`'s flat gradient from the parameters' gradients by name (zeros where a parameter has
+    none), and the indices of its entries that have none; (None, all) when no entry has one."""
+    pieces = [grads.get(e.name) for e in bucket.entries]
+    absent = tuple(i for i, g in enumerate(pieces) if g is None)
+    if len(absent) == len(pieces):
+        return None, absent
+    flat = [
+        torch.zeros(e.numel, dtype=bucket.dtype) if g is None else e.piece(g)
+        for e, g in zip(bucket.entries, pieces)
+    ]
+    return (flat[0] if len(flat) == 1 else torch.cat(flat)), absent
+
+
+class _Pulled:
+    """What one forward runs on: the tensors by name, the trainable leaves by name, each server's version."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], leaves: dict[str, torch.Tensor], versions: dict[int, int],
+                 buffer_names: dict[int, list[str]]):
         self.tensors = tensors
+        self.leaves = leaves
         self.versions = versions
         self.buffer_names = buffer_names
-        self.flats = flats
 
 
 class PSModel(nn.Module):
@@ -57,100 +87,134 @@ class PSModel(nn.Module):
         self._strategy = [strategy]  # a list keeps nn.Module from registering it
 
     def forward(self, *args, **kwargs):
-        strategy = self._strategy[0]
-        pulled = strategy.pull(current_context_id())
+        pulled = self._strategy[0].pulled(current_context_id())
         return functional_call(self.module, pulled.tensors, args, kwargs)
 
 
 class PSStrategy:
-    """Pull / commit against the parameter servers. Every worker must construct it (a barrier)."""
+    """Pull / push against the parameter servers. Every worker must construct it (a barrier)."""
 
     def __init__(self, cluster: Cluster, module: nn.Module, optimizer_cls, optimizer_kwargs: dict):
-        self.config = cluster.config
-        self.worker = self.config.worker_rank
+        config = cluster.config
+        self.config = config
+        self.worker = config.worker_rank
         self.metrics = StepMetrics()
         params, buffers = named_tensors(module)
         self.spec = ModelSpec.of(params, buffers)
-        cap = int(self.config.bucket_cap_mb * 2**20)
-        self.buckets = plan_buckets(self.spec.params, self.config.servers, cap)
-        self.buffer_server = assign_buffers(self.spec.buffers, self.config.servers)
-        self.servers = list(range(self.config.servers))
-        self.server_buckets = by_server(self.buckets, self.config.servers)
-        self.wire = make_wire(self.config.compression)
-        if self.config.transport == "grpc":
-            self.transport = GrpcTransport(self.config, cluster.store, self.server_buckets, self.buffer_server)
-        else:
-            self.transport = RpcTransport(self.config, self.servers)
-        # over torch RPC without compression, gradients ride the distributed backward to the servers;
-        # otherwise the pulled buckets are local leaves and step() encodes and pushes their gradients
-        self.explicit_push = not self.transport.records_gradients
-        self._register(params, buffers, optimizer_cls, optimizer_kwargs)
+        cap = int(config.bucket_cap_mb * 2**20)
+        self.buckets = plan_buckets(self.spec.params, config.servers, cap, split=may_split(optimizer_cls))
+        self.servers = list(range(config.servers))
+        self.server_buckets = by_server(self.buckets, config.servers)
+        self.owner = assign_tensors(self.spec.buffers + self.spec.frozen, config.servers)
+        self.wire = make_wire(config.compression)
+        self.transport = _transport(cluster, self.server_buckets, self.owner)
+        self.frozen = self._register(params, buffers, optimizer_cls, optimizer_kwargs)
         for p in params.values():  # the servers own the values now; the local copies are never used
             p.requires_grad_(False)
         self.model = PSModel(module, self)
-        self._last: tuple[int | None, _Pulled] | None = None
+        self._fresh: dict[int, Snapshot] | None = None  # the servers' state after our last step
+        self._last: tuple[int, _Pulled] | None = None
+        self._stepped: int | None = None
 
-    def _register(self, params, buffers, optimizer_cls, optimizer_kwargs) -> None:
-        setups = {}
-        for s in self.servers:
-            setups[s] = None
-            if self.worker == 0:
-                my_buffers = {n: t for n, t in buffers.items() if self.buffer_server[n] == s}
-                setups[s] = ps_server.make_setup(self.server_buckets[s], params, my_buffers, optimizer_cls,
-                                                 optimizer_kwargs)
-        self.transport.register(self.spec, setups)
+    def _register(self, params, buffers, optimizer_cls, optimizer_kwargs) -> dict[str, torch.Tensor]:
+        setups = {s: None for s in self.servers}
+        if self.worker == 0:
+            frozen = {t.name: params[t.name] for t in self.spec.frozen}
+            for s in self.servers:
+                mine = lambda tensors: {n: t for n, t in tensors.items() if self.owner[n] == s}  # noqa: E731
+                setups[s] = make_setup(self.server_buckets[s], params, mine(buffers), mine(frozen), optimizer_cls,
+                                       optimizer_kwargs)
+        return self.transport.register(self.spec, setups)
 
-    def pull(self, context_id: int | None) -> _Pulled:
-        """Fetch every server's buckets (once per context; a second forward reuses them)."""
+    def pulled(self, context_id: int | None) -> _Pulled:
+        """The tensors a forward runs on: once per context (a second forward in it reuses them), from the
+        last step's replies when there are any, else from a pull."""
         if context_id is not None and self._last is not None and self._last[0] == context_id:
             return self._last[1]
         start = time.perf_counter()
-        results = self.transport.pull(context_id)
-        tensors, versions, buffer_names, all_flats, received = {}, {}, {}, {}, 0
-        for s, (version, flats, buffers) in results.items():
-            versions[s] = version
-            if self.explicit_push and context_id is not None:
-                flats = [f.requires_grad_(True) for f in flats]  # local leaves: backward leaves their grads here
-            all_flats[s] = flats
-            for bucket, flat in zip(self.server_buckets[s], flats):
-                tensors.update(bucket.views(flat))
-                received += flat.nbytes
-            tensors.update(buffers)
-            buffer_names[s] = list(buffers)
-            received += sum(b.nbytes for b in buffers.values())
-        pulled = _Pulled(tensors, versions, buffer_names, all_flats)
-        if context_id is not None:
-            self._last = (context_id, pulled)
-            self.metrics.pulled(time.perf_counter() - start, received)
+        snapshots, received = self._fresh, 0
+        if snapshots is None:
+            snapshots = self.transport.pull()
+            received = sum(_nbytes(s) for s in snapshots.values())
+        if context_id is None:  # an evaluation forward: keep the fresh snapshots for the next step
+            return self._build(snapshots)
+        self._fresh = None
+        pulled = self._build(snapshots)
+        self._last = (context_id, pulled)
+        self.metrics.pulled(time.perf_counter() - start, received)
         return pulled
 
+    def _build(self, snapshots: dict[int, Snapshot]) -> _Pulled:
+        flats = {s: snap.flats for s, snap in snapshots.items()}
+        leaves = {n: t.requires_grad_(True) for n, t in whole_params(self.spec.params, self.server_buckets,
+                                                                      flats).items()}
+        tensors = dict(leaves)
+        tensors.update(self.frozen)
+        buffer_names = {}
+        for s, snap in snapshots.items():
+            tensors.update(snap.buffers)
+            buffer_names[s] = list(snap.buffers)
+        return _Pulled(tensors, leaves, {s: snap.version for s, snap in snapshots.items()}, buffer_names)
+
     def step(self, context_id: int) -> None:
-        """Commit this context's gradients on every server and wait until they are applied."""
-        if self._last is None or self._last[0] != context_id:
-            raise RuntimeError(
-                f"step({context_id}) found no forward pass in that context: call trainer.model(...) inside "
-                "the same dist_autograd.context() before trainer.step(context_id)"
-            )
-        pulled = self._last[1]
-        self._last = None
+        """Push this context's gradients to every server and wait until they are applied."""
+        pulled = self._pulled_for(context_id)
         start = time.perf_counter()
+        by_leaf = dist_autograd.get_gradients(context_id)
+        grads = {n: _dense(by_leaf[leaf]) for n, leaf in pulled.leaves.items() if leaf in by_leaf}
+        if not grads:
+            raise RuntimeError(
+                f"step({context_id}) found no gradients in that context: call dist_autograd.backward(context_id, "
+                "[loss]) before trainer.step(context_id)"
+            )
+        self._last, self._stepped = None, context_id
+        payloads, absent = {}, {}
+        for s in self.servers:
+            packed = [bucket_gradient(b, grads) for b in self.server_buckets[s]]
+            payloads[s] = [None if flat is None else self.wire.encode(flat, b.index)
+                           for (flat, _), b in zip(packed, self.server_buckets[s])]
+            absent[s] = [missing for _, missing in packed]
         buffers = {s: {n: pulled.tensors[n].detach() for n in pulled.buffer_names[s]} for s in self.servers}
-        sent = sum(b.nbytes for per_server in buffers.values() for b in per_server.values())
-        if not self.explicit_push:
-            self.transport.commit(context_id, pulled.versions, buffers)
-            sent += sum(b.nbytes for b in self.buckets)
-        else:
-            grads = dist_autograd.get_gradients(context_id)
-            payloads = {
-                s: [
-                    self.wire.encode(grads[flat] if flat in grads else torch.zeros_like(flat), bucket.index)
-                    for bucket, flat in zip(self.server_buckets[s], pulled.flats[s])
-                ]
-                for s in self.servers
-            }
-            sent += sum(self.wire.nbytes(p) for per_server in payloads.values() for p in per_server)
-            self.transport.push(pulled.versions, payloads, buffers)
-        self.metrics.committed(start, sent)
+        sent = sum(self.wire.nbytes(p) for per in payloads.values() for p in per if p is not None)
+        sent += sum(b.nbytes for per in buffers.values() for b in per.values())
+        self._fresh = self.transport.push(pulled.versions, payloads, absent, buffers)
+        self.metrics.committed(start, sent, sum(_nbytes(s) for s in self._fresh.values()))
+
+    def _pulled_for(self, context_id: int) -> _Pulled:
+        if self._last is not None and self._last[0] == context_id:
+            return self._last[1]
+        if context_id == self._stepped:
+            raise RuntimeError(
+                f"step({context_id}) was already called for this context: call trainer.step once per "
+                "dist_autograd.context(), after its backward"
+            )
+        raise RuntimeError(
+            f"step({context_id}) found no forward pass in that context: call trainer.model(...) inside "
+            "the same dist_autograd.context() before trainer.step(context_id)"
+        )
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return to_state_dict(self.model.module, self.transport.state_dict())
+        states = self.transport.state()
+        values = whole_params(self.spec.params, self.server_buckets, {s: st[1] for s, st in states.items()})
+        values = {n: t.clone() for n, t in values.items()}
+        for _, _, named in states.values():
+            values.update(named)
+        return to_state_dict(self.model.module, values)
+
+
+def _dense(grad: torch.Tensor) -> torch.Tensor:
+    return grad.to_dense() if grad.is_sparse else grad
+
+
+def _nbytes(snapshot: Snapshot) -> int:
+    return sum(f.nbytes for f in snapshot.flats) + sum(b.nbytes for b in snapshot.buffers.values())
+
+
+def _transport(cluster: Cluster, server_buckets: dict[int, list[Bucket]], owner: dict[str, int]):
+    if cluster.config.transport == "grpc":
+        from gradsync.transport.grpc import GrpcTransport
+
+        return GrpcTransport(cluster.config, cluster.store, server_buckets, owner)
+    from gradsync.transport.rpc import RpcTransport
+
+    return RpcTransport(cluster.config, list(server_buckets))

@@ -1,0 +1,1 @@
+"""What workers and servers share: the model spec and bucket plan, and the cheap finiteness check."""

@@ -1,0 +1,23 @@
+"""The errors both strategies raise, worded in one place."""
+from __future__ import annotations
+
+
+class GradientError(ValueError):
+    """A pushed gradient is unusable (wrong shape/dtype, non-finite, stale); nothing was changed."""
+
+
+def nonfinite_error(name: str, worker: int | str) -> GradientError:
+    """NaN/Inf in parameter `name`'s gradient from `worker` (an id, or words when no single worker is to blame)."""
+    return GradientError(
+        f"non-finite gradient (NaN or Inf) for parameter {name!r} from worker {worker}: "
+        "lower the learning rate or check the loss; pass nonfinite='skip' to gradsync.init "
+        "(or GRADSYNC_NONFINITE=skip) to drop such steps instead"
+    )
+
+
+def model_mismatch_error(worker: int, diff: str) -> ValueError:
+    """Worker `worker` built a different model than worker 0 (`diff` says how)."""
+    return ValueError(
+        f"worker {worker}'s model differs from worker 0's: {diff}. Every worker must build the "
+        "same model (same classes, same constructor arguments)"
+    )

@@ -1,0 +1,41 @@
+"""How ps workers reach the parameter servers: one module per transport, each with both sides.
+
+`rpc` (torch RPC over TensorPipe, the default) and `grpc` (no TensorPipe at
+all) both implement `Transport` on the worker and translate messages into
+calls on a `gradsync.ps.server.ParameterServer` on the server. Members of one
+job exchange flat buckets of the shared bucket plan; names are for clients
+outside the job (`gradsync.client.Client`).
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from gradsync.core.buckets import ModelSpec
+from gradsync.ps.shard import Snapshot
+
+
+class Transport(Protocol):
+    """A worker's calls to every server; each waits (bounded by the job's timeouts) for all servers."""
+
+    def register(self, spec: ModelSpec, setups: dict[int, dict | None]) -> dict[str, torch.Tensor]:
+        """Register this worker's model on every server (worker 0 brings each server's setup); returns the
+        frozen parameters' values (worker 0's)."""
+
+    def pull(self) -> dict[int, Snapshot]:
+        """Every server's current snapshot."""
+
+    def push(self, versions: dict[int, int], payloads: dict[int, list], absent: dict[int, list],
+             buffers: dict[int, dict]) -> dict[int, Snapshot]:
+        """One step's gradients (per server: bucket payloads, absent entries, buffers, pulled version);
+        returns every server's snapshot after the step."""
+
+    def state(self) -> dict[int, tuple[int, list[torch.Tensor], dict[str, torch.Tensor]]]:
+        """Every server's (version, bucket tensors, buffers and frozen parameters by name)."""
+
+    def stats(self) -> dict[int, dict]:
+        """Every server's counters."""
+
+    def close(self) -> None:
+        """Release what the transport holds (connections); the job's shutdown stops the servers."""

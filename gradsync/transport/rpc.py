@@ -1,0 +1,146 @@
+"""torch RPC (TensorPipe): the default transport of the ps strategy, both sides, and the RPC start-up.
+
+Worker side: `RpcTransport`, one asynchronous RPC per server per call. Server
+side: the module-level `rpc_*` handlers (torch RPC pickles functions by module
+path) call the process's `ParameterServer`, installed before RPC starts. A
+step is one RPC per server: the push carries the gradients and its reply the
+next version's snapshot, which the worker's next forward uses without a pull.
+
+TensorPipe is started with the `uv` transport only: the shared-memory
+transport's reactor thread busy-polls a whole core whenever the process waits.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+from torch.distributed.rendezvous import register_rendezvous_handler
+
+from gradsync.config import JobConfig, server_name
+from gradsync.core.buckets import ModelSpec
+from gradsync.ps.server import ParameterServer
+from gradsync.ps.shard import Snapshot
+
+
+def start_rpc(config: JobConfig, store: dist.Store) -> None:
+    """Join the job's RPC world through the rendezvous store. Every rank must call it."""
+    prefixed = dist.PrefixStore("gradsync/rpc", store)
+
+    def handler(url, **kwargs):
+        yield prefixed, config.rank, config.world_size
+
+    register_rendezvous_handler("gradsync", handler)
+    # rpc.init_rpc's own all_gather_object trips a deprecation warning inside torch; it is not ours to fix
+    warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
+    options = rpc.TensorPipeRpcBackendOptions(
+        init_method="gradsync://", rpc_timeout=config.startup_timeout,
+        num_worker_threads=max(16, 4 * config.world_size), _transports=["uv"],
+    )
+    rpc.init_rpc(config.name, rank=config.rank, world_size=config.world_size, rpc_backend_options=options)
+    rpc._set_rpc_timeout(config.step_timeout)
+
+
+def stop_rpc(config: JobConfig) -> None:
+    """Leave the RPC world, gracefully within the shutdown timeout, else at once."""
+    try:
+        rpc.shutdown(graceful=True, timeout=config.shutdown_timeout)
+    except Exception:
+        rpc.shutdown(graceful=False)
+
+
+def wait_all(futures: dict[int, torch.futures.Future], what: str, timeout: float) -> dict[int, object]:
+    """Wait for one future per server; the error names the operation, server and elapsed time."""
+    start = time.monotonic()
+    results = {}
+    for server, fut in futures.items():
+        try:
+            result = fut.wait()
+        except Exception as e:
+            error = e
+        else:
+            # torch RPC hands an exception set on an async_execution future back as a value
+            if not isinstance(result, BaseException):
+                results[server] = result
+                continue
+            error = result
+        elapsed = time.monotonic() - start
+        raise RuntimeError(
+            f"{what} on {server_name(server)} failed after {elapsed:.1f} s (timeout {timeout:.0f} s): {error}"
+        ) from error
+    return results
+
+
+class RpcTransport:
+    """The worker side: one asynchronous torch RPC per server for each call."""
+
+    def __init__(self, config: JobConfig, servers: list[int]):
+        self.config = config
+        self.worker = config.worker_rank
+        self.servers = servers
+
+    def _call(self, fn, args_of, what: str, timeout: float | None = None) -> dict[int, object]:
+        timeout = timeout or self.config.step_timeout
+        futures = {s: rpc.rpc_async(server_name(s), fn, args=args_of(s), timeout=timeout) for s in self.servers}
+        return wait_all(futures, what, timeout)
+
+    def register(self, spec: ModelSpec, setups: dict[int, dict | None]) -> dict[str, torch.Tensor]:
+        frozen: dict[str, torch.Tensor] = {}
+        for part in self._call(rpc_register, lambda s: (self.worker, spec, setups[s]), "registering the model",
+                               self.config.startup_timeout).values():
+            frozen.update(part)
+        return frozen
+
+    def pull(self) -> dict[int, Snapshot]:
+        return self._call(rpc_pull, lambda s: (), "pull")
+
+    def push(self, versions, payloads, absent, buffers) -> dict[int, Snapshot]:
+        return self._call(rpc_push, lambda s: (self.worker, versions[s], payloads[s], absent[s], buffers[s]), "push")
+
+    def state(self) -> dict[int, tuple]:
+        return self._call(rpc_state, lambda s: (), "state")
+
+    def stats(self) -> dict[int, dict]:
+        return self._call(rpc_stats, lambda s: (), "stats")
+
+    def close(self) -> None:
+        """Nothing to release: RPC stops with the job."""
+
+
+_SERVER: ParameterServer | None = None
+
+
+def install(server: ParameterServer) -> None:
+    """Make `server` the target of this process's RPC handlers (before RPC starts, so no call comes first)."""
+    global _SERVER
+    _SERVER = server
+
+
+def _server() -> ParameterServer:
+    if _SERVER is None:
+        raise RuntimeError("this process is not a gradsync parameter server")
+    return _SERVER
+
+
+@rpc.functions.async_execution
+def rpc_register(worker: int, spec: ModelSpec, setup: dict | None) -> torch.futures.Future:
+    return _server().register(worker, spec, setup)
+
+
+def rpc_pull() -> Snapshot:
+    return _server().pull()
+
+
+@rpc.functions.async_execution
+def rpc_push(worker: int, pulled_version: int, payloads: list, absent: list, buffers: dict) -> torch.futures.Future:
+    return _server().push(worker, pulled_version, payloads, absent, buffers)
+
+
+def rpc_state() -> tuple:
+    return _server().state()
+
+
+def rpc_stats() -> dict:
+    return _server().stats()
