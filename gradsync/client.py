@@ -72,6 +72,7 @@ class Client:
         self._stubs = {shard: pb_grpc.ParameterServerStub(c) for shard, c in self._channels.items()}
         self._metadata = (("authorization", f"Bearer {token}"),)
         self._owners: dict[str, int] | None = None
+        self._pieces: list[tuple] | None = None
 
     def _error(self, call: str, shard: int, start: float, e: grpc.RpcError) -> Exception:
         kind = _ERRORS.get(e.code(), RuntimeError)
@@ -93,7 +94,8 @@ class Client:
         for shard in self._stubs:
             r = self._unary("Health", shard, pb.HealthRequest())
             out[shard] = {"shard_id": r.shard_id, "ready": r.ready, "version": r.version,
-                          "parameters": list(r.parameters), "buffers": list(r.buffers)}
+                          "parameters": list(r.parameters), "buffers": list(r.buffers),
+                          "pieces": [(p.name, tuple(p.shape), p.start, p.numel) for p in r.pieces]}
         return out
 
     def stats(self) -> dict[int, dict]:
@@ -107,6 +109,12 @@ class Client:
                 "max_staleness": r.max_staleness, "bytes_in": r.bytes_in, "bytes_out": r.bytes_out,
             }
         return out
+
+    def pieces(self) -> list[tuple[str, tuple[int, ...], int, int]]:
+        """(name, shape, start, numel) of every piece of a parameter split across shards (asked once, then cached)."""
+        if self._pieces is None:
+            self._pieces = [p for h in self.health().values() for p in h["pieces"]]
+        return self._pieces
 
     def owners(self) -> dict[str, int]:
         """The shard that owns each parameter and buffer (asked once, then cached)."""
@@ -159,8 +167,14 @@ class Client:
         return tensors, versions
 
     def pull(self, names=None, timeout: float | None = None) -> dict[str, torch.Tensor]:
-        """The run's state dict (or the named subset), each shard's part at one version."""
-        return self.pull_versioned(names, timeout)[0]
+        """The run's state dict (or the named subset), each shard's part at one version; a parameter split
+        across shards comes back whole."""
+        pieces = self.pieces()
+        split = {name for name, *_ in pieces}
+        wanted = None if names is None else [n for n in names if n not in split] + [
+            _key(p) for p in pieces if p[0] in names
+        ]
+        return join_pieces(self.pull_versioned(wanted, timeout)[0], pieces)
 
     def push(self, grads: dict[str, torch.Tensor], version: int | dict[int, int], worker: int,
              timeout: float | None = None) -> dict[int, int]:
@@ -174,6 +188,7 @@ class Client:
                 (as `pull_versioned` returns).
             worker: this worker's index, 0 .. W-1.
         """
+        grads = split_pieces(grads, self.pieces())
         routes = self._route(grads)
         if isinstance(version, int):
             version = {shard: version for shard in self._stubs}
@@ -216,6 +231,33 @@ class Client:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _key(piece: tuple) -> str:
+    name, _, start, numel = piece
+    return f"{name}[{start}:{start + numel}]"
+
+
+def join_pieces(tensors: dict[str, torch.Tensor], pieces: list[tuple]) -> dict[str, torch.Tensor]:
+    """`tensors` with the pieces of each split parameter (`name[start:end]`) joined into the whole parameter."""
+    out = {n: t for n, t in tensors.items() if n not in {_key(p) for p in pieces}}
+    for name in dict.fromkeys(p[0] for p in pieces):
+        parts = sorted((p for p in pieces if p[0] == name), key=lambda p: p[2])
+        if all(_key(p) in tensors for p in parts):
+            out[name] = torch.cat([tensors[_key(p)].reshape(-1) for p in parts]).view(parts[0][1])
+    return out
+
+
+def split_pieces(grads: dict[str, torch.Tensor], pieces: list[tuple]) -> dict[str, torch.Tensor]:
+    """`grads` with each split parameter's gradient cut into the pieces the shards own (views, no copies)."""
+    out = dict(grads)
+    for piece in pieces:
+        name, _, start, numel = piece
+        if name in grads:
+            out[_key(piece)] = grads[name].reshape(-1)[start : start + numel]
+    for name in {p[0] for p in pieces}:
+        out.pop(name, None)
+    return out
 
 
 def status_table(client: Client) -> str:

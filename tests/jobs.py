@@ -166,8 +166,8 @@ def train_then_read_over_grpc(steps: int) -> dict:
     state = train_mlp(steps)
     run_dir = os.environ["GRADSYNC_RUN_DIR"]
     with Client(run_dir) as client:
-        pulled, versions = client.pull_versioned()
-        stats = client.stats()
+        pulled, (_, versions) = client.pull(), client.pull_versioned()
+        stats, pieces = client.stats(), client.pieces()
     out = os.path.join(run_dir, "weights.pt")
     cli = [sys.executable, "-m", "gradsync.cli"]
     status = subprocess.run([*cli, "status", run_dir], capture_output=True, text=True, timeout=60)
@@ -177,6 +177,7 @@ def train_then_read_over_grpc(steps: int) -> dict:
         pulled=pulled,
         versions=versions,
         stats=stats,
+        pieces=pieces,
         modes=[stat.S_IMODE(os.stat(os.path.join(run_dir, f)).st_mode) for f in sorted(os.listdir(run_dir))
                if f.startswith("grpc-")],
         status=status.stdout + status.stderr,

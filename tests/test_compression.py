@@ -63,5 +63,8 @@ def test_int8_mean_is_the_mean_of_the_decoded_pushes_and_nan_is_named():
         assert torch.allclose(a, b, rtol=0, atol=1e-3)
     nan = grads_of(0, shard)
     nan[0][5] = float("nan")
-    with pytest.raises(GradientError, match=r"parameter '\w+' from worker 0"):
-        rule.commit(0, 1, [wire.encode(g, 999 + i) for i, g in enumerate(nan)], ALL, {}, wire).wait()
+    bad = rule.commit(0, 1, [wire.encode(g, 999 + i) for i, g in enumerate(nan)], ALL, {}, wire)
+    good = rule.commit(1, 1, [wire.encode(g, 99 + i) for i, g in enumerate(grads_of(1, shard))], ALL, {}, wire)
+    for fut in (bad, good):  # the mean is checked once all W arrived: every worker learns who sent NaN
+        with pytest.raises(GradientError, match=r"parameter '\w+' from worker 0"):
+            fut.wait()

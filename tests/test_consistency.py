@@ -105,3 +105,30 @@ def test_sync_on_a_cuda_shard_matches_the_cpu_shard():
     for a, b in zip(cpu.flats, gpu.flats):
         assert b.device.type == "cuda"
         torch.testing.assert_close(a, b.cpu(), rtol=0, atol=1e-5)
+
+
+def test_entries_no_worker_sent_are_skipped_and_partly_sent_ones_averaged_over_all_workers():
+    shard, params = make_shard()
+    shard.optimizer = torch.optim.SGD(list(shard.params.values()), lr=0.5, momentum=0.9, weight_decay=0.1)
+    reference = {n: p.detach().clone().requires_grad_() for n, p in params.items()}
+    ref_opt = torch.optim.SGD(list(reference.values()), lr=0.5, momentum=0.9, weight_decay=0.1)
+    (bucket,) = shard.buckets
+    index = {e.name: i for i, e in enumerate(bucket.entries)}
+    rule = SyncRule(shard, num_workers=2, nonfinite="raise")
+    for step, present in enumerate([({"b"}, {"b"}), ({"w", "b"}, {"b"}), (set(), {"w"})]):
+        grads = [grads_of(10 * step + w, shard)[0] for w in range(2)]
+        absent = [tuple(index[n] for n in index if n not in present[w]) for w in range(2)]
+        for g, missing in zip(grads, absent):  # a worker sends zeros where it has no gradient
+            for i in missing:
+                bucket.entries[i].view(g).zero_()
+        futures = [rule.commit(w, step, [grads[w]], [absent[w]], {}) for w in range(2)]
+        assert [f.wait().version for f in futures] == [step + 1] * 2
+        for name, tensor in reference.items():  # torch.optim skips a .grad of None: weight decay too
+            sent = [e.view(g) for g in grads for e in bucket.entries if e.name == name]
+            used = [s for s, p in zip(sent, present) if name in p]
+            tensor.grad = (sum(used) / 2).clone() if used else None
+        ref_opt.step()
+        for name, tensor in reference.items():
+            assert torch.allclose(shard.params[name], tensor, rtol=0, atol=1e-5), (step, name)
+        if step == 0:  # no worker sent w: weight decay and momentum left it exactly as it was
+            assert shard.params["w"].equal(params["w"])

@@ -81,9 +81,11 @@ class Servicer:
         shard = self.server.shard if self.server.ready.is_set() else None
         if shard is None:
             return pb.HealthResponse(shard_id=self.server.shard_id, ready=False)
+        pieces = [pb.Piece(name=e.name, shape=e.shape, start=e.start, numel=e.numel)
+                  for b in shard.buckets for e in b.entries if not e.whole]
         return pb.HealthResponse(
             shard_id=shard.shard_id, ready=True, version=shard.version,
-            parameters=list(shard.params) + list(shard.frozen), buffers=list(shard.buffers),
+            parameters=list(shard.params) + list(shard.frozen), buffers=list(shard.buffers), pieces=pieces,
         )
 
     def get_stats(self, request, context) -> pb.GetStatsResponse:

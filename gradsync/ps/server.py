@@ -87,10 +87,7 @@ class ParameterServer:
     def pull(self) -> Snapshot:
         """The shard's current published snapshot (shared by every pull of that version; never modified)."""
         shard = self._shard()
-        snapshot = shard.published
-        with shard.lock:
-            shard.stats.bytes_out += shard.snapshot_bytes()
-        return snapshot
+        return self.replied(shard.published)
 
     def push(self, worker: int, pulled_version: int, payloads: list, absent: list, buffers: dict,
              wire=None) -> torch.futures.Future:
@@ -106,6 +103,13 @@ class ParameterServer:
         if worker < 0:  # async: any worker may join and leave, under a non-negative id
             return _failed(shard, GradientError(f"worker {worker} is not a worker id: expected an integer >= 0"))
         return self.rule.commit(worker, pulled_version, payloads, absent, buffers, wire or self.wire)
+
+    def replied(self, snapshot: Snapshot) -> Snapshot:
+        """Count `snapshot` as sent back to a worker (the reply of its push) and return it."""
+        shard = self._shard()
+        with shard.lock:
+            shard.stats.bytes_out += snapshot.nbytes
+        return snapshot
 
     def state(self) -> tuple[int, list[torch.Tensor], dict[str, torch.Tensor]]:
         """(version, bucket tensors, buffers and frozen parameters by name): CPU copies at one version."""

@@ -28,6 +28,10 @@ class Snapshot(NamedTuple):
     flats: list[torch.Tensor]
     buffers: dict[str, torch.Tensor]
 
+    @property
+    def nbytes(self) -> int:
+        return sum(f.nbytes for f in self.flats) + sum(b.nbytes for b in self.buffers.values())
+
 
 @dataclasses.dataclass
 class ShardStats:
@@ -79,12 +83,10 @@ class ShardState:
         buffers = {n: b.to("cpu", copy=True) for n, b in self.buffers.items()}
         return Snapshot(self.version, flats, buffers)
 
-    def snapshot_bytes(self) -> int:
-        return sum(f.nbytes for f in self.published.flats) + sum(b.nbytes for b in self.published.buffers.values())
-
     def check_gradients(self, worker: int, grads: list, absent: list, wire) -> list:
         """Validate one worker's bucket payloads in `wire`'s format (None: no gradient for the whole bucket)
-        and its `absent` entry indices per bucket. Returns the payloads on the shard's device.
+        and its `absent` entry indices per bucket (their elements in the payload are zeros).
+        Returns the payloads on the shard's device.
 
         Raises:
             GradientError: naming the bucket and the worker; nothing is changed.

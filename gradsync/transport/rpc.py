@@ -135,7 +135,8 @@ def rpc_pull() -> Snapshot:
 
 @rpc.functions.async_execution
 def rpc_push(worker: int, pulled_version: int, payloads: list, absent: list, buffers: dict) -> torch.futures.Future:
-    return _server().push(worker, pulled_version, payloads, absent, buffers)
+    server = _server()
+    return server.push(worker, pulled_version, payloads, absent, buffers).then(lambda done: server.replied(done.value()))
 
 
 def rpc_state() -> tuple:

@@ -135,7 +135,7 @@ class PSStrategy:
         snapshots, received = self._fresh, 0
         if snapshots is None:
             snapshots = self.transport.pull()
-            received = sum(_nbytes(s) for s in snapshots.values())
+            received = sum(s.nbytes for s in snapshots.values())
         if context_id is None:  # an evaluation forward: keep the fresh snapshots for the next step
             return self._build(snapshots)
         self._fresh = None
@@ -178,7 +178,7 @@ class PSStrategy:
         sent = sum(self.wire.nbytes(p) for per in payloads.values() for p in per if p is not None)
         sent += sum(b.nbytes for per in buffers.values() for b in per.values())
         self._fresh = self.transport.push(pulled.versions, payloads, absent, buffers)
-        self.metrics.committed(start, sent, sum(_nbytes(s) for s in self._fresh.values()))
+        self.metrics.committed(start, sent, sum(s.nbytes for s in self._fresh.values()))
 
     def _pulled_for(self, context_id: int) -> _Pulled:
         if self._last is not None and self._last[0] == context_id:
@@ -204,10 +204,6 @@ class PSStrategy:
 
 def _dense(grad: torch.Tensor) -> torch.Tensor:
     return grad.to_dense() if grad.is_sparse else grad
-
-
-def _nbytes(snapshot: Snapshot) -> int:
-    return sum(f.nbytes for f in snapshot.flats) + sum(b.nbytes for b in snapshot.buffers.values())
 
 
 def _transport(cluster: Cluster, server_buckets: dict[int, list[Bucket]], owner: dict[str, int]):
