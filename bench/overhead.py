@@ -15,6 +15,8 @@ Configurations, each a separate job on this machine (loopback only):
 - `naive_ps`: a whole-model parameter server written here, the design of PyTorch's batch-RPC parameter-server
   tutorial (one RPC per step carrying all gradients; the server waits for all W, averages, steps, and returns
   the whole model), 1 server (THE BASELINE for ps).
+- `naive_ps_shm` (reference workload): the same naive server on TensorPipe's default transports, whose shm
+  reactor busy-polls, as a user's first naive PS runs (the issue's 134-168 ms measurement).
 Repeats are interleaved: repeat r runs every configuration once, in order, then repeat r+1.
 
 Per configuration, on worker 0: the median step time (forward + backward + step, after `--warmup` steps);
@@ -92,18 +94,18 @@ def workloads(tiny: bool) -> dict[str, Workload]:
     allreduce = {"ddp": 0, "ddp_context": 0, "gradsync_allreduce": 0}
     return {
         "reference": Workload(reference, 20, True, 2, {**allreduce, "gradsync_ps_sync_s1": 1, "gradsync_ps_sync_s2": 2,
-                                                       "gradsync_ps_async": 1, "naive_ps": 1}),
+                                                       "gradsync_ps_async": 1, "naive_ps": 1, "naive_ps_shm": 1}),
         # no ps_sync_s1 on 10m: 4 workers on one server is slow on 2 cores, and no target needs it
         "10m": Workload(ten_m, BATCH, False, 4, {**allreduce, "gradsync_ps_sync_s2": 2, "gradsync_ps_async": 2,
                                                  "naive_ps": 1}),
     }
 
 
-ALLREDUCE_FLOOR, PS_FLOORS = "ddp_context", ("naive_ps", "gradsync_allreduce")
+ALLREDUCE_FLOOR, PS_FLOORS = "ddp_context", ("naive_ps", "naive_ps_shm", "gradsync_allreduce")
 
 
 def floors_of(config: str) -> tuple[str, ...]:
-    if config in ("naive_ps", ALLREDUCE_FLOOR):
+    if config.startswith("naive_ps") or config == ALLREDUCE_FLOOR:
         return ()
     return PS_FLOORS if config.startswith("gradsync_ps") else (ALLREDUCE_FLOOR,)
 
@@ -232,13 +234,15 @@ def run_gradsync(config: str, w: Workload, servers: int, steps: int, warmup: int
 
 # ---- the outside baselines: processes of our own ----
 
-def _start_rpc(name: str, rank: int, world: int, store: dist.Store) -> None:
+def _start_rpc(name: str, rank: int, world: int, store: dist.Store, shm: bool = False) -> None:
+    """RPC on TensorPipe's uv transport, or with its default transports (shm first) when `shm`."""
     def handler(url, **kwargs):
         yield dist.PrefixStore("rpc", store), rank, world
 
     register_rendezvous_handler("overhead", handler)
     warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)  # torch's own
-    options = rpc.TensorPipeRpcBackendOptions(init_method="overhead://", _transports=["uv"], rpc_timeout=STEP_TIMEOUT_S)
+    transports = {} if shm else {"_transports": ["uv"]}
+    options = rpc.TensorPipeRpcBackendOptions(init_method="overhead://", rpc_timeout=STEP_TIMEOUT_S, **transports)
     rpc.init_rpc(name, rank=rank, world_size=world, rpc_backend_options=options)
 
 
@@ -313,15 +317,15 @@ def naive_push(grads: list[torch.Tensor]) -> torch.futures.Future:
     return future
 
 
-def naive_ps_rank(rank: int, store: dist.Store, w: Workload, steps: int, warmup: int) -> dict | None:
+def naive_ps_rank(rank: int, store: dist.Store, w: Workload, steps: int, warmup: int, shm: bool) -> dict | None:
     global _SERVER
     if rank == 0:
         _SERVER = NaiveServer(w)
-        _start_rpc("ps", 0, w.workers + 1, store)
+        _start_rpc("ps", 0, w.workers + 1, store, shm)
         _stop_rpc()  # serves until every worker shut down too
         return None
     worker = rank - 1
-    _start_rpc(f"worker{worker}", rank, w.workers + 1, store)
+    _start_rpc(f"worker{worker}", rank, w.workers + 1, store, shm)
     model = build_model(w)
     params = list(model.parameters())
     x, y = make_batch(w, worker)
@@ -386,8 +390,8 @@ def run_config(config: str, w: Workload, steps: int, warmup: int, timeout: float
     servers = w.configs[config]
     if config.startswith("gradsync"):
         return run_gradsync(config, w, servers, steps, warmup, timeout)
-    if config == "naive_ps":
-        return spawn_job(naive_ps_rank, w.workers + servers, (w, steps, warmup), timeout)
+    if config.startswith("naive_ps"):
+        return spawn_job(naive_ps_rank, w.workers + servers, (w, steps, warmup, config == "naive_ps_shm"), timeout)
     return spawn_job(ddp_rank, w.workers, (w, steps, warmup, config == "ddp_context"), timeout)
 
 
@@ -435,8 +439,9 @@ def targets(summary: dict[str, dict[str, dict]]) -> list[str]:
 
     lines = [check(f"{wl} gradsync_allreduce / ddp_context", ratio(wl, "gradsync_allreduce", ALLREDUCE_FLOOR), 1.05)
              for wl in summary]
-    lines.append(check("reference gradsync_ps_sync_s1 / naive_ps",
-                       ratio("reference", "gradsync_ps_sync_s1", "naive_ps"), 0.5))
+    for naive in ("naive_ps", "naive_ps_shm"):
+        lines.append(check(f"reference gradsync_ps_sync_s1 / {naive}",
+                           ratio("reference", "gradsync_ps_sync_s1", naive), 0.5))
     lines.append(check("reference gradsync_ps_sync_s1 / gradsync_allreduce",
                        ratio("reference", "gradsync_ps_sync_s1", "gradsync_allreduce"), 1.3))
     lines.append(check("10m gradsync_ps_sync_s2 / gradsync_allreduce",

@@ -138,12 +138,18 @@ class Client:
             routes[owners[name]].append(name)
         return routes
 
-    def pull_versioned(self, names=None, timeout: float | None = None) -> tuple[dict[str, torch.Tensor], dict[int, int]]:
+    def pull_versioned(self, names=None, timeout: float | None = None, whole: bool = True
+                       ) -> tuple[dict[str, torch.Tensor], dict[int, int]]:
         """Tensors by name from every shard (each shard's at one version), and that version by shard.
 
         Args:
             names: a subset of parameter/buffer names; None: everything.
+            whole: join the pieces of a parameter split across shards (False: the pieces as the
+                shards hold them, `name[start:end]`).
         """
+        if whole and names is not None:
+            split = {p[0] for p in self.pieces()}
+            names = [n for n in names if n not in split] + [_key(p) for p in self.pieces() if p[0] in names]
         routes = {shard: [] for shard in self._stubs} if names is None else self._route(names)
         calls = {
             shard: self._stubs[shard].Pull(
@@ -164,17 +170,11 @@ class Client:
                 tensors.update(tensor_codec.decode(r.chunk for r in call))
             except grpc.RpcError as e:
                 raise self._error("Pull", shard, start, e) from None
-        return tensors, versions
+        return (join_pieces(tensors, self.pieces()) if whole else tensors), versions
 
     def pull(self, names=None, timeout: float | None = None) -> dict[str, torch.Tensor]:
-        """The run's state dict (or the named subset), each shard's part at one version; a parameter split
-        across shards comes back whole."""
-        pieces = self.pieces()
-        split = {name for name, *_ in pieces}
-        wanted = None if names is None else [n for n in names if n not in split] + [
-            _key(p) for p in pieces if p[0] in names
-        ]
-        return join_pieces(self.pull_versioned(wanted, timeout)[0], pieces)
+        """The run's state dict (or the named subset), each shard's part at one version."""
+        return self.pull_versioned(names, timeout)[0]
 
     def push(self, grads: dict[str, torch.Tensor], version: int | dict[int, int], worker: int,
              timeout: float | None = None) -> dict[int, int]:

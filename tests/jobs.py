@@ -166,7 +166,7 @@ def train_then_read_over_grpc(steps: int) -> dict:
     state = train_mlp(steps)
     run_dir = os.environ["GRADSYNC_RUN_DIR"]
     with Client(run_dir) as client:
-        pulled, (_, versions) = client.pull(), client.pull_versioned()
+        pulled, versions = client.pull_versioned()
         stats, pieces = client.stats(), client.pieces()
     out = os.path.join(run_dir, "weights.pt")
     cli = [sys.executable, "-m", "gradsync.cli"]
@@ -223,3 +223,11 @@ def train_with_outside_worker(steps: int, steps_worker1: int) -> dict:
         stats = client.stats()
     return dict(stats=stats, rpc_agent=rpc.api._is_current_rpc_agent_set(),
                 outsider=None if outsider is None else (outsider.returncode, outsider.stdout + outsider.stderr))
+
+
+def init_then_train(steps: int, init_kwargs: dict) -> dict[str, torch.Tensor]:
+    """The README's script shape: the function calls gradsync.init() (and shutdown) itself."""
+    gradsync.init(**init_kwargs)
+    state = train_mlp(steps)
+    gradsync.shutdown()
+    return state

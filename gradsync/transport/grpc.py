@@ -135,7 +135,7 @@ class GrpcTransport:
         return frozen
 
     def pull(self) -> dict[int, Snapshot]:
-        tensors, versions = self.client.pull_versioned()
+        tensors, versions = self.client.pull_versioned(whole=False)
         return {s: self._snapshot(s, versions[s], tensors) for s in self.servers}
 
     def _snapshot(self, s: int, version: int, tensors: dict[str, torch.Tensor]) -> Snapshot:
@@ -154,7 +154,7 @@ class GrpcTransport:
         return self.pull()
 
     def state(self) -> dict[int, tuple]:
-        tensors, versions = self.client.pull_versioned()
+        tensors, versions = self.client.pull_versioned(whole=False)
         out = {}
         for s in self.servers:
             snap = self._snapshot(s, versions[s], tensors)
