@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from gradsync.cluster import Cluster
 from gradsync.cuda_ops import DEFAULT_BLOCK_SIZE
 from gradsync.ps.buckets import ModelSpec
+from gradsync.worker.ddp_hooks import make_ddp_hook
 from gradsync.worker.metrics import StepMetrics
 from gradsync.worker.model_state import named_tensors, to_state_dict
 
@@ -84,8 +85,6 @@ class AllreduceStrategy:
         self.ddp = DDP(module, **_no_buffer_broadcast())
         state, hook = None, default_hooks.allreduce_hook
         if config.compression != "none":
-            from gradsync.cuda_ops.ddp_hook import make_ddp_hook
-
             state, hook = make_ddp_hook(config.compression)
         self.local_nonfinite = False
         self.ddp.register_comm_hook(state, self._checked(hook))
