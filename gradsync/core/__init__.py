@@ -1,0 +1,1 @@
+"""What every side of gradsync shares: the worker strategies and the parameter servers."""
