@@ -162,15 +162,15 @@ class AllreduceStrategy:
     def _tie_unused(self, out):
         """Record the parameters `out` uses; add the others to `out` as a zero with zero gradients."""
         leaves, spec = tree_flatten(out)
-        first = next((i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad), None)
-        if first is None:
+        tracked = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not tracked:
             return out
-        reached = _reached([t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad])
+        reached = _reached([leaves[i] for i in tracked])
         self._used |= reached
         unused = [p for p in self.trainable if id(p) not in reached]
         if not unused:
             return out
-        leaves[first] = leaves[first] + _ZeroGrads.apply(*unused)
+        leaves[tracked[0]] = leaves[tracked[0]] + _ZeroGrads.apply(*unused)
         return tree_unflatten(leaves, spec)
 
     def _checked(self, hook):
