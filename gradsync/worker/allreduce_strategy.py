@@ -6,6 +6,14 @@ applies the local optimizer to them. Floating buffers (BatchNorm statistics)
 are averaged over the workers at each step, the same rule the parameter
 servers use, so both strategies compute the same thing.
 
+NaN/Inf: a hook on each parameter checks this worker's own gradient before
+DDP averages it (one cheap sum, `core.finite`), and the step's one small
+collective tells every worker whose gradient was bad, so all of them raise or
+skip together. DDP's built-in allreduce divides by W before summing, so a
+non-finite mean always comes from some worker's own NaN/Inf and the averaged
+gradients are scanned only to name the parameter; a compressed wire can
+overflow by itself, so with compression they are scanned every step.
+
 Parameters that get no gradient: DDP's own `find_unused_parameters=True`
 fails inside a dist_autograd context (an internal assert in torch 2.13: the
 reducer looks up a gradient that the context does not hold). So with
@@ -27,7 +35,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -143,11 +150,11 @@ class AllreduceStrategy:
         self._used: set[int] = set()  # ids of the parameters this step's forward passes used
         self._last_context: int | None = None
         self.ddp = DDP(module, **_no_buffer_broadcast())
-        state, hook = None, default_hooks.allreduce_hook
-        if config.compression != "none":
-            state, hook = make_ddp_hook(config.compression)
+        if config.compression != "none":  # none: DDP's built-in allreduce (no Python in the backward)
+            self.ddp.register_comm_hook(*make_ddp_hook(config.compression))
         self.local_nonfinite = False
-        self.ddp.register_comm_hook(state, self._checked(hook))
+        for p in self.trainable:
+            p.register_hook(self._check_local)
         self.model = _Model(self.ddp, self._forward)
         self.optimizer = optimizer_cls(list(params.values()), **optimizer_kwargs)
         self.wire_bytes = _wire_bytes(self.trainable, config.num_workers, config.compression)
@@ -173,15 +180,10 @@ class AllreduceStrategy:
         leaves[tracked[0]] = leaves[tracked[0]] + _ZeroGrads.apply(*unused)
         return tree_unflatten(leaves, spec)
 
-    def _checked(self, hook):
-        """Wrap a DDP comm hook so a NaN/Inf in this worker's own gradient is noticed before averaging."""
-
-        def checked_hook(state, bucket):
-            if first_nonfinite([bucket.buffer()]) is not None:
-                self.local_nonfinite = True
-            return hook(state, bucket)
-
-        return checked_hook
+    def _check_local(self, grad: torch.Tensor) -> None:
+        """Parameter hook: note a NaN/Inf in this worker's own gradient, before DDP averages it."""
+        if first_nonfinite([grad]) is not None:
+            self.local_nonfinite = True
 
     def step(self, context_id: int) -> None:
         """Apply the optimizer to the averaged gradients of `context_id`. Every worker must call it,
@@ -200,42 +202,39 @@ class AllreduceStrategy:
                 "trainer.step(context_id)"
             )
         self._last_context = context_id
-        for p, used in zip(self.trainable, self._sync()):
-            p.grad = grads.get(p) if used else None
+        bad_workers, used = self._sync()
+        for p, u in zip(self.trainable, used):
+            p.grad = grads.get(p) if u else None
         live = [p for p in self.trainable if p.grad is not None]
-        bad = first_nonfinite([p.grad for p in live])
-        if bad is not None:
-            self._nonfinite(self.names[live[bad]])
-        else:
+        bad = None
+        if bad_workers or self.config.compression != "none":
+            bad = first_nonfinite([p.grad for p in live])
+        if bad is None:
             self.optimizer.step()
-        self.local_nonfinite = False
         for p in self.trainable:
             p.grad = None
         self.metrics.committed(start, self.wire_bytes, self.wire_bytes)
+        if bad is not None and self.config.nonfinite == "raise":
+            raise ValueError(
+                f"non-finite gradient (NaN or Inf) for parameter {self.names[live[bad]]!r} from worker "
+                f"{bad_workers[0] if bad_workers else 'unknown'}: lower the learning rate or check the loss; pass "
+                "nonfinite='skip' to gradsync.init (or GRADSYNC_NONFINITE=skip) to drop such steps instead"
+            )
 
-    def _sync(self) -> list[bool]:
-        """Average the floating buffers and, with find_unused_parameters, the used flags (one collective);
-        returns, per trainable parameter, whether any worker used it this step."""
+    def _sync(self) -> tuple[list[int], list[bool]]:
+        """The step's one collective (every worker must reach it): which workers saw a NaN/Inf in their
+        own gradient, which parameters any worker used (with find_unused_parameters; else all), and
+        the mean of the floating buffers."""
+        workers = self.config.num_workers
         used, self._used = self._used, set()
-        flags = [torch.tensor([id(p) in used for p in self.trainable], dtype=torch.float32)] if self.find_unused else []
-        with torch.no_grad():
-            _allreduce_mean(flags + self.buffers, self.config.num_workers)
-        return flags[0].gt(0).tolist() if flags else [True] * len(self.trainable)
-
-    def _nonfinite(self, name: str) -> None:
-        """All workers see the same averaged NaN; find which worker's local gradient produced it."""
-        flags = torch.zeros(self.config.num_workers)
+        marks = [id(p) in used for p in self.trainable] if self.find_unused else []
+        flags = torch.tensor([0.0] * workers + marks, dtype=torch.float32)
         flags[self.worker] = float(self.local_nonfinite)
-        dist.all_reduce(flags)
         self.local_nonfinite = False
-        if self.config.nonfinite == "skip":
-            return
-        workers = [i for i, f in enumerate(flags.tolist()) if f] or ["unknown"]
-        raise ValueError(
-            f"non-finite gradient (NaN or Inf) for parameter {name!r} from worker {workers[0]}: "
-            "lower the learning rate or check the loss; pass nonfinite='skip' to gradsync.init "
-            "(or GRADSYNC_NONFINITE=skip) to drop such steps instead"
-        )
+        with torch.no_grad():
+            _allreduce_mean([flags, *self.buffers], workers)
+        seen = flags.gt(0).tolist()
+        return [w for w in range(workers) if seen[w]], seen[workers:] or [True] * len(self.trainable)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         params, buffers = named_tensors(self.module)
