@@ -150,7 +150,7 @@ class AllreduceStrategy:
         self._used: set[int] = set()  # ids of the parameters this step's forward passes used
         self._last_context: int | None = None
         self.ddp = DDP(module, **_no_buffer_broadcast())
-        if config.compression != "none":  # none: DDP's built-in allreduce (no Python in the backward)
+        if config.compression != "none":  # else DDP's built-in allreduce: it divides by W as it copies, no extra pass
             self.ddp.register_comm_hook(*make_ddp_hook(config.compression))
         self.local_nonfinite = False
         for p in self.trainable:
