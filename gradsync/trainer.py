@@ -13,24 +13,38 @@ class Trainer:
     Args:
         model: the user's module, built identically on every worker (worker 0's values are used).
         optimizer_cls: any `torch.optim.Optimizer` class; it runs on the servers (ps) or locally (allreduce).
+        find_unused_parameters: allreduce: allow parameters that get no gradient in a step (a branch
+            not taken); a parameter no worker used is left alone by the optimizer, as in single-process
+            training. Costs a walk of the autograd graph per forward. The ps strategy accepts and
+            ignores it: it does not need it.
         optimizer_kwargs: passed to `optimizer_cls`.
     """
 
-    def __init__(self, model: nn.Module, optimizer_cls: type, **optimizer_kwargs):
+    def __init__(self, model: nn.Module, optimizer_cls: type, *, find_unused_parameters: bool = False,
+                 **optimizer_kwargs):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Trainer needs a torch.nn.Module, got {type(model).__name__}")
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
             raise TypeError(
                 f"optimizer_cls must be a torch.optim.Optimizer class such as torch.optim.SGD, got {optimizer_cls!r}"
             )
+        if not any(p.requires_grad for p in model.parameters()):
+            raise ValueError(
+                "the model has no trainable parameters (none with requires_grad=True), so there is nothing "
+                "to train: unfreeze at least one (p.requires_grad_(True)) before building the Trainer"
+            )
         job = cluster.current()
         if job.config.is_server:
             raise RuntimeError("Trainer is for workers; servers serve inside gradsync.init()")
         if job.config.strategy == "ps":
-            from gradsync.worker.ps_strategy import PSStrategy as strategy_cls
+            from gradsync.worker.ps_strategy import PSStrategy
+
+            self._strategy = PSStrategy(job, model, optimizer_cls, optimizer_kwargs)
         else:
-            from gradsync.worker.allreduce_strategy import AllreduceStrategy as strategy_cls
-        self._strategy = strategy_cls(job, model, optimizer_cls, optimizer_kwargs)
+            from gradsync.worker.allreduce_strategy import AllreduceStrategy
+
+            self._strategy = AllreduceStrategy(job, model, optimizer_cls, optimizer_kwargs,
+                                               find_unused_parameters=find_unused_parameters)
 
     @property
     def model(self) -> nn.Module:
@@ -43,7 +57,8 @@ class Trainer:
         return self._strategy.metrics
 
     def step(self, context_id: int) -> None:
-        """Commit the step of `context_id`: servers apply (ps) or the local optimizer steps (allreduce)."""
+        """Commit the step of `context_id`, once per context, after its backward: servers apply (ps) or
+        the local optimizer steps (allreduce)."""
         self._strategy.step(context_id)
 
     def state_dict(self) -> dict[str, torch.Tensor]:

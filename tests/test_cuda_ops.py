@@ -22,7 +22,6 @@ from gradsync.cuda_ops import (
     decompress,
     decompress_int8,
     dequantize_aggregate,
-    make_ddp_hook,
 )
 from gradsync.cuda_ops import ops
 
@@ -264,8 +263,6 @@ BAD = [
      "scales: expected 2 same-shaped"),
     (lambda: dequantize_aggregate([torch.ones(3, dtype=torch.int8)], [torch.ones(1)], 6), ValueError,
      "block_size: got 6"),
-    (lambda: make_ddp_hook("int4"), ValueError, "compression: unknown value 'int4'"),
-    (lambda: make_ddp_hook("int8", block_size=3), ValueError, "block_size: got 3"),
 ]
 
 

@@ -1,4 +1,5 @@
-"""make_ddp_hook in a real 2-process gloo group on 127.0.0.1, against a plain mean all-reduce.
+"""The allreduce strategy's DDP hooks (`gradsync.worker.ddp_hooks.make_ddp_hook`) in a real
+2-process gloo group on 127.0.0.1, against a plain mean all-reduce.
 
 Each rank trains nothing: for a few steps it runs the same small model on its
 own batch, once through DDP with the hook and once without DDP, all-reduces
@@ -20,6 +21,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from gradsync.worker.ddp_hooks import make_ddp_hook
+
 WORLD = 2
 STEPS = 4
 COMPRESSIONS = ("none", "fp16", "bf16", "int8")
@@ -37,8 +40,6 @@ def _model() -> nn.Module:
 
 
 def _rank_main(rank: int, port: int, out_dir: str) -> None:
-    from gradsync.cuda_ops import make_ddp_hook
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=30))
@@ -121,3 +122,12 @@ def test_ddp_hook_gives_the_mean_over_ranks(ranks, compression):
     # Every rank ends with the same gradients, as DDP promises.
     for a, b in zip(ranks[0][compression]["steps"], ranks[1][compression]["steps"]):
         assert torch.equal(a["got"], b["got"])
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: make_ddp_hook("int4"), "compression: unknown value 'int4'"),
+    (lambda: make_ddp_hook("int8", block_size=3), "block_size: got 3"),
+])
+def test_bad_hook_settings_get_a_clear_error(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()

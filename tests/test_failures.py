@@ -54,6 +54,12 @@ def test_nan_gradient_skip_drops_exactly_that_step(strategy, servers):
 
 
 @pytest.mark.timeout(120)
+def test_nan_gradient_over_a_compressed_allreduce_names_parameter_and_worker():
+    with pytest.raises(gradsync.JobFailed, match=r"non-finite gradient .* for parameter '\d\.(weight|bias)' from worker 1"):
+        gradsync.launch(train_with_nan, strategy="allreduce", workers=2, args=(6, 2), compression="fp16", timeout=100)
+
+
+@pytest.mark.timeout(120)
 def test_async_applies_every_push_and_uneven_workers_shut_down():
     stats = gradsync.launch(train_mlp_stats, strategy="ps", mode="async", workers=3, servers=1, args=(12, 3), timeout=100)
     # workers 0 and 2 run 12 steps, worker 1 only 3; whoever finishes last has seen every push applied

@@ -1,1 +1,1 @@
-"""What workers and servers share: the model spec and bucket plan, and the cheap finiteness check."""
+"""What workers and servers share: the model spec and bucket plan, the cheap NaN/Inf check, the errors."""

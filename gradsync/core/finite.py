@@ -1,22 +1,29 @@
-"""A cheap NaN/Inf detector: one reduction per tensor instead of a full-size boolean mask.
+"""Cheap NaN/Inf detection for gradients.
 
-NaN and Inf propagate through a sum, so a finite sum proves a finite tensor. A
-sum of huge finite values can overflow to Inf: a tripped detector is only a
-suspicion, confirmed by `first_nonfinite`, the exact (slower) search.
+A NaN or Inf anywhere in a tensor makes its sum non-finite, so one sum per
+tensor (a single read, no allocation the size of the tensor) clears the common
+case. A finite tensor whose sum overflows trips it too, so a tripped sum is
+confirmed by an exact scan of that tensor; a scan that finds nothing was a
+false alarm.
 """
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 
-def maybe_nonfinite(tensor: torch.Tensor) -> bool:
-    """True if `tensor` may hold NaN/Inf (always True when it does; rarely, on overflow, when it does not)."""
-    return not bool(torch.isfinite(tensor.sum(dtype=torch.float32)))
+def first_nonfinite(tensors: Sequence[torch.Tensor]) -> int | None:
+    """Index of the first tensor holding a NaN or Inf.
 
+    Args:
+        tensors: tensors on one device (one host sync in all, on a GPU).
 
-def first_nonfinite(named: dict[str, torch.Tensor]) -> str | None:
-    """The name of the first tensor that really holds NaN/Inf, or None."""
-    for name, tensor in named.items():
-        if maybe_nonfinite(tensor) and not bool(torch.isfinite(tensor).all()):
-            return name
-    return None
+    Returns:
+        The index, or None when every tensor is finite.
+    """
+    if not tensors:
+        return None
+    sums = torch.stack([t.sum() for t in tensors])
+    tripped = (~torch.isfinite(sums)).nonzero().flatten().tolist()
+    return next((i for i in tripped if not bool(torch.isfinite(tensors[i]).all())), None)

@@ -4,8 +4,7 @@ Each op is a `torch.library` custom op (`torch.ops.gradsync.*`, registered in
 `ops`) with a plain-PyTorch CPU implementation (`reference`), a Triton CUDA
 implementation (`triton_impl`, kernels in `triton_kernels`) and a fake
 implementation for `torch.compile`; the functions below call them and the
-dispatcher picks the implementation from the tensors' device. `ddp_hook`
-builds DDP communication hooks on top of them.
+dispatcher picks the implementation from the tensors' device.
 """
 from .aggregation import aggregate, aggregate_buckets
 from .compression import (
@@ -17,11 +16,9 @@ from .compression import (
     decompress_int8,
     dequantize_aggregate,
 )
-from .ddp_hook import DDPHookState, make_ddp_hook
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
-    "DDPHookState",
     "Int8Compressed",
     "aggregate",
     "aggregate_buckets",
@@ -30,5 +27,4 @@ __all__ = [
     "decompress",
     "decompress_int8",
     "dequantize_aggregate",
-    "make_ddp_hook",
 ]

@@ -11,14 +11,14 @@ tracks staleness. Both return a `torch.futures.Future` that resolves to the
 shard's `Snapshot` after the step, or fails with the reason.
 
 NaN/Inf is found with one cheap reduction per bucket (`core.finite`); only
-when it trips is the parameter and the worker searched for.
+when it trips are the parameter and the worker searched for.
 """
 from __future__ import annotations
 
 import torch
 
 from gradsync.core.errors import GradientError, nonfinite_error
-from gradsync.core.finite import first_nonfinite, maybe_nonfinite
+from gradsync.core.finite import first_nonfinite
 from gradsync.cuda_ops import aggregate
 from gradsync.ps.shard import ShardState
 from gradsync.ps.wire import PLAIN
@@ -71,26 +71,20 @@ def _skipped(shard: ShardState, pushes: list[tuple[list, list]]) -> list[set[int
     return out
 
 
-def _named(shard: ShardState, b: int, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Bucket b's gradient `flat` by parameter name (one piece each)."""
-    return {e.name: e.view(flat) for e in shard.buckets[b].entries}
-
-
 def _blame(shard: ShardState, means: list, per_worker: list[tuple[int, list, object]]) -> GradientError | None:
     """The error naming the first parameter whose mean gradient is non-finite and the worker that sent
     NaN/Inf for it (None when every mean is finite: the cheap check was a false alarm)."""
     for b, mean in enumerate(means):
-        if mean is None or not maybe_nonfinite(mean):
-            continue
-        name = first_nonfinite(_named(shard, b, mean))
-        if name is None:
+        entries = shard.buckets[b].entries
+        bad = None if mean is None else first_nonfinite([e.view(mean) for e in entries])
+        if bad is None:
             continue
         for worker, payloads, wire in per_worker:
             if payloads[b] is not None:
                 decoded = wire.decode(payloads[b], torch.float32)
-                if first_nonfinite({name: _named(shard, b, decoded)[name]}) is not None:
-                    return nonfinite_error(name, worker)
-        return nonfinite_error(name, "none alone (the average of finite gradients overflowed)")
+                if first_nonfinite([entries[bad].view(decoded)]) is not None:
+                    return nonfinite_error(entries[bad].name, worker)
+        return nonfinite_error(entries[bad].name, "none alone (the average of finite gradients overflowed)")
     return None
 
 
@@ -166,7 +160,7 @@ class SyncRule:
             _mean(shard, b, [(payloads[b], wire) for _, payloads, _, _, _, wire in pending], self.num_workers)
             for b in range(len(shard.buckets))
         ]
-        if any(m is not None and maybe_nonfinite(m) for m in means):
+        if first_nonfinite([m for m in means if m is not None]) is not None:
             error = _blame(shard, means, [(w, payloads, wire) for w, payloads, _, _, _, wire in pending])
             if error is not None:
                 shard.stats.steps_skipped += self.nonfinite == "skip"
@@ -192,7 +186,7 @@ class AsyncRule:
             except GradientError as e:
                 return _done(error=e)
             decoded = [None if g is None else wire.decode(g, b.dtype) for g, b in zip(checked, shard.buckets)]
-            if any(g is not None and maybe_nonfinite(g) for g in decoded):
+            if first_nonfinite([g for g in decoded if g is not None]) is not None:
                 error = _blame(shard, decoded, [(worker, checked, wire)])
                 if error is not None:
                     shard.stats.pushes_rejected += 1

@@ -3,24 +3,47 @@
 `trainer.model` is `DDP(module)`; inside a dist_autograd context DDP's bucketed
 allreduce leaves the averaged gradients in the context, and `step(context_id)`
 applies the local optimizer to them. Floating buffers (BatchNorm statistics)
-are averaged over the workers after each step, the same rule the parameter
+are averaged over the workers at each step, the same rule the parameter
 servers use, so both strategies compute the same thing.
+
+NaN/Inf: a hook on each parameter checks this worker's own gradient before
+DDP averages it (one cheap sum, `core.finite`), and the step's one small
+collective tells every worker whose gradient was bad, so all of them raise or
+skip together. DDP's built-in allreduce divides by W before summing, so a
+non-finite mean always comes from some worker's own NaN/Inf and the averaged
+gradients are scanned only to name the parameter; a compressed wire can
+overflow by itself, so with compression they are scanned every step.
+
+Parameters that get no gradient: DDP's own `find_unused_parameters=True`
+fails inside a dist_autograd context (an internal assert in torch 2.13: the
+reducer looks up a gradient that the context does not hold). So with
+`find_unused_parameters=True` DDP runs without it; the forward walks the
+output's autograd graph (as DDP would) to find the parameters it uses and
+gives the others a zero gradient, so DDP averages every parameter; `step`
+then averages the used flags with the buffers and hands the optimizer
+`.grad = None` for a parameter no worker used, as single-process training
+does (no weight decay, no momentum). A parameter used by some workers gets
+the mean over all of them, zeros from the others, as DDP gives.
 """
 from __future__ import annotations
 
 import inspect
 import time
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gradsync.cluster import Cluster
+from gradsync.core.errors import model_mismatch_error, nonfinite_error
+from gradsync.core.finite import first_nonfinite
 from gradsync.cuda_ops import DEFAULT_BLOCK_SIZE
 from gradsync.core.buckets import ModelSpec
+from gradsync.worker.ddp_hooks import make_ddp_hook
 from gradsync.worker.metrics import StepMetrics
 from gradsync.worker.model_state import named_tensors, to_state_dict
 
@@ -32,10 +55,7 @@ def _check_same_model(spec: ModelSpec, worker: int, num_workers: int) -> None:
     for other, theirs in enumerate(specs):
         diff = specs[0].difference(theirs)
         if diff is not None:
-            raise ValueError(
-                f"worker {other}'s model differs from worker 0's: {diff}. Every worker must build the "
-                "same model (same classes, same constructor arguments)"
-            )
+            raise model_mismatch_error(other, diff)
 
 
 def _wire_bytes(params, workers: int, compression: str) -> int:
@@ -55,23 +75,65 @@ def _no_buffer_broadcast() -> dict:
     return {"broadcast_buffers": False}
 
 
-class _Timer(nn.Module):
-    """Marks the start of each forward pass for the step metrics."""
+def _allreduce_mean(tensors: Sequence[torch.Tensor], workers: int) -> None:
+    """Average `tensors` in place over the workers: one flattened allreduce per dtype, none for no tensors.
+    Every worker must reach it."""
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.dtype, []).append(t)
+    for group in groups.values():
+        flat = torch.cat([t.reshape(-1) for t in group])
+        dist.all_reduce(flat)
+        flat.div_(workers)
+        for t, mean in zip(group, flat.split([t.numel() for t in group])):
+            t.copy_(mean.view_as(t))
 
-    def __init__(self, ddp: DDP, metrics: StepMetrics):
+
+def _reached(outputs: list[torch.Tensor]) -> set[int]:
+    """ids of the leaf tensors that the outputs' backward reaches (the walk DDP's find_unused_parameters does)."""
+    ids = {id(t) for t in outputs if t.grad_fn is None}
+    stack, seen = [t.grad_fn for t in outputs if t.grad_fn is not None], set()
+    while stack:
+        fn = stack.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        if hasattr(fn, "variable"):  # AccumulateGrad: the gradient's way into a leaf
+            ids.add(id(fn.variable))
+        stack.extend(f for f, _ in fn.next_functions if f is not None)
+    return ids
+
+
+class _ZeroGrads(torch.autograd.Function):
+    """A zero scalar whose backward gives each of its inputs a zero gradient."""
+
+    @staticmethod
+    def forward(ctx, *params):
+        ctx.like = [(p.shape, p.dtype, p.device) for p in params]
+        return params[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.like)
+
+
+class _Model(nn.Module):
+    """`trainer.model`: the DDP module, called through the strategy's forward."""
+
+    def __init__(self, ddp: DDP, forward):
         super().__init__()
         self.ddp = ddp
-        self._metrics = metrics
+        self._forward = forward
 
     def forward(self, *args, **kwargs):
-        self._metrics.pulled(0.0, 0)
-        return self.ddp(*args, **kwargs)
+        return self._forward(*args, **kwargs)
 
 
 class AllreduceStrategy:
     """DDP + local optimizer. Every worker must construct it (a collective)."""
 
-    def __init__(self, cluster: Cluster, module: nn.Module, optimizer_cls, optimizer_kwargs: dict):
+    def __init__(self, cluster: Cluster, module: nn.Module, optimizer_cls, optimizer_kwargs: dict, *,
+                 find_unused_parameters: bool = False):
         config = cluster.config
         self.config = config
         self.worker = config.worker_rank
@@ -79,65 +141,94 @@ class AllreduceStrategy:
         params, buffers = named_tensors(module)
         _check_same_model(ModelSpec.of(params, buffers), self.worker, config.num_workers)
         self.module = module
+        self.trainable = [p for p in params.values() if p.requires_grad]  # what DDP averages
         self.names = {p: n for n, p in params.items()}
         self.buffers = [b for b in buffers.values() if b.is_floating_point()]
+        self.find_unused = find_unused_parameters
+        self._used: set[int] = set()  # ids of the parameters this step's forward passes used
+        self._last_context: int | None = None
         self.ddp = DDP(module, **_no_buffer_broadcast())
-        state, hook = None, default_hooks.allreduce_hook
-        if config.compression != "none":
-            from gradsync.cuda_ops.ddp_hook import make_ddp_hook
-
-            state, hook = make_ddp_hook(config.compression)
+        if config.compression != "none":  # else DDP's built-in allreduce: it divides by W as it copies, no extra pass
+            self.ddp.register_comm_hook(*make_ddp_hook(config.compression))
         self.local_nonfinite = False
-        self.ddp.register_comm_hook(state, self._checked(hook))
-        self.model = _Timer(self.ddp, self.metrics)
+        for p in self.trainable:
+            p.register_hook(self._check_local)
+        self.model = _Model(self.ddp, self._forward)
         self.optimizer = optimizer_cls(list(params.values()), **optimizer_kwargs)
-        self.wire_bytes = _wire_bytes(params.values(), config.num_workers, config.compression)
+        self.wire_bytes = _wire_bytes(self.trainable, config.num_workers, config.compression)
 
-    def _checked(self, hook):
-        """Wrap a DDP comm hook so a NaN/Inf in this worker's own gradient is noticed before averaging."""
+    def _forward(self, *args, **kwargs):
+        self.metrics.pulled(0.0, 0)  # marks the start of the step
+        out = self.ddp(*args, **kwargs)
+        if self.find_unused and torch.is_grad_enabled():
+            out = self._tie_unused(out)
+        return out
 
-        def checked_hook(state, bucket):
-            if not bool(torch.isfinite(bucket.buffer()).all()):
-                self.local_nonfinite = True
-            return hook(state, bucket)
+    def _tie_unused(self, out):
+        """Record the parameters `out` uses; add the others to `out` as a zero with zero gradients."""
+        leaves, spec = tree_flatten(out)
+        tracked = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not tracked:
+            return out
+        reached = _reached([leaves[i] for i in tracked])
+        self._used |= reached
+        unused = [p for p in self.trainable if id(p) not in reached]
+        if not unused:
+            return out
+        leaves[tracked[0]] = leaves[tracked[0]] + _ZeroGrads.apply(*unused)
+        return tree_unflatten(leaves, spec)
 
-        return checked_hook
+    def _check_local(self, grad: torch.Tensor) -> None:
+        """Parameter hook: note a NaN/Inf in this worker's own gradient, before DDP averages it."""
+        if first_nonfinite([grad]) is not None:
+            self.local_nonfinite = True
 
     def step(self, context_id: int) -> None:
-        """Apply the optimizer to the averaged gradients of `context_id`. Every worker must call it."""
+        """Apply the optimizer to the averaged gradients of `context_id`. Every worker must call it,
+        once per context, after `dist_autograd.backward` in that context."""
+        if context_id == self._last_context:
+            raise RuntimeError(
+                f"step({context_id}) was already called for this context: call trainer.step(context_id) once "
+                "per dist_autograd.context(), after its backward"
+            )
         start = time.perf_counter()
         grads = dist_autograd.get_gradients(context_id)
-        params = list(self.names)
-        for p in params:
-            p.grad = grads.get(p)
-        bad = [self.names[p] for p in params if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
-        if bad:
-            self._nonfinite(bad[0])
-        else:
+        if not grads:
+            raise RuntimeError(
+                f"step({context_id}) found no gradients in that context: call "
+                "dist_autograd.backward(context_id, [loss]) in the same dist_autograd.context() before "
+                "trainer.step(context_id)"
+            )
+        self._last_context = context_id
+        bad_workers, used = self._sync()
+        for p, u in zip(self.trainable, used):
+            p.grad = grads.get(p) if u else None
+        live = [p for p in self.trainable if p.grad is not None]
+        bad = None
+        if bad_workers or self.config.compression != "none":
+            bad = first_nonfinite([p.grad for p in live])
+        if bad is None:
             self.optimizer.step()
-        self.local_nonfinite = False
-        for p in params:
+        for p in self.trainable:
             p.grad = None
-        with torch.no_grad():
-            for b in self.buffers:
-                dist.all_reduce(b)
-                b.div_(self.config.num_workers)
         self.metrics.committed(start, self.wire_bytes, self.wire_bytes)
+        if bad is not None and self.config.nonfinite == "raise":
+            raise nonfinite_error(self.names[live[bad]], bad_workers[0] if bad_workers else "unknown")
 
-    def _nonfinite(self, name: str) -> None:
-        """All workers see the same averaged NaN; find which worker's local gradient produced it."""
-        flags = torch.zeros(self.config.num_workers)
+    def _sync(self) -> tuple[list[int], list[bool]]:
+        """The step's one collective (every worker must reach it): which workers saw a NaN/Inf in their
+        own gradient, which parameters any worker used (with find_unused_parameters; else all), and
+        the mean of the floating buffers."""
+        workers = self.config.num_workers
+        used, self._used = self._used, set()
+        marks = [id(p) in used for p in self.trainable] if self.find_unused else []
+        flags = torch.tensor([0.0] * workers + marks, dtype=torch.float32)
         flags[self.worker] = float(self.local_nonfinite)
-        dist.all_reduce(flags)
         self.local_nonfinite = False
-        if self.config.nonfinite == "skip":
-            return
-        workers = [i for i, f in enumerate(flags.tolist()) if f] or ["unknown"]
-        raise ValueError(
-            f"non-finite gradient (NaN or Inf) for parameter {name!r} from worker {workers[0]}: "
-            "lower the learning rate or check the loss; pass nonfinite='skip' to gradsync.init "
-            "(or GRADSYNC_NONFINITE=skip) to drop such steps instead"
-        )
+        with torch.no_grad():
+            _allreduce_mean([flags, *self.buffers], workers)
+        seen = flags.gt(0).tolist()
+        return [w for w in range(workers) if seen[w]], seen[workers:] or [True] * len(self.trainable)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         params, buffers = named_tensors(self.module)

@@ -1,6 +1,7 @@
-"""DDP communication hooks that average gradients with optional compression.
+"""DDP communication hooks of the allreduce strategy: the mean, with optional compression.
 
-`make_ddp_hook` returns a `(state, hook)` pair for
+The compression itself is done by the ops of `gradsync.cuda_ops`; this module
+only wires them into DDP. `make_ddp_hook` returns a `(state, hook)` pair for
 `DistributedDataParallel.register_comm_hook`. Every hook produces the MEAN of
 the ranks' gradient buckets, like DDP's default: 'none' scales by
 1 / world size and all-reduces; 'fp16'/'bf16' fuse the 1 / world size scale
@@ -18,9 +19,8 @@ import torch
 import torch.distributed as dist
 
 from gradsync.config import Compression
-
-from . import checks
-from .compression import DEFAULT_BLOCK_SIZE, compress, compress_int8, decompress, dequantize_aggregate
+from gradsync.cuda_ops import DEFAULT_BLOCK_SIZE, compress, compress_int8, decompress, dequantize_aggregate
+from gradsync.cuda_ops.checks import block_size as check_block_size
 
 _HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -45,7 +45,7 @@ class DDPHookState:
             raise ValueError(
                 f"compression: unknown value {self.compression!r}; use one of {', '.join(map(repr, allowed))}"
             )
-        checks.block_size(self.block_size)
+        check_block_size(self.block_size)
 
     def residual_for(self, bucket: dist.GradBucket) -> torch.Tensor:
         """This bucket's residual; a new zero buffer when the bucket's parameters changed

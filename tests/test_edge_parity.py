@@ -1,0 +1,56 @@
+"""Parity on the models people train (frozen layers, unused and conditional branches, Adam, tied
+weights) for both strategies, and the refusals of misused steps."""
+import pytest
+import torch
+from torch import nn
+
+import gradsync
+from edge_models import CASES, initial, reference_edge, step_twice, step_without_backward, train_edge
+from test_parity import max_diff
+
+STEPS = 10
+STRATEGIES = [("allreduce", 0), ("ps", 1), ("ps", 2)]
+
+
+def check_parity(case: str, states: list, workers: int) -> None:
+    reference, start = reference_edge(case, STEPS, workers), initial(case)
+    for state in states:
+        assert max_diff(state, reference) <= 1e-5
+        for key in CASES[case].untouched:  # where single-process training leaves a tensor alone, so must we
+            assert torch.equal(reference[key], start[key]), key
+            assert torch.equal(state[key], start[key]), key
+    assert max_diff(states[0], start) > 1e-3  # training moved the weights
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy,servers", STRATEGIES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_edge_model_matches_single_process(case, strategy, servers):
+    states = gradsync.launch(train_edge, strategy=strategy, workers=2, servers=servers, args=(case, STEPS),
+                             step_timeout=30, timeout=100)
+    check_parity(case, states, 2)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy,servers", STRATEGIES)
+def test_branch_on_even_steps_with_one_worker(strategy, servers):
+    states = gradsync.launch(train_edge, strategy=strategy, workers=1, servers=servers, args=("even_steps", STEPS),
+                             step_timeout=30, timeout=100)
+    check_parity("even_steps", states, 1)
+
+
+def test_model_without_trainable_parameters_is_refused_before_any_strategy():
+    frozen = nn.Linear(3, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match=r"no trainable parameters .* unfreeze at least one"):
+        gradsync.Trainer(frozen, torch.optim.SGD, lr=0.1)  # no job running: refused before the strategy is picked
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("strategy,servers", STRATEGIES[:2])
+@pytest.mark.parametrize("fn,match", [
+    (step_without_backward, r"no gradients in that context: call dist_autograd.backward"),
+    (step_twice, r"already called for this context"),
+])
+def test_misused_step_is_refused(fn, match, strategy, servers):
+    with pytest.raises(gradsync.JobFailed, match=match):
+        gradsync.launch(fn, strategy=strategy, workers=2, servers=servers, step_timeout=20, timeout=80)
