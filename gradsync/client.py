@@ -25,6 +25,8 @@ from gradsync.proto import tensor_codec
 from gradsync.atomic_file import write_atomically
 from gradsync.proto.endpoints import read_endpoints
 
+_SERVICE = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+
 _ERRORS = {
     grpc.StatusCode.INVALID_ARGUMENT: ValueError,
     grpc.StatusCode.FAILED_PRECONDITION: ValueError,
@@ -70,6 +72,18 @@ class Client:
             for shard, a in self.addresses.items()
         }
         self._stubs = {shard: pb_grpc.ParameterServerStub(c) for shard, c in self._channels.items()}
+        # Pull and Push move tensors: their chunks go as pre-serialized bytes and come back as views of the
+        # received bytes (tensor_codec.encode_messages / message_parser), not through protobuf objects.
+        self._pulls = {
+            shard: c.unary_stream(f"/{_SERVICE}/Pull", request_serializer=pb.PullRequest.SerializeToString,
+                                  response_deserializer=tensor_codec.message_parser(pb.PullResponse))
+            for shard, c in self._channels.items()
+        }
+        self._pushes = {
+            shard: c.stream_unary(f"/{_SERVICE}/Push", request_serializer=tensor_codec.serialize,
+                                  response_deserializer=pb.PushResponse.FromString)
+            for shard, c in self._channels.items()
+        }
         self._metadata = (("authorization", f"Bearer {token}"),)
         self._owners: dict[str, int] | None = None
         self._pieces: list[tuple] | None = None
@@ -152,7 +166,7 @@ class Client:
             names = [n for n in names if n not in split] + [_key(p) for p in self.pieces() if p[0] in names]
         routes = {shard: [] for shard in self._stubs} if names is None else self._route(names)
         calls = {
-            shard: self._stubs[shard].Pull(
+            shard: self._pulls[shard](
                 pb.PullRequest(worker=-1, names=wanted), timeout=timeout or self.timeout, metadata=self._metadata
             )
             for shard, wanted in routes.items()
@@ -164,10 +178,10 @@ class Client:
         for shard, call in calls.items():
             try:
                 first = next(call, None)
-                if first is None or first.WhichOneof("item") != "header":
+                if not isinstance(first, pb.PullResponse) or first.WhichOneof("item") != "header":
                     raise RuntimeError(f"Pull on shard {shard}: the stream did not start with a PullHeader")
                 versions[shard] = first.header.version
-                tensors.update(tensor_codec.decode(r.chunk for r in call))
+                tensors.update(tensor_codec.decode(_pulled_chunks(shard, call)))
             except grpc.RpcError as e:
                 raise self._error("Pull", shard, start, e) from None
         return (join_pieces(tensors, self.pieces()) if whole else tensors), versions
@@ -198,13 +212,12 @@ class Client:
 
         def messages(shard):
             yield pb.PushRequest(header=pb.PushHeader(worker=worker, version=version[shard]))
-            for chunk in tensor_codec.encode_all({n: grads[n] for n in routes[shard]}):
-                yield pb.PushRequest(chunk=chunk)
+            yield from tensor_codec.encode_messages({n: grads[n] for n in routes[shard]}, pb.PushRequest)
 
         start = time.monotonic()
         futures = {
-            shard: stub.Push.future(messages(shard), timeout=timeout or self.timeout, metadata=self._metadata)
-            for shard, stub in self._stubs.items()
+            shard: push.future(messages(shard), timeout=timeout or self.timeout, metadata=self._metadata)
+            for shard, push in self._pushes.items()
         }
         out = {}
         for shard, fut in futures.items():
@@ -258,6 +271,14 @@ def split_pieces(grads: dict[str, torch.Tensor], pieces: list[tuple]) -> dict[st
     for name in {p[0] for p in pieces}:
         out.pop(name, None)
     return out
+def _pulled_chunks(shard: int, call):
+    for response in call:
+        if isinstance(response, tensor_codec.Chunk):
+            yield response
+        elif response.WhichOneof("item") == "chunk":
+            yield response.chunk
+        else:
+            raise RuntimeError(f"Pull on shard {shard}: a second PullHeader in the middle of the stream")
 
 
 def status_table(client: Client) -> str:

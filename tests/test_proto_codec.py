@@ -6,10 +6,13 @@ import os
 
 import pytest
 import torch
+from google.protobuf.message import DecodeError
 
 from gradsync.proto import generate, tensor_codec
 from gradsync.proto import gradsync_pb2 as pb
-from gradsync.proto.tensor_codec import CHUNK_BYTES, decode, encode, encode_all
+from gradsync.proto.tensor_codec import (
+    CHUNK_BYTES, Chunk, decode, encode, encode_all, encode_messages, message_parser, parse_message,
+)
 
 GENERATED = ("gradsync_pb2.py", "gradsync_pb2.pyi", "gradsync_pb2_grpc.py")
 
@@ -93,11 +96,82 @@ BAD = {
 }
 
 
+@pytest.mark.parametrize("wire", [False, True], ids=["messages", "wire bytes"])
 @pytest.mark.parametrize("case", list(BAD))
-def test_decode_rejects_malformed_sequences(case):
+def test_decode_rejects_malformed_sequences(case, wire):
     mutate, field = BAD[case]
+    chunks = mutate(_chunks())
+    if wire:  # the same chunks as a server receives them: serialized, then parsed without copying data
+        parse = message_parser(pb.PushRequest)
+        chunks = [parse(pb.PushRequest(chunk=c).SerializeToString()) for c in chunks]
+        assert any(isinstance(c, Chunk) for c in chunks)
+        chunks = [c if isinstance(c, Chunk) else c.chunk for c in chunks]
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
-        decode(mutate(_chunks()))
+        decode(chunks)
+
+
+def _wire_cases() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    raw = torch.randint(0, 256, (4099,), dtype=torch.uint8, generator=g)
+    return {
+        "odd fp32": torch.randn(1001, generator=g),  # 4004 bytes: chunks end mid-element
+        "bf16": raw[:4098].view(torch.bfloat16).reshape(3, 683),  # every bit pattern, NaNs included
+        "int8": raw.view(torch.int8),
+        "bool": raw[:77] % 2 == 1,
+        "empty": torch.empty(0, 5, dtype=torch.float16),
+        "scalar": torch.tensor(-2.5, dtype=torch.float64),
+        "int64": torch.arange(-5, 300, dtype=torch.int64),
+    }
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 333, 4096, CHUNK_BYTES])
+@pytest.mark.parametrize("message_cls", [pb.PullResponse, pb.PushRequest])
+def test_wire_bytes_are_protobufs_own_and_round_trip_bit_for_bit(message_cls, chunk_bytes):
+    tensors = _wire_cases()
+    wire = list(encode_messages(tensors, message_cls, chunk_bytes))
+    assert wire == [message_cls(chunk=c).SerializeToString() for c in encode_all(tensors, chunk_bytes)]
+    parsed = [message_parser(message_cls)(b) for b in wire]
+    # every chunk with data comes back as a view of the received bytes; the empty tensor's chunk has no
+    # `data` field, so protobuf parses it
+    assert [type(p) for p in parsed].count(message_cls) == 1
+    assert all(isinstance(p, (Chunk, message_cls)) for p in parsed)
+    back = decode(p if isinstance(p, Chunk) else p.chunk for p in parsed)
+    assert list(back) == list(tensors)
+    for name, t in tensors.items():
+        assert back[name].dtype == t.dtype and back[name].shape == t.shape, name
+        assert torch.equal(back[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
+
+
+def test_wire_decoded_tensor_is_writable_and_owns_its_memory():
+    big = torch.arange(3 << 20, dtype=torch.float32)  # 12 MB: large enough for huge pages
+    wire = list(encode_messages({"x": big, "y": torch.ones(4)}, pb.PushRequest))
+    parse = message_parser(pb.PushRequest)
+    first = decode(parse(b) for b in wire)
+    for t in first.values():
+        t.add_(1)
+    again = decode(parse(b) for b in wire)
+    assert torch.equal(again["x"], big) and torch.equal(again["y"], torch.ones(4))
+    assert torch.equal(first["x"], big + 1)
+
+
+def test_parse_message_leaves_other_layouts_to_protobuf():
+    chunk = next(encode("w", torch.arange(6.0)))
+    canonical = pb.PushRequest(chunk=chunk).SerializeToString()
+    assert isinstance(parse_message(canonical, pb.PushRequest), Chunk)
+    header = pb.PushRequest(header=pb.PushHeader(worker=1, version=2)).SerializeToString()
+    head_only = pb.Tensor(name="w", dtype="float32", shape=[6], total_bytes=24).SerializeToString()
+    data_first = b"\x32\x18" + chunk.data + head_only  # Tensor.data, then the other fields: valid protobuf
+    reordered = b"\x12" + bytes([len(data_first)]) + data_first
+    for layout in (header, reordered, canonical + header, b"", b"\x12\x80", b"\x13"):
+        assert parse_message(layout, pb.PushRequest) is None
+    parse = message_parser(pb.PushRequest)
+    assert parse(header).header.worker == 1
+    assert torch.equal(decode([parse(reordered).chunk])["w"], torch.arange(6.0))
+    # the fields before `data` are checked by protobuf: an invalid UTF-8 name is refused, not passed on
+    bad_name = b"\x0a\x02\xff\xfe" + canonical[2 + len(b"\x0a\x01w"):]
+    bad = b"\x12" + bytes([len(bad_name)]) + bad_name
+    with pytest.raises(DecodeError):
+        parse(bad)
 
 
 def test_decode_budget_is_checked_before_allocating():

@@ -38,10 +38,13 @@ class _Malformed:
         self.message = f"the request is not a valid {kind} message ({str(error) or 'undecodable bytes'})"
 
 
-def _parser(cls):
+def _parser(cls, chunks: bool = False):
+    """A request deserializer; with `chunks`, a chunk message becomes a `tensor_codec.Chunk` over its bytes."""
+    parse_message = tensor_codec.message_parser(cls) if chunks else cls.FromString
+
     def parse(data: bytes):
         try:
-            return cls.FromString(data)
+            return parse_message(data)
         except DecodeError as e:
             return _Malformed(cls.__name__, e)
 
@@ -118,14 +121,13 @@ class Servicer:
         if request.names:
             tensors = {n: tensors[n] for n in request.names}
         yield pb.PullResponse(header=pb.PullHeader(shard_id=shard.shard_id, version=version))
-        for chunk in tensor_codec.encode_all(tensors):
-            yield pb.PullResponse(chunk=chunk)
+        yield from tensor_codec.encode_messages(tensors, pb.PullResponse)  # serialized PullResponse(chunk=...)
 
     def push(self, request_iterator, context) -> pb.PushResponse:
         shard = self._shard()
         first = next(request_iterator, None)
         first = _parsed(_Malformed("PushRequest", "the stream is empty") if first is None else first)
-        if first.WhichOneof("item") != "header":
+        if isinstance(first, tensor_codec.Chunk) or first.WhichOneof("item") != "header":
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "PushRequest: the first message must be a PushHeader")
         header = first.header
         limit = sum(t.numel() * t.element_size() for t in [*shard.params.values(), *shard.buffers.values()])
@@ -162,8 +164,11 @@ class Servicer:
         return pb.CheckpointResponse(path=path, version=version)
 
 
-def _chunks(request_iterator) -> Iterator[pb.Tensor]:
+def _chunks(request_iterator) -> Iterator[pb.Tensor | tensor_codec.Chunk]:
     for message in request_iterator:
+        if isinstance(message, tensor_codec.Chunk):
+            yield message
+            continue
         if isinstance(message, _Malformed):
             raise ValueError(message.message)
         if message.WhichOneof("item") != "chunk":
@@ -200,10 +205,10 @@ def _handlers(servicer: Servicer) -> grpc.GenericRpcHandler:
         "GetStats": unary(servicer.get_stats, pb.GetStatsRequest, pb.GetStatsResponse),
         "Checkpoint": unary(servicer.checkpoint, pb.CheckpointRequest, pb.CheckpointResponse),
         "Pull": grpc.unary_stream_rpc_method_handler(
-            _guarded(servicer.pull, True), _parser(pb.PullRequest), pb.PullResponse.SerializeToString
+            _guarded(servicer.pull, True), _parser(pb.PullRequest), tensor_codec.serialize
         ),
         "Push": grpc.stream_unary_rpc_method_handler(
-            _guarded(servicer.push, False), _parser(pb.PushRequest), pb.PushResponse.SerializeToString
+            _guarded(servicer.push, False), _parser(pb.PushRequest, chunks=True), pb.PushResponse.SerializeToString
         ),
     })
 
