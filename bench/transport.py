@@ -8,7 +8,7 @@ For each tensor size (4 KB .. 64 MB, float32) it measures, as medians of repeate
   against a 1-shard async ParameterServer in another process (the push includes the server's SGD step,
   as in training);
 - the parameter server's own work in those calls, without any transport: `ParameterServer.pull` (a
-  consistent copy) plus `commit_named` (gradient checks and the SGD step), timed in the server process;
+  published snapshot) plus `push_named` (gradient checks and the SGD step), timed in the server process;
 - a local `clone()` of the same size, the copy reference.
 Throughput counts bytes read plus bytes written: 2 x size per round trip (out and back, or pull and push),
 2 x size per copy; a pull or a push alone moves 1 x size. Latency: a small round trip (RPC echo of one

@@ -142,13 +142,13 @@ def test_run_dir_client_gathers_and_routes_across_shards(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_multi_chunk_tensors_pull_and_push_bit_for_bit(dtype):
     """Parameters of several chunks, of sizes that are no multiple of a chunk, both ways through the endpoint."""
-    from gradsync.ps.buckets import ModelSpec, plan_buckets
+    from gradsync.core.buckets import ModelSpec, plan_buckets
     from gradsync.ps.server import ParameterServer, make_setup
 
     g = torch.Generator().manual_seed(5)
     params = {"big": torch.randn(700_001, generator=g).to(dtype), "small": torch.randn(3, 5, generator=g).to(dtype)}
-    spec = ModelSpec.of(params, {})
-    setup = make_setup(plan_buckets(spec.params, 1, 1 << 30), params, {}, torch.optim.SGD, {"lr": LR})
+    spec = ModelSpec.of({n: p.requires_grad_() for n, p in params.items()}, {})
+    setup = make_setup(plan_buckets(spec.params, 1, 1 << 30), params, {}, {}, torch.optim.SGD, {"lr": LR})
     server = ParameterServer(0, 1, "async", "raise")
     server.register(0, spec, setup).wait()
     with served(server) as (_, client):
