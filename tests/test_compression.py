@@ -57,7 +57,7 @@ def test_int8_mean_is_the_mean_of_the_decoded_pushes_and_nan_is_named():
     reference, _ = make_shard()
     expected = [(wire.decode(a, torch.float32) + wire.decode(b, torch.float32)) / 2 for a, b in zip(*pushes)]
     futures = [rule.commit(w, 0, pushes[w], ALL, {}, wire) for w in range(2)]
-    assert [f.wait().version for f in futures] == [1, 1]
+    assert [f.wait() for f in futures] == [1, 1]
     reference.apply(expected, [set()] * len(expected), {})
     for a, b in zip(shard.flats, reference.flats):
         assert torch.allclose(a, b, rtol=0, atol=1e-3)

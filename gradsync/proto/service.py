@@ -148,7 +148,7 @@ class Servicer:
                 f"{time.monotonic() - start:.1f} s (in sync mode every worker must push each step)",
             )
         try:
-            return pb.PushResponse(version=fut.value().version)
+            return pb.PushResponse(version=fut.value())
         except GradientError as e:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
 

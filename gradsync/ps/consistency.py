@@ -8,7 +8,7 @@ skipped by the optimizer; one that some workers did is averaged over all W
 (zeros from the others), which is what single-process training on the joint
 batch computes. `AsyncRule` applies each worker's gradient as it arrives and
 tracks staleness. Both return a `torch.futures.Future` that resolves to the
-shard's `Snapshot` after the step, or fails with the reason.
+shard's version after the step, or fails with the reason.
 
 NaN/Inf is found with one cheap reduction per bucket (`core.finite`); only
 when it trips are the parameter and the worker searched for.
@@ -145,12 +145,12 @@ class SyncRule:
             error = self._step(pending)
             if error is not None and self.nonfinite == "raise":
                 self._failure = error
-            snapshot = shard.published
+            version = shard.version
         for *_, waiting, _ in pending:
             if error is not None and self.nonfinite == "raise":
                 waiting.set_exception(error)
             else:
-                waiting.set_result(snapshot)
+                waiting.set_result(version)
         return fut
 
     def _step(self, pending: list) -> GradientError | None:
@@ -190,10 +190,10 @@ class AsyncRule:
                 error = _blame(shard, decoded, [(worker, checked, wire)])
                 if error is not None:
                     shard.stats.pushes_rejected += 1
-                    return _done(error=error) if self.nonfinite == "raise" else _done(shard.published)
+                    return _done(error=error) if self.nonfinite == "raise" else _done(shard.version)
             shard.stats.max_staleness = max(shard.stats.max_staleness, shard.version - pulled_version)
             shard.apply(decoded, _skipped(shard, [(checked, absent)]), buffers)
-            return _done(shard.published)
+            return _done(shard.version)
 
 
 RULES = {"sync": SyncRule, "async": AsyncRule}

@@ -41,14 +41,9 @@ def bucket_gradients(shard: ShardState, worker: int, grads: dict[str, torch.Tens
     for bucket in shard.buckets:
         missing = tuple(i for i, e in enumerate(bucket.entries) if e.key not in grads)
         absent.append(missing)
-        if len(missing) == len(bucket.entries):
-            flats.append(None)
-            continue
-        flat = torch.zeros(bucket.numel, dtype=bucket.dtype)
-        for e in bucket.entries:
-            if e.key in grads:
-                e.view(flat).copy_(grads[e.key])
-        flats.append(flat)
+        parts = [grads[e.key].reshape(-1) if e.key in grads else torch.zeros(e.numel, dtype=bucket.dtype)
+                 for e in bucket.entries]
+        flats.append(None if len(missing) == len(parts) else parts[0] if len(parts) == 1 else torch.cat(parts))
     return flats, absent
 
 

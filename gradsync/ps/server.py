@@ -85,15 +85,18 @@ class ParameterServer:
         return None
 
     def pull(self) -> Snapshot:
-        """The shard's current published snapshot (shared by every pull of that version; never modified)."""
+        """The shard's current snapshot (shared by every pull and push reply of that version; never modified)."""
         shard = self._shard()
-        return self.replied(shard.published)
+        with shard.lock:
+            snapshot = shard.snapshot()
+            shard.stats.bytes_out += snapshot.nbytes
+        return snapshot
 
     def push(self, worker: int, pulled_version: int, payloads: list, absent: list, buffers: dict,
              wire=None) -> torch.futures.Future:
         """One worker's step: bucket payloads (None: no gradient in that bucket) in `wire`'s format (default:
         the job's), the indices of entries without a gradient per bucket, and its updated buffers.
-        Resolves to the `Snapshot` after the step (in sync mode once all W pushed), or fails with the reason.
+        Resolves to the shard's version after the step (in sync mode once all W pushed), or fails with the reason.
         """
         shard = self._shard()
         if self.mode == "sync" and not 0 <= worker < self.num_workers:
@@ -103,13 +106,6 @@ class ParameterServer:
         if worker < 0:  # async: any worker may join and leave, under a non-negative id
             return _failed(shard, GradientError(f"worker {worker} is not a worker id: expected an integer >= 0"))
         return self.rule.commit(worker, pulled_version, payloads, absent, buffers, wire or self.wire)
-
-    def replied(self, snapshot: Snapshot) -> Snapshot:
-        """Count `snapshot` as sent back to a worker (the reply of its push) and return it."""
-        shard = self._shard()
-        with shard.lock:
-            shard.stats.bytes_out += snapshot.nbytes
-        return snapshot
 
     def state(self) -> tuple[int, list[torch.Tensor], dict[str, torch.Tensor]]:
         """(version, bucket tensors, buffers and frozen parameters by name): CPU copies at one version."""

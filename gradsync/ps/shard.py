@@ -1,8 +1,8 @@
 """One server's part of the model: flat parameter buckets, buffers, frozen parameters, optimizer and version.
 
 `ShardState` knows nothing of transports or consistency rules. It publishes
-one read-only CPU copy of its buckets and buffers per version (`published`:
-every pull and every push reply of that version shares it), validates incoming
+one read-only CPU copy of its buckets and buffers per version, when first asked
+(`snapshot`: every pull and every push reply of that version shares it), validates incoming
 gradients (`check_gradients`) and applies a gradient with the server-side
 optimizer (`apply`). The optimizer sees each bucket entry as its own tensor (a
 view into the bucket), and an entry that got no gradient this step has
@@ -72,16 +72,20 @@ class ShardState:
         self.optimizer = optimizer_cls(list(self.params.values()), **optimizer_kwargs) if self.params else None
         self.lock = threading.Lock()
         self.stats = ShardStats()
-        self.published = self._publish()
+        self._published: Snapshot | None = None
 
     @property
     def version(self) -> int:
         return self.stats.version
 
-    def _publish(self) -> Snapshot:
-        flats = [f.detach().to("cpu", copy=True) for f in self.flats]
-        buffers = {n: b.to("cpu", copy=True) for n, b in self.buffers.items()}
-        return Snapshot(self.version, flats, buffers)
+    def snapshot(self) -> Snapshot:
+        """The current version's CPU copy, made on the first call per version and never modified. Call with
+        `lock` held."""
+        if self._published is None:
+            flats = [f.detach().to("cpu", copy=True) for f in self.flats]
+            buffers = {n: b.to("cpu", copy=True) for n, b in self.buffers.items()}
+            self._published = Snapshot(self.version, flats, buffers)
+        return self._published
 
     def check_gradients(self, worker: int, grads: list, absent: list, wire) -> list:
         """Validate one worker's bucket payloads in `wire`'s format (None: no gradient for the whole bucket)
@@ -128,7 +132,7 @@ class ShardState:
               buffers: dict[str, torch.Tensor] | None) -> None:
         """One optimizer step with these (already averaged) bucket gradients. Entries in `skipped[b]` (and
         every entry of a None bucket) had no gradient from any worker: the optimizer leaves them alone.
-        Publishes the new version. Call with `lock` held."""
+        Call with `lock` held."""
         if self.optimizer is not None:
             for grad, entries, bucket, skip in zip(grads, self.entries, self.buckets, skipped):
                 for i, (entry, tensor) in enumerate(zip(bucket.entries, entries)):
@@ -142,7 +146,7 @@ class ShardState:
                     self.buffers[name].copy_(value)
         self.stats.version += 1
         self.stats.pushes_applied += 1
-        self.published = self._publish()
+        self._published = None
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """CPU copies of this shard's entries (by entry key), buffers and frozen parameters. Call with `lock` held."""
@@ -152,5 +156,5 @@ class ShardState:
         return out
 
     def restored(self) -> None:
-        """Publish the current values after a checkpoint was loaded into the shard. Call with `lock` held."""
-        self.published = self._publish()
+        """Forget the published snapshot after a checkpoint was loaded into the shard. Call with `lock` held."""
+        self._published = None

@@ -136,7 +136,12 @@ def rpc_pull() -> Snapshot:
 @rpc.functions.async_execution
 def rpc_push(worker: int, pulled_version: int, payloads: list, absent: list, buffers: dict) -> torch.futures.Future:
     server = _server()
-    return server.push(worker, pulled_version, payloads, absent, buffers).then(lambda done: server.replied(done.value()))
+
+    def reply(applied: torch.futures.Future) -> Snapshot:
+        applied.value()  # raises the push's error, if any, into the reply
+        return server.pull()
+
+    return server.push(worker, pulled_version, payloads, absent, buffers).then(reply)
 
 
 def rpc_state() -> tuple:
