@@ -117,11 +117,8 @@ class Client:
         out = {}
         for shard in self._stubs:
             r = self._unary("GetStats", shard, pb.GetStatsRequest())
-            out[shard] = {
-                "version": r.version, "workers_seen": list(r.workers_seen), "pushes_applied": r.pushes_applied,
-                "pushes_rejected": r.pushes_rejected, "steps_skipped": r.steps_skipped,
-                "max_staleness": r.max_staleness, "bytes_in": r.bytes_in, "bytes_out": r.bytes_out,
-            }
+            out[shard] = {f.name: getattr(r, f.name) for f in r.DESCRIPTOR.fields if f.name != "shard_id"}
+            out[shard]["workers_seen"] = list(r.workers_seen)
         return out
 
     def pieces(self) -> list[tuple[str, tuple[int, ...], int, int]]:

@@ -18,12 +18,10 @@ import traceback
 import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 
-from gradsync.config import ConfigError, JobConfig
+from gradsync.config import ConfigError, JobConfig, StoreKeys
 from gradsync.transport.rpc import install, start_rpc, stop_rpc
 
 _STATE: "Cluster | None" = None
-_DONE_KEY = "gradsync/done"
-FAILED_KEY = "gradsync/failed"
 
 
 class Cluster:
@@ -96,7 +94,7 @@ def record_failure(store: dist.Store | None, rank: int, text: str) -> None:
             f.write(text)
     if store is not None:
         try:
-            store.compare_set(FAILED_KEY, "", f"rank {rank}: {text}")
+            store.compare_set(StoreKeys.FAILED, "", f"rank {rank}: {text}")
         except Exception:  # the store may be gone already; the launcher still has the file
             pass
 
@@ -137,7 +135,7 @@ def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=
     elif config.strategy == "allreduce":
         dist.init_process_group(
             "nccl" if _use_cuda() else "gloo",
-            store=dist.PrefixStore("gradsync/pg", store),
+            store=dist.PrefixStore(StoreKeys.PROCESS_GROUP, store),
             rank=config.worker_rank,
             world_size=config.num_workers,
             timeout=datetime.timedelta(seconds=config.step_timeout),
@@ -197,9 +195,9 @@ def _serve(cluster: Cluster, server) -> None:
 def _wait_for_workers(cluster: Cluster) -> None:
     """Wait until every worker has called shutdown; fail fast when another rank reported a failure."""
     store, workers = cluster.store, cluster.config.num_workers
-    while store.add(_DONE_KEY, 0) < workers:
-        if store.check([FAILED_KEY]):
-            raise RuntimeError(f"another rank failed, stopping: {store.get(FAILED_KEY).decode()[:2000]}")
+    while store.add(StoreKeys.DONE, 0) < workers:
+        if store.check([StoreKeys.FAILED]):
+            raise RuntimeError(f"another rank failed, stopping: {store.get(StoreKeys.FAILED).decode()[:2000]}")
         time.sleep(0.05)
 
 
@@ -209,7 +207,7 @@ def shutdown() -> None:
     if _STATE is None:
         return
     cluster, _STATE = _STATE, None
-    cluster.store.add(_DONE_KEY, 1)
+    cluster.store.add(StoreKeys.DONE, 1)
     try:
         _wait_for_workers(cluster)
     finally:

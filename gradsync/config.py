@@ -194,6 +194,20 @@ def _int(env, name: str, default):
         raise ConfigError(f"{name}={raw!r} is not an integer") from None
 
 
+class StoreKeys:
+    """Every key and prefix gradsync uses in the rendezvous store (`{}`: a shard or worker index)."""
+
+    DONE = "gradsync/done"
+    FAILED = "gradsync/failed"
+    PROCESS_GROUP = "gradsync/pg"
+    RPC = "gradsync/rpc"
+    TOKEN = "gradsync/grpc_token"
+    GRPC_ADDRESS = "gradsync/grpc/address/{}"
+    GRPC_SETUP = "gradsync/grpc/setup/{}"
+    GRPC_SPEC = "gradsync/grpc/spec/{}/{}"
+    GRPC_REGISTERED = "gradsync/grpc/registered/{}"
+
+
 def default_servers(strategy: str) -> int:
     """Parameter servers a job gets when none are asked for: 1 for ps, 0 for allreduce."""
     return 1 if strategy == "ps" else 0

@@ -22,8 +22,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from gradsync.cluster import FAILED_KEY
-from gradsync.config import ConfigError, JobConfig, default_servers
+from gradsync.config import ConfigError, JobConfig, StoreKeys, default_servers
 from gradsync.proto.endpoints import new_token
 
 _POLL_S = 0.05
@@ -135,8 +134,8 @@ def _first_failure(ranks: list[_Rank], failed: list[tuple[int, int]], store: dis
     for rank, code in failed:
         if code < 0:
             return rank, code
-    if store.check([FAILED_KEY]):
-        first = ranks[int(store.get(FAILED_KEY).decode().split(":", 1)[0].split()[1])]
+    if store.check([StoreKeys.FAILED]):
+        first = ranks[int(store.get(StoreKeys.FAILED).decode().split(":", 1)[0].split()[1])]
         deadline = time.monotonic() + _KILL_GRACE_S
         while first.exitcode() is None and time.monotonic() < deadline:
             time.sleep(_POLL_S)

@@ -144,22 +144,35 @@ def may_split(optimizer_cls: type) -> bool:
     return optimizer_cls in ELEMENTWISE_OPTIMIZERS
 
 
+ALONE_BYTES = 1 << 20
+"""A parameter (or piece) this large is a bucket of its own: a worker sends its gradient without packing it."""
+
+BALANCE = 1.05
+"""A plan of whole parameters is kept when no server holds more than this times the mean bytes."""
+
+
 def plan_buckets(params: tuple[TensorSpec, ...], num_servers: int, cap_bytes: int, split: bool = False
                  ) -> list[Bucket]:
     """Pack parameters into buckets and assign each to a server.
 
+    Small parameters share buckets of up to `cap_bytes`; one of `ALONE_BYTES` or more has a bucket of its
+    own, so its gradient travels as it is, without a copy into a bucket.
+
     Args:
         params: the model's trainable parameters in registration order.
         num_servers: S >= 1.
-        cap_bytes: the largest bucket (a larger whole parameter gets a bucket of its own).
-        split: cut parameters by element range so that every server holds the same bytes
-            (only for elementwise optimizers: see `may_split`).
+        cap_bytes: the largest shared bucket.
+        split: when whole parameters cannot balance the servers (within `BALANCE`), cut parameters by
+            element range so that every server holds the same bytes (only for elementwise optimizers:
+            see `may_split`); a cut parameter costs the worker a copy per step to join its pieces.
     Returns:
         Buckets in reverse layer order, each with its server index.
     """
-    if split:
-        return _split_plan(params, num_servers, cap_bytes)
-    return _whole_plan(params, num_servers, cap_bytes)
+    whole = _whole_plan(params, num_servers, cap_bytes)
+    loads = [sum(b.nbytes for b in whole if b.server == s) for s in range(num_servers)]
+    if not split or max(loads) <= BALANCE * sum(loads) / num_servers:
+        return whole
+    return _split_plan(params, num_servers, cap_bytes)
 
 
 def _whole_plan(params: tuple[TensorSpec, ...], num_servers: int, cap_bytes: int) -> list[Bucket]:
@@ -169,7 +182,8 @@ def _whole_plan(params: tuple[TensorSpec, ...], num_servers: int, cap_bytes: int
     groups: list[list[TensorSpec]] = []
     for p in reversed(params):
         current = groups[-1] if groups else None
-        if current is not None and current[0].dtype == p.dtype and sum(q.nbytes for q in current) + p.nbytes <= cap:
+        if (current is not None and current[0].dtype == p.dtype and p.nbytes < ALONE_BYTES
+                and current[0].nbytes < ALONE_BYTES and sum(q.nbytes for q in current) + p.nbytes <= cap):
             current.append(p)
         else:
             groups.append([p])
@@ -191,7 +205,7 @@ def _whole_plan(params: tuple[TensorSpec, ...], num_servers: int, cap_bytes: int
 
 def _split_plan(params: tuple[TensorSpec, ...], num_servers: int, cap_bytes: int) -> list[Bucket]:
     """Parameters laid end to end (reverse order) and cut into S runs of equal bytes; within a run,
-    whole pieces are grouped up to the cap. A bucket also ends where the dtype changes."""
+    small pieces are grouped up to the cap, large ones alone. A bucket also ends where the dtype changes."""
     quota = math.ceil(sum(p.nbytes for p in params) / num_servers)
     buckets: list[Bucket] = []
     entries: list[Entry] = []
@@ -212,7 +226,8 @@ def _split_plan(params: tuple[TensorSpec, ...], num_servers: int, cap_bytes: int
                 server, used = server + 1, 0
             last = server == num_servers - 1
             count = p.numel - start if last else min(p.numel - start, -(-(quota - used) // p.dtype.itemsize))
-            if p.dtype != dtype or (entries and filled + count * p.dtype.itemsize > cap_bytes):
+            nbytes = count * p.dtype.itemsize
+            if p.dtype != dtype or (entries and (filled + nbytes > cap_bytes or max(filled, nbytes) >= ALONE_BYTES)):
                 close()
                 dtype = p.dtype
             entries.append(Entry(p.name, p.shape, filled // p.dtype.itemsize, count, start))

@@ -94,13 +94,7 @@ class Servicer:
     def get_stats(self, request, context) -> pb.GetStatsResponse:
         _parsed(request)
         shard = self._shard()
-        with shard.lock:
-            s = shard.stats
-            return pb.GetStatsResponse(
-                shard_id=shard.shard_id, version=s.version, workers_seen=sorted(s.workers_seen),
-                pushes_applied=s.pushes_applied, pushes_rejected=s.pushes_rejected, steps_skipped=s.steps_skipped,
-                max_staleness=s.max_staleness, bytes_in=s.bytes_in, bytes_out=s.bytes_out,
-            )
+        return pb.GetStatsResponse(shard_id=shard.shard_id, **self.server.stats())
 
     def pull(self, request, context) -> Iterator[pb.PullResponse]:
         request = _parsed(request)

@@ -23,18 +23,12 @@ import os
 import torch
 import torch.distributed as dist
 
-from gradsync.config import JobConfig
+from gradsync.config import JobConfig, StoreKeys
 from gradsync.core.buckets import Bucket, ModelSpec
 from gradsync.proto.endpoints import new_token, write_endpoints
 from gradsync.ps.server import ParameterServer
 from gradsync.ps.shard import Snapshot
 
-_TOKEN_KEY = "gradsync/grpc_token"
-ADDRESS_KEY = "gradsync/grpc/address/{}"
-"""Store key where server i publishes its gRPC address."""
-SETUP_KEY = "gradsync/grpc/setup/{}"
-SPEC_KEY = "gradsync/grpc/spec/{}/{}"
-REGISTERED_KEY = "gradsync/grpc/registered/{}"
 
 
 def run_dir() -> str:
@@ -49,7 +43,7 @@ def job_token(store: dist.Store) -> str:
     given = os.environ.get("GRADSYNC_TOKEN")
     if given:
         return given
-    return store.compare_set(_TOKEN_KEY, "", new_token()).decode()
+    return store.compare_set(StoreKeys.TOKEN, "", new_token()).decode()
 
 
 def start_endpoint(server: ParameterServer, store: dist.Store, step_timeout: float):
@@ -70,7 +64,7 @@ def start_endpoint(server: ParameterServer, store: dist.Store, step_timeout: flo
         step_timeout=step_timeout,
     )
     write_endpoints(directory, server.shard_id, endpoint.address, token)
-    store.set(ADDRESS_KEY.format(server.shard_id), endpoint.address)
+    store.set(StoreKeys.GRPC_ADDRESS.format(server.shard_id), endpoint.address)
     return endpoint
 
 
@@ -88,18 +82,18 @@ def register_from_store(server: ParameterServer, store: dist.Store, config: JobC
     """On a server of a grpc-transport job: take the model that the workers left in the store,
     register it, and answer in the store (the frozen parameters, or the error text)."""
     shard = server.shard_id
-    keys = [SETUP_KEY.format(shard)] + [SPEC_KEY.format(shard, w) for w in range(config.num_workers)]
+    keys = [StoreKeys.GRPC_SETUP.format(shard)] + [StoreKeys.GRPC_SPEC.format(shard, w) for w in range(config.num_workers)]
     store.wait(keys)
-    setup = from_bytes(store.get(SETUP_KEY.format(shard)))
+    setup = from_bytes(store.get(StoreKeys.GRPC_SETUP.format(shard)))
     futures = [
-        server.register(w, from_bytes(store.get(SPEC_KEY.format(shard, w))), setup if w == 0 else None)
+        server.register(w, from_bytes(store.get(StoreKeys.GRPC_SPEC.format(shard, w))), setup if w == 0 else None)
         for w in range(config.num_workers)
     ]
     try:
         answer = [fut.wait() for fut in futures][0]
     except Exception as e:
         answer = str(e)
-    store.set(REGISTERED_KEY.format(shard), to_bytes(answer))
+    store.set(StoreKeys.GRPC_REGISTERED.format(shard), to_bytes(answer))
 
 
 class GrpcTransport:
@@ -115,20 +109,20 @@ class GrpcTransport:
         self.servers = list(server_buckets)
         self.server_buckets = server_buckets
         self.owner = owner
-        store.wait([ADDRESS_KEY.format(s) for s in self.servers])  # bounded by the store's start-up timeout
-        addresses = {s: store.get(ADDRESS_KEY.format(s)).decode() for s in self.servers}
+        store.wait([StoreKeys.GRPC_ADDRESS.format(s) for s in self.servers])  # bounded by the store's start-up timeout
+        addresses = {s: store.get(StoreKeys.GRPC_ADDRESS.format(s)).decode() for s in self.servers}
         self.client = Client(addresses, token=job_token(store), timeout=config.step_timeout)
 
     def register(self, spec: ModelSpec, setups: dict[int, dict | None]) -> dict[str, torch.Tensor]:
         self.buffer_names = {t.name for t in spec.buffers}
         for s in self.servers:
             if setups[s] is not None:
-                self.store.set(SETUP_KEY.format(s), to_bytes(setups[s]))
-            self.store.set(SPEC_KEY.format(s, self.worker), to_bytes(spec))
-        self.store.wait([REGISTERED_KEY.format(s) for s in self.servers])
+                self.store.set(StoreKeys.GRPC_SETUP.format(s), to_bytes(setups[s]))
+            self.store.set(StoreKeys.GRPC_SPEC.format(s, self.worker), to_bytes(spec))
+        self.store.wait([StoreKeys.GRPC_REGISTERED.format(s) for s in self.servers])
         frozen = {}
         for s in self.servers:
-            answer = from_bytes(self.store.get(REGISTERED_KEY.format(s)))
+            answer = from_bytes(self.store.get(StoreKeys.GRPC_REGISTERED.format(s)))
             if isinstance(answer, str):
                 raise RuntimeError(f"registering the model on ps{s} failed: {answer}")
             frozen.update(answer)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from torch.distributed.rendezvous import register_rendezvous_handler
 
-from gradsync.config import JobConfig, server_name
+from gradsync.config import JobConfig, StoreKeys, server_name
 from gradsync.core.buckets import ModelSpec
 from gradsync.ps.server import ParameterServer
 from gradsync.ps.shard import Snapshot
@@ -27,7 +27,7 @@ from gradsync.ps.shard import Snapshot
 
 def start_rpc(config: JobConfig, store: dist.Store) -> None:
     """Join the job's RPC world through the rendezvous store. Every rank must call it."""
-    prefixed = dist.PrefixStore("gradsync/rpc", store)
+    prefixed = dist.PrefixStore(StoreKeys.RPC, store)
 
     def handler(url, **kwargs):
         yield prefixed, config.rank, config.world_size

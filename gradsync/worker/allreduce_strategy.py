@@ -31,6 +31,8 @@ import inspect
 import time
 from collections.abc import Sequence
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
@@ -38,7 +40,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from gradsync.cluster import Cluster
 from gradsync.core.errors import model_mismatch_error, nonfinite_error
 from gradsync.core.finite import first_nonfinite
 from gradsync.cuda_ops import DEFAULT_BLOCK_SIZE
@@ -46,6 +47,9 @@ from gradsync.core.buckets import ModelSpec
 from gradsync.worker.ddp_hooks import make_ddp_hook
 from gradsync.worker.metrics import StepMetrics
 from gradsync.worker.model_state import named_tensors, to_state_dict
+
+if TYPE_CHECKING:  # imports point one way: the start-up code (cluster) builds the strategies
+    from gradsync.cluster import Cluster
 
 
 def _check_same_model(spec: ModelSpec, worker: int, num_workers: int) -> None:

@@ -14,19 +14,22 @@ step, which the next forward uses without another pull. Frozen parameters
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed.autograd as dist_autograd
 from torch import nn
 from torch.func import functional_call
 
-from gradsync.cluster import Cluster
 from gradsync.core.buckets import Bucket, ModelSpec, assign_tensors, by_server, may_split, plan_buckets
 from gradsync.ps.server import make_setup
 from gradsync.ps.shard import Snapshot
 from gradsync.ps.wire import make_wire
 from gradsync.worker.metrics import StepMetrics
 from gradsync.worker.model_state import named_tensors, to_state_dict
+
+if TYPE_CHECKING:  # imports point one way: the start-up code (cluster) builds the strategies
+    from gradsync.cluster import Cluster
 
 
 def current_context_id() -> int | None:
