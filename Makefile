@@ -24,7 +24,7 @@ proto: $(VENV)/.installed
 	$(PY) -m gradsync.proto.generate
 
 bench: $(VENV)/.installed
-	$(PY) bench/step_time.py
+	$(PY) bench/overhead.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
