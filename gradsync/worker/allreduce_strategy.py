@@ -7,12 +7,13 @@ are averaged over the workers at each step, the same rule the parameter
 servers use, so both strategies compute the same thing.
 
 NaN/Inf: a hook on each parameter checks this worker's own gradient before
-DDP averages it (one cheap sum, `core.finite`), and the step's one small
-collective tells every worker whose gradient was bad, so all of them raise or
-skip together. DDP's built-in allreduce divides by W before summing, so a
-non-finite mean always comes from some worker's own NaN/Inf and the averaged
-gradients are scanned only to name the parameter; a compressed wire can
-overflow by itself, so with compression they are scanned every step.
+DDP averages it (one cheap sum, `core.finite`), and `step` checks the
+averaged gradients the same way; every worker sees the same averages, so all
+of them agree whether it tripped, and only then does the step's small
+collective tell every worker whose own gradient was bad, so all of them raise
+or skip together. The collective also carries the used-parameter flags (with
+`find_unused_parameters`) and the floating buffers; a step with none of the
+three makes no collective beyond DDP's own.
 
 Parameters that get no gradient: DDP's own `find_unused_parameters=True`
 fails inside a dist_autograd context (an internal assert in torch 2.13: the
@@ -204,13 +205,16 @@ class AllreduceStrategy:
                 "trainer.step(context_id)"
             )
         self._last_context = context_id
-        bad_workers, used = self._sync()
-        for p, u in zip(self.trainable, used):
-            p.grad = grads.get(p) if u else None
+        averaged = [grads.get(p) for p in self.trainable]
+        suspect = first_nonfinite([g for g in averaged if g is not None]) is not None  # the same on every worker
+        bad_workers, used = [], [True] * len(self.trainable)
+        if suspect or self.find_unused or self.buffers:
+            bad_workers, used = self._sync()
+        self.local_nonfinite = False
+        for p, u, g in zip(self.trainable, used, averaged):
+            p.grad = g if u else None
         live = [p for p in self.trainable if p.grad is not None]
-        bad = None
-        if bad_workers or self.config.compression != "none":
-            bad = first_nonfinite([p.grad for p in live])
+        bad = first_nonfinite([p.grad for p in live]) if suspect else None
         if bad is None:
             self.optimizer.step()
         for p in self.trainable:
@@ -228,7 +232,6 @@ class AllreduceStrategy:
         marks = [id(p) in used for p in self.trainable] if self.find_unused else []
         flags = torch.tensor([0.0] * workers + marks, dtype=torch.float32)
         flags[self.worker] = float(self.local_nonfinite)
-        self.local_nonfinite = False
         with torch.no_grad():
             _allreduce_mean([flags, *self.buffers], workers)
         seen = flags.gt(0).tolist()
