@@ -41,8 +41,9 @@ def main() -> int:
         summary = gradsync.launch(train, workers=args.workers, args=(args.epochs,), timeout=600, **settings)[0]
         lines.append(row(name, summary))
     print("\n".join(lines))
-    print("\npull: waiting for parameters (ps); compute: forward + backward, which in ps includes sending the "
-          "gradients; commit: trainer.step (ps: servers apply; allreduce: local optimizer + buffer averaging).")
+    print("\npull: waiting for parameters (ps; after the first step the last step's reply already holds them); "
+          "compute: forward + backward; commit: trainer.step (ps: push the gradients, servers apply and reply with "
+          "the next version; allreduce: local optimizer + buffer averaging).")
     return 0
 
 
