@@ -19,6 +19,7 @@ import time
 import grpc
 import torch
 
+from gradsync.core.buckets import Entry, join_pieces
 from gradsync.proto import gradsync_pb2 as pb
 from gradsync.proto import gradsync_pb2_grpc as pb_grpc
 from gradsync.proto import tensor_codec
@@ -109,7 +110,7 @@ class Client:
             r = self._unary("Health", shard, pb.HealthRequest())
             out[shard] = {"shard_id": r.shard_id, "ready": r.ready, "version": r.version,
                           "parameters": list(r.parameters), "buffers": list(r.buffers),
-                          "pieces": [(p.name, tuple(p.shape), p.start, p.numel) for p in r.pieces]}
+                          "pieces": [Entry(p.name, tuple(p.shape), 0, p.numel, p.start) for p in r.pieces]}
         return out
 
     def stats(self) -> dict[int, dict]:
@@ -121,8 +122,9 @@ class Client:
             out[shard]["workers_seen"] = list(r.workers_seen)
         return out
 
-    def pieces(self) -> list[tuple[str, tuple[int, ...], int, int]]:
-        """(name, shape, start, numel) of every piece of a parameter split across shards (asked once, then cached)."""
+    def pieces(self) -> list[Entry]:
+        """Every piece of a parameter split across shards: its name, whole shape, start and numel (asked once,
+        then cached)."""
         if self._pieces is None:
             self._pieces = [p for h in self.health().values() for p in h["pieces"]]
         return self._pieces
@@ -159,8 +161,8 @@ class Client:
                 shards hold them, `name[start:end]`).
         """
         if whole and names is not None:
-            split = {p[0] for p in self.pieces()}
-            names = [n for n in names if n not in split] + [_key(p) for p in self.pieces() if p[0] in names]
+            split = {p.name for p in self.pieces()}
+            names = [n for n in names if n not in split] + [p.key for p in self.pieces() if p.name in names]
         routes = {shard: [] for shard in self._stubs} if names is None else self._route(names)
         calls = {
             shard: self._pulls[shard](
@@ -243,31 +245,13 @@ class Client:
         self.close()
 
 
-def _key(piece: tuple) -> str:
-    name, _, start, numel = piece
-    return f"{name}[{start}:{start + numel}]"
-
-
-def join_pieces(tensors: dict[str, torch.Tensor], pieces: list[tuple]) -> dict[str, torch.Tensor]:
-    """`tensors` with the pieces of each split parameter (`name[start:end]`) joined into the whole parameter."""
-    out = {n: t for n, t in tensors.items() if n not in {_key(p) for p in pieces}}
-    for name in dict.fromkeys(p[0] for p in pieces):
-        parts = sorted((p for p in pieces if p[0] == name), key=lambda p: p[2])
-        if all(_key(p) in tensors for p in parts):
-            out[name] = torch.cat([tensors[_key(p)].reshape(-1) for p in parts]).view(parts[0][1])
-    return out
-
-
-def split_pieces(grads: dict[str, torch.Tensor], pieces: list[tuple]) -> dict[str, torch.Tensor]:
+def split_pieces(grads: dict[str, torch.Tensor], pieces: list[Entry]) -> dict[str, torch.Tensor]:
     """`grads` with each split parameter's gradient cut into the pieces the shards own (views, no copies)."""
-    out = dict(grads)
-    for piece in pieces:
-        name, _, start, numel = piece
-        if name in grads:
-            out[_key(piece)] = grads[name].reshape(-1)[start : start + numel]
-    for name in {p[0] for p in pieces}:
-        out.pop(name, None)
+    out = {n: g for n, g in grads.items() if n not in {p.name for p in pieces}}
+    out.update({p.key: p.piece(grads[p.name]) for p in pieces if p.name in grads})
     return out
+
+
 def _pulled_chunks(shard: int, call):
     for response in call:
         if isinstance(response, tensor_codec.Chunk):

@@ -130,6 +130,30 @@ class Bucket:
         """Pack this bucket's pieces of the whole parameters `tensors` (by name) into one new flat tensor."""
         return torch.cat([e.piece(tensors[e.name].detach()).to(self.dtype) for e in self.entries])
 
+    def pack(self, pieces: list[torch.Tensor | None]) -> tuple[torch.Tensor | None, tuple[int, ...]]:
+        """One gradient per entry (any shape of `numel` elements, None: no gradient) as this bucket's flat
+        gradient, zeros where there is none (a single entry is passed on as it is, without a copy), and the
+        indices of the entries without one; (None, all) when no entry has one."""
+        absent = tuple(i for i, g in enumerate(pieces) if g is None)
+        if len(absent) == len(pieces):
+            return None, absent
+        flat = [torch.zeros(e.numel, dtype=self.dtype) if g is None else g.reshape(-1)
+                for e, g in zip(self.entries, pieces)]
+        return (flat[0] if len(flat) == 1 else torch.cat(flat)), absent
+
+
+def join_pieces(tensors: dict[str, torch.Tensor], pieces: list[Entry]) -> dict[str, torch.Tensor]:
+    """`tensors` (by entry key) with the pieces of each split parameter joined into the whole parameter,
+    under its name; the other tensors are passed on as they are. A parameter some of whose pieces are
+    missing from `tensors` is left out."""
+    keys = {e.key for e in pieces}
+    out = {n: t for n, t in tensors.items() if n not in keys}
+    for name in dict.fromkeys(e.name for e in pieces):
+        parts = sorted((e for e in pieces if e.name == name), key=lambda e: e.start)
+        if all(e.key in tensors for e in parts):
+            out[name] = torch.cat([tensors[e.key].reshape(-1) for e in parts]).view(parts[0].shape)
+    return out
+
 
 ELEMENTWISE_OPTIMIZERS = tuple(
     getattr(torch.optim, name)

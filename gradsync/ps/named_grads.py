@@ -36,14 +36,8 @@ def bucket_gradients(shard: ShardState, worker: int, grads: dict[str, torch.Tens
             raise GradientError(
                 f"worker {worker}: gradient of {key!r} is {tuple(grad.shape)} {grad.dtype}, expected {shape} {bucket.dtype}"
             )
-    flats: list[torch.Tensor | None] = []
-    absent: list[tuple[int, ...]] = []
-    for bucket in shard.buckets:
-        missing = tuple(i for i, e in enumerate(bucket.entries) if e.key not in grads)
-        absent.append(missing)
-        parts = [grads[e.key].reshape(-1) if e.key in grads else torch.zeros(e.numel, dtype=bucket.dtype)
-                 for e in bucket.entries]
-        flats.append(None if len(missing) == len(parts) else parts[0] if len(parts) == 1 else torch.cat(parts))
+    packed = [b.pack([grads.get(e.key) for e in b.entries]) for b in shard.buckets]
+    flats, absent = [flat for flat, _ in packed], [missing for _, missing in packed]
     return flats, absent
 
 

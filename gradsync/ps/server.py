@@ -111,9 +111,7 @@ class ParameterServer:
         """(version, bucket tensors, buffers and frozen parameters by name): CPU copies at one version."""
         shard = self._shard()
         with shard.lock:
-            named = {n: b.to("cpu", copy=True) for n, b in shard.buffers.items()}
-            named.update({n: t.clone() for n, t in shard.frozen.items()})
-            return shard.version, [f.detach().to("cpu", copy=True) for f in shard.flats], named
+            return shard.version, [f.detach().to("cpu", copy=True) for f in shard.flats], shard.named_copies()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """CPU copies of this shard's tensors by name (a split parameter's piece as `name[start:end]`)."""

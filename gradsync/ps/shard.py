@@ -151,7 +151,12 @@ class ShardState:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """CPU copies of this shard's entries (by entry key), buffers and frozen parameters. Call with `lock` held."""
         out = {n: p.detach().to("cpu", copy=True) for n, p in self.params.items()}
-        out.update({n: b.to("cpu", copy=True) for n, b in self.buffers.items()})
+        out.update(self.named_copies())
+        return out
+
+    def named_copies(self) -> dict[str, torch.Tensor]:
+        """CPU copies of the buffers and frozen parameters by name. Call with `lock` held."""
+        out = {n: b.to("cpu", copy=True) for n, b in self.buffers.items()}
         out.update({n: t.clone() for n, t in self.frozen.items()})
         return out
 

@@ -21,7 +21,8 @@ import torch.distributed.autograd as dist_autograd
 from torch import nn
 from torch.func import functional_call
 
-from gradsync.core.buckets import Bucket, ModelSpec, assign_tensors, by_server, may_split, plan_buckets
+from gradsync.core.buckets import (Bucket, ModelSpec, assign_tensors, by_server, join_pieces, may_split,
+                                   plan_buckets)
 from gradsync.ps.server import make_setup
 from gradsync.ps.shard import Snapshot
 from gradsync.ps.wire import make_wire
@@ -40,34 +41,13 @@ def current_context_id() -> int | None:
         return None
 
 
-def whole_params(params, server_buckets: dict[int, list[Bucket]], flats: dict[int, list[torch.Tensor]]
+def whole_params(server_buckets: dict[int, list[Bucket]], flats: dict[int, list[torch.Tensor]]
                  ) -> dict[str, torch.Tensor]:
-    """Each parameter of `params` (TensorSpecs) from its bucket pieces: a view when it is whole in one
-    bucket, else its pieces joined in a new tensor."""
-    pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
-    for s, buckets in server_buckets.items():
-        for bucket, flat in zip(buckets, flats[s]):
-            for entry in bucket.entries:
-                pieces.setdefault(entry.name, []).append((entry.start, entry.view(flat)))
-    out = {}
-    for p in params:
-        parts = sorted(pieces[p.name], key=lambda part: part[0])
-        out[p.name] = parts[0][1] if len(parts) == 1 else torch.cat([t for _, t in parts]).view(p.shape)
-    return out
-
-
-def bucket_gradient(bucket: Bucket, grads: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, tuple[int, ...]]:
-    """Bucket `bucket`'s flat gradient from the parameters' gradients by name (zeros where a parameter has
-    none), and the indices of its entries that have none; (None, all) when no entry has one."""
-    pieces = [grads.get(e.name) for e in bucket.entries]
-    absent = tuple(i for i, g in enumerate(pieces) if g is None)
-    if len(absent) == len(pieces):
-        return None, absent
-    flat = [
-        torch.zeros(e.numel, dtype=bucket.dtype) if g is None else e.piece(g)
-        for e, g in zip(bucket.entries, pieces)
-    ]
-    return (flat[0] if len(flat) == 1 else torch.cat(flat)), absent
+    """Each parameter from its bucket pieces: a view when it is whole in one bucket, else its pieces joined
+    in a new tensor."""
+    entries = [(e, flat) for s, buckets in server_buckets.items() for b, flat in zip(buckets, flats[s])
+               for e in b.entries]
+    return join_pieces({e.key: e.view(flat) for e, flat in entries}, [e for e, _ in entries if not e.whole])
 
 
 class _Pulled:
@@ -149,8 +129,7 @@ class PSStrategy:
 
     def _build(self, snapshots: dict[int, Snapshot]) -> _Pulled:
         flats = {s: snap.flats for s, snap in snapshots.items()}
-        leaves = {n: t.requires_grad_(True) for n, t in whole_params(self.spec.params, self.server_buckets,
-                                                                      flats).items()}
+        leaves = {n: t.requires_grad_(True) for n, t in whole_params(self.server_buckets, flats).items()}
         tensors = dict(leaves)
         tensors.update(self.frozen)
         buffer_names = {}
@@ -173,7 +152,8 @@ class PSStrategy:
         self._last, self._stepped = None, context_id
         payloads, absent = {}, {}
         for s in self.servers:
-            packed = [bucket_gradient(b, grads) for b in self.server_buckets[s]]
+            packed = [b.pack([e.piece(grads[e.name]) if e.name in grads else None for e in b.entries])
+                      for b in self.server_buckets[s]]
             payloads[s] = [None if flat is None else self.wire.encode(flat, b.index)
                            for (flat, _), b in zip(packed, self.server_buckets[s])]
             absent[s] = [missing for _, missing in packed]
@@ -198,7 +178,7 @@ class PSStrategy:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         states = self.transport.state()
-        values = whole_params(self.spec.params, self.server_buckets, {s: st[1] for s, st in states.items()})
+        values = whole_params(self.server_buckets, {s: st[1] for s, st in states.items()})
         values = {n: t.clone() for n, t in values.items()}
         for _, _, named in states.values():
             values.update(named)
