@@ -12,7 +12,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gradsync", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="spawn servers and workers on this machine and run SCRIPT on each")
-    run.add_argument("--strategy", required=True, help="ps or allreduce")
+    run.add_argument("--strategy", required=True, help="ps, allreduce or hybrid")
     run.add_argument("--workers", type=int, required=True, help="number of worker processes")
     run.add_argument("--servers", type=int, default=None, help="parameter servers (default 1 for ps, 0 for allreduce)")
     run.add_argument("--mode", default="sync", help="sync or async (ps only)")

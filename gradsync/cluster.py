@@ -104,7 +104,7 @@ def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=
     """Join the job. Every rank must call it.
 
     Args:
-        strategy: 'ps' or 'allreduce' (default: GRADSYNC_STRATEGY, else 'ps').
+        strategy: 'ps', 'allreduce' or 'hybrid' (default: GRADSYNC_STRATEGY, else 'ps').
         mode: 'sync' or 'async' (default: GRADSYNC_MODE, else 'sync').
         servers: number of parameter servers, the first ranks (default: GRADSYNC_SERVERS).
         nonfinite: 'raise' or 'skip' for NaN/Inf gradients.
@@ -132,7 +132,7 @@ def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=
         dist_autograd._init(config.rank)
     if server is not None:
         _serve(_STATE, server)
-    elif config.strategy == "allreduce":
+    elif config.strategy in ("allreduce", "hybrid"):
         dist.init_process_group(
             "nccl" if _use_cuda() else "gloo",
             store=dist.PrefixStore(StoreKeys.PROCESS_GROUP, store),

@@ -11,7 +11,7 @@ import dataclasses
 import os
 from typing import Literal, get_args
 
-Strategy = Literal["ps", "allreduce"]
+Strategy = Literal["ps", "allreduce", "hybrid"]
 Mode = Literal["sync", "async"]
 NonFinitePolicy = Literal["raise", "skip"]
 Compression = Literal["none", "fp16", "bf16", "int8"]
@@ -36,7 +36,8 @@ class JobConfig:
     """Where this process sits in the job and how the job trains."""
 
     strategy: Strategy = "ps"
-    """'ps' (parameter server) or 'allreduce' (DistributedDataParallel)."""
+    """'ps' (parameter server), 'allreduce' (DistributedDataParallel), or 'hybrid' (embedding tables on
+    parameter servers, the rest with DistributedDataParallel)."""
     mode: Mode = "sync"
     """'sync': servers average all workers' gradients each step; 'async': apply each as it arrives (PS only)."""
     servers: int = 1
@@ -80,9 +81,9 @@ class JobConfig:
                 f"the grpc transport serves the ps strategy without compression, got strategy={self.strategy!r}, "
                 f"compression={self.compression!r}: use --strategy ps --compression none, or --transport rpc"
             )
-        if self.strategy == "ps" and self.servers < 1:
+        if self.strategy in ("ps", "hybrid") and self.servers < 1:
             raise ConfigError(
-                f"the ps strategy needs at least one server, got servers={self.servers}: "
+                f"the {self.strategy} strategy needs at least one server, got servers={self.servers}: "
                 "pass --servers 1 (or more), or use --strategy allreduce"
             )
         if self.strategy == "allreduce" and self.servers != 0:
@@ -209,8 +210,8 @@ class StoreKeys:
 
 
 def default_servers(strategy: str) -> int:
-    """Parameter servers a job gets when none are asked for: 1 for ps, 0 for allreduce."""
-    return 1 if strategy == "ps" else 0
+    """Parameter servers a job gets when none are asked for: 1 for ps and hybrid, 0 for allreduce."""
+    return 0 if strategy == "allreduce" else 1
 
 
 def server_name(index: int) -> str:

@@ -214,8 +214,8 @@ def launch(fn, *, strategy: str, workers: int, servers: int | None = None, mode:
     Args:
         fn: a picklable (module-level) function; it runs after `gradsync.init()` (a `gradsync.init()`
             call inside it joins this job, and so does a `gradsync.shutdown()`).
-        strategy: 'ps' or 'allreduce'; workers: W >= 1; servers: S (>= 1 for ps, 0 for allreduce;
-            None: 1 for ps, 0 for allreduce, as `gradsync run`).
+        strategy: 'ps', 'allreduce' or 'hybrid'; workers: W >= 1; servers: S (>= 1 for ps and hybrid, 0
+            for allreduce; None: 1 for ps and hybrid, 0 for allreduce, as `gradsync run`).
         mode: 'sync' or 'async'.
         timeout: seconds for the whole job (None: no limit).
         settings: other JobConfig fields (nonfinite, compression, step_timeout, ...).

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from gradsync import cluster
+from gradsync.core.row_optim import ROW_OPTIMIZERS
 
 
 class Trainer:
@@ -13,15 +14,22 @@ class Trainer:
     Args:
         model: the user's module, built identically on every worker (worker 0's values are used).
         optimizer_cls: any `torch.optim.Optimizer` class; it runs on the servers (ps) or locally (allreduce).
-        find_unused_parameters: allreduce: allow parameters that get no gradient in a step (a branch
-            not taken); a parameter no worker used is left alone by the optimizer, as in single-process
-            training. Costs a walk of the autograd graph per forward. The ps strategy accepts and
-            ignores it: it does not need it.
+        find_unused_parameters: allreduce and hybrid: allow parameters that get no gradient in a step (a
+            branch not taken); a parameter no worker used is left alone by the optimizer, as in
+            single-process training. Costs a walk of the autograd graph per forward. The ps strategy
+            accepts and ignores it: it does not need it.
+        tables: 'auto' (default): under the ps and hybrid strategies, every `nn.Embedding` and
+            `nn.EmbeddingBag` whose weight is not tied to another layer is served row by row from the
+            parameter servers, and a worker pulls only the rows its batch looks up; 'dense': keep them
+            in the dense path like any other parameter. Allreduce keeps the whole model in DDP.
+        table_optimizer: the row-wise optimizer of the tables on the servers (`gradsync.RowSGD`,
+            `gradsync.RowAdagrad`); default: `optimizer_cls` when it is exact row by row (plain SGD),
+            else an error that asks for one.
         optimizer_kwargs: passed to `optimizer_cls`.
     """
 
     def __init__(self, model: nn.Module, optimizer_cls: type, *, find_unused_parameters: bool = False,
-                 **optimizer_kwargs):
+                 tables: str = "auto", table_optimizer=None, **optimizer_kwargs):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Trainer needs a torch.nn.Module, got {type(model).__name__}")
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
@@ -33,13 +41,25 @@ class Trainer:
                 "the model has no trainable parameters (none with requires_grad=True), so there is nothing "
                 "to train: unfreeze at least one (p.requires_grad_(True)) before building the Trainer"
             )
+        if tables not in ("auto", "dense"):
+            raise ValueError(f"tables={tables!r}: expected 'auto' (serve embedding tables row-wise) or 'dense'")
+        if table_optimizer is not None and not isinstance(table_optimizer, ROW_OPTIMIZERS):
+            raise TypeError(f"table_optimizer must be gradsync.RowSGD(...) or gradsync.RowAdagrad(...), "
+                            f"got {table_optimizer!r}")
         job = cluster.current()
         if job.config.is_server:
             raise RuntimeError("Trainer is for workers; servers serve inside gradsync.init()")
         if job.config.strategy == "ps":
             from gradsync.worker.ps_strategy import PSStrategy
 
-            self._strategy = PSStrategy(job, model, optimizer_cls, optimizer_kwargs)
+            self._strategy = PSStrategy(job, model, optimizer_cls, optimizer_kwargs, tables=tables,
+                                        table_optimizer=table_optimizer)
+        elif job.config.strategy == "hybrid":
+            from gradsync.worker.hybrid_strategy import HybridStrategy
+
+            self._strategy = HybridStrategy(job, model, optimizer_cls, optimizer_kwargs, tables=tables,
+                                            table_optimizer=table_optimizer,
+                                            find_unused_parameters=find_unused_parameters)
         else:
             from gradsync.worker.allreduce_strategy import AllreduceStrategy
 

@@ -39,22 +39,25 @@ def _specs(tensors: dict[str, torch.Tensor]) -> tuple[TensorSpec, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """What every worker's model must agree on: trainable and frozen parameters, persistent buffers."""
+    """What every worker's model must agree on: trainable and frozen parameters, persistent buffers, and
+    embedding tables served row-wise (`core.tables`)."""
 
     params: tuple[TensorSpec, ...]
     buffers: tuple[TensorSpec, ...]
     frozen: tuple[TensorSpec, ...] = ()
+    tables: tuple[TensorSpec, ...] = ()
 
     @classmethod
-    def of(cls, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> "ModelSpec":
+    def of(cls, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
+           tables: tuple[TensorSpec, ...] = ()) -> "ModelSpec":
         """Parameters with `requires_grad=False` are frozen: they never change and never travel per step."""
         trainable = {n: p for n, p in params.items() if p.requires_grad}
         frozen = {n: p for n, p in params.items() if not p.requires_grad}
-        return cls(_specs(trainable), _specs(buffers), _specs(frozen))
+        return cls(_specs(trainable), _specs(buffers), _specs(frozen), tables)
 
     def difference(self, other: "ModelSpec") -> str | None:
         """A readable description of how `other` differs from this spec, or None if equal."""
-        for kind in ("params", "frozen", "buffers"):
+        for kind in ("params", "frozen", "buffers", "tables"):
             mine = {t.name: t for t in getattr(self, kind)}
             theirs = {t.name: t for t in getattr(other, kind)}
             if mine.keys() != theirs.keys():

@@ -15,10 +15,13 @@ when it trips are the parameter and the worker searched for.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from gradsync.core.errors import GradientError, nonfinite_error
 from gradsync.core.finite import first_nonfinite
+from gradsync.core.tables import merge_rows
 from gradsync.cuda_ops import aggregate
 from gradsync.ps.shard import ShardState
 from gradsync.ps.wire import PLAIN
@@ -43,7 +46,7 @@ def _check_version(shard: ShardState, worker: int, pulled_version: int, exact: b
 
 
 def _validated(shard: ShardState, worker: int, pulled_version: int, grads: list, absent: list, buffers: dict,
-               wire, exact: bool):
+               wire, exact: bool, rows: dict):
     """Check one push; returns (payloads, buffers). Call with the lock held.
 
     Raises:
@@ -53,11 +56,56 @@ def _validated(shard: ShardState, worker: int, pulled_version: int, grads: list,
         _check_version(shard, worker, pulled_version, exact)
         checked = shard.check_gradients(worker, grads, absent, wire)
         buffers = shard.check_buffers(worker, buffers)
+        _check_rows(shard, worker, rows, exact)
     except GradientError:
         shard.stats.pushes_rejected += 1
         raise
     shard.stats.workers_seen.add(worker)
     return checked, buffers
+
+
+def _check_rows(shard: ShardState, worker: int, rows: dict, exact: bool) -> None:
+    """Validate one push's row gradients: {table: (pulled version, unique local ids, gradients)}."""
+    if not isinstance(rows, dict):
+        raise GradientError(f"worker {worker}: row gradients must be a dict by table name, got {type(rows).__name__}")
+    for name, push in rows.items():
+        table = shard.tables.get(name)
+        if table is None:
+            raise GradientError(f"worker {worker} pushed rows of table {name!r}, which server {shard.shard_id} "
+                                f"does not hold (it holds {sorted(shard.tables)})")
+        if not isinstance(push, tuple) or len(push) != 3:
+            raise GradientError(f"worker {worker}: rows of table {name!r} must be (version, ids, gradients)")
+        _check_version(shard, worker, push[0], exact)
+        table.check_push(worker, push[1], push[2])
+
+
+def _row_staleness(shard: ShardState, rows: dict) -> None:
+    for name, (version, _, _) in rows.items():
+        stats = shard.tables[name].stats
+        stats.max_staleness = max(stats.max_staleness, shard.version - version)
+
+
+def _mean_rows(shard: ShardState, pending: list, workers: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per table any worker pushed rows of: the unique rows and their gradients summed over the workers
+    (in worker order) and divided by all W (a row a worker did not look up counts zero)."""
+    out = {}
+    for name in shard.tables:
+        pushes = [(p.rows[name][1], p.rows[name][2]) for p in pending if name in p.rows]
+        if pushes:
+            out[name] = merge_rows(pushes, 1.0 / workers)
+    return out
+
+
+def _blame_rows(shard: ShardState, means: dict, pending: list) -> GradientError | None:
+    """The error naming the first table whose mean row gradient is non-finite and a worker that sent one."""
+    names = list(means)
+    bad = first_nonfinite([means[n][1] for n in names])
+    if bad is None:
+        return None
+    name = names[bad]
+    culprit = next((p.worker for p in pending if name in p.rows and first_nonfinite([p.rows[name][2]]) is not None),
+                   "none alone (the average of finite gradients overflowed)")
+    return nonfinite_error(name, culprit)
 
 
 def _skipped(shard: ShardState, pushes: list[tuple[list, list]]) -> list[set[int]]:
@@ -113,6 +161,18 @@ def mean_buffers(per_worker: list[dict[str, torch.Tensor]]) -> dict[str, torch.T
     return out
 
 
+class _Push(NamedTuple):
+    """One worker's validated push, waiting for the step in sync mode."""
+
+    worker: int
+    payloads: list
+    absent: list
+    buffers: dict
+    rows: dict
+    wire: object
+    fut: torch.futures.Future
+
+
 class SyncRule:
     """Apply the mean of all W workers' gradients once per step."""
 
@@ -120,12 +180,13 @@ class SyncRule:
         self.shard = shard
         self.num_workers = num_workers
         self.nonfinite = nonfinite
-        self._pending: dict[int, tuple[list, list, dict, torch.futures.Future, object]] = {}
+        self._pending: dict[int, _Push] = {}
         self._failure: Exception | None = None
 
     def commit(self, worker: int, pulled_version: int, grads: list, absent: list, buffers: dict,
-               wire=PLAIN) -> torch.futures.Future:
+               wire=PLAIN, rows: dict | None = None) -> torch.futures.Future:
         shard = self.shard
+        rows = {} if rows is None else rows
         with shard.lock:
             if self._failure is not None:
                 return _done(error=self._failure)
@@ -133,40 +194,42 @@ class SyncRule:
                 shard.stats.pushes_rejected += 1
                 return _done(error=GradientError(f"worker {worker} committed twice at version {shard.version}"))
             try:
-                checked, buffers = _validated(shard, worker, pulled_version, grads, absent, buffers, wire, exact=True)
+                checked, buffers = _validated(shard, worker, pulled_version, grads, absent, buffers, wire,
+                                              exact=True, rows=rows)
             except GradientError as e:
                 return _done(error=e)
             fut: torch.futures.Future = torch.futures.Future()
-            self._pending[worker] = (checked, absent, buffers, fut, wire)
+            self._pending[worker] = _Push(worker, checked, absent, buffers, rows, wire, fut)
             if len(self._pending) < self.num_workers:
                 return fut
-            pending = [(w, *self._pending[w]) for w in sorted(self._pending)]
+            pending = [self._pending[w] for w in sorted(self._pending)]
             self._pending = {}
             error = self._step(pending)
             if error is not None and self.nonfinite == "raise":
                 self._failure = error
             version = shard.version
-        for *_, waiting, _ in pending:
+        for push in pending:
             if error is not None and self.nonfinite == "raise":
-                waiting.set_exception(error)
+                push.fut.set_exception(error)
             else:
-                waiting.set_result(version)
+                push.fut.set_result(version)
         return fut
 
-    def _step(self, pending: list) -> GradientError | None:
+    def _step(self, pending: list[_Push]) -> GradientError | None:
         """Average and apply one step; returns the non-finite error instead of applying (nothing changes)."""
         shard = self.shard
-        means = [
-            _mean(shard, b, [(payloads[b], wire) for _, payloads, _, _, _, wire in pending], self.num_workers)
-            for b in range(len(shard.buckets))
-        ]
+        means = [_mean(shard, b, [(p.payloads[b], p.wire) for p in pending], self.num_workers)
+                 for b in range(len(shard.buckets))]
+        rows = _mean_rows(shard, pending, self.num_workers)
+        error = None
         if first_nonfinite([m for m in means if m is not None]) is not None:
-            error = _blame(shard, means, [(w, payloads, wire) for w, payloads, _, _, _, wire in pending])
-            if error is not None:
-                shard.stats.steps_skipped += self.nonfinite == "skip"
-                return error
-        skipped = _skipped(shard, [(payloads, absent) for _, payloads, absent, _, _, _ in pending])
-        shard.apply(means, skipped, mean_buffers([buffers for _, _, _, buffers, _, _ in pending]))
+            error = _blame(shard, means, [(p.worker, p.payloads, p.wire) for p in pending])
+        error = error or _blame_rows(shard, rows, pending)
+        if error is not None:
+            shard.stats.steps_skipped += self.nonfinite == "skip"
+            return error
+        skipped = _skipped(shard, [(p.payloads, p.absent) for p in pending])
+        shard.apply(means, skipped, mean_buffers([p.buffers for p in pending]), rows)
         return None
 
 
@@ -178,21 +241,27 @@ class AsyncRule:
         self.nonfinite = nonfinite
 
     def commit(self, worker: int, pulled_version: int, grads: list, absent: list, buffers: dict,
-               wire=PLAIN) -> torch.futures.Future:
+               wire=PLAIN, rows: dict | None = None) -> torch.futures.Future:
         shard = self.shard
+        rows = {} if rows is None else rows
         with shard.lock:
             try:
-                checked, buffers = _validated(shard, worker, pulled_version, grads, absent, buffers, wire, exact=False)
+                checked, buffers = _validated(shard, worker, pulled_version, grads, absent, buffers, wire,
+                                              exact=False, rows=rows)
             except GradientError as e:
                 return _done(error=e)
             decoded = [None if g is None else wire.decode(g, b.dtype) for g, b in zip(checked, shard.buckets)]
+            merged = {name: (ids, grads) for name, (_, ids, grads) in rows.items()}
+            error = None
             if first_nonfinite([g for g in decoded if g is not None]) is not None:
                 error = _blame(shard, decoded, [(worker, checked, wire)])
-                if error is not None:
-                    shard.stats.pushes_rejected += 1
-                    return _done(error=error) if self.nonfinite == "raise" else _done(shard.version)
+            error = error or _blame_rows(shard, merged, [_Push(worker, [], [], {}, rows, wire, None)])
+            if error is not None:
+                shard.stats.pushes_rejected += 1
+                return _done(error=error) if self.nonfinite == "raise" else _done(shard.version)
             shard.stats.max_staleness = max(shard.stats.max_staleness, shard.version - pulled_version)
-            shard.apply(decoded, _skipped(shard, [(checked, absent)]), buffers)
+            _row_staleness(shard, rows)
+            shard.apply(decoded, _skipped(shard, [(checked, absent)]), buffers, merged)
             return _done(shard.version)
 
 

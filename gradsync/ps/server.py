@@ -19,6 +19,7 @@ from gradsync.core.buckets import Bucket, ModelSpec
 from gradsync.core.errors import GradientError, model_mismatch_error
 from gradsync.ps.consistency import RULES
 from gradsync.ps.shard import ShardState, Snapshot
+from gradsync.ps.table import TableShard
 from gradsync.ps.wire import make_wire
 
 
@@ -59,11 +60,11 @@ class ParameterServer:
             registrations = dict(self._registrations)
             error = self._mismatch(registrations)
             if error is None:
-                s = self._setup
-                self.shard = ShardState(
-                    self.shard_id, s["buckets"], s["params"], s["buffers"], s["optimizer_cls"], s["optimizer_kwargs"],
-                    self.device, s["frozen"],
-                )
+                try:
+                    self.shard = self._build(self._setup)
+                except (MemoryError, ValueError) as e:  # a table that does not fit, or bad rows
+                    error = e
+            if error is None:
                 self.rule = RULES[self.mode](self.shard, self.num_workers, self.nonfinite)
                 self._setup = None
                 self.ready.set()
@@ -73,6 +74,13 @@ class ParameterServer:
             else:
                 waiting.set_exception(error)
         return fut
+
+    def _build(self, s: dict) -> ShardState:
+        tables = {name: TableShard(t["spec"], self.shard_id, s["num_servers"], t["values"], s["table_optimizer"],
+                                   t["padding_idx"])
+                  for name, t in s["tables"].items()}
+        return ShardState(self.shard_id, s["buckets"], s["params"], s["buffers"], s["optimizer_cls"],
+                          s["optimizer_kwargs"], self.device, s["frozen"], tables)
 
     def _mismatch(self, registrations: dict[int, tuple[ModelSpec, torch.futures.Future]]) -> Exception | None:
         if 0 not in registrations or self._setup is None:
@@ -92,10 +100,21 @@ class ParameterServer:
             shard.stats.bytes_out += snapshot.nbytes
         return snapshot
 
+    def pull_rows(self, table: str, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """(version, a copy of the local rows `ids` of `table`)."""
+        shard = self._shard()
+        with shard.lock:
+            if table not in shard.tables:
+                raise KeyError(f"server {self.shard_id} holds no table {table!r} (it holds {sorted(shard.tables)})")
+            rows = shard.tables[table].pull(ids)
+            shard.stats.bytes_out += rows.nbytes
+            return shard.version, rows
+
     def push(self, worker: int, pulled_version: int, payloads: list, absent: list, buffers: dict,
-             wire=None) -> torch.futures.Future:
+             wire=None, rows: dict | None = None) -> torch.futures.Future:
         """One worker's step: bucket payloads (None: no gradient in that bucket) in `wire`'s format (default:
-        the job's), the indices of entries without a gradient per bucket, and its updated buffers.
+        the job's), the indices of entries without a gradient per bucket, its updated buffers, and its row
+        gradients per table: {name: (version the rows were pulled at, unique local ids, gradients)}.
         Resolves to the shard's version after the step (in sync mode once all W pushed), or fails with the reason.
         """
         shard = self._shard()
@@ -105,13 +124,16 @@ class ParameterServer:
             ))
         if worker < 0:  # async: any worker may join and leave, under a non-negative id
             return _failed(shard, GradientError(f"worker {worker} is not a worker id: expected an integer >= 0"))
-        return self.rule.commit(worker, pulled_version, payloads, absent, buffers, wire or self.wire)
+        return self.rule.commit(worker, pulled_version, payloads, absent, buffers, wire or self.wire, rows)
 
     def state(self) -> tuple[int, list[torch.Tensor], dict[str, torch.Tensor]]:
-        """(version, bucket tensors, buffers and frozen parameters by name): CPU copies at one version."""
+        """(version, bucket tensors, buffers, frozen parameters and this server's table rows by name): CPU
+        copies at one version."""
         shard = self._shard()
         with shard.lock:
-            return shard.version, [f.detach().to("cpu", copy=True) for f in shard.flats], shard.named_copies()
+            named = shard.named_copies()
+            named.update({n: t.values.clone() for n, t in shard.tables.items()})
+            return shard.version, [f.detach().to("cpu", copy=True) for f in shard.flats], named
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """CPU copies of this shard's tensors by name (a split parameter's piece as `name[start:end]`)."""
@@ -126,6 +148,12 @@ class ParameterServer:
             stats = dataclasses.asdict(shard.stats)
         stats["workers_seen"] = sorted(stats["workers_seen"])
         return stats
+
+    def table_stats(self) -> dict[str, dict]:
+        """Per embedding table on this server: rows and bytes held, rows pulled and pushed, largest staleness."""
+        shard = self._shard()
+        with shard.lock:
+            return {n: dataclasses.asdict(t.stats) for n, t in shard.tables.items()}
 
     def _shard(self) -> ShardState:
         if self.shard is None:
@@ -150,9 +178,11 @@ def _usable_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def make_setup(buckets: list[Bucket], params, buffers, frozen, optimizer_cls, optimizer_kwargs) -> dict:
+def make_setup(buckets: list[Bucket], params, buffers, frozen, optimizer_cls, optimizer_kwargs,
+               tables: dict | None = None, table_optimizer=None, num_servers: int = 1) -> dict:
     """What worker 0 sends one server at registration: its buckets, the values of the parameters they
-    hold pieces of, its buffers and frozen parameters, and the optimizer."""
+    hold pieces of, its buffers and frozen parameters, the optimizer, and its rows of each embedding table
+    ({name: {"spec", "values" (None: initialise on the server), "padding_idx"}}) with the row optimizer."""
     names = {e.name for b in buckets for e in b.entries}
     cpu = lambda tensors: {n: t.detach().cpu() for n, t in tensors.items()}  # noqa: E731
     return {
@@ -162,5 +192,8 @@ def make_setup(buckets: list[Bucket], params, buffers, frozen, optimizer_cls, op
         "frozen": cpu(frozen),
         "optimizer_cls": optimizer_cls,
         "optimizer_kwargs": optimizer_kwargs,
+        "tables": tables or {},
+        "table_optimizer": table_optimizer,
+        "num_servers": num_servers,
     }
 

@@ -1,4 +1,5 @@
-"""One server's part of the model: flat parameter buckets, buffers, frozen parameters, optimizer and version.
+"""One server's part of the model: flat parameter buckets, buffers, frozen parameters, optimizer, embedding
+table rows (`ps.table`) and version.
 
 `ShardState` knows nothing of transports or consistency rules. It publishes
 one read-only CPU copy of its buckets and buffers per version, when first asked
@@ -19,6 +20,7 @@ import torch
 
 from gradsync.core.buckets import Bucket
 from gradsync.core.errors import GradientError
+from gradsync.ps.table import TableShard
 
 
 class Snapshot(NamedTuple):
@@ -60,6 +62,7 @@ class ShardState:
         optimizer_kwargs: dict,
         device: torch.device | str = "cpu",
         frozen: dict[str, torch.Tensor] | None = None,
+        tables: dict[str, TableShard] | None = None,
     ):
         self.shard_id = shard_id
         self.buckets = list(buckets)
@@ -70,6 +73,7 @@ class ShardState:
         self.buffers = {n: t.detach().clone().to(self.device) for n, t in buffers.items()}
         self.frozen = {n: t.detach().to("cpu", copy=True) for n, t in (frozen or {}).items()}
         self.optimizer = optimizer_cls(list(self.params.values()), **optimizer_kwargs) if self.params else None
+        self.tables = tables or {}
         self.lock = threading.Lock()
         self.stats = ShardStats()
         self._published: Snapshot | None = None
@@ -129,10 +133,14 @@ class ShardState:
         return {n: v.to(self.device) for n, v in buffers.items()}
 
     def apply(self, grads: list[torch.Tensor | None], skipped: list[set[int]],
-              buffers: dict[str, torch.Tensor] | None) -> None:
+              buffers: dict[str, torch.Tensor] | None, rows: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+              ) -> None:
         """One optimizer step with these (already averaged) bucket gradients. Entries in `skipped[b]` (and
         every entry of a None bucket) had no gradient from any worker: the optimizer leaves them alone.
+        `rows`: per table, the unique local rows and their (averaged) gradients, for its row optimizer.
         Call with `lock` held."""
+        for name, (ids, row_grads) in (rows or {}).items():
+            self.tables[name].apply(ids, row_grads)
         if self.optimizer is not None:
             for grad, entries, bucket, skip in zip(grads, self.entries, self.buckets, skipped):
                 for i, (entry, tensor) in enumerate(zip(bucket.entries, entries)):

@@ -26,10 +26,15 @@ class Transport(Protocol):
     def pull(self) -> dict[int, Snapshot]:
         """Every server's current snapshot."""
 
+    def pull_rows(self, table: str, ids: dict[int, torch.Tensor]) -> dict[int, tuple[int, torch.Tensor]]:
+        """Rows of an embedding table: per server, its unique local row ids; returns per server (version,
+        rows)."""
+
     def push(self, versions: dict[int, int], payloads: dict[int, list], absent: dict[int, list],
-             buffers: dict[int, dict]) -> dict[int, Snapshot]:
-        """One step's gradients (per server: bucket payloads, absent entries, buffers, pulled version);
-        returns every server's snapshot after the step."""
+             buffers: dict[int, dict], rows: dict[int, dict] | None = None) -> dict[int, Snapshot]:
+        """One step's gradients (per server: bucket payloads, absent entries, buffers, pulled version, and
+        row gradients {table: (pulled version, unique local ids, gradients)}); returns every server's
+        snapshot after the step."""
 
     def state(self) -> dict[int, tuple[int, list[torch.Tensor], dict[str, torch.Tensor]]]:
         """Every server's (version, bucket tensors, buffers and frozen parameters by name)."""

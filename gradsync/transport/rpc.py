@@ -96,8 +96,15 @@ class RpcTransport:
     def pull(self) -> dict[int, Snapshot]:
         return self._call(rpc_pull, lambda s: (), "pull")
 
-    def push(self, versions, payloads, absent, buffers) -> dict[int, Snapshot]:
-        return self._call(rpc_push, lambda s: (self.worker, versions[s], payloads[s], absent[s], buffers[s]), "push")
+    def pull_rows(self, table: str, ids: dict[int, torch.Tensor]) -> dict[int, tuple[int, torch.Tensor]]:
+        futures = {s: rpc.rpc_async(server_name(s), rpc_pull_rows, args=(table, local), timeout=self.config.step_timeout)
+                   for s, local in ids.items()}
+        return wait_all(futures, f"pulling rows of table {table!r}", self.config.step_timeout)
+
+    def push(self, versions, payloads, absent, buffers, rows=None) -> dict[int, Snapshot]:
+        rows = rows or {}
+        return self._call(rpc_push, lambda s: (self.worker, versions[s], payloads[s], absent[s], buffers[s],
+                                               rows.get(s, {})), "push")
 
     def state(self) -> dict[int, tuple]:
         return self._call(rpc_state, lambda s: (), "state")
@@ -133,15 +140,20 @@ def rpc_pull() -> Snapshot:
     return _server().pull()
 
 
+def rpc_pull_rows(table: str, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
+    return _server().pull_rows(table, ids)
+
+
 @rpc.functions.async_execution
-def rpc_push(worker: int, pulled_version: int, payloads: list, absent: list, buffers: dict) -> torch.futures.Future:
+def rpc_push(worker: int, pulled_version: int, payloads: list, absent: list, buffers: dict,
+             rows: dict) -> torch.futures.Future:
     server = _server()
 
     def reply(applied: torch.futures.Future) -> Snapshot:
         applied.value()  # raises the push's error, if any, into the reply
         return server.pull()
 
-    return server.push(worker, pulled_version, payloads, absent, buffers).then(reply)
+    return server.push(worker, pulled_version, payloads, absent, buffers, rows=rows).then(reply)
 
 
 def rpc_state() -> tuple:

@@ -28,21 +28,29 @@ class StepMetrics:
         self.records: list[StepRecord] = []
         self._current = StepRecord()
         self._mark: float | None = None
+        self._inside = 0.0  # pull seconds since the mark (row lookups inside the forward)
 
     def pulled(self, seconds: float, bytes_received: int) -> None:
+        """A pull before the forward; marks the start of compute."""
         self._current.pull_s += seconds
         self._current.bytes_received += bytes_received
-        self._mark = time.perf_counter()
+        self._mark, self._inside = time.perf_counter(), 0.0
+
+    def rows_pulled(self, seconds: float, bytes_received: int) -> None:
+        """A pull of embedding rows inside the forward: counted as pull, not compute."""
+        self._current.pull_s += seconds
+        self._current.bytes_received += bytes_received
+        self._inside += seconds
 
     def committed(self, started: float, bytes_sent: int, bytes_received: int = 0) -> None:
         now = time.perf_counter()
         if self._mark is not None:
-            self._current.compute_s = started - self._mark
+            self._current.compute_s = started - self._mark - self._inside
         self._current.commit_s = now - started
         self._current.bytes_sent += bytes_sent
         self._current.bytes_received += bytes_received
         self.records.append(self._current)
-        self._current, self._mark = StepRecord(), None
+        self._current, self._mark, self._inside = StepRecord(), None, 0.0
 
     def summary(self, skip: int = 1) -> dict[str, float]:
         """Medians over the recorded steps (the first `skip` are warm-up and left out when possible)."""

@@ -28,3 +28,10 @@ def to_state_dict(module: nn.Module, values: dict[str, torch.Tensor]) -> dict[st
             raise KeyError(f"state_dict key {key!r} has no value on the servers (unique name {name!r})")
         out[key] = values[name]
     return out
+
+
+def ordered(state: dict[str, torch.Tensor], extra: dict[str, torch.Tensor], keys: list[str]) -> dict[str, torch.Tensor]:
+    """`state` and `extra` (tensors taken out of the module, such as served tables) in the order of `keys`,
+    the module's original `state_dict` keys."""
+    merged = {**state, **extra}
+    return {k: merged[k] for k in keys}

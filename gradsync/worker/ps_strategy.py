@@ -27,18 +27,11 @@ from gradsync.ps.server import make_setup
 from gradsync.ps.shard import Snapshot
 from gradsync.ps.wire import make_wire
 from gradsync.worker.metrics import StepMetrics
-from gradsync.worker.model_state import named_tensors, to_state_dict
+from gradsync.worker.model_state import named_tensors, ordered, to_state_dict
+from gradsync.worker.tables import current_context_id, serve_tables
 
 if TYPE_CHECKING:  # imports point one way: the start-up code (cluster) builds the strategies
     from gradsync.cluster import Cluster
-
-
-def current_context_id() -> int | None:
-    """The id of the active dist_autograd context, or None outside one."""
-    try:
-        return dist_autograd._current_context()._context_id()
-    except RuntimeError:
-        return None
 
 
 def whole_params(server_buckets: dict[int, list[Bucket]], flats: dict[int, list[torch.Tensor]]
@@ -77,13 +70,18 @@ class PSModel(nn.Module):
 class PSStrategy:
     """Pull / push against the parameter servers. Every worker must construct it (a barrier)."""
 
-    def __init__(self, cluster: Cluster, module: nn.Module, optimizer_cls, optimizer_kwargs: dict):
+    def __init__(self, cluster: Cluster, module: nn.Module, optimizer_cls, optimizer_kwargs: dict, *,
+                 tables: str = "auto", table_optimizer=None):
         config = cluster.config
         self.config = config
         self.worker = config.worker_rank
         self.metrics = StepMetrics()
+        self.keys = list(module.state_dict().keys())
+        self.tables, table_setups, table_optimizer = serve_tables(
+            module, tables, config.servers, self.metrics, optimizer_cls, optimizer_kwargs, table_optimizer,
+            send=self.worker == 0)
         params, buffers = named_tensors(module)
-        self.spec = ModelSpec.of(params, buffers)
+        self.spec = ModelSpec.of(params, buffers, self.tables.specs)
         cap = int(config.bucket_cap_mb * 2**20)
         self.buckets = plan_buckets(self.spec.params, config.servers, cap, split=may_split(optimizer_cls))
         self.servers = list(range(config.servers))
@@ -91,7 +89,8 @@ class PSStrategy:
         self.owner = assign_tensors(self.spec.buffers + self.spec.frozen, config.servers)
         self.wire = make_wire(config.compression)
         self.transport = _transport(cluster, self.server_buckets, self.owner)
-        self.frozen = self._register(params, buffers, optimizer_cls, optimizer_kwargs)
+        self.tables.transport = self.transport
+        self.frozen = self._register(params, buffers, optimizer_cls, optimizer_kwargs, table_setups, table_optimizer)
         for p in params.values():  # the servers own the values now; the local copies are never used
             p.requires_grad_(False)
         self.model = PSModel(module, self)
@@ -99,14 +98,15 @@ class PSStrategy:
         self._last: tuple[int, _Pulled] | None = None
         self._stepped: int | None = None
 
-    def _register(self, params, buffers, optimizer_cls, optimizer_kwargs) -> dict[str, torch.Tensor]:
+    def _register(self, params, buffers, optimizer_cls, optimizer_kwargs, table_setups, table_optimizer
+                  ) -> dict[str, torch.Tensor]:
         setups = {s: None for s in self.servers}
         if self.worker == 0:
             frozen = {t.name: params[t.name] for t in self.spec.frozen}
             for s in self.servers:
                 mine = lambda tensors: {n: t for n, t in tensors.items() if self.owner[n] == s}  # noqa: E731
                 setups[s] = make_setup(self.server_buckets[s], params, mine(buffers), mine(frozen), optimizer_cls,
-                                       optimizer_kwargs)
+                                       optimizer_kwargs, table_setups[s], table_optimizer, self.config.servers)
         return self.transport.register(self.spec, setups)
 
     def pulled(self, context_id: int | None) -> _Pulled:
@@ -144,7 +144,8 @@ class PSStrategy:
         start = time.perf_counter()
         by_leaf = dist_autograd.get_gradients(context_id)
         grads = {n: _dense(by_leaf[leaf]) for n, leaf in pulled.leaves.items() if leaf in by_leaf}
-        if not grads:
+        rows = self.tables.row_grads(context_id, by_leaf, pulled.versions)
+        if not grads and not any(rows.values()):
             raise RuntimeError(
                 f"step({context_id}) found no gradients in that context: call dist_autograd.backward(context_id, "
                 "[loss]) before trainer.step(context_id)"
@@ -160,7 +161,8 @@ class PSStrategy:
         buffers = {s: {n: pulled.tensors[n].detach() for n in pulled.buffer_names[s]} for s in self.servers}
         sent = sum(self.wire.nbytes(p) for per in payloads.values() for p in per if p is not None)
         sent += sum(b.nbytes for per in buffers.values() for b in per.values())
-        self._fresh = self.transport.push(pulled.versions, payloads, absent, buffers)
+        sent += sum(ids.nbytes + g.nbytes for per in rows.values() for _, ids, g in per.values())
+        self._fresh = self.transport.push(pulled.versions, payloads, absent, buffers, rows)
         self.metrics.committed(start, sent, sum(s.nbytes for s in self._fresh.values()))
 
     def _pulled_for(self, context_id: int) -> _Pulled:
@@ -182,7 +184,8 @@ class PSStrategy:
         values = {n: t.clone() for n, t in values.items()}
         for _, _, named in states.values():
             values.update(named)
-        return to_state_dict(self.model.module, values)
+        tables = self.tables.full({s: named for s, (_, _, named) in states.items()})
+        return ordered(to_state_dict(self.model.module, values), tables, self.keys)
 
 
 def _dense(grad: torch.Tensor) -> torch.Tensor:

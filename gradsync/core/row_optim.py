@@ -1,0 +1,136 @@
+"""Row-wise optimizers for embedding tables: each step touches only the rows a push carries.
+
+A table's rows live on the servers; a step sees the unique rows that the
+workers looked up and their gradients (duplicates summed, averaged over W in
+sync mode). `RowSGD` is `torch.optim.SGD` restricted to those rows (momentum
+state is allocated for a row on its first update; a row not in a step does
+not move, where dense SGD would keep moving it with its momentum).
+`RowAdagrad` is row-wise Adagrad as used for recommendation tables: one
+accumulator per row, of the mean squared gradient over the row.
+
+The user passes one as `Trainer(..., table_optimizer=RowAdagrad(lr=0.05))`;
+it travels to the servers, which call `new_state` and `step`.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+class LazyRows:
+    """Per-row state of `dim` values, allocated (as zeros) on a row's first update: a slot index per row
+    (4 bytes) and the slots in use."""
+
+    def __init__(self, rows: int, dim: int, dtype: torch.dtype):
+        self.slot = torch.full((rows,), -1, dtype=torch.int32)
+        self.data = torch.zeros((0, dim), dtype=dtype)
+        self.used = 0
+
+    def slots(self, ids: torch.Tensor) -> torch.Tensor:
+        """The slot of each of the unique local row `ids`, allocating zeros for rows seen the first time."""
+        slots = self.slot[ids].long()
+        new = slots < 0
+        count = int(new.sum())
+        if count:
+            if self.used + count > self.data.shape[0]:
+                grown = max(self.used + count, 2 * self.data.shape[0], 1024)
+                self.data = torch.cat([self.data, self.data.new_zeros(grown - self.data.shape[0], self.data.shape[1])])
+            fresh = torch.arange(self.used, self.used + count)
+            slots[new] = fresh
+            self.slot[ids[new]] = fresh.to(torch.int32)
+            self.used += count
+        return slots
+
+    @property
+    def nbytes(self) -> int:
+        return self.slot.nbytes + self.used * self.data.shape[1] * self.data.element_size()
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSGD:
+    """SGD on the rows of a step: w -= lr * (g + weight_decay * w), with momentum per row (torch.optim.SGD's
+    rule, dampening 0) allocated lazily."""
+
+    lr: float
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+
+    def __post_init__(self):
+        _check(self, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+        if self.nesterov and self.momentum <= 0:
+            raise ValueError(f"RowSGD(nesterov=True) needs momentum > 0, got momentum={self.momentum}")
+
+    def new_state(self, rows: int, dim: int, dtype: torch.dtype) -> LazyRows | None:
+        return LazyRows(rows, dim, dtype) if self.momentum else None
+
+    def state_bytes(self, rows: int, dim: int, dtype: torch.dtype) -> int:
+        """Bytes `new_state` takes up front (momentum rows are added as rows are first updated)."""
+        return 4 * rows if self.momentum else 0
+
+    @torch.no_grad()
+    def step(self, values: torch.Tensor, state: LazyRows | None, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        """Update the unique local rows `ids` of `values` with their gradients `grads`."""
+        w = values[ids]
+        g = grads if not self.weight_decay else grads.add(w, alpha=self.weight_decay)
+        if state is not None:
+            slots = state.slots(ids)
+            buf = state.data[slots].mul_(self.momentum).add_(g)
+            state.data[slots] = buf
+            g = g.add(buf, alpha=self.momentum) if self.nesterov else buf
+        values[ids] = w.add_(g, alpha=-self.lr)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowAdagrad:
+    """Row-wise Adagrad: acc[r] += mean(g_r ** 2); w_r -= lr * g_r / (sqrt(acc[r]) + eps), one accumulator
+    per row (4 bytes), starting at `initial_accumulator_value`."""
+
+    lr: float
+    eps: float = 1e-10
+    weight_decay: float = 0.0
+    initial_accumulator_value: float = 0.0
+
+    def __post_init__(self):
+        _check(self, lr=self.lr, eps=self.eps, weight_decay=self.weight_decay,
+               initial_accumulator_value=self.initial_accumulator_value)
+
+    def new_state(self, rows: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.full((rows,), self.initial_accumulator_value, dtype=torch.float32)
+
+    def state_bytes(self, rows: int, dim: int, dtype: torch.dtype) -> int:
+        return 4 * rows
+
+    @torch.no_grad()
+    def step(self, values: torch.Tensor, state: torch.Tensor, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        w = values[ids]
+        g = grads if not self.weight_decay else grads.add(w, alpha=self.weight_decay)
+        acc = state[ids].add_(g.float().pow(2).mean(1))
+        state[ids] = acc
+        values[ids] = w.sub_(g * (self.lr / (acc.sqrt() + self.eps)).to(w.dtype).unsqueeze(1))
+
+
+ROW_OPTIMIZERS = (RowSGD, RowAdagrad)
+
+
+def _check(optimizer, **values: float) -> None:
+    for name, value in values.items():
+        if not isinstance(value, (int, float)) or value < 0 or (name == "lr" and value == 0):
+            raise ValueError(f"{type(optimizer).__name__}({name}={value!r}): expected a number "
+                             f"{'> 0' if name == 'lr' else '>= 0'}")
+
+
+def default_row_optimizer(optimizer_cls: type, kwargs: dict, table: str):
+    """The row optimizer that computes what `optimizer_cls(**kwargs)` computes on a table: plain SGD
+    (no momentum, no weight decay) is exact row by row; anything else needs an explicit choice."""
+    plain = {k: v for k, v in kwargs.items() if k not in ("lr", "foreach", "fused", "differentiable")}
+    if optimizer_cls is torch.optim.SGD and "lr" in kwargs and not any(plain.values()):
+        return RowSGD(lr=kwargs["lr"])
+    raise ValueError(
+        f"embedding table {table!r} is served row by row from the parameter servers, and "
+        f"{optimizer_cls.__name__}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}) has no exact row-wise "
+        "form (rows a batch does not touch would move in dense training: momentum, weight decay, Adam's "
+        "moments). Choose one: Trainer(..., table_optimizer=gradsync.RowSGD(lr=..., momentum=...)) or "
+        "gradsync.RowAdagrad(lr=...), or keep the tables dense with Trainer(..., tables='dense')"
+    )

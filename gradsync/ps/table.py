@@ -1,0 +1,110 @@
+"""One server's rows of one embedding table, its row optimizer state and counters.
+
+Server `s` of S holds rows s, s + S, s + 2S, ... of the table, at local
+indices 0, 1, 2, ... Pulls read rows by local index; a step hands the row
+optimizer the unique local rows and their gradients, and touches nothing
+else. Callers hold the shard's lock.
+"""
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import torch
+
+from gradsync.core.buckets import TensorSpec
+from gradsync.core.errors import GradientError
+from gradsync.core.tables import rows_on
+
+
+@dataclasses.dataclass
+class TableStats:
+    """Counters of one table shard (gRPC `GetStats`, `gradsync status`)."""
+
+    rows: int = 0
+    bytes: int = 0
+    rows_pulled: int = 0
+    rows_pushed: int = 0
+    max_staleness: int = 0
+
+
+class TableShard:
+    """Rows `server`, `server + S`, ... of table `spec`, with their row optimizer."""
+
+    def __init__(self, spec: TensorSpec, server: int, num_servers: int, values: torch.Tensor | None,
+                 optimizer, padding_idx: int | None = None):
+        rows, dim = spec.shape
+        self.spec = spec
+        self.rows = rows_on(rows, server, num_servers)
+        self.optimizer = optimizer
+        check_fits(spec, self.rows, optimizer, server)
+        if values is None:  # a table built on the meta device: initialised here, as nn.Embedding would
+            generator = torch.Generator().manual_seed(zlib.crc32(spec.name.encode()) + server)
+            values = torch.randn(self.rows, dim, generator=generator, dtype=spec.dtype)
+            if padding_idx is not None and padding_idx % num_servers == server:
+                values[padding_idx // num_servers] = 0
+        if tuple(values.shape) != (self.rows, dim) or values.dtype != spec.dtype:
+            raise ValueError(f"table {spec.name!r}: server {server} got rows {tuple(values.shape)} {values.dtype}, "
+                             f"expected {(self.rows, dim)} {spec.dtype}")
+        self.values = values.contiguous()
+        self.state = optimizer.new_state(self.rows, dim, spec.dtype)
+        self.stats = TableStats(rows=self.rows, bytes=self.values.nbytes)
+
+    def pull(self, ids: torch.Tensor) -> torch.Tensor:
+        """A copy of the local rows `ids`."""
+        self.check_ids(ids, "pull")
+        self.stats.rows_pulled += ids.numel()
+        return self.values.index_select(0, ids)
+
+    def check_ids(self, ids, what: str, worker: int | str = "a client") -> None:
+        if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1:
+            raise GradientError(f"{worker}: {what} of table {self.spec.name!r} needs a 1-D int64 tensor of row ids")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.rows):
+            raise GradientError(f"{worker}: {what} of table {self.spec.name!r} names local row "
+                                f"{int(ids.min()) if int(ids.min()) < 0 else int(ids.max())}, this server holds "
+                                f"0..{self.rows - 1}")
+
+    def check_push(self, worker: int, ids, grads) -> None:
+        """Validate one worker's row gradients (unique local ids, one row of the table's dim each)."""
+        self.check_ids(ids, "a push", f"worker {worker}")
+        dim = self.spec.shape[1]
+        if not isinstance(grads, torch.Tensor) or tuple(grads.shape) != (ids.numel(), dim) \
+                or grads.dtype != self.spec.dtype:
+            described = f"{tuple(grads.shape)} {grads.dtype}" if isinstance(grads, torch.Tensor) else type(grads)
+            raise GradientError(f"worker {worker}: row gradients of table {self.spec.name!r} are {described}, "
+                                f"expected {(ids.numel(), dim)} {self.spec.dtype}")
+        if ids.unique().numel() != ids.numel():
+            raise GradientError(f"worker {worker}: a push of table {self.spec.name!r} repeats row ids: sum "
+                                "the gradients of each row first")
+
+    def apply(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        """One row optimizer step on the unique local rows `ids`."""
+        if ids.numel():
+            self.optimizer.step(self.values, self.state, ids, grads)
+            self.stats.rows_pushed += ids.numel()
+
+
+def check_fits(spec: TensorSpec, rows: int, optimizer, server: int) -> None:
+    """Refuse a table shard that this machine's free memory cannot hold, naming the size it needs."""
+    dim = spec.shape[1]
+    need = rows * dim * spec.dtype.itemsize + optimizer.state_bytes(rows, dim, spec.dtype)
+    free = available_memory()
+    if free is not None and need > free:
+        raise MemoryError(
+            f"embedding table {spec.name!r} needs {need / 2**30:.2f} GiB on server {server} ({rows:,} rows x {dim} "
+            f"{str(spec.dtype).removeprefix('torch.')} plus the row optimizer's state), but only "
+            f"{free / 2**30:.2f} GiB are free: use more servers (--servers) or a smaller table"
+        )
+
+
+def available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+

@@ -1,0 +1,74 @@
+"""Worker side of the hybrid strategy: embedding tables on the parameter servers, the rest in DDP.
+
+The recommendation-model layout (PERSIA, HugeCTR): a worker pulls only the
+rows of the tables its batch looks up (`worker.tables`), and the dense layers
+are averaged by DDP among the workers, in the same dist_autograd loop. `step`
+applies the dense optimizer (`AllreduceStrategy.step`, with its checks and
+refusals) and pushes the row gradients, one call per server. In sync mode the
+servers average the rows over all W workers, as single-process training on
+the joint batch does; in async mode they apply each worker's rows as they come.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed.autograd as dist_autograd
+from torch import nn
+
+from gradsync.core.buckets import ModelSpec
+from gradsync.ps.server import make_setup
+from gradsync.transport.rpc import RpcTransport
+from gradsync.worker.allreduce_strategy import AllreduceStrategy
+from gradsync.worker.model_state import ordered
+from gradsync.worker.tables import serve_tables
+
+if TYPE_CHECKING:
+    from gradsync.cluster import Cluster
+
+
+class HybridStrategy:
+    """Served tables + DDP. Every worker must construct it (a barrier on the servers and in DDP)."""
+
+    def __init__(self, cluster: Cluster, module: nn.Module, optimizer_cls, optimizer_kwargs: dict, *,
+                 tables: str = "auto", table_optimizer=None, find_unused_parameters: bool = False):
+        config = cluster.config
+        worker = config.worker_rank
+        self.keys = list(module.state_dict().keys())
+        self.tables, setups, table_optimizer = serve_tables(
+            module, tables, config.servers, None, optimizer_cls, optimizer_kwargs, table_optimizer,
+            send=worker == 0)
+        if not self.tables.specs:
+            raise ValueError(
+                "the hybrid strategy serves embedding tables (nn.Embedding, nn.EmbeddingBag) from the parameter "
+                "servers, and this model has none that can be served (tables='dense', or weights tied to other "
+                "layers): use --strategy allreduce"
+            )
+        self.servers = list(range(config.servers))
+        self.transport = RpcTransport(config, self.servers)
+        self.tables.transport = self.transport
+        spec = ModelSpec((), (), (), self.tables.specs)
+        self.transport.register(spec, {s: make_setup([], {}, {}, {}, optimizer_cls, optimizer_kwargs, setups[s],
+                                                     table_optimizer, config.servers) if worker == 0 else None
+                                       for s in self.servers})
+        self.dense = AllreduceStrategy(cluster, module, optimizer_cls, optimizer_kwargs,
+                                       find_unused_parameters=find_unused_parameters)
+        self.model = self.dense.model
+        self.metrics = self.dense.metrics
+        self.tables.metrics = self.metrics
+        self._versions = {s: 0 for s in self.servers}
+
+    def step(self, context_id: int) -> None:
+        """Apply the dense optimizer to the averaged gradients and push the row gradients to the servers."""
+        rows = self.tables.row_grads(context_id, dist_autograd.get_gradients(context_id), self._versions)
+        self.dense.step(context_id)
+        empty = {s: [] for s in self.servers}
+        snapshots = self.transport.push(self._versions, empty, empty, {s: {} for s in self.servers}, rows)
+        self._versions = {s: snap.version for s, snap in snapshots.items()}
+        self.metrics.records[-1].bytes_sent += sum(ids.nbytes + g.nbytes for per in rows.values()
+                                                   for _, ids, g in per.values())
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        named = {s: named for s, (_, _, named) in self.transport.state().items()}
+        return ordered(self.dense.state_dict(), self.tables.full(named), self.keys)
+
