@@ -60,7 +60,7 @@ class HybridStrategy:
 
     def step(self, context_id: int) -> None:
         """Apply the dense optimizer to the averaged gradients and push the row gradients to the servers."""
-        rows = self.tables.row_grads(context_id, dist_autograd.get_gradients(context_id), self._versions)
+        rows = self.tables.row_grads(context_id, dist_autograd.get_gradients(context_id))
         self.dense.step(context_id)
         empty = {s: [] for s in self.servers}
         snapshots = self.transport.push(self._versions, empty, empty, {s: {} for s in self.servers}, rows)

@@ -144,7 +144,7 @@ class PSStrategy:
         start = time.perf_counter()
         by_leaf = dist_autograd.get_gradients(context_id)
         grads = {n: _dense(by_leaf[leaf]) for n, leaf in pulled.leaves.items() if leaf in by_leaf}
-        rows = self.tables.row_grads(context_id, by_leaf, pulled.versions)
+        rows = self.tables.row_grads(context_id, by_leaf)
         if not grads and not any(rows.values()):
             raise RuntimeError(
                 f"step({context_id}) found no gradients in that context: call dist_autograd.backward(context_id, "
