@@ -231,3 +231,8 @@ def test_table_that_does_not_fit_is_refused(monkeypatch):
     with pytest.raises(MemoryError, match=r"table 'big' needs 1\.21 GiB on server 0 \(5,000,000 rows x 64 float32 "
                                           r"plus the row optimizer's state\), but only 1\.00 GiB are free"):
         TableShard(spec, 0, 2, None, RowAdagrad(lr=0.1))
+
+
+def test_max_norm_is_refused_clearly():
+    with pytest.raises(ValueError, match=r"table 'e' has max_norm=1.0: .* build it without max_norm, or .*tables='dense'"):
+        ServedTables({"e": nn.Embedding(3, 2, max_norm=1.0)}, 1, StepMetrics())
