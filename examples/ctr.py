@@ -61,12 +61,13 @@ def _uniform(key: torch.Tensor, salt: int) -> torch.Tensor:
 
 
 class CTRModel(nn.Module):
-    """One embedding table per field, then an MLP to one click logit."""
+    """One embedding table per field, then an MLP to one click logit. Tables built on the meta device
+    (`tables_on="meta"`) take no memory here: the parameter servers initialise them (N(0, 1))."""
 
-    def __init__(self, fields: int, rows: int, dim: int):
+    def __init__(self, fields: int, rows: int, dim: int, tables_on: str | None = None):
         super().__init__()
         torch.manual_seed(0)
-        self.tables = nn.ModuleList(nn.Embedding(rows, dim) for _ in range(fields))
+        self.tables = nn.ModuleList(nn.Embedding(rows, dim, device=tables_on) for _ in range(fields))
         for table in self.tables:
             nn.init.normal_(table.weight, std=0.01)
         self.mlp = nn.Sequential(nn.Linear(fields * dim, 64), nn.ReLU(), nn.Linear(64, 1))

@@ -23,6 +23,7 @@ from torch.func import functional_call
 
 from gradsync.core.buckets import (Bucket, ModelSpec, assign_tensors, by_server, join_pieces, may_split,
                                    plan_buckets)
+from gradsync.core.tables import find_tables
 from gradsync.ps.server import make_setup
 from gradsync.ps.shard import Snapshot
 from gradsync.ps.wire import make_wire
@@ -77,6 +78,11 @@ class PSStrategy:
         self.worker = config.worker_rank
         self.metrics = StepMetrics()
         self.keys = list(module.state_dict().keys())
+        if config.transport == "grpc" and tables == "auto" and find_tables(module):
+            raise ValueError(
+                f"the grpc transport does not serve embedding tables row by row yet ({next(iter(find_tables(module)))!r} "
+                "is one): use --transport rpc, or keep the tables dense with Trainer(..., tables='dense')"
+            )
         self.tables, table_setups, table_optimizer = serve_tables(
             module, tables, config.servers, self.metrics, optimizer_cls, optimizer_kwargs, table_optimizer,
             send=self.worker == 0)
