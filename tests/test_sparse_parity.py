@@ -39,8 +39,9 @@ def test_sparse_true_embeddings_train_the_same():
 
 
 @pytest.mark.timeout(120)
-def test_meta_tables_are_initialised_on_the_servers_and_counted_async():
-    (stats, state), _ = gradsync.launch(train_on_meta_tables, strategy="ps", mode="async", workers=2, servers=2,
+@pytest.mark.parametrize("strategy", ["ps", "hybrid"])
+def test_meta_tables_are_initialised_on_the_servers_and_counted_async(strategy):
+    (stats, state), _ = gradsync.launch(train_on_meta_tables, strategy=strategy, mode="async", workers=2, servers=2,
                                         args=(6,), step_timeout=60, timeout=110)
     for name, rows in (("bag.weight", ROWS_BAG), ("emb.weight", ROWS_EMB)):
         per_server = [stats[s]["tables"][name] for s in (0, 1)]
