@@ -22,15 +22,14 @@ Two representations of the same wire format:
 """
 from __future__ import annotations
 
-import ctypes
 import math
-import mmap
 import sys
 from typing import Iterable, Iterator
 
 import torch
 from google.protobuf.message import DecodeError
 
+from gradsync.core import memory
 from gradsync.proto import gradsync_pb2 as pb
 
 if sys.byteorder != "little":
@@ -52,18 +51,6 @@ Key = str | int
 
 _DATA_FIELD = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
 _OFFSET_FIELD = pb.Tensor.DESCRIPTOR.fields_by_name["offset"].number
-
-_HUGE_PAGE = 2 << 20
-_HUGE_PAGE_MIN_BYTES = 8 << 20
-"""Decoded tensors this large ask for transparent huge pages (Linux): a fresh large allocation is a new
-mapping, and faulting it in 4 KB pages cost more than the copy itself here (64 MB: 65 ms -> 16 ms)."""
-try:
-    _libc = ctypes.CDLL(None, use_errno=True)
-    _madvise = _libc.madvise
-    _madvise.argtypes, _madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    _MADV_HUGEPAGE = mmap.MADV_HUGEPAGE
-except (AttributeError, OSError):  # not Linux, or no madvise: plain pages
-    _madvise = None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -285,17 +272,6 @@ def serialize(message) -> bytes:
     return message if type(message) is bytes else message.SerializeToString()
 
 
-def _empty(shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> torch.Tensor:
-    """torch.empty, asking the kernel for huge pages in the whole 2 MB pages inside a large tensor's memory."""
-    out = torch.empty(shape, dtype=dtype)
-    if _madvise is not None and nbytes >= _HUGE_PAGE_MIN_BYTES:
-        start = -(-out.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
-        end = (out.data_ptr() + nbytes) // _HUGE_PAGE * _HUGE_PAGE
-        if end > start:
-            _madvise(start, end - start, _MADV_HUGEPAGE)  # advice only: a failure leaves plain pages
-    return out
-
-
 class _Partial:
     """A tensor whose chunks are still arriving, copied into place as they come."""
 
@@ -319,7 +295,7 @@ class _Partial:
                 f"{where}: Tensor.total_bytes {self.total} exceeds the {budget} bytes left of the {max_bytes} "
                 "this call accepts (is it the right tensor for this server?)"
             )
-        self.out = _empty(self.shape, self.dtype, self.total)
+        self.out = memory.empty(self.shape, self.dtype)  # huge pages when large: see gradsync.core.memory
         # the tensor's own bytes, writable: each chunk is copied straight into place
         self.bytes = memoryview(self.out.reshape(-1).view(torch.uint8).numpy()) if self.total else None
         self.received = 0
