@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from gradsync.client import Client, pull_to_file, status_table
+from gradsync.config import StoreKeys
+from gradsync.core.buckets import ModelSpec, TensorSpec
 from gradsync.proto.endpoints import write_endpoints
 from gradsync.proto.service import serve_grpc
 from grpc_harness import TOKEN, job_transport, make_server, model_state, served
@@ -109,6 +111,18 @@ def test_job_calls_move_flat_buckets_and_reply_with_the_snapshot_after_the_step(
     assert int(after.buffers["norm.steps"]) == 8  # integer buffers: worker 0's
     stats = server.stats()
     assert (stats["pushes_applied"], stats["pushes_rejected"]) == (1, 0)
+
+
+@pytest.mark.timeout(60)
+def test_job_transport_refuses_a_dtype_it_cannot_carry_before_registering():
+    server = make_server("async", workers=1)
+    spec = ModelSpec(params=(), buffers=(TensorSpec("phase", (2,), torch.complex64),))
+    with served(server) as (endpoint, _):
+        transport = job_transport(endpoint, server, 0)
+        with pytest.raises(ValueError, match=r"'phase': dtype torch.complex64 cannot be sent.*--transport rpc"):
+            transport.register(spec, {0: None})
+        assert not transport.store.check([StoreKeys.GRPC_SPEC.format(0, 0)])
+        transport.close()
 
 
 @pytest.mark.timeout(60)

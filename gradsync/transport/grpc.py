@@ -111,6 +111,11 @@ class GrpcTransport:
                                            response_deserializer=snapshot) for s, c in self.client.channels.items()}
 
     def register(self, spec: ModelSpec, setups: dict[int, dict | None]) -> dict[str, torch.Tensor]:
+        for t in spec.params + spec.buffers:  # refused here, not later inside gRPC's sending thread
+            try:
+                tensor_codec.dtype_name(t.dtype)
+            except ValueError as e:
+                raise ValueError(f"{t.name!r}: {e}; or use --transport rpc") from None
         for s in self.servers:
             if setups[s] is not None:
                 plain = dict(setups[s], optimizer_cls=optimizer_name(setups[s]["optimizer_cls"]))
