@@ -1,23 +1,26 @@
-"""Transport benchmark: torch RPC (TensorPipe) echo vs the gRPC Pull/Push service, on loopback.
+"""Transport benchmark: torch RPC (TensorPipe) echo vs the gRPC transport's step, on loopback.
 
 For each tensor size (4 KB .. 64 MB, float32) it measures, as medians of repeated runs:
 - torch RPC: a round trip `rpc_sync(echo, t)` between two processes (the tensor goes out and comes back),
   with the TensorPipe options gradsync uses, `_transports=["uv"]` (the shm transport's reactor busy-polls
   a core), and with TensorPipe's default transports, for reference;
-- gRPC: `Client.pull` of one parameter of that size, `Client.push` of its gradient, and the two in a row,
-  against a 1-shard async ParameterServer in another process (the push includes the server's SGD step,
-  as in training);
-- the parameter server's own work in those calls, without any transport: `ParameterServer.pull` (a
-  published snapshot) plus `push_named` (gradient checks and the SGD step), timed in the server process;
+- gRPC, the job's data path (`GrpcTransport`): a step, one JobPush of a one-bucket gradient of that size
+  whose reply is the server's snapshot after the step (the gradient goes out, the parameters come back:
+  the same bytes as an echo), and a JobPull alone, against a 1-shard async ParameterServer in another
+  process (the push includes the server's SGD step, as in training);
+- gRPC, the named calls of clients outside the job (`Client.pull` then `Client.push`), for reference;
+- the parameter server's own work in a step, without any transport: `ParameterServer.push` (gradient
+  checks and the SGD step) plus `pull` (the published snapshot), timed in the server process;
 - a local `clone()` of the same size, the copy reference.
-Throughput counts bytes read plus bytes written: 2 x size per round trip (out and back, or pull and push),
-2 x size per copy; a pull or a push alone moves 1 x size. Latency: a small round trip (RPC echo of one
-float, gRPC Health).
+Throughput counts bytes read plus bytes written: 2 x size per round trip (out and back: an echo, a step,
+a named pull and push), 2 x size per copy; a pull alone moves 1 x size. Latency: a small round trip (RPC
+echo of one float, gRPC Health).
 
 Every figure is the median over `--repeat` interleaved rounds (default 3) of per-round medians.
 
 Run from the repository root: `python bench/transport.py` (about 2 minutes; gradsync must be importable:
 the project's virtualenv, or `PYTHONPATH=$PWD`); writes bench/results/transport.json and prints a table.
+`--sizes 16 64` measures only those sizes (MB) and writes nothing unless `--out` is given.
 """
 from __future__ import annotations
 
@@ -69,7 +72,7 @@ def _echo(t):
     return t
 
 
-def _rpc_rank(rank: int, port: int, transports: list[str] | None, queue) -> None:
+def _rpc_rank(rank: int, port: int, transports: list[str] | None, sizes: list[int], queue) -> None:
     import torch.distributed.rpc as rpc
 
     os.environ["TP_SOCKET_IFNAME"] = "lo"
@@ -79,17 +82,17 @@ def _rpc_rank(rank: int, port: int, transports: list[str] | None, queue) -> None
     rpc.init_rpc(f"rank{rank}", rank=rank, world_size=2, rpc_backend_options=options)
     if rank == 0:
         results = {"latency_s": _median_time(lambda: rpc.rpc_sync("rank1", _echo, (torch.ones(1),)), LATENCY_REPS)}
-        for size in SIZES:
+        for size in sizes:
             t = torch.ones(size // 4)
             results[size] = _median_time(lambda: rpc.rpc_sync("rank1", _echo, (t,)), _reps(size))
         queue.put(results)
     rpc.shutdown(graceful=True, timeout=60)
 
 
-def bench_rpc(transports: list[str] | None) -> dict:
+def bench_rpc(transports: list[str] | None, sizes: list[int]) -> dict:
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), _free_port()
-    ranks = [ctx.Process(target=_rpc_rank, args=(r, port, transports, queue)) for r in range(2)]
+    ranks = [ctx.Process(target=_rpc_rank, args=(r, port, transports, sizes, queue)) for r in range(2)]
     for p in ranks:
         p.start()
     results = queue.get(timeout=300)
@@ -98,23 +101,29 @@ def bench_rpc(transports: list[str] | None) -> dict:
     return results
 
 
+def _plan(size: int):
+    """(params, spec, buckets) of a model of one float32 parameter of `size` bytes: one bucket."""
+    from gradsync.core.buckets import ModelSpec, plan_buckets
+
+    params = {"w": torch.zeros(size // 4, requires_grad=True)}
+    spec = ModelSpec.of(params, {})
+    return params, spec, plan_buckets(spec.params, 1, 1 << 30)
+
+
 def _grpc_servers(run_dirs: dict[int, str], ready, stop, queue) -> None:
     """One 1-shard ParameterServer (one float32 parameter) per size, each on its own endpoint.
 
-    Once stopped, it times the servers' own work per pull + push (no transport) and puts it on `queue`.
+    Once stopped, it times the servers' own work per step (no transport) and puts it on `queue`.
     """
     from gradsync.proto.endpoints import write_endpoints
     from gradsync.proto.service import serve_grpc
-    from gradsync.core.buckets import ModelSpec, plan_buckets
-    from gradsync.ps.named_grads import push_named
     from gradsync.ps.server import ParameterServer, make_setup
 
     torch.set_num_threads(1)
     endpoints, servers = [], {}
     for size, run_dir in run_dirs.items():
-        params = {"w": torch.zeros(size // 4, requires_grad=True)}
-        spec = ModelSpec.of(params, {})
-        setup = make_setup(plan_buckets(spec.params, 1, 1 << 30), params, {}, {}, torch.optim.SGD, {"lr": 0.0})
+        params, spec, buckets = _plan(size)
+        setup = make_setup(buckets, params, {}, {}, torch.optim.SGD, {"lr": 0.0})
         server = ParameterServer(0, 1, "async", "raise")
         server.register(0, spec, setup).wait()
         endpoint = serve_grpc(server, token=TOKEN)
@@ -127,22 +136,37 @@ def _grpc_servers(run_dirs: dict[int, str], ready, stop, queue) -> None:
         endpoint.stop(1.0)
     work = {}
     for size, server in servers.items():
-        grad = {"w": torch.ones(size // 4)}
+        grad = [torch.ones(size // 4)]
 
-        def pull_commit():  # what the servicer asks of the server per Pull + Push, as it asks it
-            push_named(server, 0, server.pull().version, grad).wait()
+        def step():  # what the servicer asks of the server per JobPush, as it asks it
+            server.push(0, server.shard.version, grad, [()], {}).wait()
+            server.pull()
 
-        work[size] = _median_time(pull_commit, _reps(size))
+        work[size] = _median_time(step, _reps(size))
     queue.put(work)
 
 
-def bench_grpc() -> dict:
+def _job_transport(address: str, size: int):
+    """Worker 0's GrpcTransport to the one-server job at `address` (the store holds only its address and token)."""
+    import torch.distributed as dist
+
+    from gradsync.config import JobConfig, StoreKeys
+    from gradsync.transport.grpc import GrpcTransport
+
+    store = dist.HashStore()
+    store.set(StoreKeys.GRPC_ADDRESS.format(0), address)
+    store.set(StoreKeys.TOKEN, TOKEN)
+    config = JobConfig(strategy="ps", servers=1, rank=1, world_size=2, transport="grpc", step_timeout=60.0)
+    return GrpcTransport(config, store, {0: _plan(size)[2]})
+
+
+def bench_grpc(sizes: list[int]) -> dict:
     from gradsync.client import Client
 
     ctx = mp.get_context("spawn")
     ready, stop, queue = ctx.Event(), ctx.Event(), ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        run_dirs = {size: os.path.join(tmp, str(size)) for size in SIZES}
+        run_dirs = {size: os.path.join(tmp, str(size)) for size in sizes}
         server = ctx.Process(target=_grpc_servers, args=(run_dirs, ready, stop, queue))
         server.start()
         try:
@@ -151,21 +175,26 @@ def bench_grpc() -> dict:
             results = {}
             for size, run_dir in run_dirs.items():
                 with Client(run_dir, timeout=60) as client:
-                    if size == SIZES[0]:
+                    transport = _job_transport(client.addresses[0], size)
+                    if size == sizes[0]:
                         results["latency_s"] = _median_time(client.health, LATENCY_REPS)
-                    grad = {"w": torch.ones(size // 4)}
+                    grad = [torch.ones(size // 4)]
                     version = [0]
 
-                    def pull():
+                    def step():  # one JobPush: the gradient out, the snapshot after the step back
+                        version[0] = transport.push({0: version[0]}, {0: grad}, {0: [()]}, {0: {}})[0].version
+
+                    def named():  # an outside client's pull, then push, by name
                         _, versions = client.pull_versioned(["w"])
-                        version[0] = versions[0]
+                        client.push({"w": grad[0]}, versions[0], worker=0)
 
                     reps = _reps(size)
                     results[size] = {
-                        "pull_s": _median_time(pull, reps),
-                        "push_s": _median_time(lambda: client.push(grad, version[0], worker=0), reps),
-                        "pull_push_s": _median_time(lambda: (pull(), client.push(grad, version[0], worker=0)), reps),
+                        "job_step_s": _median_time(step, reps),
+                        "job_pull_s": _median_time(transport.pull, reps),
+                        "named_pull_push_s": _median_time(named, reps),
                     }
+                    transport.close()
             stop.set()
             for size, seconds in queue.get(timeout=300).items():
                 results[size]["ps_work_s"] = seconds
@@ -175,9 +204,9 @@ def bench_grpc() -> dict:
     return results
 
 
-def bench_copy() -> dict:
+def bench_copy(sizes: list[int]) -> dict:
     out = {}
-    for size in SIZES:
+    for size in sizes:
         t = torch.ones(size // 4)
         out[size] = _median_time(t.clone, _reps(size) * 3)
     return out
@@ -194,71 +223,79 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeat", type=int, default=3,
                         help="rounds of every measurement, interleaved; the report takes the median round by round")
+    parser.add_argument("--sizes", type=int, nargs="+", metavar="MB",
+                        help="measure only these sizes, in MB (default: 4 KB .. 64 MB); writes no JSON unless --out")
+    parser.add_argument("--out", default=None, help=f"where to write the JSON report (default: {RESULTS})")
     args = parser.parse_args()
+    sizes = SIZES if args.sizes is None else [mb << 20 for mb in args.sizes]
+    out = args.out or (RESULTS if args.sizes is None else None)
     torch.set_num_threads(1)
     started = time.time()
     rounds = []
     for _ in range(args.repeat):  # interleaved, so that a busy spell on a shared machine hits every side
         rounds.append({
-            "copy": bench_copy(),
-            "rpc": {name: bench_rpc(transports) for name, transports in RPC_TRANSPORTS.items()},
-            "grpc": bench_grpc(),
+            "copy": bench_copy(sizes),
+            "rpc": {name: bench_rpc(transports, sizes) for name, transports in RPC_TRANSPORTS.items()},
+            "grpc": bench_grpc(sizes),
         })
     medians = _median_of(rounds)
     copy, grpc_results = medians["copy"], medians["grpc"]
     rpc, rpc_default = medians["rpc"]["uv"], medians["rpc"]["default"]
     mbps = lambda size, seconds: 2 * size / seconds / 1e6  # noqa: E731  (bytes read + written)
     rows = []
-    for size in SIZES:
+    for size in sizes:
         g = grpc_results[size]
         rows.append({
             "bytes": size,
             "copy_MBps": mbps(size, copy[size]),
             "rpc_echo_MBps": mbps(size, rpc[size]),
             "rpc_default_echo_MBps": mbps(size, rpc_default[size]),
-            "grpc_pull_push_MBps": mbps(size, g["pull_push_s"]),
-            "grpc_pull_MBps": size / g["pull_s"] / 1e6,
-            "grpc_push_MBps": size / g["push_s"] / 1e6,
-            "grpc_over_rpc": rpc[size] / g["pull_push_s"],
-            "grpc_over_rpc_default": rpc_default[size] / g["pull_push_s"],
-            "ps_work_share": g["ps_work_s"] / g["pull_push_s"],
+            "grpc_step_MBps": mbps(size, g["job_step_s"]),
+            "grpc_pull_MBps": size / g["job_pull_s"] / 1e6,
+            "grpc_named_pull_push_MBps": mbps(size, g["named_pull_push_s"]),
+            "grpc_over_rpc": rpc[size] / g["job_step_s"],
+            "grpc_over_rpc_default": rpc_default[size] / g["job_step_s"],
+            "ps_work_share": g["ps_work_s"] / g["job_step_s"],
             # approximate: the two medians come from separate loops
-            "grpc_transport_over_rpc": rpc[size] / max(g["pull_push_s"] - g["ps_work_s"], 1e-9),
+            "grpc_transport_over_rpc": rpc[size] / max(g["job_step_s"] - g["ps_work_s"], 1e-9),
             "median_s": {"copy": copy[size], "rpc_echo": rpc[size], "rpc_default_echo": rpc_default[size], **g},
         })
     report = {
-        "command": f"python bench/transport.py --repeat {args.repeat}",
+        "command": " ".join(["python", "bench/transport.py", *sys.argv[1:]]),
         "repeat": args.repeat,
         "machine": f"{platform.node()}: {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, no GPU",
         "torch": torch.__version__,
         "python": sys.version.split()[0],
         "notes": "loopback only; MB/s counts bytes read + written (2 x size per round trip, 1 x size for a pull "
-                 "or a push alone); medians; rpc = TensorPipe with _transports=['uv'], rpc_default = TensorPipe's "
-                 "default transports; grpc_over_rpc = RPC echo time / gRPC pull+push time (same bytes); gRPC push "
-                 "includes the server's SGD step; ps_work_share = the server's own pull + commit time (no "
-                 "transport) / gRPC pull+push time; grpc_transport_over_rpc = RPC echo time / (gRPC pull+push "
-                 "time - the server's own work), approximate; gRPC latency = Health, RPC latency = echo of one float",
+                 "alone); medians; rpc = TensorPipe with _transports=['uv'], rpc_default = TensorPipe's default "
+                 "transports; grpc step = one JobPush of the transport (gradient out, snapshot after the step "
+                 "back, the server's SGD step included); grpc_over_rpc = RPC echo time / gRPC step time (same "
+                 "bytes); grpc named pull+push = an outside Client's Pull then Push; ps_work_share = the server's "
+                 "own push + pull time (no transport) / gRPC step time; grpc_transport_over_rpc = RPC echo time "
+                 "/ (gRPC step time - the server's own work), approximate; gRPC latency = Health, RPC latency = "
+                 "echo of one float",
         "latency_us": {"rpc": rpc["latency_s"] * 1e6, "rpc_default": rpc_default["latency_s"] * 1e6,
                        "grpc": grpc_results["latency_s"] * 1e6},
         "rows": rows,
         "wall_s": time.time() - started,
     }
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as f:
-        json.dump(report, f, indent=2)
-    print("| size | copy MB/s | RPC uv echo MB/s | RPC default echo MB/s | gRPC pull+push MB/s | gRPC pull MB/s "
-          "| gRPC push MB/s | gRPC / RPC uv | gRPC / RPC default | ps work share | gRPC w/o ps work / RPC uv |")
+    if out is not None:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(report, f, indent=2)
+    print("| size | copy MB/s | RPC uv echo MB/s | RPC default echo MB/s | gRPC step MB/s | gRPC pull MB/s "
+          "| gRPC named pull+push MB/s | gRPC / RPC uv | gRPC / RPC default | ps work share "
+          "| gRPC w/o ps work / RPC uv |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         size = f"{r['bytes'] >> 20} MB" if r["bytes"] >= 1 << 20 else f"{r['bytes'] >> 10} KB"
         print(f"| {size} | {r['copy_MBps']:.0f} | {r['rpc_echo_MBps']:.0f} | {r['rpc_default_echo_MBps']:.0f} | "
-              f"{r['grpc_pull_push_MBps']:.0f} | {r['grpc_pull_MBps']:.0f} | {r['grpc_push_MBps']:.0f} | "
+              f"{r['grpc_step_MBps']:.0f} | {r['grpc_pull_MBps']:.0f} | {r['grpc_named_pull_push_MBps']:.0f} | "
               f"{r['grpc_over_rpc']:.2f} | {r['grpc_over_rpc_default']:.2f} | {r['ps_work_share']:.2f} | "
               f"{r['grpc_transport_over_rpc']:.2f} |")
     lat = report["latency_us"]
     print(f"\nsmall round trip: torch RPC uv {lat['rpc']:.0f} us, default {lat['rpc_default']:.0f} us, "
-          f"gRPC {lat['grpc']:.0f} us; "
-          f"wall {report['wall_s']:.0f} s; wrote {RESULTS}")
+          f"gRPC {lat['grpc']:.0f} us; wall {report['wall_s']:.0f} s" + (f"; wrote {out}" if out else ""))
 
 
 if __name__ == "__main__":

@@ -68,28 +68,31 @@ class Client:
         if root_cert is not None:
             with open(root_cert, "rb") as f:
                 credentials = grpc.ssl_channel_credentials(root_certificates=f.read())
-        self._channels = {
+        # channels and metadata are public: the job's own calls (gradsync.transport.grpc) go through them too
+        self.channels = {
             shard: grpc.secure_channel(a, credentials) if credentials else grpc.insecure_channel(a)
             for shard, a in self.addresses.items()
         }
-        self._stubs = {shard: pb_grpc.ParameterServerStub(c) for shard, c in self._channels.items()}
+        self._stubs = {shard: pb_grpc.ParameterServerStub(c) for shard, c in self.channels.items()}
         # Pull and Push move tensors: their chunks go as pre-serialized bytes and come back as views of the
         # received bytes (tensor_codec.encode_messages / message_parser), not through protobuf objects.
         self._pulls = {
             shard: c.unary_stream(f"/{_SERVICE}/Pull", request_serializer=pb.PullRequest.SerializeToString,
                                   response_deserializer=tensor_codec.message_parser(pb.PullResponse))
-            for shard, c in self._channels.items()
+            for shard, c in self.channels.items()
         }
         self._pushes = {
             shard: c.stream_unary(f"/{_SERVICE}/Push", request_serializer=tensor_codec.serialize,
                                   response_deserializer=pb.PushResponse.FromString)
-            for shard, c in self._channels.items()
+            for shard, c in self.channels.items()
         }
-        self._metadata = (("authorization", f"Bearer {token}"),)
+        self.metadata = (("authorization", f"Bearer {token}"),)
         self._owners: dict[str, int] | None = None
         self._pieces: list[tuple] | None = None
 
-    def _error(self, call: str, shard: int, start: float, e: grpc.RpcError) -> Exception:
+    def error(self, call: str, shard: int, start: float, e: grpc.RpcError) -> Exception:
+        """The builtin exception for `call` on `shard` failing with `e`, naming the address and elapsed time
+        (since `start`, a `time.monotonic()`)."""
         kind = _ERRORS.get(e.code(), RuntimeError)
         return kind(
             f"{call} on shard {shard} at {self.addresses[shard]} failed after {time.monotonic() - start:.2f} s: "
@@ -99,9 +102,9 @@ class Client:
     def _unary(self, call: str, shard: int, request, timeout: float | None = None):
         start = time.monotonic()
         try:
-            return getattr(self._stubs[shard], call)(request, timeout=timeout or self.timeout, metadata=self._metadata)
+            return getattr(self._stubs[shard], call)(request, timeout=timeout or self.timeout, metadata=self.metadata)
         except grpc.RpcError as e:
-            raise self._error(call, shard, start, e) from None
+            raise self.error(call, shard, start, e) from None
 
     def health(self) -> dict[int, dict]:
         """Per shard: ready, version, and the names of its parameters and buffers."""
@@ -114,12 +117,14 @@ class Client:
         return out
 
     def stats(self) -> dict[int, dict]:
-        """Per shard: version, workers_seen, pushes_applied/rejected, steps_skipped, max_staleness, bytes_in/out."""
+        """Per shard: version, workers_seen, pushes_applied/rejected, steps_skipped, max_staleness, bytes_in/out,
+        and the calls its endpoint received by method name."""
         out = {}
         for shard in self._stubs:
             r = self._unary("GetStats", shard, pb.GetStatsRequest())
             out[shard] = {f.name: getattr(r, f.name) for f in r.DESCRIPTOR.fields if f.name != "shard_id"}
             out[shard]["workers_seen"] = list(r.workers_seen)
+            out[shard]["calls"] = dict(r.calls)
         return out
 
     def pieces(self) -> list[Entry]:
@@ -166,7 +171,7 @@ class Client:
         routes = {shard: [] for shard in self._stubs} if names is None else self._route(names)
         calls = {
             shard: self._pulls[shard](
-                pb.PullRequest(worker=-1, names=wanted), timeout=timeout or self.timeout, metadata=self._metadata
+                pb.PullRequest(worker=-1, names=wanted), timeout=timeout or self.timeout, metadata=self.metadata
             )
             for shard, wanted in routes.items()
             if names is None or wanted
@@ -176,13 +181,10 @@ class Client:
         versions: dict[int, int] = {}
         for shard, call in calls.items():
             try:
-                first = next(call, None)
-                if not isinstance(first, pb.PullResponse) or first.WhichOneof("item") != "header":
-                    raise RuntimeError(f"Pull on shard {shard}: the stream did not start with a PullHeader")
-                versions[shard] = first.header.version
-                tensors.update(tensor_codec.decode(_pulled_chunks(shard, call)))
+                versions[shard], pulled = read_pulled(call, "Pull", shard)
+                tensors.update(pulled)
             except grpc.RpcError as e:
-                raise self._error("Pull", shard, start, e) from None
+                raise self.error("Pull", shard, start, e) from None
         return (join_pieces(tensors, self.pieces()) if whole else tensors), versions
 
     def pull(self, names=None, timeout: float | None = None) -> dict[str, torch.Tensor]:
@@ -215,7 +217,7 @@ class Client:
 
         start = time.monotonic()
         futures = {
-            shard: push.future(messages(shard), timeout=timeout or self.timeout, metadata=self._metadata)
+            shard: push.future(messages(shard), timeout=timeout or self.timeout, metadata=self.metadata)
             for shard, push in self._pushes.items()
         }
         out = {}
@@ -223,7 +225,7 @@ class Client:
             try:
                 out[shard] = fut.result().version
             except grpc.RpcError as e:
-                raise self._error("Push", shard, start, e) from None
+                raise self.error("Push", shard, start, e) from None
         return out
 
     def checkpoint(self, timeout: float | None = None) -> dict[int, tuple[str, int]]:
@@ -235,7 +237,7 @@ class Client:
         return out
 
     def close(self) -> None:
-        for channel in self._channels.values():
+        for channel in self.channels.values():
             channel.close()
 
     def __enter__(self) -> "Client":
@@ -252,14 +254,23 @@ def split_pieces(grads: dict[str, torch.Tensor], pieces: list[Entry]) -> dict[st
     return out
 
 
-def _pulled_chunks(shard: int, call):
+def read_pulled(call, what: str, shard: int) -> tuple[int, dict[tensor_codec.Key, torch.Tensor]]:
+    """The version in the PullHeader that opens a stream of `PullResponse`s (Pull, JobPull, JobPush), and
+    the tensors that follow it. Raises grpc.RpcError when the call fails, RuntimeError on a malformed stream."""
+    first = next(call, None)
+    if not isinstance(first, pb.PullResponse) or first.WhichOneof("item") != "header":
+        raise RuntimeError(f"{what} on shard {shard}: the stream did not start with a PullHeader")
+    return first.header.version, tensor_codec.decode(_pulled_chunks(call, what, shard))
+
+
+def _pulled_chunks(call, what: str, shard: int):
     for response in call:
         if isinstance(response, tensor_codec.Chunk):
             yield response
         elif response.WhichOneof("item") == "chunk":
             yield response.chunk
         else:
-            raise RuntimeError(f"Pull on shard {shard}: a second PullHeader in the middle of the stream")
+            raise RuntimeError(f"{what} on shard {shard}: a second PullHeader in the middle of the stream")
 
 
 def status_table(client: Client) -> str:

@@ -4,11 +4,14 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 
 from gradsync.client import Client
+from gradsync.config import JobConfig, StoreKeys
 from gradsync.proto.service import serve_grpc
 from gradsync.core.buckets import ModelSpec, plan_buckets
 from gradsync.ps.server import ParameterServer, make_setup
+from gradsync.transport.grpc import GrpcTransport
 
 TOKEN = "test-token-0123456789"
 
@@ -54,3 +57,13 @@ def served(server: ParameterServer, timeout: float = 10.0, **kwargs):
     finally:
         client.close()
         endpoint.stop(0.5)
+
+
+def job_transport(endpoint, server: ParameterServer, worker: int) -> GrpcTransport:
+    """Worker `worker`'s GrpcTransport to `server` (served at `endpoint`), as in a one-server grpc job."""
+    store = dist.HashStore()
+    store.set(StoreKeys.GRPC_ADDRESS.format(0), endpoint.address)
+    store.set(StoreKeys.TOKEN, TOKEN)
+    config = JobConfig(strategy="ps", servers=1, rank=1 + worker, world_size=1 + server.num_workers,
+                       transport="grpc", step_timeout=10.0)
+    return GrpcTransport(config, store, {0: server.shard.buckets})

@@ -231,3 +231,10 @@ def init_then_train(steps: int, init_kwargs: dict) -> dict[str, torch.Tensor]:
     state = train_mlp(steps)
     gradsync.shutdown()
     return state
+
+
+def train_mlp_server_stats(steps: int) -> dict[int, dict]:
+    """Train with SGD; returns every server's counters, read before any other call (no state_dict)."""
+    trainer = gradsync.Trainer(make_mlp(), torch.optim.SGD, lr=0.1)
+    run_loop(trainer, steps)
+    return trainer._strategy.transport.stats()

@@ -28,12 +28,21 @@ def test_every_call_without_the_token_is_refused_and_changes_nothing(metadata):
             pb.PushRequest(chunk=pb.Tensor(name="fc1.bias", dtype="float32", shape=[16], total_bytes=64,
                                            data=torch.ones(16).numpy().tobytes())),
         ])
+        job_push = iter([
+            pb.JobPushRequest(header=pb.JobPushHeader(worker=0, version=0, absent=[
+                pb.AbsentEntries() for _ in server.shard.buckets])),
+            pb.JobPushRequest(chunk=pb.Tensor(bucket=0, dtype="float32", shape=[server.shard.buckets[0].numel],
+                                              total_bytes=4 * server.shard.buckets[0].numel,
+                                              data=torch.ones(server.shard.buckets[0].numel).numpy().tobytes())),
+        ])
         calls = {
             "Health": lambda: stub.Health(pb.HealthRequest(), timeout=5, metadata=metadata),
             "GetStats": lambda: stub.GetStats(pb.GetStatsRequest(), timeout=5, metadata=metadata),
             "Pull": lambda: list(stub.Pull(pb.PullRequest(), timeout=5, metadata=metadata)),
             "Push": lambda: stub.Push(push, timeout=5, metadata=metadata),
             "Checkpoint": lambda: stub.Checkpoint(pb.CheckpointRequest(), timeout=5, metadata=metadata),
+            "JobPull": lambda: list(stub.JobPull(pb.JobPullRequest(), timeout=5, metadata=metadata)),
+            "JobPush": lambda: list(stub.JobPush(job_push, timeout=5, metadata=metadata)),
         }
         for name, call in calls.items():
             with pytest.raises(grpc.RpcError) as info:

@@ -7,9 +7,10 @@ import grpc
 import pytest
 import torch
 
+from gradsync.core.buckets import ModelSpec, plan_buckets
 from gradsync.proto import gradsync_pb2 as pb
-from gradsync.proto.tensor_codec import encode_all
-from grpc_harness import TOKEN, make_server, served
+from gradsync.proto.tensor_codec import encode_all, encode_messages
+from grpc_harness import TOKEN, job_transport, make_server, model_state, served
 
 METADATA = (("authorization", f"Bearer {TOKEN}"),)
 LR = 0.1
@@ -29,15 +30,18 @@ def _chunks(tensors: dict[str, torch.Tensor], chunk_bytes: int = 1 << 20) -> lis
 
 
 def _send(channel, messages, method="Push") -> tuple[grpc.StatusCode, str]:
-    """Send raw messages (protobuf objects or bytes) and return the status code and details."""
-    raw = [m if isinstance(m, bytes) else m.SerializeToString() for m in messages]
+    """Send raw messages (protobuf objects or bytes, any iterable) and return the status code and details."""
+    raw = (m if isinstance(m, bytes) else m.SerializeToString() for m in messages)
+    path = f"/gradsync.ParameterServer/{method}"
     try:
         if method == "Push":
-            channel.stream_unary(f"/gradsync.ParameterServer/{method}")(iter(raw), timeout=10, metadata=METADATA)
-        elif method == "Pull":
-            list(channel.unary_stream(f"/gradsync.ParameterServer/{method}")(raw[0], timeout=10, metadata=METADATA))
+            channel.stream_unary(path)(raw, timeout=10, metadata=METADATA)
+        elif method == "JobPush":
+            list(channel.stream_stream(path)(raw, timeout=10, metadata=METADATA))
+        elif method in ("Pull", "JobPull"):
+            list(channel.unary_stream(path)(next(raw), timeout=10, metadata=METADATA))
         else:
-            channel.unary_unary(f"/gradsync.ParameterServer/{method}")(raw[0], timeout=10, metadata=METADATA)
+            channel.unary_unary(path)(next(raw), timeout=10, metadata=METADATA)
     except grpc.RpcError as e:
         return e.code(), e.details()
     return grpc.StatusCode.OK, ""
@@ -80,6 +84,32 @@ CASES = {
     "empty stream": ([], "stream is empty"),
     "no header": (_chunks(_ones("fc1.bias")), "first message must be a PushHeader"),
     "second header": ([_header(), _header()] + _chunks(_ones("fc1.bias")), "only the first message"),
+    "bucket in a named push": ([_header()] + [pb.PushRequest(chunk=c) for c in encode_all({0: torch.ones(4)})],
+                               "only JobPush takes"),
+}
+
+BUCKETS = plan_buckets(ModelSpec.of(*model_state()).params, 1, cap_bytes=256)  # the servers' plan
+
+
+def _job(tensors=None, absent=None, worker=0, version=0) -> list[pb.JobPushRequest]:
+    absent = [()] * len(BUCKETS) if absent is None else absent
+    header = pb.JobPushHeader(worker=worker, version=version, absent=[pb.AbsentEntries(entries=a) for a in absent])
+    return [pb.JobPushRequest(header=header)] + [pb.JobPushRequest(chunk=c) for c in encode_all(tensors or {})]
+
+
+JOB_CASES = {
+    "bucket of no server": (_job({len(BUCKETS): torch.ones(4)}), f"Tensor.bucket {len(BUCKETS)} is not a bucket"),
+    "wrong bucket size": (_job({0: torch.ones(BUCKETS[0].numel + 1)}), f"expected ({BUCKETS[0].numel},)"),
+    "wrong bucket dtype": (_job({0: torch.ones(BUCKETS[0].numel, dtype=torch.float64)}), "torch.float32"),
+    "short absence lists": (_job({0: torch.ones(BUCKETS[0].numel)}, absent=[()]), "1 absence lists"),
+    "absent entry out of range": (_job(absent=[(99,)] + [()] * (len(BUCKETS) - 1)), "lists absent entries [99]"),
+    "parameter by name": (_job({"fc1.bias": torch.ones(16)}), "unknown buffer 'fc1.bias'"),
+    "NaN bucket": (_job({0: torch.full((BUCKETS[0].numel,), float("nan"))}), "non-finite"),
+    "version from the future": (_job(version=3), "version from the future"),
+    "bucket sent twice": (_job({0: torch.ones(BUCKETS[0].numel)}) + _job({0: torch.ones(BUCKETS[0].numel)})[1:],
+                          "bucket 0 was sent twice"),
+    "no header": (_job({0: torch.ones(BUCKETS[0].numel)})[1:], "first message must be a JobPushHeader"),
+    "empty stream": ([], "stream is empty"),
 }
 
 
@@ -102,6 +132,44 @@ def test_bad_push_is_refused_naming_the_field_and_changes_nothing(endpoint, case
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", list(JOB_CASES))
+def test_bad_job_push_is_refused_naming_the_field_and_changes_nothing(endpoint, case):
+    server, channel = endpoint
+    messages, expected = JOB_CASES[case]
+    before = _bits(server.state_dict())
+    code, details = _send(channel, messages, "JobPush")
+    assert code in REFUSED and expected in details, (code, details)
+    assert _bits(server.state_dict()) == before and server.shard.version == 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("method", ["Push", "JobPush"])
+def test_a_stream_of_many_tiny_tensors_is_refused_at_the_count_limit_and_the_server_keeps_serving(method):
+    server = make_server("async", workers=1, lr=LR)
+    shard = server.shard
+    limit = (len(shard.params) if method == "Push" else len(shard.buckets)) + len(shard.buffers)
+    header, message_cls = (_header(), pb.PushRequest) if method == "Push" else (_job()[0], pb.JobPushRequest)
+
+    def tiny():  # 20,000 empty tensors, made as they are sent
+        yield header
+        for i in range(20_000):
+            yield from encode_messages({f"t{i}": torch.empty(0)}, message_cls)
+
+    with served(server) as (endpoint, _), grpc.insecure_channel(endpoint.address) as channel:
+        before = server.pull()
+        code, details = _send(channel, tiny(), method)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+        assert f"is one tensor too many: this call accepts at most {limit}" in details, details
+        transport = job_transport(endpoint, server, 0)
+        grads = [torch.full((b.numel,), 0.5) for b in shard.buckets]
+        after = transport.push({0: 0}, {0: grads}, {0: [()] * len(grads)}, {0: {}})[0]
+        transport.close()
+    assert after.version == 1
+    for flat, was, grad in zip(after.flats, before.flats, grads):
+        assert torch.equal(flat, was.add(grad, alpha=-LR))
+
+
+@pytest.mark.timeout(60)
 def test_sync_server_refuses_a_worker_outside_the_job():
     server = make_server("sync", workers=2, lr=LR)
     with served(server) as (endpoint, _), grpc.insecure_channel(endpoint.address) as channel:
@@ -112,7 +180,7 @@ def test_sync_server_refuses_a_worker_outside_the_job():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("method", ["Health", "GetStats", "Pull", "Checkpoint"])
+@pytest.mark.parametrize("method", ["Health", "GetStats", "Pull", "JobPull", "Checkpoint"])
 def test_garbage_unary_requests_are_invalid_argument(endpoint, method):
     server, channel = endpoint
     code, details = _send(channel, [b"\x0a\xff\xff\xff\xff\xff"], method)

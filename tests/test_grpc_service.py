@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from gradsync.client import Client, pull_to_file, status_table
+from gradsync.config import StoreKeys
+from gradsync.core.buckets import ModelSpec, TensorSpec
 from gradsync.proto.endpoints import write_endpoints
 from gradsync.proto.service import serve_grpc
-from grpc_harness import TOKEN, make_server, model_state, served
+from grpc_harness import TOKEN, job_transport, make_server, model_state, served
 
 LR = 0.1
 
@@ -61,6 +63,66 @@ def test_sync_push_from_w_clients_applies_the_mean_sgd_step_once():
         assert torch.equal(after[name], p.add(mean, alpha=-LR)), name
     stats = server.shard.stats
     assert (stats.version, stats.pushes_applied, stats.workers_seen) == (1, 1, {0, 1, 2})
+
+
+def _equal_snapshots(a, b) -> bool:
+    return (a.version == b.version and len(a.flats) == len(b.flats)
+            and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a.flats, b.flats))
+            and list(a.buffers) == list(b.buffers)
+            and all(torch.equal(a.buffers[n], b.buffers[n]) for n in a.buffers))
+
+
+@pytest.mark.timeout(60)
+def test_job_calls_move_flat_buckets_and_reply_with_the_snapshot_after_the_step():
+    """JobPull is the server's snapshot; W JobPushes (bucket gradients by index, absent entries, buffers) apply
+    the mean SGD step once and each replies with the snapshot after it, bit for bit."""
+    workers = 2
+    server = make_server("sync", workers=workers, lr=LR)
+    buckets = server.shard.buckets
+    assert len(buckets) > 1
+    g = torch.Generator().manual_seed(7)
+    grads = [[torch.randn(b.numel, generator=g) for b in buckets] for _ in range(workers)]
+    grads[1][0] = None  # worker 1 has no gradient in bucket 0
+    absent = [[()] * len(buckets), [tuple(range(len(buckets[0].entries)))] + [()] * (len(buckets) - 1)]
+    buffers = [{"norm.running_mean": torch.full((4,), 1.0 + w), "norm.steps": torch.tensor(8 + w)}
+               for w in range(workers)]
+    replies = {}
+    with served(server) as (endpoint, _):
+        transports = [job_transport(endpoint, server, w) for w in range(workers)]
+        before = transports[0].pull()[0]
+        assert _equal_snapshots(before, server.pull()) and before.version == 0
+
+        def push(w):
+            replies[w] = transports[w].push({0: 0}, {0: grads[w]}, {0: absent[w]}, {0: buffers[w]})[0]
+
+        threads = [threading.Thread(target=push, args=(w,)) for w in range(workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        for t in transports:
+            t.close()
+    after = server.pull()
+    assert after.version == 1 and all(_equal_snapshots(replies[w], after) for w in range(workers))
+    for b, (flat, was) in enumerate(zip(after.flats, before.flats)):
+        mean = torch.stack([gs[b] for gs in grads if gs[b] is not None]).sum(0) * (1.0 / workers)
+        assert torch.equal(flat, was.add(mean, alpha=-LR)), b
+    assert torch.equal(after.buffers["norm.running_mean"], torch.full((4,), 1.5))
+    assert int(after.buffers["norm.steps"]) == 8  # integer buffers: worker 0's
+    stats = server.stats()
+    assert (stats["pushes_applied"], stats["pushes_rejected"]) == (1, 0)
+
+
+@pytest.mark.timeout(60)
+def test_job_transport_refuses_a_dtype_it_cannot_carry_before_registering():
+    server = make_server("async", workers=1)
+    spec = ModelSpec(params=(), buffers=(TensorSpec("phase", (2,), torch.complex64),))
+    with served(server) as (endpoint, _):
+        transport = job_transport(endpoint, server, 0)
+        with pytest.raises(ValueError, match=r"'phase': dtype torch.complex64 cannot be sent.*--transport rpc"):
+            transport.register(spec, {0: None})
+        assert not transport.store.check([StoreKeys.GRPC_SPEC.format(0, 0)])
+        transport.close()
 
 
 @pytest.mark.timeout(60)

@@ -2,7 +2,7 @@
 import pytest
 
 import gradsync
-from jobs import reference_bn, reference_mlp, train_bn, train_mlp, train_with_outside_worker
+from jobs import reference_bn, reference_mlp, train_bn, train_mlp, train_mlp_server_stats, train_with_outside_worker
 from test_parity import max_diff
 
 
@@ -14,6 +14,21 @@ def test_grpc_transport_matches_rpc_transport_and_single_process():
     for state in over_grpc:
         assert max_diff(state, over_rpc) <= 1e-5
         assert max_diff(state, reference_mlp(20, 2)) <= 1e-5
+
+
+@pytest.mark.timeout(150)
+def test_grpc_workers_use_only_the_job_calls_one_push_per_server_per_step():
+    """Workers pull once before the first step, then make exactly one JobPush per server per step (its reply
+    is the next snapshot); the named Pull and Push, for clients outside the job, are never called."""
+    workers, steps = 2, 5
+    results = gradsync.launch(train_mlp_server_stats, strategy="ps", workers=workers, servers=2, args=(steps,),
+                              transport="grpc", timeout=140)
+    for stats in results:  # as each worker saw them after its last step
+        for shard in (0, 1):
+            calls = stats[shard]["calls"]
+            assert (calls.get("JobPush"), calls.get("JobPull")) == (workers * steps, workers), (shard, calls)
+            assert "Pull" not in calls and "Push" not in calls, (shard, calls)
+            assert stats[shard]["version"] == stats[shard]["pushes_applied"] == steps
 
 
 @pytest.mark.timeout(150)

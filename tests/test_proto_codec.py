@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import filecmp
+import itertools
 import os
 
 import pytest
@@ -92,6 +93,8 @@ BAD = {
     "empty name": (lambda c: [_edit(x, name="") for x in c], "Tensor.name"),
     "empty data": (lambda c: [c[0], _edit(c[1], data=b"")] + c[1:], "empty Tensor.data"),
     "tensor sent twice": (lambda c: c + c, "duplicate Tensor.name"),
+    "bucket sent twice": (lambda c: [_edit(x, name="", bucket=2) for x in c + c], "bucket 2 was sent twice"),
+    "name and bucket": (lambda c: [_edit(x, bucket=0) for x in c], "set one of the two"),
     "interleaved tensors": (lambda c: [c[0]] + list(encode("v", torch.ones(1))) + c[1:], "truncated"),
 }
 
@@ -103,8 +106,9 @@ def test_decode_rejects_malformed_sequences(case, wire):
     chunks = mutate(_chunks())
     if wire:  # the same chunks as a server receives them: serialized, then parsed without copying data
         parse = message_parser(pb.PushRequest)
+        named = not any(c.HasField("bucket") for c in chunks)  # protobuf puts `bucket` after `data`
         chunks = [parse(pb.PushRequest(chunk=c).SerializeToString()) for c in chunks]
-        assert any(isinstance(c, Chunk) for c in chunks)
+        assert any(isinstance(c, Chunk) for c in chunks) or not named
         chunks = [c if isinstance(c, Chunk) else c.chunk for c in chunks]
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         decode(chunks)
@@ -140,6 +144,36 @@ def test_wire_bytes_are_protobufs_own_and_round_trip_bit_for_bit(message_cls, ch
     for name, t in tensors.items():
         assert back[name].dtype == t.dtype and back[name].shape == t.shape, name
         assert torch.equal(back[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
+
+
+def test_buckets_travel_by_index_beside_named_buffers():
+    """Job calls: a bucket's chunks carry `Tensor.bucket` (before `data`, so they parse as views of the
+    received bytes); protobuf's own serialization (`bucket` after `data`) decodes to the same tensors."""
+    tensors = {0: torch.arange(300.0), 2: torch.ones(0), "bn.running_mean": torch.full((3,), 0.5)}
+    wire = list(encode_messages(tensors, pb.JobPushRequest, chunk_bytes=256))
+    parsed = [message_parser(pb.JobPushRequest)(b) for b in wire]
+    assert [p.bucket for p in parsed if isinstance(p, Chunk)] == [0, 0, 0, 0, 0, None]
+    ours = decode(p if isinstance(p, Chunk) else p.chunk for p in parsed)
+    theirs = decode(pb.JobPushRequest.FromString(pb.JobPushRequest(chunk=c).SerializeToString()).chunk
+                    for c in encode_all(tensors, 256))
+    for back in (ours, theirs):
+        assert list(back) == list(tensors)
+        assert all(torch.equal(back[k], t) and back[k].dtype == t.dtype for k, t in tensors.items())
+    with pytest.raises(ValueError, match="bucket index >= 0, got -1"):
+        list(encode_messages({-1: torch.ones(1)}, pb.JobPushRequest))
+
+
+def test_tensor_count_is_refused_at_the_first_tensor_past_the_limit():
+    consumed = []
+
+    def endless():  # a stream of empty tensors that never ends
+        for i in itertools.count():
+            consumed.append(i)
+            yield pb.Tensor(name=f"t{i}", dtype="float32", shape=[0])
+
+    with pytest.raises(ValueError, match="tensor 't5' is one tensor too many: this call accepts at most 5"):
+        decode(endless(), max_tensors=5)
+    assert len(consumed) == 6
 
 
 def test_wire_decoded_tensor_is_writable_and_owns_its_memory():

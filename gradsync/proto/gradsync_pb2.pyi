@@ -7,20 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Tensor(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "total_bytes", "offset", "data")
+    __slots__ = ("name", "dtype", "shape", "total_bytes", "offset", "data", "bucket")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     total_bytes: int
     offset: int
     data: bytes
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., total_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    bucket: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., total_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., bucket: _Optional[int] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
@@ -59,7 +61,14 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("shard_id", "version", "workers_seen", "pushes_applied", "pushes_rejected", "steps_skipped", "max_staleness", "bytes_in", "bytes_out")
+    __slots__ = ("shard_id", "version", "workers_seen", "pushes_applied", "pushes_rejected", "steps_skipped", "max_staleness", "bytes_in", "bytes_out", "calls")
+    class CallsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     WORKERS_SEEN_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +78,7 @@ class GetStatsResponse(_message.Message):
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
     BYTES_IN_FIELD_NUMBER: _ClassVar[int]
     BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
     shard_id: int
     version: int
     workers_seen: _containers.RepeatedScalarFieldContainer[int]
@@ -78,7 +88,8 @@ class GetStatsResponse(_message.Message):
     max_staleness: int
     bytes_in: int
     bytes_out: int
-    def __init__(self, shard_id: _Optional[int] = ..., version: _Optional[int] = ..., workers_seen: _Optional[_Iterable[int]] = ..., pushes_applied: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., steps_skipped: _Optional[int] = ..., max_staleness: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ...) -> None: ...
+    calls: _containers.ScalarMap[str, int]
+    def __init__(self, shard_id: _Optional[int] = ..., version: _Optional[int] = ..., workers_seen: _Optional[_Iterable[int]] = ..., pushes_applied: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., steps_skipped: _Optional[int] = ..., max_staleness: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., calls: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("worker", "names")
@@ -125,6 +136,34 @@ class PushResponse(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     version: int
     def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class AbsentEntries(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, entries: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class JobPushHeader(_message.Message):
+    __slots__ = ("worker", "version", "absent")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ABSENT_FIELD_NUMBER: _ClassVar[int]
+    worker: int
+    version: int
+    absent: _containers.RepeatedCompositeFieldContainer[AbsentEntries]
+    def __init__(self, worker: _Optional[int] = ..., version: _Optional[int] = ..., absent: _Optional[_Iterable[_Union[AbsentEntries, _Mapping]]] = ...) -> None: ...
+
+class JobPushRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: JobPushHeader
+    chunk: Tensor
+    def __init__(self, header: _Optional[_Union[JobPushHeader, _Mapping]] = ..., chunk: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class JobPullRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ()

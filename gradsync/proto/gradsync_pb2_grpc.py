@@ -55,6 +55,16 @@ class ParameterServerStub:
                 request_serializer=gradsync_dot_proto_dot_gradsync__pb2.PushRequest.SerializeToString,
                 response_deserializer=gradsync_dot_proto_dot_gradsync__pb2.PushResponse.FromString,
                 _registered_method=True)
+        self.JobPull = channel.unary_stream(
+                '/gradsync.ParameterServer/JobPull',
+                request_serializer=gradsync_dot_proto_dot_gradsync__pb2.JobPullRequest.SerializeToString,
+                response_deserializer=gradsync_dot_proto_dot_gradsync__pb2.PullResponse.FromString,
+                _registered_method=True)
+        self.JobPush = channel.stream_stream(
+                '/gradsync.ParameterServer/JobPush',
+                request_serializer=gradsync_dot_proto_dot_gradsync__pb2.JobPushRequest.SerializeToString,
+                response_deserializer=gradsync_dot_proto_dot_gradsync__pb2.PullResponse.FromString,
+                _registered_method=True)
         self.Checkpoint = channel.unary_unary(
                 '/gradsync.ParameterServer/Checkpoint',
                 request_serializer=gradsync_dot_proto_dot_gradsync__pb2.CheckpointRequest.SerializeToString,
@@ -94,6 +104,21 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def JobPull(self, request, context):
+        """Job members: the shard's snapshot, a PullHeader, then every bucket (Tensor.bucket) and every buffer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def JobPush(self, request_iterator, context):
+        """Job members: one step, a JobPushHeader, then the bucket gradients and the buffers; once the
+        consistency rule applied them, the reply is the snapshot after the step, as JobPull sends it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Checkpoint(self, request, context):
         """Writes the shard's state to the server's checkpoint directory now.
         """
@@ -123,6 +148,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Push,
                     request_deserializer=gradsync_dot_proto_dot_gradsync__pb2.PushRequest.FromString,
                     response_serializer=gradsync_dot_proto_dot_gradsync__pb2.PushResponse.SerializeToString,
+            ),
+            'JobPull': grpc.unary_stream_rpc_method_handler(
+                    servicer.JobPull,
+                    request_deserializer=gradsync_dot_proto_dot_gradsync__pb2.JobPullRequest.FromString,
+                    response_serializer=gradsync_dot_proto_dot_gradsync__pb2.PullResponse.SerializeToString,
+            ),
+            'JobPush': grpc.stream_stream_rpc_method_handler(
+                    servicer.JobPush,
+                    request_deserializer=gradsync_dot_proto_dot_gradsync__pb2.JobPushRequest.FromString,
+                    response_serializer=gradsync_dot_proto_dot_gradsync__pb2.PullResponse.SerializeToString,
             ),
             'Checkpoint': grpc.unary_unary_rpc_method_handler(
                     servicer.Checkpoint,
@@ -239,6 +274,60 @@ class ParameterServer:
             '/gradsync.ParameterServer/Push',
             gradsync_dot_proto_dot_gradsync__pb2.PushRequest.SerializeToString,
             gradsync_dot_proto_dot_gradsync__pb2.PushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JobPull(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/gradsync.ParameterServer/JobPull',
+            gradsync_dot_proto_dot_gradsync__pb2.JobPullRequest.SerializeToString,
+            gradsync_dot_proto_dot_gradsync__pb2.PullResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JobPush(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/gradsync.ParameterServer/JobPush',
+            gradsync_dot_proto_dot_gradsync__pb2.JobPushRequest.SerializeToString,
+            gradsync_dot_proto_dot_gradsync__pb2.PullResponse.FromString,
             options,
             channel_credentials,
             insecure,

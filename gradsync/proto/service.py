@@ -1,7 +1,13 @@
 """The gRPC endpoint of one parameter server: a thin servicer, bearer-token auth, and `serve_grpc`.
 
 The servicer only translates: messages in, calls on a `ParameterServer` (and
-its `ShardState`) out, results back as messages. Errors map to status codes:
+its `ShardState`) out, results back as messages. Clients outside the job use
+the named calls (Pull, Push: tensors by parameter name, converted to and from
+the shard's buckets here); members of the job use the job calls (JobPull,
+JobPush: flat buckets by index in the shard's bucket order, handed to
+`ParameterServer.pull` / `push` as they are). A push stream is bounded in bytes
+(the shard's size) and in tensor count (its entries, or buckets, plus buffers).
+It counts the calls it receives per method (GetStats `calls`). Errors map to status codes:
 bad input -> INVALID_ARGUMENT, a server without its model or without a
 checkpoint directory -> FAILED_PRECONDITION, a push the consistency rule did
 not resolve in time -> DEADLINE_EXCEEDED. Requests are parsed inside the
@@ -11,6 +17,7 @@ it is refused with UNAUTHENTICATED before its request is read.
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import hmac
 import threading
@@ -26,6 +33,7 @@ from gradsync.proto import tensor_codec
 from gradsync.proto.endpoints import new_token
 from gradsync.ps import checkpoint
 from gradsync.ps.named_grads import push_named
+from gradsync.ps.shard import Snapshot
 from gradsync.core.errors import GradientError
 
 SERVICE = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
@@ -70,6 +78,13 @@ class Servicer:
         self.server = server
         self.checkpoint_dir = checkpoint_dir
         self.step_timeout = step_timeout
+        self.calls: collections.Counter[str] = collections.Counter()
+        self._calls_lock = threading.Lock()
+
+    def count(self, method: str) -> None:
+        """Record one call of `method`."""
+        with self._calls_lock:
+            self.calls[method] += 1
 
     def _shard(self):
         if not self.server.ready.is_set():
@@ -94,7 +109,9 @@ class Servicer:
     def get_stats(self, request, context) -> pb.GetStatsResponse:
         _parsed(request)
         shard = self._shard()
-        return pb.GetStatsResponse(shard_id=shard.shard_id, **self.server.stats())
+        with self._calls_lock:
+            calls = dict(self.calls)
+        return pb.GetStatsResponse(shard_id=shard.shard_id, calls=calls, **self.server.stats())
 
     def pull(self, request, context) -> Iterator[pb.PullResponse]:
         request = _parsed(request)
@@ -119,17 +136,47 @@ class Servicer:
 
     def push(self, request_iterator, context) -> pb.PushResponse:
         shard = self._shard()
-        first = next(request_iterator, None)
-        first = _parsed(_Malformed("PushRequest", "the stream is empty") if first is None else first)
-        if isinstance(first, tensor_codec.Chunk) or first.WhichOneof("item") != "header":
-            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "PushRequest: the first message must be a PushHeader")
-        header = first.header
-        limit = sum(t.numel() * t.element_size() for t in [*shard.params.values(), *shard.buffers.values()])
+        header = _header(request_iterator, "PushRequest", "PushHeader")
         try:
-            grads = tensor_codec.decode(_chunks(request_iterator), max_bytes=limit)
+            grads = _received(shard, request_iterator, "PushRequest", len(shard.params) + len(shard.buffers))
+            buckets = sorted(k for k in grads if isinstance(k, int))
+            if buckets:
+                raise ValueError(
+                    f"PushRequest: Tensor.bucket {buckets[0]} addresses a bucket, which only JobPush takes: "
+                    "name each gradient after its parameter"
+                )
             fut = push_named(self.server, header.worker, header.version, grads)
         except ValueError as e:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
+        return pb.PushResponse(version=self._applied(fut, header.worker, context))
+
+    def job_pull(self, request, context) -> Iterator[pb.PullResponse]:
+        _parsed(request)
+        shard = self._shard()
+        yield from _snapshot_messages(shard.shard_id, self.server.pull())
+
+    def job_push(self, request_iterator, context) -> Iterator[pb.PullResponse]:
+        shard = self._shard()
+        header = _header(request_iterator, "JobPushRequest", "JobPushHeader")
+        buckets = len(shard.buckets)
+        try:
+            tensors = _received(shard, request_iterator, "JobPushRequest", buckets + len(shard.buffers))
+            outside = sorted(k for k in tensors if isinstance(k, int) and k >= buckets)
+            if outside:
+                raise ValueError(
+                    f"JobPushRequest: Tensor.bucket {outside[0]} is not a bucket of server {shard.shard_id}, which "
+                    f"owns {buckets} (indices 0..{buckets - 1} in its bucket order): do both ends hold the same plan?"
+                )
+        except ValueError as e:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
+        payloads = [tensors.pop(b, None) for b in range(buckets)]
+        absent = [tuple(a.entries) for a in header.absent]
+        fut = self.server.push(header.worker, header.version, payloads, absent, tensors)
+        self._applied(fut, header.worker, context)
+        yield from _snapshot_messages(shard.shard_id, self.server.pull())
+
+    def _applied(self, fut, worker: int, context) -> int:
+        """Wait (within the step timeout and the call's deadline) until the push `fut` is applied; its version."""
         remaining = context.time_remaining()
         timeout = self.step_timeout if remaining is None else min(self.step_timeout, remaining)
         done = threading.Event()
@@ -138,11 +185,11 @@ class Servicer:
         if not done.wait(timeout):
             raise _Refused(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"push of worker {header.worker} to server {shard.shard_id}: not applied after "
+                f"push of worker {worker} to server {self.server.shard_id}: not applied after "
                 f"{time.monotonic() - start:.1f} s (in sync mode every worker must push each step)",
             )
         try:
-            return pb.PushResponse(version=fut.value())
+            return fut.value()
         except GradientError as e:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
 
@@ -158,7 +205,26 @@ class Servicer:
         return pb.CheckpointResponse(path=path, version=version)
 
 
-def _chunks(request_iterator) -> Iterator[pb.Tensor | tensor_codec.Chunk]:
+def _header(request_iterator, kind: str, header_kind: str):
+    """The header that must open a push stream."""
+    first = next(request_iterator, None)
+    first = _parsed(_Malformed(kind, "the stream is empty") if first is None else first)
+    if isinstance(first, tensor_codec.Chunk) or first.WhichOneof("item") != "header":
+        raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{kind}: the first message must be a {header_kind}")
+    return first.header
+
+
+def _received(shard, request_iterator, kind: str, max_tensors: int) -> dict[tensor_codec.Key, torch.Tensor]:
+    """The tensors of a push stream after its header, at most `max_tensors` of them and the shard's bytes.
+
+    Raises:
+        ValueError: naming the message, the tensor and the field or limit.
+    """
+    max_bytes = sum(b.nbytes for b in shard.buckets) + sum(b.nbytes for b in shard.buffers.values())
+    return tensor_codec.decode(_chunks(request_iterator, kind), max_bytes=max_bytes, max_tensors=max_tensors)
+
+
+def _chunks(request_iterator, kind: str) -> Iterator[pb.Tensor | tensor_codec.Chunk]:
     for message in request_iterator:
         if isinstance(message, tensor_codec.Chunk):
             yield message
@@ -166,8 +232,16 @@ def _chunks(request_iterator) -> Iterator[pb.Tensor | tensor_codec.Chunk]:
         if isinstance(message, _Malformed):
             raise ValueError(message.message)
         if message.WhichOneof("item") != "chunk":
-            raise ValueError("PushRequest: only the first message may be a PushHeader; later ones must be chunks")
+            raise ValueError(f"{kind}: only the first message may be a header; later ones must be chunks")
         yield message.chunk
+
+
+def _snapshot_messages(shard_id: int, snapshot: Snapshot) -> Iterator[pb.PullResponse | bytes]:
+    """A `Snapshot` as the job calls send it: a PullHeader, the buckets by index, the buffers by name."""
+    yield pb.PullResponse(header=pb.PullHeader(shard_id=shard_id, version=snapshot.version))
+    tensors: dict[tensor_codec.Key, torch.Tensor] = dict(enumerate(snapshot.flats))
+    tensors.update(snapshot.buffers)
+    yield from tensor_codec.encode_messages(tensors, pb.PullResponse)
 
 
 def _guarded(method, streaming_response: bool):
@@ -189,22 +263,28 @@ def _guarded(method, streaming_response: bool):
 
 
 def _handlers(servicer: Servicer) -> grpc.GenericRpcHandler:
-    def unary(method, request_cls, response_cls):
-        return grpc.unary_unary_rpc_method_handler(
-            _guarded(method, False), _parser(request_cls), response_cls.SerializeToString
-        )
+    """Every method of the service: its request parser, the servicer's handler (counted, guarded), its serializer."""
+    unary, unary_stream = grpc.unary_unary_rpc_method_handler, grpc.unary_stream_rpc_method_handler
+    stream_unary, stream_stream = grpc.stream_unary_rpc_method_handler, grpc.stream_stream_rpc_method_handler
+    methods = {  # name: (kind, handler, request class, response serializer)
+        "Health": (unary, servicer.health, pb.HealthRequest, pb.HealthResponse.SerializeToString),
+        "GetStats": (unary, servicer.get_stats, pb.GetStatsRequest, pb.GetStatsResponse.SerializeToString),
+        "Checkpoint": (unary, servicer.checkpoint, pb.CheckpointRequest, pb.CheckpointResponse.SerializeToString),
+        "Pull": (unary_stream, servicer.pull, pb.PullRequest, tensor_codec.serialize),
+        "Push": (stream_unary, servicer.push, pb.PushRequest, pb.PushResponse.SerializeToString),
+        "JobPull": (unary_stream, servicer.job_pull, pb.JobPullRequest, tensor_codec.serialize),
+        "JobPush": (stream_stream, servicer.job_push, pb.JobPushRequest, tensor_codec.serialize),
+    }
 
-    return grpc.method_handlers_generic_handler(SERVICE, {
-        "Health": unary(servicer.health, pb.HealthRequest, pb.HealthResponse),
-        "GetStats": unary(servicer.get_stats, pb.GetStatsRequest, pb.GetStatsResponse),
-        "Checkpoint": unary(servicer.checkpoint, pb.CheckpointRequest, pb.CheckpointResponse),
-        "Pull": grpc.unary_stream_rpc_method_handler(
-            _guarded(servicer.pull, True), _parser(pb.PullRequest), tensor_codec.serialize
-        ),
-        "Push": grpc.stream_unary_rpc_method_handler(
-            _guarded(servicer.push, False), _parser(pb.PushRequest, chunks=True), pb.PushResponse.SerializeToString
-        ),
-    })
+    def handler(name, kind, method, request_cls, serialize):
+        def counted(request, context):
+            servicer.count(name)
+            return method(request, context)
+
+        guarded = _guarded(counted, streaming_response=kind in (unary_stream, stream_stream))
+        return kind(guarded, _parser(request_cls, chunks=kind in (stream_unary, stream_stream)), serialize)
+
+    return grpc.method_handlers_generic_handler(SERVICE, {n: handler(n, *m) for n, m in methods.items()})
 
 
 class _BearerAuth(grpc.ServerInterceptor):

@@ -1,17 +1,20 @@
 """torch.Tensor <-> `gradsync.Tensor` chunk messages, with strict validation on decode.
 
-A tensor travels as one or more consecutive chunks carrying its name, dtype,
+A tensor travels as one or more consecutive chunks carrying its address, dtype,
 shape and total byte size; each chunk says at which byte offset its data
-starts. `decode` accepts exactly the chunk sequences `encode` produces: anything
-else (unknown dtype, a shape that does not match the byte count, a missing,
-duplicate, out-of-order or oversized chunk, a tensor sent twice) raises a
-ValueError naming the tensor and the field.
+starts. The address (a `Key`) is a name (`Tensor.name`: a parameter or buffer)
+or, in the job calls, a bucket index (`Tensor.bucket`). `decode` accepts exactly
+the chunk sequences `encode` produces: anything else (unknown dtype, a shape
+that does not match the byte count, a missing, duplicate, out-of-order or
+oversized chunk, a tensor sent twice, more tensors or bytes than the call takes)
+raises a ValueError naming the tensor and the field.
 
 Two representations of the same wire format:
 - `encode` / `encode_all` make `gradsync.Tensor` protobuf objects (for tools and tests);
 - `encode_messages` makes the serialized bytes of the messages that carry the chunks
-  (`PullResponse` / `PushRequest`), byte for byte what protobuf would serialize, but with
-  one copy of the tensor's data instead of three; `parse_message` reads such bytes back
+  (`PullResponse` / `PushRequest` / `JobPushRequest`), byte for byte what protobuf would
+  serialize (but for `Tensor.bucket`, which comes before `data`: protobuf accepts fields in
+  any order), with one copy of the tensor's data instead of three; `parse_message` reads such bytes back
   into a `Chunk` whose `data` is a view of the received bytes (no copy), and
   returns None for any layout it does not recognise, so that the caller parses it with
   protobuf instead. `decode` takes `Chunk`s and `Tensor` messages alike and copies
@@ -19,15 +22,14 @@ Two representations of the same wire format:
 """
 from __future__ import annotations
 
-import ctypes
 import math
-import mmap
 import sys
 from typing import Iterable, Iterator
 
 import torch
 from google.protobuf.message import DecodeError
 
+from gradsync.core import memory
 from gradsync.proto import gradsync_pb2 as pb
 
 if sys.byteorder != "little":
@@ -44,20 +46,11 @@ DTYPES: dict[str, torch.dtype] = {
     )
 }
 
+Key = str | int
+"""A tensor's address: its name (`Tensor.name`), or the index of a bucket (`Tensor.bucket`)."""
+
 _DATA_FIELD = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
 _OFFSET_FIELD = pb.Tensor.DESCRIPTOR.fields_by_name["offset"].number
-
-_HUGE_PAGE = 2 << 20
-_HUGE_PAGE_MIN_BYTES = 8 << 20
-"""Decoded tensors this large ask for transparent huge pages (Linux): a fresh large allocation is a new
-mapping, and faulting it in 4 KB pages cost more than the copy itself here (64 MB: 65 ms -> 16 ms)."""
-try:
-    _libc = ctypes.CDLL(None, use_errno=True)
-    _madvise = _libc.madvise
-    _madvise.argtypes, _madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    _MADV_HUGEPAGE = mmap.MADV_HUGEPAGE
-except (AttributeError, OSError):  # not Linux, or no madvise: plain pages
-    _madvise = None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -68,26 +61,53 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
+def describe(key: Key) -> str:
+    """How errors name the tensor at `key`."""
+    return f"bucket {key}" if isinstance(key, int) else f"tensor {key!r}"
+
+
 class Chunk:
-    """One chunk, as `decode` reads it: the fields of a `Tensor` message, `data` any bytes-like object."""
+    """One chunk, as `decode` reads it: the fields of a `Tensor` message (`bucket` None when not set),
+    `data` any bytes-like object."""
 
-    __slots__ = ("name", "dtype", "shape", "total_bytes", "offset", "data")
+    __slots__ = ("name", "dtype", "shape", "total_bytes", "offset", "data", "bucket")
 
-    def __init__(self, name: str, dtype: str, shape: tuple[int, ...], total_bytes: int, offset: int, data):
+    def __init__(self, name: str, dtype: str, shape: tuple[int, ...], total_bytes: int, offset: int, data,
+                 bucket: int | None = None):
         self.name, self.dtype, self.shape = name, dtype, shape
-        self.total_bytes, self.offset, self.data = total_bytes, offset, data
+        self.total_bytes, self.offset, self.data, self.bucket = total_bytes, offset, data, bucket
 
     @classmethod
     def of(cls, message: pb.Tensor) -> "Chunk":
         # each read of a bytes field makes a copy: read it once
         return cls(message.name, message.dtype, tuple(message.shape), message.total_bytes, message.offset,
-                   message.data)
+                   message.data, message.bucket if message.HasField("bucket") else None)
+
+    @property
+    def key(self) -> Key:
+        """The chunk's address; raises ValueError unless exactly one of name and bucket is set."""
+        if self.bucket is None:
+            if not self.name:
+                raise ValueError("Tensor.name is empty: every chunk must name its tensor (or set Tensor.bucket)")
+            return self.name
+        if self.name:
+            raise ValueError(
+                f"a chunk of bucket {self.bucket} also sets Tensor.name {self.name!r}: set one of the two"
+            )
+        return self.bucket
 
 
-def _raw(name: str, tensor: torch.Tensor) -> tuple[str, list[int], int, memoryview | None]:
+def _address(key: Key) -> dict:
+    """The `Tensor` fields that carry `key`."""
+    if isinstance(key, int) and not isinstance(key, bool) and key >= 0:
+        return {"bucket": key}
+    if isinstance(key, str) and key:
+        return {"name": key}
+    raise ValueError(f"a tensor is sent under a non-empty name or a bucket index >= 0, got {key!r}")
+
+
+def _raw(tensor: torch.Tensor) -> tuple[str, list[int], int, memoryview | None]:
     """(dtype name, shape, byte size, the bytes of a contiguous CPU copy or view) of a tensor to send."""
-    if not name:
-        raise ValueError("a tensor needs a non-empty name to be sent")
     dtype = dtype_name(tensor.dtype)
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)  # no copy for a contiguous CPU tensor
     total = flat.numel() * flat.element_size()
@@ -107,24 +127,25 @@ def _spans(total: int, chunk_bytes: int) -> Iterator[tuple[int, int]]:
             return
 
 
-def encode(name: str, tensor: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.Tensor]:
+def encode(key: Key, tensor: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.Tensor]:
     """The chunks of one tensor (at least one, even when it is empty).
 
     Args:
-        name: the tensor's name, non-empty.
+        key: the tensor's name (non-empty) or bucket index (>= 0).
         tensor: any device; it is copied to CPU and made contiguous.
         chunk_bytes: the largest `data` per chunk.
     """
-    dtype, shape, total, raw = _raw(name, tensor)
+    address = _address(key)
+    dtype, shape, total, raw = _raw(tensor)
     for offset, end in _spans(total, chunk_bytes):
         data = raw[offset:end].tobytes() if raw is not None else b""
-        yield pb.Tensor(name=name, dtype=dtype, shape=shape, total_bytes=total, offset=offset, data=data)
+        yield pb.Tensor(**address, dtype=dtype, shape=shape, total_bytes=total, offset=offset, data=data)
 
 
-def encode_all(tensors: dict[str, torch.Tensor], chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.Tensor]:
-    """The chunks of several named tensors, one tensor after the other."""
-    for name, tensor in tensors.items():
-        yield from encode(name, tensor, chunk_bytes)
+def encode_all(tensors: dict[Key, torch.Tensor], chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.Tensor]:
+    """The chunks of several tensors, one tensor after the other."""
+    for key, tensor in tensors.items():
+        yield from encode(key, tensor, chunk_bytes)
 
 
 def _varint(value: int) -> bytes:
@@ -140,21 +161,23 @@ def _chunk_field(message_cls) -> int:
     return message_cls.DESCRIPTOR.fields_by_name["chunk"].number
 
 
-def encode_messages(tensors: dict[str, torch.Tensor], message_cls,
+def encode_messages(tensors: dict[Key, torch.Tensor], message_cls,
                     chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
-    """The serialized messages that carry the chunks of several named tensors, one tensor after the other.
+    """The serialized messages that carry the chunks of several tensors, one tensor after the other.
 
-    Each item is byte for byte `message_cls(chunk=c).SerializeToString()` for the chunks `c` of
-    `encode_all(tensors, chunk_bytes)`, made with one copy of the tensor data (protobuf makes three:
-    slice, field, serialize). Hand them to gRPC with `serialize`, which passes bytes through.
+    Each item parses as `message_cls(chunk=c)` for the chunks `c` of `encode_all(tensors, chunk_bytes)`
+    (byte for byte protobuf's serialization for a named tensor; a bucket's `Tensor.bucket` comes before
+    `data`), made with one copy of the tensor data (protobuf makes three: slice, field, serialize).
+    Hand them to gRPC with `serialize`, which passes bytes through.
 
     Args:
-        message_cls: `PullResponse` or `PushRequest` (a message with a `Tensor chunk` field).
+        message_cls: `PullResponse`, `PushRequest` or `JobPushRequest` (a message with a `Tensor chunk` field).
     """
     outer_tag = _varint(_chunk_field(message_cls) << 3 | 2)
-    for name, tensor in tensors.items():
-        dtype, shape, total, raw = _raw(name, tensor)
-        head = pb.Tensor(name=name, dtype=dtype, shape=shape, total_bytes=total).SerializeToString()
+    for key, tensor in tensors.items():
+        address = _address(key)
+        dtype, shape, total, raw = _raw(tensor)
+        head = pb.Tensor(**address, dtype=dtype, shape=shape, total_bytes=total).SerializeToString()
         for offset, end in _spans(total, chunk_bytes):
             size = end - offset
             body = head
@@ -228,7 +251,7 @@ def parse_message(buf: bytes, message_cls) -> Chunk | None:
         return None
     head = pb.Tensor.FromString(buf[start : last[0]])  # protobuf keeps the last `data`, as this does
     return Chunk(head.name, head.dtype, tuple(head.shape), head.total_bytes, head.offset,
-                 memoryview(buf)[last[3] : end])
+                 memoryview(buf)[last[3] : end], head.bucket if head.HasField("bucket") else None)
 
 
 def message_parser(message_cls):
@@ -249,29 +272,16 @@ def serialize(message) -> bytes:
     return message if type(message) is bytes else message.SerializeToString()
 
 
-def _empty(shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> torch.Tensor:
-    """torch.empty, asking the kernel for huge pages in the whole 2 MB pages inside a large tensor's memory."""
-    out = torch.empty(shape, dtype=dtype)
-    if _madvise is not None and nbytes >= _HUGE_PAGE_MIN_BYTES:
-        start = -(-out.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
-        end = (out.data_ptr() + nbytes) // _HUGE_PAGE * _HUGE_PAGE
-        if end > start:
-            _madvise(start, end - start, _MADV_HUGEPAGE)  # advice only: a failure leaves plain pages
-    return out
-
-
 class _Partial:
     """A tensor whose chunks are still arriving, copied into place as they come."""
 
-    def __init__(self, chunk: Chunk, budget: int | None, max_bytes: int | None):
-        where = f"tensor {chunk.name!r}"
-        if not chunk.name:
-            raise ValueError("Tensor.name is empty: every chunk must name its tensor")
+    def __init__(self, key: Key, chunk: Chunk, budget: int | None, max_bytes: int | None):
+        where = describe(key)
         if chunk.dtype not in DTYPES:
             raise ValueError(f"{where}: unknown Tensor.dtype {chunk.dtype!r}; expected one of {', '.join(DTYPES)}")
         if any(d < 0 for d in chunk.shape):
             raise ValueError(f"{where}: Tensor.shape {list(chunk.shape)} has a negative dimension")
-        self.name, self.dtype_name, self.shape = chunk.name, chunk.dtype, chunk.shape
+        self.key, self.dtype_name, self.shape = key, chunk.dtype, chunk.shape
         self.dtype = DTYPES[chunk.dtype]
         self.total = chunk.total_bytes
         expected = math.prod(self.shape) * self.dtype.itemsize
@@ -285,13 +295,13 @@ class _Partial:
                 f"{where}: Tensor.total_bytes {self.total} exceeds the {budget} bytes left of the {max_bytes} "
                 "this call accepts (is it the right tensor for this server?)"
             )
-        self.out = _empty(self.shape, self.dtype, self.total)
+        self.out = memory.empty(self.shape, self.dtype)  # huge pages when large: see gradsync.core.memory
         # the tensor's own bytes, writable: each chunk is copied straight into place
         self.bytes = memoryview(self.out.reshape(-1).view(torch.uint8).numpy()) if self.total else None
         self.received = 0
 
     def add(self, chunk: Chunk) -> None:
-        where = f"tensor {self.name!r}"
+        where = describe(self.key)
         if (chunk.dtype, chunk.shape, chunk.total_bytes) != (self.dtype_name, self.shape, self.total):
             raise ValueError(f"{where}: a chunk changed Tensor.dtype, Tensor.shape or Tensor.total_bytes mid-tensor")
         if chunk.offset != self.received:
@@ -319,18 +329,20 @@ class _Partial:
         return self.received == self.total
 
 
-def decode(chunks: Iterable[pb.Tensor | Chunk], max_bytes: int | None = None) -> dict[str, torch.Tensor]:
-    """Reassemble named tensors from their chunks, in the order they arrive.
+def decode(chunks: Iterable[pb.Tensor | Chunk], max_bytes: int | None = None,
+           max_tensors: int | None = None) -> dict[Key, torch.Tensor]:
+    """Reassemble tensors from their chunks, in the order they arrive.
 
     Args:
         chunks: `Tensor` messages as `encode_all` produces them, or `Chunk`s as `parse_message` returns them.
         max_bytes: the most tensor bytes to accept in all (checked before allocating); None: no limit.
+        max_tensors: the most tensors to accept (checked when a new one starts); None: no limit.
     Returns:
-        Tensors by name (CPU, writable, not sharing memory with the messages).
+        Tensors by key: name or bucket index (CPU, writable, not sharing memory with the messages).
     Raises:
         ValueError: naming the tensor and the field, for any sequence `encode_all` would not produce.
     """
-    out: dict[str, torch.Tensor] = {}
+    out: dict[Key, torch.Tensor] = {}
     current: _Partial | None = None
     budget = max_bytes
     for chunk in chunks:
@@ -338,21 +350,27 @@ def decode(chunks: Iterable[pb.Tensor | Chunk], max_bytes: int | None = None) ->
             chunk = Chunk.of(chunk)
         elif not isinstance(chunk, Chunk):
             raise ValueError(f"expected a Tensor message, got {type(chunk).__name__}")
-        if current is not None and chunk.name != current.name:
+        key = chunk.key
+        if current is not None and key != current.key:
             raise ValueError(
-                f"tensor {current.name!r} is truncated: {current.received} of {current.total} bytes arrived "
-                f"before a chunk of {chunk.name!r}"
+                f"{describe(current.key)} is truncated: {current.received} of {current.total} bytes arrived "
+                f"before a chunk of {describe(key)}"
             )
         if current is None:
-            if chunk.name in out:
-                raise ValueError(f"tensor {chunk.name!r} was sent twice (duplicate Tensor.name)")
-            current = _Partial(chunk, budget, max_bytes)
+            if key in out:
+                raise ValueError(f"{describe(key)} was sent twice (duplicate Tensor.name or Tensor.bucket)")
+            if max_tensors is not None and len(out) >= max_tensors:
+                raise ValueError(
+                    f"{describe(key)} is one tensor too many: this call accepts at most {max_tensors} "
+                    "(is it the right server?)"
+                )
+            current = _Partial(key, chunk, budget, max_bytes)
             if budget is not None:
                 budget -= current.total
         current.add(chunk)
         if current.complete:
-            out[current.name] = current.out
+            out[current.key] = current.out
             current = None
     if current is not None:
-        raise ValueError(f"tensor {current.name!r} is truncated: {current.received} of {current.total} bytes arrived")
+        raise ValueError(f"{describe(current.key)} is truncated: {current.received} of {current.total} bytes arrived")
     return out

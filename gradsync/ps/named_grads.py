@@ -42,7 +42,7 @@ def bucket_gradients(shard: ShardState, worker: int, grads: dict[str, torch.Tens
 
 
 def push_named(server, worker: int, pulled_version: int, grads: dict[str, torch.Tensor]) -> torch.futures.Future:
-    """Hand `grads` (by name) to `server.push` in plain format; resolves to the shard's `Snapshot` after the
+    """Hand `grads` (by name) to `server.push` in plain format; resolves to the shard's version after the
     step or fails with the reason.
 
     Args:

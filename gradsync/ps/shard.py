@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import torch
 
+from gradsync.core import memory
 from gradsync.core.buckets import Bucket
 from gradsync.core.errors import GradientError
 from gradsync.ps.table import TableShard
@@ -86,7 +87,7 @@ class ShardState:
         """The current version's CPU copy, made on the first call per version and never modified. Call with
         `lock` held."""
         if self._published is None:
-            flats = [f.detach().to("cpu", copy=True) for f in self.flats]
+            flats = [memory.cpu_copy(f) for f in self.flats]  # huge pages: a large fresh copy faults in 4 KB pages
             buffers = {n: b.to("cpu", copy=True) for n, b in self.buffers.items()}
             self._published = Snapshot(self.version, flats, buffers)
         return self._published

@@ -3,10 +3,12 @@
 Server side: `start_endpoint` serves a `ParameterServer` over gRPC
 (`gradsync.proto.service`) and publishes the address (run directory and
 rendezvous store); in a `--transport grpc` job, `register_from_store` takes
-the model the workers left in the store. Worker side: `GrpcTransport` pulls
-and pushes through `gradsync.client.Client`, by bucket entry key (a split
-parameter's piece is `name[start:end]`), converting to and from the flat
-buckets of the shared plan at this boundary.
+the model the workers left in the store (plain data only: `store_data`).
+Worker side: `GrpcTransport` uses the job calls of the service, which carry
+the flat buckets of the shared plan by index (no names, no conversion): one
+JobPull stream per server before the first step, then one JobPush stream per
+server per step, whose reply is the server's snapshot after the step, which
+the next forward uses without a pull (as over torch RPC).
 
 Settings come from the environment the launcher (or the user, under torchrun)
 sets: GRADSYNC_RUN_DIR (default ./runs/<job id>), GRADSYNC_GRPC_HOST (default
@@ -17,18 +19,23 @@ GRADSYNC_TLS_CERT / GRADSYNC_TLS_KEY for TLS.
 """
 from __future__ import annotations
 
-import io
 import os
+import time
 
+import grpc
 import torch
 import torch.distributed as dist
 
+from gradsync.client import Client, read_pulled
 from gradsync.config import JobConfig, StoreKeys
 from gradsync.core.buckets import Bucket, ModelSpec
+from gradsync.proto import gradsync_pb2 as pb
+from gradsync.proto import tensor_codec
 from gradsync.proto.endpoints import new_token, write_endpoints
+from gradsync.proto.service import SERVICE, serve_grpc
 from gradsync.ps.server import ParameterServer
 from gradsync.ps.shard import Snapshot
-
+from gradsync.transport.store_data import from_bytes, optimizer_class, optimizer_name, to_bytes
 
 
 def run_dir() -> str:
@@ -48,8 +55,6 @@ def job_token(store: dist.Store) -> str:
 
 def start_endpoint(server: ParameterServer, store: dist.Store, step_timeout: float):
     """Serve `server` over gRPC and write its address and the token to the run directory."""
-    from gradsync.proto.service import serve_grpc
-
     directory = run_dir()
     port = int(os.environ.get("GRADSYNC_GRPC_PORT", "0"))
     token = job_token(store)
@@ -68,28 +73,18 @@ def start_endpoint(server: ParameterServer, store: dist.Store, step_timeout: flo
     return endpoint
 
 
-def to_bytes(obj) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
-
-
-def from_bytes(data: bytes):
-    return torch.load(io.BytesIO(data), weights_only=False)  # the store is the job's trusted control plane
-
-
 def register_from_store(server: ParameterServer, store: dist.Store, config: JobConfig) -> None:
     """On a server of a grpc-transport job: take the model that the workers left in the store,
     register it, and answer in the store (the frozen parameters, or the error text)."""
     shard = server.shard_id
     keys = [StoreKeys.GRPC_SETUP.format(shard)] + [StoreKeys.GRPC_SPEC.format(shard, w) for w in range(config.num_workers)]
     store.wait(keys)
-    setup = from_bytes(store.get(StoreKeys.GRPC_SETUP.format(shard)))
-    futures = [
-        server.register(w, from_bytes(store.get(StoreKeys.GRPC_SPEC.format(shard, w))), setup if w == 0 else None)
-        for w in range(config.num_workers)
-    ]
     try:
+        setup = from_bytes(store.get(StoreKeys.GRPC_SETUP.format(shard)), f"the setup of server {shard}")
+        setup["optimizer_cls"] = optimizer_class(setup["optimizer_cls"])
+        specs = [from_bytes(store.get(StoreKeys.GRPC_SPEC.format(shard, w)), f"the model spec of worker {w}")
+                 for w in range(config.num_workers)]
+        futures = [server.register(w, spec, setup if w == 0 else None) for w, spec in enumerate(specs)]
         answer = [fut.wait() for fut in futures][0]
     except Exception as e:
         answer = str(e)
@@ -97,64 +92,82 @@ def register_from_store(server: ParameterServer, store: dist.Store, config: JobC
 
 
 class GrpcTransport:
-    """The worker side: pull and push through each server's gRPC endpoint."""
+    """The worker side: one streaming call per server for each pull and each step, through the job calls."""
 
-    def __init__(self, config: JobConfig, store: dist.Store, server_buckets: dict[int, list[Bucket]],
-                 owner: dict[str, int]):
-        from gradsync.client import Client
-
+    def __init__(self, config: JobConfig, store: dist.Store, server_buckets: dict[int, list[Bucket]]):
         self.config = config
         self.store = store
         self.worker = config.worker_rank
         self.servers = list(server_buckets)
         self.server_buckets = server_buckets
-        self.owner = owner
+        self.frozen: dict[int, dict[str, torch.Tensor]] = {}
         store.wait([StoreKeys.GRPC_ADDRESS.format(s) for s in self.servers])  # bounded by the store's start-up timeout
         addresses = {s: store.get(StoreKeys.GRPC_ADDRESS.format(s)).decode() for s in self.servers}
         self.client = Client(addresses, token=job_token(store), timeout=config.step_timeout)
+        snapshot = tensor_codec.message_parser(pb.PullResponse)  # chunks as views of the received bytes
+        self._pulls = {s: c.unary_stream(f"/{SERVICE}/JobPull", request_serializer=pb.JobPullRequest.SerializeToString,
+                                         response_deserializer=snapshot) for s, c in self.client.channels.items()}
+        self._pushes = {s: c.stream_stream(f"/{SERVICE}/JobPush", request_serializer=tensor_codec.serialize,
+                                           response_deserializer=snapshot) for s, c in self.client.channels.items()}
 
     def register(self, spec: ModelSpec, setups: dict[int, dict | None]) -> dict[str, torch.Tensor]:
-        self.buffer_names = {t.name for t in spec.buffers}
+        for t in spec.params + spec.buffers:  # refused here, not later inside gRPC's sending thread
+            try:
+                tensor_codec.dtype_name(t.dtype)
+            except ValueError as e:
+                raise ValueError(f"{t.name!r}: {e}; or use --transport rpc") from None
         for s in self.servers:
             if setups[s] is not None:
-                self.store.set(StoreKeys.GRPC_SETUP.format(s), to_bytes(setups[s]))
+                plain = dict(setups[s], optimizer_cls=optimizer_name(setups[s]["optimizer_cls"]))
+                self.store.set(StoreKeys.GRPC_SETUP.format(s), to_bytes(plain))
             self.store.set(StoreKeys.GRPC_SPEC.format(s, self.worker), to_bytes(spec))
         self.store.wait([StoreKeys.GRPC_REGISTERED.format(s) for s in self.servers])
-        frozen = {}
         for s in self.servers:
-            answer = from_bytes(self.store.get(StoreKeys.GRPC_REGISTERED.format(s)))
+            answer = from_bytes(self.store.get(StoreKeys.GRPC_REGISTERED.format(s)), f"the answer of server {s}")
             if isinstance(answer, str):
                 raise RuntimeError(f"registering the model on ps{s} failed: {answer}")
-            frozen.update(answer)
-        return frozen
+            self.frozen[s] = answer
+        return {n: t for part in self.frozen.values() for n, t in part.items()}
 
     def pull(self) -> dict[int, Snapshot]:
-        tensors, versions = self.client.pull_versioned(whole=False)
-        return {s: self._snapshot(s, versions[s], tensors) for s in self.servers}
-
-    def _snapshot(self, s: int, version: int, tensors: dict[str, torch.Tensor]) -> Snapshot:
-        flats = [torch.cat([tensors[e.key].reshape(-1) for e in b.entries]) for b in self.server_buckets[s]]
-        buffers = {n: t for n, t in tensors.items() if n in self.buffer_names and self.owner[n] == s}
-        return Snapshot(version, flats, buffers)
+        start = time.monotonic()
+        calls = {s: self._pulls[s](pb.JobPullRequest(), timeout=self.config.step_timeout,
+                                   metadata=self.client.metadata) for s in self.servers}
+        return {s: self._snapshot("JobPull", s, call, start) for s, call in calls.items()}
 
     def push(self, versions, payloads, absent, buffers, rows=None) -> dict[int, Snapshot]:
-        named: dict[str, torch.Tensor] = {}
-        for s in self.servers:
-            for bucket, flat, missing in zip(self.server_buckets[s], payloads[s], absent[s]):
-                if flat is not None:
-                    named.update({e.key: e.view(flat) for i, e in enumerate(bucket.entries) if i not in missing})
-            named.update(buffers[s])
-        self.client.push(named, versions, self.worker)
-        return self.pull()
+        start = time.monotonic()
+        calls = {s: self._pushes[s](self._step(versions[s], payloads[s], absent[s], buffers[s]),
+                                    timeout=self.config.step_timeout, metadata=self.client.metadata)
+                 for s in self.servers}
+        return {s: self._snapshot("JobPush", s, call, start) for s, call in calls.items()}
+
+    def _step(self, version: int, payloads: list, absent: list, buffers: dict):
+        """The messages of one JobPush: the header, then the bucket gradients by index and the buffers."""
+        header = pb.JobPushHeader(worker=self.worker, version=version,
+                                  absent=[pb.AbsentEntries(entries=missing) for missing in absent])
+        yield pb.JobPushRequest(header=header)
+        tensors = {b: flat for b, flat in enumerate(payloads) if flat is not None}
+        tensors.update(buffers)
+        yield from tensor_codec.encode_messages(tensors, pb.JobPushRequest)
+
+    def _snapshot(self, what: str, s: int, call, start: float) -> Snapshot:
+        """Read one server's snapshot stream: its buckets by index, its buffers by name."""
+        try:
+            version, tensors = read_pulled(call, what, s)
+        except grpc.RpcError as e:
+            raise self.client.error(what, s, start, e) from None
+        buckets = len(self.server_buckets[s])
+        if sorted(k for k in tensors if isinstance(k, int)) != list(range(buckets)):
+            raise RuntimeError(
+                f"{what} on ps{s}: the snapshot holds buckets {sorted(k for k in tensors if isinstance(k, int))}, "
+                f"expected 0..{buckets - 1}: do the worker and the server hold the same bucket plan?"
+            )
+        return Snapshot(version, [tensors.pop(b) for b in range(buckets)], tensors)
 
     def state(self) -> dict[int, tuple]:
-        tensors, versions = self.client.pull_versioned(whole=False)
-        out = {}
-        for s in self.servers:
-            snap = self._snapshot(s, versions[s], tensors)
-            named = {n: t for n, t in tensors.items() if self.owner.get(n) == s}
-            out[s] = (snap.version, snap.flats, named)
-        return out
+        return {s: (snap.version, snap.flats, {**snap.buffers, **{n: t.clone() for n, t in self.frozen[s].items()}})
+                for s, snap in self.pull().items()}
 
     def stats(self) -> dict[int, dict]:
         return self.client.stats()

@@ -94,7 +94,7 @@ class PSStrategy:
         self.server_buckets = by_server(self.buckets, config.servers)
         self.owner = assign_tensors(self.spec.buffers + self.spec.frozen, config.servers)
         self.wire = make_wire(config.compression)
-        self.transport = _transport(cluster, self.server_buckets, self.owner)
+        self.transport = _transport(cluster, self.server_buckets)
         self.tables.transport = self.transport
         self.frozen = self._register(params, buffers, optimizer_cls, optimizer_kwargs, table_setups, table_optimizer)
         for p in params.values():  # the servers own the values now; the local copies are never used
@@ -198,11 +198,11 @@ def _dense(grad: torch.Tensor) -> torch.Tensor:
     return grad.to_dense() if grad.is_sparse else grad
 
 
-def _transport(cluster: Cluster, server_buckets: dict[int, list[Bucket]], owner: dict[str, int]):
+def _transport(cluster: Cluster, server_buckets: dict[int, list[Bucket]]):
     if cluster.config.transport == "grpc":
         from gradsync.transport.grpc import GrpcTransport
 
-        return GrpcTransport(cluster.config, cluster.store, server_buckets, owner)
+        return GrpcTransport(cluster.config, cluster.store, server_buckets)
     from gradsync.transport.rpc import RpcTransport
 
     return RpcTransport(cluster.config, list(server_buckets))

@@ -145,7 +145,9 @@ def serve_tables(module: nn.Module, tables: str, num_servers: int, metrics, opti
     registration sends each server of them (only when `send`: worker 0), and the row optimizer (the
     user's, else the exact row-wise form of the dense optimizer)."""
     found = find_tables(module) if tables == "auto" else {}
-    if found and table_optimizer is None:
+    if not found:
+        table_optimizer = None
+    elif table_optimizer is None:
         table_optimizer = default_row_optimizer(optimizer_cls, optimizer_kwargs, next(iter(found)))
     served = ServedTables(found, num_servers, metrics)
     setups = served.setups() if send else {s: {} for s in range(num_servers)}

@@ -1,0 +1,92 @@
+"""What a grpc job passes through the rendezvous store: plain data only, the optimizer class by name."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gradsync.config import JobConfig, StoreKeys
+from gradsync.core.buckets import ModelSpec, plan_buckets
+from gradsync.ps.server import ParameterServer, make_setup
+from gradsync.transport.grpc import register_from_store
+from gradsync.transport.store_data import from_bytes, optimizer_class, optimizer_name, to_bytes
+from grpc_harness import model_state
+
+RAN: list[str] = []
+
+
+def _record(what: str) -> None:
+    RAN.append(what)
+
+
+class _Payload:
+    """Unpickling it would call `_record`: what a hostile store entry could do with any callable."""
+
+    def __reduce__(self):
+        return _record, ("unpickled",)
+
+
+class Halved(torch.optim.SGD):
+    """A user's optimizer class, at the top level of an importable module."""
+
+
+def _setup(optimizer_cls=torch.optim.SGD):
+    params, buffers = model_state()
+    spec = ModelSpec.of(params, buffers)
+    buckets = plan_buckets(spec.params, 1, cap_bytes=256)
+    return spec, make_setup(buckets, params, buffers, {}, optimizer_cls, {"lr": 0.1, "betas": (0.9, 0.99)})
+
+
+def test_spec_and_setup_round_trip_as_plain_data():
+    spec, setup = _setup()
+    plain = dict(setup, optimizer_cls=optimizer_name(setup["optimizer_cls"]))
+    back = from_bytes(to_bytes({"spec": spec, "setup": plain}), "the test's data")
+    assert back["spec"] == spec and back["setup"]["buckets"] == setup["buckets"]
+    assert back["setup"]["optimizer_cls"] == "torch.optim.sgd:SGD"
+    assert back["setup"]["optimizer_kwargs"] == {"lr": 0.1, "betas": (0.9, 0.99)}
+    for kind in ("params", "buffers"):
+        assert all(torch.equal(back["setup"][kind][n], t) for n, t in setup[kind].items())
+
+
+def test_anything_but_plain_data_is_refused_without_running_it():
+    with pytest.raises(ValueError, match="the setup of server 0 in the rendezvous store is not plain data"):
+        from_bytes(to_bytes({"optimizer_kwargs": {"lr": _Payload()}}), "the setup of server 0")
+    with pytest.raises(ValueError, match="not plain data"):
+        from_bytes(to_bytes(torch.optim.SGD), "a class")
+    assert RAN == []
+
+
+def test_optimizer_classes_travel_by_name_and_resolve_only_to_optimizers():
+    for cls in (torch.optim.SGD, torch.optim.Adam, Halved):
+        assert optimizer_class(optimizer_name(cls)) is cls
+
+    class Local(torch.optim.SGD):
+        pass
+
+    with pytest.raises(ValueError, match="defined inside a function: define it at the top level"):
+        optimizer_name(Local)
+    with pytest.raises(ValueError, match="must be a torch.optim.Optimizer subclass, got <built-in function print>"):
+        optimizer_name(print)
+    for name, match in [
+        ("os:system", "'os:system' is not a torch.optim.Optimizer subclass"),
+        ("builtins:eval", "is not a torch.optim.Optimizer subclass"),
+        ("torch.optim:Optimizer.zero_grad", "is not a torch.optim.Optimizer subclass"),
+        ("no_such_module_here:Opt", "cannot be found on this server"),
+        ("torch.optim:NoSuchOptimizer", "cannot be found on this server"),
+        ("SGD", "is not 'module:qualname'"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            optimizer_class(name)
+
+
+@pytest.mark.timeout(60)
+def test_server_answers_a_refused_optimizer_in_the_store_and_registers_nothing():
+    spec, setup = _setup()
+    store = dist.HashStore()
+    store.set(StoreKeys.GRPC_SETUP.format(0), to_bytes(dict(setup, optimizer_cls="os:system")))
+    store.set(StoreKeys.GRPC_SPEC.format(0, 0), to_bytes(spec))
+    server = ParameterServer(0, 1, "sync", "raise")
+    register_from_store(server, store, JobConfig(strategy="ps", servers=1, rank=0, world_size=2, transport="grpc"))
+    answer = from_bytes(store.get(StoreKeys.GRPC_REGISTERED.format(0)), "the answer")
+    assert answer == "'os:system' is not a torch.optim.Optimizer subclass: refusing it as the optimizer"
+    assert server.shard is None and not server.ready.is_set()
