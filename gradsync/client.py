@@ -20,6 +20,7 @@ import grpc
 import torch
 
 from gradsync.core.buckets import Entry, join_pieces
+from gradsync.core.tables import check_ids, join_rows, split_ids
 from gradsync.proto import gradsync_pb2 as pb
 from gradsync.proto import gradsync_pb2_grpc as pb_grpc
 from gradsync.proto import tensor_codec
@@ -81,6 +82,11 @@ class Client:
                                   response_deserializer=tensor_codec.message_parser(pb.PullResponse))
             for shard, c in self.channels.items()
         }
+        self._pull_rows = {
+            shard: c.unary_stream(f"/{_SERVICE}/PullRows", request_serializer=pb.PullRowsRequest.SerializeToString,
+                                  response_deserializer=tensor_codec.message_parser(pb.PullResponse))
+            for shard, c in self.channels.items()
+        }
         self._pushes = {
             shard: c.stream_unary(f"/{_SERVICE}/Push", request_serializer=tensor_codec.serialize,
                                   response_deserializer=pb.PushResponse.FromString)
@@ -89,6 +95,7 @@ class Client:
         self.metadata = (("authorization", f"Bearer {token}"),)
         self._owners: dict[str, int] | None = None
         self._pieces: list[tuple] | None = None
+        self._tables: dict[str, dict] | None = None
 
     def error(self, call: str, shard: int, start: float, e: grpc.RpcError) -> Exception:
         """The builtin exception for `call` on `shard` failing with `e`, naming the address and elapsed time
@@ -107,25 +114,60 @@ class Client:
             raise self.error(call, shard, start, e) from None
 
     def health(self) -> dict[int, dict]:
-        """Per shard: ready, version, and the names of its parameters and buffers."""
+        """Per shard: ready, version, the names of its parameters and buffers, the pieces of split
+        parameters, and the embedding tables it holds rows of."""
         out = {}
         for shard in self._stubs:
             r = self._unary("Health", shard, pb.HealthRequest())
             out[shard] = {"shard_id": r.shard_id, "ready": r.ready, "version": r.version,
                           "parameters": list(r.parameters), "buffers": list(r.buffers),
-                          "pieces": [Entry(p.name, tuple(p.shape), 0, p.numel, p.start) for p in r.pieces]}
+                          "pieces": [Entry(p.name, tuple(p.shape), 0, p.numel, p.start) for p in r.pieces],
+                          "tables": {t.name: {"shape": tuple(t.shape), "dtype": t.dtype, "num_servers": t.num_servers,
+                                              "rows_held": t.rows_held} for t in r.tables}}
         return out
 
     def stats(self) -> dict[int, dict]:
         """Per shard: version, workers_seen, pushes_applied/rejected, steps_skipped, max_staleness, bytes_in/out,
-        and the calls its endpoint received by method name."""
+        the calls its endpoint received by method name, and per embedding table its rows, bytes, rows
+        pulled and pushed and max_staleness."""
         out = {}
         for shard in self._stubs:
             r = self._unary("GetStats", shard, pb.GetStatsRequest())
             out[shard] = {f.name: getattr(r, f.name) for f in r.DESCRIPTOR.fields if f.name != "shard_id"}
             out[shard]["workers_seen"] = list(r.workers_seen)
             out[shard]["calls"] = dict(r.calls)
+            out[shard]["tables"] = {t.name: {f.name: getattr(t, f.name) for f in t.DESCRIPTOR.fields if f.name != "name"}
+                                    for t in r.tables}
         return out
+
+    def tables(self) -> dict[str, dict]:
+        """Every embedding table served row-wise: its shape, dtype and number of servers (asked once, then
+        cached)."""
+        if self._tables is None:
+            self._tables = {n: t for h in self.health().values() for n, t in h["tables"].items()}
+        return self._tables
+
+    def pull_rows(self, table: str, ids, timeout: float | None = None) -> torch.Tensor:
+        """Rows `ids` (global row ids, any order, repeats allowed) of an embedding table, shape (len(ids), dim),
+        one call per shard holding any of them."""
+        info = self.tables().get(table)
+        if info is None:
+            raise KeyError(f"this run serves no table {table!r}: it serves {sorted(self.tables())}")
+        ids = torch.as_tensor(ids, dtype=torch.int64).reshape(-1)
+        check_ids(table, ids, info["shape"][0])
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        parts = split_ids(unique, info["num_servers"])
+        calls = {s: self._pull_rows[s](pb.PullRowsRequest(table=table, ids=unique[where].tolist()),
+                                       timeout=timeout or self.timeout, metadata=self.metadata)
+                 for s, (where, _) in parts.items()}
+        rows = torch.empty(unique.numel(), info["shape"][1], dtype=getattr(torch, info["dtype"]))
+        start = time.monotonic()
+        for s, call in calls.items():
+            try:
+                rows[parts[s][0]] = read_pulled(call, "PullRows", s)[1][table]
+            except grpc.RpcError as e:
+                raise self.error("PullRows", s, start, e) from None
+        return rows[inverse]
 
     def pieces(self) -> list[Entry]:
         """Every piece of a parameter split across shards: its name, whole shape, start and numel (asked once,
@@ -147,13 +189,14 @@ class Client:
     def _route(self, names) -> dict[int, list[str]]:
         if len(self._stubs) == 1:
             return {next(iter(self._stubs)): list(names)}
-        owners = self.owners()
-        unknown = sorted(set(names) - owners.keys())
+        owners, tables = self.owners(), self.tables()
+        unknown = sorted(set(names) - owners.keys() - tables.keys())
         if unknown:
             raise ValueError(f"no server of this run owns {unknown[:5]}: check the names against model.state_dict()")
         routes: dict[int, list[str]] = {shard: [] for shard in self._stubs}
         for name in names:
-            routes[owners[name]].append(name)
+            for shard in (routes if name in tables else [owners[name]]):  # every shard holds rows of a table
+                routes[shard].append(name)
         return routes
 
     def pull_versioned(self, names=None, timeout: float | None = None, whole: bool = True
@@ -179,13 +222,21 @@ class Client:
         start = time.monotonic()
         tensors: dict[str, torch.Tensor] = {}
         versions: dict[int, int] = {}
+        by_shard: dict[int, dict] = {}
         for shard, call in calls.items():
             try:
-                versions[shard], pulled = read_pulled(call, "Pull", shard)
-                tensors.update(pulled)
+                versions[shard], by_shard[shard] = read_pulled(call, "Pull", shard)
+                tensors.update(by_shard[shard])
             except grpc.RpcError as e:
                 raise self.error("Pull", shard, start, e) from None
-        return (join_pieces(tensors, self.pieces()) if whole else tensors), versions
+        if not whole:
+            return tensors, versions
+        tensors = join_pieces(tensors, self.pieces())
+        for name, info in self.tables().items():  # each shard sent its rows of a table under the table's name
+            if name in tensors:
+                tensors[name] = join_rows({s: p[name] for s, p in by_shard.items() if name in p}, info["shape"],
+                                          info["num_servers"])
+        return tensors, versions
 
     def pull(self, names=None, timeout: float | None = None) -> dict[str, torch.Tensor]:
         """The run's state dict (or the named subset), each shard's part at one version."""
@@ -274,7 +325,8 @@ def _pulled_chunks(call, what: str, shard: int):
 
 
 def status_table(client: Client) -> str:
-    """`gradsync status RUN_DIR`: one row per shard, as a markdown table."""
+    """`gradsync status RUN_DIR`: one row per shard, as a markdown table, then one row per shard of each
+    embedding table."""
     health = client.health()
     stats = client.stats() if all(h["ready"] for h in health.values()) else {}  # GetStats needs a ready shard
     header = ["shard", "address", "ready", "version", "workers seen", "pushes applied", "pushes rejected",
@@ -290,6 +342,11 @@ def status_table(client: Client) -> str:
         ))
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
+    tables = [(shard, name, t) for shard, s in sorted(stats.items()) for name, t in s["tables"].items()]
+    if tables:
+        lines += ["", "| table | shard | rows | MB | rows pulled | rows pushed | max staleness |", "|" + "---|" * 7]
+        lines += [f"| {name} | {shard} | {t['rows']} | {t['bytes'] / 1e6:.1f} | {t['rows_pulled']} | "
+                  f"{t['rows_pushed']} | {t['max_staleness']} |" for shard, name, t in tables]
     return "\n".join(lines)
 
 

@@ -124,3 +124,29 @@ def train_on_meta_tables(steps: int) -> tuple[dict, dict]:
             dist_autograd.backward(cid, [F.binary_cross_entropy_with_logits(trainer.model(bag, ids, dense), y)])
             trainer.step(cid)
     return trainer.server_stats(), trainer.state_dict()
+
+
+def train_then_read_tables_over_grpc(steps: int) -> dict:
+    """Train the click model (async, so the servers stay up while we read), then read its tables from
+    outside the RPC world: Client.pull_rows, Client.pull and `gradsync status`."""
+    import os
+    import subprocess
+    import sys
+
+    from gradsync.client import Client
+
+    state = train_clicks("adagrad", steps)
+    run_dir = os.environ["GRADSYNC_RUN_DIR"]
+    ids = torch.tensor([5, 0, 5, ROWS_EMB - 1, 2])
+    with Client(run_dir) as client:
+        rows = client.pull_rows("emb.weight", ids)
+        pulled, stats = client.pull(), client.stats()
+        try:
+            client.pull_rows("emb.weight", [ROWS_EMB])
+            out_of_range = None
+        except IndexError as e:
+            out_of_range = str(e)
+    status = subprocess.run([sys.executable, "-m", "gradsync.cli", "status", run_dir], capture_output=True,
+                            text=True, timeout=60)
+    return dict(state=state, ids=ids, rows=rows, pulled=pulled, stats=stats, out_of_range=out_of_range,
+                status=status.stdout + status.stderr)

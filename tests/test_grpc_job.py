@@ -19,3 +19,21 @@ def test_servers_of_a_job_serve_grpc_with_owner_only_endpoint_files():
     assert "| 0 |" in result["status"] and "| 1 |" in result["status"], result["status"]
     assert isinstance(result["cli_weights"], dict), result["cli_weights"]
     assert all(result["cli_weights"][k].equal(state[k]) for k in state)
+
+
+@pytest.mark.timeout(150)
+def test_embedding_tables_are_read_over_grpc_rows_whole_and_in_status():
+    from sparse_models import ROWS_EMB, TABLES, train_then_read_tables_over_grpc
+
+    result = gradsync.launch(train_then_read_tables_over_grpc, strategy="ps", workers=1, servers=2, args=(4,),
+                             timeout=140)[0]
+    state = result["state"]
+    assert result["rows"].equal(state["emb.weight"][result["ids"]])  # repeats and both servers' rows, in order
+    assert sorted(result["pulled"]) == sorted(state)
+    assert all(result["pulled"][k].equal(state[k]) for k in state)  # tables joined from both servers' rows
+    for name in TABLES:
+        per_shard = [result["stats"][s]["tables"][name] for s in (0, 1)]
+        assert sum(t["rows"] for t in per_shard) == state[name].shape[0]
+        assert all(t["rows_pushed"] > 0 and t["rows_pulled"] > 0 for t in per_shard)
+        assert f"| {name} | 0 |" in result["status"] and f"| {name} | 1 |" in result["status"], result["status"]
+    assert f"has rows 0..{ROWS_EMB - 1}, but a batch looked up id {ROWS_EMB}" in result["out_of_range"]

@@ -252,3 +252,33 @@ def test_table_rows_and_row_state_survive_a_checkpoint(optimizer, tmp_path):
     for done in (shard, fresh):  # the same next step: the row state came back too
         AsyncRule(done, 1, "raise").commit(0, 2, [], [], {}, rows={"t": (2, torch.tensor([0]), torch.ones(1, 2))}).wait()
     assert fresh.tables["t"].values.equal(shard.tables["t"].values)
+
+
+def test_pull_rows_over_grpc_refuses_misrouted_ids_unknown_tables_and_a_wrong_table():
+    import grpc
+
+    from gradsync.core.buckets import ModelSpec
+    from gradsync.proto import gradsync_pb2 as pb
+    from gradsync.ps.server import ParameterServer, make_setup
+    from grpc_harness import served
+
+    values = torch.arange(14.0).view(7, 2)
+    spec = TensorSpec("t", (7, 2), torch.float32)
+    setup = make_setup([], {}, {}, {}, torch.optim.SGD, {"lr": 1.0},
+                       {"t": {"spec": spec, "values": values[1::2].clone(), "padding_idx": None}}, RowSGD(lr=1.0), 2)
+    server = ParameterServer(1, 1, "sync", "raise")
+    server.register(0, ModelSpec((), (), (), (spec,)), setup).wait()
+    with served(server) as (_, client):
+        call = lambda **kw: list(client._pull_rows[0](pb.PullRowsRequest(**kw), timeout=5,  # noqa: E731
+                                                       metadata=client.metadata))
+        assert client.health()[0]["tables"] == {"t": {"shape": (7, 2), "dtype": "float32", "num_servers": 2,
+                                                      "rows_held": 3}}
+        for request, code, match in [
+            (dict(table="t", ids=[3, 4]), grpc.StatusCode.INVALID_ARGUMENT, "row 4 of table 't' is on server 0"),
+            (dict(table="t", ids=[9]), grpc.StatusCode.INVALID_ARGUMENT, "has rows 0..6, not 9"),
+            (dict(table="u", ids=[1]), grpc.StatusCode.NOT_FOUND, "holds no table 'u'"),
+        ]:
+            with pytest.raises(grpc.RpcError) as refused:
+                call(**request)
+            assert refused.value.code() == code and match in refused.value.details()
+        assert client.stats()[0]["tables"]["t"]["rows_pulled"] == 0  # nothing was read

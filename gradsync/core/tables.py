@@ -76,3 +76,12 @@ def merge_rows(pushes: list[tuple[torch.Tensor, torch.Tensor]], scale: float) ->
     out = grads.new_zeros(unique.numel(), grads.shape[1])
     out.index_add_(0, inverse, grads)
     return unique, out.mul_(scale)
+
+
+def join_rows(parts: dict[int, torch.Tensor], shape: tuple[int, int], num_servers: int) -> torch.Tensor:
+    """A whole table from each server's rows (server s's local row i is row s + i * S)."""
+    first = next(iter(parts.values()))
+    whole = torch.empty(shape, dtype=first.dtype)
+    for s, rows in parts.items():
+        whole[s::num_servers] = rows
+    return whole

@@ -40,28 +40,60 @@ class Piece(_message.Message):
     numel: int
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., numel: _Optional[int] = ...) -> None: ...
 
+class TableInfo(_message.Message):
+    __slots__ = ("name", "shape", "dtype", "num_servers", "rows_held")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SERVERS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_HELD_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    num_servers: int
+    rows_held: int
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., num_servers: _Optional[int] = ..., rows_held: _Optional[int] = ...) -> None: ...
+
 class HealthResponse(_message.Message):
-    __slots__ = ("shard_id", "ready", "version", "parameters", "buffers", "pieces")
+    __slots__ = ("shard_id", "ready", "version", "parameters", "buffers", "pieces", "tables")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
     PIECES_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
     shard_id: int
     ready: bool
     version: int
     parameters: _containers.RepeatedScalarFieldContainer[str]
     buffers: _containers.RepeatedScalarFieldContainer[str]
     pieces: _containers.RepeatedCompositeFieldContainer[Piece]
-    def __init__(self, shard_id: _Optional[int] = ..., ready: _Optional[bool] = ..., version: _Optional[int] = ..., parameters: _Optional[_Iterable[str]] = ..., buffers: _Optional[_Iterable[str]] = ..., pieces: _Optional[_Iterable[_Union[Piece, _Mapping]]] = ...) -> None: ...
+    tables: _containers.RepeatedCompositeFieldContainer[TableInfo]
+    def __init__(self, shard_id: _Optional[int] = ..., ready: _Optional[bool] = ..., version: _Optional[int] = ..., parameters: _Optional[_Iterable[str]] = ..., buffers: _Optional[_Iterable[str]] = ..., pieces: _Optional[_Iterable[_Union[Piece, _Mapping]]] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ...) -> None: ...
+
+class TableStats(_message.Message):
+    __slots__ = ("name", "rows", "bytes", "rows_pulled", "rows_pushed", "max_staleness")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    ROWS_PULLED_FIELD_NUMBER: _ClassVar[int]
+    ROWS_PUSHED_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    rows: int
+    bytes: int
+    rows_pulled: int
+    rows_pushed: int
+    max_staleness: int
+    def __init__(self, name: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., max_staleness: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("shard_id", "version", "workers_seen", "pushes_applied", "pushes_rejected", "steps_skipped", "max_staleness", "bytes_in", "bytes_out", "calls")
+    __slots__ = ("shard_id", "version", "workers_seen", "pushes_applied", "pushes_rejected", "steps_skipped", "max_staleness", "bytes_in", "bytes_out", "calls", "tables")
     class CallsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +111,7 @@ class GetStatsResponse(_message.Message):
     BYTES_IN_FIELD_NUMBER: _ClassVar[int]
     BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
     CALLS_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
     shard_id: int
     version: int
     workers_seen: _containers.RepeatedScalarFieldContainer[int]
@@ -89,7 +122,8 @@ class GetStatsResponse(_message.Message):
     bytes_in: int
     bytes_out: int
     calls: _containers.ScalarMap[str, int]
-    def __init__(self, shard_id: _Optional[int] = ..., version: _Optional[int] = ..., workers_seen: _Optional[_Iterable[int]] = ..., pushes_applied: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., steps_skipped: _Optional[int] = ..., max_staleness: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., calls: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    tables: _containers.RepeatedCompositeFieldContainer[TableStats]
+    def __init__(self, shard_id: _Optional[int] = ..., version: _Optional[int] = ..., workers_seen: _Optional[_Iterable[int]] = ..., pushes_applied: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., steps_skipped: _Optional[int] = ..., max_staleness: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., calls: _Optional[_Mapping[str, int]] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("worker", "names")
@@ -164,6 +198,14 @@ class JobPushRequest(_message.Message):
 class JobPullRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class PullRowsRequest(_message.Message):
+    __slots__ = ("table", "ids")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ()

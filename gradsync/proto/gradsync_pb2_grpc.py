@@ -65,6 +65,11 @@ class ParameterServerStub:
                 request_serializer=gradsync_dot_proto_dot_gradsync__pb2.JobPushRequest.SerializeToString,
                 response_deserializer=gradsync_dot_proto_dot_gradsync__pb2.PullResponse.FromString,
                 _registered_method=True)
+        self.PullRows = channel.unary_stream(
+                '/gradsync.ParameterServer/PullRows',
+                request_serializer=gradsync_dot_proto_dot_gradsync__pb2.PullRowsRequest.SerializeToString,
+                response_deserializer=gradsync_dot_proto_dot_gradsync__pb2.PullResponse.FromString,
+                _registered_method=True)
         self.Checkpoint = channel.unary_unary(
                 '/gradsync.ParameterServer/Checkpoint',
                 request_serializer=gradsync_dot_proto_dot_gradsync__pb2.CheckpointRequest.SerializeToString,
@@ -119,6 +124,13 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullRows(self, request, context):
+        """Rows of an embedding table: a PullHeader, then one tensor named after the table, (len(ids), dim).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Checkpoint(self, request, context):
         """Writes the shard's state to the server's checkpoint directory now.
         """
@@ -157,6 +169,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
             'JobPush': grpc.stream_stream_rpc_method_handler(
                     servicer.JobPush,
                     request_deserializer=gradsync_dot_proto_dot_gradsync__pb2.JobPushRequest.FromString,
+                    response_serializer=gradsync_dot_proto_dot_gradsync__pb2.PullResponse.SerializeToString,
+            ),
+            'PullRows': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullRows,
+                    request_deserializer=gradsync_dot_proto_dot_gradsync__pb2.PullRowsRequest.FromString,
                     response_serializer=gradsync_dot_proto_dot_gradsync__pb2.PullResponse.SerializeToString,
             ),
             'Checkpoint': grpc.unary_unary_rpc_method_handler(
@@ -327,6 +344,33 @@ class ParameterServer:
             target,
             '/gradsync.ParameterServer/JobPush',
             gradsync_dot_proto_dot_gradsync__pb2.JobPushRequest.SerializeToString,
+            gradsync_dot_proto_dot_gradsync__pb2.PullResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullRows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/gradsync.ParameterServer/PullRows',
+            gradsync_dot_proto_dot_gradsync__pb2.PullRowsRequest.SerializeToString,
             gradsync_dot_proto_dot_gradsync__pb2.PullResponse.FromString,
             options,
             channel_credentials,

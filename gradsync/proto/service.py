@@ -101,9 +101,12 @@ class Servicer:
             return pb.HealthResponse(shard_id=self.server.shard_id, ready=False)
         pieces = [pb.Piece(name=e.name, shape=e.shape, start=e.start, numel=e.numel)
                   for b in shard.buckets for e in b.entries if not e.whole]
+        tables = [pb.TableInfo(name=n, shape=t.spec.shape, dtype=tensor_codec.dtype_name(t.spec.dtype),
+                               num_servers=t.num_servers, rows_held=t.rows) for n, t in shard.tables.items()]
         return pb.HealthResponse(
             shard_id=shard.shard_id, ready=True, version=shard.version,
             parameters=list(shard.params) + list(shard.frozen), buffers=list(shard.buffers), pieces=pieces,
+            tables=tables,
         )
 
     def get_stats(self, request, context) -> pb.GetStatsResponse:
@@ -111,12 +114,13 @@ class Servicer:
         shard = self._shard()
         with self._calls_lock:
             calls = dict(self.calls)
-        return pb.GetStatsResponse(shard_id=shard.shard_id, calls=calls, **self.server.stats())
+        tables = [pb.TableStats(name=n, **t) for n, t in self.server.table_stats().items()]
+        return pb.GetStatsResponse(shard_id=shard.shard_id, calls=calls, tables=tables, **self.server.stats())
 
     def pull(self, request, context) -> Iterator[pb.PullResponse]:
         request = _parsed(request)
         shard = self._shard()
-        owned = list(shard.params) + list(shard.buffers) + list(shard.frozen)
+        owned = list(shard.params) + list(shard.buffers) + list(shard.frozen) + list(shard.tables)
         unknown = sorted(set(request.names) - set(owned))
         if unknown:
             raise _Refused(
@@ -129,8 +133,8 @@ class Servicer:
             tensors.update(bucket.views(flat))
         tensors.update(buffers)
         tensors.update(shard.frozen)
-        if request.names:
-            tensors = {n: tensors[n] for n in request.names}
+        wanted = request.names or list(tensors) + list(shard.tables)
+        tensors = {n: tensors[n] if n in tensors else self.server.table_rows(n) for n in wanted}
         yield pb.PullResponse(header=pb.PullHeader(shard_id=shard.shard_id, version=version))
         yield from tensor_codec.encode_messages(tensors, pb.PullResponse)  # serialized PullResponse(chunk=...)
 
@@ -149,6 +153,21 @@ class Servicer:
         except ValueError as e:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
         return pb.PushResponse(version=self._applied(fut, header.worker, context))
+
+    def pull_rows(self, request, context) -> Iterator[pb.PullResponse]:
+        request = _parsed(request)
+        shard = self._shard()
+        table = shard.tables.get(request.table)
+        if table is None:
+            raise _Refused(grpc.StatusCode.NOT_FOUND, f"PullRowsRequest.table: server {shard.shard_id} holds no "
+                                                      f"table {request.table!r} (it holds {sorted(shard.tables)})")
+        try:
+            local = table.local(torch.tensor(list(request.ids), dtype=torch.int64))
+        except GradientError as e:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"PullRowsRequest.ids: {e}") from e
+        version, rows = self.server.pull_rows(request.table, local)
+        yield pb.PullResponse(header=pb.PullHeader(shard_id=shard.shard_id, version=version))
+        yield from tensor_codec.encode_messages({request.table: rows}, pb.PullResponse)
 
     def job_pull(self, request, context) -> Iterator[pb.PullResponse]:
         _parsed(request)
@@ -272,6 +291,7 @@ def _handlers(servicer: Servicer) -> grpc.GenericRpcHandler:
         "Checkpoint": (unary, servicer.checkpoint, pb.CheckpointRequest, pb.CheckpointResponse.SerializeToString),
         "Pull": (unary_stream, servicer.pull, pb.PullRequest, tensor_codec.serialize),
         "Push": (stream_unary, servicer.push, pb.PushRequest, pb.PushResponse.SerializeToString),
+        "PullRows": (unary_stream, servicer.pull_rows, pb.PullRowsRequest, tensor_codec.serialize),
         "JobPull": (unary_stream, servicer.job_pull, pb.JobPullRequest, tensor_codec.serialize),
         "JobPush": (stream_stream, servicer.job_push, pb.JobPushRequest, tensor_codec.serialize),
     }

@@ -110,6 +110,12 @@ class ParameterServer:
             shard.stats.bytes_out += rows.nbytes
             return shard.version, rows
 
+    def table_rows(self, table: str) -> torch.Tensor:
+        """A copy of every row of `table` this server holds, in local order."""
+        shard = self._shard()
+        with shard.lock:
+            return shard.tables[table].values.clone()
+
     def push(self, worker: int, pulled_version: int, payloads: list, absent: list, buffers: dict,
              wire=None, rows: dict | None = None) -> torch.futures.Future:
         """One worker's step: bucket payloads (None: no gradient in that bucket) in `wire`'s format (default:

@@ -36,6 +36,7 @@ class TableShard:
                  optimizer, padding_idx: int | None = None):
         rows, dim = spec.shape
         self.spec = spec
+        self.server, self.num_servers = server, num_servers
         self.rows = rows_on(rows, server, num_servers)
         self.optimizer = optimizer
         check_fits(spec, self.rows, optimizer, server)
@@ -64,6 +65,20 @@ class TableShard:
             raise GradientError(f"{worker}: {what} of table {self.spec.name!r} names local row "
                                 f"{int(ids.min()) if int(ids.min()) < 0 else int(ids.max())}, this server holds "
                                 f"0..{self.rows - 1}")
+
+    def local(self, ids: torch.Tensor) -> torch.Tensor:
+        """The local indices of global row ids that this server holds; raises GradientError naming an id
+        that is out of the table or held by another server."""
+        rows = self.spec.shape[0]
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= rows):
+            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+            raise GradientError(f"table {self.spec.name!r} has rows 0..{rows - 1}, not {bad}")
+        elsewhere = ids[ids % self.num_servers != self.server]
+        if elsewhere.numel():
+            raise GradientError(f"row {int(elsewhere[0])} of table {self.spec.name!r} is on server "
+                                f"{int(elsewhere[0]) % self.num_servers}, not {self.server} (row r is on r % "
+                                f"{self.num_servers})")
+        return ids // self.num_servers
 
     def check_push(self, worker: int, ids, grads) -> None:
         """Validate one worker's row gradients (unique local ids, one row of the table's dim each)."""

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradsync.core.row_optim import default_row_optimizer
-from gradsync.core.tables import check_ids, find_tables, merge_rows, split_ids, table_specs
+from gradsync.core.tables import check_ids, find_tables, join_rows, merge_rows, split_ids, table_specs
 
 
 def current_context_id() -> int | None:
@@ -130,13 +130,9 @@ class ServedTables:
 
     def full(self, named_by_server: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Whole tables from each server's rows (the `state()` of every server), by weight name."""
-        out = {}
-        for spec in self.specs:
-            full = torch.empty(spec.shape, dtype=spec.dtype)
-            for s, named in named_by_server.items():
-                full[s::self.num_servers] = named[spec.name]
-            out[spec.name] = full
-        return out
+        return {spec.name: join_rows({s: named[spec.name] for s, named in named_by_server.items()}, spec.shape,
+                                     self.num_servers)
+                for spec in self.specs}
 
 
 def serve_tables(module: nn.Module, tables: str, num_servers: int, metrics, optimizer_cls, optimizer_kwargs: dict,
