@@ -1,6 +1,6 @@
 """Where a parameter server wins: a click model whose embedding tables grow, under allreduce, ps and hybrid.
 
-The model and data are examples/ctr.py's: 4 fields, one `nn.Embedding` of R / 4 rows x 32 per field
+The model and data are examples/ctr.py's: 4 fields (`--fields`), one `nn.Embedding` of R / 4 rows x 32 per field
 (R = all rows, fp32), an MLP, Zipf-distributed ids (exponent 1.5), batch 512 per worker, Adagrad
 (row-wise on the servers), one thread per process. Under ps and hybrid the tables are built on the meta
 device, so no worker ever holds a whole table (the servers initialise them); under allreduce every
@@ -18,7 +18,8 @@ Writes bench/results/sparse.json and prints a markdown table and the targets (at
 >= 3x faster than allreduce, per-worker peak memory >= 10x smaller).
 
     .venv/bin/python bench/sparse.py [--rows 10000 100000 1000000 10000000] [--workers 2 4]
-                                     [--steps 10] [--warmup 2] [--repeats 1] [--out bench/results/sparse.json]
+                                     [--fields 4] [--configs allreduce ps hybrid] [--steps 10] [--warmup 2]
+                                     [--repeats 1] [--memory-gb 16] [--out bench/results/sparse.json]
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 from ctr import ClickLog, CTRModel  # noqa: E402
 from overhead import cpu_per_step, cpu_snapshot, job_pids  # noqa: E402
 
-FIELDS, DIM, BATCH, LR = 4, 32, 512, 0.05
+DIM, BATCH, LR = 32, 512, 0.05
 CONFIGS = {"allreduce": 0, "ps": 1, "hybrid": 1}
 BATCHES = 4  # distinct batches per worker, cycled
 
@@ -62,13 +63,13 @@ def peak_rss() -> dict[int, int]:
     return {pid: peak for pid in job_pids() if (peak := memory(pid)) is not None}
 
 
-def worker(strategy: str, rows: int, steps: int, warmup: int) -> dict:
+def worker(strategy: str, rows: int, fields: int, steps: int, warmup: int) -> dict:
     torch.set_num_threads(1)
     me, workers = gradsync.worker_rank(), gradsync.num_workers()
     before_model = memory("self", "VmRSS")  # the process with torch, RPC and gloo started: no model yet
-    log = ClickLog(FIELDS, rows // FIELDS)
+    log = ClickLog(fields, rows // fields)
     batches = [log.batch(BATCH, seed=1 + i * workers + me)[:2] for i in range(BATCHES)]
-    model = CTRModel(FIELDS, rows // FIELDS, DIM, tables_on=None if strategy == "allreduce" else "meta")
+    model = CTRModel(fields, rows // fields, DIM, tables_on=None if strategy == "allreduce" else "meta")
     trainer = gradsync.Trainer(model, torch.optim.Adagrad, lr=LR, table_optimizer=gradsync.RowAdagrad(lr=LR))
     times, before = [], {}
     for i in range(warmup + steps):
@@ -89,9 +90,9 @@ def worker(strategy: str, rows: int, steps: int, warmup: int) -> dict:
     return result
 
 
-def allreduce_bytes(rows: int, workers: int) -> int:
+def allreduce_bytes(rows: int, fields: int, workers: int) -> int:
     """A worker's ring allreduce sends and receives 2 (W - 1) / W of every gradient byte."""
-    model = CTRModel(FIELDS, 1, DIM)
+    model = CTRModel(fields, 1, DIM)
     dense = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("tables"))
     return int(2 * 2 * (workers - 1) / workers * 4 * (rows * DIM + dense))
 
@@ -102,16 +103,16 @@ def fits(rows: int, workers: int, memory_gb: float) -> bool:
     return workers * (4 * rows * DIM * 4 + 0.5 * 2**30) < memory_gb * 2**30
 
 
-def run(config: str, rows: int, workers: int, steps: int, warmup: int) -> dict:
+def run(config: str, rows: int, fields: int, workers: int, steps: int, warmup: int) -> dict:
     results = gradsync.launch(worker, strategy=config, workers=workers, servers=CONFIGS[config],
-                              args=(config, rows, steps, warmup), timeout=1800, step_timeout=600,
+                              args=(config, rows, fields, steps, warmup), timeout=1800, step_timeout=600,
                               startup_timeout=600)
     first = results[0]
     worker_pids = {r["pid"] for r in results}
     rss = {int(pid): value for pid, value in first["rss"].items()}
     servers = [v for pid, v in rss.items() if pid not in worker_pids]
     metrics = first["metrics"]
-    moved = (allreduce_bytes(rows, workers) if config == "allreduce"
+    moved = (allreduce_bytes(rows, fields, workers) if config == "allreduce"
              else metrics["bytes_sent"] + metrics["bytes_received"])
     return dict(step_s=first["step_s"], bytes_per_step=moved, cpu_s_per_step=first["cpu_s_per_step"],
                 worker_peak_rss=max(v for pid, v in rss.items() if pid in worker_pids),
@@ -164,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[10**4, 10**5, 10**6, 10**7])
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--fields", type=int, default=4, help="tables (one per field), rows / fields rows each")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
@@ -179,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                     if config == "allreduce" and not fits(rows, workers, args.memory_gb):
                         print(f"skip allreduce R={rows:.0e} W={workers}: does not fit {args.memory_gb} GB", flush=True)
                         continue
-                    result = run(config, rows, workers, args.steps, args.warmup)
+                    result = run(config, rows, args.fields, workers, args.steps, args.warmup)
                     print(f"R={rows:.0e} W={workers} {config}: {1000 * result['step_s']:.1f} ms/step", flush=True)
                     runs.setdefault((rows, workers, config), []).append(result)
     summary = summarize(runs)
@@ -190,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.out, "w") as f:
         json.dump(dict(command="bench/sparse.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                        date=datetime.datetime.now().isoformat(timespec="seconds"), machine=platform.node(),
-                       cpus=os.cpu_count(), fields=FIELDS, dim=DIM, batch=BATCH, results=summary,
+                       cpus=os.cpu_count(), fields=args.fields, dim=DIM, batch=BATCH, results=summary,
                        targets=targets(summary)), f, indent=1)
     return 0
 
