@@ -42,16 +42,23 @@ OPTIMIZERS = {
 }
 
 
-def train_clicks(optimizer: str, steps: int, sparse: bool = False) -> dict[str, torch.Tensor]:
-    """The README loop on this worker's click batches; returns the final state."""
-    trainer = gradsync.Trainer(ClickNet(sparse), torch.optim.SGD, lr=LR, table_optimizer=OPTIMIZERS[optimizer])
+def click_loop(trainer: gradsync.Trainer, steps: int, corrupt=None) -> None:
+    """The README loop on this worker's click batches; `corrupt(step, worker, ids)` may edit the ids."""
     me = gradsync.worker_rank()
     for step in range(steps):
         bag, ids, dense, y = click_batch(step, me)
+        if corrupt is not None:
+            corrupt(step, me, ids)
         with dist_autograd.context() as cid:
             loss = F.binary_cross_entropy_with_logits(trainer.model(bag, ids, dense), y)
             dist_autograd.backward(cid, [loss])
             trainer.step(cid)
+
+
+def train_clicks(optimizer: str, steps: int, sparse: bool = False) -> dict[str, torch.Tensor]:
+    """Train the click model; returns the final state."""
+    trainer = gradsync.Trainer(ClickNet(sparse), torch.optim.SGD, lr=LR, table_optimizer=OPTIMIZERS[optimizer])
+    click_loop(trainer, steps)
     return trainer.state_dict()
 
 
@@ -93,17 +100,14 @@ def _row_step(optimizer: str, table: torch.Tensor, rows: torch.Tensor, state) ->
             table[r] -= opt.lr * state[r]
 
 
+def _past_the_end(step: int, worker: int, ids: torch.Tensor) -> None:
+    if step == 1 and worker == 1:
+        ids[2] = ROWS_EMB + 5
+
+
 def lookup_out_of_range() -> None:
     """Worker 1 looks up a row past the end of the Embedding at step 1."""
-    trainer = gradsync.Trainer(ClickNet(), torch.optim.SGD, lr=LR)
-    me = gradsync.worker_rank()
-    for step in range(2):
-        bag, ids, dense, y = click_batch(step, me)
-        if step == 1 and me == 1:
-            ids[2] = ROWS_EMB + 5
-        with dist_autograd.context() as cid:
-            dist_autograd.backward(cid, [F.binary_cross_entropy_with_logits(trainer.model(bag, ids, dense), y)])
-            trainer.step(cid)
+    click_loop(gradsync.Trainer(ClickNet(), torch.optim.SGD, lr=LR), 2, corrupt=_past_the_end)
 
 
 def huge_table() -> None:
@@ -117,12 +121,7 @@ def train_on_meta_tables(steps: int) -> tuple[dict, dict]:
     every server's counters and the final state."""
     trainer = gradsync.Trainer(ClickNet(sparse=True, tables_on="meta"), torch.optim.SGD, lr=LR,
                                table_optimizer=OPTIMIZERS["adagrad"])
-    me = gradsync.worker_rank()
-    for step in range(steps):
-        bag, ids, dense, y = click_batch(step, me)
-        with dist_autograd.context() as cid:
-            dist_autograd.backward(cid, [F.binary_cross_entropy_with_logits(trainer.model(bag, ids, dense), y)])
-            trainer.step(cid)
+    click_loop(trainer, steps)
     return trainer.server_stats(), trainer.state_dict()
 
 
