@@ -8,7 +8,8 @@ import pytest
 
 import gradsync
 from gradsync.config import ConfigError
-from jobs import build_mismatched, fail_at, reference_mlp, reference_skipping, train_mlp_stats, train_with_nan
+from faults import Fault, train_with_fault
+from jobs import build_mismatched, reference_mlp, reference_skipping, train_mlp_stats, train_with_nan
 from test_parity import max_diff
 
 
@@ -18,7 +19,8 @@ from test_parity import max_diff
 def test_failing_worker_fails_the_job_within_30s(strategy, servers, how):
     start = time.monotonic()
     with pytest.raises(gradsync.JobFailed) as info:
-        gradsync.launch(fail_at, strategy=strategy, workers=3, servers=servers, args=(3, how), timeout=80)
+        gradsync.launch(train_with_fault, strategy=strategy, workers=3, servers=servers, args=(Fault(1, 3, how), 50),
+                        timeout=80)
     elapsed = time.monotonic() - start
     message = str(info.value)
     assert f"rank {servers + 1} (worker1)" in message
