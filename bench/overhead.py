@@ -149,7 +149,7 @@ def _children(parent: int) -> list[int]:
     return pids
 
 
-def _job_pids() -> list[int]:
+def job_pids() -> list[int]:
     """The job's ranks: the bench process's children started by multiprocessing spawn (not its resource tracker)."""
     pids = []
     for pid in _children(os.getppid()):
@@ -165,7 +165,7 @@ def _job_pids() -> list[int]:
 def cpu_snapshot() -> dict:
     """Ticks per process, and (thread name, ticks) per thread."""
     snap = {}
-    for pid in _job_pids():
+    for pid in job_pids():
         try:
             threads = {}
             for task in glob.glob(f"/proc/{pid}/task/*"):

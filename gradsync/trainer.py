@@ -82,6 +82,13 @@ class Trainer:
         self._strategy.step(context_id)
         self._job.steps += 1
 
+    def server_stats(self) -> dict[int, dict]:
+        """Every parameter server's counters by server index (version, pushes, staleness, bytes, and
+        per embedding table: rows and bytes held, rows pulled and pushed, largest staleness); {} for
+        allreduce."""
+        transport = getattr(self._strategy, "transport", None)
+        return {} if transport is None else transport.stats()
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full current model state, keyed exactly as `model.state_dict()`."""
         return self._strategy.state_dict()

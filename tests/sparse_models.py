@@ -16,11 +16,11 @@ LR = 0.1
 class ClickNet(nn.Module):
     """Multi-hot field (EmbeddingBag, mean) + one-hot field (Embedding, padding row 0) + dense features -> MLP."""
 
-    def __init__(self, sparse: bool = False):
+    def __init__(self, sparse: bool = False, tables_on=None):
         super().__init__()
         torch.manual_seed(0)
-        self.bag = nn.EmbeddingBag(ROWS_BAG, DIM, mode="mean", sparse=sparse)
-        self.emb = nn.Embedding(ROWS_EMB, DIM, padding_idx=0, sparse=sparse)
+        self.bag = nn.EmbeddingBag(ROWS_BAG, DIM, mode="mean", sparse=sparse, device=tables_on)
+        self.emb = nn.Embedding(ROWS_EMB, DIM, padding_idx=0, sparse=sparse, device=tables_on)
         self.mlp = nn.Sequential(nn.Linear(2 * DIM + DENSE, 8), nn.Tanh(), nn.Linear(8, 1))
 
     def forward(self, bag_ids: torch.Tensor, ids: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
@@ -91,3 +91,36 @@ def _row_step(optimizer: str, table: torch.Tensor, rows: torch.Tensor, state) ->
         else:
             state[r] = opt.momentum * state.get(r, torch.zeros_like(g)) + g
             table[r] -= opt.lr * state[r]
+
+
+def lookup_out_of_range() -> None:
+    """Worker 1 looks up a row past the end of the Embedding at step 1."""
+    trainer = gradsync.Trainer(ClickNet(), torch.optim.SGD, lr=LR)
+    me = gradsync.worker_rank()
+    for step in range(2):
+        bag, ids, dense, y = click_batch(step, me)
+        if step == 1 and me == 1:
+            ids[2] = ROWS_EMB + 5
+        with dist_autograd.context() as cid:
+            dist_autograd.backward(cid, [F.binary_cross_entropy_with_logits(trainer.model(bag, ids, dense), y)])
+            trainer.step(cid)
+
+
+def huge_table() -> None:
+    """A table built on the meta device, far larger than any server's memory."""
+    model = nn.Sequential(nn.Embedding(10**12, 64, device="meta"), nn.Linear(64, 1))
+    gradsync.Trainer(model, torch.optim.SGD, lr=LR)
+
+
+def train_on_meta_tables(steps: int) -> tuple[dict, dict]:
+    """Train `steps` steps with tables built on the meta device (the servers initialise them); returns
+    every server's counters and the final state."""
+    trainer = gradsync.Trainer(ClickNet(sparse=True, tables_on="meta"), torch.optim.SGD, lr=LR,
+                               table_optimizer=OPTIMIZERS["adagrad"])
+    me = gradsync.worker_rank()
+    for step in range(steps):
+        bag, ids, dense, y = click_batch(step, me)
+        with dist_autograd.context() as cid:
+            dist_autograd.backward(cid, [F.binary_cross_entropy_with_logits(trainer.model(bag, ids, dense), y)])
+            trainer.step(cid)
+    return trainer.server_stats(), trainer.state_dict()

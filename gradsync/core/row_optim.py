@@ -46,6 +46,15 @@ class LazyRows:
     def nbytes(self) -> int:
         return self.slot.nbytes + self.used * self.data.shape[1] * self.data.element_size()
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Copies of the state, for a checkpoint."""
+        return {"slot": self.slot.clone(), "data": self.data[: self.used].clone()}
+
+    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Take back the state of `tensors()`."""
+        self.slot.copy_(tensors["slot"])
+        self.data, self.used = tensors["data"].clone(), tensors["data"].shape[0]
+
 
 @dataclasses.dataclass(frozen=True)
 class RowSGD:

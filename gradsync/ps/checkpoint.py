@@ -1,4 +1,5 @@
-"""Atomic, verified checkpoints of one shard: parameters, buffers, optimizer state and version.
+"""Atomic, verified checkpoints of one shard: parameters, buffers, optimizer state, embedding table rows
+with their row optimizer state, and version.
 
 A checkpoint file is a magic line, the SHA-256 of the payload, and the payload
 (`torch.save` of a dict of tensors and plain values). `save` writes a
@@ -32,6 +33,7 @@ def capture(shard: ShardState) -> dict:
             "buffers": {n: b.to("cpu", copy=True) for n, b in shard.buffers.items()},
             "frozen": {n: t.clone() for n, t in shard.frozen.items()},
             "optimizer": copy.deepcopy(shard.optimizer.state_dict()) if shard.optimizer is not None else None,
+            "tables": {n: t.checkpoint() for n, t in shard.tables.items()},
         }
 
 
@@ -52,7 +54,7 @@ def save(shard: ShardState, directory: str) -> tuple[str, int]:
 
 
 def load(path: str) -> dict:
-    """Read and verify a checkpoint: keys shard_id, version, params, buffers, frozen, optimizer.
+    """Read and verify a checkpoint: keys shard_id, version, params, buffers, frozen, optimizer, tables.
 
     Raises:
         ValueError: the file is not a gradsync checkpoint or its digest does not match (torn or altered).
@@ -69,7 +71,8 @@ def load(path: str) -> dict:
 
 def restore(shard: ShardState, state: dict) -> None:
     """Put a loaded checkpoint back into `shard` (same parameter names, shapes and dtypes)."""
-    if set(state["params"]) != set(shard.params) or set(state["buffers"]) != set(shard.buffers):
+    if (set(state["params"]) != set(shard.params) or set(state["buffers"]) != set(shard.buffers)
+            or set(state.get("tables", {})) != set(shard.tables)):
         raise ValueError(
             f"checkpoint of shard {state['shard_id']} holds different tensors than shard {shard.shard_id}: "
             "restore a checkpoint written by the same model and server layout"
@@ -81,5 +84,7 @@ def restore(shard: ShardState, state: dict) -> None:
             shard.buffers[name].copy_(value)
         if shard.optimizer is not None:
             shard.optimizer.load_state_dict(state["optimizer"])
+        for name, saved in state.get("tables", {}).items():
+            shard.tables[name].restore(saved)
         shard.stats.version = state["version"]
         shard.restored()

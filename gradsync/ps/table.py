@@ -14,6 +14,7 @@ import torch
 
 from gradsync.core.buckets import TensorSpec
 from gradsync.core.errors import GradientError
+from gradsync.core.row_optim import LazyRows
 from gradsync.core.tables import rows_on
 
 
@@ -77,6 +78,22 @@ class TableShard:
             raise GradientError(f"worker {worker}: a push of table {self.spec.name!r} repeats row ids: sum "
                                 "the gradients of each row first")
 
+    def checkpoint(self) -> dict:
+        """Copies of the rows and the row optimizer's state."""
+        state = self.state.tensors() if isinstance(self.state, LazyRows) else self.state
+        return {"values": self.values.clone(), "state": None if state is None else _copied(state)}
+
+    def restore(self, saved: dict) -> None:
+        """Take back a `checkpoint()` of a shard of the same table."""
+        if saved["values"].shape != self.values.shape:
+            raise ValueError(f"checkpoint of table {self.spec.name!r} holds {tuple(saved['values'].shape)} rows, "
+                             f"this server holds {tuple(self.values.shape)}: restore with the same servers")
+        self.values.copy_(saved["values"])
+        if isinstance(self.state, LazyRows):
+            self.state.load(saved["state"])
+        elif self.state is not None:
+            self.state.copy_(saved["state"])
+
     def apply(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
         """One row optimizer step on the unique local rows `ids`."""
         if ids.numel():
@@ -108,3 +125,7 @@ def available_memory() -> int | None:
         return None
     return None
 
+
+
+def _copied(state):
+    return {k: v.clone() for k, v in state.items()} if isinstance(state, dict) else state.clone()

@@ -137,7 +137,7 @@ class GrpcTransport:
         buffers = {n: t for n, t in tensors.items() if n in self.buffer_names and self.owner[n] == s}
         return Snapshot(version, flats, buffers)
 
-    def push(self, versions, payloads, absent, buffers) -> dict[int, Snapshot]:
+    def push(self, versions, payloads, absent, buffers, rows=None) -> dict[int, Snapshot]:
         named: dict[str, torch.Tensor] = {}
         for s in self.servers:
             for bucket, flat, missing in zip(self.server_buckets[s], payloads[s], absent[s]):

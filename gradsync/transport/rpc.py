@@ -165,4 +165,5 @@ def rpc_state() -> tuple:
 
 
 def rpc_stats() -> dict:
-    return _server().stats()
+    server = _server()
+    return {**server.stats(), "tables": server.table_stats()}

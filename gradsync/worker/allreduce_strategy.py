@@ -201,9 +201,10 @@ class AllreduceStrategy:
         if first_nonfinite([grad]) is not None:
             self.local_nonfinite = True
 
-    def step(self, context_id: int) -> None:
+    def step(self, context_id: int) -> bool:
         """Apply the optimizer to the averaged gradients of `context_id`. Every worker must call it,
-        once per context, after `dist_autograd.backward` in that context."""
+        once per context, after `dist_autograd.backward` in that context. Returns False when the step
+        was dropped for a NaN/Inf (nonfinite='skip'), the same on every worker."""
         if context_id == self._last_context:
             raise RuntimeError(
                 f"step({context_id}) was already called for this context: call trainer.step(context_id) once "
@@ -235,6 +236,7 @@ class AllreduceStrategy:
         self.metrics.committed(start, self.wire_bytes, self.wire_bytes)
         if bad is not None and self.config.nonfinite == "raise":
             raise nonfinite_error(self.names[live[bad]], bad_workers[0] if bad_workers else "unknown")
+        return bad is None
 
     def _sync(self) -> tuple[list[int], list[bool]]:
         """The step's one collective (every worker must reach it): which workers saw a NaN/Inf in their

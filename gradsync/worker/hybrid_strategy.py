@@ -4,7 +4,9 @@ The recommendation-model layout (PERSIA, HugeCTR): a worker pulls only the
 rows of the tables its batch looks up (`worker.tables`), and the dense layers
 are averaged by DDP among the workers, in the same dist_autograd loop. `step`
 applies the dense optimizer (`AllreduceStrategy.step`, with its checks and
-refusals) and pushes the row gradients, one call per server. In sync mode the
+refusals) and pushes the row gradients, one call per server (none when the
+dense step was dropped for a NaN/Inf under nonfinite='skip'; a NaN/Inf only in
+the rows is dropped by the servers, after the dense step). In sync mode the
 servers average the rows over all W workers, as single-process training on
 the joint batch does; in async mode they apply each worker's rows as they come.
 """
@@ -60,8 +62,9 @@ class HybridStrategy:
 
     def step(self, context_id: int) -> None:
         """Apply the dense optimizer to the averaged gradients and push the row gradients to the servers."""
-        rows = self.tables.row_grads(context_id, dist_autograd.get_gradients(context_id), self._versions)
-        self.dense.step(context_id)
+        rows = self.tables.row_grads(context_id, dist_autograd.get_gradients(context_id))
+        if not self.dense.step(context_id):  # a NaN/Inf step dropped by nonfinite='skip': drop its rows too
+            rows = {s: {} for s in self.servers}
         empty = {s: [] for s in self.servers}
         snapshots = self.transport.push(self._versions, empty, empty, {s: {} for s in self.servers}, rows)
         self._versions = {s: snap.version for s, snap in snapshots.items()}

@@ -23,6 +23,7 @@ from torch.func import functional_call
 
 from gradsync.core.buckets import (Bucket, ModelSpec, assign_tensors, by_server, join_pieces, may_split,
                                    plan_buckets)
+from gradsync.core.tables import find_tables
 from gradsync.ps.server import make_setup
 from gradsync.ps.shard import Snapshot
 from gradsync.ps.wire import make_wire
@@ -77,6 +78,11 @@ class PSStrategy:
         self.worker = config.worker_rank
         self.metrics = StepMetrics()
         self.keys = list(module.state_dict().keys())
+        if config.transport == "grpc" and tables == "auto" and find_tables(module):
+            raise ValueError(
+                f"the grpc transport does not serve embedding tables row by row yet ({next(iter(find_tables(module)))!r} "
+                "is one): use --transport rpc, or keep the tables dense with Trainer(..., tables='dense')"
+            )
         self.tables, table_setups, table_optimizer = serve_tables(
             module, tables, config.servers, self.metrics, optimizer_cls, optimizer_kwargs, table_optimizer,
             send=self.worker == 0)
@@ -144,7 +150,7 @@ class PSStrategy:
         start = time.perf_counter()
         by_leaf = dist_autograd.get_gradients(context_id)
         grads = {n: _dense(by_leaf[leaf]) for n, leaf in pulled.leaves.items() if leaf in by_leaf}
-        rows = self.tables.row_grads(context_id, by_leaf, pulled.versions)
+        rows = self.tables.row_grads(context_id, by_leaf)
         if not grads and not any(rows.values()):
             raise RuntimeError(
                 f"step({context_id}) found no gradients in that context: call dist_autograd.backward(context_id, "

@@ -111,11 +111,9 @@ class ServedTables:
             values[positions] = answers[s][1]
         return values, {s: v for s, (v, _) in answers.items()}
 
-    def row_grads(self, context_id: int, grads: dict[torch.Tensor, torch.Tensor], versions: dict[int, int]
-                  ) -> dict[int, dict[str, tuple]]:
-        """The pushes of this context's lookups: per server, {table: (pulled version, unique local ids,
-        summed gradients)}; forgets the context's lookups. `versions`: each server's version to report for
-        a table with no lookup that reached it."""
+    def row_grads(self, context_id: int, grads: dict[torch.Tensor, torch.Tensor]) -> dict[int, dict[str, tuple]]:
+        """The pushes of this context's lookups: per server, {table: (version the rows were pulled at,
+        unique local ids, summed gradients)}; forgets the context's lookups."""
         lookups = self._lookups.pop(context_id, [])
         self._lookups.clear()  # lookups of contexts that were never stepped
         out: dict[int, dict[str, tuple]] = {s: {} for s in range(self.num_servers)}
@@ -126,7 +124,7 @@ class ServedTables:
             pushes = [(lk.ids, grads[lk.leaf]) for lk in mine]
             ids, summed = pushes[0] if len(pushes) == 1 else merge_rows(pushes, 1.0)
             for s, (positions, local) in split_ids(ids, self.num_servers).items():
-                version = min(lk.versions.get(s, versions[s]) for lk in mine)
+                version = min(lk.versions[s] for lk in mine if s in lk.versions)  # the oldest rows pulled
                 out[s][name] = (version, local, summed if self.num_servers == 1 else summed[positions])
         return out
 
