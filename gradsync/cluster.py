@@ -37,8 +37,7 @@ class Cluster:
         self.store = store
         self.heartbeat = heartbeat
         self.has_process_group = False
-        self.steps = 0
-        """Steps this worker has committed (`Trainer.step`)."""
+        self.steps = 0  # steps this worker has committed (Trainer.step)
 
     def exit_now(self, text: str) -> None:
         """Fail this rank from a thread other than the main one, which waits where no exception can reach it

@@ -50,7 +50,7 @@ def stop_rpc(timeout: float | None) -> None:
         rpc.shutdown(graceful=False)
         return
     try:
-        rpc.shutdown(graceful=True, timeout=timeout)
+        rpc.shutdown(graceful=True, timeout=timeout / 2)  # torch waits that long twice: for the others, for itself
     except RuntimeError:  # a rank left without waiting, or is late; torch has shut this agent down all the same
         pass
 
