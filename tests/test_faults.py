@@ -14,6 +14,7 @@ from gradsync import cluster
 from gradsync.config import JobConfig
 from gradsync.launch import host_store
 from gradsync.liveness import Heartbeat
+from test_failures import gradsync_run
 
 TESTS = os.path.dirname(__file__)
 STEP_TIMEOUT = 4.0
@@ -85,11 +86,6 @@ def test_the_rendezvous_store_listens_on_its_address_only(host):
     assert _listening(store.port) == ["0100007F"]  # 127.0.0.1, not 0.0.0.0 or [::]
 
 
-def _gradsync_run(*args, env=None, timeout=60):
-    return subprocess.run([sys.executable, "-m", "gradsync.cli", "run", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
-
-
 def _run_dir(stderr: str) -> str:
     return re.search(r"gradsync: run dir (\S+)", stderr).group(1)
 
@@ -99,13 +95,13 @@ def test_run_takes_timeouts_from_flags_and_environment_and_removes_its_run_dir(t
     script = tmp_path / "settings.py"
     script.write_text("import os\nprint(os.environ['GRADSYNC_STEP_TIMEOUT'], os.environ['GRADSYNC_SHUTDOWN_TIMEOUT'],"
                       " os.environ['GRADSYNC_STARTUP_TIMEOUT'])\n")
-    done = _gradsync_run("--strategy", "allreduce", "--workers", "1", "--step-timeout", "7", str(script),
+    done = gradsync_run("--strategy", "allreduce", "--workers", "1", "--step-timeout", "7", str(script),
                          env={"GRADSYNC_SHUTDOWN_TIMEOUT": "9", "GRADSYNC_STARTUP_TIMEOUT": "11"})
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["7.0", "9.0", "11.0"]
     assert not os.path.exists(_run_dir(done.stderr))
     chosen = tmp_path / "chosen"
-    done = _gradsync_run("--strategy", "allreduce", "--workers", "1", str(script),
+    done = gradsync_run("--strategy", "allreduce", "--workers", "1", str(script),
                          env={"GRADSYNC_RUN_DIR": str(chosen), "GRADSYNC_STEP_TIMEOUT": "5"})
     assert done.returncode == 0, done.stderr
     assert done.stdout.split()[0] == "5.0"
@@ -120,7 +116,7 @@ def test_a_worker_exception_in_async_mode_is_the_headline(tmp_path):
                       "gradsync.init()\n"
                       "faults.train_with_fault(faults.Fault(1, 3, 'raise'), 30)\n"
                       "gradsync.shutdown()\n")
-    done = _gradsync_run("--strategy", "ps", "--mode", "async", "--workers", "2", str(script), timeout=80)
+    done = gradsync_run("--strategy", "ps", "--mode", "async", "--workers", "2", str(script), timeout=80)
     assert done.returncode == 1
     headline = done.stderr[done.stderr.index("gradsync: rank"):]
     assert headline.startswith("gradsync: rank 2 (worker1) failed with exit code 1:"), done.stderr
