@@ -29,7 +29,7 @@ def test_a_stopped_worker_is_named_within_the_step_timeout(strategy, servers, mo
     fault = Fault(1, 3, "stop", str(tmp_path))
     with pytest.raises(gradsync.JobFailed) as info:
         gradsync.launch(train_then_leave, strategy=strategy, workers=2, servers=servers, mode=mode,
-                        args=(fault, 12), step_timeout=STEP_TIMEOUT, shutdown_timeout=1.5, timeout=80)
+                        args=(fault, 6), step_timeout=STEP_TIMEOUT, shutdown_timeout=1.5, timeout=80)
     failed_after = time.time() - read_stamp(tmp_path, "fault")
     headline = str(info.value).splitlines()[0]
     assert headline.startswith(f"rank {servers + 1} (worker1) stopped responding: no heartbeat for "), headline
