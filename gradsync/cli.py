@@ -2,10 +2,37 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import signal
 import sys
 
-from gradsync.config import ConfigError
+from gradsync.config import ConfigError, JobConfig
 from gradsync.launch import JobFailed, run_script
+
+_SETTINGS = (  # JobConfig fields that `gradsync run` sets with --field-name
+    ("mode", str, "sync or async (ps and hybrid)"),
+    ("nonfinite", str, "raise or skip, for NaN/Inf gradients"),
+    ("compression", str, "none, fp16, bf16 or int8 gradients on the wire"),
+    ("transport", str, "rpc or grpc: how ps workers reach the servers"),
+    ("server_device", str, "where servers keep their shard: cpu, cuda, cuda:N"),
+    ("startup_timeout", float, "seconds for every rank to join and register the model"),
+    ("step_timeout", float, "seconds an RPC or collective of a step may take; a rank silent that long is named "
+                            "and the job stopped"),
+    ("shutdown_timeout", float, "seconds shutdown waits for the other workers to finish"),
+)
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(JobConfig)}
+
+
+class _Stopped(Exception):
+    """`gradsync run` received a signal that ends it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _stop(signum, frame):
+    raise _Stopped(signum)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -14,14 +41,14 @@ def _parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="spawn servers and workers on this machine and run SCRIPT on each")
     run.add_argument("--strategy", required=True, help="ps, allreduce or hybrid")
     run.add_argument("--workers", type=int, required=True, help="number of worker processes")
-    run.add_argument("--servers", type=int, default=None, help="parameter servers (default 1 for ps, 0 for allreduce)")
-    run.add_argument("--mode", default="sync", help="sync or async (ps only)")
-    run.add_argument("--nonfinite", default="raise", help="raise or skip, for NaN/Inf gradients")
-    run.add_argument("--compression", default="none", help="none, fp16, bf16 or int8 gradients on the wire")
-    run.add_argument("--transport", default="rpc", help="rpc or grpc: how ps workers reach the servers")
-    run.add_argument("--server-device", default="cpu", help="where servers keep their shard: cpu, cuda, cuda:N")
+    run.add_argument("--servers", type=int, default=None,
+                     help="parameter servers (default: GRADSYNC_SERVERS, else 1 for ps and hybrid, 0 for allreduce)")
+    for name, kind, text in _SETTINGS:
+        run.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
+                         help=f"{text} (default: GRADSYNC_{name.upper()}, else {_DEFAULTS[name]})")
     run.add_argument("--master-port", type=int, default=0, help="port of the rendezvous store (0: a free one)")
-    run.add_argument("--run-dir", default=None, help="directory for the job's files (default: a new temp dir)")
+    run.add_argument("--run-dir", default=None, help="directory for the job's files, kept (default: "
+                     "GRADSYNC_RUN_DIR, else a new temporary directory, removed at the end)")
     run.add_argument("--timeout", type=float, default=None, help="seconds before the whole job is killed")
     run.add_argument("script", help="the training script")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -37,12 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "run":
-            run_script(
-                args.script, args.args, strategy=args.strategy, workers=args.workers, servers=args.servers,
-                mode=args.mode, master_port=args.master_port, run_dir=args.run_dir, timeout=args.timeout,
-                nonfinite=args.nonfinite, compression=args.compression, server_device=args.server_device,
-                transport=args.transport,
-            )
+            for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # stop every rank, then exit
+                signal.signal(sig, _stop)
+            settings = {name: getattr(args, name) for name, _, _ in _SETTINGS}
+            run_script(args.script, args.args, strategy=args.strategy, workers=args.workers, servers=args.servers,
+                       master_port=args.master_port, run_dir=args.run_dir, timeout=args.timeout, **settings)
         else:
             from gradsync.client import Client, pull_to_file, status_table
 
@@ -58,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     except JobFailed as e:
         print(f"gradsync: {e}", file=sys.stderr)
         return 1
+    except _Stopped as e:
+        print(f"gradsync: stopped by {e}: every rank was stopped", file=sys.stderr)
+        return 128 + e.signum
     return 0
 
 

@@ -1,24 +1,29 @@
 """Roles, rendezvous, and the bounded start-up and shutdown of RPC and the process group.
 
 `init` reads the job's settings (arguments, then the launcher's environment),
-connects to the rendezvous store, starts torch RPC on every rank and, for the
-allreduce strategy, a gloo/nccl process group among the workers. On a server
-it then serves until every worker has called `shutdown`, and exits the process.
+connects to the rendezvous store, starts the rank's heartbeat (`liveness`),
+torch RPC on every rank and, for the allreduce and hybrid strategies, a
+gloo/nccl process group among the workers. On a server it then serves until
+every worker has left (`shutdown`), and exits the process. Every wait here is
+bounded, and a failure is recorded for the launcher and the other ranks.
 """
 from __future__ import annotations
 
 import datetime
+import errno
 import ipaddress
 import os
 import socket
 import sys
+import threading
 import time
 import traceback
 
 import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 
-from gradsync.config import ConfigError, JobConfig, StoreKeys
+from gradsync.config import ConfigError, JobConfig, StoreKeys, worker_name
+from gradsync.liveness import Heartbeat, die_with_launcher, parse_left
 from gradsync.transport.rpc import install, start_rpc, stop_rpc
 
 _STATE: "Cluster | None" = None
@@ -27,10 +32,22 @@ _STATE: "Cluster | None" = None
 class Cluster:
     """This process's place in the running job."""
 
-    def __init__(self, config: JobConfig, store: dist.Store):
+    def __init__(self, config: JobConfig, store: dist.Store, heartbeat: Heartbeat):
         self.config = config
         self.store = store
+        self.heartbeat = heartbeat
         self.has_process_group = False
+        self.steps = 0  # steps this worker has committed (Trainer.step)
+
+    def exit_now(self, text: str) -> None:
+        """Fail this rank from a thread other than the main one, which waits where no exception can reach it
+        (a collective in C++): record `text` and the main thread's stack, and exit the process with status 1."""
+        frame = sys._current_frames().get(threading.main_thread().ident)
+        text += "\nThe main thread was here:\n" + "".join(traceback.format_stack(frame))
+        record_failure(self, self.config.rank, text)
+        sys.stderr.write(text)
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def current() -> Cluster:
@@ -47,24 +64,45 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def connect_store(config: JobConfig) -> dist.TCPStore:
-    """Connect to the rendezvous store, hosting it on rank 0 unless a launcher already does."""
-    is_master = config.rank == 0 and not config.store_is_hosted
+def host_store(host: str, port: int, timeout: float, fix: str) -> dist.TCPStore:
+    """Host a rendezvous store that listens on `host` only; port 0 picks a free one.
+
+    torch's TCPStore listens on every interface whatever host it is given, so the socket is bound here and
+    handed over (`master_listen_fd`; the store closes it). `fix` ends the error for a port already in use.
+    """
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
     try:
-        return dist.TCPStore(
-            config.master_addr,
-            config.master_port,
-            is_master=is_master,
-            timeout=datetime.timedelta(seconds=config.startup_timeout),
-            wait_for_workers=False,
-        )
-    except (RuntimeError, OSError) as e:
-        if is_master and "in use" in str(e).lower():
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ConfigError(f"port {port} on {host} is already in use: {fix}") from e
+        if e.errno == errno.EADDRNOTAVAIL:
             raise ConfigError(
-                f"port {config.master_port} on {config.master_addr} is already in use: pick a free one "
-                "(MASTER_PORT, or --master-port 0 with gradsync run to let it choose)"
+                f"cannot host the rendezvous store on {host}: it is not an address of this machine "
+                "(MASTER_ADDR must name the machine of rank 0)"
             ) from e
         raise
+    port = sock.getsockname()[1]
+    fd = sock.detach()
+    try:
+        return dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=timeout), master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def connect_store(config: JobConfig) -> dist.TCPStore:
+    """Connect to the rendezvous store, hosting it on rank 0 unless a launcher already does."""
+    if config.rank == 0 and not config.store_is_hosted:
+        return host_store(config.master_addr, config.master_port, config.startup_timeout,
+                          "pick a free one (MASTER_PORT, or --master-port 0 with gradsync run to let it choose)")
+    return dist.TCPStore(config.master_addr, config.master_port, is_master=False, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=config.startup_timeout))
 
 
 def _use_loopback_interfaces(config: JobConfig) -> None:
@@ -74,27 +112,32 @@ def _use_loopback_interfaces(config: JobConfig) -> None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
-def _report_failures(store: dist.Store, rank: int) -> None:
+def _report_failures(cluster: Cluster) -> None:
     """On an uncaught exception: write it to the launcher's error file and tell the other ranks."""
     previous = sys.excepthook
 
     def hook(kind, value, tb):
-        text = "".join(traceback.format_exception(kind, value, tb))
-        record_failure(store, rank, text)
+        record_failure(cluster, cluster.config.rank, "".join(traceback.format_exception(kind, value, tb)))
         previous(kind, value, tb)
 
     sys.excepthook = hook
 
 
-def record_failure(store: dist.Store | None, rank: int, text: str) -> None:
-    """Save a rank's traceback for the launcher (GRADSYNC_ERROR_FILE) and the other ranks (the store)."""
+def record_failure(cluster: Cluster | None, rank: int, text: str) -> None:
+    """Save a rank's failure for the launcher (GRADSYNC_ERROR_FILE) and the other ranks (the store), naming the
+    ranks this one has seen fall silent for half the step timeout: the likely cause."""
+    if cluster is not None:
+        watch = cluster.heartbeat.watch
+        silent = watch.silent(cluster.config.step_timeout / 2)
+        if silent:
+            text += f"gradsync: {watch.describe(silent)}: stopped, hung or dead?\n"
     path = os.environ.get("GRADSYNC_ERROR_FILE")
     if path:
         with open(path, "w") as f:
             f.write(text)
-    if store is not None:
+    if cluster is not None:
         try:
-            store.compare_set(StoreKeys.FAILED, "", f"rank {rank}: {text}")
+            cluster.store.compare_set(StoreKeys.FAILED, "", f"rank {rank}: {text}")
         except Exception:  # the store may be gone already; the launcher still has the file
             pass
 
@@ -121,10 +164,11 @@ def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=
     if _STATE is not None:
         _join_launched(_STATE.config, config)
         return
+    die_with_launcher()
     _use_loopback_interfaces(config)
     store = connect_store(config)
-    _report_failures(store, config.rank)
-    _STATE = Cluster(config, store)
+    _STATE = Cluster(config, store, Heartbeat(store, config))
+    _report_failures(_STATE)
     server = _install_server(config) if config.is_server else None
     if config.transport == "rpc":
         start_rpc(config, store)
@@ -175,46 +219,81 @@ def _install_server(config: JobConfig):
 
 
 def _serve(cluster: Cluster, server) -> None:
+    """Serve until every worker has left, then exit the process: 0, or 1 when the job failed (recorded here:
+    an exception must not leave a process whose RPC agent still runs, as interpreter exit then aborts it)."""
     from gradsync.transport.grpc import register_from_store, start_endpoint
 
     config = cluster.config
-    endpoint = start_endpoint(server, cluster.store, config.step_timeout)
+    code = 0
     try:
+        cluster.heartbeat.on_left(server.worker_left)
+        endpoint = start_endpoint(server, cluster.store, config.step_timeout)
         if config.transport == "grpc":
             register_from_store(server, cluster.store, config)
-        _wait_for_workers(cluster)
+        _wait_for_workers(cluster, deadline=None)
         if config.transport == "rpc":
-            stop_rpc(config)
+            stop_rpc(config.shutdown_timeout)
         endpoint.stop()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    os._exit(0)
+    except BaseException:
+        record_failure(cluster, config.rank, traceback.format_exc())
+        sys.stderr.write(traceback.format_exc())
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
-def _wait_for_workers(cluster: Cluster) -> None:
-    """Wait until every worker has called shutdown; fail fast when another rank reported a failure."""
-    store, workers = cluster.store, cluster.config.num_workers
-    while store.add(StoreKeys.DONE, 0) < workers:
+def _wait_for_workers(cluster: Cluster, deadline: float | None) -> list[int]:
+    """Wait until every worker has left the job, or until `deadline` (time.monotonic()); returns the workers
+    still in it.
+
+    Raises:
+        RuntimeError: another rank failed; or, with no deadline (a server, which waits the whole job), a rank
+            has sent no heartbeat for step_timeout: the job cannot go on without it.
+    """
+    config, store, watch = cluster.config, cluster.store, cluster.heartbeat.watch
+    while True:
+        staying = sorted(set(range(config.num_workers)) - set(parse_left(store.get(StoreKeys.LEFT))))
+        if not staying or (deadline is not None and time.monotonic() >= deadline):
+            return staying
         if store.check([StoreKeys.FAILED]):
             raise RuntimeError(f"another rank failed, stopping: {store.get(StoreKeys.FAILED).decode()[:2000]}")
+        silent = watch.silent(config.step_timeout) if deadline is None else {}
+        if silent:
+            raise RuntimeError(f"{watch.describe(silent)} (step_timeout {config.step_timeout:.0f} s): it is "
+                               "stopped, hung or dead, and the job cannot go on without it")
         time.sleep(0.05)
 
 
 def shutdown() -> None:
-    """Leave the job: waits (bounded by the other workers finishing) and stops RPC. Every worker must call it."""
+    """Leave the job. Every worker must call it; it returns within shutdown_timeout whatever the others do.
+
+    Marks this worker as left (a peer waiting for a step with it fails at once, naming it), waits for the
+    other workers to leave too (RPC's graceful shutdown needs every rank), then stops the process group and
+    RPC; when some have not left by the timeout, it says which and stops without them.
+    Raises:
+        RuntimeError: another rank failed.
+    """
     global _STATE
     if _STATE is None:
         return
     cluster, _STATE = _STATE, None
-    cluster.store.add(StoreKeys.DONE, 1)
+    config = cluster.config
+    deadline = time.monotonic() + config.shutdown_timeout
+    cluster.store.append(StoreKeys.LEFT, f"{config.worker_rank}:{cluster.steps},")
+    staying = None
     try:
-        _wait_for_workers(cluster)
+        staying = _wait_for_workers(cluster, deadline)
+        if staying:
+            print(f"gradsync: shutdown waited {config.shutdown_timeout:.0f} s (shutdown_timeout) for "
+                  f"{', '.join(worker_name(w) for w in staying)} to leave the job; leaving without them",
+                  file=sys.stderr, flush=True)
     finally:
+        cluster.heartbeat.stop()
         if cluster.has_process_group:
             dist.destroy_process_group()
-        if cluster.config.transport == "rpc":
-            stop_rpc(cluster.config)
+        if config.transport == "rpc":
+            stop_rpc(max(deadline - time.monotonic(), 1.0) if staying == [] else None)
 
 
 def worker_rank() -> int:

@@ -130,32 +130,25 @@ class JobConfig:
     @property
     def name(self) -> str:
         """RPC name of this process: 'ps<i>' or 'worker<i>'."""
-        return server_name(self.rank) if self.is_server else worker_name(self.worker_rank)
+        return self.role(self.rank)
+
+    def role(self, rank: int) -> str:
+        """RPC name of global rank `rank`: 'ps<i>' for the first `servers` ranks, else 'worker<i>'."""
+        return server_name(rank) if rank < self.servers else worker_name(rank - self.servers)
 
     @classmethod
     def from_env(cls, environ=None, **overrides) -> "JobConfig":
         """Build the config from a launcher's environment; non-None `overrides` win."""
         env = os.environ if environ is None else environ
-        strategy = overrides.get("strategy") or env.get("GRADSYNC_STRATEGY", "ps")
         values = dict(
-            strategy=strategy,
-            mode=env.get("GRADSYNC_MODE", "sync"),
-            servers=_int(env, "GRADSYNC_SERVERS", default_servers(strategy)),
+            settings_from_env(env, overrides.get("strategy")),
             rank=_int(env, "RANK", 0),
             world_size=_int(env, "WORLD_SIZE", None),
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=_int(env, "MASTER_PORT", 29500),
             store_is_hosted=env.get("GRADSYNC_STORE_HOSTED") == "1"
             or env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
-            nonfinite=env.get("GRADSYNC_NONFINITE", "raise"),
-            compression=env.get("GRADSYNC_COMPRESSION", "none"),
-            server_device=env.get("GRADSYNC_SERVER_DEVICE", "cpu"),
-            transport=env.get("GRADSYNC_TRANSPORT", "rpc"),
         )
-        for name in _FLOAT_FIELDS:
-            raw = env.get(f"GRADSYNC_{name.upper()}")
-            if raw:
-                values[name] = _float(f"GRADSYNC_{name.upper()}", raw)
         values.update({k: v for k, v in overrides.items() if v is not None})
         if values["world_size"] is None:
             values["world_size"] = values["servers"] + 1
@@ -178,6 +171,26 @@ class JobConfig:
 _FLOAT_FIELDS = ("bucket_cap_mb", "startup_timeout", "step_timeout", "shutdown_timeout")
 
 
+def settings_from_env(env, strategy: str | None = None) -> dict:
+    """The job's settings from its GRADSYNC_* variables (what `to_env` writes), defaults for the unset ones;
+    no placement (RANK, WORLD_SIZE, MASTER_*). `strategy`, when given, wins over GRADSYNC_STRATEGY."""
+    strategy = strategy or env.get("GRADSYNC_STRATEGY", "ps")
+    values = dict(
+        strategy=strategy,
+        mode=env.get("GRADSYNC_MODE", "sync"),
+        servers=_int(env, "GRADSYNC_SERVERS", default_servers(strategy)),
+        nonfinite=env.get("GRADSYNC_NONFINITE", "raise"),
+        compression=env.get("GRADSYNC_COMPRESSION", "none"),
+        server_device=env.get("GRADSYNC_SERVER_DEVICE", "cpu"),
+        transport=env.get("GRADSYNC_TRANSPORT", "rpc"),
+    )
+    for name in _FLOAT_FIELDS:
+        raw = env.get(f"GRADSYNC_{name.upper()}")
+        if raw:
+            values[name] = _float(f"GRADSYNC_{name.upper()}", raw)
+    return values
+
+
 def _float(name: str, raw: str) -> float:
     try:
         return float(raw)
@@ -196,10 +209,11 @@ def _int(env, name: str, default):
 
 
 class StoreKeys:
-    """Every key and prefix gradsync uses in the rendezvous store (`{}`: a shard or worker index)."""
+    """Every key and prefix gradsync uses in the rendezvous store (`{}`: a shard, worker or global rank index)."""
 
-    DONE = "gradsync/done"
     FAILED = "gradsync/failed"
+    ALIVE = "gradsync/alive/{}"
+    LEFT = "gradsync/left"
     PROCESS_GROUP = "gradsync/pg"
     RPC = "gradsync/rpc"
     TOKEN = "gradsync/grpc_token"

@@ -1,14 +1,16 @@
 """Local spawning for `gradsync run` and `gradsync.launch`: S servers + W workers on this machine.
 
-The launcher hosts the rendezvous store itself (on a free port unless one is
-given), gives each rank the environment torchrun would (RANK, WORLD_SIZE,
-LOCAL_RANK, MASTER_ADDR, MASTER_PORT) plus gradsync's own, and supervises:
-when any rank fails, every other rank is killed and the failing rank's
-traceback is raised (or printed), so a job never hangs on a dead peer.
+The launcher hosts the rendezvous store itself (on loopback only, on a free
+port unless one is given), gives each rank the environment torchrun would
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) plus gradsync's own,
+and supervises: it watches exit codes and every rank's heartbeat (`liveness`),
+and when a rank fails or falls silent for step_timeout, it kills every rank
+and raises (or prints) the failure, naming the rank that caused it (one killed
+by a signal, then one that is stopped or silent, then the first to record a
+failure) with its traceback. Ranks die with the launcher, whatever kills it.
 """
 from __future__ import annotations
 
-import datetime
 import multiprocessing
 import os
 import shutil
@@ -22,11 +24,19 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from gradsync.config import ConfigError, JobConfig, StoreKeys, default_servers
+from gradsync import cluster
+from gradsync.config import ConfigError, JobConfig, StoreKeys, settings_from_env
+from gradsync.liveness import LAUNCHER_PID, Watch, create_keys, interval
 from gradsync.proto.endpoints import new_token
 
+_HOST = "127.0.0.1"
 _POLL_S = 0.05
 _KILL_GRACE_S = 3.0
+_STATES = {
+    "T": "its process is stopped (SIGSTOP, SIGTSTP)",
+    "t": "its process is stopped by a debugger",
+    "D": "its process waits in uninterruptible I/O",
+}
 
 
 class JobFailed(RuntimeError):
@@ -38,25 +48,16 @@ class JobFailed(RuntimeError):
 
 
 def host_store(port: int) -> dist.TCPStore:
-    """Host the job's rendezvous store on loopback; port 0 picks a free one."""
-    try:
-        return dist.TCPStore(
-            "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60)
-        )
-    except (RuntimeError, OSError) as e:
-        if "in use" in str(e).lower():
-            raise ConfigError(
-                f"port {port} on 127.0.0.1 is already in use: pass --master-port 0 (the default) to pick a free "
-                "one, or choose another port"
-            ) from e
-        raise
+    """Host the job's rendezvous store, listening on loopback only; port 0 picks a free one."""
+    return cluster.host_store(_HOST, port, 60.0,
+                              "pass --master-port 0 (the default) to pick a free one, or choose another port")
 
 
 def rank_environments(config: JobConfig, port: int, run_dir: str) -> list[dict[str, str]]:
     """The environment of each rank: torchrun's variables plus GRADSYNC_*."""
     base = dict(config.to_env())
     base.update(
-        MASTER_ADDR="127.0.0.1",
+        MASTER_ADDR=_HOST,
         MASTER_PORT=str(port),
         WORLD_SIZE=str(config.world_size),
         LOCAL_WORLD_SIZE=str(config.world_size),
@@ -67,16 +68,13 @@ def rank_environments(config: JobConfig, port: int, run_dir: str) -> list[dict[s
         GLOO_SOCKET_IFNAME="lo",
         OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
     )
+    base[LAUNCHER_PID] = str(os.getpid())
     envs = []
     for rank in range(config.world_size):
         env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
         env["GRADSYNC_ERROR_FILE"] = os.path.join(run_dir, f"error-{rank}.txt")
         envs.append(env)
     return envs
-
-
-def role(config: JobConfig, rank: int) -> str:
-    return f"ps{rank}" if rank < config.servers else f"worker{rank - config.servers}"
 
 
 class _Rank:
@@ -91,6 +89,14 @@ class _Rank:
             return self.proc.poll()
         return self.proc.exitcode
 
+    def state(self) -> str | None:
+        """The process's state letter in /proc (R, S, D, T, t, Z), None when it cannot be read."""
+        try:
+            with open(f"/proc/{self.proc.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return None
+
     def kill(self, sig: int) -> None:
         if self.exitcode() is not None:
             return
@@ -104,8 +110,10 @@ class _Rank:
 
 
 def _kill_all(ranks: list[_Rank]) -> None:
+    """SIGTERM every rank (and SIGCONT, so a stopped one handles it), SIGKILL those left after a grace period."""
     for r in ranks:
         r.kill(signal.SIGTERM)
+        r.kill(signal.SIGCONT)
     deadline = time.monotonic() + _KILL_GRACE_S
     while any(r.exitcode() is None for r in ranks) and time.monotonic() < deadline:
         time.sleep(_POLL_S)
@@ -120,7 +128,7 @@ def _kill_all(ranks: list[_Rank]) -> None:
 
 def _failure_text(config: JobConfig, run_dir: str, rank: int, code: int) -> str:
     how = f"exit code {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
-    text = f"rank {rank} ({role(config, rank)}) failed with {how}"
+    text = f"rank {rank} ({config.role(rank)}) failed with {how}"
     path = os.path.join(run_dir, f"error-{rank}.txt")
     if os.path.exists(path):
         with open(path) as f:
@@ -128,80 +136,123 @@ def _failure_text(config: JobConfig, run_dir: str, rank: int, code: int) -> str:
     return text
 
 
-def _first_failure(ranks: list[_Rank], failed: list[tuple[int, int]], store: dist.Store) -> tuple[int, int]:
-    """The root cause among failed ranks: one killed by a signal (it could not report), else the first
-    to record its failure in the store (given a few seconds to exit by itself), else the lowest rank."""
+def _silent_text(config: JobConfig, rank: _Rank, seconds: float) -> str:
+    """Why `rank` stopped the job: it exited without leaving it, or it stopped sending heartbeats."""
+    head = f"rank {rank.rank} ({config.role(rank.rank)})"
+    if rank.exitcode() == 0:
+        return (f"{head} exited with code 0 without calling gradsync.shutdown(), and the job waited for it: "
+                "every worker must call gradsync.shutdown() when it is done")
+    state = _STATES.get(rank.state(), "its process runs, but not its heartbeat thread (a C call holding the GIL?)")
+    return (f"{head} stopped responding: no heartbeat for {seconds:.1f} s (step_timeout "
+            f"{config.step_timeout:.0f} s); {state}")
+
+
+def _recorded_failure(ranks: list[_Rank], store: dist.Store) -> int | None:
+    """The rank that recorded the job's first failure in the store (given a few seconds to exit by itself),
+    when it has exited non-zero."""
+    if not store.check([StoreKeys.FAILED]):
+        return None
+    first = ranks[int(store.get(StoreKeys.FAILED).decode().split(":", 1)[0].split()[1])]
+    deadline = time.monotonic() + _KILL_GRACE_S
+    while first.exitcode() is None and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
+    return first.rank if first.exitcode() not in (None, 0) else None
+
+
+def _root_cause(config: JobConfig, ranks: list[_Rank], watch: Watch, store: dist.Store, run_dir: str) -> JobFailed:
+    """The failure that explains the others: a rank killed by a signal (it could not report); else one that
+    is stopped, silent for half the step timeout, or gone without leaving (the others failed waiting for
+    it); else the first to record a failure; else the lowest failed rank."""
+    failed = [(r.rank, r.exitcode()) for r in ranks if r.exitcode() not in (None, 0)]
     for rank, code in failed:
         if code < 0:
-            return rank, code
-    if store.check([StoreKeys.FAILED]):
-        first = ranks[int(store.get(StoreKeys.FAILED).decode().split(":", 1)[0].split()[1])]
-        deadline = time.monotonic() + _KILL_GRACE_S
-        while first.exitcode() is None and time.monotonic() < deadline:
-            time.sleep(_POLL_S)
-        if first.exitcode() not in (None, 0):
-            return first.rank, first.exitcode()
-    return failed[0]
+            return JobFailed(_failure_text(config, run_dir, rank, code), rank)
+    recorded = _recorded_failure(ranks, store)
+    follower = recorded if recorded is not None else failed[0][0]
+    follower_text = _failure_text(config, run_dir, follower, ranks[follower].exitcode())
+    silent = watch.silent(config.step_timeout / 2)
+    suspects = [r for r in ranks if r.rank != follower and (r.rank in silent or r.state() in ("T", "t"))
+                and (r.exitcode() is None or (r.exitcode() == 0 and r.rank >= config.servers))]
+    if suspects:
+        cause = max(suspects, key=lambda r: silent.get(r.rank, 0.0))
+        return JobFailed(f"{_silent_text(config, cause, silent.get(cause.rank, 0.0))}\nthen {follower_text}",
+                         cause.rank)
+    return JobFailed(follower_text, follower)
 
 
 def supervise(config: JobConfig, ranks: list[_Rank], run_dir: str, store: dist.Store, timeout: float | None) -> None:
-    """Wait for every rank; on the first failure (or the timeout) kill the rest and raise JobFailed."""
+    """Wait until every rank has exited 0. Raises JobFailed when one fails (naming the root cause), when a
+    running rank has sent no heartbeat for step_timeout, or after `timeout` seconds (None: no limit)."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    try:
-        while True:
-            codes = [r.exitcode() for r in ranks]
-            failed = [(r.rank, c) for r, c in zip(ranks, codes) if c not in (None, 0)]
-            if failed:
-                rank, code = _first_failure(ranks, failed, store)
-                raise JobFailed(_failure_text(config, run_dir, rank, code), rank)
-            if all(c == 0 for c in codes):
-                return
-            if deadline is not None and time.monotonic() > deadline:
-                running = [role(config, r.rank) for r, c in zip(ranks, codes) if c is None]
-                raise JobFailed(f"job timed out after {timeout:.0f} s; still running: {', '.join(running)}")
-            time.sleep(_POLL_S)
-    finally:
-        _kill_all(ranks)
+    watch = Watch(config)
+    next_read = 0.0
+    while True:
+        codes = [r.exitcode() for r in ranks]
+        if all(c == 0 for c in codes):
+            return
+        failed = any(c not in (None, 0) for c in codes)
+        if failed or time.monotonic() >= next_read:
+            watch.read(store)
+            next_read = time.monotonic() + interval(config.step_timeout)
+        if failed:
+            raise _root_cause(config, ranks, watch, store, run_dir)
+        silent = {rank: s for rank, s in watch.silent(config.step_timeout).items() if codes[rank] is None}
+        if silent:
+            rank = max(silent, key=silent.get)
+            raise JobFailed(_silent_text(config, ranks[rank], silent[rank]), rank)
+        if deadline is not None and time.monotonic() > deadline:
+            running = [config.role(r.rank) for r, c in zip(ranks, codes) if c is None]
+            raise JobFailed(f"job timed out after {timeout:.0f} s; still running: {', '.join(running)}")
+        time.sleep(_POLL_S)
 
 
 def _job_config(strategy, workers, servers, mode, **settings) -> JobConfig:
+    """The job's settings: the arguments that are not None, else the GRADSYNC_* environment, else the defaults."""
     if not isinstance(workers, int) or workers < 1:
         raise ConfigError(f"workers must be a positive integer, got {workers!r}")
-    if servers is None:
-        servers = default_servers(strategy)
-    return JobConfig(strategy=strategy, mode=mode, servers=servers, world_size=servers + workers, **settings)
+    values = settings_from_env(os.environ, strategy)
+    values.update({k: v for k, v in dict(mode=mode, servers=servers, **settings).items() if v is not None})
+    return JobConfig(world_size=values["servers"] + workers, **values)
 
 
-def run_script(script: str, script_args: list[str], *, strategy: str, workers: int, servers: int | None, mode: str,
-               master_port: int = 0, run_dir: str | None = None, timeout: float | None = None,
-               **settings) -> None:
-    """Run `python script args` on every rank (the `gradsync run` command). Raises JobFailed."""
+def run_script(script: str, script_args: list[str], *, strategy: str, workers: int, servers: int | None = None,
+               mode: str | None = None, master_port: int = 0, run_dir: str | None = None,
+               timeout: float | None = None, **settings) -> None:
+    """Run `python script args` on every rank (the `gradsync run` command). Raises JobFailed.
+
+    run_dir: the job's files (default: GRADSYNC_RUN_DIR, else a new temporary directory, removed at the end).
+    Other settings left None come from the GRADSYNC_* environment, else their defaults.
+    """
     config = _job_config(strategy, workers, servers, mode, **settings)
     store = host_store(master_port)
-    run_dir = os.path.abspath(run_dir or tempfile.mkdtemp(prefix="gradsync-run-"))
+    create_keys(store, config.world_size)
+    chosen = run_dir or os.environ.get("GRADSYNC_RUN_DIR")
+    run_dir = os.path.abspath(chosen or tempfile.mkdtemp(prefix="gradsync-run-"))
     os.makedirs(run_dir, exist_ok=True)
     print(f"gradsync: run dir {run_dir}", file=sys.stderr, flush=True)
     ranks = []
-    for rank, env in enumerate(rank_environments(config, store.port, run_dir)):
-        proc = subprocess.Popen([sys.executable, script, *script_args], env={**os.environ, **env},
-                                start_new_session=True)
-        ranks.append(_Rank(rank, proc))
-    supervise(config, ranks, run_dir, store, timeout)
+    try:
+        for rank, env in enumerate(rank_environments(config, store.port, run_dir)):
+            proc = subprocess.Popen([sys.executable, script, *script_args], env={**os.environ, **env},
+                                    start_new_session=True)
+            ranks.append(_Rank(rank, proc))
+        supervise(config, ranks, run_dir, store, timeout)
+    finally:
+        _kill_all(ranks)
+        if not chosen:
+            shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _run_function(env: dict, fn, args: tuple, result_path: str) -> None:
     """Body of a spawned rank: init, then fn on workers; a failure is recorded for the launcher."""
     os.environ.update(env, GRADSYNC_LAUNCHED="1")
-    from gradsync import cluster
-
     try:
         cluster.init()
         result = fn(*args)
         cluster.shutdown()
         torch.save(result, result_path)
     except BaseException:
-        store = cluster._STATE.store if cluster._STATE is not None else None
-        cluster.record_failure(store, int(env["RANK"]), traceback.format_exc())
+        cluster.record_failure(cluster._STATE, int(env["RANK"]), traceback.format_exc())
         sys.stderr.write(traceback.format_exc())
         sys.stderr.flush()
         os._exit(1)
@@ -218,12 +269,14 @@ def launch(fn, *, strategy: str, workers: int, servers: int | None = None, mode:
             for allreduce; None: 1 for ps and hybrid, 0 for allreduce, as `gradsync run`).
         mode: 'sync' or 'async'.
         timeout: seconds for the whole job (None: no limit).
-        settings: other JobConfig fields (nonfinite, compression, step_timeout, ...).
+        settings: other JobConfig fields (nonfinite, compression, step_timeout, ...); those not given come
+            from the GRADSYNC_* environment, else their defaults.
     Raises:
-        JobFailed: naming the failing rank, with its traceback.
+        JobFailed: naming the rank that caused the failure, with its traceback.
     """
     config = _job_config(strategy, workers, servers, mode, **settings)
     store = host_store(0)
+    create_keys(store, config.world_size)
     run_dir = tempfile.mkdtemp(prefix="gradsync-launch-")
     context = multiprocessing.get_context("spawn")
     ranks = []
@@ -239,5 +292,5 @@ def launch(fn, *, strategy: str, workers: int, servers: int | None = None, mode:
             for rank in range(config.servers, config.world_size)
         ]
     finally:
+        _kill_all(ranks)
         shutil.rmtree(run_dir, ignore_errors=True)
-

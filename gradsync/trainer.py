@@ -46,7 +46,7 @@ class Trainer:
         if table_optimizer is not None and not isinstance(table_optimizer, ROW_OPTIMIZERS):
             raise TypeError(f"table_optimizer must be gradsync.RowSGD(...) or gradsync.RowAdagrad(...), "
                             f"got {table_optimizer!r}")
-        job = cluster.current()
+        job = self._job = cluster.current()
         if job.config.is_server:
             raise RuntimeError("Trainer is for workers; servers serve inside gradsync.init()")
         if job.config.strategy == "ps":
@@ -80,6 +80,7 @@ class Trainer:
         """Commit the step of `context_id`, once per context, after its backward: servers apply (ps) or
         the local optimizer steps (allreduce)."""
         self._strategy.step(context_id)
+        self._job.steps += 1
 
     def server_stats(self) -> dict[int, dict]:
         """Every parameter server's counters by server index (version, pushes, staleness, bytes, and

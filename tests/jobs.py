@@ -65,24 +65,6 @@ def train_mlp_stats(steps: int, steps_worker1: int | None = None) -> dict:
     return trainer._strategy.transport.stats()[0]
 
 
-def fail_at(step_to_fail: int, how: str) -> None:
-    """Worker 1 raises (how='raise') or kills itself (how='kill') at `step_to_fail`; the others train."""
-    import os
-    import signal
-
-    me = gradsync.worker_rank()
-    trainer = gradsync.Trainer(make_mlp(), torch.optim.SGD, lr=0.1)
-    for step in range(50):
-        if me == 1 and step == step_to_fail:
-            if how == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            raise RuntimeError("worker 1 broke on purpose")
-        x, y = batch(step, me)
-        with dist_autograd.context() as cid:
-            dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
-            trainer.step(cid)
-
-
 def build_mismatched() -> None:
     """Worker 1 builds a wider model than the others."""
     torch.manual_seed(0)

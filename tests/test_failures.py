@@ -1,4 +1,5 @@
 """Failure behaviour: a broken worker fails the whole job fast, with its rank and traceback."""
+import os
 import socket
 import subprocess
 import sys
@@ -8,7 +9,8 @@ import pytest
 
 import gradsync
 from gradsync.config import ConfigError
-from jobs import build_mismatched, fail_at, reference_mlp, reference_skipping, train_mlp_stats, train_with_nan
+from faults import Fault, train_with_fault
+from jobs import build_mismatched, reference_mlp, reference_skipping, train_mlp_stats, train_with_nan
 from test_parity import max_diff
 
 
@@ -18,7 +20,8 @@ from test_parity import max_diff
 def test_failing_worker_fails_the_job_within_30s(strategy, servers, how):
     start = time.monotonic()
     with pytest.raises(gradsync.JobFailed) as info:
-        gradsync.launch(fail_at, strategy=strategy, workers=3, servers=servers, args=(3, how), timeout=80)
+        gradsync.launch(train_with_fault, strategy=strategy, workers=3, servers=servers, args=(Fault(1, 3, how), 50),
+                        timeout=80)
     elapsed = time.monotonic() - start
     message = str(info.value)
     assert f"rank {servers + 1} (worker1)" in message
@@ -84,10 +87,10 @@ def test_bad_settings_are_refused_before_anything_starts(kwargs, match):
         gradsync.launch(train_mlp_stats, **kwargs)
 
 
-def _gradsync_run(*args, timeout=60):
-    return subprocess.run(
-        [sys.executable, "-m", "gradsync.cli", "run", *args], capture_output=True, text=True, timeout=timeout
-    )
+def gradsync_run(*args, timeout=60, env=None):
+    """`gradsync run ARGS` in a subprocess (`env`: variables added to this environment)."""
+    return subprocess.run([sys.executable, "-m", "gradsync.cli", "run", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
 
 
 @pytest.mark.timeout(60)
@@ -96,14 +99,14 @@ def test_cli_reports_a_port_in_use():
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        done = _gradsync_run("--strategy", "ps", "--workers", "1", "--master-port", str(port), "x.py")
+        done = gradsync_run("--strategy", "ps", "--workers", "1", "--master-port", str(port), "x.py")
     assert done.returncode == 2
     assert f"port {port} on 127.0.0.1 is already in use" in done.stderr
 
 
 @pytest.mark.timeout(60)
 def test_cli_refuses_ps_without_servers():
-    done = _gradsync_run("--strategy", "ps", "--workers", "2", "--servers", "0", "x.py")
+    done = gradsync_run("--strategy", "ps", "--workers", "2", "--servers", "0", "x.py")
     assert done.returncode == 2 and "--servers 1" in done.stderr
 
 
@@ -118,7 +121,7 @@ def test_cli_failing_script_exits_nonzero_with_rank_and_traceback(tmp_path):
         "gradsync.shutdown()\n"
     )
     start = time.monotonic()
-    done = _gradsync_run("--strategy", "ps", "--workers", "2", str(script), timeout=80)
+    done = gradsync_run("--strategy", "ps", "--workers", "2", str(script), timeout=80)
     assert done.returncode == 1
     assert "rank 2 (worker1) failed with exit code 1" in done.stderr, done.stderr
     assert "ValueError: bad batch 7" in done.stderr

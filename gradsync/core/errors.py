@@ -21,3 +21,13 @@ def model_mismatch_error(worker: int, diff: str) -> ValueError:
         f"worker {worker}'s model differs from worker 0's: {diff}. Every worker must build the "
         "same model (same classes, same constructor arguments)"
     )
+
+
+def left_early_error(worker: int, steps: int, waiting: str) -> RuntimeError:
+    """Worker `worker` left the job after `steps` steps, while `waiting` (who, at which step) needs it."""
+    return RuntimeError(
+        f"worker {worker} left the job (its training function returned, or it called gradsync.shutdown) after "
+        f"{steps} steps, and {waiting} waits for it: in sync training every worker must take the same number "
+        "of steps. Give every worker the same number of batches (e.g. DistributedSampler(..., drop_last=True), "
+        "or stop all workers at the smallest batch count), or use --mode async with the ps strategy"
+    )

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from gradsync.core.errors import GradientError, nonfinite_error
+from gradsync.core.errors import GradientError, left_early_error, nonfinite_error
 from gradsync.core.finite import first_nonfinite
 from gradsync.core.tables import merge_rows
 from gradsync.cuda_ops import aggregate
@@ -215,6 +215,17 @@ class SyncRule:
                 push.fut.set_result(version)
         return fut
 
+    def worker_left(self, worker: int, steps: int) -> None:
+        """`worker` left the job after `steps` steps: no later step can have all W workers, so the step that
+        waits (if any) and every later commit fail at once, naming it."""
+        with self.shard.lock:
+            if self._failure is None:
+                waiting = f"the sync step at version {self.shard.version} on server {self.shard.shard_id}"
+                self._failure = left_early_error(worker, steps, waiting)
+            pending, self._pending = list(self._pending.values()), {}
+        for push in pending:
+            push.fut.set_exception(self._failure)
+
     def _step(self, pending: list[_Push]) -> GradientError | None:
         """Average and apply one step; returns the non-finite error instead of applying (nothing changes)."""
         shard = self.shard
@@ -263,6 +274,9 @@ class AsyncRule:
             _row_staleness(shard, rows)
             shard.apply(decoded, _skipped(shard, [(checked, absent)]), buffers, merged)
             return _done(shard.version)
+
+    def worker_left(self, worker: int, steps: int) -> None:
+        """Nothing to do: an async step needs no other worker."""
 
 
 RULES = {"sync": SyncRule, "async": AsyncRule}

@@ -132,6 +132,11 @@ class ParameterServer:
             return _failed(shard, GradientError(f"worker {worker} is not a worker id: expected an integer >= 0"))
         return self.rule.commit(worker, pulled_version, payloads, absent, buffers, wire or self.wire, rows)
 
+    def worker_left(self, worker: int, steps: int) -> None:
+        """`worker` left the job after `steps` steps (told by the heartbeat): a sync step waiting for it fails."""
+        if self.rule is not None:
+            self.rule.worker_left(worker, steps)
+
     def state(self) -> tuple[int, list[torch.Tensor], dict[str, torch.Tensor]]:
         """(version, bucket tensors, buffers, frozen parameters and this server's table rows by name): CPU
         copies at one version."""

@@ -43,12 +43,16 @@ def start_rpc(config: JobConfig, store: dist.Store) -> None:
     rpc._set_rpc_timeout(config.step_timeout)
 
 
-def stop_rpc(config: JobConfig) -> None:
-    """Leave the RPC world, gracefully within the shutdown timeout, else at once."""
-    try:
-        rpc.shutdown(graceful=True, timeout=config.shutdown_timeout)
-    except Exception:
+def stop_rpc(timeout: float | None) -> None:
+    """Leave the RPC world: gracefully within `timeout` seconds when every rank is leaving too, else (or with
+    None) at once."""
+    if timeout is None:
         rpc.shutdown(graceful=False)
+        return
+    try:
+        rpc.shutdown(graceful=True, timeout=timeout / 2)  # torch waits that long twice: for the others, for itself
+    except RuntimeError:  # a rank left without waiting, or is late; torch has shut this agent down all the same
+        pass
 
 
 def wait_all(futures: dict[int, torch.futures.Future], what: str, timeout: float) -> dict[int, object]:

@@ -41,13 +41,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from gradsync.core.errors import model_mismatch_error, nonfinite_error
+from gradsync.core.errors import left_early_error, model_mismatch_error, nonfinite_error
 from gradsync.core.finite import first_nonfinite
 from gradsync.cuda_ops import DEFAULT_BLOCK_SIZE
 from gradsync.core.buckets import ModelSpec
 from gradsync.worker.ddp_hooks import make_ddp_hook
 from gradsync.worker.metrics import StepMetrics
 from gradsync.worker.model_state import named_tensors, to_state_dict
+from gradsync.worker.ps_strategy import current_context_id
 
 if TYPE_CHECKING:  # imports point one way: the start-up code (cluster) builds the strategies
     from gradsync.cluster import Cluster
@@ -140,9 +141,11 @@ class AllreduceStrategy:
     def __init__(self, cluster: Cluster, module: nn.Module, optimizer_cls, optimizer_kwargs: dict, *,
                  find_unused_parameters: bool = False):
         config = cluster.config
+        self.cluster = cluster
         self.config = config
         self.worker = config.worker_rank
         self.metrics = StepMetrics()
+        self.started = 0  # training forwards (with grad, in a dist_autograd context): steps begun
         params, buffers = named_tensors(module)
         _check_same_model(ModelSpec.of(params, buffers), self.worker, config.num_workers)
         self.module = module
@@ -161,13 +164,23 @@ class AllreduceStrategy:
         self.model = _Model(self.ddp, self._forward)
         self.optimizer = optimizer_cls(list(params.values()), **optimizer_kwargs)
         self.wire_bytes = _wire_bytes(self.trainable, config.num_workers, config.compression)
+        cluster.heartbeat.on_left(self._peer_left)
 
     def _forward(self, *args, **kwargs):
         self.metrics.pulled(0.0, 0)  # marks the start of the step
+        if torch.is_grad_enabled() and current_context_id() is not None:
+            self.started += 1
         out = self.ddp(*args, **kwargs)
         if self.find_unused and torch.is_grad_enabled():
             out = self._tie_unused(out)
         return out
+
+    def _peer_left(self, worker: int, steps: int) -> None:
+        """Heartbeat thread: worker `worker` left after `steps` steps. When this worker has begun a later step,
+        that step's collectives can never complete, and its main thread waits in them out of reach: exit now."""
+        if self.started > steps:
+            waiting = f"worker {self.worker} (in its step {self.started})"
+            self.cluster.exit_now(str(left_early_error(worker, steps, waiting)))
 
     def _tie_unused(self, out):
         """Record the parameters `out` uses; add the others to `out` as a zero with zero gradients."""

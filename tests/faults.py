@@ -1,0 +1,71 @@
+"""Fault injection for the multi-process tests, after torchft's failure injector: worker W fails at step K."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import NamedTuple
+
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.nn.functional as F
+
+import gradsync
+from jobs import batch, make_mlp
+
+
+class Fault(NamedTuple):
+    """Worker `worker` fails as it reaches step `step`: 'raise' an exception, 'kill' itself (SIGKILL), 'stop'
+    itself (SIGSTOP: alive but silent until the launcher kills it), or 'leave' (stop training early, as a
+    worker with fewer batches does); 'mark' only notes the time (a sign that the job runs). `stamps`: a
+    directory where it notes time.time() in `fault` first."""
+
+    worker: int
+    step: int
+    how: str
+    stamps: str | None = None
+
+    def strike(self, worker: int, step: int) -> bool:
+        """Call at the top of each step; True when this worker must stop training now ('leave')."""
+        if (worker, step) != (self.worker, self.step):
+            return False
+        if self.stamps is not None:
+            stamp(self.stamps, "fault")
+        if self.how == "raise":
+            raise RuntimeError(f"worker {worker} broke on purpose at step {step}")
+        if self.how in ("kill", "stop"):
+            os.kill(os.getpid(), signal.SIGKILL if self.how == "kill" else signal.SIGSTOP)
+        return self.how == "leave"
+
+
+def stamp(directory: str, name: str, value: float | None = None) -> None:
+    """Write `value` (default: time.time()) to directory/name."""
+    with open(os.path.join(directory, name), "w") as f:
+        f.write(repr(time.time() if value is None else value))
+
+
+def read_stamp(directory: str, name: str) -> float:
+    with open(os.path.join(directory, name)) as f:
+        return float(f.read())
+
+
+def train_with_fault(fault: Fault, steps: int) -> int:
+    """Train the MLP for up to `steps` steps on every worker with `fault` injected; returns the steps taken."""
+    me = gradsync.worker_rank()
+    trainer = gradsync.Trainer(make_mlp(), torch.optim.SGD, lr=0.1)
+    for step in range(steps):
+        if fault.strike(me, step):
+            return step
+        x, y = batch(step, me)
+        with dist_autograd.context() as cid:
+            dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
+            trainer.step(cid)
+    return steps
+
+
+def train_then_leave(fault: Fault, steps: int) -> None:
+    """`train_with_fault`, then `gradsync.shutdown()`; notes in fault.stamps/shutdown-<worker> how long it took."""
+    train_with_fault(fault, steps)
+    me, start = gradsync.worker_rank(), time.monotonic()
+    gradsync.shutdown()
+    stamp(fault.stamps, f"shutdown-{me}", time.monotonic() - start)

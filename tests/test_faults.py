@@ -1,0 +1,180 @@
+"""Injected faults: the job fails within its timeouts, naming the rank that caused it; no rank outlives the job."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import gradsync
+from faults import Fault, read_stamp, train_then_leave, train_with_fault
+from gradsync import cluster
+from gradsync.config import JobConfig
+from gradsync.launch import host_store
+from gradsync.liveness import Heartbeat
+from test_failures import gradsync_run
+
+TESTS = os.path.dirname(__file__)
+STEP_TIMEOUT = 4.0
+SLACK = 8.0  # heartbeat period, the launcher's poll, killing the ranks, on a loaded 2-core machine
+
+JOBS = [("ps", 1, "sync"), ("ps", 1, "async"), ("allreduce", 0, "sync")]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("strategy,servers,mode", JOBS)
+def test_a_stopped_worker_is_named_within_the_step_timeout(strategy, servers, mode, tmp_path):
+    fault = Fault(1, 3, "stop", str(tmp_path))
+    with pytest.raises(gradsync.JobFailed) as info:
+        gradsync.launch(train_then_leave, strategy=strategy, workers=2, servers=servers, mode=mode,
+                        args=(fault, 6), step_timeout=STEP_TIMEOUT, shutdown_timeout=1.5, timeout=80)
+    failed_after = time.time() - read_stamp(tmp_path, "fault")
+    headline = str(info.value).splitlines()[0]
+    assert headline.startswith(f"rank {servers + 1} (worker1) stopped responding: no heartbeat for "), headline
+    assert "its process is stopped (SIGSTOP" in headline
+    assert failed_after < STEP_TIMEOUT + SLACK
+    if mode == "async":  # worker0 trained on, and its shutdown gave up waiting for worker1 in time
+        assert read_stamp(tmp_path, "shutdown-0") < 1.5 + 2.0
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("strategy,servers", [("ps", 1), ("allreduce", 0)])
+def test_uneven_data_fails_at_once_naming_the_worker_that_left(strategy, servers, tmp_path):
+    fault = Fault(1, 9, "leave", str(tmp_path))
+    with pytest.raises(gradsync.JobFailed) as info:
+        gradsync.launch(train_with_fault, strategy=strategy, workers=2, servers=servers, args=(fault, 10),
+                        step_timeout=60, timeout=80)
+    assert time.time() - read_stamp(tmp_path, "fault") < SLACK  # not after the 60 s step timeout
+    message = str(info.value)
+    assert message.startswith(f"rank {servers} (worker0) failed with exit code 1"), message
+    assert "worker 1 left the job (its training function returned, or it called gradsync.shutdown) after 9 steps" \
+        in message
+    assert "DistributedSampler(..., drop_last=True)" in message
+
+
+def test_shutdown_returns_within_its_timeout_when_a_worker_never_leaves(capfd):
+    config = JobConfig(strategy="ps", servers=1, world_size=3, rank=1, transport="grpc", shutdown_timeout=1.0)
+    store = host_store(0)
+    cluster._STATE = cluster.Cluster(config, store, Heartbeat(store, config))
+    start = time.monotonic()
+    gradsync.shutdown()
+    assert time.monotonic() - start < 1.0 + 1.0
+    assert "shutdown waited 1 s (shutdown_timeout) for worker1 to leave the job" in capfd.readouterr().err
+
+
+def _listening(port: int) -> list[str]:
+    """Local addresses (hex, as /proc/net/tcp* writes them) of the sockets that listen on `port`."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, _, state = line.split()[1:4]
+                address, hex_port = local.split(":")
+                if state == "0A" and int(hex_port, 16) == port:
+                    found.append(address)
+    return found
+
+
+@pytest.mark.parametrize("host", ["launcher", "rank 0"])
+def test_the_rendezvous_store_listens_on_its_address_only(host):
+    if host == "launcher":
+        store = host_store(0)
+    else:
+        store = cluster.connect_store(JobConfig(strategy="allreduce", servers=0, master_port=0))
+    assert _listening(store.port) == ["0100007F"]  # 127.0.0.1, not 0.0.0.0 or [::]
+
+
+def _run_dir(stderr: str) -> str:
+    return re.search(r"gradsync: run dir (\S+)", stderr).group(1)
+
+
+@pytest.mark.timeout(60)
+def test_run_takes_timeouts_from_flags_and_environment_and_removes_its_run_dir(tmp_path):
+    script = tmp_path / "settings.py"
+    script.write_text("import os\nprint(os.environ['GRADSYNC_STEP_TIMEOUT'], os.environ['GRADSYNC_SHUTDOWN_TIMEOUT'],"
+                      " os.environ['GRADSYNC_STARTUP_TIMEOUT'])\n")
+    done = gradsync_run("--strategy", "allreduce", "--workers", "1", "--step-timeout", "7", str(script),
+                         env={"GRADSYNC_SHUTDOWN_TIMEOUT": "9", "GRADSYNC_STARTUP_TIMEOUT": "11"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["7.0", "9.0", "11.0"]
+    assert not os.path.exists(_run_dir(done.stderr))
+    chosen = tmp_path / "chosen"
+    done = gradsync_run("--strategy", "allreduce", "--workers", "1", str(script),
+                         env={"GRADSYNC_RUN_DIR": str(chosen), "GRADSYNC_STEP_TIMEOUT": "5"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[0] == "5.0"
+    assert _run_dir(done.stderr) == str(chosen) and chosen.is_dir()
+
+
+@pytest.mark.timeout(90)
+def test_a_worker_exception_in_async_mode_is_the_headline(tmp_path):
+    script = tmp_path / "async_raise.py"
+    script.write_text(f"import sys; sys.path.insert(0, {TESTS!r})\n"
+                      "import gradsync, faults\n"
+                      "gradsync.init()\n"
+                      "faults.train_with_fault(faults.Fault(1, 3, 'raise'), 30)\n"
+                      "gradsync.shutdown()\n")
+    done = gradsync_run("--strategy", "ps", "--mode", "async", "--workers", "2", str(script), timeout=80)
+    assert done.returncode == 1
+    headline = done.stderr[done.stderr.index("gradsync: rank"):]
+    assert headline.startswith("gradsync: rank 2 (worker1) failed with exit code 1:"), done.stderr
+    assert "RuntimeError: worker 1 broke on purpose at step 3" in headline
+    assert "SIGABRT" not in done.stderr
+
+
+_FOREVER = """import os, sys, time
+sys.path.insert(0, {tests!r})
+with open(os.path.join({pids!r}, os.environ["RANK"]), "w") as f:
+    f.write(str(os.getpid()))
+import gradsync, faults
+gradsync.init()
+faults.train_with_fault(faults.Fault(0, 2, "mark", {pids!r}), 10**6)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has exited; its new parent reaps it
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("strategy,servers", [("ps", 1), ("allreduce", 0)])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_no_rank_outlives_a_killed_gradsync_run(strategy, servers, sig, tmp_path):
+    pids_dir = tmp_path / "pids"
+    pids_dir.mkdir()
+    script = tmp_path / "forever.py"
+    script.write_text(_FOREVER.format(tests=TESTS, pids=str(pids_dir)))
+    run_dir = [] if sig == signal.SIGTERM else ["--run-dir", str(tmp_path / "run")]  # SIGKILL leaves it behind
+    stderr = tmp_path / "stderr"  # a file, not a pipe: a surviving rank would hold a pipe open
+    with open(stderr, "w") as out:
+        launcher = subprocess.Popen([sys.executable, "-m", "gradsync.cli", "run", "--strategy", strategy,
+                                     "--workers", "2", *run_dir, str(script)], stderr=out, start_new_session=True)
+    pids = []
+    try:
+        deadline = time.monotonic() + 60
+        while not (pids_dir / "fault").exists():  # worker 0 reached step 2: every rank is up
+            assert launcher.poll() is None and time.monotonic() < deadline, "the job did not start"
+            time.sleep(0.1)
+        pids = [int((pids_dir / str(rank)).read_text()) for rank in range(servers + 2)]
+        launcher.send_signal(sig)
+        launcher.wait(timeout=30)
+        deadline = time.monotonic() + 5
+        while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [pid for pid in pids if not _gone(pid)] == []
+        if sig == signal.SIGTERM:
+            assert launcher.returncode == 128 + signal.SIGTERM
+            assert "gradsync: stopped by SIGTERM: every rank was stopped" in stderr.read_text()
+            assert not os.path.exists(_run_dir(stderr.read_text()))
+    finally:
+        for pid in pids:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+        if launcher.poll() is None:
+            launcher.kill()
