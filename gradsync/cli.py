@@ -10,7 +10,8 @@ from gradsync.config import ConfigError, JobConfig
 from gradsync.launch import JobFailed, run_script
 
 _SETTINGS = (  # JobConfig fields that `gradsync run` sets with --field-name
-    ("mode", str, "sync or async (ps and hybrid)"),
+    ("mode", str, "sync, async or ssp (ps and hybrid)"),
+    ("staleness", int, "with --mode ssp: steps a worker may run ahead of the slowest"),
     ("nonfinite", str, "raise or skip, for NaN/Inf gradients"),
     ("compression", str, "none, fp16, bf16 or int8 gradients on the wire"),
     ("transport", str, "rpc or grpc: how ps workers reach the servers"),

@@ -127,8 +127,8 @@ class Client:
         return out
 
     def stats(self) -> dict[int, dict]:
-        """Per shard: version, workers_seen, pushes_applied/rejected, steps_skipped, max_staleness, bytes_in/out,
-        the calls its endpoint received by method name, and per embedding table its rows, bytes, rows
+        """Per shard: version, workers_seen, pushes_applied/rejected, steps_skipped, max_staleness and the
+        staleness histogram, max_lead (ssp), bytes_in/out, the calls its endpoint received by method name, and per embedding table its rows, bytes, rows
         pulled and pushed and max_staleness."""
         out = {}
         for shard in self._stubs:
@@ -136,6 +136,7 @@ class Client:
             out[shard] = {f.name: getattr(r, f.name) for f in r.DESCRIPTOR.fields if f.name != "shard_id"}
             out[shard]["workers_seen"] = list(r.workers_seen)
             out[shard]["calls"] = dict(r.calls)
+            out[shard]["staleness_histogram"] = dict(r.staleness_histogram)
             out[shard]["tables"] = {t.name: {f.name: getattr(t, f.name) for f in t.DESCRIPTOR.fields if f.name != "name"}
                                     for t in r.tables}
         return out
@@ -330,15 +331,16 @@ def status_table(client: Client) -> str:
     health = client.health()
     stats = client.stats() if all(h["ready"] for h in health.values()) else {}  # GetStats needs a ready shard
     header = ["shard", "address", "ready", "version", "workers seen", "pushes applied", "pushes rejected",
-              "steps skipped", "max staleness", "MB in", "MB out"]
+              "steps skipped", "max staleness", "staleness: pushes", "MB in", "MB out"]
     rows = []
     for shard, h in sorted(health.items()):
         s = stats.get(shard)
         rows.append([str(shard), client.addresses[shard], "yes" if h["ready"] else "no", str(h["version"])] + (
             [",".join(map(str, s["workers_seen"])), str(s["pushes_applied"]), str(s["pushes_rejected"]),
-             str(s["steps_skipped"]), str(s["max_staleness"]), f"{s['bytes_in'] / 1e6:.1f}",
-             f"{s['bytes_out'] / 1e6:.1f}"]
-            if s else ["-"] * 7
+             str(s["steps_skipped"]), str(s["max_staleness"]),
+             " ".join(f"{k}:{v}" for k, v in sorted(s["staleness_histogram"].items())) or "-",
+             f"{s['bytes_in'] / 1e6:.1f}", f"{s['bytes_out'] / 1e6:.1f}"]
+            if s else ["-"] * 8
         ))
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]

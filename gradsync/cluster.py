@@ -148,12 +148,13 @@ def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=
 
     Args:
         strategy: 'ps', 'allreduce' or 'hybrid' (default: GRADSYNC_STRATEGY, else 'ps').
-        mode: 'sync' or 'async' (default: GRADSYNC_MODE, else 'sync').
+        mode: 'sync', 'async' or 'ssp' (default: GRADSYNC_MODE, else 'sync'); with 'ssp', pass
+            staleness=K (or GRADSYNC_STALENESS).
         servers: number of parameter servers, the first ranks (default: GRADSYNC_SERVERS).
         nonfinite: 'raise' or 'skip' for NaN/Inf gradients.
         compression: 'none', 'fp16', 'bf16' or 'int8' gradients on the wire.
         transport: 'rpc' (torch RPC) or 'grpc' (ps only: pulls and pushes over gRPC, no TensorPipe).
-        timeouts: startup_timeout, step_timeout, shutdown_timeout (seconds).
+        timeouts: startup_timeout, step_timeout, shutdown_timeout (seconds); staleness (steps, mode 'ssp').
     On a server this call serves until the job ends and then exits the process.
     """
     global _STATE
@@ -192,7 +193,7 @@ def _join_launched(running: JobConfig, asked: JobConfig) -> None:
     if os.environ.get("GRADSYNC_LAUNCHED") != "1":
         raise RuntimeError("gradsync.init() was already called in this process")
     differ = [f"{f}={getattr(asked, f)!r} (the job runs {getattr(running, f)!r})"
-              for f in ("strategy", "mode", "servers", "nonfinite", "compression", "transport")
+              for f in ("strategy", "mode", "staleness", "servers", "nonfinite", "compression", "transport")
               if getattr(asked, f) != getattr(running, f)]
     if differ:
         raise ConfigError(
@@ -212,7 +213,8 @@ def _install_server(config: JobConfig):
     from gradsync.ps.server import ParameterServer
 
     server = ParameterServer(
-        config.rank, config.num_workers, config.mode, config.nonfinite, config.compression, config.server_device
+        config.rank, config.num_workers, config.mode, config.nonfinite, config.compression, config.server_device,
+        config.staleness,
     )
     install(server)
     return server

@@ -12,7 +12,7 @@ import os
 from typing import Literal, get_args
 
 Strategy = Literal["ps", "allreduce", "hybrid"]
-Mode = Literal["sync", "async"]
+Mode = Literal["sync", "async", "ssp"]
 NonFinitePolicy = Literal["raise", "skip"]
 Compression = Literal["none", "fp16", "bf16", "int8"]
 Transport = Literal["rpc", "grpc"]
@@ -39,7 +39,11 @@ class JobConfig:
     """'ps' (parameter server), 'allreduce' (DistributedDataParallel), or 'hybrid' (embedding tables on
     parameter servers, the rest with DistributedDataParallel)."""
     mode: Mode = "sync"
-    """'sync': servers average all workers' gradients each step; 'async': apply each as it arrives (PS only)."""
+    """'sync': servers average all workers' gradients each step; 'async': apply each as it arrives;
+    'ssp' (stale synchronous parallel): apply each as it arrives, scaled by 1/W, but no worker runs more
+    than `staleness` steps ahead of the slowest (ps and hybrid only)."""
+    staleness: int = 0
+    """With mode 'ssp': how many steps a worker may run ahead of the slowest worker (0: lock step)."""
     servers: int = 1
     """Number of parameter-server processes; they are the first `servers` ranks. 0 for allreduce."""
     rank: int = 0
@@ -89,6 +93,11 @@ class JobConfig:
         if self.strategy == "allreduce" and self.servers != 0:
             raise ConfigError(
                 f"the allreduce strategy uses no servers, got servers={self.servers}: pass --servers 0"
+            )
+        if self.staleness < 0 or (self.staleness and self.mode != "ssp"):
+            raise ConfigError(
+                f"staleness={self.staleness}: it bounds --mode ssp and must be >= 0; pass --mode ssp "
+                "--staleness K, or leave --staleness out"
             )
         if self.strategy == "allreduce" and self.mode != "sync":
             raise ConfigError("the allreduce strategy is synchronous: pass --mode sync, or use --strategy ps")
@@ -159,6 +168,7 @@ class JobConfig:
         return {
             "GRADSYNC_STRATEGY": self.strategy,
             "GRADSYNC_MODE": self.mode,
+            "GRADSYNC_STALENESS": str(self.staleness),
             "GRADSYNC_SERVERS": str(self.servers),
             "GRADSYNC_NONFINITE": self.nonfinite,
             "GRADSYNC_COMPRESSION": self.compression,
@@ -178,6 +188,7 @@ def settings_from_env(env, strategy: str | None = None) -> dict:
     values = dict(
         strategy=strategy,
         mode=env.get("GRADSYNC_MODE", "sync"),
+        staleness=_int(env, "GRADSYNC_STALENESS", 0),
         servers=_int(env, "GRADSYNC_SERVERS", default_servers(strategy)),
         nonfinite=env.get("GRADSYNC_NONFINITE", "raise"),
         compression=env.get("GRADSYNC_COMPRESSION", "none"),

@@ -62,7 +62,7 @@ def train_mlp_stats(steps: int, steps_worker1: int | None = None) -> dict:
         with dist_autograd.context() as cid:
             dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
             trainer.step(cid)
-    return trainer._strategy.transport.stats()[0]
+    return trainer.server_stats()[0]
 
 
 def build_mismatched() -> None:
@@ -219,4 +219,11 @@ def train_mlp_server_stats(steps: int) -> dict[int, dict]:
     """Train with SGD; returns every server's counters, read before any other call (no state_dict)."""
     trainer = gradsync.Trainer(make_mlp(), torch.optim.SGD, lr=0.1)
     run_loop(trainer, steps)
-    return trainer._strategy.transport.stats()
+    return trainer.server_stats()
+
+
+def train_mlp_and_stats(steps: int, lr: float = 0.1, momentum: float = 0.0) -> tuple[dict[str, torch.Tensor], dict]:
+    """Train the MLP with SGD; returns the final state and every server's counters."""
+    trainer = gradsync.Trainer(make_mlp(), torch.optim.SGD, lr=lr, momentum=momentum)
+    run_loop(trainer, steps)
+    return trainer.state_dict(), trainer.server_stats()

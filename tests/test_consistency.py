@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from gradsync.core.buckets import ModelSpec, plan_buckets
-from gradsync.ps.consistency import AsyncRule, SyncRule
+from gradsync.ps.consistency import AsyncRule, SSPRule, SyncRule
 from gradsync.core.errors import GradientError
 from gradsync.ps.shard import ShardState
 
@@ -132,3 +132,45 @@ def test_entries_no_worker_sent_are_skipped_and_partly_sent_ones_averaged_over_a
             assert torch.allclose(shard.params[name], tensor, rtol=0, atol=1e-5), (step, name)
         if step == 0:  # no worker sent w: weight decay and momentum left it exactly as it was
             assert shard.params["w"].equal(params["w"])
+
+
+def ssp_shard():
+    torch.manual_seed(0)
+    params = {"w": torch.zeros(2, requires_grad=True)}
+    buckets = plan_buckets(ModelSpec.of(params, {}).params, 1, 10**9)
+    return ShardState(0, buckets, params, {}, torch.optim.SGD, {"lr": 1.0})
+
+
+def test_ssp_with_staleness_0_is_lock_step_and_averages_over_w():
+    shard = ssp_shard()
+    rule = SSPRule(shard, num_workers=2, nonfinite="raise", staleness=0)
+    first = rule.commit(0, 0, [torch.tensor([2.0, 4.0])], ALL, {})
+    assert not first.done() and shard.flats[0].tolist() == [-1.0, -2.0]  # applied at once, scaled by 1/W
+    second = rule.commit(1, 0, [torch.tensor([4.0, 0.0])], ALL, {})
+    assert first.wait() == second.wait() == 2 and shard.flats[0].tolist() == [-3.0, -2.0]
+    assert shard.stats.staleness_histogram == {0: 1, 1: 1} and shard.stats.max_lead == 0
+
+
+def test_ssp_holds_a_worker_more_than_k_steps_ahead_until_the_slowest_catches_up():
+    shard = ssp_shard()
+    rule = SSPRule(shard, num_workers=2, nonfinite="raise", staleness=1)
+    g = [torch.ones(2)]
+    assert rule.commit(0, 0, g, ALL, {}).done()  # one step ahead: allowed
+    ahead = rule.commit(0, 1, g, ALL, {})
+    assert not ahead.done() and shard.stats.max_lead == 1  # would be two ahead: held
+    assert rule.commit(1, 0, g, ALL, {}).done() and ahead.done()
+    held = rule.commit(0, 3, g, ALL, {})
+    assert not held.done()
+    rule.worker_left(1, 1)  # the slowest left: nobody waits for it
+    assert held.wait() == 4
+
+
+def test_staleness_is_only_for_ssp():
+    from gradsync.config import ConfigError, JobConfig
+
+    with pytest.raises(ConfigError, match=r"staleness=2: it bounds --mode ssp"):
+        JobConfig(strategy="ps", mode="async", servers=1, world_size=2, staleness=2)
+    with pytest.raises(ConfigError, match=r"staleness=-1"):
+        JobConfig(strategy="ps", mode="ssp", servers=1, world_size=2, staleness=-1)
+    with pytest.raises(ConfigError, match=r"allreduce strategy is synchronous"):
+        JobConfig(strategy="allreduce", mode="ssp", servers=0, world_size=2)

@@ -7,7 +7,9 @@ the arrival order. A bucket entry that no worker produced a gradient for is
 skipped by the optimizer; one that some workers did is averaged over all W
 (zeros from the others), which is what single-process training on the joint
 batch computes. `AsyncRule` applies each worker's gradient as it arrives and
-tracks staleness. Both return a `torch.futures.Future` that resolves to the
+tracks staleness; `SSPRule` does too (scaled by 1/W) but holds a worker's reply
+while it is more than `staleness` steps ahead of the slowest worker. Each returns
+a `torch.futures.Future` that resolves to the
 shard's version after the step, or fails with the reason.
 
 NaN/Inf is found with one cheap reduction per bucket (`core.finite`); only
@@ -247,6 +249,8 @@ class SyncRule:
 class AsyncRule:
     """Apply each worker's gradient as it arrives, under the shard lock."""
 
+    scale = 1.0  # of each push's gradients
+
     def __init__(self, shard: ShardState, num_workers: int, nonfinite: str):
         self.shard = shard
         self.nonfinite = nonfinite
@@ -261,8 +265,9 @@ class AsyncRule:
                                               exact=False, rows=rows)
             except GradientError as e:
                 return _done(error=e)
-            decoded = [None if g is None else wire.decode(g, b.dtype) for g, b in zip(checked, shard.buckets)]
-            merged = {name: (ids, grads) for name, (_, ids, grads) in rows.items()}
+            decoded = [None if g is None else _scaled(wire.decode(g, b.dtype), self.scale)
+                       for g, b in zip(checked, shard.buckets)]
+            merged = {name: (ids, _scaled(grads, self.scale)) for name, (_, ids, grads) in rows.items()}
             error = None
             if first_nonfinite([g for g in decoded if g is not None]) is not None:
                 error = _blame(shard, decoded, [(worker, checked, wire)])
@@ -270,7 +275,9 @@ class AsyncRule:
             if error is not None:
                 shard.stats.pushes_rejected += 1
                 return _done(error=error) if self.nonfinite == "raise" else _done(shard.version)
-            shard.stats.max_staleness = max(shard.stats.max_staleness, shard.version - pulled_version)
+            stale = shard.version - pulled_version
+            shard.stats.max_staleness = max(shard.stats.max_staleness, stale)
+            shard.stats.staleness_histogram[stale] = shard.stats.staleness_histogram.get(stale, 0) + 1
             _row_staleness(shard, rows)
             shard.apply(decoded, _skipped(shard, [(checked, absent)]), buffers, merged)
             return _done(shard.version)
@@ -279,4 +286,63 @@ class AsyncRule:
         """Nothing to do: an async step needs no other worker."""
 
 
-RULES = {"sync": SyncRule, "async": AsyncRule}
+class SSPRule(AsyncRule):
+    """Stale synchronous parallel: each push is applied as it arrives, scaled by 1/W (W pushes make one
+    step of the mean), but a worker's reply (and so its next step) waits until the slowest worker is at
+    most `staleness` steps behind it. staleness 0 is lock step: with plain SGD, the parameters of sync
+    training."""
+
+    def __init__(self, shard: ShardState, num_workers: int, nonfinite: str, staleness: int):
+        super().__init__(shard, num_workers, nonfinite)
+        self.scale = 1.0 / num_workers
+        self.staleness = staleness
+        self.clock = {w: 0 for w in range(num_workers)}  # pushes applied per worker still in the job
+        self._waiting: list[tuple[int, torch.futures.Future]] = []  # (slowest clock it needs, reply)
+
+    def commit(self, worker: int, pulled_version: int, grads: list, absent: list, buffers: dict,
+               wire=PLAIN, rows: dict | None = None) -> torch.futures.Future:
+        applied = super().commit(worker, pulled_version, grads, absent, buffers, wire, rows)  # done at once
+        try:
+            applied.wait()
+        except Exception:
+            return applied
+        shard = self.shard
+        fut: torch.futures.Future = torch.futures.Future()
+        with shard.lock:
+            lead = self.clock.get(worker, 0) - min(self.clock.values(), default=0)
+            shard.stats.max_lead = max(shard.stats.max_lead, lead)
+            if worker in self.clock:
+                self.clock[worker] += 1
+                self._waiting.append((self.clock[worker] - self.staleness, fut))
+            else:  # a worker that was reported gone: its push counts, it waits for no one
+                self._waiting.append((0, fut))
+            ready = self._release()
+        for waiting in ready:
+            waiting.set_result(self.shard.version)
+        return fut
+
+    def _release(self) -> list[torch.futures.Future]:
+        """The replies whose worker may go on now (call with the lock held)."""
+        slowest = min(self.clock.values(), default=float("inf"))
+        ready = [f for need, f in self._waiting if need <= slowest]
+        self._waiting = [(need, f) for need, f in self._waiting if need > slowest]
+        return ready
+
+    def worker_left(self, worker: int, steps: int) -> None:
+        """The slowest clock no longer counts `worker`: those who waited for it go on."""
+        with self.shard.lock:
+            self.clock.pop(worker, None)
+            ready = self._release()
+        for waiting in ready:
+            waiting.set_result(self.shard.version)
+
+
+def _scaled(grad: torch.Tensor, scale: float) -> torch.Tensor:
+    return grad if scale == 1.0 else grad * scale
+
+
+def make_rule(mode: str, shard: ShardState, num_workers: int, nonfinite: str, staleness: int = 0):
+    """The consistency rule of `mode` ('sync', 'async', 'ssp') for `shard`."""
+    if mode == "ssp":
+        return SSPRule(shard, num_workers, nonfinite, staleness)
+    return {"sync": SyncRule, "async": AsyncRule}[mode](shard, num_workers, nonfinite)

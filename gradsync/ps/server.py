@@ -17,7 +17,7 @@ import torch
 
 from gradsync.core.buckets import Bucket, ModelSpec
 from gradsync.core.errors import GradientError, model_mismatch_error
-from gradsync.ps.consistency import RULES
+from gradsync.ps.consistency import make_rule
 from gradsync.ps.shard import ShardState, Snapshot
 from gradsync.ps.table import TableShard
 from gradsync.ps.wire import make_wire
@@ -27,8 +27,9 @@ class ParameterServer:
     """State of one server process; methods are thread-safe."""
 
     def __init__(self, shard_id: int, num_workers: int, mode: str, nonfinite: str, compression: str = "none",
-                 device: str = "cpu"):
+                 device: str = "cpu", staleness: int = 0):
         self.shard_id = shard_id
+        self.staleness = staleness
         self.device = _usable_device(device)
         self.wire = make_wire(compression)
         self.num_workers = num_workers
@@ -65,7 +66,7 @@ class ParameterServer:
                 except (MemoryError, ValueError) as e:  # a table that does not fit, or bad rows
                     error = e
             if error is None:
-                self.rule = RULES[self.mode](self.shard, self.num_workers, self.nonfinite)
+                self.rule = make_rule(self.mode, self.shard, self.num_workers, self.nonfinite, self.staleness)
                 self._setup = None
                 self.ready.set()
         for _, waiting in registrations.values():
@@ -124,7 +125,7 @@ class ParameterServer:
         Resolves to the shard's version after the step (in sync mode once all W pushed), or fails with the reason.
         """
         shard = self._shard()
-        if self.mode == "sync" and not 0 <= worker < self.num_workers:
+        if self.mode != "async" and not 0 <= worker < self.num_workers:
             return _failed(shard, GradientError(
                 f"worker {worker} is not a worker of this job: expected 0 .. {self.num_workers - 1}"
             ))

@@ -46,6 +46,8 @@ class ShardStats:
     pushes_rejected: int = 0
     steps_skipped: int = 0
     max_staleness: int = 0
+    staleness_histogram: dict = dataclasses.field(default_factory=dict)  # version staleness -> applied pushes
+    max_lead: int = 0  # ssp: most steps a pushing worker was ahead of the slowest
     bytes_in: int = 0
     bytes_out: int = 0
 
