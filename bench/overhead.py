@@ -150,12 +150,16 @@ def _children(parent: int) -> list[int]:
 
 
 def job_pids() -> list[int]:
-    """The job's ranks: the bench process's children started by multiprocessing spawn (not its resource tracker)."""
+    """The job's ranks, seen from one of them: its parent's children started by multiprocessing (spawned by
+    the bench, or forked by gradsync.launch's fork server), not the bench's resource tracker."""
+    parent = os.getppid()
+    with open(f"/proc/{parent}/cmdline", "rb") as f:
+        forked = b"forkserver" in f.read()  # then every child of the parent is a rank
     pids = []
-    for pid in _children(os.getppid()):
+    for pid in _children(parent):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"spawn_main" in f.read():
+                if forked or b"spawn_main" in f.read():
                     pids.append(pid)
         except OSError:
             pass
