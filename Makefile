@@ -15,7 +15,7 @@ $(VENV)/.installed: requirements.txt setup.py pyproject.toml
 	touch $@
 
 run: $(VENV)/.installed
-	$(PY) examples/compare.py
+	$(PY) -m gradsync.cli compare --out gradsync-report --strategies allreduce,ps --servers 1 --modes sync,async examples/digits.py
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

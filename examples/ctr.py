@@ -99,6 +99,7 @@ def train(fields: int, rows: int, dim: int, steps: int, batch_size: int, lr: flo
             dist_autograd.backward(cid, [loss])
             trainer.step(cid)
         losses.append(loss.item())
+        gradsync.log(loss=loss.item(), samples=batch_size)
     elapsed = time.perf_counter() - start
     summary = {
         "final_loss": sum(losses[-20:]) / len(losses[-20:]),
@@ -111,6 +112,7 @@ def train(fields: int, rows: int, dim: int, steps: int, batch_size: int, lr: flo
         with torch.no_grad():
             summary["auc"] = auc(trainer.model(ids), clicks)
         summary["planted_auc"] = auc(planted, clicks)
+        gradsync.log(acc=summary["auc"])  # the AUC, in compare's accuracy column
     return summary
 
 

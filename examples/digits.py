@@ -56,11 +56,13 @@ def train(epochs: int = 10, batch_size: int = 32, lr: float = 0.05) -> dict:
                 dist_autograd.backward(cid, [loss])
                 trainer.step(cid)
             losses.append(loss.item())
+            gradsync.log(loss=loss.item(), samples=len(idx))  # for gradsync compare; nothing otherwise
             bar.update(f"loss {loss.item():.3f}")
     elapsed = time.perf_counter() - start
     trainer.model.eval()
     with torch.no_grad():
         accuracy = (trainer.model(x_test).argmax(1) == y_test).float().mean().item()
+    gradsync.log(acc=accuracy)
     return {
         "final_loss": sum(losses[-steps_per_epoch:]) / steps_per_epoch,
         "test_accuracy": accuracy,

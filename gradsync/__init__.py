@@ -2,7 +2,8 @@
 from gradsync.cluster import init, num_workers, shutdown, worker_rank
 from gradsync.core.row_optim import RowAdagrad, RowSGD
 from gradsync.launch import JobFailed, launch
+from gradsync.scalars import log
 from gradsync.trainer import Trainer
 
 __all__ = ["init", "shutdown", "worker_rank", "num_workers", "Trainer", "RowSGD", "RowAdagrad", "launch",
-           "JobFailed"]
+           "JobFailed", "log"]

@@ -36,6 +36,17 @@ def _stop(signum, frame):
     raise _Stopped(signum)
 
 
+def _names(text: str) -> list[str]:
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        return [int(n) for n in _names(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, e.g. 1,2") from None
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gradsync", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -53,6 +64,18 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--timeout", type=float, default=None, help="seconds before the whole job is killed")
     run.add_argument("script", help="the training script")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    compare = commands.add_parser("compare", help="run SCRIPT under a grid of paradigms and write a report")
+    compare.add_argument("--workers", type=int, default=2, help="worker processes of every run")
+    compare.add_argument("--out", default="gradsync-report", help="report directory (default ./gradsync-report)")
+    compare.add_argument("--strategies", type=_names, default="allreduce,ps,hybrid",
+                         help="comma-separated, of allreduce, ps, hybrid (hybrid needs embedding tables in the model)")
+    compare.add_argument("--servers", type=_counts, default="1,2", help="comma-separated server counts (ps, hybrid)")
+    compare.add_argument("--modes", type=_names, default="sync,async", help="comma-separated ps modes: sync, async, ssp")
+    compare.add_argument("--compressions", type=_names, default="none",
+                         help="comma-separated, of none, fp16, bf16, int8")
+    compare.add_argument("--timeout", type=float, default=600, help="seconds before one run is stopped")
+    compare.add_argument("script", help="the training script (it reports with gradsync.log)")
+    compare.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     status = commands.add_parser("status", help="print a table of a running job's shards")
     status.add_argument("run_dir", help="the job's run directory (printed at start-up)")
     pull = commands.add_parser("pull", help="save a running job's current weights with torch.save")
@@ -70,6 +93,13 @@ def main(argv: list[str] | None = None) -> int:
             settings = {name: getattr(args, name) for name, _, _ in _SETTINGS}
             run_script(args.script, args.args, strategy=args.strategy, workers=args.workers, servers=args.servers,
                        master_port=args.master_port, run_dir=args.run_dir, timeout=args.timeout, **settings)
+        elif args.command == "compare":
+            from gradsync.compare import compare
+
+            report = compare(args.script, args.args, workers=args.workers, out_dir=args.out,
+                             strategies=args.strategies, servers=args.servers, modes=args.modes,
+                             compressions=args.compressions, timeout=args.timeout)
+            print(f"report: {report} (plots beside it)")
         else:
             from gradsync.client import Client, pull_to_file, status_table
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gradsync import cluster
+from gradsync import cluster, scalars
 from gradsync.core.row_optim import ROW_OPTIMIZERS
 
 
@@ -65,6 +65,7 @@ class Trainer:
 
             self._strategy = AllreduceStrategy(job, model, optimizer_cls, optimizer_kwargs,
                                                find_unused_parameters=find_unused_parameters)
+        scalars.watch(self)
 
     @property
     def model(self) -> nn.Module:

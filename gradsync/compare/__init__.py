@@ -1,0 +1,39 @@
+"""`gradsync compare SCRIPT`: the user's own training script under a grid of paradigms, side by side.
+
+`grid` names the configurations, `runner` runs each (the same script, seeds and
+data order; the script reports its scalars with `gradsync.log`) and measures it
+from outside (CPU and peak memory of every process), `report` writes
+report.json and report.md, `plots` the PNG charts.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+
+def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, strategies: list[str],
+            servers: list[int], modes: list[str], compressions: list[str], timeout: float) -> str:
+    """Run the grid and write the report; returns report.md's path."""
+    from tqdm import tqdm
+
+    from gradsync.compare.grid import grid
+    from gradsync.compare.plots import write_plots
+    from gradsync.compare.report import table, write_report
+    from gradsync.compare.runner import run
+
+    configs = grid(strategies, servers, modes, compressions)
+    os.makedirs(out_dir, exist_ok=True)
+    runs = []
+    for i, config in enumerate(configs):
+        bar = tqdm(desc=f"[{i + 1}/{len(configs)}] {config.name}", unit="step", disable=not sys.stderr.isatty())
+
+        def progress(steps: int, bar=bar) -> None:
+            bar.update(steps - bar.n)
+
+        runs.append(run(config, script, script_args, workers, out_dir, timeout, progress))
+        bar.close()
+    plots = write_plots(runs, out_dir)
+    meta = {"command": " ".join(["gradsync compare", script, *script_args]), "workers": workers}
+    _, md_path = write_report(meta, runs, plots, out_dir)
+    print(table(runs))
+    return md_path

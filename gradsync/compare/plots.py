@@ -1,0 +1,53 @@
+"""The PNG charts of a `gradsync compare` report (matplotlib, no display needed)."""
+from __future__ import annotations
+
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def write_plots(runs: list[dict], out_dir: str) -> list[str]:
+    """loss.png (loss against wall-clock time and against step, every run on one chart), step_time.png
+    (median step split into pull / compute / commit), bytes.png (bytes per step); returns their paths."""
+    done = [r for r in runs if "error" not in r]
+    paths = []
+    fig, (by_time, by_step) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in done:
+        if r["curve"]:
+            t, step, loss = zip(*r["curve"])
+            by_time.plot(t, loss, label=r["name"])
+            by_step.plot(step, loss, label=r["name"])
+    by_time.set(xlabel="seconds since the Trainer was built", ylabel="loss (worker 0)", title="loss against time")
+    by_step.set(xlabel="step", ylabel="loss (worker 0)", title="loss against step")
+    by_step.legend(fontsize="small")
+    paths.append(_save(fig, out_dir, "loss.png"))
+
+    names = [r["name"] for r in done]
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(done)), 4.5))
+    bottom = [0.0] * len(done)
+    for part in ("pull_s", "compute_s", "commit_s"):
+        heights = [1000 * r[part] for r in done]
+        ax.bar(names, heights, bottom=bottom, label=part.removesuffix("_s"))
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    ax.set(ylabel="ms per step (median, worker 0)", title="where a step's time goes")
+    ax.legend()
+    ax.tick_params(axis="x", labelrotation=30)
+    paths.append(_save(fig, out_dir, "step_time.png"))
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(done)), 4.5))
+    ax.bar(names, [r["bytes_per_step"] / 2**20 for r in done])
+    ax.set(ylabel="MB sent + received per step (worker 0)", title="traffic per step")
+    ax.tick_params(axis="x", labelrotation=30)
+    paths.append(_save(fig, out_dir, "bytes.png"))
+    return paths
+
+
+def _save(fig, out_dir: str, name: str) -> str:
+    path = os.path.join(out_dir, name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

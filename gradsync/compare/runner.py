@@ -1,0 +1,164 @@
+"""Run one configuration of `gradsync compare` and measure it: the script's own log, plus CPU and memory.
+
+The job runs as `gradsync run` would (`launch.run_script`, every rank a child
+of this process) with GRADSYNC_LOG_DIR set, so each worker's `gradsync.log`
+lines land in the run's directory. A sampler thread reads /proc every
+`SAMPLE_S` for every rank: its role (from its environment), its CPU ticks and
+its peak resident memory (VmHWM). CPU per step is taken over the window the
+script logged steps in (start-up and imports left out).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import statistics
+import threading
+import time
+
+import numpy
+
+from gradsync.compare.grid import Config
+from gradsync.launch import JobFailed, run_script
+from gradsync.scalars import LOG_DIR
+
+SAMPLE_S = 0.1
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+class Sampler(threading.Thread):
+    """CPU ticks (all ranks together, over time) and peak memory and role of each rank, from /proc."""
+
+    def __init__(self, on_sample=None):
+        super().__init__(daemon=True)
+        self.ticks: list[tuple[float, int]] = []  # (wall time, ticks of every rank so far)
+        self.peak: dict[int, int] = {}  # pid -> VmHWM bytes
+        self.role: dict[int, str] = {}
+        self._last: dict[int, int] = {}
+        self._on_sample = on_sample
+        self._finished = threading.Event()
+
+    def run(self) -> None:
+        while not self._finished.wait(SAMPLE_S):
+            self.sample()
+
+    def stop(self) -> None:
+        self._finished.set()
+        self.join(timeout=5)
+
+    def sample(self) -> None:
+        for pid in _children(os.getpid()):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                self._last[pid] = int(fields[11]) + int(fields[12])
+                with open(f"/proc/{pid}/status") as f:
+                    hwm = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), 0)
+                self.peak[pid] = max(self.peak.get(pid, 0), hwm)
+                if pid not in self.role:
+                    self.role[pid] = _role(pid)
+            except (OSError, ValueError, IndexError):  # the process ended between the listing and the read
+                pass
+        self.ticks.append((time.time(), sum(self._last.values())))
+        if self._on_sample is not None:
+            self._on_sample()
+
+    def cpu_between(self, start: float, end: float) -> float:
+        """CPU-seconds of every rank between two wall times (ticks interpolated between samples)."""
+        if len(self.ticks) < 2:
+            return float("nan")
+        times, ticks = zip(*self.ticks)
+        return float(numpy.interp(end, times, ticks) - numpy.interp(start, times, ticks)) / TICK
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for path in glob.glob(f"/proc/{pid}/task/*/children"):
+        with open(path) as f:
+            out += [int(p) for p in f.read().split()]
+    return out
+
+
+def _role(pid: int) -> str:
+    """'server' or 'worker', from the rank's environment (RANK < GRADSYNC_SERVERS)."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    return "server" if int(env.get(b"RANK", 0)) < int(env.get(b"GRADSYNC_SERVERS", 0)) else "worker"
+
+
+def headline(failure: str) -> str:
+    """The exception line of a failed job's text (its first line when there is none)."""
+    lines = failure.strip().splitlines() or ["the job failed"]
+    return next((line.strip() for line in reversed(lines) if re.match(r"^\s*[\w.]+(Error|Exception|Failed): ", line)),
+                lines[0])
+
+
+def read_log(path: str) -> list[dict]:
+    """The JSON lines one worker logged (none when it logged nothing)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def run(config: Config, script: str, script_args: list[str], workers: int, out_dir: str, timeout: float,
+        progress=None) -> dict:
+    """Run `config` and return its measurements (or its error, when the job failed)."""
+    log_dir = os.path.join(out_dir, "runs", config.slug)
+    os.makedirs(log_dir, exist_ok=True)
+    for old in glob.glob(os.path.join(log_dir, "worker-*.jsonl")):
+        os.remove(old)
+    sampler = Sampler(on_sample=(lambda: progress(len(read_log(os.path.join(log_dir, "worker-0.jsonl")))))
+                      if progress else None)
+    previous = os.environ.get(LOG_DIR)
+    os.environ[LOG_DIR] = log_dir
+    sampler.start()
+    started = time.time()
+    try:
+        run_script(script, script_args, workers=workers, timeout=timeout, **config.settings())
+        error = None
+    except JobFailed as e:
+        error = headline(str(e))
+    finally:
+        sampler.stop()
+        if previous is None:
+            os.environ.pop(LOG_DIR, None)
+        else:
+            os.environ[LOG_DIR] = previous
+    result = {"name": config.name, **config.settings(), "workers": workers, "wall_s": time.time() - started}
+    if error is not None:
+        return {**result, "error": error}
+    logs = [read_log(os.path.join(log_dir, f"worker-{w}.jsonl")) for w in range(workers)]
+    return {**result, **measure(logs, sampler)}
+
+
+def measure(logs: list[list[dict]], sampler: Sampler) -> dict:
+    """Per-run metrics from the workers' logs (worker 0's for the curves and step split) and the sampler."""
+    lines = logs[0]
+    steps = {line["step"]: line["record"] for line in lines if "record" in line}
+    records = list(steps.values())[1:] or list(steps.values())  # the first step is warm-up
+    losses = [(line["t"], line["step"], line["loss"]) for line in lines if "loss" in line]
+    median = lambda key: statistics.median(r[key] for r in records) if records else float("nan")  # noqa: E731
+    out = {
+        "steps": len(steps),
+        "curve": losses,
+        "final_loss": statistics.fmean(l for _, _, l in losses[-max(1, len(losses) // 10):]) if losses else None,
+        "accuracy": next((line["acc"] for line in reversed(lines) if "acc" in line), None),
+        "step_s": median("pull_s") + median("compute_s") + median("commit_s"),
+        "pull_s": median("pull_s"),
+        "compute_s": median("compute_s"),
+        "commit_s": median("commit_s"),
+        "bytes_per_step": median("bytes_sent") + median("bytes_received"),
+        "worker_peak_mb": max((v for p, v in sampler.peak.items() if sampler.role.get(p) == "worker"), default=0) / 2**20,
+        "server_peak_mb": max((v for p, v in sampler.peak.items() if sampler.role.get(p) == "server"), default=0) / 2**20,
+    }
+    trained = [line for line in lines if "record" in line]
+    if len(trained) >= 2 and trained[-1]["step"] > trained[0]["step"]:
+        window = (trained[0]["wall"], trained[-1]["wall"])
+        out["cpu_s_per_step"] = sampler.cpu_between(*window) / (trained[-1]["step"] - trained[0]["step"])
+        samples = sum(line.get("samples", 0) for log in logs for line in log if "record" in line)
+        elapsed = trained[-1]["t"]
+        out["samples_per_s"] = samples / elapsed if samples and elapsed > 0 else None
+    return out
+

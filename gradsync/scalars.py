@@ -1,0 +1,63 @@
+"""`gradsync.log`: a training script's per-step scalars (loss, accuracy, ...) for `gradsync compare`.
+
+A worker calls `gradsync.log(loss=loss.item())` once per step (and, say,
+`gradsync.log(acc=accuracy)` at the end). When the job runs under `gradsync
+compare` (which sets GRADSYNC_LOG_DIR), each call appends one JSON line to
+`worker-<i>.jsonl` there: the seconds since the worker's Trainer was built, the
+wall-clock time, the step, the values, and the Trainer's last step record (pull, compute and commit
+seconds, bytes sent and received). Without GRADSYNC_LOG_DIR it does nothing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+
+LOG_DIR = "GRADSYNC_LOG_DIR"
+
+_trainer = None  # the worker's Trainer (`watch`), whose step records a line carries
+_started = time.monotonic()
+_file = None
+
+
+def watch(trainer) -> None:
+    """Called by `Trainer`: its step records go with each logged line, and times count from now."""
+    global _trainer, _started
+    _trainer, _started = trainer, time.monotonic()
+
+
+def log(step: int | None = None, **values: float) -> None:
+    """Record this worker's scalars, e.g. `gradsync.log(loss=loss.item(), samples=len(x))`.
+
+    Args:
+        step: the step they belong to (default: the number of steps the Trainer has committed).
+        values: finite numbers by name (`samples`: the samples this worker processed in the step,
+            for samples/s in `gradsync compare`).
+    Raises:
+        ValueError: a value that is not a finite number (naming it).
+    """
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"gradsync.log({name}={value!r}): log finite numbers, e.g. {name}=loss.item()")
+    directory = os.environ.get(LOG_DIR)
+    if not directory:
+        return
+    records = _trainer.metrics.records if _trainer is not None else []
+    line = {"t": time.monotonic() - _started, "wall": time.time(), "step": len(records) if step is None else step,
+            **values}
+    if records:
+        line["record"] = dataclasses.asdict(records[-1])
+    _write(directory, line)
+
+
+def _write(directory: str, line: dict) -> None:
+    global _file
+    if _file is None:
+        from gradsync import cluster
+
+        os.makedirs(directory, exist_ok=True)
+        _file = open(os.path.join(directory, f"worker-{cluster.worker_rank()}.jsonl"), "a")
+    _file.write(json.dumps(line) + "\n")
+    _file.flush()

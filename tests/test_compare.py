@@ -1,0 +1,73 @@
+"""`gradsync compare`: the grid, gradsync.log, and a report whose numbers come from the runs."""
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+import gradsync
+from gradsync.compare.grid import Config, grid
+from gradsync.compare.runner import headline, read_log
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def test_grid_covers_what_each_strategy_means():
+    names = [c.name for c in grid(["allreduce", "ps", "hybrid"], [1, 2], ["sync", "async"], ["none", "int8"])]
+    assert names == ["allreduce", "allreduce int8",
+                     "ps sync S=1", "ps sync S=2", "ps async S=1", "ps async S=2",
+                     "ps sync S=1 int8", "ps sync S=2 int8", "ps async S=1 int8", "ps async S=2 int8",
+                     "hybrid S=1", "hybrid S=2", "hybrid S=1 int8", "hybrid S=2 int8"]
+    assert Config("ps", "async", 2, "fp16").slug == "ps_async_S2_fp16"
+    with pytest.raises(ValueError, match="unknown strategy 'dp'"):
+        grid(["dp"], [1], ["sync"], ["none"])
+    with pytest.raises(ValueError, match=r"--servers \[0\]"):
+        grid(["ps"], [0], ["sync"], ["none"])
+
+
+def test_log_refuses_what_is_not_a_finite_number_and_writes_nothing_outside_compare(monkeypatch):
+    monkeypatch.delenv("GRADSYNC_LOG_DIR", raising=False)
+    gradsync.log(loss=1.0)  # no GRADSYNC_LOG_DIR: nothing to write, no error
+    for bad in (float("nan"), "0.1", True):
+        with pytest.raises(ValueError, match=r"gradsync.log\(loss="):
+            gradsync.log(loss=bad)
+
+
+def test_headline_is_the_exception_line():
+    text = "rank 2 (worker1) failed with exit code 1:\nTraceback ...\n  File x\nValueError: no tables here\n"
+    assert headline(text) == "ValueError: no tables here"
+    assert headline("rank 0 (ps0) was killed") == "rank 0 (ps0) was killed"
+
+
+@pytest.mark.timeout(240)
+def test_compare_report_numbers_come_from_the_runs(tmp_path):
+    out = tmp_path / "report"
+    done = subprocess.run(
+        [sys.executable, "-m", "gradsync.cli", "compare", "--out", str(out), "--strategies", "allreduce,ps,hybrid",
+         "--servers", "1", "--modes", "sync", os.path.join(HERE, "compare_script.py")],
+        capture_output=True, text=True, timeout=230,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    runs = {r["name"]: r for r in report["runs"]}
+    assert list(runs) == ["allreduce", "ps sync S=1", "hybrid S=1"]
+    assert "embedding tables" in runs["hybrid S=1"]["error"]  # the MLP has none: recorded, not fatal
+    for name in ("allreduce", "ps sync S=1"):
+        run = runs[name]
+        log = read_log(out / "runs" / Config(run["strategy"], run["mode"], run["servers"]).slug / "worker-0.jsonl")
+        losses = [line["loss"] for line in log if "loss" in line]
+        assert run["steps"] == len(losses) == 10
+        assert run["final_loss"] == pytest.approx(statistics.fmean(losses[-1:]))
+        assert run["accuracy"] == 0.5  # worker 0's last acc
+        records = [line["record"] for line in log if "loss" in line][1:]
+        assert run["commit_s"] == pytest.approx(statistics.median(r["commit_s"] for r in records))
+        assert run["bytes_per_step"] > 0 and run["worker_peak_mb"] > 100 and run["cpu_s_per_step"] > 0
+    assert runs["ps sync S=1"]["server_peak_mb"] > 100 and runs["allreduce"]["server_peak_mb"] == 0
+    assert runs["allreduce"]["curve"] and [c[2] for c in runs["allreduce"]["curve"]] == pytest.approx(
+        [c[2] for c in runs["ps sync S=1"]["curve"]], abs=1e-5)  # the same math, step by step
+    for png in ("loss.png", "step_time.png", "bytes.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (out / png).stat().st_size > 5000
+    md = (out / "report.md").read_text()
+    assert "| allreduce |" in md and "| ps sync S=1 |" in md and "failed: ValueError" in md and "![loss.png]" in md
