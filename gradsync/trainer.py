@@ -6,6 +6,7 @@ from torch import nn
 
 from gradsync import cluster, scalars
 from gradsync.core.row_optim import ROW_OPTIMIZERS
+from gradsync.straggler import Straggler
 
 
 class Trainer:
@@ -65,6 +66,7 @@ class Trainer:
 
             self._strategy = AllreduceStrategy(job, model, optimizer_cls, optimizer_kwargs,
                                                find_unused_parameters=find_unused_parameters)
+        self._straggler = Straggler(job.config.worker_rank)
         scalars.watch(self)
 
     @property
@@ -80,7 +82,9 @@ class Trainer:
     def step(self, context_id: int) -> None:
         """Commit the step of `context_id`, once per context, after its backward: servers apply (ps) or
         the local optimizer steps (allreduce)."""
+        self._straggler.delay()
         self._strategy.step(context_id)
+        self._straggler.committed()
         self._job.steps += 1
 
     def server_stats(self) -> dict[int, dict]:

@@ -71,3 +71,33 @@ def test_compare_report_numbers_come_from_the_runs(tmp_path):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (out / png).stat().st_size > 5000
     md = (out / "report.md").read_text()
     assert "| allreduce |" in md and "| ps sync S=1 |" in md and "failed: ValueError" in md and "![loss.png]" in md
+
+
+def test_straggler_sleeps_factor_minus_one_times_its_compute(monkeypatch):
+    from gradsync import straggler
+
+    monkeypatch.setenv(straggler.ENV, "1:3.0")
+    slept, clock = [], iter([10.0, 10.5, 11.0, 12.0])  # built, delay at +0.5 s, committed, delay 1 s later
+    monkeypatch.setattr(straggler.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(straggler.time, "sleep", slept.append)
+    slow = straggler.Straggler(1)
+    slow.delay()
+    slow.committed()
+    slow.delay()
+    assert slept == [pytest.approx(1.0), pytest.approx(2.0)]  # (3 - 1) x 0.5 s, then (3 - 1) x 1 s
+    monkeypatch.setattr(straggler.time, "perf_counter", lambda: 0.0)
+    other = straggler.Straggler(0)
+    other.delay()
+    assert len(slept) == 2  # another worker is not slowed
+    for bad in ("1", "x:2", "1:0.5", "-1:2"):
+        with pytest.raises(ValueError, match="straggler"):
+            straggler.parse(bad)
+
+
+def test_report_says_when_runs_were_time_sliced_or_had_a_straggler(tmp_path):
+    from gradsync.compare.report import write_report
+
+    meta = {"command": "gradsync compare x.py", "workers": 4, "straggler": "1:2.0", "cores": 2, "most_processes": 6}
+    _, md = write_report(meta, [], [], str(tmp_path))
+    text = open(md).read()
+    assert "worker 1's compute took 2.0 times as long" in text and "up to 6 processes shared 2 cores" in text

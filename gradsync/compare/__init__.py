@@ -12,16 +12,23 @@ import sys
 
 
 def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, strategies: list[str],
-            servers: list[int], modes: list[str], compressions: list[str], timeout: float) -> str:
-    """Run the grid and write the report; returns report.md's path."""
+            servers: list[int], modes: list[str], compressions: list[str], timeout: float,
+            straggler: str | None = None) -> str:
+    """Run the grid and write the report; returns report.md's path. `straggler` ('W:F'): worker W's
+    compute takes F times as long in every run (`gradsync.straggler`)."""
     from tqdm import tqdm
 
     from gradsync.compare.grid import grid
     from gradsync.compare.plots import write_plots
     from gradsync.compare.report import table, write_report
     from gradsync.compare.runner import run
+    from gradsync.straggler import ENV as STRAGGLER
+    from gradsync.straggler import parse as parse_straggler
 
     configs = grid(strategies, servers, modes, compressions)
+    if straggler is not None:
+        parse_straggler(straggler)
+        os.environ[STRAGGLER] = straggler  # the ranks inherit it
     os.makedirs(out_dir, exist_ok=True)
     runs = []
     for i, config in enumerate(configs):
@@ -33,7 +40,9 @@ def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, 
         runs.append(run(config, script, script_args, workers, out_dir, timeout, progress))
         bar.close()
     plots = write_plots(runs, out_dir)
-    meta = {"command": " ".join(["gradsync compare", script, *script_args]), "workers": workers}
+    meta = {"command": " ".join(["gradsync compare", script, *script_args]), "workers": workers,
+            "straggler": straggler, "cores": os.cpu_count(),
+            "most_processes": max(workers + c.servers for c in configs)}
     _, md_path = write_report(meta, runs, plots, out_dir)
     print(table(runs))
     return md_path

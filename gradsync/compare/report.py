@@ -64,6 +64,7 @@ def write_report(meta: dict, runs: list[dict], plots: list[str], out_dir: str) -
         "",
         f"{meta['workers']} workers; medians per step of worker 0 after its first step; CPU-s per step of every "
         "process of the job while the script logged steps; peak resident memory per process.",
+        *_conditions(meta),
         "",
         table(runs),
         "",
@@ -74,3 +75,15 @@ def write_report(meta: dict, runs: list[dict], plots: list[str], out_dir: str) -
     with open(md_path, "w") as f:
         f.write("\n".join(lines) + "\n")
     return json_path, md_path
+
+
+def _conditions(meta: dict) -> list[str]:
+    """What the reader must know about how the runs were made: a straggler, time-sliced cores."""
+    out = []
+    if meta.get("straggler"):
+        worker, factor = meta["straggler"].split(":")
+        out.append(f"Straggler: worker {worker}'s compute took {factor} times as long in every run.")
+    if meta.get("most_processes", 0) > meta.get("cores", 1 << 30):
+        out.append(f"Time-sliced: up to {meta['most_processes']} processes shared {meta['cores']} cores, so "
+                   "compute and communication compete for CPU; on separate machines they would not.")
+    return [""] + out if out else []
