@@ -74,6 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("--compressions", type=_names, default="none",
                          help="comma-separated, of none, fp16, bf16, int8")
     compare.add_argument("--timeout", type=float, default=600, help="seconds before one run is stopped")
+    compare.add_argument("--log-dir", default=None, help="also write TensorBoard scalars here, a directory per run")
     compare.add_argument("--straggler", default=None, metavar="W:F",
                          help="worker W's compute takes F times as long in every run, e.g. 1:2.0")
     compare.add_argument("script", help="the training script (it reports with gradsync.log)")
@@ -100,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
 
             report = compare(args.script, args.args, workers=args.workers, out_dir=args.out,
                              strategies=args.strategies, servers=args.servers, modes=args.modes,
-                             compressions=args.compressions, timeout=args.timeout, straggler=args.straggler)
+                             compressions=args.compressions, timeout=args.timeout, straggler=args.straggler,
+                             log_dir=args.log_dir)
             print(f"report: {report} (plots beside it)")
         else:
             from gradsync.client import Client, pull_to_file, status_table

@@ -5,7 +5,8 @@ A worker calls `gradsync.log(loss=loss.item())` once per step (and, say,
 compare` (which sets GRADSYNC_LOG_DIR), each call appends one JSON line to
 `worker-<i>.jsonl` there: the seconds since the worker's Trainer was built, the
 wall-clock time, the step, the values, and the Trainer's last step record (pull, compute and commit
-seconds, bytes sent and received). Without GRADSYNC_LOG_DIR it does nothing.
+seconds, bytes sent and received). With GRADSYNC_TENSORBOARD_DIR (`compare --log-dir`) the
+values also go to a TensorBoard events file there. Without either it does nothing.
 """
 from __future__ import annotations
 
@@ -15,11 +16,14 @@ import math
 import os
 import time
 
+from gradsync.tensorboard import EventWriter
 LOG_DIR = "GRADSYNC_LOG_DIR"
+TENSORBOARD_DIR = "GRADSYNC_TENSORBOARD_DIR"
 
 _trainer = None  # the worker's Trainer (`watch`), whose step records a line carries
 _started = time.monotonic()
 _file = None
+_board: EventWriter | None = None
 
 
 def watch(trainer) -> None:
@@ -41,23 +45,37 @@ def log(step: int | None = None, **values: float) -> None:
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ValueError(f"gradsync.log({name}={value!r}): log finite numbers, e.g. {name}=loss.item()")
-    directory = os.environ.get(LOG_DIR)
-    if not directory:
+    directory, board = os.environ.get(LOG_DIR), os.environ.get(TENSORBOARD_DIR)
+    if not directory and not board:
         return
     records = _trainer.metrics.records if _trainer is not None else []
-    line = {"t": time.monotonic() - _started, "wall": time.time(), "step": len(records) if step is None else step,
-            **values}
-    if records:
-        line["record"] = dataclasses.asdict(records[-1])
-    _write(directory, line)
+    step = len(records) if step is None else step
+    if board:
+        _writer(board).scalars(step, values)
+    if directory:
+        line = {"t": time.monotonic() - _started, "wall": time.time(), "step": step, **values}
+        if records:
+            line["record"] = dataclasses.asdict(records[-1])
+        _write(directory, line)
 
 
 def _write(directory: str, line: dict) -> None:
     global _file
     if _file is None:
-        from gradsync import cluster
-
         os.makedirs(directory, exist_ok=True)
-        _file = open(os.path.join(directory, f"worker-{cluster.worker_rank()}.jsonl"), "a")
+        _file = open(os.path.join(directory, f"worker-{_worker()}.jsonl"), "a")
     _file.write(json.dumps(line) + "\n")
     _file.flush()
+
+
+def _writer(directory: str) -> EventWriter:
+    global _board
+    if _board is None:
+        _board = EventWriter(directory, f"worker{_worker()}")
+    return _board
+
+
+def _worker() -> int:
+    from gradsync import cluster
+
+    return cluster.worker_rank()

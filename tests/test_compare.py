@@ -101,3 +101,58 @@ def test_report_says_when_runs_were_time_sliced_or_had_a_straggler(tmp_path):
     _, md = write_report(meta, [], [], str(tmp_path))
     text = open(md).read()
     assert "worker 1's compute took 2.0 times as long" in text and "up to 6 processes shared 2 cores" in text
+
+
+def _varint(data: bytes, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[at]
+        value |= (byte & 0x7F) << shift
+        at, shift = at + 1, shift + 7
+        if not byte & 0x80:
+            return value, at
+
+
+def _fields(data: bytes) -> list[tuple[int, object]]:
+    """(field number, value) of a protobuf message: varints, doubles, floats and bytes."""
+    import struct
+
+    out, at = [], 0
+    while at < len(data):
+        key, at = _varint(data, at)
+        kind = key & 7
+        if kind == 0:
+            value, at = _varint(data, at)
+        elif kind == 1:
+            value, at = struct.unpack("<d", data[at:at + 8])[0], at + 8
+        elif kind == 5:
+            value, at = struct.unpack("<f", data[at:at + 4])[0], at + 4
+        else:
+            size, at = _varint(data, at)
+            value, at = data[at:at + size], at + size
+        out.append((key >> 3, value))
+    return out
+
+
+def test_tensorboard_events_are_tfrecords_of_scalar_summaries(tmp_path, monkeypatch):
+    import struct
+
+    from gradsync import scalars, tensorboard
+
+    assert tensorboard.crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
+    monkeypatch.setenv(scalars.TENSORBOARD_DIR, str(tmp_path))
+    monkeypatch.setattr(scalars, "_worker", lambda: 3)
+    monkeypatch.setattr(scalars, "_board", None)
+    gradsync.log(step=7, loss=0.25, acc=0.5)
+    (path,) = tmp_path.iterdir()
+    assert path.name.startswith("events.out.tfevents.") and path.name.endswith(".worker3")
+    data, events = path.read_bytes(), []
+    while data:
+        (length,) = struct.unpack("<Q", data[:8])
+        body = data[12:12 + length]
+        assert data[12 + length:16 + length] == tensorboard._masked(body) and data[8:12] == tensorboard._masked(data[:8])
+        events.append(dict(_fields(body)))
+        data = data[16 + length:]
+    assert events[0][3] == b"brain.Event:2"
+    values = [dict(_fields(v)) for n, v in _fields(events[1][5]) if n == 1]
+    assert events[1][2] == 7 and values == [{1: b"loss", 2: 0.25}, {1: b"acc", 2: 0.5}]

@@ -13,9 +13,10 @@ import sys
 
 def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, strategies: list[str],
             servers: list[int], modes: list[str], compressions: list[str], timeout: float,
-            straggler: str | None = None) -> str:
+            straggler: str | None = None, log_dir: str | None = None) -> str:
     """Run the grid and write the report; returns report.md's path. `straggler` ('W:F'): worker W's
-    compute takes F times as long in every run (`gradsync.straggler`)."""
+    compute takes F times as long in every run (`gradsync.straggler`). `log_dir`: TensorBoard scalars too,
+    one subdirectory per run."""
     from tqdm import tqdm
 
     from gradsync.compare.grid import grid
@@ -37,7 +38,7 @@ def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, 
         def progress(steps: int, bar=bar) -> None:
             bar.update(steps - bar.n)
 
-        runs.append(run(config, script, script_args, workers, out_dir, timeout, progress))
+        runs.append(run(config, script, script_args, workers, out_dir, timeout, progress, log_dir))
         bar.close()
     plots = write_plots(runs, out_dir)
     meta = {"command": " ".join(["gradsync compare", script, *script_args]), "workers": workers,

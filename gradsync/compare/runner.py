@@ -21,7 +21,7 @@ import numpy
 
 from gradsync.compare.grid import Config
 from gradsync.launch import JobFailed, run_script
-from gradsync.scalars import LOG_DIR
+from gradsync.scalars import LOG_DIR, TENSORBOARD_DIR
 
 SAMPLE_S = 0.1
 TICK = os.sysconf("SC_CLK_TCK")
@@ -103,16 +103,19 @@ def read_log(path: str) -> list[dict]:
 
 
 def run(config: Config, script: str, script_args: list[str], workers: int, out_dir: str, timeout: float,
-        progress=None) -> dict:
-    """Run `config` and return its measurements (or its error, when the job failed)."""
+        progress=None, board_dir: str | None = None) -> dict:
+    """Run `config` and return its measurements (or its error, when the job failed). `board_dir`: where
+    the workers also write TensorBoard scalars, one subdirectory per run."""
     log_dir = os.path.join(out_dir, "runs", config.slug)
     os.makedirs(log_dir, exist_ok=True)
     for old in glob.glob(os.path.join(log_dir, "worker-*.jsonl")):
         os.remove(old)
     sampler = Sampler(on_sample=(lambda: progress(len(read_log(os.path.join(log_dir, "worker-0.jsonl")))))
                       if progress else None)
-    previous = os.environ.get(LOG_DIR)
+    previous = {k: os.environ.get(k) for k in (LOG_DIR, TENSORBOARD_DIR)}
     os.environ[LOG_DIR] = log_dir
+    if board_dir:
+        os.environ[TENSORBOARD_DIR] = os.path.join(board_dir, config.slug)
     sampler.start()
     started = time.time()
     try:
@@ -122,10 +125,11 @@ def run(config: Config, script: str, script_args: list[str], workers: int, out_d
         error = headline(str(e))
     finally:
         sampler.stop()
-        if previous is None:
-            os.environ.pop(LOG_DIR, None)
-        else:
-            os.environ[LOG_DIR] = previous
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     result = {"name": config.name, **config.settings(), "workers": workers, "wall_s": time.time() - started}
     if error is not None:
         return {**result, "error": error}
