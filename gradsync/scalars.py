@@ -48,8 +48,9 @@ def log(step: int | None = None, **values: float) -> None:
     directory, board = os.environ.get(LOG_DIR), os.environ.get(TENSORBOARD_DIR)
     if not directory and not board:
         return
-    records = _trainer.metrics.records if _trainer is not None else []
-    step = len(records) if step is None else step
+    metrics = _trainer.metrics if _trainer is not None else None
+    records = metrics.records if metrics is not None else ()
+    step = (metrics.steps if metrics is not None else 0) if step is None else step
     if board:
         _writer(board).scalars(step, values)
     if directory:

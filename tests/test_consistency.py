@@ -147,8 +147,10 @@ def test_ssp_with_staleness_0_is_lock_step_and_averages_over_w():
     first = rule.commit(0, 0, [torch.tensor([2.0, 4.0])], ALL, {})
     assert not first.done() and shard.flats[0].tolist() == [-1.0, -2.0]  # applied at once, scaled by 1/W
     second = rule.commit(1, 0, [torch.tensor([4.0, 0.0])], ALL, {})
-    assert first.wait() == second.wait() == 2 and shard.flats[0].tolist() == [-3.0, -2.0]
-    assert shard.stats.staleness_histogram == {0: 1, 1: 1} and shard.stats.max_lead == 0
+    assert first.wait() is second.wait() and first.wait().version == 2 and shard.flats[0].tolist() == [-3.0, -2.0]
+    rule.commit(1, 2, [torch.tensor([2.0, 2.0])], ALL, {})  # applied at once ...
+    assert first.wait().flats[0].tolist() == [-3.0, -2.0]  # ... but not in the snapshot worker 0 goes on from
+    assert shard.stats.staleness_histogram == {0: 2, 1: 1} and shard.stats.max_lead == 0
 
 
 def test_ssp_holds_a_worker_more_than_k_steps_ahead_until_the_slowest_catches_up():
@@ -162,7 +164,7 @@ def test_ssp_holds_a_worker_more_than_k_steps_ahead_until_the_slowest_catches_up
     held = rule.commit(0, 3, g, ALL, {})
     assert not held.done()
     rule.worker_left(1, 1)  # the slowest left: nobody waits for it
-    assert held.wait() == 4
+    assert held.wait().version == 4
 
 
 def test_staleness_is_only_for_ssp():

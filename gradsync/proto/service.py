@@ -152,7 +152,8 @@ class Servicer:
             fut = push_named(self.server, header.worker, header.version, grads)
         except ValueError as e:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
-        return pb.PushResponse(version=self._applied(fut, header.worker, context))
+        applied = self._applied(fut, header.worker, context)
+        return pb.PushResponse(version=applied.version if isinstance(applied, Snapshot) else applied)
 
     def pull_rows(self, request, context) -> Iterator[pb.PullResponse]:
         request = _parsed(request)
@@ -191,11 +192,12 @@ class Servicer:
         payloads = [tensors.pop(b, None) for b in range(buckets)]
         absent = [tuple(a.entries) for a in header.absent]
         fut = self.server.push(header.worker, header.version, payloads, absent, tensors)
-        self._applied(fut, header.worker, context)
-        yield from _snapshot_messages(shard.shard_id, self.server.pull())
+        applied = self._applied(fut, header.worker, context)
+        yield from _snapshot_messages(shard.shard_id, self.server.reply(applied))
 
-    def _applied(self, fut, worker: int, context) -> int:
-        """Wait (within the step timeout and the call's deadline) until the push `fut` is applied; its version."""
+    def _applied(self, fut, worker: int, context):
+        """Wait (within the step timeout and the call's deadline) until the push `fut` is applied; what it
+        resolved to (a version, or in ssp mode a Snapshot)."""
         remaining = context.time_remaining()
         timeout = self.step_timeout if remaining is None else min(self.step_timeout, remaining)
         done = threading.Event()

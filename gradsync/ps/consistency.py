@@ -25,7 +25,7 @@ from gradsync.core.errors import GradientError, left_early_error, nonfinite_erro
 from gradsync.core.finite import first_nonfinite
 from gradsync.core.tables import merge_rows
 from gradsync.cuda_ops import aggregate
-from gradsync.ps.shard import ShardState
+from gradsync.ps.shard import ShardState, Snapshot
 from gradsync.ps.wire import PLAIN
 
 
@@ -289,8 +289,8 @@ class AsyncRule:
 class SSPRule(AsyncRule):
     """Stale synchronous parallel: each push is applied as it arrives, scaled by 1/W (W pushes make one
     step of the mean), but a worker's reply (and so its next step) waits until the slowest worker is at
-    most `staleness` steps behind it. staleness 0 is lock step: with plain SGD, the parameters of sync
-    training."""
+    most `staleness` steps behind it, and resolves to the `Snapshot` it goes on from. staleness 0 is lock
+    step: with plain SGD, the parameters of sync training."""
 
     def __init__(self, shard: ShardState, num_workers: int, nonfinite: str, staleness: int):
         super().__init__(shard, num_workers, nonfinite)
@@ -316,25 +316,26 @@ class SSPRule(AsyncRule):
                 self._waiting.append((self.clock[worker] - self.staleness, fut))
             else:  # a worker that was reported gone: its push counts, it waits for no one
                 self._waiting.append((0, fut))
-            ready = self._release()
+            ready, snapshot = self._release()
         for waiting in ready:
-            waiting.set_result(self.shard.version)
+            waiting.set_result(snapshot)
         return fut
 
-    def _release(self) -> list[torch.futures.Future]:
-        """The replies whose worker may go on now (call with the lock held)."""
+    def _release(self) -> tuple[list[torch.futures.Future], Snapshot]:
+        """The replies whose worker may go on now, and the snapshot they go on from: taken here, under the
+        lock, because a released worker's next push is applied at once (call with the lock held)."""
         slowest = min(self.clock.values(), default=float("inf"))
         ready = [f for need, f in self._waiting if need <= slowest]
         self._waiting = [(need, f) for need, f in self._waiting if need > slowest]
-        return ready
+        return ready, self.shard.snapshot()
 
     def worker_left(self, worker: int, steps: int) -> None:
         """The slowest clock no longer counts `worker`: those who waited for it go on."""
         with self.shard.lock:
             self.clock.pop(worker, None)
-            ready = self._release()
+            ready, snapshot = self._release()
         for waiting in ready:
-            waiting.set_result(self.shard.version)
+            waiting.set_result(snapshot)
 
 
 def _scaled(grad: torch.Tensor, scale: float) -> torch.Tensor:

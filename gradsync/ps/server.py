@@ -111,6 +111,11 @@ class ParameterServer:
             shard.stats.bytes_out += rows.nbytes
             return shard.version, rows
 
+    def reply(self, applied) -> Snapshot:
+        """What a push's reply carries, from the value its future resolved to: the snapshot the rule released
+        the worker at (ssp), else the current one."""
+        return applied if isinstance(applied, Snapshot) else self.pull()
+
     def table_rows(self, table: str) -> torch.Tensor:
         """A copy of every row of `table` this server holds, in local order."""
         shard = self._shard()
@@ -122,7 +127,8 @@ class ParameterServer:
         """One worker's step: bucket payloads (None: no gradient in that bucket) in `wire`'s format (default:
         the job's), the indices of entries without a gradient per bucket, its updated buffers, and its row
         gradients per table: {name: (version the rows were pulled at, unique local ids, gradients)}.
-        Resolves to the shard's version after the step (in sync mode once all W pushed), or fails with the reason.
+        Resolves to the shard's version after the step (in sync mode once all W pushed; in ssp mode to the
+        `Snapshot` the worker goes on from, once it may), or fails with the reason.
         """
         shard = self._shard()
         if self.mode != "async" and not 0 <= worker < self.num_workers:

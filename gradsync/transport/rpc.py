@@ -154,8 +154,7 @@ def rpc_push(worker: int, pulled_version: int, payloads: list, absent: list, buf
     server = _server()
 
     def reply(applied: torch.futures.Future) -> Snapshot:
-        applied.value()  # raises the push's error, if any, into the reply
-        return server.pull()
+        return server.reply(applied.value())  # value() raises the push's error, if any, into the reply
 
     return server.push(worker, pulled_version, payloads, absent, buffers, rows=rows).then(reply)
 

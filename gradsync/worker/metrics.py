@@ -1,6 +1,7 @@
 """Per-step timings and traffic of a worker, for the comparison table and benchmarks."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import statistics
 import time
@@ -21,11 +22,17 @@ class StepRecord:
         return self.pull_s + self.compute_s + self.commit_s
 
 
+KEPT = 10_000
+"""Step records kept (the newest): a long job's metrics stay a fixed size."""
+
+
 class StepMetrics:
-    """Collects a `StepRecord` per step: pull (in the forward), compute (until step), commit (step)."""
+    """Collects a `StepRecord` per step: pull (in the forward), compute (until step), commit (step). Keeps the
+    newest `KEPT`; `steps` counts them all."""
 
     def __init__(self):
-        self.records: list[StepRecord] = []
+        self.records: collections.deque[StepRecord] = collections.deque(maxlen=KEPT)
+        self.steps = 0
         self._current = StepRecord()
         self._mark: float | None = None
         self._inside = 0.0  # pull seconds since the mark (row lookups inside the forward)
@@ -50,16 +57,18 @@ class StepMetrics:
         self._current.bytes_sent += bytes_sent
         self._current.bytes_received += bytes_received
         self.records.append(self._current)
+        self.steps += 1
         self._current, self._mark, self._inside = StepRecord(), None, 0.0
 
     def summary(self, skip: int = 1) -> dict[str, float]:
-        """Medians over the recorded steps (the first `skip` are warm-up and left out when possible)."""
-        records = self.records[skip:] or self.records
+        """Medians over the kept steps (the first `skip` of the job are warm-up and left out when possible)."""
+        warmup = max(0, skip - (self.steps - len(self.records)))  # those still kept
+        records = list(self.records)[warmup:] or list(self.records)
         if not records:
             return {}
         med = lambda f: statistics.median(f(r) for r in records)  # noqa: E731
         return {
-            "steps": len(self.records),
+            "steps": self.steps,
             "step_s": med(lambda r: r.total_s),
             "pull_s": med(lambda r: r.pull_s),
             "compute_s": med(lambda r: r.compute_s),
