@@ -215,7 +215,7 @@ def verdict(fit: Fit, configs: dict[str, Config], workers: int, link: float | No
     speed = {name: fit.throughput(c, workers, link) for name, c in configs.items()}
     winner, runner = sorted(speed, key=speed.get, reverse=True)[:2]
     where = "the measured link" if link is None else f"a link of {8 * link / 1e9:g} Gbit/s"
-    text = (f"At W = {workers} on {where}, {winner} wins: {speed[winner]:.4g} samples/s, "
+    text = (f"At W = {workers} on {where}, {winner} wins: {speed[winner]:,.0f} samples/s, "
             f"{speed[winner] / speed[runner]:.2f}x {runner}. ")
     w = crossover(fit, configs[winner], configs[runner], link)
     if w is None:

@@ -120,7 +120,7 @@ def test_verdict():
     line = Fit(1e-3, 0.0, 0.0, runs=calibrated.runs, residuals=calibrated.residuals)
     text = verdict(line, {"allreduce": RING, "ps": PS}, workers=4, link=1e9)
     # ps: 0.01 + 4e6 / 1e9 = 0.014 s per step, 4 x 10 / 0.014 = 2857 samples/s; allreduce 0.016 s
-    assert text.startswith("At W = 4 on a link of 8 Gbit/s, ps wins: 2857 samples/s, 1.14x allreduce. "
+    assert text.startswith("At W = 4 on a link of 8 Gbit/s, ps wins: 2,857 samples/s, 1.14x allreduce. "
                            "The crossover is at W = 7: ps is faster below it, allreduce from there on. "
                            "Confidence is high: the model reproduces its 18 fitted runs within 0%")
     assert text.endswith("Fitted at W = 2, 4, 8; anything else is an extrapolation.")
