@@ -40,10 +40,10 @@ FP32 = 4
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """A job on a paradigm, without its scale: `dense` gradient elements (every parameter a worker
-    averages: under allreduce that includes the embedding tables, `tables` elements), `row_bytes` of
-    embedding rows a worker pulls (and pushes back as gradients) per step under ps and hybrid, `batch`
-    samples per worker per step."""
+    """A job on a paradigm, without its scale (W, link). `batch`: samples per worker per step; `dense`:
+    elements of the dense parameters; `tables`: elements of the embedding tables, which allreduce averages
+    as dense parameters and ps / hybrid keep on the servers; `row_bytes`: the rows a ps / hybrid worker
+    pulls per step (and pushes back as gradients)."""
 
     strategy: str
     batch: int
@@ -81,6 +81,11 @@ class Run:
     compute_s: float | None = None
     comm_s: float | None = None
     bytes_per_step: float | None = None
+
+    def __post_init__(self):
+        if self.workers < 1 or not self.step_s > 0:
+            raise ValueError(f"a run needs workers >= 1 and step_s > 0, got workers={self.workers}, "
+                             f"step_s={self.step_s}: pass the measured median step seconds")
 
     @classmethod
     def from_summary(cls, config: Config, workers: int, summary: dict, link: float | None = None) -> Run:
@@ -161,7 +166,7 @@ def fit(runs: list[Run]) -> Fit:
     for r, step in zip(runs, steps):
         rows.append(step)
         targets.append(r.step_s)
-        if r.compute_s is not None:
+        if r.compute_s:  # a zero compute split is no measurement
             rows.append([r.config.batch, 0, 0])
             targets.append(r.compute_s)
     design, measured = np.array(rows, dtype=float), np.array(targets, dtype=float)

@@ -39,6 +39,8 @@ def test_traffic_formulas():
     assert traffic(Config("ps", 1, dense=1000, row_bytes=500, servers=16), 8) == (4500, 2)
     assert traffic(Config("ps", 1, dense=1000, servers=1, compression="int8"), 8) == (8 * 4000, 2)
     assert traffic(Config("hybrid", 1, dense=1000, row_bytes=500, servers=2), 4) == (6000 + 2 * 500, 8)
+    assert traffic(Config("hybrid", 1, dense=1000, row_bytes=500, servers=2, compression="int8"), 4) == (
+        3 * 1016 + 2 * 500, 5)
 
 
 def test_step_time():
@@ -94,6 +96,8 @@ def test_config_errors_name_the_value_and_fix():
         Config("hybrid", 8, dense=10)
     with pytest.raises(ValueError, match="compression='zip'"):
         Config("allreduce", 8, dense=10, compression="zip")
+    with pytest.raises(ValueError, match="step_s=0"):
+        Run(Config("allreduce", 8, dense=10), 2, 0)
 
 
 def test_run_from_metrics_summary():
