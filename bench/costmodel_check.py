@@ -6,7 +6,8 @@ hybrid a worker's rows per step (each way) are taken from the W = 2 ps run of th
 bytes sent + received less the dense pull and push), so nothing measured at W = 4 enters the fit.
 bench/results/overhead.json (bench/overhead.py) is tried as well: its W = 2 workload is one model at one
 batch, which the fit refuses (the refusal is printed).
-Prints the fit, a markdown table of predicted vs measured step times, and two verdicts.
+Prints the fit, a markdown table of predicted vs measured step times, the table size where hybrid
+overtakes allreduce at W = 2 and 4, and two verdicts.
 
     .venv/bin/python bench/costmodel_check.py
 """
@@ -20,15 +21,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 from ctr import CTRModel  # noqa: E402
 
-from gradsync.costmodel import FP32, Config, Run, fit, verdict  # noqa: E402
+from gradsync.costmodel import FP32, Config, Run, fit, table_crossover, verdict  # noqa: E402
 
 STRATEGY = {"gradsync_allreduce": ("allreduce", 0), "gradsync_ps_sync_s1": ("ps", 1),
             "gradsync_ps_sync_s2": ("ps", 2)}
 
 
-def sparse_runs(path: str) -> list[tuple[int, Run]]:
-    """(table rows, run) for every measured job."""
-    data = json.load(open(path))
+def sparse_runs(data: dict) -> list[tuple[int, Run]]:
+    """(table rows, run) for every job in bench/sparse.py's results."""
     model = CTRModel(data["fields"], 1, data["dim"])
     dense = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("tables"))
     rows_each_way = {r["rows"]: (r["bytes_per_step"] - 2 * FP32 * dense) / 2 for r in data["results"]
@@ -45,7 +45,8 @@ def sparse_runs(path: str) -> list[tuple[int, Run]]:
 
 def overhead_runs(path: str) -> list[Run]:
     """The reference workload's sync gradsync configurations (all at W = 2)."""
-    data = json.load(open(path))
+    with open(path) as f:
+        data = json.load(f)
     workload = data["settings"]["workloads"]["reference"]
     sizes = workload["sizes"]
     dense = sum(i * o + o for i, o in zip(sizes, sizes[1:]))  # the MLP's weights and biases
@@ -59,7 +60,9 @@ def main() -> int:
         fit(overhead_runs(os.path.join(HERE, "results", "overhead.json")))
     except ValueError as e:
         print(f"overhead.json, W = 2 reference workload: fit refused: {e}\n")
-    runs = sparse_runs(os.path.join(HERE, "results", "sparse.json"))
+    with open(os.path.join(HERE, "results", "sparse.json")) as f:
+        data = json.load(f)
+    runs = sparse_runs(data)
     fitted = fit([run for _, run in runs if run.workers == 2])
     print(f"sparse.json, fit on the {len(fitted.runs)} W = 2 runs: {1e6 * fitted.compute_s_per_sample:.3g} us "
           f"per sample, {1e9 * fitted.s_per_byte:.3g} ns per byte ({1 / fitted.s_per_byte / 1e9:.3g} GB/s), "
@@ -74,6 +77,9 @@ def main() -> int:
               f"| {predicted / run.step_s:.2f} |")
     print(f"\nW = 4 (not fitted), predicted / measured: {min(ratios):.2f} .. {max(ratios):.2f}\n")
     million = {run.config.strategy: run.config for rows, run in runs if rows == 10**6 and run.workers == 2}
+    for workers in (2, 4):
+        rows = table_crossover(fitted, million["allreduce"], million["hybrid"], workers) / data["dim"]
+        print(f"W = {workers}: hybrid overtakes allreduce from {rows:,.0f} table rows on (predicted)")
     print("R = 1e6:", verdict(fitted, million, workers=4))
     print("R = 1e6:", verdict(fitted, million, workers=64, link=10e9 / 8))
     return 0

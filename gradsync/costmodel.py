@@ -194,6 +194,25 @@ def crossover(fit: Fit, first: Config, second: Config, link: float | None = None
     return next((w for w in range(3, max_workers + 1) if ahead(w) != lead), None)
 
 
+def table_crossover(fit: Fit, first: Config, second: Config, workers: int, link: float | None = None,
+                    max_elements: int = 10**12) -> int | None:
+    """The smallest embedding table size (elements, given to both configs) where the faster of the two is
+    not the one faster without tables; None if the same one leads up to `max_elements`. Step time is
+    linear in the table size (allreduce moves every row, ps and hybrid only the rows looked up), so there
+    is at most one crossing: found by bisection."""
+    def ahead(elements: int) -> bool:
+        one, two = (dataclasses.replace(c, tables=elements) for c in (first, second))
+        return fit.throughput(one, workers, link) > fit.throughput(two, workers, link)
+
+    lead, low, high = ahead(0), 0, max_elements
+    if ahead(high) == lead:
+        return None
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if ahead(middle) == lead else (low, middle)
+    return high
+
+
 def confidence(fit: Fit) -> str:
     """One sentence on how far the fit can be trusted, from its residuals and the signs of its parameters."""
     if len(fit.runs) <= 3:

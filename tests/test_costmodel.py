@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from gradsync.costmodel import Config, Fit, Run, crossover, fit, traffic, verdict, wire_bytes
+from gradsync.costmodel import Config, Fit, Run, crossover, fit, table_crossover, traffic, verdict, wire_bytes
 
 TRUE = Fit(compute_s_per_sample=1e-3, s_per_byte=1e-8, latency_s=1e-4, runs=(), residuals=())
 
@@ -117,6 +117,13 @@ def test_crossover():
     assert crossover(LINE, PS, RING, link=1e9) == 7
     assert crossover(LINE, RING, PS, link=1e9) == 7
     assert crossover(LINE, RING, Config("allreduce", 10, dense=0, tables=2_000_000), link=1e9) is None
+
+
+def test_table_crossover():
+    # W = 4: allreduce 0.01 + 6e-9 t s per step against ps's 0.014: ps is ahead from t > 666,666.7 elements
+    assert table_crossover(LINE, RING, PS, workers=4, link=1e9) == 666_667
+    assert table_crossover(LINE, PS, RING, workers=4, link=1e9) == 666_667
+    assert table_crossover(LINE, PS, PS, workers=4, link=1e9) is None
 
 
 def test_verdict():
