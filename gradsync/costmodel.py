@@ -15,8 +15,8 @@ int8 1 plus a 4-byte scale per DEFAULT_BLOCK_SIZE elements) and W workers:
 - ps, S servers: each worker pulls 4 e bytes of fp32 weights and pushes e c of gradients, plus its rows
   (`row_bytes` each way); a server's link carries W / S of that: max(W / S, 1) (4 e + row_bytes) bytes
   (the pull direction: the push is never larger; 2 W N / S bytes in all for N model bytes, half each
-  way), 2 messages. Compression shrinks the push only, so on a
-  full-duplex link it does not shorten a ps step.
+  way), 2 messages. Compression shrinks the push only, so on a full-duplex link it does not shorten a
+  ps step.
 - hybrid: the dense part as allreduce, plus the rows through the servers: max(W / S, 1) row_bytes,
   2 more messages.
 - async ps (no barrier): a worker's step is the larger of its own compute + exchange (its link carries
