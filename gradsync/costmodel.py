@@ -1,0 +1,250 @@
+"""A calibrated cost model of a training step: fit on measured runs, predict allreduce, ps and hybrid at scale.
+
+Three parameters are fitted (`fit`): compute seconds per sample, seconds per byte on a link, and seconds
+per message (latency). A step is compute followed by communication, with no overlap assumed:
+
+    step_s = compute_s_per_sample * batch + s_per_byte * bytes + latency_s * messages
+
+where `bytes` is what the busiest link carries in one direction per step (links are full duplex: what a
+node sends and what it receives move at once) and `messages` the sequential exchanges on the critical
+path (`traffic`). With e gradient elements of c bytes each on the wire (`wire_bytes`: fp32 4, fp16/bf16 2;
+int8 1 plus a 4-byte scale per DEFAULT_BLOCK_SIZE elements) and W workers:
+
+- allreduce (ring): 2 (W-1)/W e c bytes, 2 (W-1) messages; int8 is an all-gather (as gradsync does it):
+  (W-1) e c bytes, W-1 messages. Embedding tables are dense parameters here: e counts them.
+- ps, S servers: each worker pulls 4 e bytes of fp32 weights and pushes e c of gradients, plus its rows
+  (`row_bytes` each way); a server's link carries W / S of that: max(W / S, 1) (4 e + row_bytes) bytes
+  (the pull direction: the push is never larger; 2 W N / S bytes in all for N model bytes, half each
+  way), 2 messages. Compression shrinks the push only, so on a full-duplex link it does not shorten a
+  ps step.
+- hybrid: the dense part as allreduce, plus the rows through the servers: max(W / S, 1) row_bytes,
+  2 more messages.
+- async ps (no barrier): a worker's step is the larger of its own compute + exchange (its link carries
+  4 e + row_bytes, 2 messages) and its share of the servers' link time; throughput per worker.
+
+`fit` refuses async runs (the max makes the model non-linear): fit on sync runs, then predict async.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from gradsync.cuda_ops import DEFAULT_BLOCK_SIZE
+
+STRATEGIES = ("allreduce", "ps", "hybrid")
+MODES = ("sync", "async")
+ITEMSIZE = {"none": 4, "fp16": 2, "bf16": 2, "int8": 1}
+FP32 = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A job on a paradigm, without its scale (W, link). `batch`: samples per worker per step; `dense`:
+    elements of the dense parameters; `tables`: elements of the embedding tables, which allreduce averages
+    as dense parameters and ps / hybrid keep on the servers; `row_bytes`: the rows a ps / hybrid worker
+    pulls per step (and pushes back as gradients)."""
+
+    strategy: str
+    batch: int
+    dense: int
+    tables: int = 0
+    row_bytes: int = 0
+    servers: int = 0
+    mode: str = "sync"
+    compression: str = "none"
+
+    def __post_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy={self.strategy!r} is not modelled: use one of {STRATEGIES}")
+        if self.mode == "ssp":
+            raise ValueError("mode='ssp' is not modelled: predict its bounds with mode='sync' and mode='async'")
+        if self.mode not in MODES:
+            raise ValueError(f"mode={self.mode!r} is not modelled: use one of {MODES}")
+        if self.compression not in ITEMSIZE:
+            raise ValueError(f"compression={self.compression!r} is not modelled: use one of {tuple(ITEMSIZE)}")
+        if self.strategy != "allreduce" and self.servers < 1:
+            raise ValueError(f"strategy={self.strategy!r} needs servers >= 1, got servers={self.servers}")
+        if self.mode == "async" and self.strategy != "ps":
+            raise ValueError(f"mode='async' is a ps mode, got strategy={self.strategy!r}: use strategy='ps'")
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One measured job: its config, W, the link (bytes/s; None for loopback), the median step seconds
+    and, where known, its compute / communication split and the bytes a worker sent + received per step."""
+
+    config: Config
+    workers: int
+    step_s: float
+    link: float | None = None
+    compute_s: float | None = None
+    comm_s: float | None = None
+    bytes_per_step: float | None = None
+
+    def __post_init__(self):
+        if self.workers < 1 or not self.step_s > 0:
+            raise ValueError(f"a run needs workers >= 1 and step_s > 0, got workers={self.workers}, "
+                             f"step_s={self.step_s}: pass the measured median step seconds")
+
+    @classmethod
+    def from_summary(cls, config: Config, workers: int, summary: dict, link: float | None = None) -> Run:
+        """From `trainer.metrics.summary()` (step_s, pull_s, compute_s, commit_s, bytes_sent, bytes_received)."""
+        return cls(config, workers, summary["step_s"], link, compute_s=summary["compute_s"],
+                   comm_s=summary["pull_s"] + summary["commit_s"],
+                   bytes_per_step=summary["bytes_sent"] + summary["bytes_received"])
+
+
+def wire_bytes(elements: int, compression: str) -> int:
+    """Bytes of `elements` gradient values on the wire: int8 adds one fp32 scale per block."""
+    if compression == "int8":
+        return elements + FP32 * -(-elements // DEFAULT_BLOCK_SIZE)
+    return elements * ITEMSIZE[compression]
+
+
+def _allreduce(elements: int, workers: int, compression: str) -> tuple[float, int]:
+    if compression == "int8":
+        return (workers - 1) * wire_bytes(elements, compression), workers - 1
+    return 2 * (workers - 1) / workers * wire_bytes(elements, compression), 2 * (workers - 1)
+
+
+def traffic(config: Config, workers: int) -> tuple[float, int]:
+    """(bytes through the busiest link in one direction, sequential messages) per sync step."""
+    if workers < 1:
+        raise ValueError(f"workers={workers}: need at least 1")
+    share = max(workers / config.servers, 1) if config.servers else 0
+    if config.strategy == "allreduce":
+        return _allreduce(config.dense + config.tables, workers, config.compression)
+    if config.strategy == "ps":
+        return share * (FP32 * config.dense + config.row_bytes), 2
+    dense_bytes, messages = _allreduce(config.dense, workers, config.compression)
+    return dense_bytes + share * config.row_bytes, messages + 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """Fitted parameters, and the fitted runs' relative errors (predicted / measured - 1)."""
+
+    compute_s_per_sample: float
+    s_per_byte: float
+    latency_s: float
+    runs: tuple[Run, ...]
+    residuals: tuple[float, ...]
+
+    @property
+    def max_rel_error(self) -> float:
+        return max(abs(r) for r in self.residuals)
+
+    def step_s(self, config: Config, workers: int, link: float | None = None) -> float:
+        """Predicted seconds per step of one worker; `link` (bytes/s) replaces the fitted per-byte cost."""
+        s_per_byte = self.s_per_byte if link is None else 1 / link
+        compute = self.compute_s_per_sample * config.batch
+        if config.mode == "async":
+            server_bytes, _ = traffic(config, workers)
+            own = compute + s_per_byte * (FP32 * config.dense + config.row_bytes) + 2 * self.latency_s
+            return max(own, s_per_byte * server_bytes)
+        nbytes, messages = traffic(config, workers)
+        return compute + s_per_byte * nbytes + self.latency_s * messages
+
+    def throughput(self, config: Config, workers: int, link: float | None = None) -> float:
+        """Predicted samples per second of all W workers together."""
+        return workers * config.batch / self.step_s(config, workers, link)
+
+
+def fit(runs: list[Run]) -> Fit:
+    """Least squares on relative errors: every run's step time, and its compute time where measured."""
+    if not runs:
+        raise ValueError("no runs to fit: measure at least 3 sync runs")
+    if any(r.config.mode != "sync" for r in runs):
+        raise ValueError("fit takes sync runs only (async is a max, not linear): leave the async runs out "
+                         "and predict them from the fit")
+    links = {r.link for r in runs}
+    if len(links) > 1:
+        raise ValueError(f"runs on links {sorted(links, key=str)}: fit the runs of one link at a time")
+    steps = [[r.config.batch, *traffic(r.config, r.workers)] for r in runs]
+    rows, targets = [], []
+    for r, step in zip(runs, steps):
+        rows.append(step)
+        targets.append(r.step_s)
+        if r.compute_s:  # a zero compute split is no measurement
+            rows.append([r.config.batch, 0, 0])
+            targets.append(r.compute_s)
+    design, measured = np.array(rows, dtype=float), np.array(targets, dtype=float)
+    weighted = design / measured[:, None]
+    scale = np.linalg.norm(weighted, axis=0)
+    if np.any(scale == 0) or np.linalg.matrix_rank(weighted / np.where(scale == 0, 1, scale), tol=1e-9) < 3:
+        seen = sorted({(r.config.strategy, r.workers, round(traffic(r.config, r.workers)[0])) for r in runs})
+        raise ValueError(
+            "these runs cannot separate compute per sample, cost per byte and latency per message "
+            f"(strategy, W, link bytes seen: {seen}): add runs that vary the batch, the bytes (model size "
+            "or strategy) and the messages (W, or allreduce next to ps) independently")
+    params = np.linalg.lstsq(weighted / scale, np.ones(len(measured)), rcond=None)[0] / scale
+    residuals = tuple(float(np.dot(params, step)) / r.step_s - 1 for step, r in zip(steps, runs))
+    return Fit(*map(float, params), runs=tuple(runs), residuals=residuals)
+
+
+def crossover(fit: Fit, first: Config, second: Config, link: float | None = None,
+              max_workers: int = 1024) -> int | None:
+    """The smallest W in 3..max_workers where the faster of the two (in samples/s) is not the one faster
+    at W = 2; None if the same one leads throughout."""
+    def ahead(w: int) -> bool:
+        return fit.throughput(first, w, link) > fit.throughput(second, w, link)
+
+    lead = ahead(2)
+    return next((w for w in range(3, max_workers + 1) if ahead(w) != lead), None)
+
+
+def table_crossover(fit: Fit, first: Config, second: Config, workers: int, link: float | None = None,
+                    max_elements: int = 10**12) -> int | None:
+    """The smallest embedding table size (elements, given to both configs) where the faster of the two is
+    not the one faster without tables; None if the same one leads up to `max_elements`. Step time is
+    linear in the table size (allreduce moves every row, ps and hybrid only the rows looked up), so there
+    is at most one crossing: found by bisection."""
+    def ahead(elements: int) -> bool:
+        one, two = (dataclasses.replace(c, tables=elements) for c in (first, second))
+        return fit.throughput(one, workers, link) > fit.throughput(two, workers, link)
+
+    lead, low, high = ahead(0), 0, max_elements
+    if ahead(high) == lead:
+        return None
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if ahead(middle) == lead else (low, middle)
+    return high
+
+
+def confidence(fit: Fit) -> str:
+    """One sentence on how far the fit can be trusted, from its residuals and the signs of its parameters."""
+    if len(fit.runs) <= 3:
+        text = (f"The fit is exactly determined by {len(fit.runs)} runs: there is no residual to judge it by, "
+                "so confidence is unknown.")
+    else:
+        worst = fit.max_rel_error
+        grade = "high" if worst < 0.1 else "moderate" if worst < 0.3 else "low"
+        text = (f"Confidence is {grade}: the model reproduces its {len(fit.runs)} fitted runs within "
+                f"{worst:.0%} (max relative error).")
+    params = {"compute per sample": fit.compute_s_per_sample, "cost per byte": fit.s_per_byte,
+              "latency per message": fit.latency_s}
+    negative = [name for name, value in params.items() if value < 0]
+    if negative:
+        text += f" The fitted {' and '.join(negative)} came out negative, so the model does not describe these runs."
+    workers = sorted({r.workers for r in fit.runs})
+    return text + f" Fitted at W = {', '.join(map(str, workers))}; anything else is an extrapolation."
+
+
+def verdict(fit: Fit, configs: dict[str, Config], workers: int, link: float | None = None) -> str:
+    """Plain sentences: which paradigm wins at this W and link, where it crosses the runner-up, confidence."""
+    if len(configs) < 2:
+        raise ValueError(f"verdict compares paradigms: got {len(configs)} config(s), give at least 2")
+    speed = {name: fit.throughput(c, workers, link) for name, c in configs.items()}
+    winner, runner = sorted(speed, key=speed.get, reverse=True)[:2]
+    where = "the measured link" if link is None else f"a link of {8 * link / 1e9:g} Gbit/s"
+    text = (f"At W = {workers} on {where}, {winner} wins: {speed[winner]:,.0f} samples/s, "
+            f"{speed[winner] / speed[runner]:.2f}x {runner}. ")
+    w = crossover(fit, configs[winner], configs[runner], link)
+    if w is None:
+        text += f"It stays ahead of {runner} at every W from 2 to 1024. "
+    else:
+        first, then = (runner, winner) if w <= workers else (winner, runner)
+        text += f"The crossover is at W = {w}: {first} is faster below it, {then} from there on. "
+    return text + confidence(fit)
