@@ -3,25 +3,13 @@ import os
 import sys
 
 import torch
-import torch.distributed.autograd as dist_autograd
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gradsync  # noqa: E402
-from jobs import BATCH, batch, make_mlp  # noqa: E402
-
-STEPS = 10
+from jobs import make_mlp, run_loop  # noqa: E402
 
 if __name__ == "__main__":
     gradsync.init()
-    trainer = gradsync.Trainer(make_mlp(), torch.optim.SGD, lr=0.1)
-    me = gradsync.worker_rank()
-    for step in range(STEPS):
-        x, y = batch(step, me)
-        with dist_autograd.context() as cid:
-            loss = F.cross_entropy(trainer.model(x), y)
-            dist_autograd.backward(cid, [loss])
-            trainer.step(cid)
-        gradsync.log(loss=loss.item(), samples=BATCH)
-    gradsync.log(acc=0.5 + me)
+    run_loop(gradsync.Trainer(make_mlp(), torch.optim.SGD, lr=0.1), 10, log=True)
+    gradsync.log(acc=0.5 + gradsync.worker_rank())
     gradsync.shutdown()

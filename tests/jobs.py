@@ -22,8 +22,8 @@ def batch(step: int, worker: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, IN, generator=g), torch.randint(0, OUT, (BATCH,), generator=g)
 
 
-def run_loop(trainer: gradsync.Trainer, steps: int) -> None:
-    """The user loop of the README on this worker's batches."""
+def run_loop(trainer: gradsync.Trainer, steps: int, log: bool = False) -> None:
+    """The user loop of the README on this worker's batches (`log`: each step's loss through gradsync.log)."""
     me = gradsync.worker_rank()
     for step in range(steps):
         x, y = batch(step, me)
@@ -31,6 +31,8 @@ def run_loop(trainer: gradsync.Trainer, steps: int) -> None:
             loss = F.cross_entropy(trainer.model(x), y)
             dist_autograd.backward(cid, [loss])
             trainer.step(cid)
+        if log:
+            gradsync.log(loss=loss.item(), samples=len(x))
 
 
 def train_mlp(steps: int, lr: float = 0.1, momentum: float = 0.9) -> dict[str, torch.Tensor]:
