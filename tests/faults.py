@@ -11,6 +11,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.nn.functional as F
 
 import gradsync
+from bench.overhead import job_pids
 from jobs import batch, make_mlp
 
 
@@ -75,11 +76,8 @@ OPTIMIZERS = {"sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9)), "adam": (tor
 
 
 def kill_job() -> None:
-    """SIGKILL every rank of this `gradsync.launch` job (the fork server's children), this one last."""
-    parent = os.getppid()
-    with open(f"/proc/{parent}/task/{parent}/children") as f:
-        ranks = [int(pid) for pid in f.read().split()]
-    for pid in ranks:
+    """SIGKILL every rank of this `gradsync.launch` job, this one last."""
+    for pid in job_pids():
         if pid != os.getpid():
             os.kill(pid, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
