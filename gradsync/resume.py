@@ -9,12 +9,14 @@ says every worker has, writes the manifest, last:
 
     DIR/step-00000010/shard-<s>.ckpt   each server's shard
     DIR/step-00000010/worker-<w>.ckpt  step, torch and Python RNG states, and (allreduce) model and optimizer
-    DIR/step-00000010/MANIFEST.json    step, strategy, servers, workers, the model's tensors, the files above
+    DIR/step-00000010/MANIFEST.json    step, strategy, servers, workers, the model's tensors, and the files
+                                       above with their SHA-256
 
 Every file is written atomically with its SHA-256. `--resume DIR` starts from
-the newest step folder whose manifest exists and whose files all verify (an
-older one when the newest is torn, altered or unfinished), and refuses one
-written by a job of another strategy, layout, world size or model.
+the newest step folder whose manifest exists and whose files all verify and are
+the ones it names (an older one when the newest is torn, altered, unfinished or
+half rewritten by a later job), and refuses one written by a job of another
+strategy, layout, world size or model.
 """
 from __future__ import annotations
 
@@ -91,8 +93,8 @@ def latest_complete(directory: str) -> Found:
         try:
             with open(os.path.join(path, MANIFEST)) as f:
                 manifest = json.load(f)
-            for file in manifest["files"]:
-                checkpoint.verify(os.path.join(path, file))
+            for file, digest in manifest["files"].items():
+                checkpoint.verify(os.path.join(path, file), digest)
         except (OSError, ValueError, KeyError) as e:
             print(f"gradsync: resume skips {path}: {e}", file=sys.stderr, flush=True)
             continue
@@ -134,7 +136,8 @@ def save(cluster: Cluster, strategy, model: dict[str, list]) -> None:
         missing = [worker_name(w) for w, k in enumerate(keys) if not cluster.store.check([k])]
         raise RuntimeError(f"checkpoint of step {step} in {path}: {', '.join(missing)} did not write its state "
                            f"within step_timeout {config.step_timeout:.0f} s") from e
-    files = [os.path.basename(p) for p, _ in shards.values()] + [f"worker-{w}.ckpt" for w in range(config.num_workers)]
+    paths = [p for p, _ in shards.values()] + [os.path.join(path, f"worker-{w}.ckpt") for w in range(config.num_workers)]
+    files = {os.path.basename(p): checkpoint.stored_digest(p) for p in paths}
     manifest = dict(step=step, strategy=config.strategy, servers=config.servers, workers=config.num_workers,
                     model=model, files=files)
     write_atomically(os.path.join(path, MANIFEST), json.dumps(manifest, indent=1).encode())

@@ -2,6 +2,7 @@
 where an uninterrupted run ends."""
 import functools
 import os
+import shutil
 
 import pytest
 
@@ -49,7 +50,7 @@ def test_a_job_killed_at_step_12_resumes_to_the_uninterrupted_parameters(strateg
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("damage", ["corrupt shard", "no manifest"])
+@pytest.mark.parametrize("damage", ["corrupt shard", "no manifest", "another step's file"])
 def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_complete_one(damage, tmp_path):
     directory = str(tmp_path / "checkpoints")
     _killed_at_12("ps", 2, "sgd", directory)
@@ -58,8 +59,10 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_complete_one(da
         with open(os.path.join(newest, "shard-1.ckpt"), "r+b") as f:
             f.seek(-5, os.SEEK_END)
             f.write(b"\0\1\2\3\4")
-    else:
+    elif damage == "no manifest":
         os.remove(os.path.join(newest, "MANIFEST.json"))
+    else:  # intact, but not the file the manifest names
+        shutil.copy(os.path.join(directory, "step-00000005", "worker-1.ckpt"), os.path.join(newest, "worker-1.ckpt"))
     resumed = _launch("ps", 2, "sgd", resume=directory)
     for start, state in resumed:
         assert start == 5
