@@ -5,11 +5,15 @@ import os
 import shutil
 
 import pytest
+import torch
 
 import gradsync
 from faults import build_wider, train_resumable
 from jobs import make_mlp
+from test_failures import gradsync_run
 from test_parity import max_diff
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
 
 STEPS, KILL_AT, EVERY = 20, 12, 5
 JOBS = [("ps", 2), ("allreduce", 0)]
@@ -80,3 +84,24 @@ def test_resume_refuses_a_checkpoint_of_another_world_size_or_model(tmp_path):
                                                  r"'torch.float32'\] there and \[\[17, 8\], 'torch.float32'\]"):
         gradsync.launch(build_wider, strategy="ps", workers=2, servers=2, resume=directory, step_timeout=20,
                         timeout=60)
+
+
+@pytest.mark.timeout(150)
+def test_gradsync_run_flags_checkpoint_and_resume(tmp_path):
+    directory, out = str(tmp_path / "checkpoints"), str(tmp_path / "state.pt")
+    script = tmp_path / "train.py"
+    script.write_text(
+        f"import sys; sys.path[:0] = [{TESTS!r}, {os.path.dirname(TESTS)!r}]\n"
+        "import torch, gradsync\nfrom faults import train_resumable\n"
+        "gradsync.init()\nresult = train_resumable(int(sys.argv[1]), 'sgd')\n"
+        "if gradsync.worker_rank() == 0:\n    torch.save(result, sys.argv[2])\ngradsync.shutdown()\n"
+    )
+    flags = ["--strategy", "allreduce", "--workers", "2", "--checkpoint-dir", directory, "--checkpoint-every", "5"]
+    done = gradsync_run(*flags, "--timeout", "50", str(script), "12", out, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert sorted(os.listdir(directory)) == ["step-00000005", "step-00000010"]
+    done = gradsync_run(*flags, "--resume", directory, "--timeout", "50", str(script), str(STEPS), out, timeout=60)
+    assert done.returncode == 0, done.stderr
+    start, state = torch.load(out)
+    assert start == 10
+    assert max_diff(state, _uninterrupted("allreduce", 0, "sgd")) <= 1e-6
