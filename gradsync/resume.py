@@ -30,6 +30,7 @@ import sys
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from gradsync.atomic_file import write_atomically
 from gradsync.config import ConfigError, JobConfig, StoreKeys, worker_name
@@ -132,11 +133,12 @@ def save(cluster: Cluster, strategy, model: dict[str, list]) -> None:
     keys = [StoreKeys.CHECKPOINT.format(step, w) for w in range(config.num_workers)]
     try:
         cluster.store.wait(keys, datetime.timedelta(seconds=config.step_timeout))
-    except Exception as e:  # torch raises its own store errors for a timeout
+    except dist.DistStoreError as e:
         missing = [worker_name(w) for w, k in enumerate(keys) if not cluster.store.check([k])]
         raise RuntimeError(f"checkpoint of step {step} in {path}: {', '.join(missing)} did not write its state "
                            f"within step_timeout {config.step_timeout:.0f} s") from e
-    paths = [p for p, _ in shards.values()] + [os.path.join(path, f"worker-{w}.ckpt") for w in range(config.num_workers)]
+    paths = [p for p, _ in shards.values()]
+    paths += [os.path.join(path, f"worker-{w}.ckpt") for w in range(config.num_workers)]
     files = {os.path.basename(p): checkpoint.stored_digest(p) for p in paths}
     manifest = dict(step=step, strategy=config.strategy, servers=config.servers, workers=config.num_workers,
                     model=model, files=files)
