@@ -22,8 +22,8 @@ import traceback
 import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 
-from gradsync.config import ConfigError, JobConfig, StoreKeys, worker_name
 from gradsync import resume
+from gradsync.config import ConfigError, JobConfig, StoreKeys, worker_name
 from gradsync.liveness import Heartbeat, die_with_launcher, parse_left
 from gradsync.transport.rpc import install, start_rpc, stop_rpc
 
