@@ -45,11 +45,12 @@ _STEP = re.compile(r"step-(\d+)")
 
 @dataclasses.dataclass(frozen=True)
 class Found:
-    """The checkpoint a job resumes from: its step, its folder and its manifest."""
+    """The checkpoint a job resumes from: its step, its folder, its manifest, and why newer folders were skipped."""
 
     step: int
     path: str
     manifest: dict
+    skipped: tuple[str, ...] = ()
 
 
 def step_dir(directory: str, step: int) -> str:
@@ -71,6 +72,9 @@ def find(config: JobConfig) -> Found | None:
     if not config.resume:
         return None
     found = latest_complete(config.resume)
+    if config.rank == 0:
+        for reason in found.skipped:
+            print(f"gradsync: resume skips {reason}", file=sys.stderr, flush=True)
     m = found.manifest
     theirs, ours = (m["strategy"], m["servers"], m["workers"]), (config.strategy, config.servers, config.num_workers)
     if theirs != ours:
@@ -83,12 +87,14 @@ def find(config: JobConfig) -> Found | None:
 
 
 def latest_complete(directory: str) -> Found:
-    """The newest step folder of `directory` whose manifest exists and whose files all verify."""
+    """The newest step folder of `directory` whose manifest exists and whose files all verify (and are the
+    ones it names)."""
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"resume directory {directory!r} does not exist: pass the --checkpoint-dir of "
                                 "the job to resume")
     steps = sorted(((int(m.group(1)), name) for name in os.listdir(directory) if (m := _STEP.fullmatch(name))),
                    reverse=True)
+    skipped = []
     for step, name in steps:
         path = os.path.join(directory, name)
         try:
@@ -97,9 +103,9 @@ def latest_complete(directory: str) -> Found:
             for file, digest in manifest["files"].items():
                 checkpoint.verify(os.path.join(path, file), digest)
         except (OSError, ValueError, KeyError) as e:
-            print(f"gradsync: resume skips {path}: {e}", file=sys.stderr, flush=True)
+            skipped.append(f"{path}: {e}")
             continue
-        return Found(step, path, manifest)
+        return Found(step, path, manifest, tuple(skipped))
     raise FileNotFoundError(f"no complete checkpoint in {directory!r} (a step-N folder with {MANIFEST} and "
                             "intact files): start without --resume")
 
