@@ -22,6 +22,7 @@ import traceback
 import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 
+from gradsync import resume
 from gradsync.config import ConfigError, JobConfig, StoreKeys, worker_name
 from gradsync.liveness import Heartbeat, die_with_launcher, parse_left
 from gradsync.transport.rpc import install, start_rpc, stop_rpc
@@ -37,7 +38,8 @@ class Cluster:
         self.store = store
         self.heartbeat = heartbeat
         self.has_process_group = False
-        self.steps = 0  # steps this worker has committed (Trainer.step)
+        self.steps = 0  # steps this worker has committed (Trainer.step), from the resumed step on
+        self.resumed: resume.Found | None = None  # the checkpoint this job resumes from (--resume)
 
     def exit_now(self, text: str) -> None:
         """Fail this rank from a thread other than the main one, which waits where no exception can reach it
@@ -154,7 +156,9 @@ def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=
         nonfinite: 'raise' or 'skip' for NaN/Inf gradients.
         compression: 'none', 'fp16', 'bf16' or 'int8' gradients on the wire.
         transport: 'rpc' (torch RPC) or 'grpc' (ps only: pulls and pushes over gRPC, no TensorPipe).
-        timeouts: startup_timeout, step_timeout, shutdown_timeout (seconds); staleness (steps, mode 'ssp').
+        timeouts: startup_timeout, step_timeout, shutdown_timeout (seconds); staleness (steps, mode 'ssp');
+            checkpoint_dir and checkpoint_every (steps), resume (a checkpoint directory): see README,
+            "Checkpoint and resume".
     On a server this call serves until the job ends and then exits the process.
     """
     global _STATE
@@ -170,7 +174,8 @@ def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=
     store = connect_store(config)
     _STATE = Cluster(config, store, Heartbeat(store, config))
     _report_failures(_STATE)
-    server = _install_server(config) if config.is_server else None
+    _STATE.resumed = resume.find(config)
+    server = _install_server(config, _STATE.resumed) if config.is_server else None
     if config.transport == "rpc":
         start_rpc(config, store)
     else:  # gRPC carries everything; contexts still work without an RPC agent
@@ -193,7 +198,8 @@ def _join_launched(running: JobConfig, asked: JobConfig) -> None:
     if os.environ.get("GRADSYNC_LAUNCHED") != "1":
         raise RuntimeError("gradsync.init() was already called in this process")
     differ = [f"{f}={getattr(asked, f)!r} (the job runs {getattr(running, f)!r})"
-              for f in ("strategy", "mode", "staleness", "servers", "nonfinite", "compression", "transport")
+              for f in ("strategy", "mode", "staleness", "servers", "nonfinite", "compression", "transport",
+                        "checkpoint_dir", "checkpoint_every", "resume")
               if getattr(asked, f) != getattr(running, f)]
     if differ:
         raise ConfigError(
@@ -208,13 +214,13 @@ def _use_cuda() -> bool:
     return torch.cuda.is_available() and os.environ.get("GRADSYNC_DEVICE", "cuda") == "cuda"
 
 
-def _install_server(config: JobConfig):
+def _install_server(config: JobConfig, resumed: resume.Found | None):
     """Create this process's parameter server before RPC starts, so no request can arrive first."""
     from gradsync.ps.server import ParameterServer
 
     server = ParameterServer(
         config.rank, config.num_workers, config.mode, config.nonfinite, config.compression, config.server_device,
-        config.staleness,
+        config.staleness, resumed.path if resumed else None,
     )
     install(server)
     return server

@@ -73,6 +73,13 @@ class JobConfig:
     """Seconds any single RPC or collective of a training step may take."""
     shutdown_timeout: float = 30.0
     """Seconds shutdown may wait for the other ranks before it gives up on a graceful exit."""
+    checkpoint_dir: str = ""
+    """Where the job writes a checkpoint every `checkpoint_every` steps (a folder per step; every rank must
+    reach it: a shared filesystem across machines); '' writes none."""
+    checkpoint_every: int = 0
+    """Steps between checkpoints (with `checkpoint_dir`); 0: none."""
+    resume: str = ""
+    """A checkpoint directory to resume from: its newest complete checkpoint; '' starts afresh."""
 
     def __post_init__(self) -> None:
         _choice("strategy", self.strategy, Strategy, "--strategy or GRADSYNC_STRATEGY")
@@ -98,6 +105,18 @@ class JobConfig:
             raise ConfigError(
                 f"staleness={self.staleness}: it bounds --mode ssp and must be >= 0; pass --mode ssp "
                 "--staleness K, or leave --staleness out"
+            )
+        if self.checkpoint_every < 0 or bool(self.checkpoint_every) != bool(self.checkpoint_dir):
+            raise ConfigError(
+                f"checkpoint_every={self.checkpoint_every}, checkpoint_dir={self.checkpoint_dir!r}: pass both "
+                "--checkpoint-dir DIR and --checkpoint-every N (N >= 1), or neither"
+            )
+        if (self.checkpoint_every or self.resume) and (self.strategy == "hybrid" or self.mode != "sync"
+                                                       or self.transport != "rpc"):
+            raise ConfigError(
+                f"checkpoint and resume are exact for sync jobs of the ps and allreduce strategies over rpc; got "
+                f"strategy={self.strategy!r}, mode={self.mode!r}, transport={self.transport!r}: use --mode sync "
+                "--transport rpc with --strategy ps or allreduce, or leave out --checkpoint-every and --resume"
             )
         if self.strategy == "allreduce" and self.mode != "sync":
             raise ConfigError("the allreduce strategy is synchronous: pass --mode sync, or use --strategy ps")
@@ -174,6 +193,9 @@ class JobConfig:
             "GRADSYNC_COMPRESSION": self.compression,
             "GRADSYNC_SERVER_DEVICE": self.server_device,
             "GRADSYNC_TRANSPORT": self.transport,
+            "GRADSYNC_CHECKPOINT_DIR": self.checkpoint_dir,
+            "GRADSYNC_CHECKPOINT_EVERY": str(self.checkpoint_every),
+            "GRADSYNC_RESUME": self.resume,
             **{f"GRADSYNC_{name.upper()}": str(getattr(self, name)) for name in _FLOAT_FIELDS},
         }
 
@@ -194,6 +216,9 @@ def settings_from_env(env, strategy: str | None = None) -> dict:
         compression=env.get("GRADSYNC_COMPRESSION", "none"),
         server_device=env.get("GRADSYNC_SERVER_DEVICE", "cpu"),
         transport=env.get("GRADSYNC_TRANSPORT", "rpc"),
+        checkpoint_dir=env.get("GRADSYNC_CHECKPOINT_DIR", ""),
+        checkpoint_every=_int(env, "GRADSYNC_CHECKPOINT_EVERY", 0),
+        resume=env.get("GRADSYNC_RESUME", ""),
     )
     for name in _FLOAT_FIELDS:
         raw = env.get(f"GRADSYNC_{name.upper()}")
@@ -232,6 +257,7 @@ class StoreKeys:
     GRPC_SETUP = "gradsync/grpc/setup/{}"
     GRPC_SPEC = "gradsync/grpc/spec/{}/{}"
     GRPC_REGISTERED = "gradsync/grpc/registered/{}"
+    CHECKPOINT = "gradsync/checkpoint/{}/{}"  # step, worker: that worker wrote its state of that step
 
 
 def default_servers(strategy: str) -> int:

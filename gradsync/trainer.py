@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gradsync import cluster, scalars
+from gradsync import cluster, resume, scalars
 from gradsync.core.row_optim import ROW_OPTIMIZERS
 from gradsync.straggler import Straggler
 
@@ -27,6 +27,10 @@ class Trainer:
             `gradsync.RowAdagrad`); default: `optimizer_cls` when it is exact row by row (plain SGD),
             else an error that asks for one.
         optimizer_kwargs: passed to `optimizer_cls`.
+
+    Attributes:
+        start_step: the step to continue from: 0, or the step of the checkpoint the job resumed from
+            (`--resume`); loop `for step in range(trainer.start_step, steps)`.
     """
 
     def __init__(self, model: nn.Module, optimizer_cls: type, *, find_unused_parameters: bool = False,
@@ -50,6 +54,9 @@ class Trainer:
         job = self._job = cluster.current()
         if job.config.is_server:
             raise RuntimeError("Trainer is for workers; servers serve inside gradsync.init()")
+        self._model_description = resume.describe_model(model)
+        if job.resumed is not None:
+            resume.check_model(job.resumed, model)
         if job.config.strategy == "ps":
             from gradsync.worker.ps_strategy import PSStrategy
 
@@ -68,6 +75,7 @@ class Trainer:
                                                find_unused_parameters=find_unused_parameters)
         self._straggler = Straggler(job.config.worker_rank)
         scalars.watch(self)
+        self.start_step = 0 if job.resumed is None else resume.restore(job, self._strategy, job.resumed)
 
     @property
     def model(self) -> nn.Module:
@@ -81,11 +89,15 @@ class Trainer:
 
     def step(self, context_id: int) -> None:
         """Commit the step of `context_id`, once per context, after its backward: servers apply (ps) or
-        the local optimizer steps (allreduce)."""
+        the local optimizer steps (allreduce); then, every `checkpoint_every` steps, write a checkpoint
+        (every worker takes part)."""
         self._straggler.delay()
         self._strategy.step(context_id)
         self._straggler.committed()
         self._job.steps += 1
+        every = self._job.config.checkpoint_every
+        if every and self._job.steps % every == 0:
+            resume.save(self._job, self._strategy, self._model_description)
 
     def server_stats(self) -> dict[int, dict]:
         """Every parameter server's counters by server index (version, pushes, staleness, bytes, and

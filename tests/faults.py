@@ -11,6 +11,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.nn.functional as F
 
 import gradsync
+from bench.overhead import job_pids
 from jobs import batch, make_mlp
 
 
@@ -69,3 +70,38 @@ def train_then_leave(fault: Fault, steps: int) -> None:
     me, start = gradsync.worker_rank(), time.monotonic()
     gradsync.shutdown()
     stamp(fault.stamps, f"shutdown-{me}", time.monotonic() - start)
+
+
+OPTIMIZERS = {"sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9)), "adam": (torch.optim.Adam, dict(lr=0.01))}
+
+
+def kill_job() -> None:
+    """SIGKILL every rank of this `gradsync.launch` job, this one last."""
+    for pid in job_pids():
+        if pid != os.getpid():
+            os.kill(pid, signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def train_resumable(steps: int, optimizer: str, kill_at: int | None = None) -> tuple[int, dict]:
+    """The README's resumable loop on noisy batches (noise from the global RNG, so a resume must restore it);
+    worker 0 kills the whole job as it reaches step `kill_at`. Returns (start step, final state)."""
+    me = gradsync.worker_rank()
+    optimizer_cls, kwargs = OPTIMIZERS[optimizer]
+    trainer = gradsync.Trainer(make_mlp(), optimizer_cls, **kwargs)
+    for step in range(trainer.start_step, steps):
+        if me == 0 and step == kill_at:
+            kill_job()
+        x, y = batch(step, me)
+        with dist_autograd.context() as cid:
+            loss = F.cross_entropy(trainer.model(x + 0.1 * torch.randn_like(x)), y)
+            dist_autograd.backward(cid, [loss])
+            trainer.step(cid)
+    return trainer.start_step, trainer.state_dict()
+
+
+def build_wider() -> None:
+    """Build a Trainer for a wider MLP than `make_mlp` (a model a checkpoint of `make_mlp` must refuse)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 17), torch.nn.Tanh(), torch.nn.Linear(17, 4))
+    gradsync.Trainer(model, torch.optim.SGD, lr=0.1)

@@ -15,9 +15,11 @@ def test_torchrun_environment_makes_the_first_ranks_servers():
 
 
 def test_settings_survive_the_trip_through_the_environment():
-    config = JobConfig(strategy="ps", servers=2, world_size=4, step_timeout=7.5, nonfinite="skip")
+    config = JobConfig(strategy="ps", servers=2, world_size=4, step_timeout=7.5, nonfinite="skip",
+                       checkpoint_dir="ckpt", checkpoint_every=5, resume="old")
     again = JobConfig.from_env({**config.to_env(), "WORLD_SIZE": "4"})
     assert (again.step_timeout, again.nonfinite, again.servers) == (7.5, "skip", 2)
+    assert (again.checkpoint_dir, again.checkpoint_every, again.resume) == ("ckpt", 5, "old")
 
 
 @pytest.mark.parametrize(
@@ -31,6 +33,8 @@ def test_settings_survive_the_trip_through_the_environment():
         ({"GRADSYNC_COMPRESSION": "zip"}, "unknown compression 'zip'"),
         ({"GRADSYNC_SERVER_DEVICE": "gpu0"}, "server_device 'gpu0' is not a device"),
         ({"GRADSYNC_STRATEGY": "allreduce", "GRADSYNC_SERVERS": "1", "WORLD_SIZE": "3"}, "pass --servers 0"),
+        ({"GRADSYNC_CHECKPOINT_EVERY": "5"}, "checkpoint_dir='': pass both --checkpoint-dir DIR and --checkpoint"),
+        ({"GRADSYNC_MODE": "async", "GRADSYNC_RESUME": "ckpt"}, "exact for sync jobs .* mode='async'"),
     ],
 )
 def test_bad_environment_is_refused_with_the_value_and_the_fix(env, match):

@@ -6,6 +6,7 @@ A checkpoint file is a magic line, the SHA-256 of the payload, and the payload
 temporary file in the target directory, fsyncs it, renames it over
 `shard-<id>.ckpt` and fsyncs the directory, so a reader sees the old file or
 the new one, never a torn one. `load` refuses a file whose digest does not match.
+`write` and `load` serve any such file (a worker's state in a job checkpoint, `gradsync.resume`).
 """
 from __future__ import annotations
 
@@ -44,29 +45,54 @@ def save(shard: ShardState, directory: str) -> tuple[str, int]:
         The file's path and the version it holds.
     """
     state = capture(shard)
+    return write(os.path.join(directory, f"shard-{shard.shard_id}.ckpt"), state), state["version"]
+
+
+def write(path: str, state: dict) -> str:
+    """Write `state` (tensors and plain values) to `path` atomically, with its SHA-256; returns `path`."""
     payload = io.BytesIO()
     torch.save(state, payload)
     data = payload.getvalue()
-    path = write_atomically(
-        os.path.join(directory, f"shard-{shard.shard_id}.ckpt"), MAGIC + hashlib.sha256(data).digest() + data
-    )
-    return path, state["version"]
+    return write_atomically(path, MAGIC + hashlib.sha256(data).digest() + data)
 
 
-def load(path: str) -> dict:
-    """Read and verify a checkpoint: keys shard_id, version, params, buffers, frozen, optimizer, tables.
+def verify(path: str, expected: str | None = None) -> bytes:
+    """The payload of the checkpoint file `path`, after checking its header and digest (and that the digest
+    is `expected`, hex, when given).
 
     Raises:
-        ValueError: the file is not a gradsync checkpoint or its digest does not match (torn or altered).
+        ValueError: the file is not a gradsync checkpoint, its digest does not match (torn or altered), or it
+            is not the `expected` one.
     """
     with open(path, "rb") as f:
         blob = f.read()
-    if not blob.startswith(MAGIC) or len(blob) < len(MAGIC) + _DIGEST:
-        raise ValueError(f"{path} is not a gradsync checkpoint (bad magic header): pass a shard-<id>.ckpt file")
-    digest, data = blob[len(MAGIC) : len(MAGIC) + _DIGEST], blob[len(MAGIC) + _DIGEST :]
+    digest, data = _digest(blob, path), blob[len(MAGIC) + _DIGEST :]
     if hashlib.sha256(data).digest() != digest:
         raise ValueError(f"{path} is corrupt: its SHA-256 does not match the stored digest; use an older checkpoint")
-    return torch.load(io.BytesIO(data), weights_only=True)
+    if expected is not None and digest.hex() != expected:
+        raise ValueError(f"{path} has SHA-256 {digest.hex()}, not {expected}: it was rewritten after the "
+                         "manifest was written; use an older checkpoint")
+    return data
+
+
+def stored_digest(path: str) -> str:
+    """The SHA-256 (hex) in the header of the checkpoint file `path` (`verify` checks it against the payload)."""
+    with open(path, "rb") as f:
+        return _digest(f.read(len(MAGIC) + _DIGEST), path).hex()
+
+
+def _digest(head: bytes, path: str) -> bytes:
+    """The SHA-256 in the header `head` (a file's first bytes, at least the magic line and the digest)."""
+    if not head.startswith(MAGIC) or len(head) < len(MAGIC) + _DIGEST:
+        raise ValueError(f"{path} is not a gradsync checkpoint (bad magic header): pass a file that "
+                         "gradsync wrote (shard-<id>.ckpt, worker-<id>.ckpt)")
+    return head[len(MAGIC) : len(MAGIC) + _DIGEST]
+
+
+def load(path: str) -> dict:
+    """Read and verify a checkpoint (`verify`); a shard's has keys shard_id, version, params, buffers, frozen,
+    optimizer, tables."""
+    return torch.load(io.BytesIO(verify(path)), weights_only=True)
 
 
 def restore(shard: ShardState, state: dict) -> None:

@@ -11,12 +11,14 @@ wire format), handed to the consistency rule.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 
 import torch
 
 from gradsync.core.buckets import Bucket, ModelSpec
 from gradsync.core.errors import GradientError, model_mismatch_error
+from gradsync.ps import checkpoint
 from gradsync.ps.consistency import make_rule
 from gradsync.ps.shard import ShardState, Snapshot
 from gradsync.ps.table import TableShard
@@ -27,8 +29,9 @@ class ParameterServer:
     """State of one server process; methods are thread-safe."""
 
     def __init__(self, shard_id: int, num_workers: int, mode: str, nonfinite: str, compression: str = "none",
-                 device: str = "cpu", staleness: int = 0):
+                 device: str = "cpu", staleness: int = 0, resume_from: str | None = None):
         self.shard_id = shard_id
+        self.resume_from = resume_from
         self.staleness = staleness
         self.device = _usable_device(device)
         self.wire = make_wire(compression)
@@ -63,7 +66,7 @@ class ParameterServer:
             if error is None:
                 try:
                     self.shard = self._build(self._setup)
-                except (MemoryError, ValueError) as e:  # a table that does not fit, or bad rows
+                except (MemoryError, ValueError, OSError) as e:  # a table that does not fit, bad rows, a bad checkpoint
                     error = e
             if error is None:
                 self.rule = make_rule(self.mode, self.shard, self.num_workers, self.nonfinite, self.staleness)
@@ -77,11 +80,15 @@ class ParameterServer:
         return fut
 
     def _build(self, s: dict) -> ShardState:
+        """The shard from worker 0's setup, then, when resuming, its state from the checkpoint folder."""
         tables = {name: TableShard(t["spec"], self.shard_id, s["num_servers"], t["values"], s["table_optimizer"],
                                    t["padding_idx"])
                   for name, t in s["tables"].items()}
-        return ShardState(self.shard_id, s["buckets"], s["params"], s["buffers"], s["optimizer_cls"],
-                          s["optimizer_kwargs"], self.device, s["frozen"], tables)
+        shard = ShardState(self.shard_id, s["buckets"], s["params"], s["buffers"], s["optimizer_cls"],
+                           s["optimizer_kwargs"], self.device, s["frozen"], tables)
+        if self.resume_from is not None:
+            checkpoint.restore(shard, checkpoint.load(os.path.join(self.resume_from, f"shard-{self.shard_id}.ckpt")))
+        return shard
 
     def _mismatch(self, registrations: dict[int, tuple[ModelSpec, torch.futures.Future]]) -> Exception | None:
         if 0 not in registrations or self._setup is None:
@@ -158,6 +165,10 @@ class ParameterServer:
         shard = self._shard()
         with shard.lock:
             return shard.state_dict()
+
+    def checkpoint(self, directory: str) -> tuple[str, int]:
+        """Write this shard's state into `directory` (`ps.checkpoint`); returns (path, version)."""
+        return checkpoint.save(self._shard(), directory)
 
     def stats(self) -> dict:
         """This server's counters (version, pushes applied/rejected, staleness, bytes)."""

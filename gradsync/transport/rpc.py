@@ -116,6 +116,10 @@ class RpcTransport:
     def stats(self) -> dict[int, dict]:
         return self._call(rpc_stats, lambda s: (), "stats")
 
+    def checkpoint(self, directory: str) -> dict[int, tuple[str, int]]:
+        """Every server writes its shard into `directory`: (path, version) by server."""
+        return self._call(rpc_checkpoint, lambda s: (directory,), "checkpoint")
+
     def close(self) -> None:
         """Nothing to release: RPC stops with the job."""
 
@@ -161,6 +165,10 @@ def rpc_push(worker: int, pulled_version: int, payloads: list, absent: list, buf
 
 def rpc_state() -> tuple:
     return _server().state()
+
+
+def rpc_checkpoint(directory: str) -> tuple[str, int]:
+    return _server().checkpoint(directory)
 
 
 def rpc_stats() -> dict:

@@ -252,6 +252,16 @@ class AllreduceStrategy:
         seen = flags.gt(0).tolist()
         return [w for w in range(workers) if seen[w]], seen[workers:] or [True] * len(self.trainable)
 
+    def local_state(self) -> dict:
+        """What a checkpoint keeps of this worker: the model's and the optimizer's state."""
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_local_state(self, state: dict) -> None:
+        """Take back `local_state()` of a checkpoint taken after step `state["step"]`."""
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.started = state["step"]
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         params, buffers = named_tensors(self.module)
         values = {n: t.detach().clone() for n, t in {**params, **buffers}.items()}

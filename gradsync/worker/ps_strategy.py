@@ -184,6 +184,14 @@ class PSStrategy:
             "the same dist_autograd.context() before trainer.step(context_id)"
         )
 
+    def local_state(self) -> dict:
+        """What a checkpoint keeps of this worker beyond its step and RNG: nothing (the servers hold the model
+        and the optimizer)."""
+        return {}
+
+    def load_local_state(self, state: dict) -> None:
+        """Nothing to take back: the servers restored their shards at registration."""
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         states = self.transport.state()
         values = whole_params(self.server_buckets, {s: st[1] for s, st in states.items()})
