@@ -51,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--run-dir", default=None, help="directory for the job's files, kept (default: "
                      "GRADSYNC_RUN_DIR, else a new temporary directory, removed at the end)")
     run.add_argument("--timeout", type=float, default=None, help="seconds before the whole job is killed")
+    run.add_argument("--link", default=None, help="emulate a network: each rank in its own network namespace "
+                     "behind a link of this tc rate (100mbit, 1gbit, 10gbit...); needs root and iproute2")
     run.add_argument("script", help="the training script")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     status = commands.add_parser("status", help="print a table of a running job's shards")
@@ -69,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
                 signal.signal(sig, _stop)
             settings = {name: getattr(args, name) for name, _, _ in _SETTINGS}
             run_script(args.script, args.args, strategy=args.strategy, workers=args.workers, servers=args.servers,
-                       master_port=args.master_port, run_dir=args.run_dir, timeout=args.timeout, **settings)
+                       master_port=args.master_port, run_dir=args.run_dir, timeout=args.timeout, link=args.link,
+                       **settings)
         else:
             from gradsync.client import Client, pull_to_file, status_table
 

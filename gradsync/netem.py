@@ -71,7 +71,8 @@ def require_tools() -> None:
     """Raise ConfigError naming what an emulated network needs and this machine lacks."""
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
-        raise ConfigError(f"--link needs iproute2, but {' and '.join(repr(t) for t in missing)} is not on PATH "
+        raise ConfigError(f"--link needs iproute2, but {' and '.join(repr(t) for t in missing)} "
+                          f"{'is' if len(missing) == 1 else 'are'} not on PATH "
                           f"(PATH={os.environ.get('PATH', '')}): install iproute2, or run without --link")
     if os.geteuid() != 0:
         raise ConfigError(f"--link creates network namespaces, which needs root (this is uid {os.geteuid()}): "
@@ -154,15 +155,20 @@ class Network:
         return in_namespace(self.hub, fn)
 
 
+def enter(name: str) -> None:
+    """Move the calling thread into network namespace `name`; threads it starts afterwards are there too."""
+    with open(f"/run/netns/{name}") as f:
+        if ctypes.CDLL(None, use_errno=True).setns(f.fileno(), _CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into network namespace {name} failed")
+
+
 def in_namespace(name: str, fn: Callable[[], T]) -> T:
     """`fn()` on a new thread that has entered network namespace `name` (setns affects that thread only)."""
     outcome: dict = {}
 
     def body():
         try:
-            with open(f"/run/netns/{name}") as f:
-                if ctypes.CDLL(None, use_errno=True).setns(f.fileno(), _CLONE_NEWNET) != 0:
-                    raise OSError(ctypes.get_errno(), f"setns into network namespace {name} failed")
+            enter(name)
             outcome["value"] = fn()
         except BaseException as e:
             outcome["error"] = e
