@@ -88,11 +88,10 @@ def rank_environments(config: JobConfig, port: int, run_dir: str, parent: int | 
         GLOO_SOCKET_IFNAME="lo",
         OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
     )
-    base.update(network.environment() if network else {})
     base[LAUNCHER_PID] = str(parent or os.getpid())
     envs = []
     for rank in range(config.world_size):
-        env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
+        env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), **(network.environment(rank) if network else {}))
         env["GRADSYNC_ERROR_FILE"] = os.path.join(run_dir, f"error-{rank}.txt")
         envs.append(env)
     return envs

@@ -11,10 +11,12 @@ Needs root and iproute2 (`ip`, `tc`).
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import os
 import re
 import secrets
 import shutil
+import socket
 import subprocess
 import threading
 from dataclasses import dataclass
@@ -26,6 +28,7 @@ PREFIX = "gsnet"
 """Every namespace a `Network` creates is named PREFIX + a job id + a suffix."""
 SUBNET = "10.213.0"
 HUB_ADDRESS = f"{SUBNET}.1"
+NETWORK = ipaddress.ip_network(f"{SUBNET}.0/24")
 MAX_RANKS = 250
 DEVICE = "link0"
 """Each rank's network device, inside its namespace."""
@@ -146,13 +149,32 @@ class Network:
         return ["ip", "netns", "exec", self.namespaces[rank], *argv]
 
     @staticmethod
-    def environment() -> dict[str, str]:
-        """Where a rank finds the store, and the device its RPC and collectives use."""
-        return dict(MASTER_ADDR=HUB_ADDRESS, TP_SOCKET_IFNAME=DEVICE, GLOO_SOCKET_IFNAME=DEVICE)
+    def environment(rank: int) -> dict[str, str]:
+        """Where a rank finds the store, the device its RPC and collectives use, and where a server's gRPC
+        endpoint listens (so that `--transport grpc` workers reach it over the link)."""
+        return dict(MASTER_ADDR=HUB_ADDRESS, TP_SOCKET_IFNAME=DEVICE, GLOO_SOCKET_IFNAME=DEVICE,
+                    GRADSYNC_GRPC_HOST=Network.address(rank))
 
     def in_hub(self, fn: Callable[[], T]) -> T:
         """`fn()` on a thread inside the hub namespace: the sockets it opens stay there (the store's)."""
         return in_namespace(self.hub, fn)
+
+
+def reachable(host: str) -> bool:
+    """Whether `host` can be reached from this namespace without leaving the machine: true unless it is an
+    address of an emulated network and this namespace has no address on it (connecting a UDP socket picks
+    the route and the source address without sending anything)."""
+    try:
+        if ipaddress.ip_address(host) not in NETWORK:
+            return True
+    except ValueError:  # a name, not an address: not one of ours
+        return True
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((host, 9))
+        except OSError:  # no route at all
+            return False
+        return ipaddress.ip_address(probe.getsockname()[0]) in NETWORK
 
 
 def enter(name: str) -> None:

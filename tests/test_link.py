@@ -86,6 +86,9 @@ def test_ranks_reach_each_other_through_shaped_links_and_nothing_is_left():
         for s in (client, conn, server):
             s.close()
         assert sorted(netem.leftovers()) == sorted([net.hub, *net.namespaces])
+        assert netem.in_namespace(net.hub, lambda: netem.reachable(Network.address(1)))
+        assert not netem.reachable(Network.address(1))  # from the root namespace: refused, nothing sent
+        assert netem.reachable("127.0.0.1") and netem.reachable("10.1.2.3")
     _nothing_left()
 
 
@@ -100,13 +103,19 @@ gradsync.shutdown()
 
 @needs_root
 @pytest.mark.timeout(90)
-def test_gradsync_run_trains_over_the_emulated_network(tmp_path):
+def test_gradsync_run_trains_over_the_emulated_network_with_the_grpc_transport(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(_JOB.format(tests=TESTS, body="state = jobs.train_mlp(4)\n"
                                   "print(gradsync.worker_rank(), [n for _, n in socket.if_nameindex()],"
                                   " float(state['0.weight'].sum()))"))
-    done = gradsync_run("--link", "100mbit", "--strategy", "ps", "--workers", "2", str(script), timeout=80)
+    done = gradsync_run("--link", "100mbit", "--strategy", "ps", "--transport", "grpc", "--workers", "2",
+                        "--run-dir", str(tmp_path / "run"), str(script), timeout=80)
     assert done.returncode == 0, done.stderr
+    status = subprocess.run([sys.executable, "-m", "gradsync.cli", "status", str(tmp_path / "run")],
+                            capture_output=True, text=True, timeout=60)
+    assert status.returncode == 2
+    assert "10.213.0.2:" in status.stderr and "is inside an emulated network (a job of gradsync run --link)" \
+        in status.stderr
     expected = float(reference_mlp(4, 2)["0.weight"].sum())
     lines = sorted(done.stdout.splitlines())
     assert [line.rsplit(" ", 1)[0] for line in lines] == ["0 ['lo', 'link0']", "1 ['lo', 'link0']"]
