@@ -32,6 +32,8 @@ NETWORK = ipaddress.ip_network(f"{SUBNET}.0/24")
 MAX_RANKS = 250
 DEVICE = "link0"
 """Each rank's network device, inside its namespace."""
+LINK = "GRADSYNC_LINK"
+"""Set in a rank's environment when it runs on an emulated network: the link's rate."""
 _JOIN_TIMEOUT_S = 120.0
 _CMD_TIMEOUT_S = 10.0
 _CLONE_NEWNET = 0x40000000
@@ -148,12 +150,11 @@ class Network:
         """`argv`, run inside the rank's namespace."""
         return ["ip", "netns", "exec", self.namespaces[rank], *argv]
 
-    @staticmethod
-    def environment(rank: int) -> dict[str, str]:
-        """Where a rank finds the store, the device its RPC and collectives use, and where a server's gRPC
-        endpoint listens (so that `--transport grpc` workers reach it over the link)."""
-        return dict(MASTER_ADDR=HUB_ADDRESS, TP_SOCKET_IFNAME=DEVICE, GLOO_SOCKET_IFNAME=DEVICE,
-                    GRADSYNC_GRPC_HOST=Network.address(rank))
+    def environment(self, rank: int) -> dict[str, str]:
+        """Where a rank finds the store, the device its RPC and collectives use, where a server's gRPC endpoint
+        listens (so that `--transport grpc` workers reach it over the link), and the link's rate (LINK)."""
+        return {"MASTER_ADDR": HUB_ADDRESS, "TP_SOCKET_IFNAME": DEVICE, "GLOO_SOCKET_IFNAME": DEVICE,
+                "GRADSYNC_GRPC_HOST": self.address(rank), LINK: str(self.link)}
 
     def in_hub(self, fn: Callable[[], T]) -> T:
         """`fn()` on a thread inside the hub namespace: the sockets it opens stay there (the store's)."""

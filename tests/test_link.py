@@ -13,6 +13,7 @@ import gradsync
 from gradsync import netem
 from gradsync.config import ConfigError
 from gradsync.netem import Link, Network
+import jobs
 from jobs import reference_mlp, train_mlp
 from test_failures import gradsync_run
 
@@ -93,6 +94,7 @@ def test_ranks_reach_each_other_through_shaped_links_and_nothing_is_left():
 
 
 _JOB = """import socket, sys
+import torch
 sys.path.insert(0, {tests!r})
 import gradsync, jobs
 gradsync.init()
@@ -121,6 +123,22 @@ def test_gradsync_run_trains_over_the_emulated_network_with_the_grpc_transport(t
     assert [line.rsplit(" ", 1)[0] for line in lines] == ["0 ['lo', 'link0']", "1 ['lo', 'link0']"]
     assert [float(line.rsplit(" ", 1)[1]) for line in lines] == pytest.approx([expected] * 2, rel=1e-5)
     _nothing_left()
+
+
+@needs_root
+@pytest.mark.timeout(90)
+def test_rpc_tensors_cross_the_link(tmp_path):
+    """Not TensorPipe's cma channel, which copies between the processes' memory around the network."""
+    script = tmp_path / "job.py"
+    script.write_text(_JOB.format(tests=TESTS, body="torch.manual_seed(0)\n"
+                                  "model = torch.nn.Sequential(torch.nn.Linear(jobs.IN, 1 << 15), "
+                                  "torch.nn.Linear(1 << 15, jobs.OUT))\n"
+                                  "jobs.run_loop(gradsync.Trainer(model, torch.optim.SGD, lr=0.01), 3)\n"
+                                  "print(open('/sys/class/net/link0/statistics/tx_bytes').read().strip())"))
+    done = gradsync_run("--link", "1gbit", "--strategy", "ps", "--workers", "1", str(script), timeout=80)
+    assert done.returncode == 0, done.stderr
+    gradient_bytes = 4 * (jobs.IN * (1 << 15) + (1 << 15) + (1 << 15) * jobs.OUT + jobs.OUT)
+    assert int(done.stdout) > 3 * gradient_bytes  # three pushes of every gradient, through the worker's link
 
 
 @needs_root
