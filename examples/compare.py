@@ -22,6 +22,8 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--mode", default="sync")
     parser.add_argument("--compression", default="none", help="none, fp16, bf16 or int8")
+    parser.add_argument("--link", default=None, help="a tc rate (100mbit, 1gbit): each rank behind a link of that "
+                        "rate, in its own network namespace (root and iproute2; default: loopback)")
     args = parser.parse_args()
     jobs = [
         (f"ps ({args.mode}, {args.servers} server{'s' * (args.servers > 1)})",
@@ -29,7 +31,8 @@ def main() -> int:
         ("allreduce", dict(strategy="allreduce", servers=0, compression=args.compression)),
     ]
     lines = [
-        f"digits, {args.workers} workers, {args.epochs} epochs, compression {args.compression} "
+        f"digits, {args.workers} workers, {args.epochs} epochs, compression {args.compression}, "
+        f"link {args.link or 'loopback'} "
         "(medians per step, worker 0)",
         "",
         "| strategy | final loss | test acc | samples/s | step ms | pull ms | compute ms | commit ms "
@@ -38,7 +41,8 @@ def main() -> int:
     ]
     for name, settings in jobs:
         print(f"training with {name} ...", file=sys.stderr)
-        summary = gradsync.launch(train, workers=args.workers, args=(args.epochs,), timeout=600, **settings)[0]
+        summary = gradsync.launch(train, workers=args.workers, args=(args.epochs,), timeout=600, link=args.link,
+                                  **settings)[0]
         lines.append(row(name, summary))
     print("\n".join(lines))
     print("\npull: waiting for parameters (ps; after the first step the last step's reply already holds them); "
