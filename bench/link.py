@@ -2,15 +2,18 @@
 
 Rank 1 listens, rank 0 sends for SECONDS over one TCP connection (through rank 0's uplink, the bridge, and
 rank 1's downlink); the receiver's byte count over the time after the first second (past TCP's slow start and
-the first token-bucket burst) is the achieved rate. Needs root and iproute2.
+the first token-bucket burst) is the achieved rate. tbf meters whole frames: with a 1500-byte MTU a frame of
+1514 bytes carries 1448 bytes of TCP payload, so a saturated link delivers 1448/1514 = 0.956 of its rate as
+payload. Needs root and iproute2.
 
-    PYTHONPATH=$PWD python bench/link.py [--rates 100mbit 1gbit 10gbit] [--seconds 5]
+    PYTHONPATH=$PWD python bench/link.py [--rates 100mbit 1gbit 10gbit] [--seconds 5] [--repeats 3]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -89,6 +92,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", nargs="+", default=["100mbit", "1gbit", "10gbit"])
     parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of every rate, interleaved; the median is kept")
     parser.add_argument("--receive", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--send", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -96,13 +100,17 @@ def main() -> None:
         return receive(Network.address(1), args.receive, 1.0)
     if args.send:
         return send(args.send[0], float(args.send[1]))
-    rows = [measure(rate, args.seconds) for rate in args.rates]
-    for row in rows:
-        print(f"{row['link']:>8}: {row['achieved_bit_s'] / 1e6:9.1f} Mbit/s achieved, {row['ratio']:.3f} of the "
-              "configured rate")
+    runs = [[measure(rate, args.seconds) for rate in args.rates] for _ in range(args.repeats)]  # interleaved
+    rows = []
+    for i, rate in enumerate(args.rates):
+        ratios = [run[i]["ratio"] for run in runs]
+        row = dict(sorted((run[i] for run in runs), key=lambda r: r["ratio"])[len(runs) // 2], ratios=ratios)
+        rows.append(row)
+        print(f"{rate:>8}: {row['achieved_bit_s'] / 1e6:9.1f} Mbit/s achieved (median of {len(runs)}), "
+              f"{row['ratio']:.3f} of the configured rate (each run: {ratios})")
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
     with open(RESULTS, "w") as f:
-        json.dump({"command": "python bench/link.py " + " ".join(sys.argv[1:]), "nproc": os.cpu_count(),
+        json.dump({"command": shlex.join(["python", "bench/link.py", *sys.argv[1:]]), "nproc": os.cpu_count(),
                    "rows": rows}, f, indent=2)
         f.write("\n")
 
