@@ -87,7 +87,9 @@ def require_tools() -> None:
 def _run(*args: str) -> None:
     done = subprocess.run(args, capture_output=True, text=True, timeout=_CMD_TIMEOUT_S)
     if done.returncode != 0:
-        raise RuntimeError(f"emulated network: `{' '.join(args)}` failed: {done.stderr.strip()}")
+        raise ConfigError(f"--link: `{' '.join(args)}` failed: {done.stderr.strip()} (an emulated network needs "
+                          "CAP_SYS_ADMIN and CAP_NET_ADMIN, and a kernel with veth, bridge and tbf): run on such "
+                          "a machine, or without --link")
 
 
 class Network:
@@ -98,7 +100,6 @@ class Network:
             raise ConfigError(f"an emulated network holds 1..{MAX_RANKS} ranks, got {ranks}: use fewer ranks")
         require_tools()
         self.link = link
-        self.ranks = ranks
         self.job = PREFIX + secrets.token_hex(3)
         self.hub = self.job + "hub"
         self.namespaces = [f"{self.job}r{rank}" for rank in range(ranks)]
@@ -116,6 +117,8 @@ class Network:
         self.close()
 
     def _add_namespace(self, name: str) -> None:
+        if os.path.exists(f"/run/netns/{name}"):  # another job drew the same id: never take over its namespace
+            raise ConfigError(f"--link: network namespace {name} exists already; run the job again")
         self._created.append(name)  # before `ip netns add`: an interrupted add may still leave it behind
         _run("ip", "netns", "add", name)
         _run("ip", "-n", name, "link", "set", "lo", "up")

@@ -68,6 +68,16 @@ def test_gradsync_run_refuses_when_iproute2_is_missing(tmp_path):
 
 
 @needs_root
+def test_a_failed_setup_removes_what_it_created(monkeypatch):
+    monkeypatch.setattr(Link, "tbf", lambda self: ["rate", "fast"])
+    with pytest.raises(ConfigError, match=r"--link: `tc -n gsnet\w+hub qdisc add dev port0 root tbf rate fast` "
+                                          r"failed: .*run on such a machine, or without --link"):
+        with Network(Link.parse("1gbit"), 2):
+            pass
+    _nothing_left()
+
+
+@needs_root
 def test_ranks_reach_each_other_through_shaped_links_and_nothing_is_left():
     with Network(Link.parse("100mbit"), 2) as net:
         for ns, dev in [(net.namespaces[0], netem.DEVICE), (net.namespaces[1], netem.DEVICE),
