@@ -8,6 +8,8 @@ and when a rank fails or falls silent for step_timeout, it kills every rank
 and raises (or prints) the failure, naming the rank that caused it (one killed
 by a signal, then one that is stopped or silent, then the first to record a
 failure) with its traceback. Ranks die with the launcher, whatever kills it.
+With a link rate (`--link`, `gradsync.netem`) each rank runs in its own network namespace behind a shaped
+link, and the store listens in the hub namespace of that network instead of on loopback.
 """
 from __future__ import annotations
 
