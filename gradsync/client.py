@@ -64,7 +64,7 @@ class Client:
                 raise ConnectionError(
                     f"{address} is inside an emulated network (a job of gradsync run --link), not reachable from "
                     "here: run this inside the job's hub namespace, `ip netns exec gsnet<id>hub gradsync ...` "
-                    "(`ip netns list` shows it)")
+                    "(gradsync run printed it at start; `ip netns list` shows it)")
         if not token:
             raise ValueError(
                 f"no token for {address_or_run_dir!r}: pass token=... (a run directory's grpc-<shard>.json has it)"

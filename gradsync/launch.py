@@ -268,6 +268,9 @@ def run_script(script: str, script_args: list[str], *, strategy: str, workers: i
         run_dir = os.path.abspath(chosen or tempfile.mkdtemp(prefix="gradsync-run-"))
         os.makedirs(run_dir, exist_ok=True)
         print(f"gradsync: run dir {run_dir}", file=sys.stderr, flush=True)
+        if network is not None:
+            print(f"gradsync: ranks behind {link} links; `ip netns exec {network.hub} gradsync status {run_dir}` "
+                  "reaches the job", file=sys.stderr, flush=True)
         ranks = []
         try:
             for rank, env in enumerate(rank_environments(config, store.port, run_dir, network=network)):

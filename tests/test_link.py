@@ -1,5 +1,6 @@
 """`--link RATE`: ranks in their own network namespaces behind shaped links; nothing is left behind."""
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -123,6 +124,9 @@ def test_gradsync_run_trains_over_the_emulated_network_with_the_grpc_transport(t
     done = gradsync_run("--link", "100mbit", "--strategy", "ps", "--transport", "grpc", "--workers", "2",
                         "--run-dir", str(tmp_path / "run"), str(script), timeout=80)
     assert done.returncode == 0, done.stderr
+    hint = re.search(r"gradsync: ranks behind 100mbit links; `ip netns exec (gsnet[0-9a-f]{6}hub) gradsync status "
+                     + re.escape(str(tmp_path / "run")) + "` reaches the job", done.stderr)
+    assert hint, done.stderr
     status = subprocess.run([sys.executable, "-m", "gradsync.cli", "status", str(tmp_path / "run")],
                             capture_output=True, text=True, timeout=60)
     assert status.returncode == 2
