@@ -4,6 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # torch==2.13.0 comes from the machine's local CPU wheel; pinning it keeps CUDA packages away.
 WHEELS ?= /opt/wheels
+# make run emulates this network between the ranks when run as root (--link needs network namespaces)
+LINK ?= 1gbit
 PIP_FLAGS := $(if $(wildcard $(WHEELS)),--find-links $(WHEELS),)
 
 .PHONY: run test proto bench clean
@@ -15,7 +17,8 @@ $(VENV)/.installed: requirements.txt setup.py pyproject.toml
 	touch $@
 
 run: $(VENV)/.installed
-	$(PY) -m gradsync.cli compare --out gradsync-report --strategies allreduce,ps --servers 1 --modes sync,async examples/digits.py
+	$(PY) -m gradsync.cli compare --out gradsync-report --strategies allreduce,ps --servers 1 --modes sync,async \
+		$(if $(filter 0,$(shell id -u)),--link $(LINK),) examples/digits.py
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

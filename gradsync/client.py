@@ -19,6 +19,7 @@ import time
 import grpc
 import torch
 
+from gradsync import netem
 from gradsync.core.buckets import Entry, join_pieces
 from gradsync.core.tables import check_ids, join_rows, split_ids
 from gradsync.proto import gradsync_pb2 as pb
@@ -58,6 +59,12 @@ class Client:
             token = token or run_token
         else:
             self.addresses = {0: address_or_run_dir}
+        for address in self.addresses.values():
+            if not netem.reachable(address.rsplit(":", 1)[0]):
+                raise ConnectionError(
+                    f"{address} is inside an emulated network (a job of gradsync run --link), not reachable from "
+                    "here: run this inside the job's hub namespace, `ip netns exec gsnet<id>hub gradsync ...` "
+                    "(gradsync run printed it at start; `ip netns list` shows it)")
         if not token:
             raise ValueError(
                 f"no token for {address_or_run_dir!r}: pass token=... (a run directory's grpc-<shard>.json has it)"

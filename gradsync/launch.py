@@ -8,9 +8,12 @@ and when a rank fails or falls silent for step_timeout, it kills every rank
 and raises (or prints) the failure, naming the rank that caused it (one killed
 by a signal, then one that is stopped or silent, then the first to record a
 failure) with its traceback. Ranks die with the launcher, whatever kills it.
+With a link rate (`--link`, `gradsync.netem`) each rank runs in its own network namespace behind a shaped
+link, and the store listens in the hub namespace of that network instead of on loopback.
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 from multiprocessing import forkserver
 import os
@@ -25,7 +28,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from gradsync import cluster
+from gradsync import cluster, netem
 from gradsync.config import ConfigError, JobConfig, StoreKeys, settings_from_env
 from gradsync.liveness import LAUNCHER_PID, Watch, create_keys, interval
 from gradsync.proto.endpoints import new_token
@@ -33,6 +36,7 @@ from gradsync.proto.endpoints import new_token
 _HOST = "127.0.0.1"
 _POLL_S = 0.05
 _KILL_GRACE_S = 3.0
+_PORT_FIX = "pass --master-port 0 (the default) to pick a free one, or choose another port"
 _STATES = {
     "T": "its process is stopped (SIGSTOP, SIGTSTP)",
     "t": "its process is stopped by a debugger",
@@ -50,8 +54,7 @@ class JobFailed(RuntimeError):
 
 def host_store(port: int) -> dist.TCPStore:
     """Host the job's rendezvous store, listening on loopback only; port 0 picks a free one."""
-    return cluster.host_store(_HOST, port, 60.0,
-                              "pass --master-port 0 (the default) to pick a free one, or choose another port")
+    return cluster.host_store(_HOST, port, 60.0, _PORT_FIX)
 
 
 PRELOADED = ("torch", "torch._dynamo", "gradsync.cluster", "gradsync.worker.ps_strategy",
@@ -69,10 +72,11 @@ def rank_starter() -> tuple[multiprocessing.context.BaseContext, int]:
     return context, forkserver._forkserver._forkserver_pid
 
 
-def rank_environments(config: JobConfig, port: int, run_dir: str, parent: int | None = None
-                      ) -> list[dict[str, str]]:
+def rank_environments(config: JobConfig, port: int, run_dir: str, parent: int | None = None,
+                      network: netem.Network | None = None) -> list[dict[str, str]]:
     """The environment of each rank: torchrun's variables plus GRADSYNC_*. `parent`: the pid of the process
-    that starts the ranks, which they die with (default: this one)."""
+    that starts the ranks, which they die with (default: this one); `network`: the job's emulated network,
+    whose hub holds the store (default: every rank on loopback)."""
     base = dict(config.to_env())
     base.update(
         MASTER_ADDR=_HOST,
@@ -89,7 +93,7 @@ def rank_environments(config: JobConfig, port: int, run_dir: str, parent: int | 
     base[LAUNCHER_PID] = str(parent or os.getpid())
     envs = []
     for rank in range(config.world_size):
-        env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
+        env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), **(network.environment(rank) if network else {}))
         env["GRADSYNC_ERROR_FILE"] = os.path.join(run_dir, f"error-{rank}.txt")
         envs.append(env)
     return envs
@@ -233,38 +237,62 @@ def _job_config(strategy, workers, servers, mode, **settings) -> JobConfig:
     return JobConfig(world_size=values["servers"] + workers, **values)
 
 
+def _network_and_store(stack: contextlib.ExitStack, link: str | None, world_size: int, port: int
+                       ) -> tuple[netem.Network | None, dist.TCPStore]:
+    """The job's emulated network (removed when `stack` closes) when `link` names a rate, else None; and its
+    store, with every rank's heartbeat key: in the network's hub namespace, else on loopback."""
+    network = None
+    if link is None:
+        store = host_store(port)
+    else:
+        network = stack.enter_context(netem.Network(netem.Link.parse(link), world_size))
+        store = network.in_hub(lambda: cluster.host_store(netem.HUB_ADDRESS, port, 60.0, _PORT_FIX))
+    create_keys(store, world_size)
+    return network, store
+
+
 def run_script(script: str, script_args: list[str], *, strategy: str, workers: int, servers: int | None = None,
                mode: str | None = None, master_port: int = 0, run_dir: str | None = None,
-               timeout: float | None = None, **settings) -> None:
+               timeout: float | None = None, link: str | None = None, **settings) -> None:
     """Run `python script args` on every rank (the `gradsync run` command). Raises JobFailed.
 
     run_dir: the job's files (default: GRADSYNC_RUN_DIR, else a new temporary directory, removed at the end).
+    link: a tc rate (100mbit, 1gbit...): each rank in its own network namespace behind a link of that rate
+    (`gradsync.netem`; root and iproute2), the store in the hub namespace; None: every rank on loopback.
     Other settings left None come from the GRADSYNC_* environment, else their defaults.
     """
     config = _job_config(strategy, workers, servers, mode, **settings)
-    store = host_store(master_port)
-    create_keys(store, config.world_size)
-    chosen = run_dir or os.environ.get("GRADSYNC_RUN_DIR")
-    run_dir = os.path.abspath(chosen or tempfile.mkdtemp(prefix="gradsync-run-"))
-    os.makedirs(run_dir, exist_ok=True)
-    print(f"gradsync: run dir {run_dir}", file=sys.stderr, flush=True)
-    ranks = []
-    try:
-        for rank, env in enumerate(rank_environments(config, store.port, run_dir)):
-            proc = subprocess.Popen([sys.executable, script, *script_args], env={**os.environ, **env},
-                                    start_new_session=True)
-            ranks.append(_Rank(rank, proc))
-        supervise(config, ranks, run_dir, store, timeout)
-    finally:
-        _kill_all(ranks)
-        if not chosen:
-            shutil.rmtree(run_dir, ignore_errors=True)
+    with contextlib.ExitStack() as stack:
+        network, store = _network_and_store(stack, link, config.world_size, master_port)
+        chosen = run_dir or os.environ.get("GRADSYNC_RUN_DIR")
+        run_dir = os.path.abspath(chosen or tempfile.mkdtemp(prefix="gradsync-run-"))
+        os.makedirs(run_dir, exist_ok=True)
+        print(f"gradsync: run dir {run_dir}", file=sys.stderr, flush=True)
+        if network is not None:
+            print(f"gradsync: ranks behind {link} links; `ip netns exec {network.hub} gradsync status {run_dir}` "
+                  "reaches the job", file=sys.stderr, flush=True)
+        ranks = []
+        try:
+            for rank, env in enumerate(rank_environments(config, store.port, run_dir, network=network)):
+                argv = [sys.executable, script, *script_args]
+                if network is not None:
+                    argv = network.command(rank, argv)
+                proc = subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True)
+                ranks.append(_Rank(rank, proc))
+            supervise(config, ranks, run_dir, store, timeout)
+        finally:
+            _kill_all(ranks)
+            if not chosen:
+                shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def _run_function(env: dict, fn, args: tuple, result_path: str) -> None:
-    """Body of a spawned rank: init, then fn on workers; a failure is recorded for the launcher."""
+def _run_function(env: dict, fn, args: tuple, result_path: str, namespace: str | None) -> None:
+    """Body of a spawned rank: enter its network namespace (if any), init, then fn on workers; a failure is
+    recorded for the launcher."""
     os.environ.update(env, GRADSYNC_LAUNCHED="1")
     try:
+        if namespace is not None:
+            netem.enter(namespace)
         cluster.init()
         result = fn(*args)
         cluster.shutdown()
@@ -277,7 +305,7 @@ def _run_function(env: dict, fn, args: tuple, result_path: str) -> None:
 
 
 def launch(fn, *, strategy: str, workers: int, servers: int | None = None, mode: str = "sync", args: tuple = (),
-           timeout: float | None = None, **settings) -> list:
+           timeout: float | None = None, link: str | None = None, **settings) -> list:
     """Run `fn(*args)` on each worker of a local job and return the results in worker order.
 
     Args:
@@ -287,28 +315,32 @@ def launch(fn, *, strategy: str, workers: int, servers: int | None = None, mode:
             for allreduce; None: 1 for ps and hybrid, 0 for allreduce, as `gradsync run`).
         mode: 'sync' or 'async'.
         timeout: seconds for the whole job (None: no limit).
+        link: a tc rate (100mbit, 1gbit...): each rank in its own network namespace behind a link of that
+            rate (`gradsync.netem`; root and iproute2); None: every rank on loopback.
         settings: other JobConfig fields (nonfinite, compression, step_timeout, ...); those not given come
             from the GRADSYNC_* environment, else their defaults.
     Raises:
         JobFailed: naming the rank that caused the failure, with its traceback.
     """
     config = _job_config(strategy, workers, servers, mode, **settings)
-    store = host_store(0)
-    create_keys(store, config.world_size)
-    run_dir = tempfile.mkdtemp(prefix="gradsync-launch-")
-    context, parent = rank_starter()
-    ranks = []
-    try:
-        for rank, env in enumerate(rank_environments(config, store.port, run_dir, parent)):
-            result_path = os.path.join(run_dir, f"result-{rank}.pt")
-            proc = context.Process(target=_run_function, args=(env, fn, args, result_path), daemon=False)
-            proc.start()
-            ranks.append(_Rank(rank, proc))
-        supervise(config, ranks, run_dir, store, timeout)
-        return [
-            torch.load(os.path.join(run_dir, f"result-{rank}.pt"), weights_only=False)
-            for rank in range(config.servers, config.world_size)
-        ]
-    finally:
-        _kill_all(ranks)
-        shutil.rmtree(run_dir, ignore_errors=True)
+    with contextlib.ExitStack() as stack:
+        network, store = _network_and_store(stack, link, config.world_size, 0)
+        run_dir = tempfile.mkdtemp(prefix="gradsync-launch-")
+        context, parent = rank_starter()
+        ranks = []
+        try:
+            for rank, env in enumerate(rank_environments(config, store.port, run_dir, parent, network)):
+                result_path = os.path.join(run_dir, f"result-{rank}.pt")
+                namespace = network.namespaces[rank] if network else None
+                proc = context.Process(target=_run_function, args=(env, fn, args, result_path, namespace),
+                                       daemon=False)
+                proc.start()
+                ranks.append(_Rank(rank, proc))
+            supervise(config, ranks, run_dir, store, timeout)
+            return [
+                torch.load(os.path.join(run_dir, f"result-{rank}.pt"), weights_only=False)
+                for rank in range(config.servers, config.world_size)
+            ]
+        finally:
+            _kill_all(ranks)
+            shutil.rmtree(run_dir, ignore_errors=True)

@@ -80,6 +80,8 @@ def write_report(meta: dict, runs: list[dict], plots: list[str], out_dir: str) -
 def _conditions(meta: dict) -> list[str]:
     """What the reader must know about how the runs were made: a straggler, time-sliced cores."""
     out = []
+    if meta.get("link"):
+        out.append(f"Network: every rank behind an emulated {meta['link']} link (its own namespace, tc tbf).")
     if meta.get("straggler"):
         worker, factor = meta["straggler"].split(":")
         out.append(f"Straggler: worker {worker}'s compute took {factor} times as long in every run.")

@@ -103,7 +103,7 @@ def read_log(path: str) -> list[dict]:
 
 
 def run(config: Config, script: str, script_args: list[str], workers: int, out_dir: str, timeout: float,
-        progress=None, board_dir: str | None = None) -> dict:
+        progress=None, board_dir: str | None = None, link: str | None = None) -> dict:
     """Run `config` and return its measurements (or its error, when the job failed). `board_dir`: where
     the workers also write TensorBoard scalars, one subdirectory per run."""
     log_dir = os.path.join(out_dir, "runs", config.slug)
@@ -119,7 +119,7 @@ def run(config: Config, script: str, script_args: list[str], workers: int, out_d
     sampler.start()
     started = time.time()
     try:
-        run_script(script, script_args, workers=workers, timeout=timeout, **config.settings())
+        run_script(script, script_args, workers=workers, timeout=timeout, link=link, **config.settings())
         error = None
     except JobFailed as e:
         error = headline(str(e))

@@ -8,9 +8,13 @@ next version's snapshot, which the worker's next forward uses without a pull.
 
 TensorPipe is started with the `uv` transport only: the shared-memory
 transport's reactor thread busy-polls a whole core whenever the process waits.
+In a job on an emulated network (`gradsync.netem`) tensors go through that
+transport too (the `basic` channel): the default `cma` channel copies them
+between the processes' memory directly, around the rate-limited links.
 """
 from __future__ import annotations
 
+import os
 import time
 import warnings
 
@@ -21,6 +25,7 @@ from torch.distributed.rendezvous import register_rendezvous_handler
 
 from gradsync.config import JobConfig, StoreKeys, server_name
 from gradsync.core.buckets import ModelSpec
+from gradsync.netem import LINK
 from gradsync.ps.server import ParameterServer
 from gradsync.ps.shard import Snapshot
 
@@ -35,9 +40,10 @@ def start_rpc(config: JobConfig, store: dist.Store) -> None:
     register_rendezvous_handler("gradsync", handler)
     # rpc.init_rpc's own all_gather_object trips a deprecation warning inside torch; it is not ours to fix
     warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
+    channels = {"_channels": ["basic"]} if os.environ.get(LINK) else {}
     options = rpc.TensorPipeRpcBackendOptions(
         init_method="gradsync://", rpc_timeout=config.startup_timeout,
-        num_worker_threads=max(16, 4 * config.world_size), _transports=["uv"],
+        num_worker_threads=max(16, 4 * config.world_size), _transports=["uv"], **channels,
     )
     rpc.init_rpc(config.name, rank=config.rank, world_size=config.world_size, rpc_backend_options=options)
     rpc._set_rpc_timeout(config.step_timeout)

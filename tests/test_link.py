@@ -1,0 +1,201 @@
+"""`--link RATE`: ranks in their own network namespaces behind shaped links; nothing is left behind."""
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import gradsync
+from gradsync import netem
+from gradsync.config import ConfigError
+from gradsync.netem import Link, Network
+import jobs
+from jobs import reference_mlp, train_mlp
+from test_failures import gradsync_run
+
+TESTS = os.path.dirname(__file__)
+needs_root = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/sbin/ip"),
+                                reason="an emulated network needs root and iproute2")
+
+
+def _nothing_left() -> None:
+    """No namespace of any job is left, and no link of ours appeared in this (the root) namespace."""
+    assert netem.leftovers() == []
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, timeout=10, check=True).stdout
+    assert netem.PREFIX not in links and netem.DEVICE not in links
+
+
+@pytest.mark.parametrize("rate,bits", [("100mbit", 100_000_000), ("1gbit", 10**9), ("10Gbit", 10**10),
+                                       ("1.5mbit", 1_500_000), ("125mbps", 10**9), ("64kibit", 65536)])
+def test_rates_are_read_as_tc_reads_them(rate, bits):
+    assert Link.parse(rate) == Link(bits)
+    assert str(Link.parse(rate)) == f"{bits}bit"
+
+
+@pytest.mark.parametrize("rate", ["fast", "100", "100mb", "-1gbit", "1 gbit"])
+def test_a_rate_tc_cannot_read_is_refused_naming_it(rate):
+    with pytest.raises(ConfigError, match=f"--link '{rate}' is not a tc rate: .* e.g. 100mbit"):
+        Link.parse(rate)
+
+
+def test_a_rate_below_8kbit_is_refused():
+    with pytest.raises(ConfigError, match="--link '10bit' is 10 bit/s: a link needs at least 8kbit"):
+        Link.parse("10bit")
+
+
+def test_tbf_bursts_4ms_at_the_rate_and_at_least_64_kib():
+    assert Link.parse("10gbit").tbf() == ["rate", "10000000000bit", "burst", "5000000", "latency", "20ms"]
+    assert Link.parse("100mbit").tbf() == ["rate", "100000000bit", "burst", "65536", "latency", "20ms"]
+
+
+def test_refused_without_root(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(ConfigError, match=r"needs root \(this is uid 1000\): run as root, or without --link"):
+        Network(Link.parse("1gbit"), 2)
+
+
+@pytest.mark.timeout(60)
+def test_gradsync_run_refuses_when_iproute2_is_missing(tmp_path):
+    done = gradsync_run("--link", "1gbit", "--strategy", "ps", "--workers", "1", "x.py", env={"PATH": str(tmp_path)})
+    assert done.returncode == 2
+    assert (f"gradsync: error: --link needs iproute2, but 'ip' and 'tc' are not on PATH (PATH={tmp_path}): "
+            "install iproute2, or run without --link") in done.stderr
+    _nothing_left()
+
+
+@needs_root
+def test_a_failed_setup_removes_what_it_created(monkeypatch):
+    monkeypatch.setattr(Link, "tbf", lambda self: ["rate", "fast"])
+    with pytest.raises(ConfigError, match=r"--link: `tc -n gsnet\w+hub qdisc add dev port0 root tbf rate fast` "
+                                          r"failed: .*run on such a machine, or without --link"):
+        with Network(Link.parse("1gbit"), 2):
+            pass
+    _nothing_left()
+
+
+@needs_root
+def test_ranks_reach_each_other_through_shaped_links_and_nothing_is_left():
+    with Network(Link.parse("100mbit"), 2) as net:
+        for ns, dev in [(net.namespaces[0], netem.DEVICE), (net.namespaces[1], netem.DEVICE),
+                        (net.hub, "port0"), (net.hub, "port1")]:
+            shown = subprocess.run(["tc", "-n", ns, "qdisc", "show", "dev", dev], capture_output=True, text=True,
+                                   timeout=10, check=True).stdout
+            assert "tbf" in shown and "rate 100Mbit" in shown, shown
+        server = netem.in_namespace(net.namespaces[1], lambda: socket.create_server((Network.address(1), 0)))
+        port = server.getsockname()[1]
+        client = netem.in_namespace(net.namespaces[0],
+                                    lambda: socket.create_connection((Network.address(1), port), timeout=10))
+        server.settimeout(10)
+        conn, (peer, _) = server.accept()
+        client.sendall(b"across the bridge")
+        conn.settimeout(10)
+        assert peer == "10.213.0.2" and conn.recv(100) == b"across the bridge"
+        for s in (client, conn, server):
+            s.close()
+        assert sorted(netem.leftovers()) == sorted([net.hub, *net.namespaces])
+        assert netem.in_namespace(net.hub, lambda: netem.reachable(Network.address(1)))
+        assert not netem.reachable(Network.address(1))  # from the root namespace: refused, nothing sent
+        assert netem.reachable("127.0.0.1") and netem.reachable("10.1.2.3")
+    _nothing_left()
+
+
+_JOB = """import socket, sys
+import torch
+sys.path.insert(0, {tests!r})
+import gradsync, jobs
+gradsync.init()
+{body}
+gradsync.shutdown()
+"""
+
+
+@needs_root
+@pytest.mark.timeout(90)
+def test_gradsync_run_trains_over_the_emulated_network_with_the_grpc_transport(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(_JOB.format(tests=TESTS, body="state = jobs.train_mlp(4)\n"
+                                  "print(gradsync.worker_rank(), [n for _, n in socket.if_nameindex()],"
+                                  " float(state['0.weight'].sum()))"))
+    done = gradsync_run("--link", "100mbit", "--strategy", "ps", "--transport", "grpc", "--workers", "2",
+                        "--run-dir", str(tmp_path / "run"), str(script), timeout=80)
+    assert done.returncode == 0, done.stderr
+    hint = re.search(r"gradsync: ranks behind 100mbit links; `ip netns exec (gsnet[0-9a-f]{6}hub) gradsync status "
+                     + re.escape(str(tmp_path / "run")) + "` reaches the job", done.stderr)
+    assert hint, done.stderr
+    status = subprocess.run([sys.executable, "-m", "gradsync.cli", "status", str(tmp_path / "run")],
+                            capture_output=True, text=True, timeout=60)
+    assert status.returncode == 2
+    assert "10.213.0.2:" in status.stderr and "is inside an emulated network (a job of gradsync run --link)" \
+        in status.stderr
+    expected = float(reference_mlp(4, 2)["0.weight"].sum())
+    lines = sorted(done.stdout.splitlines())
+    assert [line.rsplit(" ", 1)[0] for line in lines] == ["0 ['lo', 'link0']", "1 ['lo', 'link0']"]
+    assert [float(line.rsplit(" ", 1)[1]) for line in lines] == pytest.approx([expected] * 2, rel=1e-5)
+    _nothing_left()
+
+
+@needs_root
+@pytest.mark.timeout(90)
+def test_rpc_tensors_cross_the_link(tmp_path):
+    """Not TensorPipe's cma channel, which copies between the processes' memory around the network."""
+    script = tmp_path / "job.py"
+    script.write_text(_JOB.format(tests=TESTS, body="torch.manual_seed(0)\n"
+                                  "model = torch.nn.Sequential(torch.nn.Linear(jobs.IN, 1 << 15), "
+                                  "torch.nn.Linear(1 << 15, jobs.OUT))\n"
+                                  "jobs.run_loop(gradsync.Trainer(model, torch.optim.SGD, lr=0.01), 3)\n"
+                                  "print(open('/sys/class/net/link0/statistics/tx_bytes').read().strip())"))
+    done = gradsync_run("--link", "1gbit", "--strategy", "ps", "--workers", "1", str(script), timeout=80)
+    assert done.returncode == 0, done.stderr
+    gradient_bytes = 4 * (jobs.IN * (1 << 15) + (1 << 15) + (1 << 15) * jobs.OUT + jobs.OUT)
+    assert int(done.stdout) > 3 * gradient_bytes  # three pushes of every gradient, through the worker's link
+
+
+@needs_root
+@pytest.mark.timeout(90)
+def test_nothing_is_left_after_a_failed_job(tmp_path):
+    script = tmp_path / "broken.py"
+    script.write_text(_JOB.format(tests=TESTS, body="raise ValueError('broken on purpose')"))
+    done = gradsync_run("--link", "1gbit", "--strategy", "allreduce", "--workers", "2", str(script), timeout=80)
+    assert done.returncode == 1
+    assert "ValueError: broken on purpose" in done.stderr
+    _nothing_left()
+
+
+@needs_root
+@pytest.mark.timeout(90)
+def test_nothing_is_left_after_sigterm_of_gradsync_run(tmp_path):
+    script = tmp_path / "forever.py"
+    script.write_text(_JOB.format(tests=TESTS, body=f"open({str(tmp_path / 'up')!r}, 'w').close()\n"
+                                  "jobs.train_mlp(10**6)"))
+    stderr = tmp_path / "stderr"
+    with open(stderr, "w") as out:
+        launcher = subprocess.Popen([sys.executable, "-m", "gradsync.cli", "run", "--link", "1gbit", "--strategy",
+                                     "ps", "--workers", "1", str(script)], stderr=out, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "up").exists():
+            assert launcher.poll() is None and time.monotonic() < deadline, stderr.read_text()
+            time.sleep(0.1)
+        assert len(netem.leftovers()) == 3  # the hub, the server's and the worker's namespaces
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    _nothing_left()
+
+
+@needs_root
+@pytest.mark.timeout(90)
+def test_launch_runs_forked_ranks_in_their_namespaces():
+    states = gradsync.launch(train_mlp, strategy="allreduce", workers=2, args=(4,), link="1gbit", timeout=80)
+    expected = reference_mlp(4, 2)
+    for state in states:
+        for name, value in expected.items():
+            torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6)
+    _nothing_left()
