@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import errno
 import ipaddress
+import json
 import os
 import socket
 import sys
@@ -239,6 +240,7 @@ def _serve(cluster: Cluster, server) -> None:
         if config.transport == "grpc":
             register_from_store(server, cluster.store, config)
         _wait_for_workers(cluster, deadline=None)
+        _write_stats(server)
         if config.transport == "rpc":
             stop_rpc(config.shutdown_timeout)
         endpoint.stop()
@@ -249,6 +251,16 @@ def _serve(cluster: Cluster, server) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _write_stats(server) -> None:
+    """The server's final counters as `stats-<shard>.json` in the run directory (`gradsync compare` reads them)."""
+    from gradsync.atomic_file import write_atomically
+    from gradsync.transport.grpc import run_dir
+
+    if server.shard is not None:
+        stats = {**server.stats(), "tables": server.table_stats()}
+        write_atomically(os.path.join(run_dir(), f"stats-{server.shard_id}.json"), json.dumps(stats).encode())
 
 
 def _wait_for_workers(cluster: Cluster, deadline: float | None) -> list[int]:

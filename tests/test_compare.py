@@ -46,13 +46,16 @@ def test_compare_report_numbers_come_from_the_runs(tmp_path):
     out = tmp_path / "report"
     done = subprocess.run(
         [sys.executable, "-m", "gradsync.cli", "compare", "--out", str(out), "--strategies", "allreduce,ps,hybrid",
-         "--servers", "1", "--modes", "sync", os.path.join(HERE, "compare_script.py")],
+         "--servers", "1", "--modes", "sync,async", os.path.join(HERE, "compare_script.py")],
         capture_output=True, text=True, timeout=230,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     runs = {r["name"]: r for r in report["runs"]}
-    assert list(runs) == ["allreduce", "ps sync S=1", "hybrid S=1"]
+    assert list(runs) == ["allreduce", "ps sync S=1", "ps async S=1", "hybrid S=1"]
+    assert sum(runs["ps async S=1"]["staleness"].values()) == 2 * 10  # every applied push, from the server's counters
+    assert runs["ps sync S=1"]["staleness"] == {} and runs["allreduce"]["staleness"] == {}
+    assert not (out / "runs" / "ps_async_S1" / "job").exists()  # the job's token files are gone
     assert "embedding tables" in runs["hybrid S=1"]["error"]  # the MLP has none: recorded, not fatal
     for name in ("allreduce", "ps sync S=1"):
         run = runs[name]

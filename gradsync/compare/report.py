@@ -16,6 +16,7 @@ COLUMNS = (  # (heading, key, format)
     ("CPU-s/step", "cpu_s_per_step", "{:.3f}"),
     ("worker peak MB", "worker_peak_mb", "{:.0f}"),
     ("server peak MB", "server_peak_mb", "{:.0f}"),
+    ("staleness: pushes", "staleness", "histogram"),
 )
 
 
@@ -26,6 +27,8 @@ def _cell(value, fmt: str) -> str:
         return f"{1000 * value:.2f}"
     if fmt == "kb":
         return f"{value / 1024:.0f}"
+    if fmt == "histogram":
+        return " ".join(f"{k}:{v}" for k, v in value.items()) or "-"
     return fmt.format(value)
 
 

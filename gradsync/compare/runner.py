@@ -13,6 +13,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import statistics
 import threading
 import time
@@ -94,6 +95,11 @@ def headline(failure: str) -> str:
                 lines[0])
 
 
+def read_json(path: str):
+    with open(path) as f:
+        return json.load(f)
+
+
 def read_log(path: str) -> list[dict]:
     """The JSON lines one worker logged (none when it logged nothing)."""
     if not os.path.exists(path):
@@ -107,6 +113,8 @@ def run(config: Config, script: str, script_args: list[str], workers: int, out_d
     """Run `config` and return its measurements (or its error, when the job failed). `board_dir`: where
     the workers also write TensorBoard scalars, one subdirectory per run."""
     log_dir = os.path.join(out_dir, "runs", config.slug)
+    job_dir = os.path.join(log_dir, "job")  # the job's run directory: the servers leave their final counters there
+    shutil.rmtree(job_dir, ignore_errors=True)
     os.makedirs(log_dir, exist_ok=True)
     for old in glob.glob(os.path.join(log_dir, "worker-*.jsonl")):
         os.remove(old)
@@ -119,7 +127,8 @@ def run(config: Config, script: str, script_args: list[str], workers: int, out_d
     sampler.start()
     started = time.time()
     try:
-        run_script(script, script_args, workers=workers, timeout=timeout, link=link, **config.settings())
+        run_script(script, script_args, workers=workers, timeout=timeout, link=link, run_dir=job_dir,
+                   **config.settings())
         error = None
     except JobFailed as e:
         error = headline(str(e))
@@ -134,7 +143,9 @@ def run(config: Config, script: str, script_args: list[str], workers: int, out_d
     if error is not None:
         return {**result, "error": error}
     logs = [read_log(os.path.join(log_dir, f"worker-{w}.jsonl")) for w in range(workers)]
-    return {**result, **measure(logs, sampler)}
+    stats = [read_json(p) for p in sorted(glob.glob(os.path.join(job_dir, "stats-*.json")))]
+    shutil.rmtree(job_dir, ignore_errors=True)  # tokens and endpoint files of a job that has ended
+    return {**result, **measure(logs, sampler), "staleness": staleness(stats)}
 
 
 def measure(logs: list[list[dict]], sampler: Sampler) -> dict:
@@ -166,3 +177,13 @@ def measure(logs: list[list[dict]], sampler: Sampler) -> dict:
         out["samples_per_s"] = samples / elapsed if samples and elapsed > 0 else None
     return out
 
+
+
+def staleness(stats: list[dict]) -> dict[int, int]:
+    """Applied pushes by staleness (version - pulled version), summed over the servers' final counters;
+    {} for sync runs and runs without servers."""
+    out: dict[int, int] = {}
+    for server in stats:
+        for stale, count in server.get("staleness_histogram", {}).items():
+            out[int(stale)] = out.get(int(stale), 0) + count
+    return dict(sorted(out.items()))
