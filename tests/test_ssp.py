@@ -22,6 +22,7 @@ def test_ssp_with_staleness_0_ends_at_the_parameters_of_sync_training():
 def test_ssp_never_lets_a_worker_run_more_than_k_steps_ahead():
     results = gradsync.launch(train_mlp_and_stats, strategy="ps", mode="ssp", workers=3, servers=1, args=(STEPS,),
                               staleness=2, step_timeout=30, timeout=110)
-    stats = results[0][1][0]
+    stats = results[0][1][0]  # read by worker 0 when it finished: the others may still be pushing
     assert stats["max_lead"] <= 2
-    assert sum(stats["staleness_histogram"].values()) == 3 * STEPS == stats["pushes_applied"]
+    assert sum(stats["staleness_histogram"].values()) == stats["pushes_applied"]
+    assert STEPS <= stats["pushes_applied"] <= 3 * STEPS
