@@ -60,6 +60,7 @@ from torch.distributed.rendezvous import register_rendezvous_handler
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsync
+from gradsync import procfs
 from gradsync.launch import host_store
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -67,7 +68,6 @@ from step_time import BATCH, make_mlp  # noqa: E402
 
 LR, MOMENTUM = 1e-3, 0.9
 STEP_TIMEOUT_S = 300
-TICK = os.sysconf("SC_CLK_TCK")
 BUSY_POLL_THREAD = re.compile(r"^TP_\w*reactor$")  # spins while idle
 TENSORPIPE_THREAD = re.compile(r"^TP_")
 SEED = 0
@@ -128,27 +128,6 @@ def make_batch(w: Workload, worker: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 # ---- CPU of the job's processes, from /proc ----
 
-def _ticks(stat_path: str) -> int:
-    with open(stat_path) as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])  # utime, stime
-
-
-def _children(parent: int) -> list[int]:
-    paths = glob.glob(f"/proc/{parent}/task/*/children")
-    if paths:  # the kernel lists children itself (CONFIG_PROC_CHILDREN)
-        return [int(p) for path in paths for p in open(path).read().split()]
-    pids = []
-    for path in glob.glob("/proc/[0-9]*/stat"):
-        try:
-            with open(path) as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) == parent:
-                    pids.append(int(path.split("/")[2]))
-        except (OSError, ValueError, IndexError):
-            pass
-    return pids
-
-
 def job_pids() -> list[int]:
     """The job's ranks, seen from one of them: its parent's children started by multiprocessing (spawned by
     the bench, or forked by gradsync.launch's fork server), not the bench's resource tracker."""
@@ -156,7 +135,7 @@ def job_pids() -> list[int]:
     with open(f"/proc/{parent}/cmdline", "rb") as f:
         forked = b"forkserver" in f.read()  # then every child of the parent is a rank
     pids = []
-    for pid in _children(parent):
+    for pid in procfs.children(parent):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 if forked or b"spawn_main" in f.read():
@@ -174,8 +153,11 @@ def cpu_snapshot() -> dict:
             threads = {}
             for task in glob.glob(f"/proc/{pid}/task/*"):
                 with open(f"{task}/comm") as f:
-                    threads[task] = (f.read().strip(), _ticks(f"{task}/stat"))
-            snap[pid] = (_ticks(f"/proc/{pid}/stat"), threads)
+                    name = f.read().strip()
+                if (ticks := procfs.cpu_ticks(f"{task}/stat")) is not None:
+                    threads[task] = (name, ticks)
+            if (ticks := procfs.cpu_ticks(f"/proc/{pid}/stat")) is not None:
+                snap[pid] = (ticks, threads)
         except OSError:  # a thread or process ended while being read
             pass
     return snap
@@ -189,7 +171,7 @@ def cpu_per_step(before: dict, after: dict, steps: int) -> dict:
         total += ticks - ticks0
         for task, (name, t) in threads.items():
             by_name[name] = by_name.get(name, 0) + t - threads0.get(task, (name, 0))[1]
-    per_step = lambda t: t / TICK / steps  # noqa: E731
+    per_step = lambda t: t / procfs.TICK / steps  # noqa: E731
     threads = {name: per_step(t) for name, t in sorted(by_name.items())}
     return dict(processes=len(after), cpu_s_per_step=per_step(total), threads=threads,
                 busy_poll_cpu_s_per_step=sum(c for n, c in threads.items() if BUSY_POLL_THREAD.match(n)),
@@ -488,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     result = dict(
         command=" ".join([os.path.relpath(sys.argv[0])] + (sys.argv[1:] if argv is None else argv)),
         machine=dict(platform=platform.platform(), machine=platform.machine(), cores=os.cpu_count(),
-                     torch=torch.__version__, python=platform.python_version(), clock_ticks_per_s=TICK,
+                     torch=torch.__version__, python=platform.python_version(), clock_ticks_per_s=procfs.TICK,
                      load_average_before=load_before, load_average_after=os.getloadavg()),
         settings=dict(repeats=args.repeats, steps=args.steps, warmup=args.warmup, tiny=args.tiny,
                       workloads={wl: dataclasses.asdict(all_workloads[wl]) for wl in plan}),

@@ -37,6 +37,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.nn.functional as F
 
 import gradsync
+from gradsync.procfs import memory
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -47,15 +48,6 @@ from overhead import cpu_per_step, cpu_snapshot, job_pids  # noqa: E402
 DIM, BATCH, LR = 32, 512, 0.05
 CONFIGS = {"allreduce": 0, "ps": 1, "hybrid": 1}
 BATCHES = 4  # distinct batches per worker, cycled
-
-
-def memory(pid: int | str, field: str = "VmHWM") -> int | None:
-    """VmHWM (peak resident) or VmRSS of a process, in bytes."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(f"{field}:"))
-    except (OSError, StopIteration):
-        return None
 
 
 def peak_rss() -> dict[int, int]:

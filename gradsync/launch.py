@@ -28,7 +28,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from gradsync import cluster, netem
+from gradsync import cluster, netem, procfs
 from gradsync.config import ConfigError, JobConfig, StoreKeys, settings_from_env
 from gradsync.liveness import LAUNCHER_PID, Watch, create_keys, interval
 from gradsync.proto.endpoints import new_token
@@ -113,11 +113,7 @@ class _Rank:
 
     def state(self) -> str | None:
         """The process's state letter in /proc (R, S, D, T, t, Z), None when it cannot be read."""
-        try:
-            with open(f"/proc/{self.proc.pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            return None
+        return procfs.state(self.proc.pid)
 
     def kill(self, sig: int) -> None:
         if self.exitcode() is not None:

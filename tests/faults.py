@@ -1,7 +1,6 @@
 """Fault injection for the multi-process tests, after torchft's failure injector: worker W fails at step K."""
 from __future__ import annotations
 
-import glob
 import os
 import signal
 import time
@@ -12,6 +11,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.nn.functional as F
 
 import gradsync
+from gradsync import procfs
 from jobs import batch, make_mlp
 
 
@@ -77,11 +77,9 @@ OPTIMIZERS = {"sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9)), "adam": (tor
 
 def kill_job() -> None:
     """SIGKILL every rank of this `gradsync.launch` job (the children of its fork server), this one last."""
-    for path in glob.glob(f"/proc/{os.getppid()}/task/*/children"):
-        with open(path) as f:
-            for pid in map(int, f.read().split()):
-                if pid != os.getpid():
-                    os.kill(pid, signal.SIGKILL)
+    for pid in procfs.children(os.getppid()):
+        if pid != os.getpid():
+            os.kill(pid, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
 
 

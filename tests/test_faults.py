@@ -10,7 +10,7 @@ import pytest
 
 import gradsync
 from faults import Fault, read_stamp, train_then_leave, train_with_fault
-from gradsync import cluster
+from gradsync import cluster, procfs
 from gradsync.config import JobConfig
 from gradsync.launch import host_store
 from gradsync.liveness import Heartbeat
@@ -135,11 +135,7 @@ faults.train_with_fault(faults.Fault(0, 2, "mark", {pids!r}), 10**6)
 
 
 def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has exited; its new parent reaps it
-    except FileNotFoundError:
-        return True
+    return procfs.state(pid) in (None, "Z")  # a zombie has exited; its new parent reaps it
 
 
 @pytest.mark.timeout(90)

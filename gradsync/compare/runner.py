@@ -20,12 +20,12 @@ import time
 
 import numpy
 
+from gradsync import procfs
 from gradsync.compare.grid import Config
 from gradsync.launch import JobFailed, run_script
 from gradsync.scalars import LOG_DIR, TENSORBOARD_DIR
 
 SAMPLE_S = 0.1
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 class Sampler(threading.Thread):
@@ -49,18 +49,14 @@ class Sampler(threading.Thread):
         self.join(timeout=5)
 
     def sample(self) -> None:
-        for pid in _children(os.getpid()):
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                self._last[pid] = int(fields[11]) + int(fields[12])
-                with open(f"/proc/{pid}/status") as f:
-                    hwm = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), 0)
-                self.peak[pid] = max(self.peak.get(pid, 0), hwm)
-                if pid not in self.role:
-                    self.role[pid] = _role(pid)
-            except (OSError, ValueError, IndexError):  # the process ended between the listing and the read
-                pass
+        for pid in procfs.children(os.getpid()):
+            ticks, peak = procfs.cpu_ticks(f"/proc/{pid}/stat"), procfs.memory(pid)
+            if ticks is None or peak is None:  # the process ended between the listing and the read
+                continue
+            self._last[pid] = ticks
+            self.peak[pid] = max(self.peak.get(pid, 0), peak)
+            if pid not in self.role and (role := _role(pid)) is not None:
+                self.role[pid] = role
         self.ticks.append((time.time(), sum(self._last.values())))
         if self._on_sample is not None:
             self._on_sample()
@@ -70,21 +66,16 @@ class Sampler(threading.Thread):
         if len(self.ticks) < 2:
             return float("nan")
         times, ticks = zip(*self.ticks)
-        return float(numpy.interp(end, times, ticks) - numpy.interp(start, times, ticks)) / TICK
+        return float(numpy.interp(end, times, ticks) - numpy.interp(start, times, ticks)) / procfs.TICK
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for path in glob.glob(f"/proc/{pid}/task/*/children"):
-        with open(path) as f:
-            out += [int(p) for p in f.read().split()]
-    return out
-
-
-def _role(pid: int) -> str:
-    """'server' or 'worker', from the rank's environment (RANK < GRADSYNC_SERVERS)."""
-    with open(f"/proc/{pid}/environ", "rb") as f:
-        env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+def _role(pid: int) -> str | None:
+    """'server' or 'worker', from the rank's environment (RANK < GRADSYNC_SERVERS); None when unreadable."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    except OSError:
+        return None
     return "server" if int(env.get(b"RANK", 0)) < int(env.get(b"GRADSYNC_SERVERS", 0)) else "worker"
 
 

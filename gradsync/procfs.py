@@ -1,0 +1,61 @@
+"""What Linux's /proc says about a process: its children, state, CPU ticks and memory.
+
+Each reader returns None (or nothing) for a process that is gone or unreadable, since processes come and
+go while they are read.
+"""
+from __future__ import annotations
+
+import glob
+import os
+
+TICK = os.sysconf("SC_CLK_TCK")
+"""CPU ticks per second."""
+
+
+def stat_fields(path: str) -> list[str] | None:
+    """The fields of a /proc/.../stat file after the command name: [state, ppid, ...] (utime at 11, stime
+    at 12); None when it cannot be read."""
+    try:
+        with open(path) as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def state(pid: int) -> str | None:
+    """The process's state letter (R, S, D, T, t, Z)."""
+    fields = stat_fields(f"/proc/{pid}/stat")
+    return fields[0] if fields else None
+
+
+def cpu_ticks(stat_path: str) -> int | None:
+    """utime + stime of a process (/proc/PID/stat) or of one of its threads (/proc/PID/task/TID/stat)."""
+    fields = stat_fields(stat_path)
+    return int(fields[11]) + int(fields[12]) if fields else None
+
+
+def children(parent: int) -> list[int]:
+    """The pids whose parent is `parent`: from the kernel's children lists, else (a kernel without
+    CONFIG_PROC_CHILDREN) from every process's parent pid."""
+    paths = glob.glob(f"/proc/{parent}/task/*/children")
+    if paths:
+        pids = []
+        for path in paths:
+            try:
+                with open(path) as f:
+                    pids += [int(p) for p in f.read().split()]
+            except OSError:
+                pass
+        return pids
+    return [int(path.split("/")[2]) for path in glob.glob("/proc/[0-9]*/stat")
+            if (fields := stat_fields(path)) and int(fields[1]) == parent]
+
+
+def memory(pid: int | str, field: str = "VmHWM") -> int | None:
+    """A /proc/PID/status memory field in bytes: VmHWM (peak resident, the default) or VmRSS (resident now);
+    pid may be "self"."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(f"{field}:"))
+    except (OSError, StopIteration):
+        return None
