@@ -98,14 +98,15 @@ def _mean_rows(shard: ShardState, pending: list, workers: int) -> dict[str, tupl
     return out
 
 
-def _blame_rows(shard: ShardState, means: dict, pending: list) -> GradientError | None:
-    """The error naming the first table whose mean row gradient is non-finite and a worker that sent one."""
+def _blame_rows(means: dict, pushes: list[tuple[int, dict]]) -> GradientError | None:
+    """The error naming the first table whose mean row gradient is non-finite and a worker that sent one
+    (pushes: (worker, its rows) per worker)."""
     names = list(means)
     bad = first_nonfinite([means[n][1] for n in names])
     if bad is None:
         return None
     name = names[bad]
-    culprit = next((p.worker for p in pending if name in p.rows and first_nonfinite([p.rows[name][2]]) is not None),
+    culprit = next((w for w, rows in pushes if name in rows and first_nonfinite([rows[name][2]]) is not None),
                    "none alone (the average of finite gradients overflowed)")
     return nonfinite_error(name, culprit)
 
@@ -237,7 +238,7 @@ class SyncRule:
         error = None
         if first_nonfinite([m for m in means if m is not None]) is not None:
             error = _blame(shard, means, [(p.worker, p.payloads, p.wire) for p in pending])
-        error = error or _blame_rows(shard, rows, pending)
+        error = error or _blame_rows(rows, [(p.worker, p.rows) for p in pending])
         if error is not None:
             shard.stats.steps_skipped += self.nonfinite == "skip"
             return error
@@ -271,7 +272,7 @@ class AsyncRule:
             error = None
             if first_nonfinite([g for g in decoded if g is not None]) is not None:
                 error = _blame(shard, decoded, [(worker, checked, wire)])
-            error = error or _blame_rows(shard, merged, [_Push(worker, [], [], {}, rows, wire, None)])
+            error = error or _blame_rows(merged, [(worker, rows)])
             if error is not None:
                 shard.stats.pushes_rejected += 1
                 return _done(error=error) if self.nonfinite == "raise" else _done(shard.version)

@@ -78,9 +78,9 @@ class PSStrategy:
         self.worker = config.worker_rank
         self.metrics = StepMetrics()
         self.keys = list(module.state_dict().keys())
-        if config.transport == "grpc" and tables == "auto" and find_tables(module):
+        if config.transport == "grpc" and tables == "auto" and (found := find_tables(module)):
             raise ValueError(
-                f"the grpc transport does not serve embedding tables row by row yet ({next(iter(find_tables(module)))!r} "
+                f"the grpc transport does not serve embedding tables row by row yet ({next(iter(found))!r} "
                 "is one): use --transport rpc, or keep the tables dense with Trainer(..., tables='dense')"
             )
         self.tables, table_setups, table_optimizer = serve_tables(
