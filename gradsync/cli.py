@@ -67,6 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--timeout", type=float, default=None, help="seconds before the whole job is killed")
     run.add_argument("--link", default=None, help="emulate a network: each rank in its own network namespace "
                      "behind a link of this tc rate (100mbit, 1gbit, 10gbit...); needs root and iproute2")
+    run.add_argument("--server-link", default=None, help="with --link: the parameter servers' links at this "
+                     "rate instead (a slow server link)")
     run.add_argument("script", help="the training script")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     compare = commands.add_parser("compare", help="run SCRIPT under a grid of paradigms and write a report")
@@ -82,6 +84,8 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("--log-dir", default=None, help="also write TensorBoard scalars here, a directory per run")
     compare.add_argument("--link", default=None, help="every run over an emulated network of this tc rate "
                          "(100mbit, 1gbit, ...), as gradsync run --link; needs root and iproute2")
+    compare.add_argument("--server-link", default=None, help="with --link: the parameter servers' links at "
+                         "this rate instead, in every run (a slow server link)")
     compare.add_argument("--straggler", default=None, metavar="W:F",
                          help="worker W's compute takes F times as long in every run, e.g. 1:2.0")
     compare.add_argument("script", help="the training script (it reports with gradsync.log)")
@@ -103,14 +107,14 @@ def main(argv: list[str] | None = None) -> int:
             settings = {name: getattr(args, name) for name, _, _ in _SETTINGS}
             run_script(args.script, args.args, strategy=args.strategy, workers=args.workers, servers=args.servers,
                        master_port=args.master_port, run_dir=args.run_dir, timeout=args.timeout, link=args.link,
-                       **settings)
+                       server_link=args.server_link, **settings)
         elif args.command == "compare":
             from gradsync.compare import compare
 
             report = compare(args.script, args.args, workers=args.workers, out_dir=args.out,
                              strategies=args.strategies, servers=args.servers, modes=args.modes,
                              compressions=args.compressions, timeout=args.timeout, straggler=args.straggler,
-                             log_dir=args.log_dir, link=args.link)
+                             log_dir=args.log_dir, link=args.link, server_link=args.server_link)
             print(f"report: {report} (plots beside it)")
         else:
             from gradsync.client import Client, pull_to_file, status_table

@@ -14,6 +14,7 @@ link, and the store listens in the hub namespace of that network instead of on l
 from __future__ import annotations
 
 import contextlib
+import glob
 import multiprocessing
 from multiprocessing import forkserver
 import os
@@ -30,6 +31,7 @@ import torch.distributed as dist
 
 from gradsync import cluster, netem, procfs
 from gradsync.config import ConfigError, JobConfig, StoreKeys, settings_from_env
+from gradsync.leases import Lease, abandoned
 from gradsync.liveness import LAUNCHER_PID, Watch, create_keys, interval
 from gradsync.proto.endpoints import new_token
 
@@ -233,40 +235,64 @@ def _job_config(strategy, workers, servers, mode, **settings) -> JobConfig:
     return JobConfig(world_size=values["servers"] + workers, **values)
 
 
-def _network_and_store(stack: contextlib.ExitStack, link: str | None, world_size: int, port: int
-                       ) -> tuple[netem.Network | None, dist.TCPStore]:
+_RUN_DIRS = ("gradsync-run-", "gradsync-launch-")
+_RUN_DIR_LEASE = ".lease"
+
+
+def temporary_run_dir(stack: contextlib.ExitStack, prefix: str) -> str:
+    """A new temporary run directory, removed when `stack` closes. It holds a lease (`gradsync.leases`):
+    first, the temporary run directories of launchers that died (SIGKILL) are removed here."""
+    for old in glob.glob(os.path.join(tempfile.gettempdir(), "gradsync-*-*", _RUN_DIR_LEASE)):
+        if os.path.basename(os.path.dirname(old)).startswith(_RUN_DIRS) and abandoned(old):
+            shutil.rmtree(os.path.dirname(old), ignore_errors=True)
+    path = tempfile.mkdtemp(prefix=prefix)
+    stack.callback(Lease(os.path.join(path, _RUN_DIR_LEASE)).release)
+    stack.callback(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+def _network_and_store(stack: contextlib.ExitStack, config: JobConfig, port: int, link: str | None,
+                       server_link: str | None) -> tuple[netem.Network | None, dist.TCPStore]:
     """The job's emulated network (removed when `stack` closes) when `link` names a rate, else None; and its
-    store, with every rank's heartbeat key: in the network's hub namespace, else on loopback."""
+    store, with every rank's heartbeat key: in the network's hub namespace, else on loopback. `server_link`:
+    the servers' rate, when it differs from `link`."""
+    if server_link is not None and link is None:
+        raise ConfigError(f"--server-link {server_link} needs --link too, the rate of the workers' links: "
+                          f"e.g. --link 1gbit --server-link {server_link}")
     network = None
     if link is None:
         store = host_store(port)
     else:
-        network = stack.enter_context(netem.Network(netem.Link.parse(link), world_size))
+        slow = None if server_link is None else netem.Link.parse(server_link, "--server-link")
+        network = stack.enter_context(netem.Network(netem.Link.parse(link), config.world_size, slow, config.servers))
         store = network.in_hub(lambda: cluster.host_store(netem.HUB_ADDRESS, port, 60.0, _PORT_FIX))
-    create_keys(store, world_size)
+    create_keys(store, config.world_size)
     return network, store
 
 
 def run_script(script: str, script_args: list[str], *, strategy: str, workers: int, servers: int | None = None,
                mode: str | None = None, master_port: int = 0, run_dir: str | None = None,
-               timeout: float | None = None, link: str | None = None, **settings) -> None:
+               timeout: float | None = None, link: str | None = None, server_link: str | None = None,
+               **settings) -> None:
     """Run `python script args` on every rank (the `gradsync run` command). Raises JobFailed.
 
     run_dir: the job's files (default: GRADSYNC_RUN_DIR, else a new temporary directory, removed at the end).
     link: a tc rate (100mbit, 1gbit...): each rank in its own network namespace behind a link of that rate
     (`gradsync.netem`; root and iproute2), the store in the hub namespace; None: every rank on loopback.
+    server_link: the parameter servers' links at this rate instead (with `link`): a slow server link.
     Other settings left None come from the GRADSYNC_* environment, else their defaults.
     """
     config = _job_config(strategy, workers, servers, mode, **settings)
     with contextlib.ExitStack() as stack:
-        network, store = _network_and_store(stack, link, config.world_size, master_port)
+        network, store = _network_and_store(stack, config, master_port, link, server_link)
         chosen = run_dir or os.environ.get("GRADSYNC_RUN_DIR")
-        run_dir = os.path.abspath(chosen or tempfile.mkdtemp(prefix="gradsync-run-"))
+        run_dir = os.path.abspath(chosen or temporary_run_dir(stack, "gradsync-run-"))
         os.makedirs(run_dir, exist_ok=True)
         print(f"gradsync: run dir {run_dir}", file=sys.stderr, flush=True)
         if network is not None:
-            print(f"gradsync: ranks behind {link} links; `ip netns exec {network.hub} gradsync status {run_dir}` "
-                  "reaches the job", file=sys.stderr, flush=True)
+            servers = "" if server_link is None else f" (servers behind {server_link})"
+            print(f"gradsync: ranks behind {link} links{servers}; `ip netns exec {network.hub} gradsync status "
+                  f"{run_dir}` reaches the job", file=sys.stderr, flush=True)
         ranks = []
         try:
             for rank, env in enumerate(rank_environments(config, store.port, run_dir, network=network)):
@@ -278,8 +304,6 @@ def run_script(script: str, script_args: list[str], *, strategy: str, workers: i
             supervise(config, ranks, run_dir, store, timeout)
         finally:
             _kill_all(ranks)
-            if not chosen:
-                shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _run_function(env: dict, fn, args: tuple, result_path: str, namespace: str | None) -> None:
@@ -301,7 +325,8 @@ def _run_function(env: dict, fn, args: tuple, result_path: str, namespace: str |
 
 
 def launch(fn, *, strategy: str, workers: int, servers: int | None = None, mode: str = "sync", args: tuple = (),
-           timeout: float | None = None, link: str | None = None, **settings) -> list:
+           timeout: float | None = None, link: str | None = None, server_link: str | None = None,
+           **settings) -> list:
     """Run `fn(*args)` on each worker of a local job and return the results in worker order.
 
     Args:
@@ -313,6 +338,7 @@ def launch(fn, *, strategy: str, workers: int, servers: int | None = None, mode:
         timeout: seconds for the whole job (None: no limit).
         link: a tc rate (100mbit, 1gbit...): each rank in its own network namespace behind a link of that
             rate (`gradsync.netem`; root and iproute2); None: every rank on loopback.
+        server_link: the parameter servers' links at this rate instead (with `link`): a slow server link.
         settings: other JobConfig fields (nonfinite, compression, step_timeout, ...); those not given come
             from the GRADSYNC_* environment, else their defaults.
     Raises:
@@ -320,8 +346,8 @@ def launch(fn, *, strategy: str, workers: int, servers: int | None = None, mode:
     """
     config = _job_config(strategy, workers, servers, mode, **settings)
     with contextlib.ExitStack() as stack:
-        network, store = _network_and_store(stack, link, config.world_size, 0)
-        run_dir = tempfile.mkdtemp(prefix="gradsync-launch-")
+        network, store = _network_and_store(stack, config, 0, link, server_link)
+        run_dir = temporary_run_dir(stack, "gradsync-launch-")
         context, parent = rank_starter()
         ranks = []
         try:
@@ -339,4 +365,3 @@ def launch(fn, *, strategy: str, workers: int, servers: int | None = None, mode:
             ]
         finally:
             _kill_all(ranks)
-            shutil.rmtree(run_dir, ignore_errors=True)

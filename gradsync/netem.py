@@ -4,8 +4,11 @@
 where the launcher hosts the rendezvous store) and one namespace per rank, joined to the bridge by a veth
 pair (the rank's end 10.213.0.<rank + 2>/24). Both ends of every veth are shaped with `tc tbf` at the
 link's rate, so a byte from rank a to rank b crosses a's uplink and b's downlink, as between machines on
-one switch. Nothing is configured in the root namespace: links are created inside the job's namespaces,
+one switch. The parameter servers (the first `servers` ranks) may sit behind a different rate
+(`server_link`: a slow server link). Nothing is configured in the root namespace: links are created inside the job's namespaces,
 whose names carry a job-unique prefix, and deleting the namespaces on exit removes every link with them.
+A launcher killed by SIGKILL cannot delete them: each network holds a lease (`gradsync.leases`) in
+LEASES, and the next network created on the machine deletes the namespaces of every abandoned lease.
 Needs root and iproute2 (`ip`, `tc`).
 """
 from __future__ import annotations
@@ -23,9 +26,12 @@ from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 from gradsync.config import ConfigError
+from gradsync.leases import Lease, abandoned
 
 PREFIX = "gsnet"
 """Every namespace a `Network` creates is named PREFIX + a job id + a suffix."""
+LEASES = "/run/gradsync"
+"""A lease file per network, `<job>.lease`: held by the launcher while its namespaces exist."""
 SUBNET = "10.213.0"
 HUB_ADDRESS = f"{SUBNET}.1"
 NETWORK = ipaddress.ip_network(f"{SUBNET}.0/24")
@@ -51,15 +57,16 @@ class Link:
     bits_per_s: int
 
     @classmethod
-    def parse(cls, rate: str) -> "Link":
+    def parse(cls, rate: str, flag: str = "--link") -> "Link":
+        """`rate` as tc writes it; errors name `flag`, the option it came from."""
         match = _RATE.fullmatch(rate.strip())
         if not match:
-            raise ConfigError(f"--link {rate!r} is not a tc rate: write a number and a unit, e.g. 100mbit, 1gbit, "
+            raise ConfigError(f"{flag} {rate!r} is not a tc rate: write a number and a unit, e.g. 100mbit, 1gbit, "
                               "10gbit (bit, kbit, mbit, gbit, tbit; kibit...; bps, kbps, mbps, gbps: bytes/s)")
         number, scale, unit = match.groups()
         bits = int(float(number) * _SCALES[(scale or "").lower()] * _UNITS[unit.lower()])
         if bits < 8000:
-            raise ConfigError(f"--link {rate!r} is {bits} bit/s: a link needs at least 8kbit")
+            raise ConfigError(f"{flag} {rate!r} is {bits} bit/s: a link needs at least 8kbit")
         return cls(bits)
 
     def __str__(self) -> str:
@@ -93,19 +100,24 @@ def _run(*args: str) -> None:
 
 
 class Network:
-    """The namespaces, bridge and shaped veth links of one job; a context manager that removes them all."""
+    """The namespaces, bridge and shaped veth links of one job; a context manager that removes them all.
+    Ranks 0 .. servers - 1 sit behind `server_link` when it is given, the others behind `link`."""
 
-    def __init__(self, link: Link, ranks: int):
+    def __init__(self, link: Link, ranks: int, server_link: Link | None = None, servers: int = 0):
         if not 1 <= ranks <= MAX_RANKS:
             raise ConfigError(f"an emulated network holds 1..{MAX_RANKS} ranks, got {ranks}: use fewer ranks")
         require_tools()
-        self.link = link
+        self.links = [server_link if server_link is not None and rank < servers else link for rank in range(ranks)]
         self.job = PREFIX + secrets.token_hex(3)
         self.hub = self.job + "hub"
         self.namespaces = [f"{self.job}r{rank}" for rank in range(ranks)]
         self._created: list[str] = []
+        self._lease: Lease | None = None
 
     def __enter__(self) -> "Network":
+        remove_abandoned()
+        os.makedirs(LEASES, exist_ok=True)
+        self._lease = Lease(os.path.join(LEASES, f"{self.job}.lease"))
         try:
             self._create()
         except BaseException:
@@ -135,15 +147,16 @@ class Network:
             _run("ip", "-n", self.hub, "link", "set", port, "master", "br0", "up")
             _run("ip", "-n", ns, "addr", "add", f"{self.address(rank)}/24", "dev", end)
             _run("ip", "-n", ns, "link", "set", end, "up")
-            _run("tc", "-n", self.hub, "qdisc", "add", "dev", port, "root", "tbf", *self.link.tbf())
-            _run("tc", "-n", ns, "qdisc", "add", "dev", end, "root", "tbf", *self.link.tbf())
+            _run("tc", "-n", self.hub, "qdisc", "add", "dev", port, "root", "tbf", *self.links[rank].tbf())
+            _run("tc", "-n", ns, "qdisc", "add", "dev", end, "root", "tbf", *self.links[rank].tbf())
 
     def close(self) -> None:
         """Delete every namespace this network created, which removes its links and bridge; idempotent.
         Processes still inside a namespace keep it alive until they exit: stop them first."""
         while self._created:
-            ns = self._created.pop()
-            subprocess.run(["ip", "netns", "delete", ns], capture_output=True, timeout=_CMD_TIMEOUT_S)
+            _delete(self._created.pop())
+        if self._lease is not None:
+            self._lease.release()
 
     @staticmethod
     def address(rank: int) -> str:
@@ -155,9 +168,9 @@ class Network:
 
     def environment(self, rank: int) -> dict[str, str]:
         """Where a rank finds the store, the device its RPC and collectives use, where a server's gRPC endpoint
-        listens (so that `--transport grpc` workers reach it over the link), and the link's rate (LINK)."""
+        listens (so that `--transport grpc` workers reach it over the link), and its link's rate (LINK)."""
         return {"MASTER_ADDR": HUB_ADDRESS, "TP_SOCKET_IFNAME": DEVICE, "GLOO_SOCKET_IFNAME": DEVICE,
-                "GRADSYNC_GRPC_HOST": self.address(rank), LINK: str(self.link)}
+                "GRADSYNC_GRPC_HOST": self.address(rank), LINK: str(self.links[rank])}
 
     def in_hub(self, fn: Callable[[], T]) -> T:
         """`fn()` on a thread inside the hub namespace: the sockets it opens stay there (the store's)."""
@@ -207,6 +220,29 @@ def in_namespace(name: str, fn: Callable[[], T]) -> T:
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]
+
+
+def _delete(namespace: str) -> None:
+    subprocess.run(["ip", "netns", "delete", namespace], capture_output=True, timeout=_CMD_TIMEOUT_S)
+
+
+def remove_abandoned() -> list[str]:
+    """Delete the namespaces of every network whose launcher died without removing them (its lease is
+    held by no one); returns the namespaces deleted."""
+    if not os.path.isdir(LEASES):
+        return []
+    deleted = []
+    for name in sorted(os.listdir(LEASES)):
+        lease = os.path.join(LEASES, name)
+        if not (name.endswith(".lease") and name.startswith(PREFIX) and abandoned(lease)):
+            continue
+        job = name[:-len(".lease")]
+        for namespace in leftovers():
+            if namespace.startswith(job):
+                _delete(namespace)
+                deleted.append(namespace)
+        os.unlink(lease)
+    return deleted
 
 
 def leftovers() -> list[str]:

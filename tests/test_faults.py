@@ -1,4 +1,5 @@
 """Injected faults: the job fails within its timeouts, naming the rank that caused it; no rank outlives the job."""
+import contextlib
 import os
 import re
 import signal
@@ -12,7 +13,7 @@ import gradsync
 from faults import Fault, read_stamp, train_then_leave, train_with_fault
 from gradsync import cluster, procfs
 from gradsync.config import JobConfig
-from gradsync.launch import host_store
+from gradsync.launch import host_store, temporary_run_dir
 from gradsync.liveness import Heartbeat
 from test_failures import gradsync_run
 
@@ -146,11 +147,10 @@ def test_no_rank_outlives_a_killed_gradsync_run(strategy, servers, sig, tmp_path
     pids_dir.mkdir()
     script = tmp_path / "forever.py"
     script.write_text(_FOREVER.format(tests=TESTS, pids=str(pids_dir)))
-    run_dir = [] if sig == signal.SIGTERM else ["--run-dir", str(tmp_path / "run")]  # SIGKILL leaves it behind
     stderr = tmp_path / "stderr"  # a file, not a pipe: a surviving rank would hold a pipe open
     with open(stderr, "w") as out:
         launcher = subprocess.Popen([sys.executable, "-m", "gradsync.cli", "run", "--strategy", strategy,
-                                     "--workers", "2", *run_dir, str(script)], stderr=out, start_new_session=True)
+                                     "--workers", "2", str(script)], stderr=out, start_new_session=True)
     pids = []
     try:
         deadline = time.monotonic() + 60
@@ -164,10 +164,15 @@ def test_no_rank_outlives_a_killed_gradsync_run(strategy, servers, sig, tmp_path
         while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert [pid for pid in pids if not _gone(pid)] == []
+        run_dir = _run_dir(stderr.read_text())
         if sig == signal.SIGTERM:
             assert launcher.returncode == 128 + signal.SIGTERM
             assert "gradsync: stopped by SIGTERM: every rank was stopped" in stderr.read_text()
-            assert not os.path.exists(_run_dir(stderr.read_text()))
+        else:  # the launcher could not remove its run directory: the next one does
+            assert os.path.exists(run_dir)
+            with contextlib.ExitStack() as stack:
+                temporary_run_dir(stack, "gradsync-run-")
+        assert not os.path.exists(run_dir)
     finally:
         for pid in pids:
             if not _gone(pid):

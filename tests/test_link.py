@@ -23,9 +23,15 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/sb
                                 reason="an emulated network needs root and iproute2")
 
 
-def _nothing_left() -> None:
-    """No namespace of any job is left, and no link of ours appeared in this (the root) namespace."""
-    assert netem.leftovers() == []
+def _job(stderr: str) -> str:
+    """The job id in gradsync run's hint `ip netns exec <job>hub gradsync status ...`."""
+    return re.search(r"ip netns exec (gsnet[0-9a-f]{6})hub", stderr).group(1)
+
+
+def _nothing_left(job: str = "") -> None:
+    """No namespace of the job (of any job, without one) is left, and no link of ours appeared in this (the
+    root) namespace. Naming the job keeps the check true while other jobs with links run on the machine."""
+    assert [ns for ns in netem.leftovers() if ns.startswith(job)] == []
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, timeout=10, check=True).stdout
     assert netem.PREFIX not in links and netem.DEVICE not in links
 
@@ -41,6 +47,19 @@ def test_rates_are_read_as_tc_reads_them(rate, bits):
 def test_a_rate_tc_cannot_read_is_refused_naming_it(rate):
     with pytest.raises(ConfigError, match=f"--link '{rate}' is not a tc rate: .* e.g. 100mbit"):
         Link.parse(rate)
+
+
+def test_a_bad_server_link_rate_is_refused_naming_its_flag():
+    with pytest.raises(ConfigError, match="--server-link 'slow' is not a tc rate"):
+        Link.parse("slow", "--server-link")
+
+
+@pytest.mark.timeout(60)
+def test_server_link_without_link_is_refused_naming_both_flags():
+    done = gradsync_run("--server-link", "100mbit", "--strategy", "ps", "--workers", "1", "x.py")
+    assert done.returncode == 2
+    assert ("gradsync: error: --server-link 100mbit needs --link too, the rate of the workers' links: "
+            "e.g. --link 1gbit --server-link 100mbit") in done.stderr
 
 
 def test_a_rate_below_8kbit_is_refused():
@@ -71,11 +90,12 @@ def test_gradsync_run_refuses_when_iproute2_is_missing(tmp_path):
 @needs_root
 def test_a_failed_setup_removes_what_it_created(monkeypatch):
     monkeypatch.setattr(Link, "tbf", lambda self: ["rate", "fast"])
+    net = Network(Link.parse("1gbit"), 2)
     with pytest.raises(ConfigError, match=r"--link: `tc -n gsnet\w+hub qdisc add dev port0 root tbf rate fast` "
                                           r"failed: .*run on such a machine, or without --link"):
-        with Network(Link.parse("1gbit"), 2):
+        with net:
             pass
-    _nothing_left()
+    _nothing_left(net.job)
 
 
 @needs_root
@@ -97,11 +117,23 @@ def test_ranks_reach_each_other_through_shaped_links_and_nothing_is_left():
         assert peer == "10.213.0.2" and conn.recv(100) == b"across the bridge"
         for s in (client, conn, server):
             s.close()
-        assert sorted(netem.leftovers()) == sorted([net.hub, *net.namespaces])
+        assert sorted(ns for ns in netem.leftovers() if ns.startswith(net.job)) == sorted([net.hub, *net.namespaces])
         assert netem.in_namespace(net.hub, lambda: netem.reachable(Network.address(1)))
         assert not netem.reachable(Network.address(1))  # from the root namespace: refused, nothing sent
         assert netem.reachable("127.0.0.1") and netem.reachable("10.1.2.3")
-    _nothing_left()
+    _nothing_left(net.job)
+
+
+@needs_root
+def test_servers_sit_behind_the_server_link_and_workers_behind_the_link():
+    with Network(Link.parse("1gbit"), 3, Link.parse("100mbit"), servers=1) as net:
+        for rank, rate in [(0, "100Mbit"), (1, "1Gbit"), (2, "1Gbit")]:
+            for ns, dev in [(net.namespaces[rank], netem.DEVICE), (net.hub, f"port{rank}")]:
+                shown = subprocess.run(["tc", "-n", ns, "qdisc", "show", "dev", dev], capture_output=True,
+                                       text=True, timeout=10, check=True).stdout
+                assert f"rate {rate} " in shown, (rank, shown)
+            assert net.environment(rank)[netem.LINK] == str(Link.parse(rate.lower()))
+    _nothing_left(net.job)
 
 
 _JOB = """import socket, sys
@@ -136,7 +168,7 @@ def test_gradsync_run_trains_over_the_emulated_network_with_the_grpc_transport(t
     lines = sorted(done.stdout.splitlines())
     assert [line.rsplit(" ", 1)[0] for line in lines] == ["0 ['lo', 'link0']", "1 ['lo', 'link0']"]
     assert [float(line.rsplit(" ", 1)[1]) for line in lines] == pytest.approx([expected] * 2, rel=1e-5)
-    _nothing_left()
+    _nothing_left(_job(done.stderr))
 
 
 @needs_root
@@ -157,18 +189,47 @@ def test_rpc_tensors_cross_the_link(tmp_path):
 
 @needs_root
 @pytest.mark.timeout(90)
+def test_a_slow_server_link_bounds_the_ps_step_from_below(tmp_path):
+    """Each step pushes every gradient into the server and brings the next weights back out of it, through
+    the server's 10mbit link: no step can be faster than those bytes at that rate (the workers' 1gbit
+    links would allow ten times faster)."""
+    script = tmp_path / "job.py"
+    script.write_text(_JOB.format(tests=TESTS, body="import time\ntorch.manual_seed(0)\n"
+                                  "model = torch.nn.Linear(1 << 14, jobs.OUT)\n"
+                                  "trainer = gradsync.Trainer(model, torch.optim.SGD, lr=0.01)\n"
+                                  "x, y = torch.randn(2, 1 << 14), torch.tensor([0, 1])\n"
+                                  "from torch.distributed import autograd as dist_autograd\n"
+                                  "for step in range(4):\n"
+                                  "    if step == 1: start = time.monotonic()\n"
+                                  "    with dist_autograd.context() as cid:\n"
+                                  "        dist_autograd.backward(cid, [torch.nn.functional.cross_entropy(trainer.model(x), y)])\n"
+                                  "        trainer.step(cid)\n"
+                                  "print(time.monotonic() - start)"))
+    done = gradsync_run("--link", "1gbit", "--server-link", "10mbit", "--strategy", "ps", "--workers", "1",
+                        str(script), timeout=80)
+    assert done.returncode == 0, done.stderr
+    assert "gradsync: ranks behind 1gbit links (servers behind 10mbit)" in done.stderr
+    model_bits = 8 * 4 * ((1 << 14) * jobs.OUT + jobs.OUT)
+    assert float(done.stdout) > 0.9 * 3 * 2 * model_bits / 10e6  # 3 steps, each the gradients in, weights out
+    _nothing_left(_job(done.stderr))
+
+
+@needs_root
+@pytest.mark.timeout(90)
 def test_nothing_is_left_after_a_failed_job(tmp_path):
     script = tmp_path / "broken.py"
     script.write_text(_JOB.format(tests=TESTS, body="raise ValueError('broken on purpose')"))
     done = gradsync_run("--link", "1gbit", "--strategy", "allreduce", "--workers", "2", str(script), timeout=80)
     assert done.returncode == 1
     assert "ValueError: broken on purpose" in done.stderr
-    _nothing_left()
+    _nothing_left(_job(done.stderr))
 
 
 @needs_root
 @pytest.mark.timeout(90)
-def test_nothing_is_left_after_sigterm_of_gradsync_run(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_nothing_is_left_after_a_signal_to_gradsync_run(sig, tmp_path):
+    """SIGTERM: the launcher removes its network. SIGKILL: it cannot; the next network on the machine does."""
     script = tmp_path / "forever.py"
     script.write_text(_JOB.format(tests=TESTS, body=f"open({str(tmp_path / 'up')!r}, 'w').close()\n"
                                   "jobs.train_mlp(10**6)"))
@@ -181,13 +242,18 @@ def test_nothing_is_left_after_sigterm_of_gradsync_run(tmp_path):
         while not (tmp_path / "up").exists():
             assert launcher.poll() is None and time.monotonic() < deadline, stderr.read_text()
             time.sleep(0.1)
-        assert len(netem.leftovers()) == 3  # the hub, the server's and the worker's namespaces
-        launcher.send_signal(signal.SIGTERM)
-        assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
+        job = _job(stderr.read_text())
+        ours = [ns for ns in netem.leftovers() if ns.startswith(job)]
+        assert len(ours) == 3  # the hub, the server's and the worker's namespaces
+        launcher.send_signal(sig)
+        assert launcher.wait(timeout=30) == (128 + sig if sig == signal.SIGTERM else -sig)
     finally:
         if launcher.poll() is None:
             launcher.kill()
-    _nothing_left()
+    if sig == signal.SIGKILL:
+        assert set(ours) <= set(netem.leftovers())
+        assert set(ours) <= set(netem.remove_abandoned())
+    _nothing_left(job)
 
 
 @needs_root

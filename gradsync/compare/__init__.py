@@ -13,10 +13,12 @@ import sys
 
 def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, strategies: list[str],
             servers: list[int], modes: list[str], compressions: list[str], timeout: float,
-            straggler: str | None = None, log_dir: str | None = None, link: str | None = None) -> str:
+            straggler: str | None = None, log_dir: str | None = None, link: str | None = None,
+            server_link: str | None = None) -> str:
     """Run the grid and write the report; returns report.md's path. `straggler` ('W:F'): worker W's
     compute takes F times as long in every run (`gradsync.straggler`). `log_dir`: TensorBoard scalars too,
-    one subdirectory per run. `link`: every run over an emulated network of this rate (`gradsync.netem`)."""
+    one subdirectory per run. `link`: every run over an emulated network of this rate (`gradsync.netem`);
+    `server_link`: the parameter servers behind links of this rate instead (a slow server link)."""
     from tqdm import tqdm
 
     from gradsync.compare.grid import grid
@@ -38,11 +40,12 @@ def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, 
         def progress(steps: int, bar=bar) -> None:
             bar.update(steps - bar.n)
 
-        runs.append(run(config, script, script_args, workers, out_dir, timeout, progress, log_dir, link))
+        runs.append(run(config, script, script_args, workers, out_dir, timeout, progress, log_dir,
+                        dict(link=link, server_link=server_link)))
         bar.close()
     plots = write_plots(runs, out_dir)
     meta = {"command": " ".join(["gradsync compare", script, *script_args]), "workers": workers,
-            "straggler": straggler, "link": link, "cores": os.cpu_count(),
+            "straggler": straggler, "link": link, "server_link": server_link, "cores": os.cpu_count(),
             "most_processes": max(workers + c.servers for c in configs)}
     _, md_path = write_report(meta, runs, plots, out_dir)
     print(table(runs))

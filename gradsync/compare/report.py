@@ -85,6 +85,9 @@ def _conditions(meta: dict) -> list[str]:
     out = []
     if meta.get("link"):
         out.append(f"Network: every rank behind an emulated {meta['link']} link (its own namespace, tc tbf).")
+    if meta.get("server_link"):
+        out.append(f"Slow server link: each parameter server behind {meta['server_link']} instead (allreduce "
+                   "runs have no servers: only the workers' links count there).")
     if meta.get("straggler"):
         worker, factor = meta["straggler"].split(":")
         out.append(f"Straggler: worker {worker}'s compute took {factor} times as long in every run.")

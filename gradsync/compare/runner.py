@@ -100,9 +100,10 @@ def read_log(path: str) -> list[dict]:
 
 
 def run(config: Config, script: str, script_args: list[str], workers: int, out_dir: str, timeout: float,
-        progress=None, board_dir: str | None = None, link: str | None = None) -> dict:
+        progress=None, board_dir: str | None = None, network: dict | None = None) -> dict:
     """Run `config` and return its measurements (or its error, when the job failed). `board_dir`: where
-    the workers also write TensorBoard scalars, one subdirectory per run."""
+    the workers also write TensorBoard scalars, one subdirectory per run; `network`: `link` and
+    `server_link` of `run_script`."""
     log_dir = os.path.join(out_dir, "runs", config.slug)
     job_dir = os.path.join(log_dir, "job")  # the job's run directory: the servers leave their final counters there
     shutil.rmtree(job_dir, ignore_errors=True)
@@ -118,8 +119,8 @@ def run(config: Config, script: str, script_args: list[str], workers: int, out_d
     sampler.start()
     started = time.time()
     try:
-        run_script(script, script_args, workers=workers, timeout=timeout, link=link, run_dir=job_dir,
-                   **config.settings())
+        run_script(script, script_args, workers=workers, timeout=timeout, run_dir=job_dir,
+                   **(network or {}), **config.settings())
         error = None
     except JobFailed as e:
         error = headline(str(e))
