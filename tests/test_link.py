@@ -1,4 +1,5 @@
 """`--link RATE`: ranks in their own network namespaces behind shaped links; nothing is left behind."""
+import json
 import os
 import re
 import signal
@@ -212,6 +213,39 @@ def test_a_slow_server_link_bounds_the_ps_step_from_below(tmp_path):
     model_bits = 8 * 4 * ((1 << 14) * jobs.OUT + jobs.OUT)
     assert float(done.stdout) > 0.9 * 3 * 2 * model_bits / 10e6  # 3 steps, each the gradients in, weights out
     _nothing_left(_job(done.stderr))
+
+
+_WIDE = """import sys
+import torch
+sys.path.insert(0, {tests!r})
+import gradsync, jobs
+gradsync.init()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(jobs.IN, 4096), torch.nn.Tanh(), torch.nn.Linear(4096, jobs.OUT))
+jobs.run_loop(gradsync.Trainer(model, torch.optim.SGD, lr=0.01), 6, log=True)
+gradsync.shutdown()
+"""
+
+
+@needs_root
+@pytest.mark.timeout(180)
+def test_compare_runs_the_slow_server_link_scenario(tmp_path):
+    """`compare --server-link`: every ps step carries the gradients into the server and the weights out of
+    it through the server's 10mbit link, so its median step cannot be shorter than those bytes at that rate."""
+    script = tmp_path / "wide.py"
+    script.write_text(_WIDE.format(tests=TESTS))
+    out = tmp_path / "report"
+    done = subprocess.run([sys.executable, "-m", "gradsync.cli", "compare", "--out", str(out), "--strategies",
+                           "allreduce,ps", "--servers", "1", "--modes", "sync", "--link", "1gbit", "--server-link",
+                           "10mbit", str(script)], capture_output=True, text=True, timeout=170)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    runs = {r["name"]: r for r in report["runs"]}
+    assert list(runs) == ["allreduce", "ps sync S=1"] and not any("error" in r for r in runs.values())
+    model_bits = 8 * 4 * (jobs.IN * 4096 + 4096 + 4096 * jobs.OUT + jobs.OUT)
+    assert runs["ps sync S=1"]["step_s"] > 0.9 * 2 * model_bits / 10e6
+    assert report["server_link"] == "10mbit" and report["link"] == "1gbit"
+    assert "Slow server link: each parameter server behind 10mbit" in (out / "report.md").read_text()
 
 
 @needs_root
