@@ -359,7 +359,7 @@ def launch(fn, *, strategy: str, workers: int, servers: int | None = None, mode:
                 proc.start()
                 ranks.append(_Rank(rank, proc))
             supervise(config, ranks, run_dir, store, timeout)
-            return [
+            return [  # fn's return values, any picklable object, from the job's own ranks through a 0700 directory
                 torch.load(os.path.join(run_dir, f"result-{rank}.pt"), weights_only=False)
                 for rank in range(config.servers, config.world_size)
             ]
