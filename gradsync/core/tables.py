@@ -56,15 +56,20 @@ def check_ids(name: str, ids: torch.Tensor, rows: int) -> None:
     """Refuse ids that are not integers in 0..rows-1, naming the table and the first bad id."""
     if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
         raise TypeError(f"table {name!r} was looked up with {ids.dtype} ids: pass an integer tensor (torch.long)")
-    if ids.numel() == 0:
-        return
-    low, high = ids.min().item(), ids.max().item()
-    if low < 0 or high >= rows:
-        bad = low if low < 0 else high
+    bad = out_of_range(ids, rows)
+    if bad is not None:
         raise IndexError(
             f"table {name!r} has rows 0..{rows - 1}, but a batch looked up id {bad}: fix the input ids "
             "(nothing was pulled or applied)"
         )
+
+
+def out_of_range(ids: torch.Tensor, rows: int) -> int | None:
+    """An id of `ids` outside 0..rows-1 (the lowest when one is negative, else the highest), or None."""
+    if ids.numel() == 0:
+        return None
+    low, high = int(ids.min()), int(ids.max())
+    return low if low < 0 else high if high >= rows else None
 
 
 def merge_rows(pushes: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,7 @@ import torch
 from gradsync.core.buckets import TensorSpec
 from gradsync.core.errors import GradientError
 from gradsync.core.row_optim import LazyRows
-from gradsync.core.tables import rows_on
+from gradsync.core.tables import out_of_range, rows_on
 
 
 @dataclasses.dataclass
@@ -61,17 +61,17 @@ class TableShard:
     def check_ids(self, ids, what: str, worker: int | str = "a client") -> None:
         if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1:
             raise GradientError(f"{worker}: {what} of table {self.spec.name!r} needs a 1-D int64 tensor of row ids")
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.rows):
-            raise GradientError(f"{worker}: {what} of table {self.spec.name!r} names local row "
-                                f"{int(ids.min()) if int(ids.min()) < 0 else int(ids.max())}, this server holds "
-                                f"0..{self.rows - 1}")
+        bad = out_of_range(ids, self.rows)
+        if bad is not None:
+            raise GradientError(f"{worker}: {what} of table {self.spec.name!r} names local row {bad}, this server "
+                                f"holds 0..{self.rows - 1}")
 
     def local(self, ids: torch.Tensor) -> torch.Tensor:
         """The local indices of global row ids that this server holds; raises GradientError naming an id
         that is out of the table or held by another server."""
         rows = self.spec.shape[0]
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= rows):
-            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+        bad = out_of_range(ids, rows)
+        if bad is not None:
             raise GradientError(f"table {self.spec.name!r} has rows 0..{rows - 1}, not {bad}")
         elsewhere = ids[ids % self.num_servers != self.server]
         if elsewhere.numel():
