@@ -23,7 +23,7 @@ import traceback
 import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 
-from gradsync import resume
+from gradsync import joins, resume
 from gradsync.config import ConfigError, JobConfig, StoreKeys, worker_name
 from gradsync.liveness import Heartbeat, die_with_launcher, parse_left
 from gradsync.transport.rpc import install, start_rpc, stop_rpc
@@ -39,7 +39,7 @@ class Cluster:
         self.store = store
         self.heartbeat = heartbeat
         self.has_process_group = False
-        self.steps = 0  # steps this worker has committed (Trainer.step), from the resumed step on
+        self.steps = 0  # steps this worker has committed (Trainer.step; allreduce: and answered after joining)
         self.resumed: resume.Found | None = None  # the checkpoint this job resumes from (--resume)
 
     def exit_now(self, text: str) -> None:
@@ -236,6 +236,7 @@ def _serve(cluster: Cluster, server) -> None:
     code = 0
     try:
         cluster.heartbeat.on_left(server.worker_left)
+        joins.serve(cluster.store, server, config.num_workers)
         endpoint = start_endpoint(server, cluster.store, config.step_timeout)
         if config.transport == "grpc":
             register_from_store(server, cluster.store, config)

@@ -258,6 +258,9 @@ class StoreKeys:
     GRPC_SPEC = "gradsync/grpc/spec/{}/{}"
     GRPC_REGISTERED = "gradsync/grpc/registered/{}"
     CHECKPOINT = "gradsync/checkpoint/{}/{}"  # step, worker: that worker wrote its state of that step
+    JOINS = "gradsync/joins"  # how many times a worker has joined (trainer.join()): numbers the events
+    JOINED = "gradsync/joined/{}"  # event number: the worker that joined
+    JOIN_DONE = "gradsync/join_done/{}/{}"  # round, shard: that server saw every worker join that round
 
 
 def default_servers(strategy: str) -> int:

@@ -1,10 +1,13 @@
 """Trainer: the one object a training loop uses, whichever strategy the job runs."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
 from gradsync import cluster, resume, scalars
+from gradsync.config import ConfigError
 from gradsync.core.row_optim import ROW_OPTIMIZERS
 from gradsync.straggler import Straggler
 
@@ -31,6 +34,8 @@ class Trainer:
     Attributes:
         start_step: the step to continue from: 0, or the step of the checkpoint the job resumed from
             (`--resume`); loop `for step in range(trainer.start_step, steps)`.
+
+    Uneven data (workers with different numbers of batches): train inside `with trainer.join():` (see `join`).
     """
 
     def __init__(self, model: nn.Module, optimizer_cls: type, *, find_unused_parameters: bool = False,
@@ -74,6 +79,7 @@ class Trainer:
             self._strategy = AllreduceStrategy(job, model, optimizer_cls, optimizer_kwargs,
                                                find_unused_parameters=find_unused_parameters)
         self._straggler = Straggler(job.config.worker_rank)
+        self._joining = False
         scalars.watch(self)
         self.start_step = 0 if job.resumed is None else resume.restore(job, self._strategy, job.resumed)
 
@@ -98,6 +104,47 @@ class Trainer:
         every = self._job.config.checkpoint_every
         if every and self._job.steps % every == 0:
             resume.save(self._job, self._strategy, self._model_description)
+
+    @contextlib.contextmanager
+    def join(self):
+        """A block in which workers may run out of data at different steps (the idea of
+        `torch.distributed.algorithms.Join`). Every worker must train inside it:
+
+            with trainer.join():
+                for x, y in my_batches:          # as many batches as this worker has
+                    with dist_autograd.context() as cid:
+                        ...
+                        trainer.step(cid)
+
+        A worker that leaves the block has joined: it takes no part in the steps the others still take, and
+        its exit from the block waits until every worker has joined, so all leave it with the same, final
+        state (a block per epoch is fine). Each step is the mean over the workers still active in it (sync
+        ps, allreduce and hybrid alike): a step with fewer workers gives each sample a larger weight, which
+        with equal-size batches is single-process training on the batches left. Allreduce: the joined
+        worker answers each later step's collectives with zeros and applies the same update, so it stays an
+        exact replica (optimizer state included). Async ps: nothing changes but the wait at the end; ssp:
+        no worker waits for a joined one, and pushes weigh 1 / the workers still active. BatchNorm
+        statistics are averaged over the active workers; integer buffers come from an active one.
+
+        Raises:
+            ConfigError: with --checkpoint-every (a checkpoint needs every worker at the same step).
+            RuntimeError: inside another join block; or on leaving the block, when a rank failed or fell
+                silent, or a worker left the job without joining (naming it).
+        """
+        config = self._job.config
+        if config.checkpoint_every:
+            raise ConfigError(
+                f"trainer.join() lets workers take different numbers of steps, and checkpoint_every="
+                f"{config.checkpoint_every} needs every worker at the same step: leave out --checkpoint-every, "
+                "or give every worker the same number of batches and train without trainer.join()")
+        if self._joining:
+            raise RuntimeError("trainer.join() is already open: leave that block before opening another")
+        self._joining = True
+        try:
+            with self._strategy.join():
+                yield
+        finally:
+            self._joining = False
 
     def server_stats(self) -> dict[int, dict]:
         """Every parameter server's counters by server index (version, pushes, staleness, bytes, and

@@ -28,6 +28,8 @@ def left_early_error(worker: int, steps: int, waiting: str) -> RuntimeError:
     return RuntimeError(
         f"worker {worker} left the job (its training function returned, or it called gradsync.shutdown) after "
         f"{steps} steps, and {waiting} waits for it: in sync training every worker must take the same number "
-        "of steps. Give every worker the same number of batches (e.g. DistributedSampler(..., drop_last=True), "
-        "or stop all workers at the smallest batch count), or use --mode async with the ps strategy"
+        "of steps. Train inside `with trainer.join():` on every worker (workers with fewer batches join and the "
+        "others go on), or give every worker the same number of batches (e.g. DistributedSampler(..., "
+        "drop_last=True), or stop all workers at the smallest batch count), or use --mode async with the ps "
+        "strategy"
     )

@@ -6,7 +6,10 @@ for int8 pushes; see `wire`), so the result is the same bit for bit whatever
 the arrival order. A bucket entry that no worker produced a gradient for is
 skipped by the optimizer; one that some workers did is averaged over all W
 (zeros from the others), which is what single-process training on the joint
-batch computes. `AsyncRule` applies each worker's gradient as it arrives and
+batch computes. Workers that ran out of data (`trainer.join()`, told through
+`gradsync.joins`) are not waited for: a step averages over the workers still
+active, which is single-process training on the batches left when batches are
+of equal size. `AsyncRule` applies each worker's gradient as it arrives and
 tracks staleness; `SSPRule` does too (scaled by 1/W) but holds a worker's reply
 while it is more than `staleness` steps ahead of the slowest worker. Each returns
 a `torch.futures.Future` that resolves to the
@@ -89,7 +92,7 @@ def _row_staleness(shard: ShardState, rows: dict) -> None:
 
 def _mean_rows(shard: ShardState, pending: list, workers: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Per table any worker pushed rows of: the unique rows and their gradients summed over the workers
-    (in worker order) and divided by all W (a row a worker did not look up counts zero)."""
+    (in worker order) and divided by the `workers` of the step (a row a worker did not look up counts zero)."""
     out = {}
     for name in shard.tables:
         pushes = [(p.rows[name][1], p.rows[name][2]) for p in pending if name in p.rows]
@@ -140,7 +143,7 @@ def _blame(shard: ShardState, means: list, per_worker: list[tuple[int, list, obj
 
 
 def _mean(shard: ShardState, b: int, pushes: list[tuple[object, object]], workers: int) -> torch.Tensor | None:
-    """Sum of the workers' (payload, wire) for bucket b divided by all W; None when no worker sent one."""
+    """Sum of the workers' (payload, wire) for bucket b divided by `workers`; None when no worker sent one."""
     pushes = [(p, w) for p, w in pushes if p is not None]
     if not pushes:
         return None
@@ -177,13 +180,14 @@ class _Push(NamedTuple):
 
 
 class SyncRule:
-    """Apply the mean of all W workers' gradients once per step."""
+    """Apply the mean of the gradients of all W workers, less those that joined, once per step."""
 
     def __init__(self, shard: ShardState, num_workers: int, nonfinite: str):
         self.shard = shard
         self.num_workers = num_workers
         self.nonfinite = nonfinite
         self._pending: dict[int, _Push] = {}
+        self._joined: set[int] = set()  # workers out of data this round (trainer.join())
         self._failure: Exception | None = None
 
     def commit(self, worker: int, pulled_version: int, grads: list, absent: list, buffers: dict,
@@ -203,20 +207,35 @@ class SyncRule:
                 return _done(error=e)
             fut: torch.futures.Future = torch.futures.Future()
             self._pending[worker] = _Push(worker, checked, absent, buffers, rows, wire, fut)
-            if len(self._pending) < self.num_workers:
-                return fut
-            pending = [self._pending[w] for w in sorted(self._pending)]
-            self._pending = {}
-            error = self._step(pending)
-            if error is not None and self.nonfinite == "raise":
-                self._failure = error
-            version = shard.version
-        for push in pending:
-            if error is not None and self.nonfinite == "raise":
-                push.fut.set_exception(error)
-            else:
-                push.fut.set_result(version)
+            done = self._complete()
+        _resolve(*done)
         return fut
+
+    def worker_joined(self, worker: int) -> None:
+        """`worker` has no more data this round (it left its `trainer.join()` block): later steps average over
+        the others, and a step that waited only for it is applied now. Once every worker has joined, all of
+        them are active again (the next round: another epoch)."""
+        with self.shard.lock:
+            self._joined.add(worker)
+            if len(self._joined) == self.num_workers:
+                self._joined = set()
+            done = self._complete()
+        _resolve(*done)
+
+    def _complete(self) -> tuple[list[_Push], GradientError | None, int]:
+        """When every active worker has pushed: apply the step; returns (the pushes to answer, the error that
+        fails them, the version to answer with). Call with the lock held."""
+        active = self.num_workers - len(self._joined)
+        if not self._pending or len(self._pending) < active:
+            return [], None, self.shard.version
+        pending = [self._pending[w] for w in sorted(self._pending)]
+        self._pending = {}
+        error = self._step(pending)
+        if error is not None and self.nonfinite == "raise":
+            self._failure = error
+        else:
+            error = None  # dropped under nonfinite='skip': the pushes are answered with the version
+        return pending, error, self.shard.version
 
     def worker_left(self, worker: int, steps: int) -> None:
         """`worker` left the job after `steps` steps: no later step can have all W workers, so the step that
@@ -232,9 +251,9 @@ class SyncRule:
     def _step(self, pending: list[_Push]) -> GradientError | None:
         """Average and apply one step; returns the non-finite error instead of applying (nothing changes)."""
         shard = self.shard
-        means = [_mean(shard, b, [(p.payloads[b], p.wire) for p in pending], self.num_workers)
+        means = [_mean(shard, b, [(p.payloads[b], p.wire) for p in pending], len(pending))
                  for b in range(len(shard.buckets))]
-        rows = _mean_rows(shard, pending, self.num_workers)
+        rows = _mean_rows(shard, pending, len(pending))
         error = None
         if first_nonfinite([m for m in means if m is not None]) is not None:
             error = _blame(shard, means, [(p.worker, p.payloads, p.wire) for p in pending])
@@ -245,6 +264,15 @@ class SyncRule:
         skipped = _skipped(shard, [(p.payloads, p.absent) for p in pending])
         shard.apply(means, skipped, mean_buffers([p.buffers for p in pending]), rows)
         return None
+
+
+def _resolve(pending: list[_Push], error: GradientError | None, version: int) -> None:
+    """Answer a sync step's pushes (outside the lock): the error, or the version after the step."""
+    for push in pending:
+        if error is not None:
+            push.fut.set_exception(error)
+        else:
+            push.fut.set_result(version)
 
 
 class AsyncRule:
@@ -286,18 +314,25 @@ class AsyncRule:
     def worker_left(self, worker: int, steps: int) -> None:
         """Nothing to do: an async step needs no other worker."""
 
+    def worker_joined(self, worker: int) -> None:
+        """Nothing to do: an async step needs no other worker."""
+
 
 class SSPRule(AsyncRule):
     """Stale synchronous parallel: each push is applied as it arrives, scaled by 1/W (W pushes make one
     step of the mean), but a worker's reply (and so its next step) waits until the slowest worker is at
     most `staleness` steps behind it, and resolves to the `Snapshot` it goes on from. staleness 0 is lock
-    step: with plain SGD, the parameters of sync training."""
+    step: with plain SGD, the parameters of sync training. Workers that joined (`trainer.join()`) are not
+    waited for, and the pushes applied after the server learns of a join are scaled by 1 / the workers still
+    active, as sync steps average over them."""
 
     def __init__(self, shard: ShardState, num_workers: int, nonfinite: str, staleness: int):
         super().__init__(shard, num_workers, nonfinite)
+        self.num_workers = num_workers
         self.scale = 1.0 / num_workers
         self.staleness = staleness
         self.clock = {w: 0 for w in range(num_workers)}  # pushes applied per worker still in the job
+        self._joined: set[int] = set()  # workers out of data this round
         self._waiting: list[tuple[int, torch.futures.Future]] = []  # (slowest clock it needs, reply)
 
     def commit(self, worker: int, pulled_version: int, grads: list, absent: list, buffers: dict,
@@ -334,6 +369,21 @@ class SSPRule(AsyncRule):
         """The slowest clock no longer counts `worker`: those who waited for it go on."""
         with self.shard.lock:
             self.clock.pop(worker, None)
+            ready, snapshot = self._release()
+        for waiting in ready:
+            waiting.set_result(snapshot)
+
+    def worker_joined(self, worker: int) -> None:
+        """`worker` has no more data this round: as if it left, and the others' pushes weigh 1 / those active;
+        once every worker has joined, all start the next round level, at 1 / W."""
+        with self.shard.lock:
+            self._joined.add(worker)
+            if len(self._joined) == self.num_workers:
+                self._joined = set()
+                self.clock = {w: 0 for w in range(self.num_workers)}
+            else:
+                self.clock.pop(worker, None)
+            self.scale = 1.0 / (self.num_workers - len(self._joined))
             ready, snapshot = self._release()
         for waiting in ready:
             waiting.set_result(snapshot)

@@ -151,6 +151,11 @@ class ParameterServer:
         if self.rule is not None:
             self.rule.worker_left(worker, steps)
 
+    def worker_joined(self, worker: int) -> None:
+        """`worker` ran out of data this round (`trainer.join()`, told by `gradsync.joins`)."""
+        if self.rule is not None:
+            self.rule.worker_joined(worker)
+
     def state(self) -> tuple[int, list[torch.Tensor], dict[str, torch.Tensor]]:
         """(version, bucket tensors, buffers, frozen parameters and this server's table rows by name): CPU
         copies at one version."""

@@ -25,12 +25,19 @@ then averages the used flags with the buffers and hands the optimizer
 `.grad = None` for a parameter no worker used, as single-process training
 does (no weight decay, no momentum). A parameter used by some workers gets
 the mean over all of them, zeros from the others, as DDP gives.
+
+Uneven data (`join`, `ddp_join`): in a join block each step counts the
+active workers first; a worker that ran out of data answers the others'
+collectives with zeros and applies the same averaged gradients. DDP divides
+by all W, so a step with fewer workers is rescaled by W / active: the mean
+over the active workers, as the parameter servers take it.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from typing import TYPE_CHECKING
 
@@ -45,6 +52,7 @@ from gradsync.core.errors import left_early_error, model_mismatch_error, nonfini
 from gradsync.core.finite import first_nonfinite
 from gradsync.cuda_ops import DEFAULT_BLOCK_SIZE
 from gradsync.core.buckets import ModelSpec
+from gradsync.worker import ddp_join
 from gradsync.worker.ddp_hooks import make_ddp_hook
 from gradsync.worker.metrics import StepMetrics
 from gradsync.worker.model_state import named_tensors, to_state_dict
@@ -152,6 +160,10 @@ class AllreduceStrategy:
         self.trainable = [p for p in params.values() if p.requires_grad]  # what DDP averages
         self.names = {p: n for n, p in params.items()}
         self.buffers = [b for b in buffers.values() if b.is_floating_point()]
+        self.counters = [b for b in buffers.values() if not b.is_floating_point()]  # num_batches_tracked
+        self.joining = False  # inside a join block: each step counts the active workers
+        self.active = config.num_workers  # workers in this step
+        self._shadowing = False  # joined: answering the others' steps
         self.find_unused = find_unused_parameters
         self._used: set[int] = set()  # ids of the parameters this step's forward passes used
         self._last_context: int | None = None
@@ -170,15 +182,18 @@ class AllreduceStrategy:
         self.metrics.pulled(0.0, 0)  # marks the start of the step
         if torch.is_grad_enabled() and current_context_id() is not None:
             self.started += 1
+            if self.joining:
+                self.active = ddp_join.count_active(True, self.trainable[0].device)
         out = self.ddp(*args, **kwargs)
         if self.find_unused and torch.is_grad_enabled():
             out = self._tie_unused(out)
         return out
 
     def _peer_left(self, worker: int, steps: int) -> None:
-        """Heartbeat thread: worker `worker` left after `steps` steps. When this worker has begun a later step,
-        that step's collectives can never complete, and its main thread waits in them out of reach: exit now."""
-        if self.started > steps:
+        """Heartbeat thread: worker `worker` left after `steps` steps. When this worker has begun a later step, or
+        has joined and answers the others' steps, those collectives can never complete, and its main thread
+        waits in them out of reach: exit now."""
+        if self._shadowing or self.started > steps:
             waiting = f"worker {self.worker} (in its step {self.started})"
             self.cluster.exit_now(str(left_early_error(worker, steps, waiting)))
 
@@ -219,11 +234,20 @@ class AllreduceStrategy:
                 "trainer.step(context_id)"
             )
         self._last_context = context_id
-        averaged = [grads.get(p) for p in self.trainable]
+        applied = self._apply([grads.get(p) for p in self.trainable], joined=False)
+        self.metrics.committed(start, self.wire_bytes, self.wire_bytes)
+        return applied
+
+    def _apply(self, averaged: list[torch.Tensor | None], joined: bool) -> bool:
+        """The rest of a step, the same on every worker, active or `joined`: the step's small collective,
+        then the optimizer on the averaged gradients, rescaled to the mean over the active workers."""
+        if self.active != self.config.num_workers:
+            scale = self.config.num_workers / self.active
+            averaged = [None if g is None else g * scale for g in averaged]
         suspect = first_nonfinite([g for g in averaged if g is not None]) is not None  # the same on every worker
         bad_workers, used = [], [True] * len(self.trainable)
         if suspect or self.find_unused or self.buffers:
-            bad_workers, used = self._sync()
+            bad_workers, used = self._sync(joined)
         self.local_nonfinite = False
         # the gradients stay in .grad until the next step, as in a plain PyTorch loop: freeing them at once
         # measured slower here (the floor in bench/overhead.py keeps them too)
@@ -233,24 +257,55 @@ class AllreduceStrategy:
         bad = first_nonfinite([p.grad for p in live]) if suspect else None
         if bad is None:
             self.optimizer.step()
-        self.metrics.committed(start, self.wire_bytes, self.wire_bytes)
         if bad is not None and self.config.nonfinite == "raise":
             raise nonfinite_error(self.names[live[bad]], bad_workers[0] if bad_workers else "unknown")
         return bad is None
 
-    def _sync(self) -> tuple[list[int], list[bool]]:
+    def _sync(self, joined: bool) -> tuple[list[int], list[bool]]:
         """The step's one collective (every worker must reach it): which workers saw a NaN/Inf in their
         own gradient, which parameters any worker used (with find_unused_parameters; else all), and
-        the mean of the floating buffers."""
+        the mean of the floating buffers over the active workers (a `joined` worker sends zeros)."""
         workers = self.config.num_workers
         used, self._used = self._used, set()
         marks = [id(p) in used for p in self.trainable] if self.find_unused else []
         flags = torch.tensor([0.0] * workers + marks, dtype=torch.float32)
         flags[self.worker] = float(self.local_nonfinite)
         with torch.no_grad():
-            _allreduce_mean([flags, *self.buffers], workers)
+            if joined:
+                for b in self.buffers:
+                    b.zero_()
+            _allreduce_mean([flags, *self.buffers], self.active)
         seen = flags.gt(0).tolist()
         return [w for w in range(workers) if seen[w]], seen[workers:] or [True] * len(self.trainable)
+
+    @contextlib.contextmanager
+    def join(self, joined: Callable[[], None] = lambda: None):
+        """`Trainer.join`: count the active workers at each step; on leaving the block, call `joined`, then
+        answer the others' steps until every worker has joined."""
+        self.joining = True
+        try:
+            yield
+            joined()
+            self._shadow_until_all_joined()
+        finally:
+            self.joining, self.active = False, self.config.num_workers
+
+    def _shadow_until_all_joined(self) -> None:
+        """Answer every step the other workers still take (`ddp_join`), applying the same update; then take
+        the integer buffers of a worker that was active to the end. Every worker must reach it."""
+        device, last = self.trainable[0].device, True
+        self._shadowing = True
+        try:
+            while (active := ddp_join.count_active(False, device)) > 0:
+                last, self.active = False, active
+                self.started += 1  # a step this worker takes part in: it counts, as the others' do
+                self.cluster.steps += 1
+                grads = ddp_join.shadow_buckets(self.ddp)
+                self._apply([grads.get(p) for p in self.trainable], joined=True)
+        finally:
+            self._shadowing = False
+        if self.counters:
+            ddp_join.broadcast_from_last(self.counters, last, device)
 
     def local_state(self) -> dict:
         """What a checkpoint keeps of this worker: the model's and the optimizer's state."""

@@ -9,9 +9,12 @@ dense step was dropped for a NaN/Inf under nonfinite='skip'; a NaN/Inf only in
 the rows is dropped by the servers, after the dense step). In sync mode the
 servers average the rows over all W workers, as single-process training on
 the joint batch does; in async mode they apply each worker's rows as they come.
+A worker that ran out of data (`join`) tells the servers first (so no row step
+waits for it), then answers the dense steps the others still take.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,6 +22,7 @@ import torch.distributed.autograd as dist_autograd
 from torch import nn
 
 from gradsync.core.buckets import ModelSpec
+from gradsync.joins import Joiner
 from gradsync.ps.server import make_setup
 from gradsync.transport.rpc import RpcTransport
 from gradsync.worker.allreduce_strategy import AllreduceStrategy
@@ -59,6 +63,7 @@ class HybridStrategy:
         self.metrics = self.dense.metrics
         self.tables.metrics = self.metrics
         self._versions = {s: 0 for s in self.servers}
+        self.joiner = Joiner(cluster, self.servers)
 
     def step(self, context_id: int) -> None:
         """Apply the dense optimizer to the averaged gradients and push the row gradients to the servers."""
@@ -70,6 +75,15 @@ class HybridStrategy:
         self._versions = {s: snap.version for s, snap in snapshots.items()}
         self.metrics.records[-1].bytes_sent += sum(ids.nbytes + g.nbytes for per in rows.values()
                                                    for _, ids, g in per.values())
+
+    @contextlib.contextmanager
+    def join(self):
+        """`Trainer.join`: allreduce's join for the dense layers, the servers told before it answers the others'
+        dense steps; then the servers' versions, for the next push."""
+        with self.dense.join(self.joiner.announce):
+            yield
+        self.joiner.wait()
+        self._versions = {s: snap.version for s, snap in self.transport.pull().items()}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         named = {s: named for s, (_, _, named) in self.transport.state().items()}

@@ -9,10 +9,12 @@ the gradients from the dist_autograd context, packs them into the bucket plan
 (with the entries that got no gradient listed), encodes them (`ps.wire`) and
 pushes them, one call per server; each reply carries the snapshot after the
 step, which the next forward uses without another pull. Frozen parameters
-(`requires_grad=False`) never travel after registration.
+(`requires_grad=False`) never travel after registration. A worker that ran
+out of data (`join`) tells the servers through the store (`gradsync.joins`).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import TYPE_CHECKING
 
@@ -24,6 +26,7 @@ from torch.func import functional_call
 from gradsync.core.buckets import (Bucket, ModelSpec, assign_tensors, by_server, join_pieces, may_split,
                                    plan_buckets)
 from gradsync.core.tables import find_tables
+from gradsync.joins import Joiner
 from gradsync.ps.server import make_setup
 from gradsync.ps.shard import Snapshot
 from gradsync.ps.wire import make_wire
@@ -95,6 +98,7 @@ class PSStrategy:
         self.owner = assign_tensors(self.spec.buffers + self.spec.frozen, config.servers)
         self.wire = make_wire(config.compression)
         self.transport = _transport(cluster, self.server_buckets)
+        self.joiner = Joiner(cluster, self.servers)
         self.tables.transport = self.transport
         self.frozen = self._register(params, buffers, optimizer_cls, optimizer_kwargs, table_setups, table_optimizer)
         for p in params.values():  # the servers own the values now; the local copies are never used
@@ -170,6 +174,15 @@ class PSStrategy:
         sent += sum(ids.nbytes + g.nbytes for per in rows.values() for _, ids, g in per.values())
         self._fresh = self.transport.push(pulled.versions, payloads, absent, buffers, rows)
         self.metrics.committed(start, sent, sum(s.nbytes for s in self._fresh.values()))
+
+    @contextlib.contextmanager
+    def join(self):
+        """`Trainer.join`: on leaving the block, tell the servers and wait for every worker to join; the next
+        forward pulls (the replies this worker holds are from before the others' last steps)."""
+        yield
+        self.joiner.announce()
+        self.joiner.wait()
+        self._fresh = self._last = None
 
     def _pulled_for(self, context_id: int) -> _Pulled:
         if self._last is not None and self._last[0] == context_id:

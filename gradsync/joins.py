@@ -1,0 +1,99 @@
+"""Joining under the parameter servers (`trainer.join()`): how a worker that ran out of data tells the servers.
+
+A worker that leaves its `trainer.join()` block appends an event to the rendezvous store (`JOINS` numbers
+them; `JOINED/<n>` names the worker), so every transport uses one path. On each server a thread waits on the
+store for the next event and tells the server's consistency rule at once: a sync step then averages over the
+workers still active. When a server has seen every worker join, the round is over: its rule makes every
+worker active again, and it marks the round done in the store (`JOIN_DONE/<round>/<shard>`). A joined worker
+waits for that mark from every server before it leaves the block, so every worker leaves it at the final
+state, and none can start a new round (the next epoch) on a server that still counts it as joined.
+
+The wait is bounded as the job's other waits are: it fails when another rank failed, when a rank has sent no
+heartbeat for step_timeout, or when a worker left the job without joining.
+"""
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from gradsync.config import StoreKeys, worker_name
+from gradsync.liveness import parse_left
+
+if TYPE_CHECKING:
+    from gradsync.cluster import Cluster
+    from gradsync.ps.server import ParameterServer
+
+_LISTEN = datetime.timedelta(hours=1)  # a server's listener waits as long as the job runs; this bounds each wait
+_POLL = 0.01  # seconds between a joined worker's looks at the store
+
+
+class Joiner:
+    """A worker's side: announce that it joined, and wait until every server has seen every worker join."""
+
+    def __init__(self, cluster: Cluster, servers: list[int]):
+        self.cluster = cluster
+        self.servers = servers
+        self.round = 0  # the join blocks this worker has left
+
+    def announce(self) -> None:
+        """Tell every server, through the store, that this worker has no more data this round."""
+        store = self.cluster.store
+        event = store.add(StoreKeys.JOINS, 1)
+        store.set(StoreKeys.JOINED.format(event), str(self.cluster.config.worker_rank))
+
+    def wait(self) -> None:
+        """Wait until every server has seen every worker join this round.
+
+        Raises:
+            RuntimeError: another rank failed, a rank fell silent for step_timeout, or a worker left the job
+                without joining (naming it).
+        """
+        cluster, config = self.cluster, self.cluster.config
+        store, watch = cluster.store, cluster.heartbeat.watch
+        keys = [StoreKeys.JOIN_DONE.format(self.round, s) for s in self.servers]
+        waiting = f"worker {config.worker_rank} waits in trainer.join() for the others to run out of data"
+        while not store.check(keys):
+            if store.check([StoreKeys.FAILED]):
+                raise RuntimeError(f"another rank failed while {waiting}: "
+                                   f"{store.get(StoreKeys.FAILED).decode()[:2000]}")
+            left = parse_left(store.get(StoreKeys.LEFT))
+            if left:
+                worker, steps = next(iter(left.items()))
+                raise RuntimeError(
+                    f"{worker_name(worker)} left the job after {steps} steps without joining, and {waiting}: "
+                    "with trainer.join(), every worker must train inside its `with trainer.join():` block")
+            silent = watch.silent(config.step_timeout)
+            if silent:
+                raise RuntimeError(f"{watch.describe(silent)} (step_timeout {config.step_timeout:.0f} s), and "
+                                   f"{waiting}: it is stopped, hung or dead")
+            time.sleep(_POLL)
+        self.round += 1
+
+
+def serve(store: dist.Store, server: ParameterServer, num_workers: int) -> None:
+    """On a server: tell `server` of every worker that joins, as it joins (a daemon thread of its own)."""
+    threading.Thread(target=_listen, args=(store.clone(), server, num_workers), name="gradsync-joins",
+                     daemon=True).start()
+
+
+def _listen(store: dist.Store, server: ParameterServer, num_workers: int) -> None:
+    event, rounds, joined = 1, 0, set()
+    while True:
+        key = StoreKeys.JOINED.format(event)
+        try:
+            store.wait([key], _LISTEN)
+            worker = int(store.get(key))
+        except dist.DistStoreError:  # no join within the wait: wait again
+            continue
+        except dist.DistError:  # the store is gone: the job is ending
+            return
+        event += 1
+        server.worker_joined(worker)
+        joined.add(worker)
+        if len(joined) == num_workers:
+            store.set(StoreKeys.JOIN_DONE.format(rounds, server.shard_id), "1")
+            rounds, joined = rounds + 1, set()
