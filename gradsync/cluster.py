@@ -23,7 +23,7 @@ import traceback
 import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 
-from gradsync import joins, resume
+from gradsync import joins, malloc, resume
 from gradsync.config import ConfigError, JobConfig, StoreKeys, worker_name
 from gradsync.liveness import Heartbeat, die_with_launcher, parse_left
 from gradsync.transport.rpc import install, start_rpc, stop_rpc
@@ -171,6 +171,7 @@ def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=
         _join_launched(_STATE.config, config)
         return
     die_with_launcher()
+    malloc.limit_arenas()  # before the heartbeat, RPC and gloo threads make arenas of their own
     _use_loopback_interfaces(config)
     store = connect_store(config)
     _STATE = Cluster(config, store, Heartbeat(store, config))

@@ -1,0 +1,80 @@
+"""gradsync.malloc: a rank keeps two malloc arenas however many of its threads allocate (glibc), so its heap
+stops growing under load (bench/soak.py measures the memory; these tests count arenas, not bytes)."""
+import ctypes
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+
+import pytest
+
+import gradsync
+from gradsync import malloc
+
+pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc arenas are glibc's")
+
+THREADS = 8
+
+
+def arenas_in_use(threads: int = THREADS) -> int:
+    """The arenas of this process after `threads` threads, all alive at once, each allocated (a thread's
+    first allocation takes an arena of its own while glibc's limit allows)."""
+    barrier = threading.Barrier(threads + 1, timeout=10)
+
+    def allocate():
+        block = bytearray(1 << 16)
+        barrier.wait()
+        barrier.wait()
+        del block
+
+    started = [threading.Thread(target=allocate) for _ in range(threads)]
+    for t in started:
+        t.start()
+    barrier.wait()
+    try:
+        return _count_arenas()
+    finally:
+        barrier.wait()
+        for t in started:
+            t.join(timeout=10)
+
+
+def _count_arenas() -> int:
+    libc = ctypes.CDLL(None)
+    libc.fopen.restype, libc.fopen.argtypes = ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_char_p]
+    libc.malloc_info.argtypes, libc.fclose.argtypes = [ctypes.c_int, ctypes.c_void_p], [ctypes.c_void_p]
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "malloc_info.xml")
+        stream = libc.fopen(path.encode(), b"w")
+        libc.malloc_info(0, stream)
+        libc.fclose(stream)
+        with open(path) as f:
+            return f.read().count("<heap nr=")
+
+
+def _arenas_in_fresh_process(limit: bool, env: dict | None = None) -> tuple[bool, int]:
+    code = ("import test_malloc; from gradsync import malloc; "
+            f"print({'malloc.limit_arenas()' if limit else 'False'}, test_malloc.arenas_in_use())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True,
+                         cwd=os.path.dirname(__file__), env={**os.environ, **(env or {})}).stdout.split()
+    return out[0] == "True", int(out[1])
+
+
+def test_limit_arenas_keeps_two_where_glibc_would_give_each_thread_its_own():
+    assert _arenas_in_fresh_process(limit=False, env={"MALLOC_ARENA_MAX": "64"})[1] > malloc.ARENAS
+    assert _arenas_in_fresh_process(limit=True) == (True, malloc.ARENAS)
+
+
+def test_a_users_malloc_arena_max_is_left_alone():
+    assert _arenas_in_fresh_process(limit=True, env={"MALLOC_ARENA_MAX": "4"}) == (False, 4)
+
+
+def arenas_of_a_worker() -> int:
+    return arenas_in_use()
+
+
+@pytest.mark.timeout(60)
+def test_every_rank_limits_its_arenas_when_it_joins_the_job():
+    assert gradsync.launch(arenas_of_a_worker, strategy="ps", workers=1, timeout=50) == [malloc.ARENAS]
