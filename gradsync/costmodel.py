@@ -5,28 +5,46 @@ per message (latency). A step is compute followed by communication, with no over
 
     step_s = compute_s_per_sample * batch + s_per_byte * bytes + latency_s * messages
 
-where `bytes` is what the busiest link carries in one direction per step (links are full duplex: what a
-node sends and what it receives move at once) and `messages` the sequential exchanges on the critical
-path (`traffic`). With e gradient elements of c bytes each on the wire (`wire_bytes`: fp32 4, fp16/bf16 2;
-int8 1 plus a 4-byte scale per DEFAULT_BLOCK_SIZE elements) and W workers:
+where `bytes` is what the busiest link carries in the sequential phases of a step (links are full duplex:
+within a phase what a node sends and what it receives move at once, but a phase waits for the one before)
+and `messages` the sequential exchanges on the critical path (`traffic`). With e gradient elements of c bytes
+each on the wire (`wire_bytes`: fp32 4, fp16/bf16 2; int8 1 plus a 4-byte scale per DEFAULT_BLOCK_SIZE
+elements) and W workers:
 
-- allreduce (ring): 2 (W-1)/W e c bytes, 2 (W-1) messages; int8 is an all-gather (as gradsync does it):
-  (W-1) e c bytes, W-1 messages. Embedding tables are dense parameters here: e counts them.
-- ps, S servers: each worker pulls 4 e bytes of fp32 weights and pushes e c of gradients, plus its rows
-  (`row_bytes` each way); a server's link carries W / S of that: max(W / S, 1) (4 e + row_bytes) bytes
-  (the pull direction: the push is never larger; 2 W N / S bytes in all for N model bytes, half each
-  way), 2 messages. Compression shrinks the push only, so on a full-duplex link it does not shorten a
-  ps step.
-- hybrid: the dense part as allreduce, plus the rows through the servers: max(W / S, 1) row_bytes,
-  2 more messages.
+- allreduce (ring): reduce-scatter then all-gather, (W-1)/W e c bytes each: 2 (W-1)/W e c bytes,
+  2 (W-1) messages; int8 is an all-gather (as gradsync does it): (W-1) e c bytes, W-1 messages. Embedding
+  tables are dense parameters here: e counts them.
+- ps, S servers: a worker pushes e c bytes of gradients, and in sync mode a server replies with the 4 e
+  bytes of fp32 weights only once all W pushes are in, so the push and the reply are sequential phases;
+  with tables a worker first pulls its rows (`row_bytes`, in the forward) and pushes as much back. A
+  server's link carries W / S of every phase: max(W / S, 1) (e c + 4 e + 2 row_bytes) bytes, 2 messages
+  (4 with rows). Measured at 100mbit (bench/costmodel_link.py), one server, W = 2, 8.4 MB of fp32: 2.7 -
+  2.9 s per step, where overlapped push and reply would take 1.4 s and sequential ones 2.8 s. Compression
+  shrinks the push phase.
+- hybrid: the dense part as allreduce, plus the row pull and the row push through the servers:
+  2 max(W / S, 1) row_bytes, 4 more messages.
 - async ps (no barrier): a worker's step is the larger of its own compute + exchange (its link carries
-  4 e + row_bytes, 2 messages) and its share of the servers' link time; throughput per worker.
+  e c + 4 e + 2 row_bytes, 2 or 4 messages) and its share of the servers' link time, max(W / S, 1)
+  (4 e + row_bytes): without a barrier one worker's push overlaps another's reply. Throughput per worker.
 
 `fit` refuses async runs (the max makes the model non-linear): fit on sync runs, then predict async.
+
+Runs that all exchanged the same number of messages m (a `gradsync compare` at one W, unless hybrid or
+tables add exchanges) measure m x latency, not how it grows with the messages: `latency_per_step` turns it into a fixed cost
+per step (`Fit.step_overhead_s`), which a ring's 2 (W-1) messages do not multiply. Behind an emulated
+100mbit link it came out at 36 - 62 ms per message (bench/costmodel_link.py, three sessions), far above
+any network latency: it is software and link-shaping overhead per step, and taken per message it
+over-predicted allreduce at W = 4 by up to 22%, per step it was within 6%.
+
+Time-sliced runs: W workers (one thread each) that compute at once on a machine of C < W cores take W / C
+times as long (`contention`). A run measured that way says so (`Run.cores`) and the fit divides it out, so
+the fitted compute is a worker's own; `Fit.step_s(..., cores=C)` predicts such a machine again, without
+`cores` a machine per worker.
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 
@@ -36,6 +54,7 @@ STRATEGIES = ("allreduce", "ps", "hybrid")
 MODES = ("sync", "async")
 ITEMSIZE = {"none": 4, "fp16": 2, "bf16": 2, "int8": 1}
 FP32 = 4
+PARAMETERS = ("compute per sample", "cost per byte", "latency per message")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +91,8 @@ class Config:
 @dataclasses.dataclass(frozen=True)
 class Run:
     """One measured job: its config, W, the link (bytes/s; None for loopback), the median step seconds
-    and, where known, its compute / communication split and the bytes a worker sent + received per step."""
+    and, where known, its compute / communication split, the bytes a worker sent + received per step, and
+    the cores its workers shared (None: a machine, or enough cores, per worker)."""
 
     config: Config
     workers: int
@@ -81,6 +101,7 @@ class Run:
     compute_s: float | None = None
     comm_s: float | None = None
     bytes_per_step: float | None = None
+    cores: int | None = None
 
     def __post_init__(self):
         if self.workers < 1 or not self.step_s > 0:
@@ -102,6 +123,12 @@ def wire_bytes(elements: int, compression: str) -> int:
     return elements * ITEMSIZE[compression]
 
 
+def contention(workers: int, cores: int | None) -> float:
+    """How many times longer a worker's compute takes when W workers compute at once on `cores` cores
+    (one thread each): W / cores above one worker per core, else 1; None: a machine per worker."""
+    return max(1.0, workers / cores) if cores else 1.0
+
+
 def _allreduce(elements: int, workers: int, compression: str) -> tuple[float, int]:
     if compression == "int8":
         return (workers - 1) * wire_bytes(elements, compression), workers - 1
@@ -116,35 +143,50 @@ def traffic(config: Config, workers: int) -> tuple[float, int]:
     if config.strategy == "allreduce":
         return _allreduce(config.dense + config.tables, workers, config.compression)
     if config.strategy == "ps":
-        return share * (FP32 * config.dense + config.row_bytes), 2
+        return share * _ps_exchange(config), _ps_messages(config)
     dense_bytes, messages = _allreduce(config.dense, workers, config.compression)
-    return dense_bytes + share * config.row_bytes, messages + 2
+    return dense_bytes + 2 * share * config.row_bytes, messages + 4
+
+
+def _ps_exchange(config: Config) -> int:
+    """Bytes one ps worker moves per step, phase after phase: rows in, gradients out, weights in."""
+    return wire_bytes(config.dense, config.compression) + FP32 * config.dense + 2 * config.row_bytes
+
+
+def _ps_messages(config: Config) -> int:
+    return 4 if config.row_bytes else 2
 
 
 @dataclasses.dataclass(frozen=True)
 class Fit:
-    """Fitted parameters, and the fitted runs' relative errors (predicted / measured - 1)."""
+    """Fitted parameters, the fitted runs' relative errors (predicted / measured - 1), the parameters
+    the fit held at zero (`PARAMETERS` names; a negative value would have fitted better), and a fixed
+    cost per step (`latency_per_step`)."""
 
     compute_s_per_sample: float
     s_per_byte: float
     latency_s: float
     runs: tuple[Run, ...]
     residuals: tuple[float, ...]
+    pinned: tuple[str, ...] = ()
+    step_overhead_s: float = 0.0
 
     @property
     def max_rel_error(self) -> float:
         return max(abs(r) for r in self.residuals)
 
-    def step_s(self, config: Config, workers: int, link: float | None = None) -> float:
-        """Predicted seconds per step of one worker; `link` (bytes/s) replaces the fitted per-byte cost."""
+    def step_s(self, config: Config, workers: int, link: float | None = None, cores: int | None = None) -> float:
+        """Predicted seconds per step of one worker; `link` (bytes/s) replaces the fitted per-byte cost;
+        `cores`: the W workers share that many cores (`contention`)."""
         s_per_byte = self.s_per_byte if link is None else 1 / link
-        compute = self.compute_s_per_sample * config.batch
+        compute = self.compute_s_per_sample * config.batch * contention(workers, cores)
         if config.mode == "async":
-            server_bytes, _ = traffic(config, workers)
-            own = compute + s_per_byte * (FP32 * config.dense + config.row_bytes) + 2 * self.latency_s
-            return max(own, s_per_byte * server_bytes)
+            own = (compute + s_per_byte * _ps_exchange(config) + self.latency_s * _ps_messages(config)
+                   + self.step_overhead_s)
+            share = max(workers / config.servers, 1)
+            return max(own, s_per_byte * share * (FP32 * config.dense + config.row_bytes))
         nbytes, messages = traffic(config, workers)
-        return compute + s_per_byte * nbytes + self.latency_s * messages
+        return compute + s_per_byte * nbytes + self.latency_s * messages + self.step_overhead_s
 
     def throughput(self, config: Config, workers: int, link: float | None = None) -> float:
         """Predicted samples per second of all W workers together."""
@@ -152,7 +194,8 @@ class Fit:
 
 
 def fit(runs: list[Run]) -> Fit:
-    """Least squares on relative errors: every run's step time, and its compute time where measured."""
+    """Least squares on relative errors, every parameter >= 0 (a negative cost would predict negative
+    step times): every run's step time, and its compute time where measured."""
     if not runs:
         raise ValueError("no runs to fit: measure at least 3 sync runs")
     if any(r.config.mode != "sync" for r in runs):
@@ -161,13 +204,13 @@ def fit(runs: list[Run]) -> Fit:
     links = {r.link for r in runs}
     if len(links) > 1:
         raise ValueError(f"runs on links {sorted(links, key=str)}: fit the runs of one link at a time")
-    steps = [[r.config.batch, *traffic(r.config, r.workers)] for r in runs]
+    steps = [[r.config.batch * contention(r.workers, r.cores), *traffic(r.config, r.workers)] for r in runs]
     rows, targets = [], []
     for r, step in zip(runs, steps):
         rows.append(step)
         targets.append(r.step_s)
         if r.compute_s:  # a zero compute split is no measurement
-            rows.append([r.config.batch, 0, 0])
+            rows.append([step[0], 0, 0])
             targets.append(r.compute_s)
     design, measured = np.array(rows, dtype=float), np.array(targets, dtype=float)
     weighted = design / measured[:, None]
@@ -178,20 +221,65 @@ def fit(runs: list[Run]) -> Fit:
             "these runs cannot separate compute per sample, cost per byte and latency per message "
             f"(strategy, W, link bytes seen: {seen}): add runs that vary the batch, the bytes (model size "
             "or strategy) and the messages (W, or allreduce next to ps) independently")
-    params = np.linalg.lstsq(weighted / scale, np.ones(len(measured)), rcond=None)[0] / scale
+    params = _nonnegative_lstsq(weighted / scale, np.ones(len(measured))) / scale
     residuals = tuple(float(np.dot(params, step)) / r.step_s - 1 for step, r in zip(steps, runs))
-    return Fit(*map(float, params), runs=tuple(runs), residuals=residuals)
+    pinned = tuple(name for name, value in zip(PARAMETERS, params) if value == 0)
+    return Fit(*map(float, params), runs=tuple(runs), residuals=residuals, pinned=pinned)
+
+
+def _nonnegative_lstsq(design: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """Least squares with every parameter >= 0: the best of the plain solutions with some parameters held at
+    zero (exact for so few parameters; all free first, so a non-negative plain solution is kept as it is)."""
+    best, best_cost = None, np.inf
+    for free in itertools.product((True, False), repeat=design.shape[1]):
+        if not any(free):
+            continue
+        params = np.zeros(design.shape[1])
+        params[list(free)] = np.linalg.lstsq(design[:, list(free)], target, rcond=None)[0]
+        cost = float(np.sum((design @ params - target) ** 2))
+        if np.all(params >= 0) and cost < best_cost:
+            best, best_cost = params, cost
+    return best
+
+
+def latency_per_step(fit: Fit) -> Fit:
+    """`fit` with its latency as a fixed cost per step, for runs that all exchanged the same number of
+    messages m: they measure m x latency, not its growth with the messages. Raises ValueError when their
+    message counts differ (then the latency was measured per message)."""
+    counts = {traffic(r.config, r.workers)[1] for r in fit.runs}
+    if len(counts) != 1:
+        raise ValueError(f"the fitted runs exchanged {sorted(counts)} messages per step: their latency is "
+                         "measured per message, keep it there")
+    fixed = fit.step_overhead_s + fit.latency_s * counts.pop()
+    return dataclasses.replace(fit, latency_s=0.0, step_overhead_s=fixed)
 
 
 def crossover(fit: Fit, first: Config, second: Config, link: float | None = None,
-              max_workers: int = 1024) -> int | None:
-    """The smallest W in 3..max_workers where the faster of the two (in samples/s) is not the one faster
-    at W = 2; None if the same one leads throughout."""
+              max_workers: int = 1024, min_workers: int = 2) -> int | None:
+    """The smallest W in min_workers + 1..max_workers where the faster of the two (in samples/s) is not the
+    one faster at W = min_workers; None if the same one leads throughout."""
     def ahead(w: int) -> bool:
         return fit.throughput(first, w, link) > fit.throughput(second, w, link)
 
-    lead = ahead(2)
-    return next((w for w in range(3, max_workers + 1) if ahead(w) != lead), None)
+    lead = ahead(min_workers)
+    return next((w for w in range(min_workers + 1, max_workers + 1) if ahead(w) != lead), None)
+
+
+def link_crossover(fit: Fit, first: Config, second: Config, workers: int) -> float | None:
+    """The link rate (bytes/s) at which the faster of two sync configs at W = `workers` changes (one leads
+    on faster links, the other on slower); None when the same one leads at every rate. Throughputs
+    W b1 / (a1 + s n1) and W b2 / (a2 + s n2) at s seconds per byte are equal at one s at most:
+    s = (b2 a1 - b1 a2) / (b1 n2 - b2 n1)."""
+    if "async" in (first.mode, second.mode):
+        raise ValueError("link_crossover compares sync configs: an async step is a max, not linear in the link")
+    (n1, m1), (n2, m2) = traffic(first, workers), traffic(second, workers)
+    a1 = fit.compute_s_per_sample * first.batch + fit.latency_s * m1 + fit.step_overhead_s
+    a2 = fit.compute_s_per_sample * second.batch + fit.latency_s * m2 + fit.step_overhead_s
+    slope = first.batch * n2 - second.batch * n1
+    if slope == 0:
+        return None
+    s_per_byte = (second.batch * a1 - first.batch * a2) / slope
+    return 1 / s_per_byte if s_per_byte > 0 else None
 
 
 def table_crossover(fit: Fit, first: Config, second: Config, workers: int, link: float | None = None,
@@ -215,19 +303,23 @@ def table_crossover(fit: Fit, first: Config, second: Config, workers: int, link:
 
 def confidence(fit: Fit) -> str:
     """One sentence on how far the fit can be trusted, from its residuals and the signs of its parameters."""
-    if len(fit.runs) <= 3:
-        text = (f"The fit is exactly determined by {len(fit.runs)} runs: there is no residual to judge it by, "
-                "so confidence is unknown.")
+    measurements = len(fit.runs) + sum(1 for r in fit.runs if r.compute_s)
+    if measurements <= 3:
+        text = (f"The fit is exactly determined by {measurements} measurements ({len(fit.runs)} runs' step times, "
+                f"{measurements - len(fit.runs)} compute splits): there is no residual to judge it by, so "
+                "confidence is unknown.")
     else:
         worst = fit.max_rel_error
         grade = "high" if worst < 0.1 else "moderate" if worst < 0.3 else "low"
         text = (f"Confidence is {grade}: the model reproduces its {len(fit.runs)} fitted runs within "
                 f"{worst:.0%} (max relative error).")
-    params = {"compute per sample": fit.compute_s_per_sample, "cost per byte": fit.s_per_byte,
-              "latency per message": fit.latency_s}
-    negative = [name for name, value in params.items() if value < 0]
+    values = (fit.compute_s_per_sample, fit.s_per_byte, fit.latency_s)
+    negative = [name for name, value in zip(PARAMETERS, values) if value < 0]
     if negative:
         text += f" The fitted {' and '.join(negative)} came out negative, so the model does not describe these runs."
+    if fit.pinned:
+        text += (f" The fit held the {' and '.join(fit.pinned)} at zero (a negative value fitted these runs "
+                 "better), so the model describes them only roughly.")
     workers = sorted({r.workers for r in fit.runs})
     return text + f" Fitted at W = {', '.join(map(str, workers))}; anything else is an extrapolation."
 

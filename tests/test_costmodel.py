@@ -2,7 +2,8 @@
 import numpy as np
 import pytest
 
-from gradsync.costmodel import Config, Fit, Run, crossover, fit, table_crossover, traffic, verdict, wire_bytes
+from gradsync.costmodel import (Config, Fit, Run, contention, crossover, fit, latency_per_step, link_crossover,
+                                table_crossover, traffic, verdict, wire_bytes)
 
 TRUE = Fit(compute_s_per_sample=1e-3, s_per_byte=1e-8, latency_s=1e-4, runs=(), residuals=())
 
@@ -35,12 +36,14 @@ def test_traffic_formulas():
     assert traffic(Config("allreduce", 1, dense=1000, tables=1000), 2) == (8000, 2)
     assert traffic(Config("allreduce", 1, dense=1000, compression="int8"), 4) == (3 * 1016, 3)  # all-gather
     assert traffic(Config("allreduce", 1, dense=1000), 1) == (0, 0)
-    assert traffic(Config("ps", 1, dense=1000, row_bytes=500, servers=2), 8) == (4 * 4500, 2)
-    assert traffic(Config("ps", 1, dense=1000, row_bytes=500, servers=16), 8) == (4500, 2)
-    assert traffic(Config("ps", 1, dense=1000, servers=1, compression="int8"), 8) == (8 * 4000, 2)
-    assert traffic(Config("hybrid", 1, dense=1000, row_bytes=500, servers=2), 4) == (6000 + 2 * 500, 8)
+    # ps: rows in, gradients out, then (after all W pushes) weights in: sequential phases
+    assert traffic(Config("ps", 1, dense=1000, row_bytes=500, servers=2), 8) == (4 * (4000 + 4000 + 1000), 4)
+    assert traffic(Config("ps", 1, dense=1000, row_bytes=500, servers=16), 8) == (9000, 4)
+    assert traffic(Config("ps", 1, dense=1000, servers=1), 2) == (2 * 8000, 2)
+    assert traffic(Config("ps", 1, dense=1000, servers=1, compression="int8"), 8) == (8 * (1016 + 4000), 2)
+    assert traffic(Config("hybrid", 1, dense=1000, row_bytes=500, servers=2), 4) == (6000 + 2 * 2 * 500, 10)
     assert traffic(Config("hybrid", 1, dense=1000, row_bytes=500, servers=2, compression="int8"), 4) == (
-        3 * 1016 + 2 * 500, 5)
+        3 * 1016 + 2 * 2 * 500, 7)
 
 
 def test_step_time():
@@ -52,8 +55,8 @@ def test_step_time():
 
 def test_async_is_the_slower_of_worker_and_server():
     config = Config("ps", 32, dense=1000, servers=1, mode="async")
-    assert TRUE.step_s(config, 8) == pytest.approx(0.032 + 4000e-8 + 2e-4, rel=1e-12)  # worker-bound
-    assert TRUE.step_s(config, 8, link=1e3) == pytest.approx(8 * 4000 / 1e3, rel=1e-12)  # server-bound
+    assert TRUE.step_s(config, 8) == pytest.approx(0.032 + 8000e-8 + 2e-4, rel=1e-12)  # worker-bound: push, reply
+    assert TRUE.step_s(config, 8, link=1e3) == pytest.approx(8 * 4000 / 1e3, rel=1e-12)  # server-bound: overlapped
 
 
 def test_fit_recovers_exact_parameters():
@@ -106,10 +109,10 @@ def test_run_from_metrics_summary():
     assert (run.step_s, run.compute_s, run.comm_s, run.bytes_per_step) == (0.5, 0.3, pytest.approx(0.2), 12)
 
 
-# 1 GB/s, no latency: allreduce of 1e6 table elements moves 8e6 (W-1)/W bytes, ps W x 1e6 bytes of rows:
-# ps is faster up to W = 6 (6e6 < 6.67e6); at W = 7 allreduce is (6.86e6 < 7e6).
+# 1 GB/s, no latency: allreduce of 1e6 table elements moves 8e6 (W-1)/W bytes, ps W x 1e6 bytes of rows
+# (0.5e6 pulled, 0.5e6 pushed): ps is faster up to W = 6 (6e6 < 6.67e6); at W = 7 allreduce is (6.86e6 < 7e6).
 RING = Config("allreduce", 10, dense=0, tables=1_000_000)
-PS = Config("ps", 10, dense=0, row_bytes=1_000_000, servers=1)
+PS = Config("ps", 10, dense=0, row_bytes=500_000, servers=1)
 LINE = Fit(compute_s_per_sample=1e-3, s_per_byte=0.0, latency_s=0.0, runs=(), residuals=())
 
 
@@ -140,7 +143,58 @@ def test_verdict():
 
 
 def test_confidence_flags_exact_and_negative_fits():
-    runs = tuple(synthetic_runs()[:3])
+    runs = tuple(synthetic_runs()[i] for i in (0, 2, 3))  # allreduce, hybrid, allreduce: no compute split
     text = verdict(Fit(1e-3, -1e-9, 0.0, runs=runs, residuals=(0.0,) * 3), {"a": RING, "b": PS}, workers=4)
-    assert "exactly determined by 3 runs" in text
+    assert "exactly determined by 3 measurements (3 runs' step times, 0 compute splits)" in text
     assert "cost per byte came out negative" in text
+
+
+def test_link_crossover():
+    # W = 4: allreduce 6000 bytes, 6 messages; ps with 4 servers 8000 bytes, 2 messages. Constant parts
+    # 0.0106 and 0.0102 s: equal at 2e-7 s per byte (4e-4 / 2000), a 5 MB/s link
+    ring, ps = Config("allreduce", 10, dense=1000), Config("ps", 10, dense=1000, servers=4)
+    assert link_crossover(TRUE, ring, ps, 4) == pytest.approx(5e6, rel=1e-9)
+    assert link_crossover(TRUE, ps, ring, 4) == pytest.approx(5e6, rel=1e-9)
+    assert TRUE.throughput(ps, 4, link=1e7) > TRUE.throughput(ring, 4, link=1e7)  # ps on faster links
+    assert TRUE.throughput(ring, 4, link=1e6) > TRUE.throughput(ps, 4, link=1e6)
+    assert link_crossover(TRUE, ring, Config("allreduce", 10, dense=2000), 4) is None  # ring leads at any rate
+    with pytest.raises(ValueError, match="sync configs"):
+        link_crossover(TRUE, ring, Config("ps", 10, dense=1000, servers=1, mode="async"), 4)
+
+
+def test_fit_holds_a_negative_parameter_at_zero():
+    # runs made with a negative latency: a plain least-squares fit would return it and predict negative steps
+    made = Fit(compute_s_per_sample=1e-3, s_per_byte=1e-8, latency_s=-2e-4, runs=(), residuals=())
+    runs = [Run(config, w, made.step_s(config, w)) for config in (Config("allreduce", 16, dense=100_000),
+                                                                  Config("ps", 64, dense=50_000, servers=1))
+            for w in (2, 4, 8)]
+    got = fit(runs)
+    assert got.latency_s == 0 and got.pinned == ("latency per message",)
+    assert got.compute_s_per_sample > 0 and got.s_per_byte > 0
+    assert "held the latency per message at zero" in verdict(got, {"a": RING, "b": PS}, workers=4)
+    assert fit(synthetic_runs()).pinned == ()
+
+
+def test_fit_divides_out_time_sliced_compute():
+    # W workers on 2 cores: compute takes W / 2 times as long from W = 3 on; the fit recovers a worker's own
+    runs = []
+    for run in synthetic_runs():
+        config, w = run.config, run.workers
+        compute = TRUE.compute_s_per_sample * config.batch * contention(w, 2) if run.compute_s else None
+        runs.append(Run(config, w, TRUE.step_s(config, w, cores=2), compute_s=compute, cores=2))
+    got = fit(runs)
+    assert got.compute_s_per_sample == pytest.approx(TRUE.compute_s_per_sample, rel=1e-9)
+    assert got.max_rel_error < 1e-9
+    assert contention(8, 2) == 4 and contention(2, 2) == contention(8, None) == 1
+    config = Config("allreduce", 32, dense=1000)
+    assert TRUE.step_s(config, 8, cores=2) - TRUE.step_s(config, 8) == pytest.approx(3 * 0.032, rel=1e-9)
+
+
+def test_latency_per_step_is_the_same_fit_with_a_fixed_cost_that_w_does_not_multiply():
+    one_w = tuple(Run(c, 2, TRUE.step_s(c, 2)) for c in (RING, Config("ps", 10, dense=1000, servers=1)))  # 2 each
+    fixed = latency_per_step(Fit(1e-3, 1e-8, 1e-4, runs=one_w, residuals=(0.0, 0.0)))
+    assert (fixed.latency_s, fixed.step_overhead_s) == (0.0, pytest.approx(2e-4, rel=1e-12))
+    assert fixed.step_s(RING, 2) == pytest.approx(TRUE.step_s(RING, 2), rel=1e-12)  # the fitted runs agree
+    assert fixed.step_s(RING, 8) == pytest.approx(TRUE.step_s(RING, 8) - 12e-4, rel=1e-12)  # 2, not 14 messages
+    with pytest.raises(ValueError, match=r"exchanged \[2, 6\] messages per step"):
+        latency_per_step(Fit(1e-3, 1e-8, 1e-4, runs=(one_w[0], Run(RING, 4, 0.1)), residuals=(0.0, 0.0)))
