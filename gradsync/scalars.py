@@ -5,7 +5,8 @@ A worker calls `gradsync.log(loss=loss.item())` once per step (and, say,
 compare` (which sets GRADSYNC_LOG_DIR), each call appends one JSON line to
 `worker-<i>.jsonl` there: the seconds since the worker's Trainer was built, the
 wall-clock time, the step, the values, and the Trainer's last step record (pull, compute and commit
-seconds, bytes sent and received). With GRADSYNC_TENSORBOARD_DIR (`compare --log-dir`) the
+seconds, bytes sent and received). The Trainer's first line names the model's trainable elements, dense
+and in embedding tables (for `gradsync compare --predict`). With GRADSYNC_TENSORBOARD_DIR (`compare --log-dir`) the
 values also go to a TensorBoard events file there. Without either it does nothing.
 """
 from __future__ import annotations
@@ -26,10 +27,13 @@ _file = None
 _board: EventWriter | None = None
 
 
-def watch(trainer) -> None:
-    """Called by `Trainer`: its step records go with each logged line, and times count from now."""
+def watch(trainer, elements: dict[str, int]) -> None:
+    """Called by `Trainer`: its step records go with each logged line, and times count from now.
+    `elements` ({'dense': ..., 'tables': ...}) is logged once, as {"model": elements}."""
     global _trainer, _started
     _trainer, _started = trainer, time.monotonic()
+    if os.environ.get(LOG_DIR):
+        _write(os.environ[LOG_DIR], {"t": 0.0, "wall": time.time(), "model": elements})
 
 
 def log(step: int | None = None, **values: float) -> None:

@@ -9,6 +9,7 @@ from torch import nn
 from gradsync import cluster, resume, scalars
 from gradsync.config import ConfigError
 from gradsync.core.row_optim import ROW_OPTIMIZERS
+from gradsync.core.tables import element_counts
 from gradsync.straggler import Straggler
 
 
@@ -60,6 +61,7 @@ class Trainer:
         if job.config.is_server:
             raise RuntimeError("Trainer is for workers; servers serve inside gradsync.init()")
         self._model_description = resume.describe_model(model)
+        elements = element_counts(model, tables)  # before a strategy takes the tables over
         if job.resumed is not None:
             resume.check_model(job.resumed, model)
         if job.config.strategy == "ps":
@@ -80,7 +82,7 @@ class Trainer:
                                                find_unused_parameters=find_unused_parameters)
         self._straggler = Straggler(job.config.worker_rank)
         self._joining = False
-        scalars.watch(self)
+        scalars.watch(self, elements)
         self.start_step = 0 if job.resumed is None else resume.restore(job, self._strategy, job.resumed)
 
     @property

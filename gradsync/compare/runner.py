@@ -110,7 +110,8 @@ def run(config: Config, script: str, script_args: list[str], workers: int, out_d
     os.makedirs(log_dir, exist_ok=True)
     for old in glob.glob(os.path.join(log_dir, "worker-*.jsonl")):
         os.remove(old)
-    sampler = Sampler(on_sample=(lambda: progress(len(read_log(os.path.join(log_dir, "worker-0.jsonl")))))
+    sampler = Sampler(on_sample=(lambda: progress(sum("record" in line for line in
+                                                      read_log(os.path.join(log_dir, "worker-0.jsonl")))))
                       if progress else None)
     previous = {k: os.environ.get(k) for k in (LOG_DIR, TENSORBOARD_DIR)}
     os.environ[LOG_DIR] = log_dir
@@ -141,12 +142,15 @@ def run(config: Config, script: str, script_args: list[str], workers: int, out_d
 
 
 def measure(logs: list[list[dict]], sampler: Sampler) -> dict:
-    """Per-run metrics from the workers' logs (worker 0's for the curves and step split) and the sampler."""
+    """Per-run metrics from the workers' logs (worker 0's for the curves and step split) and the sampler;
+    `batch` (worker 0's median `samples` per step, None when the script logs none) and `model` (the
+    Trainer's trainable elements, dense and in tables) are what `compare --predict` fits on."""
     lines = logs[0]
     steps = {line["step"]: line["record"] for line in lines if "record" in line}
     records = list(steps.values())[1:] or list(steps.values())  # the first step is warm-up
     losses = [(line["t"], line["step"], line["loss"]) for line in lines if "loss" in line]
     median = lambda key: statistics.median(r[key] for r in records) if records else float("nan")  # noqa: E731
+    samples = [line["samples"] for line in lines if "record" in line and "samples" in line]
     out = {
         "steps": len(steps),
         "curve": losses,
@@ -157,6 +161,10 @@ def measure(logs: list[list[dict]], sampler: Sampler) -> dict:
         "compute_s": median("compute_s"),
         "commit_s": median("commit_s"),
         "bytes_per_step": median("bytes_sent") + median("bytes_received"),
+        "bytes_sent": median("bytes_sent"),
+        "bytes_received": median("bytes_received"),
+        "batch": statistics.median(samples) if samples else None,
+        "model": next((line["model"] for line in lines if "model" in line), None),
         "worker_peak_mb": max((v for p, v in sampler.peak.items() if sampler.role.get(p) == "worker"), default=0) / 2**20,
         "server_peak_mb": max((v for p, v in sampler.peak.items() if sampler.role.get(p) == "server"), default=0) / 2**20,
     }
