@@ -88,6 +88,9 @@ def _parser() -> argparse.ArgumentParser:
                          "this rate instead, in every run (a slow server link)")
     compare.add_argument("--straggler", default=None, metavar="W:F",
                          help="worker W's compute takes F times as long in every run, e.g. 1:2.0")
+    compare.add_argument("--predict", action="store_true",
+                         help="fit the cost model on the sync runs and predict every paradigm from --workers up to "
+                         "W=1024 at this link: report.md ends with a verdict (which wins, the crossover, confidence)")
     compare.add_argument("script", help="the training script (it reports with gradsync.log)")
     compare.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     status = commands.add_parser("status", help="print a table of a running job's shards")
@@ -114,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
             report = compare(args.script, args.args, workers=args.workers, out_dir=args.out,
                              strategies=args.strategies, servers=args.servers, modes=args.modes,
                              compressions=args.compressions, timeout=args.timeout, straggler=args.straggler,
-                             log_dir=args.log_dir, link=args.link, server_link=args.server_link)
+                             log_dir=args.log_dir, link=args.link, server_link=args.server_link,
+                             predict=args.predict)
             print(f"report: {report} (plots beside it)")
         else:
             from gradsync.client import Client, pull_to_file, status_table

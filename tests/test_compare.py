@@ -8,7 +8,9 @@ import sys
 import pytest
 
 import gradsync
+from gradsync import costmodel
 from gradsync.compare.grid import Config, grid
+from gradsync.compare.predict import fitted, markdown, predict
 from gradsync.compare.runner import headline, read_log
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -46,7 +48,7 @@ def test_compare_report_numbers_come_from_the_runs(tmp_path):
     out = tmp_path / "report"
     done = subprocess.run(
         [sys.executable, "-m", "gradsync.cli", "compare", "--out", str(out), "--strategies", "allreduce,ps,hybrid",
-         "--servers", "1", "--modes", "sync,async", os.path.join(HERE, "compare_script.py")],
+         "--servers", "1", "--modes", "sync,async", "--predict", os.path.join(HERE, "compare_script.py")],
         capture_output=True, text=True, timeout=230,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -74,6 +76,110 @@ def test_compare_report_numbers_come_from_the_runs(tmp_path):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (out / png).stat().st_size > 5000
     md = (out / "report.md").read_text()
     assert "| allreduce |" in md and "| ps sync S=1 |" in md and "failed: ValueError" in md and "![loss.png]" in md
+    # --predict: fitted on the two sync runs that finished, from what their workers logged
+    assert all(runs[n]["model"] == {"dense": 484, "tables": 0} and runs[n]["batch"] == 6
+               for n in ("allreduce", "ps sync S=1"))  # the jobs.py MLP 8-16-16-4, 6 samples per step
+    prediction = report["prediction"]
+    fit, configs, _, _ = fitted(report["runs"], 2, report["cores"])
+    assert list(prediction["step_s"]) == list(configs) == ["allreduce", "ps sync S=1"]
+    assert prediction["step_s"]["ps sync S=1"][-1] == pytest.approx(fit.step_s(configs["ps sync S=1"], 1024))
+    assert prediction["fit"]["residuals"] == pytest.approx(list(fit.residuals))
+    first = {name: times[0] for name, times in prediction["step_s"].items()}
+    winner = min(first, key=first.get)
+    assert prediction["winner"] == winner and prediction["workers"][0] == 2
+    verdict = md[md.index("## Verdict"):]
+    assert verdict.split("\n\n")[1].startswith(f"At W = 2 on loopback, {winner} wins: {1000 * first[winner]:.1f} ms")
+    assert "Left out of the fit and the verdict: ps async S=1" in verdict and "| 1024 | " in verdict
+
+
+# A job whose runs a known cost model made: 32 samples per step at 1 ms each, 100 MB/s, 1 ms per message,
+# 10,000 dense elements (40 KB). At W = 2 every run exchanges 2 messages, so the fit sees their 2 ms as a fixed
+# cost per step: allreduce 0.032 + 8e-4 (W-1)/W + 2e-3 s, ps S=2 0.032 + 4e-4 W + 2e-3, ps S=1
+# 0.032 + 8e-4 W + 2e-3. Allreduce wins at every W (34.4 ms at W = 2, ps S=2 34.8); with the latency per
+# message (a ring's 2 (W-1)) ps S=2 would overtake it at W = 3 (35.2 ms against 36.5).
+MADE = costmodel.Fit(compute_s_per_sample=1e-3, s_per_byte=1e-8, latency_s=1e-3, runs=(), residuals=())
+DENSE = 10_000
+
+
+def made_run(strategy: str, servers: int = 0, mode: str = "sync", compression: str = "none", tables: int = 0,
+             rows: int = 0, **extra) -> dict:
+    """A report.json run at W = 2 as MADE predicts it (`rows`: bytes of table rows a ps or hybrid worker
+    pulls per step). Allreduce's compute split holds its whole step, as under DDP, whose allreduce runs
+    inside the backward: the fit must not take it for compute."""
+    rows = 0 if strategy == "allreduce" else rows
+    config = costmodel.Config(strategy, 32, DENSE, tables=tables, row_bytes=rows, servers=servers,
+                              compression=compression)
+    step = MADE.step_s(config, 2)
+    ring = costmodel.traffic(costmodel.Config("allreduce", 1, DENSE, compression=compression), 2)[0]
+    received = {"ps": 4 * DENSE, "hybrid": ring}.get(strategy, ring) + rows  # what the worker's metrics count
+    return {"name": Config(strategy, mode, servers, compression).name, "strategy": strategy, "mode": mode,
+            "servers": servers, "compression": compression, "steps": 10, "step_s": step,
+            "compute_s": 0.032 if strategy == "ps" else step, "batch": 32, "model": {"dense": DENSE, "tables": tables},
+            "bytes_received": received, **extra}
+
+
+def test_predict_fits_the_runs_and_names_the_faster_paradigm():
+    runs = [made_run("allreduce"), made_run("ps", 1), made_run("ps", 2), made_run("ps", 1, mode="async")]
+    got = predict(runs, {"workers": 2, "cores": 64, "link": None})
+    assert got["fit"]["compute_s_per_sample"] == pytest.approx(1e-3, rel=1e-9)
+    assert got["fit"]["s_per_byte"] == pytest.approx(1e-8, rel=1e-9)
+    assert got["fit"]["latency_s"] == 0 and got["fit"]["step_overhead_s"] == pytest.approx(2e-3, rel=1e-9)
+    assert got["fit"]["runs"] == ["allreduce", "ps sync S=1", "ps sync S=2"]  # async left out
+    assert got["workers"] == [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+    for name, w, expected in (("allreduce", 2, 0.0344), ("ps sync S=2", 2, 0.0348), ("ps sync S=1", 4, 0.0372),
+                              ("allreduce", 1024, 0.032 + 8e-4 * 1023 / 1024 + 2e-3)):
+        assert got["step_s"][name][got["workers"].index(w)] == pytest.approx(expected, rel=1e-9)
+    assert got["samples_per_s"]["allreduce"][0] == pytest.approx(2 * 32 / 0.0344, rel=1e-9)
+    first = {name: times[0] for name, times in got["step_s"].items()}
+    assert got["winner"] == min(first, key=first.get) == "allreduce" and got["runner_up"] == "ps sync S=2"
+    assert got["overtaken_at"] is None and got["leader_at_max"] == "allreduce"
+    assert got["overtaken_at_if_latency_per_message"] == {"workers": 3, "by": "ps sync S=2"}
+    assert got["link_crossover"] is None  # at W = 2 ring and 2 servers move 40 and 80 KB after equal fixed costs
+    assert got["verdict"].startswith(
+        "At W = 2 on loopback, allreduce wins: 34.4 ms per step predicted, 1.01x faster than ps sync S=2. "
+        "No other run of this compare overtakes it: no crossover up to W = 1024. Every fitted run exchanged 2 "
+        "messages per step, so the 2 ms they cost beyond compute and bytes is taken as a fixed cost per step; "
+        "were it a latency per message (a ring's 2 (W-1) messages), the crossover would be at W = 3 (ps sync S=2). "
+        "Confidence is high: the model reproduces its 3 fitted runs within 0%")
+    assert "this prediction is for loopback and weak" in got["verdict"]
+    assert "Left out of the fit and the verdict: ps async S=1" in got["verdict"]
+    assert "time-sliced" not in got["verdict"]
+    sliced = predict(runs, {"workers": 2, "cores": 2, "link": None})["verdict"]
+    assert "2 of the 3 fitted runs had more processes (workers + servers) than this machine's 2 cores" in sliced
+    section = "\n".join(markdown(got))
+    assert section.startswith("## Verdict") and "| 2 | 34.4 | 35.6 | 34.8 |" in section
+    assert "1e+03 us per sample, 10 ns per byte, 2 ms fixed per step; predicted / measured - 1 on the fitted runs: allreduce +0%" in section
+
+
+def test_predict_keeps_a_latency_per_message_where_the_runs_measure_one_and_takes_rows_from_the_bytes():
+    # ps with tables and hybrid exchange 4 and 6 messages at W = 2, allreduce 2: the latency is measured
+    runs = [made_run(s, n, tables=1_000_000, rows=5_000) for s, n in (("allreduce", 0), ("ps", 1), ("hybrid", 1))]
+    fit, configs, sizes, per_message = fitted(runs, 2, None)
+    assert per_message is fit and fit.latency_s == pytest.approx(1e-3, rel=1e-9) and fit.step_overhead_s == 0
+    assert configs["ps sync S=1"].row_bytes == configs["hybrid S=1"].row_bytes == sizes["row_bytes"] == 5_000
+    assert configs["allreduce"].tables == 1_000_000 and configs["allreduce"].row_bytes == 0
+    got = predict(runs, {"workers": 2, "cores": 64, "link": "100mbit"})
+    assert got["winner"] == "ps sync S=1" and got["overtaken_at_if_latency_per_message"] is None
+    assert "fixed cost per step" not in got["verdict"] and "loopback" not in got["verdict"]
+    assert "on the emulated 100mbit link" in got["verdict"]
+    assert "The fitted cost per byte is 0.8 Gbit/s against the link's nominal 0.1 Gbit/s." in got["verdict"]
+
+
+def test_predict_says_plainly_why_it_cannot_fit():
+    one = predict([made_run("allreduce"), made_run("ps", 1, error="ValueError: x")], {"workers": 2, "cores": 2})
+    assert one["error"].startswith("1 sync run(s) finished (allreduce): the verdict compares paradigms")
+    no_ps = predict([made_run("allreduce"), made_run("allreduce", compression="fp16")], {"workers": 2, "cores": 2})
+    assert "cannot separate compute per sample, cost per byte and latency per message" in no_ps["error"]
+    assert "a compare needs a finished ps sync run" in no_ps["error"]
+    blind = predict([made_run("allreduce", model=None), made_run("ps", 1, model=None)], {"workers": 2, "cores": 2})
+    assert "logged no model sizes" in blind["error"]
+    tables = predict([made_run("allreduce", model={"dense": 10, "tables": 10}),
+                      made_run("allreduce", compression="fp16", model={"dense": 10, "tables": 10})],
+                     {"workers": 2, "cores": 2})
+    assert "no ps or hybrid run measured the rows" in tables["error"]
+    assert markdown(no_ps)[-1].startswith("No prediction: the cost model could not be fitted on these runs. ")
+    slow = predict([made_run("allreduce"), made_run("ps", 1)], {"workers": 2, "link": "1gbit", "server_link": "100mbit"})
+    assert slow["error"].startswith("--server-link 100mbit puts the servers behind another rate")
 
 
 def test_straggler_sleeps_factor_minus_one_times_its_compute(monkeypatch):

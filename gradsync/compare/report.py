@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import os
 
+from gradsync.compare.predict import markdown
+
 COLUMNS = (  # (heading, key, format)
     ("final loss", "final_loss", "{:.4f}"),
     ("accuracy", "accuracy", "{:.3f}"),
@@ -57,11 +59,13 @@ def summary(runs: list[dict]) -> str:
     return " ".join(lines)
 
 
-def write_report(meta: dict, runs: list[dict], plots: list[str], out_dir: str) -> tuple[str, str]:
-    """Write report.json and report.md under `out_dir`; returns their paths."""
+def write_report(meta: dict, runs: list[dict], plots: list[str], out_dir: str,
+                 prediction: dict | None = None) -> tuple[str, str]:
+    """Write report.json and report.md under `out_dir`; returns their paths. `prediction`
+    (`compare.predict.predict`): in report.json, and report.md ends with its verdict."""
     json_path, md_path = os.path.join(out_dir, "report.json"), os.path.join(out_dir, "report.md")
     with open(json_path, "w") as f:
-        json.dump({**meta, "runs": runs}, f, indent=1)
+        json.dump({**meta, "runs": runs, **({"prediction": prediction} if prediction else {})}, f, indent=1)
     lines = [
         f"# gradsync compare: {meta['command']}",
         "",
@@ -74,6 +78,7 @@ def write_report(meta: dict, runs: list[dict], plots: list[str], out_dir: str) -
         summary(runs),
         "",
         *[f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plots],
+        *(["", *markdown(prediction)] if prediction else []),
     ]
     with open(md_path, "w") as f:
         f.write("\n".join(lines) + "\n")
