@@ -12,8 +12,10 @@ One W, yet three parameters: every run of a compare has the same W and batch, so
 compute per sample and latency per message are both constants (at W = 2 allreduce and ps exchange 2
 messages each) and cannot be told apart. The ps compute split pins the compute; the paradigms' different
 byte volumes (at W = 2 ps with 1 server moves four times what allreduce moves: both workers' pushes,
-then both replies; more servers or compression change it again) pin the cost per byte; the latency is what remains. A compare without a finished ps sync
-run, or whose runs move one byte volume only, is refused, and the verdict says which run to add.
+then both replies; more servers or compression change it again) pin the cost per byte; the latency is what remains, and where every run exchanged as many
+messages it is a fixed cost per step (`costmodel.latency_per_step`; the verdict says what a latency per
+message would change). A compare without a finished ps sync run, or whose runs move one byte volume only,
+is refused, and the verdict says which run to add.
 
 The fitted cost per byte is this link's effective cost (on loopback: memory copies by the same CPUs), and
 the predictions keep it: they are for this job at this link, each worker on a machine of its own.
