@@ -7,7 +7,7 @@ import signal
 import sys
 
 from gradsync.config import ConfigError, JobConfig
-from gradsync.launch import JobFailed, run_script
+from gradsync.launch import JobFailed, join_script, run_script
 
 _SETTINGS = (  # JobConfig fields that `gradsync run` sets with --field-name
     ("mode", str, "sync, async or ssp (ps and hybrid)"),
@@ -54,8 +54,12 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gradsync", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="spawn servers and workers on this machine and run SCRIPT on each")
-    run.add_argument("--strategy", required=True, help="ps, allreduce or hybrid")
-    run.add_argument("--workers", type=int, required=True, help="number of worker processes")
+    run.add_argument("--strategy", help="ps, allreduce or hybrid (required, except with --join)")
+    run.add_argument("--workers", type=int, help="number of worker processes (required, except with --join: "
+                     "the workers that join, default 1)")
+    run.add_argument("--join", metavar="RUN_DIR|HOST:PORT", default=None,
+                     help="start workers that join the running async ps job with this run directory or store "
+                     "address, with its settings")
     run.add_argument("--servers", type=int, default=None,
                      help="parameter servers (default: GRADSYNC_SERVERS, else 1 for ps and hybrid, 0 for allreduce)")
     for name, kind, text in _SETTINGS:
@@ -101,6 +105,17 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_join_flags(args: argparse.Namespace, settings: dict) -> None:
+    """Refuse job settings beside --join: a joining worker takes the running job's."""
+    given = [f"--{name.replace('_', '-')}" for name, value in settings.items() if value is not None]
+    given += [flag for flag, value in (("--strategy", args.strategy), ("--servers", args.servers),
+                                        ("--run-dir", args.run_dir), ("--link", args.link),
+                                        ("--server-link", args.server_link)) if value is not None]
+    if given:
+        raise ConfigError(f"--join takes the running job's settings, so {', '.join(given)} cannot be given with it: "
+                          "leave them out")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -108,6 +123,13 @@ def main(argv: list[str] | None = None) -> int:
             for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # stop every rank, then exit
                 signal.signal(sig, _stop)
             settings = {name: getattr(args, name) for name, _, _ in _SETTINGS}
+            if args.join is not None:
+                _check_join_flags(args, settings)
+                join_script(args.join, args.script, args.args, workers=args.workers or 1, timeout=args.timeout)
+                return 0
+            if args.strategy is None or args.workers is None:
+                raise ConfigError("gradsync run needs --strategy and --workers (or --join RUN_DIR to join a "
+                                  "running async job)")
             run_script(args.script, args.args, strategy=args.strategy, workers=args.workers, servers=args.servers,
                        master_port=args.master_port, run_dir=args.run_dir, timeout=args.timeout, link=args.link,
                        server_link=args.server_link, **settings)

@@ -135,8 +135,9 @@ class Client:
 
     def stats(self) -> dict[int, dict]:
         """Per shard: version, workers_seen, pushes_applied/rejected, steps_skipped, max_staleness and the
-        staleness histogram, max_lead (ssp), bytes_in/out, the calls its endpoint received by method name, and per embedding table its rows, bytes, rows
-        pulled and pushed and max_staleness."""
+        staleness histogram, max_lead (ssp), pushes_by_worker (async, ssp), bytes_in/out, the calls its
+        endpoint received by method name, and per embedding table its rows, bytes, rows pulled and pushed and
+        max_staleness."""
         out = {}
         for shard in self._stubs:
             r = self._unary("GetStats", shard, pb.GetStatsRequest())
@@ -144,6 +145,7 @@ class Client:
             out[shard]["workers_seen"] = list(r.workers_seen)
             out[shard]["calls"] = dict(r.calls)
             out[shard]["staleness_histogram"] = dict(r.staleness_histogram)
+            out[shard]["pushes_by_worker"] = dict(r.pushes_by_worker)
             out[shard]["tables"] = {t.name: {f.name: getattr(t, f.name) for f in t.DESCRIPTOR.fields if f.name != "name"}
                                     for t in r.tables}
         return out

@@ -6,6 +6,8 @@ torch RPC on every rank and, for the allreduce and hybrid strategies, a
 gloo/nccl process group among the workers. On a server it then serves until
 every worker has left (`shutdown`), and exits the process. Every wait here is
 bounded, and a failure is recorded for the launcher and the other ranks.
+In an elastic job (async or ssp ps) a worker that died counts as left, and a
+process can join a running async job as a new worker (`newcomers`).
 """
 from __future__ import annotations
 
@@ -23,9 +25,10 @@ import traceback
 import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 
-from gradsync import joins, malloc, resume
-from gradsync.config import ConfigError, JobConfig, StoreKeys, worker_name
-from gradsync.liveness import Heartbeat, die_with_launcher, parse_left
+from gradsync import joins, malloc, newcomers, resume
+from gradsync.config import ConfigError, JobConfig, StoreKeys, settings_from_env, worker_name
+from gradsync.liveness import Heartbeat, die_with_launcher, record_gone, staying
+from gradsync.transport import rpc_group
 from gradsync.transport.rpc import install, start_rpc, stop_rpc
 
 _STATE: "Cluster | None" = None
@@ -34,10 +37,11 @@ _STATE: "Cluster | None" = None
 class Cluster:
     """This process's place in the running job."""
 
-    def __init__(self, config: JobConfig, store: dist.Store, heartbeat: Heartbeat):
+    def __init__(self, config: JobConfig, store: dist.Store, heartbeat: Heartbeat, joined: bool = False):
         self.config = config
         self.store = store
         self.heartbeat = heartbeat
+        self.joined = joined  # joined the running job: its failure is its own, not the job's
         self.has_process_group = False
         self.steps = 0  # steps this worker has committed (Trainer.step; allreduce: and answered after joining)
         self.resumed: resume.Found | None = None  # the checkpoint this job resumes from (--resume)
@@ -127,8 +131,9 @@ def _report_failures(cluster: Cluster) -> None:
 
 
 def record_failure(cluster: Cluster | None, rank: int, text: str) -> None:
-    """Save a rank's failure for the launcher (GRADSYNC_ERROR_FILE) and the other ranks (the store), naming the
-    ranks this one has seen fall silent for half the step timeout: the likely cause."""
+    """Save a rank's failure for the launcher (GRADSYNC_ERROR_FILE) and the other ranks (the store; not from a
+    worker that joined the running job, whose launcher records it gone), naming the ranks this one has seen
+    fall silent for half the step timeout: the likely cause."""
     if cluster is not None:
         watch = cluster.heartbeat.watch
         silent = watch.silent(cluster.config.step_timeout / 2)
@@ -138,7 +143,7 @@ def record_failure(cluster: Cluster | None, rank: int, text: str) -> None:
     if path:
         with open(path, "w") as f:
             f.write(text)
-    if cluster is not None:
+    if cluster is not None and not cluster.joined:
         try:
             cluster.store.compare_set(StoreKeys.FAILED, "", f"rank {rank}: {text}")
         except Exception:  # the store may be gone already; the launcher still has the file
@@ -146,7 +151,7 @@ def record_failure(cluster: Cluster | None, rank: int, text: str) -> None:
 
 
 def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=None, transport=None,
-         **timeouts) -> None:
+         join=None, **timeouts) -> None:
     """Join the job. Every rank must call it.
 
     Args:
@@ -157,16 +162,21 @@ def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=
         nonfinite: 'raise' or 'skip' for NaN/Inf gradients.
         compression: 'none', 'fp16', 'bf16' or 'int8' gradients on the wire.
         transport: 'rpc' (torch RPC) or 'grpc' (ps only: pulls and pushes over gRPC, no TensorPipe).
+        join: a running async ps job's run directory, or its store's HOST:PORT (default: GRADSYNC_JOIN): join
+            it as a new worker, with the job's settings (README, "Elastic async workers").
         timeouts: startup_timeout, step_timeout, shutdown_timeout (seconds); staleness (steps, mode 'ssp');
             checkpoint_dir and checkpoint_every (steps), resume (a checkpoint directory): see README,
             "Checkpoint and resume".
     On a server this call serves until the job ends and then exits the process.
     """
     global _STATE
-    config = JobConfig.from_env(
-        strategy=strategy, mode=mode, servers=servers, nonfinite=nonfinite, compression=compression,
-        transport=transport, **timeouts
-    )
+    asked = dict(strategy=strategy, mode=mode, servers=servers, nonfinite=nonfinite, compression=compression,
+                 transport=transport, **timeouts)
+    join = join or os.environ.get(newcomers.JOIN)
+    if join and _STATE is None:
+        _STATE = _join_running(join, asked)
+        return
+    config = JobConfig.from_env(**asked)
     if _STATE is not None:
         _join_launched(_STATE.config, config)
         return
@@ -178,6 +188,8 @@ def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=
     _report_failures(_STATE)
     _STATE.resumed = resume.find(config)
     server = _install_server(config, _STATE.resumed) if config.is_server else None
+    if config.elastic and config.rank == 0:
+        newcomers.publish_settings(store, config)
     if config.transport == "rpc":
         start_rpc(config, store)
     else:  # gRPC carries everything; contexts still work without an RPC agent
@@ -193,6 +205,26 @@ def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=
             timeout=datetime.timedelta(seconds=config.step_timeout),
         )
         _STATE.has_process_group = True
+
+
+def _join_running(target: str, asked: dict) -> Cluster:
+    """Join the running async job at `target` (run directory or HOST:PORT of its store) as a new worker."""
+    die_with_launcher()
+    malloc.limit_arenas()
+    host, port = newcomers.store_address(target)
+    timeout = asked.get("startup_timeout") or settings_from_env(os.environ).get("startup_timeout",
+                                                                                  JobConfig.startup_timeout)
+    try:
+        store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout))
+    except dist.DistError as e:
+        raise ConnectionError(f"cannot reach the store of the job to join at {host}:{port} (has it ended?): {e}") from e
+    config = newcomers.joiner_config(store, host, port, asked, timeout)
+    _use_loopback_interfaces(config)
+    cluster = Cluster(config, store, Heartbeat(store, config), joined=True)
+    _report_failures(cluster)
+    start_rpc(config, store)
+    return cluster
 
 
 def _join_launched(running: JobConfig, asked: JobConfig) -> None:
@@ -243,7 +275,9 @@ def _serve(cluster: Cluster, server) -> None:
             register_from_store(server, cluster.store, config)
         _wait_for_workers(cluster, deadline=None)
         _write_stats(server)
-        if config.transport == "rpc":
+        if config.transport == "rpc" and config.elastic:
+            rpc_group.leave(config, cluster.store, config.shutdown_timeout)
+        elif config.transport == "rpc":
             stop_rpc(config.shutdown_timeout)
         endpoint.stop()
     except BaseException:
@@ -266,21 +300,24 @@ def _write_stats(server) -> None:
 
 
 def _wait_for_workers(cluster: Cluster, deadline: float | None) -> list[int]:
-    """Wait until every worker has left the job, or until `deadline` (time.monotonic()); returns the workers
-    still in it.
+    """Wait until every worker has left the job (or, in an elastic job, is gone), or until `deadline`
+    (time.monotonic()); returns the workers still in it.
 
     Raises:
         RuntimeError: another rank failed; or, with no deadline (a server, which waits the whole job), a rank
-            has sent no heartbeat for step_timeout: the job cannot go on without it.
+            has sent no heartbeat for step_timeout: the job cannot go on without it. A worker that joined an
+            elastic job is recorded gone instead: no launcher of the job watches it.
     """
     config, store, watch = cluster.config, cluster.store, cluster.heartbeat.watch
     while True:
-        staying = sorted(set(range(config.num_workers)) - set(parse_left(store.get(StoreKeys.LEFT))))
-        if not staying or (deadline is not None and time.monotonic() >= deadline):
-            return staying
+        in_job = staying(store)
+        if not in_job or (deadline is not None and time.monotonic() >= deadline):
+            return in_job
         if store.check([StoreKeys.FAILED]):
             raise RuntimeError(f"another rank failed, stopping: {store.get(StoreKeys.FAILED).decode()[:2000]}")
         silent = watch.silent(config.step_timeout) if deadline is None else {}
+        for rank in [r for r in silent if config.elastic and r >= config.world_size]:
+            record_gone(store, rank - config.servers, f"sent no heartbeat for {silent.pop(rank):.0f} s")
         if silent:
             raise RuntimeError(f"{watch.describe(silent)} (step_timeout {config.step_timeout:.0f} s): it is "
                                "stopped, hung or dead, and the job cannot go on without it")
@@ -292,9 +329,10 @@ def shutdown() -> None:
 
     Marks this worker as left (a peer waiting for a step with it fails at once, naming it), waits for the
     other workers to leave too (RPC's graceful shutdown needs every rank), then stops the process group and
-    RPC; when some have not left by the timeout, it says which and stops without them.
+    RPC; when some have not left by the timeout, it says which and stops without them. A worker of an
+    elastic job waits for no one: it stops its RPC agent at once.
     Raises:
-        RuntimeError: another rank failed.
+        RuntimeError: another rank failed (waiting for the others).
     """
     global _STATE
     if _STATE is None:
@@ -303,19 +341,22 @@ def shutdown() -> None:
     config = cluster.config
     deadline = time.monotonic() + config.shutdown_timeout
     cluster.store.append(StoreKeys.LEFT, f"{config.worker_rank}:{cluster.steps},")
-    staying = None
+    others = None  # the workers still in the job
     try:
-        staying = _wait_for_workers(cluster, deadline)
-        if staying:
+        if not config.elastic:
+            others = _wait_for_workers(cluster, deadline)
+        if others:
             print(f"gradsync: shutdown waited {config.shutdown_timeout:.0f} s (shutdown_timeout) for "
-                  f"{', '.join(worker_name(w) for w in staying)} to leave the job; leaving without them",
+                  f"{', '.join(worker_name(w) for w in others)} to leave the job; leaving without them",
                   file=sys.stderr, flush=True)
     finally:
         cluster.heartbeat.stop()
         if cluster.has_process_group:
             dist.destroy_process_group()
-        if config.transport == "rpc":
-            stop_rpc(max(deadline - time.monotonic(), 1.0) if staying == [] else None)
+        if config.transport == "rpc" and config.elastic:
+            rpc_group.leave(config, cluster.store, max(deadline - time.monotonic(), 1.0))
+        elif config.transport == "rpc":
+            stop_rpc(max(deadline - time.monotonic(), 1.0) if others == [] else None)
 
 
 def worker_rank() -> int:

@@ -145,6 +145,12 @@ class JobConfig:
         return self.world_size - self.servers
 
     @property
+    def elastic(self) -> bool:
+        """An async or ssp ps job: a worker that dies or leaves does not stop it, and (async, over torch RPC)
+        a new worker may join it while it runs (README, "Elastic async workers")."""
+        return self.strategy == "ps" and self.mode != "sync"
+
+    @property
     def is_server(self) -> bool:
         return self.rank < self.servers
 
@@ -250,6 +256,11 @@ class StoreKeys:
     FAILED = "gradsync/failed"
     ALIVE = "gradsync/alive/{}"
     LEFT = "gradsync/left"
+    GONE = "gradsync/gone"  # workers that left an elastic job without gradsync.shutdown(): `worker:how` lines
+    WORKERS = "gradsync/workers"  # worker indices handed out: the job's workers, then one more per joiner
+    JOB = "gradsync/job"  # an elastic job's settings (GRADSYNC_* variables, JSON), for workers that join it
+    RPC_SERVING = "gradsync/rpc_serving/{}"  # server s is in the dynamic RPC group of an elastic job
+    RPC_MEMBERSHIP = "gradsync/rpc_membership"  # the rank that joins or leaves that group now
     PROCESS_GROUP = "gradsync/pg"
     RPC = "gradsync/rpc"
     TOKEN = "gradsync/grpc_token"

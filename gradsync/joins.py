@@ -9,7 +9,7 @@ waits for that mark from every server before it leaves the block, so every worke
 state, and none can start a new round (the next epoch) on a server that still counts it as joined.
 
 The wait is bounded as the job's other waits are: it fails when another rank failed, when a rank has sent no
-heartbeat for step_timeout, or when a worker left the job without joining.
+heartbeat for step_timeout, or when a worker left the job (or, in an async or ssp job, died) without joining.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from gradsync.config import StoreKeys, worker_name
-from gradsync.liveness import parse_left
+from gradsync.liveness import parse_gone, parse_left
 
 if TYPE_CHECKING:
     from gradsync.cluster import Cluster
@@ -66,6 +66,10 @@ class Joiner:
                 raise RuntimeError(
                     f"{worker_name(worker)} left the job after {steps} steps without joining, and {waiting}: "
                     "with trainer.join(), every worker must train inside its `with trainer.join():` block")
+            gone = parse_gone(store.get(StoreKeys.GONE))
+            if gone:  # a worker of an async or ssp job died: it will never join
+                worker, how = next(iter(gone.items()))
+                raise RuntimeError(f"{worker_name(worker)} left the job ({how}) without joining, and {waiting}")
             silent = watch.silent(config.step_timeout)
             if silent:
                 raise RuntimeError(f"{watch.describe(silent)} (step_timeout {config.step_timeout:.0f} s), and "

@@ -8,12 +8,16 @@ and when a rank fails or falls silent for step_timeout, it kills every rank
 and raises (or prints) the failure, naming the rank that caused it (one killed
 by a signal, then one that is stopped or silent, then the first to record a
 failure) with its traceback. Ranks die with the launcher, whatever kills it.
+In an elastic job (async or ssp ps) a worker that dies is a departure, not a failure (`departures`), and
+the launcher of an async job over torch RPC leaves `join.json` in the run directory for workers that join
+it (`gradsync run --join`).
 With a link rate (`--link`, `gradsync.netem`) each rank runs in its own network namespace behind a shaped
 link, and the store listens in the hub namespace of that network instead of on loopback.
 """
 from __future__ import annotations
 
 import contextlib
+import datetime
 import glob
 import multiprocessing
 from multiprocessing import forkserver
@@ -29,15 +33,17 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from gradsync import cluster, netem, procfs
+from gradsync import cluster, netem, newcomers, procfs
 from gradsync.config import ConfigError, JobConfig, StoreKeys, settings_from_env
+from gradsync.departures import Departure, Departures, Results
 from gradsync.leases import Lease, abandoned
-from gradsync.liveness import LAUNCHER_PID, Watch, create_keys, interval
+from gradsync.liveness import LAUNCHER_PID, Watch, create_keys, interval, parse_gone, parse_left, record_gone
 from gradsync.proto.endpoints import new_token
 
 _HOST = "127.0.0.1"
 _POLL_S = 0.05
 _KILL_GRACE_S = 3.0
+_JOIN_STORE_TIMEOUT_S = 30.0
 _PORT_FIX = "pass --master-port 0 (the default) to pick a free one, or choose another port"
 _STATES = {
     "T": "its process is stopped (SIGSTOP, SIGTSTP)",
@@ -179,11 +185,13 @@ def _recorded_failure(ranks: list[_Rank], store: dist.Store) -> int | None:
     return first.rank if first.exitcode() not in (None, 0) else None
 
 
-def _root_cause(config: JobConfig, ranks: list[_Rank], watch: Watch, store: dist.Store, run_dir: str) -> JobFailed:
+def _root_cause(config: JobConfig, ranks: list[_Rank], watch: Watch, store: dist.Store, run_dir: str,
+                departed: set[int]) -> JobFailed:
     """The failure that explains the others: a rank killed by a signal (it could not report); else one that
     is stopped, silent for half the step timeout, or gone without leaving (the others failed waiting for
-    it); else the first to record a failure; else the lowest failed rank."""
-    failed = [(r.rank, r.exitcode()) for r in ranks if r.exitcode() not in (None, 0)]
+    it); else the first to record a failure; else the lowest failed rank. Ranks in `departed` (workers that
+    left an elastic job) are none of these."""
+    failed = [(r.rank, r.exitcode()) for r in ranks if r.exitcode() not in (None, 0) and r.rank not in departed]
     for rank, code in failed:
         if code < 0:
             return JobFailed(_failure_text(config, run_dir, rank, code), rank)
@@ -191,7 +199,8 @@ def _root_cause(config: JobConfig, ranks: list[_Rank], watch: Watch, store: dist
     follower = recorded if recorded is not None else failed[0][0]
     follower_text = _failure_text(config, run_dir, follower, ranks[follower].exitcode())
     silent = watch.silent(config.step_timeout / 2)
-    suspects = [r for r in ranks if r.rank != follower and (r.rank in silent or r.state() in ("T", "t"))
+    suspects = [r for r in ranks if r.rank != follower and r.rank not in departed
+                and (r.rank in silent or r.state() in ("T", "t"))
                 and (r.exitcode() is None or (r.exitcode() == 0 and r.rank >= config.servers))]
     if suspects:
         cause = max(suspects, key=lambda r: silent.get(r.rank, 0.0))
@@ -200,23 +209,32 @@ def _root_cause(config: JobConfig, ranks: list[_Rank], watch: Watch, store: dist
     return JobFailed(follower_text, follower)
 
 
-def supervise(config: JobConfig, ranks: list[_Rank], run_dir: str, store: dist.Store, timeout: float | None) -> None:
-    """Wait until every rank has exited 0. Raises JobFailed when one fails (naming the root cause), when a
-    running rank has sent no heartbeat for step_timeout, or after `timeout` seconds (None: no limit)."""
+def supervise(config: JobConfig, ranks: list[_Rank], run_dir: str, store: dist.Store, timeout: float | None
+              ) -> list[Departure]:
+    """Wait until every rank has exited 0, or, in an elastic job, departed (`departures`); returns the
+    departures. Raises JobFailed when one fails (naming the root cause), when every worker of an elastic job
+    has departed, when a running rank has sent no heartbeat for step_timeout, or after `timeout` seconds
+    (None: no limit)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     watch = Watch(config)
+    departures = Departures(config, store, run_dir) if config.elastic else None
     next_read = 0.0
     while True:
         codes = [r.exitcode() for r in ranks]
-        if all(c == 0 for c in codes):
-            return
-        failed = any(c not in (None, 0) for c in codes)
+        if departures is not None and departures.observe(codes):
+            raise JobFailed(f"every worker left the job, so it cannot finish: {departures.describe()}",
+                            min(departures.found))
+        departed = set(departures.found) if departures is not None else set()
+        if all(c == 0 or rank in departed for rank, c in enumerate(codes)):
+            return departures.report() if departures is not None else []
+        failed = any(c not in (None, 0) and rank not in departed for rank, c in enumerate(codes))
         if failed or time.monotonic() >= next_read:
             watch.read(store)
             next_read = time.monotonic() + interval(config.step_timeout)
         if failed:
-            raise _root_cause(config, ranks, watch, store, run_dir)
-        silent = {rank: s for rank, s in watch.silent(config.step_timeout).items() if codes[rank] is None}
+            raise _root_cause(config, ranks, watch, store, run_dir, departed)
+        silent = {rank: s for rank, s in watch.silent(config.step_timeout).items()
+                  if rank < len(codes) and codes[rank] is None}
         if silent:
             rank = max(silent, key=silent.get)
             raise JobFailed(_silent_text(config, ranks[rank], silent[rank]), rank)
@@ -266,15 +284,25 @@ def _network_and_store(stack: contextlib.ExitStack, config: JobConfig, port: int
         slow = None if server_link is None else netem.Link.parse(server_link, "--server-link")
         network = stack.enter_context(netem.Network(netem.Link.parse(link), config.world_size, slow, config.servers))
         store = network.in_hub(lambda: cluster.host_store(netem.HUB_ADDRESS, port, 60.0, _PORT_FIX))
-    create_keys(store, config.world_size)
+    create_keys(store, config.world_size, config.num_workers)
     return network, store
+
+
+def _offer_join(config: JobConfig, run_dir: str, store: dist.TCPStore, network: netem.Network | None) -> bool:
+    """Leave join.json in the run directory when workers can join this job (async ps over torch RPC, on this
+    machine's loopback); returns whether it did."""
+    if not newcomers.joinable(config) or network is not None:
+        return False
+    newcomers.write_join_file(run_dir, _HOST, store.port)
+    return True
 
 
 def run_script(script: str, script_args: list[str], *, strategy: str, workers: int, servers: int | None = None,
                mode: str | None = None, master_port: int = 0, run_dir: str | None = None,
                timeout: float | None = None, link: str | None = None, server_link: str | None = None,
-               **settings) -> None:
-    """Run `python script args` on every rank (the `gradsync run` command). Raises JobFailed.
+               **settings) -> list[Departure]:
+    """Run `python script args` on every rank (the `gradsync run` command); returns the workers that left an
+    elastic job without finishing (`departures`). Raises JobFailed.
 
     run_dir: the job's files (default: GRADSYNC_RUN_DIR, else a new temporary directory, removed at the end).
     link: a tc rate (100mbit, 1gbit...): each rank in its own network namespace behind a link of that rate
@@ -293,6 +321,9 @@ def run_script(script: str, script_args: list[str], *, strategy: str, workers: i
             servers = "" if server_link is None else f" (servers behind {server_link})"
             print(f"gradsync: ranks behind {link} links{servers}; `ip netns exec {network.hub} gradsync status "
                   f"{run_dir}` reaches the job", file=sys.stderr, flush=True)
+        if _offer_join(config, run_dir, store, network):
+            print(f"gradsync: more workers can join: gradsync run --join {run_dir} {script}", file=sys.stderr,
+                  flush=True)
         ranks = []
         try:
             for rank, env in enumerate(rank_environments(config, store.port, run_dir, network=network)):
@@ -301,7 +332,7 @@ def run_script(script: str, script_args: list[str], *, strategy: str, workers: i
                     argv = network.command(rank, argv)
                 proc = subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True)
                 ranks.append(_Rank(rank, proc))
-            supervise(config, ranks, run_dir, store, timeout)
+            return supervise(config, ranks, run_dir, store, timeout)
         finally:
             _kill_all(ranks)
 
@@ -326,15 +357,20 @@ def _run_function(env: dict, fn, args: tuple, result_path: str, namespace: str |
 
 def launch(fn, *, strategy: str, workers: int, servers: int | None = None, mode: str = "sync", args: tuple = (),
            timeout: float | None = None, link: str | None = None, server_link: str | None = None,
-           **settings) -> list:
+           **settings) -> Results:
     """Run `fn(*args)` on each worker of a local job and return the results in worker order.
+
+    In an async or ssp ps job a worker that dies (killed, or exited without an exception and without
+    gradsync.shutdown()) does not stop the job: its result is None, the returned list's `departures` says
+    who left, when and at which step (also said on stderr), and the run directory (GRADSYNC_RUN_DIR on
+    every rank) has the join.json that `gradsync run --join` takes.
 
     Args:
         fn: a picklable (module-level) function; it runs after `gradsync.init()` (a `gradsync.init()`
             call inside it joins this job, and so does a `gradsync.shutdown()`).
         strategy: 'ps', 'allreduce' or 'hybrid'; workers: W >= 1; servers: S (>= 1 for ps and hybrid, 0
             for allreduce; None: 1 for ps and hybrid, 0 for allreduce, as `gradsync run`).
-        mode: 'sync' or 'async'.
+        mode: 'sync', 'async' or 'ssp'.
         timeout: seconds for the whole job (None: no limit).
         link: a tc rate (100mbit, 1gbit...): each rank in its own network namespace behind a link of that
             rate (`gradsync.netem`; root and iproute2); None: every rank on loopback.
@@ -342,12 +378,14 @@ def launch(fn, *, strategy: str, workers: int, servers: int | None = None, mode:
         settings: other JobConfig fields (nonfinite, compression, step_timeout, ...); those not given come
             from the GRADSYNC_* environment, else their defaults.
     Raises:
-        JobFailed: naming the rank that caused the failure, with its traceback.
+        JobFailed: naming the rank that caused the failure, with its traceback (or, in an async or ssp job,
+            the departures when every worker left).
     """
     config = _job_config(strategy, workers, servers, mode, **settings)
     with contextlib.ExitStack() as stack:
         network, store = _network_and_store(stack, config, 0, link, server_link)
         run_dir = temporary_run_dir(stack, "gradsync-launch-")
+        _offer_join(config, run_dir, store, network)
         context, parent = rank_starter()
         ranks = []
         try:
@@ -358,10 +396,89 @@ def launch(fn, *, strategy: str, workers: int, servers: int | None = None, mode:
                                        daemon=False)
                 proc.start()
                 ranks.append(_Rank(rank, proc))
-            supervise(config, ranks, run_dir, store, timeout)
-            return [  # fn's return values, any picklable object, from the job's own ranks through a 0700 directory
-                torch.load(os.path.join(run_dir, f"result-{rank}.pt"), weights_only=False)
-                for rank in range(config.servers, config.world_size)
-            ]
+            departures = supervise(config, ranks, run_dir, store, timeout)
+            paths = [os.path.join(run_dir, f"result-{rank}.pt") for rank in range(config.servers, config.world_size)]
+            # fn's return values, any picklable object, from the job's own ranks through a 0700 directory
+            return Results([torch.load(p, weights_only=False) if os.path.exists(p) else None for p in paths],
+                           departures)
         finally:
             _kill_all(ranks)
+
+
+def join_script(target: str, script: str, script_args: list[str], *, workers: int = 1,
+                timeout: float | None = None) -> None:
+    """Start `workers` processes running `python script args` that join the running async ps job at `target`
+    (its run directory, or its store's HOST:PORT), each as a new worker with the job's settings: the
+    `gradsync run --join` command. A joined worker that dies or fails is recorded gone, and the job goes on.
+
+    Raises:
+        ConnectionError: the job's store cannot be reached.
+        JobFailed: a joined worker did not finish (killed, failed, or out of `timeout` seconds), with its
+            traceback.
+    """
+    host, port = newcomers.store_address(target)
+    try:
+        store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=_JOIN_STORE_TIMEOUT_S))
+    except dist.DistError as e:
+        raise ConnectionError(f"cannot reach the store of the job to join at {host}:{port} (has it ended?): {e}") from e
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with tempfile.TemporaryDirectory(prefix="gradsync-join-") as files:
+        joiners: list[_Rank] = []
+        failures: list[str] = []
+        try:
+            for i in range(workers):
+                env = {**os.environ, newcomers.JOIN: f"{host}:{port}", LAUNCHER_PID: str(os.getpid()),
+                       newcomers.INDEX_FILE: os.path.join(files, f"index-{i}"),
+                       "GRADSYNC_ERROR_FILE": os.path.join(files, f"error-{i}.txt"),
+                       "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+                proc = subprocess.Popen([sys.executable, script, *script_args], env=env, start_new_session=True)
+                joiners.append(_Rank(i, proc))
+            running = list(joiners)
+            while running and (deadline is None or time.monotonic() < deadline):
+                for joiner in [j for j in running if j.exitcode() is not None]:
+                    running.remove(joiner)
+                    failures += _joiner_ended(joiner, files, store, f"exited with code {joiner.exitcode()}")
+                time.sleep(_POLL_S)
+            for joiner in running:
+                failures += _joiner_ended(joiner, files, store, f"still running after {timeout:.0f} s (--timeout)")
+        finally:
+            _kill_all(joiners)
+            for joiner in joiners:  # stopped by a signal to this launcher: the job must not wait for them
+                _joiner_ended(joiner, files, store, "stopped with gradsync run --join")
+    if failures:
+        raise JobFailed("\n".join(failures))
+
+
+def _joiner_ended(joiner: _Rank, files: str, store: dist.Store, how: str) -> list[str]:
+    """Record joined worker `joiner` gone (`how`), unless it left the job (gradsync.shutdown) or was recorded
+    already; returns what to report: [] when it left, else its failure with its traceback."""
+    path = os.path.join(files, f"index-{joiner.rank}")
+    code = joiner.exitcode()
+    if code is not None and code < 0:
+        how = f"killed by {signal.Signals(-code).name}"
+    if not os.path.exists(path):
+        text = f"joining worker {joiner.rank} {how} before it joined the job"
+        return [] if code == 0 else [_with_traceback(text, files, joiner.rank)]
+    with open(path) as f:
+        worker = int(f.read())
+    if code == 0:
+        how = "exited without calling gradsync.shutdown()"
+    try:
+        if worker in parse_left(store.get(StoreKeys.LEFT)) or worker in parse_gone(store.get(StoreKeys.GONE)):
+            return [] if code in (0, None) else [_with_traceback(f"worker{worker} (joined) left the job, then {how}",
+                                                                 files, joiner.rank)]
+        record_gone(store, worker, how)
+        text = f"worker{worker} (joined) left the job: {how}; the job goes on without it"
+    except dist.DistError:
+        text = f"worker{worker} (joined) {how}, and the job's store is gone: the job has ended"
+    return [_with_traceback(text, files, joiner.rank)]
+
+
+def _with_traceback(text: str, files: str, joiner: int) -> str:
+    """`text`, and the traceback the joining process `joiner` recorded, if any."""
+    path = os.path.join(files, f"error-{joiner}.txt")
+    if os.path.exists(path):
+        with open(path) as f:
+            text += ":\n" + f.read()
+    return text

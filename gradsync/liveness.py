@@ -6,7 +6,10 @@ own (a blocking store call of the main thread cannot delay it), adds 1 to `grads
 process that is stopped (SIGSTOP), hung below Python with the GIL held, or dead; `Watch` turns the counters
 into seconds of silence on the reader's own clock, so no clocks are compared across machines. A worker that
 leaves (`gradsync.shutdown`) appends `worker:steps,` to `gradsync/left`, so a peer waiting for a step the
-leaver will never take can fail at once, naming it. The launcher reads the same keys.
+leaver will never take can fail at once, naming it. In an elastic job (async or ssp ps) a worker that died
+is recorded in `gradsync/gone` (by the launcher, or by a server for a joined worker gone silent), and counts
+as left; `gradsync/workers` counts the worker indices handed out, so workers that join are watched too. The
+launcher reads the same keys.
 
 Why heartbeats through the store, not only the launcher's view of its processes: they also work under
 torchrun and across machines, every rank can name a silent peer in its own error, and they cost one small
@@ -40,16 +43,39 @@ def interval(step_timeout: float) -> float:
     return min(1.0, step_timeout / 5)
 
 
-def create_keys(store: dist.Store, world_size: int) -> None:
-    """Create every rank's counter and the list of leavers, so that reading them never waits."""
+def create_keys(store: dist.Store, world_size: int, workers: int) -> None:
+    """Create every rank's counter, the lists of leavers and the count of workers (`workers`, unless set
+    already), so that reading them never waits."""
     for rank in range(world_size):
         store.add(StoreKeys.ALIVE.format(rank), 0)
     store.append(StoreKeys.LEFT, "")
+    store.append(StoreKeys.GONE, "")
+    store.compare_set(StoreKeys.WORKERS, "", str(workers))
 
 
 def parse_left(raw: bytes) -> dict[int, int]:
     """{worker: steps it had taken} from the `worker:steps,` entries of the LEFT key."""
     return {int(w): int(s) for w, s in (item.split(":") for item in raw.decode().split(",") if item)}
+
+
+def parse_gone(raw: bytes) -> dict[int, str]:
+    """{worker: how it went} from the `worker:how` lines of the GONE key (the first line per worker)."""
+    gone: dict[int, str] = {}
+    for line in raw.decode().splitlines():
+        worker, _, how = line.partition(":")
+        gone.setdefault(int(worker), how)
+    return gone
+
+
+def record_gone(store: dist.Store, worker: int, how: str) -> None:
+    """Record that `worker` left an elastic job without gradsync.shutdown() (`how`: 'killed by SIGKILL'...)."""
+    store.append(StoreKeys.GONE, f"{worker}:{how}\n")
+
+
+def staying(store: dist.Store) -> list[int]:
+    """The workers in the job now: every index handed out, less those that left or are gone."""
+    workers, left, gone = store.multi_get([StoreKeys.WORKERS, StoreKeys.LEFT, StoreKeys.GONE])
+    return sorted(set(range(int(workers))) - set(parse_left(left)) - set(parse_gone(gone)))
 
 
 class Watch:
@@ -60,19 +86,42 @@ class Watch:
         self.counts = [0] * config.world_size
         self.moved: list[float | None] = [None] * config.world_size  # None: has not beaten yet
         self.read_at = time.monotonic()
-        self.left: dict[int, int] = {}
+        self.left: dict[int, int | None] = {}  # worker: steps it had taken (None: gone, see `gone`)
+        self.gone: dict[int, str] = {}
+        self._noticed: dict[int, float] = {}  # rank of a joined worker: when this watch first saw its index
 
-    def read(self, store: dist.Store) -> dict[int, int]:
-        """Read every counter and the leavers; returns {worker: steps} of those that left since the last read."""
-        keys = [StoreKeys.ALIVE.format(rank) for rank in range(self.config.world_size)]
-        *counts, left = store.multi_get(keys + [StoreKeys.LEFT])
+    def read(self, store: dist.Store) -> dict[int, int | None]:
+        """Read every counter and the leavers; returns {worker: steps, or None when it is gone} of those that
+        left since the last read."""
+        keys = [StoreKeys.ALIVE.format(rank) for rank in range(len(self.counts))]
+        *counts, left, gone, workers = store.multi_get(keys + [StoreKeys.LEFT, StoreKeys.GONE, StoreKeys.WORKERS])
         self.read_at = time.monotonic()
         for rank, raw in enumerate(counts):
             if int(raw) != self.counts[rank]:
                 self.counts[rank], self.moved[rank] = int(raw), self.read_at
-        new = {w: s for w, s in parse_left(left).items() if w not in self.left}
+        self._watch_joined(store, self.config.servers + int(workers))
+        new: dict[int, int | None] = {w: s for w, s in parse_left(left).items() if w not in self.left}
+        for worker, how in parse_gone(gone).items():
+            if worker not in self.left and worker not in new:
+                new[worker] = None
+                self.gone[worker] = how
         self.left.update(new)
         return new
+
+    def _watch_joined(self, store: dist.Store, ranks: int) -> None:
+        """Watch the workers that joined, in rank order, each once its counter is in the store (a joiner
+        creates it right after taking its index, then beats): silent from when it was first noticed until it
+        beats. A counter missing for startup_timeout is created here (its joiner died before): then it is
+        silent, and a server records it gone."""
+        while len(self.counts) < ranks:
+            rank = len(self.counts)
+            noticed = self._noticed.setdefault(rank, self.read_at)
+            if not store.check([StoreKeys.ALIVE.format(rank)]):
+                if self.read_at - noticed < self.config.startup_timeout:
+                    return
+                store.add(StoreKeys.ALIVE.format(rank), 0)
+            self.counts.append(0)
+            self.moved.append(noticed)
 
     def silent(self, seconds: float) -> dict[int, float]:
         """{rank: seconds} of the ranks that have beaten, but not for `seconds` up to the last read (a pause of
@@ -95,14 +144,15 @@ class Heartbeat:
         self.watch = Watch(config)
         self._store = store.clone()
         self._store.set_timeout(datetime.timedelta(seconds=config.step_timeout))
-        create_keys(self._store, config.world_size)
-        self._listeners: list[Callable[[int, int], None]] = []
+        create_keys(self._store, config.world_size, config.num_workers)
+        self._listeners: list[Callable[[int, int | None], None]] = []
         self._stop = threading.Event()
         self._launcher = launcher_pid()
         threading.Thread(target=self._run, name="gradsync-heartbeat", daemon=True).start()
 
-    def on_left(self, listener: Callable[[int, int], None]) -> None:
-        """Call `listener(worker, steps)`, on the heartbeat thread, for each worker that leaves the job."""
+    def on_left(self, listener: Callable[[int, int | None], None]) -> None:
+        """Call `listener(worker, steps)`, on the heartbeat thread, for each worker that leaves the job (steps
+        None: it is gone without leaving, from an elastic job)."""
         self._listeners.append(listener)
 
     def stop(self) -> None:

@@ -93,7 +93,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("shard_id", "version", "workers_seen", "pushes_applied", "pushes_rejected", "steps_skipped", "max_staleness", "bytes_in", "bytes_out", "calls", "tables", "staleness_histogram", "max_lead")
+    __slots__ = ("shard_id", "version", "workers_seen", "pushes_applied", "pushes_rejected", "steps_skipped", "max_staleness", "bytes_in", "bytes_out", "calls", "tables", "staleness_histogram", "max_lead", "pushes_by_worker")
     class CallsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,13 @@ class GetStatsResponse(_message.Message):
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     class StalenessHistogramEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    class PushesByWorkerEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +128,7 @@ class GetStatsResponse(_message.Message):
     TABLES_FIELD_NUMBER: _ClassVar[int]
     STALENESS_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
     MAX_LEAD_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_BY_WORKER_FIELD_NUMBER: _ClassVar[int]
     shard_id: int
     version: int
     workers_seen: _containers.RepeatedScalarFieldContainer[int]
@@ -134,7 +142,8 @@ class GetStatsResponse(_message.Message):
     tables: _containers.RepeatedCompositeFieldContainer[TableStats]
     staleness_histogram: _containers.ScalarMap[int, int]
     max_lead: int
-    def __init__(self, shard_id: _Optional[int] = ..., version: _Optional[int] = ..., workers_seen: _Optional[_Iterable[int]] = ..., pushes_applied: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., steps_skipped: _Optional[int] = ..., max_staleness: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., calls: _Optional[_Mapping[str, int]] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., staleness_histogram: _Optional[_Mapping[int, int]] = ..., max_lead: _Optional[int] = ...) -> None: ...
+    pushes_by_worker: _containers.ScalarMap[int, int]
+    def __init__(self, shard_id: _Optional[int] = ..., version: _Optional[int] = ..., workers_seen: _Optional[_Iterable[int]] = ..., pushes_applied: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., steps_skipped: _Optional[int] = ..., max_staleness: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., calls: _Optional[_Mapping[str, int]] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., staleness_histogram: _Optional[_Mapping[int, int]] = ..., max_lead: _Optional[int] = ..., pushes_by_worker: _Optional[_Mapping[int, int]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("worker", "names")

@@ -309,6 +309,7 @@ class AsyncRule:
             shard.stats.staleness_histogram[stale] = shard.stats.staleness_histogram.get(stale, 0) + 1
             _row_staleness(shard, rows)
             shard.apply(decoded, _skipped(shard, [(checked, absent)]), buffers, merged)
+            shard.stats.pushes_by_worker[worker] = shard.stats.pushes_by_worker.get(worker, 0) + 1
             return _done(shard.version)
 
     def worker_left(self, worker: int, steps: int) -> None:

@@ -42,6 +42,8 @@ class ParameterServer:
         self.rule = None
         self._lock = threading.Lock()
         self._registrations: dict[int, tuple[ModelSpec, torch.futures.Future]] = {}
+        self._reference: ModelSpec | None = None  # worker 0's model, which a worker that joins must match
+        self._refusal: Exception | None = None  # why registrations fail: a worker left before all registered
         self._setup: dict | None = None
         self.ready = threading.Event()
 
@@ -50,9 +52,15 @@ class ParameterServer:
 
         The returned future resolves to this shard's frozen parameters (worker 0's values, which every
         worker then uses), and fails on every worker when any worker's model differs from worker 0's.
+        In async mode a worker may register later, joining the running job (`_admit`).
         """
         fut: torch.futures.Future = torch.futures.Future()
         with self._lock:
+            if self._refusal is not None:
+                fut.set_exception(self._refusal)
+                return fut
+            if self.ready.is_set() and worker not in self._registrations:
+                return self._admit(worker, spec)
             if self.ready.is_set() or worker in self._registrations:
                 fut.set_exception(RuntimeError(f"worker {worker} registered twice with server {self.shard_id}"))
                 return fut
@@ -71,12 +79,27 @@ class ParameterServer:
             if error is None:
                 self.rule = make_rule(self.mode, self.shard, self.num_workers, self.nonfinite, self.staleness)
                 self._setup = None
+                self._reference = registrations[0][0]
                 self.ready.set()
         for _, waiting in registrations.values():
             if error is None:
                 waiting.set_result(self.shard.frozen)
             else:
                 waiting.set_exception(error)
+        return fut
+
+    def _admit(self, worker: int, spec: ModelSpec) -> torch.futures.Future:
+        """A worker that joins the running job: in async mode, with worker 0's model. Call with `_lock` held."""
+        fut: torch.futures.Future = torch.futures.Future()
+        if self.mode != "async":
+            fut.set_exception(RuntimeError(
+                f"worker {worker} cannot join: server {self.shard_id} runs a {self.mode} job, whose steps count "
+                f"its {self.num_workers} workers; workers join async jobs (--mode async)"))
+        elif (diff := self._reference.difference(spec)) is not None:
+            fut.set_exception(model_mismatch_error(worker, diff))
+        else:
+            self._registrations[worker] = (spec, fut)
+            fut.set_result(self.shard.frozen)
         return fut
 
     def _build(self, s: dict) -> ShardState:
@@ -146,10 +169,21 @@ class ParameterServer:
             return _failed(shard, GradientError(f"worker {worker} is not a worker id: expected an integer >= 0"))
         return self.rule.commit(worker, pulled_version, payloads, absent, buffers, wire or self.wire, rows)
 
-    def worker_left(self, worker: int, steps: int) -> None:
-        """`worker` left the job after `steps` steps (told by the heartbeat): a sync step waiting for it fails."""
-        if self.rule is not None:
-            self.rule.worker_left(worker, steps)
+    def worker_left(self, worker: int, steps: int | None) -> None:
+        """`worker` left the job after `steps` steps (told by the heartbeat; None: it died, in an elastic job):
+        a sync step waiting for it fails; before every worker has registered, every registration fails."""
+        waiting: list[torch.futures.Future] = []
+        with self._lock:
+            rule = self.rule
+            if rule is None:
+                self._refusal = RuntimeError(
+                    f"worker {worker} left the job before all {self.num_workers} workers had registered the model "
+                    f"with server {self.shard_id}, which starts serving once every worker has built its Trainer")
+                waiting, self._registrations = [f for _, f in self._registrations.values()], {}
+        if rule is not None:
+            rule.worker_left(worker, steps)
+        for fut in waiting:
+            fut.set_exception(self._refusal)
 
     def worker_joined(self, worker: int) -> None:
         """`worker` ran out of data this round (`trainer.join()`, told by `gradsync.joins`)."""

@@ -48,6 +48,7 @@ class ShardStats:
     max_staleness: int = 0
     staleness_histogram: dict = dataclasses.field(default_factory=dict)  # version staleness -> applied pushes
     max_lead: int = 0  # ssp: most steps a pushing worker was ahead of the slowest
+    pushes_by_worker: dict = dataclasses.field(default_factory=dict)  # async, ssp: worker -> its applied pushes
     bytes_in: int = 0
     bytes_out: int = 0
 

@@ -28,11 +28,13 @@ from gradsync.core.buckets import ModelSpec
 from gradsync.netem import LINK
 from gradsync.ps.server import ParameterServer
 from gradsync.ps.shard import Snapshot
+from gradsync.transport import rpc_group
 
 
 def start_rpc(config: JobConfig, store: dist.Store) -> None:
-    """Join the job's RPC world through the rendezvous store. Every rank must call it."""
-    prefixed = dist.PrefixStore(StoreKeys.RPC, store)
+    """Join the job's RPC world through the rendezvous store (a dynamic group in elastic jobs: `rpc_group`).
+    Every rank must call it."""
+    prefixed = dist.PrefixStore(StoreKeys.RPC, store.clone() if config.elastic else store)
 
     def handler(url, **kwargs):
         yield prefixed, config.rank, config.world_size
@@ -45,7 +47,10 @@ def start_rpc(config: JobConfig, store: dist.Store) -> None:
         init_method="gradsync://", rpc_timeout=config.startup_timeout,
         num_worker_threads=max(16, 4 * config.world_size), _transports=["uv"], **channels,
     )
-    rpc.init_rpc(config.name, rank=config.rank, world_size=config.world_size, rpc_backend_options=options)
+    if config.elastic:
+        rpc_group.join(config, store, lambda: rpc.init_rpc(config.name, rank=config.rank, rpc_backend_options=options))
+    else:
+        rpc.init_rpc(config.name, rank=config.rank, world_size=config.world_size, rpc_backend_options=options)
     rpc._set_rpc_timeout(config.step_timeout)
 
 

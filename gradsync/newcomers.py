@@ -1,0 +1,100 @@
+"""Newcomers: workers that join a running async ps job. Where its store is, its settings, a fresh worker index.
+
+The launcher of an elastic job that runs over torch RPC writes `join.json` (the rendezvous store's address,
+mode 0600) into the run directory; server 0 publishes the job's settings (its GRADSYNC_* variables) in the
+store. A joining process (`gradsync run --join RUN_DIR script.py`, or GRADSYNC_JOIN=RUN_DIR|HOST:PORT for
+`gradsync.init()`) connects to the store, takes the next worker index (`gradsync/workers`, an atomic
+counter), creates its heartbeat counter at once, and starts as that worker: rank servers + index, RPC name
+worker<index>. The servers admit its registration while the job runs and its first step pulls their current
+parameters.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+
+import torch.distributed as dist
+
+from gradsync.atomic_file import write_atomically
+from gradsync.config import ConfigError, JobConfig, StoreKeys, settings_from_env
+
+JOIN = "GRADSYNC_JOIN"
+"""Set to a run directory or the job's store address (host:port): `gradsync.init()` joins that running job."""
+INDEX_FILE = "GRADSYNC_JOIN_INDEX_FILE"
+"""Where a joining process writes the worker index it took (for `gradsync run --join`, which supervises it)."""
+JOIN_FILE = "join.json"
+_JOB_SETTINGS = ("strategy", "mode", "staleness", "servers", "nonfinite", "compression", "transport")
+
+
+def joinable(config: JobConfig) -> bool:
+    """Whether workers can join this job while it runs: async ps over torch RPC."""
+    return config.elastic and config.mode == "async" and config.transport == "rpc"
+
+
+def write_join_file(run_dir: str, host: str, port: int) -> None:
+    """Leave the store's address in the run directory (owner-only: the store has no authentication)."""
+    write_atomically(os.path.join(run_dir, JOIN_FILE), json.dumps({"host": host, "port": port}).encode())
+
+
+def store_address(target: str) -> tuple[str, int]:
+    """(host, port) of a running job's store, from its run directory (join.json) or 'host:port'.
+
+    Raises:
+        ConfigError: naming `target` and what it must be.
+    """
+    if os.path.isdir(target):
+        path = os.path.join(target, JOIN_FILE)
+        if not os.path.exists(path):
+            raise ConfigError(
+                f"{target} has no {JOIN_FILE}: workers can join an async ps job over torch RPC while it runs "
+                "(gradsync run --strategy ps --mode async ... writes it into its run directory)"
+            )
+        with open(path) as f:
+            found = json.load(f)
+        return found["host"], int(found["port"])
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"cannot join {target!r}: give the job's run directory or its store address as HOST:PORT")
+    return host, int(port)
+
+
+def publish_settings(store: dist.Store, config: JobConfig) -> None:
+    """On server 0 of an elastic job: the job's settings, for the workers that join it."""
+    store.compare_set(StoreKeys.JOB, "", json.dumps(config.to_env()))
+
+
+def joiner_config(store: dist.Store, host: str, port: int, asked: dict, timeout: float) -> JobConfig:
+    """This joining process's place in the job: the job's settings and the next worker index, whose
+    heartbeat counter is created at once (the others watch it from then on).
+
+    Args:
+        asked: settings given to gradsync.init (None: not given): the job's (strategy, mode...) must match
+            it, this process's own (timeouts) replace the job's.
+        timeout: seconds to wait for the job's settings.
+    Raises:
+        ConfigError: the job does not take joining workers, or runs other settings than `asked`.
+    """
+    store.wait([StoreKeys.JOB], datetime.timedelta(seconds=timeout))
+    values = settings_from_env(json.loads(store.get(StoreKeys.JOB)))
+    job = JobConfig(**values, world_size=values["servers"] + 1)
+    if not joinable(job):
+        raise ConfigError(
+            f"the job at {host}:{port} runs strategy={job.strategy!r}, mode={job.mode!r}, transport="
+            f"{job.transport!r}: workers join async ps jobs over torch RPC (--strategy ps --mode async "
+            "--transport rpc); over gRPC, push from outside the job with gradsync.client.Client"
+        )
+    differ = [f"{k}={v!r} (the job runs {values[k]!r})" for k, v in asked.items()
+              if v is not None and k in _JOB_SETTINGS and v != values[k]]
+    if differ:
+        raise ConfigError(f"joining the job at {host}:{port} with {', '.join(differ)}: leave those settings "
+                          "out, a joining worker takes the job's")
+    values.update({k: v for k, v in asked.items() if v is not None and k not in _JOB_SETTINGS})
+    index = store.add(StoreKeys.WORKERS, 1) - 1
+    rank = job.servers + index
+    store.add(StoreKeys.ALIVE.format(rank), 0)
+    path = os.environ.get(INDEX_FILE)
+    if path:
+        write_atomically(path, str(index).encode())
+    return JobConfig(**values, rank=rank, world_size=rank + 1, master_addr=host, master_port=port,
+                     store_is_hosted=True)

@@ -1,0 +1,133 @@
+"""Elastic async workers: in async and ssp ps jobs a worker that dies does not stop the job, and a new worker can
+join a running async job over torch RPC; sync jobs still fail fast, naming the dead rank."""
+import datetime
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import gradsync
+from elastic_jobs import GRAD, LR, SIZE, die_before_the_trainer, train_while_a_worker_joins
+from faults import Fault, train_with_fault
+from gradsync import newcomers
+from gradsync.config import ConfigError, JobConfig, StoreKeys
+from gradsync.core.buckets import ModelSpec
+from gradsync.liveness import Watch, create_keys, record_gone, staying
+from grpc_harness import make_server, model_state, served
+
+STEPS = 8
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode,workers,settings", [("async", 3, {}), ("ssp", 2, {"staleness": 1})])
+def test_a_killed_worker_leaves_the_job_and_the_others_finish(mode, workers, settings, capfd):
+    killed = workers - 1  # ssp: without it the bound would hold worker 0 two steps after the kill
+    results = gradsync.launch(train_with_fault, strategy="ps", mode=mode, workers=workers, servers=1,
+                              args=(Fault(killed, 3, "kill"), STEPS), step_timeout=20, timeout=80, **settings)
+    assert list(results) == [STEPS] * (workers - 1) + [None]
+    (departure,) = results.departures
+    assert (departure.worker, departure.rank, departure.step, departure.how) == (killed, killed + 1, 3,
+                                                                                 "killed by SIGKILL")
+    err = capfd.readouterr().err
+    assert f"gradsync: the job finished without a worker: worker{killed} (rank {killed + 1}) left at step 3 " \
+           "(killed by SIGKILL)" in err, err
+
+
+@pytest.mark.timeout(60)
+def test_an_async_job_whose_every_worker_dies_fails_naming_them():
+    with pytest.raises(gradsync.JobFailed, match=r"every worker left the job, so it cannot finish: worker0 "
+                       r"\(rank 1\) left \(killed by SIGKILL\)") as info:
+        gradsync.launch(train_with_fault, strategy="ps", mode="async", workers=1, servers=1,
+                        args=(Fault(0, 1, "kill"), STEPS), timeout=50)
+    assert info.value.rank == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_dies_before_registering_fails_the_others_registration_naming_it():
+    start = time.monotonic()
+    with pytest.raises(gradsync.JobFailed, match=r"rank 1 \(worker0\) failed with exit code 1:(.|\n)*worker 1 left "
+                       r"the job before all 2 workers had registered the model with server 0"):
+        gradsync.launch(die_before_the_trainer, strategy="ps", mode="async", workers=2, servers=1, args=(1,),
+                        timeout=50)
+    assert time.monotonic() - start < 30  # not after the 120 s startup_timeout
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_worker_still_fails_a_sync_job_fast_naming_it():
+    start = time.monotonic()
+    with pytest.raises(gradsync.JobFailed) as info:
+        gradsync.launch(train_with_fault, strategy="ps", workers=2, servers=1, args=(Fault(1, 3, "kill"), 50),
+                        timeout=50)
+    assert str(info.value).startswith("rank 2 (worker1) failed with signal SIGKILL")
+    assert time.monotonic() - start < 30
+
+
+@pytest.mark.timeout(120)
+def test_a_new_worker_joins_a_running_async_job_over_rpc_and_its_pushes_are_applied():
+    steps, joiner_steps = 5, 4
+    result = gradsync.launch(train_while_a_worker_joins, strategy="ps", mode="async", workers=2, servers=1,
+                             args=(steps, joiner_steps), step_timeout=30, timeout=110)[0]
+    assert result["code"] == 0, result["out"]
+    assert "joined as worker 2 of 3" in result["out"], result["out"]
+    stats = result["stats"]
+    by_worker = stats["pushes_by_worker"]
+    assert by_worker[1] == steps and by_worker[2] == joiner_steps and by_worker[0] > steps
+    assert stats["pushes_applied"] == sum(by_worker.values()) and stats["workers_seen"] == [0, 1, 2]
+    assert torch.equal(result["state"]["w"], torch.full((SIZE,), -LR * GRAD * stats["pushes_applied"]))
+    first_loss = float(result["out"].split("first loss ")[1].split()[0])
+    pulled = -first_loss / (SIZE * LR * GRAD)  # pushes applied before the joiner's first step: it pulled them
+    assert pulled == int(pulled) and steps < pulled <= stats["pushes_applied"] - joiner_steps
+
+
+def test_a_running_async_server_admits_a_worker_with_the_same_model_only():
+    server = make_server("async", workers=2)
+    params, buffers = model_state()
+    assert server.register(7, ModelSpec.of(params, buffers), None).wait() == {}
+    params["fc2.bias"] = torch.zeros(5, requires_grad=True)
+    with pytest.raises(ValueError, match="worker 8's model differs from worker 0's"):
+        server.register(8, ModelSpec.of(params, buffers), None).wait()
+    with served(server) as (_, client):
+        grads = {n: torch.ones_like(p) for n, p in server.shard.params.items()}
+        client.push(grads, 0, worker=7)
+        assert client.stats()[0]["pushes_by_worker"] == {7: 1}
+    with pytest.raises(RuntimeError, match="worker 2 cannot join: server 0 runs a sync job"):
+        make_server("sync", workers=2).register(2, ModelSpec.of(*model_state()), None).wait()
+
+
+def _store() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=5))
+
+
+def test_a_gone_worker_counts_as_left_and_joined_workers_are_watched():
+    store = _store()
+    config = JobConfig(strategy="ps", mode="async", servers=1, world_size=3)
+    create_keys(store, config.world_size, config.num_workers)
+    newcomers.publish_settings(store, config)
+    joiner = newcomers.joiner_config(store, "127.0.0.1", store.port, {}, 1.0)
+    assert (joiner.rank, joiner.world_size, joiner.worker_rank, joiner.name) == (3, 4, 2, "worker2")
+    record_gone(store, 1, "killed by SIGKILL")
+    watch = Watch(config)
+    assert watch.read(store) == {1: None} and watch.gone == {1: "killed by SIGKILL"}
+    assert staying(store) == [0, 2] and len(watch.counts) == 4  # the joiner is watched from now on
+    store.add(StoreKeys.ALIVE.format(0), 1)
+    time.sleep(0.2)
+    watch.read(store)
+    assert sorted(watch.silent(0.1)) == [3]  # worker 1 is gone: not silent; worker 2 has not beaten
+
+
+def test_joining_refuses_jobs_that_take_no_workers_and_other_settings(tmp_path):
+    store = _store()
+    newcomers.publish_settings(store, JobConfig(strategy="ps", mode="sync", servers=1, world_size=2))
+    with pytest.raises(ConfigError, match=r"runs strategy='ps', mode='sync'.*workers join async ps jobs"):
+        newcomers.joiner_config(store, "127.0.0.1", store.port, {}, 1.0)
+    store = _store()
+    newcomers.publish_settings(store, JobConfig(strategy="ps", mode="async", servers=1, world_size=2))
+    with pytest.raises(ConfigError, match=r"with servers=2 \(the job runs 1\)"):
+        newcomers.joiner_config(store, "127.0.0.1", store.port, {"servers": 2}, 1.0)
+    with pytest.raises(ConfigError, match="has no join.json"):
+        newcomers.store_address(str(tmp_path))
+    newcomers.write_join_file(str(tmp_path), "127.0.0.1", 1234)
+    assert newcomers.store_address(str(tmp_path)) == ("127.0.0.1", 1234)
+    assert newcomers.store_address("10.0.0.5:29500") == ("10.0.0.5", 29500)
