@@ -43,6 +43,7 @@ from gradsync.proto.endpoints import new_token
 _HOST = "127.0.0.1"
 _POLL_S = 0.05
 _KILL_GRACE_S = 3.0
+_EXIT_GRACE_S = 10.0  # for a rank that recorded a failure to exit: torch's teardown takes seconds on a busy machine
 _JOIN_STORE_TIMEOUT_S = 30.0
 _PORT_FIX = "pass --master-port 0 (the default) to pick a free one, or choose another port"
 _STATES = {
@@ -179,7 +180,7 @@ def _recorded_failure(ranks: list[_Rank], store: dist.Store) -> int | None:
     if not store.check([StoreKeys.FAILED]):
         return None
     first = ranks[int(store.get(StoreKeys.FAILED).decode().split(":", 1)[0].split()[1])]
-    deadline = time.monotonic() + _KILL_GRACE_S
+    deadline = time.monotonic() + _EXIT_GRACE_S
     while first.exitcode() is None and time.monotonic() < deadline:
         time.sleep(_POLL_S)
     return first.rank if first.exitcode() not in (None, 0) else None
