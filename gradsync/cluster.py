@@ -330,7 +330,7 @@ def shutdown() -> None:
     Marks this worker as left (a peer waiting for a step with it fails at once, naming it), waits for the
     other workers to leave too (RPC's graceful shutdown needs every rank), then stops the process group and
     RPC; when some have not left by the timeout, it says which and stops without them. A worker of an
-    elastic job waits for no one: it stops its RPC agent at once.
+    elastic job waits for no one: it stops its RPC agent once its own calls are answered (`rpc_group.leave`).
     Raises:
         RuntimeError: another rank failed (waiting for the others).
     """
@@ -341,7 +341,7 @@ def shutdown() -> None:
     config = cluster.config
     deadline = time.monotonic() + config.shutdown_timeout
     cluster.store.append(StoreKeys.LEFT, f"{config.worker_rank}:{cluster.steps},")
-    others = None  # the workers still in the job
+    others = None  # the workers still in the job (None: not waited for)
     try:
         if not config.elastic:
             others = _wait_for_workers(cluster, deadline)

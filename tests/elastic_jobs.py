@@ -10,6 +10,7 @@ import time
 
 import torch
 import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
 from torch import nn
 
 import gradsync
@@ -45,6 +46,15 @@ def die_before_the_trainer(worker: int) -> None:
     if gradsync.worker_rank() == worker:
         os.kill(os.getpid(), signal.SIGKILL)
     gradsync.Trainer(Constant(), torch.optim.SGD, lr=LR)
+
+
+def kill_the_server_at(step: int, steps: int) -> None:
+    """Train `Constant`; worker 0 kills the server (it asks ps0 for its pid over RPC) at `step`."""
+    trainer = gradsync.Trainer(Constant(), torch.optim.SGD, lr=LR)
+    for i in range(steps):
+        if i == step and gradsync.worker_rank() == 0:
+            os.kill(rpc.rpc_sync("ps0", os.getpid), signal.SIGKILL)
+        constant_step(trainer)
 
 
 def train_while_a_worker_joins(steps: int, joiner_steps: int) -> dict:

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import gradsync
-from elastic_jobs import GRAD, LR, SIZE, die_before_the_trainer, train_while_a_worker_joins
+from elastic_jobs import GRAD, LR, SIZE, die_before_the_trainer, kill_the_server_at, train_while_a_worker_joins
 from faults import Fault, train_with_fault
 from gradsync import newcomers
 from gradsync.config import ConfigError, JobConfig, StoreKeys
@@ -41,6 +41,14 @@ def test_an_async_job_whose_every_worker_dies_fails_naming_them():
         gradsync.launch(train_with_fault, strategy="ps", mode="async", workers=1, servers=1,
                         args=(Fault(0, 1, "kill"), STEPS), timeout=50)
     assert info.value.rank == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_server_still_fails_an_async_job_naming_it():
+    with pytest.raises(gradsync.JobFailed) as info:
+        gradsync.launch(kill_the_server_at, strategy="ps", mode="async", workers=2, servers=1, args=(2, 50),
+                        timeout=50)
+    assert str(info.value).startswith("rank 0 (ps0) failed with signal SIGKILL"), str(info.value)
 
 
 @pytest.mark.timeout(60)
