@@ -123,7 +123,7 @@ def _grpc_servers(run_dirs: dict[int, str], ready, stop, queue) -> None:
     endpoints, servers = [], {}
     for size, run_dir in run_dirs.items():
         params, spec, buckets = _plan(size)
-        setup = make_setup(buckets, params, {}, {}, torch.optim.SGD, {"lr": 0.0})
+        setup = make_setup(buckets, params, {}, {}, OptimizerSpec.one_group(torch.optim.SGD, {"lr": 0.0}))
         server = ParameterServer(0, 1, "async", "raise")
         server.register(0, spec, setup).wait()
         endpoint = serve_grpc(server, token=TOKEN)

@@ -8,29 +8,41 @@ from torch import nn
 
 from gradsync import cluster, resume, scalars
 from gradsync.config import ConfigError
+from gradsync.core.clipping import Clipping
+from gradsync.core.optimizer_spec import as_optimizer
 from gradsync.core.row_optim import ROW_OPTIMIZERS
-from gradsync.core.tables import element_counts
 from gradsync.straggler import Straggler
 
 
 class Trainer:
-    """Wraps a model and an optimizer class for the job's strategy. Every worker must construct it.
+    """Wraps a model and its optimizer for the job's strategy. Every worker must construct it.
 
     Args:
-        model: the user's module, built identically on every worker (worker 0's values are used).
-        optimizer_cls: any `torch.optim.Optimizer` class; it runs on the servers (ps) or locally (allreduce).
+        model: the user's module, built identically on every worker (worker 0's values are used). After
+            every step it holds the values the next forward uses, under every strategy.
+        optimizer: a `torch.optim.Optimizer` instance over `model.parameters()` or parameter groups (any
+            class, every group's options), built before the Trainer as in a single-process loop; or, the
+            older form, an optimizer class followed by its keyword arguments (`Trainer(model,
+            torch.optim.SGD, lr=0.1)`). Under ps every server builds the same class with the same groups
+            over its shard; under allreduce the instance is used as it is.
+        max_grad_norm: clip the step's gradient to this total norm, as `torch.nn.utils.clip_grad_norm_` on
+            the joint batch's gradient (None: no clipping; float('inf') measures the norm only). Sync ps:
+            the servers agree on the norm across their shards before any applies; allreduce: the norm of the
+            averaged gradient; async and ssp ps: each push is clipped by its own norm.
+        grad_norm_type, error_if_nonfinite: as `clip_grad_norm_`'s `norm_type` and `error_if_nonfinite`.
         find_unused_parameters: allreduce and hybrid: allow parameters that get no gradient in a step (a
             branch not taken); a parameter no worker used is left alone by the optimizer, as in
             single-process training. Costs a walk of the autograd graph per forward. The ps strategy
             accepts and ignores it: it does not need it.
-        tables: 'auto' (default): under the ps and hybrid strategies, every `nn.Embedding` and
-            `nn.EmbeddingBag` whose weight is not tied to another layer is served row by row from the
-            parameter servers, and a worker pulls only the rows its batch looks up; 'dense': keep them
-            in the dense path like any other parameter. Allreduce keeps the whole model in DDP.
-        table_optimizer: the row-wise optimizer of the tables on the servers (`gradsync.RowSGD`,
-            `gradsync.RowAdagrad`); default: `optimizer_cls` when it is exact row by row (plain SGD),
-            else an error that asks for one.
-        optimizer_kwargs: passed to `optimizer_cls`.
+        tables: under the ps and hybrid strategies, which `nn.Embedding` / `nn.EmbeddingBag` weights (not tied
+            to another layer) are served row by row from the servers, a worker pulling only the rows its batch
+            looks up: 'auto' (default) those a row optimizer applies to (`table_optimizer`, or the exact
+            row-wise form of their group's optimizer: plain SGD), the others stay dense, said once; 'rows':
+            all of them (refused for a table without a row optimizer); 'dense': none. Allreduce keeps the
+            whole model in DDP.
+        table_optimizer: the row-wise optimizer of the served tables (`gradsync.RowSGD`,
+            `gradsync.RowAdagrad`).
+        optimizer_kwargs: with an optimizer class: its keyword arguments.
 
     Attributes:
         start_step: the step to continue from: 0, or the step of the checkpoint the job resumed from
@@ -39,51 +51,66 @@ class Trainer:
     Uneven data (workers with different numbers of batches): train inside `with trainer.join():` (see `join`).
     """
 
-    def __init__(self, model: nn.Module, optimizer_cls: type, *, find_unused_parameters: bool = False,
-                 tables: str = "auto", table_optimizer=None, **optimizer_kwargs):
+    def __init__(self, model: nn.Module, optimizer=None, *, max_grad_norm: float | None = None,
+                 grad_norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                 find_unused_parameters: bool = False, tables: str = "auto", table_optimizer=None,
+                 optimizer_cls=None, **optimizer_kwargs):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Trainer needs a torch.nn.Module, got {type(model).__name__}")
-        if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
-            raise TypeError(
-                f"optimizer_cls must be a torch.optim.Optimizer class such as torch.optim.SGD, got {optimizer_cls!r}"
-            )
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError(
                 "the model has no trainable parameters (none with requires_grad=True), so there is nothing "
                 "to train: unfreeze at least one (p.requires_grad_(True)) before building the Trainer"
             )
-        if tables not in ("auto", "dense"):
-            raise ValueError(f"tables={tables!r}: expected 'auto' (serve embedding tables row-wise) or 'dense'")
+        if tables not in ("auto", "rows", "dense"):
+            raise ValueError(f"tables={tables!r}: expected 'auto' (serve the tables a row optimizer applies to), "
+                             "'rows' (serve every table) or 'dense'")
         if table_optimizer is not None and not isinstance(table_optimizer, ROW_OPTIMIZERS):
             raise TypeError(f"table_optimizer must be gradsync.RowSGD(...) or gradsync.RowAdagrad(...), "
                             f"got {table_optimizer!r}")
+        clipping = Clipping(max_grad_norm, grad_norm_type, error_if_nonfinite)
+        optimizer = as_optimizer(model, optimizer if optimizer is not None else optimizer_cls, optimizer_kwargs)
         job = self._job = cluster.current()
         if job.config.is_server:
             raise RuntimeError("Trainer is for workers; servers serve inside gradsync.init()")
         self._model_description = resume.describe_model(model)
-        elements = element_counts(model, tables)  # before a strategy takes the tables over
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         if job.resumed is not None:
             resume.check_model(job.resumed, model)
         if job.config.strategy == "ps":
             from gradsync.worker.ps_strategy import PSStrategy
 
-            self._strategy = PSStrategy(job, model, optimizer_cls, optimizer_kwargs, tables=tables,
-                                        table_optimizer=table_optimizer)
+            self._strategy = PSStrategy(job, model, optimizer, tables=tables, table_optimizer=table_optimizer,
+                                        clipping=clipping)
         elif job.config.strategy == "hybrid":
             from gradsync.worker.hybrid_strategy import HybridStrategy
 
-            self._strategy = HybridStrategy(job, model, optimizer_cls, optimizer_kwargs, tables=tables,
-                                            table_optimizer=table_optimizer,
-                                            find_unused_parameters=find_unused_parameters)
+            self._strategy = HybridStrategy(job, model, optimizer, tables=tables, table_optimizer=table_optimizer,
+                                            find_unused_parameters=find_unused_parameters, clipping=clipping)
         else:
             from gradsync.worker.allreduce_strategy import AllreduceStrategy
 
-            self._strategy = AllreduceStrategy(job, model, optimizer_cls, optimizer_kwargs,
-                                               find_unused_parameters=find_unused_parameters)
+            self._strategy = AllreduceStrategy(job, model, optimizer, find_unused_parameters=find_unused_parameters,
+                                               clipping=clipping)
         self._straggler = Straggler(job.config.worker_rank)
         self._joining = False
-        scalars.watch(self, elements)
+        served = sum(t.numel for t in getattr(getattr(self._strategy, "tables", None), "specs", ()))
+        scalars.watch(self, {"dense": trainable - served, "tables": served})
         self.start_step = 0 if job.resumed is None else resume.restore(job, self._strategy, job.resumed)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer LR schedules drive: `param_groups` in the user's order with the user's keys (a change
+        takes effect from the next step, on every server); `state_dict()` keyed as the single-process
+        optimizer's; `load_state_dict()`. Under allreduce it is the user's own instance; under ps its groups
+        are the user's instance's (the same dicts) and its state lives on the servers. Every worker must
+        drive it alike."""
+        return self._strategy.optimizer
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The total gradient norm before clipping of the last step (with max_grad_norm; else None)."""
+        return self._strategy.grad_norm
 
     @property
     def model(self) -> nn.Module:
@@ -95,12 +122,18 @@ class Trainer:
         """Per-step timings and bytes (`metrics.summary()` gives medians)."""
         return self._strategy.metrics
 
-    def step(self, context_id: int) -> None:
+    def step(self, context_id: int, scaler: torch.amp.GradScaler | None = None) -> None:
         """Commit the step of `context_id`, once per context, after its backward: servers apply (ps) or
         the local optimizer steps (allreduce); then, every `checkpoint_every` steps, write a checkpoint
-        (every worker takes part)."""
+        (every worker takes part).
+
+        Args:
+            scaler: the `torch.amp.GradScaler` whose `scaler.scale(loss)` the backward ran on: the step
+                unscales the gradients before clipping, is skipped on every worker and server when they hold
+                an inf/NaN, and updates the scale (the GradScaler loop's unscale_, step and update in one).
+        """
         self._straggler.delay()
-        self._strategy.step(context_id)
+        self._strategy.step(context_id, scaler)
         self._straggler.committed()
         self._job.steps += 1
         every = self._job.config.checkpoint_every

@@ -6,6 +6,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from gradsync.core.optimizer_spec import OptimizerSpec
 from gradsync.client import Client
 from gradsync.config import JobConfig, StoreKeys
 from gradsync.proto.service import serve_grpc
@@ -37,8 +38,8 @@ def make_server(mode: str = "sync", workers: int = 2, lr: float = 0.1, momentum:
     spec = ModelSpec.of(params, buffers)
     buckets = [b for b in plan_buckets(spec.params, num_servers, cap_bytes=256) if b.server == shard]
     mine = {e.key for b in buckets for e in b.entries}
-    setup = make_setup(buckets, params, {n: t for n, t in buffers.items() if shard == 0}, {}, torch.optim.SGD,
-                       {"lr": lr, "momentum": momentum})
+    setup = make_setup(buckets, params, {n: t for n, t in buffers.items() if shard == 0}, {}, OptimizerSpec.one_group(torch.optim.SGD,
+                       {"lr": lr, "momentum": momentum}))
     server = ParameterServer(shard, workers, mode, nonfinite)
     futures = [server.register(w, spec, setup if w == 0 else None) for w in range(workers)]
     for f in futures:

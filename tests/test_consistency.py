@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from gradsync.core.optimizer_spec import OptimizerSpec
 from gradsync.core.buckets import ModelSpec, plan_buckets
 from gradsync.ps.consistency import AsyncRule, SSPRule, SyncRule
 from gradsync.core.errors import GradientError
@@ -16,7 +17,7 @@ def make_shard():
     torch.manual_seed(0)
     params = {"w": torch.randn(3, 4, requires_grad=True), "b": torch.randn(4, requires_grad=True)}
     buckets = plan_buckets(ModelSpec.of(params, {}).params, 1, 10**9)
-    shard = ShardState(0, buckets, params, {}, torch.optim.SGD, {"lr": 0.5, "momentum": 0.9})
+    shard = ShardState(0, buckets, params, {}, OptimizerSpec.one_group(torch.optim.SGD, {"lr": 0.5, "momentum": 0.9}))
     return shard, params
 
 
@@ -97,7 +98,7 @@ def test_a_cuda_shard_is_refused_without_cuda():
 def test_sync_on_a_cuda_shard_matches_the_cpu_shard():
     cpu, params = make_shard()
     buckets = cpu.buckets
-    gpu = ShardState(0, buckets, params, {}, torch.optim.SGD, {"lr": 0.5, "momentum": 0.9}, device="cuda")
+    gpu = ShardState(0, buckets, params, {}, OptimizerSpec.one_group(torch.optim.SGD, {"lr": 0.5, "momentum": 0.9}), device="cuda")
     for shard in (cpu, gpu):
         rule = SyncRule(shard, num_workers=3, nonfinite="raise")
         futures = [rule.commit(w, 0, grads_of(w, shard), ALL, {}) for w in range(3)]
@@ -138,7 +139,7 @@ def ssp_shard():
     torch.manual_seed(0)
     params = {"w": torch.zeros(2, requires_grad=True)}
     buckets = plan_buckets(ModelSpec.of(params, {}).params, 1, 10**9)
-    return ShardState(0, buckets, params, {}, torch.optim.SGD, {"lr": 1.0})
+    return ShardState(0, buckets, params, {}, OptimizerSpec.one_group(torch.optim.SGD, {"lr": 1.0}))
 
 
 def test_ssp_with_staleness_0_is_lock_step_and_averages_over_w():

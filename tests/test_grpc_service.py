@@ -6,6 +6,7 @@ import threading
 import pytest
 import torch
 
+from gradsync.core.optimizer_spec import OptimizerSpec
 from gradsync.client import Client, pull_to_file, status_table
 from gradsync.config import StoreKeys
 from gradsync.core.buckets import ModelSpec, TensorSpec
@@ -210,7 +211,7 @@ def test_multi_chunk_tensors_pull_and_push_bit_for_bit(dtype):
     g = torch.Generator().manual_seed(5)
     params = {"big": torch.randn(700_001, generator=g).to(dtype), "small": torch.randn(3, 5, generator=g).to(dtype)}
     spec = ModelSpec.of({n: p.requires_grad_() for n, p in params.items()}, {})
-    setup = make_setup(plan_buckets(spec.params, 1, 1 << 30), params, {}, {}, torch.optim.SGD, {"lr": LR})
+    setup = make_setup(plan_buckets(spec.params, 1, 1 << 30), params, {}, {}, OptimizerSpec.one_group(torch.optim.SGD, {"lr": LR}))
     server = ParameterServer(0, 1, "async", "raise")
     server.register(0, spec, setup).wait()
     with served(server) as (_, client):

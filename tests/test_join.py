@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import gradsync
+from gradsync.core.optimizer_spec import OptimizerSpec
 from gradsync.core.buckets import ModelSpec, plan_buckets
 from gradsync.ps.consistency import SSPRule, SyncRule
 from gradsync.ps.shard import ShardState
@@ -17,7 +18,7 @@ EPOCHS = [(5, 3), (2, 4)]  # batches per worker in each epoch: worker 1 joins fi
 def _shard():
     params = {"w": torch.zeros(2, requires_grad=True)}
     buckets = plan_buckets(ModelSpec.of(params, {}).params, 1, 10**9)
-    return ShardState(0, buckets, params, {}, torch.optim.SGD, {"lr": 1.0})
+    return ShardState(0, buckets, params, {}, OptimizerSpec.one_group(torch.optim.SGD, {"lr": 1.0}))
 
 
 def test_sync_steps_average_over_the_workers_still_active():

@@ -5,11 +5,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from gradsync.core.optimizer_spec import OptimizerSpec
 from gradsync.config import JobConfig, StoreKeys
 from gradsync.core.buckets import ModelSpec, plan_buckets
 from gradsync.ps.server import ParameterServer, make_setup
 from gradsync.transport.grpc import register_from_store
-from gradsync.transport.store_data import from_bytes, optimizer_class, optimizer_name, to_bytes
+from gradsync.transport.store_data import from_bytes, optimizer_class, optimizer_name, plain_setup, setup_from_plain, to_bytes
 from grpc_harness import model_state
 
 RAN: list[str] = []
@@ -34,23 +35,22 @@ def _setup(optimizer_cls=torch.optim.SGD):
     params, buffers = model_state()
     spec = ModelSpec.of(params, buffers)
     buckets = plan_buckets(spec.params, 1, cap_bytes=256)
-    return spec, make_setup(buckets, params, buffers, {}, optimizer_cls, {"lr": 0.1, "betas": (0.9, 0.99)})
+    return spec, make_setup(buckets, params, buffers, {}, OptimizerSpec.one_group(optimizer_cls, {"lr": 0.1, "betas": (0.9, 0.99)}))
 
 
 def test_spec_and_setup_round_trip_as_plain_data():
     spec, setup = _setup()
-    plain = dict(setup, optimizer_cls=optimizer_name(setup["optimizer_cls"]))
-    back = from_bytes(to_bytes({"spec": spec, "setup": plain}), "the test's data")
+    back = from_bytes(to_bytes({"spec": spec, "setup": plain_setup(setup)}), "the test's data")
     assert back["spec"] == spec and back["setup"]["buckets"] == setup["buckets"]
-    assert back["setup"]["optimizer_cls"] == "torch.optim.sgd:SGD"
-    assert back["setup"]["optimizer_kwargs"] == {"lr": 0.1, "betas": (0.9, 0.99)}
+    assert back["setup"]["optimizer"]["cls"] == "torch.optim.sgd:SGD"
+    assert setup_from_plain(back["setup"])["optimizer"] == setup["optimizer"]
     for kind in ("params", "buffers"):
         assert all(torch.equal(back["setup"][kind][n], t) for n, t in setup[kind].items())
 
 
 def test_anything_but_plain_data_is_refused_without_running_it():
     with pytest.raises(ValueError, match="the setup of server 0 in the rendezvous store is not plain data"):
-        from_bytes(to_bytes({"optimizer_kwargs": {"lr": _Payload()}}), "the setup of server 0")
+        from_bytes(to_bytes({"optimizer": {"defaults": {"lr": _Payload()}}}), "the setup of server 0")
     with pytest.raises(ValueError, match="not plain data"):
         from_bytes(to_bytes(torch.optim.SGD), "a class")
     assert RAN == []
@@ -83,7 +83,7 @@ def test_optimizer_classes_travel_by_name_and_resolve_only_to_optimizers():
 def test_server_answers_a_refused_optimizer_in_the_store_and_registers_nothing():
     spec, setup = _setup()
     store = dist.HashStore()
-    store.set(StoreKeys.GRPC_SETUP.format(0), to_bytes(dict(setup, optimizer_cls="os:system")))
+    store.set(StoreKeys.GRPC_SETUP.format(0), to_bytes(dict(plain_setup(setup), optimizer=dict(plain_setup(setup)["optimizer"], cls="os:system"))))
     store.set(StoreKeys.GRPC_SPEC.format(0, 0), to_bytes(spec))
     server = ParameterServer(0, 1, "sync", "raise")
     register_from_store(server, store, JobConfig(strategy="ps", servers=1, rank=0, world_size=2, transport="grpc"))

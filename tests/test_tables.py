@@ -8,9 +8,10 @@ import torch.distributed.autograd as dist_autograd
 from torch import nn
 
 import gradsync
+from gradsync.core.optimizer_spec import OptimizerSpec
 from gradsync.core.buckets import TensorSpec
 from gradsync.core.errors import GradientError
-from gradsync.core.row_optim import LazyRows, RowAdagrad, RowSGD, default_row_optimizer
+from gradsync.core.row_optim import LazyRows, RowAdagrad, RowSGD, exact_row_optimizer, no_row_form
 from gradsync.core.tables import check_ids, find_tables, merge_rows, rows_on, split_ids
 from gradsync.ps.consistency import AsyncRule, SyncRule
 from gradsync.ps.shard import ShardState
@@ -108,17 +109,19 @@ def test_row_optimizer_refuses_bad_values(kwargs):
         RowSGD(**kwargs)
 
 
-def test_default_row_optimizer_only_where_exact():
-    assert default_row_optimizer(torch.optim.SGD, {"lr": 0.3, "foreach": True}, "t") == RowSGD(lr=0.3)
-    with pytest.raises(ValueError, match=r"table 't' .* SGD\(lr=0.1, momentum=0.9\) has no exact row-wise form.*"
-                                         r"table_optimizer=gradsync.RowSGD"):
-        default_row_optimizer(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, "t")
-    with pytest.raises(ValueError, match="Adam"):
-        default_row_optimizer(torch.optim.Adam, {"lr": 0.1}, "t")
+def test_exact_row_optimizer_only_for_plain_sgd():
+    assert exact_row_optimizer(torch.optim.SGD, {"lr": 0.3, "foreach": True, "momentum": 0}) == RowSGD(lr=0.3)
+    assert exact_row_optimizer(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}) is None
+    assert exact_row_optimizer(torch.optim.SGD, {"lr": 0.1, "weight_decay": 0.01}) is None
+    assert exact_row_optimizer(torch.optim.SGD, {"lr": 0.1, "maximize": True}) is None
+    assert exact_row_optimizer(torch.optim.Adam, {"lr": 0.1}) is None
+    refusal = no_row_form(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "foreach": None}, "t")
+    assert "table 't' has no exact row-wise form under SGD(lr=0.1, momentum=0.9)" in refusal
+    assert "table_optimizer=gradsync.RowSGD" in refusal and "tables='dense'" in refusal
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
-    (dict(tables="rows"), ValueError, r"tables='rows': expected 'auto'"),
+    (dict(tables="row"), ValueError, r"tables='row': expected 'auto'"),
     (dict(table_optimizer=torch.optim.SGD), TypeError, r"table_optimizer must be gradsync.RowSGD"),
 ])
 def test_trainer_refuses_bad_table_arguments(kwargs, error, match):
@@ -177,7 +180,7 @@ def table_shard(optimizer=RowSGD(lr=1.0)) -> ShardState:
     """A shard of server 1 of 2 with no dense parameters and one 7 x 2 table (its rows 1, 3, 5)."""
     values = torch.arange(14.0).view(7, 2)[1::2].clone()
     table = TableShard(TensorSpec("t", (7, 2), torch.float32), 1, 2, values, optimizer)
-    return ShardState(1, [], {}, {}, torch.optim.SGD, {"lr": 1.0}, tables={"t": table})
+    return ShardState(1, [], {}, {}, OptimizerSpec.one_group(torch.optim.SGD, {"lr": 1.0}), tables={"t": table})
 
 
 def test_sync_rows_are_averaged_over_all_workers_absent_rows_count_zero():
@@ -264,8 +267,9 @@ def test_pull_rows_over_grpc_refuses_misrouted_ids_unknown_tables_and_a_wrong_ta
 
     values = torch.arange(14.0).view(7, 2)
     spec = TensorSpec("t", (7, 2), torch.float32)
-    setup = make_setup([], {}, {}, {}, torch.optim.SGD, {"lr": 1.0},
-                       {"t": {"spec": spec, "values": values[1::2].clone(), "padding_idx": None}}, RowSGD(lr=1.0), 2)
+    setup = make_setup([], {}, {}, {}, OptimizerSpec.one_group(torch.optim.SGD, {"lr": 1.0}),
+                       {"t": {"spec": spec, "values": values[1::2].clone(), "padding_idx": None,
+                              "optimizer": RowSGD(lr=1.0), "group": None}}, 2)
     server = ParameterServer(1, 1, "sync", "raise")
     server.register(0, ModelSpec((), (), (), (spec,)), setup).wait()
     with served(server) as (_, client):

@@ -130,16 +130,24 @@ def _check(optimizer, **values: float) -> None:
                              f"{'> 0' if name == 'lr' else '>= 0'}")
 
 
-def default_row_optimizer(optimizer_cls: type, kwargs: dict, table: str):
-    """The row optimizer that computes what `optimizer_cls(**kwargs)` computes on a table: plain SGD
-    (no momentum, no weight decay) is exact row by row; anything else needs an explicit choice."""
-    plain = {k: v for k, v in kwargs.items() if k not in ("lr", "foreach", "fused", "differentiable")}
-    if optimizer_cls is torch.optim.SGD and "lr" in kwargs and not any(plain.values()):
-        return RowSGD(lr=kwargs["lr"])
-    raise ValueError(
-        f"embedding table {table!r} is served row by row from the parameter servers, and "
-        f"{optimizer_cls.__name__}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}) has no exact row-wise "
-        "form (rows a batch does not touch would move in dense training: momentum, weight decay, Adam's "
-        "moments). Choose one: Trainer(..., table_optimizer=gradsync.RowSGD(lr=..., momentum=...)) or "
-        "gradsync.RowAdagrad(lr=...), or keep the tables dense with Trainer(..., tables='dense')"
+def exact_row_optimizer(optimizer_cls: type, options: dict) -> RowSGD | None:
+    """The row optimizer that computes what `optimizer_cls` with these group `options` computes on a table,
+    when there is one: plain SGD (no momentum, no weight decay) is exact row by row; None for the rest."""
+    plain = {k: v for k, v in options.items()
+             if k not in ("lr", "initial_lr", "foreach", "fused", "differentiable", "maximize")}
+    if optimizer_cls is torch.optim.SGD and not options.get("maximize") and not any(plain.values()):
+        return RowSGD(lr=float(options["lr"]))
+    return None
+
+
+def no_row_form(optimizer_cls: type, options: dict, table: str) -> str:
+    """Why table `table` cannot be served row by row with this optimizer, and the ways out."""
+    shown = {k: v for k, v in options.items() if k not in ("foreach", "fused", "differentiable", "capturable")
+             and v not in (None, False)}
+    return (
+        f"embedding table {table!r} has no exact row-wise form under "
+        f"{optimizer_cls.__name__}({', '.join(f'{k}={v!r}' for k, v in shown.items())}): rows a batch does not "
+        "touch would move in dense training (momentum, weight decay, Adam's moments). To serve it row by row, "
+        "give it a row optimizer: Trainer(..., table_optimizer=gradsync.RowSGD(lr=..., momentum=...)) or "
+        "gradsync.RowAdagrad(lr=...); or keep it dense with Trainer(..., tables='dense')"
     )

@@ -31,14 +31,6 @@ def find_tables(module: nn.Module) -> dict[str, nn.Module]:
     return tables
 
 
-def element_counts(module: nn.Module, tables: str = "auto") -> dict[str, int]:
-    """Trainable elements of `module`: {'dense': ..., 'tables': ...}, the tables as the ps and hybrid
-    strategies serve them (none with tables='dense'); a tied weight counts once."""
-    served = sum(m.weight.numel() for m in find_tables(module).values()) if tables == "auto" else 0
-    total = sum(p.numel() for p in module.parameters() if p.requires_grad)
-    return {"dense": total - served, "tables": served}
-
-
 def table_specs(tables: dict[str, nn.Module]) -> tuple[TensorSpec, ...]:
     """Name, (rows, dim) and dtype of each table, in model order."""
     return tuple(TensorSpec(name, tuple(m.weight.shape), m.weight.dtype) for name, m in tables.items())

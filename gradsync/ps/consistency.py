@@ -24,8 +24,10 @@ from typing import NamedTuple
 
 import torch
 
+from gradsync.core.clipping import Clipping
 from gradsync.core.errors import GradientError, left_early_error, nonfinite_error
 from gradsync.core.finite import first_nonfinite
+from gradsync.core.optimizer_spec import same_value
 from gradsync.core.tables import merge_rows
 from gradsync.cuda_ops import aggregate
 from gradsync.ps.shard import ShardState, Snapshot
@@ -177,6 +179,36 @@ class _Push(NamedTuple):
     rows: dict
     wire: object
     fut: torch.futures.Future
+    options: dict  # a schedule's changed group options ({group: {option: value}}), applied before the step
+    agree: Agreement | None  # hold the averaged gradient until the workers agree on its norm
+
+
+class Agreement(NamedTuple):
+    """A sync push asks its server to hold the averaged gradient and answer with its part of the norm
+    (`Partial`), for the workers to agree on the step's total norm (clipping) or finiteness (a GradScaler)
+    before any server applies (`SyncRule.finish`)."""
+
+    norm_type: float
+    skip_nonfinite: bool  # a NaN/Inf skips the step (GradScaler) instead of being the job's error
+
+
+class Partial(NamedTuple):
+    """A server's part of a held step's norm: sum of |g|^p of its averaged gradient (max |g| for p = inf)."""
+
+    version: int
+    value: float
+
+
+class _Held(NamedTuple):
+    """A sync step averaged and held until every worker has said how to finish it."""
+
+    means: list
+    skipped: list
+    buffers: dict
+    rows: dict
+    options: dict
+    workers: set  # the workers that pushed it
+    finished: dict  # worker -> the coefficient it asked for (None: skip)
 
 
 class SyncRule:
@@ -189,14 +221,23 @@ class SyncRule:
         self._pending: dict[int, _Push] = {}
         self._joined: set[int] = set()  # workers out of data this round (trainer.join())
         self._failure: Exception | None = None
+        self._held: _Held | None = None
 
     def commit(self, worker: int, pulled_version: int, grads: list, absent: list, buffers: dict,
-               wire=PLAIN, rows: dict | None = None) -> torch.futures.Future:
+               wire=PLAIN, rows: dict | None = None, options: dict | None = None,
+               agree: Agreement | None = None) -> torch.futures.Future:
+        """One worker's push of the step; resolves to the version after it, or with `agree` to this server's
+        `Partial` of the held step's norm (then `finish` applies it)."""
         shard = self.shard
         rows = {} if rows is None else rows
         with shard.lock:
             if self._failure is not None:
                 return _done(error=self._failure)
+            if self._held is not None:
+                shard.stats.pushes_rejected += 1
+                return _done(error=GradientError(
+                    f"worker {worker} pushed at version {shard.version} while server {shard.shard_id} waits for "
+                    "the workers to finish the held step (every worker must call finish before its next push)"))
             if worker in self._pending:
                 shard.stats.pushes_rejected += 1
                 return _done(error=GradientError(f"worker {worker} committed twice at version {shard.version}"))
@@ -206,10 +247,40 @@ class SyncRule:
             except GradientError as e:
                 return _done(error=e)
             fut: torch.futures.Future = torch.futures.Future()
-            self._pending[worker] = _Push(worker, checked, absent, buffers, rows, wire, fut)
+            self._pending[worker] = _Push(worker, checked, absent, buffers, rows, wire, fut, options or {}, agree)
             done = self._complete()
         _resolve(*done)
         return fut
+
+    def finish(self, worker: int, version: int, coefficient: float | None) -> torch.futures.Future:
+        """A worker's word on the held step: apply it with every gradient times `coefficient` (the workers'
+        clipping coefficient; 1.0 for none), or skip it (None). The first word applies (or skips) it; every
+        pushing worker must give the same word, and each is answered with the version after the step."""
+        shard = self.shard
+        with shard.lock:
+            held = self._held
+            if held is None or version != shard.version or worker not in held.workers or worker in held.finished:
+                return _done(error=GradientError(
+                    f"worker {worker} finished a step at version {version}, but server {shard.shard_id} holds "
+                    + ("no step" if held is None else f"the step at version {shard.version} pushed by workers "
+                       f"{sorted(held.workers)}, finished by {sorted(held.finished)}")))
+            said = set(held.finished.values())
+            if said and said != {coefficient}:
+                return _done(error=GradientError(
+                    f"worker {worker} finished the step at version {version} with {coefficient!r}, others with "
+                    f"{said.pop()!r}: every worker must compute the same coefficient from the servers' partials"))
+            if not held.finished:
+                shard.set_options(held.options)
+                if coefficient is None:
+                    shard.stats.steps_skipped += 1
+                else:
+                    scale = lambda g: g if g is None or coefficient == 1.0 else g * coefficient  # noqa: E731
+                    shard.apply([scale(m) for m in held.means], held.skipped, held.buffers,
+                                {n: (ids, scale(g)) for n, (ids, g) in held.rows.items()})
+            held.finished[worker] = coefficient
+            if len(held.finished) == len(held.workers):
+                self._held = None
+            return _done(shard.version)
 
     def worker_joined(self, worker: int) -> None:
         """`worker` has no more data this round (it left its `trainer.join()` block): later steps average over
@@ -222,15 +293,17 @@ class SyncRule:
             done = self._complete()
         _resolve(*done)
 
-    def _complete(self) -> tuple[list[_Push], GradientError | None, int]:
-        """When every active worker has pushed: apply the step; returns (the pushes to answer, the error that
-        fails them, the version to answer with). Call with the lock held."""
+    def _complete(self) -> tuple[list[_Push], GradientError | None, int | Partial]:
+        """When every active worker has pushed: apply (or hold) the step; returns (the pushes to answer, the
+        error that fails them, the version or `Partial` to answer with). Call with the lock held."""
         active = self.num_workers - len(self._joined)
         if not self._pending or len(self._pending) < active:
             return [], None, self.shard.version
         pending = [self._pending[w] for w in sorted(self._pending)]
         self._pending = {}
         error = self._step(pending)
+        if isinstance(error, Partial):
+            return pending, None, error
         if error is not None and self.nonfinite == "raise":
             self._failure = error
         else:
@@ -248,26 +321,39 @@ class SyncRule:
         for push in pending:
             push.fut.set_exception(self._failure)
 
-    def _step(self, pending: list[_Push]) -> GradientError | None:
-        """Average and apply one step; returns the non-finite error instead of applying (nothing changes)."""
+    def _step(self, pending: list[_Push]) -> GradientError | Partial | None:
+        """Average and apply one step; returns the non-finite error instead of applying (nothing changes), or,
+        when the pushes ask to agree, hold it and return this server's `Partial` of its norm."""
         shard = self.shard
+        try:
+            options = merged_options([(p.worker, p.options) for p in pending])
+        except GradientError as e:
+            return e
         means = [_mean(shard, b, [(p.payloads[b], p.wire) for p in pending], len(pending))
                  for b in range(len(shard.buckets))]
         rows = _mean_rows(shard, pending, len(pending))
+        agree = pending[0].agree
         error = None
         if first_nonfinite([m for m in means if m is not None]) is not None:
             error = _blame(shard, means, [(p.worker, p.payloads, p.wire) for p in pending])
         error = error or _blame_rows(rows, [(p.worker, p.rows) for p in pending])
-        if error is not None:
+        if error is not None and not (agree is not None and agree.skip_nonfinite):
             shard.stats.steps_skipped += self.nonfinite == "skip"
             return error
         skipped = _skipped(shard, [(p.payloads, p.absent) for p in pending])
-        shard.apply(means, skipped, mean_buffers([p.buffers for p in pending]), rows)
+        buffers = mean_buffers([p.buffers for p in pending])
+        if agree is not None:
+            self._held = _Held(means, skipped, buffers, rows, options, {p.worker for p in pending}, {})
+            parts = [m for m in means if m is not None] + [g for _, g in rows.values()]
+            return Partial(shard.version, Clipping(norm_type=agree.norm_type).partial(parts))
+        shard.set_options(options)
+        shard.apply(means, skipped, buffers, rows)
         return None
 
 
-def _resolve(pending: list[_Push], error: GradientError | None, version: int) -> None:
-    """Answer a sync step's pushes (outside the lock): the error, or the version after the step."""
+def _resolve(pending: list[_Push], error: GradientError | None, version: int | Partial) -> None:
+    """Answer a sync step's pushes (outside the lock): the error, or the version after the step (a `Partial`
+    of a held step)."""
     for push in pending:
         if error is not None:
             push.fut.set_exception(error)
@@ -285,11 +371,17 @@ class AsyncRule:
         self.nonfinite = nonfinite
 
     def commit(self, worker: int, pulled_version: int, grads: list, absent: list, buffers: dict,
-               wire=PLAIN, rows: dict | None = None) -> torch.futures.Future:
+               wire=PLAIN, rows: dict | None = None, options: dict | None = None,
+               agree: Agreement | None = None) -> torch.futures.Future:
+        """Apply one worker's push now, with its schedule's changed `options` (a worker clips its own push:
+        `agree` must be None)."""
         shard = self.shard
         rows = {} if rows is None else rows
         with shard.lock:
             try:
+                if agree is not None:
+                    raise GradientError(f"worker {worker} asked server {shard.shard_id} to hold its push for a "
+                                        "joint norm, which only sync steps have: async workers clip their own push")
                 checked, buffers = _validated(shard, worker, pulled_version, grads, absent, buffers, wire,
                                               exact=False, rows=rows)
             except GradientError as e:
@@ -308,6 +400,7 @@ class AsyncRule:
             shard.stats.max_staleness = max(shard.stats.max_staleness, stale)
             shard.stats.staleness_histogram[stale] = shard.stats.staleness_histogram.get(stale, 0) + 1
             _row_staleness(shard, rows)
+            shard.set_options(options or {})
             shard.apply(decoded, _skipped(shard, [(checked, absent)]), buffers, merged)
             shard.stats.pushes_by_worker[worker] = shard.stats.pushes_by_worker.get(worker, 0) + 1
             return _done(shard.version)
@@ -337,8 +430,10 @@ class SSPRule(AsyncRule):
         self._waiting: list[tuple[int, torch.futures.Future]] = []  # (slowest clock it needs, reply)
 
     def commit(self, worker: int, pulled_version: int, grads: list, absent: list, buffers: dict,
-               wire=PLAIN, rows: dict | None = None) -> torch.futures.Future:
-        applied = super().commit(worker, pulled_version, grads, absent, buffers, wire, rows)  # done at once
+               wire=PLAIN, rows: dict | None = None, options: dict | None = None,
+               agree: Agreement | None = None) -> torch.futures.Future:
+        applied = super().commit(worker, pulled_version, grads, absent, buffers, wire, rows, options,
+                                 agree)  # done at once
         try:
             applied.wait()
         except Exception:
@@ -388,6 +483,29 @@ class SSPRule(AsyncRule):
             ready, snapshot = self._release()
         for waiting in ready:
             waiting.set_result(snapshot)
+
+
+def merged_options(pushes: list[tuple[int, dict]]) -> dict[int, dict]:
+    """The group options changed by the pushes of one step ((worker, changes) in worker order).
+
+    Raises:
+        GradientError: two workers set one option to different values.
+    """
+    out: dict[int, dict] = {}
+    setter: dict[tuple[int, str], int] = {}
+    for worker, changes in pushes:
+        for g, options in changes.items():
+            for key, value in options.items():
+                mine = out.setdefault(g, {})
+                if key in mine and not same_value(mine[key], value):
+                    raise GradientError(
+                        f"workers {setter[g, key]} and {worker} set {key!r} of optimizer group {g} to {mine[key]!r} "
+                        f"and {value!r} in the same step: every worker must drive the schedule alike (step the "
+                        "same scheduler once per step on every worker)"
+                    )
+                mine[key] = value
+                setter[g, key] = worker
+    return out
 
 
 def _scaled(grad: torch.Tensor, scale: float) -> torch.Tensor:

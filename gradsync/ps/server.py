@@ -18,8 +18,9 @@ import torch
 
 from gradsync.core.buckets import Bucket, ModelSpec
 from gradsync.core.errors import GradientError, model_mismatch_error
+from gradsync.core.optimizer_spec import OptimizerSpec
 from gradsync.ps import checkpoint
-from gradsync.ps.consistency import make_rule
+from gradsync.ps.consistency import Agreement, Partial, SyncRule, make_rule
 from gradsync.ps.shard import ShardState, Snapshot
 from gradsync.ps.table import TableShard
 from gradsync.ps.wire import make_wire
@@ -104,11 +105,11 @@ class ParameterServer:
 
     def _build(self, s: dict) -> ShardState:
         """The shard from worker 0's setup, then, when resuming, its state from the checkpoint folder."""
-        tables = {name: TableShard(t["spec"], self.shard_id, s["num_servers"], t["values"], s["table_optimizer"],
-                                   t["padding_idx"])
+        tables = {name: TableShard(t["spec"], self.shard_id, s["num_servers"], t["values"], t["optimizer"],
+                                   t["padding_idx"], t["group"])
                   for name, t in s["tables"].items()}
-        shard = ShardState(self.shard_id, s["buckets"], s["params"], s["buffers"], s["optimizer_cls"],
-                           s["optimizer_kwargs"], self.device, s["frozen"], tables)
+        shard = ShardState(self.shard_id, s["buckets"], s["params"], s["buffers"], s["optimizer"], self.device,
+                           s["frozen"], tables)
         if self.resume_from is not None:
             checkpoint.restore(shard, checkpoint.load(os.path.join(self.resume_from, f"shard-{self.shard_id}.ckpt")))
         return shard
@@ -141,10 +142,10 @@ class ParameterServer:
             shard.stats.bytes_out += rows.nbytes
             return shard.version, rows
 
-    def reply(self, applied) -> Snapshot:
+    def reply(self, applied) -> Snapshot | Partial:
         """What a push's reply carries, from the value its future resolved to: the snapshot the rule released
-        the worker at (ssp), else the current one."""
-        return applied if isinstance(applied, Snapshot) else self.pull()
+        the worker at (ssp), this server's part of a held step's norm (`Partial`), else the current snapshot."""
+        return applied if isinstance(applied, (Snapshot, Partial)) else self.pull()
 
     def table_rows(self, table: str) -> torch.Tensor:
         """A copy of every row of `table` this server holds, in local order."""
@@ -153,12 +154,15 @@ class ParameterServer:
             return shard.tables[table].values.clone()
 
     def push(self, worker: int, pulled_version: int, payloads: list, absent: list, buffers: dict,
-             wire=None, rows: dict | None = None) -> torch.futures.Future:
+             wire=None, rows: dict | None = None, options: dict | None = None,
+             agree: Agreement | None = None) -> torch.futures.Future:
         """One worker's step: bucket payloads (None: no gradient in that bucket) in `wire`'s format (default:
-        the job's), the indices of entries without a gradient per bucket, its updated buffers, and its row
-        gradients per table: {name: (version the rows were pulled at, unique local ids, gradients)}.
+        the job's), the indices of entries without a gradient per bucket, its updated buffers, its row
+        gradients per table: {name: (version the rows were pulled at, unique local ids, gradients)}, and the
+        optimizer group options its schedule changed ({group: {option: value}}).
         Resolves to the shard's version after the step (in sync mode once all W pushed; in ssp mode to the
-        `Snapshot` the worker goes on from, once it may), or fails with the reason.
+        `Snapshot` the worker goes on from, once it may; with `agree`, to this server's `Partial` of the held
+        step's norm, and `finish` applies it), or fails with the reason.
         """
         shard = self._shard()
         if self.mode != "async" and not 0 <= worker < self.num_workers:
@@ -167,7 +171,30 @@ class ParameterServer:
             ))
         if worker < 0:  # async: any worker may join and leave, under a non-negative id
             return _failed(shard, GradientError(f"worker {worker} is not a worker id: expected an integer >= 0"))
-        return self.rule.commit(worker, pulled_version, payloads, absent, buffers, wire or self.wire, rows)
+        return self.rule.commit(worker, pulled_version, payloads, absent, buffers, wire or self.wire, rows, options,
+                                agree)
+
+    def finish(self, worker: int, version: int, coefficient: float | None) -> torch.futures.Future:
+        """Apply the held sync step at `version` with its gradients times `coefficient`, or skip it (None):
+        see `SyncRule.finish`."""
+        shard = self._shard()
+        if not isinstance(self.rule, SyncRule):
+            return _failed(shard, GradientError(f"server {self.shard_id} runs a {self.mode} job, which holds no "
+                                                "step to finish"))
+        return self.rule.finish(worker, version, coefficient)
+
+    def optimizer_state(self) -> dict:
+        """The optimizer's per-parameter state by entry key and its groups' options (CPU copies)."""
+        shard = self._shard()
+        with shard.lock:
+            return shard.optimizer_state()
+
+    def load_optimizer_state(self, state: dict, groups: list[dict]) -> None:
+        """Replace the optimizer's state (by entry key) and its groups' options."""
+        shard = self._shard()
+        with shard.lock:
+            shard.load_optimizer_state(state, groups)
+            shard.restored()
 
     def worker_left(self, worker: int, steps: int | None) -> None:
         """`worker` left the job after `steps` steps (told by the heartbeat; None: it died, in an elastic job):
@@ -246,11 +273,13 @@ def _usable_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def make_setup(buckets: list[Bucket], params, buffers, frozen, optimizer_cls, optimizer_kwargs,
-               tables: dict | None = None, table_optimizer=None, num_servers: int = 1) -> dict:
+def make_setup(buckets: list[Bucket], params, buffers, frozen, optimizer: OptimizerSpec,
+               tables: dict | None = None, num_servers: int = 1) -> dict:
     """What worker 0 sends one server at registration: its buckets, the values of the parameters they
-    hold pieces of, its buffers and frozen parameters, the optimizer, and its rows of each embedding table
-    ({name: {"spec", "values" (None: initialise on the server), "padding_idx"}}) with the row optimizer."""
+    hold pieces of, its buffers and frozen parameters, the optimizer (`OptimizerSpec`: the servers build its
+    class with its groups over their shards), and its rows of each embedding table
+    ({name: {"spec", "values" (None: initialise on the server), "padding_idx", "optimizer": its row optimizer,
+    "group": the optimizer group whose schedule sets the row optimizer's lr, or None}})."""
     names = {e.name for b in buckets for e in b.entries}
     cpu = lambda tensors: {n: t.detach().cpu() for n, t in tensors.items()}  # noqa: E731
     return {
@@ -258,10 +287,8 @@ def make_setup(buckets: list[Bucket], params, buffers, frozen, optimizer_cls, op
         "params": cpu({n: t for n, t in params.items() if n in names}),
         "buffers": cpu(buffers),
         "frozen": cpu(frozen),
-        "optimizer_cls": optimizer_cls,
-        "optimizer_kwargs": optimizer_kwargs,
+        "optimizer": optimizer,
         "tables": tables or {},
-        "table_optimizer": table_optimizer,
         "num_servers": num_servers,
     }
 

@@ -21,6 +21,7 @@ import torch
 from gradsync.core import memory
 from gradsync.core.buckets import Bucket
 from gradsync.core.errors import GradientError
+from gradsync.core.optimizer_spec import OptimizerSpec, apply_options, load_by_name, state_by_name
 from gradsync.ps.table import TableShard
 
 
@@ -62,8 +63,7 @@ class ShardState:
         buckets: list[Bucket],
         params: dict[str, torch.Tensor],
         buffers: dict[str, torch.Tensor],
-        optimizer_cls,
-        optimizer_kwargs: dict,
+        optimizer: OptimizerSpec,
         device: torch.device | str = "cpu",
         frozen: dict[str, torch.Tensor] | None = None,
         tables: dict[str, TableShard] | None = None,
@@ -76,7 +76,9 @@ class ShardState:
         self.params = {e.key: t for b, ts in zip(self.buckets, self.entries) for e, t in zip(b.entries, ts)}
         self.buffers = {n: t.detach().clone().to(self.device) for n, t in buffers.items()}
         self.frozen = {n: t.detach().to("cpu", copy=True) for n, t in (frozen or {}).items()}
-        self.optimizer = optimizer_cls(list(self.params.values()), **optimizer_kwargs) if self.params else None
+        self.optimizer = optimizer.build([(e.name, t) for b, ts in zip(self.buckets, self.entries)
+                                          for e, t in zip(b.entries, ts)])
+        self._keys = {id(t): k for k, t in self.params.items()}
         self.tables = tables or {}
         self.lock = threading.Lock()
         self.stats = ShardStats()
@@ -165,6 +167,27 @@ class ShardState:
         out = {n: p.detach().to("cpu", copy=True) for n, p in self.params.items()}
         out.update(self.named_copies())
         return out
+
+    def set_options(self, changes: dict[int, dict]) -> None:
+        """Take a schedule's new group options ({group index: {option: value}}). Call with `lock` held."""
+        if self.optimizer is not None:
+            apply_options(self.optimizer, changes)
+        for table in self.tables.values():
+            if table.group in changes and "lr" in changes[table.group]:
+                table.set_lr(changes[table.group]["lr"])
+
+    def optimizer_state(self) -> dict:
+        """The optimizer's per-parameter state by entry key and its groups' options. Call with `lock` held."""
+        if self.optimizer is None:
+            return {"state": {}, "groups": []}
+        return {"state": state_by_name(self.optimizer, self._keys),
+                "groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]}
+
+    def load_optimizer_state(self, state: dict[str, dict], groups: list[dict]) -> None:
+        """Replace the optimizer's state with `state` (by entry key) and its groups' options with `groups`.
+        Call with `lock` held."""
+        if self.optimizer is not None:
+            load_by_name(self.optimizer, self._keys, state, groups)
 
     def named_copies(self) -> dict[str, torch.Tensor]:
         """CPU copies of the buffers and frozen parameters by name. Call with `lock` held."""

@@ -30,15 +30,17 @@ class TableStats:
 
 
 class TableShard:
-    """Rows `server`, `server + S`, ... of table `spec`, with their row optimizer."""
+    """Rows `server`, `server + S`, ... of table `spec`, with their row optimizer (whose lr follows optimizer
+    group `group`'s schedule, when it is the exact row-wise form of that group's optimizer)."""
 
     def __init__(self, spec: TensorSpec, server: int, num_servers: int, values: torch.Tensor | None,
-                 optimizer, padding_idx: int | None = None):
+                 optimizer, padding_idx: int | None = None, group: int | None = None):
         rows, dim = spec.shape
         self.spec = spec
         self.server, self.num_servers = server, num_servers
         self.rows = rows_on(rows, server, num_servers)
         self.optimizer = optimizer
+        self.group = group  # the dense optimizer's group whose learning rate this table's rows follow, or None
         check_fits(spec, self.rows, optimizer, server)
         if values is None:  # a table built on the meta device: initialised here, as nn.Embedding would
             generator = torch.Generator().manual_seed(zlib.crc32(spec.name.encode()) + server)
@@ -108,6 +110,10 @@ class TableShard:
             self.state.load(saved["state"])
         elif self.state is not None:
             self.state.copy_(saved["state"])
+
+    def set_lr(self, lr: float) -> None:
+        """A schedule set the learning rate of this table's group."""
+        self.optimizer = dataclasses.replace(self.optimizer, lr=float(lr))
 
     def apply(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
         """One row optimizer step on the unique local rows `ids`."""

@@ -35,7 +35,7 @@ from gradsync.proto.endpoints import new_token, write_endpoints
 from gradsync.proto.service import SERVICE, serve_grpc
 from gradsync.ps.server import ParameterServer
 from gradsync.ps.shard import Snapshot
-from gradsync.transport.store_data import from_bytes, optimizer_class, optimizer_name, to_bytes
+from gradsync.transport.store_data import from_bytes, plain_setup, setup_from_plain, to_bytes
 
 
 def run_dir() -> str:
@@ -80,8 +80,7 @@ def register_from_store(server: ParameterServer, store: dist.Store, config: JobC
     keys = [StoreKeys.GRPC_SETUP.format(shard)] + [StoreKeys.GRPC_SPEC.format(shard, w) for w in range(config.num_workers)]
     store.wait(keys)
     try:
-        setup = from_bytes(store.get(StoreKeys.GRPC_SETUP.format(shard)), f"the setup of server {shard}")
-        setup["optimizer_cls"] = optimizer_class(setup["optimizer_cls"])
+        setup = setup_from_plain(from_bytes(store.get(StoreKeys.GRPC_SETUP.format(shard)), f"the setup of server {shard}"))
         specs = [from_bytes(store.get(StoreKeys.GRPC_SPEC.format(shard, w)), f"the model spec of worker {w}")
                  for w in range(config.num_workers)]
         futures = [server.register(w, spec, setup if w == 0 else None) for w, spec in enumerate(specs)]
@@ -118,8 +117,7 @@ class GrpcTransport:
                 raise ValueError(f"{t.name!r}: {e}; or use --transport rpc") from None
         for s in self.servers:
             if setups[s] is not None:
-                plain = dict(setups[s], optimizer_cls=optimizer_name(setups[s]["optimizer_cls"]))
-                self.store.set(StoreKeys.GRPC_SETUP.format(s), to_bytes(plain))
+                self.store.set(StoreKeys.GRPC_SETUP.format(s), to_bytes(plain_setup(setups[s])))
             self.store.set(StoreKeys.GRPC_SPEC.format(s, self.worker), to_bytes(spec))
         self.store.wait([StoreKeys.GRPC_REGISTERED.format(s) for s in self.servers])
         for s in self.servers:
@@ -135,7 +133,11 @@ class GrpcTransport:
                                    metadata=self.client.metadata) for s in self.servers}
         return {s: self._snapshot("JobPull", s, call, start) for s, call in calls.items()}
 
-    def push(self, versions, payloads, absent, buffers, rows=None) -> dict[int, Snapshot]:
+    def push(self, versions, payloads, absent, buffers, rows=None, options=None, agree=None) -> dict[int, Snapshot]:
+        if agree is not None:
+            _not_yet("clipping (max_grad_norm) and a GradScaler in sync mode")
+        if options:
+            _not_yet(f"changing optimizer options after the first step (a schedule set {options})")
         start = time.monotonic()
         calls = {s: self._pushes[s](self._step(versions[s], payloads[s], absent[s], buffers[s]),
                                     timeout=self.config.step_timeout, metadata=self.client.metadata)
@@ -165,6 +167,12 @@ class GrpcTransport:
             )
         return Snapshot(version, [tensors.pop(b) for b in range(buckets)], tensors)
 
+    def optimizer_state(self) -> dict[int, dict]:
+        _not_yet("trainer.optimizer.state_dict()")
+
+    def load_optimizer_state(self, parts: dict[int, tuple[dict, list]]) -> None:
+        _not_yet("trainer.optimizer.load_state_dict() (and an optimizer that holds state when the Trainer is built)")
+
     def state(self) -> dict[int, tuple]:
         return {s: (snap.version, snap.flats, {**snap.buffers, **{n: t.clone() for n, t in self.frozen[s].items()}})
                 for s, snap in self.pull().items()}
@@ -174,3 +182,7 @@ class GrpcTransport:
 
     def close(self) -> None:
         self.client.close()
+
+
+def _not_yet(what: str):
+    raise NotImplementedError(f"{what}: not supported by the grpc transport yet; use --transport rpc (the default)")

@@ -26,6 +26,7 @@ from torch.distributed.rendezvous import register_rendezvous_handler
 from gradsync.config import JobConfig, StoreKeys, server_name
 from gradsync.core.buckets import ModelSpec
 from gradsync.netem import LINK
+from gradsync.ps.consistency import Agreement, Partial
 from gradsync.ps.server import ParameterServer
 from gradsync.ps.shard import Snapshot
 from gradsync.transport import rpc_group
@@ -116,10 +117,21 @@ class RpcTransport:
                    for s, local in ids.items()}
         return wait_all(futures, f"pulling rows of table {table!r}", self.config.step_timeout)
 
-    def push(self, versions, payloads, absent, buffers, rows=None) -> dict[int, Snapshot]:
+    def push(self, versions, payloads, absent, buffers, rows=None, options=None, agree=None
+             ) -> dict[int, Snapshot | Partial]:
         rows = rows or {}
         return self._call(rpc_push, lambda s: (self.worker, versions[s], payloads[s], absent[s], buffers[s],
-                                               rows.get(s, {})), "push")
+                                               rows.get(s, {}), options or {}, agree), "push")
+
+    def finish(self, versions: dict[int, int], coefficient: float | None) -> dict[int, Snapshot]:
+        """Apply (or, with None, skip) the held step on every server: see `SyncRule.finish`."""
+        return self._call(rpc_finish, lambda s: (self.worker, versions[s], coefficient), "finishing the step")
+
+    def optimizer_state(self) -> dict[int, dict]:
+        return self._call(rpc_optimizer_state, lambda s: (), "reading the optimizer state")
+
+    def load_optimizer_state(self, parts: dict[int, tuple[dict, list]]) -> None:
+        self._call(rpc_load_optimizer_state, lambda s: parts[s], "loading the optimizer state")
 
     def state(self) -> dict[int, tuple]:
         return self._call(rpc_state, lambda s: (), "state")
@@ -163,15 +175,33 @@ def rpc_pull_rows(table: str, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
     return _server().pull_rows(table, ids)
 
 
-@rpc.functions.async_execution
-def rpc_push(worker: int, pulled_version: int, payloads: list, absent: list, buffers: dict,
-             rows: dict) -> torch.futures.Future:
-    server = _server()
-
-    def reply(applied: torch.futures.Future) -> Snapshot:
+def _replied(server: ParameterServer, fut: torch.futures.Future) -> torch.futures.Future:
+    def reply(applied: torch.futures.Future) -> Snapshot | Partial:
         return server.reply(applied.value())  # value() raises the push's error, if any, into the reply
 
-    return server.push(worker, pulled_version, payloads, absent, buffers, rows=rows).then(reply)
+    return fut.then(reply)
+
+
+@rpc.functions.async_execution
+def rpc_push(worker: int, pulled_version: int, payloads: list, absent: list, buffers: dict,
+             rows: dict, options: dict, agree: Agreement | None) -> torch.futures.Future:
+    server = _server()
+    return _replied(server, server.push(worker, pulled_version, payloads, absent, buffers, rows=rows,
+                                        options=options, agree=agree))
+
+
+@rpc.functions.async_execution
+def rpc_finish(worker: int, version: int, coefficient: float | None) -> torch.futures.Future:
+    server = _server()
+    return _replied(server, server.finish(worker, version, coefficient))
+
+
+def rpc_optimizer_state() -> dict:
+    return _server().optimizer_state()
+
+
+def rpc_load_optimizer_state(state: dict, groups: list) -> None:
+    _server().load_optimizer_state(state, groups)
 
 
 def rpc_state() -> tuple:

@@ -18,6 +18,7 @@ import io
 import torch
 
 from gradsync.core.buckets import Bucket, Entry, ModelSpec, TensorSpec
+from gradsync.core.optimizer_spec import OptimizerSpec
 
 torch.serialization.add_safe_globals([TensorSpec, ModelSpec, Bucket, Entry])  # plain frozen dataclasses
 
@@ -83,3 +84,16 @@ def optimizer_class(name: str) -> type:
     if not (isinstance(obj, type) and issubclass(obj, torch.optim.Optimizer)):
         raise ValueError(f"{name!r} is not a torch.optim.Optimizer subclass: refusing it as the optimizer")
     return obj
+
+
+def plain_setup(setup: dict) -> dict:
+    """A server's setup (`ps.server.make_setup`) as plain data: its `OptimizerSpec` with the class by name."""
+    spec = setup["optimizer"]
+    return dict(setup, optimizer={"cls": optimizer_name(spec.cls), "defaults": spec.defaults,
+                                  "groups": spec.groups, "names": spec.names})
+
+
+def setup_from_plain(plain: dict) -> dict:
+    """`plain_setup` undone; the optimizer class resolved by `optimizer_class`."""
+    o = plain["optimizer"]
+    return dict(plain, optimizer=OptimizerSpec(optimizer_class(o["cls"]), o["defaults"], tuple(o["groups"]), o["names"]))

@@ -48,6 +48,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from gradsync.core.clipping import Clipping
 from gradsync.core.errors import left_early_error, model_mismatch_error, nonfinite_error
 from gradsync.core.finite import first_nonfinite
 from gradsync.cuda_ops import DEFAULT_BLOCK_SIZE
@@ -142,12 +143,17 @@ class _Model(nn.Module):
     def forward(self, *args, **kwargs):
         return self._forward(*args, **kwargs)
 
+    @property
+    def module(self) -> nn.Module:
+        """The user's module, as DDP's `.module`."""
+        return self.ddp.module
+
 
 class AllreduceStrategy:
     """DDP + local optimizer. Every worker must construct it (a collective)."""
 
-    def __init__(self, cluster: Cluster, module: nn.Module, optimizer_cls, optimizer_kwargs: dict, *,
-                 find_unused_parameters: bool = False):
+    def __init__(self, cluster: Cluster, module: nn.Module, optimizer: torch.optim.Optimizer, *,
+                 find_unused_parameters: bool = False, clipping: Clipping = Clipping()):
         config = cluster.config
         self.cluster = cluster
         self.config = config
@@ -174,7 +180,9 @@ class AllreduceStrategy:
         for p in self.trainable:
             p.register_hook(self._check_local)
         self.model = _Model(self.ddp, self._forward)
-        self.optimizer = optimizer_cls(list(params.values()), **optimizer_kwargs)
+        self.optimizer = optimizer  # the user's own, over the module's parameters, which DDP keeps
+        self.clipping = clipping
+        self.grad_norm: float | None = None
         self.wire_bytes = _wire_bytes(self.trainable, config.num_workers, config.compression)
         cluster.heartbeat.on_left(self._peer_left)
 
@@ -216,10 +224,11 @@ class AllreduceStrategy:
         if first_nonfinite([grad]) is not None:
             self.local_nonfinite = True
 
-    def step(self, context_id: int) -> bool:
-        """Apply the optimizer to the averaged gradients of `context_id`. Every worker must call it,
-        once per context, after `dist_autograd.backward` in that context. Returns False when the step
-        was dropped for a NaN/Inf (nonfinite='skip'), the same on every worker."""
+    def step(self, context_id: int, scaler=None) -> bool:
+        """Apply the optimizer to the averaged gradients of `context_id` (unscaled by `scaler`, a GradScaler,
+        and clipped, as a single-process loop does). Every worker must call it, once per context, after
+        `dist_autograd.backward` in that context. Returns False when the step was dropped for a NaN/Inf
+        (nonfinite='skip', or an inf/NaN under the scaler), the same on every worker."""
         if context_id == self._last_context:
             raise RuntimeError(
                 f"step({context_id}) was already called for this context: call trainer.step(context_id) once "
@@ -234,13 +243,14 @@ class AllreduceStrategy:
                 "trainer.step(context_id)"
             )
         self._last_context = context_id
-        applied = self._apply([grads.get(p) for p in self.trainable], joined=False)
+        applied = self._apply([grads.get(p) for p in self.trainable], joined=False, scaler=scaler)
         self.metrics.committed(start, self.wire_bytes, self.wire_bytes)
         return applied
 
-    def _apply(self, averaged: list[torch.Tensor | None], joined: bool) -> bool:
+    def _apply(self, averaged: list[torch.Tensor | None], joined: bool, scaler=None) -> bool:
         """The rest of a step, the same on every worker, active or `joined`: the step's small collective,
-        then the optimizer on the averaged gradients, rescaled to the mean over the active workers."""
+        then the optimizer on the averaged gradients, rescaled to the mean over the active workers, unscaled
+        by `scaler` and clipped."""
         if self.active != self.config.num_workers:
             scale = self.config.num_workers / self.active
             averaged = [None if g is None else g * scale for g in averaged]
@@ -254,12 +264,25 @@ class AllreduceStrategy:
         for p, u, g in zip(self.trainable, used, averaged):
             p.grad = g if u else None
         live = [p for p in self.trainable if p.grad is not None]
+        if scaler is not None:  # an inf/NaN is the scaler's to handle: it skips the step and backs off
+            scaler.unscale_(self.optimizer)
+            stepped = first_nonfinite([p.grad for p in live]) is None
+            self._clip(live)
+            scaler.step(self.optimizer)
+            scaler.update()
+            return stepped
         bad = first_nonfinite([p.grad for p in live]) if suspect else None
         if bad is None:
+            self._clip(live)
             self.optimizer.step()
         if bad is not None and self.config.nonfinite == "raise":
             raise nonfinite_error(self.names[live[bad]], bad_workers[0] if bad_workers else "unknown")
         return bad is None
+
+    def _clip(self, live: list[torch.Tensor]) -> None:
+        if self.clipping.on:
+            self.grad_norm = float(torch.nn.utils.clip_grad_norm_(
+                live, self.clipping.max_norm, self.clipping.norm_type, self.clipping.error_if_nonfinite))
 
     def _sync(self, joined: bool) -> tuple[list[int], list[bool]]:
         """The step's one collective (every worker must reach it): which workers saw a NaN/Inf in their

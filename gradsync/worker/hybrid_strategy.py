@@ -22,6 +22,8 @@ import torch.distributed.autograd as dist_autograd
 from torch import nn
 
 from gradsync.core.buckets import ModelSpec
+from gradsync.core.clipping import Clipping
+from gradsync.core.optimizer_spec import OptimizerSpec
 from gradsync.joins import Joiner
 from gradsync.ps.server import make_setup
 from gradsync.transport.rpc import RpcTransport
@@ -36,14 +38,20 @@ if TYPE_CHECKING:
 class HybridStrategy:
     """Served tables + DDP. Every worker must construct it (a barrier on the servers and in DDP)."""
 
-    def __init__(self, cluster: Cluster, module: nn.Module, optimizer_cls, optimizer_kwargs: dict, *,
-                 tables: str = "auto", table_optimizer=None, find_unused_parameters: bool = False):
+    def __init__(self, cluster: Cluster, module: nn.Module, optimizer: torch.optim.Optimizer, *,
+                 tables: str = "auto", table_optimizer=None, find_unused_parameters: bool = False,
+                 clipping: Clipping = Clipping()):
         config = cluster.config
         worker = config.worker_rank
+        if clipping.on:
+            raise ValueError(
+                f"max_grad_norm={clipping.max_norm} under the hybrid strategy is not supported yet (the norm needs "
+                "the servers' averaged row gradients): use --strategy ps or allreduce to clip")
         self.keys = list(module.state_dict().keys())
-        self.tables, setups, table_optimizer = serve_tables(
-            module, tables, config.servers, None, optimizer_cls, optimizer_kwargs, table_optimizer,
-            send=worker == 0)
+        spec = OptimizerSpec.of(optimizer, module)
+        weights = {n: p for n, p in module.named_parameters()}
+        self.tables, setups = serve_tables(module, tables, config.servers, None, spec, table_optimizer,
+                                           send=worker == 0)
         if not self.tables.specs:
             raise ValueError(
                 "the hybrid strategy serves embedding tables (nn.Embedding, nn.EmbeddingBag) from the parameter "
@@ -53,20 +61,29 @@ class HybridStrategy:
         self.servers = list(range(config.servers))
         self.transport = RpcTransport(config, self.servers)
         self.tables.transport = self.transport
-        spec = ModelSpec((), (), (), self.tables.specs)
-        self.transport.register(spec, {s: make_setup([], {}, {}, {}, optimizer_cls, optimizer_kwargs, setups[s],
-                                                     table_optimizer, config.servers) if worker == 0 else None
-                                       for s in self.servers})
-        self.dense = AllreduceStrategy(cluster, module, optimizer_cls, optimizer_kwargs,
-                                       find_unused_parameters=find_unused_parameters)
+        self.transport.register(ModelSpec((), (), (), self.tables.specs),
+                                {s: make_setup([], {}, {}, {}, spec, setups[s], config.servers) if worker == 0
+                                 else None for s in self.servers})
+        served = {id(weights[t.name]) for t in self.tables.specs}
+        for group in optimizer.param_groups:  # the servers train the tables: the local optimizer keeps the rest
+            group["params"] = [p for p in group["params"] if id(p) not in served]
+        self.dense = AllreduceStrategy(cluster, module, optimizer, find_unused_parameters=find_unused_parameters)
         self.model = self.dense.model
+        self.optimizer = optimizer
         self.metrics = self.dense.metrics
         self.tables.metrics = self.metrics
         self._versions = {s: 0 for s in self.servers}
         self.joiner = Joiner(cluster, self.servers)
 
-    def step(self, context_id: int) -> None:
+    @property
+    def grad_norm(self) -> None:
+        return None
+
+    def step(self, context_id: int, scaler=None) -> None:
         """Apply the dense optimizer to the averaged gradients and push the row gradients to the servers."""
+        if scaler is not None:
+            raise ValueError("a GradScaler under the hybrid strategy is not supported yet (its inf check needs the "
+                             "servers' averaged row gradients): use --strategy ps or allreduce")
         rows = self.tables.row_grads(context_id, dist_autograd.get_gradients(context_id))
         if not self.dense.step(context_id):  # a NaN/Inf step dropped by nonfinite='skip': drop its rows too
             rows = {s: {} for s in self.servers}

@@ -15,6 +15,7 @@ out of data (`join`) tells the servers through the store (`gradsync.joins`).
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -25,13 +26,18 @@ from torch.func import functional_call
 
 from gradsync.core.buckets import (Bucket, ModelSpec, assign_tensors, by_server, join_pieces, may_split,
                                    plan_buckets)
-from gradsync.core.tables import find_tables
+from gradsync.core.clipping import Clipping
+from gradsync.core.finite import first_nonfinite
+from gradsync.core.optimizer_spec import OptimizerSpec, changed_options, group_options
 from gradsync.joins import Joiner
+from gradsync.ps.consistency import Agreement, Partial
 from gradsync.ps.server import make_setup
 from gradsync.ps.shard import Snapshot
 from gradsync.ps.wire import make_wire
+from gradsync.worker.amp import inverse_scale, record_found_inf
 from gradsync.worker.metrics import StepMetrics
 from gradsync.worker.model_state import named_tensors, ordered, to_state_dict
+from gradsync.worker.served_optimizer import ServedOptimizer
 from gradsync.worker.tables import current_context_id, serve_tables
 
 if TYPE_CHECKING:  # imports point one way: the start-up code (cluster) builds the strategies
@@ -74,25 +80,27 @@ class PSModel(nn.Module):
 class PSStrategy:
     """Pull / push against the parameter servers. Every worker must construct it (a barrier)."""
 
-    def __init__(self, cluster: Cluster, module: nn.Module, optimizer_cls, optimizer_kwargs: dict, *,
-                 tables: str = "auto", table_optimizer=None):
+    def __init__(self, cluster: Cluster, module: nn.Module, optimizer: torch.optim.Optimizer, *,
+                 tables: str = "auto", table_optimizer=None, clipping: Clipping = Clipping()):
         config = cluster.config
         self.config = config
         self.worker = config.worker_rank
         self.metrics = StepMetrics()
+        self.clipping = clipping
         self.keys = list(module.state_dict().keys())
-        if config.transport == "grpc" and tables == "auto" and (found := find_tables(module)):
-            raise ValueError(
-                f"the grpc transport does not serve embedding tables row by row yet ({next(iter(found))!r} "
-                "is one): use --transport rpc, or keep the tables dense with Trainer(..., tables='dense')"
-            )
-        self.tables, table_setups, table_optimizer = serve_tables(
-            module, tables, config.servers, self.metrics, optimizer_cls, optimizer_kwargs, table_optimizer,
-            send=self.worker == 0)
+        spec = OptimizerSpec.of(optimizer, module)
+        spec.check_buildable()
+        if config.transport == "grpc" and tables == "rows":
+            raise ValueError("the grpc transport does not serve embedding tables row by row yet: use --transport "
+                             "rpc, or keep the tables dense with Trainer(..., tables='auto' or 'dense')")
+        self.tables, table_setups = serve_tables(
+            module, "dense" if config.transport == "grpc" else tables, config.servers, self.metrics, spec,
+            table_optimizer, send=self.worker == 0)
         params, buffers = named_tensors(module)
+        self.params, self.buffers = params, buffers  # the user's module's: pointed at the servers' values
         self.spec = ModelSpec.of(params, buffers, self.tables.specs)
         cap = int(config.bucket_cap_mb * 2**20)
-        self.buckets = plan_buckets(self.spec.params, config.servers, cap, split=may_split(optimizer_cls))
+        self.buckets = plan_buckets(self.spec.params, config.servers, cap, split=may_split(spec.cls))
         self.servers = list(range(config.servers))
         self.server_buckets = by_server(self.buckets, config.servers)
         self.owner = assign_tensors(self.spec.buffers + self.spec.frozen, config.servers)
@@ -100,23 +108,27 @@ class PSStrategy:
         self.transport = _transport(cluster, self.server_buckets)
         self.joiner = Joiner(cluster, self.servers)
         self.tables.transport = self.transport
-        self.frozen = self._register(params, buffers, optimizer_cls, optimizer_kwargs, table_setups, table_optimizer)
-        for p in params.values():  # the servers own the values now; the local copies are never used
-            p.requires_grad_(False)
+        self.frozen = self._register(params, buffers, spec, table_setups)
         self.model = PSModel(module, self)
-        self._fresh: dict[int, Snapshot] | None = None  # the servers' state after our last step
+        self.optimizer = ServedOptimizer(
+            optimizer, spec.names, {s: [e for b in bs for e in b.entries] for s, bs in self.server_buckets.items()},
+            self.transport.optimizer_state, self.transport.load_optimizer_state)
+        self._sent = [group_options(g) for g in optimizer.param_groups]  # the options the servers hold
         self._last: tuple[int, _Pulled] | None = None
         self._stepped: int | None = None
+        self.grad_norm: float | None = None
+        self._next = self._build(self.transport.pull())  # what the next forward runs on, the module points at
+        if self.worker == 0 and any(optimizer.state.values()):  # a state the user loaded before the Trainer
+            self.optimizer.load_state_dict(optimizer.state_dict())
 
-    def _register(self, params, buffers, optimizer_cls, optimizer_kwargs, table_setups, table_optimizer
-                  ) -> dict[str, torch.Tensor]:
+    def _register(self, params, buffers, spec: OptimizerSpec, table_setups) -> dict[str, torch.Tensor]:
         setups = {s: None for s in self.servers}
         if self.worker == 0:
             frozen = {t.name: params[t.name] for t in self.spec.frozen}
             for s in self.servers:
                 mine = lambda tensors: {n: t for n, t in tensors.items() if self.owner[n] == s}  # noqa: E731
-                setups[s] = make_setup(self.server_buckets[s], params, mine(buffers), mine(frozen), optimizer_cls,
-                                       optimizer_kwargs, table_setups[s], table_optimizer, self.config.servers)
+                setups[s] = make_setup(self.server_buckets[s], params, mine(buffers), mine(frozen), spec,
+                                       table_setups[s], self.config.servers)
         return self.transport.register(self.spec, setups)
 
     def pulled(self, context_id: int | None) -> _Pulled:
@@ -125,19 +137,21 @@ class PSStrategy:
         if context_id is not None and self._last is not None and self._last[0] == context_id:
             return self._last[1]
         start = time.perf_counter()
-        snapshots, received = self._fresh, 0
-        if snapshots is None:
+        pulled, received = self._next, 0
+        if pulled is None:
             snapshots = self.transport.pull()
             received = sum(s.nbytes for s in snapshots.values())
-        if context_id is None:  # an evaluation forward: keep the fresh snapshots for the next step
-            return self._build(snapshots)
-        self._fresh = None
-        pulled = self._build(snapshots)
+            pulled = self._build(snapshots)
+        if context_id is None:  # an evaluation forward: keep them for the next step
+            self._next = pulled
+            return pulled
+        self._next = None
         self._last = (context_id, pulled)
         self.metrics.pulled(time.perf_counter() - start, received)
         return pulled
 
     def _build(self, snapshots: dict[int, Snapshot]) -> _Pulled:
+        """What a forward runs on, from the servers' snapshots; the user's module is pointed at the same values."""
         flats = {s: snap.flats for s, snap in snapshots.items()}
         leaves = {n: t.requires_grad_(True) for n, t in whole_params(self.server_buckets, flats).items()}
         tensors = dict(leaves)
@@ -146,10 +160,19 @@ class PSStrategy:
         for s, snap in snapshots.items():
             tensors.update(snap.buffers)
             buffer_names[s] = list(snap.buffers)
+        self._point(tensors)
         return _Pulled(tensors, leaves, {s: snap.version for s, snap in snapshots.items()}, buffer_names)
 
-    def step(self, context_id: int) -> None:
-        """Push this context's gradients to every server and wait until they are applied."""
+    def _point(self, values: dict[str, torch.Tensor]) -> None:
+        """Point the user's module's parameters and buffers at `values` (by name): no copy."""
+        for n, t in values.items():
+            mine = self.params.get(n, self.buffers.get(n))
+            if mine is not None:
+                mine.data = t.detach()
+
+    def step(self, context_id: int, scaler=None) -> None:
+        """Push this context's gradients to every server and wait until they are applied (or, with clipping
+        or a GradScaler in sync mode, agree on the step's norm first)."""
         pulled = self._pulled_for(context_id)
         start = time.perf_counter()
         by_leaf = dist_autograd.get_gradients(context_id)
@@ -161,6 +184,22 @@ class PSStrategy:
                 "[loss]) before trainer.step(context_id)"
             )
         self._last, self._stepped = None, context_id
+        unscale = inverse_scale(scaler)
+        if unscale != 1.0:
+            grads = {n: g * unscale for n, g in grads.items()}
+            rows = {s: {t: (v, ids, g * unscale) for t, (v, ids, g) in per.items()} for s, per in rows.items()}
+        agree = None
+        if self.config.mode == "sync" and (self.clipping.on or scaler is not None):
+            agree = Agreement(self.clipping.norm_type, skip_nonfinite=scaler is not None)
+        elif self.clipping.on or scaler is not None:  # async and ssp: each push by its own norm
+            tensors = list(grads.values()) + [g for per in rows.values() for _, _, g in per.values()]
+            found_inf = first_nonfinite(tensors) is not None if scaler is not None else False
+            if self.clipping.on and not found_inf:
+                self.grad_norm = self.clipping.clip_local(tensors)
+            if found_inf:  # this worker's push is dropped; the servers never see it (the next forward pulls)
+                record_found_inf(scaler, True)
+                self.metrics.committed(start, 0, 0)
+                return
         payloads, absent = {}, {}
         for s in self.servers:
             packed = [b.pack([e.piece(grads[e.name]) if e.name in grads else None for e in b.entries])
@@ -172,8 +211,31 @@ class PSStrategy:
         sent = sum(self.wire.nbytes(p) for per in payloads.values() for p in per if p is not None)
         sent += sum(b.nbytes for per in buffers.values() for b in per.values())
         sent += sum(ids.nbytes + g.nbytes for per in rows.values() for _, ids, g in per.values())
-        self._fresh = self.transport.push(pulled.versions, payloads, absent, buffers, rows)
-        self.metrics.committed(start, sent, sum(s.nbytes for s in self._fresh.values()))
+        changes = changed_options(self.optimizer.param_groups, self._sent)
+        if changes:
+            self._sent = [group_options(g) for g in self.optimizer.param_groups]
+        fresh = self.transport.push(pulled.versions, payloads, absent, buffers, rows, changes, agree)
+        if agree is not None:
+            fresh = self._finish(fresh, scaler)
+        elif scaler is not None:
+            record_found_inf(scaler, False)
+        self._next = self._build(fresh)
+        self.metrics.committed(start, sent, sum(s.nbytes for s in fresh.values()))
+        with self.optimizer.stepping():
+            self.optimizer.step()
+
+    def _finish(self, partials: dict[int, Partial], scaler) -> dict[int, Snapshot]:
+        """The servers' parts of the held step's norm -> the total (the same float on every worker), then
+        every server applies it clipped, or skips it when it holds an inf/NaN under a GradScaler."""
+        total = self.clipping.total([partials[s].value for s in self.servers])
+        finite = math.isfinite(total)
+        coefficient = self.clipping.coefficient(total) if self.clipping.on else 1.0
+        if self.clipping.on:
+            self.grad_norm = total
+        fresh = self.transport.finish({s: p.version for s, p in partials.items()}, coefficient if finite else None)
+        if scaler is not None:
+            record_found_inf(scaler, not finite)
+        return fresh
 
     @contextlib.contextmanager
     def join(self):
@@ -182,7 +244,8 @@ class PSStrategy:
         yield
         self.joiner.announce()
         self.joiner.wait()
-        self._fresh = self._last = None
+        self._last = None
+        self._next = self._build(self.transport.pull())
 
     def _pulled_for(self, context_id: int) -> _Pulled:
         if self._last is not None and self._last[0] == context_id:
@@ -211,6 +274,7 @@ class PSStrategy:
         values = {n: t.clone() for n, t in values.items()}
         for _, _, named in states.values():
             values.update(named)
+        self._point(values)
         tables = self.tables.full({s: named for s, (_, _, named) in states.items()})
         return ordered(to_state_dict(self.model.module, values), tables, self.keys)
 

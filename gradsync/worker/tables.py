@@ -19,7 +19,8 @@ import torch.distributed.autograd as dist_autograd
 import torch.nn.functional as F
 from torch import nn
 
-from gradsync.core.row_optim import default_row_optimizer
+from gradsync.core.optimizer_spec import OptimizerSpec
+from gradsync.core.row_optim import exact_row_optimizer, no_row_form
 from gradsync.core.tables import check_ids, find_tables, join_rows, merge_rows, split_ids, table_specs
 
 
@@ -60,16 +61,18 @@ class ServedTables:
         self.transport = None  # set by the strategy before the first forward
         self._lookups: dict[int, list[_Lookup]] = {}
 
-    def setups(self) -> dict[int, dict[str, dict]]:
+    def setups(self, rows: dict[str, tuple]) -> dict[int, dict[str, dict]]:
         """Per server, what registration sends of each table: its rows of worker 0's values (None for a
-        table built on the meta device: the servers initialise it)."""
+        table built on the meta device: the servers initialise it), and from `rows` ({table: (row optimizer,
+        the optimizer group whose schedule its learning rate follows, or None)}) its row optimizer."""
         out: dict[int, dict[str, dict]] = {s: {} for s in range(self.num_servers)}
         for spec in self.specs:
             module = self.modules[spec.name]
             weight = module.weight.detach()
             for s in range(self.num_servers):
                 values = None if weight.is_meta else weight[s::self.num_servers].contiguous()
-                out[s][spec.name] = {"spec": spec, "values": values, "padding_idx": module.padding_idx}
+                out[s][spec.name] = {"spec": spec, "values": values, "padding_idx": module.padding_idx,
+                                     "optimizer": rows[spec.name][0], "group": rows[spec.name][1]}
         return out
 
     def take_over(self) -> None:
@@ -135,17 +138,34 @@ class ServedTables:
                 for spec in self.specs}
 
 
-def serve_tables(module: nn.Module, tables: str, num_servers: int, metrics, optimizer_cls, optimizer_kwargs: dict,
-                 table_optimizer, send: bool) -> tuple[ServedTables, dict[int, dict], object]:
-    """Take `module`'s row-wise tables over (none with tables='dense'). Returns the `ServedTables`, what
-    registration sends each server of them (only when `send`: worker 0), and the row optimizer (the
-    user's, else the exact row-wise form of the dense optimizer)."""
-    found = find_tables(module) if tables == "auto" else {}
-    if not found:
-        table_optimizer = None
-    elif table_optimizer is None:
-        table_optimizer = default_row_optimizer(optimizer_cls, optimizer_kwargs, next(iter(found)))
-    served = ServedTables(found, num_servers, metrics)
-    setups = served.setups() if send else {s: {} for s in range(num_servers)}
-    served.take_over()
-    return served, setups, table_optimizer
+def serve_tables(module: nn.Module, tables: str, num_servers: int, metrics, optimizer: OptimizerSpec,
+                 table_optimizer, send: bool) -> tuple[ServedTables, dict[int, dict]]:
+    """Take over the tables of `module` that are served row by row, and return them with what registration
+    sends each server of them (only when `send`: worker 0).
+
+    tables='auto' serves a table when a row optimizer applies to it: `table_optimizer`, or the exact row-wise
+    form of its group's optimizer (plain SGD, whose learning rate then follows the group's schedule); any
+    other table stays dense, said once. tables='rows' serves every table and refuses one without a row
+    optimizer; tables='dense' serves none.
+    """
+    found = find_tables(module) if tables in ("auto", "rows") else {}
+    group_of = optimizer.group_of(found)
+    served, rows = {}, {}
+    for name, table in found.items():
+        options = optimizer.groups[group_of[name]]
+        exact = exact_row_optimizer(optimizer.cls, options)
+        if table_optimizer is None and exact is None:
+            if tables == "rows":
+                raise ValueError(no_row_form(optimizer.cls, options, name))
+            if send:
+                print(f"gradsync: embedding table {name!r} {tuple(table.weight.shape)} stays in the dense path "
+                      f"(tables='auto'): {optimizer.cls.__name__} has no exact row-wise form; serve it row by row "
+                      "with Trainer(..., table_optimizer=gradsync.RowAdagrad(lr=...)) or gradsync.RowSGD",
+                      flush=True)
+            continue
+        served[name] = table
+        rows[name] = (table_optimizer, None) if table_optimizer is not None else (exact, group_of[name])
+    tables_served = ServedTables(served, num_servers, metrics)
+    setups = tables_served.setups(rows) if send else {s: {} for s in range(num_servers)}
+    tables_served.take_over()
+    return tables_served, setups

@@ -1,0 +1,100 @@
+"""`trainer.optimizer` under the ps strategy: the user's parameter groups on the worker, the state on the servers.
+
+`ServedOptimizer` shares the user's optimizer's `param_groups` (the same list
+and dicts), so an LR scheduler built on either, or a hand-written
+`group["lr"] = ...`, changes what the next step sends the servers
+(`changed_options`). Its `state_dict()` gathers the servers' optimizer state
+into torch's layout (parameter indices in group order, a split parameter's
+pieces joined), and `load_state_dict()` takes such a dict, from gradsync or
+from single-process training, and hands each server its part. Its `step()` is
+what `trainer.step` calls once the servers applied a step (LR schedulers count
+it); called by anyone else it refuses, since only `trainer.step` can step.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+
+from gradsync.core.buckets import Entry
+from gradsync.core.optimizer_spec import group_options, join_state, split_state
+
+
+class ServedOptimizer(torch.optim.Optimizer):
+    """The user's optimizer groups, stepped by the parameter servers.
+
+    Args:
+        optimizer: the user's optimizer instance (its groups are shared, not copied).
+        names: each group's parameter names, in group order.
+        entries: each server's bucket entries (whole parameters and pieces of split ones).
+        gather: returns {server: {"state": {entry key: state}, "groups": [...]}} from every server.
+        scatter: sends {server: (state by entry key, group options)} to every server.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, names: tuple[tuple[str, ...], ...],
+                 entries: dict[int, list[Entry]], gather: Callable[[], dict], scatter: Callable[[dict], None]):
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self.param_groups = optimizer.param_groups
+        self._names = names
+        self._entries = entries
+        self._gather = gather
+        self._scatter = scatter
+        self._stepping = False
+
+    @contextlib.contextmanager
+    def stepping(self):
+        """The block in which `trainer.step` marks a step applied by the servers."""
+        self._stepping = True
+        try:
+            yield
+        finally:
+            self._stepping = False
+
+    def step(self, closure=None):
+        """Called by `trainer.step` after the servers applied the step; refuses any other caller."""
+        if not self._stepping:
+            raise RuntimeError(
+                "under the ps strategy the parameter servers apply the optimizer: call trainer.step(context_id) "
+                "once per step (it steps trainer.optimizer too, so LR schedulers see the step), not "
+                "optimizer.step()"
+            )
+        return None
+
+    def state_dict(self) -> dict:
+        """The servers' optimizer state in torch's layout, as the single-process optimizer's `state_dict()`."""
+        pieces = {}
+        for answer in self._gather().values():
+            pieces.update(answer["state"])
+        whole = join_state(pieces, [e for entries in self._entries.values() for e in entries])
+        state, groups, index = {}, [], 0
+        for group, names in zip(self.param_groups, self._names):
+            ids = list(range(index, index + len(names)))
+            state.update({i: whole[n] for i, n in zip(ids, names) if n in whole})
+            groups.append({**group_options(group), "params": ids})
+            index += len(names)
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Take a state dict in torch's layout (from `state_dict()`, or from this optimizer class in a single
+        process over the same model and groups): the groups' options here, the state on the servers.
+
+        Raises:
+            ValueError: the dict has other groups or group sizes than this optimizer (nothing is changed).
+        """
+        groups = state_dict["param_groups"]
+        sizes = [len(n) for n in self._names]
+        if [len(g["params"]) for g in groups] != sizes:
+            raise ValueError(
+                f"the optimizer state dict has groups of {[len(g['params']) for g in groups]} parameters, this "
+                f"optimizer {sizes}: load a state dict of the same optimizer over the same model and groups"
+            )
+        by_name = {}
+        for group, names in zip(groups, self._names):
+            for i, name in zip(group["params"], names):
+                if i in state_dict["state"]:
+                    by_name[name] = state_dict["state"][i]
+        options = [group_options(g) for g in groups]
+        self._scatter({s: (split_state(by_name, entries), options) for s, entries in self._entries.items()})
+        for group, new in zip(self.param_groups, options):
+            group.update(new)
