@@ -200,8 +200,9 @@ class Partial(NamedTuple):
 
 
 class _Held(NamedTuple):
-    """A sync step averaged and held until every worker has said how to finish it."""
+    """A sync step averaged and held, at `version`, until every worker has said how to finish it."""
 
+    version: int
     means: list
     skipped: list
     buffers: dict
@@ -221,7 +222,8 @@ class SyncRule:
         self._pending: dict[int, _Push] = {}
         self._joined: set[int] = set()  # workers out of data this round (trainer.join())
         self._failure: Exception | None = None
-        self._held: _Held | None = None
+        self._held: _Held | None = None  # a step waiting for the workers' word
+        self._finishing: _Held | None = None  # the step applied on the first word, until every worker said it
 
     def commit(self, worker: int, pulled_version: int, grads: list, absent: list, buffers: dict,
                wire=PLAIN, rows: dict | None = None, options: dict | None = None,
@@ -254,22 +256,23 @@ class SyncRule:
 
     def finish(self, worker: int, version: int, coefficient: float | None) -> torch.futures.Future:
         """A worker's word on the held step: apply it with every gradient times `coefficient` (the workers'
-        clipping coefficient; 1.0 for none), or skip it (None). The first word applies (or skips) it; every
-        pushing worker must give the same word, and each is answered with the version after the step."""
+        clipping coefficient; 1.0 for none), or skip it (None). The first word applies (or skips) it, and the
+        next step's pushes may come; every pushing worker must give the same word, and each is answered with
+        the version after the step."""
         shard = self.shard
         with shard.lock:
-            held = self._held
-            if held is None or version != shard.version or worker not in held.workers or worker in held.finished:
+            held = self._held or self._finishing
+            if held is None or version != held.version or worker not in held.workers or worker in held.finished:
                 return _done(error=GradientError(
                     f"worker {worker} finished a step at version {version}, but server {shard.shard_id} holds "
-                    + ("no step" if held is None else f"the step at version {shard.version} pushed by workers "
+                    + ("no step" if held is None else f"the step at version {held.version} pushed by workers "
                        f"{sorted(held.workers)}, finished by {sorted(held.finished)}")))
             said = set(held.finished.values())
             if said and said != {coefficient}:
                 return _done(error=GradientError(
                     f"worker {worker} finished the step at version {version} with {coefficient!r}, others with "
                     f"{said.pop()!r}: every worker must compute the same coefficient from the servers' partials"))
-            if not held.finished:
+            if held is self._held:
                 shard.set_options(held.options)
                 if coefficient is None:
                     shard.stats.steps_skipped += 1
@@ -277,10 +280,11 @@ class SyncRule:
                     scale = lambda g: g if g is None or coefficient == 1.0 else g * coefficient  # noqa: E731
                     shard.apply([scale(m) for m in held.means], held.skipped, held.buffers,
                                 {n: (ids, scale(g)) for n, (ids, g) in held.rows.items()})
+                self._held, self._finishing = None, held
             held.finished[worker] = coefficient
             if len(held.finished) == len(held.workers):
-                self._held = None
-            return _done(shard.version)
+                self._finishing = None
+            return _done(held.version + (coefficient is not None))
 
     def worker_joined(self, worker: int) -> None:
         """`worker` has no more data this round (it left its `trainer.join()` block): later steps average over
@@ -343,7 +347,7 @@ class SyncRule:
         skipped = _skipped(shard, [(p.payloads, p.absent) for p in pending])
         buffers = mean_buffers([p.buffers for p in pending])
         if agree is not None:
-            self._held = _Held(means, skipped, buffers, rows, options, {p.worker for p in pending}, {})
+            self._held = _Held(shard.version, means, skipped, buffers, rows, options, {p.worker for p in pending}, {})
             parts = [m for m in means if m is not None] + [g for _, g in rows.values()]
             return Partial(shard.version, Clipping(norm_type=agree.norm_type).partial(parts))
         shard.set_options(options)

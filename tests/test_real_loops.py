@@ -1,0 +1,106 @@
+"""Real training loops under every strategy against single-process training on the joint batch: the user's
+optimizer with parameter groups, LR schedules, clipping, accumulation, optimizer state dicts, mixed precision,
+and the user's module holding the trained values."""
+import math
+
+import pytest
+import torch
+
+import gradsync
+from real_loops import (MAX_NORM, continue_single_process, max_diff, noise_bound, optimizer_diff, reference,
+                        reference_amp, relative, train, train_amp, train_resumed)
+
+STEPS = 8
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy,servers,workers", [("ps", 1, 2), ("ps", 2, 2), ("ps", 2, 4), ("allreduce", 0, 2),
+                                                      ("allreduce", 0, 4)])
+def test_adamw_groups_warmup_clipping_and_accumulation_match_single_process(strategy, servers, workers):
+    args = (STEPS, "adamw", "warmup", MAX_NORM, 2, True)
+    results = gradsync.launch(train, strategy=strategy, workers=workers, servers=servers, args=args, timeout=280)
+    joint = reference(STEPS, workers, "adamw", "warmup", MAX_NORM, micro=2)
+    noise = max_diff(joint["state"], reference(STEPS, workers, "adamw", "warmup", MAX_NORM, 2, True)["state"])
+    assert sum(n > MAX_NORM for n in joint["norms"]) >= STEPS - 1  # the clipping bites
+    for r in results:
+        assert relative(r["norms"], joint["norms"]) <= 1e-5
+        assert max_diff(r["state"], joint["state"]) <= noise_bound(noise)
+        assert optimizer_diff(r["optimizer"], joint["optimizer"]) <= noise_bound(noise)
+        assert max_diff(r["state"], results[0]["state"]) == 0.0
+        assert r["lrs"][0] == pytest.approx([1e-3, 1e-3 / 3]) and r["lrs"][-1] == pytest.approx([3e-3, 1e-3])
+        assert r["is_module"] and max_diff(r["module"], r["state"]) == 0.0  # the user's module is trained
+        mine, through_trainer = r["eval"]
+        assert torch.equal(mine, through_trainer)
+    assert max_diff(results[0]["state"], reference(0, workers, "adamw", None, None)["state"]) > 1e-2
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy,servers,mode,workers,schedule", [
+    ("ps", 2, "sync", 2, "onecycle"), ("ps", 2, "sync", 2, "cosine"), ("allreduce", 0, "sync", 2, "onecycle"),
+    ("ps", 2, "async", 1, "onecycle"), ("ps", 1, "ssp", 1, "cosine"),
+])
+def test_schedules_and_clipping_reach_every_server_exactly_with_sgd(strategy, servers, mode, workers, schedule):
+    """SGD with momentum is exact to float rounding; async and ssp with one worker are sync training."""
+    results = gradsync.launch(train, strategy=strategy, workers=workers, servers=servers, mode=mode,
+                              args=(STEPS, "sgd", schedule, MAX_NORM), timeout=280)
+    joint = reference(STEPS, workers, "sgd", schedule, MAX_NORM)
+    for r in results:
+        assert max_diff(r["state"], joint["state"]) <= 1e-5
+        assert relative(r["norms"], joint["norms"]) <= 1e-5
+        assert optimizer_diff(r["optimizer"], joint["optimizer"]) <= 1e-5
+    assert len({tuple(map(tuple, r["lrs"])) for r in results}) == 1 and results[0]["lrs"][0] != results[0]["lrs"][-1]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy,servers", [("ps", 2), ("allreduce", 0)])
+@pytest.mark.parametrize("load_before", [True, False])
+def test_optimizer_state_dicts_move_between_single_process_and_gradsync(strategy, servers, load_before):
+    """3 steps in one process, 3 under gradsync from its state dicts, 2 more in one process from gradsync's:
+    the same as 8 steps in one process."""
+    workers = 2
+    first = reference(3, workers, "adamw", None, None)
+    middle = gradsync.launch(train_resumed, strategy=strategy, workers=workers, servers=servers,
+                             args=(3, 3, first, load_before), timeout=280)[0]
+    joint = continue_single_process(3, 3, workers, first["state"], first["optimizer"])
+    noise = max_diff(joint["state"], reference(6, workers, "adamw", None, None, per_worker=True)["state"])
+    assert max_diff(middle["state"], joint["state"]) <= noise_bound(noise)
+    assert optimizer_diff(middle["optimizer"], joint["optimizer"]) <= noise_bound(noise)
+    last = continue_single_process(6, 2, workers, middle["state"], middle["optimizer"])
+    assert max_diff(last["state"], continue_single_process(6, 2, workers, joint["state"], joint["optimizer"])["state"]
+                    ) <= noise_bound(noise)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy,servers", [("ps", 2), ("allreduce", 0)])
+def test_grad_scaler_skips_overflowing_steps_everywhere_and_backs_off_like_single_process(strategy, servers):
+    """fp16 autocast with a scale large enough that some steps overflow: every worker and server skips them
+    and the scale backs off, or grows after good steps, as torch's GradScaler loop does."""
+    args = (STEPS, 2.0**16, torch.float16, True)
+    results = gradsync.launch(train_amp, strategy=strategy, workers=2, servers=servers, args=args, timeout=280)
+    single = reference_amp(STEPS, 2, *args[1:])
+    scales = single["scales"]
+    assert any(b < a for a, b in zip(scales, scales[1:])) and any(b > a for a, b in zip(scales, scales[1:]))
+    for r in results:
+        assert r["scales"] == single["scales"]
+        assert r["dtypes"] == {torch.float32}
+        assert max_diff(r["state"], single["state"]) <= 2e-3  # fp16 rounding of a batch split in two
+    assert max_diff(results[0]["state"], reference_amp(0, 2, *args[1:])["state"]) > 1e-2
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy,servers", [("ps", 2), ("allreduce", 0), ("hybrid", 1)])
+def test_bfloat16_autocast_trains_fp32_parameters_under_every_strategy(strategy, servers):
+    args = (STEPS, 1.0, torch.bfloat16, False)
+    results = gradsync.launch(train_amp, strategy=strategy, workers=2, servers=servers, args=args, timeout=280)
+    single = reference_amp(STEPS, 2, *args[1:])
+    for r in results:
+        assert r["dtypes"] == {torch.float32}
+        assert max_diff(r["state"], single["state"]) <= 2e-2  # bf16 rounding of a batch split in two
+    assert max_diff(results[0]["state"], reference_amp(0, 2, *args[1:])["state"]) > 0.1
+
+
+def test_noise_bound_is_not_vacuous():
+    """The Adam-family bound: the float noise of single-process training is small but not zero here."""
+    joint = reference(STEPS, 2, "adamw", "warmup", MAX_NORM, micro=2)
+    noise = max_diff(joint["state"], reference(STEPS, 2, "adamw", "warmup", MAX_NORM, 2, True)["state"])
+    assert noise_bound(noise) < 1e-3 and math.isfinite(noise)
