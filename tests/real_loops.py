@@ -2,7 +2,9 @@
 checkpoints) as job functions for the tests, and their single-process references on the joint batch."""
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -197,13 +199,13 @@ def reference_amp(steps: int, workers: int, init_scale: float, dtype: torch.dtyp
 
 
 def train_drive_apart(steps: int) -> None:
-    """Worker 1 sets another learning rate than worker 0: the servers refuse the step, naming both."""
+    """Worker 0 lowers its learning rate at step 1, worker 1 does not: the servers refuse the step, naming both."""
     net = make_net()
     trainer = gradsync.Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1))
     me = gradsync.worker_rank()
     for step in range(steps):
         if step == 1:
-            trainer.optimizer.param_groups[0]["lr"] = 0.05 * (1 + me)
+            trainer.optimizer.param_groups[0]["lr"] = 0.05 if me == 0 else 0.1
         x, y = batch(step, me)
         with dist_autograd.context() as cid:
             dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
@@ -249,3 +251,61 @@ def noise_bound(noise: float) -> float:
     """What a gradsync result may differ from single-process training by, given that training's own noise."""
     return 10 * noise + 1e-6
 
+
+
+class SignSGD(torch.optim.Optimizer):
+    """A user's own optimizer class (not elementwise-listed: the servers keep its parameters whole)."""
+
+    def __init__(self, params, lr: float = 0.01, scale: float = 1.0):
+        super().__init__(params, dict(lr=lr, scale=scale))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad.sign(), alpha=-group["lr"] * group["scale"])
+
+
+def train_own_optimizer(steps: int) -> dict:
+    net = make_net()
+    trainer = gradsync.Trainer(net, SignSGD([{"params": net.head.parameters(), "scale": 2.0},
+                                             {"params": [p for n, p in net.named_parameters()
+                                                         if not n.startswith("head")]}], lr=0.01))
+    me = gradsync.worker_rank()
+    for step in range(steps):
+        x, y = batch(step, me)
+        with dist_autograd.context() as cid:
+            dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
+            trainer.step(cid)
+    return trainer.state_dict()
+
+
+def reference_own_optimizer(steps: int, workers: int) -> dict:
+    net = make_net()
+    opt = SignSGD([{"params": net.head.parameters(), "scale": 2.0},
+                   {"params": [p for n, p in net.named_parameters() if not n.startswith("head")]}], lr=0.01)
+    for step in range(steps):
+        opt.zero_grad()
+        parts = [batch(step, w) for w in range(workers)]
+        F.cross_entropy(net(torch.cat([x for x, _ in parts])), torch.cat([y for _, y in parts])).backward()
+        opt.step()
+    return net.state_dict()
+
+
+def train_tables(steps: int, optimizer_kind: str) -> dict:
+    """A small embedding under tables='auto': served row by row with plain SGD (its lr following the warm-up),
+    dense with AdamW."""
+    net, said = make_net(), io.StringIO()
+    with contextlib.redirect_stdout(said):
+        trainer = gradsync.Trainer(net, make_optimizer(optimizer_kind, net))
+    scheduler = make_schedule("warmup", trainer.optimizer, steps)
+    me = gradsync.worker_rank()
+    for step in range(steps):
+        x, y = batch(step, me)
+        with dist_autograd.context() as cid:
+            dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
+            trainer.step(cid)
+        scheduler.step()
+    return {"state": trainer.state_dict(), "tables": sorted(trainer.server_stats()[0]["tables"]),
+            "said": said.getvalue()}

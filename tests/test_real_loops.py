@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import gradsync
-from real_loops import (MAX_NORM, continue_single_process, max_diff, noise_bound, optimizer_diff, reference,
-                        reference_amp, relative, train, train_amp, train_resumed)
+from real_loops import (MAX_NORM, call_optimizer_step, continue_single_process, max_diff, noise_bound,
+                        optimizer_diff, reference, reference_own_optimizer, train_drive_apart, train_own_optimizer,
+                        reference_amp, relative, train, train_amp, train_resumed, train_tables)
 
 STEPS = 8
 
@@ -104,3 +105,35 @@ def test_noise_bound_is_not_vacuous():
     joint = reference(STEPS, 2, "adamw", "warmup", MAX_NORM, micro=2)
     noise = max_diff(joint["state"], reference(STEPS, 2, "adamw", "warmup", MAX_NORM, 2, True)["state"])
     assert noise_bound(noise) < 1e-3 and math.isfinite(noise)
+
+
+@pytest.mark.timeout(300)
+def test_a_users_own_optimizer_class_with_groups_runs_on_the_servers():
+    state = gradsync.launch(train_own_optimizer, strategy="ps", workers=2, servers=2, args=(4,), timeout=280)[0]
+    assert max_diff(state, reference_own_optimizer(4, 2)) <= 1e-6
+    assert max_diff(state, reference_own_optimizer(0, 2)) > 1e-2
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("optimizer_kind,served", [("plain", ["emb.weight"]), ("adamw", [])])
+def test_tables_are_served_only_where_a_row_optimizer_applies(optimizer_kind, served):
+    result, other = gradsync.launch(train_tables, strategy="ps", workers=2, servers=2, args=(STEPS, optimizer_kind),
+                                    timeout=280)
+    joint = reference(STEPS, 2, optimizer_kind, "warmup", None)
+    noise = max_diff(joint["state"], reference(STEPS, 2, optimizer_kind, "warmup", None, per_worker=True)["state"])
+    assert result["tables"] == served
+    assert max_diff(result["state"], joint["state"]) <= noise_bound(noise)
+    note = "embedding table 'emb.weight' (12, 8) stays in the dense path (tables='auto'): AdamW has no exact"
+    assert result["said"].count(note) == (0 if served else 1) and other["said"] == ""  # said once, by worker 0
+
+
+@pytest.mark.timeout(120)
+def test_a_schedule_that_differs_between_workers_is_refused_naming_both():
+    with pytest.raises(gradsync.JobFailed, match=r"worker 0 changed 'lr' of optimizer group 0 to 0.05 and worker 1 not at all"):
+        gradsync.launch(train_drive_apart, strategy="ps", workers=2, servers=1, args=(3,), timeout=110)
+
+
+@pytest.mark.timeout(120)
+def test_optimizer_step_under_ps_says_to_call_trainer_step():
+    answer = gradsync.launch(call_optimizer_step, strategy="ps", workers=1, servers=1, timeout=110)[0]
+    assert "call trainer.step(context_id)" in answer and "not optimizer.step()" in answer

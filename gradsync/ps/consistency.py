@@ -490,26 +490,26 @@ class SSPRule(AsyncRule):
 
 
 def merged_options(pushes: list[tuple[int, dict]]) -> dict[int, dict]:
-    """The group options changed by the pushes of one step ((worker, changes) in worker order).
+    """The group options a sync step's pushes ((worker, changes) in worker order) changed: the workers agreed
+    before, so they agree after only if each changed the same options to the same values.
 
     Raises:
-        GradientError: two workers set one option to different values.
+        GradientError: naming an option two workers changed differently (or one changed and one did not).
     """
-    out: dict[int, dict] = {}
-    setter: dict[tuple[int, str], int] = {}
-    for worker, changes in pushes:
-        for g, options in changes.items():
-            for key, value in options.items():
-                mine = out.setdefault(g, {})
-                if key in mine and not same_value(mine[key], value):
-                    raise GradientError(
-                        f"workers {setter[g, key]} and {worker} set {key!r} of optimizer group {g} to {mine[key]!r} "
-                        f"and {value!r} in the same step: every worker must drive the schedule alike (step the "
-                        "same scheduler once per step on every worker)"
-                    )
-                mine[key] = value
-                setter[g, key] = worker
-    return out
+    first, changes = pushes[0]
+    for worker, theirs in pushes[1:]:
+        for g in sorted(set(changes) | set(theirs)):
+            mine, other = changes.get(g, {}), theirs.get(g, {})
+            for key in sorted(set(mine) | set(other)):
+                if key in mine and key in other and same_value(mine[key], other[key]):
+                    continue
+                said = lambda w, c: f"to {c[key]!r}" if key in c else "not at all"  # noqa: E731
+                raise GradientError(
+                    f"in the same step worker {first} changed {key!r} of optimizer group {g} {said(first, mine)} and "
+                    f"worker {worker} {said(worker, other)}: every worker must drive the schedule alike (the same "
+                    "scheduler, stepped once per step on every worker)"
+                )
+    return changes
 
 
 def _scaled(grad: torch.Tensor, scale: float) -> torch.Tensor:
