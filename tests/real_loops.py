@@ -69,8 +69,9 @@ def make_schedule(kind: str, optimizer: torch.optim.Optimizer, steps: int):
 
 
 def train(steps: int, optimizer_kind: str, schedule: str | None, max_norm: float | None, micro: int = 1,
-          evaluate: bool = False) -> dict:
-    """The user's loop under gradsync: returns the states, the norms, the optimizer state and lr history."""
+          evaluate: bool = False, optimizer_state: bool = True) -> dict:
+    """The user's loop under gradsync: returns the states, the norms, the optimizer state (unless not
+    `optimizer_state`) and lr history."""
     net = make_net()
     optimizer = make_optimizer(optimizer_kind, net)
     trainer = gradsync.Trainer(net, optimizer, max_grad_norm=max_norm)
@@ -86,7 +87,7 @@ def train(steps: int, optimizer_kind: str, schedule: str | None, max_norm: float
         lrs.append([g["lr"] for g in trainer.optimizer.param_groups])
         if scheduler is not None:
             scheduler.step()
-    out = {"norms": norms, "lrs": lrs, "optimizer": trainer.optimizer.state_dict(),
+    out = {"norms": norms, "lrs": lrs, "optimizer": trainer.optimizer.state_dict() if optimizer_state else None,
            "module": {k: v.clone() for k, v in net.state_dict().items()}, "is_module": trainer.model.module is net}
     if evaluate:  # a forward outside any context, by the user's module and by trainer.model: changes nothing
         x, _ = batch(999, 0)

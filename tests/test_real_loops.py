@@ -137,3 +137,20 @@ def test_a_schedule_that_differs_between_workers_is_refused_naming_both():
 def test_optimizer_step_under_ps_says_to_call_trainer_step():
     answer = gradsync.launch(call_optimizer_step, strategy="ps", workers=1, servers=1, timeout=110)[0]
     assert "call trainer.step(context_id)" in answer and "not optimizer.step()" in answer
+
+
+@pytest.mark.timeout(300)
+def test_schedules_reach_the_servers_over_the_grpc_transport():
+    results = gradsync.launch(train, strategy="ps", workers=2, servers=2, transport="grpc",
+                              args=(STEPS, "sgd", "onecycle", None, 1, False, False), timeout=280)
+    joint = reference(STEPS, 2, "sgd", "onecycle", None)
+    for r in results:
+        assert max_diff(r["state"], joint["state"]) <= 1e-5 and r["norms"] == [None] * STEPS
+
+
+@pytest.mark.timeout(120)
+def test_clipping_over_the_grpc_transport_is_refused_naming_the_way_out():
+    with pytest.raises(gradsync.JobFailed, match=r"clipping \(max_grad_norm\) and a GradScaler in sync mode: not "
+                                                 r"supported by the grpc transport yet; use --transport rpc"):
+        gradsync.launch(train, strategy="ps", workers=1, servers=1, transport="grpc", args=(2, "sgd", None, 1.0),
+                        timeout=110)

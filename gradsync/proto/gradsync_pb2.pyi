@@ -198,14 +198,16 @@ class AbsentEntries(_message.Message):
     def __init__(self, entries: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JobPushHeader(_message.Message):
-    __slots__ = ("worker", "version", "absent")
+    __slots__ = ("worker", "version", "absent", "options")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ABSENT_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
     worker: int
     version: int
     absent: _containers.RepeatedCompositeFieldContainer[AbsentEntries]
-    def __init__(self, worker: _Optional[int] = ..., version: _Optional[int] = ..., absent: _Optional[_Iterable[_Union[AbsentEntries, _Mapping]]] = ...) -> None: ...
+    options: bytes
+    def __init__(self, worker: _Optional[int] = ..., version: _Optional[int] = ..., absent: _Optional[_Iterable[_Union[AbsentEntries, _Mapping]]] = ..., options: _Optional[bytes] = ...) -> None: ...
 
 class JobPushRequest(_message.Message):
     __slots__ = ("header", "chunk")

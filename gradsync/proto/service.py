@@ -35,6 +35,7 @@ from gradsync.ps import checkpoint
 from gradsync.ps.named_grads import push_named
 from gradsync.ps.shard import Snapshot
 from gradsync.core.errors import GradientError
+from gradsync.transport.store_data import from_bytes
 
 SERVICE = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 
@@ -191,7 +192,8 @@ class Servicer:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
         payloads = [tensors.pop(b, None) for b in range(buckets)]
         absent = [tuple(a.entries) for a in header.absent]
-        fut = self.server.push(header.worker, header.version, payloads, absent, tensors)
+        options = from_bytes(header.options, "JobPushHeader.options") if header.options else {}
+        fut = self.server.push(header.worker, header.version, payloads, absent, tensors, options=options)
         applied = self._applied(fut, header.worker, context)
         yield from _snapshot_messages(shard.shard_id, self.server.reply(applied))
 

@@ -31,10 +31,12 @@ class Transport(Protocol):
         rows)."""
 
     def push(self, versions: dict[int, int], payloads: dict[int, list], absent: dict[int, list],
-             buffers: dict[int, dict], rows: dict[int, dict] | None = None) -> dict[int, Snapshot]:
+             buffers: dict[int, dict], rows: dict[int, dict] | None = None, options: dict | None = None,
+             agree=None) -> dict[int, Snapshot]:
         """One step's gradients (per server: bucket payloads, absent entries, buffers, pulled version, and
-        row gradients {table: (pulled version, unique local ids, gradients)}); returns every server's
-        snapshot after the step."""
+        row gradients {table: (pulled version, unique local ids, gradients)}) and the optimizer options a
+        schedule changed; returns every server's snapshot after the step (with `agree`, its `Partial` of the
+        held step's norm, and `finish` applies it)."""
 
     def state(self) -> dict[int, tuple[int, list[torch.Tensor], dict[str, torch.Tensor]]]:
         """Every server's (version, bucket tensors, buffers and frozen parameters by name)."""

@@ -136,18 +136,18 @@ class GrpcTransport:
     def push(self, versions, payloads, absent, buffers, rows=None, options=None, agree=None) -> dict[int, Snapshot]:
         if agree is not None:
             _not_yet("clipping (max_grad_norm) and a GradScaler in sync mode")
-        if options:
-            _not_yet(f"changing optimizer options after the first step (a schedule set {options})")
         start = time.monotonic()
-        calls = {s: self._pushes[s](self._step(versions[s], payloads[s], absent[s], buffers[s]),
+        calls = {s: self._pushes[s](self._step(versions[s], payloads[s], absent[s], buffers[s], options),
                                     timeout=self.config.step_timeout, metadata=self.client.metadata)
                  for s in self.servers}
         return {s: self._snapshot("JobPush", s, call, start) for s, call in calls.items()}
 
-    def _step(self, version: int, payloads: list, absent: list, buffers: dict):
-        """The messages of one JobPush: the header, then the bucket gradients by index and the buffers."""
+    def _step(self, version: int, payloads: list, absent: list, buffers: dict, options: dict | None):
+        """The messages of one JobPush: the header (with the schedule's changed options), then the bucket
+        gradients by index and the buffers."""
         header = pb.JobPushHeader(worker=self.worker, version=version,
-                                  absent=[pb.AbsentEntries(entries=missing) for missing in absent])
+                                  absent=[pb.AbsentEntries(entries=missing) for missing in absent],
+                                  options=to_bytes(options) if options else b"")
         yield pb.JobPushRequest(header=header)
         tensors = {b: flat for b, flat in enumerate(payloads) if flat is not None}
         tensors.update(buffers)
