@@ -22,6 +22,7 @@ import torch.distributed.autograd as dist_autograd
 from torch import nn
 
 from gradsync.core.buckets import ModelSpec
+from gradsync.core.errors import NoTablesToServe
 from gradsync.joins import Joiner
 from gradsync.ps.server import make_setup
 from gradsync.transport.rpc import RpcTransport
@@ -45,7 +46,7 @@ class HybridStrategy:
             module, tables, config.servers, None, optimizer_cls, optimizer_kwargs, table_optimizer,
             send=worker == 0)
         if not self.tables.specs:
-            raise ValueError(
+            raise NoTablesToServe(
                 "the hybrid strategy serves embedding tables (nn.Embedding, nn.EmbeddingBag) from the parameter "
                 "servers, and this model has none that can be served (tables='dense', or weights tied to other "
                 "layers): use --strategy allreduce"
