@@ -134,24 +134,24 @@ def _check_join_flags(args: argparse.Namespace, settings: dict) -> None:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    """The command line, as `main` reads it. Under `compare`, an option of compare's own written after the
-    script would go to the script: refused with a hint, unless `--` right after the script says it is meant
-    for the script."""
+    """The command line, as `main` reads it; raises ConfigError for what the parser cannot tell: `run` without
+    --strategy and --workers (or --join), and under `compare` an option of compare's own written after the
+    script, where it would go to the script (unless `--` right after the script says it is meant for it)."""
     args = _parser().parse_args(argv)
+    if args.command == "run" and args.join is None and (args.strategy is None or args.workers is None):
+        raise ConfigError("gradsync run needs --strategy and --workers (or --join RUN_DIR to join a running async "
+                          "job)")
     if args.command == "compare":
         kept = args.args[:1] == ["--"]  # argparse drops a leading -- from the script's arguments, or keeps it
         if kept or argv[len(argv) - len(args.args) - 1] == "--":
             args.args = args.args[kept:]
         elif misplaced := [a for a in args.args if a.split("=")[0] in args.flags.values()]:
-            raise _Misplaced(f"{misplaced[0]} comes after the script {args.script}, so it would go to the script: "
-                             f"put gradsync compare's options before the script (gradsync compare {misplaced[0]} "
-                             f"... {args.script}), or, if the script takes {misplaced[0]} itself, write -- after "
-                             f"the script (gradsync compare {args.script} -- {' '.join(args.args)})")
+            flag = misplaced[0].split("=")[0]
+            raise ConfigError(f"{misplaced[0]} comes after the script {args.script}, so it would go to the script: "
+                             f"put gradsync compare's options before the script (gradsync compare {flag} ... "
+                             f"{args.script}), or, if the script takes {flag} itself, write -- after the script "
+                             f"(gradsync compare {args.script} -- {' '.join(args.args)})")
     return args
-
-
-class _Misplaced(ValueError):
-    """A compare option written after the script."""
 
 
 def _options(args: argparse.Namespace) -> dict[str, str]:
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         args = parse_args(argv)
-    except _Misplaced as e:
+    except ConfigError as e:
         print(f"gradsync: error: {e}", file=sys.stderr)
         return 2
     try:
@@ -177,9 +177,6 @@ def main(argv: list[str] | None = None) -> int:
                 _check_join_flags(args, settings)
                 join_script(args.join, args.script, args.args, workers=args.workers or 1, timeout=args.timeout)
                 return 0
-            if args.strategy is None or args.workers is None:
-                raise ConfigError("gradsync run needs --strategy and --workers (or --join RUN_DIR to join a "
-                                  "running async job)")
             run_script(args.script, args.args, strategy=args.strategy, workers=args.workers, servers=args.servers,
                        master_port=args.master_port, run_dir=args.run_dir, timeout=args.timeout, link=args.link,
                        server_link=args.server_link, **settings)

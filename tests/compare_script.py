@@ -1,6 +1,6 @@
 """A tiny training script for `gradsync compare` tests: 10 SGD steps of the jobs.py MLP, logged.
 
-`--quiet`: log nothing (no gradsync.log calls); `--fail-under STRATEGY`: raise under that strategy."""
+`--quiet`: log nothing (no gradsync.log calls); `--fail-under STRATEGY`: the workers raise under that strategy."""
 import argparse
 import os
 import sys
@@ -16,9 +16,9 @@ if __name__ == "__main__":
     parser.add_argument("--quiet", action="store_true")
     parser.add_argument("--fail-under", default=None)
     args = parser.parse_args()
+    gradsync.init()
     if os.environ.get("GRADSYNC_STRATEGY") == args.fail_under:
         raise RuntimeError(f"compare_script.py fails under {args.fail_under} on purpose")
-    gradsync.init()
     run_loop(gradsync.Trainer(make_mlp(), torch.optim.SGD, lr=0.1), 10, log=not args.quiet)
     if not args.quiet:
         gradsync.log(acc=0.5 + gradsync.worker_rank())

@@ -246,13 +246,89 @@ def test_straggler_sleeps_factor_minus_one_times_its_compute(monkeypatch):
             straggler.parse(bad)
 
 
+META = {"command": "gradsync compare x.py", "options": {"--workers": "4"}, "workers": 4, "warmup_steps": 2,
+        "straggler": None, "cores": 64, "most_processes": 4}
+
+
 def test_report_says_when_runs_were_time_sliced_or_had_a_straggler(tmp_path):
     from gradsync.compare.report import write_report
 
-    meta = {"command": "gradsync compare x.py", "workers": 4, "straggler": "1:2.0", "cores": 2, "most_processes": 6}
-    _, md = write_report(meta, [], [], str(tmp_path))
+    _, md = write_report({**META, "straggler": "1:2.0", "cores": 2, "most_processes": 6}, [], [], str(tmp_path))
     text = open(md).read()
     assert "worker 1's compute took 2.0 times as long" in text and "up to 6 processes shared 2 cores" in text
+
+
+def test_report_explains_every_column_and_the_warm_up_under_the_table(tmp_path):
+    from gradsync.compare.report import COLUMNS, write_report
+
+    skipped = {"name": "hybrid S=1", "skipped": "no tables"}
+    _, md = write_report(META, [skipped], [], str(tmp_path))
+    text = open(md).read()
+    assert text.startswith("# gradsync compare: gradsync compare x.py\n\nOptions: --workers 4.\n")
+    assert "| hybrid S=1 | skipped: no tables |" in text
+    assert "Medians per step of worker 0 after its first 2 step(s), which are warm-up" in text
+    legend = text[text.index("- run: "):]
+    for heading, _, _, _ in COLUMNS:
+        assert f"\n- {heading}: " in legend, heading
+    assert "No run logged a step to compare." in text  # a skipped run has none
+
+
+def _finished(name: str, logged: bool) -> dict:
+    return {"name": name, "logged": logged, "steps": 0, "warmup_steps": 1, "warmup_t": None, "curve": [],
+            "final_loss": None, "step_s": float("nan"), "pull_s": 0.0, "compute_s": 0.0, "commit_s": 0.0,
+            "bytes_per_step": 0.0}
+
+
+def test_a_script_that_logs_nothing_gets_a_warning_and_plots_without_matplotlib_warnings(tmp_path):
+    import warnings
+
+    from gradsync.compare.plots import write_plots
+    from gradsync.compare.report import silent, write_report
+
+    runs = [_finished("allreduce", False), _finished("ps sync S=1", False), {"name": "x", "error": "E: y"}]
+    assert silent(runs).startswith("the script logged nothing in allreduce, ps sync S=1, so the report has no loss")
+    assert "call gradsync.log(loss=loss.item(), samples=len(x)) once per step" in silent(runs)
+    assert silent([_finished("allreduce", True)]) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib's "No artists with labels found" is a warning
+        assert len(write_plots(runs, str(tmp_path), 1)) == 3
+        write_plots([], str(tmp_path), 1)
+    _, md = write_report(META, runs, [], str(tmp_path))
+    assert f"Warning: {silent(runs)}." in open(md).read()
+
+
+def test_hybrid_runs_after_one_that_found_no_tables_are_skipped_without_running(tmp_path, monkeypatch):
+    from gradsync.compare import compare, runner
+
+    started = []
+
+    def fake_run(config, *args, **kwargs):
+        started.append(config.name)
+        if config.strategy == "hybrid":
+            return {"name": config.name, **config.settings(), "skipped": runner.NO_TABLES}
+        return {**_finished(config.name, True), **config.settings()}
+
+    monkeypatch.setattr(runner, "run", fake_run)
+    _, runs = compare("x.py", [], workers=2, out_dir=str(tmp_path), strategies=["allreduce", "hybrid"],
+                      servers=[1, 2], modes=["sync"], compressions=["none", "int8"], timeout=10, command="c",
+                      options={})
+    assert started == ["allreduce", "allreduce int8", "hybrid S=1"]
+    assert [(r["name"], r.get("skipped")) for r in runs][2:] == [("hybrid S=1", "no tables"),
+                                                                ("hybrid S=2", "no tables"),
+                                                                ("hybrid S=1 int8", "no tables"),
+                                                                ("hybrid S=2 int8", "no tables")]
+
+
+def test_throughput_leaves_the_warm_up_steps_out():
+    from gradsync.compare.runner import samples_per_s
+
+    # worker 0: a 5 s first step, then 3 steps of 8 samples in 1 s each; worker 1 the same at half the speed
+    fast = [{"t": t, "samples": 8} for t in (5.0, 6.0, 7.0, 8.0)]
+    slow = [{"t": t, "samples": 8} for t in (5.0, 7.0, 9.0, 11.0)]
+    assert samples_per_s([fast, slow], 1) == pytest.approx(24 / 3 + 24 / 6)
+    assert samples_per_s([fast, slow], 2) == pytest.approx(16 / 2 + 16 / 4)
+    assert samples_per_s([fast, slow], 4) is None  # no step after the warm-up
+    assert samples_per_s([fast, [{"t": 5.0}, {"t": 6.0}]], 1) is None  # a worker logs no samples
 
 
 def _varint(data: bytes, at: int) -> tuple[int, int]:

@@ -38,8 +38,7 @@ def write_plots(runs: list[dict], out_dir: str, warmup: int) -> list[str]:
         ax.bar(names, heights, bottom=bottom, label=part.removesuffix("_s"))
         bottom = [b + h for b, h in zip(bottom, heights)]
     ax.set(ylabel="ms per step (median, worker 0)", title="where a step's time goes")
-    if done:
-        ax.legend()
+    ax.legend()
     ax.tick_params(axis="x", labelrotation=30)
     paths.append(_save(fig, out_dir, "step_time.png"))
 

@@ -76,7 +76,7 @@ def summary(runs: list[dict]) -> str:
     """Plain sentences: the fastest run per step and the one with the lowest final loss."""
     done = [r for r in runs if r.get("steps") and not math.isnan(r["step_s"])]
     if not done:
-        return "No run finished: see the errors in the table."
+        return "No run logged a step to compare."
     fastest = min(done, key=lambda r: r["step_s"])
     lines = [f"Fastest step: {fastest['name']} ({1000 * fastest['step_s']:.2f} ms, median of worker 0)."]
     scored = [r for r in done if r["final_loss"] is not None]
