@@ -148,9 +148,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         elif misplaced := [a for a in args.args if a.split("=")[0] in args.flags.values()]:
             flag = misplaced[0].split("=")[0]
             raise ConfigError(f"{misplaced[0]} comes after the script {args.script}, so it would go to the script: "
-                             f"put gradsync compare's options before the script (gradsync compare {flag} ... "
-                             f"{args.script}), or, if the script takes {flag} itself, write -- after the script "
-                             f"(gradsync compare {args.script} -- {' '.join(args.args)})")
+                              f"put gradsync compare's options before the script (gradsync compare {flag} ... "
+                              f"{args.script}), or, if the script takes {flag} itself, write -- after the script "
+                              f"(gradsync compare {args.script} -- {' '.join(args.args)})")
     return args
 
 

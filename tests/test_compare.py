@@ -266,7 +266,7 @@ def test_report_explains_every_column_and_the_warm_up_under_the_table(tmp_path):
     text = open(md).read()
     assert text.startswith("# gradsync compare: gradsync compare x.py\n\nOptions: --workers 4.\n")
     assert "| hybrid S=1 | skipped: no tables |" in text
-    assert "Medians per step of worker 0 after its first 2 step(s), which are warm-up" in text
+    assert "Medians per step of worker 0 after its warm-up: the first 2 steps of every worker" in text
     legend = text[text.index("- run: "):]
     for heading, _, _, _ in COLUMNS:
         assert f"\n- {heading}: " in legend, heading
@@ -310,8 +310,8 @@ def test_hybrid_runs_after_one_that_found_no_tables_are_skipped_without_running(
 
     monkeypatch.setattr(runner, "run", fake_run)
     _, runs = compare("x.py", [], workers=2, out_dir=str(tmp_path), strategies=["allreduce", "hybrid"],
-                      servers=[1, 2], modes=["sync"], compressions=["none", "int8"], timeout=10, command="c",
-                      options={})
+                      servers=[1, 2], modes=["sync"], compressions=["none", "int8"], timeout=10, warmup=1,
+                      command="c", options={})
     assert started == ["allreduce", "allreduce int8", "hybrid S=1"]
     assert [(r["name"], r.get("skipped")) for r in runs][2:] == [("hybrid S=1", "no tables"),
                                                                 ("hybrid S=2", "no tables"),

@@ -28,7 +28,7 @@ def prepare_out_dir(out_dir: str, force: bool = False) -> None:
 
 
 def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, strategies: list[str],
-            servers: list[int], modes: list[str], compressions: list[str], timeout: float, warmup: int = 1,
+            servers: list[int], modes: list[str], compressions: list[str], timeout: float, warmup: int,
             straggler: str | None = None, log_dir: str | None = None, link: str | None = None,
             server_link: str | None = None, predict: bool = False, force: bool = False, command: str,
             options: dict) -> tuple[str, list[dict]]:

@@ -8,6 +8,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from gradsync.compare.report import warmup_text  # noqa: E402
+
 
 def write_plots(runs: list[dict], out_dir: str, warmup: int) -> list[str]:
     """loss.png (loss against wall-clock time after the `warmup` steps and against step, every run on one
@@ -23,7 +25,7 @@ def write_plots(runs: list[dict], out_dir: str, warmup: int) -> list[str]:
         if after:
             by_time.plot(*zip(*after), label=r["name"])
         by_step.plot(step, loss, label=r["name"])
-    by_time.set(xlabel=f"seconds after the first {warmup} step(s) (warm-up)", ylabel="loss (worker 0)",
+    by_time.set(xlabel=f"seconds after the warm-up ({warmup_text(warmup)})", ylabel="loss (worker 0)",
                 title="loss against time")
     by_step.set(xlabel="step", ylabel="loss (worker 0)", title="loss against step")
     if by_step.lines:  # a run that logged no loss draws nothing, and an empty legend only warns

@@ -54,10 +54,15 @@ def table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def warmup_text(warmup: int) -> str:
+    """'the first step' or 'the first N steps'."""
+    return "the first step" if warmup == 1 else f"the first {warmup} steps"
+
+
 def legend(warmup: int) -> list[str]:
     """What every column of the table is, as a markdown list."""
-    return [f"Medians per step of worker 0 after its first {warmup} step(s), which are warm-up (first calls, lazy "
-            "imports) and left out of every per-step column:", "",
+    return [f"Medians per step of worker 0 after its warm-up: {warmup_text(warmup)} of every worker (first calls, "
+            "lazy imports) is left out of every per-step column.", "",
             "- run: the strategy, the ps mode, S = the servers, the compression; \"skipped: no tables\": a hybrid "
             "run on a model with no embedding table that hybrid would serve",
             *[f"- {heading}: {meaning}" for heading, _, _, meaning in COLUMNS]]

@@ -106,7 +106,7 @@ def read_log(path: str) -> list[dict]:
 
 
 def run(config: Config, script: str, script_args: list[str], workers: int, out_dir: str, timeout: float,
-        warmup: int = 1, progress=None, board_dir: str | None = None, network: dict | None = None) -> dict:
+        warmup: int, progress=None, board_dir: str | None = None, network: dict | None = None) -> dict:
     """Run `config` and return its measurements (or its error, when the job failed; `skipped`: NO_TABLES
     for a hybrid run on a model without tables). `warmup`: steps left out of the per-step figures;
     `board_dir`: where the workers also write TensorBoard scalars, one subdirectory per run; `network`:
@@ -131,7 +131,7 @@ def run(config: Config, script: str, script_args: list[str], workers: int, out_d
                    **(network or {}), **config.settings())
         error = None
     except JobFailed as e:
-        error = NO_TABLES if NoTablesToServe.__name__ in str(e) else headline(str(e))
+        error = str(e)
     finally:
         sampler.stop()
         for key, value in previous.items():
@@ -140,17 +140,17 @@ def run(config: Config, script: str, script_args: list[str], workers: int, out_d
             else:
                 os.environ[key] = value
     result = {"name": config.name, **config.settings(), "workers": workers, "wall_s": time.time() - started}
-    if error == NO_TABLES:
+    if error is not None and NoTablesToServe.__name__ in error:
         return {**result, "skipped": NO_TABLES}
     if error is not None:
-        return {**result, "error": error}
+        return {**result, "error": headline(error)}
     logs = [read_log(os.path.join(log_dir, f"worker-{w}.jsonl")) for w in range(workers)]
     stats = [read_json(p) for p in sorted(glob.glob(os.path.join(job_dir, "stats-*.json")))]
     shutil.rmtree(job_dir, ignore_errors=True)  # tokens and endpoint files of a job that has ended
     return {**result, **measure(logs, sampler, warmup), "staleness": staleness(stats)}
 
 
-def measure(logs: list[list[dict]], sampler: Sampler, warmup: int = 1) -> dict:
+def measure(logs: list[list[dict]], sampler: Sampler, warmup: int) -> dict:
     """Per-run metrics from the workers' logs (worker 0's for the curves and step split) and the sampler,
     leaving each worker's first `warmup` steps out of the per-step figures; `logged`: whether worker 0 called
     `gradsync.log` at all. `batch` (worker 0's median `samples` per step, None when the script logs none) and
