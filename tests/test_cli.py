@@ -37,6 +37,10 @@ def test_compare_refuses_a_report_directory_it_did_not_write_unless_forced(tmp_p
     fresh = tmp_path / "new" / "report"
     prepare_out_dir(str(fresh))
     assert (fresh / MARKER).exists()
+    earlier = tmp_path / "earlier"  # a report of a compare from before the marker
+    earlier.mkdir()
+    (earlier / "report.json").write_text("{}")
+    prepare_out_dir(str(earlier))
     empty = tmp_path / "empty"
     empty.mkdir()
     prepare_out_dir(str(empty))

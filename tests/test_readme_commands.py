@@ -38,7 +38,8 @@ TARGETS = set(re.findall(r"^([\w.-]+):", open(os.path.join(ROOT, "Makefile")).re
 
 def test_the_readme_has_the_commands_this_test_checks():
     names = [argv[0] + " " + argv[1] for _, argv in FOUND]
-    assert {"make run", "make test", "gradsync run", "gradsync compare", "gradsync status", "gradsync pull"} <= set(names)
+    expected = {"make run", "make test", "gradsync run", "gradsync compare", "gradsync status", "gradsync pull"}
+    assert expected <= set(names)
 
 
 @pytest.mark.parametrize("line,argv", FOUND, ids=[f"README.md:{n}" for n, _ in FOUND])

@@ -17,9 +17,9 @@ MARKER = ".gradsync-compare"
 
 def prepare_out_dir(out_dir: str, force: bool = False) -> None:
     """Create the report directory and mark it; refuse one with files that `compare` did not write
-    (no MARKER) unless `force`."""
-    if os.path.isdir(out_dir) and os.listdir(out_dir) and not os.path.exists(os.path.join(out_dir, MARKER)) \
-            and not force:
+    (no MARKER, and not the report.json of a compare from before the marker) unless `force`."""
+    ours = any(os.path.exists(os.path.join(out_dir, name)) for name in (MARKER, "report.json"))
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not ours and not force:
         raise FileExistsError(f"--out {out_dir}: the directory has files that gradsync compare did not write: "
                               "choose another --out, or pass --force to write the report into it anyway")
     os.makedirs(out_dir, exist_ok=True)
