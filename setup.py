@@ -8,7 +8,8 @@ setup(
     packages=find_packages(include=["gradsync", "gradsync.*"]),
     package_data={"gradsync.proto": ["*.proto", "*.pyi"]},
     python_requires=">=3.10",
-    install_requires=["torch>=2.4", "numpy", "grpcio>=1.85.1", "protobuf>=7.35,<8"],
+    # matplotlib and tqdm: `gradsync compare` (its plots and progress bars); `import gradsync` loads neither
+    install_requires=["torch>=2.4", "numpy", "grpcio>=1.85.1", "protobuf>=7.35,<8", "matplotlib>=3.5", "tqdm>=4.60"],
     extras_require={
         "triton": ["triton>=3.0"],
         "dev": ["pytest", "pytest-timeout", "grpcio-tools>=1.85.1", "triton>=3.0"],

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shlex
 import signal
 import sys
 
@@ -63,8 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--servers", type=int, default=None,
                      help="parameter servers (default: GRADSYNC_SERVERS, else 1 for ps and hybrid, 0 for allreduce)")
     for name, kind, text in _SETTINGS:
+        fallback = f", else {_DEFAULTS[name]}" if _DEFAULTS[name] != "" else " if set"
         run.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
-                         help=f"{text} (default: GRADSYNC_{name.upper()}, else {_DEFAULTS[name]})")
+                         help=f"{text} (default: GRADSYNC_{name.upper()}{fallback})")
     run.add_argument("--master-port", type=int, default=0, help="port of the rendezvous store (0: a free one)")
     run.add_argument("--run-dir", default=None, help="directory for the job's files, kept (default: "
                      "GRADSYNC_RUN_DIR, else a new temporary directory, removed at the end)")
@@ -75,28 +77,43 @@ def _parser() -> argparse.ArgumentParser:
                      "rate instead (a slow server link)")
     run.add_argument("script", help="the training script")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
-    compare = commands.add_parser("compare", help="run SCRIPT under a grid of paradigms and write a report")
-    compare.add_argument("--workers", type=int, default=2, help="worker processes of every run")
-    compare.add_argument("--out", default="gradsync-report", help="report directory (default ./gradsync-report)")
+    compare = commands.add_parser("compare", help="run SCRIPT under a grid of paradigms and write a report",
+                                  description="Run SCRIPT under a grid of paradigms and write a report. Options "
+                                  "go before SCRIPT; what follows SCRIPT goes to the script.")
+    compare.add_argument("--workers", type=int, default=2, help="worker processes of every run (default: %(default)s)")
+    compare.add_argument("--out", default="gradsync-report", help="report directory (default: %(default)s)")
+    compare.add_argument("--force", action="store_true", help="write the report into --out even when it holds "
+                         "files that gradsync compare did not write")
     compare.add_argument("--strategies", type=_names, default="allreduce,ps,hybrid",
-                         help="comma-separated, of allreduce, ps, hybrid (hybrid needs embedding tables in the model)")
-    compare.add_argument("--servers", type=_counts, default="1,2", help="comma-separated server counts (ps, hybrid)")
-    compare.add_argument("--modes", type=_names, default="sync,async", help="comma-separated ps modes: sync, async, ssp")
+                         help="comma-separated, of allreduce, ps, hybrid; hybrid runs are skipped when the model has "
+                         "no embedding table to serve (default: %(default)s)")
+    compare.add_argument("--servers", type=_counts, default="1,2",
+                         help="comma-separated server counts, for ps and hybrid (default: %(default)s)")
+    compare.add_argument("--modes", type=_names, default="sync,async",
+                         help="comma-separated ps modes: sync, async, ssp (default: %(default)s)")
     compare.add_argument("--compressions", type=_names, default="none",
-                         help="comma-separated, of none, fp16, bf16, int8")
-    compare.add_argument("--timeout", type=float, default=600, help="seconds before one run is stopped")
-    compare.add_argument("--log-dir", default=None, help="also write TensorBoard scalars here, a directory per run")
+                         help="comma-separated, of none, fp16, bf16, int8 (default: %(default)s)")
+    compare.add_argument("--warmup-steps", type=int, default=1, help="each worker's first steps, left out of the "
+                         "per-step figures (default: %(default)s)")
+    compare.add_argument("--timeout", type=float, default=600, help="seconds before one run is stopped "
+                         "(default: %(default)s)")
+    compare.add_argument("--log-dir", default=None, help="also write TensorBoard scalars here, a directory per run "
+                         "(default: none)")
     compare.add_argument("--link", default=None, help="every run over an emulated network of this tc rate "
-                         "(100mbit, 1gbit, ...), as gradsync run --link; needs root and iproute2")
+                         "(100mbit, 1gbit, ...), as gradsync run --link; needs root and iproute2 (default: none, "
+                         "loopback)")
     compare.add_argument("--server-link", default=None, help="with --link: the parameter servers' links at "
-                         "this rate instead, in every run (a slow server link)")
+                         "this rate instead, in every run (a slow server link; default: none)")
     compare.add_argument("--straggler", default=None, metavar="W:F",
-                         help="worker W's compute takes F times as long in every run, e.g. 1:2.0")
+                         help="worker W's compute takes F times as long in every run, e.g. 1:2.0 (default: none)")
     compare.add_argument("--predict", action="store_true",
                          help="fit the cost model on the sync runs and predict every paradigm from --workers up to "
                          "W=1024 at this link: report.md ends with a verdict (which wins, the crossover, confidence)")
+    compare.set_defaults(flags={a.dest: a.option_strings[0] for a in compare._actions
+                                if a.option_strings and a.dest != "help"})
     compare.add_argument("script", help="the training script (it reports with gradsync.log)")
-    compare.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    compare.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script; write -- before them "
+                         "when the script takes an option that gradsync compare has too")
     status = commands.add_parser("status", help="print a table of a running job's shards")
     status.add_argument("run_dir", help="the job's run directory (printed at start-up)")
     pull = commands.add_parser("pull", help="save a running job's current weights with torch.save")
@@ -116,8 +133,41 @@ def _check_join_flags(args: argparse.Namespace, settings: dict) -> None:
                           "leave them out")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line, as `main` reads it; raises ConfigError for what the parser cannot tell: `run` without
+    --strategy and --workers (or --join), and under `compare` an option of compare's own written after the
+    script, where it would go to the script (unless `--` right after the script says it is meant for it)."""
     args = _parser().parse_args(argv)
+    if args.command == "run" and args.join is None and (args.strategy is None or args.workers is None):
+        raise ConfigError("gradsync run needs --strategy and --workers (or --join RUN_DIR to join a running async "
+                          "job)")
+    if args.command == "compare":
+        kept = args.args[:1] == ["--"]  # argparse drops a leading -- from the script's arguments, or keeps it
+        if kept or argv[len(argv) - len(args.args) - 1] == "--":
+            args.args = args.args[kept:]
+        elif misplaced := [a for a in args.args if a.split("=")[0] in args.flags.values()]:
+            flag = misplaced[0].split("=")[0]
+            raise ConfigError(f"{misplaced[0]} comes after the script {args.script}, so it would go to the script: "
+                              f"put gradsync compare's options before the script (gradsync compare {flag} ... "
+                              f"{args.script}), or, if the script takes {flag} itself, write -- after the script "
+                              f"(gradsync compare {args.script} -- {' '.join(args.args)})")
+    return args
+
+
+def _options(args: argparse.Namespace) -> dict[str, str]:
+    """Every option of `gradsync compare` with the value it ran with, by flag."""
+    text = lambda v: ",".join(map(str, v)) if isinstance(v, list) else "on" if v is True else "off" if v is False \
+        else "none" if v is None else str(v)  # noqa: E731
+    return {flag: text(getattr(args, dest)) for dest, flag in args.flags.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = parse_args(argv)
+    except ConfigError as e:
+        print(f"gradsync: error: {e}", file=sys.stderr)
+        return 2
     try:
         if args.command == "run":
             for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # stop every rank, then exit
@@ -127,21 +177,24 @@ def main(argv: list[str] | None = None) -> int:
                 _check_join_flags(args, settings)
                 join_script(args.join, args.script, args.args, workers=args.workers or 1, timeout=args.timeout)
                 return 0
-            if args.strategy is None or args.workers is None:
-                raise ConfigError("gradsync run needs --strategy and --workers (or --join RUN_DIR to join a "
-                                  "running async job)")
             run_script(args.script, args.args, strategy=args.strategy, workers=args.workers, servers=args.servers,
                        master_port=args.master_port, run_dir=args.run_dir, timeout=args.timeout, link=args.link,
                        server_link=args.server_link, **settings)
         elif args.command == "compare":
             from gradsync.compare import compare
 
-            report = compare(args.script, args.args, workers=args.workers, out_dir=args.out,
-                             strategies=args.strategies, servers=args.servers, modes=args.modes,
-                             compressions=args.compressions, timeout=args.timeout, straggler=args.straggler,
-                             log_dir=args.log_dir, link=args.link, server_link=args.server_link,
-                             predict=args.predict)
+            report, runs = compare(args.script, args.args, workers=args.workers, out_dir=args.out,
+                                   strategies=args.strategies, servers=args.servers, modes=args.modes,
+                                   compressions=args.compressions, timeout=args.timeout, warmup=args.warmup_steps,
+                                   straggler=args.straggler, log_dir=args.log_dir, link=args.link,
+                                   server_link=args.server_link, predict=args.predict, force=args.force,
+                                   command=shlex.join(["gradsync", *argv]), options=_options(args))
             print(f"report: {report} (plots beside it)")
+            failed = [r["name"] for r in runs if "error" in r]
+            if failed:
+                print(f"gradsync: {len(failed)} of {len(runs)} runs failed ({', '.join(failed)}): their errors are in "
+                      f"{report}", file=sys.stderr)
+                return 1
         else:
             from gradsync.client import Client, pull_to_file, status_table
 
@@ -151,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     versions = pull_to_file(client, args.out)
                     print(f"wrote {args.out} (versions by shard: {versions})")
-    except (ConfigError, FileNotFoundError, ValueError, ConnectionError, TimeoutError, PermissionError) as e:
+    except (ConfigError, FileNotFoundError, FileExistsError, ValueError, ConnectionError, TimeoutError,
+            PermissionError, ImportError) as e:
         print(f"gradsync: error: {e}", file=sys.stderr)
         return 2
     except JobFailed as e:

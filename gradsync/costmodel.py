@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -301,27 +302,37 @@ def table_crossover(fit: Fit, first: Config, second: Config, workers: int, link:
     return high
 
 
-def confidence(fit: Fit) -> str:
-    """One sentence on how far the fit can be trusted, from its residuals and the signs of its parameters."""
+GRADES = ("low", "moderate", "high")
+"""Confidence grades, lowest first."""
+
+
+def confidence(fit: Fit, doubts: Sequence[tuple[str, str]] = ()) -> str:
+    """One sentence with one grade (`GRADES`) on how far the fit can be trusted: the grade its residuals
+    earn, lowered by what weakens it, each reason named. `doubts`: (the highest grade it allows, why) from
+    outside the fit, such as how the runs were made."""
     measurements = len(fit.runs) + sum(1 for r in fit.runs if r.compute_s)
     if measurements <= 3:
-        text = (f"The fit is exactly determined by {measurements} measurements ({len(fit.runs)} runs' step times, "
-                f"{measurements - len(fit.runs)} compute splits): there is no residual to judge it by, so "
-                "confidence is unknown.")
+        reasons = [("low", f"the fit is exactly determined by {measurements} measurements ({len(fit.runs)} runs' "
+                           f"step times, {measurements - len(fit.runs)} compute splits), so there is no residual "
+                           "to judge it by")]
     else:
         worst = fit.max_rel_error
         grade = "high" if worst < 0.1 else "moderate" if worst < 0.3 else "low"
-        text = (f"Confidence is {grade}: the model reproduces its {len(fit.runs)} fitted runs within "
-                f"{worst:.0%} (max relative error).")
+        reasons = [(grade, f"the model reproduces its {len(fit.runs)} fitted runs within {worst:.0%} (max "
+                           "relative error)")]
     values = (fit.compute_s_per_sample, fit.s_per_byte, fit.latency_s)
     negative = [name for name, value in zip(PARAMETERS, values) if value < 0]
     if negative:
-        text += f" The fitted {' and '.join(negative)} came out negative, so the model does not describe these runs."
+        reasons.append(("low", f"the fitted {' and '.join(negative)} came out negative, so the model does not "
+                               "describe these runs"))
     if fit.pinned:
-        text += (f" The fit held the {' and '.join(fit.pinned)} at zero (a negative value fitted these runs "
-                 "better), so the model describes them only roughly.")
+        reasons.append(("moderate", f"the fit held the {' and '.join(fit.pinned)} at zero (a negative value "
+                                    "fitted these runs better), so the model describes them only roughly"))
+    reasons += doubts
+    grade = min((g for g, _ in reasons), key=GRADES.index)
     workers = sorted({r.workers for r in fit.runs})
-    return text + f" Fitted at W = {', '.join(map(str, workers))}; anything else is an extrapolation."
+    return (f"Confidence is {grade}: {'; '.join(why for _, why in reasons)}. Fitted at W = "
+            f"{', '.join(map(str, workers))}; anything else is an extrapolation.")
 
 
 def verdict(fit: Fit, configs: dict[str, Config], workers: int, link: float | None = None) -> str:

@@ -10,7 +10,7 @@ import pytest
 import gradsync
 from gradsync import costmodel
 from gradsync.compare.grid import Config, grid
-from gradsync.compare.predict import fitted, markdown, predict
+from gradsync.compare.predict import fitted, markdown, percent, predict
 from gradsync.compare.runner import headline, read_log
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -43,14 +43,16 @@ def test_headline_is_the_exception_line():
     assert headline("rank 0 (ps0) was killed") == "rank 0 (ps0) was killed"
 
 
+def _compare(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gradsync.cli", "compare", *args], capture_output=True, text=True,
+                          timeout=230)
+
+
 @pytest.mark.timeout(240)
 def test_compare_report_numbers_come_from_the_runs(tmp_path):
     out = tmp_path / "report"
-    done = subprocess.run(
-        [sys.executable, "-m", "gradsync.cli", "compare", "--out", str(out), "--strategies", "allreduce,ps,hybrid",
-         "--servers", "1", "--modes", "sync,async", "--predict", os.path.join(HERE, "compare_script.py")],
-        capture_output=True, text=True, timeout=230,
-    )
+    done = _compare("--out", str(out), "--strategies", "allreduce,ps,hybrid", "--servers", "1", "--modes",
+                    "sync,async", "--predict", os.path.join(HERE, "compare_script.py"))
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     runs = {r["name"]: r for r in report["runs"]}
@@ -58,38 +60,64 @@ def test_compare_report_numbers_come_from_the_runs(tmp_path):
     assert sum(runs["ps async S=1"]["staleness"].values()) == 2 * 10  # every applied push, from the server's counters
     assert runs["ps sync S=1"]["staleness"] == {} and runs["allreduce"]["staleness"] == {}
     assert not (out / "runs" / "ps_async_S1" / "job").exists()  # the job's token files are gone
-    assert "embedding tables" in runs["hybrid S=1"]["error"]  # the MLP has none: recorded, not fatal
+    assert runs["hybrid S=1"]["skipped"] == "no tables" and "error" not in runs["hybrid S=1"]  # the MLP has none
+    logs = {}
     for name in ("allreduce", "ps sync S=1"):
         run = runs[name]
-        log = read_log(out / "runs" / Config(run["strategy"], run["mode"], run["servers"]).slug / "worker-0.jsonl")
+        slug = Config(run["strategy"], run["mode"], run["servers"]).slug
+        logs[name] = [read_log(out / "runs" / slug / f"worker-{w}.jsonl") for w in (0, 1)]
+        log = logs[name][0]
         losses = [line["loss"] for line in log if "loss" in line]
-        assert run["steps"] == len(losses) == 10
-        assert run["final_loss"] == pytest.approx(statistics.fmean(losses[-1:]))
+        assert run["steps"] == len(losses) == 10 and run["warmup_steps"] == 1
+        assert run["final_loss"] == pytest.approx(statistics.fmean(losses[-1:]))  # the last tenth of 10 losses
         assert run["accuracy"] == 0.5  # worker 0's last acc
-        records = [line["record"] for line in log if "loss" in line][1:]
+        records = [line["record"] for line in log if "loss" in line][1:]  # the first step is warm-up
         assert run["commit_s"] == pytest.approx(statistics.median(r["commit_s"] for r in records))
         assert run["bytes_per_step"] > 0 and run["worker_peak_mb"] > 100 and run["cpu_s_per_step"] > 0
+        # samples/s: each worker's 9 steps after the first, 6 samples each, over its time since the first
+        stepped = [[line for line in worker if "loss" in line] for worker in logs[name]]
+        assert run["samples_per_s"] == pytest.approx(sum(9 * 6 / (w[-1]["t"] - w[0]["t"]) for w in stepped))
     assert runs["ps sync S=1"]["server_peak_mb"] > 100 and runs["allreduce"]["server_peak_mb"] == 0
     assert runs["allreduce"]["curve"] and [c[2] for c in runs["allreduce"]["curve"]] == pytest.approx(
         [c[2] for c in runs["ps sync S=1"]["curve"]], abs=1e-5)  # the same math, step by step
     for png in ("loss.png", "step_time.png", "bytes.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (out / png).stat().st_size > 5000
     md = (out / "report.md").read_text()
-    assert "| allreduce |" in md and "| ps sync S=1 |" in md and "failed: ValueError" in md and "![loss.png]" in md
+    assert md.startswith(f"# gradsync compare: gradsync compare --out {out} --strategies allreduce,ps,hybrid "
+                         "--servers 1 --modes sync,async --predict ")
+    assert "Options: --workers 2, --out " in md and "--compressions none, --warmup-steps 1," in md
+    assert "| allreduce |" in md and "| ps sync S=1 |" in md and "| hybrid S=1 | skipped: no tables |" in md
+    assert "- final loss: the mean of the last tenth of worker 0's logged losses" in md and "![loss.png]" in md
     # --predict: fitted on the two sync runs that finished, from what their workers logged
     assert all(runs[n]["model"] == {"dense": 484, "tables": 0} and runs[n]["batch"] == 6
                for n in ("allreduce", "ps sync S=1"))  # the jobs.py MLP 8-16-16-4, 6 samples per step
     prediction = report["prediction"]
-    fit, configs, _, _ = fitted(report["runs"], 2, report["cores"])
-    assert list(prediction["step_s"]) == list(configs) == ["allreduce", "ps sync S=1"]
-    assert prediction["step_s"]["ps sync S=1"][-1] == pytest.approx(fit.step_s(configs["ps sync S=1"], 1024))
-    assert prediction["fit"]["residuals"] == pytest.approx(list(fit.residuals))
-    first = {name: times[0] for name, times in prediction["step_s"].items()}
-    winner = min(first, key=first.get)
-    assert prediction["winner"] == winner and prediction["workers"][0] == 2
+    assert prediction["fit"]["runs"] == list(prediction["step_s"]) == ["allreduce", "ps sync S=1"]
+    assert prediction["workers"] == [2 ** k for k in range(1, 11)]
+    for name, residual in zip(prediction["fit"]["runs"], prediction["fit"]["residuals"]):
+        assert prediction["step_s"][name][0] == pytest.approx(runs[name]["step_s"] * (1 + residual))  # measured
+    winner = prediction["winner"]
+    assert {winner, prediction["runner_up"]} == {"allreduce", "ps sync S=1"}
     verdict = md[md.index("## Verdict"):]
-    assert verdict.split("\n\n")[1].startswith(f"At W = 2 on loopback, {winner} wins: {1000 * first[winner]:.1f} ms")
+    assert verdict.split("\n\n")[1].startswith(
+        f"At W = 2 on loopback, {winner} wins: {1000 * prediction['step_s'][winner][0]:.1f} ms")
     assert "Left out of the fit and the verdict: ps async S=1" in verdict and "| 1024 | " in verdict
+    # 2 step times and 1 compute split for 3 parameters, on loopback: one confidence, low, for both reasons
+    assert verdict.count("Confidence is") == 1 and "Confidence is low: the fit is exactly determined by 3 " in verdict
+    assert "the runs were on loopback" in verdict
+
+
+@pytest.mark.timeout(240)
+def test_compare_exits_non_zero_when_a_run_fails_and_warns_when_the_script_logs_nothing(tmp_path):
+    out = tmp_path / "report"
+    done = _compare("--out", str(out), "--strategies", "allreduce,ps", "--servers", "1", "--modes", "sync",
+                    os.path.join(HERE, "compare_script.py"), "--quiet", "--fail-under", "ps")
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "gradsync: 1 of 2 runs failed (ps sync S=1): their errors are in " in done.stderr
+    warning = "the script logged nothing in allreduce, so the report has no loss, speed or step split for them"
+    assert warning in done.stderr and "No artists with labels" not in done.stderr
+    md = (out / "report.md").read_text()
+    assert f"Warning: {warning}" in md and "| ps sync S=1 | failed: RuntimeError: compare_script.py fails" in md
 
 
 # A job whose runs a known cost model made: 32 samples per step at 1 ms each, 100 MB/s, 1 ms per message,
@@ -140,15 +168,26 @@ def test_predict_fits_the_runs_and_names_the_faster_paradigm():
         "No other run of this compare overtakes it: no crossover up to W = 1024. Every fitted run exchanged 2 "
         "messages per step, so the 2 ms they cost beyond compute and bytes is taken as a fixed cost per step; "
         "were it a latency per message (a ring's 2 (W-1) messages), the crossover would be at W = 3 (ps sync S=2). "
-        "Confidence is high: the model reproduces its 3 fitted runs within 0%")
-    assert "this prediction is for loopback and weak" in got["verdict"]
-    assert "Left out of the fit and the verdict: ps async S=1" in got["verdict"]
+        "The fitted cost per byte is 0.8 Gbit/s. Left out of the fit and the verdict: ps async S=1")
+    # one confidence: the residuals alone would make it high; loopback makes it low, and it says both
+    assert got["verdict"].endswith(
+        "Confidence is low: the model reproduces its 3 fitted runs within 0% (max relative error); the runs were on "
+        "loopback, where the cost per byte is memory copies by the same CPUs, not a network, so this prediction is "
+        "for loopback only (measure with --link RATE for a network). Fitted at W = 2; anything else is an "
+        "extrapolation.")
     assert "time-sliced" not in got["verdict"]
-    sliced = predict(runs, {"workers": 2, "cores": 2, "link": None})["verdict"]
-    assert "2 of the 3 fitted runs had more processes (workers + servers) than this machine's 2 cores" in sliced
+    sliced = predict(runs, {"workers": 2, "cores": 2, "link": "1gbit"})["verdict"]
+    assert sliced.count("Confidence is") == 1 and "Confidence is low: " in sliced
+    assert "; 2 of the 3 fitted runs had more processes (workers + servers) than this machine's 2 cores" in sliced
     section = "\n".join(markdown(got))
     assert section.startswith("## Verdict") and "| 2 | 34.4 | 35.6 | 34.8 |" in section
-    assert "1e+03 us per sample, 10 ns per byte, 2 ms fixed per step; predicted / measured - 1 on the fitted runs: allreduce +0%" in section
+    assert ("1e+03 us per sample, 10 ns per byte, 2 ms fixed per step; predicted / measured - 1 on the fitted runs: "
+            "allreduce +0%, ps sync S=1 +0%, ps sync S=2 +0%.") in section
+
+
+def test_percent_never_prints_minus_zero():
+    assert [percent(r) for r in (-1e-17, 0.0, -0.004, -0.006, 0.126, -0.25)] == ["+0%", "+0%", "+0%", "-1%", "+13%",
+                                                                                 "-25%"]
 
 
 def test_predict_keeps_a_latency_per_message_where_the_runs_measure_one_and_takes_rows_from_the_bytes():
@@ -163,6 +202,10 @@ def test_predict_keeps_a_latency_per_message_where_the_runs_measure_one_and_take
     assert "fixed cost per step" not in got["verdict"] and "loopback" not in got["verdict"]
     assert "on the emulated 100mbit link" in got["verdict"]
     assert "The fitted cost per byte is 0.8 Gbit/s against the link's nominal 0.1 Gbit/s." in got["verdict"]
+    # residuals alone: high; a cost per byte 8x off the link's: moderate, said once with its reason
+    assert got["verdict"].count("Confidence is") == 1 and "Confidence is moderate: the model reproduces its 3 " \
+        "fitted runs within 0% (max relative error); the fitted cost per byte (0.8 Gbit/s) is more than 2x off " \
+        "the link's nominal 0.1 Gbit/s" in got["verdict"]
 
 
 def test_predict_says_plainly_why_it_cannot_fit():
@@ -203,13 +246,89 @@ def test_straggler_sleeps_factor_minus_one_times_its_compute(monkeypatch):
             straggler.parse(bad)
 
 
+META = {"command": "gradsync compare x.py", "options": {"--workers": "4"}, "workers": 4, "warmup_steps": 2,
+        "straggler": None, "cores": 64, "most_processes": 4}
+
+
 def test_report_says_when_runs_were_time_sliced_or_had_a_straggler(tmp_path):
     from gradsync.compare.report import write_report
 
-    meta = {"command": "gradsync compare x.py", "workers": 4, "straggler": "1:2.0", "cores": 2, "most_processes": 6}
-    _, md = write_report(meta, [], [], str(tmp_path))
+    _, md = write_report({**META, "straggler": "1:2.0", "cores": 2, "most_processes": 6}, [], [], str(tmp_path))
     text = open(md).read()
     assert "worker 1's compute took 2.0 times as long" in text and "up to 6 processes shared 2 cores" in text
+
+
+def test_report_explains_every_column_and_the_warm_up_under_the_table(tmp_path):
+    from gradsync.compare.report import COLUMNS, write_report
+
+    skipped = {"name": "hybrid S=1", "skipped": "no tables"}
+    _, md = write_report(META, [skipped], [], str(tmp_path))
+    text = open(md).read()
+    assert text.startswith("# gradsync compare: gradsync compare x.py\n\nOptions: --workers 4.\n")
+    assert "| hybrid S=1 | skipped: no tables |" in text
+    assert "Medians per step of worker 0 after its warm-up: the first 2 steps of every worker" in text
+    legend = text[text.index("- run: "):]
+    for heading, _, _, _ in COLUMNS:
+        assert f"\n- {heading}: " in legend, heading
+    assert "No run logged a step to compare." in text  # a skipped run has none
+
+
+def _finished(name: str, logged: bool) -> dict:
+    return {"name": name, "logged": logged, "steps": 0, "warmup_steps": 1, "warmup_t": None, "curve": [],
+            "final_loss": None, "step_s": float("nan"), "pull_s": 0.0, "compute_s": 0.0, "commit_s": 0.0,
+            "bytes_per_step": 0.0}
+
+
+def test_a_script_that_logs_nothing_gets_a_warning_and_plots_without_matplotlib_warnings(tmp_path):
+    import warnings
+
+    from gradsync.compare.plots import write_plots
+    from gradsync.compare.report import silent, write_report
+
+    runs = [_finished("allreduce", False), _finished("ps sync S=1", False), {"name": "x", "error": "E: y"}]
+    assert silent(runs).startswith("the script logged nothing in allreduce, ps sync S=1, so the report has no loss")
+    assert "call gradsync.log(loss=loss.item(), samples=len(x)) once per step" in silent(runs)
+    assert silent([_finished("allreduce", True)]) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib's "No artists with labels found" is a warning
+        assert len(write_plots(runs, str(tmp_path), 1)) == 3
+        write_plots([], str(tmp_path), 1)
+    _, md = write_report(META, runs, [], str(tmp_path))
+    assert f"Warning: {silent(runs)}." in open(md).read()
+
+
+def test_hybrid_runs_after_one_that_found_no_tables_are_skipped_without_running(tmp_path, monkeypatch):
+    from gradsync.compare import compare, runner
+
+    started = []
+
+    def fake_run(config, *args, **kwargs):
+        started.append(config.name)
+        if config.strategy == "hybrid":
+            return {"name": config.name, **config.settings(), "skipped": runner.NO_TABLES}
+        return {**_finished(config.name, True), **config.settings()}
+
+    monkeypatch.setattr(runner, "run", fake_run)
+    _, runs = compare("x.py", [], workers=2, out_dir=str(tmp_path), strategies=["allreduce", "hybrid"],
+                      servers=[1, 2], modes=["sync"], compressions=["none", "int8"], timeout=10, warmup=1,
+                      command="c", options={})
+    assert started == ["allreduce", "allreduce int8", "hybrid S=1"]
+    assert [(r["name"], r.get("skipped")) for r in runs][2:] == [("hybrid S=1", "no tables"),
+                                                                ("hybrid S=2", "no tables"),
+                                                                ("hybrid S=1 int8", "no tables"),
+                                                                ("hybrid S=2 int8", "no tables")]
+
+
+def test_throughput_leaves_the_warm_up_steps_out():
+    from gradsync.compare.runner import samples_per_s
+
+    # worker 0: a 5 s first step, then 3 steps of 8 samples in 1 s each; worker 1 the same at half the speed
+    fast = [{"t": t, "samples": 8} for t in (5.0, 6.0, 7.0, 8.0)]
+    slow = [{"t": t, "samples": 8} for t in (5.0, 7.0, 9.0, 11.0)]
+    assert samples_per_s([fast, slow], 1) == pytest.approx(24 / 3 + 24 / 6)
+    assert samples_per_s([fast, slow], 2) == pytest.approx(16 / 2 + 16 / 4)
+    assert samples_per_s([fast, slow], 4) is None  # no step after the warm-up
+    assert samples_per_s([fast, [{"t": 5.0}, {"t": 6.0}]], 1) is None  # a worker logs no samples
 
 
 def _varint(data: bytes, at: int) -> tuple[int, int]:

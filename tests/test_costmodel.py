@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from gradsync.costmodel import (Config, Fit, Run, contention, crossover, fit, latency_per_step, link_crossover,
-                                table_crossover, traffic, verdict, wire_bytes)
+from gradsync.costmodel import (Config, Fit, Run, confidence, contention, crossover, fit, latency_per_step,
+                                link_crossover, table_crossover, traffic, verdict, wire_bytes)
 
 TRUE = Fit(compute_s_per_sample=1e-3, s_per_byte=1e-8, latency_s=1e-4, runs=(), residuals=())
 
@@ -147,6 +147,16 @@ def test_confidence_flags_exact_and_negative_fits():
     text = verdict(Fit(1e-3, -1e-9, 0.0, runs=runs, residuals=(0.0,) * 3), {"a": RING, "b": PS}, workers=4)
     assert "exactly determined by 3 measurements (3 runs' step times, 0 compute splits)" in text
     assert "cost per byte came out negative" in text
+
+
+def test_confidence_is_one_grade_the_lowest_that_any_reason_allows():
+    exact = fit(synthetic_runs())  # residuals within 0%: high on its own
+    assert confidence(exact).startswith("Confidence is high: the model reproduces its 18 fitted runs within 0%")
+    text = confidence(exact, [("moderate", "reason one"), ("low", "reason two")])
+    assert text.startswith("Confidence is low: the model reproduces its 18 fitted runs within 0% (max relative "
+                           "error); reason one; reason two. Fitted at W = 2, 4, 8")
+    assert confidence(exact, [("moderate", "one")]).startswith("Confidence is moderate: ")
+    assert text.count("onfidence") == 1
 
 
 def test_link_crossover():

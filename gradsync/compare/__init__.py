@@ -11,50 +11,84 @@ from __future__ import annotations
 import os
 import sys
 
+MARKER = ".gradsync-compare"
+"""The file `compare` writes into its report directory: a directory with it may be overwritten."""
+
+
+def prepare_out_dir(out_dir: str, force: bool = False) -> None:
+    """Create the report directory and mark it; refuse one with files that `compare` did not write
+    (no MARKER, and not the report.json of a compare from before the marker) unless `force`."""
+    ours = any(os.path.exists(os.path.join(out_dir, name)) for name in (MARKER, "report.json"))
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not ours and not force:
+        raise FileExistsError(f"--out {out_dir}: the directory has files that gradsync compare did not write: "
+                              "choose another --out, or pass --force to write the report into it anyway")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, MARKER), "w") as f:
+        f.write("written by gradsync compare: a later compare may overwrite this directory\n")
+
 
 def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, strategies: list[str],
-            servers: list[int], modes: list[str], compressions: list[str], timeout: float,
+            servers: list[int], modes: list[str], compressions: list[str], timeout: float, warmup: int,
             straggler: str | None = None, log_dir: str | None = None, link: str | None = None,
-            server_link: str | None = None, predict: bool = False) -> str:
-    """Run the grid and write the report; returns report.md's path. `straggler` ('W:F'): worker W's
-    compute takes F times as long in every run (`gradsync.straggler`). `log_dir`: TensorBoard scalars too,
-    one subdirectory per run. `link`: every run over an emulated network of this rate (`gradsync.netem`);
-    `server_link`: the parameter servers behind links of this rate instead (a slow server link).
-    `predict`: fit the cost model on the sync runs, predict each paradigm up to W = 1024 and end the
-    report with a verdict (`compare.predict`)."""
-    from tqdm import tqdm
+            server_link: str | None = None, predict: bool = False, force: bool = False, command: str,
+            options: dict) -> tuple[str, list[dict]]:
+    """Run the grid and write the report; returns report.md's path and the runs (a failed one has `error`,
+    a skipped one `skipped`). `warmup`: each worker's first steps, left out of the per-step figures.
+    `straggler` ('W:F'): worker W's compute takes F times as long in every run (`gradsync.straggler`).
+    `log_dir`: TensorBoard scalars too, one subdirectory per run. `link`: every run over an emulated network
+    of this rate (`gradsync.netem`); `server_link`: the parameter servers behind links of this rate instead
+    (a slow server link). `predict`: fit the cost model on the sync runs, predict each paradigm up to
+    W = 1024 and end the report with a verdict (`compare.predict`). `force`: write into a directory that
+    compare did not write (`prepare_out_dir`). `command` and `options`: the command line as typed and
+    every option's value, for the report's header."""
+    try:
+        from tqdm import tqdm
 
+        from gradsync.compare.plots import write_plots
+    except ImportError as e:
+        raise ImportError(f"gradsync compare needs {e.name}, which is not installed in {sys.prefix}: "
+                          "pip install matplotlib tqdm (both are dependencies of gradsync, left out by an "
+                          "install with --no-deps)") from e
     from gradsync.compare.grid import grid
-    from gradsync.compare.plots import write_plots
     from gradsync.compare.predict import markdown
     from gradsync.compare.predict import predict as predict_runs
-    from gradsync.compare.report import table, write_report
-    from gradsync.compare.runner import run
+    from gradsync.compare.report import silent, table, write_report
+    from gradsync.compare.runner import NO_TABLES, run
     from gradsync.straggler import ENV as STRAGGLER
     from gradsync.straggler import parse as parse_straggler
 
+    if warmup < 1:
+        raise ValueError(f"--warmup-steps {warmup}: at least the first step is warm-up (lazy imports, first "
+                         "calls): pass 1 or more")
     configs = grid(strategies, servers, modes, compressions)
     if straggler is not None:
         parse_straggler(straggler)
         os.environ[STRAGGLER] = straggler  # the ranks inherit it
-    os.makedirs(out_dir, exist_ok=True)
-    runs = []
+    prepare_out_dir(out_dir, force)
+    runs: list[dict] = []
     for i, config in enumerate(configs):
+        if config.strategy == "hybrid" and any(r.get("skipped") == NO_TABLES for r in runs):
+            # the same script builds the same model: no other hybrid run would find a table either
+            runs.append({"name": config.name, **config.settings(), "workers": workers, "skipped": NO_TABLES})
+            continue
         bar = tqdm(desc=f"[{i + 1}/{len(configs)}] {config.name}", unit="step", disable=not sys.stderr.isatty())
 
         def progress(steps: int, bar=bar) -> None:
             bar.update(steps - bar.n)
 
-        runs.append(run(config, script, script_args, workers, out_dir, timeout, progress, log_dir,
+        runs.append(run(config, script, script_args, workers, out_dir, timeout, warmup, progress, log_dir,
                         dict(link=link, server_link=server_link)))
         bar.close()
-    plots = write_plots(runs, out_dir)
-    meta = {"command": " ".join(["gradsync compare", script, *script_args]), "workers": workers,
-            "straggler": straggler, "link": link, "server_link": server_link, "cores": os.cpu_count(),
+    if quiet := silent(runs):
+        print(f"gradsync compare: warning: {quiet}", file=sys.stderr)
+    plots = write_plots(runs, out_dir, warmup)
+    meta = {"command": command, "options": options,
+            "workers": workers, "warmup_steps": warmup, "straggler": straggler, "link": link,
+            "server_link": server_link, "cores": os.cpu_count(),
             "most_processes": max(workers + c.servers for c in configs)}
     prediction = predict_runs(runs, meta) if predict else None
     _, md_path = write_report(meta, runs, plots, out_dir, prediction)
     print(table(runs))
     if prediction:
         print("\n".join(["", *markdown(prediction)]))
-    return md_path
+    return md_path, runs

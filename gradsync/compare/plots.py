@@ -8,21 +8,28 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from gradsync.compare.report import warmup_text  # noqa: E402
 
-def write_plots(runs: list[dict], out_dir: str) -> list[str]:
-    """loss.png (loss against wall-clock time and against step, every run on one chart), step_time.png
-    (median step split into pull / compute / commit), bytes.png (bytes per step); returns their paths."""
-    done = [r for r in runs if "error" not in r]
+
+def write_plots(runs: list[dict], out_dir: str, warmup: int) -> list[str]:
+    """loss.png (loss against wall-clock time after the `warmup` steps and against step, every run on one
+    chart), step_time.png (median step split into pull / compute / commit), bytes.png (bytes per step);
+    returns their paths."""
+    done = [r for r in runs if "error" not in r and "skipped" not in r]
     paths = []
     fig, (by_time, by_step) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for r in done:
-        if r["curve"]:
-            t, step, loss = zip(*r["curve"])
-            by_time.plot(t, loss, label=r["name"])
-            by_step.plot(step, loss, label=r["name"])
-    by_time.set(xlabel="seconds since the Trainer was built", ylabel="loss (worker 0)", title="loss against time")
+    for r in (r for r in done if r["curve"]):
+        t, step, loss = zip(*r["curve"])
+        warm = r["warmup_t"] or 0.0
+        after = [(s - warm, l) for s, l in zip(t, loss) if s >= warm]
+        if after:
+            by_time.plot(*zip(*after), label=r["name"])
+        by_step.plot(step, loss, label=r["name"])
+    by_time.set(xlabel=f"seconds after the warm-up ({warmup_text(warmup)})", ylabel="loss (worker 0)",
+                title="loss against time")
     by_step.set(xlabel="step", ylabel="loss (worker 0)", title="loss against step")
-    by_step.legend(fontsize="small")
+    if by_step.lines:  # a run that logged no loss draws nothing, and an empty legend only warns
+        by_step.legend(fontsize="small")
     paths.append(_save(fig, out_dir, "loss.png"))
 
     names = [r["name"] for r in done]

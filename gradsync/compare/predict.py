@@ -4,9 +4,10 @@ What the fit takes from each finished sync run: its step time (worker 0's median
 its paradigm moves per step (`costmodel.traffic`, from the trainable elements the Trainer logged, dense and
 in embedding tables), the batch the script logged (`gradsync.log(samples=...)`; without it the batch is
 taken as 1 and compute is per step), and, from ps runs only, the compute split: a ps worker's compute is
-its local forward and backward with no communication inside, while under allreduce and hybrid DDP's
-allreduce runs inside the backward, so theirs is not compute. The rows a ps or hybrid worker moves per step
-are what it received beyond the dense part (median over those runs).
+its local forward and backward with no communication inside, while under allreduce and hybrid the part of
+DDP's allreduce that overlaps the backward stays in their compute split, so theirs is not pure compute.
+The rows a ps or hybrid worker moves per step are what it received beyond the dense part (median over
+those runs).
 
 One W, yet three parameters: every run of a compare has the same W and batch, so in step times alone
 compute per sample and latency per message are both constants (at W = 2 allreduce and ps exchange 2
@@ -165,12 +166,20 @@ def verdict(prediction: dict, fit: costmodel.Fit, meta: dict, left_out: list[str
                     f"{_gbit(cross['bytes_per_s'])} and {cross['faster_below']} below.")
     if prediction["fit"]["step_overhead_s"]:
         text.append(_fixed_cost(prediction, fit))
-    text.append(costmodel.confidence(fit))
     if fit.s_per_byte > 0:
-        nominal = f" against the link's nominal {_gbit(Link.parse(meta['link']).bits_per_s / 8)}" if meta.get(
-            "link") else ""
+        nominal = f" against the link's nominal {_gbit(_nominal(meta))}" if meta.get("link") else ""
         text.append(f"The fitted cost per byte is {_gbit(1 / fit.s_per_byte)}{nominal}.")
-    return " ".join(text + _caveats(prediction, fit, meta, left_out))
+    if not prediction["model"]["batch_logged"]:
+        text.append("The script logs no samples per step (gradsync.log(samples=...)): compute is per step.")
+    if left_out:
+        text.append(f"Left out of the fit and the verdict: {', '.join(left_out)} (their steps apply stale "
+                    "gradients, so their speed is not the same progress).")
+    return " ".join(text + [costmodel.confidence(fit, _doubts(fit, meta))])
+
+
+def _nominal(meta: dict) -> float:
+    """The emulated link's rate in bytes/s."""
+    return Link.parse(meta["link"]).bits_per_s / 8
 
 
 def _fixed_cost(prediction: dict, fit: costmodel.Fit) -> str:
@@ -185,32 +194,38 @@ def _fixed_cost(prediction: dict, fit: costmodel.Fit) -> str:
             f"W = {other['workers']} ({other['by']}).")
 
 
-def _caveats(prediction: dict, fit: costmodel.Fit, meta: dict, left_out: list[str]) -> list[str]:
-    """What weakens the prediction: loopback, time-sliced cores, a straggler, an unlogged batch, runs left out."""
+def _doubts(fit: costmodel.Fit, meta: dict) -> list[tuple[str, str]]:
+    """What weakens the prediction beyond the fit's residuals, as (highest grade it allows, why): loopback,
+    time-sliced cores, a straggler, a cost per byte far from the link's."""
     out = []
     if not meta.get("link"):
-        out.append("The runs were on loopback: the cost per byte is memory copies by the same CPUs, not a "
-                   "network, so this prediction is for loopback and weak; measure with --link RATE for a network.")
+        out.append(("low", "the runs were on loopback, where the cost per byte is memory copies by the same CPUs, "
+                           "not a network, so this prediction is for loopback only (measure with --link RATE for "
+                           "a network)"))
     cores = meta.get("cores") or 0
     sliced = [r for r in fit.runs if r.workers + r.config.servers > cores]
     if cores and sliced:
-        out.append(f"{len(sliced)} of the {len(fit.runs)} fitted runs had more processes (workers + servers) than "
-                   f"this machine's {cores} cores: time-sliced, their compute and communication competed for CPU "
-                   "as they would not on separate machines, which makes the fit weak (it divides out workers "
-                   "computing at once, W / cores, not the rest).")
+        out.append(("low", f"{len(sliced)} of the {len(fit.runs)} fitted runs had more processes (workers + "
+                           f"servers) than this machine's {cores} cores: time-sliced, their compute and "
+                           "communication competed for CPU as they would not on separate machines (the fit "
+                           "divides out workers computing at once, W / cores, not the rest)"))
     if meta.get("straggler"):
-        out.append("A straggler slowed every run and the model has no straggler term: its waits count as "
-                   "communication.")
-    if not prediction["model"]["batch_logged"]:
-        out.append("The script logs no samples per step (gradsync.log(samples=...)): compute is per step.")
-    if left_out:
-        out.append(f"Left out of the fit and the verdict: {', '.join(left_out)} (their steps apply stale "
-                   "gradients, so their speed is not the same progress).")
+        out.append(("moderate", "a straggler slowed every run and the model has no straggler term: its waits "
+                                "count as communication"))
+    if meta.get("link") and fit.s_per_byte > 0 and not 0.5 <= _nominal(meta) * fit.s_per_byte <= 2:
+        out.append(("moderate", f"the fitted cost per byte ({_gbit(1 / fit.s_per_byte)}) is more than 2x off the "
+                                f"link's nominal {_gbit(_nominal(meta))}, so the bytes the model counts are not "
+                                "what the link carried"))
     return out
 
 
 def _gbit(bytes_per_s: float) -> str:
     return f"{8 * bytes_per_s / 1e9:.3g} Gbit/s"
+
+
+def percent(fraction: float) -> str:
+    """A signed whole percentage, never '-0%': a residue such as -1e-17 is '+0%'."""
+    return f"{round(100 * fraction):+d}%"
 
 
 def markdown(prediction: dict) -> list[str]:
@@ -225,7 +240,7 @@ def markdown(prediction: dict) -> list[str]:
               "| W | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for i, w in enumerate(prediction["workers"]):
         lines.append(f"| {w} | " + " | ".join(f"{1000 * prediction['step_s'][n][i]:.1f}" for n in names) + " |")
-    residuals = ", ".join(f"{n} {r:+.0%}" for n, r in zip(fitted["runs"], fitted["residuals"]))
+    residuals = ", ".join(f"{n} {percent(r)}" for n, r in zip(fitted["runs"], fitted["residuals"]))
     fixed = (f"{1e3 * fitted['step_overhead_s']:.3g} ms fixed per step" if fitted["step_overhead_s"]
              else f"{1e3 * fitted['latency_s']:.3g} ms per message")
     lines += ["", f"Fit: {1e6 * fitted['compute_s_per_sample']:.3g} us per sample, {1e9 * fitted['s_per_byte']:.3g} "

@@ -2,23 +2,31 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 from gradsync.compare.predict import markdown
 
-COLUMNS = (  # (heading, key, format)
-    ("final loss", "final_loss", "{:.4f}"),
-    ("accuracy", "accuracy", "{:.3f}"),
-    ("samples/s", "samples_per_s", "{:.0f}"),
-    ("step ms", "step_s", "ms"),
-    ("pull ms", "pull_s", "ms"),
-    ("compute ms", "compute_s", "ms"),
-    ("commit ms", "commit_s", "ms"),
-    ("KB/step", "bytes_per_step", "kb"),
-    ("CPU-s/step", "cpu_s_per_step", "{:.3f}"),
-    ("worker peak MB", "worker_peak_mb", "{:.0f}"),
-    ("server peak MB", "server_peak_mb", "{:.0f}"),
-    ("staleness: pushes", "staleness", "histogram"),
+COLUMNS = (  # (heading, key, format, what it is)
+    ("final loss", "final_loss", "{:.4f}", "the mean of the last tenth of worker 0's logged losses (at least its "
+     "last one): a smoothed end point, so it differs from the last loss a script prints"),
+    ("accuracy", "accuracy", "{:.3f}", "the last `acc` worker 0 logged"),
+    ("samples/s", "samples_per_s", "{:.0f}", "the `samples` every worker logged per second after its warm-up, "
+     "summed over the workers"),
+    ("step ms", "step_s", "ms", "pull + compute + commit"),
+    ("pull ms", "pull_s", "ms", "fetching parameters or embedding rows from the servers (none under allreduce)"),
+    ("compute ms", "compute_s", "ms", "the forward and backward on the worker (under allreduce with the part of "
+     "DDP's allreduce that overlaps the backward)"),
+    ("commit ms", "commit_s", "ms", "from the last gradient to the next step's parameters: the gradient exchange "
+     "(ps: push and the servers' reply; allreduce: DDP's allreduce that the backward waits for at its end) and "
+     "the optimizer step"),
+    ("KB/step", "bytes_per_step", "kb", "bytes worker 0 sent and received per step"),
+    ("CPU-s/step", "cpu_s_per_step", "{:.3f}", "CPU-seconds of every process of the job (workers and servers) per "
+     "step, from the end of worker 0's warm-up to its last step"),
+    ("worker peak MB", "worker_peak_mb", "{:.0f}", "the largest peak resident memory (VmHWM) of a worker process"),
+    ("server peak MB", "server_peak_mb", "{:.0f}", "the same of a server process (0: the run has none)"),
+    ("staleness: pushes", "staleness", "histogram", "async and ssp runs: pushes the servers applied, by how many "
+     "versions behind they were"),
 )
 
 
@@ -35,21 +43,45 @@ def _cell(value, fmt: str) -> str:
 
 
 def table(runs: list[dict]) -> str:
-    """The markdown table: one row per run; a failed run shows its error."""
-    lines = ["| run | " + " | ".join(h for h, _, _ in COLUMNS) + " |", "|" + "---|" * (len(COLUMNS) + 1)]
+    """The markdown table: one row per run; a failed run shows its error, a skipped one why."""
+    lines = ["| run | " + " | ".join(h for h, _, _, _ in COLUMNS) + " |", "|" + "---|" * (len(COLUMNS) + 1)]
     for r in runs:
-        if "error" in r:
-            lines.append(f"| {r['name']} | failed: {r['error'][:200]} |" + " |" * (len(COLUMNS) - 1))
+        if "error" in r or "skipped" in r:
+            why = f"failed: {r['error'][:200]}" if "error" in r else f"skipped: {r['skipped']}"
+            lines.append(f"| {r['name']} | {why} |" + " |" * (len(COLUMNS) - 1))
         else:
-            lines.append(f"| {r['name']} | " + " | ".join(_cell(r.get(k), f) for _, k, f in COLUMNS) + " |")
+            lines.append(f"| {r['name']} | " + " | ".join(_cell(r.get(k), f) for _, k, f, _ in COLUMNS) + " |")
     return "\n".join(lines)
+
+
+def warmup_text(warmup: int) -> str:
+    """'the first step' or 'the first N steps'."""
+    return "the first step" if warmup == 1 else f"the first {warmup} steps"
+
+
+def legend(warmup: int) -> list[str]:
+    """What every column of the table is, as a markdown list."""
+    return [f"Medians per step of worker 0 after its warm-up: {warmup_text(warmup)} of every worker (first calls, "
+            "lazy imports) is left out of every per-step column.", "",
+            "- run: the strategy, the ps mode, S = the servers, the compression; \"skipped: no tables\": a hybrid "
+            "run on a model with no embedding table that hybrid would serve",
+            *[f"- {heading}: {meaning}" for heading, _, _, meaning in COLUMNS]]
+
+
+def silent(runs: list[dict]) -> str | None:
+    """The warning for finished runs whose script never called gradsync.log; None when every one logged."""
+    names = [r["name"] for r in runs if "error" not in r and "skipped" not in r and not r["logged"]]
+    if not names:
+        return None
+    return (f"the script logged nothing in {', '.join(names)}, so the report has no loss, speed or step split "
+            "for them: call gradsync.log(loss=loss.item(), samples=len(x)) once per step in the training loop")
 
 
 def summary(runs: list[dict]) -> str:
     """Plain sentences: the fastest run per step and the one with the lowest final loss."""
-    done = [r for r in runs if "error" not in r and r.get("steps")]
+    done = [r for r in runs if r.get("steps") and not math.isnan(r["step_s"])]
     if not done:
-        return "No run finished: see the errors in the table."
+        return "No run logged a step to compare."
     fastest = min(done, key=lambda r: r["step_s"])
     lines = [f"Fastest step: {fastest['name']} ({1000 * fastest['step_s']:.2f} ms, median of worker 0)."]
     scored = [r for r in done if r["final_loss"] is not None]
@@ -66,15 +98,20 @@ def write_report(meta: dict, runs: list[dict], plots: list[str], out_dir: str,
     json_path, md_path = os.path.join(out_dir, "report.json"), os.path.join(out_dir, "report.md")
     with open(json_path, "w") as f:
         json.dump({**meta, "runs": runs, **({"prediction": prediction} if prediction else {})}, f, indent=1)
+    quiet = silent(runs)
     lines = [
         f"# gradsync compare: {meta['command']}",
         "",
-        f"{meta['workers']} workers; medians per step of worker 0 after its first step; CPU-s per step of every "
-        "process of the job while the script logged steps; peak resident memory per process.",
+        "Options: " + ", ".join(f"{name} {value}" for name, value in meta["options"].items()) + ".",
+        "",
+        f"{meta['workers']} workers in every run.",
         *_conditions(meta),
         "",
         table(runs),
         "",
+        *legend(meta["warmup_steps"]),
+        "",
+        *([f"Warning: {quiet}.", ""] if quiet else []),
         summary(runs),
         "",
         *[f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plots],

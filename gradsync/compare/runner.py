@@ -4,8 +4,11 @@ The job runs as `gradsync run` would (`launch.run_script`, every rank a child
 of this process) with GRADSYNC_LOG_DIR set, so each worker's `gradsync.log`
 lines land in the run's directory. A sampler thread reads /proc every
 `SAMPLE_S` for every rank: its role (from its environment), its CPU ticks and
-its peak resident memory (VmHWM). CPU per step is taken over the window the
-script logged steps in (start-up and imports left out).
+its peak resident memory (VmHWM). The first `warmup` steps of each worker
+(first calls, lazy imports, buffers allocated) are left out of every per-step
+figure: the medians, samples/s and CPU per step count from the end of the
+warm-up to the last logged step. A hybrid run whose model has no table to
+serve (`NoTablesToServe`) is skipped, not failed.
 """
 from __future__ import annotations
 
@@ -22,10 +25,13 @@ import numpy
 
 from gradsync import procfs
 from gradsync.compare.grid import Config
+from gradsync.core.errors import NoTablesToServe
 from gradsync.launch import JobFailed, run_script
 from gradsync.scalars import LOG_DIR, TENSORBOARD_DIR
 
 SAMPLE_S = 0.1
+NO_TABLES = "no tables"
+"""A hybrid run's `skipped` reason: the model has no embedding table that hybrid would serve."""
 
 
 class Sampler(threading.Thread):
@@ -100,10 +106,11 @@ def read_log(path: str) -> list[dict]:
 
 
 def run(config: Config, script: str, script_args: list[str], workers: int, out_dir: str, timeout: float,
-        progress=None, board_dir: str | None = None, network: dict | None = None) -> dict:
-    """Run `config` and return its measurements (or its error, when the job failed). `board_dir`: where
-    the workers also write TensorBoard scalars, one subdirectory per run; `network`: `link` and
-    `server_link` of `run_script`."""
+        warmup: int, progress=None, board_dir: str | None = None, network: dict | None = None) -> dict:
+    """Run `config` and return its measurements (or its error, when the job failed; `skipped`: NO_TABLES
+    for a hybrid run on a model without tables). `warmup`: steps left out of the per-step figures;
+    `board_dir`: where the workers also write TensorBoard scalars, one subdirectory per run; `network`:
+    `link` and `server_link` of `run_script`."""
     log_dir = os.path.join(out_dir, "runs", config.slug)
     job_dir = os.path.join(log_dir, "job")  # the job's run directory: the servers leave their final counters there
     shutil.rmtree(job_dir, ignore_errors=True)
@@ -124,7 +131,7 @@ def run(config: Config, script: str, script_args: list[str], workers: int, out_d
                    **(network or {}), **config.settings())
         error = None
     except JobFailed as e:
-        error = headline(str(e))
+        error = str(e)
     finally:
         sampler.stop()
         for key, value in previous.items():
@@ -133,26 +140,32 @@ def run(config: Config, script: str, script_args: list[str], workers: int, out_d
             else:
                 os.environ[key] = value
     result = {"name": config.name, **config.settings(), "workers": workers, "wall_s": time.time() - started}
+    if error is not None and NoTablesToServe.__name__ in error:
+        return {**result, "skipped": NO_TABLES}
     if error is not None:
-        return {**result, "error": error}
+        return {**result, "error": headline(error)}
     logs = [read_log(os.path.join(log_dir, f"worker-{w}.jsonl")) for w in range(workers)]
     stats = [read_json(p) for p in sorted(glob.glob(os.path.join(job_dir, "stats-*.json")))]
     shutil.rmtree(job_dir, ignore_errors=True)  # tokens and endpoint files of a job that has ended
-    return {**result, **measure(logs, sampler), "staleness": staleness(stats)}
+    return {**result, **measure(logs, sampler, warmup), "staleness": staleness(stats)}
 
 
-def measure(logs: list[list[dict]], sampler: Sampler) -> dict:
-    """Per-run metrics from the workers' logs (worker 0's for the curves and step split) and the sampler;
-    `batch` (worker 0's median `samples` per step, None when the script logs none) and `model` (the
-    Trainer's trainable elements, dense and in tables) are what `compare --predict` fits on."""
+def measure(logs: list[list[dict]], sampler: Sampler, warmup: int) -> dict:
+    """Per-run metrics from the workers' logs (worker 0's for the curves and step split) and the sampler,
+    leaving each worker's first `warmup` steps out of the per-step figures; `logged`: whether worker 0 called
+    `gradsync.log` at all. `batch` (worker 0's median `samples` per step, None when the script logs none) and
+    `model` (the Trainer's trainable elements, dense and in tables) are what `compare --predict` fits on."""
     lines = logs[0]
-    steps = {line["step"]: line["record"] for line in lines if "record" in line}
-    records = list(steps.values())[1:] or list(steps.values())  # the first step is warm-up
+    trained = _steps(lines)
+    records = [line["record"] for line in trained[warmup:]]
     losses = [(line["t"], line["step"], line["loss"]) for line in lines if "loss" in line]
     median = lambda key: statistics.median(r[key] for r in records) if records else float("nan")  # noqa: E731
-    samples = [line["samples"] for line in lines if "record" in line and "samples" in line]
+    samples = [line["samples"] for line in trained if "samples" in line]
     out = {
-        "steps": len(steps),
+        "logged": any("step" in line for line in lines),
+        "steps": len(trained),
+        "warmup_steps": warmup,
+        "warmup_t": trained[warmup - 1]["t"] if len(trained) >= warmup else None,
         "curve": losses,
         "final_loss": statistics.fmean(l for _, _, l in losses[-max(1, len(losses) // 10):]) if losses else None,
         "accuracy": next((line["acc"] for line in reversed(lines) if "acc" in line), None),
@@ -167,16 +180,34 @@ def measure(logs: list[list[dict]], sampler: Sampler) -> dict:
         "model": next((line["model"] for line in lines if "model" in line), None),
         "worker_peak_mb": max((v for p, v in sampler.peak.items() if sampler.role.get(p) == "worker"), default=0) / 2**20,
         "server_peak_mb": max((v for p, v in sampler.peak.items() if sampler.role.get(p) == "server"), default=0) / 2**20,
+        "samples_per_s": samples_per_s([_steps(log) for log in logs], warmup),
     }
-    trained = [line for line in lines if "record" in line]
-    if len(trained) >= 2 and trained[-1]["step"] > trained[0]["step"]:
-        window = (trained[0]["wall"], trained[-1]["wall"])
-        out["cpu_s_per_step"] = sampler.cpu_between(*window) / (trained[-1]["step"] - trained[0]["step"])
-        samples = sum(line.get("samples", 0) for log in logs for line in log if "record" in line)
-        elapsed = trained[-1]["t"]
-        out["samples_per_s"] = samples / elapsed if samples and elapsed > 0 else None
+    if len(trained) > warmup:
+        start, end = trained[warmup - 1], trained[-1]
+        out["cpu_s_per_step"] = sampler.cpu_between(start["wall"], end["wall"]) / (end["step"] - start["step"])
     return out
 
+
+def _steps(lines: list[dict]) -> list[dict]:
+    """A worker's lines of each step it committed, merged (the first line's time and record), in order."""
+    steps: dict[int, dict] = {}
+    for line in lines:
+        if "record" in line:
+            steps[line["step"]] = {**line, **steps.get(line["step"], {})}
+    return list(steps.values())
+
+
+def samples_per_s(steps: list[list[dict]], warmup: int) -> float | None:
+    """Samples per second of all workers together after the warm-up: each worker's samples of its steps after
+    the first `warmup`, over its own time from the end of its warm-up to its last step, summed over the
+    workers. None when a worker logs no samples or has no step after its warm-up."""
+    total = 0.0
+    for lines in steps:
+        after = lines[warmup:]
+        if not after or any("samples" not in line for line in after) or after[-1]["t"] <= lines[warmup - 1]["t"]:
+            return None
+        total += sum(line["samples"] for line in after) / (after[-1]["t"] - lines[warmup - 1]["t"])
+    return total or None
 
 
 def staleness(stats: list[dict]) -> dict[int, int]:

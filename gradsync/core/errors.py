@@ -2,6 +2,11 @@
 from __future__ import annotations
 
 
+class NoTablesToServe(ValueError):
+    """The hybrid strategy found no embedding table it could serve in the model (`gradsync compare` skips
+    such a run instead of counting it failed)."""
+
+
 class GradientError(ValueError):
     """A pushed gradient is unusable (wrong shape/dtype, non-finite, stale); nothing was changed."""
 

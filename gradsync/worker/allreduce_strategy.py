@@ -54,6 +54,7 @@ from gradsync.core.finite import first_nonfinite
 from gradsync.cuda_ops import DEFAULT_BLOCK_SIZE
 from gradsync.core.buckets import ModelSpec
 from gradsync.worker import ddp_join
+from gradsync.worker.comm_timing import LastGradient
 from gradsync.worker.ddp_hooks import make_ddp_hook
 from gradsync.worker.metrics import StepMetrics
 from gradsync.worker.model_state import named_tensors, to_state_dict
@@ -179,6 +180,7 @@ class AllreduceStrategy:
         self.local_nonfinite = False
         for p in self.trainable:
             p.register_hook(self._check_local)
+        self.last_gradient = LastGradient(self.trainable)
         self.model = _Model(self.ddp, self._forward)
         self.optimizer = optimizer  # the user's own, over the module's parameters, which DDP keeps
         self.clipping = clipping
@@ -244,7 +246,8 @@ class AllreduceStrategy:
             )
         self._last_context = context_id
         applied = self._apply([grads.get(p) for p in self.trainable], joined=False, scaler=scaler)
-        self.metrics.committed(start, self.wire_bytes, self.wire_bytes)
+        # the wait for DDP's last buckets after the last gradient is communication: commit, not compute
+        self.metrics.committed(start - self.last_gradient.wait_before(start), self.wire_bytes, self.wire_bytes)
         return applied
 
     def _apply(self, averaged: list[torch.Tensor | None], joined: bool, scaler=None) -> bool:

@@ -23,6 +23,7 @@ from torch import nn
 
 from gradsync.core.buckets import ModelSpec
 from gradsync.core.clipping import Clipping
+from gradsync.core.errors import NoTablesToServe
 from gradsync.core.optimizer_spec import OptimizerSpec
 from gradsync.joins import Joiner
 from gradsync.ps.server import make_setup
@@ -53,7 +54,7 @@ class HybridStrategy:
         self.tables, setups = serve_tables(module, tables, config.servers, None, spec, table_optimizer,
                                            send=worker == 0)
         if not self.tables.specs:
-            raise ValueError(
+            raise NoTablesToServe(
                 "the hybrid strategy serves embedding tables (nn.Embedding, nn.EmbeddingBag) from the parameter "
                 "servers, and this model has none that can be served (tables='dense', or weights tied to other "
                 "layers): use --strategy allreduce"

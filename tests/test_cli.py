@@ -1,0 +1,57 @@
+"""The `gradsync` command line: compare's options, its report directory, the help texts."""
+import pytest
+
+from gradsync import cli
+from gradsync.compare import MARKER, prepare_out_dir
+
+
+def test_compare_refuses_its_own_option_after_the_script_with_a_hint(capsys):
+    assert cli.main(["compare", "train.py", "--strategies", "ps"]) == 2
+    err = capsys.readouterr().err
+    assert "--strategies comes after the script train.py, so it would go to the script" in err
+    assert "gradsync compare --strategies ... train.py" in err and "gradsync compare train.py -- --strategies ps" in err
+    assert cli.main(["compare", "train.py", "--workers=3"]) == 2
+    assert "--workers=3 comes after the script train.py" in capsys.readouterr().err
+
+
+def test_compare_passes_what_follows_the_script_to_the_script():
+    args = cli.parse_args(["compare", "--workers", "3", "train.py", "--epochs", "3", "--lr=0.1"])
+    assert (args.workers, args.script, args.args) == (3, "train.py", ["--epochs", "3", "--lr=0.1"])
+    with pytest.raises(ValueError, match="--out=x comes after"):
+        cli.parse_args(["compare", "train.py", "--out=x"])
+    args = cli.parse_args(["compare", "train.py", "--", "--strategies", "ps"])  # the script's own --strategies
+    assert (args.strategies, args.args) == (["allreduce", "ps", "hybrid"], ["--strategies", "ps"])
+
+
+def test_compare_refuses_a_report_directory_it_did_not_write_unless_forced(tmp_path, capsys):
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("mine")
+    assert cli.main(["compare", "--out", str(theirs), "train.py"]) == 2
+    assert f"--out {theirs}: the directory has files that gradsync compare did not write" in capsys.readouterr().err
+    assert sorted(p.name for p in theirs.iterdir()) == ["notes.txt"]  # nothing written
+    prepare_out_dir(str(theirs), force=True)
+    assert (theirs / MARKER).exists() and (theirs / "notes.txt").read_text() == "mine"
+    (theirs / "report.md").write_text("an earlier report")
+    prepare_out_dir(str(theirs))  # marked: compare wrote it, and may again
+    fresh = tmp_path / "new" / "report"
+    prepare_out_dir(str(fresh))
+    assert (fresh / MARKER).exists()
+    earlier = tmp_path / "earlier"  # a report of a compare from before the marker
+    earlier.mkdir()
+    (earlier / "report.json").write_text("{}")
+    prepare_out_dir(str(earlier))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    prepare_out_dir(str(empty))
+
+
+def test_help_shows_every_default_and_no_empty_one():
+    parser = cli._parser()
+    commands = parser._subparsers._group_actions[0].choices
+    run, compare = (" ".join(commands[name].format_help().split()) for name in ("run", "compare"))
+    assert "else )" not in run and "(default: GRADSYNC_CHECKPOINT_DIR if set)" in run
+    assert "(default: GRADSYNC_CHECKPOINT_EVERY, else 0)" in run
+    for text in ("(default: 2)", "(default: gradsync-report)", "(default: allreduce,ps,hybrid)", "(default: 1,2)",
+                 "(default: sync,async)", "(default: none)", "(default: 600)", "(default: 1)"):
+        assert text in compare, text
