@@ -72,7 +72,20 @@ def test_optimizer_state_dicts_move_between_single_process_and_gradsync(strategy
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy,servers", [("ps", 2), ("allreduce", 0)])
+@pytest.mark.parametrize("servers", [1, 2])
+def test_hybrid_clips_by_the_norm_of_dense_layers_and_served_rows_together(servers):
+    """Plain SGD serves the embedding row by row under hybrid (its lr following the warm-up); the norm that
+    clips is the joint one, the servers' averaged rows included."""
+    results = gradsync.launch(train, strategy="hybrid", workers=2, servers=servers,
+                              args=(STEPS, "plain", "warmup", MAX_NORM, 1, False, False), timeout=280)
+    joint = reference(STEPS, 2, "plain", "warmup", MAX_NORM)
+    for r in results:
+        assert max_diff(r["state"], joint["state"]) <= 1e-5
+        assert relative(r["norms"], joint["norms"]) <= 1e-5
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy,servers", [("ps", 2), ("allreduce", 0), ("hybrid", 2)])
 def test_grad_scaler_skips_overflowing_steps_everywhere_and_backs_off_like_single_process(strategy, servers):
     """fp16 autocast with a scale large enough that some steps overflow: every worker and server skips them
     and the scale backs off, or grows after good steps, as torch's GradScaler loop does."""

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -56,6 +57,7 @@ from gradsync.core.buckets import ModelSpec
 from gradsync.worker import ddp_join
 from gradsync.worker.comm_timing import LastGradient
 from gradsync.worker.ddp_hooks import make_ddp_hook
+from gradsync.worker.amp import inverse_scale, record_found_inf
 from gradsync.worker.metrics import StepMetrics
 from gradsync.worker.model_state import named_tensors, to_state_dict
 from gradsync.worker.ps_strategy import current_context_id
@@ -185,6 +187,8 @@ class AllreduceStrategy:
         self.optimizer = optimizer  # the user's own, over the module's parameters, which DDP keeps
         self.clipping = clipping
         self.grad_norm: float | None = None
+        self.outside: Callable[[], list[float]] | None = None  # hybrid: the servers' partial norms of the step
+        self.coefficient: float | None = None  # hybrid: what the servers multiply the rows by (None: skip)
         self.wire_bytes = _wire_bytes(self.trainable, config.num_workers, config.compression)
         cluster.heartbeat.on_left(self._peer_left)
 
@@ -267,20 +271,47 @@ class AllreduceStrategy:
         for p, u, g in zip(self.trainable, used, averaged):
             p.grad = g if u else None
         live = [p for p in self.trainable if p.grad is not None]
-        if scaler is not None:  # an inf/NaN is the scaler's to handle: it skips the step and backs off
+        if scaler is not None and self.outside is None:  # an inf/NaN is the scaler's: it skips and backs off
             scaler.unscale_(self.optimizer)
             stepped = first_nonfinite([p.grad for p in live]) is None
             self._clip(live)
             scaler.step(self.optimizer)
             scaler.update()
             return stepped
-        bad = first_nonfinite([p.grad for p in live]) if suspect else None
+        bad = first_nonfinite([p.grad for p in live]) if suspect and scaler is None else None
         if bad is None:
+            if self.outside is not None and (scaler is not None or self.clipping.on):
+                return self._agreed(live, scaler)
             self._clip(live)
             self.optimizer.step()
         if bad is not None and self.config.nonfinite == "raise":
             raise nonfinite_error(self.names[live[bad]], bad_workers[0] if bad_workers else "unknown")
         return bad is None
+
+    def _agreed(self, live: list[torch.Tensor], scaler) -> bool:
+        """The hybrid strategy's step with clipping or a GradScaler: the total norm adds the servers' partial
+        norms of the averaged rows (`outside`) to this dense part's, the dense gradients are clipped by the
+        joint coefficient (kept in `coefficient` for the servers; None: skipped on an inf/NaN)."""
+        grads = [p.grad for p in live]
+        unscale = inverse_scale(scaler)
+        if unscale != 1.0:
+            for g in grads:
+                g.mul_(unscale)
+        total = self.clipping.total([self.clipping.partial(grads), *self.outside()])
+        finite = math.isfinite(total)
+        coefficient = 1.0
+        if self.clipping.on:
+            self.grad_norm = total
+            coefficient = self.clipping.coefficient(total)
+        self.coefficient = coefficient if finite else None
+        if finite:
+            if coefficient < 1.0:
+                for g in grads:
+                    g.mul_(coefficient)
+            self.optimizer.step()
+        if scaler is not None:
+            record_found_inf(scaler, not finite)
+        return finite
 
     def _clip(self, live: list[torch.Tensor]) -> None:
         if self.clipping.on:

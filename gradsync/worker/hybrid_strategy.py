@@ -24,11 +24,13 @@ from torch import nn
 from gradsync.core.buckets import ModelSpec
 from gradsync.core.clipping import Clipping
 from gradsync.core.errors import NoTablesToServe
-from gradsync.core.optimizer_spec import OptimizerSpec
+from gradsync.core.optimizer_spec import OptimizerSpec, changed_options, group_options
 from gradsync.joins import Joiner
+from gradsync.ps.consistency import Agreement
 from gradsync.ps.server import make_setup
 from gradsync.transport.rpc import RpcTransport
 from gradsync.worker.allreduce_strategy import AllreduceStrategy
+from gradsync.worker.amp import inverse_scale
 from gradsync.worker.model_state import ordered
 from gradsync.worker.tables import serve_tables
 
@@ -44,10 +46,11 @@ class HybridStrategy:
                  clipping: Clipping = Clipping()):
         config = cluster.config
         worker = config.worker_rank
-        if clipping.on:
+        self.mode = config.mode
+        if clipping.on and config.mode != "sync":
             raise ValueError(
-                f"max_grad_norm={clipping.max_norm} under the hybrid strategy is not supported yet (the norm needs "
-                "the servers' averaged row gradients): use --strategy ps or allreduce to clip")
+                f"max_grad_norm={clipping.max_norm} under the hybrid strategy needs --mode sync (the norm adds the "
+                f"servers' averaged row gradients to the dense part's); got --mode {config.mode}")
         self.keys = list(module.state_dict().keys())
         spec = OptimizerSpec.of(optimizer, module)
         weights = {n: p for n, p in module.named_parameters()}
@@ -68,28 +71,44 @@ class HybridStrategy:
         served = {id(weights[t.name]) for t in self.tables.specs}
         for group in optimizer.param_groups:  # the servers train the tables: the local optimizer keeps the rest
             group["params"] = [p for p in group["params"] if id(p) not in served]
-        self.dense = AllreduceStrategy(cluster, module, optimizer, find_unused_parameters=find_unused_parameters)
+        self.dense = AllreduceStrategy(cluster, module, optimizer, find_unused_parameters=find_unused_parameters,
+                                       clipping=clipping)
         self.model = self.dense.model
         self.optimizer = optimizer
+        self._sent = [group_options(g) for g in optimizer.param_groups]  # the options the servers hold
         self.metrics = self.dense.metrics
         self.tables.metrics = self.metrics
         self._versions = {s: 0 for s in self.servers}
         self.joiner = Joiner(cluster, self.servers)
 
     @property
-    def grad_norm(self) -> None:
-        return None
+    def grad_norm(self) -> float | None:
+        return self.dense.grad_norm
 
     def step(self, context_id: int, scaler=None) -> None:
-        """Apply the dense optimizer to the averaged gradients and push the row gradients to the servers."""
-        if scaler is not None:
-            raise ValueError("a GradScaler under the hybrid strategy is not supported yet (its inf check needs the "
-                             "servers' averaged row gradients): use --strategy ps or allreduce")
+        """Apply the dense optimizer to the averaged gradients and push the row gradients to the servers; with
+        clipping or a GradScaler (sync), the rows first, held by the servers until the joint norm is known."""
         rows = self.tables.row_grads(context_id, dist_autograd.get_gradients(context_id))
-        if not self.dense.step(context_id):  # a NaN/Inf step dropped by nonfinite='skip': drop its rows too
-            rows = {s: {} for s in self.servers}
+        changes = changed_options(self.optimizer.param_groups, self._sent)  # a schedule's, for the rows' lr
+        if changes:
+            self._sent = [group_options(g) for g in self.optimizer.param_groups]
         empty = {s: [] for s in self.servers}
-        snapshots = self.transport.push(self._versions, empty, empty, {s: {} for s in self.servers}, rows)
+        no_buffers = {s: {} for s in self.servers}
+        if scaler is not None or self.dense.clipping.on:
+            if self.mode != "sync":
+                raise ValueError(f"a GradScaler under the hybrid strategy needs --mode sync; got --mode {self.mode}")
+            unscale = inverse_scale(scaler)
+            rows = {s: {t: (v, ids, g * unscale) for t, (v, ids, g) in per.items()} for s, per in rows.items()}
+            partials = self.transport.push(self._versions, empty, empty, no_buffers, rows, changes,
+                                           agree=Agreement(self.dense.clipping.norm_type, scaler is not None))
+            self.dense.outside = lambda: [partials[s].value for s in self.servers]
+            stepped = self.dense.step(context_id, scaler)
+            snapshots = self.transport.finish({s: p.version for s, p in partials.items()},
+                                              self.dense.coefficient if stepped else None)
+        else:
+            if not self.dense.step(context_id):  # a NaN/Inf step dropped by nonfinite='skip': drop its rows too
+                rows = {s: {} for s in self.servers}
+            snapshots = self.transport.push(self._versions, empty, empty, no_buffers, rows, changes)
         self._versions = {s: snap.version for s, snap in snapshots.items()}
         self.metrics.records[-1].bytes_sent += sum(ids.nbytes + g.nbytes for per in rows.values()
                                                    for _, ids, g in per.values())
