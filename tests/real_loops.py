@@ -308,5 +308,6 @@ def train_tables(steps: int, optimizer_kind: str) -> dict:
             dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
             trainer.step(cid)
         scheduler.step()
+    module = {k: v.clone() for k, v in net.state_dict().items()}
     return {"state": trainer.state_dict(), "tables": sorted(trainer.server_stats()[0]["tables"]),
-            "said": said.getvalue()}
+            "said": said.getvalue(), "module": module}

@@ -82,6 +82,7 @@ def test_hybrid_clips_by_the_norm_of_dense_layers_and_served_rows_together(serve
     for r in results:
         assert max_diff(r["state"], joint["state"]) <= 1e-5
         assert relative(r["norms"], joint["norms"]) <= 1e-5
+        assert max_diff(r["module"], r["state"]) == 0.0  # the served table too, gathered by net.state_dict()
 
 
 @pytest.mark.timeout(300)
@@ -136,6 +137,7 @@ def test_tables_are_served_only_where_a_row_optimizer_applies(optimizer_kind, se
     noise = max_diff(joint["state"], reference(STEPS, 2, optimizer_kind, "warmup", None, per_worker=True)["state"])
     assert result["tables"] == served
     assert max_diff(result["state"], joint["state"]) <= noise_bound(noise)
+    assert max_diff(result["module"], result["state"]) == 0.0  # a served table is in the module's state_dict
     note = "embedding table 'emb.weight' (12, 8) stays in the dense path (tables='auto'): AdamW has no exact"
     assert result["said"].count(note) == (0 if served else 1) and other["said"] == ""  # said once, by worker 0
 

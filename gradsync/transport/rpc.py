@@ -136,6 +136,10 @@ class RpcTransport:
     def state(self) -> dict[int, tuple]:
         return self._call(rpc_state, lambda s: (), "state")
 
+    def table_rows(self, table: str) -> dict[int, torch.Tensor]:
+        """Every server's rows of embedding table `table`, in local order."""
+        return self._call(rpc_table_rows, lambda s: (table,), f"reading table {table!r}")
+
     def stats(self) -> dict[int, dict]:
         return self._call(rpc_stats, lambda s: (), "stats")
 
@@ -202,6 +206,10 @@ def rpc_optimizer_state() -> dict:
 
 def rpc_load_optimizer_state(state: dict, groups: list) -> None:
     _server().load_optimizer_state(state, groups)
+
+
+def rpc_table_rows(table: str) -> torch.Tensor:
+    return _server().table_rows(table)
 
 
 def rpc_state() -> tuple:

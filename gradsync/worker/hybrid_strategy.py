@@ -76,6 +76,7 @@ class HybridStrategy:
         self.model = self.dense.model
         self.optimizer = optimizer
         self._sent = [group_options(g) for g in optimizer.param_groups]  # the options the servers hold
+        self.tables.serving = True
         self.metrics = self.dense.metrics
         self.tables.metrics = self.metrics
         self._versions = {s: 0 for s in self.servers}
@@ -124,5 +125,6 @@ class HybridStrategy:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         named = {s: named for s, (_, _, named) in self.transport.state().items()}
-        return ordered(self.dense.state_dict(), self.tables.full(named), self.keys)
+        with self.tables.own_state():
+            return ordered(self.dense.state_dict(), self.tables.full(named), self.keys)
 

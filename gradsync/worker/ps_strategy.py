@@ -118,6 +118,7 @@ class PSStrategy:
         self._stepped: int | None = None
         self.grad_norm: float | None = None
         self._next = self._build(self.transport.pull())  # what the next forward runs on, the module points at
+        self.tables.serving = True
         if self.worker == 0 and any(optimizer.state.values()):  # a state the user loaded before the Trainer
             self.optimizer.load_state_dict(optimizer.state_dict())
 
@@ -276,7 +277,8 @@ class PSStrategy:
             values.update(named)
         self._point(values)
         tables = self.tables.full({s: named for s, (_, _, named) in states.items()})
-        return ordered(to_state_dict(self.model.module, values), tables, self.keys)
+        with self.tables.own_state():
+            return ordered(to_state_dict(self.model.module, values), tables, self.keys)
 
 
 def _dense(grad: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ table than the rows its batches pulled.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 
@@ -59,6 +60,7 @@ class ServedTables:
         self.num_servers = num_servers
         self.metrics = metrics
         self.transport = None  # set by the strategy before the first forward
+        self.serving = False  # set by the strategy once the servers answer: the module's state_dict gathers
         self._lookups: dict[int, list[_Lookup]] = {}
 
     def setups(self, rows: dict[str, tuple]) -> dict[int, dict[str, dict]]:
@@ -76,11 +78,29 @@ class ServedTables:
         return out
 
     def take_over(self) -> None:
-        """Remove each table's weight from its module (freeing it) and route its forward through the servers."""
+        """Remove each table's weight from its module (freeing it) and route its forward through the servers;
+        the module's `state_dict()` then gathers the table from the servers (once `serving`)."""
         for spec in self.specs:
             module = self.modules[spec.name]
             module.weight = None
             module.forward = functools.partial(self._lookup, spec.name, module)
+            module.register_state_dict_post_hook(functools.partial(self._gathered, spec))
+
+    def _gathered(self, spec, module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+        """State-dict hook of a served table's module: the whole table, as the servers hold it now, so that
+        the user's `model.state_dict()` (and `torch.save` of it) has every key."""
+        if self.serving:
+            parts = self.transport.table_rows(spec.name)
+            state_dict[prefix + "weight"] = join_rows(parts, spec.shape, self.num_servers)
+
+    @contextlib.contextmanager
+    def own_state(self):
+        """A block in which gradsync reads the module's state itself: the hook gathers nothing."""
+        serving, self.serving = self.serving, False
+        try:
+            yield
+        finally:
+            self.serving = serving
 
     def _lookup(self, name: str, module: nn.Module, input: torch.Tensor, offsets=None, per_sample_weights=None):
         rows = module.num_embeddings
