@@ -318,10 +318,16 @@ def split_pieces(grads: dict[str, torch.Tensor], pieces: list[Entry]) -> dict[st
 def read_pulled(call, what: str, shard: int) -> tuple[int, dict[tensor_codec.Key, torch.Tensor]]:
     """The version in the PullHeader that opens a stream of `PullResponse`s (Pull, JobPull, JobPush), and
     the tensors that follow it. Raises grpc.RpcError when the call fails, RuntimeError on a malformed stream."""
+    header, tensors = read_stream(call, what, shard)
+    return header.version, tensors
+
+
+def read_stream(call, what: str, shard: int) -> tuple[pb.PullHeader, dict[tensor_codec.Key, torch.Tensor]]:
+    """`read_pulled` with the whole PullHeader."""
     first = next(call, None)
     if not isinstance(first, pb.PullResponse) or first.WhichOneof("item") != "header":
         raise RuntimeError(f"{what} on shard {shard}: the stream did not start with a PullHeader")
-    return first.header.version, tensor_codec.decode(_pulled_chunks(call, what, shard))
+    return first.header, tensor_codec.decode(_pulled_chunks(call, what, shard))
 
 
 def _pulled_chunks(call, what: str, shard: int):

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dgradsync/proto/gradsync.proto\x12\x08gradsync\"\x87\x01\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x13\n\x06\x62ucket\x18\x07 \x01(\rH\x00\x88\x01\x01\x42\t\n\x07_bucket\"\x0f\n\rHealthRequest\"B\n\x05Piece\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05start\x18\x03 \x01(\x04\x12\r\n\x05numel\x18\x04 \x01(\x04\"_\n\tTableInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x13\n\x0bnum_servers\x18\x04 \x01(\r\x12\x11\n\trows_held\x18\x05 \x01(\x04\"\xad\x01\n\x0eHealthResponse\x12\x10\n\x08shard_id\x18\x01 \x01(\r\x12\r\n\x05ready\x18\x02 \x01(\x08\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x12\n\nparameters\x18\x04 \x03(\t\x12\x0f\n\x07\x62uffers\x18\x05 \x03(\t\x12\x1f\n\x06pieces\x18\x06 \x03(\x0b\x32\x0f.gradsync.Piece\x12#\n\x06tables\x18\x07 \x03(\x0b\x32\x13.gradsync.TableInfo\"x\n\nTableStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04rows\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x13\n\x0brows_pulled\x18\x04 \x01(\x04\x12\x13\n\x0brows_pushed\x18\x05 \x01(\x04\x12\x15\n\rmax_staleness\x18\x06 \x01(\x04\"\x11\n\x0fGetStatsRequest\"\xf8\x04\n\x10GetStatsResponse\x12\x10\n\x08shard_id\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x14\n\x0cworkers_seen\x18\x03 \x03(\x03\x12\x16\n\x0epushes_applied\x18\x04 \x01(\x04\x12\x17\n\x0fpushes_rejected\x18\x05 \x01(\x04\x12\x15\n\rsteps_skipped\x18\x06 \x01(\x04\x12\x15\n\rmax_staleness\x18\x07 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x08 \x01(\x04\x12\x11\n\tbytes_out\x18\t \x01(\x04\x12\x34\n\x05\x63\x61lls\x18\n \x03(\x0b\x32%.gradsync.GetStatsResponse.CallsEntry\x12$\n\x06tables\x18\x0b \x03(\x0b\x32\x14.gradsync.TableStats\x12O\n\x13staleness_histogram\x18\x0c \x03(\x0b\x32\x32.gradsync.GetStatsResponse.StalenessHistogramEntry\x12\x10\n\x08max_lead\x18\r \x01(\x04\x12H\n\x10pushes_by_worker\x18\x0e \x03(\x0b\x32..gradsync.GetStatsResponse.PushesByWorkerEntry\x1a,\n\nCallsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x39\n\x17StalenessHistogramEntry\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x35\n\x13PushesByWorkerEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\",\n\x0bPullRequest\x12\x0e\n\x06worker\x18\x01 \x01(\x03\x12\r\n\x05names\x18\x02 \x03(\t\"/\n\nPullHeader\x12\x10\n\x08shard_id\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x04\"a\n\x0cPullResponse\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.gradsync.PullHeaderH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.gradsync.TensorH\x00\x42\x06\n\x04item\"-\n\nPushHeader\x12\x0e\n\x06worker\x18\x01 \x01(\x03\x12\x0f\n\x07version\x18\x02 \x01(\x04\"`\n\x0bPushRequest\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.gradsync.PushHeaderH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.gradsync.TensorH\x00\x42\x06\n\x04item\"\x1f\n\x0cPushResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\" \n\rAbsentEntries\x12\x0f\n\x07\x65ntries\x18\x01 \x03(\r\"j\n\rJobPushHeader\x12\x0e\n\x06worker\x18\x01 \x01(\x03\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\'\n\x06\x61\x62sent\x18\x03 \x03(\x0b\x32\x17.gradsync.AbsentEntries\x12\x0f\n\x07options\x18\x04 \x01(\x0c\"f\n\x0eJobPushRequest\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.gradsync.JobPushHeaderH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.gradsync.TensorH\x00\x42\x06\n\x04item\"\x10\n\x0eJobPullRequest\"-\n\x0fPullRowsRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x03(\x03\"\x13\n\x11\x43heckpointRequest\"3\n\x12\x43heckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x32\x8d\x04\n\x0fParameterServer\x12;\n\x06Health\x12\x17.gradsync.HealthRequest\x1a\x18.gradsync.HealthResponse\x12\x41\n\x08GetStats\x12\x19.gradsync.GetStatsRequest\x1a\x1a.gradsync.GetStatsResponse\x12\x37\n\x04Pull\x12\x15.gradsync.PullRequest\x1a\x16.gradsync.PullResponse0\x01\x12\x37\n\x04Push\x12\x15.gradsync.PushRequest\x1a\x16.gradsync.PushResponse(\x01\x12=\n\x07JobPull\x12\x18.gradsync.JobPullRequest\x1a\x16.gradsync.PullResponse0\x01\x12?\n\x07JobPush\x12\x18.gradsync.JobPushRequest\x1a\x16.gradsync.PullResponse(\x01\x30\x01\x12?\n\x08PullRows\x12\x19.gradsync.PullRowsRequest\x1a\x16.gradsync.PullResponse0\x01\x12G\n\nCheckpoint\x12\x1b.gradsync.CheckpointRequest\x1a\x1c.gradsync.CheckpointResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dgradsync/proto/gradsync.proto\x12\x08gradsync\"\x87\x01\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x13\n\x06\x62ucket\x18\x07 \x01(\rH\x00\x88\x01\x01\x42\t\n\x07_bucket\"\x0f\n\rHealthRequest\"B\n\x05Piece\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05start\x18\x03 \x01(\x04\x12\r\n\x05numel\x18\x04 \x01(\x04\"_\n\tTableInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x13\n\x0bnum_servers\x18\x04 \x01(\r\x12\x11\n\trows_held\x18\x05 \x01(\x04\"\xad\x01\n\x0eHealthResponse\x12\x10\n\x08shard_id\x18\x01 \x01(\r\x12\r\n\x05ready\x18\x02 \x01(\x08\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x12\n\nparameters\x18\x04 \x03(\t\x12\x0f\n\x07\x62uffers\x18\x05 \x03(\t\x12\x1f\n\x06pieces\x18\x06 \x03(\x0b\x32\x0f.gradsync.Piece\x12#\n\x06tables\x18\x07 \x03(\x0b\x32\x13.gradsync.TableInfo\"x\n\nTableStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04rows\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x13\n\x0brows_pulled\x18\x04 \x01(\x04\x12\x13\n\x0brows_pushed\x18\x05 \x01(\x04\x12\x15\n\rmax_staleness\x18\x06 \x01(\x04\"\x11\n\x0fGetStatsRequest\"\xf8\x04\n\x10GetStatsResponse\x12\x10\n\x08shard_id\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x14\n\x0cworkers_seen\x18\x03 \x03(\x03\x12\x16\n\x0epushes_applied\x18\x04 \x01(\x04\x12\x17\n\x0fpushes_rejected\x18\x05 \x01(\x04\x12\x15\n\rsteps_skipped\x18\x06 \x01(\x04\x12\x15\n\rmax_staleness\x18\x07 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x08 \x01(\x04\x12\x11\n\tbytes_out\x18\t \x01(\x04\x12\x34\n\x05\x63\x61lls\x18\n \x03(\x0b\x32%.gradsync.GetStatsResponse.CallsEntry\x12$\n\x06tables\x18\x0b \x03(\x0b\x32\x14.gradsync.TableStats\x12O\n\x13staleness_histogram\x18\x0c \x03(\x0b\x32\x32.gradsync.GetStatsResponse.StalenessHistogramEntry\x12\x10\n\x08max_lead\x18\r \x01(\x04\x12H\n\x10pushes_by_worker\x18\x0e \x03(\x0b\x32..gradsync.GetStatsResponse.PushesByWorkerEntry\x1a,\n\nCallsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x39\n\x17StalenessHistogramEntry\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x35\n\x13PushesByWorkerEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\",\n\x0bPullRequest\x12\x0e\n\x06worker\x18\x01 \x01(\x03\x12\r\n\x05names\x18\x02 \x03(\t\"Q\n\nPullHeader\x12\x10\n\x08shard_id\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x14\n\x07partial\x18\x03 \x01(\x01H\x00\x88\x01\x01\x42\n\n\x08_partial\"a\n\x0cPullResponse\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.gradsync.PullHeaderH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.gradsync.TensorH\x00\x42\x06\n\x04item\"-\n\nPushHeader\x12\x0e\n\x06worker\x18\x01 \x01(\x03\x12\x0f\n\x07version\x18\x02 \x01(\x04\"`\n\x0bPushRequest\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.gradsync.PushHeaderH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.gradsync.TensorH\x00\x42\x06\n\x04item\"\x1f\n\x0cPushResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\" \n\rAbsentEntries\x12\x0f\n\x07\x65ntries\x18\x01 \x03(\r\"\xa8\x01\n\rJobPushHeader\x12\x0e\n\x06worker\x18\x01 \x01(\x03\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\'\n\x06\x61\x62sent\x18\x03 \x03(\x0b\x32\x17.gradsync.AbsentEntries\x12\x0f\n\x07options\x18\x04 \x01(\x0c\x12\x16\n\tnorm_type\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x16\n\x0eskip_nonfinite\x18\x06 \x01(\x08\x42\x0c\n\n_norm_type\"]\n\x10JobFinishRequest\x12\x0e\n\x06worker\x18\x01 \x01(\x03\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x18\n\x0b\x63oefficient\x18\x03 \x01(\x01H\x00\x88\x01\x01\x42\x0e\n\x0c_coefficient\"\x19\n\tPlainData\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"f\n\x0eJobPushRequest\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.gradsync.JobPushHeaderH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.gradsync.TensorH\x00\x42\x06\n\x04item\"\x10\n\x0eJobPullRequest\"-\n\x0fPullRowsRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x03(\x03\"\x13\n\x11\x43heckpointRequest\"3\n\x12\x43heckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x32\xd2\x05\n\x0fParameterServer\x12;\n\x06Health\x12\x17.gradsync.HealthRequest\x1a\x18.gradsync.HealthResponse\x12\x41\n\x08GetStats\x12\x19.gradsync.GetStatsRequest\x1a\x1a.gradsync.GetStatsResponse\x12\x37\n\x04Pull\x12\x15.gradsync.PullRequest\x1a\x16.gradsync.PullResponse0\x01\x12\x37\n\x04Push\x12\x15.gradsync.PushRequest\x1a\x16.gradsync.PushResponse(\x01\x12=\n\x07JobPull\x12\x18.gradsync.JobPullRequest\x1a\x16.gradsync.PullResponse0\x01\x12?\n\x07JobPush\x12\x18.gradsync.JobPushRequest\x1a\x16.gradsync.PullResponse(\x01\x30\x01\x12?\n\x08PullRows\x12\x19.gradsync.PullRowsRequest\x1a\x16.gradsync.PullResponse0\x01\x12G\n\nCheckpoint\x12\x1b.gradsync.CheckpointRequest\x1a\x1c.gradsync.CheckpointResponse\x12\x41\n\tJobFinish\x12\x1a.gradsync.JobFinishRequest\x1a\x16.gradsync.PullResponse0\x01\x12=\n\x11JobOptimizerState\x12\x13.gradsync.PlainData\x1a\x13.gradsync.PlainData\x12\x41\n\x15JobLoadOptimizerState\x12\x13.gradsync.PlainData\x1a\x13.gradsync.PlainDatab\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -62,29 +62,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PULLREQUEST']._serialized_start=1315
   _globals['_PULLREQUEST']._serialized_end=1359
   _globals['_PULLHEADER']._serialized_start=1361
-  _globals['_PULLHEADER']._serialized_end=1408
-  _globals['_PULLRESPONSE']._serialized_start=1410
-  _globals['_PULLRESPONSE']._serialized_end=1507
-  _globals['_PUSHHEADER']._serialized_start=1509
-  _globals['_PUSHHEADER']._serialized_end=1554
-  _globals['_PUSHREQUEST']._serialized_start=1556
-  _globals['_PUSHREQUEST']._serialized_end=1652
-  _globals['_PUSHRESPONSE']._serialized_start=1654
-  _globals['_PUSHRESPONSE']._serialized_end=1685
-  _globals['_ABSENTENTRIES']._serialized_start=1687
-  _globals['_ABSENTENTRIES']._serialized_end=1719
-  _globals['_JOBPUSHHEADER']._serialized_start=1721
-  _globals['_JOBPUSHHEADER']._serialized_end=1827
-  _globals['_JOBPUSHREQUEST']._serialized_start=1829
-  _globals['_JOBPUSHREQUEST']._serialized_end=1931
-  _globals['_JOBPULLREQUEST']._serialized_start=1933
-  _globals['_JOBPULLREQUEST']._serialized_end=1949
-  _globals['_PULLROWSREQUEST']._serialized_start=1951
-  _globals['_PULLROWSREQUEST']._serialized_end=1996
-  _globals['_CHECKPOINTREQUEST']._serialized_start=1998
-  _globals['_CHECKPOINTREQUEST']._serialized_end=2017
-  _globals['_CHECKPOINTRESPONSE']._serialized_start=2019
-  _globals['_CHECKPOINTRESPONSE']._serialized_end=2070
-  _globals['_PARAMETERSERVER']._serialized_start=2073
-  _globals['_PARAMETERSERVER']._serialized_end=2598
+  _globals['_PULLHEADER']._serialized_end=1442
+  _globals['_PULLRESPONSE']._serialized_start=1444
+  _globals['_PULLRESPONSE']._serialized_end=1541
+  _globals['_PUSHHEADER']._serialized_start=1543
+  _globals['_PUSHHEADER']._serialized_end=1588
+  _globals['_PUSHREQUEST']._serialized_start=1590
+  _globals['_PUSHREQUEST']._serialized_end=1686
+  _globals['_PUSHRESPONSE']._serialized_start=1688
+  _globals['_PUSHRESPONSE']._serialized_end=1719
+  _globals['_ABSENTENTRIES']._serialized_start=1721
+  _globals['_ABSENTENTRIES']._serialized_end=1753
+  _globals['_JOBPUSHHEADER']._serialized_start=1756
+  _globals['_JOBPUSHHEADER']._serialized_end=1924
+  _globals['_JOBFINISHREQUEST']._serialized_start=1926
+  _globals['_JOBFINISHREQUEST']._serialized_end=2019
+  _globals['_PLAINDATA']._serialized_start=2021
+  _globals['_PLAINDATA']._serialized_end=2046
+  _globals['_JOBPUSHREQUEST']._serialized_start=2048
+  _globals['_JOBPUSHREQUEST']._serialized_end=2150
+  _globals['_JOBPULLREQUEST']._serialized_start=2152
+  _globals['_JOBPULLREQUEST']._serialized_end=2168
+  _globals['_PULLROWSREQUEST']._serialized_start=2170
+  _globals['_PULLROWSREQUEST']._serialized_end=2215
+  _globals['_CHECKPOINTREQUEST']._serialized_start=2217
+  _globals['_CHECKPOINTREQUEST']._serialized_end=2236
+  _globals['_CHECKPOINTRESPONSE']._serialized_start=2238
+  _globals['_CHECKPOINTRESPONSE']._serialized_end=2289
+  _globals['_PARAMETERSERVER']._serialized_start=2292
+  _globals['_PARAMETERSERVER']._serialized_end=3014
 # @@protoc_insertion_point(module_scope)

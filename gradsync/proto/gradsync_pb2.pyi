@@ -154,12 +154,14 @@ class PullRequest(_message.Message):
     def __init__(self, worker: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PullHeader(_message.Message):
-    __slots__ = ("shard_id", "version")
+    __slots__ = ("shard_id", "version", "partial")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
     shard_id: int
     version: int
-    def __init__(self, shard_id: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+    partial: float
+    def __init__(self, shard_id: _Optional[int] = ..., version: _Optional[int] = ..., partial: _Optional[float] = ...) -> None: ...
 
 class PullResponse(_message.Message):
     __slots__ = ("header", "chunk")
@@ -198,16 +200,36 @@ class AbsentEntries(_message.Message):
     def __init__(self, entries: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JobPushHeader(_message.Message):
-    __slots__ = ("worker", "version", "absent", "options")
+    __slots__ = ("worker", "version", "absent", "options", "norm_type", "skip_nonfinite")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ABSENT_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    NORM_TYPE_FIELD_NUMBER: _ClassVar[int]
+    SKIP_NONFINITE_FIELD_NUMBER: _ClassVar[int]
     worker: int
     version: int
     absent: _containers.RepeatedCompositeFieldContainer[AbsentEntries]
     options: bytes
-    def __init__(self, worker: _Optional[int] = ..., version: _Optional[int] = ..., absent: _Optional[_Iterable[_Union[AbsentEntries, _Mapping]]] = ..., options: _Optional[bytes] = ...) -> None: ...
+    norm_type: float
+    skip_nonfinite: bool
+    def __init__(self, worker: _Optional[int] = ..., version: _Optional[int] = ..., absent: _Optional[_Iterable[_Union[AbsentEntries, _Mapping]]] = ..., options: _Optional[bytes] = ..., norm_type: _Optional[float] = ..., skip_nonfinite: _Optional[bool] = ...) -> None: ...
+
+class JobFinishRequest(_message.Message):
+    __slots__ = ("worker", "version", "coefficient")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    COEFFICIENT_FIELD_NUMBER: _ClassVar[int]
+    worker: int
+    version: int
+    coefficient: float
+    def __init__(self, worker: _Optional[int] = ..., version: _Optional[int] = ..., coefficient: _Optional[float] = ...) -> None: ...
+
+class PlainData(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
 
 class JobPushRequest(_message.Message):
     __slots__ = ("header", "chunk")

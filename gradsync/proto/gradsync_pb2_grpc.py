@@ -75,6 +75,21 @@ class ParameterServerStub:
                 request_serializer=gradsync_dot_proto_dot_gradsync__pb2.CheckpointRequest.SerializeToString,
                 response_deserializer=gradsync_dot_proto_dot_gradsync__pb2.CheckpointResponse.FromString,
                 _registered_method=True)
+        self.JobFinish = channel.unary_stream(
+                '/gradsync.ParameterServer/JobFinish',
+                request_serializer=gradsync_dot_proto_dot_gradsync__pb2.JobFinishRequest.SerializeToString,
+                response_deserializer=gradsync_dot_proto_dot_gradsync__pb2.PullResponse.FromString,
+                _registered_method=True)
+        self.JobOptimizerState = channel.unary_unary(
+                '/gradsync.ParameterServer/JobOptimizerState',
+                request_serializer=gradsync_dot_proto_dot_gradsync__pb2.PlainData.SerializeToString,
+                response_deserializer=gradsync_dot_proto_dot_gradsync__pb2.PlainData.FromString,
+                _registered_method=True)
+        self.JobLoadOptimizerState = channel.unary_unary(
+                '/gradsync.ParameterServer/JobLoadOptimizerState',
+                request_serializer=gradsync_dot_proto_dot_gradsync__pb2.PlainData.SerializeToString,
+                response_deserializer=gradsync_dot_proto_dot_gradsync__pb2.PlainData.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -138,6 +153,27 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def JobFinish(self, request, context):
+        """Job members: apply (or skip) the step a JobPush with norm_type held; the reply is the snapshot after it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def JobOptimizerState(self, request, context):
+        """Job members: the optimizer's state by entry key and its groups' options, {"state": ..., "groups": ...}.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def JobLoadOptimizerState(self, request, context):
+        """Job members: replace the optimizer's state and groups' options with (state by entry key, groups).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -180,6 +216,21 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Checkpoint,
                     request_deserializer=gradsync_dot_proto_dot_gradsync__pb2.CheckpointRequest.FromString,
                     response_serializer=gradsync_dot_proto_dot_gradsync__pb2.CheckpointResponse.SerializeToString,
+            ),
+            'JobFinish': grpc.unary_stream_rpc_method_handler(
+                    servicer.JobFinish,
+                    request_deserializer=gradsync_dot_proto_dot_gradsync__pb2.JobFinishRequest.FromString,
+                    response_serializer=gradsync_dot_proto_dot_gradsync__pb2.PullResponse.SerializeToString,
+            ),
+            'JobOptimizerState': grpc.unary_unary_rpc_method_handler(
+                    servicer.JobOptimizerState,
+                    request_deserializer=gradsync_dot_proto_dot_gradsync__pb2.PlainData.FromString,
+                    response_serializer=gradsync_dot_proto_dot_gradsync__pb2.PlainData.SerializeToString,
+            ),
+            'JobLoadOptimizerState': grpc.unary_unary_rpc_method_handler(
+                    servicer.JobLoadOptimizerState,
+                    request_deserializer=gradsync_dot_proto_dot_gradsync__pb2.PlainData.FromString,
+                    response_serializer=gradsync_dot_proto_dot_gradsync__pb2.PlainData.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -399,6 +450,87 @@ class ParameterServer:
             '/gradsync.ParameterServer/Checkpoint',
             gradsync_dot_proto_dot_gradsync__pb2.CheckpointRequest.SerializeToString,
             gradsync_dot_proto_dot_gradsync__pb2.CheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JobFinish(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/gradsync.ParameterServer/JobFinish',
+            gradsync_dot_proto_dot_gradsync__pb2.JobFinishRequest.SerializeToString,
+            gradsync_dot_proto_dot_gradsync__pb2.PullResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JobOptimizerState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradsync.ParameterServer/JobOptimizerState',
+            gradsync_dot_proto_dot_gradsync__pb2.PlainData.SerializeToString,
+            gradsync_dot_proto_dot_gradsync__pb2.PlainData.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JobLoadOptimizerState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradsync.ParameterServer/JobLoadOptimizerState',
+            gradsync_dot_proto_dot_gradsync__pb2.PlainData.SerializeToString,
+            gradsync_dot_proto_dot_gradsync__pb2.PlainData.FromString,
             options,
             channel_credentials,
             insecure,

@@ -35,7 +35,8 @@ from gradsync.ps import checkpoint
 from gradsync.ps.named_grads import push_named
 from gradsync.ps.shard import Snapshot
 from gradsync.core.errors import GradientError
-from gradsync.transport.store_data import from_bytes
+from gradsync.ps.consistency import Agreement, Partial
+from gradsync.transport.store_data import from_bytes, to_bytes
 
 SERVICE = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 
@@ -193,9 +194,33 @@ class Servicer:
         payloads = [tensors.pop(b, None) for b in range(buckets)]
         absent = [tuple(a.entries) for a in header.absent]
         options = from_bytes(header.options, "JobPushHeader.options") if header.options else {}
-        fut = self.server.push(header.worker, header.version, payloads, absent, tensors, options=options)
+        agree = Agreement(header.norm_type, header.skip_nonfinite) if header.HasField("norm_type") else None
+        fut = self.server.push(header.worker, header.version, payloads, absent, tensors, options=options, agree=agree)
         applied = self._applied(fut, header.worker, context)
         yield from _snapshot_messages(shard.shard_id, self.server.reply(applied))
+
+    def job_finish(self, request, context) -> Iterator[pb.PullResponse]:
+        request = _parsed(request)
+        shard = self._shard()
+        coefficient = request.coefficient if request.HasField("coefficient") else None
+        applied = self._applied(self.server.finish(request.worker, request.version, coefficient), request.worker,
+                                context)
+        yield from _snapshot_messages(shard.shard_id, self.server.reply(applied))
+
+    def job_optimizer_state(self, request, context) -> pb.PlainData:
+        _parsed(request)
+        self._shard()
+        return pb.PlainData(data=to_bytes(self.server.optimizer_state()))
+
+    def job_load_optimizer_state(self, request, context) -> pb.PlainData:
+        request = _parsed(request)
+        self._shard()
+        try:
+            state, groups = from_bytes(request.data, "JobLoadOptimizerState's data")
+            self.server.load_optimizer_state(state, groups)
+        except (ValueError, KeyError, TypeError) as e:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"JobLoadOptimizerState: {e}") from e
+        return pb.PlainData()
 
     def _applied(self, fut, worker: int, context):
         """Wait (within the step timeout and the call's deadline) until the push `fut` is applied; what it
@@ -259,8 +284,13 @@ def _chunks(request_iterator, kind: str) -> Iterator[pb.Tensor | tensor_codec.Ch
         yield message.chunk
 
 
-def _snapshot_messages(shard_id: int, snapshot: Snapshot) -> Iterator[pb.PullResponse | bytes]:
-    """A `Snapshot` as the job calls send it: a PullHeader, the buckets by index, the buffers by name."""
+def _snapshot_messages(shard_id: int, snapshot: Snapshot | Partial) -> Iterator[pb.PullResponse | bytes]:
+    """A `Snapshot` as the job calls send it: a PullHeader, the buckets by index, the buffers by name; a held
+    step's `Partial`: a PullHeader alone."""
+    if isinstance(snapshot, Partial):
+        yield pb.PullResponse(header=pb.PullHeader(shard_id=shard_id, version=snapshot.version,
+                                                   partial=snapshot.value))
+        return
     yield pb.PullResponse(header=pb.PullHeader(shard_id=shard_id, version=snapshot.version))
     tensors: dict[tensor_codec.Key, torch.Tensor] = dict(enumerate(snapshot.flats))
     tensors.update(snapshot.buffers)
@@ -298,6 +328,10 @@ def _handlers(servicer: Servicer) -> grpc.GenericRpcHandler:
         "PullRows": (unary_stream, servicer.pull_rows, pb.PullRowsRequest, tensor_codec.serialize),
         "JobPull": (unary_stream, servicer.job_pull, pb.JobPullRequest, tensor_codec.serialize),
         "JobPush": (stream_stream, servicer.job_push, pb.JobPushRequest, tensor_codec.serialize),
+        "JobFinish": (unary_stream, servicer.job_finish, pb.JobFinishRequest, tensor_codec.serialize),
+        "JobOptimizerState": (unary, servicer.job_optimizer_state, pb.PlainData, pb.PlainData.SerializeToString),
+        "JobLoadOptimizerState": (unary, servicer.job_load_optimizer_state, pb.PlainData,
+                                  pb.PlainData.SerializeToString),
     }
 
     def handler(name, kind, method, request_cls, serialize):

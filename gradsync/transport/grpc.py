@@ -26,13 +26,14 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from gradsync.client import Client, read_pulled
+from gradsync.client import Client, read_stream
 from gradsync.config import JobConfig, StoreKeys
 from gradsync.core.buckets import Bucket, ModelSpec
 from gradsync.proto import gradsync_pb2 as pb
 from gradsync.proto import tensor_codec
 from gradsync.proto.endpoints import new_token, write_endpoints
 from gradsync.proto.service import SERVICE, serve_grpc
+from gradsync.ps.consistency import Partial
 from gradsync.ps.server import ParameterServer
 from gradsync.ps.shard import Snapshot
 from gradsync.transport.store_data import from_bytes, plain_setup, setup_from_plain, to_bytes
@@ -108,6 +109,9 @@ class GrpcTransport:
                                          response_deserializer=snapshot) for s, c in self.client.channels.items()}
         self._pushes = {s: c.stream_stream(f"/{SERVICE}/JobPush", request_serializer=tensor_codec.serialize,
                                            response_deserializer=snapshot) for s, c in self.client.channels.items()}
+        self._finishes = {s: c.unary_stream(f"/{SERVICE}/JobFinish",
+                                            request_serializer=pb.JobFinishRequest.SerializeToString,
+                                            response_deserializer=snapshot) for s, c in self.client.channels.items()}
 
     def register(self, spec: ModelSpec, setups: dict[int, dict | None]) -> dict[str, torch.Tensor]:
         for t in spec.params + spec.buffers:  # refused here, not later inside gRPC's sending thread
@@ -133,32 +137,46 @@ class GrpcTransport:
                                    metadata=self.client.metadata) for s in self.servers}
         return {s: self._snapshot("JobPull", s, call, start) for s, call in calls.items()}
 
-    def push(self, versions, payloads, absent, buffers, rows=None, options=None, agree=None) -> dict[int, Snapshot]:
-        if agree is not None:
-            _not_yet("clipping (max_grad_norm) and a GradScaler in sync mode")
+    def push(self, versions, payloads, absent, buffers, rows=None, options=None, agree=None
+             ) -> dict[int, Snapshot | Partial]:
         start = time.monotonic()
-        calls = {s: self._pushes[s](self._step(versions[s], payloads[s], absent[s], buffers[s], options),
+        calls = {s: self._pushes[s](self._step(versions[s], payloads[s], absent[s], buffers[s], options, agree),
                                     timeout=self.config.step_timeout, metadata=self.client.metadata)
                  for s in self.servers}
         return {s: self._snapshot("JobPush", s, call, start) for s, call in calls.items()}
 
-    def _step(self, version: int, payloads: list, absent: list, buffers: dict, options: dict | None):
-        """The messages of one JobPush: the header (with the schedule's changed options), then the bucket
-        gradients by index and the buffers."""
+    def finish(self, versions: dict[int, int], coefficient: float | None) -> dict[int, Snapshot]:
+        """Apply (or, with None, skip) the held step on every server: see `SyncRule.finish`."""
+        start = time.monotonic()
+        calls = {s: self._finishes[s](pb.JobFinishRequest(worker=self.worker, version=versions[s],
+                                                          coefficient=coefficient),
+                                      timeout=self.config.step_timeout, metadata=self.client.metadata)
+                 for s in self.servers}
+        return {s: self._snapshot("JobFinish", s, call, start) for s, call in calls.items()}
+
+    def _step(self, version: int, payloads: list, absent: list, buffers: dict, options: dict | None, agree):
+        """The messages of one JobPush: the header (with the schedule's changed options, and whether to hold
+        the step for a joint norm), then the bucket gradients by index and the buffers."""
         header = pb.JobPushHeader(worker=self.worker, version=version,
                                   absent=[pb.AbsentEntries(entries=missing) for missing in absent],
                                   options=to_bytes(options) if options else b"")
+        if agree is not None:
+            header.norm_type, header.skip_nonfinite = agree.norm_type, agree.skip_nonfinite
         yield pb.JobPushRequest(header=header)
         tensors = {b: flat for b, flat in enumerate(payloads) if flat is not None}
         tensors.update(buffers)
         yield from tensor_codec.encode_messages(tensors, pb.JobPushRequest)
 
-    def _snapshot(self, what: str, s: int, call, start: float) -> Snapshot:
-        """Read one server's snapshot stream: its buckets by index, its buffers by name."""
+    def _snapshot(self, what: str, s: int, call, start: float) -> Snapshot | Partial:
+        """Read one server's snapshot stream: its buckets by index, its buffers by name (or a held step's
+        `Partial`)."""
         try:
-            version, tensors = read_pulled(call, what, s)
+            header, tensors = read_stream(call, what, s)
         except grpc.RpcError as e:
             raise self.client.error(what, s, start, e) from None
+        version = header.version
+        if header.HasField("partial"):
+            return Partial(version, header.partial)
         buckets = len(self.server_buckets[s])
         if sorted(k for k in tensors if isinstance(k, int)) != list(range(buckets)):
             raise RuntimeError(
@@ -168,10 +186,22 @@ class GrpcTransport:
         return Snapshot(version, [tensors.pop(b) for b in range(buckets)], tensors)
 
     def optimizer_state(self) -> dict[int, dict]:
-        _not_yet("trainer.optimizer.state_dict()")
+        return {s: from_bytes(self._plain("JobOptimizerState", s, b""), f"ps{s}'s optimizer state")
+                for s in self.servers}
 
     def load_optimizer_state(self, parts: dict[int, tuple[dict, list]]) -> None:
-        _not_yet("trainer.optimizer.load_state_dict() (and an optimizer that holds state when the Trainer is built)")
+        for s in self.servers:
+            self._plain("JobLoadOptimizerState", s, to_bytes(parts[s]))
+
+    def _plain(self, method: str, s: int, data: bytes) -> bytes:
+        """One unary job call whose request and reply are `PlainData`."""
+        start = time.monotonic()
+        call = self.client.channels[s].unary_unary(f"/{SERVICE}/{method}", request_serializer=pb.PlainData.SerializeToString,
+                                                   response_deserializer=pb.PlainData.FromString)
+        try:
+            return call(pb.PlainData(data=data), timeout=self.config.step_timeout, metadata=self.client.metadata).data
+        except grpc.RpcError as e:
+            raise self.client.error(method, s, start, e) from None
 
     def state(self) -> dict[int, tuple]:
         return {s: (snap.version, snap.flats, {**snap.buffers, **{n: t.clone() for n, t in self.frozen[s].items()}})
@@ -183,6 +213,3 @@ class GrpcTransport:
     def close(self) -> None:
         self.client.close()
 
-
-def _not_yet(what: str):
-    raise NotImplementedError(f"{what}: not supported by the grpc transport yet; use --transport rpc (the default)")
