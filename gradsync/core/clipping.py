@@ -35,10 +35,10 @@ class Clipping:
 
     def partial(self, tensors: list[torch.Tensor]) -> float:
         """This part's contribution to the total norm: sum of |g|^p over `tensors` (max |g| for p = inf)."""
-        norms = [torch.linalg.vector_norm(t, self.norm_type, dtype=torch.float64).item() for t in tensors]
-        if math.isinf(self.norm_type):
-            return max(norms, default=0.0)
-        return sum(n ** self.norm_type for n in norms)
+        if not tensors:
+            return 0.0
+        norms = torch.stack([torch.linalg.vector_norm(t, self.norm_type, dtype=torch.float64) for t in tensors])
+        return float(norms.max() if math.isinf(self.norm_type) else norms.pow(self.norm_type).sum())
 
     def total(self, partials: list[float]) -> float:
         """The total norm from every part's `partial`, in a fixed order (every worker gets the same float)."""
