@@ -51,6 +51,7 @@ class Settings:
     eval_windows: int = 128  # held-out windows, evenly spaced over the held-out text
     sample_chars: int = 200
     seed: int = 0
+    row_tables: bool = False  # serve the embeddings row by row (gradsync.RowAdagrad): what --strategy hybrid needs
 
 
 TINY = Settings(epochs=2, steps_per_epoch=6, batch=4, block=16, n_embd=16, n_head=2, warmup=3, eval_windows=16,
@@ -231,7 +232,9 @@ def train(s: Settings = Settings()) -> dict:
     me, workers = gradsync.worker_rank(), gradsync.num_workers()
     corpus = Corpus()
     net = make_model(s, len(corpus.chars))
-    trainer = gradsync.Trainer(net, make_optimizer(net, s), max_grad_norm=1.0)
+    # AdamW has no row-wise form, so the embeddings stay dense unless a row optimizer is given for them
+    rows = gradsync.RowAdagrad(lr=s.lr) if s.row_tables else None
+    trainer = gradsync.Trainer(net, make_optimizer(net, s), max_grad_norm=1.0, table_optimizer=rows)
 
     def step(parts):
         (x, y), = parts
@@ -275,11 +278,16 @@ def main() -> None:
     for field in ("epochs", "steps_per_epoch", "batch", "block", "lr", "seed"):
         kind = type(getattr(Settings, field))
         parser.add_argument("--" + field.replace("_", "-"), type=kind, help=f"default {getattr(Settings, field)}")
+    parser.add_argument("--row-tables", action="store_true", default=None,
+                        help="ps and hybrid: serve the two embeddings row by row with gradsync.RowAdagrad (its lr "
+                             "following the schedule) instead of AdamW; --strategy hybrid needs it")
     parser.add_argument("--reference", type=int, metavar="W",
                         help="train in this process, without gradsync, on the joint batch of W workers")
     args = parser.parse_args()
     given = {k: v for k, v in vars(args).items() if v is not None and hasattr(Settings, k)}
     s = dataclasses.replace(TINY if args.tiny else Settings(), **given)
+    if args.reference and s.row_tables:
+        parser.error("--reference trains the embeddings with AdamW: leave out --row-tables")
     if args.reference:
         result = train_reference(s, args.reference, talk=True)
         workers, rank = args.reference, 0

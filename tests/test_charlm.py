@@ -1,0 +1,54 @@
+"""examples/charlm.py, tiny config: trained under gradsync (ps and allreduce, two workers) it ends where
+single-process training on the joint batch ends, within the float noise of that training itself, and it
+learns."""
+import os
+import statistics
+import sys
+
+import pytest
+
+import gradsync
+from real_loops import max_diff, noise_bound
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+import charlm  # noqa: E402
+
+WORKERS = 2
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Single-process training on the joint batch, and the noise of AdamW there: the largest parameter
+    difference from the same training with the joint loss computed as the mean of per-worker losses."""
+    joint = charlm.train_reference(charlm.TINY, WORKERS)
+    per_worker = charlm.train_reference(charlm.TINY, WORKERS, per_worker_losses=True)
+    return joint, max_diff(joint["state"], per_worker["state"])
+
+
+def test_the_tiny_model_learns_and_clipping_bites(reference):
+    joint, noise = reference
+    losses, steps = joint["losses"], charlm.TINY.steps_per_epoch
+    assert statistics.fmean(losses[-steps:]) < statistics.fmean(losses[:steps]) - 0.1
+    assert joint["val_losses"][-1] < joint["val_losses"][0] - 0.05
+    assert sum(n > 1.0 for n in joint["norms"]) >= len(joint["norms"]) // 2  # clipping at 1.0 changes steps
+    assert 0 < noise < 1e-4
+    untrained = charlm.make_model(charlm.TINY, len(charlm.Corpus().chars)).state_dict()
+    assert max_diff(untrained, joint["state"]) > 100 * noise_bound(noise)  # the bound below tells training apart
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy,servers", [("ps", 2), ("allreduce", 0)])
+def test_gradsync_matches_single_process_training_on_the_joint_batch(strategy, servers, reference):
+    joint, noise = reference
+    results = gradsync.launch(charlm.train, strategy=strategy, workers=WORKERS, servers=servers,
+                              args=(charlm.TINY,), timeout=280)
+    for r in results:
+        assert list(r["state"]) == list(joint["state"])
+        assert max_diff(r["state"], joint["state"]) <= noise_bound(noise)
+        assert r["norms"] == pytest.approx(joint["norms"], rel=1e-5)  # the joint norm, before clipping
+        assert r["val_losses"] == pytest.approx(joint["val_losses"], abs=1e-5)  # evaluated on the user's module
+        assert r["val_losses"][-1] < r["val_losses"][0] - 0.05
+    assert max_diff(results[0]["state"], results[1]["state"]) == 0.0
+    # each worker's loss is over its own slice; their mean is the joint batch's loss
+    mean = [(a + b) / 2 for a, b in zip(results[0]["losses"], results[1]["losses"])]
+    assert mean == pytest.approx(joint["losses"], abs=1e-5)
