@@ -187,11 +187,13 @@ def language_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def held_out_loss(model: nn.Module, corpus: Corpus, s: Settings) -> float:
-    """Mean loss over `s.eval_windows` windows evenly spaced over the held-out text."""
+def evaluate(model: nn.Module, corpus: Corpus, s: Settings) -> tuple[float, float]:
+    """Mean loss and next-character accuracy over `s.eval_windows` windows evenly spaced over the held-out
+    text."""
     starts = torch.linspace(0, len(corpus.val) - s.block - 1, s.eval_windows).long()
     windows = corpus.val[starts[:, None] + torch.arange(s.block + 1)]
-    return language_loss(model, windows[:, :-1], windows[:, 1:]).item()
+    logits, y = model(windows[:, :-1]).flatten(0, 1), windows[:, 1:].flatten()
+    return F.cross_entropy(logits, y).item(), (logits.argmax(1) == y).float().mean().item()
 
 
 # ---------------------------------------------------------------- the loop
@@ -200,7 +202,8 @@ def held_out_loss(model: nn.Module, corpus: Corpus, s: Settings) -> float:
 def fit(s: Settings, corpus: Corpus, net: CharGPT, optimizer, step, streams: list, talk: bool) -> dict:
     """The epochs shared by gradsync workers and the single-process reference. `step(parts)` trains on one
     batch from each of `streams` and returns (loss, grad norm before clipping); after each epoch the
-    held-out loss, and (where `talk`) a printed summary and generated sample."""
+    held-out loss and accuracy, and (where `talk`) a printed summary (the train loss of this process's own
+    batches) and a generated sample."""
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, s=s))
     bar = Progress(s.epochs * s.steps_per_epoch, "training", enabled=talk)
     losses, norms, val_losses = [], [], []
@@ -214,17 +217,19 @@ def fit(s: Settings, corpus: Corpus, net: CharGPT, optimizer, step, streams: lis
             norms.append(norm)
             gradsync.log(loss=loss, samples=sum(len(x) for x, _ in parts))  # for gradsync compare
             bar.update(f"loss {loss:.3f}")
-        val_losses.append(held_out_loss(net, corpus, s))
-        gradsync.log(val_loss=val_losses[-1])
+        val_loss, accuracy = evaluate(net, corpus, s)
+        val_losses.append(val_loss)
+        gradsync.log(val_loss=val_loss, acc=accuracy)
         if talk:
             prompt = torch.tensor([[corpus.chars.index("\n")]])
             sample = corpus.decode(net.generate(prompt, s.sample_chars, torch.Generator().manual_seed(epoch))[0])
             train_loss = sum(losses[-s.steps_per_epoch:]) / s.steps_per_epoch
-            print(f"epoch {epoch + 1}: train loss {train_loss:.3f}, held-out loss {val_losses[-1]:.3f}, "
-                  f"lr {scheduler.get_last_lr()[0]:.2e}, sample:{sample}\n", flush=True)
+            print(f"epoch {epoch + 1}: train loss {train_loss:.3f}, held-out loss {val_loss:.3f}, "
+                  f"accuracy {accuracy:.3f}, lr {scheduler.get_last_lr()[0]:.2e}, sample:{sample}\n", flush=True)
     elapsed = time.perf_counter() - start
     state = {k: v.detach().clone() for k, v in net.state_dict().items()}
-    return {"losses": losses, "norms": norms, "val_losses": val_losses, "state": state, "seconds": elapsed}
+    return {"losses": losses, "norms": norms, "val_losses": val_losses, "accuracy": accuracy, "state": state,
+            "seconds": elapsed}
 
 
 def train(s: Settings = Settings()) -> dict:
@@ -298,7 +303,7 @@ def main() -> None:
     if rank == 0:
         steps = len(result["losses"])
         print(f"final train loss {sum(result['losses'][-s.steps_per_epoch:]) / s.steps_per_epoch:.3f}, "
-              f"held-out loss {result['val_losses'][-1]:.3f}, "
+              f"held-out loss {result['val_losses'][-1]:.3f}, accuracy {result['accuracy']:.3f}, "
               f"{workers * s.batch * s.block * steps / result['seconds']:.0f} characters/s")
     if not args.reference:
         gradsync.shutdown()
