@@ -89,7 +89,8 @@ def train(fields: int, rows: int, dim: int, steps: int, batch_size: int, lr: flo
     """The loop every worker runs; returns this worker's summary (AUCs on worker 0)."""
     me, workers = gradsync.worker_rank(), gradsync.num_workers()
     log = ClickLog(fields, rows)
-    trainer = gradsync.Trainer(CTRModel(fields, rows, dim), torch.optim.Adagrad, lr=lr,
+    model = CTRModel(fields, rows, dim)
+    trainer = gradsync.Trainer(model, torch.optim.Adagrad(model.parameters(), lr=lr),
                                table_optimizer=gradsync.RowAdagrad(lr=lr))
     start, losses = time.perf_counter(), []
     for step in range(steps):

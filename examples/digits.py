@@ -44,7 +44,8 @@ def train(epochs: int = 10, batch_size: int = 32, lr: float = 0.05) -> dict:
     x_train, y_train, x_test, y_test = load_digits()
     mine = torch.arange(me, len(y_train), workers)  # this worker's share of the training set
     steps_per_epoch = len(mine) // batch_size
-    trainer = gradsync.Trainer(make_model(), torch.optim.SGD, lr=lr, momentum=0.9)
+    model = make_model()
+    trainer = gradsync.Trainer(model, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9))
     bar = Progress(epochs * steps_per_epoch, f"worker {me}", enabled=me == 0)
     start, losses = time.perf_counter(), []
     for epoch in range(epochs):

@@ -53,6 +53,9 @@ def make_optimizer(kind: str, net: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.AdamW(groups(net, 3e-3), lr=3e-3)
     if kind == "sgd":
         return torch.optim.SGD(groups(net, 0.5), lr=0.5, momentum=0.9)
+    if kind == "sign":
+        return SignSGD([{"params": net.head.parameters(), "scale": 2.0},
+                        {"params": [p for n, p in net.named_parameters() if not n.startswith("head")]}], lr=0.01)
     return torch.optim.SGD(net.parameters(), lr=0.5)  # "plain": what a table's exact row-wise form needs
 
 
@@ -133,12 +136,7 @@ def train_resumed(first: int, then: int, from_single_process: dict, load_before:
     trainer = gradsync.Trainer(net, optimizer)
     if not load_before:
         trainer.optimizer.load_state_dict(from_single_process["optimizer"])
-    me = gradsync.worker_rank()
-    for step in range(first, first + then):
-        x, y = batch(step, me)
-        with dist_autograd.context() as cid:
-            dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
-            trainer.step(cid)
+    run_steps(trainer, range(first, first + then))
     return {"state": trainer.state_dict(), "optimizer": trainer.optimizer.state_dict()}
 
 
@@ -203,14 +201,9 @@ def train_drive_apart(steps: int) -> None:
     """Worker 0 lowers its learning rate at step 1, worker 1 does not: the servers refuse the step, naming both."""
     net = make_net()
     trainer = gradsync.Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1))
-    me = gradsync.worker_rank()
-    for step in range(steps):
-        if step == 1:
-            trainer.optimizer.param_groups[0]["lr"] = 0.05 if me == 0 else 0.1
-        x, y = batch(step, me)
-        with dist_autograd.context() as cid:
-            dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
-            trainer.step(cid)
+    run_steps(trainer, range(1))
+    trainer.optimizer.param_groups[0]["lr"] = 0.05 if gradsync.worker_rank() == 0 else 0.1
+    run_steps(trainer, range(1, steps))
 
 
 def call_optimizer_step() -> str:
@@ -268,30 +261,16 @@ class SignSGD(torch.optim.Optimizer):
                     p.add_(p.grad.sign(), alpha=-group["lr"] * group["scale"])
 
 
-def train_own_optimizer(steps: int) -> dict:
-    net = make_net()
-    trainer = gradsync.Trainer(net, SignSGD([{"params": net.head.parameters(), "scale": 2.0},
-                                             {"params": [p for n, p in net.named_parameters()
-                                                         if not n.startswith("head")]}], lr=0.01))
+def run_steps(trainer: gradsync.Trainer, steps: range, scheduler=None) -> None:
+    """The plain loop on this worker's batches of `steps`."""
     me = gradsync.worker_rank()
-    for step in range(steps):
+    for step in steps:
         x, y = batch(step, me)
         with dist_autograd.context() as cid:
             dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
             trainer.step(cid)
-    return trainer.state_dict()
-
-
-def reference_own_optimizer(steps: int, workers: int) -> dict:
-    net = make_net()
-    opt = SignSGD([{"params": net.head.parameters(), "scale": 2.0},
-                   {"params": [p for n, p in net.named_parameters() if not n.startswith("head")]}], lr=0.01)
-    for step in range(steps):
-        opt.zero_grad()
-        parts = [batch(step, w) for w in range(workers)]
-        F.cross_entropy(net(torch.cat([x for x, _ in parts])), torch.cat([y for _, y in parts])).backward()
-        opt.step()
-    return net.state_dict()
+        if scheduler is not None:
+            scheduler.step()
 
 
 def train_tables(steps: int, optimizer_kind: str) -> dict:
@@ -300,14 +279,7 @@ def train_tables(steps: int, optimizer_kind: str) -> dict:
     net, said = make_net(), io.StringIO()
     with contextlib.redirect_stdout(said):
         trainer = gradsync.Trainer(net, make_optimizer(optimizer_kind, net))
-    scheduler = make_schedule("warmup", trainer.optimizer, steps)
-    me = gradsync.worker_rank()
-    for step in range(steps):
-        x, y = batch(step, me)
-        with dist_autograd.context() as cid:
-            dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
-            trainer.step(cid)
-        scheduler.step()
+    run_steps(trainer, range(steps), make_schedule("warmup", trainer.optimizer, steps))
     module = {k: v.clone() for k, v in net.state_dict().items()}
     return {"state": trainer.state_dict(), "tables": sorted(trainer.server_stats()[0]["tables"]),
             "said": said.getvalue(), "module": module}

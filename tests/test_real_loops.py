@@ -8,7 +8,7 @@ import torch
 
 import gradsync
 from real_loops import (MAX_NORM, call_optimizer_step, continue_single_process, max_diff, noise_bound,
-                        optimizer_diff, reference, reference_own_optimizer, train_drive_apart, train_own_optimizer,
+                        optimizer_diff, reference, train_drive_apart,
                         reference_amp, relative, train, train_amp, train_resumed, train_tables)
 
 STEPS = 8
@@ -126,9 +126,10 @@ def test_noise_bound_is_not_vacuous():
 
 @pytest.mark.timeout(300)
 def test_a_users_own_optimizer_class_with_groups_runs_on_the_servers():
-    state = gradsync.launch(train_own_optimizer, strategy="ps", workers=2, servers=2, args=(4,), timeout=280)[0]
-    assert max_diff(state, reference_own_optimizer(4, 2)) <= 1e-6
-    assert max_diff(state, reference_own_optimizer(0, 2)) > 1e-2
+    result = gradsync.launch(train, strategy="ps", workers=2, servers=2, args=(4, "sign", None, None), timeout=280)[0]
+    assert max_diff(result["state"], reference(4, 2, "sign", None, None)["state"]) <= 1e-6
+    assert optimizer_diff(result["optimizer"], reference(4, 2, "sign", None, None)["optimizer"]) == 0.0
+    assert max_diff(result["state"], reference(0, 2, "sign", None, None)["state"]) > 1e-2
 
 
 @pytest.mark.timeout(300)
