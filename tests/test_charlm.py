@@ -1,6 +1,7 @@
 """examples/charlm.py, tiny config: trained under gradsync (ps and allreduce, two workers) it ends where
 single-process training on the joint batch ends, within the float noise of that training itself, and it
 learns."""
+import dataclasses
 import os
 import statistics
 import sys
@@ -52,3 +53,18 @@ def test_gradsync_matches_single_process_training_on_the_joint_batch(strategy, s
     # each worker's loss is over its own slice; their mean is the joint batch's loss
     mean = [(a + b) / 2 for a, b in zip(results[0]["losses"], results[1]["losses"])]
     assert mean == pytest.approx(joint["losses"], abs=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_with_row_tables_hybrid_trains_what_ps_trains(reference):
+    """--row-tables serves both embeddings with RowAdagrad (no single-process form), which hybrid needs:
+    hybrid (the rest in DDP) and ps (the rest on the servers) then compute the same steps."""
+    joint, noise = reference
+    rows = dataclasses.replace(charlm.TINY, row_tables=True)
+    hybrid = gradsync.launch(charlm.train, strategy="hybrid", workers=WORKERS, servers=2, args=(rows,), timeout=280)
+    ps = gradsync.launch(charlm.train, strategy="ps", workers=WORKERS, servers=2, args=(rows,), timeout=280)
+    for h, p in zip(hybrid, ps):
+        assert max_diff(h["state"], p["state"]) <= noise_bound(noise)
+        assert h["norms"] == pytest.approx(p["norms"], rel=1e-5)
+        assert h["val_losses"][-1] < h["val_losses"][0] - 0.05
+        assert max_diff(h["state"], joint["state"]) > 100 * noise_bound(noise)  # the tables had RowAdagrad, not AdamW
