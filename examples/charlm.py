@@ -6,11 +6,16 @@ linear warm-up then cosine decay of the learning rate, gradient clipping at 1.0,
 a loss on held-out text and a generated sample (rank 0 prints them). The strategy is a flag:
     gradsync run --strategy ps --workers 2 --servers 1 examples/charlm.py
     gradsync run --strategy allreduce --workers 2 examples/charlm.py
+    gradsync run --strategy hybrid --workers 2 --servers 1 examples/charlm.py --row-tables
     python examples/charlm.py --reference 2    # one process, the joint batch of 2 workers: what sync training gives
 
 The output head is untied from the token embedding: with a vocabulary of under 100 characters tying
 would save about 5K parameters, and untied the embedding (no weight decay, as every embedding) and the
 head (a matmul weight, decayed) each sit in the group that suits them.
+
+AdamW has no row-wise form, so under ps the two embeddings stay dense (gradsync says so) and hybrid,
+which serves tables row by row, refuses the model; --row-tables gives the embeddings gradsync.RowAdagrad
+on the servers instead (a different optimizer for them, so no longer the single-process run's math).
 """
 from __future__ import annotations
 
