@@ -1,8 +1,9 @@
 """docs/porting.md runs as written: every Python block compiles; every program on the page (a block whose first lines
 are `# run: COMMAND`) runs, the DDP ones on two plain torch.distributed processes as torchrun would start them, the
-gradsync ones under ps (the command as written) and allreduce through `gradsync.launch`, and the whole script once
-through `gradsync run` itself; each gradsync program prints on worker 0 only, and the same words and numbers as its
-DDP twin (`X.py` and `X_ddp.py`); the page's `gradsync ...` commands parse."""
+gradsync ones under ps (the command as written) and allreduce through `gradsync.launch`, and the whole script through
+`gradsync run` itself; each gradsync program prints on worker 0 only, and the same words and numbers as its
+DDP twin (`X.py` and `X_ddp.py`), and so does the whole script under the page's torchrun line; the page's
+`gradsync ...` commands parse."""
 from __future__ import annotations
 
 import json
@@ -199,6 +200,22 @@ def test_the_whole_script_runs_with_gradsync_run_as_written(ddp_printed, tmp_pat
     problem = difference(done.stdout, ddp_printed["train_ddp.py"][0], 0.0)
     assert problem is None, f"docs/porting.md:{program['line']}: {shlex.join(argv)} {problem}"
     assert (tmp_path / "model.pt").exists()
+
+
+@pytest.mark.timeout(120)
+def test_the_whole_script_runs_under_torchrun_with_a_server_as_written(ddp_printed, tmp_path):
+    """The page's one-machine torchrun line for ps: the server counted in --nproc-per-node."""
+    line = next(line for line in TEXT.splitlines() if "GRADSYNC_STRATEGY=ps" in line and "torchrun" in line)
+    words = shlex.split(line)
+    settings = dict(w.split("=", 1) for w in words[:words.index("torchrun")])
+    argv = words[words.index("torchrun") + 1:]
+    assert argv[-1] == "train.py" and "--nproc-per-node" in argv
+    write_page(str(tmp_path))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", *argv], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=TIMEOUT, env=dict(os.environ, **settings))
+    assert done.returncode == 0, done.stderr[-3000:]
+    problem = difference(done.stdout, ddp_printed["train_ddp.py"][0], 0.0)
+    assert problem is None, f"docs/porting.md: {line} {problem}"
 
 
 @pytest.mark.timeout(120)
