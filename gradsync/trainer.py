@@ -140,6 +140,21 @@ class Trainer:
         if every and self._job.steps % every == 0:
             resume.save(self._job, self._strategy, self._model_description)
 
+    def no_sync(self):
+        """A block whose backward passes only accumulate, as DDP's `no_sync()`: wrap every micro-batch of a
+        context but the last, and allreduce (and hybrid) exchange the gradients once per step instead of once
+        per backward. The ps strategy pushes once per step anyway: there it changes nothing.
+
+            with dist_autograd.context() as cid:
+                with trainer.no_sync():
+                    for x, y in micro_batches[:-1]:
+                        dist_autograd.backward(cid, [loss_of(x, y) / n])
+                dist_autograd.backward(cid, [loss_of(*micro_batches[-1]) / n])
+                trainer.step(cid)
+        """
+        ddp = getattr(self._strategy, "ddp", None) or getattr(getattr(self._strategy, "dense", None), "ddp", None)
+        return contextlib.nullcontext() if ddp is None else ddp.no_sync()
+
     @contextlib.contextmanager
     def join(self):
         """A block in which workers may run out of data at different steps (the idea of

@@ -283,3 +283,25 @@ def train_tables(steps: int, optimizer_kind: str) -> dict:
     module = {k: v.clone() for k, v in net.state_dict().items()}
     return {"state": trainer.state_dict(), "tables": sorted(trainer.server_stats()[0]["tables"]),
             "said": said.getvalue(), "module": module}
+
+
+def train_accumulating(steps: int, no_sync: bool) -> dict:
+    """Two micro-batches per step, the first inside trainer.no_sync() when asked; counts DDP's allreduces."""
+    net = make_net()
+    trainer = gradsync.Trainer(net, make_optimizer("sgd", net))
+    calls = []
+    ddp = getattr(trainer.model, "ddp", None)
+    if ddp is not None:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        ddp.register_comm_hook(None, lambda state, bucket: calls.append(1) or allreduce_hook(state, bucket))
+    me = gradsync.worker_rank()
+    for step in range(steps):
+        with dist_autograd.context() as cid:
+            with trainer.no_sync() if no_sync else contextlib.nullcontext():
+                x, y = batch(step, me, 0)
+                dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y) / 2])
+            x, y = batch(step, me, 1)
+            dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y) / 2])
+            trainer.step(cid)
+    return {"state": trainer.state_dict(), "allreduces": len(calls)}

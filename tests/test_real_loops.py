@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import gradsync
-from real_loops import (MAX_NORM, call_optimizer_step, continue_single_process, max_diff, noise_bound,
+from real_loops import (MAX_NORM, call_optimizer_step, train_accumulating, continue_single_process, max_diff, noise_bound,
                         optimizer_diff, reference, train_drive_apart,
                         reference_amp, relative, train, train_amp, train_resumed, train_tables)
 
@@ -168,3 +168,14 @@ def test_schedules_clipping_and_optimizer_state_over_the_grpc_transport():
         assert max_diff(r["state"], joint["state"]) <= noise_bound(noise)
         assert relative(r["norms"], joint["norms"]) <= 1e-5
         assert optimizer_diff(r["optimizer"], joint["optimizer"]) <= noise_bound(noise)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy,servers", [("allreduce", 0), ("ps", 1)])
+def test_no_sync_accumulates_without_an_exchange_per_backward(strategy, servers):
+    joint = reference(3, 2, "sgd", None, None, micro=2)["state"]
+    plain, quiet = (gradsync.launch(train_accumulating, strategy=strategy, workers=2, servers=servers,
+                                    args=(3, no_sync), timeout=280)[0] for no_sync in (False, True))
+    assert max_diff(plain["state"], joint) <= 1e-5 and max_diff(quiet["state"], joint) <= 1e-5
+    if strategy == "allreduce":  # one bucket for this small model: one allreduce per backward, or per step
+        assert plain["allreduces"] == 6 and quiet["allreduces"] == 3
