@@ -152,8 +152,7 @@ class Trainer:
                 dist_autograd.backward(cid, [loss_of(*micro_batches[-1]) / n])
                 trainer.step(cid)
         """
-        ddp = getattr(self._strategy, "ddp", None) or getattr(getattr(self._strategy, "dense", None), "ddp", None)
-        return contextlib.nullcontext() if ddp is None else ddp.no_sync()
+        return self._strategy.no_sync()
 
     @contextlib.contextmanager
     def join(self):

@@ -313,6 +313,10 @@ class AllreduceStrategy:
             record_found_inf(scaler, not finite)
         return finite
 
+    def no_sync(self):
+        """`Trainer.no_sync`: DDP's own."""
+        return self.ddp.no_sync()
+
     def _clip(self, live: list[torch.Tensor]) -> None:
         if self.clipping.on:
             self.grad_norm = float(torch.nn.utils.clip_grad_norm_(

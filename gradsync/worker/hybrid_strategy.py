@@ -103,7 +103,10 @@ class HybridStrategy:
             partials = self.transport.push(self._versions, empty, empty, no_buffers, rows, changes,
                                            agree=Agreement(self.dense.clipping.norm_type, scaler is not None))
             self.dense.outside = lambda: [partials[s].value for s in self.servers]
-            stepped = self.dense.step(context_id, scaler)
+            try:
+                stepped = self.dense.step(context_id, scaler)
+            finally:
+                self.dense.outside = None
             snapshots = self.transport.finish({s: p.version for s, p in partials.items()},
                                               self.dense.coefficient if stepped else None)
         else:
@@ -113,6 +116,10 @@ class HybridStrategy:
         self._versions = {s: snap.version for s, snap in snapshots.items()}
         self.metrics.records[-1].bytes_sent += sum(ids.nbytes + g.nbytes for per in rows.values()
                                                    for _, ids, g in per.values())
+
+    def no_sync(self):
+        """`Trainer.no_sync`: the dense part's DDP accumulates; rows travel once per step anyway."""
+        return self.dense.no_sync()
 
     @contextlib.contextmanager
     def join(self):

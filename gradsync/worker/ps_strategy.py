@@ -238,6 +238,10 @@ class PSStrategy:
             record_found_inf(scaler, not finite)
         return fresh
 
+    def no_sync(self):
+        """`Trainer.no_sync`: nothing to hold back, the gradients travel once per step."""
+        return contextlib.nullcontext()
+
     @contextlib.contextmanager
     def join(self):
         """`Trainer.join`: on leaving the block, tell the servers and wait for every worker to join; the next
