@@ -38,6 +38,16 @@ class Transport(Protocol):
         schedule changed; returns every server's snapshot after the step (with `agree`, its `Partial` of the
         held step's norm, and `finish` applies it)."""
 
+    def finish(self, versions: dict[int, int], coefficient: float | None) -> dict[int, Snapshot]:
+        """Apply every server's held step with its gradients times `coefficient` (None: skip it); returns
+        every server's snapshot after it."""
+
+    def optimizer_state(self) -> dict[int, dict]:
+        """Every server's optimizer state by entry key and its groups' options."""
+
+    def load_optimizer_state(self, parts: dict[int, tuple[dict, list]]) -> None:
+        """Give every server its (state by entry key, group options)."""
+
     def state(self) -> dict[int, tuple[int, list[torch.Tensor], dict[str, torch.Tensor]]]:
         """Every server's (version, bucket tensors, buffers and frozen parameters by name)."""
 
