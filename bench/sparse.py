@@ -28,8 +28,8 @@ steps), the peak resident memory (VmHWM) of the largest worker and of the larges
 worker sends + receives per step (ps/hybrid: gradsync's counters; allreduce-dense: a ring's 2 (W - 1) / W
 of every gradient byte; allreduce-sparse: the ring allgather of the rows each worker's batch touched, 8 + 4 x
 32 bytes per row and table, counted from the batches, plus the MLP's ring allreduce). Each cell is the
-median over repeats; "vs sparse allreduce" is the median over repeats of sparse allreduce's step time in the
-same repeat divided by the configuration's (above 1: faster than sparse allreduce).
+median over repeats; "vs sparse allreduce" is sparse allreduce's median divided by the configuration's
+median, both from the same run (above 1: faster than sparse allreduce; the same for CPU-seconds).
 
 A configuration is skipped where its processes would not fit `--memory-gb` (estimated: allreduce-dense 4
 copies of the tables per worker, allreduce-sparse 2 with Adagrad and 1 with SGD, the server 1 plus the row
@@ -221,16 +221,20 @@ def summarize(runs: dict, cores: int) -> list[dict]:
         row = dict(rows=rows, workers=workers, config=config, repeats=len(reps),
                    processes=workers + CONFIGS[config], time_sliced=workers + CONFIGS[config] > cores,
                    **{k: statistics.median(r[k] for r in reps) for k in reps[0]})
+        row["step_ms_repeats"] = [1000 * r["step_s"] for r in reps]
         base = runs.get((rows, workers, BASELINE))
         if isinstance(base, list) and config != BASELINE:
-            pairs = list(zip(reps, base))
-            row["vs_sparse_allreduce"] = statistics.median(b["step_s"] / r["step_s"] for r, b in pairs)
-            row["cpu_vs_sparse_allreduce"] = statistics.median(b["cpu_s_per_step"] / r["cpu_s_per_step"]
-                                                               for r, b in pairs)
-            row["worker_memory_vs_sparse_allreduce"] = (statistics.median(b["worker_peak_rss"] for b in base)
-                                                        / row["worker_peak_rss"])
+            ratios(row, {k: statistics.median(b[k] for b in base)
+                         for k in ("step_s", "cpu_s_per_step", "worker_peak_rss")})
         rows_out.append(row)
     return rows_out
+
+
+def ratios(row: dict, base: dict) -> None:
+    """Ratios of medians against sparse allreduce's medians of the same run (above 1: row is better)."""
+    row["vs_sparse_allreduce"] = base["step_s"] / row["step_s"]
+    row["cpu_vs_sparse_allreduce"] = base["cpu_s_per_step"] / row["cpu_s_per_step"]
+    row["worker_memory_vs_sparse_allreduce"] = base["worker_peak_rss"] / row["worker_peak_rss"]
 
 
 LABEL = {"allreduce-sparse": "allreduce, sparse grads", "allreduce-dense": "allreduce, dense grads",
