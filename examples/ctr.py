@@ -13,6 +13,17 @@ the rows of its batch; under `allreduce` every worker holds every table:
     gradsync run --strategy hybrid --workers 2 --servers 1 examples/ctr.py --rows 1000000
     gradsync run --strategy ps --workers 2 --servers 2 examples/ctr.py
     gradsync run --strategy allreduce --workers 2 examples/ctr.py
+    gradsync run --strategy allreduce --workers 2 examples/ctr.py --sparse-grad
+
+`--sparse-grad` builds the tables with `sparse=True`, as a DDP user with large
+tables would: under allreduce DDP then exchanges only the rows a batch touched
+(an allgather of each worker's rows) and Adagrad updates only those rows,
+instead of averaging and updating every row of every table each step. Under ps
+and hybrid the flag changes nothing (the servers apply row gradients anyway).
+`gradsync compare` runs the script as given, so compare allreduce at its best
+with tables by passing the flag:
+
+    gradsync compare --workers 2 --servers 1 examples/ctr.py --sparse-grad
 """
 import argparse
 import resource
@@ -62,12 +73,13 @@ def _uniform(key: torch.Tensor, salt: int) -> torch.Tensor:
 
 class CTRModel(nn.Module):
     """One embedding table per field, then an MLP to one click logit. Tables built on the meta device
-    (`tables_on="meta"`) take no memory here: the parameter servers initialise them (N(0, 1))."""
+    (`tables_on="meta"`) take no memory here: the parameter servers initialise them (N(0, 1)). `sparse`: the
+    tables' gradients are sparse (`nn.Embedding(..., sparse=True)`), for allreduce with sparse gradients."""
 
-    def __init__(self, fields: int, rows: int, dim: int, tables_on: str | None = None):
+    def __init__(self, fields: int, rows: int, dim: int, tables_on: str | None = None, sparse: bool = False):
         super().__init__()
         torch.manual_seed(0)
-        self.tables = nn.ModuleList(nn.Embedding(rows, dim, device=tables_on) for _ in range(fields))
+        self.tables = nn.ModuleList(nn.Embedding(rows, dim, device=tables_on, sparse=sparse) for _ in range(fields))
         for table in self.tables:
             nn.init.normal_(table.weight, std=0.01)
         self.mlp = nn.Sequential(nn.Linear(fields * dim, 64), nn.ReLU(), nn.Linear(64, 1))
@@ -85,11 +97,13 @@ def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     return float((ranks[positives].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
 
 
-def train(fields: int, rows: int, dim: int, steps: int, batch_size: int, lr: float, test_size: int) -> dict:
-    """The loop every worker runs; returns this worker's summary (AUCs on worker 0)."""
+def train(fields: int, rows: int, dim: int, steps: int, batch_size: int, lr: float, test_size: int,
+          sparse_grad: bool = False) -> dict:
+    """The loop every worker runs; returns this worker's summary (AUCs on worker 0). `sparse_grad`: tables
+    built with `sparse=True` (torch's Adagrad takes sparse gradients)."""
     me, workers = gradsync.worker_rank(), gradsync.num_workers()
     log = ClickLog(fields, rows)
-    model = CTRModel(fields, rows, dim)
+    model = CTRModel(fields, rows, dim, sparse=sparse_grad)
     trainer = gradsync.Trainer(model, torch.optim.Adagrad(model.parameters(), lr=lr),
                                table_optimizer=gradsync.RowAdagrad(lr=lr))
     start, losses = time.perf_counter(), []
@@ -126,9 +140,13 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=256, help="per worker")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--test-size", type=int, default=20_000)
+    parser.add_argument("--sparse-grad", action="store_true",
+                        help="tables with sparse gradients (nn.Embedding(sparse=True)): allreduce then exchanges "
+                             "and updates only the rows a batch touched")
     args = parser.parse_args()
     gradsync.init()
-    summary = train(args.fields, args.rows, args.dim, args.steps, args.batch_size, args.lr, args.test_size)
+    summary = train(args.fields, args.rows, args.dim, args.steps, args.batch_size, args.lr, args.test_size,
+                    args.sparse_grad)
     if gradsync.worker_rank() == 0:
         print(f"AUC {summary['auc']:.4f} (planted model: {summary['planted_auc']:.4f}), "
               f"final loss {summary['final_loss']:.4f}, {summary['samples_per_s']:.0f} samples/s, "

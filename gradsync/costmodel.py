@@ -13,7 +13,14 @@ elements) and W workers:
 
 - allreduce (ring): reduce-scatter then all-gather, (W-1)/W e c bytes each: 2 (W-1)/W e c bytes,
   2 (W-1) messages; int8 is an all-gather (as gradsync does it): (W-1) e c bytes, W-1 messages. Embedding
-  tables are dense parameters here: e counts them.
+  tables with dense gradients are dense parameters here: e counts them.
+- allreduce with sparse table gradients (`sparse_tables` > 0: `nn.Embedding(..., sparse=True)`, DDP's
+  sparse allreduce, which gloo runs as all-gathers of each table's sizes, indices and rows): the dense
+  part as above, and every worker receives every other worker's touched rows: (W-1) row_bytes through
+  each link (a ring all-gather forwards as much as it receives), 3 (W-1) more messages per table. The
+  table elements themselves cost nothing on the wire; the bytes grow with W, where a ps server's
+  share, W / S row_bytes, grows too but is split over S servers, and every worker also sums and applies
+  all W workers' rows (CPU the model does not count).
 - ps, S servers: a worker pushes e c bytes of gradients, and in sync mode a server replies with the 4 e
   bytes of fp32 weights only once all W pushes are in, so the push and the reply are sequential phases;
   with tables a worker first pulls its rows (`row_bytes`, in the forward) and pushes as much back. A
@@ -63,7 +70,9 @@ class Config:
     """A job on a paradigm, without its scale (W, link). `batch`: samples per worker per step; `dense`:
     elements of the dense parameters; `tables`: elements of the embedding tables, which allreduce averages
     as dense parameters and ps / hybrid keep on the servers; `row_bytes`: the rows a ps / hybrid worker
-    pulls per step (and pushes back as gradients)."""
+    pulls per step (and pushes back as gradients), or under allreduce with `sparse_tables` the rows (and
+    their indices) a worker's batch touches, its part of the all-gather; `sparse_tables`: allreduce only,
+    how many tables have sparse gradients (each its own all-gather)."""
 
     strategy: str
     batch: int
@@ -73,6 +82,7 @@ class Config:
     servers: int = 0
     mode: str = "sync"
     compression: str = "none"
+    sparse_tables: int = 0
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -85,6 +95,11 @@ class Config:
             raise ValueError(f"compression={self.compression!r} is not modelled: use one of {tuple(ITEMSIZE)}")
         if self.strategy != "allreduce" and self.servers < 1:
             raise ValueError(f"strategy={self.strategy!r} needs servers >= 1, got servers={self.servers}")
+        if self.sparse_tables and self.strategy != "allreduce":
+            raise ValueError(f"sparse_tables={self.sparse_tables} is an allreduce setting, got strategy="
+                             f"{self.strategy!r}: ps and hybrid move rows anyway (row_bytes), leave it 0")
+        if self.sparse_tables < 0:
+            raise ValueError(f"sparse_tables={self.sparse_tables}: a count of tables, 0 or more")
         if self.mode == "async" and self.strategy != "ps":
             raise ValueError(f"mode='async' is a ps mode, got strategy={self.strategy!r}: use strategy='ps'")
 
@@ -141,6 +156,9 @@ def traffic(config: Config, workers: int) -> tuple[float, int]:
     if workers < 1:
         raise ValueError(f"workers={workers}: need at least 1")
     share = max(workers / config.servers, 1) if config.servers else 0
+    if config.strategy == "allreduce" and config.sparse_tables:
+        dense_bytes, messages = _allreduce(config.dense, workers, config.compression)
+        return dense_bytes + (workers - 1) * config.row_bytes, messages + 3 * (workers - 1) * config.sparse_tables
     if config.strategy == "allreduce":
         return _allreduce(config.dense + config.tables, workers, config.compression)
     if config.strategy == "ps":

@@ -1,4 +1,6 @@
 """gradsync.costmodel: the traffic formulas, the fit, crossover and verdict, against closed-form values."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -44,6 +46,29 @@ def test_traffic_formulas():
     assert traffic(Config("hybrid", 1, dense=1000, row_bytes=500, servers=2), 4) == (6000 + 2 * 2 * 500, 10)
     assert traffic(Config("hybrid", 1, dense=1000, row_bytes=500, servers=2, compression="int8"), 4) == (
         3 * 1016 + 2 * 2 * 500, 7)
+
+
+def test_sparse_allreduce_is_an_allgather_of_the_rows_growing_with_w():
+    # 1000 dense elements, 4 sparse tables of 10^6 elements (free on the wire), 540 bytes of touched rows
+    # (with their indices)
+    sparse = Config("allreduce", 1, dense=1000, tables=4 * 10**6, row_bytes=540, sparse_tables=4)
+    assert traffic(sparse, 4) == (2 * 3 / 4 * 4000 + 3 * 540, 6 + 3 * 3 * 4)
+    assert traffic(sparse, 8) == (2 * 7 / 8 * 4000 + 7 * 540, 14 + 3 * 7 * 4)
+    assert traffic(sparse, 1) == (0, 0)
+    # a ps with S servers serving the same rows without their indices (500 bytes), no dense part: its
+    # busiest link carries max(W / S, 1) x 2 x 500 (rows pulled, gradients pushed)
+    rows_only = dataclasses.replace(sparse, dense=0)
+    ps = {s: Config("ps", 1, dense=0, row_bytes=500, servers=s) for s in (1, 2, 3)}
+    assert [traffic(rows_only, w)[0] for w in (2, 4, 8)] == [540, 1620, 3780]  # (W - 1) x 540
+    assert [traffic(ps[2], w)[0] for w in (2, 4, 8)] == [1000, 2000, 4000]  # W / 2 x 1000
+    # bytes alone (1 s per byte, no latency): ps at S = 1 never overtakes sparse allreduce (W x 1000 against
+    # (W - 1) x 540); at S = 2 from W = 14 ((W - 1) 540 > 500 W for W > 13.5); at S = 3 from W = 3
+    line = Fit(compute_s_per_sample=1e-3, s_per_byte=1.0, latency_s=0.0, runs=(), residuals=())
+    assert crossover(line, rows_only, ps[1], link=1.0) is None
+    assert crossover(line, rows_only, ps[2], link=1.0) == 14
+    assert crossover(line, rows_only, ps[3], link=1.0) == 3
+    with pytest.raises(ValueError, match="sparse_tables=2 is an allreduce setting"):
+        Config("ps", 1, dense=10, servers=1, sparse_tables=2)
 
 
 def test_step_time():
