@@ -60,6 +60,7 @@ class Trainer:
         job = self._job = cluster.current()
         if job.config.is_server:
             raise RuntimeError("Trainer is for workers; servers serve inside gradsync.init()")
+        job.building_trainer()
         self._model_description = resume.describe_model(model)
         elements = element_counts(model, tables)  # before a strategy takes the tables over
         if job.resumed is not None:
