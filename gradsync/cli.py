@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import shlex
 import signal
 import sys
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             run_script(args.script, args.args, strategy=args.strategy, workers=args.workers, servers=args.servers,
                        master_port=args.master_port, run_dir=args.run_dir, timeout=args.timeout, link=args.link,
-                       server_link=args.server_link, **settings)
+                       server_link=args.server_link, announce=True, **settings)
         elif args.command == "compare":
             from gradsync.compare import compare
 
@@ -196,8 +197,15 @@ def main(argv: list[str] | None = None) -> int:
                       f"{report}", file=sys.stderr)
                 return 1
         else:
-            from gradsync.client import Client, pull_to_file, status_table
+            from gradsync.client import Client, final_status_table, pull_to_file, status_table
 
+            if not os.path.isdir(args.run_dir):
+                raise FileNotFoundError(f"no run directory {args.run_dir!r}: give the one gradsync run printed at "
+                                        "start (a temporary one is removed when its job ends; --run-dir keeps it)")
+            final = final_status_table(args.run_dir) if args.command == "status" else None
+            if final is not None:
+                print(final)
+                return 0
             with Client(args.run_dir) as client:
                 if args.command == "status":
                     print(status_table(client))

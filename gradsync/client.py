@@ -12,8 +12,11 @@ server unreachable; RuntimeError: anything else).
 """
 from __future__ import annotations
 
-import os
+import glob
 import io
+import json
+import os
+import re
 import time
 
 import grpc
@@ -345,12 +348,31 @@ def status_table(client: Client) -> str:
     embedding table."""
     health = client.health()
     stats = client.stats() if all(h["ready"] for h in health.values()) else {}  # GetStats needs a ready shard
+    return _table({shard: [client.addresses[shard], "yes" if h["ready"] else "no", str(h["version"])]
+                   for shard, h in sorted(health.items())}, stats)
+
+
+def final_status_table(run_dir: str) -> str | None:
+    """`gradsync status RUN_DIR` of a job that has ended: `status_table` from the servers' final counters
+    (`stats-<shard>.json`, which they write as they stop); None while they have not."""
+    stats = {}
+    for path in glob.glob(os.path.join(run_dir, "stats-*.json")):
+        with open(path) as f:
+            stats[int(re.search(r"stats-(\d+)\.json$", path).group(1))] = json.load(f)
+    if not stats:
+        return None
+    table = _table({shard: ["-", "ended", str(s["version"])] for shard, s in sorted(stats.items())}, stats)
+    return f"the job has ended; its servers' final counters:\n\n{table}"
+
+
+def _table(first: dict[int, list[str]], stats: dict[int, dict]) -> str:
+    """The status table: per shard its `first` cells (address, ready, version) and its `stats`, if any."""
     header = ["shard", "address", "ready", "version", "workers seen", "pushes applied", "pushes rejected",
               "steps skipped", "max staleness", "staleness: pushes", "MB in", "MB out"]
     rows = []
-    for shard, h in sorted(health.items()):
+    for shard, cells in first.items():
         s = stats.get(shard)
-        rows.append([str(shard), client.addresses[shard], "yes" if h["ready"] else "no", str(h["version"])] + (
+        rows.append([str(shard), *cells] + (
             [",".join(map(str, s["workers_seen"])), str(s["pushes_applied"]), str(s["pushes_rejected"]),
              str(s["steps_skipped"]), str(s["max_staleness"]),
              " ".join(f"{k}:{v}" for k, v in sorted(s["staleness_histogram"].items())) or "-",

@@ -27,7 +27,7 @@ import torch.distributed.autograd as dist_autograd
 
 from gradsync import joins, malloc, newcomers, resume
 from gradsync.config import ConfigError, JobConfig, StoreKeys, settings_from_env, worker_name
-from gradsync.liveness import Heartbeat, die_with_launcher, record_gone, staying
+from gradsync.liveness import Heartbeat, die_with_launcher, record_gone, staying, wait_for_arrivals
 from gradsync.transport import rpc_group
 from gradsync.transport.rpc import install, start_rpc, stop_rpc
 
@@ -46,14 +46,17 @@ class Cluster:
         self.steps = 0  # steps this worker has committed (Trainer.step; allreduce: and answered after joining)
         self.resumed: resume.Found | None = None  # the checkpoint this job resumes from (--resume)
 
+    def building_trainer(self) -> None:
+        """Note in the store that this worker builds its Trainer, so that a worker that never does is named
+        (`liveness.Watch.without_trainer`) rather than one that waited for it."""
+        self.store.append(StoreKeys.TRAINERS, f"{self.config.worker_rank},")
+
     def exit_now(self, text: str) -> None:
         """Fail this rank from a thread other than the main one, which waits where no exception can reach it
         (a collective in C++): record `text` and the main thread's stack, and exit the process with status 1."""
         frame = sys._current_frames().get(threading.main_thread().ident)
         text += "\nThe main thread was here:\n" + "".join(traceback.format_stack(frame))
-        record_failure(self, self.config.rank, text)
-        sys.stderr.write(text)
-        sys.stderr.flush()
+        say_failure(record_failure(self, self.config.rank, text))
         os._exit(1)
 
 
@@ -108,8 +111,31 @@ def connect_store(config: JobConfig) -> dist.TCPStore:
     if config.rank == 0 and not config.store_is_hosted:
         return host_store(config.master_addr, config.master_port, config.startup_timeout,
                           "pick a free one (MASTER_PORT, or --master-port 0 with gradsync run to let it choose)")
-    return dist.TCPStore(config.master_addr, config.master_port, is_master=False, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=config.startup_timeout))
+    try:
+        return dist.TCPStore(config.master_addr, config.master_port, is_master=False, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=config.startup_timeout))
+    except dist.DistError as e:
+        host = "its launcher" if config.store_is_hosted else "rank 0"
+        raise TimeoutError(
+            f"rank {config.rank} ({config.name}) could not reach the rendezvous store at {config.master_addr}:"
+            f"{config.master_port} within startup_timeout ({config.startup_timeout:.0f} s): {host} hosts it; is "
+            f"it running, and are MASTER_ADDR and MASTER_PORT its address? ({e})") from e
+
+
+def _check_launched(strategy: str | None) -> None:
+    """Refuse a process that no launcher started, or torchrun without a strategy: it would wait for ranks that
+    never come, or quietly train as something the user did not choose."""
+    if "WORLD_SIZE" not in os.environ:
+        raise ConfigError(
+            "gradsync.init() found no launcher (WORLD_SIZE is not set): start the script with `gradsync run "
+            "--strategy ps --workers 2 SCRIPT` (or --strategy allreduce, hybrid), or with torchrun and "
+            "GRADSYNC_STRATEGY set, e.g. `GRADSYNC_STRATEGY=ps torchrun --nproc-per-node 3 SCRIPT` (the first "
+            "GRADSYNC_SERVERS ranks, default 1, are the parameter servers)")
+    if strategy is None and not os.environ.get("GRADSYNC_STRATEGY"):
+        raise ConfigError(
+            "no strategy: set GRADSYNC_STRATEGY to ps, allreduce or hybrid (under torchrun; with ps and hybrid "
+            "the first GRADSYNC_SERVERS ranks, default 1, are the parameter servers), or pass "
+            "gradsync.init(strategy=...)")
 
 
 def _use_loopback_interfaces(config: JobConfig) -> None:
@@ -120,25 +146,48 @@ def _use_loopback_interfaces(config: JobConfig) -> None:
 
 
 def _report_failures(cluster: Cluster) -> None:
-    """On an uncaught exception: write it to the launcher's error file and tell the other ranks."""
-    previous = sys.excepthook
+    """On an uncaught exception: record it (`record_failure`), say it (`say_failure`), and exit at once: a
+    process whose heartbeat thread, store connection or RPC agent still runs would abort (SIGABRT) at
+    interpreter exit, and its launcher would report that signal instead of the exception."""
 
     def hook(kind, value, tb):
-        record_failure(cluster, cluster.config.rank, "".join(traceback.format_exception(kind, value, tb)))
-        previous(kind, value, tb)
+        text = record_failure(cluster, cluster.config.rank, "".join(traceback.format_exception(kind, value, tb)))
+        say_failure(text)
+        sys.stdout.flush()
+        os._exit(1)
 
     sys.excepthook = hook
 
 
-def record_failure(cluster: Cluster | None, rank: int, text: str) -> None:
+_NO_PROCESS_GROUP = "Default process group has not been initialized"  # torch's error, e.g. from DistributedSampler
+_SAMPLER_HINT = ("gradsync: the ps strategy has no torch.distributed process group: give DistributedSampler its "
+                 "place explicitly, DistributedSampler(dataset, num_replicas=gradsync.num_workers(), "
+                 "rank=gradsync.worker_rank()) (the same works under every strategy)\n")
+
+
+def say_failure(text: str) -> None:
+    """Write a rank's failure to stderr, unless a gradsync launcher (GRADSYNC_ERROR_FILE) shows it: once, in
+    the job's headline, not once per rank."""
+    if not os.environ.get("GRADSYNC_ERROR_FILE"):
+        sys.stderr.write(text)
+    sys.stderr.flush()
+
+
+def record_failure(cluster: Cluster | None, rank: int, text: str) -> str:
     """Save a rank's failure for the launcher (GRADSYNC_ERROR_FILE) and the other ranks (the store; not from a
-    worker that joined the running job, whose launcher records it gone), naming the ranks this one has seen
-    fall silent for half the step timeout: the likely cause."""
+    worker that joined the running job, whose launcher records it gone), with a hint for an exception
+    gradsync can explain and the ranks this one has seen fall silent for half the step timeout, or not build
+    their Trainer: the likely cause. Returns the text saved."""
+    if cluster is not None and cluster.config.strategy == "ps" and _NO_PROCESS_GROUP in text:
+        text += _SAMPLER_HINT
     if cluster is not None:
-        watch = cluster.heartbeat.watch
-        silent = watch.silent(cluster.config.step_timeout / 2)
+        config, watch = cluster.config, cluster.heartbeat.watch
+        silent = watch.silent(config.step_timeout / 2)
         if silent:
             text += f"gradsync: {watch.describe(silent)}: stopped, hung or dead?\n"
+        late = watch.without_trainer(min(config.startup_timeout, config.step_timeout) / 2)
+        if late:
+            text += f"gradsync: {watch.describe_without_trainer(late)}\n"
     path = os.environ.get("GRADSYNC_ERROR_FILE")
     if path:
         with open(path, "w") as f:
@@ -148,6 +197,7 @@ def record_failure(cluster: Cluster | None, rank: int, text: str) -> None:
             cluster.store.compare_set(StoreKeys.FAILED, "", f"rank {rank}: {text}")
         except Exception:  # the store may be gone already; the launcher still has the file
             pass
+    return text
 
 
 def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=None, transport=None,
@@ -155,7 +205,7 @@ def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=
     """Join the job. Every rank must call it.
 
     Args:
-        strategy: 'ps', 'allreduce' or 'hybrid' (default: GRADSYNC_STRATEGY, else 'ps').
+        strategy: 'ps', 'allreduce' or 'hybrid' (default: GRADSYNC_STRATEGY; one of the two is required).
         mode: 'sync', 'async' or 'ssp' (default: GRADSYNC_MODE, else 'sync'); with 'ssp', pass
             staleness=K (or GRADSYNC_STALENESS).
         servers: number of parameter servers, the first ranks (default: GRADSYNC_SERVERS).
@@ -168,6 +218,10 @@ def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=
             checkpoint_dir and checkpoint_every (steps), resume (a checkpoint directory): see README,
             "Checkpoint and resume".
     On a server this call serves until the job ends and then exits the process.
+    Raises:
+        ConfigError: no launcher started this process (no WORLD_SIZE: start it with `gradsync run` or
+            torchrun), no strategy, or a bad setting.
+        TimeoutError: some rank did not reach init() within startup_timeout (naming it).
     """
     global _STATE
     asked = dict(strategy=strategy, mode=mode, servers=servers, nonfinite=nonfinite, compression=compression,
@@ -176,20 +230,22 @@ def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=
     if join and _STATE is None:
         _STATE = _join_running(join, asked)
         return
-    config = JobConfig.from_env(**asked)
     if _STATE is not None:
-        _join_launched(_STATE.config, config)
+        _join_launched(_STATE.config, JobConfig.from_env(**asked))
         return
+    _check_launched(strategy)
+    config = JobConfig.from_env(**asked)
     die_with_launcher()
     malloc.limit_arenas()  # before the heartbeat, RPC and gloo threads make arenas of their own
     _use_loopback_interfaces(config)
     store = connect_store(config)
     _STATE = Cluster(config, store, Heartbeat(store, config))
     _report_failures(_STATE)
+    if config.rank == 0:  # for workers that join (an async job), and to refuse them at once (any other)
+        newcomers.publish_settings(store, config)
+    wait_for_arrivals(store, config)
     _STATE.resumed = resume.find(config)
     server = _install_server(config, _STATE.resumed) if config.is_server else None
-    if config.elastic and config.rank == 0:
-        newcomers.publish_settings(store, config)
     if config.transport == "rpc":
         start_rpc(config, store)
     else:  # gRPC carries everything; contexts still work without an RPC agent
@@ -281,8 +337,7 @@ def _serve(cluster: Cluster, server) -> None:
             stop_rpc(config.shutdown_timeout)
         endpoint.stop()
     except BaseException:
-        record_failure(cluster, config.rank, traceback.format_exc())
-        sys.stderr.write(traceback.format_exc())
+        say_failure(record_failure(cluster, config.rank, traceback.format_exc()))
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()

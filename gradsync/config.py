@@ -257,6 +257,7 @@ class StoreKeys:
     ALIVE = "gradsync/alive/{}"
     LEFT = "gradsync/left"
     GONE = "gradsync/gone"  # workers that left an elastic job without gradsync.shutdown(): `worker:how` lines
+    TRAINERS = "gradsync/trainers"  # `worker,` entries: the workers that have begun to build their Trainer
     WORKERS = "gradsync/workers"  # worker indices handed out: the job's workers, then one more per joiner
     JOB = "gradsync/job"  # an elastic job's settings (GRADSYNC_* variables, JSON), for workers that join it
     RPC_SERVING = "gradsync/rpc_serving/{}"  # server s is in the dynamic RPC group of an elastic job

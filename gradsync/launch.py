@@ -20,6 +20,7 @@ import contextlib
 import datetime
 import glob
 import multiprocessing
+import pickle
 from multiprocessing import forkserver
 import os
 import shutil
@@ -37,7 +38,8 @@ from gradsync import cluster, netem, newcomers, procfs
 from gradsync.config import ConfigError, JobConfig, StoreKeys, settings_from_env
 from gradsync.departures import Departure, Departures, Results
 from gradsync.leases import Lease, abandoned
-from gradsync.liveness import LAUNCHER_PID, Watch, create_keys, interval, parse_gone, parse_left, record_gone
+from gradsync.liveness import (LAUNCHER_PID, Watch, create_keys, die_with_launcher, dying_with_this_process, interval,
+                               parse_gone, parse_left, ranks_named, record_gone)
 from gradsync.proto.endpoints import new_token
 
 _HOST = "127.0.0.1"
@@ -98,6 +100,10 @@ def rank_environments(config: JobConfig, port: int, run_dir: str, parent: int | 
         TP_SOCKET_IFNAME="lo",
         GLOO_SOCKET_IFNAME="lo",
         OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+        # torch's C++ log lines (a TensorPipe EOF per worker that leaves an async job, c10d's "hostname of the
+        # client socket cannot be retrieved" behind --link) tell a user nothing to do; TORCH_CPP_LOG_LEVEL=INFO
+        # shows them. A rank `launch` forks has loaded torch already: its lines stay.
+        TORCH_CPP_LOG_LEVEL=os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
     )
     base[LAUNCHER_PID] = str(parent or os.getpid())
     envs = []
@@ -114,6 +120,7 @@ class _Rank:
     def __init__(self, rank: int, proc):
         self.rank = rank
         self.proc = proc
+        self.started = time.monotonic()
 
     def exitcode(self) -> int | None:
         if isinstance(self.proc, subprocess.Popen):
@@ -153,14 +160,29 @@ def _kill_all(ranks: list[_Rank]) -> None:
             r.proc.join(timeout=10)
 
 
-def _failure_text(config: JobConfig, run_dir: str, rank: int, code: int) -> str:
+def _failure_text(config: JobConfig, run_dir: str, rank: int, code: int, arrived: bool = True) -> str:
+    """A failed rank's headline with the failure it recorded; `arrived`: whether it reached gradsync.init()."""
     how = f"exit code {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
     text = f"rank {rank} ({config.role(rank)}) failed with {how}"
     path = os.path.join(run_dir, f"error-{rank}.txt")
     if os.path.exists(path):
         with open(path) as f:
-            text += ":\n" + f.read()
+            return text + ":\n" + f.read()
+    if not arrived:
+        text += (" before it reached gradsync.init() (its traceback is above): every script that gradsync runs must "
+                 "call gradsync.init() first, and nothing that starts torch.distributed itself (a DDP script's "
+                 "dist.init_process_group fails on the port of gradsync's store: EADDRINUSE)")
     return text
+
+
+def _absent_text(config: JobConfig, ranks: list[_Rank]) -> str:
+    """Why the job stopped: `ranks` have not reached gradsync.init() within startup_timeout of their start."""
+    exited = [r.rank for r in ranks if r.exitcode() == 0]
+    text = (f"{ranks_named(config, [r.rank for r in ranks])} did not reach gradsync.init() within startup_timeout "
+            f"({config.startup_timeout:.0f} s) of its start, and the other ranks wait for every one")
+    if exited:
+        text += f" ({ranks_named(config, exited)} exited with code 0 without calling it)"
+    return text + ": is the script stuck before gradsync.init(), or does it skip it on some ranks?"
 
 
 def _silent_text(config: JobConfig, rank: _Rank, seconds: float) -> str:
@@ -186,19 +208,35 @@ def _recorded_failure(ranks: list[_Rank], store: dist.Store) -> int | None:
     return first.rank if first.exitcode() not in (None, 0) else None
 
 
+def _absent(config: JobConfig, ranks: list[_Rank], watch: Watch, departed: set[int]) -> list[_Rank]:
+    """Ranks that have not reached gradsync.init() (running, or exited 0) within startup_timeout of their start."""
+    now = time.monotonic()
+    return [r for r in ranks if r.rank not in departed and watch.moved[r.rank] is None and r.exitcode() in (None, 0)
+            and now - r.started >= config.startup_timeout]
+
+
 def _root_cause(config: JobConfig, ranks: list[_Rank], watch: Watch, store: dist.Store, run_dir: str,
                 departed: set[int]) -> JobFailed:
-    """The failure that explains the others: a rank killed by a signal (it could not report); else one that
-    is stopped, silent for half the step timeout, or gone without leaving (the others failed waiting for
-    it); else the first to record a failure; else the lowest failed rank. Ranks in `departed` (workers that
-    left an elastic job) are none of these."""
+    """The failure that explains the others: a rank killed by a signal without recording a failure (it could
+    not report); else ranks that never reached gradsync.init() within startup_timeout, workers that never
+    built their Trainer, or a rank that is stopped, silent for half the step timeout, or gone without leaving
+    (the others failed waiting for them); else the first to record a failure; else the lowest failed rank.
+    Ranks in `departed` (workers that left an elastic job) are none of these."""
     failed = [(r.rank, r.exitcode()) for r in ranks if r.exitcode() not in (None, 0) and r.rank not in departed]
     for rank, code in failed:
-        if code < 0:
-            return JobFailed(_failure_text(config, run_dir, rank, code), rank)
+        if code < 0 and not os.path.exists(os.path.join(run_dir, f"error-{rank}.txt")):
+            return JobFailed(_failure_text(config, run_dir, rank, code, watch.moved[rank] is not None), rank)
     recorded = _recorded_failure(ranks, store)
     follower = recorded if recorded is not None else failed[0][0]
-    follower_text = _failure_text(config, run_dir, follower, ranks[follower].exitcode())
+    follower_text = _failure_text(config, run_dir, follower, ranks[follower].exitcode(),
+                                  watch.moved[follower] is not None)
+    absent = _absent(config, ranks, watch, departed)
+    if absent:
+        return JobFailed(f"{_absent_text(config, absent)}\nthen {follower_text}", absent[0].rank)
+    late = watch.without_trainer(min(config.startup_timeout, config.step_timeout) / 2)
+    late = [w for w in late if ranks[config.servers + w].exitcode() in (None, 0)]
+    if late:
+        return JobFailed(f"{watch.describe_without_trainer(late)}\nthen {follower_text}", config.servers + late[0])
     silent = watch.silent(config.step_timeout / 2)
     suspects = [r for r in ranks if r.rank != follower and r.rank not in departed
                 and (r.rank in silent or r.state() in ("T", "t"))
@@ -214,8 +252,8 @@ def supervise(config: JobConfig, ranks: list[_Rank], run_dir: str, store: dist.S
               ) -> list[Departure]:
     """Wait until every rank has exited 0, or, in an elastic job, departed (`departures`); returns the
     departures. Raises JobFailed when one fails (naming the root cause), when every worker of an elastic job
-    has departed, when a running rank has sent no heartbeat for step_timeout, or after `timeout` seconds
-    (None: no limit)."""
+    has departed, when a running rank has not reached gradsync.init() within startup_timeout of its start or
+    has sent no heartbeat for step_timeout, or after `timeout` seconds (None: no limit)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     watch = Watch(config)
     departures = Departures(config, store, run_dir) if config.elastic else None
@@ -234,6 +272,9 @@ def supervise(config: JobConfig, ranks: list[_Rank], run_dir: str, store: dist.S
             next_read = time.monotonic() + interval(config.step_timeout)
         if failed:
             raise _root_cause(config, ranks, watch, store, run_dir, departed)
+        absent = _absent(config, ranks, watch, departed)
+        if any(r.exitcode() is None for r in absent):
+            raise JobFailed(_absent_text(config, absent), absent[0].rank)
         silent = {rank: s for rank, s in watch.silent(config.step_timeout).items()
                   if rank < len(codes) and codes[rank] is None}
         if silent:
@@ -301,7 +342,7 @@ def _offer_join(config: JobConfig, run_dir: str, store: dist.TCPStore, network: 
 def run_script(script: str, script_args: list[str], *, strategy: str, workers: int, servers: int | None = None,
                mode: str | None = None, master_port: int = 0, run_dir: str | None = None,
                timeout: float | None = None, link: str | None = None, server_link: str | None = None,
-               **settings) -> list[Departure]:
+               announce: bool = False, **settings) -> list[Departure]:
     """Run `python script args` on every rank (the `gradsync run` command); returns the workers that left an
     elastic job without finishing (`departures`). Raises JobFailed.
 
@@ -309,51 +350,69 @@ def run_script(script: str, script_args: list[str], *, strategy: str, workers: i
     link: a tc rate (100mbit, 1gbit...): each rank in its own network namespace behind a link of that rate
     (`gradsync.netem`; root and iproute2), the store in the hub namespace; None: every rank on loopback.
     server_link: the parameter servers' links at this rate instead (with `link`): a slow server link.
+    announce: say on stderr where the run directory is and how to reach or join the job (`gradsync run`
+    does; `gradsync compare`, whose runs no one reaches, does not).
     Other settings left None come from the GRADSYNC_* environment, else their defaults.
     """
     config = _job_config(strategy, workers, servers, mode, **settings)
+    say = (lambda text: print(f"gradsync: {text}", file=sys.stderr, flush=True)) if announce else (lambda text: None)
     with contextlib.ExitStack() as stack:
         network, store = _network_and_store(stack, config, master_port, link, server_link)
         chosen = run_dir or os.environ.get("GRADSYNC_RUN_DIR")
         run_dir = os.path.abspath(chosen or temporary_run_dir(stack, "gradsync-run-"))
         os.makedirs(run_dir, exist_ok=True)
-        print(f"gradsync: run dir {run_dir}", file=sys.stderr, flush=True)
+        for old in glob.glob(os.path.join(run_dir, "stats-*.json")):  # an earlier job's: this one has not ended
+            os.remove(old)
+        say(f"run dir {run_dir}")
         if network is not None:
             servers = "" if server_link is None else f" (servers behind {server_link})"
-            print(f"gradsync: ranks behind {link} links{servers}; `ip netns exec {network.hub} gradsync status "
-                  f"{run_dir}` reaches the job", file=sys.stderr, flush=True)
+            say(f"ranks behind {link} links{servers}; `ip netns exec {network.hub} gradsync status {run_dir}` "
+                "reaches the job")
         if _offer_join(config, run_dir, store, network):
-            print(f"gradsync: more workers can join: gradsync run --join {run_dir} {script}", file=sys.stderr,
-                  flush=True)
+            say(f"more workers can join: gradsync run --join {run_dir} {script}")
         ranks = []
         try:
             for rank, env in enumerate(rank_environments(config, store.port, run_dir, network=network)):
                 argv = [sys.executable, script, *script_args]
                 if network is not None:
                     argv = network.command(rank, argv)
-                proc = subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True)
+                proc = subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True,
+                                        preexec_fn=dying_with_this_process())
                 ranks.append(_Rank(rank, proc))
             return supervise(config, ranks, run_dir, store, timeout)
         finally:
             _kill_all(ranks)
 
 
-def _run_function(env: dict, fn, args: tuple, result_path: str, namespace: str | None) -> None:
-    """Body of a spawned rank: enter its network namespace (if any), init, then fn on workers; a failure is
-    recorded for the launcher."""
+def _run_function(env: dict, call: bytes, result_path: str, namespace: str | None) -> None:
+    """Body of a spawned rank: die with the launcher, enter its network namespace (if any), init, then fn(*args)
+    (`call`, pickled by the launcher) on workers; a failure is recorded for the launcher."""
     os.environ.update(env, GRADSYNC_LAUNCHED="1")
     try:
+        die_with_launcher()
         if namespace is not None:
             netem.enter(namespace)
+        fn, args = _unpickle_call(call)
         cluster.init()
         result = fn(*args)
         cluster.shutdown()
         torch.save(result, result_path)
     except BaseException:
-        cluster.record_failure(cluster._STATE, int(env["RANK"]), traceback.format_exc())
-        sys.stderr.write(traceback.format_exc())
-        sys.stderr.flush()
+        cluster.say_failure(cluster.record_failure(cluster._STATE, int(env["RANK"]), traceback.format_exc()))
         os._exit(1)
+
+
+def _unpickle_call(call: bytes):
+    """(fn, args) as `launch` pickled them; the error of a function the rank cannot find says why."""
+    try:
+        return pickle.loads(call)
+    except AttributeError as e:
+        if "__main__" not in str(e) and "__mp_main__" not in str(e):
+            raise
+        raise AttributeError(
+            f"{e}: gradsync.launch's function must be defined at the top level of its module, since each rank "
+            "imports the main script again without running its `if __name__ == \"__main__\":` block (nor "
+            "another function's body): move the function there, or into a module of its own") from e
 
 
 def launch(fn, *, strategy: str, workers: int, servers: int | None = None, mode: str = "sync", args: tuple = (),
@@ -383,6 +442,7 @@ def launch(fn, *, strategy: str, workers: int, servers: int | None = None, mode:
             the departures when every worker left).
     """
     config = _job_config(strategy, workers, servers, mode, **settings)
+    call = pickle.dumps((fn, args))  # here, so that an unpicklable function fails before any rank starts
     with contextlib.ExitStack() as stack:
         network, store = _network_and_store(stack, config, 0, link, server_link)
         run_dir = temporary_run_dir(stack, "gradsync-launch-")
@@ -393,7 +453,7 @@ def launch(fn, *, strategy: str, workers: int, servers: int | None = None, mode:
             for rank, env in enumerate(rank_environments(config, store.port, run_dir, parent, network)):
                 result_path = os.path.join(run_dir, f"result-{rank}.pt")
                 namespace = network.namespaces[rank] if network else None
-                proc = context.Process(target=_run_function, args=(env, fn, args, result_path, namespace),
+                proc = context.Process(target=_run_function, args=(env, call, result_path, namespace),
                                        daemon=False)
                 proc.start()
                 ranks.append(_Rank(rank, proc))
@@ -414,6 +474,7 @@ def join_script(target: str, script: str, script_args: list[str], *, workers: in
 
     Raises:
         ConnectionError: the job's store cannot be reached.
+        ConfigError: the job takes no joining workers (not an async ps job over torch RPC).
         JobFailed: a joined worker did not finish (killed, failed, or out of `timeout` seconds), with its
             traceback.
     """
@@ -423,6 +484,7 @@ def join_script(target: str, script: str, script_args: list[str], *, workers: in
                               timeout=datetime.timedelta(seconds=_JOIN_STORE_TIMEOUT_S))
     except dist.DistError as e:
         raise ConnectionError(f"cannot reach the store of the job to join at {host}:{port} (has it ended?): {e}") from e
+    newcomers.job_settings(store, host, port, _JOIN_STORE_TIMEOUT_S)  # refuses a job that takes no newcomers
     deadline = None if timeout is None else time.monotonic() + timeout
     with tempfile.TemporaryDirectory(prefix="gradsync-join-") as files:
         joiners: list[_Rank] = []

@@ -11,6 +11,11 @@ is recorded in `gradsync/gone` (by the launcher, or by a server for a joined wor
 as left; `gradsync/workers` counts the worker indices handed out, so workers that join are watched too. The
 launcher reads the same keys.
 
+A rank's first beat is its arrival: `gradsync.init` waits until every rank of the job has arrived (bounded by
+startup_timeout, naming the ranks that have not), before torch's own rendezvous, which would wait for them
+without a useful limit. A worker that begins to build its Trainer appends `worker,` to `gradsync/trainers`, so
+that a worker that never builds one is named, not the worker that waited for it.
+
 Why heartbeats through the store, not only the launcher's view of its processes: they also work under
 torchrun and across machines, every rank can name a silent peer in its own error, and they cost one small
 store write and one read per rank per interval. The launcher adds what only it can see: exit codes and
@@ -32,10 +37,11 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from gradsync.config import JobConfig, StoreKeys
+from gradsync.config import JobConfig, StoreKeys, worker_name
 
 LAUNCHER_PID = "GRADSYNC_LAUNCHER_PID"
 _PR_SET_PDEATHSIG = 1
+_ARRIVAL_POLL_S = 0.05
 
 
 def interval(step_timeout: float) -> float:
@@ -50,12 +56,18 @@ def create_keys(store: dist.Store, world_size: int, workers: int) -> None:
         store.add(StoreKeys.ALIVE.format(rank), 0)
     store.append(StoreKeys.LEFT, "")
     store.append(StoreKeys.GONE, "")
+    store.append(StoreKeys.TRAINERS, "")
     store.compare_set(StoreKeys.WORKERS, "", str(workers))
 
 
 def parse_left(raw: bytes) -> dict[int, int]:
     """{worker: steps it had taken} from the `worker:steps,` entries of the LEFT key."""
     return {int(w): int(s) for w, s in (item.split(":") for item in raw.decode().split(",") if item)}
+
+
+def parse_workers(raw: bytes) -> set[int]:
+    """The workers of a `worker,` list (the TRAINERS key)."""
+    return {int(w) for w in raw.decode().split(",") if w}
 
 
 def parse_gone(raw: bytes) -> dict[int, str]:
@@ -78,6 +90,35 @@ def staying(store: dist.Store) -> list[int]:
     return sorted(set(range(int(workers))) - set(parse_left(left)) - set(parse_gone(gone)))
 
 
+def ranks_named(config: JobConfig, ranks: list[int]) -> str:
+    """'rank 2 (worker1), rank 3 (worker2)'."""
+    return ", ".join(f"rank {rank} ({config.role(rank)})" for rank in ranks)
+
+
+def wait_for_arrivals(store: dist.Store, config: JobConfig) -> None:
+    """Wait until every rank of the job has beaten once, that is, has reached `gradsync.init`. Every rank of
+    the job must call it (a worker that joins a running job does not).
+
+    Raises:
+        TimeoutError: some have not within startup_timeout, naming them.
+        RuntimeError: another rank failed meanwhile.
+    """
+    keys = [StoreKeys.ALIVE.format(rank) for rank in range(config.world_size)]
+    deadline = time.monotonic() + config.startup_timeout
+    while True:
+        missing = [rank for rank, count in enumerate(store.multi_get(keys)) if int(count) == 0]
+        if not missing:
+            return
+        if store.check([StoreKeys.FAILED]):
+            raise RuntimeError(f"another rank failed, stopping: {store.get(StoreKeys.FAILED).decode()[:2000]}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"{ranks_named(config, missing)} did not reach gradsync.init() within startup_timeout "
+                f"({config.startup_timeout:.0f} s), and every rank must call it: is its script stuck before "
+                "gradsync.init(), or was it never started?")
+        time.sleep(_ARRIVAL_POLL_S)
+
+
 class Watch:
     """When each rank's heartbeat counter last moved, by this process's clock, and which workers left."""
 
@@ -89,13 +130,17 @@ class Watch:
         self.left: dict[int, int | None] = {}  # worker: steps it had taken (None: gone, see `gone`)
         self.gone: dict[int, str] = {}
         self._noticed: dict[int, float] = {}  # rank of a joined worker: when this watch first saw its index
+        self.trainers: dict[int, float] = {}  # worker: when this watch first saw it begin to build its Trainer
 
     def read(self, store: dist.Store) -> dict[int, int | None]:
         """Read every counter and the leavers; returns {worker: steps, or None when it is gone} of those that
         left since the last read."""
         keys = [StoreKeys.ALIVE.format(rank) for rank in range(len(self.counts))]
-        *counts, left, gone, workers = store.multi_get(keys + [StoreKeys.LEFT, StoreKeys.GONE, StoreKeys.WORKERS])
+        *counts, left, gone, workers, trainers = store.multi_get(
+            keys + [StoreKeys.LEFT, StoreKeys.GONE, StoreKeys.WORKERS, StoreKeys.TRAINERS])
         self.read_at = time.monotonic()
+        for worker in parse_workers(trainers):
+            self.trainers.setdefault(worker, self.read_at)
         for rank, raw in enumerate(counts):
             if int(raw) != self.counts[rank]:
                 self.counts[rank], self.moved[rank] = int(raw), self.read_at
@@ -129,6 +174,23 @@ class Watch:
         gone = {self.config.servers + w for w in self.left}
         return {rank: self.read_at - moved for rank, moved in enumerate(self.moved)
                 if moved is not None and rank not in gone and self.read_at - moved >= seconds}
+
+    def absent(self) -> list[int]:
+        """The ranks of the job's first processes that have not beaten yet: not yet in `gradsync.init`."""
+        return [rank for rank in range(self.config.world_size) if self.moved[rank] is None]
+
+    def without_trainer(self, seconds: float) -> list[int]:
+        """The job's first workers (none that left) that have not begun to build their Trainer although another
+        worker began `seconds` ago or more (up to the last read); [] when none began that long ago."""
+        if not self.trainers or self.read_at - min(self.trainers.values()) < seconds:
+            return []
+        return [w for w in range(self.config.num_workers) if w not in self.trainers and w not in self.left]
+
+    def describe_without_trainer(self, workers: list[int]) -> str:
+        first = min(self.trainers, key=self.trainers.get)
+        return (f"{ranks_named(self.config, [self.config.servers + w for w in workers])}: no gradsync.Trainer "
+                f"built {self.read_at - self.trainers[first]:.0f} s after {worker_name(first)} began to build "
+                "its own, and every worker must build one (the others wait for it)")
 
     def describe(self, silent: dict[int, float]) -> str:
         """One clause per silent rank, naming it."""
@@ -188,9 +250,29 @@ def die_with_launcher() -> None:
     if launcher is None:
         return
     if sys.platform == "linux":
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        _prctl()(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != launcher:
         _orphaned(launcher)
+
+
+def dying_with_this_process() -> Callable[[], None] | None:
+    """A `preexec_fn` for `subprocess.Popen` (called from the main thread, as the kernel ties the signal to the
+    thread that forks): the child gets SIGKILL when this process dies, from before its first line, so that a
+    script that never calls gradsync.init() cannot outlive its launcher either. None off Linux."""
+    if sys.platform != "linux":
+        return None
+    parent, prctl = os.getpid(), _prctl()  # looked up here: the child between fork and exec only calls it
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the launcher died before the call
+            os._exit(1)
+
+    return preexec
+
+
+def _prctl():
+    return ctypes.CDLL(None, use_errno=True).prctl
 
 
 def _orphaned(launcher: int) -> None:

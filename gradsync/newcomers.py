@@ -1,8 +1,8 @@
 """Newcomers: workers that join a running async ps job. Where its store is, its settings, a fresh worker index.
 
 The launcher of an elastic job that runs over torch RPC writes `join.json` (the rendezvous store's address,
-mode 0600) into the run directory; server 0 publishes the job's settings (its GRADSYNC_* variables) in the
-store. A joining process (`gradsync run --join RUN_DIR script.py`, or GRADSYNC_JOIN=RUN_DIR|HOST:PORT for
+mode 0600) into the run directory; rank 0 of every job publishes its settings (its GRADSYNC_* variables) in
+the store, so that joining a job that takes no newcomers fails at once. A joining process (`gradsync run --join RUN_DIR script.py`, or GRADSYNC_JOIN=RUN_DIR|HOST:PORT for
 `gradsync.init()`) connects to the store, takes the next worker index (`gradsync/workers`, an atomic
 counter), creates its heartbeat counter at once, and starts as that worker: rank servers + index, RPC name
 worker<index>. The servers admit its registration while the job runs and its first step pulls their current
@@ -60,8 +60,31 @@ def store_address(target: str) -> tuple[str, int]:
 
 
 def publish_settings(store: dist.Store, config: JobConfig) -> None:
-    """On server 0 of an elastic job: the job's settings, for the workers that join it."""
+    """On rank 0: the job's settings, for the workers that join it (an async job) or to refuse them at once."""
     store.compare_set(StoreKeys.JOB, "", json.dumps(config.to_env()))
+
+
+def job_settings(store: dist.Store, host: str, port: int, timeout: float) -> dict:
+    """The settings of the job at host:port (`settings_from_env` values), waiting up to `timeout` seconds for
+    its rank 0 to publish them.
+
+    Raises:
+        ConfigError: the job does not take joining workers, or published nothing in time.
+    """
+    try:
+        store.wait([StoreKeys.JOB], datetime.timedelta(seconds=timeout))
+    except dist.DistError as e:
+        raise ConfigError(f"the job at {host}:{port} published no settings within {timeout:.0f} s: is it a "
+                          f"gradsync job, and has its rank 0 started? ({e})") from e
+    values = settings_from_env(json.loads(store.get(StoreKeys.JOB)))
+    job = JobConfig(**values, world_size=values["servers"] + 1)
+    if not joinable(job):
+        raise ConfigError(
+            f"the job at {host}:{port} runs strategy={job.strategy!r}, mode={job.mode!r}, transport="
+            f"{job.transport!r}: workers join async ps jobs over torch RPC (--strategy ps --mode async "
+            "--transport rpc); over gRPC, push from outside the job with gradsync.client.Client"
+        )
+    return values
 
 
 def joiner_config(store: dist.Store, host: str, port: int, asked: dict, timeout: float) -> JobConfig:
@@ -75,15 +98,7 @@ def joiner_config(store: dist.Store, host: str, port: int, asked: dict, timeout:
     Raises:
         ConfigError: the job does not take joining workers, or runs other settings than `asked`.
     """
-    store.wait([StoreKeys.JOB], datetime.timedelta(seconds=timeout))
-    values = settings_from_env(json.loads(store.get(StoreKeys.JOB)))
-    job = JobConfig(**values, world_size=values["servers"] + 1)
-    if not joinable(job):
-        raise ConfigError(
-            f"the job at {host}:{port} runs strategy={job.strategy!r}, mode={job.mode!r}, transport="
-            f"{job.transport!r}: workers join async ps jobs over torch RPC (--strategy ps --mode async "
-            "--transport rpc); over gRPC, push from outside the job with gradsync.client.Client"
-        )
+    values = job_settings(store, host, port, timeout)
     differ = [f"{k}={v!r} (the job runs {values[k]!r})" for k, v in asked.items()
               if v is not None and k in _JOB_SETTINGS and v != values[k]]
     if differ:
@@ -91,7 +106,7 @@ def joiner_config(store: dist.Store, host: str, port: int, asked: dict, timeout:
                           "out, a joining worker takes the job's")
     values.update({k: v for k, v in asked.items() if v is not None and k not in _JOB_SETTINGS})
     index = store.add(StoreKeys.WORKERS, 1) - 1
-    rank = job.servers + index
+    rank = values["servers"] + index
     store.add(StoreKeys.ALIVE.format(rank), 0)
     path = os.environ.get(INDEX_FILE)
     if path:

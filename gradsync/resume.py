@@ -75,6 +75,7 @@ def find(config: JobConfig) -> Found | None:
     if config.rank == 0:
         for reason in found.skipped:
             print(f"gradsync: resume skips {reason}", file=sys.stderr, flush=True)
+        print(f"gradsync: resuming from step {found.step} ({found.path})", file=sys.stderr, flush=True)
     m = found.manifest
     theirs, ours = (m["strategy"], m["servers"], m["workers"]), (config.strategy, config.servers, config.num_workers)
     if theirs != ours:

@@ -73,6 +73,7 @@ class Trainer:
         job = self._job = cluster.current()
         if job.config.is_server:
             raise RuntimeError("Trainer is for workers; servers serve inside gradsync.init()")
+        job.building_trainer()
         self._model_description = resume.describe_model(model)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         if job.resumed is not None:

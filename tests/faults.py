@@ -105,3 +105,17 @@ def build_wider() -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 17), torch.nn.Tanh(), torch.nn.Linear(17, 4))
     gradsync.Trainer(model, torch.optim.SGD, lr=0.1)
+
+
+def train_without_one_trainer(lazy: int, steps: int) -> int:
+    """`train_with_fault` on every worker but `lazy`, which never builds its Trainer (it sleeps until killed)."""
+    if gradsync.worker_rank() == lazy:
+        time.sleep(3600)
+    return train_with_fault(Fault(-1, -1, "none"), steps)
+
+
+def sample_without_arguments() -> list[int]:
+    """The indices of `DistributedSampler(dataset)` with no place given, as a DDP script writes it."""
+    from torch.utils.data import DistributedSampler
+
+    return list(DistributedSampler(list(range(10))))

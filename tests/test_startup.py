@@ -1,0 +1,153 @@
+"""Start-up: a process without a launcher or a strategy is refused at once, saying how to start it; a rank that
+never reaches gradsync.init() or never builds its Trainer is named within startup_timeout (not the rank that
+waited for it) on every strategy, mode and transport; a rank that never calls init() dies with its launcher."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import gradsync
+from faults import sample_without_arguments, train_without_one_trainer
+from gradsync.config import ConfigError, JobConfig, StoreKeys
+from gradsync.launch import host_store
+from gradsync.liveness import create_keys, wait_for_arrivals
+from test_faults import TESTS, _gone
+from test_failures import gradsync_run
+
+ROOT = os.path.dirname(TESTS)
+STARTUP_TIMEOUT = 20  # every rank of a `gradsync run` job imports torch first: slow on a loaded machine
+
+
+def _without_job_environment() -> dict:
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith("GRADSYNC_") and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+
+
+@pytest.mark.timeout(60)
+def test_a_script_started_without_a_launcher_fails_at_once_saying_how_to_start_it():
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "digits.py")], capture_output=True,
+                          text=True, timeout=50, env=_without_job_environment())
+    assert done.returncode == 1
+    assert "gradsync.init() found no launcher (WORLD_SIZE is not set)" in done.stderr, done.stderr
+    assert "gradsync run --strategy ps --workers 2 SCRIPT" in done.stderr and "torchrun" in done.stderr
+
+
+def test_torchrun_without_a_strategy_is_refused_naming_GRADSYNC_STRATEGY(monkeypatch):
+    monkeypatch.setattr(os, "environ", {**_without_job_environment(), "RANK": "0", "WORLD_SIZE": "2",
+                                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"})
+    with pytest.raises(ConfigError, match="no strategy: set GRADSYNC_STRATEGY to ps, allreduce or hybrid"):
+        gradsync.init()
+
+
+def test_the_arrival_wait_names_every_rank_that_has_not_arrived():
+    store = host_store(0)
+    config = JobConfig(strategy="ps", servers=1, world_size=3, startup_timeout=0.5)
+    create_keys(store, config.world_size, config.num_workers)
+    store.add(StoreKeys.ALIVE.format(0), 1)
+    with pytest.raises(TimeoutError, match=r"rank 1 \(worker0\), rank 2 \(worker1\) did not reach gradsync.init\(\) "
+                                           r"within startup_timeout \(0 s\)"):
+        wait_for_arrivals(store, config)
+
+
+_LATE = """import os, sys, time
+if os.environ["RANK"] == "{late}":
+    time.sleep(3600)  # stuck before gradsync.init()
+sys.path.insert(0, {tests!r})
+import gradsync, faults
+gradsync.init()
+faults.train_with_fault(faults.Fault(-1, -1, "none"), 3)
+gradsync.shutdown()
+"""
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("flags", [["--strategy", "ps", "--mode", "sync"], ["--strategy", "ps", "--mode", "async"],
+                                   ["--strategy", "allreduce"], ["--strategy", "ps", "--transport", "grpc"]],
+                         ids=["ps-sync", "ps-async", "allreduce", "ps-grpc"])
+def test_a_rank_that_never_reaches_init_is_named_within_the_startup_timeout(flags, tmp_path):
+    script = tmp_path / "late.py"
+    late = 2 if "ps" in flags else 1  # worker1
+    script.write_text(_LATE.format(late=late, tests=TESTS))
+    done = gradsync_run(*flags, "--workers", "2", "--startup-timeout", str(STARTUP_TIMEOUT), str(script),
+                        timeout=140)
+    assert done.returncode == 1
+    headline = done.stderr[done.stderr.index("gradsync: rank"):]
+    assert headline.startswith(f"gradsync: rank {late} (worker1) did not reach gradsync.init() within "
+                               f"startup_timeout ({STARTUP_TIMEOUT} s)"), done.stderr
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy,servers,mode", [("ps", 1, "sync"), ("ps", 1, "async"), ("allreduce", 0, "sync")])
+def test_a_worker_that_never_builds_its_trainer_is_named_not_the_one_that_waited(strategy, servers, mode):
+    with pytest.raises(gradsync.JobFailed) as info:
+        gradsync.launch(train_without_one_trainer, strategy=strategy, workers=2, servers=servers, mode=mode,
+                        args=(1, 3), startup_timeout=8, step_timeout=8, timeout=100)
+    message = str(info.value)
+    assert message.startswith(f"rank {servers + 1} (worker1): no gradsync.Trainer built "), message
+    assert f"\nthen rank {servers} (worker0) failed" in message
+
+
+_DDP_SCRIPT = """import torch.distributed as dist
+dist.init_process_group("gloo")  # an unported DDP script: no gradsync.init()
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_script_that_never_calls_init_is_told_to(tmp_path):
+    script = tmp_path / "ddp.py"
+    script.write_text(_DDP_SCRIPT)
+    done = gradsync_run("--strategy", "allreduce", "--workers", "2", str(script), timeout=80)
+    assert done.returncode == 1
+    assert "gradsync: rank 0 (worker0) failed with exit code 1 before it reached gradsync.init()" in done.stderr
+    assert "every script that gradsync runs must call gradsync.init() first" in done.stderr
+
+
+@pytest.mark.timeout(90)
+def test_distributed_sampler_without_arguments_under_ps_names_the_arguments_to_give():
+    with pytest.raises(gradsync.JobFailed) as info:
+        gradsync.launch(sample_without_arguments, strategy="ps", workers=2, timeout=80)
+    assert "Default process group has not been initialized" in str(info.value)
+    assert "DistributedSampler(dataset, num_replicas=gradsync.num_workers(), rank=gradsync.worker_rank())" \
+        in str(info.value)
+    halves = gradsync.launch(sample_without_arguments, strategy="allreduce", workers=2, timeout=80)
+    assert sorted(halves[0] + halves[1]) == list(range(10))  # allreduce has a process group: it works as in DDP
+
+
+_FOREVER_BEFORE_INIT = """import os, time
+with open(os.path.join({pids!r}, os.environ["RANK"]), "w") as f:
+    f.write(str(os.getpid()))
+time.sleep(3600)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_that_never_calls_init_dies_with_a_killed_launcher(tmp_path):
+    pids_dir = tmp_path / "pids"
+    pids_dir.mkdir()
+    script = tmp_path / "forever.py"
+    script.write_text(_FOREVER_BEFORE_INIT.format(pids=str(pids_dir)))
+    launcher = subprocess.Popen([sys.executable, "-m", "gradsync.cli", "run", "--strategy", "ps", "--workers", "2",
+                                 str(script)], stderr=subprocess.DEVNULL, start_new_session=True)
+    pids = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(os.listdir(pids_dir)) < 3:
+            assert launcher.poll() is None and time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.1)
+        time.sleep(0.2)  # each pid file is complete
+        pids = [int((pids_dir / str(rank)).read_text()) for rank in range(3)]
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(timeout=30)
+        deadline = time.monotonic() + 5
+        while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [pid for pid in pids if not _gone(pid)] == []
+    finally:
+        for pid in pids:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+        if launcher.poll() is None:
+            launcher.kill()
