@@ -160,11 +160,16 @@ def test_gradsync_run_trains_over_the_emulated_network_with_the_grpc_transport(t
     hint = re.search(r"gradsync: ranks behind 100mbit links; `ip netns exec (gsnet[0-9a-f]{6}hub) gradsync status "
                      + re.escape(str(tmp_path / "run")) + "` reaches the job", done.stderr)
     assert hint, done.stderr
-    status = subprocess.run([sys.executable, "-m", "gradsync.cli", "status", str(tmp_path / "run")],
-                            capture_output=True, text=True, timeout=60)
-    assert status.returncode == 2
-    assert "10.213.0.2:" in status.stderr and "is inside an emulated network (a job of gradsync run --link)" \
-        in status.stderr
+    status = lambda: subprocess.run([sys.executable, "-m", "gradsync.cli", "status", str(tmp_path / "run")],  # noqa: E731
+                                    capture_output=True, text=True, timeout=60)
+    ended = status()  # the servers' final counters, from the run directory
+    assert ended.returncode == 0 and "the job has ended" in ended.stdout and "| 0 | - | ended | 4 |" in ended.stdout
+    for path in (tmp_path / "run").glob("stats-*.json"):  # as while the job runs: reach its endpoint
+        path.unlink()
+    outside = status()
+    assert outside.returncode == 2
+    assert "10.213.0.2:" in outside.stderr and "is inside an emulated network (a job of gradsync run --link)" \
+        in outside.stderr
     expected = float(reference_mlp(4, 2)["0.weight"].sum())
     lines = sorted(done.stdout.splitlines())
     assert [line.rsplit(" ", 1)[0] for line in lines] == ["0 ['lo', 'link0']", "1 ['lo', 'link0']"]
