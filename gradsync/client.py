@@ -7,8 +7,10 @@ pushes route each gradient to the shard that owns it and push to every shard,
 since in sync mode each server waits for every worker. Every call has a
 deadline; failures raise builtin exceptions naming the call, the shard, its
 address and the elapsed time (ValueError: the server refused the input;
-TimeoutError: the deadline passed; PermissionError: bad token; ConnectionError:
-server unreachable; RuntimeError: anything else).
+TimeoutError: the deadline passed; PermissionError: bad token, or a call the
+token does not allow; ConnectionError: server unreachable; RuntimeError: anything
+else, such as RESOURCE_EXHAUSTED when the endpoint already serves as many outside
+calls as it takes at once).
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ _ERRORS = {
     grpc.StatusCode.FAILED_PRECONDITION: ValueError,
     grpc.StatusCode.DEADLINE_EXCEEDED: TimeoutError,
     grpc.StatusCode.UNAUTHENTICATED: PermissionError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionError,
     grpc.StatusCode.UNAVAILABLE: ConnectionError,
 }
 
@@ -257,21 +260,26 @@ class Client:
 
     def push(self, grads: dict[str, torch.Tensor], version: int | dict[int, int], worker: int,
              timeout: float | None = None) -> dict[int, int]:
-        """Send gradients by parameter name; returns each shard's version once it applied them.
+        """Send gradients by parameter name to the shards that own them; returns the version of each of those
+        shards once it applied them.
 
-        Every shard gets a push (an empty one if it owns none of `grads`): in sync mode it waits for all workers.
+        A shard that owns none of `grads` gets no push (the endpoint refuses a push without a gradient).
         To push flat bucket gradients, pass `bucket.views(flat)` for each bucket (views, no copies).
 
         Args:
             version: the version the gradients were computed at: one for all shards, or by shard
                 (as `pull_versioned` returns).
-            worker: this worker's index, 0 .. W-1.
+            worker: the id to push under. From outside the job (the run directory's token), async jobs
+                only, an id of your own: W .. 65535, none that a worker of the job holds; with the job's
+                member token, the worker's index 0 .. W-1.
         """
         grads = split_pieces(grads, self.pieces())
-        routes = self._route(grads)
+        routes = {shard: names for shard, names in self._route(grads).items() if names}
+        if not routes:
+            raise ValueError("push: no gradients to send (grads is empty)")
         if isinstance(version, int):
             version = {shard: version for shard in self._stubs}
-        missing = sorted(set(self._stubs) - set(version))
+        missing = sorted(set(routes) - set(version))
         if missing:
             raise ValueError(f"push: no version for shards {missing}: pass the versions pull_versioned returned")
 
@@ -281,8 +289,9 @@ class Client:
 
         start = time.monotonic()
         futures = {
-            shard: push.future(messages(shard), timeout=timeout or self.timeout, metadata=self.metadata)
-            for shard, push in self._pushes.items()
+            shard: self._pushes[shard].future(messages(shard), timeout=timeout or self.timeout,
+                                              metadata=self.metadata)
+            for shard in routes
         }
         out = {}
         for shard, fut in futures.items():

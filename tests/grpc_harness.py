@@ -12,9 +12,10 @@ from gradsync.config import JobConfig, StoreKeys
 from gradsync.proto.service import serve_grpc
 from gradsync.core.buckets import ModelSpec, plan_buckets
 from gradsync.ps.server import ParameterServer, make_setup
-from gradsync.transport.grpc import GrpcTransport
+from gradsync.transport.grpc import MEMBER_TOKEN_KEY, GrpcTransport
 
-TOKEN = "test-token-0123456789"
+TOKEN = "test-token-0123456789"  # clients outside the job
+MEMBER_TOKEN = "test-member-token-9876543210"  # the job's own workers
 
 
 def model_state(seed: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -49,10 +50,11 @@ def make_server(mode: str = "sync", workers: int = 2, lr: float = 0.1, momentum:
 
 
 @contextlib.contextmanager
-def served(server: ParameterServer, timeout: float = 10.0, **kwargs):
-    """(endpoint, client) for `server` on 127.0.0.1, stopped afterwards."""
-    endpoint = serve_grpc(server, token=TOKEN, **kwargs)
-    client = Client(endpoint.address, token=TOKEN, timeout=timeout)
+def served(server: ParameterServer, timeout: float = 10.0, member: bool = False, **kwargs):
+    """(endpoint, client) for `server` on 127.0.0.1, stopped afterwards; the client holds the outside token,
+    or with `member` the job members' token."""
+    endpoint = serve_grpc(server, token=TOKEN, member_token=MEMBER_TOKEN, **kwargs)
+    client = Client(endpoint.address, token=MEMBER_TOKEN if member else TOKEN, timeout=timeout)
     try:
         yield endpoint, client
     finally:
@@ -65,6 +67,7 @@ def job_transport(endpoint, server: ParameterServer, worker: int) -> GrpcTranspo
     store = dist.HashStore()
     store.set(StoreKeys.GRPC_ADDRESS.format(0), endpoint.address)
     store.set(StoreKeys.TOKEN, TOKEN)
+    store.set(MEMBER_TOKEN_KEY, MEMBER_TOKEN)
     config = JobConfig(strategy="ps", servers=1, rank=1 + worker, world_size=1 + server.num_workers,
                        transport="grpc", step_timeout=10.0)
     return GrpcTransport(config, store, {0: server.shard.buckets})

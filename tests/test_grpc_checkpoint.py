@@ -21,7 +21,7 @@ def test_checkpoint_call_writes_state_that_loads_back_bit_for_bit(tmp_path):
     shapes = {n: p.shape for n, p in server.shard.params.items()}
     with served(server, checkpoint_dir=str(tmp_path)) as (_, client):
         for step in range(3):  # momentum buffers make the optimizer state non-trivial
-            client.push(_grads(step, shapes), step, worker=0)
+            client.push(_grads(step, shapes), step, worker=1)
         (path, version), = client.checkpoint().values()
     assert path == str(tmp_path / "shard-0.ckpt") and version == 3
     assert os.listdir(tmp_path) == ["shard-0.ckpt"]
@@ -41,7 +41,7 @@ def test_checkpoint_call_writes_state_that_loads_back_bit_for_bit(tmp_path):
     step = _grads(99, shapes)
     for s in (server, fresh):
         with served(s) as (_, client):
-            client.push(step, 3, worker=0)
+            client.push(step, 3, worker=1)
     after, restored = server.state_dict(), fresh.state_dict()
     assert all(torch.equal(after[n], restored[n]) for n in after)  # the optimizer state came back too
 

@@ -12,7 +12,7 @@ from gradsync.config import StoreKeys
 from gradsync.core.buckets import ModelSpec, TensorSpec
 from gradsync.proto.endpoints import write_endpoints
 from gradsync.proto.service import serve_grpc
-from grpc_harness import TOKEN, job_transport, make_server, model_state, served
+from grpc_harness import MEMBER_TOKEN, TOKEN, job_transport, make_server, model_state, served
 
 LR = 0.1
 
@@ -40,6 +40,7 @@ def test_pull_is_the_shard_state_bit_for_bit_with_its_version():
 
 @pytest.mark.timeout(60)
 def test_sync_push_from_w_clients_applies_the_mean_sgd_step_once():
+    """W clients holding the job's member token push by name as its workers 0..W-1: one mean step."""
     workers = 3
     server = make_server("sync", workers=workers, lr=LR)
     before = {n: p.detach().clone() for n, p in server.shard.params.items()}
@@ -48,7 +49,7 @@ def test_sync_push_from_w_clients_applies_the_mean_sgd_step_once():
     results: dict[int, object] = {}
     with served(server) as (endpoint, _):
         def push(w):
-            with Client(endpoint.address, token=TOKEN) as c:
+            with Client(endpoint.address, token=MEMBER_TOKEN) as c:
                 results[w] = c.push(grads[w], 0, worker=w)
 
         threads = [threading.Thread(target=push, args=(w,)) for w in range(workers)]
@@ -132,18 +133,18 @@ def test_async_push_applies_at_once_and_records_staleness():
     with served(server) as (_, client):
         state0 = client.pull()
         g0, g1 = _grads(0, server), _grads(1, server)
-        assert client.push(g0, 0, worker=0) == {0: 1}
+        assert client.push(g0, 0, worker=2) == {0: 1}  # outside clients: ids of their own, >= W
         state1 = client.pull()
         for name, g in g0.items():
             assert torch.equal(state1[name], state0[name].add(g, alpha=-LR)), name
-        assert client.push(g1, 0, worker=1) == {0: 2}  # computed at version 0: one step stale
+        assert client.push(g1, 0, worker=3) == {0: 2}  # computed at version 0: one step stale
         state2, versions = client.pull_versioned()
         assert versions == {0: 2}
         for name, g in g1.items():
             assert torch.equal(state2[name], state1[name].add(g, alpha=-LR)), name
         stats = client.stats()[0]
     assert stats["version"] == 2 and stats["pushes_applied"] == 2 and stats["pushes_rejected"] == 0
-    assert stats["workers_seen"] == [0, 1] and stats["max_staleness"] == 1
+    assert stats["workers_seen"] == [2, 3] and stats["max_staleness"] == 1
     grad_bytes = sum(p.numel() * 4 for p in server.shard.params.values())
     assert stats["bytes_in"] == 2 * grad_bytes
     assert stats["bytes_out"] == 3 * sum(t.numel() * t.element_size() for t in state0.values())
@@ -152,7 +153,7 @@ def test_async_push_applies_at_once_and_records_staleness():
 @pytest.mark.timeout(60)
 def test_sync_push_without_the_other_workers_times_out_naming_the_call():
     server = make_server("sync", workers=2)
-    with served(server, timeout=0.5) as (_, client):
+    with served(server, timeout=0.5, member=True) as (_, client):
         with pytest.raises(TimeoutError, match=r"Push on shard 0 at 127\.0\.0\.1:\d+ failed after 0\.\d+ s"):
             client.push(_grads(0, server), 0, worker=0)
     assert server.shard.version == 0
@@ -173,7 +174,7 @@ def test_not_ready_server_answers_health_and_refuses_the_rest():
 @pytest.mark.timeout(60)
 def test_run_dir_client_gathers_and_routes_across_shards(tmp_path):
     servers = [make_server("async", workers=1, lr=LR, num_servers=2, shard=s) for s in range(2)]
-    endpoints = [serve_grpc(s, token=TOKEN) for s in servers]
+    endpoints = [serve_grpc(s, token=TOKEN, member_token=MEMBER_TOKEN) for s in servers]
     try:
         for shard, e in enumerate(endpoints):
             write_endpoints(str(tmp_path), shard, e.address, TOKEN)
@@ -186,16 +187,21 @@ def test_run_dir_client_gathers_and_routes_across_shards(tmp_path):
             owners = client.owners()
             assert {owners[n] for n in params} == {0, 1}
             g = torch.ones(16)
-            assert client.push({"fc1.bias": g}, versions, worker=0) == {0: 1, 1: 1}
+            owner = owners["fc1.bias"]
+            assert client.push({"fc1.bias": g}, versions, worker=1) == {owner: 1}  # only its owner gets a push
             assert torch.equal(client.pull(["fc1.bias"])["fc1.bias"], params["fc1.bias"].add(g, alpha=-LR))
+            other = {n: torch.ones_like(p) for n, p in params.items() if owners[n] != owner}
+            assert client.push(other, 0, worker=1) == {1 - owner: 1}
             table = status_table(client)
             out = tmp_path / "out.pt"
             assert pull_to_file(client, str(out)) == {0: 1, 1: 1}
         saved = torch.load(out, weights_only=True)
-        assert torch.equal(saved["fc1.weight"], params["fc1.weight"])
+        for name, p in params.items():
+            pushed = torch.ones_like(p) if name in other or name == "fc1.bias" else torch.zeros_like(p)
+            assert torch.equal(saved[name], p.add(pushed, alpha=-LR)), name
         lines = table.splitlines()
         assert lines[0].startswith("| shard | address | ready | version") and len(lines) == 4
-        assert lines[2].split(" | ")[2:5] == ["yes", "1", "0"]
+        assert lines[2].split(" | ")[2:5] == ["yes", "1", "1"]
     finally:
         for e in endpoints:
             e.stop(0.5)
@@ -219,7 +225,7 @@ def test_multi_chunk_tensors_pull_and_push_bit_for_bit(dtype):
         for name, value in params.items():
             assert state[name].dtype == dtype and torch.equal(state[name], value), name
         grads = {n: torch.randn(p.shape, generator=g).to(dtype) for n, p in params.items()}
-        assert client.push(grads, versions, worker=0) == {0: 1}
+        assert client.push(grads, versions, worker=1) == {0: 1}
         after = client.pull()
         for name, value in params.items():
             expected = value.clone().add_(grads[name], alpha=-LR)

@@ -14,11 +14,24 @@ not resolve in time -> DEADLINE_EXCEEDED. Requests are parsed inside the
 handlers, so even bytes that are not a protobuf message get INVALID_ARGUMENT.
 Every call must carry `authorization: Bearer <token>` metadata; a call without
 it is refused with UNAUTHENTICATED before its request is read.
+
+Two credentials tell the job's members from clients outside it: the member
+token (known only through the job's rendezvous store) may make every call; the
+outside token (the run directory's) may make the named calls only, refused the
+job calls with PERMISSION_DENIED. The two are served apart, so that no outside
+client can stall the job: at most `outside_calls` outside calls run at once (one
+more is refused with RESOURCE_EXHAUSTED) on threads of their own, beside the
+members' threads; a request stream that sends nothing for its idle limit (outside:
+`idle_timeout`; members: the step timeout) is cancelled with DEADLINE_EXCEEDED.
+An outside Push may not speak for a member: in sync and ssp jobs it is refused, in
+async jobs it must name a worker id of its own (num_workers .. 65535, none that a
+joined worker registered); every Push carries at least one gradient.
 """
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import hmac
 import threading
 import time
@@ -39,6 +52,8 @@ from gradsync.ps.consistency import Agreement, Partial
 from gradsync.transport.store_data import from_bytes, to_bytes
 
 SERVICE = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+JOB_CALLS = frozenset({"JobPull", "JobPush", "JobFinish", "JobOptimizerState", "JobLoadOptimizerState"})
+MAX_WORKER_ID = (1 << 16) - 1  # the largest worker id a named Push may carry
 
 
 class _Malformed:
@@ -140,10 +155,11 @@ class Servicer:
         yield pb.PullResponse(header=pb.PullHeader(shard_id=shard.shard_id, version=version))
         yield from tensor_codec.encode_messages(tensors, pb.PullResponse)  # serialized PullResponse(chunk=...)
 
-    def push(self, request_iterator, context) -> pb.PushResponse:
+    def push(self, request_iterator, context, member: bool = True) -> pb.PushResponse:
         shard = self._shard()
         header = _header(request_iterator, "PushRequest", "PushHeader")
         try:
+            self._check_pusher(header.worker, member)
             grads = _received(shard, request_iterator, "PushRequest", len(shard.params) + len(shard.buffers))
             buckets = sorted(k for k in grads if isinstance(k, int))
             if buckets:
@@ -151,11 +167,48 @@ class Servicer:
                     f"PushRequest: Tensor.bucket {buckets[0]} addresses a bucket, which only JobPush takes: "
                     "name each gradient after its parameter"
                 )
+            if all(n in shard.buffers for n in grads):
+                raise ValueError(
+                    f"PushRequest carries no gradient ({'only buffers' if grads else 'no tensor'}): name at least "
+                    f"one parameter server {shard.shard_id} owns; a push without one would change nothing but the "
+                    "version"
+                )
             fut = push_named(self.server, header.worker, header.version, grads)
+        except _Refused:
+            self._rejected()
+            raise
         except ValueError as e:
+            self._rejected()
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
         applied = self._applied(fut, header.worker, context)
         return pb.PushResponse(version=applied.version if isinstance(applied, Snapshot) else applied)
+
+    def _check_pusher(self, worker: int, member: bool) -> None:
+        """Refuse a Push header's worker id out of range, and, from outside the job, one that is a member's
+        (or any, in a sync or ssp job, whose steps count the job's own workers)."""
+        if not 0 <= worker <= MAX_WORKER_ID:
+            raise ValueError(f"PushHeader.worker {worker} is not a worker id: expected 0 .. {MAX_WORKER_ID}")
+        if member:
+            return
+        server, workers = self.server, self.server.num_workers
+        if server.mode != "async":
+            raise _Refused(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"PushHeader.worker {worker}: server {server.shard_id} runs a {server.mode} job, whose steps take "
+                f"the pushes of its {workers} workers only (over JobPush, with the job's member credential); "
+                "clients outside the job push to async jobs",
+            )
+        if worker < workers or _registered(server, worker):
+            raise _Refused(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"PushHeader.worker {worker} is a worker of this job: a client outside the job cannot push as one; "
+                f"push under an id of your own, {workers} .. {MAX_WORKER_ID}, that no worker of the job holds",
+            )
+
+    def _rejected(self) -> None:
+        """Count a push refused here, before the consistency rule saw it."""
+        with self.server.shard.lock:
+            self.server.shard.stats.pushes_rejected += 1
 
     def pull_rows(self, request, context) -> Iterator[pb.PullResponse]:
         request = _parsed(request)
@@ -253,6 +306,13 @@ class Servicer:
         return pb.CheckpointResponse(path=path, version=version)
 
 
+def _registered(server, worker: int) -> bool:
+    """Whether `worker` registered the model with `server` (the job's workers, and in async jobs those that
+    joined it)."""
+    with server._lock:  # noqa: SLF001 (the ParameterServer has no public view of its registrations yet)
+        return worker in server._registrations  # noqa: SLF001
+
+
 def _header(request_iterator, kind: str, header_kind: str):
     """The header that must open a push stream."""
     first = next(request_iterator, None)
@@ -297,26 +357,150 @@ def _snapshot_messages(shard_id: int, snapshot: Snapshot | Partial) -> Iterator[
     yield from tensor_codec.encode_messages(tensors, pb.PullResponse)
 
 
-def _guarded(method, streaming_response: bool):
-    """Turn `_Refused` into the call's status code."""
+MEMBER, OUTSIDE = "member", "outside"
+
+
+class _Credentials:
+    """The bearer tokens of one endpoint: who a call's metadata says it comes from."""
+
+    def __init__(self, token: str, member_token: str | None):
+        self._outside = f"Bearer {token}".encode()
+        self._member = None if member_token is None else f"Bearer {member_token}".encode()
+
+    def role(self, metadata) -> str | None:
+        """MEMBER, OUTSIDE, or None for a missing or wrong token. Without a member token every caller that
+        holds the token is a member (an endpoint with one credential)."""
+        given = dict(metadata or ()).get("authorization", "")
+        given = given.encode() if isinstance(given, str) else given
+        if self._member is not None and hmac.compare_digest(given, self._member):
+            return MEMBER
+        if hmac.compare_digest(given, self._outside):
+            return OUTSIDE if self._member is not None else MEMBER
+        return None
+
+
+class _IdleWatch:
+    """One thread that cancels, with DEADLINE_EXCEEDED, every request stream waiting longer than its limit for
+    the client's next message (the time the handler spends on a message does not count)."""
+
+    def __init__(self):
+        self._waiting: dict[int, tuple[float, float, object, str]] = {}  # id -> (deadline, limit, context, what)
+        self._cond = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="gradsync-grpc-idle", daemon=True)
+        self._thread.start()
+
+    def watched(self, request_iterator, context, limit: float, what: str) -> Iterator:
+        """`request_iterator`, each wait for its next message bounded by `limit` seconds."""
+        key = id(request_iterator)
+        while True:
+            with self._cond:
+                self._waiting[key] = (time.monotonic() + limit, limit, context, what)
+                self._cond.notify()
+            try:
+                message = next(request_iterator)
+            except StopIteration:
+                return
+            finally:
+                with self._cond:
+                    self._waiting.pop(key, None)
+            yield message
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self._thread.join(5.0)
+
+    def _run(self) -> None:
+        with self._cond:
+            while not self._stopped:
+                now = time.monotonic()
+                late = [k for k, (deadline, *_) in self._waiting.items() if deadline <= now]
+                for key in late:
+                    _, limit, context, what = self._waiting.pop(key)
+                    _cancel(context, grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"{what}: the client sent nothing for {limit:g} s, the endpoint's limit for an idle "
+                            "request stream; send the whole stream at once")
+                soonest = min((deadline for deadline, *_ in self._waiting.values()), default=None)
+                self._cond.wait(None if soonest is None else max(soonest - now, 0.01))
+
+
+def _cancel(context, code: grpc.StatusCode, details: str) -> None:
+    """End a running call with `code` and `details` from another thread than its handler's (whose wait for
+    the next request then raises): through the call's cancel-with-status, else a plain CANCELLED."""
+    try:
+        context._rpc_event.call.cancel(code.value[0], details)  # noqa: SLF001 (grpcio has no public way)
+    except (AttributeError, TypeError):
+        context.cancel()
+
+
+class _Admission:
+    """Who may make which call, and how many outside calls run at once."""
+
+    def __init__(self, credentials: _Credentials, outside_calls: int, idle_timeout: float, member_idle: float):
+        self.credentials = credentials
+        self.outside_calls = outside_calls
+        self._outside = threading.BoundedSemaphore(outside_calls)
+        self.idle = _IdleWatch()
+        self.idle_timeout = {MEMBER: member_idle, OUTSIDE: idle_timeout}
+
+    @contextlib.contextmanager
+    def admitted(self, name: str, context):
+        """Run one call of method `name`: a member's at once; an outside one in one of the outside slots, or
+        refused (a job call, with PERMISSION_DENIED; when every slot is taken, with RESOURCE_EXHAUSTED).
+        Yields the caller's role."""
+        role = self.credentials.role(context.invocation_metadata())
+        if role == MEMBER:
+            yield role
+            return
+        if name in JOB_CALLS:
+            raise _Refused(grpc.StatusCode.PERMISSION_DENIED,
+                           f"{name} is a call of the job's own workers, which hold the job's member credential; "
+                           "clients outside the job use the named calls (Pull, Push, PullRows, ...)")
+        if not self._outside.acquire(blocking=False):
+            raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"{name}: this endpoint already runs {self.outside_calls} calls from outside the job, "
+                           "as many as it serves at once; retry later")
+        try:
+            yield role
+        finally:
+            self._outside.release()
+
+    def watched(self, request_iterator, context, role: str, name: str) -> Iterator:
+        return self.idle.watched(request_iterator, context, self.idle_timeout[role], f"{name} from {role}")
+
+
+def _guarded(name: str, method, admission: _Admission, streaming_request: bool, streaming_response: bool,
+             takes_role: bool):
+    """The handler of method `name`: admitted (`_Admission`), its request stream watched for idleness, `_Refused`
+    turned into the call's status code."""
+    def run(request, context, role):
+        if streaming_request:
+            request = admission.watched(request, context, role, name)
+        return method(request, context, role == MEMBER) if takes_role else method(request, context)
+
     if streaming_response:
         def call_stream(request, context):
             try:
-                yield from method(request, context)
+                with admission.admitted(name, context) as role:
+                    yield from run(request, context, role)
             except _Refused as e:
                 context.abort(e.code, str(e))
         return call_stream
 
     def call(request, context):
         try:
-            return method(request, context)
+            with admission.admitted(name, context) as role:
+                return run(request, context, role)
         except _Refused as e:
             context.abort(e.code, str(e))
     return call
 
 
-def _handlers(servicer: Servicer) -> grpc.GenericRpcHandler:
-    """Every method of the service: its request parser, the servicer's handler (counted, guarded), its serializer."""
+def _handlers(servicer: Servicer, admission: _Admission) -> grpc.GenericRpcHandler:
+    """Every method of the service: its request parser, the servicer's handler (counted, admitted, guarded),
+    its serializer."""
     unary, unary_stream = grpc.unary_unary_rpc_method_handler, grpc.unary_stream_rpc_method_handler
     stream_unary, stream_stream = grpc.stream_unary_rpc_method_handler, grpc.stream_stream_rpc_method_handler
     methods = {  # name: (kind, handler, request class, response serializer)
@@ -335,12 +519,14 @@ def _handlers(servicer: Servicer) -> grpc.GenericRpcHandler:
     }
 
     def handler(name, kind, method, request_cls, serialize):
-        def counted(request, context):
+        def counted(request, context, *member):
             servicer.count(name)
-            return method(request, context)
+            return method(request, context, *member)
 
-        guarded = _guarded(counted, streaming_response=kind in (unary_stream, stream_stream))
-        return kind(guarded, _parser(request_cls, chunks=kind in (stream_unary, stream_stream)), serialize)
+        streaming_request = kind in (stream_unary, stream_stream)
+        guarded = _guarded(name, counted, admission, streaming_request, kind in (unary_stream, stream_stream),
+                           takes_role=name == "Push")
+        return kind(guarded, _parser(request_cls, chunks=streaming_request), serialize)
 
     return grpc.method_handlers_generic_handler(SERVICE, {n: handler(n, *m) for n, m in methods.items()})
 
@@ -348,12 +534,11 @@ def _handlers(servicer: Servicer) -> grpc.GenericRpcHandler:
 class _BearerAuth(grpc.ServerInterceptor):
     """Refuses, with UNAUTHENTICATED and without reading the request, a call whose token is missing or wrong."""
 
-    def __init__(self, token: str):
-        self._expected = f"Bearer {token}".encode()
+    def __init__(self, credentials: _Credentials):
+        self._credentials = credentials
 
     def intercept_service(self, continuation, details):
-        given = dict(details.invocation_metadata or ()).get("authorization", "")
-        if hmac.compare_digest(given.encode() if isinstance(given, str) else given, self._expected):
+        if self._credentials.role(details.invocation_metadata) is not None:
             return continuation(details)
         handler = continuation(details)
         if handler is None:
@@ -378,14 +563,16 @@ class _BearerAuth(grpc.ServerInterceptor):
 class GrpcEndpoint:
     """A running gRPC endpoint: `.address` ("host:port"), `.port`, `.stop(grace)`."""
 
-    def __init__(self, server: grpc.Server, host: str, port: int):
+    def __init__(self, server: grpc.Server, host: str, port: int, admission: _Admission):
         self._server = server
+        self._admission = admission
         self.port = port
         self.address = f"{host}:{port}"
 
     def stop(self, grace: float = 1.0) -> None:
         """Stop accepting calls, let running ones finish for up to `grace` seconds, then cancel them."""
         self._server.stop(grace).wait(grace + 5.0)
+        self._admission.idle.stop()
 
 
 def serve_grpc(
@@ -394,43 +581,66 @@ def serve_grpc(
     port: int = 0,
     *,
     token: str,
+    member_token: str | None = None,
     tls_cert: str | None = None,
     tls_key: str | None = None,
     checkpoint_dir: str | None = None,
     step_timeout: float = 300.0,
     max_workers: int | None = None,
+    outside_calls: int = 8,
+    idle_timeout: float = 10.0,
 ) -> GrpcEndpoint:
     """Serve one `ParameterServer` over gRPC (returns at once; the endpoint runs on its own threads).
 
     Args:
         server_obj: the `ParameterServer`; it may get its model (become ready) later.
         host, port: where to listen; port 0 picks a free port (see `.port`). Keep loopback unless you need more.
-        token: the bearer token every call must carry (`new_token()` makes one).
+        token: the bearer token of clients outside the job (`new_token()` makes one): the named calls only.
+        member_token: the bearer token of the job's own workers, which may also make the job calls; None: one
+            credential, `token`, for every caller (each is then a member: keep such an endpoint private).
         tls_cert, tls_key: paths of a PEM certificate and key; with both, the endpoint speaks TLS only.
         checkpoint_dir: where `Checkpoint` writes `shard-<id>.ckpt`; None refuses Checkpoint calls.
-        step_timeout: longest a push waits for its consistency rule (the client's deadline may cut it shorter).
-        max_workers: handler threads; default leaves room for every worker of a sync step to wait at once.
+        step_timeout: longest a push waits for its consistency rule (the client's deadline may cut it shorter),
+            and longest a member's request stream may wait between two messages.
+        max_workers: handler threads of the members; default leaves room for every worker of a sync step to
+            wait at once. Outside calls have `outside_calls` threads more.
+        outside_calls: how many calls from outside the job run at once; one more is refused
+            (RESOURCE_EXHAUSTED).
+        idle_timeout: longest an outside request stream (Push) may wait between two messages before it is
+            cancelled (DEADLINE_EXCEEDED).
     Returns:
         The running endpoint.
     """
     if not token:
         raise ValueError("serve_grpc needs a non-empty token: pass token=gradsync.proto.service.new_token()")
+    if member_token is not None and (not member_token or member_token == token):
+        raise ValueError("member_token must be a non-empty token other than token (new_token() makes one), "
+                         "or None for an endpoint with one credential")
     if (tls_cert is None) != (tls_key is None):
         raise ValueError(f"TLS needs both tls_cert and tls_key, got tls_cert={tls_cert!r}, tls_key={tls_key!r}")
-    threads = max_workers or max(8, 2 * server_obj.num_workers + 4)
+    if outside_calls < 1 or idle_timeout <= 0:
+        raise ValueError(f"outside_calls must be >= 1 and idle_timeout > 0 seconds, got outside_calls="
+                         f"{outside_calls!r}, idle_timeout={idle_timeout!r}")
+    credentials = _Credentials(token, member_token)
+    admission = _Admission(credentials, outside_calls, idle_timeout, step_timeout)
+    threads = (max_workers or max(8, 2 * server_obj.num_workers + 4)) + outside_calls
     server = grpc.server(
         concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gradsync-grpc"),
-        handlers=[_handlers(Servicer(server_obj, checkpoint_dir, step_timeout))],
-        interceptors=[_BearerAuth(token)],
+        handlers=[_handlers(Servicer(server_obj, checkpoint_dir, step_timeout), admission)],
+        interceptors=[_BearerAuth(credentials)],
     )
     target = f"{host}:{port}"
-    if tls_cert is not None:
-        with open(tls_key, "rb") as k, open(tls_cert, "rb") as c:
-            credentials = grpc.ssl_server_credentials([(k.read(), c.read())])
-        bound = server.add_secure_port(target, credentials)
-    else:
-        bound = server.add_insecure_port(target)
-    if not bound:
-        raise OSError(f"gRPC could not listen on {target}: pick another host/port (port 0 picks a free one)")
+    try:
+        if tls_cert is not None:
+            with open(tls_key, "rb") as k, open(tls_cert, "rb") as c:
+                tls = grpc.ssl_server_credentials([(k.read(), c.read())])
+            bound = server.add_secure_port(target, tls)
+        else:
+            bound = server.add_insecure_port(target)
+        if not bound:
+            raise OSError(f"gRPC could not listen on {target}: pick another host/port (port 0 picks a free one)")
+    except BaseException:
+        admission.idle.stop()
+        raise
     server.start()
-    return GrpcEndpoint(server, host, bound)
+    return GrpcEndpoint(server, host, bound, admission)

@@ -15,7 +15,10 @@ sets: GRADSYNC_RUN_DIR (default ./runs/<job id>), GRADSYNC_GRPC_HOST (default
 127.0.0.1: nothing listens beyond loopback unless asked), GRADSYNC_GRPC_PORT
 (default 0, a free port; server i uses port + i), GRADSYNC_TOKEN (default: one
 token per job, made by the first server and shared through the store), and
-GRADSYNC_TLS_CERT / GRADSYNC_TLS_KEY for TLS.
+GRADSYNC_TLS_CERT / GRADSYNC_TLS_KEY for TLS. The token is the one for clients
+outside the job (written to the run directory); the job's workers hold a second,
+the member token, made by the first server and known only through the store, which
+alone opens the job calls (`gradsync.proto.service`).
 """
 from __future__ import annotations
 
@@ -54,6 +57,20 @@ def job_token(store: dist.Store) -> str:
     return store.compare_set(StoreKeys.TOKEN, "", new_token()).decode()
 
 
+MEMBER_TOKEN_KEY = "gradsync/grpc_member_token"  # the store key of the member token
+
+
+def member_token(store: dist.Store) -> str:
+    """The job members' bearer token: the first server's, shared through the store only."""
+    return store.compare_set(MEMBER_TOKEN_KEY, "", new_token()).decode()
+
+
+def worker_token(store: dist.Store) -> str:
+    """The token a worker's job calls carry: the member token, or, where the store has none (an endpoint
+    served with one credential), the job's token."""
+    return store.get(MEMBER_TOKEN_KEY).decode() if store.check([MEMBER_TOKEN_KEY]) else job_token(store)
+
+
 def start_endpoint(server: ParameterServer, store: dist.Store, step_timeout: float):
     """Serve `server` over gRPC and write its address and the token to the run directory."""
     directory = run_dir()
@@ -64,6 +81,7 @@ def start_endpoint(server: ParameterServer, store: dist.Store, step_timeout: flo
         host=os.environ.get("GRADSYNC_GRPC_HOST", "127.0.0.1"),
         port=port + server.shard_id if port else 0,
         token=token,
+        member_token=member_token(store),
         tls_cert=os.environ.get("GRADSYNC_TLS_CERT"),
         tls_key=os.environ.get("GRADSYNC_TLS_KEY"),
         checkpoint_dir=os.path.join(directory, "checkpoints"),
@@ -103,7 +121,7 @@ class GrpcTransport:
         self.frozen: dict[int, dict[str, torch.Tensor]] = {}
         store.wait([StoreKeys.GRPC_ADDRESS.format(s) for s in self.servers])  # bounded by the store's start-up timeout
         addresses = {s: store.get(StoreKeys.GRPC_ADDRESS.format(s)).decode() for s in self.servers}
-        self.client = Client(addresses, token=job_token(store), timeout=config.step_timeout)
+        self.client = Client(addresses, token=worker_token(store), timeout=config.step_timeout)
         snapshot = tensor_codec.message_parser(pb.PullResponse)  # chunks as views of the received bytes
         self._pulls = {s: c.unary_stream(f"/{SERVICE}/JobPull", request_serializer=pb.JobPullRequest.SerializeToString,
                                          response_deserializer=snapshot) for s, c in self.client.channels.items()}
