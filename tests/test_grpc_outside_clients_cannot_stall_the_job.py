@@ -139,3 +139,40 @@ def test_a_slow_stream_that_keeps_sending_is_served_a_silent_one_cut_and_outside
             assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED, name
             assert "member credential" in info.value.details(), name
     assert server.shard.version == 1
+
+
+@pytest.mark.timeout(40)
+def test_an_outside_pull_left_unread_gives_its_slot_back_at_the_idle_limit():
+    """A client that opens a Pull of a large model and reads nothing holds its outside slot only until the
+    idle limit; then the call ends with DEADLINE_EXCEEDED and the slot serves others."""
+    from gradsync.core.buckets import ModelSpec, plan_buckets
+    from gradsync.core.optimizer_spec import OptimizerSpec
+    from gradsync.ps.server import ParameterServer, make_setup
+
+    params = {"big": torch.zeros(8 << 20).requires_grad_()}  # 32 MB: more than any flow-control window
+    spec = ModelSpec.of(params, {})
+    setup = make_setup(plan_buckets(spec.params, 1, 1 << 30), params, {}, {},
+                       OptimizerSpec.one_group(torch.optim.SGD, {"lr": LR}))
+    server = ParameterServer(0, 1, "async", "raise")
+    server.register(0, spec, setup).wait()
+    idle = 3.0
+    with served(server, idle_timeout=idle, outside_calls=1) as (endpoint, outside), \
+            grpc.insecure_channel(endpoint.address) as channel:
+        pull = channel.unary_stream("/gradsync.ParameterServer/Pull")(
+            pb.PullRequest().SerializeToString(), timeout=60, metadata=OUTSIDE)
+        next(pull)  # the header; then nothing is read
+        with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+            outside.health()  # the one outside slot is the unread pull's
+
+        def served_again():
+            try:
+                return outside.health()[0]["ready"]
+            except RuntimeError:
+                return False
+
+        _wait_until(served_again, "the unread pull kept its slot", 3 * idle + 10)
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in pull:
+                pass
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert f"Pull from outside: the client read nothing for {idle:g} s" in info.value.details()

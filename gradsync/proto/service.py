@@ -21,8 +21,9 @@ outside token (the run directory's) may make the named calls only, refused the
 job calls with PERMISSION_DENIED. The two are served apart, so that no outside
 client can stall the job: at most `outside_calls` outside calls run at once (one
 more is refused with RESOURCE_EXHAUSTED) on threads of their own, beside the
-members' threads; a request stream that sends nothing for its idle limit (outside:
-`idle_timeout`; members: the step timeout) is cancelled with DEADLINE_EXCEEDED.
+members' threads; a call whose client sends nothing of its request stream, or reads
+nothing of its reply stream, for its idle limit (outside: `idle_timeout`; members: the
+step timeout) is cancelled with DEADLINE_EXCEEDED.
 An outside Push may not speak for a member: in sync and ssp jobs it is refused, in
 async jobs it must name a worker id of its own (num_workers .. 65535, none that a
 joined worker registered); every Push carries at least one gradient.
@@ -380,31 +381,50 @@ class _Credentials:
 
 
 class _IdleWatch:
-    """One thread that cancels, with DEADLINE_EXCEEDED, every request stream waiting longer than its limit for
-    the client's next message (the time the handler spends on a message does not count)."""
+    """One thread that cancels, with DEADLINE_EXCEEDED, every call whose stream waits on its client longer than
+    its limit: for the next request message, or for the client to read the reply message sent last (the time
+    the handler spends on a message does not count)."""
 
     def __init__(self):
-        self._waiting: dict[int, tuple[float, float, object, str]] = {}  # id -> (deadline, limit, context, what)
+        self._waiting: dict[object, tuple[float, object, str]] = {}  # key -> (deadline, context, details)
+        self._wake = float("inf")  # when the watching thread wakes next
         self._cond = threading.Condition()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="gradsync-grpc-idle", daemon=True)
         self._thread.start()
 
-    def watched(self, request_iterator, context, limit: float, what: str) -> Iterator:
-        """`request_iterator`, each wait for its next message bounded by `limit` seconds."""
-        key = id(request_iterator)
-        while True:
-            with self._cond:
-                self._waiting[key] = (time.monotonic() + limit, limit, context, what)
+    @contextlib.contextmanager
+    def waiting(self, context, limit: float, details: str):
+        """While inside, the call `context` waits on its client: past `limit` seconds it is cancelled."""
+        key, deadline = object(), time.monotonic() + limit
+        with self._cond:
+            self._waiting[key] = (deadline, context, details)
+            if deadline < self._wake:
                 self._cond.notify()
-            try:
-                message = next(request_iterator)
-            except StopIteration:
-                return
-            finally:
-                with self._cond:
-                    self._waiting.pop(key, None)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._waiting.pop(key, None)
+
+    def requests(self, request_iterator, context, limit: float, what: str) -> Iterator:
+        """`request_iterator`, each wait for its next message bounded by `limit` seconds."""
+        details = (f"{what}: the client sent nothing for {limit:g} s, the endpoint's limit for an idle request "
+                   "stream; send the whole stream at once")
+        while True:
+            with self.waiting(context, limit, details):
+                try:
+                    message = next(request_iterator)
+                except StopIteration:
+                    return
             yield message
+
+    def replies(self, replies: Iterator, context, limit: float, what: str) -> Iterator:
+        """`replies`, each message's wait for the client to read it (flow control) bounded by `limit` seconds."""
+        details = f"{what}: the client read nothing for {limit:g} s, the endpoint's limit for an unread reply stream"
+        for message in replies:
+            with self.waiting(context, limit, details):
+                yield message
 
     def stop(self) -> None:
         with self._cond:
@@ -413,17 +433,20 @@ class _IdleWatch:
         self._thread.join(5.0)
 
     def _run(self) -> None:
-        with self._cond:
-            while not self._stopped:
+        while True:
+            with self._cond:
+                if self._stopped:
+                    return
                 now = time.monotonic()
-                late = [k for k, (deadline, *_) in self._waiting.items() if deadline <= now]
-                for key in late:
-                    _, limit, context, what = self._waiting.pop(key)
-                    _cancel(context, grpc.StatusCode.DEADLINE_EXCEEDED,
-                            f"{what}: the client sent nothing for {limit:g} s, the endpoint's limit for an idle "
-                            "request stream; send the whole stream at once")
-                soonest = min((deadline for deadline, *_ in self._waiting.values()), default=None)
-                self._cond.wait(None if soonest is None else max(soonest - now, 0.01))
+                late = [(k, c, d) for k, (deadline, c, d) in self._waiting.items() if deadline <= now]
+                for key, _, _ in late:
+                    del self._waiting[key]
+                if not late:
+                    self._wake = min((deadline for deadline, _, _ in self._waiting.values()), default=float("inf"))
+                    self._cond.wait(None if self._wake == float("inf") else max(self._wake - now, 0.01))
+                    continue
+            for _, context, details in late:
+                _cancel(context, grpc.StatusCode.DEADLINE_EXCEEDED, details)
 
 
 def _cancel(context, code: grpc.StatusCode, details: str) -> None:
@@ -467,24 +490,29 @@ class _Admission:
         finally:
             self._outside.release()
 
-    def watched(self, request_iterator, context, role: str, name: str) -> Iterator:
-        return self.idle.watched(request_iterator, context, self.idle_timeout[role], f"{name} from {role}")
+    def requests(self, request_iterator, context, role: str, name: str) -> Iterator:
+        """A call's request stream, each wait for the client's next message bounded by the role's idle limit."""
+        return self.idle.requests(request_iterator, context, self.idle_timeout[role], f"{name} from {role}")
+
+    def replies(self, replies: Iterator, context, role: str, name: str) -> Iterator:
+        """A call's reply stream, each wait for the client to read a message bounded by the role's idle limit."""
+        return self.idle.replies(replies, context, self.idle_timeout[role], f"{name} from {role}")
 
 
 def _guarded(name: str, method, admission: _Admission, streaming_request: bool, streaming_response: bool,
              takes_role: bool):
-    """The handler of method `name`: admitted (`_Admission`), its request stream watched for idleness, `_Refused`
-    turned into the call's status code."""
+    """The handler of method `name`: admitted (`_Admission`), its request and reply streams watched for a client
+    that neither sends nor reads, `_Refused` turned into the call's status code."""
     def run(request, context, role):
         if streaming_request:
-            request = admission.watched(request, context, role, name)
+            request = admission.requests(request, context, role, name)
         return method(request, context, role == MEMBER) if takes_role else method(request, context)
 
     if streaming_response:
         def call_stream(request, context):
             try:
                 with admission.admitted(name, context) as role:
-                    yield from run(request, context, role)
+                    yield from admission.replies(run(request, context, role), context, role, name)
             except _Refused as e:
                 context.abort(e.code, str(e))
         return call_stream
