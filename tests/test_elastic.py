@@ -95,7 +95,7 @@ def test_a_running_async_server_admits_a_worker_with_the_same_model_only():
     params["fc2.bias"] = torch.zeros(5, requires_grad=True)
     with pytest.raises(ValueError, match="worker 8's model differs from worker 0's"):
         server.register(8, ModelSpec.of(params, buffers), None).wait()
-    with served(server) as (_, client):
+    with served(server, member=True) as (_, client):  # the joined worker, with the job's member token
         grads = {n: torch.ones_like(p) for n, p in server.shard.params.items()}
         client.push(grads, 0, worker=7)
         assert client.stats()[0]["pushes_by_worker"] == {7: 1}

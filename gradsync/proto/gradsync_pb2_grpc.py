@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class ParameterServerStub:
-    """One parameter-server shard. Every call needs `authorization: Bearer <token>` metadata.
+    """One parameter-server shard. Every call needs `authorization: Bearer <token>` metadata (the member
+    token, or the outside token for the calls not marked "Job members").
     """
 
     def __init__(self, channel):
@@ -93,7 +94,8 @@ class ParameterServerStub:
 
 
 class ParameterServerServicer:
-    """One parameter-server shard. Every call needs `authorization: Bearer <token>` metadata.
+    """One parameter-server shard. Every call needs `authorization: Bearer <token>` metadata (the member
+    token, or the outside token for the calls not marked "Job members").
     """
 
     def Health(self, request, context):
@@ -241,7 +243,8 @@ def add_ParameterServerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class ParameterServer:
-    """One parameter-server shard. Every call needs `authorization: Bearer <token>` metadata.
+    """One parameter-server shard. Every call needs `authorization: Bearer <token>` metadata (the member
+    token, or the outside token for the calls not marked "Job members").
     """
 
     @staticmethod

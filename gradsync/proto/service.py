@@ -21,8 +21,9 @@ outside token (the run directory's) may make the named calls only, refused the
 job calls with PERMISSION_DENIED. The two are served apart, so that no outside
 client can stall the job: at most `outside_calls` outside calls run at once (one
 more is refused with RESOURCE_EXHAUSTED) on threads of their own, beside the
-members' threads; a request stream that sends nothing for its idle limit (outside:
-`idle_timeout`; members: the step timeout) is cancelled with DEADLINE_EXCEEDED.
+members' threads; a call whose client sends nothing of its request stream, or reads
+nothing of its reply stream, for its idle limit (outside: `idle_timeout`; members: the
+step timeout) is cancelled with DEADLINE_EXCEEDED (`gradsync.proto.admission`).
 An outside Push may not speak for a member: in sync and ssp jobs it is refused, in
 async jobs it must name a worker id of its own (num_workers .. 65535, none that a
 joined worker registered); every Push carries at least one gradient.
@@ -31,8 +32,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import contextlib
-import hmac
 import threading
 import time
 from typing import Iterator
@@ -43,6 +42,7 @@ from google.protobuf.message import DecodeError
 
 from gradsync.proto import gradsync_pb2 as pb
 from gradsync.proto import tensor_codec
+from gradsync.proto.admission import MEMBER, Admission, BearerAuth, Credentials, Refused
 from gradsync.proto.endpoints import new_token
 from gradsync.ps import checkpoint
 from gradsync.ps.named_grads import push_named
@@ -52,7 +52,6 @@ from gradsync.ps.consistency import Agreement, Partial
 from gradsync.transport.store_data import from_bytes, to_bytes
 
 SERVICE = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
-JOB_CALLS = frozenset({"JobPull", "JobPush", "JobFinish", "JobOptimizerState", "JobLoadOptimizerState"})
 MAX_WORKER_ID = (1 << 16) - 1  # the largest worker id a named Push may carry
 
 
@@ -76,15 +75,9 @@ def _parser(cls, chunks: bool = False):
     return parse
 
 
-class _Refused(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-
-
 def _parsed(request):
     if isinstance(request, _Malformed):
-        raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, request.message)
     return request
 
 
@@ -105,7 +98,7 @@ class Servicer:
 
     def _shard(self):
         if not self.server.ready.is_set():
-            raise _Refused(
+            raise Refused(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"server {self.server.shard_id} has no model yet: every worker must create its Trainer first",
             )
@@ -140,7 +133,7 @@ class Servicer:
         owned = list(shard.params) + list(shard.buffers) + list(shard.frozen) + list(shard.tables)
         unknown = sorted(set(request.names) - set(owned))
         if unknown:
-            raise _Refused(
+            raise Refused(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"PullRequest.names: server {shard.shard_id} owns no tensor named {unknown[:5]}",
             )
@@ -174,12 +167,12 @@ class Servicer:
                     "version"
                 )
             fut = push_named(self.server, header.worker, header.version, grads)
-        except _Refused:
+        except Refused:
             self._rejected()
             raise
         except ValueError as e:
             self._rejected()
-            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
         applied = self._applied(fut, header.worker, context)
         return pb.PushResponse(version=applied.version if isinstance(applied, Snapshot) else applied)
 
@@ -192,14 +185,14 @@ class Servicer:
             return
         server, workers = self.server, self.server.num_workers
         if server.mode != "async":
-            raise _Refused(
+            raise Refused(
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"PushHeader.worker {worker}: server {server.shard_id} runs a {server.mode} job, whose steps take "
                 f"the pushes of its {workers} workers only (over JobPush, with the job's member credential); "
                 "clients outside the job push to async jobs",
             )
         if worker < workers or _registered(server, worker):
-            raise _Refused(
+            raise Refused(
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"PushHeader.worker {worker} is a worker of this job: a client outside the job cannot push as one; "
                 f"push under an id of your own, {workers} .. {MAX_WORKER_ID}, that no worker of the job holds",
@@ -215,12 +208,12 @@ class Servicer:
         shard = self._shard()
         table = shard.tables.get(request.table)
         if table is None:
-            raise _Refused(grpc.StatusCode.NOT_FOUND, f"PullRowsRequest.table: server {shard.shard_id} holds no "
+            raise Refused(grpc.StatusCode.NOT_FOUND, f"PullRowsRequest.table: server {shard.shard_id} holds no "
                                                       f"table {request.table!r} (it holds {sorted(shard.tables)})")
         try:
             local = table.local(torch.tensor(list(request.ids), dtype=torch.int64))
         except GradientError as e:
-            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"PullRowsRequest.ids: {e}") from e
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"PullRowsRequest.ids: {e}") from e
         version, rows = self.server.pull_rows(request.table, local)
         yield pb.PullResponse(header=pb.PullHeader(shard_id=shard.shard_id, version=version))
         yield from tensor_codec.encode_messages({request.table: rows}, pb.PullResponse)
@@ -243,7 +236,7 @@ class Servicer:
                     f"owns {buckets} (indices 0..{buckets - 1} in its bucket order): do both ends hold the same plan?"
                 )
         except ValueError as e:
-            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
         payloads = [tensors.pop(b, None) for b in range(buckets)]
         absent = [tuple(a.entries) for a in header.absent]
         options = from_bytes(header.options, "JobPushHeader.options") if header.options else {}
@@ -272,7 +265,7 @@ class Servicer:
             state, groups = from_bytes(request.data, "JobLoadOptimizerState's data")
             self.server.load_optimizer_state(state, groups)
         except (ValueError, KeyError, TypeError) as e:
-            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"JobLoadOptimizerState: {e}") from e
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"JobLoadOptimizerState: {e}") from e
         return pb.PlainData()
 
     def _applied(self, fut, worker: int, context):
@@ -284,7 +277,7 @@ class Servicer:
         fut.add_done_callback(lambda _: done.set())
         start = time.monotonic()
         if not done.wait(timeout):
-            raise _Refused(
+            raise Refused(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"push of worker {worker} to server {self.server.shard_id}: not applied after "
                 f"{time.monotonic() - start:.1f} s (in sync mode every worker must push each step)",
@@ -292,13 +285,13 @@ class Servicer:
         try:
             return fut.value()
         except GradientError as e:
-            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
 
     def checkpoint(self, request, context) -> pb.CheckpointResponse:
         _parsed(request)
         shard = self._shard()
         if self.checkpoint_dir is None:
-            raise _Refused(
+            raise Refused(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"server {shard.shard_id} has no checkpoint directory: pass checkpoint_dir to serve_grpc",
             )
@@ -318,7 +311,7 @@ def _header(request_iterator, kind: str, header_kind: str):
     first = next(request_iterator, None)
     first = _parsed(_Malformed(kind, "the stream is empty") if first is None else first)
     if isinstance(first, tensor_codec.Chunk) or first.WhichOneof("item") != "header":
-        raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{kind}: the first message must be a {header_kind}")
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{kind}: the first message must be a {header_kind}")
     return first.header
 
 
@@ -357,135 +350,21 @@ def _snapshot_messages(shard_id: int, snapshot: Snapshot | Partial) -> Iterator[
     yield from tensor_codec.encode_messages(tensors, pb.PullResponse)
 
 
-MEMBER, OUTSIDE = "member", "outside"
-
-
-class _Credentials:
-    """The bearer tokens of one endpoint: who a call's metadata says it comes from."""
-
-    def __init__(self, token: str, member_token: str | None):
-        self._outside = f"Bearer {token}".encode()
-        self._member = None if member_token is None else f"Bearer {member_token}".encode()
-
-    def role(self, metadata) -> str | None:
-        """MEMBER, OUTSIDE, or None for a missing or wrong token. Without a member token every caller that
-        holds the token is a member (an endpoint with one credential)."""
-        given = dict(metadata or ()).get("authorization", "")
-        given = given.encode() if isinstance(given, str) else given
-        if self._member is not None and hmac.compare_digest(given, self._member):
-            return MEMBER
-        if hmac.compare_digest(given, self._outside):
-            return OUTSIDE if self._member is not None else MEMBER
-        return None
-
-
-class _IdleWatch:
-    """One thread that cancels, with DEADLINE_EXCEEDED, every request stream waiting longer than its limit for
-    the client's next message (the time the handler spends on a message does not count)."""
-
-    def __init__(self):
-        self._waiting: dict[int, tuple[float, float, object, str]] = {}  # id -> (deadline, limit, context, what)
-        self._cond = threading.Condition()
-        self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="gradsync-grpc-idle", daemon=True)
-        self._thread.start()
-
-    def watched(self, request_iterator, context, limit: float, what: str) -> Iterator:
-        """`request_iterator`, each wait for its next message bounded by `limit` seconds."""
-        key = id(request_iterator)
-        while True:
-            with self._cond:
-                self._waiting[key] = (time.monotonic() + limit, limit, context, what)
-                self._cond.notify()
-            try:
-                message = next(request_iterator)
-            except StopIteration:
-                return
-            finally:
-                with self._cond:
-                    self._waiting.pop(key, None)
-            yield message
-
-    def stop(self) -> None:
-        with self._cond:
-            self._stopped = True
-            self._cond.notify()
-        self._thread.join(5.0)
-
-    def _run(self) -> None:
-        with self._cond:
-            while not self._stopped:
-                now = time.monotonic()
-                late = [k for k, (deadline, *_) in self._waiting.items() if deadline <= now]
-                for key in late:
-                    _, limit, context, what = self._waiting.pop(key)
-                    _cancel(context, grpc.StatusCode.DEADLINE_EXCEEDED,
-                            f"{what}: the client sent nothing for {limit:g} s, the endpoint's limit for an idle "
-                            "request stream; send the whole stream at once")
-                soonest = min((deadline for deadline, *_ in self._waiting.values()), default=None)
-                self._cond.wait(None if soonest is None else max(soonest - now, 0.01))
-
-
-def _cancel(context, code: grpc.StatusCode, details: str) -> None:
-    """End a running call with `code` and `details` from another thread than its handler's (whose wait for
-    the next request then raises): through the call's cancel-with-status, else a plain CANCELLED."""
-    try:
-        context._rpc_event.call.cancel(code.value[0], details)  # noqa: SLF001 (grpcio has no public way)
-    except (AttributeError, TypeError):
-        context.cancel()
-
-
-class _Admission:
-    """Who may make which call, and how many outside calls run at once."""
-
-    def __init__(self, credentials: _Credentials, outside_calls: int, idle_timeout: float, member_idle: float):
-        self.credentials = credentials
-        self.outside_calls = outside_calls
-        self._outside = threading.BoundedSemaphore(outside_calls)
-        self.idle = _IdleWatch()
-        self.idle_timeout = {MEMBER: member_idle, OUTSIDE: idle_timeout}
-
-    @contextlib.contextmanager
-    def admitted(self, name: str, context):
-        """Run one call of method `name`: a member's at once; an outside one in one of the outside slots, or
-        refused (a job call, with PERMISSION_DENIED; when every slot is taken, with RESOURCE_EXHAUSTED).
-        Yields the caller's role."""
-        role = self.credentials.role(context.invocation_metadata())
-        if role == MEMBER:
-            yield role
-            return
-        if name in JOB_CALLS:
-            raise _Refused(grpc.StatusCode.PERMISSION_DENIED,
-                           f"{name} is a call of the job's own workers, which hold the job's member credential; "
-                           "clients outside the job use the named calls (Pull, Push, PullRows, ...)")
-        if not self._outside.acquire(blocking=False):
-            raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"{name}: this endpoint already runs {self.outside_calls} calls from outside the job, "
-                           "as many as it serves at once; retry later")
-        try:
-            yield role
-        finally:
-            self._outside.release()
-
-    def watched(self, request_iterator, context, role: str, name: str) -> Iterator:
-        return self.idle.watched(request_iterator, context, self.idle_timeout[role], f"{name} from {role}")
-
-
-def _guarded(name: str, method, admission: _Admission, streaming_request: bool, streaming_response: bool,
+def _guarded(name: str, method, admission: Admission, streaming_request: bool, streaming_response: bool,
              takes_role: bool):
-    """The handler of method `name`: admitted (`_Admission`), its request stream watched for idleness, `_Refused`
-    turned into the call's status code."""
+    """The handler of method `name`: admitted (`Admission`), its request and reply streams watched for a client
+    that neither sends nor reads, `Refused` turned into the call's status code."""
     def run(request, context, role):
         if streaming_request:
-            request = admission.watched(request, context, role, name)
+            request = admission.requests(request, context, role, name)
         return method(request, context, role == MEMBER) if takes_role else method(request, context)
 
     if streaming_response:
         def call_stream(request, context):
             try:
                 with admission.admitted(name, context) as role:
-                    yield from run(request, context, role)
-            except _Refused as e:
+                    yield from admission.replies(run(request, context, role), context, role, name)
+            except Refused as e:
                 context.abort(e.code, str(e))
         return call_stream
 
@@ -493,12 +372,12 @@ def _guarded(name: str, method, admission: _Admission, streaming_request: bool, 
         try:
             with admission.admitted(name, context) as role:
                 return run(request, context, role)
-        except _Refused as e:
+        except Refused as e:
             context.abort(e.code, str(e))
     return call
 
 
-def _handlers(servicer: Servicer, admission: _Admission) -> grpc.GenericRpcHandler:
+def _handlers(servicer: Servicer, admission: Admission) -> grpc.GenericRpcHandler:
     """Every method of the service: its request parser, the servicer's handler (counted, admitted, guarded),
     its serializer."""
     unary, unary_stream = grpc.unary_unary_rpc_method_handler, grpc.unary_stream_rpc_method_handler
@@ -531,39 +410,10 @@ def _handlers(servicer: Servicer, admission: _Admission) -> grpc.GenericRpcHandl
     return grpc.method_handlers_generic_handler(SERVICE, {n: handler(n, *m) for n, m in methods.items()})
 
 
-class _BearerAuth(grpc.ServerInterceptor):
-    """Refuses, with UNAUTHENTICATED and without reading the request, a call whose token is missing or wrong."""
-
-    def __init__(self, credentials: _Credentials):
-        self._credentials = credentials
-
-    def intercept_service(self, continuation, details):
-        if self._credentials.role(details.invocation_metadata) is not None:
-            return continuation(details)
-        handler = continuation(details)
-        if handler is None:
-            return None
-
-        def refuse(request, context):
-            context.abort(
-                grpc.StatusCode.UNAUTHENTICATED,
-                "missing or wrong bearer token: send 'authorization: Bearer <token>' metadata with the run's "
-                "token (grpc-<shard>.json in the run directory)",
-            )
-
-        kind = {
-            (False, False): grpc.unary_unary_rpc_method_handler,
-            (False, True): grpc.unary_stream_rpc_method_handler,
-            (True, False): grpc.stream_unary_rpc_method_handler,
-            (True, True): grpc.stream_stream_rpc_method_handler,
-        }[(handler.request_streaming, handler.response_streaming)]
-        return kind(refuse)
-
-
 class GrpcEndpoint:
     """A running gRPC endpoint: `.address` ("host:port"), `.port`, `.stop(grace)`."""
 
-    def __init__(self, server: grpc.Server, host: str, port: int, admission: _Admission):
+    def __init__(self, server: grpc.Server, host: str, port: int, admission: Admission):
         self._server = server
         self._admission = admission
         self.port = port
@@ -621,13 +471,13 @@ def serve_grpc(
     if outside_calls < 1 or idle_timeout <= 0:
         raise ValueError(f"outside_calls must be >= 1 and idle_timeout > 0 seconds, got outside_calls="
                          f"{outside_calls!r}, idle_timeout={idle_timeout!r}")
-    credentials = _Credentials(token, member_token)
-    admission = _Admission(credentials, outside_calls, idle_timeout, step_timeout)
+    credentials = Credentials(token, member_token)
+    admission = Admission(credentials, outside_calls, idle_timeout, step_timeout)
     threads = (max_workers or max(8, 2 * server_obj.num_workers + 4)) + outside_calls
     server = grpc.server(
         concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gradsync-grpc"),
         handlers=[_handlers(Servicer(server_obj, checkpoint_dir, step_timeout), admission)],
-        interceptors=[_BearerAuth(credentials)],
+        interceptors=[BearerAuth(credentials)],
     )
     target = f"{host}:{port}"
     try:
