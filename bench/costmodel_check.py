@@ -1,4 +1,4 @@
-"""Checks gradsync.costmodel on measured results: fit on the W = 2 runs, predict the W = 4 ones.
+"""Checks gradsync.compare.costmodel on measured results: fit on the W = 2 runs, predict the W = 4 ones.
 
 bench/results/sparse.json (bench/sparse.py: allreduce, ps and hybrid on click models of 1e4..1e7 rows):
 the model's dense part is examples/ctr.py's MLP; under allreduce the tables are dense too; under ps and
@@ -21,7 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 from ctr import CTRModel  # noqa: E402
 
-from gradsync.costmodel import FP32, Config, Run, fit, table_crossover, verdict  # noqa: E402
+from gradsync.compare.costmodel import FP32, Config, Run, fit, table_crossover, verdict  # noqa: E402
 
 STRATEGY = {"gradsync_allreduce": ("allreduce", 0), "gradsync_ps_sync_s1": ("ps", 1),
             "gradsync_ps_sync_s2": ("ps", 2)}

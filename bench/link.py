@@ -1,4 +1,4 @@
-"""Achieved TCP throughput between two ranks of an emulated network (`gradsync.netem`) against its rate.
+"""Achieved TCP throughput between two ranks of an emulated network (`gradsync.launcher.netem`) against its rate.
 
 Rank 1 listens, rank 0 sends for SECONDS over one TCP connection (through rank 0's uplink, the bridge, and
 rank 1's downlink); the receiver's byte count over the time after the first second (past TCP's slow start and
@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from gradsync.netem import Link, Network
+from gradsync.launcher.netem import Link, Network
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "link.json")
 PORT = 5201

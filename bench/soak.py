@@ -38,8 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradsync
-from gradsync import procfs
-from gradsync.launch import rank_starter
+from gradsync.launcher import procfs
+from gradsync.launcher.launch import rank_starter
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SIZES = (256, 256, 256, 10)

@@ -58,7 +58,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.nn.functional as F
 
 import gradsync
-from gradsync.procfs import memory
+from gradsync.launcher.procfs import memory
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)

@@ -118,6 +118,7 @@ def _grpc_servers(run_dirs: dict[int, str], ready, stop, queue) -> None:
     from gradsync.proto.endpoints import write_endpoints
     from gradsync.proto.service import serve_grpc
     from gradsync.ps.server import ParameterServer, make_setup
+    from gradsync.core.optimizer_spec import OptimizerSpec
 
     torch.set_num_threads(1)
     endpoints, servers = [], {}
@@ -161,7 +162,7 @@ def _job_transport(address: str, size: int):
 
 
 def bench_grpc(sizes: list[int]) -> dict:
-    from gradsync.client import Client
+    from gradsync.remote.client import Client
 
     ctx = mp.get_context("spawn")
     ready, stop, queue = ctx.Event(), ctx.Event(), ctx.Queue()

@@ -1,8 +1,8 @@
 """gradsync: data-parallel PyTorch training with a parameter server or allreduce behind one API."""
-from gradsync.cluster import init, num_workers, shutdown, worker_rank
+from gradsync.compare.scalars import log
 from gradsync.core.row_optim import RowAdagrad, RowSGD
-from gradsync.launch import JobFailed, launch
-from gradsync.scalars import log
+from gradsync.launcher.launch import JobFailed, launch
+from gradsync.runtime.cluster import init, num_workers, shutdown, worker_rank
 from gradsync.trainer import Trainer
 
 __all__ = ["init", "shutdown", "worker_rank", "num_workers", "Trainer", "RowSGD", "RowAdagrad", "launch",

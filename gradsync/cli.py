@@ -9,7 +9,7 @@ import signal
 import sys
 
 from gradsync.config import ConfigError, JobConfig
-from gradsync.launch import JobFailed, join_script, run_script
+from gradsync.launcher.launch import JobFailed, join_script, run_script
 
 _SETTINGS = (  # JobConfig fields that `gradsync run` sets with --field-name
     ("mode", str, "sync, async or ssp (ps and hybrid)"),
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{report}", file=sys.stderr)
                 return 1
         else:
-            from gradsync.client import Client, final_status_table, pull_to_file, status_table
+            from gradsync.remote.client import Client, final_status_table, pull_to_file, status_table
 
             if not os.path.isdir(args.run_dir):
                 raise FileNotFoundError(f"no run directory {args.run_dir!r}: give the one gradsync run printed at "

@@ -17,6 +17,9 @@ NonFinitePolicy = Literal["raise", "skip"]
 Compression = Literal["none", "fp16", "bf16", "int8"]
 Transport = Literal["rpc", "grpc"]
 
+LINK = "GRADSYNC_LINK"
+"""Set in a rank's environment when it runs on an emulated network (`--link`): the link's rate."""
+
 
 class ConfigError(ValueError):
     """A job setting is invalid; the message names the bad value and the fix."""

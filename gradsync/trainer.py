@@ -6,12 +6,13 @@ import contextlib
 import torch
 from torch import nn
 
-from gradsync import cluster, resume, scalars
+from gradsync.compare import scalars
+from gradsync.compare.straggler import Straggler
 from gradsync.config import ConfigError
 from gradsync.core.clipping import Clipping
 from gradsync.core.optimizer_spec import as_optimizer
 from gradsync.core.row_optim import ROW_OPTIMIZERS
-from gradsync.straggler import Straggler
+from gradsync.runtime import cluster, resume
 
 
 class Trainer:
@@ -97,7 +98,9 @@ class Trainer:
         self._joining = False
         served = sum(t.numel for t in getattr(getattr(self._strategy, "tables", None), "specs", ()))
         scalars.watch(self, {"dense": trainable - served, "tables": served})
-        self.start_step = 0 if job.resumed is None else resume.restore(job, self._strategy, job.resumed)
+        self.start_step = 0
+        if job.resumed is not None:
+            self.start_step = job.steps = resume.restore(job.config, self._strategy, job.resumed)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -139,7 +142,7 @@ class Trainer:
         self._job.steps += 1
         every = self._job.config.checkpoint_every
         if every and self._job.steps % every == 0:
-            resume.save(self._job, self._strategy, self._model_description)
+            resume.save(self._job.store, self._job.config, self._job.steps, self._strategy, self._model_description)
 
     def no_sync(self):
         """A block whose backward passes only accumulate, as DDP's `no_sync()`: wrap every micro-batch of a

@@ -11,7 +11,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.nn.functional as F
 
 import gradsync
-from gradsync import procfs
+from gradsync.launcher import procfs
 from jobs import batch, make_mlp
 
 

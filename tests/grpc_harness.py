@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.core.optimizer_spec import OptimizerSpec
-from gradsync.client import Client
+from gradsync.remote.client import Client
 from gradsync.config import JobConfig, StoreKeys
 from gradsync.proto.service import serve_grpc
 from gradsync.core.buckets import ModelSpec, plan_buckets

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import gradsync
-from gradsync import costmodel
+from gradsync.compare import costmodel
 from gradsync.compare.grid import Config, grid
 from gradsync.compare.predict import fitted, markdown, percent, predict
 from gradsync.compare.runner import headline, read_log
@@ -226,7 +226,7 @@ def test_predict_says_plainly_why_it_cannot_fit():
 
 
 def test_straggler_sleeps_factor_minus_one_times_its_compute(monkeypatch):
-    from gradsync import straggler
+    from gradsync.compare import straggler
 
     monkeypatch.setenv(straggler.ENV, "1:3.0")
     slept, clock = [], iter([10.0, 10.5, 11.0, 12.0])  # built, delay at +0.5 s, committed, delay 1 s later
@@ -365,7 +365,8 @@ def _fields(data: bytes) -> list[tuple[int, object]]:
 def test_tensorboard_events_are_tfrecords_of_scalar_summaries(tmp_path, monkeypatch):
     import struct
 
-    from gradsync import scalars, tensorboard
+    from gradsync.compare import scalars
+    from gradsync.compare import tensorboard
 
     assert tensorboard.crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
     monkeypatch.setenv(scalars.TENSORBOARD_DIR, str(tmp_path))

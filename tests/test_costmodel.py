@@ -1,10 +1,10 @@
-"""gradsync.costmodel: the traffic formulas, the fit, crossover and verdict, against closed-form values."""
+"""gradsync.compare.costmodel: the traffic formulas, the fit, crossover and verdict, against closed-form values."""
 import dataclasses
 
 import numpy as np
 import pytest
 
-from gradsync.costmodel import (Config, Fit, Run, confidence, contention, crossover, fit, latency_per_step,
+from gradsync.compare.costmodel import (Config, Fit, Run, confidence, contention, crossover, fit, latency_per_step,
                                 link_crossover, table_crossover, traffic, verdict, wire_bytes)
 
 TRUE = Fit(compute_s_per_sample=1e-3, s_per_byte=1e-8, latency_s=1e-4, runs=(), residuals=())

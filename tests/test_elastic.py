@@ -10,10 +10,10 @@ import torch.distributed as dist
 import gradsync
 from elastic_jobs import GRAD, LR, SIZE, die_before_the_trainer, kill_the_server_at, train_while_a_worker_joins
 from faults import Fault, train_with_fault
-from gradsync import newcomers
+from gradsync.membership import newcomers
 from gradsync.config import ConfigError, JobConfig, StoreKeys
 from gradsync.core.buckets import ModelSpec
-from gradsync.liveness import Watch, create_keys, record_gone, staying
+from gradsync.membership.liveness import Watch, create_keys, record_gone, staying
 from grpc_harness import make_server, model_state, served
 
 STEPS = 8

@@ -11,10 +11,11 @@ import pytest
 
 import gradsync
 from faults import Fault, read_stamp, train_then_leave, train_with_fault
-from gradsync import cluster, procfs
+from gradsync.runtime import cluster
+from gradsync.launcher import procfs
 from gradsync.config import JobConfig
-from gradsync.launch import host_store, temporary_run_dir
-from gradsync.liveness import Heartbeat
+from gradsync.launcher.launch import host_store, temporary_run_dir
+from gradsync.membership.liveness import Heartbeat
 from test_failures import gradsync_run
 
 TESTS = os.path.dirname(__file__)

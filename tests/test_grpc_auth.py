@@ -8,7 +8,7 @@ import grpc
 import pytest
 import torch
 
-from gradsync.client import Client
+from gradsync.remote.client import Client
 from gradsync.proto import gradsync_pb2 as pb
 from gradsync.proto import gradsync_pb2_grpc as pb_grpc
 from gradsync.proto.service import serve_grpc

@@ -10,7 +10,7 @@ import grpc
 import pytest
 import torch
 
-from gradsync.client import Client
+from gradsync.remote.client import Client
 from gradsync.proto import gradsync_pb2 as pb
 from grpc_harness import MEMBER_TOKEN, TOKEN, job_transport, make_server, served
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gradsync.core.optimizer_spec import OptimizerSpec
-from gradsync.client import Client, pull_to_file, status_table
+from gradsync.remote.client import Client, pull_to_file, status_table
 from gradsync.config import StoreKeys
 from gradsync.core.buckets import ModelSpec, TensorSpec
 from gradsync.proto.endpoints import write_endpoints

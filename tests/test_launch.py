@@ -21,7 +21,7 @@ def test_init_inside_launch_asking_for_another_job_is_refused_by_name():
 def test_a_second_init_outside_launch_is_refused():
     import types
 
-    from gradsync import cluster
+    from gradsync.runtime import cluster
 
     cluster._STATE = types.SimpleNamespace(config=None)
     try:

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 import gradsync
-from gradsync import netem
-from gradsync.config import ConfigError
-from gradsync.netem import Link, Network
+from gradsync.launcher import netem
+from gradsync.config import LINK, ConfigError
+from gradsync.core.emulated_network import reachable
+from gradsync.launcher.netem import Link, Network
 import jobs
 from jobs import reference_mlp, train_mlp
 from test_failures import gradsync_run
@@ -119,9 +120,9 @@ def test_ranks_reach_each_other_through_shaped_links_and_nothing_is_left():
         for s in (client, conn, server):
             s.close()
         assert sorted(ns for ns in netem.leftovers() if ns.startswith(net.job)) == sorted([net.hub, *net.namespaces])
-        assert netem.in_namespace(net.hub, lambda: netem.reachable(Network.address(1)))
-        assert not netem.reachable(Network.address(1))  # from the root namespace: refused, nothing sent
-        assert netem.reachable("127.0.0.1") and netem.reachable("10.1.2.3")
+        assert netem.in_namespace(net.hub, lambda: reachable(Network.address(1)))
+        assert not reachable(Network.address(1))  # from the root namespace: refused, nothing sent
+        assert reachable("127.0.0.1") and reachable("10.1.2.3")
     _nothing_left(net.job)
 
 
@@ -133,7 +134,7 @@ def test_servers_sit_behind_the_server_link_and_workers_behind_the_link():
                 shown = subprocess.run(["tc", "-n", ns, "qdisc", "show", "dev", dev], capture_output=True,
                                        text=True, timeout=10, check=True).stdout
                 assert f"rate {rate} " in shown, (rank, shown)
-            assert net.environment(rank)[netem.LINK] == str(Link.parse(rate.lower()))
+            assert net.environment(rank)[LINK] == str(Link.parse(rate.lower()))
     _nothing_left(net.job)
 
 
@@ -152,8 +153,9 @@ gradsync.shutdown()
 def test_gradsync_run_trains_over_the_emulated_network_with_the_grpc_transport(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(_JOB.format(tests=TESTS, body="state = jobs.train_mlp(4)\n"
-                                  "print(gradsync.worker_rank(), [n for _, n in socket.if_nameindex()],"
-                                  " float(state['0.weight'].sum()))"))
+                                  "names = [n for _, n in socket.if_nameindex()]\n"  # one write: ranks' lines never mix
+                                  "line = f\"{gradsync.worker_rank()} {names} {float(state['0.weight'].sum())}\"\n"
+                                  "sys.stdout.write(line + '\\n')"))
     done = gradsync_run("--link", "100mbit", "--strategy", "ps", "--transport", "grpc", "--workers", "2",
                         "--run-dir", str(tmp_path / "run"), str(script), timeout=80)
     assert done.returncode == 0, done.stderr

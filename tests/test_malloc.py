@@ -1,4 +1,4 @@
-"""gradsync.malloc: a rank keeps two malloc arenas however many of its threads allocate (glibc), so its heap
+"""gradsync.runtime.malloc: a rank keeps two malloc arenas however many of its threads allocate (glibc), so its heap
 stops growing under load (bench/soak.py measures the memory; these tests count arenas, not bytes)."""
 import ctypes
 import os
@@ -11,7 +11,7 @@ import threading
 import pytest
 
 import gradsync
-from gradsync import malloc
+from gradsync.runtime import malloc
 
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc arenas are glibc's")
 
@@ -55,7 +55,7 @@ def _count_arenas() -> int:
 
 
 def _arenas_in_fresh_process(limit: bool, env: dict | None = None) -> tuple[bool, int]:
-    code = ("import test_malloc; from gradsync import malloc; "
+    code = ("import test_malloc; from gradsync.runtime import malloc; "
             f"print({'malloc.limit_arenas()' if limit else 'False'}, test_malloc.arenas_in_use())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True,
                          cwd=os.path.dirname(__file__), env={**os.environ, **(env or {})}).stdout.split()

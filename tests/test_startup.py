@@ -12,8 +12,8 @@ import pytest
 import gradsync
 from faults import sample_without_arguments, train_without_one_trainer
 from gradsync.config import ConfigError, JobConfig, StoreKeys
-from gradsync.launch import host_store
-from gradsync.liveness import create_keys, wait_for_arrivals
+from gradsync.launcher.launch import host_store
+from gradsync.membership.liveness import create_keys, wait_for_arrivals
 from test_faults import TESTS, _gone
 from test_failures import gradsync_run
 

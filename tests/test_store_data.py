@@ -10,7 +10,7 @@ from gradsync.config import JobConfig, StoreKeys
 from gradsync.core.buckets import ModelSpec, plan_buckets
 from gradsync.ps.server import ParameterServer, make_setup
 from gradsync.transport.grpc import register_from_store
-from gradsync.transport.store_data import from_bytes, optimizer_class, optimizer_name, plain_setup, setup_from_plain, to_bytes
+from gradsync.proto.store_data import from_bytes, optimizer_class, optimizer_name, plain_setup, setup_from_plain, to_bytes
 from grpc_harness import model_state
 
 RAN: list[str] = []

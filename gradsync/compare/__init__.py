@@ -34,9 +34,9 @@ def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, 
             options: dict) -> tuple[str, list[dict]]:
     """Run the grid and write the report; returns report.md's path and the runs (a failed one has `error`,
     a skipped one `skipped`). `warmup`: each worker's first steps, left out of the per-step figures.
-    `straggler` ('W:F'): worker W's compute takes F times as long in every run (`gradsync.straggler`).
+    `straggler` ('W:F'): worker W's compute takes F times as long in every run (`gradsync.compare.straggler`).
     `log_dir`: TensorBoard scalars too, one subdirectory per run. `link`: every run over an emulated network
-    of this rate (`gradsync.netem`); `server_link`: the parameter servers behind links of this rate instead
+    of this rate (`gradsync.launcher.netem`); `server_link`: the parameter servers behind links of this rate instead
     (a slow server link). `predict`: fit the cost model on the sync runs, predict each paradigm up to
     W = 1024 and end the report with a verdict (`compare.predict`). `force`: write into a directory that
     compare did not write (`prepare_out_dir`). `command` and `options`: the command line as typed and
@@ -54,8 +54,8 @@ def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, 
     from gradsync.compare.predict import predict as predict_runs
     from gradsync.compare.report import silent, table, write_report
     from gradsync.compare.runner import NO_TABLES, run
-    from gradsync.straggler import ENV as STRAGGLER
-    from gradsync.straggler import parse as parse_straggler
+    from gradsync.compare.straggler import ENV as STRAGGLER
+    from gradsync.compare.straggler import parse as parse_straggler
 
     if warmup < 1:
         raise ValueError(f"--warmup-steps {warmup}: at least the first step is warm-up (lazy imports, first "

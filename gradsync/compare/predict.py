@@ -1,4 +1,4 @@
-"""`gradsync compare --predict`: fit `gradsync.costmodel` on the compare's own runs, predict up to W = 1024.
+"""`gradsync compare --predict`: fit `gradsync.compare.costmodel` on the compare's own runs, predict up to W = 1024.
 
 What the fit takes from each finished sync run: its step time (worker 0's median), the bytes and messages
 its paradigm moves per step (`costmodel.traffic`, from the trainable elements the Trainer logged, dense and
@@ -26,8 +26,8 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
-from gradsync import costmodel
-from gradsync.netem import Link
+from gradsync.compare import costmodel
+from gradsync.launcher.netem import Link
 
 MAX_WORKERS = 1024
 

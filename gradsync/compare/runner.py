@@ -23,11 +23,11 @@ import time
 
 import numpy
 
-from gradsync import procfs
 from gradsync.compare.grid import Config
+from gradsync.compare.scalars import LOG_DIR, TENSORBOARD_DIR
 from gradsync.core.errors import NoTablesToServe
-from gradsync.launch import JobFailed, run_script
-from gradsync.scalars import LOG_DIR, TENSORBOARD_DIR
+from gradsync.launcher import procfs
+from gradsync.launcher.launch import JobFailed, run_script
 
 SAMPLE_S = 0.1
 NO_TABLES = "no tables"

@@ -13,7 +13,7 @@ import os
 import re
 import secrets
 
-from gradsync.atomic_file import write_atomically
+from gradsync.core.atomic_file import write_atomically
 
 _NAME = re.compile(r"grpc-(\d+)\.json$")
 

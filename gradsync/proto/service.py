@@ -40,16 +40,15 @@ import grpc
 import torch
 from google.protobuf.message import DecodeError
 
+from gradsync.core.errors import GradientError
 from gradsync.proto import gradsync_pb2 as pb
 from gradsync.proto import tensor_codec
 from gradsync.proto.admission import MEMBER, Admission, BearerAuth, Credentials, Refused
-from gradsync.proto.endpoints import new_token
+from gradsync.proto.store_data import from_bytes, to_bytes
 from gradsync.ps import checkpoint
+from gradsync.ps.consistency import Agreement, Partial
 from gradsync.ps.named_grads import push_named
 from gradsync.ps.shard import Snapshot
-from gradsync.core.errors import GradientError
-from gradsync.ps.consistency import Agreement, Partial
-from gradsync.transport.store_data import from_bytes, to_bytes
 
 SERVICE = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 MAX_WORKER_ID = (1 << 16) - 1  # the largest worker id a named Push may carry

@@ -7,7 +7,7 @@ the arrival order. A bucket entry that no worker produced a gradient for is
 skipped by the optimizer; one that some workers did is averaged over all W
 (zeros from the others), which is what single-process training on the joint
 batch computes. Workers that ran out of data (`trainer.join()`, told through
-`gradsync.joins`) are not waited for: a step averages over the workers still
+`gradsync.membership.uneven_data`) are not waited for: a step averages over the workers still
 active, which is single-process training on the batches left when batches are
 of equal size. `AsyncRule` applies each worker's gradient as it arrives and
 tracks staleness; `SSPRule` does too (scaled by 1/W) but holds a worker's reply

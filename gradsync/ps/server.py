@@ -213,7 +213,7 @@ class ParameterServer:
             fut.set_exception(self._refusal)
 
     def worker_joined(self, worker: int) -> None:
-        """`worker` ran out of data this round (`trainer.join()`, told by `gradsync.joins`)."""
+        """`worker` ran out of data this round (`trainer.join()`, told by `gradsync.membership.uneven_data`)."""
         if self.rule is not None:
             self.rule.worker_joined(worker)
 

@@ -29,17 +29,17 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from gradsync.client import Client, read_stream
 from gradsync.config import JobConfig, StoreKeys
 from gradsync.core.buckets import Bucket, ModelSpec
 from gradsync.proto import gradsync_pb2 as pb
 from gradsync.proto import tensor_codec
 from gradsync.proto.endpoints import new_token, write_endpoints
 from gradsync.proto.service import SERVICE, serve_grpc
+from gradsync.proto.store_data import from_bytes, plain_setup, setup_from_plain, to_bytes
 from gradsync.ps.consistency import Partial
 from gradsync.ps.server import ParameterServer
 from gradsync.ps.shard import Snapshot
-from gradsync.transport.store_data import from_bytes, plain_setup, setup_from_plain, to_bytes
+from gradsync.remote.client import Client, read_stream
 
 
 def run_dir() -> str:

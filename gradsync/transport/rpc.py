@@ -8,7 +8,7 @@ next version's snapshot, which the worker's next forward uses without a pull.
 
 TensorPipe is started with the `uv` transport only: the shared-memory
 transport's reactor thread busy-polls a whole core whenever the process waits.
-In a job on an emulated network (`gradsync.netem`) tensors go through that
+In a job on an emulated network (`gradsync.launcher.netem`) tensors go through that
 transport too (the `basic` channel): the default `cma` channel copies them
 between the processes' memory directly, around the rate-limited links.
 """
@@ -23,9 +23,8 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from torch.distributed.rendezvous import register_rendezvous_handler
 
-from gradsync.config import JobConfig, StoreKeys, server_name
+from gradsync.config import LINK, JobConfig, StoreKeys, server_name
 from gradsync.core.buckets import ModelSpec
-from gradsync.netem import LINK
 from gradsync.ps.consistency import Agreement, Partial
 from gradsync.ps.server import ParameterServer
 from gradsync.ps.shard import Snapshot

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from gradsync.config import JobConfig, StoreKeys, worker_name
-from gradsync.liveness import parse_gone
+from gradsync.membership.liveness import parse_gone
 
 _TOKEN = "RpcGroupManagementToken"  # the key of torch.distributed.rpc._utils._group_membership_management
 _LISTED = "names/_ALL_WORKER_INFOS"

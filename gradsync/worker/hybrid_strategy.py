@@ -25,7 +25,7 @@ from gradsync.core.buckets import ModelSpec
 from gradsync.core.clipping import Clipping
 from gradsync.core.errors import NoTablesToServe
 from gradsync.core.optimizer_spec import OptimizerSpec, changed_options, group_options
-from gradsync.joins import Joiner
+from gradsync.membership.uneven_data import Joiner
 from gradsync.ps.consistency import Agreement
 from gradsync.ps.server import make_setup
 from gradsync.transport.rpc import RpcTransport
@@ -35,7 +35,7 @@ from gradsync.worker.model_state import ordered
 from gradsync.worker.tables import serve_tables
 
 if TYPE_CHECKING:
-    from gradsync.cluster import Cluster
+    from gradsync.runtime.cluster import Cluster
 
 
 class HybridStrategy:
@@ -80,7 +80,7 @@ class HybridStrategy:
         self.metrics = self.dense.metrics
         self.tables.metrics = self.metrics
         self._versions = {s: 0 for s in self.servers}
-        self.joiner = Joiner(cluster, self.servers)
+        self.joiner = Joiner(cluster.store, cluster.config, cluster.heartbeat, self.servers)
 
     @property
     def grad_norm(self) -> float | None:

@@ -10,7 +10,7 @@ the gradients from the dist_autograd context, packs them into the bucket plan
 pushes them, one call per server; each reply carries the snapshot after the
 step, which the next forward uses without another pull. Frozen parameters
 (`requires_grad=False`) never travel after registration. A worker that ran
-out of data (`join`) tells the servers through the store (`gradsync.joins`).
+out of data (`join`) tells the servers through the store (`gradsync.membership.uneven_data`).
 """
 from __future__ import annotations
 
@@ -24,12 +24,11 @@ import torch.distributed.autograd as dist_autograd
 from torch import nn
 from torch.func import functional_call
 
-from gradsync.core.buckets import (Bucket, ModelSpec, assign_tensors, by_server, join_pieces, may_split,
-                                   plan_buckets)
+from gradsync.core.buckets import Bucket, ModelSpec, assign_tensors, by_server, join_pieces, may_split, plan_buckets
 from gradsync.core.clipping import Clipping
 from gradsync.core.finite import first_nonfinite
 from gradsync.core.optimizer_spec import OptimizerSpec, changed_options, group_options
-from gradsync.joins import Joiner
+from gradsync.membership.uneven_data import Joiner
 from gradsync.ps.consistency import Agreement, Partial
 from gradsync.ps.server import make_setup
 from gradsync.ps.shard import Snapshot
@@ -41,7 +40,7 @@ from gradsync.worker.served_optimizer import ServedOptimizer
 from gradsync.worker.tables import current_context_id, serve_tables
 
 if TYPE_CHECKING:  # imports point one way: the start-up code (cluster) builds the strategies
-    from gradsync.cluster import Cluster
+    from gradsync.runtime.cluster import Cluster
 
 
 def whole_params(server_buckets: dict[int, list[Bucket]], flats: dict[int, list[torch.Tensor]]
@@ -106,7 +105,7 @@ class PSStrategy:
         self.owner = assign_tensors(self.spec.buffers + self.spec.frozen, config.servers)
         self.wire = make_wire(config.compression)
         self.transport = _transport(cluster, self.server_buckets)
-        self.joiner = Joiner(cluster, self.servers)
+        self.joiner = Joiner(cluster.store, cluster.config, cluster.heartbeat, self.servers)
         self.tables.transport = self.transport
         self.frozen = self._register(params, buffers, spec, table_setups)
         self.model = PSModel(module, self)

@@ -7,39 +7,33 @@ link's rate, so a byte from rank a to rank b crosses a's uplink and b's downlink
 one switch. The parameter servers (the first `servers` ranks) may sit behind a different rate
 (`server_link`: a slow server link). Nothing is configured in the root namespace: links are created inside the job's namespaces,
 whose names carry a job-unique prefix, and deleting the namespaces on exit removes every link with them.
-A launcher killed by SIGKILL cannot delete them: each network holds a lease (`gradsync.leases`) in
+A launcher killed by SIGKILL cannot delete them: each network holds a lease (`gradsync.launcher.leases`) in
 LEASES, and the next network created on the machine deletes the namespaces of every abandoned lease.
 Needs root and iproute2 (`ip`, `tc`).
 """
 from __future__ import annotations
 
 import ctypes
-import ipaddress
 import os
 import re
 import secrets
 import shutil
-import socket
 import subprocess
 import threading
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
-from gradsync.config import ConfigError
-from gradsync.leases import Lease, abandoned
+from gradsync.config import LINK, ConfigError
+from gradsync.core.emulated_network import HUB_ADDRESS, SUBNET
+from gradsync.launcher.leases import Lease, abandoned
 
 PREFIX = "gsnet"
 """Every namespace a `Network` creates is named PREFIX + a job id + a suffix."""
 LEASES = "/run/gradsync"
 """A lease file per network, `<job>.lease`: held by the launcher while its namespaces exist."""
-SUBNET = "10.213.0"
-HUB_ADDRESS = f"{SUBNET}.1"
-NETWORK = ipaddress.ip_network(f"{SUBNET}.0/24")
 MAX_RANKS = 250
 DEVICE = "link0"
 """Each rank's network device, inside its namespace."""
-LINK = "GRADSYNC_LINK"
-"""Set in a rank's environment when it runs on an emulated network: the link's rate."""
 _JOIN_TIMEOUT_S = 120.0
 _CMD_TIMEOUT_S = 10.0
 _CLONE_NEWNET = 0x40000000
@@ -175,23 +169,6 @@ class Network:
     def in_hub(self, fn: Callable[[], T]) -> T:
         """`fn()` on a thread inside the hub namespace: the sockets it opens stay there (the store's)."""
         return in_namespace(self.hub, fn)
-
-
-def reachable(host: str) -> bool:
-    """Whether `host` can be reached from this namespace without leaving the machine: true unless it is an
-    address of an emulated network and this namespace has no address on it (connecting a UDP socket picks
-    the route and the source address without sending anything)."""
-    try:
-        if ipaddress.ip_address(host) not in NETWORK:
-            return True
-    except ValueError:  # a name, not an address: not one of ours
-        return True
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect((host, 9))
-        except OSError:  # no route at all
-            return False
-        return ipaddress.ip_address(probe.getsockname()[0]) in NETWORK
 
 
 def enter(name: str) -> None:

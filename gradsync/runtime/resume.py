@@ -27,17 +27,13 @@ import os
 import random
 import re
 import sys
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from gradsync.atomic_file import write_atomically
 from gradsync.config import ConfigError, JobConfig, StoreKeys, worker_name
+from gradsync.core.atomic_file import write_atomically
 from gradsync.ps import checkpoint
-
-if TYPE_CHECKING:
-    from gradsync.cluster import Cluster
 
 MANIFEST = "MANIFEST.json"
 _STEP = re.compile(r"step-(\d+)")
@@ -123,10 +119,9 @@ def check_model(found: Found, module: torch.nn.Module) -> None:
             )
 
 
-def save(cluster: Cluster, strategy, model: dict[str, list]) -> None:
-    """Write this worker's part of the checkpoint of step `cluster.steps` (worker 0: the servers' shards
-    and the manifest too). Every worker must call it after the same step."""
-    config, step = cluster.config, cluster.steps
+def save(store: dist.Store, config: JobConfig, step: int, strategy, model: dict[str, list]) -> None:
+    """Write this worker's part of the checkpoint of `step` (worker 0: the servers' shards and the manifest
+    too). Every worker must call it after the same step."""
     path = step_dir(config.checkpoint_dir, step)
     me = config.worker_rank
     shards = strategy.transport.checkpoint(path) if me == 0 and config.servers else {}
@@ -134,14 +129,14 @@ def save(cluster: Cluster, strategy, model: dict[str, list]) -> None:
                  cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
                  **strategy.local_state())
     checkpoint.write(os.path.join(path, f"worker-{me}.ckpt"), state)
-    cluster.store.set(StoreKeys.CHECKPOINT.format(step, me), "1")
+    store.set(StoreKeys.CHECKPOINT.format(step, me), "1")
     if me != 0:
         return
     keys = [StoreKeys.CHECKPOINT.format(step, w) for w in range(config.num_workers)]
     try:
-        cluster.store.wait(keys, datetime.timedelta(seconds=config.step_timeout))
+        store.wait(keys, datetime.timedelta(seconds=config.step_timeout))
     except dist.DistStoreError as e:
-        missing = [worker_name(w) for w, k in enumerate(keys) if not cluster.store.check([k])]
+        missing = [worker_name(w) for w, k in enumerate(keys) if not store.check([k])]
         raise RuntimeError(f"checkpoint of step {step} in {path}: {', '.join(missing)} did not write its state "
                            f"within step_timeout {config.step_timeout:.0f} s") from e
     paths = [p for p, _ in shards.values()]
@@ -152,13 +147,12 @@ def save(cluster: Cluster, strategy, model: dict[str, list]) -> None:
     write_atomically(os.path.join(path, MANIFEST), json.dumps(manifest, indent=1).encode())
 
 
-def restore(cluster: Cluster, strategy, found: Found) -> int:
+def restore(config: JobConfig, strategy, found: Found) -> int:
     """Load this worker's state of `found` (step, RNG states, the strategy's local state); returns the step."""
-    state = checkpoint.load(os.path.join(found.path, f"worker-{cluster.config.worker_rank}.ckpt"))
+    state = checkpoint.load(os.path.join(found.path, f"worker-{config.worker_rank}.ckpt"))
     torch.set_rng_state(state["torch_rng"])
     random.setstate(state["python_rng"])
     if state["cuda_rng"]:
         torch.cuda.set_rng_state_all(state["cuda_rng"])
     strategy.load_local_state(state)
-    cluster.steps = state["step"]
     return state["step"]

@@ -16,8 +16,8 @@ import os
 
 import torch.distributed as dist
 
-from gradsync.atomic_file import write_atomically
 from gradsync.config import ConfigError, JobConfig, StoreKeys, settings_from_env
+from gradsync.core.atomic_file import write_atomically
 
 JOIN = "GRADSYNC_JOIN"
 """Set to a run directory or the job's store address (host:port): `gradsync.init()` joins that running job."""

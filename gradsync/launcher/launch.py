@@ -11,7 +11,7 @@ failure) with its traceback. Ranks die with the launcher, whatever kills it.
 In an elastic job (async or ssp ps) a worker that dies is a departure, not a failure (`departures`), and
 the launcher of an async job over torch RPC leaves `join.json` in the run directory for workers that join
 it (`gradsync run --join`).
-With a link rate (`--link`, `gradsync.netem`) each rank runs in its own network namespace behind a shaped
+With a link rate (`--link`, `launcher.netem`) each rank runs in its own network namespace behind a shaped
 link, and the store listens in the hub namespace of that network instead of on loopback.
 """
 from __future__ import annotations
@@ -20,9 +20,8 @@ import contextlib
 import datetime
 import glob
 import multiprocessing
-import pickle
-from multiprocessing import forkserver
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -30,17 +29,21 @@ import sys
 import tempfile
 import time
 import traceback
+from multiprocessing import forkserver
 
 import torch
 import torch.distributed as dist
 
-from gradsync import cluster, netem, newcomers, procfs
 from gradsync.config import ConfigError, JobConfig, StoreKeys, settings_from_env
-from gradsync.departures import Departure, Departures, Results
-from gradsync.leases import Lease, abandoned
-from gradsync.liveness import (LAUNCHER_PID, Watch, create_keys, die_with_launcher, dying_with_this_process, interval,
-                               parse_gone, parse_left, ranks_named, record_gone)
+from gradsync.core.emulated_network import HUB_ADDRESS
+from gradsync.launcher import netem, procfs
+from gradsync.launcher.leases import Lease, abandoned
+from gradsync.membership import newcomers
+from gradsync.membership.departures import Departure, Departures, Results
+from gradsync.membership.liveness import (LAUNCHER_PID, Watch, create_keys, die_with_launcher, dying_with_this_process,
+                                          interval, parse_gone, parse_left, ranks_named, record_gone)
 from gradsync.proto.endpoints import new_token
+from gradsync.runtime import cluster
 
 _HOST = "127.0.0.1"
 _POLL_S = 0.05
@@ -68,7 +71,7 @@ def host_store(port: int) -> dist.TCPStore:
     return cluster.host_store(_HOST, port, 60.0, _PORT_FIX)
 
 
-PRELOADED = ("torch", "torch._dynamo", "gradsync.cluster", "gradsync.worker.ps_strategy",
+PRELOADED = ("torch", "torch._dynamo", "gradsync.runtime.cluster", "gradsync.worker.ps_strategy",
              "gradsync.worker.allreduce_strategy", "gradsync.worker.hybrid_strategy", "gradsync.ps.server")
 """What the fork server imports once for every rank `launch` starts: a spawned rank spent ~2 s importing
 torch, and ~1.5 s more importing torch._dynamo on its first optimizer or DDP (torch imports it there)."""
@@ -300,7 +303,7 @@ _RUN_DIR_LEASE = ".lease"
 
 
 def temporary_run_dir(stack: contextlib.ExitStack, prefix: str) -> str:
-    """A new temporary run directory, removed when `stack` closes. It holds a lease (`gradsync.leases`):
+    """A new temporary run directory, removed when `stack` closes. It holds a lease (`gradsync.launcher.leases`):
     first, the temporary run directories of launchers that died (SIGKILL) are removed here."""
     for old in glob.glob(os.path.join(tempfile.gettempdir(), "gradsync-*-*", _RUN_DIR_LEASE)):
         if os.path.basename(os.path.dirname(old)).startswith(_RUN_DIRS) and abandoned(old):
@@ -325,7 +328,7 @@ def _network_and_store(stack: contextlib.ExitStack, config: JobConfig, port: int
     else:
         slow = None if server_link is None else netem.Link.parse(server_link, "--server-link")
         network = stack.enter_context(netem.Network(netem.Link.parse(link), config.world_size, slow, config.servers))
-        store = network.in_hub(lambda: cluster.host_store(netem.HUB_ADDRESS, port, 60.0, _PORT_FIX))
+        store = network.in_hub(lambda: cluster.host_store(HUB_ADDRESS, port, 60.0, _PORT_FIX))
     create_keys(store, config.world_size, config.num_workers)
     return network, store
 
@@ -348,7 +351,7 @@ def run_script(script: str, script_args: list[str], *, strategy: str, workers: i
 
     run_dir: the job's files (default: GRADSYNC_RUN_DIR, else a new temporary directory, removed at the end).
     link: a tc rate (100mbit, 1gbit...): each rank in its own network namespace behind a link of that rate
-    (`gradsync.netem`; root and iproute2), the store in the hub namespace; None: every rank on loopback.
+    (`gradsync.launcher.netem`; root and iproute2), the store in the hub namespace; None: every rank on loopback.
     server_link: the parameter servers' links at this rate instead (with `link`): a slow server link.
     announce: say on stderr where the run directory is and how to reach or join the job (`gradsync run`
     does; `gradsync compare`, whose runs no one reaches, does not).
@@ -433,7 +436,7 @@ def launch(fn, *, strategy: str, workers: int, servers: int | None = None, mode:
         mode: 'sync', 'async' or 'ssp'.
         timeout: seconds for the whole job (None: no limit).
         link: a tc rate (100mbit, 1gbit...): each rank in its own network namespace behind a link of that
-            rate (`gradsync.netem`; root and iproute2); None: every rank on loopback.
+            rate (`gradsync.launcher.netem`; root and iproute2); None: every rank on loopback.
         server_link: the parameter servers' links at this rate instead (with `link`): a slow server link.
         settings: other JobConfig fields (nonfinite, compression, step_timeout, ...); those not given come
             from the GRADSYNC_* environment, else their defaults.

@@ -25,9 +25,10 @@ import traceback
 import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 
-from gradsync import joins, malloc, newcomers, resume
 from gradsync.config import ConfigError, JobConfig, StoreKeys, settings_from_env, worker_name
-from gradsync.liveness import Heartbeat, die_with_launcher, record_gone, staying, wait_for_arrivals
+from gradsync.membership import newcomers, uneven_data
+from gradsync.membership.liveness import Heartbeat, die_with_launcher, record_gone, staying, wait_for_arrivals
+from gradsync.runtime import malloc, resume
 from gradsync.transport import rpc_group
 from gradsync.transport.rpc import install, start_rpc, stop_rpc
 
@@ -325,7 +326,7 @@ def _serve(cluster: Cluster, server) -> None:
     code = 0
     try:
         cluster.heartbeat.on_left(server.worker_left)
-        joins.serve(cluster.store, server, config.num_workers)
+        uneven_data.serve(cluster.store, server, config.num_workers)
         endpoint = start_endpoint(server, cluster.store, config.step_timeout)
         if config.transport == "grpc":
             register_from_store(server, cluster.store, config)
@@ -346,7 +347,7 @@ def _serve(cluster: Cluster, server) -> None:
 
 def _write_stats(server) -> None:
     """The server's final counters as `stats-<shard>.json` in the run directory (`gradsync compare` reads them)."""
-    from gradsync.atomic_file import write_atomically
+    from gradsync.core.atomic_file import write_atomically
     from gradsync.transport.grpc import run_dir
 
     if server.shard is not None:

@@ -17,7 +17,8 @@ import math
 import os
 import time
 
-from gradsync.tensorboard import EventWriter
+from gradsync.compare.tensorboard import EventWriter
+
 LOG_DIR = "GRADSYNC_LOG_DIR"
 TENSORBOARD_DIR = "GRADSYNC_TENSORBOARD_DIR"
 
@@ -81,6 +82,6 @@ def _writer(directory: str) -> EventWriter:
 
 
 def _worker() -> int:
-    from gradsync import cluster
+    from gradsync.runtime import cluster
 
     return cluster.worker_rank()

@@ -20,11 +20,10 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from gradsync.config import StoreKeys, worker_name
-from gradsync.liveness import parse_gone, parse_left
+from gradsync.config import JobConfig, StoreKeys, worker_name
+from gradsync.membership.liveness import Heartbeat, parse_gone, parse_left
 
 if TYPE_CHECKING:
-    from gradsync.cluster import Cluster
     from gradsync.ps.server import ParameterServer
 
 _LISTEN = datetime.timedelta(hours=1)  # a server's listener waits as long as the job runs; this bounds each wait
@@ -34,16 +33,15 @@ _POLL = 0.01  # seconds between a joined worker's looks at the store
 class Joiner:
     """A worker's side: announce that it joined, and wait until every server has seen every worker join."""
 
-    def __init__(self, cluster: Cluster, servers: list[int]):
-        self.cluster = cluster
+    def __init__(self, store: dist.Store, config: JobConfig, heartbeat: Heartbeat, servers: list[int]):
+        self.store, self.config, self.heartbeat = store, config, heartbeat
         self.servers = servers
         self.round = 0  # the join blocks this worker has left
 
     def announce(self) -> None:
         """Tell every server, through the store, that this worker has no more data this round."""
-        store = self.cluster.store
-        event = store.add(StoreKeys.JOINS, 1)
-        store.set(StoreKeys.JOINED.format(event), str(self.cluster.config.worker_rank))
+        event = self.store.add(StoreKeys.JOINS, 1)
+        self.store.set(StoreKeys.JOINED.format(event), str(self.config.worker_rank))
 
     def wait(self) -> None:
         """Wait until every server has seen every worker join this round.
@@ -52,8 +50,7 @@ class Joiner:
             RuntimeError: another rank failed, a rank fell silent for step_timeout, or a worker left the job
                 without joining (naming it).
         """
-        cluster, config = self.cluster, self.cluster.config
-        store, watch = cluster.store, cluster.heartbeat.watch
+        store, config, watch = self.store, self.config, self.heartbeat.watch
         keys = [StoreKeys.JOIN_DONE.format(self.round, s) for s in self.servers]
         waiting = f"worker {config.worker_rank} waits in trainer.join() for the others to run out of data"
         while not store.check(keys):

@@ -21,7 +21,7 @@ import time
 import torch.distributed as dist
 
 from gradsync.config import JobConfig, StoreKeys
-from gradsync.liveness import parse_gone, parse_left, record_gone
+from gradsync.membership.liveness import parse_gone, parse_left, record_gone
 
 
 @dataclasses.dataclass

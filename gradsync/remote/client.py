@@ -1,0 +1,411 @@
+"""A gRPC client for a run's parameter servers, and the `gradsync status` / `gradsync pull` commands.
+
+`Client` talks to every shard of a run (addresses and token from the run
+directory's `grpc-<shard>.json` files, or one address and a token). Pulls
+gather all shards into one state dict, each shard's tensors at one version;
+pushes route each gradient to the shard that owns it and push to every shard,
+since in sync mode each server waits for every worker. Every call has a
+deadline; failures raise builtin exceptions naming the call, the shard, its
+address and the elapsed time (ValueError: the server refused the input;
+TimeoutError: the deadline passed; PermissionError: bad token, or a call the
+token does not allow; ConnectionError: server unreachable; RuntimeError: anything
+else, such as RESOURCE_EXHAUSTED when the endpoint already serves as many outside
+calls as it takes at once).
+"""
+from __future__ import annotations
+
+import glob
+import io
+import json
+import os
+import re
+import time
+
+import grpc
+import torch
+
+from gradsync.core.atomic_file import write_atomically
+from gradsync.core.buckets import Entry, join_pieces
+from gradsync.core.emulated_network import reachable
+from gradsync.core.tables import check_ids, join_rows, split_ids
+from gradsync.proto import gradsync_pb2 as pb
+from gradsync.proto import gradsync_pb2_grpc as pb_grpc
+from gradsync.proto import tensor_codec
+from gradsync.proto.endpoints import read_endpoints
+
+_SERVICE = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+
+_ERRORS = {
+    grpc.StatusCode.INVALID_ARGUMENT: ValueError,
+    grpc.StatusCode.FAILED_PRECONDITION: ValueError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: TimeoutError,
+    grpc.StatusCode.UNAUTHENTICATED: PermissionError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionError,
+    grpc.StatusCode.UNAVAILABLE: ConnectionError,
+}
+
+
+class Client:
+    """Calls on all parameter servers of one run.
+
+    Args:
+        address_or_run_dir: a run directory holding grpc-<shard>.json files, one "host:port" (shard 0),
+            or {shard: "host:port"}.
+        token: the bearer token; default: the one in the run directory.
+        timeout: deadline in seconds of each call (pull, push and checkpoint may override it).
+        root_cert: path of a PEM certificate to trust; given, the client speaks TLS.
+    """
+
+    def __init__(self, address_or_run_dir: str | dict[int, str], token: str | None = None, timeout: float = 10.0,
+                 root_cert: str | None = None):
+        if isinstance(address_or_run_dir, dict):
+            self.addresses = dict(address_or_run_dir)
+        elif os.path.isdir(address_or_run_dir):
+            self.addresses, run_token = read_endpoints(address_or_run_dir)
+            token = token or run_token
+        else:
+            self.addresses = {0: address_or_run_dir}
+        for address in self.addresses.values():
+            if not reachable(address.rsplit(":", 1)[0]):
+                raise ConnectionError(
+                    f"{address} is inside an emulated network (a job of gradsync run --link), not reachable from "
+                    "here: run this inside the job's hub namespace, `ip netns exec gsnet<id>hub gradsync ...` "
+                    "(gradsync run printed it at start; `ip netns list` shows it)")
+        if not token:
+            raise ValueError(
+                f"no token for {address_or_run_dir!r}: pass token=... (a run directory's grpc-<shard>.json has it)"
+            )
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+        self.timeout = timeout
+        credentials = None
+        if root_cert is not None:
+            with open(root_cert, "rb") as f:
+                credentials = grpc.ssl_channel_credentials(root_certificates=f.read())
+        # channels and metadata are public: the job's own calls (gradsync.transport.grpc) go through them too
+        self.channels = {
+            shard: grpc.secure_channel(a, credentials) if credentials else grpc.insecure_channel(a)
+            for shard, a in self.addresses.items()
+        }
+        self._stubs = {shard: pb_grpc.ParameterServerStub(c) for shard, c in self.channels.items()}
+        # Pull and Push move tensors: their chunks go as pre-serialized bytes and come back as views of the
+        # received bytes (tensor_codec.encode_messages / message_parser), not through protobuf objects.
+        self._pulls = {
+            shard: c.unary_stream(f"/{_SERVICE}/Pull", request_serializer=pb.PullRequest.SerializeToString,
+                                  response_deserializer=tensor_codec.message_parser(pb.PullResponse))
+            for shard, c in self.channels.items()
+        }
+        self._pull_rows = {
+            shard: c.unary_stream(f"/{_SERVICE}/PullRows", request_serializer=pb.PullRowsRequest.SerializeToString,
+                                  response_deserializer=tensor_codec.message_parser(pb.PullResponse))
+            for shard, c in self.channels.items()
+        }
+        self._pushes = {
+            shard: c.stream_unary(f"/{_SERVICE}/Push", request_serializer=tensor_codec.serialize,
+                                  response_deserializer=pb.PushResponse.FromString)
+            for shard, c in self.channels.items()
+        }
+        self.metadata = (("authorization", f"Bearer {token}"),)
+        self._owners: dict[str, int] | None = None
+        self._pieces: list[tuple] | None = None
+        self._tables: dict[str, dict] | None = None
+
+    def error(self, call: str, shard: int, start: float, e: grpc.RpcError) -> Exception:
+        """The builtin exception for `call` on `shard` failing with `e`, naming the address and elapsed time
+        (since `start`, a `time.monotonic()`)."""
+        kind = _ERRORS.get(e.code(), RuntimeError)
+        return kind(
+            f"{call} on shard {shard} at {self.addresses[shard]} failed after {time.monotonic() - start:.2f} s: "
+            f"{e.code().name}: {e.details()}"
+        )
+
+    def _unary(self, call: str, shard: int, request, timeout: float | None = None):
+        start = time.monotonic()
+        try:
+            return getattr(self._stubs[shard], call)(request, timeout=timeout or self.timeout, metadata=self.metadata)
+        except grpc.RpcError as e:
+            raise self.error(call, shard, start, e) from None
+
+    def health(self) -> dict[int, dict]:
+        """Per shard: ready, version, the names of its parameters and buffers, the pieces of split
+        parameters, and the embedding tables it holds rows of."""
+        out = {}
+        for shard in self._stubs:
+            r = self._unary("Health", shard, pb.HealthRequest())
+            out[shard] = {"shard_id": r.shard_id, "ready": r.ready, "version": r.version,
+                          "parameters": list(r.parameters), "buffers": list(r.buffers),
+                          "pieces": [Entry(p.name, tuple(p.shape), 0, p.numel, p.start) for p in r.pieces],
+                          "tables": {t.name: {"shape": tuple(t.shape), "dtype": t.dtype, "num_servers": t.num_servers,
+                                              "rows_held": t.rows_held} for t in r.tables}}
+        return out
+
+    def stats(self) -> dict[int, dict]:
+        """Per shard: version, workers_seen, pushes_applied/rejected, steps_skipped, max_staleness and the
+        staleness histogram, max_lead (ssp), pushes_by_worker (async, ssp), bytes_in/out, the calls its
+        endpoint received by method name, and per embedding table its rows, bytes, rows pulled and pushed and
+        max_staleness."""
+        out = {}
+        for shard in self._stubs:
+            r = self._unary("GetStats", shard, pb.GetStatsRequest())
+            out[shard] = {f.name: getattr(r, f.name) for f in r.DESCRIPTOR.fields if f.name != "shard_id"}
+            out[shard]["workers_seen"] = list(r.workers_seen)
+            out[shard]["calls"] = dict(r.calls)
+            out[shard]["staleness_histogram"] = dict(r.staleness_histogram)
+            out[shard]["pushes_by_worker"] = dict(r.pushes_by_worker)
+            out[shard]["tables"] = {t.name: {f.name: getattr(t, f.name) for f in t.DESCRIPTOR.fields if f.name != "name"}
+                                    for t in r.tables}
+        return out
+
+    def tables(self) -> dict[str, dict]:
+        """Every embedding table served row-wise: its shape, dtype and number of servers (asked once, then
+        cached)."""
+        if self._tables is None:
+            self._tables = {n: t for h in self.health().values() for n, t in h["tables"].items()}
+        return self._tables
+
+    def pull_rows(self, table: str, ids, timeout: float | None = None) -> torch.Tensor:
+        """Rows `ids` (global row ids, any order, repeats allowed) of an embedding table, shape (len(ids), dim),
+        one call per shard holding any of them."""
+        info = self.tables().get(table)
+        if info is None:
+            raise KeyError(f"this run serves no table {table!r}: it serves {sorted(self.tables())}")
+        ids = torch.as_tensor(ids, dtype=torch.int64).reshape(-1)
+        check_ids(table, ids, info["shape"][0])
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        parts = split_ids(unique, info["num_servers"])
+        calls = {s: self._pull_rows[s](pb.PullRowsRequest(table=table, ids=unique[where].tolist()),
+                                       timeout=timeout or self.timeout, metadata=self.metadata)
+                 for s, (where, _) in parts.items()}
+        rows = torch.empty(unique.numel(), info["shape"][1], dtype=getattr(torch, info["dtype"]))
+        start = time.monotonic()
+        for s, call in calls.items():
+            try:
+                rows[parts[s][0]] = read_pulled(call, "PullRows", s)[1][table]
+            except grpc.RpcError as e:
+                raise self.error("PullRows", s, start, e) from None
+        return rows[inverse]
+
+    def pieces(self) -> list[Entry]:
+        """Every piece of a parameter split across shards: its name, whole shape, start and numel (asked once,
+        then cached)."""
+        if self._pieces is None:
+            self._pieces = [p for h in self.health().values() for p in h["pieces"]]
+        return self._pieces
+
+    def owners(self) -> dict[str, int]:
+        """The shard that owns each parameter and buffer (asked once, then cached)."""
+        if self._owners is None:
+            self._owners = {
+                name: shard
+                for shard, h in self.health().items()
+                for name in h["parameters"] + h["buffers"]
+            }
+        return self._owners
+
+    def _route(self, names) -> dict[int, list[str]]:
+        if len(self._stubs) == 1:
+            return {next(iter(self._stubs)): list(names)}
+        owners, tables = self.owners(), self.tables()
+        unknown = sorted(set(names) - owners.keys() - tables.keys())
+        if unknown:
+            raise ValueError(f"no server of this run owns {unknown[:5]}: check the names against model.state_dict()")
+        routes: dict[int, list[str]] = {shard: [] for shard in self._stubs}
+        for name in names:
+            for shard in (routes if name in tables else [owners[name]]):  # every shard holds rows of a table
+                routes[shard].append(name)
+        return routes
+
+    def pull_versioned(self, names=None, timeout: float | None = None, whole: bool = True
+                       ) -> tuple[dict[str, torch.Tensor], dict[int, int]]:
+        """Tensors by name from every shard (each shard's at one version), and that version by shard.
+
+        Args:
+            names: a subset of parameter/buffer names; None: everything.
+            whole: join the pieces of a parameter split across shards (False: the pieces as the
+                shards hold them, `name[start:end]`).
+        """
+        if whole and names is not None:
+            split = {p.name for p in self.pieces()}
+            names = [n for n in names if n not in split] + [p.key for p in self.pieces() if p.name in names]
+        routes = {shard: [] for shard in self._stubs} if names is None else self._route(names)
+        calls = {
+            shard: self._pulls[shard](
+                pb.PullRequest(worker=-1, names=wanted), timeout=timeout or self.timeout, metadata=self.metadata
+            )
+            for shard, wanted in routes.items()
+            if names is None or wanted
+        }
+        start = time.monotonic()
+        tensors: dict[str, torch.Tensor] = {}
+        versions: dict[int, int] = {}
+        by_shard: dict[int, dict] = {}
+        for shard, call in calls.items():
+            try:
+                versions[shard], by_shard[shard] = read_pulled(call, "Pull", shard)
+                tensors.update(by_shard[shard])
+            except grpc.RpcError as e:
+                raise self.error("Pull", shard, start, e) from None
+        if not whole:
+            return tensors, versions
+        tensors = join_pieces(tensors, self.pieces())
+        for name, info in self.tables().items():  # each shard sent its rows of a table under the table's name
+            if name in tensors:
+                tensors[name] = join_rows({s: p[name] for s, p in by_shard.items() if name in p}, info["shape"],
+                                          info["num_servers"])
+        return tensors, versions
+
+    def pull(self, names=None, timeout: float | None = None) -> dict[str, torch.Tensor]:
+        """The run's state dict (or the named subset), each shard's part at one version."""
+        return self.pull_versioned(names, timeout)[0]
+
+    def push(self, grads: dict[str, torch.Tensor], version: int | dict[int, int], worker: int,
+             timeout: float | None = None) -> dict[int, int]:
+        """Send gradients by parameter name to the shards that own them; returns the version of each of those
+        shards once it applied them.
+
+        A shard that owns none of `grads` gets no push (the endpoint refuses a push without a gradient).
+        To push flat bucket gradients, pass `bucket.views(flat)` for each bucket (views, no copies).
+
+        Args:
+            version: the version the gradients were computed at: one for all shards, or by shard
+                (as `pull_versioned` returns).
+            worker: the id to push under. From outside the job (the run directory's token), async jobs
+                only, an id of your own: W .. 65535, none that a worker of the job holds; with the job's
+                member token, the worker's index 0 .. W-1.
+        """
+        grads = split_pieces(grads, self.pieces())
+        routes = {shard: names for shard, names in self._route(grads).items() if names}
+        if not routes:
+            raise ValueError("push: no gradients to send (grads is empty)")
+        if isinstance(version, int):
+            version = {shard: version for shard in self._stubs}
+        missing = sorted(set(routes) - set(version))
+        if missing:
+            raise ValueError(f"push: no version for shards {missing}: pass the versions pull_versioned returned")
+
+        def messages(shard):
+            yield pb.PushRequest(header=pb.PushHeader(worker=worker, version=version[shard]))
+            yield from tensor_codec.encode_messages({n: grads[n] for n in routes[shard]}, pb.PushRequest)
+
+        start = time.monotonic()
+        futures = {
+            shard: self._pushes[shard].future(messages(shard), timeout=timeout or self.timeout,
+                                              metadata=self.metadata)
+            for shard in routes
+        }
+        out = {}
+        for shard, fut in futures.items():
+            try:
+                out[shard] = fut.result().version
+            except grpc.RpcError as e:
+                raise self.error("Push", shard, start, e) from None
+        return out
+
+    def checkpoint(self, timeout: float | None = None) -> dict[int, tuple[str, int]]:
+        """Make every shard write its checkpoint now; returns (path on the server, version) by shard."""
+        out = {}
+        for shard in self._stubs:
+            r = self._unary("Checkpoint", shard, pb.CheckpointRequest(), timeout)
+            out[shard] = (r.path, r.version)
+        return out
+
+    def close(self) -> None:
+        for channel in self.channels.values():
+            channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def split_pieces(grads: dict[str, torch.Tensor], pieces: list[Entry]) -> dict[str, torch.Tensor]:
+    """`grads` with each split parameter's gradient cut into the pieces the shards own (views, no copies)."""
+    out = {n: g for n, g in grads.items() if n not in {p.name for p in pieces}}
+    out.update({p.key: p.piece(grads[p.name]) for p in pieces if p.name in grads})
+    return out
+
+
+def read_pulled(call, what: str, shard: int) -> tuple[int, dict[tensor_codec.Key, torch.Tensor]]:
+    """The version in the PullHeader that opens a stream of `PullResponse`s (Pull, JobPull, JobPush), and
+    the tensors that follow it. Raises grpc.RpcError when the call fails, RuntimeError on a malformed stream."""
+    header, tensors = read_stream(call, what, shard)
+    return header.version, tensors
+
+
+def read_stream(call, what: str, shard: int) -> tuple[pb.PullHeader, dict[tensor_codec.Key, torch.Tensor]]:
+    """`read_pulled` with the whole PullHeader."""
+    first = next(call, None)
+    if not isinstance(first, pb.PullResponse) or first.WhichOneof("item") != "header":
+        raise RuntimeError(f"{what} on shard {shard}: the stream did not start with a PullHeader")
+    return first.header, tensor_codec.decode(_pulled_chunks(call, what, shard))
+
+
+def _pulled_chunks(call, what: str, shard: int):
+    for response in call:
+        if isinstance(response, tensor_codec.Chunk):
+            yield response
+        elif response.WhichOneof("item") == "chunk":
+            yield response.chunk
+        else:
+            raise RuntimeError(f"{what} on shard {shard}: a second PullHeader in the middle of the stream")
+
+
+def status_table(client: Client) -> str:
+    """`gradsync status RUN_DIR`: one row per shard, as a markdown table, then one row per shard of each
+    embedding table."""
+    health = client.health()
+    stats = client.stats() if all(h["ready"] for h in health.values()) else {}  # GetStats needs a ready shard
+    return _table({shard: [client.addresses[shard], "yes" if h["ready"] else "no", str(h["version"])]
+                   for shard, h in sorted(health.items())}, stats)
+
+
+def final_status_table(run_dir: str) -> str | None:
+    """`gradsync status RUN_DIR` of a job that has ended: `status_table` from the servers' final counters
+    (`stats-<shard>.json`, which they write as they stop); None while they have not."""
+    stats = {}
+    for path in glob.glob(os.path.join(run_dir, "stats-*.json")):
+        with open(path) as f:
+            stats[int(re.search(r"stats-(\d+)\.json$", path).group(1))] = json.load(f)
+    if not stats:
+        return None
+    table = _table({shard: ["-", "ended", str(s["version"])] for shard, s in sorted(stats.items())}, stats)
+    return f"the job has ended; its servers' final counters:\n\n{table}"
+
+
+def _table(first: dict[int, list[str]], stats: dict[int, dict]) -> str:
+    """The status table: per shard its `first` cells (address, ready, version) and its `stats`, if any."""
+    header = ["shard", "address", "ready", "version", "workers seen", "pushes applied", "pushes rejected",
+              "steps skipped", "max staleness", "staleness: pushes", "MB in", "MB out"]
+    rows = []
+    for shard, cells in first.items():
+        s = stats.get(shard)
+        rows.append([str(shard), *cells] + (
+            [",".join(map(str, s["workers_seen"])), str(s["pushes_applied"]), str(s["pushes_rejected"]),
+             str(s["steps_skipped"]), str(s["max_staleness"]),
+             " ".join(f"{k}:{v}" for k, v in sorted(s["staleness_histogram"].items())) or "-",
+             f"{s['bytes_in'] / 1e6:.1f}", f"{s['bytes_out'] / 1e6:.1f}"]
+            if s else ["-"] * 8
+        ))
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    tables = [(shard, name, t) for shard, s in sorted(stats.items()) for name, t in s["tables"].items()]
+    if tables:
+        lines += ["", "| table | shard | rows | MB | rows pulled | rows pushed | max staleness |", "|" + "---|" * 7]
+        lines += [f"| {name} | {shard} | {t['rows']} | {t['bytes'] / 1e6:.1f} | {t['rows_pulled']} | "
+                  f"{t['rows_pushed']} | {t['max_staleness']} |" for shard, name, t in tables]
+    return "\n".join(lines)
+
+
+def pull_to_file(client: Client, path: str) -> dict[int, int]:
+    """`gradsync pull RUN_DIR out.pt`: save the run's state dict with `torch.save`, atomically.
+
+    Returns:
+        The version of each shard's part of the saved state.
+    """
+    state, versions = client.pull_versioned()
+    payload = io.BytesIO()
+    torch.save(state, payload)
+    write_atomically(path, payload.getvalue())
+    return versions

@@ -1,0 +1,68 @@
+"""The package layout is the architecture: imports point one way between the layers, no module imports
+itself back through others (type-hint imports included), and the top level holds only the public API."""
+import ast
+import pathlib
+
+import gradsync
+
+PACKAGE = pathlib.Path(gradsync.__file__).parent
+LAYERS = ["config", "core", "cuda_ops", "ps", "proto", "remote", "membership", "transport", "runtime", "worker",
+          "launcher", "compare", "trainer", "client", "cli", "__init__"]
+"""Lowest first: a part may import the parts before it, never one after it."""
+TOP_LEVEL = {"__init__.py", "trainer.py", "config.py", "cli.py", "client.py"}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    return {".".join(("gradsync",) + p.relative_to(PACKAGE).with_suffix("").parts).removesuffix(".__init__"): p
+            for p in PACKAGE.rglob("*.py") if "_pb2" not in p.name}
+
+
+def _imports(path: pathlib.Path, known: set[str]) -> set[str]:
+    """The gradsync modules `path` imports, at any depth of its code (functions and TYPE_CHECKING too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
+                      for a in node.names}
+    return {m for m in found if m in known}
+
+
+def _part(module: str) -> str:
+    parts = module.split(".")
+    return "__init__" if len(parts) == 1 else parts[1]
+
+
+def test_imports_point_down_the_layers():
+    modules = _modules()
+    upward = sorted(f"{m} imports {i}" for m, p in modules.items() for i in _imports(p, set(modules))
+                    if LAYERS.index(_part(i)) > LAYERS.index(_part(m)))
+    assert not upward, "imports that point up the layers (" + " < ".join(LAYERS) + "):\n" + "\n".join(upward)
+
+
+def test_no_import_cycle_between_modules():
+    modules = _modules()
+    graph = {m: _imports(p, set(modules)) - {m} for m, p in modules.items()}
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list[str]) -> list[str] | None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                return path + [m, n]
+            if n not in state and (cycle := visit(n, path + [m])):
+                return cycle
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state:
+            cycle = visit(m, [])
+            assert cycle is None, "import cycle: " + " -> ".join(cycle[cycle.index(cycle[-1]):])
+
+
+def test_every_part_is_a_known_layer_and_the_top_level_is_the_public_api():
+    assert {p.name for p in PACKAGE.glob("*.py")} == TOP_LEVEL
+    parts = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert parts <= set(LAYERS), f"a package that is in no layer: {sorted(parts - set(LAYERS))}"
