@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from gradsync.config import ConfigError, JobConfig, StoreKeys, settings_from_env
 from gradsync.core.emulated_network import HUB_ADDRESS
+from gradsync.core.torch_internals import forkserver_pid
 from gradsync.launcher import netem, procfs
 from gradsync.launcher.leases import Lease, abandoned
 from gradsync.membership import newcomers
@@ -83,7 +84,7 @@ def rank_starter() -> tuple[multiprocessing.context.BaseContext, int]:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(PRELOADED))
     forkserver.ensure_running()
-    return context, forkserver._forkserver._forkserver_pid
+    return context, forkserver_pid()
 
 
 def rank_environments(config: JobConfig, port: int, run_dir: str, parent: int | None = None,

@@ -46,12 +46,12 @@ import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gradsync.core.buckets import ModelSpec
 from gradsync.core.clipping import Clipping
 from gradsync.core.errors import left_early_error, model_mismatch_error, nonfinite_error
 from gradsync.core.finite import first_nonfinite
+from gradsync.core.torch_internals import current_context_id, tree_flatten, tree_unflatten
 from gradsync.cuda_ops import DEFAULT_BLOCK_SIZE
 from gradsync.worker import ddp_join
 from gradsync.worker.amp import inverse_scale, record_found_inf
@@ -59,7 +59,6 @@ from gradsync.worker.comm_timing import LastGradient
 from gradsync.worker.ddp_hooks import make_ddp_hook
 from gradsync.worker.metrics import StepMetrics
 from gradsync.worker.model_state import named_tensors, to_state_dict
-from gradsync.worker.ps_strategy import current_context_id
 
 if TYPE_CHECKING:  # imports point one way: the start-up code (cluster) builds the strategies
     from gradsync.runtime.cluster import Cluster

@@ -16,21 +16,13 @@ import functools
 import time
 
 import torch
-import torch.distributed.autograd as dist_autograd
 import torch.nn.functional as F
 from torch import nn
 
 from gradsync.core.optimizer_spec import OptimizerSpec
 from gradsync.core.row_optim import exact_row_optimizer, no_row_form
 from gradsync.core.tables import check_ids, find_tables, join_rows, merge_rows, split_ids, table_specs
-
-
-def current_context_id() -> int | None:
-    """The id of the active dist_autograd context, or None outside one."""
-    try:
-        return dist_autograd._current_context()._context_id()
-    except RuntimeError:
-        return None
+from gradsync.core.torch_internals import current_context_id
 
 
 class _Lookup:
