@@ -238,6 +238,9 @@ class PSStrategy:
             record_found_inf(scaler, not finite)
         return fresh
 
+    def model_sizes(self, trainable: int) -> dict[str, int]:
+        return self.tables.model_sizes(trainable)
+
     def no_sync(self):
         """`Trainer.no_sync`: nothing to hold back, the gradients travel once per step."""
         return contextlib.nullcontext()

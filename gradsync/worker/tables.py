@@ -55,6 +55,11 @@ class ServedTables:
         self.serving = False  # set by the strategy once the servers answer: the module's state_dict gathers
         self._lookups: dict[int, list[_Lookup]] = {}
 
+    def model_sizes(self, trainable: int) -> dict[str, int]:
+        """What `gradsync compare --predict` models of `trainable` elements: dense, and in served tables."""
+        served = sum(t.numel for t in self.specs)
+        return {"dense": trainable - served, "tables": served}
+
     def setups(self, rows: dict[str, tuple]) -> dict[int, dict[str, dict]]:
         """Per server, what registration sends of each table: its rows of worker 0's values (None for a
         table built on the meta device: the servers initialise it), and from `rows` ({table: (row optimizer,
