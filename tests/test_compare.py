@@ -89,7 +89,8 @@ def test_compare_report_numbers_come_from_the_runs(tmp_path):
     assert "| allreduce |" in md and "| ps sync S=1 |" in md and "| hybrid S=1 | skipped: no tables |" in md
     assert "- final loss: the mean of the last tenth of worker 0's logged losses" in md and "![loss.png]" in md
     # --predict: fitted on the two sync runs that finished, from what their workers logged
-    assert runs["allreduce"]["model"] == {"dense": 484, "tables": 0, "sparse_tables": 0}
+    assert runs["allreduce"]["model"] == {"dense": 484, "tables": 0, "sparse_tables": 0, "dense_tables": 0}
+    assert "Note: allreduce averaged" not in md
     assert runs["ps sync S=1"]["model"] == {"dense": 484, "tables": 0}  # the jobs.py MLP 8-16-16-4
     assert runs["allreduce"]["batch"] == runs["ps sync S=1"]["batch"] == 6  # 6 samples per step
     prediction = report["prediction"]
@@ -314,6 +315,20 @@ def test_a_script_that_logs_nothing_gets_a_warning_and_plots_without_matplotlib_
         write_plots([], str(tmp_path), 1)
     _, md = write_report(META, runs, [], str(tmp_path))
     assert f"Warning: {silent(runs)}." in open(md).read()
+
+
+def test_allreduce_averaging_tables_densely_gets_a_note_naming_sparse_gradients(tmp_path):
+    from gradsync.compare.report import dense_tables, write_report
+
+    dense = {**_finished("allreduce", True), "strategy": "allreduce",
+             "model": {"dense": 10, "tables": 0, "sparse_tables": 0, "dense_tables": 2}}
+    sparse = {**dense, "model": {**dense["model"], "dense_tables": 0, "sparse_tables": 2}}
+    note = dense_tables([dense, _finished("ps sync S=1", True)])
+    assert note.startswith("allreduce averaged 2 embedding table(s) with dense gradients")
+    assert "nn.Embedding(..., sparse=True)" in note and "SGD, Adagrad, SparseAdam" in note
+    assert dense_tables([sparse]) is None and dense_tables([_finished("allreduce", True)]) is None
+    _, md = write_report(META, [dense], [], str(tmp_path))
+    assert f"Note: {note}." in open(md).read()
 
 
 def test_hybrid_runs_after_one_that_found_no_tables_are_skipped_without_running(tmp_path, monkeypatch):

@@ -12,7 +12,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.nn.functional as F
 
 import gradsync
-from sparse_models import DIM, LR, TABLES, ClickNet, click_batch, reference_clicks, train_clicks
+from sparse_models import DIM, LR, ROWS_BAG, ROWS_EMB, TABLES, ClickNet, click_batch, reference_clicks, train_clicks
 from test_parity import max_diff
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,6 +32,9 @@ def train_sparse_adagrad(steps: int) -> tuple[dict, list[bool], list[int]]:
             trainer.step(cid)
     module = trainer.model.module
     sent = [r.bytes_sent for r in trainer.metrics.records]
+    assert trainer._strategy.model_sizes(1000) == {"dense": 1000 - (ROWS_BAG + ROWS_EMB) * DIM,
+                                                    "tables": (ROWS_BAG + ROWS_EMB) * DIM, "sparse_tables": 2,
+                                                    "dense_tables": 0}
     return trainer.state_dict(), [module.bag.weight.grad.is_sparse, module.emb.weight.grad.is_sparse], sent
 
 

@@ -77,7 +77,11 @@ def _check_same_model(spec: ModelSpec, worker: int, num_workers: int) -> None:
 def _sparse_weights(module: nn.Module) -> set[int]:
     """The ids of the tables whose gradients are sparse (`nn.Embedding(..., sparse=True)`): DDP all-gathers
     their rows."""
-    return {id(m.weight) for m in module.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
+    return {id(m.weight) for m in _tables(module) if m.sparse}
+
+
+def _tables(module: nn.Module) -> list[nn.Module]:
+    return [m for m in module.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.weight.requires_grad]
 
 
 def _no_buffer_broadcast() -> dict:
@@ -188,6 +192,7 @@ class AllreduceStrategy:
         self.dense_bytes = int(allreduce_bytes(dense, config.num_workers, config.compression)[0])
         self.rows_bytes = 0  # this step's rows of the sparse tables: this worker's part of their all-gather
         self.sparse = [p for p in self.trainable if id(p) in sparse]
+        self.dense_tables = sum(not m.sparse for m in _tables(module))
         for p in self.sparse:
             p.register_hook(self._count_rows)
         cluster.heartbeat.on_left(self._peer_left)
@@ -226,10 +231,11 @@ class AllreduceStrategy:
         return tree_unflatten(leaves, spec)
 
     def model_sizes(self, trainable: int) -> dict[str, int]:
-        """What `gradsync compare --predict` models: dense elements, and the tables with sparse gradients
-        (their elements and how many), whose touched rows are all-gathered."""
+        """What `gradsync compare` models and reports: dense elements, the tables with sparse gradients (their
+        elements and how many), whose touched rows are all-gathered, and how many tables are averaged densely."""
         tables = sum(p.numel() for p in self.sparse)
-        return {"dense": trainable - tables, "tables": tables, "sparse_tables": len(self.sparse)}
+        return {"dense": trainable - tables, "tables": tables, "sparse_tables": len(self.sparse),
+                "dense_tables": self.dense_tables}
 
     def _count_rows(self, grad: torch.Tensor) -> None:
         """Sparse table hook: the bytes of this worker's own rows (distinct rows and their indices, as gloo
