@@ -343,7 +343,9 @@ def test_hybrid_runs_after_one_that_found_no_tables_are_skipped_without_running(
         return {**_finished(config.name, True), **config.settings()}
 
     monkeypatch.setattr(runner, "run", fake_run)
-    _, runs = compare("x.py", [], workers=2, out_dir=str(tmp_path), strategies=["allreduce", "hybrid"],
+    script = tmp_path / "x.py"
+    script.write_text("")
+    _, runs = compare(str(script), [], workers=2, out_dir=str(tmp_path / "out"), strategies=["allreduce", "hybrid"],
                       servers=[1, 2], modes=["sync"], compressions=["none", "int8"], timeout=10, warmup=1,
                       command="c", options={})
     assert started == ["allreduce", "allreduce int8", "hybrid S=1"]

@@ -56,10 +56,12 @@ def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, 
     from gradsync.compare.runner import NO_TABLES, run
     from gradsync.compare.straggler import ENV as STRAGGLER
     from gradsync.compare.straggler import parse as parse_straggler
+    from gradsync.launcher.launch import check_script
 
     if warmup < 1:
         raise ValueError(f"--warmup-steps {warmup}: at least the first step is warm-up (lazy imports, first "
                          "calls): pass 1 or more")
+    check_script(script)
     configs = grid(strategies, servers, modes, compressions)
     if straggler is not None:
         parse_straggler(straggler)

@@ -362,6 +362,7 @@ def run_script(script: str, script_args: list[str], *, strategy: str, workers: i
     say = (lambda text: print(f"gradsync: {text}", file=sys.stderr, flush=True)) if announce else (lambda text: None)
     with contextlib.ExitStack() as stack:
         network, store = _network_and_store(stack, config, master_port, link, server_link)
+        check_script(script)
         chosen = run_dir or os.environ.get("GRADSYNC_RUN_DIR")
         run_dir = os.path.abspath(chosen or temporary_run_dir(stack, "gradsync-run-"))
         os.makedirs(run_dir, exist_ok=True)
@@ -386,6 +387,12 @@ def run_script(script: str, script_args: list[str], *, strategy: str, workers: i
             return supervise(config, ranks, run_dir, store, timeout)
         finally:
             _kill_all(ranks)
+
+
+def check_script(script: str) -> None:
+    """Refuse a script path that names no file, before any rank starts (python would fail in every rank)."""
+    if not os.path.isfile(script):
+        raise ConfigError(f"{script}: no such file: give the path of the training script")
 
 
 def _run_function(env: dict, call: bytes, result_path: str, namespace: str | None) -> None:

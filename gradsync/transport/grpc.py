@@ -82,7 +82,7 @@ def start_endpoint(server: ParameterServer, store: dist.Store, step_timeout: flo
         port=port + server.shard_id if port else 0,
         token=token,
         member_token=member_token(store),
-        tls_cert=os.environ.get("GRADSYNC_TLS_CERT"),
+        tls_cert=_tls_cert(),
         tls_key=os.environ.get("GRADSYNC_TLS_KEY"),
         checkpoint_dir=os.path.join(directory, "checkpoints"),
         step_timeout=step_timeout,
@@ -90,6 +90,12 @@ def start_endpoint(server: ParameterServer, store: dist.Store, step_timeout: flo
     write_endpoints(directory, server.shard_id, endpoint.address, token)
     store.set(StoreKeys.GRPC_ADDRESS.format(server.shard_id), endpoint.address)
     return endpoint
+
+
+def _tls_cert() -> str | None:
+    """GRADSYNC_TLS_CERT: the certificate the endpoint serves with (and its key, GRADSYNC_TLS_KEY), which the
+    job's workers trust; None: no TLS."""
+    return os.environ.get("GRADSYNC_TLS_CERT")
 
 
 def register_from_store(server: ParameterServer, store: dist.Store, config: JobConfig) -> None:
@@ -121,7 +127,8 @@ class GrpcTransport:
         self.frozen: dict[int, dict[str, torch.Tensor]] = {}
         store.wait([StoreKeys.GRPC_ADDRESS.format(s) for s in self.servers])  # bounded by the store's start-up timeout
         addresses = {s: store.get(StoreKeys.GRPC_ADDRESS.format(s)).decode() for s in self.servers}
-        self.client = Client(addresses, token=worker_token(store), timeout=config.step_timeout)
+        # with TLS, the job's own workers trust the servers' certificate
+        self.client = Client(addresses, token=worker_token(store), timeout=config.step_timeout, root_cert=_tls_cert())
         snapshot = tensor_codec.message_parser(pb.PullResponse)  # chunks as views of the received bytes
         self._pulls = {s: c.unary_stream(f"/{SERVICE}/JobPull", request_serializer=pb.JobPullRequest.SerializeToString,
                                          response_deserializer=snapshot) for s, c in self.client.channels.items()}
