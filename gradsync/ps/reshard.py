@@ -65,8 +65,9 @@ class _Gathered:
         self.shard = shard
         self.entries = [e for b in shard.buckets for e in b.entries]
         self.numel = {e.name: math.prod(e.shape) for e in self.entries}
+        self.needed = {n: sum(e.numel for e in self.entries if e.name == n) for n in self.numel}
         self.values: dict[str, torch.Tensor] = {}
-        self.filled = dict.fromkeys(self.numel, 0)
+        self.filled = dict.fromkeys(self.numel, 0)  # elements of the shard's entries found
         self.state: dict[str, dict] = {}  # by parameter: elementwise state flat, other values as saved
         self.kept: dict[str, dict] = {}  # by parameter: the state of a parameter saved whole, as saved
         self.named: dict[str, torch.Tensor] = {}
@@ -85,7 +86,8 @@ class _Gathered:
             value = state["params"][old.key].reshape(-1)
             flat = self.values.setdefault(name, torch.empty(self.numel[name], dtype=value.dtype))
             flat[start : start + numel] = value
-            self.filled[name] += numel
+            self.filled[name] += sum(max(0, min(start + numel, e.start + e.numel) - max(start, e.start))
+                                     for e in self.entries if e.name == name)
             saved = optimizer["state"].get(old.key)
             if saved is not None:
                 self._take_state(name, old, saved)
@@ -110,13 +112,14 @@ class _Gathered:
 
     def complete(self) -> bool:
         wanted = set(self.shard.buffers) | set(self.shard.frozen)
-        return (all(self.filled[n] == self.numel[n] for n in self.numel) and wanted <= set(self.named)
+        return (all(self.filled[n] == self.needed[n] for n in self.numel) and wanted <= set(self.named)
                 and all(self.rows[n] == t.rows for n, t in self.shard.tables.items()))
 
     def check(self, where: str) -> None:
-        for name, numel in self.numel.items():
-            if self.filled[name] != numel:
-                self._missing(where, f"holds {self.filled[name]} of the {numel} elements of parameter {name!r}")
+        for name, needed in self.needed.items():
+            if self.filled[name] != needed:
+                self._missing(where, f"holds {self.filled[name]} of the {needed} elements of parameter {name!r} "
+                                     f"that server {self.shard.shard_id} needs")
         for name in sorted((set(self.shard.buffers) | set(self.shard.frozen)) - set(self.named)):
             self._missing(where, f"holds no tensor {name!r}")
         for name, table in self.shard.tables.items():
