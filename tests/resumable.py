@@ -36,8 +36,8 @@ def _started(trainer: gradsync.Trainer, out: str | None) -> None:
 
 
 def train_clicks(steps: int, kill_at: int | None = None, out: str | None = None) -> tuple[int, dict]:
-    """ClickNet with Adam on the dense layers and lazy-momentum rows (served by row over torch RPC, dense over
-    gRPC), from `trainer.start_step`; worker 0 kills the job as it reaches `kill_at`. Returns (start step,
+    """ClickNet with Adam on the dense layers (its lr decayed by hand each step) and lazy-momentum rows (served
+    by row over torch RPC, dense over gRPC), from `trainer.start_step`; worker 0 kills the job as it reaches `kill_at`. Returns (start step,
     final state)."""
     me = gradsync.worker_rank()
     model = ClickNet()
@@ -48,6 +48,7 @@ def train_clicks(steps: int, kill_at: int | None = None, out: str | None = None)
         if me == 0 and step == kill_at:
             kill_job()
         bag, ids, dense, y = click_batch(step, me)
+        trainer.optimizer.param_groups[0]["lr"] = 0.01 * 0.9**step  # a schedule: a resumed job starts at step 9's
         with dist_autograd.context() as cid:
             loss = F.binary_cross_entropy_with_logits(trainer.model(bag, ids, dense), y)
             dist_autograd.backward(cid, [loss])

@@ -59,6 +59,7 @@ def test_a_job_of_every_mode_killed_at_step_12_resumes_from_its_checkpoint(job, 
     else:  # the servers' optimizer state, keyed by parameter as the single-process optimizer's
         names = list(start["model"])
         _equal(by_name(start["optimizer"], names), written["optimizer"], "optimizer")
+    assert start["optimizer"]["param_groups"][0]["lr"] == 0.01 * 0.9**9  # the lr of the checkpoint's last step
     for first, state in resumed:
         assert first == 10
         assert max_diff(state, start["model"]) > 1e-3  # it trained on

@@ -270,7 +270,11 @@ class PSStrategy:
         return {}
 
     def load_local_state(self, state: dict) -> None:
-        """Nothing to take back: the servers restored their shards at registration."""
+        """The servers restored their shards at registration; the optimizer's groups take the options the
+        checkpoint holds (a schedule's lr), which the next push then sends every server (tables follow)."""
+        groups = next((a["groups"] for a in self.transport.optimizer_state().values() if a["groups"]), [])
+        for group, options in zip(self.optimizer.param_groups, groups):
+            group.update(options)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         states = self.transport.state()
