@@ -12,7 +12,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.nn.functional as F
 
 import gradsync
-from faults import kill_job
+from faults import Fault, kill_job
 from gradsync.core.buckets import Entry, join_pieces
 from gradsync.core.optimizer_spec import join_state
 from gradsync.core.tables import join_rows
@@ -64,6 +64,20 @@ def train_mlp(steps: int, out: str | None = None) -> tuple[int, dict]:
     trainer = gradsync.Trainer(model, torch.optim.Adam(model.parameters(), lr=0.01))
     _started(trainer, out)
     for step in range(trainer.start_step, steps):
+        x, y = batch(step, me)
+        with dist_autograd.context() as cid:
+            dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
+            trainer.step(cid)
+    return trainer.start_step, trainer.state_dict()
+
+
+def train_mlp_losing_one(steps: int, fault: Fault) -> tuple[int, dict]:
+    """`train_mlp` in which `fault` kills a worker (an elastic async job goes on without it)."""
+    me = gradsync.worker_rank()
+    model = make_mlp()
+    trainer = gradsync.Trainer(model, torch.optim.Adam(model.parameters(), lr=0.01))
+    for step in range(trainer.start_step, steps):
+        fault.strike(me, step)
         x, y = batch(step, me)
         with dist_autograd.context() as cid:
             dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
