@@ -37,15 +37,18 @@ def restore(shard: ShardState, states: Iterable[dict], where: str = "the checkpo
 
     Raises:
         ValueError: the states lack some of the shard's tensors (a checkpoint of another model, or with a
-            table served in another way), naming the first.
+            table served in another way), naming the first; the shard is then half restored, unusable.
     """
-    plan = _Gathered(shard)
-    for state in states:
-        plan.take(state)
-        if plan.complete():
-            break
-    plan.check(where)
-    with shard.lock, torch.no_grad():
+    with shard.lock, torch.no_grad():  # the shard is not serving yet: nothing waits on the lock meanwhile
+        plan = _Gathered(shard)
+        for state in states:
+            if "entries" not in state:
+                raise ValueError(f"{where} was written by an older gradsync, whose shards do not name their "
+                                 "entries: start without --resume")
+            plan.take(state)
+            if plan.complete():
+                break
+        plan.check(where)
         for bucket in shard.buckets:
             for e in bucket.entries:
                 shard.params[e.key].copy_(e.piece(plan.values[e.name]).view(e.view_shape))
