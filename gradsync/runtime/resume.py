@@ -144,11 +144,11 @@ def save(store: dist.Store, config: JobConfig, step: int, strategy, model: dict[
     if me != 0:
         if held:
             _wait(store, config, [StoreKeys.CHECKPOINT.format(step, "shards")], [0],
-                  f"checkpoint of step {step} in {path}: worker 0 did not write the servers' shards")
+                  f"did not have the servers write their shards of the checkpoint of step {step} in {path}")
         return
     written = _wait(store, config, [StoreKeys.CHECKPOINT.format(step, w) for w in range(config.num_workers)],
                     list(range(config.num_workers)),
-                    f"checkpoint of step {step} in {path}: a worker did not write its state")
+                    f"did not write its state of the checkpoint of step {step} in {path}")
     shards = strategy.transport.checkpoint(path) if config.servers else {}
     paths = [p for p, _ in shards.values()] + [os.path.join(path, f"worker-{w}.ckpt") for w in written]
     files = {os.path.basename(p): checkpoint.stored_digest(p) for p in paths}
@@ -164,7 +164,7 @@ def _wait(store: dist.Store, config: JobConfig, keys: list[str], workers: list[i
     workers whose key is set.
 
     Raises:
-        RuntimeError: `what`, naming the workers still missing.
+        RuntimeError: naming the workers still missing, and `what` they did not do.
     """
     deadline = time.monotonic() + config.step_timeout
     while True:
@@ -174,8 +174,8 @@ def _wait(store: dist.Store, config: JobConfig, keys: list[str], workers: list[i
         if not missing:
             return done
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{what} within step_timeout {config.step_timeout:.0f} s: "
-                               f"{', '.join(worker_name(w) for w in missing)}")
+            raise RuntimeError(f"{', '.join(worker_name(w) for w in missing)} {what} within step_timeout "
+                               f"{config.step_timeout:.0f} s")
         time.sleep(0.02)
 
 
