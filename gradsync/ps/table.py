@@ -108,7 +108,7 @@ class TableShard:
         rows = saved["server"] + torch.arange(held) * saved["num_servers"]  # global ids, in the saved order
         mine = (rows % self.num_servers == self.server).nonzero().view(-1)
         local = rows[mine] // self.num_servers
-        self.values[local] = saved["values"][mine].to(self.values.dtype)
+        self.values[local] = saved["values"][mine]
         if isinstance(self.state, LazyRows):
             slots = saved["state"]["slot"][mine].long()
             stepped = slots >= 0  # rows with momentum: their slots here are allocated in row order
