@@ -150,14 +150,17 @@ def test_a_checkpoint_of_2_servers_and_4_workers_resumes_with_1_and_2_and_with_3
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("strategy,before,after", [("hybrid", (2, 3), (3, 2)), ("allreduce", (0, 2), (0, 3))])
-def test_tables_and_replicas_resume_onto_other_servers_and_workers(strategy, before, after, tmp_path):
+@pytest.mark.parametrize("strategy,transport,before,after", [
+    ("hybrid", "rpc", (2, 3), (3, 2)), ("allreduce", "rpc", (0, 2), (0, 3)), ("ps", "grpc", (2, 2), (1, 3))])
+def test_tables_and_replicas_resume_onto_other_servers_and_workers(strategy, transport, before, after, tmp_path):
     """Hybrid: table rows re-homed from 2 servers to 3, the dense part from 3 workers to 2; allreduce: 2
-    workers to 3 (the new worker takes worker 0's model and optimizer, which every worker holds alike)."""
+    workers to 3 (the new worker takes worker 0's model and optimizer, which every worker holds alike); a
+    gRPC job from 2 servers to 1."""
     directory, out = str(tmp_path / "checkpoints"), str(tmp_path)
-    _launch(train_clicks, strategy, *before, (STEPS,), checkpoint_dir=directory, checkpoint_every=EVERY)
+    _launch(train_clicks, strategy, *before, (STEPS,), transport=transport, checkpoint_dir=directory,
+            checkpoint_every=EVERY)
     written = saved(os.path.join(directory, "step-00000010"))
-    resumed = _launch(train_clicks, strategy, *after, (ON, None, out), resume=directory)
+    resumed = _launch(train_clicks, strategy, *after, (ON, None, out), transport=transport, resume=directory)
     start = torch.load(os.path.join(out, "start.pt"))
     assert max_diff(start["model"], {k: written["model"][k] for k in start["model"]}) == 0
     for first, state in resumed:
