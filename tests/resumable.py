@@ -37,8 +37,8 @@ def _started(trainer: gradsync.Trainer, out: str | None) -> None:
 
 def train_clicks(steps: int, kill_at: int | None = None, out: str | None = None) -> tuple[int, dict]:
     """ClickNet with Adam on the dense layers (its lr decayed by hand each step) and lazy-momentum rows (served
-    by row over torch RPC, dense over gRPC), from `trainer.start_step`; worker 0 kills the job as it reaches `kill_at`. Returns (start step,
-    final state)."""
+    by row over torch RPC, dense over gRPC), from `trainer.start_step`; worker 0 kills the job as it reaches
+    `kill_at`. Returns (start step, final state)."""
     me = gradsync.worker_rank()
     model = ClickNet()
     trainer = gradsync.Trainer(model, torch.optim.Adam(model.parameters(), lr=0.01),
@@ -48,7 +48,7 @@ def train_clicks(steps: int, kill_at: int | None = None, out: str | None = None)
         if me == 0 and step == kill_at:
             kill_job()
         bag, ids, dense, y = click_batch(step, me)
-        trainer.optimizer.param_groups[0]["lr"] = 0.01 * 0.9**step  # a schedule: a resumed job starts at step 9's
+        trainer.optimizer.param_groups[0]["lr"] = 0.01 * 0.9**step  # a resumed job starts with step 9's
         with dist_autograd.context() as cid:
             loss = F.binary_cross_entropy_with_logits(trainer.model(bag, ids, dense), y)
             dist_autograd.backward(cid, [loss])
@@ -103,8 +103,7 @@ def reference_mlp(start: dict, first: int, steps: int, workers: int) -> dict[str
 def saved(folder: str) -> dict:
     """What the checkpoint folder holds, whole: {"model": tensors by name (the servers' parameters,
     buffers and tables, and the worker's model under allreduce and hybrid), "optimizer": the servers'
-    optimizer state by parameter name, "rows": each table's row optimizer state (rows, ...) in row order,
-    "worker": worker 0's file, "versions": each shard's version}."""
+    optimizer state by parameter name, "worker": worker 0's file, "versions": each shard's version}."""
     with open(os.path.join(folder, "MANIFEST.json")) as f:
         manifest = json.load(f)
     worker = checkpoint.load(os.path.join(folder, "worker-0.ckpt"))
@@ -121,31 +120,11 @@ def saved(folder: str) -> dict:
         for name, rows in shard["tables"].items():
             tables.setdefault(name, {})[rows["server"]] = rows
     model.update(join_pieces(pieces, [e for e in entries if not e.whole]))
-    rows = {}
     for name, parts in tables.items():
-        servers = manifest["servers"]
-        first = parts[0]["values"]
         model[name] = join_rows({s: p["values"] for s, p in parts.items()},
-                                (sum(p["values"].shape[0] for p in parts.values()), first.shape[1]), servers)
-        rows[name] = _row_state(parts, servers)
-    return {"model": model, "optimizer": join_state(optimizer, entries), "rows": rows, "worker": worker,
-            "versions": versions}
-
-
-def _row_state(parts: dict[int, dict], servers: int) -> torch.Tensor | None:
-    """A table's lazy momentum rows, whole and in row order (zeros for rows never stepped), from each
-    server's part."""
-    state = {s: p["state"] for s, p in parts.items()}
-    if any(v is None for v in state.values()):
-        return None
-    out = {}
-    for s, st in state.items():
-        slot = st["slot"].long()
-        rows = torch.zeros(slot.numel(), st["data"].shape[1], dtype=st["data"].dtype)
-        rows[slot >= 0] = st["data"][slot[slot >= 0]]
-        out[s] = rows
-    total = sum(r.shape[0] for r in out.values())
-    return join_rows(out, (total, next(iter(out.values())).shape[1]), servers)
+                                (sum(p["values"].shape[0] for p in parts.values()), parts[0]["values"].shape[1]),
+                                manifest["servers"])
+    return {"model": model, "optimizer": join_state(optimizer, entries), "worker": worker, "versions": versions}
 
 
 def by_name(optimizer_state: dict, names: list[str]) -> dict[str, dict]:
