@@ -71,13 +71,14 @@ def train_mlp(steps: int, out: str | None = None) -> tuple[int, dict]:
     return trainer.start_step, trainer.state_dict()
 
 
-def train_mlp_losing_one(steps: int, fault: Fault) -> tuple[int, dict]:
-    """`train_mlp` in which `fault` kills a worker (an elastic async job goes on without it)."""
+def train_mlp_with_fault(steps: int, fault: Fault) -> tuple[int, dict]:
+    """`train_mlp` in which `fault` kills a worker or makes it leave early (an async job goes on without it)."""
     me = gradsync.worker_rank()
     model = make_mlp()
     trainer = gradsync.Trainer(model, torch.optim.Adam(model.parameters(), lr=0.01))
     for step in range(trainer.start_step, steps):
-        fault.strike(me, step)
+        if fault.strike(me, step):
+            break
         x, y = batch(step, me)
         with dist_autograd.context() as cid:
             dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])

@@ -9,7 +9,7 @@ import torch
 
 import gradsync
 from faults import Fault
-from resumable import by_name, saved, train_clicks, train_mlp_losing_one
+from resumable import by_name, saved, train_clicks, train_mlp_with_fault
 from test_parity import max_diff
 
 STEPS, KILL_AT, EVERY = 16, 12, 5
@@ -76,12 +76,23 @@ def test_an_elastic_async_job_checkpoints_without_a_worker_that_died(tmp_path):
     """Worker 2 of 3 is killed at step 3: the checkpoints of steps 5 and 10 hold the two workers left, and a
     job of 3 resumes from step 10 (its worker 2 starts from worker 0's file)."""
     directory = str(tmp_path / "checkpoints")
-    done = gradsync.launch(train_mlp_losing_one, strategy="ps", mode="async", workers=3, servers=1,
+    done = gradsync.launch(train_mlp_with_fault, strategy="ps", mode="async", workers=3, servers=1,
                            args=(12, Fault(2, 3, "kill")), step_timeout=20, timeout=90, checkpoint_dir=directory,
                            checkpoint_every=EVERY)
     assert [d.worker for d in done.departures] == [2]
     with open(os.path.join(directory, "step-00000010", "MANIFEST.json")) as f:
         assert sorted(json.load(f)["files"]) == ["shard-0.ckpt", "worker-0.ckpt", "worker-1.ckpt"]
-    resumed = gradsync.launch(train_mlp_losing_one, strategy="ps", mode="async", workers=3, servers=1,
+    resumed = gradsync.launch(train_mlp_with_fault, strategy="ps", mode="async", workers=3, servers=1,
                               args=(14, Fault(-1, -1, "none")), step_timeout=20, timeout=90, resume=directory)
     assert [first for first, _ in resumed] == [10, 10, 10]
+
+
+@pytest.mark.timeout(180)
+def test_an_async_job_checkpoints_without_a_worker_that_finished_first(tmp_path):
+    """Worker 1 leaves after 7 steps (fewer batches): the checkpoint of step 10 holds worker 0 alone."""
+    directory = str(tmp_path / "checkpoints")
+    gradsync.launch(train_mlp_with_fault, strategy="ps", mode="async", workers=2, servers=1,
+                    args=(12, Fault(1, 7, "leave")), step_timeout=20, timeout=90, checkpoint_dir=directory,
+                    checkpoint_every=EVERY)
+    with open(os.path.join(directory, "step-00000010", "MANIFEST.json")) as f:
+        assert sorted(json.load(f)["files"]) == ["shard-0.ckpt", "worker-0.ckpt"]

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from gradsync.config import ConfigError, JobConfig, StoreKeys, worker_name
 from gradsync.core.atomic_file import write_atomically
-from gradsync.membership.liveness import parse_gone
+from gradsync.membership.liveness import staying
 from gradsync.ps import checkpoint
 
 MANIFEST = "MANIFEST.json"
@@ -129,8 +129,9 @@ def check_model(found: Found, module: torch.nn.Module) -> None:
 def save(store: dist.Store, config: JobConfig, step: int, strategy, model: dict[str, list]) -> None:
     """Write this worker's part of the checkpoint of `step` (worker 0: the servers' shards and the manifest
     too). Every worker of the job must call it after the same step (workers that joined a running job take no
-    part). In async and ssp jobs the workers wait until the servers have written their shards, so that every
-    shard holds the same pushes: each worker's first `step`."""
+    part; in an elastic job, neither do workers that have left it). In async and ssp jobs the workers wait
+    until the servers have written their shards, so that every shard holds the same pushes: each worker's
+    first `step`."""
     me = config.worker_rank
     if me >= config.num_workers:
         return
@@ -160,17 +161,17 @@ def save(store: dist.Store, config: JobConfig, step: int, strategy, model: dict[
 
 
 def _wait(store: dist.Store, config: JobConfig, keys: list[str], workers: list[int], what: str) -> list[int]:
-    """Wait up to step_timeout until each key is set or its worker has left an elastic job; returns the
-    workers whose key is set.
+    """Wait up to step_timeout until each key is set or its worker has left an elastic job (died, or finished
+    its steps first); returns the workers whose key is set.
 
     Raises:
         RuntimeError: naming the workers still missing, and `what` they did not do.
     """
     deadline = time.monotonic() + config.step_timeout
     while True:
-        gone = parse_gone(store.get(StoreKeys.GONE)) if config.elastic and store.check([StoreKeys.GONE]) else {}
+        here = set(staying(store)) if config.elastic else set(workers)
         done = [w for w, k in zip(workers, keys) if store.check([k])]
-        missing = [w for w in workers if w not in done and w not in gone]
+        missing = [w for w in workers if w not in done and w in here]
         if not missing:
             return done
         if time.monotonic() > deadline:
