@@ -23,8 +23,8 @@ _SETTINGS = (  # JobConfig fields that `gradsync run` sets with --field-name
                             "and the job stopped"),
     ("shutdown_timeout", float, "seconds shutdown waits for the other workers to finish"),
     ("checkpoint_dir", str, "write a checkpoint every --checkpoint-every steps into this directory"),
-    ("checkpoint_every", int, "steps between checkpoints (sync ps and allreduce)"),
-    ("resume", str, "restart from the newest complete checkpoint in this directory"),
+    ("checkpoint_every", int, "steps between checkpoints (every strategy and mode)"),
+    ("resume", str, "restart from the newest complete checkpoint in this directory (any --servers/--workers)"),
 )
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(JobConfig)}
 

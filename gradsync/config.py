@@ -114,13 +114,6 @@ class JobConfig:
                 f"checkpoint_every={self.checkpoint_every}, checkpoint_dir={self.checkpoint_dir!r}: pass both "
                 "--checkpoint-dir DIR and --checkpoint-every N (N >= 1), or neither"
             )
-        if (self.checkpoint_every or self.resume) and (self.strategy == "hybrid" or self.mode != "sync"
-                                                       or self.transport != "rpc"):
-            raise ConfigError(
-                f"checkpoint and resume are exact for sync jobs of the ps and allreduce strategies over rpc; got "
-                f"strategy={self.strategy!r}, mode={self.mode!r}, transport={self.transport!r}: use --mode sync "
-                "--transport rpc with --strategy ps or allreduce, or leave out --checkpoint-every and --resume"
-            )
         if self.strategy == "allreduce" and self.mode != "sync":
             raise ConfigError("the allreduce strategy is synchronous: pass --mode sync, or use --strategy ps")
         if not (self.server_device == "cpu" or self.server_device == "cuda" or self.server_device.startswith("cuda:")):

@@ -34,7 +34,6 @@ def test_settings_survive_the_trip_through_the_environment():
         ({"GRADSYNC_SERVER_DEVICE": "gpu0"}, "server_device 'gpu0' is not a device"),
         ({"GRADSYNC_STRATEGY": "allreduce", "GRADSYNC_SERVERS": "1", "WORLD_SIZE": "3"}, "pass --servers 0"),
         ({"GRADSYNC_CHECKPOINT_EVERY": "5"}, "checkpoint_dir='': pass both --checkpoint-dir DIR and --checkpoint"),
-        ({"GRADSYNC_MODE": "async", "GRADSYNC_RESUME": "ckpt"}, "exact for sync jobs .* mode='async'"),
     ],
 )
 def test_bad_environment_is_refused_with_the_value_and_the_fix(env, match):

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from gradsync.ps import checkpoint
+from gradsync.ps import checkpoint, reshard
 from grpc_harness import make_server, served
 
 
@@ -30,13 +30,13 @@ def test_checkpoint_call_writes_state_that_loads_back_bit_for_bit(tmp_path):
     live = server.state_dict()
     for name, value in {**state["params"], **state["buffers"]}.items():
         assert torch.equal(value, live[name]), name
-    live_opt = server.shard.optimizer.state_dict()
-    assert live_opt["param_groups"] == state["optimizer"]["param_groups"]
-    for i, s in live_opt["state"].items():
-        assert torch.equal(s["momentum_buffer"], state["optimizer"]["state"][i]["momentum_buffer"])
+    live_opt = server.optimizer_state()
+    assert live_opt["groups"] == state["optimizer"]["groups"] and live_opt["state"].keys() == shapes.keys()
+    for key, s in live_opt["state"].items():
+        assert torch.equal(s["momentum_buffer"], state["optimizer"]["state"][key]["momentum_buffer"])
 
     fresh = make_server("async", workers=1, momentum=0.9)
-    checkpoint.restore(fresh.shard, state)
+    reshard.restore(fresh.shard, [state])
     assert fresh.shard.version == 3
     step = _grads(99, shapes)
     for s in (server, fresh):

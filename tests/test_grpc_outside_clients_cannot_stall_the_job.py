@@ -132,6 +132,8 @@ def test_a_slow_stream_that_keeps_sending_is_served_a_silent_one_cut_and_outside
                 b"", timeout=5, metadata=OUTSIDE),
             "JobLoadOptimizerState": lambda: channel.unary_unary(
                 "/gradsync.ParameterServer/JobLoadOptimizerState")(b"", timeout=5, metadata=OUTSIDE),
+            "JobCheckpoint": lambda: channel.unary_unary(  # it writes files where it is told: members only
+                "/gradsync.ParameterServer/JobCheckpoint")(b"", timeout=5, metadata=OUTSIDE),
         }
         for name, call in calls.items():
             with pytest.raises(grpc.RpcError) as info:

@@ -74,12 +74,12 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_complete_one(da
 
 
 @pytest.mark.timeout(150)
-def test_resume_refuses_a_checkpoint_of_another_world_size_or_model(tmp_path):
+def test_resume_refuses_a_checkpoint_of_another_strategy_or_model(tmp_path):
     directory = str(tmp_path / "checkpoints")
     _launch("ps", 2, "sgd", steps=EVERY, checkpoint_dir=directory, checkpoint_every=EVERY)
-    with pytest.raises(gradsync.JobFailed, match=r"written by a job with strategy='ps', servers=2, workers=2, "
-                                                 r"and this job has strategy='ps', servers=2, workers=3"):
-        _launch("ps", 2, "sgd", workers=3, resume=directory)
+    with pytest.raises(gradsync.JobFailed, match=r"written by a job with strategy='ps', and this job has "
+                                                 r"strategy='allreduce': resume with --strategy ps"):
+        _launch("allreduce", 0, "sgd", resume=directory)
     with pytest.raises(gradsync.JobFailed, match=r"holds a different model: '0.weight' is \[\[16, 8\], "
                                                  r"'torch.float32'\] there and \[\[17, 8\], 'torch.float32'\]"):
         gradsync.launch(build_wider, strategy="ps", workers=2, servers=2, resume=directory, step_timeout=20,

@@ -243,14 +243,14 @@ def test_max_norm_is_refused_clearly():
 
 @pytest.mark.parametrize("optimizer", [RowSGD(lr=1.0, momentum=0.5), RowAdagrad(lr=0.1)])
 def test_table_rows_and_row_state_survive_a_checkpoint(optimizer, tmp_path):
-    from gradsync.ps import checkpoint
+    from gradsync.ps import checkpoint, reshard
 
     shard, fresh = table_shard(optimizer), table_shard(optimizer)
     rule = AsyncRule(shard, 1, "raise")
     for version, ids in enumerate(([0, 2], [2])):
         rule.commit(0, version, [], [], {}, rows={"t": (version, torch.tensor(ids), torch.ones(len(ids), 2))}).wait()
     path, version = checkpoint.save(shard, str(tmp_path))
-    checkpoint.restore(fresh, checkpoint.load(path))
+    reshard.restore(fresh, [checkpoint.load(path)])
     assert version == fresh.version == 2 and fresh.tables["t"].values.equal(shard.tables["t"].values)
     for done in (shard, fresh):  # the same next step: the row state came back too
         AsyncRule(done, 1, "raise").commit(0, 2, [], [], {}, rows={"t": (2, torch.tensor([0]), torch.ones(1, 2))}).wait()

@@ -50,11 +50,6 @@ class LazyRows:
         """Copies of the state, for a checkpoint."""
         return {"slot": self.slot.clone(), "data": self.data[: self.used].clone()}
 
-    def load(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Take back the state of `tensors()`."""
-        self.slot.copy_(tensors["slot"])
-        self.data, self.used = tensors["data"].clone(), tensors["data"].shape[0]
-
 
 @dataclasses.dataclass(frozen=True)
 class RowSGD:

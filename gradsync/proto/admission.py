@@ -20,7 +20,8 @@ from typing import Iterator
 
 import grpc
 
-JOB_CALLS = frozenset({"JobPull", "JobPush", "JobFinish", "JobOptimizerState", "JobLoadOptimizerState"})
+JOB_CALLS = frozenset({"JobPull", "JobPush", "JobFinish", "JobOptimizerState", "JobLoadOptimizerState",
+                       "JobCheckpoint"})
 
 
 class Refused(Exception):

@@ -91,6 +91,11 @@ class ParameterServerStub:
                 request_serializer=gradsync_dot_proto_dot_gradsync__pb2.PlainData.SerializeToString,
                 response_deserializer=gradsync_dot_proto_dot_gradsync__pb2.PlainData.FromString,
                 _registered_method=True)
+        self.JobCheckpoint = channel.unary_unary(
+                '/gradsync.ParameterServer/JobCheckpoint',
+                request_serializer=gradsync_dot_proto_dot_gradsync__pb2.PlainData.SerializeToString,
+                response_deserializer=gradsync_dot_proto_dot_gradsync__pb2.PlainData.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -176,6 +181,14 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def JobCheckpoint(self, request, context):
+        """Job members: write the shard's state into a job checkpoint's folder, given as the request's data
+        (a path on the server's machine, UTF-8); the reply's data is (path, version).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -231,6 +244,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
             ),
             'JobLoadOptimizerState': grpc.unary_unary_rpc_method_handler(
                     servicer.JobLoadOptimizerState,
+                    request_deserializer=gradsync_dot_proto_dot_gradsync__pb2.PlainData.FromString,
+                    response_serializer=gradsync_dot_proto_dot_gradsync__pb2.PlainData.SerializeToString,
+            ),
+            'JobCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.JobCheckpoint,
                     request_deserializer=gradsync_dot_proto_dot_gradsync__pb2.PlainData.FromString,
                     response_serializer=gradsync_dot_proto_dot_gradsync__pb2.PlainData.SerializeToString,
             ),
@@ -532,6 +550,33 @@ class ParameterServer:
             request,
             target,
             '/gradsync.ParameterServer/JobLoadOptimizerState',
+            gradsync_dot_proto_dot_gradsync__pb2.PlainData.SerializeToString,
+            gradsync_dot_proto_dot_gradsync__pb2.PlainData.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JobCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradsync.ParameterServer/JobCheckpoint',
             gradsync_dot_proto_dot_gradsync__pb2.PlainData.SerializeToString,
             gradsync_dot_proto_dot_gradsync__pb2.PlainData.FromString,
             options,

@@ -267,6 +267,10 @@ class Servicer:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"JobLoadOptimizerState: {e}") from e
         return pb.PlainData()
 
+    def job_checkpoint(self, request, context) -> pb.PlainData:
+        request = _parsed(request)
+        return pb.PlainData(data=to_bytes(checkpoint.save(self._shard(), request.data.decode())))
+
     def _applied(self, fut, worker: int, context):
         """Wait (within the step timeout and the call's deadline) until the push `fut` is applied; what it
         resolved to (a version, or in ssp mode a Snapshot)."""
@@ -394,6 +398,7 @@ def _handlers(servicer: Servicer, admission: Admission) -> grpc.GenericRpcHandle
         "JobOptimizerState": (unary, servicer.job_optimizer_state, pb.PlainData, pb.PlainData.SerializeToString),
         "JobLoadOptimizerState": (unary, servicer.job_load_optimizer_state, pb.PlainData,
                                   pb.PlainData.SerializeToString),
+        "JobCheckpoint": (unary, servicer.job_checkpoint, pb.PlainData, pb.PlainData.SerializeToString),
     }
 
     def handler(name, kind, method, request_cls, serialize):

@@ -1,6 +1,11 @@
 """Atomic, verified checkpoints of one shard: parameters, buffers, optimizer state, embedding table rows
 with their row optimizer state, and version.
 
+A shard's state names everything, so that any other layout can take it back
+(`ps.reshard`): its entries (parameter, shape, element range), the values and
+optimizer state by entry key, and each table's rows with the server and number
+of servers that held them.
+
 A checkpoint file is a magic line, the SHA-256 of the payload, and the payload
 (`torch.save` of a dict of tensors and plain values). `save` writes a
 temporary file in the target directory, fsyncs it, renames it over
@@ -10,7 +15,6 @@ the new one, never a torn one. `load` refuses a file whose digest does not match
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import io
 import os
@@ -25,15 +29,17 @@ _DIGEST = 32
 
 
 def capture(shard: ShardState) -> dict:
-    """CPU copies of the shard's state at one version (takes `shard.lock`)."""
+    """CPU copies of the shard's state at one version (takes `shard.lock`): entries as (name, shape, start,
+    numel), the optimizer's state by entry key with its groups' options (`ShardState.optimizer_state`)."""
     with shard.lock:
         return {
             "shard_id": shard.shard_id,
             "version": shard.version,
+            "entries": [(e.name, list(e.shape), e.start, e.numel) for b in shard.buckets for e in b.entries],
             "params": {n: p.detach().to("cpu", copy=True) for n, p in shard.params.items()},
             "buffers": {n: b.to("cpu", copy=True) for n, b in shard.buffers.items()},
             "frozen": {n: t.clone() for n, t in shard.frozen.items()},
-            "optimizer": copy.deepcopy(shard.optimizer.state_dict()) if shard.optimizer is not None else None,
+            "optimizer": shard.optimizer_state(),
             "tables": {n: t.checkpoint() for n, t in shard.tables.items()},
         }
 
@@ -90,27 +96,7 @@ def _digest(head: bytes, path: str) -> bytes:
 
 
 def load(path: str) -> dict:
-    """Read and verify a checkpoint (`verify`); a shard's has keys shard_id, version, params, buffers, frozen,
-    optimizer, tables."""
+    """Read and verify a checkpoint (`verify`); a shard's has keys shard_id, version, entries, params, buffers,
+    frozen, optimizer, tables (`capture`)."""
     return torch.load(io.BytesIO(verify(path)), weights_only=True)
 
-
-def restore(shard: ShardState, state: dict) -> None:
-    """Put a loaded checkpoint back into `shard` (same parameter names, shapes and dtypes)."""
-    if (set(state["params"]) != set(shard.params) or set(state["buffers"]) != set(shard.buffers)
-            or set(state.get("tables", {})) != set(shard.tables)):
-        raise ValueError(
-            f"checkpoint of shard {state['shard_id']} holds different tensors than shard {shard.shard_id}: "
-            "restore a checkpoint written by the same model and server layout"
-        )
-    with shard.lock, torch.no_grad():
-        for name, value in state["params"].items():
-            shard.params[name].copy_(value)
-        for name, value in state["buffers"].items():
-            shard.buffers[name].copy_(value)
-        if shard.optimizer is not None:
-            shard.optimizer.load_state_dict(state["optimizer"])
-        for name, saved in state.get("tables", {}).items():
-            shard.tables[name].restore(saved)
-        shard.stats.version = state["version"]
-        shard.restored()

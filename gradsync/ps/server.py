@@ -11,7 +11,6 @@ wire format), handed to the consistency rule.
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 
 import torch
@@ -19,7 +18,7 @@ import torch
 from gradsync.core.buckets import Bucket, ModelSpec
 from gradsync.core.errors import GradientError, model_mismatch_error
 from gradsync.core.optimizer_spec import OptimizerSpec
-from gradsync.ps import checkpoint
+from gradsync.ps import checkpoint, reshard
 from gradsync.ps.consistency import Agreement, Partial, SyncRule, make_rule
 from gradsync.ps.shard import ShardState, Snapshot
 from gradsync.ps.table import TableShard
@@ -30,9 +29,9 @@ class ParameterServer:
     """State of one server process; methods are thread-safe."""
 
     def __init__(self, shard_id: int, num_workers: int, mode: str, nonfinite: str, compression: str = "none",
-                 device: str = "cpu", staleness: int = 0, resume_from: str | None = None):
+                 device: str = "cpu", staleness: int = 0, resume_from: tuple[str, int] | None = None):
         self.shard_id = shard_id
-        self.resume_from = resume_from
+        self.resume_from = resume_from  # (checkpoint folder, the number of servers that wrote it)
         self.staleness = staleness
         self.device = _usable_device(device)
         self.wire = make_wire(compression)
@@ -104,14 +103,15 @@ class ParameterServer:
         return fut
 
     def _build(self, s: dict) -> ShardState:
-        """The shard from worker 0's setup, then, when resuming, its state from the checkpoint folder."""
+        """The shard from worker 0's setup, then, when resuming, its state from the checkpoint folder (written
+        by any number of servers: `ps.reshard`)."""
         tables = {name: TableShard(t["spec"], self.shard_id, s["num_servers"], t["values"], t["optimizer"],
                                    t["padding_idx"], t["group"])
                   for name, t in s["tables"].items()}
         shard = ShardState(self.shard_id, s["buckets"], s["params"], s["buffers"], s["optimizer"], self.device,
                            s["frozen"], tables)
         if self.resume_from is not None:
-            checkpoint.restore(shard, checkpoint.load(os.path.join(self.resume_from, f"shard-{self.shard_id}.ckpt")))
+            reshard.restore_folder(shard, *self.resume_from)
         return shard
 
     def _mismatch(self, registrations: dict[int, tuple[ModelSpec, torch.futures.Future]]) -> Exception | None:

@@ -96,20 +96,28 @@ class TableShard:
                                 "the gradients of each row first")
 
     def checkpoint(self) -> dict:
-        """Copies of the rows and the row optimizer's state."""
+        """Copies of the rows and the row optimizer's state, with the server and number of servers holding them."""
         state = self.state.tensors() if isinstance(self.state, LazyRows) else self.state
-        return {"values": self.values.clone(), "state": None if state is None else _copied(state)}
+        return {"values": self.values.clone(), "state": None if state is None else _copied(state),
+                "server": self.server, "num_servers": self.num_servers}
 
-    def restore(self, saved: dict) -> None:
-        """Take back a `checkpoint()` of a shard of the same table."""
-        if saved["values"].shape != self.values.shape:
-            raise ValueError(f"checkpoint of table {self.spec.name!r} holds {tuple(saved['values'].shape)} rows, "
-                             f"this server holds {tuple(self.values.shape)}: restore with the same servers")
-        self.values.copy_(saved["values"])
+    def take(self, saved: dict) -> int:
+        """Take the rows of a `checkpoint()` of this table (written by any server of any number of servers)
+        that this server holds, with their row optimizer state; returns how many it took."""
+        held = saved["values"].shape[0]
+        rows = saved["server"] + torch.arange(held) * saved["num_servers"]  # global ids, in the saved order
+        mine = (rows % self.num_servers == self.server).nonzero().view(-1)
+        local = rows[mine] // self.num_servers
+        self.values[local] = saved["values"][mine]
         if isinstance(self.state, LazyRows):
-            self.state.load(saved["state"])
+            slots = saved["state"]["slot"][mine].long()
+            stepped = slots >= 0  # rows with momentum: their slots here are allocated in row order
+            if stepped.any():
+                fresh = self.state.slots(local[stepped])  # may grow `data`: index it after
+                self.state.data[fresh] = saved["state"]["data"][slots[stepped]]
         elif self.state is not None:
-            self.state.copy_(saved["state"])
+            self.state[local] = saved["state"][mine]
+        return mine.numel()
 
     def set_lr(self, lr: float) -> None:
         """A schedule set the learning rate of this table's group."""

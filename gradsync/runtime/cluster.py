@@ -311,7 +311,7 @@ def _install_server(config: JobConfig, resumed: resume.Found | None):
 
     server = ParameterServer(
         config.rank, config.num_workers, config.mode, config.nonfinite, config.compression, config.server_device,
-        config.staleness, resumed.path if resumed else None,
+        config.staleness, (resumed.path, resumed.manifest["servers"]) if resumed else None,
     )
     install(server)
     return server

@@ -1,38 +1,43 @@
-"""Job checkpoints and exact resume: every server's shard and every worker's state at one step, and a manifest.
+"""Job checkpoints and resume: every server's shard and every worker's state at one step, and a manifest.
 
-A checkpoint is taken at a step boundary of a sync job: after `Trainer.step` of
-step N, when N % checkpoint_every == 0. Worker 0 first asks every server to
-write its shard (`ps.checkpoint`: parameters, buffers, optimizer state, table
-rows, version N; no step N+1 can be applied meanwhile, as it needs worker 0's
-push), then every worker writes its own state, and worker 0, once the store
-says every worker has, writes the manifest, last:
+A checkpoint is taken at a step boundary: after `Trainer.step` of step N,
+when N % checkpoint_every == 0. Every worker writes its own state; worker 0,
+once the store says every worker has, asks every server to write its shard
+(`ps.checkpoint`: parameters, buffers, optimizer state, table rows, version)
+and writes the manifest, last. In a sync job no step N+1 can be applied
+meanwhile, as it needs worker 0's push; in an async or ssp job the other
+workers wait until the shards are written, so every shard holds the same
+pushes (each worker's first N) and the checkpoint is one consistent cut:
 
     DIR/step-00000010/shard-<s>.ckpt   each server's shard
-    DIR/step-00000010/worker-<w>.ckpt  step, torch and Python RNG states, and (allreduce) model and optimizer
-    DIR/step-00000010/MANIFEST.json    step, strategy, servers, workers, the model's tensors, and the files
-                                       above with their SHA-256
+    DIR/step-00000010/worker-<w>.ckpt  step, torch and Python RNG states, and (allreduce, hybrid) the model's
+                                       and optimizer's local state
+    DIR/step-00000010/MANIFEST.json    step, strategy, mode, servers, workers, the model's tensors, and the
+                                       files above with their SHA-256
 
 Every file is written atomically with its SHA-256. `--resume DIR` starts from
 the newest step folder whose manifest exists and whose files all verify and are
 the ones it names (an older one when the newest is torn, altered, unfinished or
-half rewritten by a later job), and refuses one written by a job of another
-strategy, layout, world size or model.
+half rewritten by a later job), with any number of servers and workers (the
+servers re-split the shards: `ps.reshard`), and refuses one written by a job of
+another strategy or model.
 """
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import os
 import random
 import re
 import sys
+import time
 
 import torch
 import torch.distributed as dist
 
 from gradsync.config import ConfigError, JobConfig, StoreKeys, worker_name
 from gradsync.core.atomic_file import write_atomically
+from gradsync.membership.liveness import staying
 from gradsync.ps import checkpoint
 
 MANIFEST = "MANIFEST.json"
@@ -59,26 +64,28 @@ def describe_model(module: torch.nn.Module) -> dict[str, list]:
 
 
 def find(config: JobConfig) -> Found | None:
-    """The newest complete checkpoint of `config.resume` (None without --resume), checked against the job.
+    """The newest complete checkpoint of `config.resume` (None without --resume), checked against the job: any
+    number of servers and workers may resume it (`ps.reshard`), a job of another strategy may not.
 
     Raises:
         FileNotFoundError: the directory holds no complete checkpoint.
-        ConfigError: the checkpoint was written by a job of another strategy, servers or workers.
+        ConfigError: the checkpoint was written by a job of another strategy.
     """
     if not config.resume:
         return None
     found = latest_complete(config.resume)
+    m = found.manifest
     if config.rank == 0:
         for reason in found.skipped:
             print(f"gradsync: resume skips {reason}", file=sys.stderr, flush=True)
-        print(f"gradsync: resuming from step {found.step} ({found.path})", file=sys.stderr, flush=True)
-    m = found.manifest
-    theirs, ours = (m["strategy"], m["servers"], m["workers"]), (config.strategy, config.servers, config.num_workers)
-    if theirs != ours:
+        reshaped = (m["servers"], m["workers"]) != (config.servers, config.num_workers)
+        print(f"gradsync: resuming from step {found.step} ({found.path})"
+              + (f", written by {m['servers']} servers and {m['workers']} workers" if reshaped else ""),
+              file=sys.stderr, flush=True)
+    if m["strategy"] != config.strategy:
         raise ConfigError(
-            f"{found.path} was written by a job with strategy={theirs[0]!r}, servers={theirs[1]}, workers="
-            f"{theirs[2]}, and this job has strategy={ours[0]!r}, servers={ours[1]}, workers={ours[2]}: resume "
-            "with the same --strategy, --servers and --workers, or start without --resume"
+            f"{found.path} was written by a job with strategy={m['strategy']!r}, and this job has strategy="
+            f"{config.strategy!r}: resume with --strategy {m['strategy']}, or start without --resume"
         )
     return found
 
@@ -121,38 +128,69 @@ def check_model(found: Found, module: torch.nn.Module) -> None:
 
 def save(store: dist.Store, config: JobConfig, step: int, strategy, model: dict[str, list]) -> None:
     """Write this worker's part of the checkpoint of `step` (worker 0: the servers' shards and the manifest
-    too). Every worker must call it after the same step."""
-    path = step_dir(config.checkpoint_dir, step)
+    too). Every worker of the job must call it after the same step (workers that joined a running job take no
+    part; in an elastic job, neither do workers that have left it). In async and ssp jobs the workers wait
+    until the servers have written their shards, so that every shard holds the same pushes: each worker's
+    first `step`."""
     me = config.worker_rank
-    shards = strategy.transport.checkpoint(path) if me == 0 and config.servers else {}
+    if me >= config.num_workers:
+        return
+    path = step_dir(config.checkpoint_dir, step)
     state = dict(step=step, torch_rng=torch.get_rng_state(), python_rng=random.getstate(),
                  cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
                  **strategy.local_state())
     checkpoint.write(os.path.join(path, f"worker-{me}.ckpt"), state)
     store.set(StoreKeys.CHECKPOINT.format(step, me), "1")
+    held = config.mode != "sync" and config.servers > 0  # the others' pushes would go on meanwhile
     if me != 0:
+        if held:
+            _wait(store, config, [StoreKeys.CHECKPOINT.format(step, "shards")], [0],
+                  f"did not have the servers write their shards of the checkpoint of step {step} in {path}")
         return
-    keys = [StoreKeys.CHECKPOINT.format(step, w) for w in range(config.num_workers)]
-    try:
-        store.wait(keys, datetime.timedelta(seconds=config.step_timeout))
-    except dist.DistStoreError as e:
-        missing = [worker_name(w) for w, k in enumerate(keys) if not store.check([k])]
-        raise RuntimeError(f"checkpoint of step {step} in {path}: {', '.join(missing)} did not write its state "
-                           f"within step_timeout {config.step_timeout:.0f} s") from e
-    paths = [p for p, _ in shards.values()]
-    paths += [os.path.join(path, f"worker-{w}.ckpt") for w in range(config.num_workers)]
+    written = _wait(store, config, [StoreKeys.CHECKPOINT.format(step, w) for w in range(config.num_workers)],
+                    list(range(config.num_workers)),
+                    f"did not write its state of the checkpoint of step {step} in {path}")
+    shards = strategy.transport.checkpoint(path) if config.servers else {}
+    paths = [p for p, _ in shards.values()] + [os.path.join(path, f"worker-{w}.ckpt") for w in written]
     files = {os.path.basename(p): checkpoint.stored_digest(p) for p in paths}
-    manifest = dict(step=step, strategy=config.strategy, servers=config.servers, workers=config.num_workers,
-                    model=model, files=files)
+    manifest = dict(step=step, strategy=config.strategy, mode=config.mode, servers=config.servers,
+                    workers=config.num_workers, model=model, files=files)
     write_atomically(os.path.join(path, MANIFEST), json.dumps(manifest, indent=1).encode())
+    if held:
+        store.set(StoreKeys.CHECKPOINT.format(step, "shards"), "1")
+
+
+def _wait(store: dist.Store, config: JobConfig, keys: list[str], workers: list[int], what: str) -> list[int]:
+    """Wait up to step_timeout until each key is set or its worker has left an elastic job (died, or finished
+    its steps first); returns the workers whose key is set.
+
+    Raises:
+        RuntimeError: naming the workers still missing, and `what` they did not do.
+    """
+    deadline = time.monotonic() + config.step_timeout
+    while True:
+        here = set(staying(store)) if config.elastic else set(workers)
+        done = [w for w, k in zip(workers, keys) if store.check([k])]
+        missing = [w for w in workers if w not in done and w in here]
+        if not missing:
+            return done
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{', '.join(worker_name(w) for w in missing)} {what} within step_timeout "
+                               f"{config.step_timeout:.0f} s")
+        time.sleep(0.02)
 
 
 def restore(config: JobConfig, strategy, found: Found) -> int:
-    """Load this worker's state of `found` (step, RNG states, the strategy's local state); returns the step."""
-    state = checkpoint.load(os.path.join(found.path, f"worker-{config.worker_rank}.ckpt"))
-    torch.set_rng_state(state["torch_rng"])
-    random.setstate(state["python_rng"])
-    if state["cuda_rng"]:
-        torch.cuda.set_rng_state_all(state["cuda_rng"])
+    """Load this worker's state of `found` (step, RNG states, the strategy's local state); returns the step.
+    A worker beyond the checkpoint's workers takes worker 0's file (its model and optimizer under allreduce
+    and hybrid, which every worker holds alike) and keeps its own RNG states."""
+    me = config.worker_rank
+    mine = me < found.manifest["workers"] and f"worker-{me}.ckpt" in found.manifest["files"]
+    state = checkpoint.load(os.path.join(found.path, f"worker-{me if mine else 0}.ckpt"))
+    if mine:
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
+        if state["cuda_rng"]:
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
     strategy.load_local_state(state)
     return state["step"]

@@ -228,6 +228,11 @@ class GrpcTransport:
         except grpc.RpcError as e:
             raise self.client.error(method, s, start, e) from None
 
+    def checkpoint(self, directory: str) -> dict[int, tuple[str, int]]:
+        """Every server writes its shard into `directory` (on its machine): (path, version) by server."""
+        return {s: from_bytes(self._plain("JobCheckpoint", s, directory.encode()), f"ps{s}'s checkpoint")
+                for s in self.servers}
+
     def state(self) -> dict[int, tuple]:
         return {s: (snap.version, snap.flats, {**snap.buffers, **{n: t.clone() for n, t in self.frozen[s].items()}})
                 for s, snap in self.pull().items()}

@@ -133,6 +133,17 @@ class HybridStrategy:
         self.joiner.wait()
         self._versions = {s: snap.version for s, snap in self.transport.pull().items()}
 
+    def local_state(self) -> dict:
+        """What a checkpoint keeps of this worker: the dense part's model and optimizer state (the servers keep
+        the tables and their row optimizer state)."""
+        with self.tables.own_state():
+            return self.dense.local_state()
+
+    def load_local_state(self, state: dict) -> None:
+        """Take back `local_state()`; the next push goes at the versions the restored servers hold."""
+        self.dense.load_local_state(state)
+        self._versions = {s: snap.version for s, snap in self.transport.pull().items()}
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         named = {s: named for s, (_, _, named) in self.transport.state().items()}
         with self.tables.own_state():

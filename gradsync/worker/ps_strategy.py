@@ -269,12 +269,15 @@ class PSStrategy:
         )
 
     def local_state(self) -> dict:
-        """What a checkpoint keeps of this worker beyond its step and RNG: nothing (the servers hold the model
-        and the optimizer)."""
-        return {}
+        """What a checkpoint keeps of this worker beyond its step and RNG: its optimizer groups' options (the
+        servers hold the model and the optimizer's state)."""
+        return {"groups": [group_options(g) for g in self.optimizer.param_groups]}
 
     def load_local_state(self, state: dict) -> None:
-        """Nothing to take back: the servers restored their shards at registration."""
+        """The servers restored their shards at registration; the optimizer's groups take the checkpoint's
+        options (a schedule's lr), which the next push sends every server (tables whose rows follow a group)."""
+        for group, options in zip(self.optimizer.param_groups, state["groups"]):
+            group.update(options)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         states = self.transport.state()
