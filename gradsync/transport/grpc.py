@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.config import JobConfig, StoreKeys
+from gradsync.core import settings
 from gradsync.core.buckets import Bucket, ModelSpec
 from gradsync.proto import gradsync_pb2 as pb
 from gradsync.proto import tensor_codec
@@ -44,14 +45,14 @@ from gradsync.remote.client import Client, read_stream
 
 def run_dir() -> str:
     """This job's run directory (created if missing)."""
-    path = os.environ.get("GRADSYNC_RUN_DIR") or os.path.join("runs", os.environ.get("TORCHELASTIC_RUN_ID", "local"))
+    path = settings.RUN_DIR.read() or os.path.join("runs", os.environ.get("TORCHELASTIC_RUN_ID", "local"))
     os.makedirs(path, exist_ok=True)
     return path
 
 
 def job_token(store: dist.Store) -> str:
     """The job's bearer token: GRADSYNC_TOKEN, else the first server's, shared through the store."""
-    given = os.environ.get("GRADSYNC_TOKEN")
+    given = settings.TOKEN.read()
     if given:
         return given
     return store.compare_set(StoreKeys.TOKEN, "", new_token()).decode()
@@ -74,16 +75,16 @@ def worker_token(store: dist.Store) -> str:
 def start_endpoint(server: ParameterServer, store: dist.Store, step_timeout: float):
     """Serve `server` over gRPC and write its address and the token to the run directory."""
     directory = run_dir()
-    port = int(os.environ.get("GRADSYNC_GRPC_PORT", "0"))
+    port = settings.GRPC_PORT.read()
     token = job_token(store)
     endpoint = serve_grpc(
         server,
-        host=os.environ.get("GRADSYNC_GRPC_HOST", "127.0.0.1"),
+        host=settings.GRPC_HOST.read(),
         port=port + server.shard_id if port else 0,
         token=token,
         member_token=member_token(store),
-        tls_cert=os.environ.get("GRADSYNC_TLS_CERT"),
-        tls_key=os.environ.get("GRADSYNC_TLS_KEY"),
+        tls_cert=settings.TLS_CERT.read(),
+        tls_key=settings.TLS_KEY.read(),
         checkpoint_dir=os.path.join(directory, "checkpoints"),
         step_timeout=step_timeout,
     )
