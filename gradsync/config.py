@@ -118,6 +118,9 @@ class Timeouts:
     """How long each wait of this rank may take, in seconds."""
 
     def __post_init__(self) -> None:
+        self._check_timeouts()
+
+    def _check_timeouts(self) -> None:
         _positive(self, "timeouts")
 
 
@@ -160,7 +163,7 @@ class JobConfig(Checkpointing, Timeouts, Training, Placement):  # fields in the 
                 "--transport rpc with --strategy ps or allreduce, or leave out --checkpoint-every and --resume"
             )
         self._check_placement()
-        _positive(self, "timeouts")
+        self._check_timeouts()
 
     @classmethod
     def from_env(cls, environ=None, **overrides) -> "JobConfig":

@@ -120,7 +120,8 @@ def test_gradsync_run_has_an_option_for_every_job_setting_bucket_cap_mb_included
     argv = ["run", "--strategy", "ps", "--workers", "2", "--bucket-cap-mb", "5", "--step-timeout", "9", "s.py"]
     chosen = cli.job_settings(cli.parse_args(argv))
     assert set(chosen) == {s.name for s in JOB_SETTINGS}
-    assert (chosen["bucket_cap_mb"], chosen["step_timeout"], chosen["strategy"], chosen["mode"]) == (5.0, 9.0, "ps", None)
+    assert (chosen["bucket_cap_mb"], chosen["step_timeout"], chosen["strategy"]) == (5.0, 9.0, "ps")
+    assert chosen["mode"] is None  # not given: the environment's, else the default
     commands = cli._parser()._subparsers._group_actions[0].choices
     flags = {o for name in ("run", "compare") for a in commands[name]._actions for o in a.option_strings}
     assert {s.flag for s in TABLE if s.flag} <= flags
@@ -150,3 +151,9 @@ def test_typed_reads_name_the_variable():
     assert settings.LAUNCHED.read({"GRADSYNC_LAUNCHED": "1"}) and not settings.LAUNCHED.read({})
     with pytest.raises(ConfigError, match="GRADSYNC_GRPC_PORT='x' is not an integer"):
         settings.GRPC_PORT.read({"GRADSYNC_GRPC_PORT": "x"})
+
+
+def test_join_refuses_every_job_setting_option_beside_it():
+    args = cli.parse_args(["run", "--join", "runs/x", "--bucket-cap-mb", "5", "--servers", "2", "s.py"])
+    with pytest.raises(ConfigError, match="so --servers, --bucket-cap-mb cannot be given with it"):
+        cli._check_join_flags(args, cli.job_settings(args))

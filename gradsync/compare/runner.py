@@ -82,7 +82,8 @@ def _role(pid: int) -> str | None:
             env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
     except OSError:
         return None
-    return "server" if int(env.get(settings.RANK.env.encode(), 0)) < int(env.get(settings.SERVERS.env.encode(), 0)) else "worker"
+    rank, servers = (int(env.get(s.env.encode(), 0)) for s in (settings.RANK, settings.SERVERS))
+    return "server" if rank < servers else "worker"
 
 
 def headline(failure: str) -> str:

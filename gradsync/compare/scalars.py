@@ -31,8 +31,8 @@ def watch(trainer, elements: dict[str, int]) -> None:
     `elements` ({'dense': ..., 'tables': ...}) is logged once, as {"model": elements}."""
     global _trainer, _started
     _trainer, _started = trainer, time.monotonic()
-    if LOG_DIR.read():
-        _write(LOG_DIR.read(), {"t": 0.0, "wall": time.time(), "model": elements})
+    if directory := LOG_DIR.read():
+        _write(directory, {"t": 0.0, "wall": time.time(), "model": elements})
 
 
 def log(step: int | None = None, **values: float) -> None:
