@@ -101,7 +101,7 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("--server-link", default=None, help="with --link: the parameter servers' links at "
                          "this rate instead, in every run (a slow server link; default: none)")
     compare.add_argument(STRAGGLER.flag, default=None, metavar="W:F",
-                         help=f"in every run, {STRAGGLER.help}, e.g. 1:2.0 (default: {STRAGGLER.env} if set)")
+                         help=f"{STRAGGLER.help} in every run, e.g. 1:2.0 (default: {STRAGGLER.env} if set)")
     compare.add_argument("--predict", action="store_true",
                          help="fit the cost model on the sync runs and predict every paradigm from --workers up to "
                          "W=1024 at this link: report.md ends with a verdict (which wins, the crossover, confidence)")

@@ -185,7 +185,7 @@ class JobConfig(Checkpointing, Timeouts, Training, Placement):  # fields in the 
 
 def settings_from_env(env, strategy: str | None = None) -> dict:
     """The job's settings from its GRADSYNC_* variables (what `to_env` writes), defaults for the unset ones;
-    no placement (RANK, WORLD_SIZE, MASTER_*). `strategy`, when given, wins over GRADSYNC_STRATEGY."""
+    not torchrun's placement (RANK, WORLD_SIZE, MASTER_*). `strategy`, when given, wins over GRADSYNC_STRATEGY."""
     values = {s.name: s.parse(env.get(s.env)) for s in settings.JOB_SETTINGS}
     values["strategy"] = strategy or values["strategy"]
     if not settings.SERVERS.given(env):

@@ -159,7 +159,7 @@ TLS_CERT = _S("tls_cert", "GRADSYNC_TLS_CERT", str, None, "grpc",
 TLS_KEY = _S("tls_key", "GRADSYNC_TLS_KEY", str, None, "grpc", "PEM key of the endpoints (with GRADSYNC_TLS_CERT)")
 # gradsync compare.
 STRAGGLER = _S("straggler", "GRADSYNC_STRAGGLER", str, "", "compare",
-               "W:F: worker W's compute takes F times as long (an emulated straggler)", flag="--straggler")
+               "worker W's compute takes F times as long (W:F, an emulated straggler)", flag="--straggler")
 LOG_DIR = _S("log_dir", "GRADSYNC_LOG_DIR", str, "", "compare",
              "where gradsync.log writes each worker's JSON lines (compare sets it per run)", internal=True)
 TENSORBOARD_DIR = _S("tensorboard_dir", "GRADSYNC_TENSORBOARD_DIR", str, "", "compare",
@@ -190,6 +190,8 @@ def of(concern: str) -> tuple[Setting, ...]:
 JOB_SETTINGS = tuple(s for s in TABLE if s.concern in JOB_CONCERNS and not s.internal)
 """What a user chooses for a job: `gradsync.init`/`launch` keywords, `gradsync run` options, and the
 variables a launcher passes to every rank (`JobConfig.to_env`)."""
+SHARED = tuple(s.name for s in TABLE if s.shared)
+"""The settings whose job's value holds on every rank: a worker that joins takes them, and may not ask for others."""
 
 
 @contextlib.contextmanager

@@ -21,7 +21,6 @@ from gradsync.core import settings
 from gradsync.core.atomic_file import write_atomically
 
 JOIN_FILE = "join.json"
-_JOB_SETTINGS = tuple(s.name for s in settings.TABLE if s.shared)
 
 
 def joinable(config: JobConfig) -> bool:
@@ -97,11 +96,11 @@ def joiner_config(store: dist.Store, host: str, port: int, asked: dict, timeout:
     """
     values = job_settings(store, host, port, timeout)
     differ = [f"{k}={v!r} (the job runs {values[k]!r})" for k, v in asked.items()
-              if v is not None and k in _JOB_SETTINGS and v != values[k]]
+              if v is not None and k in settings.SHARED and v != values[k]]
     if differ:
         raise ConfigError(f"joining the job at {host}:{port} with {', '.join(differ)}: leave those settings "
                           "out, a joining worker takes the job's")
-    values.update({k: v for k, v in asked.items() if v is not None and k not in _JOB_SETTINGS})
+    values.update({k: v for k, v in asked.items() if v is not None and k not in settings.SHARED})
     index = store.add(StoreKeys.WORKERS, 1) - 1
     rank = values["servers"] + index
     store.add(StoreKeys.ALIVE.format(rank), 0)

@@ -291,7 +291,7 @@ def _join_launched(running: JobConfig, asked: JobConfig) -> None:
     if not settings.LAUNCHED.read():
         raise RuntimeError("gradsync.init() was already called in this process")
     differ = [f"{f}={getattr(asked, f)!r} (the job runs {getattr(running, f)!r})"
-              for f in (s.name for s in settings.TABLE if s.shared)
+              for f in settings.SHARED
               if getattr(asked, f) != getattr(running, f)]
     if differ:
         raise ConfigError(
