@@ -26,7 +26,6 @@ import torch
 
 from gradsync.cuda_ops import (
     aggregate,
-    aggregate_buckets,
     compress,
     compress_int8,
     decompress,
@@ -88,23 +87,6 @@ def cases(n: int, k: int, block: int, device: str):
     yield ("aggregate", "bf16", (k + 1) * n * 2, lambda: aggregate(bf16, s), {
         "add_ chain": lambda: add_chain(bf16, torch.bfloat16),
         "stack.sum": lambda: torch.stack(bf16).sum(0, dtype=torch.float32).mul_(s).bfloat16(),
-    })
-
-    big = [n // 16] * 12  # DDP-like large buckets (own launches) around 64 small ones (flattened)
-    small = [(n - sum(big)) // 64] * 63
-    small.append(n - sum(big) - sum(small))
-    sizes = small[:32] + big + small[32:]
-    per_worker = [list(x.split(sizes)) for x in fp32]
-
-    def foreach_chain():
-        acc = [t.clone() for t in per_worker[0]]
-        for w in per_worker[1:]:
-            torch._foreach_add_(acc, w)
-        torch._foreach_mul_(acc, s)
-        return acc
-
-    yield ("aggregate_buckets", "fp32", (k + 1) * n * 4, lambda: aggregate_buckets(per_worker, s), {
-        "_foreach_add_ chain": foreach_chain,
     })
 
     x, world = fp32[0], k

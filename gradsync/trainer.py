@@ -96,8 +96,7 @@ class Trainer:
                                                clipping=clipping)
         self._straggler = Straggler(job.config.worker_rank)
         self._joining = False
-        served = sum(t.numel for t in getattr(getattr(self._strategy, "tables", None), "specs", ()))
-        scalars.watch(self, {"dense": trainable - served, "tables": served})
+        scalars.watch(self, self._strategy.model_sizes(trainable))
         self.start_step = 0
         if job.resumed is not None:
             self.start_step = job.steps = resume.restore(job.config, self._strategy, job.resumed)

@@ -57,10 +57,11 @@ def kill_the_server_at(step: int, steps: int) -> None:
         constant_step(trainer)
 
 
-def train_while_a_worker_joins(steps: int, joiner_steps: int) -> dict:
-    """Worker 1 takes `steps` steps and leaves; then worker 0 starts `gradsync run --join` (one new worker,
-    `joiner_steps` steps) and steps (slowly) until that command ends. Returns, from worker 0, the command's
-    outcome and the servers' counters and weights once no other worker pushes."""
+def train_while_a_worker_joins(steps: int, joiner_steps: int, how: str = "run-dir") -> dict:
+    """Worker 1 takes `steps` steps and leaves; then worker 0 starts one new worker (`joiner_steps` steps),
+    `how`: 'run-dir' (`gradsync run --join RUN_DIR`), 'address' (`--join HOST:PORT`, the store's) or 'init'
+    (plain python with GRADSYNC_JOIN=RUN_DIR: `gradsync.init` joins), and steps (slowly) until it ends.
+    Returns, from worker 0, its outcome and the servers' counters and weights once no other worker pushes."""
     trainer = gradsync.Trainer(Constant(), torch.optim.SGD, lr=LR)
     if gradsync.worker_rank() == 1:
         for _ in range(steps):
@@ -68,9 +69,16 @@ def train_while_a_worker_joins(steps: int, joiner_steps: int) -> dict:
         return {}
     while trainer.server_stats()[0]["pushes_by_worker"].get(1, 0) < steps:
         constant_step(trainer)
-    command = [sys.executable, "-m", "gradsync.cli", "run", "--join", os.environ["GRADSYNC_RUN_DIR"], JOINER,
-               str(joiner_steps)]
-    joiner = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run_dir, env = os.environ["GRADSYNC_RUN_DIR"], dict(os.environ)
+    address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    if how == "init":  # a process of the user's own, not one of the job's ranks: none of their variables
+        env = {k: v for k, v in env.items() if not k.startswith("GRADSYNC_") and
+               k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+        command, env["GRADSYNC_JOIN"] = [sys.executable, JOINER, str(joiner_steps)], run_dir
+    else:
+        command = [sys.executable, "-m", "gradsync.cli", "run", "--join", run_dir if how == "run-dir" else address,
+                   JOINER, str(joiner_steps)]
+    joiner = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     deadline = time.monotonic() + 60
     while joiner.poll() is None and time.monotonic() < deadline:
         constant_step(trainer)

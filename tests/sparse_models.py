@@ -149,3 +149,11 @@ def train_then_read_tables_over_grpc(steps: int) -> dict:
                             text=True, timeout=60)
     return dict(state=state, ids=ids, rows=rows, pulled=pulled, stats=stats, out_of_range=out_of_range,
                 status=status.stdout + status.stderr)
+
+
+def train_clicks_dense_tables(steps: int) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """The click model with SGD and `tables="dense"` (which plain SGD would serve under "auto"): returns the
+    final state and what the strategy reports of the model (no table served)."""
+    trainer = gradsync.Trainer(ClickNet(), torch.optim.SGD, lr=LR, tables="dense")
+    click_loop(trainer, steps)
+    return trainer.state_dict(), trainer._strategy.model_sizes(0)

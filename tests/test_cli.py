@@ -27,7 +27,9 @@ def test_compare_refuses_a_report_directory_it_did_not_write_unless_forced(tmp_p
     theirs = tmp_path / "theirs"
     theirs.mkdir()
     (theirs / "notes.txt").write_text("mine")
-    assert cli.main(["compare", "--out", str(theirs), "train.py"]) == 2
+    script = tmp_path / "train.py"
+    script.write_text("")
+    assert cli.main(["compare", "--out", str(theirs), str(script)]) == 2
     assert f"--out {theirs}: the directory has files that gradsync compare did not write" in capsys.readouterr().err
     assert sorted(p.name for p in theirs.iterdir()) == ["notes.txt"]  # nothing written
     prepare_out_dir(str(theirs), force=True)
@@ -55,3 +57,19 @@ def test_help_shows_every_default_and_no_empty_one():
     for text in ("(default: 2)", "(default: gradsync-report)", "(default: allreduce,ps,hybrid)", "(default: 1,2)",
                  "(default: sync,async)", "(default: none)", "(default: 600)", "(default: 1)"):
         assert text in compare, text
+
+
+def test_run_and_compare_refuse_a_script_that_does_not_exist_before_starting_anything(capsys):
+    for command in (["run", "--strategy", "ps", "--workers", "1"], ["compare"]):
+        assert cli.main([*command, "no/such/train.py"]) == 2
+        assert "gradsync: error: no/such/train.py: no such file: give the training script's path" in \
+            capsys.readouterr().err
+
+
+def test_run_and_compare_refuse_a_script_that_does_not_exist_before_starting_anything(tmp_path, capsys):
+    out = tmp_path / "report"
+    for command in (["run", "--strategy", "ps", "--workers", "1"], ["compare", "--out", str(out)]):
+        assert cli.main([*command, "no/such/train.py"]) == 2
+        assert "gradsync: error: no/such/train.py: no such file: give the path of the training script" in \
+            capsys.readouterr().err
+    assert not out.exists()  # refused before anything was written

@@ -90,8 +90,10 @@ def test_compare_report_numbers_come_from_the_runs(tmp_path):
     assert "| allreduce |" in md and "| ps sync S=1 |" in md and "| hybrid S=1 | skipped: no tables |" in md
     assert "- final loss: the mean of the last tenth of worker 0's logged losses" in md and "![loss.png]" in md
     # --predict: fitted on the two sync runs that finished, from what their workers logged
-    assert all(runs[n]["model"] == {"dense": 484, "tables": 0} and runs[n]["batch"] == 6
-               for n in ("allreduce", "ps sync S=1"))  # the jobs.py MLP 8-16-16-4, 6 samples per step
+    assert runs["allreduce"]["model"] == {"dense": 484, "tables": 0, "sparse_tables": 0, "dense_tables": 0}
+    assert "Note: allreduce averaged" not in md
+    assert runs["ps sync S=1"]["model"] == {"dense": 484, "tables": 0}  # the jobs.py MLP 8-16-16-4
+    assert runs["allreduce"]["batch"] == runs["ps sync S=1"]["batch"] == 6  # 6 samples per step
     prediction = report["prediction"]
     assert prediction["fit"]["runs"] == list(prediction["step_s"]) == ["allreduce", "ps sync S=1"]
     assert prediction["workers"] == [2 ** k for k in range(1, 11)]
@@ -184,6 +186,24 @@ def test_predict_fits_the_runs_and_names_the_faster_paradigm():
     assert section.startswith("## Verdict") and "| 2 | 34.4 | 35.6 | 34.8 |" in section
     assert ("1e+03 us per sample, 10 ns per byte, 2 ms fixed per step; predicted / measured - 1 on the fitted runs: "
             "allreduce +0%, ps sync S=1 +0%, ps sync S=2 +0%.") in section
+
+
+def test_predict_models_allreduce_with_sparse_tables_from_its_measured_rows():
+    """An allreduce run whose tables have sparse gradients: its own rows come from the bytes it sent, and
+    the prediction all-gathers them (bytes growing with W) instead of averaging the tables densely."""
+    own, tables = 3_000, 1_000_000
+    sparse = costmodel.Config("allreduce", 32, DENSE, sparse_tables=2, row_bytes=own)
+    ring = costmodel.traffic(costmodel.Config("allreduce", 1, DENSE), 2)[0]
+    allreduce = {**made_run("allreduce"), "step_s": MADE.step_s(sparse, 2), "bytes_sent": ring + own,
+                 "model": {"dense": DENSE, "tables": tables, "sparse_tables": 2}}
+    allreduce["compute_s"] = allreduce["step_s"]
+    runs = [allreduce, made_run("ps", 1, tables=tables, rows=5_000), made_run("hybrid", 1, tables=tables, rows=5_000)]
+    fit, configs, sizes, _ = fitted(runs, 2, None)
+    assert configs["allreduce"] == sparse and sizes["tables"] == tables
+    got = predict(runs, {"workers": 2, "cores": 64, "link": None})
+    w8 = got["workers"].index(8)
+    assert got["step_s"]["allreduce"][w8] == pytest.approx(fit.step_s(sparse, 8), rel=1e-9)
+    assert fit.step_s(sparse, 8) > fit.step_s(sparse, 2)  # the rows grow with W
 
 
 def test_percent_never_prints_minus_zero():
@@ -298,6 +318,20 @@ def test_a_script_that_logs_nothing_gets_a_warning_and_plots_without_matplotlib_
     assert f"Warning: {silent(runs)}." in open(md).read()
 
 
+def test_allreduce_averaging_tables_densely_gets_a_note_naming_sparse_gradients(tmp_path):
+    from gradsync.compare.report import dense_tables, write_report
+
+    dense = {**_finished("allreduce", True), "strategy": "allreduce",
+             "model": {"dense": 10, "tables": 0, "sparse_tables": 0, "dense_tables": 2}}
+    sparse = {**dense, "model": {**dense["model"], "dense_tables": 0, "sparse_tables": 2}}
+    note = dense_tables([dense, _finished("ps sync S=1", True)])
+    assert note.startswith("allreduce averaged 2 embedding table(s) with dense gradients")
+    assert "nn.Embedding(..., sparse=True)" in note and "SGD, Adagrad, SparseAdam" in note
+    assert dense_tables([sparse]) is None and dense_tables([_finished("allreduce", True)]) is None
+    _, md = write_report(META, [dense], [], str(tmp_path))
+    assert f"Note: {note}." in open(md).read()
+
+
 def test_hybrid_runs_after_one_that_found_no_tables_are_skipped_without_running(tmp_path, monkeypatch):
     from gradsync.compare import compare, runner
 
@@ -310,7 +344,9 @@ def test_hybrid_runs_after_one_that_found_no_tables_are_skipped_without_running(
         return {**_finished(config.name, True), **config.settings()}
 
     monkeypatch.setattr(runner, "run", fake_run)
-    _, runs = compare("x.py", [], workers=2, out_dir=str(tmp_path), strategies=["allreduce", "hybrid"],
+    script = tmp_path / "x.py"
+    script.write_text("")
+    _, runs = compare(str(script), [], workers=2, out_dir=str(tmp_path / "out"), strategies=["allreduce", "hybrid"],
                       servers=[1, 2], modes=["sync"], compressions=["none", "int8"], timeout=10, warmup=1,
                       command="c", options={})
     assert started == ["allreduce", "allreduce int8", "hybrid S=1"]

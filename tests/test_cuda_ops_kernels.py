@@ -89,35 +89,6 @@ def test_aggregate_empty_and_non_finite(T):
     assert got[4] == float("-inf")
 
 
-@pytest.mark.parametrize("k,out_dtype", [(3, torch.bfloat16), (17, torch.float32), (33, torch.float16)])
-def test_aggregate_into(T, k, out_dtype):
-    xs = [randn(300, seed=i) for i in range(k)]
-    out = torch.full((300,), 9.0, dtype=out_dtype, device=DEVICE)
-    T.aggregate_into(dev(xs), 0.1, out)
-    check(out, R.aggregate(xs, 0.1, out_dtype))
-    acc = xs[0].clone().to(DEVICE)  # out may be one of the inputs: an accumulator
-    T.aggregate_into([acc] + dev(xs[1:]), 0.1, acc)
-    check(acc, R.aggregate(xs, 0.1, torch.float32))
-    with pytest.raises(ValueError, match=r"out: shape \(299,\)"):
-        T.aggregate_into(dev(xs), 0.1, out[:299])
-
-
-@pytest.mark.parametrize("sizes", [[5, 300, 7, 0, 200, 3], [5, 7, 3], [5, 300], [300]])
-def test_aggregate_buckets_all_launch_paths(T, monkeypatch, sizes):
-    """FLATTEN_BELOW=100: buckets >= 100 get their own launch, smaller ones share one."""
-    monkeypatch.setattr(T, "FLATTEN_BELOW", 100)
-    k = 3
-    flat = [randn(s, seed=10 * w + b) for w in range(k) for b, s in enumerate(sizes)]
-    check(T.aggregate_buckets(dev(flat), k, 0.25, None), R.aggregate_buckets(flat, k, 0.25, None))
-    half = [t.half() for t in flat]
-    check(T.aggregate_buckets(dev(half), k, 1.0, torch.float32), R.aggregate_buckets(half, k, 1.0, torch.float32))
-
-
-def test_aggregate_buckets_rejects_mismatched_buckets(T):
-    with pytest.raises(ValueError, match=r"per_worker\[1\]\[0\]"):
-        T.aggregate_buckets(dev([torch.ones(3), torch.ones(4)]), 2, 1.0, None)
-
-
 # --- scaled cast ------------------------------------------------------------------------------
 
 CASTS = [(torch.float32, torch.float16), (torch.float32, torch.bfloat16), (torch.float16, torch.float32),

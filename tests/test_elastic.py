@@ -72,10 +72,12 @@ def test_a_killed_worker_still_fails_a_sync_job_fast_naming_it():
 
 
 @pytest.mark.timeout(120)
-def test_a_new_worker_joins_a_running_async_job_over_rpc_and_its_pushes_are_applied():
+@pytest.mark.parametrize("how", ["run-dir", "address", "init"])
+def test_a_new_worker_joins_a_running_async_job_over_rpc_and_its_pushes_are_applied(how):
+    """README: by the run directory, by the store's address, and from any process by gradsync.init's join."""
     steps, joiner_steps = 5, 4
     result = gradsync.launch(train_while_a_worker_joins, strategy="ps", mode="async", workers=2, servers=1,
-                             args=(steps, joiner_steps), step_timeout=30, timeout=110)[0]
+                             args=(steps, joiner_steps, how), step_timeout=30, timeout=110)[0]
     assert result["code"] == 0, result["out"]
     assert "joined as worker 2 of 3" in result["out"], result["out"]
     stats = result["stats"]

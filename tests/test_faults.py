@@ -141,8 +141,11 @@ def _gone(pid: int) -> bool:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("strategy,servers", [("ps", 1), ("allreduce", 0)])
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+@pytest.mark.parametrize("strategy,servers,sig", [("ps", 1, signal.SIGTERM), ("ps", 1, signal.SIGKILL),
+                                                  ("allreduce", 0, signal.SIGHUP), ("allreduce", 0, signal.SIGINT),
+                                                  ("allreduce", 0, signal.SIGKILL)],
+                         ids=["ps-SIGTERM", "ps-SIGKILL", "allreduce-SIGHUP", "allreduce-SIGINT (Ctrl-C)",
+                              "allreduce-SIGKILL"])
 def test_no_rank_outlives_a_killed_gradsync_run(strategy, servers, sig, tmp_path):
     pids_dir = tmp_path / "pids"
     pids_dir.mkdir()
@@ -166,9 +169,9 @@ def test_no_rank_outlives_a_killed_gradsync_run(strategy, servers, sig, tmp_path
             time.sleep(0.1)
         assert [pid for pid in pids if not _gone(pid)] == []
         run_dir = _run_dir(stderr.read_text())
-        if sig == signal.SIGTERM:
-            assert launcher.returncode == 128 + signal.SIGTERM
-            assert "gradsync: stopped by SIGTERM: every rank was stopped" in stderr.read_text()
+        if sig != signal.SIGKILL:  # README: SIGTERM, SIGHUP or Ctrl-C stop every rank, exit 128 + the signal
+            assert launcher.returncode == 128 + sig
+            assert f"gradsync: stopped by {sig.name}: every rank was stopped" in stderr.read_text()
         else:  # the launcher could not remove its run directory: the next one does
             assert os.path.exists(run_dir)
             with contextlib.ExitStack() as stack:

@@ -1,9 +1,19 @@
-"""gradsync.launch: the same defaults as `gradsync run`, and a function that calls gradsync.init() itself."""
+"""gradsync.launch: the same defaults as `gradsync run`, a function that calls gradsync.init() itself, and
+ranks that die with the process that called it."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 
 import gradsync
+from gradsync.launcher import procfs
 from jobs import init_then_train, reference_mlp
 from test_parity import max_diff
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.mark.timeout(120)
@@ -29,3 +39,59 @@ def test_a_second_init_outside_launch_is_refused():
             gradsync.init(strategy="allreduce", servers=0)
     finally:
         cluster._STATE = None
+
+
+_CALLER = """import os, sys
+sys.path.insert(0, {tests!r})
+import gradsync, test_launch
+gradsync.launch(test_launch.forever, strategy="ps", workers=2, args=({pids!r},), timeout=600)
+"""
+
+
+def forever(pids: str) -> None:
+    """A worker's body that never ends: after 2 steps (every rank is up) worker 0 notes every rank's pid
+    (the fork server's children)."""
+    import torch
+    import torch.distributed.autograd as dist_autograd
+    import torch.nn.functional as F
+    from faults import batch, make_mlp
+
+    me, step = gradsync.worker_rank(), 0
+    trainer = gradsync.Trainer(make_mlp(), torch.optim.SGD, lr=0.1)
+    while True:
+        x, y = batch(step, me)
+        with dist_autograd.context() as cid:
+            dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
+            trainer.step(cid)
+        step += 1
+        if step == 2 and me == 0:
+            with open(os.path.join(pids, "ranks.tmp"), "w") as f:
+                f.write(" ".join(map(str, procfs.children(os.getppid()))))
+            os.rename(os.path.join(pids, "ranks.tmp"), os.path.join(pids, "ranks"))
+
+
+@pytest.mark.timeout(150)
+def test_no_rank_outlives_the_process_that_called_launch(tmp_path):
+    """README: the ranks die when the process that called gradsync.launch dies, whatever the signal."""
+    pids_dir = tmp_path / "pids"
+    pids_dir.mkdir()
+    caller = subprocess.Popen([sys.executable, "-c", _CALLER.format(tests=TESTS, pids=str(pids_dir))],
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    pids = []
+    try:
+        deadline = time.monotonic() + 120
+        while not (pids_dir / "ranks").exists():  # worker 0 trained 2 steps: every rank is up
+            assert caller.poll() is None and time.monotonic() < deadline, "the job did not start"
+            time.sleep(0.1)
+        pids = [int(p) for p in (pids_dir / "ranks").read_text().split()]
+        assert len(pids) == 3  # ps0, worker0, worker1
+        caller.kill()
+        caller.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while [p for p in pids if procfs.state(p) not in (None, "Z")] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [p for p in pids if procfs.state(p) not in (None, "Z")] == []
+    finally:
+        for pid in pids:
+            if procfs.state(pid) not in (None, "Z"):
+                os.kill(pid, signal.SIGKILL)

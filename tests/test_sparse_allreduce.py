@@ -12,16 +12,16 @@ import torch.distributed.autograd as dist_autograd
 import torch.nn.functional as F
 
 import gradsync
-from sparse_models import LR, TABLES, ClickNet, click_batch, reference_clicks, train_clicks
+from sparse_models import DIM, LR, ROWS_BAG, ROWS_EMB, TABLES, ClickNet, click_batch, reference_clicks, train_clicks
 from test_parity import max_diff
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 10
 
 
-def train_sparse_adagrad(steps: int) -> tuple[dict, list[bool]]:
-    """torch's Adagrad over the whole model, tables with sparse gradients; returns the final state and
-    whether each table's averaged gradient reached the optimizer sparse."""
+def train_sparse_adagrad(steps: int) -> tuple[dict, list[bool], list[int]]:
+    """torch's Adagrad over the whole model, tables with sparse gradients; returns the final state,
+    whether each table's averaged gradient reached the optimizer sparse, and the bytes sent at each step."""
     trainer = gradsync.Trainer(ClickNet(sparse=True), torch.optim.Adagrad, lr=LR)
     me = gradsync.worker_rank()
     for step in range(steps):
@@ -31,7 +31,20 @@ def train_sparse_adagrad(steps: int) -> tuple[dict, list[bool]]:
             dist_autograd.backward(cid, [loss])
             trainer.step(cid)
     module = trainer.model.module
-    return trainer.state_dict(), [module.bag.weight.grad.is_sparse, module.emb.weight.grad.is_sparse]
+    sent = [r.bytes_sent for r in trainer.metrics.records]
+    assert trainer._strategy.model_sizes(1000) == {"dense": 1000 - (ROWS_BAG + ROWS_EMB) * DIM,
+                                                    "tables": (ROWS_BAG + ROWS_EMB) * DIM, "sparse_tables": 2,
+                                                    "dense_tables": 0}
+    return trainer.state_dict(), [module.bag.weight.grad.is_sparse, module.emb.weight.grad.is_sparse], sent
+
+
+def expected_bytes(step: int, worker: int, workers: int) -> int:
+    """A worker's bytes of one step: the ring's 2 (W-1)/W of the dense fp32 gradients, and its distinct
+    rows (4-byte values, one 8-byte index each; the padding row has no gradient) to each of W-1 peers."""
+    bag, ids, _, _ = click_batch(step, worker)
+    rows = bag.unique().numel() + ids[ids != 0].unique().numel()
+    dense = sum(p.numel() for p in ClickNet().mlp.parameters())
+    return int(2 * (workers - 1) / workers * 4 * dense) + (workers - 1) * rows * (4 * DIM + 8)
 
 
 def reference_adagrad(steps: int, workers: int) -> dict:
@@ -65,9 +78,10 @@ def test_sparse_allreduce_adagrad_matches_single_process_with_sparse_gradients()
     results = gradsync.launch(train_sparse_adagrad, strategy="allreduce", workers=2, args=(STEPS,),
                               step_timeout=60, timeout=280)
     reference = reference_adagrad(STEPS, 2)
-    for state, sparse in results:
+    for worker, (state, sparse, sent) in enumerate(results):
         assert max_diff(state, reference) <= 1e-5
         assert sparse == [True, True]  # DDP handed the optimizer sparse gradients: only touched rows
+        assert sent == [expected_bytes(step, worker, 2) for step in range(STEPS)]  # rows counted, not tables
 
 
 @pytest.mark.timeout(300)

@@ -68,3 +68,16 @@ def test_table_larger_than_the_servers_memory_is_refused_at_start():
     with pytest.raises(gradsync.JobFailed, match=r"table '0.weight' needs \d+\.\d\d GiB on server 0 .* "
                                                   r"use more servers"):
         gradsync.launch(huge_table, strategy="ps", workers=1, servers=1, step_timeout=20, timeout=80)
+
+
+@pytest.mark.timeout(120)
+def test_tables_dense_serves_no_table_and_trains_them_as_dense_parameters():
+    """README: `tables="dense"` serves none, even where plain SGD would let "auto" serve them."""
+    from sparse_models import train_clicks_dense_tables
+
+    results = gradsync.launch(train_clicks_dense_tables, strategy="ps", workers=2, args=(5,), timeout=110)
+    reference = reference_clicks("sgd", 5, 2)
+    for state, sizes in results:
+        assert sizes["tables"] == 0  # nothing served: the tables travel in the dense buckets
+        assert max_diff(state, reference) <= 1e-5
+        assert max_diff(state, ClickNet().state_dict()) > 1e-4  # and they trained

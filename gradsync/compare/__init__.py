@@ -54,13 +54,15 @@ def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, 
     from gradsync.compare.grid import grid
     from gradsync.compare.predict import markdown
     from gradsync.compare.predict import predict as predict_runs
-    from gradsync.compare.report import silent, table, write_report
+    from gradsync.compare.report import dense_tables, silent, table, write_report
     from gradsync.compare.runner import NO_TABLES, run
     from gradsync.compare.straggler import parse as parse_straggler
+    from gradsync.launcher.launch import check_script
 
     if warmup < 1:
         raise ValueError(f"--warmup-steps {warmup}: at least the first step is warm-up (lazy imports, first "
                          "calls): pass 1 or more")
+    check_script(script)
     configs = grid(strategies, servers, modes, compressions)
     if straggler is not None:
         parse_straggler(straggler)
@@ -82,6 +84,8 @@ def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, 
         bar.close()
     if quiet := silent(runs):
         print(f"gradsync compare: warning: {quiet}", file=sys.stderr)
+    if dense := dense_tables(runs):
+        print(f"gradsync compare: note: {dense}", file=sys.stderr)
     plots = write_plots(runs, out_dir, warmup)
     meta = {"command": command, "options": options,
             "workers": workers, "warmup_steps": warmup, "straggler": straggler, "link": link,

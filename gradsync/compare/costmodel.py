@@ -56,12 +56,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gradsync.cuda_ops import DEFAULT_BLOCK_SIZE
+from gradsync.core.traffic import FP32, ITEMSIZE, allreduce_bytes, wire_bytes
 
 STRATEGIES = ("allreduce", "ps", "hybrid")
 MODES = ("sync", "async")
-ITEMSIZE = {"none": 4, "fp16": 2, "bf16": 2, "int8": 1}
-FP32 = 4
 PARAMETERS = ("compute per sample", "cost per byte", "latency per message")
 
 
@@ -132,23 +130,10 @@ class Run:
                    bytes_per_step=summary["bytes_sent"] + summary["bytes_received"])
 
 
-def wire_bytes(elements: int, compression: str) -> int:
-    """Bytes of `elements` gradient values on the wire: int8 adds one fp32 scale per block."""
-    if compression == "int8":
-        return elements + FP32 * -(-elements // DEFAULT_BLOCK_SIZE)
-    return elements * ITEMSIZE[compression]
-
-
 def contention(workers: int, cores: int | None) -> float:
     """How many times longer a worker's compute takes when W workers compute at once on `cores` cores
     (one thread each): W / cores above one worker per core, else 1; None: a machine per worker."""
     return max(1.0, workers / cores) if cores else 1.0
-
-
-def _allreduce(elements: int, workers: int, compression: str) -> tuple[float, int]:
-    if compression == "int8":
-        return (workers - 1) * wire_bytes(elements, compression), workers - 1
-    return 2 * (workers - 1) / workers * wire_bytes(elements, compression), 2 * (workers - 1)
 
 
 def traffic(config: Config, workers: int) -> tuple[float, int]:
@@ -157,13 +142,13 @@ def traffic(config: Config, workers: int) -> tuple[float, int]:
         raise ValueError(f"workers={workers}: need at least 1")
     share = max(workers / config.servers, 1) if config.servers else 0
     if config.strategy == "allreduce" and config.sparse_tables:
-        dense_bytes, messages = _allreduce(config.dense, workers, config.compression)
+        dense_bytes, messages = allreduce_bytes(config.dense, workers, config.compression)
         return dense_bytes + (workers - 1) * config.row_bytes, messages + 3 * (workers - 1) * config.sparse_tables
     if config.strategy == "allreduce":
-        return _allreduce(config.dense + config.tables, workers, config.compression)
+        return allreduce_bytes(config.dense + config.tables, workers, config.compression)
     if config.strategy == "ps":
         return share * _ps_exchange(config), _ps_messages(config)
-    dense_bytes, messages = _allreduce(config.dense, workers, config.compression)
+    dense_bytes, messages = allreduce_bytes(config.dense, workers, config.compression)
     return dense_bytes + 2 * share * config.row_bytes, messages + 4
 
 

@@ -115,7 +115,9 @@ def _configs(runs: list[dict], workers: int) -> tuple[dict[str, costmodel.Config
         raise ValueError(f"{len(done)} sync run(s) finished ({', '.join(r['name'] for r in done) or 'none'}): "
                          "the verdict compares paradigms, so it needs at least 2, e.g. --strategies allreduce,ps "
                          "--modes sync")
-    model = next((r["model"] for r in done if r.get("model")), None)
+    # the servers know what they serve: a ps or hybrid run's sizes, else any run's
+    model = next((r["model"] for r in sorted(done, key=lambda r: r["strategy"] == "allreduce") if r.get("model")),
+                 None)
     if model is None:
         raise ValueError("the runs logged no model sizes (the Trainer logs them under gradsync compare): "
                          "build a gradsync.Trainer in the script")
@@ -133,6 +135,11 @@ def _configs(runs: list[dict], workers: int) -> tuple[dict[str, costmodel.Config
     for r in done:
         config = costmodel.Config(r["strategy"], sizes["batch"], model["dense"], servers=r["servers"],
                                   compression=r["compression"])
+        sparse = (r.get("model") or {}).get("sparse_tables", 0)
+        if sparse and workers > 1:  # the tables' rows are all-gathered: this run's own rows, measured
+            rows = max(0.0, r["bytes_sent"] - costmodel.traffic(config, workers)[0]) / (workers - 1)
+            configs[r["name"]] = dataclasses.replace(config, sparse_tables=sparse, row_bytes=round(rows))
+            continue
         configs[r["name"]] = dataclasses.replace(
             config, tables=model["tables"], row_bytes=0 if r["strategy"] == "allreduce" else sizes["row_bytes"])
     return configs, sizes

@@ -77,6 +77,19 @@ def silent(runs: list[dict]) -> str | None:
             "for them: call gradsync.log(loss=loss.item(), samples=len(x)) once per step in the training loop")
 
 
+def dense_tables(runs: list[dict]) -> str | None:
+    """The note for allreduce runs that averaged embedding tables densely (every row, every step), which is
+    not allreduce at its best; None when no run did."""
+    count = max(((r.get("model") or {}).get("dense_tables", 0) for r in runs if r.get("strategy") == "allreduce"),
+                default=0)
+    if not count:
+        return None
+    return (f"allreduce averaged {count} embedding table(s) with dense gradients, every row at every step; "
+            "with large tables a DDP user builds them with nn.Embedding(..., sparse=True) and an optimizer that "
+            "takes sparse gradients (SGD, Adagrad, SparseAdam), so only the touched rows travel: build them so in "
+            "the script to compare against allreduce at its best")
+
+
 def summary(runs: list[dict]) -> str:
     """Plain sentences: the fastest run per step and the one with the lowest final loss."""
     done = [r for r in runs if r.get("steps") and not math.isnan(r["step_s"])]
@@ -98,7 +111,7 @@ def write_report(meta: dict, runs: list[dict], plots: list[str], out_dir: str,
     json_path, md_path = os.path.join(out_dir, "report.json"), os.path.join(out_dir, "report.md")
     with open(json_path, "w") as f:
         json.dump({**meta, "runs": runs, **({"prediction": prediction} if prediction else {})}, f, indent=1)
-    quiet = silent(runs)
+    quiet, dense = silent(runs), dense_tables(runs)
     lines = [
         f"# gradsync compare: {meta['command']}",
         "",
@@ -112,6 +125,7 @@ def write_report(meta: dict, runs: list[dict], plots: list[str], out_dir: str,
         *legend(meta["warmup_steps"]),
         "",
         *([f"Warning: {quiet}.", ""] if quiet else []),
+        *([f"Note: {dense}.", ""] if dense else []),
         summary(runs),
         "",
         *[f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plots],

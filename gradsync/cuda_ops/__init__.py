@@ -6,7 +6,7 @@ implementation (`triton_impl`, kernels in `triton_kernels`) and a fake
 implementation for `torch.compile`; the functions below call them and the
 dispatcher picks the implementation from the tensors' device.
 """
-from .aggregation import aggregate, aggregate_buckets
+from .aggregation import aggregate
 from .compression import (
     DEFAULT_BLOCK_SIZE,
     Int8Compressed,
@@ -21,7 +21,6 @@ __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "Int8Compressed",
     "aggregate",
-    "aggregate_buckets",
     "compress",
     "compress_int8",
     "decompress",

@@ -29,12 +29,12 @@ def float_dtype(name: str, dtype: torch.dtype, allowed=FLOAT_DTYPES) -> None:
         raise TypeError(f"{name}: dtype {dtype} is not supported; use one of {_names(allowed)}")
 
 
-def same_inputs(name: str, tensors: Sequence[torch.Tensor], item=None) -> None:
-    """Require a non-empty list of same-shape, same-dtype, same-device float tensors.
+def same_inputs(name: str, tensors: Sequence[torch.Tensor]) -> None:
+    """Require a non-empty list of same-shape, same-dtype, same-device float tensors."""
 
-    `item(i)` names element i in messages (default: `name[i]`).
-    """
-    item = item or (lambda i: f"{name}[{i}]")
+    def item(i: int) -> str:
+        return f"{name}[{i}]"
+
     if len(tensors) == 0:
         raise ValueError(f"{name}: got an empty list; pass at least one tensor")
     first = tensors[0]
@@ -55,20 +55,6 @@ def same_inputs(name: str, tensors: Sequence[torch.Tensor], item=None) -> None:
                 f"{name}: device mismatch, {item(i)} is on {t.device} but {item(0)} is on "
                 f"{first.device}; move them to one device first"
             )
-
-
-def out_tensor(out: torch.Tensor, shape: torch.Size, device: torch.device) -> None:
-    """Require `out` to be a contiguous float tensor of `shape` on `device`."""
-    if out.shape != shape:
-        raise ValueError(
-            f"out: shape {tuple(out.shape)} does not match the result shape {tuple(shape)}; "
-            f"allocate out with the inputs' shape"
-        )
-    float_dtype("out", out.dtype)
-    if out.device != device:
-        raise ValueError(f"out: on {out.device} but the inputs are on {device}; allocate it on {device}")
-    if not out.is_contiguous():
-        raise ValueError("out: must be contiguous; pass a contiguous tensor (e.g. torch.empty_like)")
 
 
 def block_size(value: int) -> None:
@@ -123,37 +109,3 @@ def int8_payloads(payloads: torch.Tensor, scales: torch.Tensor, block: int) -> N
         )
     if scales.device != payloads.device:
         raise ValueError(f"scales: on {scales.device} but payloads are on {payloads.device}")
-
-
-def bucket_lists(tensors: Sequence[torch.Tensor], num_workers: int) -> int:
-    """Validate a worker-major flat bucket list; returns the number of buckets."""
-    if num_workers < 1:
-        raise ValueError(f"num_workers: got {num_workers}; need at least one worker")
-    if len(tensors) == 0 or len(tensors) % num_workers:
-        raise ValueError(
-            f"per_worker: {len(tensors)} tensors do not split evenly over {num_workers} workers; "
-            f"every worker must pass the same, non-empty bucket list"
-        )
-    buckets = len(tensors) // num_workers
-    for b in range(buckets):
-        same_inputs("per_worker", tensors[b::buckets], item=lambda w, b=b: f"per_worker[{w}][{b}]")
-        if tensors[b].device != tensors[0].device:
-            raise ValueError(
-                f"per_worker: bucket {b} is on {tensors[b].device} but bucket 0 is on "
-                f"{tensors[0].device}; keep all buckets on one device"
-            )
-    return buckets
-
-
-def bucket_out_dtype(first_worker: Sequence[torch.Tensor], out_dtype: torch.dtype | None) -> torch.dtype:
-    """The one output dtype of a bucket list: `out_dtype`, else the buckets' common dtype."""
-    if out_dtype is not None:
-        float_dtype("out_dtype", out_dtype)
-        return out_dtype
-    dtypes = sorted({str(t.dtype) for t in first_worker})
-    if len(dtypes) > 1:
-        raise TypeError(
-            f"per_worker: buckets have different dtypes ({', '.join(dtypes)}) and out_dtype is None; "
-            f"pass out_dtype to choose the output dtype"
-        )
-    return first_worker[0].dtype

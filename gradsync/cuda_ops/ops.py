@@ -45,42 +45,6 @@ def _(tensors, scale, out_dtype):
     return tensors[0].new_empty(tensors[0].shape, dtype=dtype)
 
 
-@custom_op("gradsync::aggregate_into", mutates_args=("out",), device_types="cpu")
-def aggregate_into(tensors: list[torch.Tensor], scale: float, out: torch.Tensor) -> None:
-    reference.aggregate_into(tensors, scale, out)
-
-
-@aggregate_into.register_kernel("cuda")
-def _(tensors, scale, out):
-    _triton().aggregate_into(tensors, scale, out)
-
-
-@aggregate_into.register_fake
-def _(tensors, scale, out):
-    checks.same_inputs("tensors", tensors)
-    checks.out_tensor(out, tensors[0].shape, tensors[0].device)
-
-
-@custom_op("gradsync::aggregate_buckets", mutates_args=(), device_types="cpu")
-def aggregate_buckets(
-    tensors: list[torch.Tensor], num_workers: int, scale: float, out_dtype: torch.dtype | None
-) -> torch.Tensor:
-    return reference.aggregate_buckets(tensors, num_workers, scale, out_dtype)
-
-
-@aggregate_buckets.register_kernel("cuda")
-def _(tensors, num_workers, scale, out_dtype):
-    return _triton().aggregate_buckets(tensors, num_workers, scale, out_dtype)
-
-
-@aggregate_buckets.register_fake
-def _(tensors, num_workers, scale, out_dtype):
-    buckets = checks.bucket_lists(tensors, num_workers)
-    dtype = checks.bucket_out_dtype(tensors[:buckets], out_dtype)
-    total = sum(t.numel() for t in tensors[:buckets])
-    return tensors[0].new_empty((total,), dtype=dtype)
-
-
 @custom_op("gradsync::scaled_cast", mutates_args=(), device_types="cpu")
 def scaled_cast(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     return reference.scaled_cast(x, scale, dtype)

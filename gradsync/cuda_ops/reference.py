@@ -13,7 +13,6 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from torch._utils import _flatten_dense_tensors
 
 from . import checks
 
@@ -32,23 +31,6 @@ def aggregate(tensors: Sequence[torch.Tensor], scale: float, out_dtype: torch.dt
     dtype = out_dtype or tensors[0].dtype
     checks.float_dtype("out_dtype", dtype)
     return _sum_f32(tensors, scale).to(dtype)
-
-
-def aggregate_into(tensors: Sequence[torch.Tensor], scale: float, out: torch.Tensor) -> None:
-    """`aggregate` written into the preallocated `out`."""
-    checks.same_inputs("tensors", tensors)
-    checks.out_tensor(out, tensors[0].shape, tensors[0].device)
-    out.copy_(_sum_f32(tensors, scale))
-
-
-def aggregate_buckets(
-    tensors: Sequence[torch.Tensor], num_workers: int, scale: float, out_dtype: torch.dtype | None
-) -> torch.Tensor:
-    """Per-bucket sums over workers of a worker-major flat bucket list, as one flat tensor."""
-    buckets = checks.bucket_lists(tensors, num_workers)
-    dtype = checks.bucket_out_dtype(tensors[:buckets], out_dtype)
-    flats = [_flatten_dense_tensors(tensors[w * buckets : (w + 1) * buckets]) for w in range(num_workers)]
-    return _sum_f32(flats, scale).to(dtype)
 
 
 def scaled_cast(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:

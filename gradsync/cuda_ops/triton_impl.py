@@ -7,13 +7,7 @@ validates them with `checks`, allocates the outputs and launches kernels from
 tensors, which is how the tests check them against the reference on a machine
 without a GPU.
 
-Non-contiguous inputs are copied to contiguous ones first. The bucket-list
-form launches one kernel per bucket of at least `FLATTEN_BELOW` elements
-(writing straight into its slice of the output) and one kernel for all
-smaller buckets together after flattening them with
-`torch._utils._flatten_dense_tensors`; there is no device pointer table (the
-interpreter cannot load pointers from memory), so host time grows with the
-number of large buckets only.
+Non-contiguous inputs are copied to contiguous ones first.
 """
 from __future__ import annotations
 
@@ -22,7 +16,6 @@ from collections.abc import Sequence
 
 import torch
 import triton
-from torch._utils import _flatten_dense_tensors
 
 from . import checks
 from . import triton_kernels as K
@@ -33,8 +26,6 @@ EXACT = {"enable_fp_fusion": False}
 """No fused multiply-adds: the kernels round exactly as the reference does."""
 QUANT_TILE = 4096
 """Elements one quantization program handles: QUANT_TILE // block_size blocks (at least one)."""
-FLATTEN_BELOW = 1 << 20
-"""Buckets with fewer elements share one launch in `aggregate_buckets`."""
 
 
 def _on(device: torch.device):
@@ -77,44 +68,6 @@ def aggregate(tensors: Sequence[torch.Tensor], scale: float, out_dtype: torch.dt
     checks.float_dtype("out_dtype", dtype)
     out = torch.empty(tensors[0].shape, dtype=dtype, device=tensors[0].device)
     _launch_sum([_dense(t) for t in tensors], scale, out)
-    return out
-
-
-def aggregate_into(tensors: Sequence[torch.Tensor], scale: float, out: torch.Tensor) -> None:
-    """Triton `aggregate_into`; same contract as `reference.aggregate_into`."""
-    checks.same_inputs("tensors", tensors)
-    checks.out_tensor(out, tensors[0].shape, tensors[0].device)
-    _launch_sum([_dense(t) for t in tensors], scale, out)
-
-
-def aggregate_buckets(
-    tensors: Sequence[torch.Tensor], num_workers: int, scale: float, out_dtype: torch.dtype | None
-) -> torch.Tensor:
-    """Triton `aggregate_buckets`; same contract as `reference.aggregate_buckets`."""
-    buckets = checks.bucket_lists(tensors, num_workers)
-    dtype = checks.bucket_out_dtype(tensors[:buckets], out_dtype)
-    sizes = [t.numel() for t in tensors[:buckets]]
-    starts = [sum(sizes[:b]) for b in range(buckets + 1)]
-    out = torch.empty(starts[-1], dtype=dtype, device=tensors[0].device)
-
-    def column(b: int) -> list[torch.Tensor]:
-        return [_dense(tensors[w * buckets + b]) for w in range(num_workers)]
-
-    own = [b for b in range(buckets) if sizes[b] >= FLATTEN_BELOW]
-    small = [b for b in range(buckets) if 0 < sizes[b] < FLATTEN_BELOW]
-    if len(small) == 1:
-        own, small = own + small, []
-    for b in own:
-        _launch_sum(column(b), scale, out[starts[b] : starts[b + 1]])
-    if small:
-        flats = [_flatten_dense_tensors([tensors[w * buckets + b] for b in small]) for w in range(num_workers)]
-        if small == list(range(small[0], small[-1] + 1)):
-            _launch_sum(flats, scale, out[starts[small[0]] : starts[small[-1] + 1]])
-        else:
-            summed = torch.empty(flats[0].numel(), dtype=dtype, device=out.device)
-            _launch_sum(flats, scale, summed)
-            dsts = [out[starts[b] : starts[b + 1]] for b in small]
-            torch._foreach_copy_(dsts, list(summed.split([sizes[b] for b in small])))
     return out
 
 

@@ -38,6 +38,7 @@ from gradsync.config import ConfigError, JobConfig, StoreKeys, job_keywords, set
 from gradsync.core.settings import (ERROR_FILE, JOIN, JOIN_INDEX_FILE, LAUNCHED, LAUNCHER_PID, RUN_DIR, STORE_IS_HOSTED,
                                     TOKEN)
 from gradsync.core.emulated_network import HUB_ADDRESS
+from gradsync.core.torch_internals import forkserver_pid
 from gradsync.launcher import netem, procfs
 from gradsync.launcher.leases import Lease, abandoned
 from gradsync.membership import newcomers
@@ -85,7 +86,7 @@ def rank_starter() -> tuple[multiprocessing.context.BaseContext, int]:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(PRELOADED))
     forkserver.ensure_running()
-    return context, forkserver._forkserver._forkserver_pid
+    return context, forkserver_pid()
 
 
 def rank_environments(config: JobConfig, port: int, run_dir: str, parent: int | None = None,
@@ -363,6 +364,7 @@ def run_script(script: str, script_args: list[str], *, strategy: str, workers: i
     say = (lambda text: print(f"gradsync: {text}", file=sys.stderr, flush=True)) if announce else (lambda text: None)
     with contextlib.ExitStack() as stack:
         network, store = _network_and_store(stack, config, master_port, link, server_link)
+        check_script(script)
         run_dir = os.path.abspath(run_dir or RUN_DIR.read() or temporary_run_dir(stack, "gradsync-run-"))
         os.makedirs(run_dir, exist_ok=True)
         for old in glob.glob(os.path.join(run_dir, "stats-*.json")):  # an earlier job's: this one has not ended
@@ -386,6 +388,12 @@ def run_script(script: str, script_args: list[str], *, strategy: str, workers: i
             return supervise(config, ranks, run_dir, store, timeout)
         finally:
             _kill_all(ranks)
+
+
+def check_script(script: str) -> None:
+    """Refuse a script path that names no file, before any rank starts (python would fail in every rank)."""
+    if not os.path.isfile(script):
+        raise ConfigError(f"{script}: no such file: give the path of the training script")
 
 
 def _run_function(env: dict, call: bytes, result_path: str, namespace: str | None) -> None:

@@ -23,10 +23,10 @@ import time
 import traceback
 
 import torch.distributed as dist
-import torch.distributed.autograd as dist_autograd
 
 from gradsync.config import ConfigError, JobConfig, StoreKeys, job_keywords, worker_name
 from gradsync.core import settings
+from gradsync.core.torch_internals import start_dist_autograd
 from gradsync.membership import newcomers, uneven_data
 from gradsync.membership.liveness import Heartbeat, die_with_launcher, record_gone, staying, wait_for_arrivals
 from gradsync.runtime import malloc, resume
@@ -253,7 +253,7 @@ def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=
     if config.transport == "rpc":
         start_rpc(config, store)
     else:  # gRPC carries everything; contexts still work without an RPC agent
-        dist_autograd._init(config.rank)
+        start_dist_autograd(config.rank)
     if server is not None:
         _serve(_STATE, server)
     elif config.strategy in ("allreduce", "hybrid"):

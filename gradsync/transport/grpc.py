@@ -122,7 +122,8 @@ class GrpcTransport:
         self.frozen: dict[int, dict[str, torch.Tensor]] = {}
         store.wait([StoreKeys.GRPC_ADDRESS.format(s) for s in self.servers])  # bounded by the store's start-up timeout
         addresses = {s: store.get(StoreKeys.GRPC_ADDRESS.format(s)).decode() for s in self.servers}
-        self.client = Client(addresses, token=worker_token(store), timeout=config.step_timeout)
+        # with TLS, the job's own workers trust the servers' certificate
+        self.client = Client(addresses, token=worker_token(store), timeout=config.step_timeout, root_cert=settings.TLS_CERT.read())
         snapshot = tensor_codec.message_parser(pb.PullResponse)  # chunks as views of the received bytes
         self._pulls = {s: c.unary_stream(f"/{SERVICE}/JobPull", request_serializer=pb.JobPullRequest.SerializeToString,
                                          response_deserializer=snapshot) for s, c in self.client.channels.items()}

@@ -25,6 +25,7 @@ from torch.distributed.rendezvous import register_rendezvous_handler
 from gradsync.config import JobConfig, StoreKeys, server_name
 from gradsync.core import settings
 from gradsync.core.buckets import ModelSpec
+from gradsync.core.torch_internals import set_rpc_timeout
 from gradsync.ps.consistency import Agreement, Partial
 from gradsync.ps.server import ParameterServer
 from gradsync.ps.shard import Snapshot
@@ -51,7 +52,7 @@ def start_rpc(config: JobConfig, store: dist.Store) -> None:
         rpc_group.join(config, store, lambda: rpc.init_rpc(config.name, rank=config.rank, rpc_backend_options=options))
     else:
         rpc.init_rpc(config.name, rank=config.rank, world_size=config.world_size, rpc_backend_options=options)
-    rpc._set_rpc_timeout(config.step_timeout)
+    set_rpc_timeout(config.step_timeout)
 
 
 def stop_rpc(timeout: float | None) -> None:

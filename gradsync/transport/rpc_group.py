@@ -29,10 +29,10 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from gradsync.config import JobConfig, StoreKeys, worker_name
+from gradsync.core.torch_internals import (RPC_JOIN_DONE, RPC_JOIN_TOKEN, RPC_MEMBER_LIST, RPC_STORE_PREFIX,
+                                           current_rpc_agent, rpc_init_count, rpc_join_token)
 from gradsync.membership.liveness import parse_gone
 
-_TOKEN = "RpcGroupManagementToken"  # the key of torch.distributed.rpc._utils._group_membership_management
-_LISTED = "names/_ALL_WORKER_INFOS"
 _POLL_S = 0.05
 
 
@@ -49,7 +49,7 @@ def join(config: JobConfig, store: dist.Store, init: Callable[[], None]) -> None
     except dist.DistError as e:
         raise RuntimeError(f"{config.name}: the servers did not start their RPC agents within "
                            f"{config.startup_timeout:.0f} s (startup_timeout): {e}") from e
-    torch_store = _torch_store(store, rpc._init_counter)
+    torch_store = _torch_store(store, rpc_init_count())
     with _MembershipLock(store, torch_store, config, config.startup_timeout, "startup_timeout"):
         init()
         _unlist(torch_store, config)
@@ -61,13 +61,13 @@ def leave(config: JobConfig, store: dist.Store, timeout: float) -> None:
     rank off torch's list, where a worker first puts itself back) marks the agent as shutting down, so that
     it does not log the closing of its connections as errors; it runs under the membership lock, since it
     rewrites the list."""
-    agent = rpc.api._get_current_rpc_agent()
+    agent = current_rpc_agent()
     deadline = time.monotonic() + timeout
     while int(agent.get_metrics()["agent.client_active_calls"]) and time.monotonic() < deadline:
         time.sleep(_POLL_S)  # e.g. the release of the last autograd context, sent when it closed
     try:
         if time.monotonic() < deadline:
-            torch_store = _torch_store(store, rpc._init_counter - 1)
+            torch_store = _torch_store(store, rpc_init_count() - 1)
             with _MembershipLock(store, torch_store, config, deadline - time.monotonic(), "shutdown_timeout"):
                 if not config.is_server:
                     _relist(torch_store, config)
@@ -80,21 +80,21 @@ def leave(config: JobConfig, store: dist.Store, timeout: float) -> None:
 
 def _torch_store(store: dist.Store, init_counter: int) -> dist.Store:
     """The store as torch's RPC agent sees it: under gradsync's RPC prefix, then torch's per-init prefix."""
-    return dist.PrefixStore(f"rpc_prefix_{init_counter}", dist.PrefixStore(StoreKeys.RPC, store))
+    return dist.PrefixStore(RPC_STORE_PREFIX.format(init_counter), dist.PrefixStore(StoreKeys.RPC, store))
 
 
 def _unlist(torch_store: dist.Store, config: JobConfig) -> None:
     """Take this worker off torch's list of group members (hold the `_MembershipLock`)."""
-    entry, listed = _entry(config), torch_store.get(_LISTED).decode()
+    entry, listed = _entry(config), torch_store.get(RPC_MEMBER_LIST).decode()
     if entry not in listed:
         raise RuntimeError(f"{config.name} is not in torch's list of RPC group members ({listed!r}): this torch "
                            "keeps dynamic RPC groups differently from torch 2.13, which gradsync expects")
-    torch_store.set(_LISTED, listed.replace(entry, "", 1))
+    torch_store.set(RPC_MEMBER_LIST, listed.replace(entry, "", 1))
 
 
 def _relist(torch_store: dist.Store, config: JobConfig) -> None:
     """Put this worker back on torch's list, where torch's leave of the group removes it (hold the lock)."""
-    torch_store.set(_LISTED, torch_store.get(_LISTED).decode() + _entry(config))
+    torch_store.set(RPC_MEMBER_LIST, torch_store.get(RPC_MEMBER_LIST).decode() + _entry(config))
 
 
 def _entry(config: JobConfig) -> str:
@@ -130,6 +130,6 @@ class _MembershipLock:
         return any(worker_name(w) == holder for w in gone)
 
     def _release_token(self, holder: str) -> None:
-        token = f"Token_for_{holder}_join"
-        if self.torch_store.compare_set(_TOKEN, token, "").decode() == "":
-            self.torch_store.set(token, "Done")  # torch's waiters wait for this key
+        token = rpc_join_token(holder)
+        if self.torch_store.compare_set(RPC_JOIN_TOKEN, token, "").decode() == "":
+            self.torch_store.set(token, RPC_JOIN_DONE)  # torch's waiters wait for this key

@@ -46,20 +46,19 @@ import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gradsync.core.buckets import ModelSpec
 from gradsync.core.clipping import Clipping
 from gradsync.core.errors import left_early_error, model_mismatch_error, nonfinite_error
 from gradsync.core.finite import first_nonfinite
-from gradsync.cuda_ops import DEFAULT_BLOCK_SIZE
+from gradsync.core.traffic import allreduce_bytes, sparse_bytes
+from gradsync.core.torch_internals import current_context_id, tree_flatten, tree_unflatten
 from gradsync.worker import ddp_join
 from gradsync.worker.amp import inverse_scale, record_found_inf
 from gradsync.worker.comm_timing import LastGradient
 from gradsync.worker.ddp_hooks import make_ddp_hook
 from gradsync.worker.metrics import StepMetrics
 from gradsync.worker.model_state import named_tensors, to_state_dict
-from gradsync.worker.ps_strategy import current_context_id
 
 if TYPE_CHECKING:  # imports point one way: the start-up code (cluster) builds the strategies
     from gradsync.runtime.cluster import Cluster
@@ -75,14 +74,14 @@ def _check_same_model(spec: ModelSpec, worker: int, num_workers: int) -> None:
             raise model_mismatch_error(other, diff)
 
 
-def _wire_bytes(params, workers: int, compression: str) -> int:
-    """Bytes each worker sends (and receives) per step: a ring allreduce moves 2 (W-1)/W of the
-    payload; int8 all-gathers 1 byte per value plus one fp32 scale per block to W-1 peers."""
-    numel = sum(p.numel() for p in params)
-    if compression == "int8":
-        return (workers - 1) * (numel + 4 * -(-numel // DEFAULT_BLOCK_SIZE))
-    itemsize = 2 if compression in ("fp16", "bf16") else 4
-    return int(2 * (workers - 1) / workers * numel * itemsize)
+def _sparse_weights(module: nn.Module) -> set[int]:
+    """The ids of the tables whose gradients are sparse (`nn.Embedding(..., sparse=True)`): DDP all-gathers
+    their rows."""
+    return {id(m.weight) for m in _tables(module) if m.sparse}
+
+
+def _tables(module: nn.Module) -> list[nn.Module]:
+    return [m for m in module.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.weight.requires_grad]
 
 
 def _no_buffer_broadcast() -> dict:
@@ -188,7 +187,14 @@ class AllreduceStrategy:
         self.grad_norm: float | None = None
         self.outside: Callable[[], list[float]] | None = None  # hybrid: the servers' partial norms of the step
         self.coefficient: float | None = None  # hybrid: what the servers multiply the rows by (None: skip)
-        self.wire_bytes = _wire_bytes(self.trainable, config.num_workers, config.compression)
+        sparse = _sparse_weights(module)
+        dense = sum(p.numel() for p in self.trainable if id(p) not in sparse)
+        self.dense_bytes = int(allreduce_bytes(dense, config.num_workers, config.compression)[0])
+        self.rows_bytes = 0  # this step's rows of the sparse tables: this worker's part of their all-gather
+        self.sparse = [p for p in self.trainable if id(p) in sparse]
+        self.dense_tables = sum(not m.sparse for m in _tables(module))
+        for p in self.sparse:
+            p.register_hook(self._count_rows)
         cluster.heartbeat.on_left(self._peer_left)
 
     def _forward(self, *args, **kwargs):
@@ -224,6 +230,19 @@ class AllreduceStrategy:
         leaves[tracked[0]] = leaves[tracked[0]] + _ZeroGrads.apply(*unused)
         return tree_unflatten(leaves, spec)
 
+    def model_sizes(self, trainable: int) -> dict[str, int]:
+        """What `gradsync compare` models and reports: dense elements, the tables with sparse gradients (their
+        elements and how many), whose touched rows are all-gathered, and how many tables are averaged densely."""
+        tables = sum(p.numel() for p in self.sparse)
+        return {"dense": trainable - tables, "tables": tables, "sparse_tables": len(self.sparse),
+                "dense_tables": self.dense_tables}
+
+    def _count_rows(self, grad: torch.Tensor) -> None:
+        """Sparse table hook: the bytes of this worker's own rows (distinct rows and their indices, as gloo
+        sends them), which a ring all-gather forwards to every other worker: W-1 times through each link."""
+        if grad.is_sparse:
+            self.rows_bytes += (self.config.num_workers - 1) * sparse_bytes(grad.coalesce())
+
     def _check_local(self, grad: torch.Tensor) -> None:
         """Parameter hook: note a NaN/Inf in this worker's own gradient, before DDP averages it."""
         if first_nonfinite([grad]) is not None:
@@ -250,7 +269,8 @@ class AllreduceStrategy:
         self._last_context = context_id
         applied = self._apply([grads.get(p) for p in self.trainable], joined=False, scaler=scaler)
         # the wait for DDP's last buckets after the last gradient is communication: commit, not compute
-        self.metrics.committed(start - self.last_gradient.wait_before(start), self.wire_bytes, self.wire_bytes)
+        wire, self.rows_bytes = self.dense_bytes + self.rows_bytes, 0
+        self.metrics.committed(start - self.last_gradient.wait_before(start), wire, wire)
         return applied
 
     def _apply(self, averaged: list[torch.Tensor | None], joined: bool, scaler=None) -> bool:

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from gradsync.core.torch_internals import ddp_push_rebuilt_params, ddp_shadow_round
+
 
 def count_active(mine: bool, device: torch.device) -> int:
     """The number of workers still active in this step (`mine`: this one is). Every worker must reach it."""
@@ -31,10 +33,7 @@ def shadow_buckets(ddp: DDP) -> dict[torch.Tensor, torch.Tensor]:
     """Run the collectives of one backward pass of `ddp` with zero gradients; returns {parameter: its averaged
     gradient}, the result of the active workers' allreduce. Every worker that has joined must call it once per
     step of the others."""
-    reducer = ddp.reducer
-    reducer._rebuild_buckets()  # DDP's once-per-job bucket rebuild broadcasts; joined workers take part
-    buckets = reducer._get_zeros_like_grad_buckets()  # in the order the reducer reduces them
-    futures = [reducer._run_comm_hook(bucket) for bucket in buckets]
+    buckets, futures = ddp_shadow_round(ddp.reducer)
     grads = {}
     for bucket, fut in zip(buckets, futures):
         flat = fut.wait()
@@ -42,7 +41,7 @@ def shadow_buckets(ddp: DDP) -> dict[torch.Tensor, torch.Tensor]:
         params = bucket.parameters()
         for p, g in zip(params, flat.split([p.numel() for p in params])):
             grads[p] = g.view_as(p)
-    reducer._push_all_rebuilt_params()  # a worker that never stepped can take part in the rebuild
+    ddp_push_rebuilt_params(ddp.reducer)
     return grads
 
 

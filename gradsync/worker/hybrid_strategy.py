@@ -117,6 +117,9 @@ class HybridStrategy:
         self.metrics.records[-1].bytes_sent += sum(ids.nbytes + g.nbytes for per in rows.values()
                                                    for _, ids, g in per.values())
 
+    def model_sizes(self, trainable: int) -> dict[str, int]:
+        return self.tables.model_sizes(trainable)
+
     def no_sync(self):
         """`Trainer.no_sync`: the dense part's DDP accumulates; rows travel once per step anyway."""
         return self.dense.no_sync()

@@ -28,6 +28,7 @@ from gradsync.core.buckets import Bucket, ModelSpec, assign_tensors, by_server, 
 from gradsync.core.clipping import Clipping
 from gradsync.core.finite import first_nonfinite
 from gradsync.core.optimizer_spec import OptimizerSpec, changed_options, group_options
+from gradsync.core.torch_internals import current_context_id
 from gradsync.membership.uneven_data import Joiner
 from gradsync.ps.consistency import Agreement, Partial
 from gradsync.ps.server import make_setup
@@ -37,7 +38,7 @@ from gradsync.worker.amp import inverse_scale, record_found_inf
 from gradsync.worker.metrics import StepMetrics
 from gradsync.worker.model_state import named_tensors, ordered, to_state_dict
 from gradsync.worker.served_optimizer import ServedOptimizer
-from gradsync.worker.tables import current_context_id, serve_tables
+from gradsync.worker.tables import serve_tables
 
 if TYPE_CHECKING:  # imports point one way: the start-up code (cluster) builds the strategies
     from gradsync.runtime.cluster import Cluster
@@ -236,6 +237,9 @@ class PSStrategy:
         if scaler is not None:
             record_found_inf(scaler, not finite)
         return fresh
+
+    def model_sizes(self, trainable: int) -> dict[str, int]:
+        return self.tables.model_sizes(trainable)
 
     def no_sync(self):
         """`Trainer.no_sync`: nothing to hold back, the gradients travel once per step."""

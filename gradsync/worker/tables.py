@@ -16,21 +16,13 @@ import functools
 import time
 
 import torch
-import torch.distributed.autograd as dist_autograd
 import torch.nn.functional as F
 from torch import nn
 
 from gradsync.core.optimizer_spec import OptimizerSpec
 from gradsync.core.row_optim import exact_row_optimizer, no_row_form
 from gradsync.core.tables import check_ids, find_tables, join_rows, merge_rows, split_ids, table_specs
-
-
-def current_context_id() -> int | None:
-    """The id of the active dist_autograd context, or None outside one."""
-    try:
-        return dist_autograd._current_context()._context_id()
-    except RuntimeError:
-        return None
+from gradsync.core.torch_internals import current_context_id
 
 
 class _Lookup:
@@ -62,6 +54,11 @@ class ServedTables:
         self.transport = None  # set by the strategy before the first forward
         self.serving = False  # set by the strategy once the servers answer: the module's state_dict gathers
         self._lookups: dict[int, list[_Lookup]] = {}
+
+    def model_sizes(self, trainable: int) -> dict[str, int]:
+        """What `gradsync compare --predict` models of `trainable` elements: dense, and in served tables."""
+        served = sum(t.numel for t in self.specs)
+        return {"dense": trainable - served, "tables": served}
 
     def setups(self, rows: dict[str, tuple]) -> dict[int, dict[str, dict]]:
         """Per server, what registration sends of each table: its rows of worker 0's values (None for a

@@ -1,0 +1,87 @@
+"""Every private PyTorch (and standard-library) interface gradsync relies on, in one place.
+
+Each is used because the public API has no equivalent, said per item. They were checked on torch 2.13
+(`TESTED_TORCH`, the range setup.py allows); `tests/test_torch_internals.py` checks each one against the
+installed torch, so an upgrade that changes one fails there, by name, instead of deep inside a job.
+"""
+from __future__ import annotations
+
+import multiprocessing.forkserver
+
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+from torch.utils._pytree import tree_flatten, tree_unflatten  # DDP's own way to find tensors in any output
+
+TESTED_TORCH = (2, 13)
+
+__all__ = ["TESTED_TORCH", "tree_flatten", "tree_unflatten", "start_dist_autograd", "current_context_id",
+           "set_rpc_timeout", "current_rpc_agent", "rpc_init_count", "RPC_STORE_PREFIX", "RPC_MEMBER_LIST",
+           "RPC_JOIN_TOKEN", "rpc_join_token", "RPC_JOIN_DONE", "ddp_shadow_round", "ddp_push_rebuilt_params",
+           "forkserver_pid"]
+
+
+def start_dist_autograd(rank: int) -> None:
+    """Make `dist_autograd.context()` usable in a process without an RPC agent (the gRPC transport): the
+    agent's start does this, and nothing public does it alone."""
+    dist_autograd._init(rank)
+
+
+def current_context_id() -> int | None:
+    """The id of the active dist_autograd context, or None outside one (no public accessor)."""
+    try:
+        return dist_autograd._current_context()._context_id()
+    except RuntimeError:
+        return None
+
+
+def set_rpc_timeout(seconds: float) -> None:
+    """The default timeout of later RPCs (init_rpc takes one for start-up only)."""
+    rpc._set_rpc_timeout(seconds)
+
+
+def current_rpc_agent():
+    """This process's RPC agent: its metrics (calls still open) and its join, for leaving a dynamic group
+    without torch's graceful shutdown, which would call every member."""
+    return rpc.api._get_current_rpc_agent()
+
+
+def rpc_init_count() -> int:
+    """How many times this process has started RPC: torch prefixes its store keys with it."""
+    return rpc._init_counter
+
+
+# How torch's dynamic RPC group (init_rpc without world_size) keeps its members in the store.
+RPC_STORE_PREFIX = "rpc_prefix_{}"
+"""The prefix of torch's RPC keys in the rendezvous store, formatted with `rpc_init_count()`."""
+RPC_MEMBER_LIST = "names/_ALL_WORKER_INFOS"
+"""The store key listing the group's members as `name-rank,` entries."""
+RPC_JOIN_TOKEN = "RpcGroupManagementToken"
+"""The store key of the token a rank holds while it joins or leaves the group."""
+RPC_JOIN_DONE = "Done"
+"""The value torch's waiters wait for under `rpc_join_token(holder)`."""
+
+
+def rpc_join_token(holder: str) -> str:
+    """The token value (and the key waiters watch) of `holder` joining."""
+    return f"Token_for_{holder}_join"
+
+
+def ddp_shadow_round(reducer) -> tuple[list, list]:
+    """One backward pass's collectives of DDP's `reducer` with zero gradients, for a worker that ran out of
+    data (DDP's own `join()` does the same through these calls; it has no form that a dist_autograd
+    context can use). Returns the reducer's buckets and the futures of their communication hooks, in the
+    order the reducer reduces them."""
+    reducer._rebuild_buckets()  # DDP's once-per-job bucket rebuild broadcasts; joined workers take part
+    buckets = reducer._get_zeros_like_grad_buckets()
+    futures = [reducer._run_comm_hook(bucket) for bucket in buckets]
+    return buckets, futures
+
+
+def ddp_push_rebuilt_params(reducer) -> None:
+    """Let a worker that never stepped take part in DDP's bucket rebuild (after `ddp_shadow_round`)."""
+    reducer._push_all_rebuilt_params()
+
+
+def forkserver_pid() -> int:
+    """The pid of this process's fork server (the parent of the ranks it starts; no public accessor)."""
+    return multiprocessing.forkserver._forkserver._forkserver_pid

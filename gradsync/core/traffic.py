@@ -1,0 +1,32 @@
+"""Bytes on the wire: the one place for the formulas that the strategies' step metrics and the cost model
+(`gradsync.compare.costmodel`) both use."""
+from __future__ import annotations
+
+import torch
+
+from gradsync.cuda_ops import DEFAULT_BLOCK_SIZE
+
+ITEMSIZE = {"none": 4, "fp16": 2, "bf16": 2, "int8": 1}
+"""Bytes per gradient value on the wire, by compression."""
+FP32 = 4
+
+
+def wire_bytes(elements: int, compression: str) -> int:
+    """Bytes of `elements` gradient values on the wire: int8 adds one fp32 scale per block."""
+    if compression == "int8":
+        return elements + FP32 * -(-elements // DEFAULT_BLOCK_SIZE)
+    return elements * ITEMSIZE[compression]
+
+
+def allreduce_bytes(elements: int, workers: int, compression: str) -> tuple[float, int]:
+    """(bytes through each link in one direction, sequential messages) of one allreduce of `elements`: a ring
+    (reduce-scatter then all-gather) moves 2 (W-1)/W of the payload in 2 (W-1) messages; int8 is an
+    all-gather (as gradsync does it) to W-1 peers."""
+    if compression == "int8":
+        return (workers - 1) * wire_bytes(elements, compression), workers - 1
+    return 2 * (workers - 1) / workers * wire_bytes(elements, compression), 2 * (workers - 1)
+
+
+def sparse_bytes(grad: torch.Tensor) -> int:
+    """Bytes of a sparse gradient's rows and indices (what DDP's sparse allreduce all-gathers)."""
+    return grad._values().nbytes + grad._indices().nbytes

@@ -1,0 +1,90 @@
+"""Each private interface in `gradsync.core.torch_internals` against the installed torch: a torch that
+changes one fails here, naming it, instead of inside a job."""
+import inspect
+import multiprocessing.forkserver
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed.rpc as rpc
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from gradsync.core import torch_internals as ti
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_the_installed_torch_is_the_tested_one_and_setup_py_allows_only_that():
+    assert tuple(int(v) for v in torch.__version__.split(".")[:2]) == ti.TESTED_TORCH
+    with open(os.path.join(ROOT, "setup.py")) as f:
+        major, minor = ti.TESTED_TORCH
+        assert f'"torch>={major}.{minor},<{major}.{minor + 1}"' in f.read()
+
+
+def test_contexts_start_without_an_rpc_agent_and_name_their_id():
+    """start_dist_autograd and current_context_id, in a fresh process (the agent's state is per process)."""
+    code = ("import torch.distributed.autograd as d\nfrom gradsync.core import torch_internals as ti\n"
+            "ti.start_dist_autograd(3)\nassert ti.current_context_id() is None\n"
+            "with d.context() as cid:\n    assert ti.current_context_id() == cid, (cid, ti.current_context_id())\n"
+            "assert ti.current_context_id() is None\nprint('ok')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+_DYNAMIC_GROUP = """
+import torch.distributed as dist, torch.distributed.rpc as rpc
+from torch.distributed.rendezvous import register_rendezvous_handler
+from gradsync.core import torch_internals as ti
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+register_rendezvous_handler("probe", lambda url, **kw: iter([(store, 0, None)]))
+count = ti.rpc_init_count()
+rpc.init_rpc("w0", rank=0, rpc_backend_options=rpc.TensorPipeRpcBackendOptions(init_method="probe://",
+                                                                             _transports=["uv"]))
+ti.set_rpc_timeout(7.0)
+print(dist.PrefixStore(ti.RPC_STORE_PREFIX.format(count), store).get(ti.RPC_MEMBER_LIST).decode(),
+      ti.rpc_init_count() - count, ti.current_rpc_agent().get_worker_info().name, rpc.get_rpc_timeout())
+rpc.shutdown(graceful=False)
+"""
+
+
+def test_a_dynamic_rpc_group_keeps_its_members_where_gradsync_edits_them():
+    """rpc_group reads and edits torch's member list under torch's per-init prefix, and leaves through the
+    current agent: a one-member dynamic group (init_rpc without world_size) in a fresh process."""
+    done = subprocess.run([sys.executable, "-c", _DYNAMIC_GROUP], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["w0-0,", "1", "w0", "7.0"]
+
+
+def test_the_group_join_token_is_the_one_gradsync_releases():
+    """A joiner that died holding torch's join token is replaced by releasing it as torch does."""
+    utils = inspect.getsource(rpc._utils._group_membership_management)
+    assert f'"{ti.RPC_JOIN_TOKEN}"' in utils and f'"{ti.RPC_JOIN_DONE}"' in utils
+    assert 'f"Token_for_{name}_{join_or_leave}"' in utils and ti.rpc_join_token("w1") == "Token_for_w1_join"
+
+
+def test_ddp_reducer_offers_the_calls_of_a_shadow_round():
+    reducer = torch._C._distributed_c10d.Reducer
+    for name in ("_rebuild_buckets", "_get_zeros_like_grad_buckets", "_run_comm_hook", "_push_all_rebuilt_params"):
+        assert hasattr(reducer, name), f"DDP's Reducer has no {name}: gradsync's trainer.join() under allreduce needs it"
+    assert "reducer" in inspect.getsource(DDP.__init__)
+
+
+def test_pytree_round_trips_a_nested_output():
+    out = {"a": torch.ones(2), "b": [torch.zeros(1), (3, torch.full((1,), 2.0))]}
+    leaves, spec = ti.tree_flatten(out)
+    assert len(leaves) == 4
+    back = ti.tree_unflatten(leaves, spec)
+    assert back["b"][1][0] == 3 and torch.equal(back["b"][1][1], torch.full((1,), 2.0))
+
+
+@pytest.mark.timeout(60)
+def test_forkserver_pid_is_the_running_fork_server():
+    context = multiprocessing.get_context("forkserver")
+    multiprocessing.forkserver.ensure_running()
+    pid = ti.forkserver_pid()
+    assert isinstance(pid, int) and pid > 0
+    with open(f"/proc/{pid}/stat") as f:
+        assert int(f.read().split(") ")[1].split()[1]) == os.getpid()  # its parent is this process
+    assert context is not None
