@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 
 from gradsync.config import ConfigError, JobConfig, StoreKeys, job_keywords, settings_from_env
+from gradsync.core.emulated_network import HUB_ADDRESS
 from gradsync.core.settings import (ERROR_FILE, JOIN, JOIN_INDEX_FILE, LAUNCHED, LAUNCHER_PID, RUN_DIR, STORE_IS_HOSTED,
                                     TOKEN)
-from gradsync.core.emulated_network import HUB_ADDRESS
 from gradsync.core.torch_internals import forkserver_pid
 from gradsync.launcher import netem, procfs
 from gradsync.launcher.leases import Lease, abandoned
@@ -360,7 +360,7 @@ def run_script(script: str, script_args: list[str], *, strategy: str, workers: i
     does; `gradsync compare`, whose runs no one reaches, does not).
     Other settings left None come from the GRADSYNC_* environment, else their defaults.
     """
-    config = _job_config("gradsync.run_script", strategy, workers, servers, mode, **settings)
+    config = _job_config("run_script", strategy, workers, servers, mode, **settings)
     say = (lambda text: print(f"gradsync: {text}", file=sys.stderr, flush=True)) if announce else (lambda text: None)
     with contextlib.ExitStack() as stack:
         network, store = _network_and_store(stack, config, master_port, link, server_link)
