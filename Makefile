@@ -8,7 +8,7 @@ WHEELS ?= /opt/wheels
 LINK ?= 1gbit
 PIP_FLAGS := $(if $(wildcard $(WHEELS)),--find-links $(WHEELS),)
 
-.PHONY: run test proto bench clean
+.PHONY: run test proto docs bench clean
 
 $(VENV)/.installed: requirements.txt setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,9 @@ test: $(VENV)/.installed
 
 proto: $(VENV)/.installed
 	$(PY) -m gradsync.proto.generate
+
+docs: $(VENV)/.installed
+	$(PY) -c "from gradsync.core.settings import rewrite; rewrite('docs/architecture.md')"
 
 bench: $(VENV)/.installed
 	$(PY) bench/overhead.py

@@ -2,31 +2,15 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import shlex
 import signal
 import sys
 
-from gradsync.config import ConfigError, JobConfig
+from gradsync.config import ConfigError
+from gradsync.core import settings
+from gradsync.core.settings import JOB_CONCERNS, JOB_SETTINGS, RUN_DIR, STRAGGLER, STRATEGY, Setting
 from gradsync.launcher.launch import JobFailed, join_script, run_script
-
-_SETTINGS = (  # JobConfig fields that `gradsync run` sets with --field-name
-    ("mode", str, "sync, async or ssp (ps and hybrid)"),
-    ("staleness", int, "with --mode ssp: steps a worker may run ahead of the slowest"),
-    ("nonfinite", str, "raise or skip, for NaN/Inf gradients"),
-    ("compression", str, "none, fp16, bf16 or int8 gradients on the wire"),
-    ("transport", str, "rpc or grpc: how ps workers reach the servers"),
-    ("server_device", str, "where servers keep their shard: cpu, cuda, cuda:N"),
-    ("startup_timeout", float, "seconds for every rank to join and register the model"),
-    ("step_timeout", float, "seconds an RPC or collective of a step may take; a rank silent that long is named "
-                            "and the job stopped"),
-    ("shutdown_timeout", float, "seconds shutdown waits for the other workers to finish"),
-    ("checkpoint_dir", str, "write a checkpoint every --checkpoint-every steps into this directory"),
-    ("checkpoint_every", int, "steps between checkpoints (every strategy and mode)"),
-    ("resume", str, "restart from the newest complete checkpoint in this directory (any --servers/--workers)"),
-)
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(JobConfig)}
 
 
 class _Stopped(Exception):
@@ -39,6 +23,20 @@ class _Stopped(Exception):
 
 def _stop(signum, frame):
     raise _Stopped(signum)
+
+
+def _help(setting: Setting) -> str:
+    """The setting's help and where its default comes from, as `gradsync run --help` shows it."""
+    if setting is STRATEGY:
+        return f"{setting.help} (required, except with --join)"
+    if setting.default in ("", None) and not setting.default_text:
+        return f"{setting.help} (default: {setting.env} if set)"
+    return f"{setting.help} (default: {setting.env}, else {setting.shown_default})"
+
+
+def job_settings(args: argparse.Namespace) -> dict:
+    """The job settings of a `gradsync run` command line, by name (None: not given)."""
+    return {s.name: getattr(args, s.name) for s in JOB_SETTINGS}
 
 
 def _names(text: str) -> list[str]:
@@ -56,21 +54,18 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gradsync", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="spawn servers and workers on this machine and run SCRIPT on each")
-    run.add_argument("--strategy", help="ps, allreduce or hybrid (required, except with --join)")
     run.add_argument("--workers", type=int, help="number of worker processes (required, except with --join: "
                      "the workers that join, default 1)")
     run.add_argument("--join", metavar="RUN_DIR|HOST:PORT", default=None,
                      help="start workers that join the running async ps job with this run directory or store "
                      "address, with its settings")
-    run.add_argument("--servers", type=int, default=None,
-                     help="parameter servers (default: GRADSYNC_SERVERS, else 1 for ps and hybrid, 0 for allreduce)")
-    for name, kind, text in _SETTINGS:
-        fallback = f", else {_DEFAULTS[name]}" if _DEFAULTS[name] != "" else " if set"
-        run.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
-                         help=f"{text} (default: GRADSYNC_{name.upper()}{fallback})")
+    for concern in JOB_CONCERNS:
+        group = run.add_argument_group(f"job settings: {concern}")
+        for s in settings.of(concern):
+            if s in JOB_SETTINGS:
+                group.add_argument(s.flag, dest=s.name, type=s.type, default=None, help=_help(s))
     run.add_argument("--master-port", type=int, default=0, help="port of the rendezvous store (0: a free one)")
-    run.add_argument("--run-dir", default=None, help="directory for the job's files, kept (default: "
-                     "GRADSYNC_RUN_DIR, else a new temporary directory, removed at the end)")
+    run.add_argument(RUN_DIR.flag, default=None, help=_help(RUN_DIR))
     run.add_argument("--timeout", type=float, default=None, help="seconds before the whole job is killed")
     run.add_argument("--link", default=None, help="emulate a network: each rank in its own network namespace "
                      "behind a link of this tc rate (100mbit, 1gbit, 10gbit...); needs root and iproute2")
@@ -105,8 +100,8 @@ def _parser() -> argparse.ArgumentParser:
                          "loopback)")
     compare.add_argument("--server-link", default=None, help="with --link: the parameter servers' links at "
                          "this rate instead, in every run (a slow server link; default: none)")
-    compare.add_argument("--straggler", default=None, metavar="W:F",
-                         help="worker W's compute takes F times as long in every run, e.g. 1:2.0 (default: none)")
+    compare.add_argument(STRAGGLER.flag, default=None, metavar="W:F",
+                         help=f"{STRAGGLER.help} in every run, e.g. 1:2.0 (default: {STRAGGLER.env} if set)")
     compare.add_argument("--predict", action="store_true",
                          help="fit the cost model on the sync runs and predict every paradigm from --workers up to "
                          "W=1024 at this link: report.md ends with a verdict (which wins, the crossover, confidence)")
@@ -123,11 +118,10 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_join_flags(args: argparse.Namespace, settings: dict) -> None:
+def _check_join_flags(args: argparse.Namespace, chosen: dict) -> None:
     """Refuse job settings beside --join: a joining worker takes the running job's."""
-    given = [f"--{name.replace('_', '-')}" for name, value in settings.items() if value is not None]
-    given += [flag for flag, value in (("--strategy", args.strategy), ("--servers", args.servers),
-                                        ("--run-dir", args.run_dir), ("--link", args.link),
+    given = [s.flag for s in JOB_SETTINGS if chosen[s.name] is not None]
+    given += [flag for flag, value in (("--run-dir", args.run_dir), ("--link", args.link),
                                         ("--server-link", args.server_link)) if value is not None]
     if given:
         raise ConfigError(f"--join takes the running job's settings, so {', '.join(given)} cannot be given with it: "
@@ -173,14 +167,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run":
             for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # stop every rank, then exit
                 signal.signal(sig, _stop)
-            settings = {name: getattr(args, name) for name, _, _ in _SETTINGS}
+            chosen = job_settings(args)
             if args.join is not None:
-                _check_join_flags(args, settings)
+                _check_join_flags(args, chosen)
                 join_script(args.join, args.script, args.args, workers=args.workers or 1, timeout=args.timeout)
                 return 0
-            run_script(args.script, args.args, strategy=args.strategy, workers=args.workers, servers=args.servers,
-                       master_port=args.master_port, run_dir=args.run_dir, timeout=args.timeout, link=args.link,
-                       server_link=args.server_link, announce=True, **settings)
+            run_script(args.script, args.args, workers=args.workers, master_port=args.master_port,
+                       run_dir=args.run_dir, timeout=args.timeout, link=args.link, server_link=args.server_link,
+                       announce=True, **chosen)
         elif args.command == "compare":
             from gradsync.compare import compare
 

@@ -1,125 +1,49 @@
-"""Typed job configuration: strategy, consistency mode, servers, timeouts and policies.
+"""Typed job configuration: where this process sits, how the job trains, its timeouts and checkpoints.
 
-Every field can come from an argument of `gradsync.init`/`launch`, from the
-environment a launcher sets (`GRADSYNC_*`, torchrun's `RANK`/`WORLD_SIZE`/...),
-or from its default; `JobConfig.from_env` merges them and `__post_init__`
-rejects bad values with a message that names the value and the fix.
+Each concern is a kw-only dataclass (`Placement`, `Training`, `Timeouts`, `Checkpointing`) whose fields,
+types and defaults are the settings table's (`gradsync.core.settings`); `JobConfig` is the four together,
+with flat attributes. A setting comes from an argument of `gradsync.init`/`launch`, from the environment a
+launcher sets (`GRADSYNC_*`, torchrun's `RANK`/`WORLD_SIZE`/...), or its default; `JobConfig.from_env`
+merges them and `__post_init__` rejects bad values with a message that names the value and the fix.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Literal, get_args
 
-Strategy = Literal["ps", "allreduce", "hybrid"]
-Mode = Literal["sync", "async", "ssp"]
-NonFinitePolicy = Literal["raise", "skip"]
-Compression = Literal["none", "fp16", "bf16", "int8"]
-Transport = Literal["rpc", "grpc"]
-
-LINK = "GRADSYNC_LINK"
-"""Set in a rank's environment when it runs on an emulated network (`--link`): the link's rate."""
+from gradsync.core import settings
+from gradsync.core.settings import ConfigError
 
 
-class ConfigError(ValueError):
-    """A job setting is invalid; the message names the bad value and the fix."""
+def _concern(name: str):
+    """Make the class a kw-only dataclass with the fields of concern `name`, from the settings table."""
+    def build(cls):
+        cls.__annotations__ = {s.name: s.type for s in settings.of(name)}
+        for s in settings.of(name):
+            setattr(cls, s.name, s.default)
+        cls.__doc__ += "".join(f"\n    {s.name}: {s.help}" for s in settings.of(name))
+        return dataclasses.dataclass(kw_only=True)(cls)
+    return build
 
 
-def _choice(field: str, value: str, allowed_type, flag: str) -> None:
-    allowed = get_args(allowed_type)
-    if value not in allowed:
-        raise ConfigError(
-            f"unknown {field} {value!r}: expected one of {', '.join(repr(a) for a in allowed)} "
-            f"(set it with {flag})"
-        )
+def _positive(config, concern: str) -> None:
+    for s in settings.of(concern):
+        if s.type is float and getattr(config, s.name) <= 0:
+            raise ConfigError(f"{s.name} must be > 0, got {getattr(config, s.name)}")
 
 
-@dataclasses.dataclass
-class JobConfig:
-    """Where this process sits in the job and how the job trains."""
-
-    strategy: Strategy = "ps"
-    """'ps' (parameter server), 'allreduce' (DistributedDataParallel), or 'hybrid' (embedding tables on
-    parameter servers, the rest with DistributedDataParallel)."""
-    mode: Mode = "sync"
-    """'sync': servers average all workers' gradients each step; 'async': apply each as it arrives;
-    'ssp' (stale synchronous parallel): apply each as it arrives, scaled by 1/W, but no worker runs more
-    than `staleness` steps ahead of the slowest (ps and hybrid only)."""
-    staleness: int = 0
-    """With mode 'ssp': how many steps a worker may run ahead of the slowest worker (0: lock step)."""
-    servers: int = 1
-    """Number of parameter-server processes; they are the first `servers` ranks. 0 for allreduce."""
-    rank: int = 0
-    """Global rank of this process, 0 .. world_size-1."""
-    world_size: int = 1
-    """servers + workers."""
-    master_addr: str = "127.0.0.1"
-    """Host of the rendezvous store."""
-    master_port: int = 29500
-    """Port of the rendezvous store."""
-    store_is_hosted: bool = False
-    """True when a launcher (gradsync run, torchrun's agent) already hosts the store, so rank 0 connects as a client."""
-    nonfinite: NonFinitePolicy = "raise"
-    """What a NaN/Inf gradient does: 'raise' names the parameter and worker; 'skip' drops that step."""
-    compression: Compression = "none"
-    """Wire format of gradients: 'none', 'fp16', 'bf16' or 'int8'."""
-    transport: Transport = "rpc"
-    """How ps workers reach the servers: 'rpc' (torch RPC, TensorPipe) or 'grpc' (no TensorPipe at all)."""
-    server_device: str = "cpu"
-    """Where each server keeps its shard and aggregates: 'cpu', 'cuda' or 'cuda:N' (pulls and pushes still
-    cross the RPC boundary on the CPU, as distributed autograd requires)."""
-    bucket_cap_mb: float = 25.0
-    """Largest parameter bucket, in MB (one bucket is one flat tensor on the wire)."""
-    startup_timeout: float = 120.0
-    """Seconds to wait for every rank to join and for the model to be registered."""
-    step_timeout: float = 60.0
-    """Seconds any single RPC or collective of a training step may take."""
-    shutdown_timeout: float = 30.0
-    """Seconds shutdown may wait for the other ranks before it gives up on a graceful exit."""
-    checkpoint_dir: str = ""
-    """Where the job writes a checkpoint every `checkpoint_every` steps (a folder per step; every rank must
-    reach it: a shared filesystem across machines); '' writes none."""
-    checkpoint_every: int = 0
-    """Steps between checkpoints (with `checkpoint_dir`); 0: none."""
-    resume: str = ""
-    """A checkpoint directory to resume from: its newest complete checkpoint; '' starts afresh."""
+@_concern("placement")
+class Placement:
+    """Where this process sits in the job: the first `servers` ranks are the parameter servers."""
 
     def __post_init__(self) -> None:
-        _choice("strategy", self.strategy, Strategy, "--strategy or GRADSYNC_STRATEGY")
-        _choice("mode", self.mode, Mode, "--mode or GRADSYNC_MODE")
-        _choice("nonfinite policy", self.nonfinite, NonFinitePolicy, "nonfinite= or GRADSYNC_NONFINITE")
-        _choice("compression", self.compression, Compression, "--compression or GRADSYNC_COMPRESSION")
-        _choice("transport", self.transport, Transport, "--transport or GRADSYNC_TRANSPORT")
-        if self.transport == "grpc" and (self.strategy != "ps" or self.compression != "none"):
-            raise ConfigError(
-                f"the grpc transport serves the ps strategy without compression, got strategy={self.strategy!r}, "
-                f"compression={self.compression!r}: use --strategy ps --compression none, or --transport rpc"
-            )
-        if self.strategy in ("ps", "hybrid") and self.servers < 1:
-            raise ConfigError(
-                f"the {self.strategy} strategy needs at least one server, got servers={self.servers}: "
-                "pass --servers 1 (or more), or use --strategy allreduce"
-            )
-        if self.strategy == "allreduce" and self.servers != 0:
-            raise ConfigError(
-                f"the allreduce strategy uses no servers, got servers={self.servers}: pass --servers 0"
-            )
-        if self.staleness < 0 or (self.staleness and self.mode != "ssp"):
-            raise ConfigError(
-                f"staleness={self.staleness}: it bounds --mode ssp and must be >= 0; pass --mode ssp "
-                "--staleness K, or leave --staleness out"
-            )
-        if self.checkpoint_every < 0 or bool(self.checkpoint_every) != bool(self.checkpoint_dir):
-            raise ConfigError(
-                f"checkpoint_every={self.checkpoint_every}, checkpoint_dir={self.checkpoint_dir!r}: pass both "
-                "--checkpoint-dir DIR and --checkpoint-every N (N >= 1), or neither"
-            )
-        if self.strategy == "allreduce" and self.mode != "sync":
-            raise ConfigError("the allreduce strategy is synchronous: pass --mode sync, or use --strategy ps")
+        self._check_placement()
+
+    def _check_placement(self) -> None:
         if not (self.server_device == "cpu" or self.server_device == "cuda" or self.server_device.startswith("cuda:")):
             raise ConfigError(
                 f"server_device {self.server_device!r} is not a device: use 'cpu', 'cuda' or 'cuda:N' "
-                "(--server-device or GRADSYNC_SERVER_DEVICE)"
+                f"({settings.SERVER_DEVICE.where})"
             )
         if self.servers < 0:
             raise ConfigError(f"servers must be >= 0, got {self.servers}")
@@ -132,19 +56,10 @@ class JobConfig:
             raise ConfigError(f"rank {self.rank} is outside 0..{self.world_size - 1} (check RANK and WORLD_SIZE)")
         if not 0 <= self.master_port < 65536:
             raise ConfigError(f"master port {self.master_port} is not a TCP port (0..65535)")
-        for name in _FLOAT_FIELDS:
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
 
     @property
     def num_workers(self) -> int:
         return self.world_size - self.servers
-
-    @property
-    def elastic(self) -> bool:
-        """An async or ssp ps job: a worker that dies or leaves does not stop it, and (async, over torch RPC)
-        a new worker may join it while it runs (README, "Elastic async workers")."""
-        return self.strategy == "ps" and self.mode != "sync"
 
     @property
     def is_server(self) -> bool:
@@ -166,84 +81,120 @@ class JobConfig:
         """RPC name of global rank `rank`: 'ps<i>' for the first `servers` ranks, else 'worker<i>'."""
         return server_name(rank) if rank < self.servers else worker_name(rank - self.servers)
 
+
+@_concern("training")
+class Training:
+    """What a step computes and how gradients travel."""
+
+    def __post_init__(self) -> None:
+        self._check_training()
+
+    def _check_training(self) -> None:
+        for s in settings.of("training"):
+            s.check(getattr(self, s.name))
+        if self.transport == "grpc" and (self.strategy != "ps" or self.compression != "none"):
+            raise ConfigError(
+                f"the grpc transport serves the ps strategy without compression, got strategy={self.strategy!r}, "
+                f"compression={self.compression!r}: use --strategy ps --compression none, or --transport rpc"
+            )
+        if self.staleness < 0 or (self.staleness and self.mode != "ssp"):
+            raise ConfigError(
+                f"staleness={self.staleness}: it bounds --mode ssp and must be >= 0; pass --mode ssp "
+                "--staleness K, or leave --staleness out"
+            )
+        if self.strategy == "allreduce" and self.mode != "sync":
+            raise ConfigError("the allreduce strategy is synchronous: pass --mode sync, or use --strategy ps")
+        _positive(self, "training")
+
+    @property
+    def elastic(self) -> bool:
+        """An async or ssp ps job: a worker that dies or leaves does not stop it, and (async, over torch RPC)
+        a new worker may join it while it runs (README, "Elastic async workers")."""
+        return self.strategy == "ps" and self.mode != "sync"
+
+
+@_concern("timeouts")
+class Timeouts:
+    """How long each wait of this rank may take, in seconds."""
+
+    def __post_init__(self) -> None:
+        self._check_timeouts()
+
+    def _check_timeouts(self) -> None:
+        _positive(self, "timeouts")
+
+
+@_concern("checkpointing")
+class Checkpointing:
+    """Checkpoints of the job, and the one it resumes from."""
+
+    def __post_init__(self) -> None:
+        self._check_checkpointing()
+
+    def _check_checkpointing(self) -> None:
+        if self.checkpoint_every < 0 or bool(self.checkpoint_every) != bool(self.checkpoint_dir):
+            raise ConfigError(
+                f"checkpoint_every={self.checkpoint_every}, checkpoint_dir={self.checkpoint_dir!r}: pass both "
+                "--checkpoint-dir DIR and --checkpoint-every N (N >= 1), or neither"
+            )
+
+
+@dataclasses.dataclass(kw_only=True)
+class JobConfig(Checkpointing, Timeouts, Training, Placement):  # fields in the order placement, training, ...
+    """Where this process sits in the job and how the job trains: the four concerns, checked together."""
+
+    def __post_init__(self) -> None:
+        self._check_training()
+        if self.strategy in ("ps", "hybrid") and self.servers < 1:
+            raise ConfigError(
+                f"the {self.strategy} strategy needs at least one server, got servers={self.servers}: "
+                "pass --servers 1 (or more), or use --strategy allreduce"
+            )
+        if self.strategy == "allreduce" and self.servers != 0:
+            raise ConfigError(
+                f"the allreduce strategy uses no servers, got servers={self.servers}: pass --servers 0"
+            )
+        self._check_checkpointing()
+        self._check_placement()
+        self._check_timeouts()
+
     @classmethod
     def from_env(cls, environ=None, **overrides) -> "JobConfig":
         """Build the config from a launcher's environment; non-None `overrides` win."""
         env = os.environ if environ is None else environ
-        values = dict(
-            settings_from_env(env, overrides.get("strategy")),
-            rank=_int(env, "RANK", 0),
-            world_size=_int(env, "WORLD_SIZE", None),
-            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=_int(env, "MASTER_PORT", 29500),
-            store_is_hosted=env.get("GRADSYNC_STORE_HOSTED") == "1"
-            or env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
-        )
+        values = settings_from_env(env, overrides.get("strategy"))
+        values.update({s.name: s.parse(env.get(s.env)) for s in settings.of("placement") if s.internal})
+        values["store_is_hosted"] |= env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        if not settings.WORLD_SIZE.given(env):
+            del values["world_size"]
         values.update({k: v for k, v in overrides.items() if v is not None})
-        if values["world_size"] is None:
-            values["world_size"] = values["servers"] + 1
+        values.setdefault("world_size", values["servers"] + 1)
         return cls(**values)
 
     def to_env(self) -> dict[str, str]:
         """The GRADSYNC_* variables that reproduce this job's settings in a child process."""
-        return {
-            "GRADSYNC_STRATEGY": self.strategy,
-            "GRADSYNC_MODE": self.mode,
-            "GRADSYNC_STALENESS": str(self.staleness),
-            "GRADSYNC_SERVERS": str(self.servers),
-            "GRADSYNC_NONFINITE": self.nonfinite,
-            "GRADSYNC_COMPRESSION": self.compression,
-            "GRADSYNC_SERVER_DEVICE": self.server_device,
-            "GRADSYNC_TRANSPORT": self.transport,
-            "GRADSYNC_CHECKPOINT_DIR": self.checkpoint_dir,
-            "GRADSYNC_CHECKPOINT_EVERY": str(self.checkpoint_every),
-            "GRADSYNC_RESUME": self.resume,
-            **{f"GRADSYNC_{name.upper()}": str(getattr(self, name)) for name in _FLOAT_FIELDS},
-        }
-
-
-_FLOAT_FIELDS = ("bucket_cap_mb", "startup_timeout", "step_timeout", "shutdown_timeout")
+        return {s.env: str(getattr(self, s.name)) for s in settings.JOB_SETTINGS}
 
 
 def settings_from_env(env, strategy: str | None = None) -> dict:
     """The job's settings from its GRADSYNC_* variables (what `to_env` writes), defaults for the unset ones;
-    no placement (RANK, WORLD_SIZE, MASTER_*). `strategy`, when given, wins over GRADSYNC_STRATEGY."""
-    strategy = strategy or env.get("GRADSYNC_STRATEGY", "ps")
-    values = dict(
-        strategy=strategy,
-        mode=env.get("GRADSYNC_MODE", "sync"),
-        staleness=_int(env, "GRADSYNC_STALENESS", 0),
-        servers=_int(env, "GRADSYNC_SERVERS", default_servers(strategy)),
-        nonfinite=env.get("GRADSYNC_NONFINITE", "raise"),
-        compression=env.get("GRADSYNC_COMPRESSION", "none"),
-        server_device=env.get("GRADSYNC_SERVER_DEVICE", "cpu"),
-        transport=env.get("GRADSYNC_TRANSPORT", "rpc"),
-        checkpoint_dir=env.get("GRADSYNC_CHECKPOINT_DIR", ""),
-        checkpoint_every=_int(env, "GRADSYNC_CHECKPOINT_EVERY", 0),
-        resume=env.get("GRADSYNC_RESUME", ""),
-    )
-    for name in _FLOAT_FIELDS:
-        raw = env.get(f"GRADSYNC_{name.upper()}")
-        if raw:
-            values[name] = _float(f"GRADSYNC_{name.upper()}", raw)
+    not torchrun's placement (RANK, WORLD_SIZE, MASTER_*). `strategy`, when given, wins over GRADSYNC_STRATEGY."""
+    values = {s.name: s.parse(env.get(s.env)) for s in settings.JOB_SETTINGS}
+    values["strategy"] = strategy or values["strategy"]
+    if not settings.SERVERS.given(env):
+        values["servers"] = default_servers(values["strategy"])
     return values
 
 
-def _float(name: str, raw: str) -> float:
-    try:
-        return float(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a number") from None
-
-
-def _int(env, name: str, default):
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not an integer") from None
+def job_keywords(given: dict, call: str) -> dict:
+    """`given`, the settings keywords of `call` (gradsync.init, gradsync.launch...), refusing one that is no
+    job setting."""
+    names = [s.name for s in settings.JOB_SETTINGS]
+    unknown = [k for k in given if k not in names]
+    if unknown:
+        raise TypeError(f"{call}() got an unknown setting {unknown[0]!r}: the settings are {', '.join(names)} "
+                        "(docs/architecture.md, Settings)")
+    return given
 
 
 class StoreKeys:

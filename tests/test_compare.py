@@ -12,6 +12,7 @@ from gradsync.compare import costmodel
 from gradsync.compare.grid import Config, grid
 from gradsync.compare.predict import fitted, markdown, percent, predict
 from gradsync.compare.runner import headline, read_log
+from gradsync.core.settings import STRAGGLER, TENSORBOARD_DIR
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -248,7 +249,7 @@ def test_predict_says_plainly_why_it_cannot_fit():
 def test_straggler_sleeps_factor_minus_one_times_its_compute(monkeypatch):
     from gradsync.compare import straggler
 
-    monkeypatch.setenv(straggler.ENV, "1:3.0")
+    monkeypatch.setenv(STRAGGLER.env, "1:3.0")
     slept, clock = [], iter([10.0, 10.5, 11.0, 12.0])  # built, delay at +0.5 s, committed, delay 1 s later
     monkeypatch.setattr(straggler.time, "perf_counter", lambda: next(clock))
     monkeypatch.setattr(straggler.time, "sleep", slept.append)
@@ -405,7 +406,7 @@ def test_tensorboard_events_are_tfrecords_of_scalar_summaries(tmp_path, monkeypa
     from gradsync.compare import tensorboard
 
     assert tensorboard.crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
-    monkeypatch.setenv(scalars.TENSORBOARD_DIR, str(tmp_path))
+    monkeypatch.setenv(TENSORBOARD_DIR.env, str(tmp_path))
     monkeypatch.setattr(scalars, "_worker", lambda: 3)
     monkeypatch.setattr(scalars, "_board", None)
     gradsync.log(step=7, loss=0.25, acc=0.5)

@@ -6,7 +6,7 @@ import pathlib
 import gradsync
 
 PACKAGE = pathlib.Path(gradsync.__file__).parent
-LAYERS = ["cuda_ops", "config", "core", "ps", "proto", "remote", "membership", "transport", "runtime", "worker",
+LAYERS = ["cuda_ops", "core", "config", "ps", "proto", "remote", "membership", "transport", "runtime", "worker",
           "launcher", "compare", "trainer", "client", "cli", "__init__"]
 """Lowest first: a part may import the parts before it, never one after it."""
 TOP_LEVEL = {"__init__.py", "trainer.py", "config.py", "cli.py", "client.py"}

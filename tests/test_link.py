@@ -13,7 +13,8 @@ import torch
 
 import gradsync
 from gradsync.launcher import netem
-from gradsync.config import LINK, ConfigError
+from gradsync.config import ConfigError
+from gradsync.core.settings import LINK
 from gradsync.core.emulated_network import reachable
 from gradsync.launcher.netem import Link, Network
 import jobs
@@ -134,7 +135,7 @@ def test_servers_sit_behind_the_server_link_and_workers_behind_the_link():
                 shown = subprocess.run(["tc", "-n", ns, "qdisc", "show", "dev", dev], capture_output=True,
                                        text=True, timeout=10, check=True).stdout
                 assert f"rate {rate} " in shown, (rank, shown)
-            assert net.environment(rank)[LINK] == str(Link.parse(rate.lower()))
+            assert net.environment(rank)[LINK.env] == str(Link.parse(rate.lower()))
     _nothing_left(net.job)
 
 

@@ -163,7 +163,7 @@ def launch_settings(argv: list[str], strategy: str, folder: str) -> dict:
     """`gradsync.launch` arguments for a `gradsync run ...` line, under `strategy` (ps: the line's own servers;
     allreduce: none), with its checkpoint directories in `folder`."""
     args = cli.parse_args(argv[1:])
-    settings = {name: getattr(args, name) for name, _, _ in cli._SETTINGS if getattr(args, name) is not None}
+    settings = {name: value for name, value in cli.job_settings(args).items() if value is not None}
     for name in ("checkpoint_dir", "resume"):
         if name in settings:
             settings[name] = os.path.join(folder, settings[name])

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import sys
 
+from gradsync.core import settings
+
 MARKER = ".gradsync-compare"
 """The file `compare` writes into its report directory: a directory with it may be overwritten."""
 
@@ -54,7 +56,6 @@ def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, 
     from gradsync.compare.predict import predict as predict_runs
     from gradsync.compare.report import dense_tables, silent, table, write_report
     from gradsync.compare.runner import NO_TABLES, run
-    from gradsync.compare.straggler import ENV as STRAGGLER
     from gradsync.compare.straggler import parse as parse_straggler
     from gradsync.launcher.launch import check_script
 
@@ -65,7 +66,7 @@ def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, 
     configs = grid(strategies, servers, modes, compressions)
     if straggler is not None:
         parse_straggler(straggler)
-        os.environ[STRAGGLER] = straggler  # the ranks inherit it
+        os.environ[settings.STRAGGLER.env] = straggler  # the ranks inherit it
     prepare_out_dir(out_dir, force)
     runs: list[dict] = []
     for i, config in enumerate(configs):

@@ -24,7 +24,7 @@ import time
 import numpy
 
 from gradsync.compare.grid import Config
-from gradsync.compare.scalars import LOG_DIR, TENSORBOARD_DIR
+from gradsync.core import settings
 from gradsync.core.errors import NoTablesToServe
 from gradsync.launcher import procfs
 from gradsync.launcher.launch import JobFailed, run_script
@@ -82,7 +82,8 @@ def _role(pid: int) -> str | None:
             env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
     except OSError:
         return None
-    return "server" if int(env.get(b"RANK", 0)) < int(env.get(b"GRADSYNC_SERVERS", 0)) else "worker"
+    rank, servers = (int(env.get(s.env.encode(), 0)) for s in (settings.RANK, settings.SERVERS))
+    return "server" if rank < servers else "worker"
 
 
 def headline(failure: str) -> str:
@@ -120,25 +121,20 @@ def run(config: Config, script: str, script_args: list[str], workers: int, out_d
     sampler = Sampler(on_sample=(lambda: progress(sum("record" in line for line in
                                                       read_log(os.path.join(log_dir, "worker-0.jsonl")))))
                       if progress else None)
-    previous = {k: os.environ.get(k) for k in (LOG_DIR, TENSORBOARD_DIR)}
-    os.environ[LOG_DIR] = log_dir
+    variables = {settings.LOG_DIR: log_dir}
     if board_dir:
-        os.environ[TENSORBOARD_DIR] = os.path.join(board_dir, config.slug)
+        variables[settings.TENSORBOARD_DIR] = os.path.join(board_dir, config.slug)
     sampler.start()
     started = time.time()
     try:
-        run_script(script, script_args, workers=workers, timeout=timeout, run_dir=job_dir,
-                   **(network or {}), **config.settings())
+        with settings.environment(variables):
+            run_script(script, script_args, workers=workers, timeout=timeout, run_dir=job_dir,
+                       **(network or {}), **config.settings())
         error = None
     except JobFailed as e:
         error = str(e)
     finally:
         sampler.stop()
-        for key, value in previous.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     result = {"name": config.name, **config.settings(), "workers": workers, "wall_s": time.time() - started}
     if error is not None and NoTablesToServe.__name__ in error:
         return {**result, "skipped": NO_TABLES}

@@ -18,9 +18,7 @@ import os
 import time
 
 from gradsync.compare.tensorboard import EventWriter
-
-LOG_DIR = "GRADSYNC_LOG_DIR"
-TENSORBOARD_DIR = "GRADSYNC_TENSORBOARD_DIR"
+from gradsync.core.settings import LOG_DIR, TENSORBOARD_DIR
 
 _trainer = None  # the worker's Trainer (`watch`), whose step records a line carries
 _started = time.monotonic()
@@ -33,8 +31,8 @@ def watch(trainer, elements: dict[str, int]) -> None:
     `elements` ({'dense': ..., 'tables': ...}) is logged once, as {"model": elements}."""
     global _trainer, _started
     _trainer, _started = trainer, time.monotonic()
-    if os.environ.get(LOG_DIR):
-        _write(os.environ[LOG_DIR], {"t": 0.0, "wall": time.time(), "model": elements})
+    if directory := LOG_DIR.read():
+        _write(directory, {"t": 0.0, "wall": time.time(), "model": elements})
 
 
 def log(step: int | None = None, **values: float) -> None:
@@ -50,7 +48,7 @@ def log(step: int | None = None, **values: float) -> None:
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ValueError(f"gradsync.log({name}={value!r}): log finite numbers, e.g. {name}=loss.item()")
-    directory, board = os.environ.get(LOG_DIR), os.environ.get(TENSORBOARD_DIR)
+    directory, board = LOG_DIR.read(), TENSORBOARD_DIR.read()
     if not directory and not board:
         return
     metrics = _trainer.metrics if _trainer is not None else None

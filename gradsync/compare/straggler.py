@@ -2,10 +2,9 @@
 forward and backward take F times as long, by sleeping (F - 1) times their duration before each commit."""
 from __future__ import annotations
 
-import os
 import time
 
-ENV = "GRADSYNC_STRAGGLER"
+from gradsync.core.settings import STRAGGLER
 
 
 def parse(text: str) -> tuple[int, float]:
@@ -24,7 +23,7 @@ class Straggler:
     """Slows this worker down when GRADSYNC_STRAGGLER names it; otherwise does nothing."""
 
     def __init__(self, worker: int):
-        raw = os.environ.get(ENV)
+        raw = STRAGGLER.read()
         chosen, factor = parse(raw) if raw else (None, 1.0)
         self.factor = factor if chosen == worker else 1.0
         self._since = time.perf_counter()

@@ -34,15 +34,17 @@ from multiprocessing import forkserver
 import torch
 import torch.distributed as dist
 
-from gradsync.config import ConfigError, JobConfig, StoreKeys, settings_from_env
+from gradsync.config import ConfigError, JobConfig, StoreKeys, job_keywords, settings_from_env
 from gradsync.core.emulated_network import HUB_ADDRESS
+from gradsync.core.settings import (ERROR_FILE, JOIN, JOIN_INDEX_FILE, LAUNCHED, LAUNCHER_PID, RUN_DIR, STORE_IS_HOSTED,
+                                    TOKEN)
 from gradsync.core.torch_internals import forkserver_pid
 from gradsync.launcher import netem, procfs
 from gradsync.launcher.leases import Lease, abandoned
 from gradsync.membership import newcomers
 from gradsync.membership.departures import Departure, Departures, Results
-from gradsync.membership.liveness import (LAUNCHER_PID, Watch, create_keys, die_with_launcher, dying_with_this_process,
-                                          interval, parse_gone, parse_left, ranks_named, record_gone)
+from gradsync.membership.liveness import (Watch, create_keys, die_with_launcher, dying_with_this_process, interval,
+                                          parse_gone, parse_left, ranks_named, record_gone)
 from gradsync.proto.endpoints import new_token
 from gradsync.runtime import cluster
 
@@ -98,9 +100,6 @@ def rank_environments(config: JobConfig, port: int, run_dir: str, parent: int | 
         MASTER_PORT=str(port),
         WORLD_SIZE=str(config.world_size),
         LOCAL_WORLD_SIZE=str(config.world_size),
-        GRADSYNC_STORE_HOSTED="1",
-        GRADSYNC_RUN_DIR=run_dir,
-        GRADSYNC_TOKEN=os.environ.get("GRADSYNC_TOKEN") or new_token(),
         TP_SOCKET_IFNAME="lo",
         GLOO_SOCKET_IFNAME="lo",
         OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
@@ -109,11 +108,13 @@ def rank_environments(config: JobConfig, port: int, run_dir: str, parent: int | 
         # shows them. A rank `launch` forks has loaded torch already: its lines stay.
         TORCH_CPP_LOG_LEVEL=os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
     )
-    base[LAUNCHER_PID] = str(parent or os.getpid())
+    base.update({STORE_IS_HOSTED.env: "1", RUN_DIR.env: run_dir,
+                 TOKEN.env: TOKEN.read() or new_token(),
+                 LAUNCHER_PID.env: str(parent or os.getpid())})
     envs = []
     for rank in range(config.world_size):
         env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), **(network.environment(rank) if network else {}))
-        env["GRADSYNC_ERROR_FILE"] = os.path.join(run_dir, f"error-{rank}.txt")
+        env[ERROR_FILE.env] = os.path.join(run_dir, f"error-{rank}.txt")
         envs.append(env)
     return envs
 
@@ -290,12 +291,13 @@ def supervise(config: JobConfig, ranks: list[_Rank], run_dir: str, store: dist.S
         time.sleep(_POLL_S)
 
 
-def _job_config(strategy, workers, servers, mode, **settings) -> JobConfig:
+def _job_config(call, strategy, workers, servers, mode, **chosen) -> JobConfig:
     """The job's settings: the arguments that are not None, else the GRADSYNC_* environment, else the defaults."""
     if not isinstance(workers, int) or workers < 1:
         raise ConfigError(f"workers must be a positive integer, got {workers!r}")
     values = settings_from_env(os.environ, strategy)
-    values.update({k: v for k, v in dict(mode=mode, servers=servers, **settings).items() if v is not None})
+    values.update({k: v for k, v in dict(mode=mode, servers=servers, **job_keywords(chosen, call)).items()
+                   if v is not None})
     return JobConfig(world_size=values["servers"] + workers, **values)
 
 
@@ -358,13 +360,12 @@ def run_script(script: str, script_args: list[str], *, strategy: str, workers: i
     does; `gradsync compare`, whose runs no one reaches, does not).
     Other settings left None come from the GRADSYNC_* environment, else their defaults.
     """
-    config = _job_config(strategy, workers, servers, mode, **settings)
+    config = _job_config("run_script", strategy, workers, servers, mode, **settings)
     say = (lambda text: print(f"gradsync: {text}", file=sys.stderr, flush=True)) if announce else (lambda text: None)
     with contextlib.ExitStack() as stack:
         network, store = _network_and_store(stack, config, master_port, link, server_link)
         check_script(script)
-        chosen = run_dir or os.environ.get("GRADSYNC_RUN_DIR")
-        run_dir = os.path.abspath(chosen or temporary_run_dir(stack, "gradsync-run-"))
+        run_dir = os.path.abspath(run_dir or RUN_DIR.read() or temporary_run_dir(stack, "gradsync-run-"))
         os.makedirs(run_dir, exist_ok=True)
         for old in glob.glob(os.path.join(run_dir, "stats-*.json")):  # an earlier job's: this one has not ended
             os.remove(old)
@@ -398,7 +399,7 @@ def check_script(script: str) -> None:
 def _run_function(env: dict, call: bytes, result_path: str, namespace: str | None) -> None:
     """Body of a spawned rank: die with the launcher, enter its network namespace (if any), init, then fn(*args)
     (`call`, pickled by the launcher) on workers; a failure is recorded for the launcher."""
-    os.environ.update(env, GRADSYNC_LAUNCHED="1")
+    os.environ.update({**env, LAUNCHED.env: "1"})
     try:
         die_with_launcher()
         if namespace is not None:
@@ -452,7 +453,7 @@ def launch(fn, *, strategy: str, workers: int, servers: int | None = None, mode:
         JobFailed: naming the rank that caused the failure, with its traceback (or, in an async or ssp job,
             the departures when every worker left).
     """
-    config = _job_config(strategy, workers, servers, mode, **settings)
+    config = _job_config("gradsync.launch", strategy, workers, servers, mode, **settings)
     call = pickle.dumps((fn, args))  # here, so that an unpicklable function fails before any rank starts
     with contextlib.ExitStack() as stack:
         network, store = _network_and_store(stack, config, 0, link, server_link)
@@ -502,9 +503,9 @@ def join_script(target: str, script: str, script_args: list[str], *, workers: in
         failures: list[str] = []
         try:
             for i in range(workers):
-                env = {**os.environ, newcomers.JOIN: f"{host}:{port}", LAUNCHER_PID: str(os.getpid()),
-                       newcomers.INDEX_FILE: os.path.join(files, f"index-{i}"),
-                       "GRADSYNC_ERROR_FILE": os.path.join(files, f"error-{i}.txt"),
+                env = {**os.environ, JOIN.env: f"{host}:{port}", LAUNCHER_PID.env: str(os.getpid()),
+                       JOIN_INDEX_FILE.env: os.path.join(files, f"index-{i}"),
+                       ERROR_FILE.env: os.path.join(files, f"error-{i}.txt"),
                        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
                 proc = subprocess.Popen([sys.executable, script, *script_args], env=env, start_new_session=True)
                 joiners.append(_Rank(i, proc))

@@ -23,7 +23,8 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
-from gradsync.config import LINK, ConfigError
+from gradsync.config import ConfigError
+from gradsync.core import settings
 from gradsync.core.emulated_network import HUB_ADDRESS, SUBNET
 from gradsync.launcher.leases import Lease, abandoned
 
@@ -162,9 +163,9 @@ class Network:
 
     def environment(self, rank: int) -> dict[str, str]:
         """Where a rank finds the store, the device its RPC and collectives use, where a server's gRPC endpoint
-        listens (so that `--transport grpc` workers reach it over the link), and its link's rate (LINK)."""
+        listens (so that `--transport grpc` workers reach it over the link), and its link's rate."""
         return {"MASTER_ADDR": HUB_ADDRESS, "TP_SOCKET_IFNAME": DEVICE, "GLOO_SOCKET_IFNAME": DEVICE,
-                "GRADSYNC_GRPC_HOST": self.address(rank), LINK: str(self.links[rank])}
+                settings.GRPC_HOST.env: self.address(rank), settings.LINK.env: str(self.links[rank])}
 
     def in_hub(self, fn: Callable[[], T]) -> T:
         """`fn()` on a thread inside the hub namespace: the sockets it opens stay there (the store's)."""

@@ -38,8 +38,8 @@ from typing import Callable
 import torch.distributed as dist
 
 from gradsync.config import JobConfig, StoreKeys, worker_name
+from gradsync.core import settings
 
-LAUNCHER_PID = "GRADSYNC_LAUNCHER_PID"
 _PR_SET_PDEATHSIG = 1
 _ARRIVAL_POLL_S = 0.05
 
@@ -239,8 +239,7 @@ class Heartbeat:
 
 def launcher_pid() -> int | None:
     """The pid of the gradsync launcher that started this process, if one did."""
-    raw = os.environ.get(LAUNCHER_PID)
-    return int(raw) if raw else None
+    return settings.LAUNCHER_PID.read()
 
 
 def die_with_launcher() -> None:

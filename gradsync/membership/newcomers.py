@@ -17,14 +17,10 @@ import os
 import torch.distributed as dist
 
 from gradsync.config import ConfigError, JobConfig, StoreKeys, settings_from_env
+from gradsync.core import settings
 from gradsync.core.atomic_file import write_atomically
 
-JOIN = "GRADSYNC_JOIN"
-"""Set to a run directory or the job's store address (host:port): `gradsync.init()` joins that running job."""
-INDEX_FILE = "GRADSYNC_JOIN_INDEX_FILE"
-"""Where a joining process writes the worker index it took (for `gradsync run --join`, which supervises it)."""
 JOIN_FILE = "join.json"
-_JOB_SETTINGS = ("strategy", "mode", "staleness", "servers", "nonfinite", "compression", "transport")
 
 
 def joinable(config: JobConfig) -> bool:
@@ -100,15 +96,15 @@ def joiner_config(store: dist.Store, host: str, port: int, asked: dict, timeout:
     """
     values = job_settings(store, host, port, timeout)
     differ = [f"{k}={v!r} (the job runs {values[k]!r})" for k, v in asked.items()
-              if v is not None and k in _JOB_SETTINGS and v != values[k]]
+              if v is not None and k in settings.SHARED and v != values[k]]
     if differ:
         raise ConfigError(f"joining the job at {host}:{port} with {', '.join(differ)}: leave those settings "
                           "out, a joining worker takes the job's")
-    values.update({k: v for k, v in asked.items() if v is not None and k not in _JOB_SETTINGS})
+    values.update({k: v for k, v in asked.items() if v is not None and k not in settings.SHARED})
     index = store.add(StoreKeys.WORKERS, 1) - 1
     rank = values["servers"] + index
     store.add(StoreKeys.ALIVE.format(rank), 0)
-    path = os.environ.get(INDEX_FILE)
+    path = settings.JOIN_INDEX_FILE.read()
     if path:
         write_atomically(path, str(index).encode())
     return JobConfig(**values, rank=rank, world_size=rank + 1, master_addr=host, master_port=port,

@@ -24,7 +24,8 @@ import traceback
 
 import torch.distributed as dist
 
-from gradsync.config import ConfigError, JobConfig, StoreKeys, settings_from_env, worker_name
+from gradsync.config import ConfigError, JobConfig, StoreKeys, job_keywords, worker_name
+from gradsync.core import settings
 from gradsync.core.torch_internals import start_dist_autograd
 from gradsync.membership import newcomers, uneven_data
 from gradsync.membership.liveness import Heartbeat, die_with_launcher, record_gone, staying, wait_for_arrivals
@@ -132,7 +133,7 @@ def _check_launched(strategy: str | None) -> None:
             "--strategy ps --workers 2 SCRIPT` (or --strategy allreduce, hybrid), or with torchrun and "
             "GRADSYNC_STRATEGY set, e.g. `GRADSYNC_STRATEGY=ps torchrun --nproc-per-node 3 SCRIPT` (the first "
             "GRADSYNC_SERVERS ranks, default 1, are the parameter servers)")
-    if strategy is None and not os.environ.get("GRADSYNC_STRATEGY"):
+    if strategy is None and not settings.STRATEGY.given():
         raise ConfigError(
             "no strategy: set GRADSYNC_STRATEGY to ps, allreduce or hybrid (under torchrun; with ps and hybrid "
             "the first GRADSYNC_SERVERS ranks, default 1, are the parameter servers), or pass "
@@ -169,7 +170,7 @@ _SAMPLER_HINT = ("gradsync: the ps strategy has no torch.distributed process gro
 def say_failure(text: str) -> None:
     """Write a rank's failure to stderr, unless a gradsync launcher (GRADSYNC_ERROR_FILE) shows it: once, in
     the job's headline, not once per rank."""
-    if not os.environ.get("GRADSYNC_ERROR_FILE"):
+    if not settings.ERROR_FILE.read():
         sys.stderr.write(text)
     sys.stderr.flush()
 
@@ -189,7 +190,7 @@ def record_failure(cluster: Cluster | None, rank: int, text: str) -> str:
         late = watch.without_trainer(min(config.startup_timeout, config.step_timeout) / 2)
         if late:
             text += f"gradsync: {watch.describe_without_trainer(late)}\n"
-    path = os.environ.get("GRADSYNC_ERROR_FILE")
+    path = settings.ERROR_FILE.read()
     if path:
         with open(path, "w") as f:
             f.write(text)
@@ -215,19 +216,21 @@ def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=
         transport: 'rpc' (torch RPC) or 'grpc' (ps only: pulls and pushes over gRPC, no TensorPipe).
         join: a running async ps job's run directory, or its store's HOST:PORT (default: GRADSYNC_JOIN): join
             it as a new worker, with the job's settings (README, "Elastic async workers").
-        timeouts: startup_timeout, step_timeout, shutdown_timeout (seconds); staleness (steps, mode 'ssp');
-            checkpoint_dir and checkpoint_every (steps), resume (a checkpoint directory): see README,
-            "Checkpoint and resume".
+        timeouts: the other job settings: startup_timeout, step_timeout, shutdown_timeout (seconds);
+            staleness (steps, mode 'ssp'); server_device, bucket_cap_mb; checkpoint_dir and checkpoint_every
+            (steps), resume (a checkpoint directory): see README, "Checkpoint and resume", and the settings
+            table of docs/architecture.md.
     On a server this call serves until the job ends and then exits the process.
     Raises:
         ConfigError: no launcher started this process (no WORLD_SIZE: start it with `gradsync run` or
             torchrun), no strategy, or a bad setting.
+        TypeError: a keyword that is no job setting.
         TimeoutError: some rank did not reach init() within startup_timeout (naming it).
     """
     global _STATE
     asked = dict(strategy=strategy, mode=mode, servers=servers, nonfinite=nonfinite, compression=compression,
-                 transport=transport, **timeouts)
-    join = join or os.environ.get(newcomers.JOIN)
+                 transport=transport, **job_keywords(timeouts, "gradsync.init"))
+    join = join or settings.JOIN.read()
     if join and _STATE is None:
         _STATE = _join_running(join, asked)
         return
@@ -269,8 +272,7 @@ def _join_running(target: str, asked: dict) -> Cluster:
     die_with_launcher()
     malloc.limit_arenas()
     host, port = newcomers.store_address(target)
-    timeout = asked.get("startup_timeout") or settings_from_env(os.environ).get("startup_timeout",
-                                                                                  JobConfig.startup_timeout)
+    timeout = asked.get("startup_timeout") or settings.STARTUP_TIMEOUT.read()
     try:
         store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=timeout))
@@ -286,11 +288,10 @@ def _join_running(target: str, asked: dict) -> Cluster:
 
 def _join_launched(running: JobConfig, asked: JobConfig) -> None:
     """A second init() is fine inside `gradsync.launch`'s function when it asks for the job that runs."""
-    if os.environ.get("GRADSYNC_LAUNCHED") != "1":
+    if not settings.LAUNCHED.read():
         raise RuntimeError("gradsync.init() was already called in this process")
     differ = [f"{f}={getattr(asked, f)!r} (the job runs {getattr(running, f)!r})"
-              for f in ("strategy", "mode", "staleness", "servers", "nonfinite", "compression", "transport",
-                        "checkpoint_dir", "checkpoint_every", "resume")
+              for f in settings.SHARED
               if getattr(asked, f) != getattr(running, f)]
     if differ:
         raise ConfigError(
@@ -302,7 +303,7 @@ def _join_launched(running: JobConfig, asked: JobConfig) -> None:
 def _use_cuda() -> bool:
     import torch
 
-    return torch.cuda.is_available() and os.environ.get("GRADSYNC_DEVICE", "cuda") == "cuda"
+    return torch.cuda.is_available() and settings.DEVICE.read() == "cuda"
 
 
 def _install_server(config: JobConfig, resumed: resume.Found | None):

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.config import JobConfig, StoreKeys
+from gradsync.core import settings
 from gradsync.core.buckets import Bucket, ModelSpec
 from gradsync.proto import gradsync_pb2 as pb
 from gradsync.proto import tensor_codec
@@ -44,14 +45,14 @@ from gradsync.remote.client import Client, read_stream
 
 def run_dir() -> str:
     """This job's run directory (created if missing)."""
-    path = os.environ.get("GRADSYNC_RUN_DIR") or os.path.join("runs", os.environ.get("TORCHELASTIC_RUN_ID", "local"))
+    path = settings.RUN_DIR.read() or os.path.join("runs", os.environ.get("TORCHELASTIC_RUN_ID", "local"))
     os.makedirs(path, exist_ok=True)
     return path
 
 
 def job_token(store: dist.Store) -> str:
     """The job's bearer token: GRADSYNC_TOKEN, else the first server's, shared through the store."""
-    given = os.environ.get("GRADSYNC_TOKEN")
+    given = settings.TOKEN.read()
     if given:
         return given
     return store.compare_set(StoreKeys.TOKEN, "", new_token()).decode()
@@ -74,28 +75,22 @@ def worker_token(store: dist.Store) -> str:
 def start_endpoint(server: ParameterServer, store: dist.Store, step_timeout: float):
     """Serve `server` over gRPC and write its address and the token to the run directory."""
     directory = run_dir()
-    port = int(os.environ.get("GRADSYNC_GRPC_PORT", "0"))
+    port = settings.GRPC_PORT.read()
     token = job_token(store)
     endpoint = serve_grpc(
         server,
-        host=os.environ.get("GRADSYNC_GRPC_HOST", "127.0.0.1"),
+        host=settings.GRPC_HOST.read(),
         port=port + server.shard_id if port else 0,
         token=token,
         member_token=member_token(store),
-        tls_cert=_tls_cert(),
-        tls_key=os.environ.get("GRADSYNC_TLS_KEY"),
+        tls_cert=settings.TLS_CERT.read(),
+        tls_key=settings.TLS_KEY.read(),
         checkpoint_dir=os.path.join(directory, "checkpoints"),
         step_timeout=step_timeout,
     )
     write_endpoints(directory, server.shard_id, endpoint.address, token)
     store.set(StoreKeys.GRPC_ADDRESS.format(server.shard_id), endpoint.address)
     return endpoint
-
-
-def _tls_cert() -> str | None:
-    """GRADSYNC_TLS_CERT: the certificate the endpoint serves with (and its key, GRADSYNC_TLS_KEY), which the
-    job's workers trust; None: no TLS."""
-    return os.environ.get("GRADSYNC_TLS_CERT")
 
 
 def register_from_store(server: ParameterServer, store: dist.Store, config: JobConfig) -> None:
@@ -128,7 +123,7 @@ class GrpcTransport:
         store.wait([StoreKeys.GRPC_ADDRESS.format(s) for s in self.servers])  # bounded by the store's start-up timeout
         addresses = {s: store.get(StoreKeys.GRPC_ADDRESS.format(s)).decode() for s in self.servers}
         # with TLS, the job's own workers trust the servers' certificate
-        self.client = Client(addresses, token=worker_token(store), timeout=config.step_timeout, root_cert=_tls_cert())
+        self.client = Client(addresses, token=worker_token(store), timeout=config.step_timeout, root_cert=settings.TLS_CERT.read())
         snapshot = tensor_codec.message_parser(pb.PullResponse)  # chunks as views of the received bytes
         self._pulls = {s: c.unary_stream(f"/{SERVICE}/JobPull", request_serializer=pb.JobPullRequest.SerializeToString,
                                          response_deserializer=snapshot) for s, c in self.client.channels.items()}

@@ -14,7 +14,6 @@ between the processes' memory directly, around the rate-limited links.
 """
 from __future__ import annotations
 
-import os
 import time
 import warnings
 
@@ -23,7 +22,8 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from torch.distributed.rendezvous import register_rendezvous_handler
 
-from gradsync.config import LINK, JobConfig, StoreKeys, server_name
+from gradsync.config import JobConfig, StoreKeys, server_name
+from gradsync.core import settings
 from gradsync.core.buckets import ModelSpec
 from gradsync.core.torch_internals import set_rpc_timeout
 from gradsync.ps.consistency import Agreement, Partial
@@ -43,7 +43,7 @@ def start_rpc(config: JobConfig, store: dist.Store) -> None:
     register_rendezvous_handler("gradsync", handler)
     # rpc.init_rpc's own all_gather_object trips a deprecation warning inside torch; it is not ours to fix
     warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
-    channels = {"_channels": ["basic"]} if os.environ.get(LINK) else {}
+    channels = {"_channels": ["basic"]} if settings.LINK.read() else {}
     options = rpc.TensorPipeRpcBackendOptions(
         init_method="gradsync://", rpc_timeout=config.startup_timeout,
         num_worker_threads=max(16, 4 * config.world_size), _transports=["uv"], **channels,

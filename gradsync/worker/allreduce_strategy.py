@@ -81,7 +81,9 @@ def _sparse_weights(module: nn.Module) -> set[int]:
 
 
 def _tables(module: nn.Module) -> list[nn.Module]:
-    return [m for m in module.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.weight.requires_grad]
+    """The embedding tables DDP averages (not those hybrid serves, whose weight it took away)."""
+    return [m for m in module.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))
+            and m.weight is not None and m.weight.requires_grad]
 
 
 def _no_buffer_broadcast() -> dict:

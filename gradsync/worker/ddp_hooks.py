@@ -13,12 +13,12 @@ every rank's payload and scales, and decodes their mean in one pass
 bucket; like any collective, every rank of the group must reach it.
 """
 import dataclasses
-from typing import Callable, Optional, get_args
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from gradsync.config import Compression
+from gradsync.core.settings import COMPRESSION
 from gradsync.cuda_ops import DEFAULT_BLOCK_SIZE, compress, compress_int8, decompress, dequantize_aggregate
 from gradsync.cuda_ops.checks import block_size as check_block_size
 
@@ -29,7 +29,7 @@ _HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 class DDPHookState:
     """What a gradsync DDP hook keeps between calls."""
 
-    compression: Compression = "none"
+    compression: str = "none"
     """'none', 'fp16', 'bf16' or 'int8'."""
     process_group: Optional[dist.ProcessGroup] = None
     """Group to average over; None is the default group (pass DDP's group if it is another)."""
@@ -40,7 +40,7 @@ class DDPHookState:
     _layouts: dict[int, tuple] = dataclasses.field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self):
-        allowed = get_args(Compression)
+        allowed = COMPRESSION.choices
         if self.compression not in allowed:
             raise ValueError(
                 f"compression: unknown value {self.compression!r}; use one of {', '.join(map(repr, allowed))}"
@@ -94,7 +94,7 @@ def _int8_hook(state: DDPHookState, bucket: dist.GradBucket) -> torch.futures.Fu
 
 
 def make_ddp_hook(
-    compression: Compression = "none",
+    compression: str = "none",
     *,
     block_size: int = DEFAULT_BLOCK_SIZE,
     process_group: Optional[dist.ProcessGroup] = None,

@@ -1,0 +1,245 @@
+"""Every setting gradsync reads from the environment, declared once: its variable, type, default, help,
+concern, and the option and keyword that set it.
+
+`gradsync.config` builds `JobConfig` (fields, defaults, checks, `to_env`, `settings_from_env`) from the
+settings of the job concerns; `gradsync.cli` builds `gradsync run`'s options from them; the other modules
+read their variables with `Setting.read`, never `os.environ` (`tests/test_settings.py` checks it). The
+settings tables of docs/architecture.md are `markdown()` (`make docs` rewrites them).
+Internal settings are set by a launcher (gradsync's, or torchrun) for the processes it starts; the user
+sets the others.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+
+JOB_CONCERNS = ("placement", "training", "timeouts", "checkpointing")
+"""The concerns of `JobConfig`, one dataclass each; the other concerns are read where they are used."""
+
+
+class ConfigError(ValueError):
+    """A job setting is invalid; the message names the bad value and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One setting. `name`: its JobConfig field and `init`/`launch` keyword (job concerns), else how the
+    code calls it; `flag`: the option of `gradsync run` (or `compare`) that sets it; `shared`: the job's
+    value holds on every rank, and a worker that joins takes it; `default_text`: the default in words, where
+    it is not the `default` value."""
+
+    name: str
+    env: str
+    type: type
+    default: object
+    concern: str
+    help: str
+    flag: str | None = None
+    choices: tuple = ()
+    label: str = ""
+    shared: bool = False
+    internal: bool = False
+    default_text: str = ""
+
+    def parse(self, raw: str | None):
+        """The value of the variable's text `raw` (None: unset, the default; '' is unset for a number)."""
+        if raw is None or (raw == "" and self.type is not str):
+            return self.default
+        if self.type is bool:
+            return raw == "1"
+        try:
+            return self.type(raw)
+        except ValueError:
+            kind = "an integer" if self.type is int else "a number"
+            raise ConfigError(f"{self.env}={raw!r} is not {kind}") from None
+
+    def check(self, value) -> None:
+        """Refuse a value outside `choices`, naming it, the choices and where to set it."""
+        if self.choices and value not in self.choices:
+            raise ConfigError(f"unknown {self.label or self.name} {value!r}: expected one of "
+                              f"{', '.join(map(repr, self.choices))} (set it with {self.where})")
+
+    def read(self, environ=None):
+        """This setting in `environ` (default: this process's environment), checked."""
+        value = self.parse((os.environ if environ is None else environ).get(self.env))
+        self.check(value)
+        return value
+
+    def given(self, environ=None) -> bool:
+        """Whether `environ` (default: this process's environment) sets the variable (to a non-empty text)."""
+        return bool((os.environ if environ is None else environ).get(self.env))
+
+    @property
+    def where(self) -> str:
+        """How a user sets it: '--flag or ENV', or 'ENV'."""
+        return f"{self.flag} or {self.env}" if self.flag else self.env
+
+    @property
+    def shown_default(self) -> str:
+        return self.default_text or ("unset" if self.default in ("", None) else str(self.default))
+
+
+_S = Setting
+# Placement: where this process sits in the job (torchrun's variables; gradsync run sets them the same way).
+RANK = _S("rank", "RANK", int, 0, "placement", "global rank of this process, 0 .. world_size-1", internal=True)
+WORLD_SIZE = _S("world_size", "WORLD_SIZE", int, 1, "placement", "servers + workers", internal=True,
+                default_text="servers + 1")
+MASTER_ADDR = _S("master_addr", "MASTER_ADDR", str, "127.0.0.1", "placement", "host of the rendezvous store",
+                 internal=True)
+MASTER_PORT = _S("master_port", "MASTER_PORT", int, 29500, "placement", "port of the rendezvous store",
+                 internal=True)
+STORE_IS_HOSTED = _S("store_is_hosted", "GRADSYNC_STORE_HOSTED", bool, False, "placement",
+                     "'1': a launcher hosts the store (as torchrun's TORCHELASTIC_USE_AGENT_STORE=True does), so "
+                     "rank 0 connects to it", internal=True)
+SERVERS = _S("servers", "GRADSYNC_SERVERS", int, 1, "placement",
+             "parameter servers, the first ranks", flag="--servers", shared=True,
+             default_text="1 for ps and hybrid, 0 for allreduce")
+SERVER_DEVICE = _S("server_device", "GRADSYNC_SERVER_DEVICE", str, "cpu", "placement",
+                   "where servers keep their shard and aggregate: cpu, cuda, cuda:N", flag="--server-device")
+# Training: what a step computes and how gradients travel.
+STRATEGY = _S("strategy", "GRADSYNC_STRATEGY", str, "ps", "training",
+              "ps (parameter server), allreduce (DDP), or hybrid (embedding tables on the servers, the rest DDP)",
+              flag="--strategy", choices=("ps", "allreduce", "hybrid"), shared=True)
+MODE = _S("mode", "GRADSYNC_MODE", str, "sync", "training",
+          "sync, async or ssp (ps and hybrid): sync averages all workers' gradients each step, async applies "
+          "each as it arrives, ssp too but no worker runs more than --staleness steps ahead",
+          flag="--mode", choices=("sync", "async", "ssp"), shared=True)
+STALENESS = _S("staleness", "GRADSYNC_STALENESS", int, 0, "training",
+               "with --mode ssp: steps a worker may run ahead of the slowest", flag="--staleness", shared=True)
+NONFINITE = _S("nonfinite", "GRADSYNC_NONFINITE", str, "raise", "training",
+               "raise or skip, for NaN/Inf gradients: raise names the parameter and worker, skip drops the step",
+               flag="--nonfinite", choices=("raise", "skip"), label="nonfinite policy", shared=True)
+COMPRESSION = _S("compression", "GRADSYNC_COMPRESSION", str, "none", "training",
+                 "none, fp16, bf16 or int8 gradients on the wire", flag="--compression",
+                 choices=("none", "fp16", "bf16", "int8"), shared=True)
+TRANSPORT = _S("transport", "GRADSYNC_TRANSPORT", str, "rpc", "training",
+               "rpc or grpc: how ps workers reach the servers (torch RPC, or gRPC without TensorPipe)",
+               flag="--transport", choices=("rpc", "grpc"), shared=True)
+BUCKET_CAP_MB = _S("bucket_cap_mb", "GRADSYNC_BUCKET_CAP_MB", float, 25.0, "training",
+                   "largest parameter bucket in MB (one bucket is one flat tensor on the wire)",
+                   flag="--bucket-cap-mb")
+# Timeouts: each rank's own; a worker that joins may choose its own.
+STARTUP_TIMEOUT = _S("startup_timeout", "GRADSYNC_STARTUP_TIMEOUT", float, 120.0, "timeouts",
+                     "seconds for every rank to join and register the model", flag="--startup-timeout")
+STEP_TIMEOUT = _S("step_timeout", "GRADSYNC_STEP_TIMEOUT", float, 60.0, "timeouts",
+                  "seconds an RPC or collective of a step may take; a rank silent that long is named and the "
+                  "job stopped", flag="--step-timeout")
+SHUTDOWN_TIMEOUT = _S("shutdown_timeout", "GRADSYNC_SHUTDOWN_TIMEOUT", float, 30.0, "timeouts",
+                      "seconds shutdown waits for the other workers to finish", flag="--shutdown-timeout")
+# Checkpointing: exact for sync jobs of the ps and allreduce strategies over rpc.
+CHECKPOINT_DIR = _S("checkpoint_dir", "GRADSYNC_CHECKPOINT_DIR", str, "", "checkpointing",
+                    "write a checkpoint every --checkpoint-every steps into this directory (a folder per step; "
+                    "every rank must reach it)", flag="--checkpoint-dir", shared=True)
+CHECKPOINT_EVERY = _S("checkpoint_every", "GRADSYNC_CHECKPOINT_EVERY", int, 0, "checkpointing",
+                      "steps between checkpoints (every strategy and mode)", flag="--checkpoint-every", shared=True)
+RESUME = _S("resume", "GRADSYNC_RESUME", str, "", "checkpointing",
+            "restart from the newest complete checkpoint in this directory (any --servers/--workers)",
+            flag="--resume", shared=True)
+# The process: read where it is used.
+DEVICE = _S("device", "GRADSYNC_DEVICE", str, "cuda", "process",
+            "the workers' process group (allreduce, hybrid): cuda uses nccl when CUDA is available, cpu uses "
+            "gloo (for a model kept on the CPU of a GPU machine)", choices=("cuda", "cpu"))
+JOIN = _S("join", "GRADSYNC_JOIN", str, "", "process",
+          "a running async ps job's run directory or store HOST:PORT: gradsync.init() joins it as a new worker "
+          "(also gradsync.init(join=...))", flag="--join")
+RUN_DIR = _S("run_dir", "GRADSYNC_RUN_DIR", str, "", "process",
+             "the job's files, kept (endpoints, tokens, join.json, stats)", flag="--run-dir",
+             default_text="a new temporary directory, removed at the end (torchrun: ./runs/<job id>, made "
+                          "when a gRPC endpoint needs one)")
+# gRPC endpoints of the servers (the world outside the job, and --transport grpc).
+GRPC_HOST = _S("grpc_host", "GRADSYNC_GRPC_HOST", str, "127.0.0.1", "grpc",
+               "where the servers' gRPC endpoints listen (loopback only unless set)")
+GRPC_PORT = _S("grpc_port", "GRADSYNC_GRPC_PORT", int, 0, "grpc",
+               "port of server 0's endpoint, server i on port + i; 0: free ports")
+TOKEN = _S("token", "GRADSYNC_TOKEN", str, None, "grpc",
+           "bearer token of clients outside the job", default_text="one per job, written to the run directory")
+TLS_CERT = _S("tls_cert", "GRADSYNC_TLS_CERT", str, None, "grpc",
+              "PEM certificate the endpoints serve with (with GRADSYNC_TLS_KEY: TLS only), which the job's own "
+              "workers trust")
+TLS_KEY = _S("tls_key", "GRADSYNC_TLS_KEY", str, None, "grpc", "PEM key of the endpoints (with GRADSYNC_TLS_CERT)")
+# gradsync compare.
+STRAGGLER = _S("straggler", "GRADSYNC_STRAGGLER", str, "", "compare",
+               "worker W's compute takes F times as long (W:F, an emulated straggler)", flag="--straggler")
+LOG_DIR = _S("log_dir", "GRADSYNC_LOG_DIR", str, "", "compare",
+             "where gradsync.log writes each worker's JSON lines (compare sets it per run)", internal=True)
+TENSORBOARD_DIR = _S("tensorboard_dir", "GRADSYNC_TENSORBOARD_DIR", str, "", "compare",
+                     "where gradsync.log also writes TensorBoard scalars (compare --log-dir, per run)",
+                     internal=True)
+# Set by gradsync's launcher for the ranks and joiners it starts.
+LAUNCHER_PID = _S("launcher_pid", "GRADSYNC_LAUNCHER_PID", int, None, "launcher",
+                  "pid of the launcher the rank dies with", internal=True)
+LAUNCHED = _S("launched", "GRADSYNC_LAUNCHED", bool, False, "launcher",
+              "'1' in a rank gradsync.launch started: a second gradsync.init() there joins the job", internal=True)
+ERROR_FILE = _S("error_file", "GRADSYNC_ERROR_FILE", str, "", "launcher",
+                "where a rank writes its failure for the launcher (which shows it, so the rank does not)",
+                internal=True)
+JOIN_INDEX_FILE = _S("join_index_file", "GRADSYNC_JOIN_INDEX_FILE", str, None, "launcher",
+                     "where a joining worker writes the worker index it took (gradsync run --join)", internal=True)
+LINK = _S("link", "GRADSYNC_LINK", str, "", "launcher",
+          "the rate of the rank's emulated link (gradsync run --link)", internal=True)
+del _S
+
+TABLE: tuple[Setting, ...] = tuple(v for v in dict(globals()).values() if isinstance(v, Setting))
+"""Every setting, in the order above."""
+
+
+def of(concern: str) -> tuple[Setting, ...]:
+    return tuple(s for s in TABLE if s.concern == concern)
+
+
+JOB_SETTINGS = tuple(s for s in TABLE if s.concern in JOB_CONCERNS and not s.internal)
+"""What a user chooses for a job: `gradsync.init`/`launch` keywords, `gradsync run` options, and the
+variables a launcher passes to every rank (`JobConfig.to_env`)."""
+SHARED = tuple(s.name for s in TABLE if s.shared)
+"""The settings whose job's value holds on every rank: a worker that joins takes them, and may not ask for others."""
+
+
+@contextlib.contextmanager
+def environment(values: dict[Setting, str | None]):
+    """Set (None: unset) these settings' variables in this process's environment, restored on exit."""
+    previous = {s.env: os.environ.get(s.env) for s in values}
+    try:
+        for setting, value in values.items():
+            _put(setting.env, value)
+        yield
+    finally:
+        for name, value in previous.items():
+            _put(name, value)
+
+
+def _put(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+def markdown() -> str:
+    """The settings tables of docs/architecture.md: the user's, then the internal ones."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    user = ["| Variable | Keyword | Option | Default | Concern | What |", "|---|---|---|---|---|---|"]
+    user += [f"| `{s.env}` | {f'`{s.name}=`' if s in JOB_SETTINGS else ''} | {f'`{s.flag}`' if s.flag else ''} | "
+             f"{cell(s.shown_default)} | {s.concern} | {cell(s.help)} |" for s in TABLE if not s.internal]
+    internal = ["| Variable | Set by | Concern | What |", "|---|---|---|---|"]
+    internal += [f"| `{s.env}` | {'torchrun, gradsync' if not s.env.startswith('GRADSYNC_') else 'gradsync'} | "
+                 f"{s.concern} | {cell(s.help)} |" for s in TABLE if s.internal]
+    said = "Set by a launcher (gradsync's, or torchrun) for the processes it starts; not settings:"
+    return "\n".join(user + ["", said, ""] + internal) + "\n"
+
+
+BEGIN, END = "<!-- settings: generated from gradsync/core/settings.py by `make docs` -->", "<!-- end of settings -->"
+
+
+def rewrite(path: str) -> None:
+    """Replace the generated tables in the Markdown file `path` with `markdown()`."""
+    with open(path) as f:
+        text = f.read()
+    pattern = re.escape(BEGIN) + ".*?" + re.escape(END)
+    if not re.search(pattern, text, flags=re.S):
+        raise ValueError(f"{path} has no {BEGIN} ... {END} block to rewrite: add one where the tables go")
+    with open(path, "w") as f:
+        f.write(re.sub(pattern, lambda m: f"{BEGIN}\n{markdown()}{END}", text, flags=re.S))
