@@ -162,7 +162,8 @@ class AllreduceStrategy:
         self.config = config
         self.worker = config.worker_rank
         self.metrics = StepMetrics()
-        self.started = 0  # training forwards (with grad, in a dist_autograd context): steps begun
+        self.started = 0  # steps begun: contexts with a training forward (with grad)
+        self._begun: int | None = None  # the context of the last step begun
         params, buffers = named_tensors(module)
         _check_same_model(ModelSpec.of(params, buffers), self.worker, config.num_workers)
         self.module = module
@@ -201,8 +202,10 @@ class AllreduceStrategy:
 
     def _forward(self, *args, **kwargs):
         self.metrics.pulled(0.0, 0)  # marks the start of the step
-        if torch.is_grad_enabled() and current_context_id() is not None:
-            self.started += 1
+        context = current_context_id() if torch.is_grad_enabled() else None
+        if context is not None:
+            if context != self._begun:  # the step's first forward (micro-batches share its context)
+                self.started, self._begun = self.started + 1, context
             if self.joining:
                 self.active = ddp_join.count_active(True, self.trainable[0].device)
         out = self.ddp(*args, **kwargs)
