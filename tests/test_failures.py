@@ -1,8 +1,5 @@
 """Failure behaviour: a broken worker fails the whole job fast, with its rank and traceback."""
-import os
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
@@ -11,7 +8,7 @@ import gradsync
 from gradsync.config import ConfigError
 from faults import Fault, train_with_fault
 from jobs import build_mismatched, reference_mlp, reference_skipping, train_mlp_stats, train_with_nan
-from test_parity import max_diff
+from helpers import gradsync_run, max_diff
 
 
 @pytest.mark.timeout(90)
@@ -85,12 +82,6 @@ def test_async_applies_every_push_and_uneven_workers_shut_down():
 def test_bad_settings_are_refused_before_anything_starts(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         gradsync.launch(train_mlp_stats, **kwargs)
-
-
-def gradsync_run(*args, timeout=60, env=None):
-    """`gradsync run ARGS` in a subprocess (`env`: variables added to this environment)."""
-    return subprocess.run([sys.executable, "-m", "gradsync.cli", "run", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
 
 
 @pytest.mark.timeout(60)

@@ -12,13 +12,11 @@ import pytest
 import gradsync
 from faults import Fault, read_stamp, train_then_leave, train_with_fault
 from gradsync.runtime import cluster
-from gradsync.launcher import procfs
 from gradsync.config import JobConfig
 from gradsync.launcher.launch import host_store, temporary_run_dir
 from gradsync.membership.liveness import Heartbeat
-from test_failures import gradsync_run
+from helpers import TESTS, gone as _gone, gradsync_run
 
-TESTS = os.path.dirname(__file__)
 STEP_TIMEOUT = 4.0
 SLACK = 8.0  # heartbeat period, the launcher's poll, killing the ranks, on a loaded 2-core machine
 
@@ -134,10 +132,6 @@ import gradsync, faults
 gradsync.init()
 faults.train_with_fault(faults.Fault(0, 2, "mark", {pids!r}), 10**6)
 """
-
-
-def _gone(pid: int) -> bool:
-    return procfs.state(pid) in (None, "Z")  # a zombie has exited; its new parent reaps it
 
 
 @pytest.mark.timeout(90)

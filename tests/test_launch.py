@@ -3,7 +3,7 @@ import pytest
 
 import gradsync
 from jobs import init_then_train, reference_mlp
-from test_parity import max_diff
+from helpers import max_diff
 
 
 @pytest.mark.timeout(120)

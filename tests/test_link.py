@@ -18,7 +18,7 @@ from gradsync.core.emulated_network import reachable
 from gradsync.launcher.netem import Link, Network
 import jobs
 from jobs import reference_mlp, train_mlp
-from test_failures import gradsync_run
+from helpers import gradsync_run
 
 TESTS = os.path.dirname(__file__)
 needs_root = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/sbin/ip"),

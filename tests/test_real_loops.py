@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import gradsync
-from real_loops import (MAX_NORM, call_optimizer_step, train_accumulating, continue_single_process, max_diff, noise_bound,
+from helpers import max_diff
+from real_loops import (MAX_NORM, call_optimizer_step, train_accumulating, continue_single_process, noise_bound,
                         optimizer_diff, reference, train_drive_apart,
                         reference_amp, relative, train, train_amp, train_resumed, train_tables)
 

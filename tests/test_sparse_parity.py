@@ -8,7 +8,7 @@ import torch
 import gradsync
 from sparse_models import (BATCH, HOT, ROWS_BAG, ROWS_EMB, TABLES, ClickNet, huge_table, lookup_out_of_range,
                            reference_clicks, train_clicks, train_on_meta_tables)
-from test_parity import max_diff
+from helpers import max_diff
 
 STEPS = 20
 CASES = [

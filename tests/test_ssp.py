@@ -3,7 +3,7 @@ import pytest
 
 import gradsync
 from jobs import reference_mlp, train_mlp_and_stats
-from test_parity import max_diff
+from helpers import max_diff
 
 STEPS = 8
 

@@ -14,8 +14,7 @@ from faults import sample_without_arguments, train_without_one_trainer
 from gradsync.config import ConfigError, JobConfig, StoreKeys
 from gradsync.launcher.launch import host_store
 from gradsync.membership.liveness import create_keys, wait_for_arrivals
-from test_faults import TESTS, _gone
-from test_failures import gradsync_run
+from helpers import TESTS, gone as _gone, gradsync_run
 
 ROOT = os.path.dirname(TESTS)
 STARTUP_TIMEOUT = 20  # every rank of a `gradsync run` job imports torch first: slow on a loaded machine
