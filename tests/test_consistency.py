@@ -11,21 +11,30 @@ from gradsync.ps.shard import ShardState
 from shards import ALL, grads_of, make_shard
 
 
-@pytest.mark.parametrize("order", [[0, 1, 2], [2, 0, 1], [1, 2, 0]])
-def test_sync_result_is_bit_identical_whatever_the_arrival_order(order):
+def _sync_flats(order):
+    """The shard's values after one sync step whose three pushes arrive in `order`."""
     shard, _ = make_shard()
     rule = SyncRule(shard, num_workers=3, nonfinite="raise")
     futures = [rule.commit(w, 0, grads_of(w, shard), ALL, {}) for w in order]
     assert [f.wait() for f in futures] == [1, 1, 1]
+    return shard.flats
+
+
+def test_sync_result_is_bit_identical_whatever_the_arrival_order():
+    """Float addition is not associative, so summing in arrival order would give different bits for different
+    orders (checked below on these very gradients): the rule must sum in worker order."""
+    flats = {tuple(order): _sync_flats(order) for order in ([0, 1, 2], [2, 0, 1], [1, 2, 0], [2, 1, 0])}
     reference, _ = make_shard()
     mean = [sum(grads_of(w, reference)[i].double() for w in range(3)) / 3 for i in range(len(reference.buckets))]
     reference.apply([m.float() for m in mean], [set()] * len(mean), {})
-    for a, b in zip(shard.flats, reference.flats):
+    for a, b in zip(flats[(0, 1, 2)], reference.flats):
         assert torch.allclose(a, b, rtol=0, atol=1e-4)
-    first, _ = make_shard()
-    rule = SyncRule(first, num_workers=3, nonfinite="raise")
-    [rule.commit(w, 0, grads_of(w, first), ALL, {}) for w in (0, 1, 2)]
-    assert all(a.equal(b) for a, b in zip(shard.flats, first.flats))
+    for order, got in flats.items():
+        assert all(a.equal(b) for a, b in zip(got, flats[(0, 1, 2)])), order
+    shard, _ = make_shard()
+    sums = {order: [sum((grads_of(w, shard)[i] for w in order[1:]), grads_of(order[0], shard)[i])
+                    for i in range(len(shard.buckets))] for order in flats}
+    assert any(not all(a.equal(b) for a, b in zip(s, sums[(0, 1, 2)])) for s in sums.values())  # orders do differ
 
 
 @pytest.mark.parametrize(

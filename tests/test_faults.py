@@ -36,7 +36,7 @@ def test_a_stopped_worker_is_named_within_the_step_timeout(strategy, servers, mo
     assert "its process is stopped (SIGSTOP" in headline
     assert failed_after < STEP_TIMEOUT + SLACK
     if mode == "async":  # worker0 trained on, and its shutdown gave up waiting for worker1 in time
-        assert read_stamp(tmp_path, "shutdown-0") < 1.5 + 2.0
+        assert read_stamp(tmp_path, "shutdown-0") < 1.5 + SLACK  # not the default 30 s shutdown_timeout
 
 
 @pytest.mark.timeout(90)
@@ -46,7 +46,7 @@ def test_uneven_data_fails_at_once_naming_the_worker_that_left(strategy, servers
     with pytest.raises(gradsync.JobFailed) as info:
         gradsync.launch(train_with_fault, strategy=strategy, workers=2, servers=servers, args=(fault, 10),
                         step_timeout=60, timeout=80)
-    assert time.time() - read_stamp(tmp_path, "fault") < SLACK  # not after the 60 s step timeout
+    assert time.time() - read_stamp(tmp_path, "fault") < 60 / 2  # not after the 60 s step timeout
     message = str(info.value)
     assert message.startswith(f"rank {servers} (worker0) failed with exit code 1"), message
     assert "worker 1 left the job (its training function returned, or it called gradsync.shutdown) after 9 steps" \
@@ -60,7 +60,7 @@ def test_shutdown_returns_within_its_timeout_when_a_worker_never_leaves(capfd):
     cluster._STATE = cluster.Cluster(config, store, Heartbeat(store, config))
     start = time.monotonic()
     gradsync.shutdown()
-    assert time.monotonic() - start < 1.0 + 1.0
+    assert time.monotonic() - start < 1.0 + SLACK  # not the default 30 s shutdown_timeout
     assert "shutdown waited 1 s (shutdown_timeout) for worker1 to leave the job" in capfd.readouterr().err
 
 
