@@ -164,9 +164,10 @@ gradsync.shutdown()
 @pytest.mark.timeout(90)
 def test_gradsync_run_trains_over_the_emulated_network_with_the_grpc_transport(tmp_path):
     script = tmp_path / "job.py"
-    script.write_text(_JOB.format(tests=TESTS, body="state = jobs.train_mlp(4)\n"
+    script.write_text(_JOB.format(tests=TESTS, body="import helpers\nstate = jobs.train_mlp(4)\n"
                                   "names = [n for _, n in socket.if_nameindex()]\n"  # one write: ranks' lines never mix
-                                  "line = f\"{gradsync.worker_rank()} {names} {float(state['0.weight'].sum())}\"\n"
+                                  "diff = helpers.max_diff(state, jobs.reference_mlp(4, 2))\n"
+                                  "line = f\"{gradsync.worker_rank()} {names} {diff}\"\n"
                                   "sys.stdout.write(line + '\\n')"))
     done = gradsync_run("--link", "100mbit", "--strategy", "ps", "--transport", "grpc", "--workers", "2",
                         "--run-dir", str(tmp_path / "run"), str(script), timeout=80)
@@ -184,10 +185,10 @@ def test_gradsync_run_trains_over_the_emulated_network_with_the_grpc_transport(t
     assert outside.returncode == 2
     assert "10.213.0.2:" in outside.stderr and "is inside an emulated network (a job of gradsync run --link)" \
         in outside.stderr
-    expected = float(reference_mlp(4, 2)["0.weight"].sum())
     lines = sorted(done.stdout.splitlines())
     assert [line.rsplit(" ", 1)[0] for line in lines] == ["0 ['lo', 'link0']", "1 ['lo', 'link0']"]
-    assert [float(line.rsplit(" ", 1)[1]) for line in lines] == pytest.approx([expected] * 2, rel=1e-5)
+    # every parameter of every worker, against single-process training (not the sum of one tensor)
+    assert all(float(line.rsplit(" ", 1)[1]) <= 1e-5 for line in lines), lines
     _nothing_left(_job(done.stderr))
 
 
