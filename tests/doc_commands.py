@@ -106,11 +106,36 @@ def run_program(path: str, argv: list[str] | tuple = ()) -> str:
     return printed.getvalue()
 
 
+def _agreed_port(folder: str, index: int, rank: int, timeout: float = 60.0) -> int:
+    """The MASTER_PORT of program `index`: rank 0 asks the kernel for a free port just before its program binds
+    it and publishes it in `folder`; the other ranks read it there. (Ports picked for every program up front
+    stayed free for a minute or more, long enough for another process on the machine to take one.)"""
+    import socket
+    import time
+
+    path = os.path.join(folder, f"port-{index}")
+    if rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with open(path + ".tmp", "w") as f:
+            f.write(str(port))
+        os.rename(path + ".tmp", path)
+        return port
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 did not publish the port of program {index} within {timeout:.0f} s")
+        time.sleep(0.02)
+    with open(path) as f:
+        return int(f.read())
+
+
 def run_ddp_programs(spec_path: str) -> None:
     """One rank of plain torch.distributed programs, as torchrun starts them (RANK, WORLD_SIZE, MASTER_ADDR set
-    by the caller): spec {"runs": [[path, argv, port], ...], "out": folder} runs each program in turn, with
-    MASTER_PORT its port, and writes {index: printed} to out/rank-<RANK>.json; a failure is written there too,
-    and the process exits 1 at once (so that the other ranks' collectives fail instead of waiting).
+    by the caller): spec {"runs": [[path, argv], ...], "out": folder} runs each program in turn, with
+    MASTER_PORT a port rank 0 picks just before it (`_agreed_port`), and writes {index: printed} to
+    out/rank-<RANK>.json; a failure is written there too, and the process exits 1 at once (so that the other ranks' collectives fail instead of waiting).
 
     Each group a program destroys is kept alive until this process ends with os._exit: when the last reference
     to a gloo group goes (a DDP model freed after `destroy_process_group()`, as a program's `main` returns),
@@ -129,9 +154,9 @@ def run_ddp_programs(spec_path: str) -> None:
     dist.destroy_process_group = destroy_and_keep
     rank, printed = int(os.environ["RANK"]), {}
     out = os.path.join(spec["out"], f"rank-{rank}.json")
-    for index, (path, argv, port) in enumerate(spec["runs"]):
-        os.environ["MASTER_PORT"] = str(port)
+    for index, (path, argv) in enumerate(spec["runs"]):
         try:
+            os.environ["MASTER_PORT"] = str(_agreed_port(spec["out"], index, rank))
             printed[index] = run_program(path, argv)
         except BaseException:
             printed[index] = "FAILED\n" + traceback.format_exc()

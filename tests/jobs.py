@@ -1,6 +1,9 @@
 """Functions the multi-process tests run on each worker (module level, so spawn can pickle them)."""
 from __future__ import annotations
 
+import os
+import time
+
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.nn.functional as F
@@ -22,10 +25,12 @@ def batch(step: int, worker: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, IN, generator=g), torch.randint(0, OUT, (BATCH,), generator=g)
 
 
-def run_loop(trainer: gradsync.Trainer, steps: int, log: bool = False) -> None:
-    """The user loop of the README on this worker's batches (`log`: each step's loss through gradsync.log)."""
+def run_loop(trainer: gradsync.Trainer, steps: int, log: bool = False, pause_s: float = 0.0) -> None:
+    """The user loop of the README on this worker's batches (`log`: each step's loss through gradsync.log;
+    `pause_s`: seconds of sleep before each step, a slow worker)."""
     me = gradsync.worker_rank()
     for step in range(steps):
+        time.sleep(pause_s)
         x, y = batch(step, me)
         with dist_autograd.context() as cid:
             loss = F.cross_entropy(trainer.model(x), y)
@@ -42,11 +47,14 @@ def train_mlp(steps: int, lr: float = 0.1, momentum: float = 0.9) -> dict[str, t
     return trainer.state_dict()
 
 
-def reference_mlp(steps: int, workers: int, lr: float = 0.1, momentum: float = 0.9) -> dict[str, torch.Tensor]:
-    """Single-process training on the concatenation of the workers' batches."""
+def reference_mlp(steps: int, workers: int, lr: float = 0.1, momentum: float = 0.9, skip: int | None = None
+                  ) -> dict[str, torch.Tensor]:
+    """Single-process training on the concatenation of the workers' batches (`skip`: a step left out)."""
     model = make_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     for step in range(steps):
+        if step == skip:
+            continue
         xs, ys = zip(*(batch(step, w) for w in range(workers)))
         opt.zero_grad()
         F.cross_entropy(model(torch.cat(xs)), torch.cat(ys)).backward()
@@ -58,12 +66,7 @@ def train_mlp_stats(steps: int, steps_worker1: int | None = None) -> dict:
     """Train (worker 1 may stop early) and return server 0's counters as seen at the end."""
     me = gradsync.worker_rank()
     trainer = gradsync.Trainer(make_mlp(), torch.optim.SGD, lr=0.05)
-    mine = steps_worker1 if (me == 1 and steps_worker1 is not None) else steps
-    for step in range(mine):
-        x, y = batch(step, me)
-        with dist_autograd.context() as cid:
-            dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
-            trainer.step(cid)
+    run_loop(trainer, steps_worker1 if (me == 1 and steps_worker1 is not None) else steps)
     return trainer.server_stats()[0]
 
 
@@ -91,16 +94,7 @@ def train_with_nan(steps: int, nan_step: int) -> dict[str, torch.Tensor]:
 
 def reference_skipping(steps: int, workers: int, skip: int) -> dict[str, torch.Tensor]:
     """`reference_mlp` with step `skip` left out entirely."""
-    model = make_mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(steps):
-        if step == skip:
-            continue
-        xs, ys = zip(*(batch(step, w) for w in range(workers)))
-        opt.zero_grad()
-        F.cross_entropy(model(torch.cat(xs)), torch.cat(ys)).backward()
-        opt.step()
-    return model.state_dict()
+    return reference_mlp(steps, workers, skip=skip)
 
 
 def make_bn_net(seed: int = 0) -> nn.Module:
@@ -224,8 +218,30 @@ def train_mlp_server_stats(steps: int) -> dict[int, dict]:
     return trainer.server_stats()
 
 
-def train_mlp_and_stats(steps: int, lr: float = 0.1, momentum: float = 0.0) -> tuple[dict[str, torch.Tensor], dict]:
-    """Train the MLP with SGD; returns the final state and every server's counters."""
+def train_mlp_and_stats(steps: int, lr: float = 0.1, momentum: float = 0.0, slow_s: float = 0.0
+                        ) -> tuple[dict[str, torch.Tensor], dict]:
+    """Train the MLP with SGD; returns the final state and every server's counters (`slow_s`: every worker
+    but worker 0 sleeps that long before each step)."""
     trainer = gradsync.Trainer(make_mlp(), torch.optim.SGD, lr=lr, momentum=momentum)
-    run_loop(trainer, steps)
+    run_loop(trainer, steps, pause_s=slow_s if gradsync.worker_rank() != 0 else 0.0)
     return trainer.state_dict(), trainer.server_stats()
+
+
+def forever(pids: str) -> None:
+    """A worker's body that never ends: after 2 steps (every rank is up) worker 0 notes every rank's pid
+    (the fork server's children)."""
+    from faults import batch, make_mlp
+    from gradsync.launcher import procfs
+
+    me, step = gradsync.worker_rank(), 0
+    trainer = gradsync.Trainer(make_mlp(), torch.optim.SGD, lr=0.1)
+    while True:
+        x, y = batch(step, me)
+        with dist_autograd.context() as cid:
+            dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
+            trainer.step(cid)
+        step += 1
+        if step == 2 and me == 0:
+            with open(os.path.join(pids, "ranks.tmp"), "w") as f:
+                f.write(" ".join(map(str, procfs.children(os.getppid()))))
+            os.rename(os.path.join(pids, "ranks.tmp"), os.path.join(pids, "ranks"))

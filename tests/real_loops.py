@@ -216,11 +216,6 @@ def call_optimizer_step() -> str:
     return "no error"
 
 
-def max_diff(a: dict, b: dict) -> float:
-    assert list(a) == list(b)
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
-
-
 def optimizer_diff(a: dict, b: dict) -> float:
     """Largest difference between two optimizer state dicts of one layout (asserting the layout and options)."""
     assert [dict(g, params=None) for g in a["param_groups"]] == [dict(g, params=None) for g in b["param_groups"]]

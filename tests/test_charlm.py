@@ -9,7 +9,8 @@ import sys
 import pytest
 
 import gradsync
-from real_loops import max_diff, noise_bound
+from helpers import max_diff
+from real_loops import noise_bound
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 import charlm  # noqa: E402

@@ -101,6 +101,8 @@ def test_compare_report_numbers_come_from_the_runs(tmp_path):
         assert prediction["step_s"][name][0] == pytest.approx(runs[name]["step_s"] * (1 + residual))  # measured
     winner = prediction["winner"]
     assert {winner, prediction["runner_up"]} == {"allreduce", "ps sync S=1"}
+    # the winner is the fitted run predicted fastest at W = 2 (from the step times checked above)
+    assert winner == min(("allreduce", "ps sync S=1"), key=lambda n: prediction["step_s"][n][0])
     verdict = md[md.index("## Verdict"):]
     assert verdict.split("\n\n")[1].startswith(
         f"At W = 2 on loopback, {winner} wins: {1000 * prediction['step_s'][winner][0]:.1f} ms")

@@ -8,8 +8,8 @@ from gradsync.ps.consistency import SyncRule
 from gradsync.core.errors import GradientError
 from gradsync.ps.wire import make_wire
 from jobs import reference_mlp, train_mlp_with_metrics
-from test_consistency import ALL, grads_of, make_shard
-from test_parity import max_diff
+from shards import ALL, grads_of, make_shard
+from helpers import max_diff
 
 STEPS = 20
 # per-element error after 20 SGD-momentum steps of the test MLP: fp16 keeps 11 bits, bf16 8, int8 7 per block

@@ -8,39 +8,33 @@ from gradsync.ps.consistency import AsyncRule, SSPRule, SyncRule
 from gradsync.core.errors import GradientError
 from gradsync.ps.shard import ShardState
 
-
-ALL = [()]
-"""No absent entries in make_shard's one bucket: every parameter got a gradient."""
+from shards import ALL, grads_of, make_shard
 
 
-def make_shard():
-    torch.manual_seed(0)
-    params = {"w": torch.randn(3, 4, requires_grad=True), "b": torch.randn(4, requires_grad=True)}
-    buckets = plan_buckets(ModelSpec.of(params, {}).params, 1, 10**9)
-    shard = ShardState(0, buckets, params, {}, OptimizerSpec.one_group(torch.optim.SGD, {"lr": 0.5, "momentum": 0.9}))
-    return shard, params
-
-
-def grads_of(worker, shard):
-    g = torch.Generator().manual_seed(worker)
-    return [torch.randn(b.numel, generator=g) * 1e3 for b in shard.buckets]
-
-
-@pytest.mark.parametrize("order", [[0, 1, 2], [2, 0, 1], [1, 2, 0]])
-def test_sync_result_is_bit_identical_whatever_the_arrival_order(order):
+def _sync_flats(order):
+    """The shard's values after one sync step whose three pushes arrive in `order`."""
     shard, _ = make_shard()
     rule = SyncRule(shard, num_workers=3, nonfinite="raise")
     futures = [rule.commit(w, 0, grads_of(w, shard), ALL, {}) for w in order]
     assert [f.wait() for f in futures] == [1, 1, 1]
+    return shard.flats
+
+
+def test_sync_result_is_bit_identical_whatever_the_arrival_order():
+    """Float addition is not associative, so summing in arrival order would give different bits for different
+    orders (checked below on these very gradients): the rule must sum in worker order."""
+    flats = {tuple(order): _sync_flats(order) for order in ([0, 1, 2], [2, 0, 1], [1, 2, 0], [2, 1, 0])}
     reference, _ = make_shard()
     mean = [sum(grads_of(w, reference)[i].double() for w in range(3)) / 3 for i in range(len(reference.buckets))]
     reference.apply([m.float() for m in mean], [set()] * len(mean), {})
-    for a, b in zip(shard.flats, reference.flats):
+    for a, b in zip(flats[(0, 1, 2)], reference.flats):
         assert torch.allclose(a, b, rtol=0, atol=1e-4)
-    first, _ = make_shard()
-    rule = SyncRule(first, num_workers=3, nonfinite="raise")
-    [rule.commit(w, 0, grads_of(w, first), ALL, {}) for w in (0, 1, 2)]
-    assert all(a.equal(b) for a, b in zip(shard.flats, first.flats))
+    for order, got in flats.items():
+        assert all(a.equal(b) for a, b in zip(got, flats[(0, 1, 2)])), order
+    shard, _ = make_shard()
+    sums = {order: [sum((grads_of(w, shard)[i] for w in order[1:]), grads_of(order[0], shard)[i])
+                    for i in range(len(shard.buckets))] for order in flats}
+    assert any(not all(a.equal(b) for a, b in zip(s, sums[(0, 1, 2)])) for s in sums.values())  # orders do differ
 
 
 @pytest.mark.parametrize(

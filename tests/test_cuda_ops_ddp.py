@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import time
 
 import pytest
@@ -21,17 +20,12 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from gradsync.launcher.launch import host_store
 from gradsync.worker.ddp_hooks import make_ddp_hook
 
 WORLD = 2
 STEPS = 4
 COMPRESSIONS = ("none", "fp16", "bf16", "int8")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model() -> nn.Module:
@@ -41,8 +35,9 @@ def _model() -> nn.Module:
 
 def _rank_main(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=30))
+    timeout = datetime.timedelta(seconds=30)
+    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False, timeout=timeout)  # the parent hosts it
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timeout)
     try:
         results = {}
         for compression in COMPRESSIONS:
@@ -72,8 +67,10 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
 
 
 def _run_ranks(out_dir: str, timeout: float) -> None:
-    """Start WORLD ranks; re-raise the first rank failure; kill every rank on failure or timeout."""
-    ctx = mp.start_processes(_rank_main, args=(_free_port(), out_dir), nprocs=WORLD, join=False,
+    """Start WORLD ranks; re-raise the first rank failure; kill every rank on failure or timeout. The ranks
+    meet in a store this process hosts on loopback, on a port the kernel picked (no free-port guess another process can take)."""
+    store = host_store(0)
+    ctx = mp.start_processes(_rank_main, args=(store.port, out_dir), nprocs=WORLD, join=False,
                              start_method="spawn")
     deadline = time.monotonic() + timeout
     try:

@@ -6,7 +6,7 @@ from torch import nn
 
 import gradsync
 from edge_models import CASES, initial, reference_edge, step_twice, step_without_backward, train_edge
-from test_parity import max_diff
+from helpers import max_diff
 
 STEPS = 10
 STRATEGIES = [("allreduce", 0), ("ps", 1), ("ps", 2)]

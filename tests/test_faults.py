@@ -12,13 +12,11 @@ import pytest
 import gradsync
 from faults import Fault, read_stamp, train_then_leave, train_with_fault
 from gradsync.runtime import cluster
-from gradsync.launcher import procfs
 from gradsync.config import JobConfig
 from gradsync.launcher.launch import host_store, temporary_run_dir
 from gradsync.membership.liveness import Heartbeat
-from test_failures import gradsync_run
+from helpers import TESTS, gone as _gone, gradsync_run
 
-TESTS = os.path.dirname(__file__)
 STEP_TIMEOUT = 4.0
 SLACK = 8.0  # heartbeat period, the launcher's poll, killing the ranks, on a loaded 2-core machine
 
@@ -38,7 +36,7 @@ def test_a_stopped_worker_is_named_within_the_step_timeout(strategy, servers, mo
     assert "its process is stopped (SIGSTOP" in headline
     assert failed_after < STEP_TIMEOUT + SLACK
     if mode == "async":  # worker0 trained on, and its shutdown gave up waiting for worker1 in time
-        assert read_stamp(tmp_path, "shutdown-0") < 1.5 + 2.0
+        assert read_stamp(tmp_path, "shutdown-0") < 1.5 + SLACK  # not the default 30 s shutdown_timeout
 
 
 @pytest.mark.timeout(90)
@@ -48,7 +46,7 @@ def test_uneven_data_fails_at_once_naming_the_worker_that_left(strategy, servers
     with pytest.raises(gradsync.JobFailed) as info:
         gradsync.launch(train_with_fault, strategy=strategy, workers=2, servers=servers, args=(fault, 10),
                         step_timeout=60, timeout=80)
-    assert time.time() - read_stamp(tmp_path, "fault") < SLACK  # not after the 60 s step timeout
+    assert time.time() - read_stamp(tmp_path, "fault") < 60 / 2  # not after the 60 s step timeout
     message = str(info.value)
     assert message.startswith(f"rank {servers} (worker0) failed with exit code 1"), message
     assert "worker 1 left the job (its training function returned, or it called gradsync.shutdown) after 9 steps" \
@@ -62,7 +60,7 @@ def test_shutdown_returns_within_its_timeout_when_a_worker_never_leaves(capfd):
     cluster._STATE = cluster.Cluster(config, store, Heartbeat(store, config))
     start = time.monotonic()
     gradsync.shutdown()
-    assert time.monotonic() - start < 1.0 + 1.0
+    assert time.monotonic() - start < 1.0 + SLACK  # not the default 30 s shutdown_timeout
     assert "shutdown waited 1 s (shutdown_timeout) for worker1 to leave the job" in capfd.readouterr().err
 
 
@@ -134,10 +132,6 @@ import gradsync, faults
 gradsync.init()
 faults.train_with_fault(faults.Fault(0, 2, "mark", {pids!r}), 10**6)
 """
-
-
-def _gone(pid: int) -> bool:
-    return procfs.state(pid) in (None, "Z")  # a zombie has exited; its new parent reaps it
 
 
 @pytest.mark.timeout(90)

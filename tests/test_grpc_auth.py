@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
 
 import grpc
 import pytest
@@ -13,6 +12,7 @@ from gradsync.proto import gradsync_pb2 as pb
 from gradsync.proto import gradsync_pb2_grpc as pb_grpc
 from gradsync.proto.service import serve_grpc
 from grpc_harness import TOKEN, make_server, served
+from helpers import self_signed
 
 
 @pytest.mark.timeout(60)
@@ -76,23 +76,11 @@ def test_serving_needs_a_token_and_both_tls_files():
         Client("127.0.0.1:1")
 
 
-def _self_signed(tmp_path) -> tuple[str, str]:
-    """A self-signed certificate for 127.0.0.1 made with the openssl command (the cryptography package is not installed)."""
-    cert, key = str(tmp_path / "cert.pem"), str(tmp_path / "key.pem")
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-         "-keyout", key, "-out", cert, "-days", "1", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
-        check=True, capture_output=True, timeout=30,
-    )
-    return cert, key
-
-
 @pytest.mark.timeout(60)
 def test_tls_endpoint_serves_tls_clients_only(tmp_path):
     if shutil.which("openssl") is None:
         pytest.skip("the openssl command is not installed; it makes the self-signed test certificate")
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     server = make_server("async", workers=1)
     endpoint = serve_grpc(server, token=TOKEN, tls_cert=cert, tls_key=key)
     try:

@@ -8,8 +8,7 @@ import socket
 
 import pytest
 
-from test_failures import gradsync_run
-from test_grpc_auth import _self_signed
+from helpers import gradsync_run, self_signed
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -59,7 +58,7 @@ def _free_ports(count: int) -> int:
 def test_run_serves_its_endpoint_where_the_settings_say_with_tls_and_the_given_token(tmp_path):
     if shutil.which("openssl") is None:
         pytest.skip("the openssl command is not installed; it makes the self-signed test certificate")
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     script = tmp_path / "job.py"
     script.write_text(_SCRIPT.format(tests=TESTS, cert=cert))
     port = _free_ports(2)

@@ -2,7 +2,8 @@
 import pytest
 
 import gradsync
-from jobs import train_then_read_over_grpc
+from helpers import max_diff
+from jobs import reference_mlp, train_then_read_over_grpc
 
 
 @pytest.mark.timeout(150)
@@ -10,6 +11,7 @@ def test_servers_of_a_job_serve_grpc_with_owner_only_endpoint_files():
     result = gradsync.launch(train_then_read_over_grpc, strategy="ps", workers=1, servers=2, args=(3,), timeout=140)[0]
     state, pulled = result["state"], result["pulled"]
     assert result["pieces"], "SGD lets the plan split a parameter across the 2 servers; the client joins it"
+    assert max_diff(state, reference_mlp(3, 1)) <= 1e-5  # what the job trained, so what the clients must read
     assert sorted(pulled) == sorted(state)
     for name in state:
         assert pulled[name].dtype == state[name].dtype and pulled[name].equal(state[name]), name

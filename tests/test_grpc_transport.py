@@ -3,7 +3,7 @@ import pytest
 
 import gradsync
 from jobs import reference_bn, reference_mlp, train_bn, train_mlp, train_mlp_server_stats, train_with_outside_worker
-from test_parity import max_diff
+from helpers import max_diff
 
 
 @pytest.mark.timeout(200)

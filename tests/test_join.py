@@ -8,7 +8,7 @@ from gradsync.core.optimizer_spec import OptimizerSpec
 from gradsync.core.buckets import ModelSpec, plan_buckets
 from gradsync.ps.consistency import SSPRule, SyncRule
 from gradsync.ps.shard import ShardState
-from test_parity import max_diff
+from helpers import max_diff
 from uneven import join_without_every_worker, open_join, reference_uneven, reference_uneven_bn, train_uneven
 
 ALL = [()]  # no absent entries in the one bucket

@@ -11,7 +11,7 @@ import pytest
 import gradsync
 from gradsync.launcher import procfs
 from jobs import init_then_train, reference_mlp
-from test_parity import max_diff
+from helpers import max_diff
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -43,31 +43,9 @@ def test_a_second_init_outside_launch_is_refused():
 
 _CALLER = """import os, sys
 sys.path.insert(0, {tests!r})
-import gradsync, test_launch
-gradsync.launch(test_launch.forever, strategy="ps", workers=2, args=({pids!r},), timeout=600)
+import gradsync, jobs
+gradsync.launch(jobs.forever, strategy="ps", workers=2, args=({pids!r},), timeout=600)
 """
-
-
-def forever(pids: str) -> None:
-    """A worker's body that never ends: after 2 steps (every rank is up) worker 0 notes every rank's pid
-    (the fork server's children)."""
-    import torch
-    import torch.distributed.autograd as dist_autograd
-    import torch.nn.functional as F
-    from faults import batch, make_mlp
-
-    me, step = gradsync.worker_rank(), 0
-    trainer = gradsync.Trainer(make_mlp(), torch.optim.SGD, lr=0.1)
-    while True:
-        x, y = batch(step, me)
-        with dist_autograd.context() as cid:
-            dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
-            trainer.step(cid)
-        step += 1
-        if step == 2 and me == 0:
-            with open(os.path.join(pids, "ranks.tmp"), "w") as f:
-                f.write(" ".join(map(str, procfs.children(os.getppid()))))
-            os.rename(os.path.join(pids, "ranks.tmp"), os.path.join(pids, "ranks"))
 
 
 @pytest.mark.timeout(150)

@@ -12,14 +12,14 @@ import pytest
 import torch
 
 import gradsync
-from gradsync.launcher import netem
+from gradsync.launcher import leases, netem
 from gradsync.config import ConfigError
 from gradsync.core.settings import LINK
 from gradsync.core.emulated_network import reachable
 from gradsync.launcher.netem import Link, Network
 import jobs
 from jobs import reference_mlp, train_mlp
-from test_failures import gradsync_run
+from helpers import gradsync_run
 
 TESTS = os.path.dirname(__file__)
 needs_root = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/sbin/ip"),
@@ -31,10 +31,22 @@ def _job(stderr: str) -> str:
     return re.search(r"ip netns exec (gsnet[0-9a-f]{6})hub", stderr).group(1)
 
 
+def _held_by_another_process(namespace: str) -> bool:
+    """The namespace's network is held by a running launcher other than this process: another job's, on a
+    shared machine (a lease this process still holds is a network it failed to remove)."""
+    lease = os.path.join(netem.LEASES, namespace[:len(netem.PREFIX) + 6] + ".lease")
+    mine = {os.path.realpath(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")}
+    return os.path.exists(lease) and not leases.abandoned(lease) and os.path.realpath(lease) not in mine
+
+
 def _nothing_left(job: str = "") -> None:
-    """No namespace of the job (of any job, without one) is left, and no link of ours appeared in this (the
-    root) namespace. Naming the job keeps the check true while other jobs with links run on the machine."""
-    assert [ns for ns in netem.leftovers() if ns.startswith(job)] == []
+    """No namespace of the job (without one: of any job whose launcher is gone) is left, and no link of ours
+    appeared in this (the root) namespace. Naming the job, or leaving out the networks that running launchers
+    hold, keeps the check true while other jobs with links run on the machine."""
+    if job:
+        assert [ns for ns in netem.leftovers() if ns.startswith(job)] == []
+    else:
+        assert [ns for ns in netem.leftovers() if not _held_by_another_process(ns)] == []
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, timeout=10, check=True).stdout
     assert netem.PREFIX not in links and netem.DEVICE not in links
 
@@ -153,9 +165,10 @@ gradsync.shutdown()
 @pytest.mark.timeout(90)
 def test_gradsync_run_trains_over_the_emulated_network_with_the_grpc_transport(tmp_path):
     script = tmp_path / "job.py"
-    script.write_text(_JOB.format(tests=TESTS, body="state = jobs.train_mlp(4)\n"
+    script.write_text(_JOB.format(tests=TESTS, body="import helpers\nstate = jobs.train_mlp(4)\n"
                                   "names = [n for _, n in socket.if_nameindex()]\n"  # one write: ranks' lines never mix
-                                  "line = f\"{gradsync.worker_rank()} {names} {float(state['0.weight'].sum())}\"\n"
+                                  "diff = helpers.max_diff(state, jobs.reference_mlp(4, 2))\n"
+                                  "line = f\"{gradsync.worker_rank()} {names} {diff}\"\n"
                                   "sys.stdout.write(line + '\\n')"))
     done = gradsync_run("--link", "100mbit", "--strategy", "ps", "--transport", "grpc", "--workers", "2",
                         "--run-dir", str(tmp_path / "run"), str(script), timeout=80)
@@ -173,10 +186,10 @@ def test_gradsync_run_trains_over_the_emulated_network_with_the_grpc_transport(t
     assert outside.returncode == 2
     assert "10.213.0.2:" in outside.stderr and "is inside an emulated network (a job of gradsync run --link)" \
         in outside.stderr
-    expected = float(reference_mlp(4, 2)["0.weight"].sum())
     lines = sorted(done.stdout.splitlines())
     assert [line.rsplit(" ", 1)[0] for line in lines] == ["0 ['lo', 'link0']", "1 ['lo', 'link0']"]
-    assert [float(line.rsplit(" ", 1)[1]) for line in lines] == pytest.approx([expected] * 2, rel=1e-5)
+    # every parameter of every worker, against single-process training (not the sum of one tensor)
+    assert all(float(line.rsplit(" ", 1)[1]) <= 1e-5 for line in lines), lines
     _nothing_left(_job(done.stderr))
 
 

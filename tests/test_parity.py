@@ -2,14 +2,10 @@
 import pytest
 
 import gradsync
+from helpers import max_diff
 from jobs import reference_bn, reference_mlp, train_bn, train_mlp
 
 STEPS = 20
-
-
-def max_diff(a: dict, b: dict) -> float:
-    assert list(a) == list(b)
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
 @pytest.mark.timeout(180)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import gradsync
-from real_loops import (MAX_NORM, call_optimizer_step, train_accumulating, continue_single_process, max_diff, noise_bound,
+from helpers import max_diff
+from real_loops import (MAX_NORM, call_optimizer_step, train_accumulating, continue_single_process, noise_bound,
                         optimizer_diff, reference, train_drive_apart,
                         reference_amp, relative, train, train_amp, train_resumed, train_tables)
 
@@ -15,7 +16,7 @@ STEPS = 8
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy,servers,workers", [("ps", 1, 2), ("ps", 2, 2), ("ps", 2, 4), ("allreduce", 0, 4)])
+@pytest.mark.parametrize("strategy,servers,workers", [("ps", 1, 2), ("ps", 2, 4), ("allreduce", 0, 4)])
 def test_adamw_groups_warmup_clipping_and_accumulation_match_single_process(strategy, servers, workers):
     args = (STEPS, "adamw", "warmup", MAX_NORM, 2, True)
     results = gradsync.launch(train, strategy=strategy, workers=workers, servers=servers, args=args, timeout=280)
@@ -36,8 +37,8 @@ def test_adamw_groups_warmup_clipping_and_accumulation_match_single_process(stra
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy,servers,mode,workers,schedule", [
-    ("ps", 2, "sync", 2, "onecycle"), ("ps", 2, "sync", 2, "cosine"), ("allreduce", 0, "sync", 2, "onecycle"),
-    ("ps", 2, "async", 1, "onecycle"), ("ps", 1, "ssp", 1, "cosine"),
+    ("ps", 2, "sync", 2, "onecycle"), ("allreduce", 0, "sync", 2, "onecycle"), ("ps", 2, "async", 1, "onecycle"),
+    ("ps", 1, "ssp", 1, "cosine"),
 ])
 def test_schedules_and_clipping_reach_every_server_exactly_with_sgd(strategy, servers, mode, workers, schedule):
     """SGD with momentum is exact to float rounding; async and ssp with one worker are sync training."""
@@ -70,10 +71,11 @@ def test_optimizer_state_dicts_move_between_single_process_and_gradsync(strategy
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("servers", [1, 2])
+@pytest.mark.parametrize("servers", [2])
 def test_hybrid_clips_by_the_norm_of_dense_layers_and_served_rows_together(servers):
     """Plain SGD serves the embedding row by row under hybrid (its lr following the warm-up); the norm that
-    clips is the joint one, the servers' averaged rows included."""
+    clips is the joint one, the servers' averaged rows included (two servers: the norm sums two shards'
+    rows; hybrid with one server trains under bfloat16 below)."""
     results = gradsync.launch(train, strategy="hybrid", workers=2, servers=servers,
                               args=(STEPS, "plain", "warmup", MAX_NORM, 1, False, False), timeout=280)
     joint = reference(STEPS, 2, "plain", "warmup", MAX_NORM)

@@ -15,7 +15,7 @@ from gradsync.ps import checkpoint, reshard
 from gradsync.ps.shard import ShardState
 from gradsync.ps.table import TableShard
 from resumable import by_name, reference_mlp, saved, train_clicks, train_mlp
-from test_parity import max_diff
+from helpers import max_diff
 
 PARAMS = {"big": torch.randn(40, 25), "bias": torch.randn(25), "last": torch.randn(7, 3)}
 BUFFERS = {"mean": torch.randn(5), "count": torch.tensor(3)}

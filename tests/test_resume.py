@@ -10,8 +10,7 @@ import torch
 import gradsync
 from faults import build_wider, train_resumable
 from jobs import make_mlp
-from test_failures import gradsync_run
-from test_parity import max_diff
+from helpers import gradsync_run, max_diff
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 

@@ -10,7 +10,7 @@ import torch
 import gradsync
 from faults import Fault
 from resumable import by_name, saved, train_clicks, train_mlp_with_fault
-from test_parity import max_diff
+from helpers import max_diff
 
 STEPS, KILL_AT, EVERY = 16, 12, 5
 JOBS = {  # name: (strategy, mode, transport)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import gradsync
 from sparse_models import DIM, LR, ROWS_BAG, ROWS_EMB, TABLES, ClickNet, click_batch, reference_clicks, train_clicks
-from test_parity import max_diff
+from helpers import max_diff
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 10

@@ -8,7 +8,7 @@ import torch
 import gradsync
 from sparse_models import (BATCH, HOT, ROWS_BAG, ROWS_EMB, TABLES, ClickNet, huge_table, lookup_out_of_range,
                            reference_clicks, train_clicks, train_on_meta_tables)
-from test_parity import max_diff
+from helpers import max_diff
 
 STEPS = 20
 CASES = [
@@ -48,7 +48,8 @@ def test_meta_tables_are_initialised_on_the_servers_and_counted_async(strategy):
         assert [t["rows"] for t in per_server] == [math.ceil(rows / 2), rows // 2]
         assert sum(t["bytes"] for t in per_server) == state[name].nbytes
         assert all(t["rows_pushed"] > 0 for t in per_server)
-        assert all(t["max_staleness"] >= 0 for t in per_server)
+        # a push is stale by at most the other worker's pushes (6 per shard), not by the shard's whole version
+        assert all(t["max_staleness"] <= 6 for t in per_server)
         assert bool(torch.isfinite(state[name]).all()) and state[name].std() > 0.5  # N(0, 1) rows, trained
     # lookups per step: W workers x (B x HOT bag ids + B ids), at most; the pulls counted them all
     pulled = sum(stats[s]["tables"][n]["rows_pulled"] for s in (0, 1) for n in TABLES)

@@ -12,13 +12,11 @@ import pytest
 import gradsync
 from faults import sample_without_arguments, train_without_one_trainer
 from gradsync.config import ConfigError, JobConfig, StoreKeys
-from gradsync.launcher.launch import host_store
 from gradsync.membership.liveness import create_keys, wait_for_arrivals
-from test_faults import TESTS, _gone
-from test_failures import gradsync_run
+from helpers import TESTS, gone as _gone, gradsync_run
 
 ROOT = os.path.dirname(TESTS)
-STARTUP_TIMEOUT = 20  # every rank of a `gradsync run` job imports torch first: slow on a loaded machine
+STARTUP_TIMEOUT = 12  # the ranks that do arrive import torch first (~3 s for three at once on 2 cores): 4x slack
 
 
 def _without_job_environment() -> dict:
@@ -42,8 +40,7 @@ def test_torchrun_without_a_strategy_is_refused_naming_GRADSYNC_STRATEGY(monkeyp
         gradsync.init()
 
 
-def test_the_arrival_wait_names_every_rank_that_has_not_arrived():
-    store = host_store(0)
+def test_the_arrival_wait_names_every_rank_that_has_not_arrived(store):
     config = JobConfig(strategy="ps", servers=1, world_size=3, startup_timeout=0.5)
     create_keys(store, config.world_size, config.num_workers)
     store.add(StoreKeys.ALIVE.format(0), 1)
@@ -64,10 +61,12 @@ gradsync.shutdown()
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("flags", [["--strategy", "ps", "--mode", "sync"], ["--strategy", "ps", "--mode", "async"],
-                                   ["--strategy", "allreduce"], ["--strategy", "ps", "--transport", "grpc"]],
-                         ids=["ps-sync", "ps-async", "allreduce", "ps-grpc"])
+@pytest.mark.parametrize("flags", [["--strategy", "ps", "--mode", "async"], ["--strategy", "allreduce"]],
+                         ids=["ps-async", "allreduce"])
 def test_a_rank_that_never_reaches_init_is_named_within_the_startup_timeout(flags, tmp_path):
+    """One case per layout of the ranks (ps: a server first; allreduce: workers only). Mode and transport are
+    not cases: init() waits for every rank's arrival (runtime/cluster.py) before anything they decide, and the
+    launcher names the absent rank from the store, whatever the job."""
     script = tmp_path / "late.py"
     late = 2 if "ps" in flags else 1  # worker1
     script.write_text(_LATE.format(late=late, tests=TESTS))
