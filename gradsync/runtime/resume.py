@@ -13,10 +13,11 @@ says every worker has, writes the manifest, last:
                                        above with their SHA-256
 
 Every file is written atomically with its SHA-256. `--resume DIR` starts from
-the newest step folder whose manifest exists and whose files all verify and are
-the ones it names (an older one when the newest is torn, altered, unfinished or
-half rewritten by a later job), and refuses one written by a job of another
-strategy, layout, world size or model.
+the newest step folder whose manifest exists, lists every file the checkpoint
+needs (each server's shard, each worker's state), and whose files all verify and
+are the ones it names (an older one when the newest is torn, altered, edited,
+unfinished or half rewritten by a later job), and refuses one written by a job
+of another strategy, layout, world size or model.
 """
 from __future__ import annotations
 
@@ -53,6 +54,16 @@ def step_dir(directory: str, step: int) -> str:
     return os.path.join(directory, f"step-{step:08d}")
 
 
+def worker_file(worker: int) -> str:
+    return f"worker-{worker}.ckpt"
+
+
+def needed_files(servers: int, workers: int) -> list[str]:
+    """The files a checkpoint of a job with `servers` and `workers` holds (its manifest must list each; the
+    servers write `shard-<s>.ckpt`, `ps.checkpoint`)."""
+    return [f"shard-{s}.ckpt" for s in range(servers)] + [worker_file(w) for w in range(workers)]
+
+
 def describe_model(module: torch.nn.Module) -> dict[str, list]:
     """{state_dict key: [shape, dtype]}: what a checkpoint's model must match."""
     return {k: [list(t.shape), str(t.dtype)] for k, t in module.state_dict().items()}
@@ -84,8 +95,8 @@ def find(config: JobConfig) -> Found | None:
 
 
 def latest_complete(directory: str) -> Found:
-    """The newest step folder of `directory` whose manifest exists and whose files all verify (and are the
-    ones it names)."""
+    """The newest step folder of `directory` whose manifest exists and lists every file the checkpoint needs,
+    and whose files all verify (and are the ones it names)."""
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"resume directory {directory!r} does not exist: pass the --checkpoint-dir of "
                                 "the job to resume")
@@ -97,6 +108,10 @@ def latest_complete(directory: str) -> Found:
         try:
             with open(os.path.join(path, MANIFEST)) as f:
                 manifest = json.load(f)
+            omitted = [n for n in needed_files(manifest["servers"], manifest["workers"]) if n not in manifest["files"]]
+            if omitted:
+                raise ValueError(f"its {MANIFEST} does not list {', '.join(omitted)}, which a checkpoint of "
+                                 f"{manifest['servers']} servers and {manifest['workers']} workers needs")
             for file, digest in manifest["files"].items():
                 checkpoint.verify(os.path.join(path, file), digest)
         except (OSError, ValueError, KeyError) as e:
@@ -104,7 +119,7 @@ def latest_complete(directory: str) -> Found:
             continue
         return Found(step, path, manifest, tuple(skipped))
     raise FileNotFoundError(f"no complete checkpoint in {directory!r} (a step-N folder with {MANIFEST} and "
-                            "intact files): start without --resume")
+                            "intact files, every one listed): start without --resume")
 
 
 def check_model(found: Found, module: torch.nn.Module) -> None:
@@ -128,7 +143,7 @@ def save(store: dist.Store, config: JobConfig, step: int, strategy, model: dict[
     state = dict(step=step, torch_rng=torch.get_rng_state(), python_rng=random.getstate(),
                  cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
                  **strategy.local_state())
-    checkpoint.write(os.path.join(path, f"worker-{me}.ckpt"), state)
+    checkpoint.write(os.path.join(path, worker_file(me)), state)
     store.set(StoreKeys.CHECKPOINT.format(step, me), "1")
     if me != 0:
         return
@@ -140,7 +155,7 @@ def save(store: dist.Store, config: JobConfig, step: int, strategy, model: dict[
         raise RuntimeError(f"checkpoint of step {step} in {path}: {', '.join(missing)} did not write its state "
                            f"within step_timeout {config.step_timeout:.0f} s") from e
     paths = [p for p, _ in shards.values()]
-    paths += [os.path.join(path, f"worker-{w}.ckpt") for w in range(config.num_workers)]
+    paths += [os.path.join(path, worker_file(w)) for w in range(config.num_workers)]
     files = {os.path.basename(p): checkpoint.stored_digest(p) for p in paths}
     manifest = dict(step=step, strategy=config.strategy, servers=config.servers, workers=config.num_workers,
                     model=model, files=files)
@@ -149,7 +164,7 @@ def save(store: dist.Store, config: JobConfig, step: int, strategy, model: dict[
 
 def restore(config: JobConfig, strategy, found: Found) -> int:
     """Load this worker's state of `found` (step, RNG states, the strategy's local state); returns the step."""
-    state = checkpoint.load(os.path.join(found.path, f"worker-{config.worker_rank}.ckpt"))
+    state = checkpoint.load(os.path.join(found.path, worker_file(config.worker_rank)))
     torch.set_rng_state(state["torch_rng"])
     random.setstate(state["python_rng"])
     if state["cuda_rng"]:
