@@ -14,17 +14,15 @@ from test_failures import gradsync_run
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
-
-
 _HEADLINE = re.compile(r"^gradsync: rank \d+ \(\w+\) (?:failed|exited|stopped)", re.MULTILINE)
 
 
-def run_failing_script(tmp_path, body: str, *flags: str, args: tuple = ()) -> tuple[str, str]:
-    """`gradsync run FLAGS script ARGS` of a script that imports the tests' helpers, then runs `body`, and fails
+def run_failing_script(tmp_path, body: str, *flags: str) -> tuple[str, str]:
+    """`gradsync run FLAGS script` of a script that imports the tests' helpers, then runs `body`, and fails
     with one headline, no SIGABRT; returns (its stderr, the headline: its stderr from `gradsync: rank`)."""
     script = tmp_path / "job.py"
     script.write_text(f"import sys; sys.path.insert(0, {TESTS!r})\nimport gradsync, faults, jobs\n{body}")
-    done = gradsync_run(*flags, str(script), *args, timeout=170)
+    done = gradsync_run(*flags, str(script), timeout=170)
     assert done.returncode == 1, done.stderr
     assert len(_HEADLINE.findall(done.stderr)) == 1, done.stderr
     assert "SIGABRT" not in done.stderr, done.stderr
