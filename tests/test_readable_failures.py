@@ -62,10 +62,11 @@ def test_a_resume_mismatch_is_said_once(tmp_path):
 
 
 @pytest.mark.timeout(180)
-def test_a_nan_gradient_is_headlined_with_the_worker_that_sent_it(tmp_path):
+@pytest.mark.parametrize("strategy,servers", [("ps", 1), ("allreduce", 0)])
+def test_a_nan_gradient_is_headlined_with_the_worker_that_sent_it(strategy, servers, tmp_path):
     body = "gradsync.init()\njobs.train_with_nan(6, 2)\ngradsync.shutdown()\n"
-    stderr, headline = run_failing_script(tmp_path, body, "--strategy", "ps", "--workers", "2")
-    assert headline.startswith("gradsync: rank 2 (worker1) failed with exit code 1:"), stderr
+    stderr, headline = run_failing_script(tmp_path, body, "--strategy", strategy, "--workers", "2")
+    assert headline.startswith(f"gradsync: rank {servers + 1} (worker1) failed with exit code 1:"), stderr
     assert "from worker 1: lower the learning rate" in headline
 
 
