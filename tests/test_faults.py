@@ -135,9 +135,10 @@ def test_a_worker_that_exits_without_shutdown_is_the_headline_not_the_healthy_on
     body = f"gradsync.init()\n{train}(faults.Fault(1, 3, 'exit'), 30)\ngradsync.shutdown()\n"
     stderr, headline = run_failing_script(tmp_path, body, "--strategy", strategy, "--workers", "2", "--step-timeout",
                                           str(STEP_TIMEOUT))
-    assert headline.startswith(f"gradsync: rank {servers + 1} (worker1) exited (code 0) without gradsync.shutdown() "
-                               "while the others were training"), stderr
-    assert f"\nthen rank {servers} (worker0) failed" in headline  # what followed, after the cause
+    # how the leaving process ends is torch's teardown's choice: exit 0, SIGABRT, or a hang until it is killed
+    assert re.match(rf"gradsync: rank {servers + 1} \(worker1\) exited \((code 0|then torch's teardown ended it with "
+                    r"SIGABRT|its process hangs in torch's teardown)\) without gradsync.shutdown\(\) while the others "
+                    "were training", headline), stderr
 
 
 @pytest.mark.timeout(180)
