@@ -205,6 +205,7 @@ class StoreKeys:
     LEFT = "gradsync/left"
     GONE = "gradsync/gone"  # workers that left an elastic job without gradsync.shutdown(): `worker:how` lines
     TRAINERS = "gradsync/trainers"  # `worker,` entries: the workers that have begun to build their Trainer
+    EXITED = "gradsync/exited"  # `worker,` entries: workers whose interpreter exited without gradsync.shutdown()
     WORKERS = "gradsync/workers"  # worker indices handed out: the job's workers, then one more per joiner
     JOB = "gradsync/job"  # an elastic job's settings (GRADSYNC_* variables, JSON), for workers that join it
     RPC_SERVING = "gradsync/rpc_serving/{}"  # server s is in the dynamic RPC group of an elastic job
@@ -220,6 +221,7 @@ class StoreKeys:
     JOINS = "gradsync/joins"  # how many times a worker has joined (trainer.join()): numbers the events
     JOINED = "gradsync/joined/{}"  # event number: the worker that joined
     JOIN_DONE = "gradsync/join_done/{}/{}"  # round, shard: that server saw every worker join that round
+    JOIN_ENTERED = "gradsync/join_entered/{}"  # round: `worker,` entries, the workers that opened trainer.join()
 
 
 def default_servers(strategy: str) -> int:

@@ -1,8 +1,10 @@
 """Fault injection for the multi-process tests, after torchft's failure injector: worker W fails at step K."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import sys
 import time
 from typing import NamedTuple
 
@@ -17,9 +19,10 @@ from jobs import batch, make_mlp
 
 class Fault(NamedTuple):
     """Worker `worker` fails as it reaches step `step`: 'raise' an exception, 'kill' itself (SIGKILL), 'stop'
-    itself (SIGSTOP: alive but silent until the launcher kills it), or 'leave' (stop training early, as a
-    worker with fewer batches does); 'mark' only notes the time (a sign that the job runs). `stamps`: a
-    directory where it notes time.time() in `fault` first."""
+    itself (SIGSTOP: alive but silent until the launcher kills it), 'leave' (stop training early, as a
+    worker with fewer batches does), or 'exit' (sys.exit(0): a script that ends there, without
+    gradsync.shutdown()); 'mark' only notes the time (a sign that the job runs). `stamps`: a directory where
+    it notes time.time() in `fault` first."""
 
     worker: int
     step: int
@@ -34,6 +37,8 @@ class Fault(NamedTuple):
             stamp(self.stamps, "fault")
         if self.how == "raise":
             raise RuntimeError(f"worker {worker} broke on purpose at step {step}")
+        if self.how == "exit":
+            sys.exit(0)
         if self.how in ("kill", "stop"):
             os.kill(os.getpid(), signal.SIGKILL if self.how == "kill" else signal.SIGSTOP)
         return self.how == "leave"
@@ -61,6 +66,21 @@ def train_with_fault(fault: Fault, steps: int) -> int:
         with dist_autograd.context() as cid:
             dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
             trainer.step(cid)
+    return steps
+
+
+def train_in_join(fault: Fault, steps: int, outside: int | None = None) -> int:
+    """`train_with_fault` inside `trainer.join()` on every worker but `outside` (None: on every one)."""
+    me = gradsync.worker_rank()
+    trainer = gradsync.Trainer(make_mlp(), torch.optim.SGD, lr=0.1)
+    with trainer.join() if me != outside else contextlib.nullcontext():
+        for step in range(steps):
+            if fault.strike(me, step):
+                return step
+            x, y = batch(step, me)
+            with dist_autograd.context() as cid:
+                dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
+                trainer.step(cid)
     return steps
 
 

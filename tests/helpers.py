@@ -4,11 +4,14 @@ this folder on sys.path, for the tests and for the ranks they spawn)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
+HEADLINE = re.compile(r"^gradsync: rank \d+ \(\w+\) (?:failed|exited|stopped)", re.MULTILINE)
+"""The first line of a failed job's headline."""
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -40,3 +43,15 @@ def self_signed(tmp_path) -> tuple[str, str]:
         check=True, capture_output=True, timeout=30,
     )
     return cert, key
+
+
+def run_failing_script(tmp_path, body: str, *flags: str) -> tuple[str, str]:
+    """`gradsync run FLAGS script` of a script that imports the tests' helpers, then runs `body`, and fails
+    with one headline, not an unexplained signal; returns (its stderr, the headline: from `gradsync: rank`)."""
+    script = tmp_path / "job.py"
+    script.write_text(f"import sys; sys.path.insert(0, {TESTS!r})\nimport gradsync, faults, jobs\n{body}")
+    done = gradsync_run(*flags, str(script), timeout=170)
+    assert done.returncode == 1, done.stderr
+    assert len(HEADLINE.findall(done.stderr)) == 1, done.stderr
+    assert "failed with signal" not in done.stderr, done.stderr
+    return done.stderr, done.stderr[done.stderr.index("gradsync: rank "):]

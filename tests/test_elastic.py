@@ -15,6 +15,7 @@ from gradsync.config import ConfigError, JobConfig, StoreKeys
 from gradsync.core.buckets import ModelSpec
 from gradsync.membership.liveness import Watch, create_keys, record_gone, staying
 from grpc_harness import make_server, model_state, served
+from helpers import gradsync_run
 
 STEPS = 8
 
@@ -141,3 +142,19 @@ def test_joining_refuses_jobs_that_take_no_workers_and_other_settings(tmp_path):
     newcomers.write_join_file(str(tmp_path), "127.0.0.1", 1234)
     assert newcomers.store_address(str(tmp_path)) == ("127.0.0.1", 1234)
     assert newcomers.store_address("10.0.0.5:29500") == ("10.0.0.5", 29500)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode,transport", [("sync", "rpc"), ("async", "grpc")])
+def test_run_join_refuses_a_job_it_cannot_join_before_starting_anything(mode, transport, tmp_path):
+    store = _store()
+    newcomers.publish_settings(store, JobConfig(strategy="ps", mode=mode, transport=transport, servers=1,
+                                                world_size=2))
+    started = tmp_path / "started"
+    script = tmp_path / "joiner.py"
+    script.write_text(f"open({str(started)!r}, 'w').close()\n")
+    done = gradsync_run("--join", f"127.0.0.1:{store.port}", str(script), timeout=50)
+    assert done.returncode == 2, done.stderr
+    assert (f"gradsync: error: the job at 127.0.0.1:{store.port} runs strategy='ps', mode={mode!r}, transport="
+            f"{transport!r}: workers join async ps jobs over torch RPC") in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and not started.exists()

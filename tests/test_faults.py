@@ -15,7 +15,7 @@ from gradsync.runtime import cluster
 from gradsync.config import JobConfig
 from gradsync.launcher.launch import host_store, temporary_run_dir
 from gradsync.membership.liveness import Heartbeat
-from helpers import TESTS, gone as _gone, gradsync_run
+from helpers import TESTS, gone as _gone, gradsync_run, run_failing_script
 
 STEP_TIMEOUT = 4.0
 SLACK = 8.0  # heartbeat period, the launcher's poll, killing the ranks, on a loaded 2-core machine
@@ -122,6 +122,29 @@ def test_a_worker_exception_in_async_mode_is_the_headline(tmp_path):
     assert headline.startswith("gradsync: rank 2 (worker1) failed with exit code 1:"), done.stderr
     assert "RuntimeError: worker 1 broke on purpose at step 3" in headline
     assert "SIGABRT" not in done.stderr
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("strategy,servers,join", [("allreduce", 0, False), ("allreduce", 0, True), ("ps", 1, False)],
+                         ids=["allreduce", "allreduce in join", "ps"])
+def test_a_worker_that_exits_without_shutdown_is_the_headline_not_the_healthy_one(strategy, servers, join, tmp_path):
+    train = "faults.train_in_join" if join else "faults.train_with_fault"
+    body = f"gradsync.init()\n{train}(faults.Fault(1, 3, 'exit'), 30)\ngradsync.shutdown()\n"
+    stderr, headline = run_failing_script(tmp_path, body, "--strategy", strategy, "--workers", "2", "--step-timeout",
+                                          str(STEP_TIMEOUT))
+    # how the leaving process ends is torch's teardown's choice: exit 0, SIGABRT, or a hang until it is killed
+    assert re.match(rf"gradsync: rank {servers + 1} \(worker1\) exited \((code 0|then torch's teardown ended it with "
+                    r"SIGABRT|its process hangs in torch's teardown)\) without gradsync.shutdown\(\) while the others "
+                    "were training", headline), stderr
+
+
+@pytest.mark.timeout(180)
+def test_an_allreduce_worker_training_outside_join_is_explained_not_an_abort(tmp_path):
+    body = "gradsync.init()\nfaults.train_in_join(faults.Fault(-1, -1, 'none'), 10, outside=1)\ngradsync.shutdown()\n"
+    stderr, headline = run_failing_script(tmp_path, body, "--strategy", "allreduce", "--workers", "2",
+                                          "--step-timeout", str(STEP_TIMEOUT))
+    assert "RuntimeError: worker 1 did not enter trainer.join() within 2 s (half the step timeout) of worker 0 " \
+           "entering it: every worker must train inside `with trainer.join():`" in headline, stderr
 
 
 _FOREVER = """import os, sys, time

@@ -1,6 +1,7 @@
 """Checkpoint and exact resume: a sync job killed at step 12 resumes from its last complete checkpoint and ends
 where an uninterrupted run ends."""
 import functools
+import json
 import os
 import shutil
 
@@ -9,6 +10,8 @@ import torch
 
 import gradsync
 from faults import build_wider, train_resumable
+from gradsync.ps import checkpoint
+from gradsync.runtime import resume
 from jobs import make_mlp
 from helpers import gradsync_run, max_diff
 
@@ -104,3 +107,32 @@ def test_gradsync_run_flags_checkpoint_and_resume(tmp_path):
     start, state = torch.load(out)
     assert start == 10
     assert max_diff(state, _uninterrupted("allreduce", 0, "sgd")) <= 1e-6
+
+
+def _write_checkpoint(directory: str, step: int, servers: int, workers: int) -> str:
+    """A checkpoint folder as `resume.save` leaves it (placeholder states), with its manifest."""
+    path = resume.step_dir(directory, step)
+    files = {}
+    for name in resume.needed_files(servers, list(range(workers))):
+        files[name] = checkpoint.stored_digest(checkpoint.write(os.path.join(path, name), {"step": step}))
+    manifest = dict(step=step, strategy="ps", servers=servers, workers=workers, written=list(range(workers)),
+                    model={}, files=files)
+    with open(os.path.join(path, resume.MANIFEST), "w") as f:
+        json.dump(manifest, f)
+    return path
+
+
+@pytest.mark.parametrize("omitted", ["shard-1.ckpt", "worker-1.ckpt"])
+def test_a_manifest_edited_to_omit_a_file_is_skipped_saying_why(omitted, tmp_path):
+    directory = str(tmp_path)
+    _write_checkpoint(directory, 5, servers=2, workers=2)
+    newest = _write_checkpoint(directory, 10, servers=2, workers=2)
+    with open(os.path.join(newest, resume.MANIFEST)) as f:
+        manifest = json.load(f)
+    del manifest["files"][omitted]  # the file is there and intact; the manifest no longer names it
+    with open(os.path.join(newest, resume.MANIFEST), "w") as f:
+        json.dump(manifest, f)
+    found = resume.latest_complete(directory)
+    assert found.step == 5
+    assert found.skipped == (f"{newest}: its MANIFEST.json does not list {omitted}, which a checkpoint of 2 servers "
+                             "and 2 workers needs",)

@@ -1,6 +1,8 @@
 """The errors both strategies raise, worded in one place."""
 from __future__ import annotations
 
+import re
+
 
 class NoTablesToServe(ValueError):
     """The hybrid strategy found no embedding table it could serve in the model (`gradsync compare` skips
@@ -17,6 +19,29 @@ def nonfinite_error(name: str, worker: int | str) -> GradientError:
         f"non-finite gradient (NaN or Inf) for parameter {name!r} from worker {worker}: "
         "lower the learning rate or check the loss; pass nonfinite='skip' to gradsync.init "
         "(or GRADSYNC_NONFINITE=skip) to drop such steps instead"
+    )
+
+
+_NONFINITE_FROM = re.compile(r"non-finite gradient \(NaN or Inf\) for parameter '.*?' from worker (\d+):")
+
+
+def blamed_worker(text: str) -> int | None:
+    """The worker a failure's text names as its cause (the sender of a non-finite gradient in
+    `nonfinite_error`), None when it names none."""
+    found = _NONFINITE_FROM.search(text)
+    return int(found.group(1)) if found else None
+
+
+def outside_join_error(outside: list[int], inside: list[int], seconds: float) -> RuntimeError:
+    """Workers `outside` did not open trainer.join() within `seconds` of `inside` opening it (allreduce)."""
+    def named(workers: list[int]) -> str:
+        return ", ".join(f"worker {w}" for w in workers)
+
+    return RuntimeError(
+        f"{named(outside)} did not enter trainer.join() within {seconds:.0f} s (half the step timeout) of "
+        f"{named(inside)} entering it: every worker must train inside `with trainer.join():` (under allreduce a "
+        "worker that trains outside it sends its gradients while the workers inside count the active workers, a "
+        "collective mismatch). Open the block on every worker around the same loop"
     )
 
 

@@ -44,7 +44,7 @@ from gradsync.launcher.leases import Lease, abandoned
 from gradsync.membership import newcomers
 from gradsync.membership.departures import Departure, Departures, Results
 from gradsync.membership.liveness import (Watch, create_keys, die_with_launcher, dying_with_this_process, interval,
-                                          parse_gone, parse_left, ranks_named, record_gone)
+                                          parse_gone, parse_left, parse_workers, ranks_named, record_gone)
 from gradsync.proto.endpoints import new_token
 from gradsync.runtime import cluster
 
@@ -190,15 +190,33 @@ def _absent_text(config: JobConfig, ranks: list[_Rank]) -> str:
     return text + ": is the script stuck before gradsync.init(), or does it skip it on some ranks?"
 
 
+def _quit_text(config: JobConfig, rank: _Rank) -> str:
+    """Why worker `rank` stopped the job: it exited without gradsync.shutdown() while the others trained."""
+    code = rank.exitcode()
+    how = ("its process hangs in torch's teardown" if code is None else f"code {code}" if code >= 0
+           else f"then torch's teardown ended it with {signal.Signals(-code).name}")
+    return (f"rank {rank.rank} ({config.role(rank.rank)}) exited ({how}) without gradsync.shutdown() while the "
+            "others were training, so they failed waiting for it: every worker must call gradsync.shutdown() when "
+            "it is done (for uneven data, train inside `with trainer.join():` on every worker, then call it)")
+
+
+def _quitters(config: JobConfig, ranks: list[_Rank], watch: Watch, store: dist.Store) -> list[_Rank]:
+    """Workers of a job that is not elastic that reached gradsync.init() and ended without leaving the job
+    (gradsync.shutdown): exited 0, or noted at their interpreter's exit (`cluster`; torch's teardown may then
+    abort or hang them), as of the watch's last read."""
+    if config.elastic:
+        return []
+    exited = parse_workers(store.get(StoreKeys.EXITED))
+    return [r for r in ranks[config.servers:] if watch.moved[r.rank] is not None
+            and r.rank - config.servers not in watch.left
+            and (r.exitcode() == 0 or r.rank - config.servers in exited)]
+
+
 def _silent_text(config: JobConfig, rank: _Rank, seconds: float) -> str:
-    """Why `rank` stopped the job: it exited without leaving it, or it stopped sending heartbeats."""
-    head = f"rank {rank.rank} ({config.role(rank.rank)})"
-    if rank.exitcode() == 0:
-        return (f"{head} exited with code 0 without calling gradsync.shutdown(), and the job waited for it: "
-                "every worker must call gradsync.shutdown() when it is done")
+    """Why running `rank` stopped the job: it stopped sending heartbeats."""
     state = _STATES.get(rank.state(), "its process runs, but not its heartbeat thread (a C call holding the GIL?)")
-    return (f"{head} stopped responding: no heartbeat for {seconds:.1f} s (step_timeout "
-            f"{config.step_timeout:.0f} s); {state}")
+    return (f"rank {rank.rank} ({config.role(rank.rank)}) stopped responding: no heartbeat for {seconds:.1f} s "
+            f"(step_timeout {config.step_timeout:.0f} s); {state}")
 
 
 def _recorded_failure(ranks: list[_Rank], store: dist.Store) -> int | None:
@@ -222,12 +240,19 @@ def _absent(config: JobConfig, ranks: list[_Rank], watch: Watch, departed: set[i
 
 def _root_cause(config: JobConfig, ranks: list[_Rank], watch: Watch, store: dist.Store, run_dir: str,
                 departed: set[int]) -> JobFailed:
-    """The failure that explains the others: a rank killed by a signal without recording a failure (it could
+    """The failure that explains the others: a worker that ended without gradsync.shutdown() in a job that is
+    not elastic; else a rank killed by a signal without recording a failure (it could
     not report); else ranks that never reached gradsync.init() within startup_timeout, workers that never
-    built their Trainer, or a rank that is stopped, silent for half the step timeout, or gone without leaving
-    (the others failed waiting for them); else the first to record a failure; else the lowest failed rank.
+    built their Trainer, or a running rank that is stopped or silent for half the step timeout (the others
+    failed waiting for them); else the first to record a failure; else the lowest failed rank.
     Ranks in `departed` (workers that left an elastic job) are none of these."""
     failed = [(r.rank, r.exitcode()) for r in ranks if r.exitcode() not in (None, 0) and r.rank not in departed]
+    quitters = _quitters(config, ranks, watch, store)
+    if quitters:
+        followers = [rank for rank, _ in failed if rank != quitters[0].rank]
+        then = "" if not followers else "\nthen " + _failure_text(config, run_dir, followers[0],
+                                                                 ranks[followers[0]].exitcode())
+        return JobFailed(_quit_text(config, quitters[0]) + then, quitters[0].rank)
     for rank, code in failed:
         if code < 0 and not os.path.exists(os.path.join(run_dir, f"error-{rank}.txt")):
             return JobFailed(_failure_text(config, run_dir, rank, code, watch.moved[rank] is not None), rank)
@@ -245,7 +270,7 @@ def _root_cause(config: JobConfig, ranks: list[_Rank], watch: Watch, store: dist
     silent = watch.silent(config.step_timeout / 2)
     suspects = [r for r in ranks if r.rank != follower and r.rank not in departed
                 and (r.rank in silent or r.state() in ("T", "t"))
-                and (r.exitcode() is None or (r.exitcode() == 0 and r.rank >= config.servers))]
+                and r.exitcode() is None]
     if suspects:
         cause = max(suspects, key=lambda r: silent.get(r.rank, 0.0))
         return JobFailed(f"{_silent_text(config, cause, silent.get(cause.rank, 0.0))}\nthen {follower_text}",
@@ -284,6 +309,9 @@ def supervise(config: JobConfig, ranks: list[_Rank], run_dir: str, store: dist.S
                   if rank < len(codes) and codes[rank] is None}
         if silent:
             rank = max(silent, key=silent.get)
+            quitters = _quitters(config, ranks, watch, store)
+            if quitters:  # silent in torch's teardown
+                raise JobFailed(_quit_text(config, quitters[0]), quitters[0].rank)
             raise JobFailed(_silent_text(config, ranks[rank], silent[rank]), rank)
         if deadline is not None and time.monotonic() > deadline:
             running = [config.role(r.rank) for r, c in zip(ranks, codes) if c is None]

@@ -57,6 +57,7 @@ def create_keys(store: dist.Store, world_size: int, workers: int) -> None:
     store.append(StoreKeys.LEFT, "")
     store.append(StoreKeys.GONE, "")
     store.append(StoreKeys.TRAINERS, "")
+    store.append(StoreKeys.EXITED, "")
     store.compare_set(StoreKeys.WORKERS, "", str(workers))
 
 

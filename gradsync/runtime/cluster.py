@@ -11,6 +11,7 @@ process can join a running async job as a new worker (`newcomers`).
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import errno
 import ipaddress
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from gradsync.config import ConfigError, JobConfig, StoreKeys, job_keywords, worker_name
 from gradsync.core import settings
 from gradsync.core.torch_internals import start_dist_autograd
+from gradsync.core.errors import blamed_worker
 from gradsync.membership import newcomers, uneven_data
 from gradsync.membership.liveness import Heartbeat, die_with_launcher, record_gone, staying, wait_for_arrivals
 from gradsync.runtime import malloc, resume
@@ -147,13 +149,16 @@ def _use_loopback_interfaces(config: JobConfig) -> None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
-def _report_failures(cluster: Cluster) -> None:
+def _report_failures(cluster: Cluster | None) -> None:
     """On an uncaught exception: record it (`record_failure`), say it (`say_failure`), and exit at once: a
     process whose heartbeat thread, store connection or RPC agent still runs would abort (SIGABRT) at
-    interpreter exit, and its launcher would report that signal instead of the exception."""
+    interpreter exit, and its launcher would report that signal instead of the exception. Before the rank
+    has a `Cluster` (a bad setting in `init`), the failure goes to the launcher's file only: one headline,
+    not a traceback per rank."""
 
     def hook(kind, value, tb):
-        text = record_failure(cluster, cluster.config.rank, "".join(traceback.format_exception(kind, value, tb)))
+        rank = cluster.config.rank if cluster is not None else int(os.environ.get("RANK", "0"))
+        text = record_failure(cluster, rank, "".join(traceback.format_exception(kind, value, tb)))
         say_failure(text)
         sys.stdout.flush()
         os._exit(1)
@@ -179,7 +184,9 @@ def record_failure(cluster: Cluster | None, rank: int, text: str) -> str:
     """Save a rank's failure for the launcher (GRADSYNC_ERROR_FILE) and the other ranks (the store; not from a
     worker that joined the running job, whose launcher records it gone), with a hint for an exception
     gradsync can explain and the ranks this one has seen fall silent for half the step timeout, or not build
-    their Trainer: the likely cause. Returns the text saved."""
+    their Trainer: the likely cause. A failure whose text blames a worker (`blamed_worker`: its non-finite
+    gradient) is recorded in the store under that worker's rank, so the launcher's headline names it. Returns
+    the text saved."""
     if cluster is not None and cluster.config.strategy == "ps" and _NO_PROCESS_GROUP in text:
         text += _SAMPLER_HINT
     if cluster is not None:
@@ -195,6 +202,9 @@ def record_failure(cluster: Cluster | None, rank: int, text: str) -> str:
         with open(path, "w") as f:
             f.write(text)
     if cluster is not None and not cluster.joined:
+        blamed = blamed_worker(text)
+        if blamed is not None and blamed < cluster.config.num_workers:
+            rank = cluster.config.servers + blamed
         try:
             cluster.store.compare_set(StoreKeys.FAILED, "", f"rank {rank}: {text}")
         except Exception:  # the store may be gone already; the launcher still has the file
@@ -238,6 +248,8 @@ def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=
         _join_launched(_STATE.config, JobConfig.from_env(**asked))
         return
     _check_launched(strategy)
+    if settings.ERROR_FILE.given():  # under gradsync's launcher, which shows it
+        _report_failures(None)
     config = JobConfig.from_env(**asked)
     die_with_launcher()
     malloc.limit_arenas()  # before the heartbeat, RPC and gloo threads make arenas of their own
@@ -245,6 +257,7 @@ def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=
     store = connect_store(config)
     _STATE = Cluster(config, store, Heartbeat(store, config))
     _report_failures(_STATE)
+    atexit.register(_note_exit_without_shutdown)
     if config.rank == 0:  # for workers that join (an async job), and to refuse them at once (any other)
         newcomers.publish_settings(store, config)
     wait_for_arrivals(store, config)
@@ -284,6 +297,17 @@ def _join_running(target: str, asked: dict) -> Cluster:
     _report_failures(cluster)
     start_rpc(config, store)
     return cluster
+
+
+def _note_exit_without_shutdown() -> None:
+    """At interpreter exit of a worker that never called gradsync.shutdown(): say so in the store, so the
+    launcher names it as the cause, whatever its exit ends in (torch's teardown of a running RPC agent or
+    process group may abort it: SIGABRT)."""
+    if _STATE is not None and not _STATE.config.is_server:
+        try:
+            _STATE.store.append(StoreKeys.EXITED, f"{_STATE.config.worker_rank},")
+        except dist.DistError:  # the store is gone: the job has ended
+            pass
 
 
 def _join_launched(running: JobConfig, asked: JobConfig) -> None:

@@ -16,11 +16,12 @@ pushes (each worker's first N) and the checkpoint is one consistent cut:
                                        files above with their SHA-256
 
 Every file is written atomically with its SHA-256. `--resume DIR` starts from
-the newest step folder whose manifest exists and whose files all verify and are
-the ones it names (an older one when the newest is torn, altered, unfinished or
-half rewritten by a later job), with any number of servers and workers (the
-servers re-split the shards: `ps.reshard`), and refuses one written by a job of
-another strategy or model.
+the newest step folder whose manifest exists, lists every file the checkpoint
+needs (each server's shard, the state of each worker that wrote one), and whose
+files all verify and are the ones it names (an older one when the newest is torn,
+altered, edited, unfinished or half rewritten by a later job), with any number of
+servers and workers (the servers re-split the shards: `ps.reshard`), and refuses
+one written by a job of another strategy or model.
 """
 from __future__ import annotations
 
@@ -58,6 +59,16 @@ def step_dir(directory: str, step: int) -> str:
     return os.path.join(directory, f"step-{step:08d}")
 
 
+def worker_file(worker: int) -> str:
+    return f"worker-{worker}.ckpt"
+
+
+def needed_files(servers: int, workers: list[int]) -> list[str]:
+    """The files a checkpoint of `servers` servers, written by `workers`, holds (its manifest must list each;
+    the servers write `shard-<s>.ckpt`, `ps.checkpoint`)."""
+    return [f"shard-{s}.ckpt" for s in range(servers)] + [worker_file(w) for w in workers]
+
+
 def describe_model(module: torch.nn.Module) -> dict[str, list]:
     """{state_dict key: [shape, dtype]}: what a checkpoint's model must match."""
     return {k: [list(t.shape), str(t.dtype)] for k, t in module.state_dict().items()}
@@ -91,8 +102,8 @@ def find(config: JobConfig) -> Found | None:
 
 
 def latest_complete(directory: str) -> Found:
-    """The newest step folder of `directory` whose manifest exists and whose files all verify (and are the
-    ones it names)."""
+    """The newest step folder of `directory` whose manifest exists and lists every file the checkpoint needs,
+    and whose files all verify (and are the ones it names)."""
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"resume directory {directory!r} does not exist: pass the --checkpoint-dir of "
                                 "the job to resume")
@@ -104,6 +115,10 @@ def latest_complete(directory: str) -> Found:
         try:
             with open(os.path.join(path, MANIFEST)) as f:
                 manifest = json.load(f)
+            written = manifest.get("written", range(manifest["workers"]))  # elastic: the workers still there
+            if omitted := [n for n in needed_files(manifest["servers"], written) if n not in manifest["files"]]:
+                raise ValueError(f"its {MANIFEST} does not list {', '.join(omitted)}, which a checkpoint of "
+                                 f"{manifest['servers']} servers and {len(written)} workers needs")
             for file, digest in manifest["files"].items():
                 checkpoint.verify(os.path.join(path, file), digest)
         except (OSError, ValueError, KeyError) as e:
@@ -111,7 +126,7 @@ def latest_complete(directory: str) -> Found:
             continue
         return Found(step, path, manifest, tuple(skipped))
     raise FileNotFoundError(f"no complete checkpoint in {directory!r} (a step-N folder with {MANIFEST} and "
-                            "intact files): start without --resume")
+                            "intact files, every one listed): start without --resume")
 
 
 def check_model(found: Found, module: torch.nn.Module) -> None:
@@ -139,7 +154,7 @@ def save(store: dist.Store, config: JobConfig, step: int, strategy, model: dict[
     state = dict(step=step, torch_rng=torch.get_rng_state(), python_rng=random.getstate(),
                  cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
                  **strategy.local_state())
-    checkpoint.write(os.path.join(path, f"worker-{me}.ckpt"), state)
+    checkpoint.write(os.path.join(path, worker_file(me)), state)
     store.set(StoreKeys.CHECKPOINT.format(step, me), "1")
     held = config.mode != "sync" and config.servers > 0  # the others' pushes would go on meanwhile
     if me != 0:
@@ -151,10 +166,10 @@ def save(store: dist.Store, config: JobConfig, step: int, strategy, model: dict[
                     list(range(config.num_workers)),
                     f"did not write its state of the checkpoint of step {step} in {path}")
     shards = strategy.transport.checkpoint(path) if config.servers else {}
-    paths = [p for p, _ in shards.values()] + [os.path.join(path, f"worker-{w}.ckpt") for w in written]
+    paths = [p for p, _ in shards.values()] + [os.path.join(path, worker_file(w)) for w in written]
     files = {os.path.basename(p): checkpoint.stored_digest(p) for p in paths}
     manifest = dict(step=step, strategy=config.strategy, mode=config.mode, servers=config.servers,
-                    workers=config.num_workers, model=model, files=files)
+                    workers=config.num_workers, written=written, model=model, files=files)
     write_atomically(os.path.join(path, MANIFEST), json.dumps(manifest, indent=1).encode())
     if held:
         store.set(StoreKeys.CHECKPOINT.format(step, "shards"), "1")
@@ -185,8 +200,8 @@ def restore(config: JobConfig, strategy, found: Found) -> int:
     A worker beyond the checkpoint's workers takes worker 0's file (its model and optimizer under allreduce
     and hybrid, which every worker holds alike) and keeps its own RNG states."""
     me = config.worker_rank
-    mine = me < found.manifest["workers"] and f"worker-{me}.ckpt" in found.manifest["files"]
-    state = checkpoint.load(os.path.join(found.path, f"worker-{me if mine else 0}.ckpt"))
+    mine = me < found.manifest["workers"] and worker_file(me) in found.manifest["files"]
+    state = checkpoint.load(os.path.join(found.path, worker_file(me if mine else 0)))
     if mine:
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])

@@ -47,6 +47,7 @@ import torch.distributed.autograd as dist_autograd
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from gradsync.config import StoreKeys
 from gradsync.core.buckets import ModelSpec
 from gradsync.core.clipping import Clipping
 from gradsync.core.errors import left_early_error, model_mismatch_error, nonfinite_error
@@ -172,6 +173,7 @@ class AllreduceStrategy:
         self.buffers = [b for b in buffers.values() if b.is_floating_point()]
         self.counters = [b for b in buffers.values() if not b.is_floating_point()]  # num_batches_tracked
         self.joining = False  # inside a join block: each step counts the active workers
+        self.join_rounds = 0  # join blocks this worker has opened
         self.active = config.num_workers  # workers in this step
         self._shadowing = False  # joined: answering the others' steps
         self.find_unused = find_unused_parameters
@@ -366,7 +368,11 @@ class AllreduceStrategy:
     @contextlib.contextmanager
     def join(self, joined: Callable[[], None] = lambda: None):
         """`Trainer.join`: count the active workers at each step; on leaving the block, call `joined`, then
-        answer the others' steps until every worker has joined."""
+        answer the others' steps until every worker has joined. Waits first until every worker has opened
+        its block (half the step timeout at most)."""
+        ddp_join.wait_for_every_worker(self.cluster.store, StoreKeys.JOIN_ENTERED.format(self.join_rounds),
+                                       self.worker, self.config.num_workers, self.config.step_timeout / 2)
+        self.join_rounds += 1
         self.joining = True
         try:
             yield
