@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch import nn
 
-from gradsync.core.buckets import ModelSpec, TensorSpec, assign_tensors, may_split, plan_buckets
+from gradsync.core.buckets import Bucket, Entry, ModelSpec, TensorSpec, assign_tensors, may_split, plan_buckets
 
 
 def spec(*shapes, dtype=torch.float32):
@@ -115,3 +115,14 @@ def test_model_spec_difference_names_the_first_mismatch():
 def test_buffers_and_frozen_tensors_go_to_the_least_loaded_server():
     assert assign_tensors(spec((1,), (1,), (1,)), 2) == {"p0": 0, "p1": 1, "p2": 0}
     assert assign_tensors(spec((100,), (60,), (50,)), 2) == {"p0": 0, "p1": 1, "p2": 1}
+
+
+def test_a_packed_piece_of_a_larger_gradient_owns_its_storage():
+    """torch RPC sends a view's storage up to the view's end: the second half of a split gradient must not
+    carry the first half with it."""
+    entry = Entry("w", (4, 5), 0, 10, start=10)
+    bucket = Bucket(0, 1, torch.float32, (entry,))
+    grad = torch.arange(20.0).view(4, 5)
+    flat, absent = bucket.pack([entry.piece(grad)])
+    assert absent == () and torch.equal(flat, torch.arange(10.0, 20.0))
+    assert flat.untyped_storage().nbytes() == flat.nbytes
