@@ -109,11 +109,16 @@ def floor_of(config: str, w: Workload, workers: int, link: Link, server_link: Li
     return max(params, on_server), max(params / rate, on_server / server_rate)
 
 
-def run(config: str, w: Workload, workers: int, link: str, server_link: str | None, steps: int, warmup: int,
-        timeout: float) -> dict:
+def run(config: str, w: Workload, workers: int, link: str, server_link: str | None, cap: float | None, steps: int,
+        warmup: int, timeout: float) -> dict:
     strategy, servers = CONFIGS[config]
+    settings = {} if cap is None else {"bucket_cap_mb": cap}
     return gradsync.launch(worker, strategy=strategy, workers=workers, servers=servers, args=(w, steps, warmup),
-                           timeout=timeout, link=link, server_link=server_link, step_timeout=120)[0]
+                           timeout=timeout, link=link, server_link=server_link, step_timeout=120, **settings)[0]
+
+
+def _piece(cap: float | None) -> str:
+    return "" if cap is None else f" piece {cap:g} MB"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", nargs="+", default=["issue"], choices=sorted(WORKLOADS))
     parser.add_argument("--workers", nargs="+", type=int, default=[2])
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--piece-mb", nargs="+", type=float, default=[None],
+                        help="ps only: bucket_cap_mb values to compare, the largest bucket and piece (default: the "
+                             "job's default)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs of every configuration")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per job")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
@@ -130,26 +138,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args(argv)
     server_link = Link.parse(args.server_link, "--server-link") if args.server_link else None
-    grid = [(link, wl, workers, config) for link in args.links for wl in args.workloads for workers in args.workers
-            for config in args.configs]
+    grid = [(link, wl, workers, config, cap) for link in args.links for wl in args.workloads
+            for workers in args.workers for config in args.configs
+            for cap in (args.piece_mb if config.startswith("ps") else [None])]
     runs: dict[tuple, list[dict]] = {key: [] for key in grid}
     load_before = os.getloadavg()
     for repeat in range(args.repeats):
         for key in grid:
-            link, wl, workers, config = key
+            link, wl, workers, config, cap = key
             w = Workload(WORKLOADS[wl][0], WORKLOADS[wl][1], True, workers, {})
             nbytes, floor = floor_of(config, w, workers, Link.parse(link), server_link)
-            r = run(config, w, workers, link, args.server_link, args.steps, args.warmup, args.timeout)
+            r = run(config, w, workers, link, args.server_link, cap, args.steps, args.warmup, args.timeout)
             r.update(floor_s=floor, floor_bytes=nbytes, ratio=r["step_s"] / floor)
             runs[key].append(r)
             parts = " ".join(f"{n} {1000 * s:.0f}" for n, s in r["parts_s"].items())
-            print(f"repeat {repeat + 1}/{args.repeats} {link} {wl} W={workers} {config:9} {1000 * r['step_s']:7.0f} "
+            print(f"repeat {repeat + 1}/{args.repeats} {link} {wl} W={workers} {config + _piece(cap):9} {1000 * r['step_s']:7.0f} "
                   f"ms/step ({parts} ms), floor {1000 * floor:.0f} ms ({nbytes / 1e6:.2f} MB), ratio "
                   f"{r['ratio']:.2f}x; busiest link {r['busiest_link_bytes'] / 1e6:.2f} MB/step; "
                   f"CPU {r['cpu_s_per_step']:.3f} s/step", flush=True)
     rows = []
-    for (link, wl, workers, config), reps in runs.items():
-        rows.append(dict(link=link, server_link=args.server_link, workload=wl, workers=workers, config=config,
+    for (link, wl, workers, config, cap), reps in runs.items():
+        rows.append(dict(link=link, server_link=args.server_link, workload=wl, workers=workers,
+                         config=config + _piece(cap), piece_mb=cap,
                          step_ms=1000 * statistics.median(r["step_s"] for r in reps),
                          floor_ms=1000 * reps[0]["floor_s"], floor_mb=reps[0]["floor_bytes"] / 1e6,
                          ratio=statistics.median(r["ratio"] for r in reps), ratios=[r["ratio"] for r in reps],
@@ -172,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                                     load_average_before=load_before, load_average_after=os.getloadavg()),
                        settings=dict(repeats=args.repeats, steps=args.steps, warmup=args.warmup,
                                      workloads={wl: WORKLOADS[wl] for wl in args.workloads}),
-                       rows=rows, runs=[dict(zip(("link", "workload", "workers", "config"), k), runs=v)
+                       rows=rows, runs=[dict(zip(("link", "workload", "workers", "config", "piece_mb"), k), runs=v)
                                         for k, v in runs.items()]), f, indent=1)
     print(f"wrote {args.out}")
     return 0

@@ -24,8 +24,8 @@ import torch.distributed.autograd as dist_autograd
 from torch import nn
 from torch.func import functional_call
 
-from gradsync.core.buckets import (Bucket, ModelSpec, assign_tensors, by_server, join_pieces, may_split,
-                                   plan_buckets)
+from gradsync.core.buckets import (Bucket, ModelSpec, assign_tensors, by_server, forward_order, join_pieces,
+                                   may_split, plan_buckets)
 from gradsync.core.clipping import Clipping
 from gradsync.core.finite import first_nonfinite
 from gradsync.core.optimizer_spec import OptimizerSpec, changed_options, group_options
@@ -103,6 +103,7 @@ class PSStrategy:
         self.buckets = plan_buckets(self.spec.params, config.servers, cap, split=may_split(spec.cls))
         self.servers = list(range(config.servers))
         self.server_buckets = by_server(self.buckets, config.servers)
+        self._order = [(b.server, self.server_buckets[b.server].index(b)) for b in forward_order(self.buckets)]
         self.owner = assign_tensors(self.spec.buffers + self.spec.frozen, config.servers)
         self.wire = make_wire(config.compression)
         self.transport = _transport(cluster, self.server_buckets)
@@ -215,7 +216,11 @@ class PSStrategy:
         changes = changed_options(self.optimizer.param_groups, self._sent)
         if changes:
             self._sent = [group_options(g) for g in self.optimizer.param_groups]
-        fresh = self.transport.push(pulled.versions, payloads, absent, buffers, rows, changes, agree)
+        if agree is None and self.config.mode == "sync":  # a pipeline of pieces, each back once applied
+            pieces = [(s, b, payloads[s][b], absent[s][b]) for s, b in self._order]
+            fresh = self.transport.push_pieces(pulled.versions, pieces, buffers, rows, changes)
+        else:
+            fresh = self.transport.push(pulled.versions, payloads, absent, buffers, rows, changes, agree)
         if agree is not None:
             fresh = self._finish(fresh, scaler)
         elif scaler is not None:
