@@ -10,7 +10,8 @@ links; root and iproute2). Repeats are interleaved: repeat r runs every configur
 Per run, on worker 0: the median step (forward + backward + trainer.step) over the timed steps, the median
 of each part of it, the CPU-seconds per step of all the job's processes (/proc), and the bytes every rank's
 link carried per step in each direction (its namespace's /proc/PID/net/dev: frames on the wire, headers
-included), whose largest is "the busiest link". The table reports medians over repeats, and each run's
+included), whose largest is "the busiest link", and the TCP retransmissions, timeouts and tail-loss probes
+of all its namespaces per step. The table reports medians over repeats, and each run's
 ratio to the floor. Writes bench/results/linkfloor.json (or --out).
 
     PYTHONPATH=$PWD .venv/bin/python bench/linkfloor.py                  # 100mbit, W=2, issue workload (~3 min)
@@ -63,6 +64,27 @@ def link_bytes() -> dict[int, tuple[int, int]]:
     return out
 
 
+TCP_COUNTERS = {"snmp": ("Tcp", ("RetransSegs",)), "netstat": ("TcpExt", ("TCPTimeouts", "TCPLossProbes"))}
+
+
+def tcp_counters() -> dict[str, int]:
+    """TCP retransmitted segments, retransmission timeouts and tail-loss probes, summed over the job's
+    namespaces (/proc/PID/net/snmp and netstat: per network namespace)."""
+    out = {name: 0 for _, names in TCP_COUNTERS.values() for name in names}
+    for pid in job_pids():
+        for table, (prefix, names) in TCP_COUNTERS.items():
+            try:
+                with open(f"/proc/{pid}/net/{table}") as f:
+                    lines = [line.split() for line in f if line.startswith(prefix + ":")]
+            except OSError:
+                continue
+            for header, values in zip(lines[::2], lines[1::2]):
+                for name in names:
+                    if name in header:
+                        out[name] += int(values[header.index(name)])
+    return out
+
+
 def worker(w: Workload, steps: int, warmup: int) -> dict:
     """One rank's loop: forward, backward, step; worker 0 also reads the job's CPU and link counters."""
     torch.set_num_threads(1)
@@ -73,7 +95,7 @@ def worker(w: Workload, steps: int, warmup: int) -> dict:
     before, net_before = {}, {}
     for i in range(warmup + steps):
         if i == warmup and me == 0:
-            before, net_before = cpu_snapshot(), link_bytes()
+            before, net_before, tcp_before = cpu_snapshot(), link_bytes(), tcp_counters()
         t0 = time.perf_counter()
         with dist_autograd.context() as cid:
             loss = F.mse_loss(trainer.model(x), y)
@@ -94,6 +116,7 @@ def worker(w: Workload, steps: int, warmup: int) -> dict:
                for p, a in after.items() if p in net_before]
         result["link_bytes_per_step"] = per  # (sent, received) per process
         result["busiest_link_bytes"] = max((max(s, r) for s, r in per), default=0.0)
+        result["tcp_per_step"] = {n: (v - tcp_before[n]) / steps for n, v in tcp_counters().items()}
     return result
 
 
@@ -155,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"repeat {repeat + 1}/{args.repeats} {link} {wl} W={workers} {config + _piece(cap):9} {1000 * r['step_s']:7.0f} "
                   f"ms/step ({parts} ms), floor {1000 * floor:.0f} ms ({nbytes / 1e6:.2f} MB), ratio "
                   f"{r['ratio']:.2f}x; busiest link {r['busiest_link_bytes'] / 1e6:.2f} MB/step; "
-                  f"CPU {r['cpu_s_per_step']:.3f} s/step", flush=True)
+                  f"CPU {r['cpu_s_per_step']:.3f} s/step; TCP per step: {r['tcp_per_step']}", flush=True)
     rows = []
     for (link, wl, workers, config, cap), reps in runs.items():
         rows.append(dict(link=link, server_link=args.server_link, workload=wl, workers=workers,

@@ -66,7 +66,9 @@ class JobConfig:
     """Where each server keeps its shard and aggregates: 'cpu', 'cuda' or 'cuda:N' (pulls and pushes still
     cross the RPC boundary on the CPU, as distributed autograd requires)."""
     bucket_cap_mb: float = 25.0
-    """Largest parameter bucket, in MB (one bucket is one flat tensor on the wire)."""
+    """Largest parameter bucket, in MB (one bucket is one flat tensor on the wire), and, under ps with an
+    elementwise optimizer, the size of the pieces a large parameter is cut into (a sync step's pieces are
+    applied and sent back one by one: bench/linkfloor.py chose 0.25)."""
     startup_timeout: float = 120.0
     """Seconds to wait for every rank to join and for the model to be registered."""
     step_timeout: float = 60.0

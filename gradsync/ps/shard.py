@@ -83,6 +83,7 @@ class ShardState:
         self.lock = threading.Lock()
         self.stats = ShardStats()
         self._published: Snapshot | None = None
+        self._fresh: list[torch.Tensor | None] = [None] * len(self.buckets)  # this step's pieces' replies
 
     @property
     def version(self) -> int:
@@ -160,14 +161,24 @@ class ShardState:
         held."""
         if self.optimizer is None:
             return
-        self.snapshot()  # a pull while the step's buckets are applied one by one sees the version before it
+        if len(grads) < len(self.buckets):
+            self.snapshot()  # a pull while the step's buckets are applied one by one sees the version before it
         for b, grad in grads.items():
             for i, (entry, tensor) in enumerate(zip(self.buckets[b].entries, self.entries[b])):
                 tensor.grad = None if grad is None or i in skipped[b] else entry.view(grad)
-        self.optimizer.step()
+        groups = self.optimizer.param_groups
+        every = [g["params"] for g in groups]
+        try:  # the step loops over these buckets' entries alone: a step per piece costs that piece
+            for g in groups:
+                g["params"] = [t for t in g["params"] if t.grad is not None]
+            self.optimizer.step()
+        finally:
+            for g, params in zip(groups, every):
+                g["params"] = params
         for b in grads:
             for tensor in self.entries[b]:
                 tensor.grad = None
+            self._fresh[b] = None
 
     def end_step(self, buffers: dict[str, torch.Tensor] | None,
                  rows: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
@@ -181,11 +192,17 @@ class ShardState:
                     self.buffers[name].copy_(value)
         self.stats.version += 1
         self.stats.pushes_applied += 1
+        fresh, self._fresh = self._fresh, [None] * len(self.buckets)
         self._published = None
+        if self.buckets and all(f is not None for f in fresh):  # every piece was sent: they are the snapshot
+            self._published = Snapshot(self.version, fresh, {n: b.to("cpu", copy=True) for n, b in self.buffers.items()})
 
     def piece(self, b: int) -> torch.Tensor:
-        """A CPU copy of bucket `b`'s values (a piece's reply). Call with `lock` held."""
-        return memory.cpu_copy(self.flats[b])
+        """A CPU copy of bucket `b`'s values (a piece's reply; once per step, shared by every worker and by
+        the snapshot the step ends at). Call with `lock` held."""
+        if self._fresh[b] is None:
+            self._fresh[b] = memory.cpu_copy(self.flats[b])
+        return self._fresh[b]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """CPU copies of this shard's entries (by entry key), buffers and frozen parameters. Call with `lock` held."""
@@ -223,3 +240,4 @@ class ShardState:
     def restored(self) -> None:
         """Forget the published snapshot after a checkpoint was loaded into the shard. Call with `lock` held."""
         self._published = None
+        self._fresh = [None] * len(self.buckets)
