@@ -67,8 +67,9 @@ class JobConfig:
     cross the RPC boundary on the CPU, as distributed autograd requires)."""
     bucket_cap_mb: float = 25.0
     """Largest parameter bucket, in MB (one bucket is one flat tensor on the wire), and, under ps with an
-    elementwise optimizer, the size of the pieces a large parameter is cut into (a sync step's pieces are
-    applied and sent back one by one: bench/linkfloor.py chose 0.25)."""
+    elementwise optimizer, the size of the pieces a larger parameter is cut into (a sync step's pieces are
+    applied and sent back one by one). Behind a slow link 0.25 brings a step close to the link's floor, but
+    each piece costs ~1.5 ms of CPU in torch RPC, 4x the CPU per step on loopback (BENCHMARKS.md)."""
     startup_timeout: float = 120.0
     """Seconds to wait for every rank to join and for the model to be registered."""
     step_timeout: float = 60.0
