@@ -1,4 +1,4 @@
-"""Worker side of the parameter-server strategy: pull, functional forward, one push per server per step.
+"""Worker side of the parameter-server strategy: pull, functional forward, push (a pipeline of pieces in sync).
 
 `PSStrategy.model` wraps the user's module. Its forward runs the module with
 `torch.func.functional_call` on the servers' current values: each trainable
@@ -7,8 +7,11 @@ pieces of a parameter split across servers joined), so backward writes each
 parameter's gradient once and knows which parameters got none. `step` reads
 the gradients from the dist_autograd context, packs them into the bucket plan
 (with the entries that got no gradient listed), encodes them (`ps.wire`) and
-pushes them, one call per server; each reply carries the snapshot after the
-step, which the next forward uses without another pull. Frozen parameters
+pushes them: in sync mode without clipping or a GradScaler as pieces, one
+call per bucket in the forward's order, each answered with that bucket's
+values once its server has applied it (`RpcTransport.push_pieces`); else one
+call per server. The replies make the snapshot after the step, which the next
+forward uses without another pull. Frozen parameters
 (`requires_grad=False`) never travel after registration. A worker that ran
 out of data (`join`) tells the servers through the store (`gradsync.joins`).
 """
