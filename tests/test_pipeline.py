@@ -97,3 +97,16 @@ def test_pieces_smaller_than_a_parameter_match_single_process_training(servers):
     reference = reference_mlp(10, 2)
     for state in states:
         assert max_diff(state, reference) <= 1e-5
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", ["frozen", "unused", "one_worker", "adam_unused", "tied"])
+def test_edge_models_with_pieces_smaller_than_a_parameter_match_single_process(case):
+    """Frozen and unused parameters, a branch one worker never takes, Adam, tied weights: every piece of a
+    parameter without a gradient is still told to its server, which leaves it alone."""
+    from edge_models import train_edge
+    from test_edge_parity import STEPS, check_parity
+
+    states = gradsync.launch(train_edge, strategy="ps", workers=2, servers=2, args=(case, STEPS), step_timeout=30,
+                             timeout=100, bucket_cap_mb=0.0005)  # 512-byte pieces
+    check_parity(case, states, 2)
