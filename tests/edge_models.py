@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradsync
+from helpers import max_diff
 from jobs import BATCH, HIDDEN, IN, OUT, batch
 
 VOCAB, DIM = 12, 8
@@ -144,3 +145,15 @@ def step_twice() -> None:
         dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x, use), y)])
         trainer.step(cid)
         trainer.step(cid)
+
+
+def check_parity(case: str, states: list, workers: int, steps: int) -> None:
+    """The states of a job that trained `case` for `steps` steps equal single-process training's, and leave
+    alone what it leaves alone."""
+    reference, start = reference_edge(case, steps, workers), initial(case)
+    for state in states:
+        assert max_diff(state, reference) <= 1e-5
+        for key in CASES[case].untouched:  # where single-process training leaves a tensor alone, so must we
+            assert torch.equal(reference[key], start[key]), key
+            assert torch.equal(state[key], start[key]), key
+    assert max_diff(states[0], start) > 1e-3  # training moved the weights

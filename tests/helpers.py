@@ -55,3 +55,16 @@ def run_failing_script(tmp_path, body: str, *flags: str) -> tuple[str, str]:
     assert len(HEADLINE.findall(done.stderr)) == 1, done.stderr
     assert "failed with signal" not in done.stderr, done.stderr
     return done.stderr, done.stderr[done.stderr.index("gradsync: rank "):]
+
+
+def placed_once(buckets, params) -> bool:
+    """Whether the entries' element ranges cover every parameter exactly, without overlap."""
+    ranges = {p.name: [] for p in params}
+    for b in buckets:
+        for e in b.entries:
+            ranges[e.name].append((e.start, e.start + e.numel))
+    for p in params:
+        ends = sorted(ranges[p.name])
+        if not ends or ends[0][0] != 0 or ends[-1][1] != p.numel or any(a[1] != b[0] for a, b in zip(ends, ends[1:])):
+            return False
+    return True

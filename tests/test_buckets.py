@@ -3,24 +3,12 @@ import pytest
 import torch
 from torch import nn
 
-from gradsync.core.buckets import ModelSpec, TensorSpec, assign_tensors, may_split, plan_buckets
+from gradsync.core.buckets import Bucket, Entry, ModelSpec, TensorSpec, assign_tensors, may_split, plan_buckets
+from helpers import placed_once
 
 
 def spec(*shapes, dtype=torch.float32):
     return tuple(TensorSpec(f"p{i}", s, dtype) for i, s in enumerate(shapes))
-
-
-def placed_once(buckets, params) -> bool:
-    """Whether the entries' element ranges cover every parameter exactly, without overlap."""
-    ranges = {p.name: [] for p in params}
-    for b in buckets:
-        for e in b.entries:
-            ranges[e.name].append((e.start, e.start + e.numel))
-    for p in params:
-        ends = sorted(ranges[p.name])
-        if not ends or ends[0][0] != 0 or ends[-1][1] != p.numel or any(a[1] != b[0] for a, b in zip(ends, ends[1:])):
-            return False
-    return True
 
 
 @pytest.mark.parametrize("split", [False, True])
@@ -115,3 +103,14 @@ def test_model_spec_difference_names_the_first_mismatch():
 def test_buffers_and_frozen_tensors_go_to_the_least_loaded_server():
     assert assign_tensors(spec((1,), (1,), (1,)), 2) == {"p0": 0, "p1": 1, "p2": 0}
     assert assign_tensors(spec((100,), (60,), (50,)), 2) == {"p0": 0, "p1": 1, "p2": 1}
+
+
+def test_a_packed_piece_of_a_larger_gradient_owns_its_storage():
+    """torch RPC sends a view's storage up to the view's end: the second half of a split gradient must not
+    carry the first half with it."""
+    entry = Entry("w", (4, 5), 0, 10, start=10)
+    bucket = Bucket(0, 1, torch.float32, (entry,))
+    grad = torch.arange(20.0).view(4, 5)
+    flat, absent = bucket.pack([entry.piece(grad)])
+    assert absent == () and torch.equal(flat, torch.arange(10.0, 20.0))
+    assert flat.untyped_storage().nbytes() == flat.nbytes

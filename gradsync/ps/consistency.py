@@ -1,9 +1,11 @@
 """Consistency rules: when a server applies the gradients its workers push.
 
-`SyncRule` waits for all W workers of a step, then averages their gradients in
-worker order (one fused pass per bucket: `aggregate`, or `dequantize_aggregate`
-for int8 pushes; see `wire`), so the result is the same bit for bit whatever
-the arrival order. A bucket entry that no worker produced a gradient for is
+`SyncRule` averages each bucket of a step once all W workers have pushed and
+sent their part of it (with the push, or as a piece of its own: the pipeline),
+in worker order (one fused pass per bucket: `aggregate`, or
+`dequantize_aggregate` for int8 pushes; see `wire`), so the result is the same
+bit for bit whatever the arrival order; with an elementwise optimizer it applies
+that bucket at once and answers its pieces while the next are on their way. A bucket entry that no worker produced a gradient for is
 skipped by the optimizer; one that some workers did is averaged over all W
 (zeros from the others), which is what single-process training on the joint
 batch computes. Workers that ran out of data (`trainer.join()`, told through
@@ -24,160 +26,22 @@ from typing import NamedTuple
 
 import torch
 
+from gradsync.core.buckets import may_split
 from gradsync.core.clipping import Clipping
-from gradsync.core.errors import GradientError, left_early_error, nonfinite_error
+from gradsync.core.errors import GradientError, left_early_error
 from gradsync.core.finite import first_nonfinite
-from gradsync.core.optimizer_spec import same_value
-from gradsync.core.tables import merge_rows
-from gradsync.cuda_ops import aggregate
+from gradsync.ps.averaging import (blame, blame_rows, check_version, done, mean, mean_buffers, mean_rows,
+                                   merged_options, row_staleness, scaled, skipped_entries, validated)
 from gradsync.ps.shard import ShardState, Snapshot
 from gradsync.ps.wire import PLAIN
 
 
-def _done(value=None, error: Exception | None = None) -> torch.futures.Future:
-    fut: torch.futures.Future = torch.futures.Future()
-    if error is not None:
-        fut.set_exception(error)
-    else:
-        fut.set_result(value)
-    return fut
-
-
-def _check_version(shard: ShardState, worker: int, pulled_version: int, exact: bool) -> None:
-    if pulled_version > shard.version or (exact and pulled_version != shard.version):
-        raise GradientError(
-            f"worker {worker} computed its gradient at version {pulled_version} but server "
-            f"{shard.shard_id} is at version {shard.version}"
-            + (" (a version from the future)" if pulled_version > shard.version else " (stale in sync mode)")
-        )
-
-
-def _validated(shard: ShardState, worker: int, pulled_version: int, grads: list, absent: list, buffers: dict,
-               wire, exact: bool, rows: dict):
-    """Check one push; returns (payloads, buffers). Call with the lock held.
-
-    Raises:
-        GradientError: counted as a rejected push; nothing is changed.
-    """
-    try:
-        _check_version(shard, worker, pulled_version, exact)
-        checked = shard.check_gradients(worker, grads, absent, wire)
-        buffers = shard.check_buffers(worker, buffers)
-        _check_rows(shard, worker, rows, exact)
-    except GradientError:
-        shard.stats.pushes_rejected += 1
-        raise
-    shard.stats.workers_seen.add(worker)
-    return checked, buffers
-
-
-def _check_rows(shard: ShardState, worker: int, rows: dict, exact: bool) -> None:
-    """Validate one push's row gradients: {table: (pulled version, unique local ids, gradients)}."""
-    if not isinstance(rows, dict):
-        raise GradientError(f"worker {worker}: row gradients must be a dict by table name, got {type(rows).__name__}")
-    for name, push in rows.items():
-        table = shard.tables.get(name)
-        if table is None:
-            raise GradientError(f"worker {worker} pushed rows of table {name!r}, which server {shard.shard_id} "
-                                f"does not hold (it holds {sorted(shard.tables)})")
-        if not isinstance(push, tuple) or len(push) != 3:
-            raise GradientError(f"worker {worker}: rows of table {name!r} must be (version, ids, gradients)")
-        _check_version(shard, worker, push[0], exact)
-        table.check_push(worker, push[1], push[2])
-
-
-def _row_staleness(shard: ShardState, rows: dict) -> None:
-    for name, (version, _, _) in rows.items():
-        stats = shard.tables[name].stats
-        stats.max_staleness = max(stats.max_staleness, shard.version - version)
-
-
-def _mean_rows(shard: ShardState, pending: list, workers: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Per table any worker pushed rows of: the unique rows and their gradients summed over the workers
-    (in worker order) and divided by the `workers` of the step (a row a worker did not look up counts zero)."""
-    out = {}
-    for name in shard.tables:
-        pushes = [(p.rows[name][1], p.rows[name][2]) for p in pending if name in p.rows]
-        if pushes:
-            out[name] = merge_rows(pushes, 1.0 / workers)
-    return out
-
-
-def _blame_rows(means: dict, pushes: list[tuple[int, dict]]) -> GradientError | None:
-    """The error naming the first table whose mean row gradient is non-finite and a worker that sent one
-    (pushes: (worker, its rows) per worker)."""
-    names = list(means)
-    bad = first_nonfinite([means[n][1] for n in names])
-    if bad is None:
-        return None
-    name = names[bad]
-    culprit = next((w for w, rows in pushes if name in rows and first_nonfinite([rows[name][2]]) is not None),
-                   "none alone (the average of finite gradients overflowed)")
-    return nonfinite_error(name, culprit)
-
-
-def _skipped(shard: ShardState, pushes: list[tuple[list, list]]) -> list[set[int]]:
-    """Per bucket, the entries no worker sent a gradient for (pushes: (payloads, absent) per worker)."""
-    out = []
-    for b, bucket in enumerate(shard.buckets):
-        every = set(range(len(bucket.entries)))
-        for payloads, absent in pushes:
-            every &= every if payloads[b] is None else set(absent[b])
-        out.append(every)
-    return out
-
-
-def _blame(shard: ShardState, means: list, per_worker: list[tuple[int, list, object]]) -> GradientError | None:
-    """The error naming the first parameter whose mean gradient is non-finite and the worker that sent
-    NaN/Inf for it (None when every mean is finite: the cheap check was a false alarm)."""
-    for b, mean in enumerate(means):
-        entries = shard.buckets[b].entries
-        bad = None if mean is None else first_nonfinite([e.view(mean) for e in entries])
-        if bad is None:
-            continue
-        for worker, payloads, wire in per_worker:
-            if payloads[b] is not None:
-                decoded = wire.decode(payloads[b], torch.float32)
-                if first_nonfinite([entries[bad].view(decoded)]) is not None:
-                    return nonfinite_error(entries[bad].name, worker)
-        return nonfinite_error(entries[bad].name, "none alone (the average of finite gradients overflowed)")
-    return None
-
-
-def _mean(shard: ShardState, b: int, pushes: list[tuple[object, object]], workers: int) -> torch.Tensor | None:
-    """Sum of the workers' (payload, wire) for bucket b divided by `workers`; None when no worker sent one."""
-    pushes = [(p, w) for p, w in pushes if p is not None]
-    if not pushes:
-        return None
-    dtype = shard.buckets[b].dtype
-    if len({wire.name for _, wire in pushes}) == 1:
-        return pushes[0][1].mean([p for p, _ in pushes], dtype, 1.0 / workers)
-    return aggregate([wire.decode(p, torch.float32) for p, wire in pushes], 1.0 / workers, dtype)
-
-
-def mean_buffers(per_worker: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Floating buffers averaged over workers (in order); integer ones taken from the first."""
-    per_worker = [b for b in per_worker if b]
-    if not per_worker:
-        return {}
-    out = {}
-    for name, first in per_worker[0].items():
-        if first.is_floating_point():
-            out[name] = aggregate([b[name] for b in per_worker], 1.0 / len(per_worker))
-        else:
-            out[name] = first
-    return out
-
-
 class _Push(NamedTuple):
-    """One worker's validated push, waiting for the step in sync mode."""
+    """One worker's validated push, waiting for the step in sync mode (its gradients are `_Part`s)."""
 
     worker: int
-    payloads: list
-    absent: list
     buffers: dict
     rows: dict
-    wire: object
     fut: torch.futures.Future
     options: dict  # a schedule's changed group options ({group: {option: value}}), applied before the step
     agree: Agreement | None  # hold the averaged gradient until the workers agree on its norm
@@ -212,47 +76,106 @@ class _Held(NamedTuple):
     finished: dict  # worker -> the coefficient it asked for (None: skip)
 
 
+class _Part(NamedTuple):
+    """One worker's gradient of one bucket in a sync step: in a whole push (`fut` None), or a piece pushed
+    on its own, answered with the bucket's values after the step."""
+
+    payload: object
+    absent: tuple
+    wire: object
+    fut: torch.futures.Future | None
+
+
 class SyncRule:
-    """Apply the mean of the gradients of all W workers, less those that joined, once per step."""
+    """Apply the mean of the gradients of all W workers, less those that joined, once per step.
+
+    A step's gradients come bucket by bucket: with the push (`commit`) or as pieces on their own
+    (`commit_piece`: the pipeline, where the push is a header that carries no gradient). A bucket is averaged
+    once every worker of the step has pushed and sent its part, and, when it may be applied early, applied
+    and answered at once, while the next buckets are still on their way: with an elementwise optimizer
+    (`may_split`: stepping buckets apart is one step), nonfinite='raise' and no agreement. Otherwise every
+    bucket waits for the whole step (a step skipped for a NaN/Inf changes nothing; a held step waits for the
+    workers' word on its norm)."""
 
     def __init__(self, shard: ShardState, num_workers: int, nonfinite: str):
         self.shard = shard
         self.num_workers = num_workers
         self.nonfinite = nonfinite
+        self._early = nonfinite == "raise" and may_split(type(shard.optimizer))
         self._pending: dict[int, _Push] = {}
+        self._parts: list[dict[int, _Part]] = [{} for _ in shard.buckets]  # this step's, by bucket and worker
+        self._means: dict[int, tuple[torch.Tensor | None, set[int]]] = {}  # buckets averaged: (mean, skipped)
+        self._options_set = False  # this step's group options are applied (before its first bucket)
         self._joined: set[int] = set()  # workers out of data this round (trainer.join())
         self._failure: Exception | None = None
         self._held: _Held | None = None  # a step waiting for the workers' word
         self._finishing: _Held | None = None  # the step applied on the first word, until every worker said it
 
-    def commit(self, worker: int, pulled_version: int, grads: list, absent: list, buffers: dict,
+    def commit(self, worker: int, pulled_version: int, grads: list | None, absent: list | None, buffers: dict,
                wire=PLAIN, rows: dict | None = None, options: dict | None = None,
                agree: Agreement | None = None) -> torch.futures.Future:
-        """One worker's push of the step; resolves to the version after it, or with `agree` to this server's
-        `Partial` of the held step's norm (then `finish` applies it)."""
+        """One worker's push of the step (`grads` None: its buckets come as pieces); resolves to the version
+        after it, or with `agree` to this server's `Partial` of the held step's norm (then `finish` applies it)."""
         shard = self.shard
         rows = {} if rows is None else rows
         with shard.lock:
-            if self._failure is not None:
-                return _done(error=self._failure)
-            if self._held is not None:
-                shard.stats.pushes_rejected += 1
-                return _done(error=GradientError(
-                    f"worker {worker} pushed at version {shard.version} while server {shard.shard_id} waits for "
-                    "the workers to finish the held step (every worker must call finish before its next push)"))
+            if (refused := self._refused(worker)) is not None:
+                return refused
             if worker in self._pending:
                 shard.stats.pushes_rejected += 1
-                return _done(error=GradientError(f"worker {worker} committed twice at version {shard.version}"))
+                return done(error=GradientError(f"worker {worker} committed twice at version {shard.version}"))
             try:
-                checked, buffers = _validated(shard, worker, pulled_version, grads, absent, buffers, wire,
+                checked, buffers = validated(shard, worker, pulled_version, grads, absent, buffers, wire,
                                               exact=True, rows=rows)
+                if checked is not None:
+                    for b in range(len(checked)):
+                        self._unsent(worker, b)
             except GradientError as e:
-                return _done(error=e)
+                return done(error=e)
+            for b, payload in enumerate(checked or ()):
+                self._parts[b][worker] = _Part(payload, tuple(absent[b]), wire, None)
             fut: torch.futures.Future = torch.futures.Future()
-            self._pending[worker] = _Push(worker, checked, absent, buffers, rows, wire, fut, options or {}, agree)
-            done = self._complete()
-        _resolve(*done)
+            self._pending[worker] = _Push(worker, buffers, rows, fut, options or {}, agree)
+            answers = self._progress()
+        _answer(answers)
         return fut
+
+    def commit_piece(self, worker: int, pulled_version: int, b: int, payload, absent, wire=PLAIN
+                     ) -> torch.futures.Future:
+        """One worker's gradient of bucket `b` (None: no entry of it got one; `absent`: the entries without
+        one) in the step at `pulled_version`; resolves to the bucket's values after the step."""
+        shard = self.shard
+        with shard.lock:
+            if (refused := self._refused(worker)) is not None:
+                return refused
+            try:
+                check_version(shard, worker, pulled_version, exact=True)
+                checked = shard.check_piece(worker, b, payload, tuple(absent), wire)
+                self._unsent(worker, b)
+            except GradientError as e:
+                shard.stats.pushes_rejected += 1
+                return done(error=e)
+            fut: torch.futures.Future = torch.futures.Future()
+            self._parts[b][worker] = _Part(checked, tuple(absent), wire, fut)
+            answers = self._progress()
+        _answer(answers)
+        return fut
+
+    def _refused(self, worker: int) -> torch.futures.Future | None:
+        """The failed future that answers any push now, if any. Call with the lock held."""
+        if self._failure is not None:
+            return done(error=self._failure)
+        if self._held is not None:
+            self.shard.stats.pushes_rejected += 1
+            return done(error=GradientError(
+                f"worker {worker} pushed at version {self.shard.version} while server {self.shard.shard_id} waits "
+                "for the workers to finish the held step (every worker must call finish before its next push)"))
+        return None
+
+    def _unsent(self, worker: int, b: int) -> None:
+        if worker in self._parts[b]:
+            raise GradientError(f"worker {worker} sent bucket {self.shard.buckets[b].index} twice at version "
+                                f"{self.shard.version}")
 
     def finish(self, worker: int, version: int, coefficient: float | None) -> torch.futures.Future:
         """A worker's word on the held step: apply it with every gradient times `coefficient` (the workers'
@@ -263,13 +186,13 @@ class SyncRule:
         with shard.lock:
             held = self._held or self._finishing
             if held is None or version != held.version or worker not in held.workers or worker in held.finished:
-                return _done(error=GradientError(
+                return done(error=GradientError(
                     f"worker {worker} finished a step at version {version}, but server {shard.shard_id} holds "
                     + ("no step" if held is None else f"the step at version {held.version} pushed by workers "
                        f"{sorted(held.workers)}, finished by {sorted(held.finished)}")))
             said = set(held.finished.values())
             if said and said != {coefficient}:
-                return _done(error=GradientError(
+                return done(error=GradientError(
                     f"worker {worker} finished the step at version {version} with {coefficient!r}, others with "
                     f"{said.pop()!r}: every worker must compute the same coefficient from the servers' partials"))
             if held is self._held:
@@ -284,7 +207,7 @@ class SyncRule:
             held.finished[worker] = coefficient
             if len(held.finished) == len(held.workers):
                 self._finishing = None
-            return _done(held.version + (coefficient is not None))
+            return done(held.version + (coefficient is not None))
 
     def worker_joined(self, worker: int) -> None:
         """`worker` has no more data this round (it left its `trainer.join()` block): later steps average over
@@ -294,25 +217,8 @@ class SyncRule:
             self._joined.add(worker)
             if len(self._joined) == self.num_workers:
                 self._joined = set()
-            done = self._complete()
-        _resolve(*done)
-
-    def _complete(self) -> tuple[list[_Push], GradientError | None, int | Partial]:
-        """When every active worker has pushed: apply (or hold) the step; returns (the pushes to answer, the
-        error that fails them, the version or `Partial` to answer with). Call with the lock held."""
-        active = self.num_workers - len(self._joined)
-        if not self._pending or len(self._pending) < active:
-            return [], None, self.shard.version
-        pending = [self._pending[w] for w in sorted(self._pending)]
-        self._pending = {}
-        error = self._step(pending)
-        if isinstance(error, Partial):
-            return pending, None, error
-        if error is not None and self.nonfinite == "raise":
-            self._failure = error
-        else:
-            error = None  # dropped under nonfinite='skip': the pushes are answered with the version
-        return pending, error, self.shard.version
+            answers = self._progress()
+        _answer(answers)
 
     def worker_left(self, worker: int, steps: int) -> None:
         """`worker` left the job after `steps` steps: no later step can have all W workers, so the step that
@@ -321,48 +227,117 @@ class SyncRule:
             if self._failure is None:
                 waiting = f"the sync step at version {self.shard.version} on server {self.shard.shard_id}"
                 self._failure = left_early_error(worker, steps, waiting)
-            pending, self._pending = list(self._pending.values()), {}
-        for push in pending:
-            push.fut.set_exception(self._failure)
+            answers = [(f, None, self._failure) for f in self._waiting()]
+            self._reset()
+        _answer(answers)
 
-    def _step(self, pending: list[_Push]) -> GradientError | Partial | None:
-        """Average and apply one step; returns the non-finite error instead of applying (nothing changes), or,
-        when the pushes ask to agree, hold it and return this server's `Partial` of its norm."""
-        shard = self.shard
-        try:
-            options = merged_options([(p.worker, p.options) for p in pending])
-        except GradientError as e:
-            return e
-        means = [_mean(shard, b, [(p.payloads[b], p.wire) for p in pending], len(pending))
-                 for b in range(len(shard.buckets))]
-        rows = _mean_rows(shard, pending, len(pending))
-        agree = pending[0].agree
-        error = None
-        if first_nonfinite([m for m in means if m is not None]) is not None:
-            error = _blame(shard, means, [(p.worker, p.payloads, p.wire) for p in pending])
-        error = error or _blame_rows(rows, [(p.worker, p.rows) for p in pending])
-        if error is not None and not (agree is not None and agree.skip_nonfinite):
-            shard.stats.steps_skipped += self.nonfinite == "skip"
-            return error
-        skipped = _skipped(shard, [(p.payloads, p.absent) for p in pending])
-        buffers = mean_buffers([p.buffers for p in pending])
-        if agree is not None:
-            self._held = _Held(shard.version, means, skipped, buffers, rows, options, {p.worker for p in pending}, {})
-            parts = [m for m in means if m is not None] + [g for _, g in rows.values()]
-            return Partial(shard.version, Clipping(norm_type=agree.norm_type).partial(parts))
-        shard.set_options(options)
-        shard.apply(means, skipped, buffers, rows)
+    def _waiting(self) -> list[torch.futures.Future]:
+        """Every future of this step: the pushes', then the pieces'. Call with the lock held."""
+        return [p.fut for p in self._pending.values()] + [p.fut for parts in self._parts for p in parts.values()
+                                                          if p.fut is not None]
+
+    def _reset(self) -> None:
+        self._pending, self._parts, self._means = {}, [{} for _ in self.shard.buckets], {}
+        self._options_set = False
+
+    def _progress(self) -> list[tuple]:
+        """Average (and, when it may, apply) every bucket whose parts are all in, once every active worker
+        has pushed; close the step when every bucket is averaged. Returns the answers to give outside the
+        lock: (future, value, error). Call with the lock held."""
+        active = self.num_workers - len(self._joined)
+        if not self._pending or len(self._pending) < active:
+            return []
+        shard, workers = self.shard, sorted(self._pending)
+        agree = self._pending[workers[0]].agree
+        early = self._early and agree is None
+        answers = []
+        for b, parts in enumerate(self._parts):
+            if b in self._means or any(w not in parts for w in workers):
+                continue
+            mine = [parts[w] for w in workers]
+            avg = mean(shard, b, [(p.payload, p.wire) for p in mine], len(workers))
+            if avg is not None and first_nonfinite([avg]) is not None:
+                error = blame(shard, b, avg, [(w, p.payload, p.wire) for w, p in zip(workers, mine)])
+                if error is not None and not (agree is not None and agree.skip_nonfinite):
+                    return answers + self._dropped(error)
+            every = set(range(len(shard.buckets[b].entries)))
+            self._means[b] = (avg, {i for i in every if all(p.payload is None or i in p.absent for p in mine)})
+            if early:
+                if (error := self._set_options(workers)) is not None:
+                    return answers + self._dropped(error, nonfinite=False)
+                shard.apply_buckets({b: avg}, {b: self._means[b][1]})
+                value = shard.piece(b)
+                answers += [(p.fut, value, None) for p in mine if p.fut is not None]
+        if len(self._means) < len(shard.buckets):
+            return answers
+        return answers + self._close(workers, agree, early)
+
+    def _set_options(self, workers: list[int]) -> GradientError | None:
+        """Apply the step's group options once, before its first bucket. Call with the lock held."""
+        if not self._options_set:
+            try:
+                self.shard.set_options(merged_options([(w, self._pending[w].options) for w in workers]))
+            except GradientError as e:
+                return e
+            self._options_set = True
         return None
 
-
-def _resolve(pending: list[_Push], error: GradientError | None, version: int | Partial) -> None:
-    """Answer a sync step's pushes (outside the lock): the error, or the version after the step (a `Partial`
-    of a held step)."""
-    for push in pending:
-        if error is not None:
-            push.fut.set_exception(error)
+    def _close(self, workers: list[int], agree: Agreement | None, early: bool) -> list[tuple]:
+        """Every bucket is averaged: the rows and buffers too, then apply the rest (or hold the step). Call
+        with the lock held."""
+        shard = self.shard
+        pending = [self._pending[w] for w in workers]
+        rows = mean_rows(shard, pending, len(pending))
+        error = blame_rows(rows, [(p.worker, p.rows) for p in pending])
+        if error is not None and not (agree is not None and agree.skip_nonfinite):
+            return self._dropped(error)
+        means = [self._means[b][0] for b in range(len(shard.buckets))]
+        skipped = [self._means[b][1] for b in range(len(shard.buckets))]
+        buffers = mean_buffers([p.buffers for p in pending])
+        pieces = [(b, p.fut) for b, parts in enumerate(self._parts) for p in parts.values() if p.fut is not None]
+        if agree is not None:
+            options = merged_options([(w, self._pending[w].options) for w in workers])  # checked by the workers
+            self._held = _Held(shard.version, means, skipped, buffers, rows, options, set(workers), {})
+            value = Partial(shard.version, Clipping(norm_type=agree.norm_type).partial(
+                [m for m in means if m is not None] + [g for _, g in rows.values()]))
+            answers = [(f, None, GradientError("a held step's buckets come back with its finish, not as pieces"))
+                       for _, f in pieces]
         else:
-            push.fut.set_result(version)
+            if (error := self._set_options(workers)) is not None:
+                return self._dropped(error, nonfinite=False)
+            if early:
+                shard.end_step(buffers, rows)
+            else:
+                shard.apply(means, skipped, buffers, rows)
+            value = shard.version
+            answers = [] if early else [(f, shard.piece(b), None) for b, f in pieces]
+        self._reset()
+        return answers + [(p.fut, value, None) for p in pending]
+
+    def _dropped(self, error: GradientError, nonfinite: bool = True) -> list[tuple]:
+        """The step cannot be applied (a NaN/Inf, options the workers disagree on): with nonfinite='raise'
+        it fails, and every later push with it; with 'skip' nothing of it is applied and every push and piece
+        is answered as if it had not come. Call with the lock held."""
+        shard = self.shard
+        if self.nonfinite == "raise":
+            self._failure = error
+            answers = [(f, None, error) for f in self._waiting()]
+        else:
+            shard.stats.steps_skipped += nonfinite
+            answers = [(p.fut, shard.version, None) for p in self._pending.values()]
+            answers += [(p.fut, shard.piece(b), None) for b, parts in enumerate(self._parts) for p in parts.values()
+                        if p.fut is not None]
+        self._reset()
+        return answers
+
+
+def _answer(answers: list[tuple]) -> None:
+    """Resolve futures outside the lock: (future, value, error) each."""
+    for fut, value, error in answers:
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(value)
 
 
 class AsyncRule:
@@ -386,28 +361,29 @@ class AsyncRule:
                 if agree is not None:
                     raise GradientError(f"worker {worker} asked server {shard.shard_id} to hold its push for a "
                                         "joint norm, which only sync steps have: async workers clip their own push")
-                checked, buffers = _validated(shard, worker, pulled_version, grads, absent, buffers, wire,
+                checked, buffers = validated(shard, worker, pulled_version, grads, absent, buffers, wire,
                                               exact=False, rows=rows)
             except GradientError as e:
-                return _done(error=e)
-            decoded = [None if g is None else _scaled(wire.decode(g, b.dtype), self.scale)
+                return done(error=e)
+            decoded = [None if g is None else scaled(wire.decode(g, b.dtype), self.scale)
                        for g, b in zip(checked, shard.buckets)]
-            merged = {name: (ids, _scaled(grads, self.scale)) for name, (_, ids, grads) in rows.items()}
+            merged = {name: (ids, scaled(grads, self.scale)) for name, (_, ids, grads) in rows.items()}
             error = None
             if first_nonfinite([g for g in decoded if g is not None]) is not None:
-                error = _blame(shard, decoded, [(worker, checked, wire)])
-            error = error or _blame_rows(merged, [(worker, rows)])
+                error = next((e for b, g in enumerate(decoded)
+                              if g is not None and (e := blame(shard, b, g, [(worker, checked[b], wire)]))), None)
+            error = error or blame_rows(merged, [(worker, rows)])
             if error is not None:
                 shard.stats.pushes_rejected += 1
-                return _done(error=error) if self.nonfinite == "raise" else _done(shard.version)
+                return done(error=error) if self.nonfinite == "raise" else done(shard.version)
             stale = shard.version - pulled_version
             shard.stats.max_staleness = max(shard.stats.max_staleness, stale)
             shard.stats.staleness_histogram[stale] = shard.stats.staleness_histogram.get(stale, 0) + 1
-            _row_staleness(shard, rows)
+            row_staleness(shard, rows)
             shard.set_options(options or {})
-            shard.apply(decoded, _skipped(shard, [(checked, absent)]), buffers, merged)
+            shard.apply(decoded, skipped_entries(shard, [(checked, absent)]), buffers, merged)
             shard.stats.pushes_by_worker[worker] = shard.stats.pushes_by_worker.get(worker, 0) + 1
-            return _done(shard.version)
+            return done(shard.version)
 
     def worker_left(self, worker: int, steps: int) -> None:
         """Nothing to do: an async step needs no other worker."""
@@ -487,33 +463,6 @@ class SSPRule(AsyncRule):
             ready, snapshot = self._release()
         for waiting in ready:
             waiting.set_result(snapshot)
-
-
-def merged_options(pushes: list[tuple[int, dict]]) -> dict[int, dict]:
-    """The group options a sync step's pushes ((worker, changes) in worker order) changed: the workers agreed
-    before, so they agree after only if each changed the same options to the same values.
-
-    Raises:
-        GradientError: naming an option two workers changed differently (or one changed and one did not).
-    """
-    first, changes = pushes[0]
-    for worker, theirs in pushes[1:]:
-        for g in sorted(set(changes) | set(theirs)):
-            mine, other = changes.get(g, {}), theirs.get(g, {})
-            for key in sorted(set(mine) | set(other)):
-                if key in mine and key in other and same_value(mine[key], other[key]):
-                    continue
-                said = lambda w, c: f"to {c[key]!r}" if key in c else "not at all"  # noqa: E731
-                raise GradientError(
-                    f"in the same step worker {first} changed {key!r} of optimizer group {g} {said(first, mine)} and "
-                    f"worker {worker} {said(worker, other)}: every worker must drive the schedule alike (the same "
-                    "scheduler, stepped once per step on every worker)"
-                )
-    return changes
-
-
-def _scaled(grad: torch.Tensor, scale: float) -> torch.Tensor:
-    return grad if scale == 1.0 else grad * scale
 
 
 def make_rule(mode: str, shard: ShardState, num_workers: int, nonfinite: str, staleness: int = 0):

@@ -152,5 +152,8 @@ class _Gathered:
             if e.whole and e.name in self.kept:
                 yield e.key, self.kept[e.name]
             elif e.name in self.flat_state or e.name in self.other_state:
-                yield e.key, {**self.other_state.get(e.name, {}),
-                              **{k: self.cut(v, e).clone() for k, v in self.flat_state.get(e.name, {}).items()}}
+                # every piece gets its own copy: pieces of one parameter on this server step their counts apart
+                other = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                         for k, v in self.other_state.get(e.name, {}).items()}
+                cut = {k: self.cut(v, e).clone() for k, v in self.flat_state.get(e.name, {}).items()}
+                yield e.key, {**other, **cut}

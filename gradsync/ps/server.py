@@ -142,10 +142,19 @@ class ParameterServer:
             shard.stats.bytes_out += rows.nbytes
             return shard.version, rows
 
-    def reply(self, applied) -> Snapshot | Partial:
+    def reply(self, applied, whole: bool = True) -> Snapshot | Partial:
         """What a push's reply carries, from the value its future resolved to: the snapshot the rule released
-        the worker at (ssp), this server's part of a held step's norm (`Partial`), else the current snapshot."""
-        return applied if isinstance(applied, (Snapshot, Partial)) else self.pull()
+        the worker at (ssp), this server's part of a held step's norm (`Partial`), else the current snapshot,
+        or, when its buckets came back as pieces (`whole` False), the snapshot's version and buffers alone."""
+        if isinstance(applied, (Snapshot, Partial)):
+            return applied
+        if whole:
+            return self.pull()
+        shard = self._shard()
+        with shard.lock:
+            buffers = {n: b.to("cpu", copy=True) for n, b in shard.buffers.items()}
+            shard.stats.bytes_out += sum(b.nbytes for b in buffers.values())
+            return Snapshot(applied, [], buffers)
 
     def table_rows(self, table: str) -> torch.Tensor:
         """A copy of every row of `table` this server holds, in local order."""
@@ -157,7 +166,8 @@ class ParameterServer:
              wire=None, rows: dict | None = None, options: dict | None = None,
              agree: Agreement | None = None) -> torch.futures.Future:
         """One worker's step: bucket payloads (None: no gradient in that bucket) in `wire`'s format (default:
-        the job's), the indices of entries without a gradient per bucket, its updated buffers, its row
+        the job's), the indices of entries without a gradient per bucket (`payloads` and `absent` None: a sync
+        step whose buckets come as pieces, `push_piece`), its updated buffers, its row
         gradients per table: {name: (version the rows were pulled at, unique local ids, gradients)}, and the
         optimizer group options its schedule changed ({group: {option: value}}).
         Resolves to the shard's version after the step (in sync mode once all W pushed; in ssp mode to the
@@ -169,10 +179,26 @@ class ParameterServer:
             return _failed(shard, GradientError(
                 f"worker {worker} is not a worker of this job: expected 0 .. {self.num_workers - 1}"
             ))
+        if payloads is None and not isinstance(self.rule, SyncRule):
+            return _failed(shard, GradientError(f"worker {worker} pushed no gradients to server {self.shard_id}, "
+                                                f"which runs a {self.mode} job: only sync steps take them as pieces"))
         if worker < 0:  # async: any worker may join and leave, under a non-negative id
             return _failed(shard, GradientError(f"worker {worker} is not a worker id: expected an integer >= 0"))
         return self.rule.commit(worker, pulled_version, payloads, absent, buffers, wire or self.wire, rows, options,
                                 agree)
+
+    def push_piece(self, worker: int, pulled_version: int, b: int, payload, absent) -> torch.futures.Future:
+        """One worker's gradient of this server's bucket `b` in a sync step whose push carried none (in the
+        job's wire format; None: no entry got one; `absent`: the entries without one). Resolves to the bucket's
+        values after the step, sent as soon as every worker's part is in and the bucket is applied."""
+        shard = self._shard()
+        if not isinstance(self.rule, SyncRule):
+            return _failed(shard, GradientError(f"worker {worker} pushed a piece to server {self.shard_id}, which "
+                                                f"runs a {self.mode} job: pieces are sync steps'"))
+        if not 0 <= worker < self.num_workers:
+            return _failed(shard, GradientError(
+                f"worker {worker} is not a worker of this job: expected 0 .. {self.num_workers - 1}"))
+        return self.rule.commit_piece(worker, pulled_version, b, payload, absent, self.wire)
 
     def finish(self, worker: int, version: int, coefficient: float | None) -> torch.futures.Future:
         """Apply the held sync step at `version` with its gradients times `coefficient`, or skip it (None):

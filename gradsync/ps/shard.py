@@ -83,6 +83,7 @@ class ShardState:
         self.lock = threading.Lock()
         self.stats = ShardStats()
         self._published: Snapshot | None = None
+        self._fresh: list[torch.Tensor | None] = [None] * len(self.buckets)  # this step's pieces' replies
 
     @property
     def version(self) -> int:
@@ -110,20 +111,25 @@ class ShardState:
                 f"worker {worker} sent {len(grads)} bucket gradients ({len(absent)} absence lists) to server "
                 f"{self.shard_id}, which owns {len(self.buckets)} buckets"
             )
-        checked = []
-        for bucket, grad, missing in zip(self.buckets, grads, absent):
-            if any(not isinstance(i, int) or not 0 <= i < len(bucket.entries) for i in missing):
-                raise GradientError(
-                    f"worker {worker}: bucket {bucket.index} lists absent entries {list(missing)}, "
-                    f"expected indices in 0..{len(bucket.entries) - 1}"
-                )
-            if grad is None:
-                checked.append(None)
-                continue
-            wire.validate(worker, bucket, grad)
-            checked.append(wire.to_device(grad, self.device))
-        self.stats.bytes_in += sum(wire.nbytes(g) for g in grads if g is not None)
-        return checked
+        return [self.check_piece(worker, b, grad, missing, wire) for b, (grad, missing) in enumerate(zip(grads, absent))]
+
+    def check_piece(self, worker: int, b: int, grad, absent, wire):
+        """Validate one worker's payload of bucket `b` (None: no gradient) and its absent entry indices;
+        returns the payload on the shard's device. Raises GradientError naming the bucket and the worker."""
+        if not isinstance(b, int) or not 0 <= b < len(self.buckets):
+            raise GradientError(f"worker {worker} sent a piece of bucket {b!r} to server {self.shard_id}, which owns "
+                                f"buckets 0..{len(self.buckets) - 1}")
+        bucket = self.buckets[b]
+        if any(not isinstance(i, int) or not 0 <= i < len(bucket.entries) for i in absent):
+            raise GradientError(
+                f"worker {worker}: bucket {bucket.index} lists absent entries {list(absent)}, "
+                f"expected indices in 0..{len(bucket.entries) - 1}"
+            )
+        if grad is None:
+            return None
+        wire.validate(worker, bucket, grad)
+        self.stats.bytes_in += wire.nbytes(grad)
+        return wire.to_device(grad, self.device)
 
     def check_buffers(self, worker: int, buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Validate one worker's updated buffers (names, shapes, dtypes); raises GradientError."""
@@ -145,22 +151,58 @@ class ShardState:
         every entry of a None bucket) had no gradient from any worker: the optimizer leaves them alone.
         `rows`: per table, the unique local rows and their (averaged) gradients, for its row optimizer.
         Call with `lock` held."""
+        self.apply_buckets(dict(enumerate(grads)), dict(enumerate(skipped)))
+        self.end_step(buffers, rows)
+
+    def apply_buckets(self, grads: dict[int, torch.Tensor | None], skipped: dict[int, set[int]]) -> None:
+        """The optimizer's step on the entries of the buckets in `grads` (averaged gradients by bucket index)
+        alone: the others have `.grad = None`, which every torch optimizer skips, so stepping the buckets one
+        after the other is one step of an elementwise optimizer (`core.buckets.may_split`). Call with `lock`
+        held."""
+        if self.optimizer is None:
+            return
+        if len(grads) < len(self.buckets):
+            self.snapshot()  # a pull while the step's buckets are applied one by one sees the version before it
+        for b, grad in grads.items():
+            for i, (entry, tensor) in enumerate(zip(self.buckets[b].entries, self.entries[b])):
+                tensor.grad = None if grad is None or i in skipped[b] else entry.view(grad)
+        groups = self.optimizer.param_groups
+        every = [g["params"] for g in groups]
+        try:  # the step loops over these buckets' entries alone: a step per piece costs that piece
+            for g in groups:
+                g["params"] = [t for t in g["params"] if t.grad is not None]
+            self.optimizer.step()
+        finally:
+            for g, params in zip(groups, every):
+                g["params"] = params
+        for b in grads:
+            for tensor in self.entries[b]:
+                tensor.grad = None
+            self._fresh[b] = None
+
+    def end_step(self, buffers: dict[str, torch.Tensor] | None,
+                 rows: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+        """Close a step whose buckets are applied: the table rows' step, the averaged buffers, the next
+        version. Call with `lock` held."""
         for name, (ids, row_grads) in (rows or {}).items():
             self.tables[name].apply(ids, row_grads)
-        if self.optimizer is not None:
-            for grad, entries, bucket, skip in zip(grads, self.entries, self.buckets, skipped):
-                for i, (entry, tensor) in enumerate(zip(bucket.entries, entries)):
-                    tensor.grad = None if grad is None or i in skip else entry.view(grad)
-            self.optimizer.step()
-            for tensor in self.params.values():
-                tensor.grad = None
         if buffers:
             with torch.no_grad():
                 for name, value in buffers.items():
                     self.buffers[name].copy_(value)
         self.stats.version += 1
         self.stats.pushes_applied += 1
+        fresh, self._fresh = self._fresh, [None] * len(self.buckets)
         self._published = None
+        if self.buckets and all(f is not None for f in fresh):  # every piece was sent: they are the snapshot
+            self._published = Snapshot(self.version, fresh, {n: b.to("cpu", copy=True) for n, b in self.buffers.items()})
+
+    def piece(self, b: int) -> torch.Tensor:
+        """A CPU copy of bucket `b`'s values (a piece's reply; once per step, shared by every worker and by
+        the snapshot the step ends at). Call with `lock` held."""
+        if self._fresh[b] is None:
+            self._fresh[b] = memory.cpu_copy(self.flats[b])
+        return self._fresh[b]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """CPU copies of this shard's entries (by entry key), buffers and frozen parameters. Call with `lock` held."""
@@ -198,3 +240,4 @@ class ShardState:
     def restored(self) -> None:
         """Forget the published snapshot after a checkpoint was loaded into the shard. Call with `lock` held."""
         self._published = None
+        self._fresh = [None] * len(self.buckets)

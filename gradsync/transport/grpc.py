@@ -165,6 +165,18 @@ class GrpcTransport:
                  for s in self.servers}
         return {s: self._snapshot("JobPush", s, call, start) for s, call in calls.items()}
 
+    def push_pieces(self, versions, pieces: list[tuple[int, int, object, tuple]], buffers, rows=None, options=None
+                    ) -> dict[int, Snapshot]:
+        """A sync step's pieces as one push per server, not yet a pipeline (`RpcTransport.push_pieces` is one):
+        JobPush streams one whole step in (in chunks) and its snapshot out, and the servicer
+        (`proto/service.py`) hands the server the step once it is all in; a pipeline needs it to hand each
+        bucket to `ParameterServer.push_piece` as it arrives and stream each answer back."""
+        payloads = {s: [None] * len(self.server_buckets[s]) for s in self.servers}
+        absent = {s: [()] * len(self.server_buckets[s]) for s in self.servers}
+        for s, b, payload, missing in pieces:
+            payloads[s][b], absent[s][b] = payload, missing
+        return self.push(versions, payloads, absent, buffers, rows, options)
+
     def finish(self, versions: dict[int, int], coefficient: float | None) -> dict[int, Snapshot]:
         """Apply (or, with None, skip) the held step on every server: see `SyncRule.finish`."""
         start = time.monotonic()

@@ -1,4 +1,4 @@
-"""Worker side of the parameter-server strategy: pull, functional forward, one push per server per step.
+"""Worker side of the parameter-server strategy: pull, functional forward, push (a pipeline of pieces in sync).
 
 `PSStrategy.model` wraps the user's module. Its forward runs the module with
 `torch.func.functional_call` on the servers' current values: each trainable
@@ -7,8 +7,11 @@ pieces of a parameter split across servers joined), so backward writes each
 parameter's gradient once and knows which parameters got none. `step` reads
 the gradients from the dist_autograd context, packs them into the bucket plan
 (with the entries that got no gradient listed), encodes them (`ps.wire`) and
-pushes them, one call per server; each reply carries the snapshot after the
-step, which the next forward uses without another pull. Frozen parameters
+pushes them: in sync mode without clipping or a GradScaler as pieces, one
+call per bucket in the forward's order, each answered with that bucket's
+values once its server has applied it (`RpcTransport.push_pieces`); else one
+call per server. The replies make the snapshot after the step, which the next
+forward uses without another pull. Frozen parameters
 (`requires_grad=False`) never travel after registration. A worker that ran
 out of data (`join`) tells the servers through the store (`gradsync.membership.uneven_data`).
 """
@@ -24,7 +27,8 @@ import torch.distributed.autograd as dist_autograd
 from torch import nn
 from torch.func import functional_call
 
-from gradsync.core.buckets import Bucket, ModelSpec, assign_tensors, by_server, join_pieces, may_split, plan_buckets
+from gradsync.core.buckets import (Bucket, ModelSpec, assign_tensors, by_server, forward_order, join_pieces,
+                                   may_split, plan_buckets)
 from gradsync.core.clipping import Clipping
 from gradsync.core.finite import first_nonfinite
 from gradsync.core.optimizer_spec import OptimizerSpec, changed_options, group_options
@@ -103,6 +107,7 @@ class PSStrategy:
         self.buckets = plan_buckets(self.spec.params, config.servers, cap, split=may_split(spec.cls))
         self.servers = list(range(config.servers))
         self.server_buckets = by_server(self.buckets, config.servers)
+        self._order = [(b.server, self.server_buckets[b.server].index(b)) for b in forward_order(self.buckets)]
         self.owner = assign_tensors(self.spec.buffers + self.spec.frozen, config.servers)
         self.wire = make_wire(config.compression)
         self.transport = _transport(cluster, self.server_buckets)
@@ -215,7 +220,11 @@ class PSStrategy:
         changes = changed_options(self.optimizer.param_groups, self._sent)
         if changes:
             self._sent = [group_options(g) for g in self.optimizer.param_groups]
-        fresh = self.transport.push(pulled.versions, payloads, absent, buffers, rows, changes, agree)
+        if agree is None and self.config.mode == "sync":  # a pipeline of pieces, each back once applied
+            pieces = [(s, b, payloads[s][b], absent[s][b]) for s, b in self._order]
+            fresh = self.transport.push_pieces(pulled.versions, pieces, buffers, rows, changes)
+        else:
+            fresh = self.transport.push(pulled.versions, payloads, absent, buffers, rows, changes, agree)
         if agree is not None:
             fresh = self._finish(fresh, scaler)
         elif scaler is not None:
