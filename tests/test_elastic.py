@@ -12,6 +12,7 @@ from elastic_jobs import GRAD, LR, SIZE, die_before_the_trainer, kill_the_server
 from faults import Fault, train_with_fault
 from gradsync.membership import newcomers
 from gradsync.config import ConfigError, JobConfig, StoreKeys
+from gradsync.launcher.launch import _joiner_ended, _Rank
 from gradsync.core.buckets import ModelSpec
 from gradsync.membership.liveness import Watch, create_keys, record_gone, staying
 from grpc_harness import make_server, model_state, served
@@ -139,3 +140,27 @@ def test_joining_refuses_jobs_that_take_no_workers_and_other_settings(tmp_path):
     newcomers.write_join_file(str(tmp_path), "127.0.0.1", 1234)
     assert newcomers.store_address(str(tmp_path)) == ("127.0.0.1", 1234)
     assert newcomers.store_address("10.0.0.5:29500") == ("10.0.0.5", 29500)
+
+
+class _Exited:
+    """A joined worker's process as `gradsync run --join` sees it: exited with `exitcode`."""
+
+    def __init__(self, exitcode: int):
+        self.pid, self.exitcode = 0, exitcode
+
+
+def test_a_joined_worker_that_left_is_no_failure_when_the_job_and_its_store_are_gone_before_it_exits(
+        tmp_path, monkeypatch):
+    # the chaos soak's race: the joined worker's gradsync.shutdown() was the job's last, the job ended (its store
+    # with it), and its process exited 0 after that: `gradsync run --join` reported it failed, exit 1
+    store = _store()
+    client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=2))
+    del store  # the job's end
+    monkeypatch.setenv(newcomers.INDEX_FILE, str(tmp_path / "index-0"))
+    newcomers.note_left(5)  # what its gradsync.shutdown() writes
+    assert newcomers.read_index_file(str(tmp_path / "index-0")) == (5, True)
+    assert _joiner_ended(_Rank(0, _Exited(0)), str(tmp_path), client, "exited with code 0") == []
+    (tmp_path / "index-0").write_text("5")  # joined, never left: still a failure
+    (failure,) = _joiner_ended(_Rank(0, _Exited(0)), str(tmp_path), client, "exited with code 0")
+    assert failure.startswith("worker5 (joined) exited without calling gradsync.shutdown(), and the job's store is "
+                              "gone"), failure

@@ -22,7 +22,9 @@ from gradsync.core.atomic_file import write_atomically
 JOIN = "GRADSYNC_JOIN"
 """Set to a run directory or the job's store address (host:port): `gradsync.init()` joins that running job."""
 INDEX_FILE = "GRADSYNC_JOIN_INDEX_FILE"
-"""Where a joining process writes the worker index it took (for `gradsync run --join`, which supervises it)."""
+"""Where a joining process writes the worker index it took, and ' left' after it once gradsync.shutdown() has
+left the job (for `gradsync run --join`, which supervises it, and may find the job's store gone by the time
+the process exits)."""
 JOIN_FILE = "join.json"
 _JOB_SETTINGS = ("strategy", "mode", "staleness", "servers", "nonfinite", "compression", "transport")
 
@@ -85,6 +87,20 @@ def job_settings(store: dist.Store, host: str, port: int, timeout: float) -> dic
             "--transport rpc); over gRPC, push from outside the job with gradsync.client.Client"
         )
     return values
+
+
+def note_left(index: int) -> None:
+    """In a joining process, as gradsync.shutdown() leaves the job: say so in the index file (`INDEX_FILE`)."""
+    path = os.environ.get(INDEX_FILE)
+    if path:
+        write_atomically(path, f"{index} left".encode())
+
+
+def read_index_file(path: str) -> tuple[int, bool]:
+    """(the worker index a joining process took, whether it left the job with gradsync.shutdown())."""
+    with open(path) as f:
+        index, _, left = f.read().partition(" ")
+    return int(index), left == "left"
 
 
 def joiner_config(store: dist.Store, host: str, port: int, asked: dict, timeout: float) -> JobConfig:
