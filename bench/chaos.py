@@ -601,9 +601,11 @@ def main(argv: list[str] | None = None) -> int:
         left = chaos.leftovers()
         result = dict(
             launcher_code=launcher_code, error=error, events=chaos.events, killed=sorted(chaos.killed),
-            seconds=chaos.now(),  # since the chaos began, to the checks: the stop and the job's end included pushes=pushes(folder, chaos.run_dir, chaos.killed, sorted(chaos.workers())),
+            seconds=chaos.now(),  # since the chaos began, to the checks: the stop and the job's end included
+            pushes=pushes(folder, chaos.run_dir, chaos.killed, sorted(chaos.workers())),
             processes_left=left, namespaces=sorted(chaos.namespaces),
-            namespaces_left=namespaces_left(chaos.namespaces), memory=memory(chaos.memory_samples(), args.judge_after, args.warmup),
+            namespaces_left=namespaces_left(chaos.namespaces),
+            memory=memory(chaos.memory_samples(), args.judge_after, args.warmup),
             checkpoints=dict(every=args.checkpoint_every, refused=refused,
                              written=sorted(os.listdir(ckpt)) if ckpt and os.path.isdir(ckpt) else []),
             launcher_log=tail(os.path.join(folder, "launcher.log")),
