@@ -195,6 +195,7 @@ class Chaos:
         self.namespaces: set[int] = set()
         self.own_namespace = net_namespace("self")
         self.start = time.monotonic()  # reset when every worker has stepped
+        self.start_time = time.time()  # the same moment, by the clock
 
     def now(self) -> float:
         return round(time.monotonic() - self.start, 2)
@@ -264,7 +265,7 @@ class Chaos:
                 raise RuntimeError(f"not every worker took a step within {timeout:.0f} s")
             self.sample()
             time.sleep(0.2)
-        self.start = time.monotonic()
+        self.start, self.start_time = time.monotonic(), time.time()
 
     def kill(self, choices: dict[int, int]) -> None:
         """SIGKILL a random worker of `choices` (pid by worker)."""
@@ -541,6 +542,16 @@ def checkpoint_support(args: argparse.Namespace, path: str) -> tuple[str | None,
     return path, None
 
 
+def checkpoints_written(every: int, refused: str | None, path: str | None, start: float) -> dict:
+    """The step folders the job wrote into `path`, how many have their manifest (written last), and when
+    the newest manifest was written (seconds since `start`, a time.time())."""
+    written = sorted(os.listdir(path)) if path and os.path.isdir(path) else []
+    manifests = [os.path.join(path, f, "MANIFEST.json") for f in written]
+    times = [os.path.getmtime(m) - start for m in manifests if os.path.exists(m)]
+    return dict(every=every, refused=refused, written=written, complete=len(times),
+                last_at=round(max(times), 1) if times else None)
+
+
 def table(result: dict) -> str:
     lines = ["| process | sampled s | RSS after warm-up MB | RSS at end MB | growth |", "|---|---|---|---|---|"]
     for m in sorted(result["memory"].values(), key=lambda m: (-m["seconds"], m["name"])):
@@ -606,8 +617,7 @@ def main(argv: list[str] | None = None) -> int:
             processes_left=left, namespaces=sorted(chaos.namespaces),
             namespaces_left=namespaces_left(chaos.namespaces),
             memory=memory(chaos.memory_samples(), args.judge_after, args.warmup),
-            checkpoints=dict(every=args.checkpoint_every, refused=refused,
-                             written=sorted(os.listdir(ckpt)) if ckpt and os.path.isdir(ckpt) else []),
+            checkpoints=checkpoints_written(args.checkpoint_every, refused, ckpt, chaos.start_time),
             launcher_log=tail(os.path.join(folder, "launcher.log")),
         )
     finally:
@@ -638,12 +648,13 @@ def tail(path: str, chars: int = 4000) -> str:
 
 def report(result: dict) -> None:
     kinds = [e["kind"] for e in result["events"]]
-    p = result["pushes"]
+    p, c = result["pushes"], result["checkpoints"]
     print(f"chaos: {result['seconds']:.0f} s, {kinds.count('kill')} kills, {kinds.count('join')} joins, "
           f"{kinds.count('stop')} server stops; pushes acknowledged {p['acknowledged']}, applied by server "
           f"{p['applied']}, workers killed {p['killed']}; checkpoints: "
-          + (f"refused ({result['checkpoints']['refused'][:80]}...)" if result["checkpoints"]["refused"]
-             else f"{len(result['checkpoints']['written'])} written" if result["checkpoints"]["every"] else "off"))
+          + (f"refused ({c['refused'][:80]}...)" if c["refused"]
+             else f"{len(c['written'])} written, {c['complete']} with a manifest, the last at {c['last_at']} s"
+             if c["every"] else "off"))
     if result["error"]:
         print(f"chaos: error: {result['error']}")
     for name, c in result["checks"].items():
