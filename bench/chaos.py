@@ -26,6 +26,7 @@ Then every worker is told to stop (a file), the job ends, and the bench checks:
   it (medians of the samples in the tenth of that span after max(`--warmup` s, its first tenth), and in its
   last tenth). Workers killed early live too briefly to be judged, and are counted as such.
 - The job's launcher exits 0, and each `gradsync run --join` exits 0, or 1 when the bench killed its worker.
+- Checkpoints (when on): every step folder the job wrote has its manifest, but maybe the newest.
 
 Exits 1 when a check fails; writes bench/results/chaos.json with every event (kill, join, stop, cont: seconds
 since the chaos began), the counts and the checks. Every process it starts is killed when it ends, however.
@@ -522,10 +523,22 @@ def checks(result: dict) -> dict[str, dict]:
                                   found="; ".join(result["namespaces_left"]) or
                                   f"none (the job's processes ran in {len(result['namespaces'])} namespaces of "
                                   "their own)"),
+        "checkpoints complete": checkpoints_check(result["checkpoints"]),
         "memory flat": dict(ok=not grown, found="; ".join(grown) or
                             f"{len(judged)} processes judged within {100 * TARGET:.0f}%, "
                             f"{len(mem) - len(judged)} lived under {result['settings']['judge_after']:.0f} s"),
     }
+
+
+def checkpoints_check(c: dict) -> dict:
+    """With checkpoints on: every step folder has its manifest but maybe the newest (in flight at the end), and
+    at least one has. A folder without one is a checkpoint begun and never finished."""
+    if not c["every"] or c["refused"]:
+        return dict(ok=True, found="refused by this gradsync for async jobs" if c["refused"] else "off")
+    torn = len(c["written"]) - c["complete"]
+    return dict(ok=c["complete"] >= 1 and torn <= 1,
+                found=f"{c['complete']} of {len(c['written'])} step folders have their manifest, the newest "
+                      f"written {c['last_at']} s into the chaos")
 
 
 def checkpoint_support(args: argparse.Namespace, path: str) -> tuple[str | None, str | None]:
