@@ -496,7 +496,8 @@ def memory(samples: dict[int, dict], judge_after: float, warmup: float) -> dict:
         row = dict(name=s["name"], pid=pid, seconds=round(life, 1), samples=len(t), peak_rss=max(rss))
         if life >= judge_after and len(t) >= 10:
             warm_start = t[0] + max(warmup, 0.1 * life)
-            warm = statistics.median(r for x, r in zip(t, rss) if warm_start <= x <= warm_start + 0.1 * life)
+            after = [(x, r) for x, r in zip(t, rss) if x >= warm_start]  # the first one, when the window is empty
+            warm = statistics.median([r for x, r in after if x <= warm_start + 0.1 * life] or [after[0][1]])
             end = statistics.median(r for x, r in zip(t, rss) if x >= t[0] + 0.9 * life)
             row.update(warm_rss=warm, end_rss=end, growth=(end - warm) / warm, flat=abs(end - warm) <= TARGET * warm)
         out[str(pid)] = row
