@@ -10,8 +10,10 @@ import torch.distributed as dist
 import gradsync
 from elastic_jobs import GRAD, LR, SIZE, die_before_the_trainer, kill_the_server_at, train_while_a_worker_joins
 from faults import Fault, train_with_fault
+from gradsync.core import settings
 from gradsync.membership import newcomers
 from gradsync.config import ConfigError, JobConfig, StoreKeys
+from gradsync.launcher.launch import _joiner_ended, _Rank
 from gradsync.core.buckets import ModelSpec
 from gradsync.membership.liveness import Watch, create_keys, record_gone, staying
 from grpc_harness import make_server, model_state, served
@@ -158,3 +160,27 @@ def test_run_join_refuses_a_job_it_cannot_join_before_starting_anything(mode, tr
     assert (f"gradsync: error: the job at 127.0.0.1:{store.port} runs strategy='ps', mode={mode!r}, transport="
             f"{transport!r}: workers join async ps jobs over torch RPC") in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and not started.exists()
+
+
+class _Exited:
+    """A joined worker's process as `gradsync run --join` sees it: exited with `exitcode`."""
+
+    def __init__(self, exitcode: int):
+        self.pid, self.exitcode = 0, exitcode
+
+
+def test_a_joined_worker_that_left_is_no_failure_when_the_job_and_its_store_are_gone_before_it_exits(
+        tmp_path, monkeypatch):
+    # the chaos soak's race: the joined worker's gradsync.shutdown() was the job's last, the job ended (its store
+    # with it), and its process exited 0 after that: `gradsync run --join` reported it failed, exit 1
+    store = _store()
+    client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=2))
+    del store  # the job's end
+    monkeypatch.setenv(settings.JOIN_INDEX_FILE.env, str(tmp_path / "index-0"))
+    newcomers.note_left(5)  # what its gradsync.shutdown() writes
+    assert newcomers.read_index_file(str(tmp_path / "index-0")) == (5, True)
+    assert _joiner_ended(_Rank(0, _Exited(0)), str(tmp_path), client, "exited with code 0") == []
+    (tmp_path / "index-0").write_text("5")  # joined, never left: still a failure
+    (failure,) = _joiner_ended(_Rank(0, _Exited(0)), str(tmp_path), client, "exited with code 0")
+    assert failure.startswith("worker5 (joined) exited without calling gradsync.shutdown(), and the job's store is "
+                              "gone"), failure

@@ -563,8 +563,9 @@ def _joiner_ended(joiner: _Rank, files: str, store: dist.Store, how: str) -> lis
     if not os.path.exists(path):
         text = f"joining worker {joiner.rank} {how} before it joined the job"
         return [] if code == 0 else [_with_traceback(text, files, joiner.rank)]
-    with open(path) as f:
-        worker = int(f.read())
+    worker, left = newcomers.read_index_file(path)
+    if code == 0 and left:  # it left with gradsync.shutdown(): no failure, even once the job and its store are gone
+        return []
     if code == 0:
         how = "exited without calling gradsync.shutdown()"
     try:

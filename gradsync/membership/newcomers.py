@@ -83,6 +83,21 @@ def job_settings(store: dist.Store, host: str, port: int, timeout: float) -> dic
     return values
 
 
+def note_left(index: int) -> None:
+    """In a joining process, as gradsync.shutdown() leaves the job: say so in the index file
+    (GRADSYNC_JOIN_INDEX_FILE), which `gradsync run --join` reads even once the job's store is gone."""
+    path = settings.JOIN_INDEX_FILE.read()
+    if path:
+        write_atomically(path, f"{index} left".encode())
+
+
+def read_index_file(path: str) -> tuple[int, bool]:
+    """(the worker index a joining process took, whether it left the job with gradsync.shutdown())."""
+    with open(path) as f:
+        index, _, left = f.read().partition(" ")
+    return int(index), left == "left"
+
+
 def joiner_config(store: dist.Store, host: str, port: int, asked: dict, timeout: float) -> JobConfig:
     """This joining process's place in the job: the job's settings and the next worker index, whose
     heartbeat counter is created at once (the others watch it from then on).

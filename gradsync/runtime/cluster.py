@@ -422,6 +422,7 @@ def shutdown() -> None:
     config = cluster.config
     deadline = time.monotonic() + config.shutdown_timeout
     cluster.store.append(StoreKeys.LEFT, f"{config.worker_rank}:{cluster.steps},")
+    newcomers.note_left(config.worker_rank)
     others = None  # the workers still in the job (None: not waited for)
     try:
         if not config.elastic:
