@@ -142,8 +142,9 @@ def check_model(found: Found, module: torch.nn.Module) -> None:
 
 
 def save(store: dist.Store, config: JobConfig, step: int, strategy, model: dict[str, list]) -> None:
-    """Write this worker's part of the checkpoint of `step` (worker 0: the servers' shards and the manifest
-    too). Every worker of the job must call it after the same step (workers that joined a running job take no
+    """Write this worker's part of the checkpoint of `step`; the coordinator (worker 0, or in an elastic job the
+    lowest of the job's first workers still in it) has the servers write their shards and writes the manifest.
+    Every worker of the job must call it after the same step (workers that joined a running job take no
     part; in an elastic job, neither do workers that have left it). In async and ssp jobs the workers wait
     until the servers have written their shards, so that every shard holds the same pushes: each worker's
     first `step`."""
@@ -157,11 +158,12 @@ def save(store: dist.Store, config: JobConfig, step: int, strategy, model: dict[
     checkpoint.write(os.path.join(path, worker_file(me)), state)
     store.set(StoreKeys.CHECKPOINT.format(step, me), "1")
     held = config.mode != "sync" and config.servers > 0  # the others' pushes would go on meanwhile
-    if me != 0:
-        if held:
-            _wait(store, config, [StoreKeys.CHECKPOINT.format(step, "shards")], [0],
-                  f"did not have the servers write their shards of the checkpoint of step {step} in {path}")
-        return
+    while (coordinator := _coordinator(store, config)) != me:
+        if not held or _wait(store, config, [StoreKeys.CHECKPOINT.format(step, "shards")], [coordinator],
+                             f"did not have the servers write their shards of the checkpoint of step {step} in "
+                             f"{path}"):
+            return
+        # the coordinator left the job before the shards were written: the next one takes over
     written = _wait(store, config, [StoreKeys.CHECKPOINT.format(step, w) for w in range(config.num_workers)],
                     list(range(config.num_workers)),
                     f"did not write its state of the checkpoint of step {step} in {path}")
@@ -173,6 +175,14 @@ def save(store: dist.Store, config: JobConfig, step: int, strategy, model: dict[
     write_atomically(os.path.join(path, MANIFEST), json.dumps(manifest, indent=1).encode())
     if held:
         store.set(StoreKeys.CHECKPOINT.format(step, "shards"), "1")
+
+
+def _coordinator(store: dist.Store, config: JobConfig) -> int:
+    """The worker that has the servers write their shards and writes the manifest: worker 0, or in an elastic
+    job the lowest of the job's first workers still in it."""
+    if not config.elastic:
+        return 0
+    return min((w for w in staying(store) if w < config.num_workers), default=0)
 
 
 def _wait(store: dist.Store, config: JobConfig, keys: list[str], workers: list[int], what: str) -> list[int]:
@@ -197,11 +207,13 @@ def _wait(store: dist.Store, config: JobConfig, keys: list[str], workers: list[i
 
 def restore(config: JobConfig, strategy, found: Found) -> int:
     """Load this worker's state of `found` (step, RNG states, the strategy's local state); returns the step.
-    A worker beyond the checkpoint's workers takes worker 0's file (its model and optimizer under allreduce
-    and hybrid, which every worker holds alike) and keeps its own RNG states."""
+    A worker beyond the checkpoint's workers, or whose file it lacks, takes the file of the lowest worker that
+    wrote one (its model and optimizer under allreduce and hybrid, which every worker holds alike) and keeps
+    its own RNG states."""
     me = config.worker_rank
     mine = me < found.manifest["workers"] and worker_file(me) in found.manifest["files"]
-    state = checkpoint.load(os.path.join(found.path, worker_file(me if mine else 0)))
+    first = min(found.manifest.get("written", [0]))  # worker 0, unless it had left an elastic job
+    state = checkpoint.load(os.path.join(found.path, worker_file(me if mine else first)))
     if mine:
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
