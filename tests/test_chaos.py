@@ -14,8 +14,8 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.timeout(300)
 def test_a_short_chaos_soak_accounts_for_every_push_and_leaves_nothing(tmp_path):
     out = tmp_path / "chaos.json"
-    bench = subprocess.Popen([sys.executable, BENCH, "--minutes", "0.15", "--workers", "2", "--servers", "1",
-                              "--min-workers", "1", "--event-every", "2", "--stop-every", "3", "--stop-seconds", "2",
+    bench = subprocess.Popen([sys.executable, BENCH, "--minutes", "0.1", "--workers", "2", "--servers", "1",
+                              "--min-workers", "1", "--event-every", "1.5", "--stop-every", "2", "--stop-seconds", "1",
                               "--startup-timeout", "90", "--sizes", "32", "32", "10", "--out", str(out)],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

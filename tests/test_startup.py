@@ -16,7 +16,7 @@ from gradsync.membership.liveness import create_keys, wait_for_arrivals
 from helpers import TESTS, gone as _gone, gradsync_run
 
 ROOT = os.path.dirname(TESTS)
-STARTUP_TIMEOUT = 12  # the ranks that do arrive import torch first (~3 s for three at once on 2 cores): 4x slack
+STARTUP_TIMEOUT = 8  # the ranks that do arrive import torch first (~3 s for three at once on 2 cores): 2.5x slack
 
 
 def _without_job_environment() -> dict:

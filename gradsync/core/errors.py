@@ -25,10 +25,13 @@ def nonfinite_error(name: str, worker: int | str) -> GradientError:
 _NONFINITE_FROM = re.compile(r"non-finite gradient \(NaN or Inf\) for parameter '.*?' from worker (\d+):")
 
 
+_OUTSIDE_JOIN = re.compile(r"worker (\d+)(?:, worker \d+)* did not enter trainer\.join\(\)")
+
+
 def blamed_worker(text: str) -> int | None:
     """The worker a failure's text names as its cause (the sender of a non-finite gradient in
-    `nonfinite_error`), None when it names none."""
-    found = _NONFINITE_FROM.search(text)
+    `nonfinite_error`, the first worker outside the block in `outside_join_error`), None when it names none."""
+    found = _NONFINITE_FROM.search(text) or _OUTSIDE_JOIN.search(text)
     return int(found.group(1)) if found else None
 
 

@@ -165,10 +165,14 @@ def _kill_all(ranks: list[_Rank]) -> None:
             r.proc.join(timeout=10)
 
 
-def _failure_text(config: JobConfig, run_dir: str, rank: int, code: int, arrived: bool = True) -> str:
-    """A failed rank's headline with the failure it recorded; `arrived`: whether it reached gradsync.init()."""
+def _failure_text(config: JobConfig, run_dir: str, rank: int, code: int, arrived: bool = True,
+                  recorded: str | None = None) -> str:
+    """A failed rank's headline with the failure it recorded (`recorded`: the job's first failure in the store,
+    which may be another rank's text that blames this one); `arrived`: whether it reached gradsync.init()."""
     how = f"exit code {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
     text = f"rank {rank} ({config.role(rank)}) failed with {how}"
+    if recorded is not None:
+        return text + ":\n" + recorded
     path = os.path.join(run_dir, f"error-{rank}.txt")
     if os.path.exists(path):
         with open(path) as f:
@@ -219,16 +223,17 @@ def _silent_text(config: JobConfig, rank: _Rank, seconds: float) -> str:
             f"(step_timeout {config.step_timeout:.0f} s); {state}")
 
 
-def _recorded_failure(ranks: list[_Rank], store: dist.Store) -> int | None:
-    """The rank that recorded the job's first failure in the store (given a few seconds to exit by itself),
-    when it has exited non-zero."""
+def _recorded_failure(ranks: list[_Rank], store: dist.Store) -> tuple[int, str] | None:
+    """The rank the job's first failure in the store is recorded under (the rank that recorded it, or the
+    worker its text blames) and its text, once that rank has exited non-zero (given a few seconds to)."""
     if not store.check([StoreKeys.FAILED]):
         return None
-    first = ranks[int(store.get(StoreKeys.FAILED).decode().split(":", 1)[0].split()[1])]
+    head, text = store.get(StoreKeys.FAILED).decode().split(":", 1)
+    first = ranks[int(head.split()[1])]
     deadline = time.monotonic() + _EXIT_GRACE_S
     while first.exitcode() is None and time.monotonic() < deadline:
         time.sleep(_POLL_S)
-    return first.rank if first.exitcode() not in (None, 0) else None
+    return (first.rank, text.lstrip()) if first.exitcode() not in (None, 0) else None
 
 
 def _absent(config: JobConfig, ranks: list[_Rank], watch: Watch, departed: set[int]) -> list[_Rank]:
@@ -257,9 +262,9 @@ def _root_cause(config: JobConfig, ranks: list[_Rank], watch: Watch, store: dist
         if code < 0 and not os.path.exists(os.path.join(run_dir, f"error-{rank}.txt")):
             return JobFailed(_failure_text(config, run_dir, rank, code, watch.moved[rank] is not None), rank)
     recorded = _recorded_failure(ranks, store)
-    follower = recorded if recorded is not None else failed[0][0]
+    follower = recorded[0] if recorded is not None else failed[0][0]
     follower_text = _failure_text(config, run_dir, follower, ranks[follower].exitcode(),
-                                  watch.moved[follower] is not None)
+                                  watch.moved[follower] is not None, recorded and recorded[1])
     absent = _absent(config, ranks, watch, departed)
     if absent:
         return JobFailed(f"{_absent_text(config, absent)}\nthen {follower_text}", absent[0].rank)
