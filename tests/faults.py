@@ -57,8 +57,19 @@ def read_stamp(directory: str, name: str) -> float:
 
 def train_with_fault(fault: Fault, steps: int) -> int:
     """Train the MLP for up to `steps` steps on every worker with `fault` injected; returns the steps taken."""
-    me = gradsync.worker_rank()
+    return _train(gradsync.Trainer(make_mlp(), torch.optim.SGD, lr=0.1), fault, steps)
+
+
+def train_in_join(fault: Fault, steps: int, outside: int | None = None) -> int:
+    """`train_with_fault` inside `trainer.join()` on every worker but `outside` (None: on every one)."""
     trainer = gradsync.Trainer(make_mlp(), torch.optim.SGD, lr=0.1)
+    with trainer.join() if gradsync.worker_rank() != outside else contextlib.nullcontext():
+        return _train(trainer, fault, steps)
+
+
+def _train(trainer: gradsync.Trainer, fault: Fault, steps: int) -> int:
+    """This worker's loop: up to `steps` steps on its MLP batches, stopping where `fault` strikes."""
+    me = gradsync.worker_rank()
     for step in range(steps):
         if fault.strike(me, step):
             return step
@@ -66,21 +77,6 @@ def train_with_fault(fault: Fault, steps: int) -> int:
         with dist_autograd.context() as cid:
             dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
             trainer.step(cid)
-    return steps
-
-
-def train_in_join(fault: Fault, steps: int, outside: int | None = None) -> int:
-    """`train_with_fault` inside `trainer.join()` on every worker but `outside` (None: on every one)."""
-    me = gradsync.worker_rank()
-    trainer = gradsync.Trainer(make_mlp(), torch.optim.SGD, lr=0.1)
-    with trainer.join() if me != outside else contextlib.nullcontext():
-        for step in range(steps):
-            if fault.strike(me, step):
-                return step
-            x, y = batch(step, me)
-            with dist_autograd.context() as cid:
-                dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
-                trainer.step(cid)
     return steps
 
 
