@@ -67,11 +67,15 @@ class Link:
     def __str__(self) -> str:
         return f"{self.bits_per_s}bit"
 
+    @property
+    def burst_bytes(self) -> int:
+        """What the link passes at once after an idle moment: 4 ms at the rate, at least 64 KiB (one
+        segmentation-offload packet)."""
+        return max(self.bits_per_s // 8 // 250, 64 * 1024)
+
     def tbf(self) -> list[str]:
-        """tc tbf parameters: a burst of 4 ms at the rate (at least 64 KiB, one segmentation-offload packet),
-        and a queue of 20 ms."""
-        burst = max(self.bits_per_s // 8 // 250, 64 * 1024)
-        return ["rate", str(self), "burst", str(burst), "latency", "20ms"]
+        """tc tbf parameters: the burst, and a queue of 20 ms."""
+        return ["rate", str(self), "burst", str(self.burst_bytes), "latency", "20ms"]
 
 
 def require_tools() -> None:
