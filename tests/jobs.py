@@ -1,6 +1,7 @@
 """Functions the multi-process tests run on each worker (module level, so spawn can pickle them)."""
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -224,3 +225,23 @@ def train_mlp_and_stats(steps: int, lr: float = 0.1, momentum: float = 0.0, slow
     trainer = gradsync.Trainer(make_mlp(), torch.optim.SGD, lr=lr, momentum=momentum)
     run_loop(trainer, steps, pause_s=slow_s if gradsync.worker_rank() != 0 else 0.0)
     return trainer.state_dict(), trainer.server_stats()
+
+
+def forever(pids: str) -> None:
+    """A worker's body that never ends: after 2 steps (every rank is up) worker 0 notes every rank's pid
+    (the fork server's children)."""
+    from faults import batch, make_mlp
+    from gradsync.launcher import procfs
+
+    me, step = gradsync.worker_rank(), 0
+    trainer = gradsync.Trainer(make_mlp(), torch.optim.SGD, lr=0.1)
+    while True:
+        x, y = batch(step, me)
+        with dist_autograd.context() as cid:
+            dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
+            trainer.step(cid)
+        step += 1
+        if step == 2 and me == 0:
+            with open(os.path.join(pids, "ranks.tmp"), "w") as f:
+                f.write(" ".join(map(str, procfs.children(os.getppid()))))
+            os.rename(os.path.join(pids, "ranks.tmp"), os.path.join(pids, "ranks"))

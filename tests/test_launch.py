@@ -1,9 +1,15 @@
-"""gradsync.launch: the same defaults as `gradsync run`, and a function that calls gradsync.init() itself."""
+"""gradsync.launch: the same defaults as `gradsync run`, a function that calls gradsync.init() itself, and
+ranks that die with the process that called it."""
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
 import gradsync
+from gradsync.launcher import procfs
 from jobs import init_then_train, reference_mlp
 from helpers import max_diff
 
@@ -33,3 +39,39 @@ def test_a_second_init_outside_launch_is_refused():
             gradsync.init(strategy="allreduce", servers=0)
     finally:
         cluster._STATE = None
+
+
+_CALLER = """import os, sys
+sys.path.insert(0, {tests!r})
+import gradsync, jobs
+gradsync.launch(jobs.forever, strategy="ps", workers=2, args=({pids!r},), timeout=600)
+"""
+
+
+@pytest.mark.timeout(150)
+def test_no_rank_outlives_the_process_that_called_launch(tmp_path):
+    """README: the ranks die when the process that called gradsync.launch dies, whatever the signal. They are
+    the fork server's children, and the fork server may take many seconds to exit after its caller died
+    (under load it did, while the ranks trained on without a store): they watch the caller itself."""
+    pids_dir = tmp_path / "pids"
+    pids_dir.mkdir()
+    caller = subprocess.Popen([sys.executable, "-c", _CALLER.format(tests=TESTS, pids=str(pids_dir))],
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    pids = []
+    try:
+        deadline = time.monotonic() + 120
+        while not (pids_dir / "ranks").exists():  # worker 0 trained 2 steps: every rank is up
+            assert caller.poll() is None and time.monotonic() < deadline, "the job did not start"
+            time.sleep(0.1)
+        pids = [int(p) for p in (pids_dir / "ranks").read_text().split()]
+        assert len(pids) == 3  # ps0, worker0, worker1
+        caller.kill()
+        caller.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while [p for p in pids if procfs.state(p) not in (None, "Z")] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [p for p in pids if procfs.state(p) not in (None, "Z")] == []
+    finally:
+        for pid in pids:
+            if procfs.state(pid) not in (None, "Z"):
+                os.kill(pid, signal.SIGKILL)

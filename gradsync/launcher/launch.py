@@ -89,11 +89,11 @@ def rank_starter() -> tuple[multiprocessing.context.BaseContext, int]:
     return context, forkserver_pid()
 
 
-def rank_environments(config: JobConfig, port: int, run_dir: str, parent: int | None = None,
+def rank_environments(config: JobConfig, port: int, run_dir: str,
                       network: netem.Network | None = None) -> list[dict[str, str]]:
-    """The environment of each rank: torchrun's variables plus GRADSYNC_*. `parent`: the pid of the process
-    that starts the ranks, which they die with (default: this one); `network`: the job's emulated network,
-    whose hub holds the store (default: every rank on loopback)."""
+    """The environment of each rank: torchrun's variables plus GRADSYNC_*, and this process's pid, which the
+    ranks die with; `network`: the job's emulated network, whose hub holds the store (default: every rank on
+    loopback)."""
     base = dict(config.to_env())
     base.update(
         MASTER_ADDR=_HOST,
@@ -110,7 +110,7 @@ def rank_environments(config: JobConfig, port: int, run_dir: str, parent: int | 
     )
     base.update({STORE_IS_HOSTED.env: "1", RUN_DIR.env: run_dir,
                  TOKEN.env: TOKEN.read() or new_token(),
-                 LAUNCHER_PID.env: str(parent or os.getpid())})
+                 LAUNCHER_PID.env: str(os.getpid())})
     envs = []
     for rank in range(config.world_size):
         env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), **(network.environment(rank) if network else {}))
@@ -492,10 +492,10 @@ def launch(fn, *, strategy: str, workers: int, servers: int | None = None, mode:
         network, store = _network_and_store(stack, config, 0, link, server_link)
         run_dir = temporary_run_dir(stack, "gradsync-launch-")
         _offer_join(config, run_dir, store, network)
-        context, parent = rank_starter()
+        context, _ = rank_starter()
         ranks = []
         try:
-            for rank, env in enumerate(rank_environments(config, store.port, run_dir, parent, network)):
+            for rank, env in enumerate(rank_environments(config, store.port, run_dir, network)):
                 result_path = os.path.join(run_dir, f"result-{rank}.pt")
                 namespace = network.namespaces[rank] if network else None
                 proc = context.Process(target=_run_function, args=(env, call, result_path, namespace),

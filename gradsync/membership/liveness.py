@@ -22,13 +22,17 @@ store write and one read per rank per interval. The launcher adds what only it c
 process states.
 
 A rank started by gradsync's launcher (GRADSYNC_LAUNCHER_PID set) dies with it: the kernel sends it SIGKILL
-when the launcher exits (prctl PR_SET_PDEATHSIG, Linux), and the heartbeat checks the parent pid as well.
+when its parent exits (prctl PR_SET_PDEATHSIG, Linux), and the heartbeat watches the launcher itself (a pidfd),
+which is not the parent of `gradsync.launch`'s ranks: they are the fork server's children, and a fork server
+may take many seconds to wind down after its caller died while the ranks, training on without a store, would
+live on.
 """
 from __future__ import annotations
 
 import ctypes
 import datetime
 import os
+import select
 import signal
 import sys
 import threading
@@ -210,7 +214,7 @@ class Heartbeat:
         create_keys(self._store, config.world_size, config.num_workers)
         self._listeners: list[Callable[[int, int | None], None]] = []
         self._stop = threading.Event()
-        self._launcher = launcher_pid()
+        self._launcher = watch_launcher()
         threading.Thread(target=self._run, name="gradsync-heartbeat", daemon=True).start()
 
     def on_left(self, listener: Callable[[int, int | None], None]) -> None:
@@ -224,8 +228,8 @@ class Heartbeat:
     def _run(self) -> None:
         key = StoreKeys.ALIVE.format(self.config.rank)
         while True:
-            if self._launcher is not None and os.getppid() != self._launcher:
-                _orphaned(self._launcher)
+            if self._launcher is not None and self._launcher.gone():
+                _orphaned(self._launcher.pid)
             try:
                 self._store.add(key, 1)
                 left = self.watch.read(self._store)
@@ -244,15 +248,47 @@ def launcher_pid() -> int | None:
 
 
 def die_with_launcher() -> None:
-    """In a rank started by gradsync's launcher: have the kernel SIGKILL this process when the launcher dies
-    (Linux; elsewhere the heartbeat's parent check does it within a beat), and exit now if it already has."""
-    launcher = launcher_pid()
-    if launcher is None:
+    """In a rank started by gradsync's launcher: have the kernel SIGKILL this process when its parent dies
+    (Linux; the launcher, or the fork server that `gradsync.launch` starts ranks from), and exit now if the
+    launcher is gone already."""
+    if launcher_pid() is None:
         return
     if sys.platform == "linux":
         _prctl()(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != launcher:
+    watch_launcher()
+
+
+class LauncherWatch:
+    """The launcher this rank dies with. On Linux a pidfd: once the launcher is gone, a process that the kernel
+    gives its pid cannot pass for it."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self._fd = os.pidfd_open(pid) if hasattr(os, "pidfd_open") else None  # ProcessLookupError: gone
+
+    def gone(self) -> bool:
+        if self._fd is None:
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                return True
+            return False
+        return bool(select.select([self._fd], [], [], 0)[0])  # readable once the process has exited
+
+
+def watch_launcher() -> LauncherWatch | None:
+    """A `LauncherWatch` of this rank's launcher (None: no gradsync launcher started it); exits at once if the
+    launcher is gone already."""
+    launcher = launcher_pid()
+    if launcher is None:
+        return None
+    try:
+        watch = LauncherWatch(launcher)
+    except ProcessLookupError:
         _orphaned(launcher)
+    if watch.gone():
+        _orphaned(launcher)
+    return watch
 
 
 def dying_with_this_process() -> Callable[[], None] | None:
