@@ -1,6 +1,8 @@
 """The package layout is the architecture: imports point one way between the layers, no module imports
 itself back through others (type-hint imports included), and the top level holds only the public API."""
 import ast
+import subprocess
+import sys
 import pathlib
 
 import gradsync
@@ -66,3 +68,14 @@ def test_every_part_is_a_known_layer_and_the_top_level_is_the_public_api():
     assert {p.name for p in PACKAGE.glob("*.py")} == TOP_LEVEL
     parts = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
     assert parts <= set(LAYERS), f"a package that is in no layer: {sorted(parts - set(LAYERS))}"
+
+
+def test_import_gradsync_loads_no_optional_stack():
+    """`import gradsync` (what a training script does) loads neither gRPC, matplotlib, triton nor tqdm beyond
+    what `import torch` loads itself (torch.hub imports tqdm): they load where they are used."""
+    probe = ("import sys, torch; before = set(sys.modules); import gradsync; "
+             "print(' '.join(sorted(m for m in set(sys.modules) - before "
+             "if m.split('.')[0] in ('grpc', 'matplotlib', 'triton', 'tqdm'))))")
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.split() == []
