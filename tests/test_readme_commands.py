@@ -1,26 +1,50 @@
-"""Every `gradsync ...` and `make ...` command in README.md's code blocks runs as written: its flags parse with
-the command line's own parser, its make target exists, a script it names in this repository is there."""
+"""Every `gradsync ...` and `make ...` command in the code blocks of README.md and docs/guide.md runs as written:
+its flags parse with the command line's own parser, its make target exists, a script it names in this
+repository is there; every link between the pages leads to a file and a heading that exist."""
 import os
+import re
 
 import pytest
 
 from doc_commands import ROOT, command_problem, commands
 from gradsync import cli
 
-README = open(os.path.join(ROOT, "README.md")).read()
-FOUND = commands(README)
+PAGES = ("README.md", os.path.join("docs", "guide.md"))
+FOUND = [(page, line, argv) for page in PAGES for line, argv in commands(open(os.path.join(ROOT, page)).read())]
 
 
 def test_the_readme_has_the_commands_this_test_checks():
-    names = [argv[0] + " " + argv[1] for _, argv in FOUND]
-    expected = {"make run", "make test", "gradsync run", "gradsync compare", "gradsync status", "gradsync pull"}
-    assert expected <= set(names)
+    names = {argv[0] + " " + argv[1] for page, _, argv in FOUND if page == "README.md"}
+    assert {"make run", "make test", "gradsync run", "gradsync compare", "gradsync status", "gradsync pull"} <= names
 
 
-@pytest.mark.parametrize("line,argv", FOUND, ids=[f"README.md:{n}" for n, _ in FOUND])
-def test_readme_command_runs_as_written(line, argv):
-    problem = command_problem(f"README.md:{line}", argv)
+@pytest.mark.parametrize("page,line,argv", FOUND, ids=[f"{page}:{n}" for page, n, _ in FOUND])
+def test_readme_command_runs_as_written(page, line, argv):
+    problem = command_problem(f"{page}:{line}", argv)
     assert problem is None, problem
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("page", PAGES + (os.path.join("docs", "architecture.md"), "BENCHMARKS.md"))
+def test_every_link_between_the_pages_leads_somewhere(page):
+    text = open(os.path.join(ROOT, page)).read()
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if target.startswith("http"):
+            continue
+        path, _, anchor = target.partition("#")
+        file = os.path.normpath(os.path.join(ROOT, os.path.dirname(page), path)) if path else os.path.join(ROOT, page)
+        if not os.path.exists(file):
+            broken.append(target)
+        elif anchor and file.endswith(".md"):
+            headings = re.findall(r"^#+ (.+)$", open(file).read(), flags=re.M)
+            if anchor not in {_anchor(h) for h in headings}:
+                broken.append(target)
+    assert broken == []
 
 
 def test_the_checker_catches_a_bad_flag_and_an_option_after_the_script():
