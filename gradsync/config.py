@@ -109,7 +109,7 @@ class Training:
     @property
     def elastic(self) -> bool:
         """An async or ssp ps job: a worker that dies or leaves does not stop it, and (async, over torch RPC)
-        a new worker may join it while it runs (README, "Elastic async workers")."""
+        a new worker may join it while it runs (docs/guide.md, "Elastic async workers")."""
         return self.strategy == "ps" and self.mode != "sync"
 
 

@@ -29,7 +29,8 @@ def _anchor(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
-@pytest.mark.parametrize("page", PAGES + (os.path.join("docs", "architecture.md"), "BENCHMARKS.md"))
+@pytest.mark.parametrize("page", PAGES + tuple(os.path.join("docs", p) for p in ("architecture.md", "porting.md"))
+                         + ("BENCHMARKS.md",))
 def test_every_link_between_the_pages_leads_somewhere(page):
     text = open(os.path.join(ROOT, page)).read()
     broken = []
