@@ -121,7 +121,8 @@ BUCKET_CAP_MB = _S("bucket_cap_mb", "GRADSYNC_BUCKET_CAP_MB", float, 25.0, "trai
                    "largest parameter bucket in MB (one bucket is one flat tensor on the wire), and under ps with "
                    "an elementwise optimizer the size of the pieces a larger parameter is cut into (a sync step's "
                    "pieces are applied and sent back one by one); behind a slow link 0.25 brings a step close to "
-                   "the link's floor, at ~1.5 ms of CPU per piece (BENCHMARKS.md)", flag="--bucket-cap-mb")
+                   "the link's floor, at ~1.5 ms of CPU per piece (BENCHMARKS.md)", flag="--bucket-cap-mb",
+                   shared=True)
 # Timeouts: each rank's own; a worker that joins may choose its own.
 STARTUP_TIMEOUT = _S("startup_timeout", "GRADSYNC_STARTUP_TIMEOUT", float, 120.0, "timeouts",
                      "seconds for every rank to join and register the model", flag="--startup-timeout")
