@@ -61,7 +61,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsync
 from gradsync.launcher import procfs
-from gradsync.launcher.launch import host_store
+from gradsync.launcher.local_job import host_store
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from step_time import BATCH, make_mlp  # noqa: E402

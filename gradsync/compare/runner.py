@@ -1,6 +1,6 @@
 """Run one configuration of `gradsync compare` and measure it: the script's own log, plus CPU and memory.
 
-The job runs as `gradsync run` would (`launch.run_script`, every rank a child
+The job runs as `gradsync run` would (`scripts.run_script`, every rank a child
 of this process) with GRADSYNC_LOG_DIR set, so each worker's `gradsync.log`
 lines land in the run's directory. A sampler thread reads /proc every
 `SAMPLE_S` for every rank: its role (from its environment), its CPU ticks and
@@ -27,7 +27,8 @@ from gradsync.compare.grid import Config
 from gradsync.core import settings
 from gradsync.core.errors import NoTablesToServe
 from gradsync.launcher import procfs
-from gradsync.launcher.launch import JobFailed, run_script
+from gradsync.launcher.scripts import run_script
+from gradsync.launcher.supervision import JobFailed
 
 SAMPLE_S = 0.1
 NO_TABLES = "no tables"
