@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import sys
 
-from gradsync.core import settings
 
 MARKER = ".gradsync-compare"
 """The file `compare` writes into its report directory: a directory with it may be overwritten."""
@@ -66,7 +65,6 @@ def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, 
     configs = grid(strategies, servers, modes, compressions)
     if straggler is not None:
         parse_straggler(straggler)
-        os.environ[settings.STRAGGLER.env] = straggler  # the ranks inherit it
     prepare_out_dir(out_dir, force)
     runs: list[dict] = []
     for i, config in enumerate(configs):
@@ -80,7 +78,7 @@ def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, 
             bar.update(steps - bar.n)
 
         runs.append(run(config, script, script_args, workers, out_dir, timeout, warmup, progress, log_dir,
-                        dict(link=link, server_link=server_link)))
+                        dict(link=link, server_link=server_link), straggler))
         bar.close()
     if quiet := silent(runs):
         print(f"gradsync compare: warning: {quiet}", file=sys.stderr)

@@ -16,7 +16,7 @@ import time
 import torch.distributed as dist
 
 from gradsync.config import StoreKeys
-from gradsync.core.settings import ERROR_FILE, JOIN, JOIN_INDEX_FILE, LAUNCHER_PID, RUN_DIR
+from gradsync.core.settings import ERROR_FILE, JOIN, JOIN_INDEX_FILE, LAUNCHER_PID, RUN_DIR, Setting
 from gradsync.launcher.local_job import (check_script, job_config, network_and_store, offer_join, rank_environments,
                                          temporary_run_dir)
 from gradsync.launcher.supervision import POLL_S, JobFailed, RankProcess, kill_all, supervise
@@ -31,7 +31,8 @@ _JOIN_STORE_TIMEOUT_S = 30.0
 def run_script(script: str, script_args: list[str], *, strategy: str, workers: int, servers: int | None = None,
                mode: str | None = None, master_port: int = 0, run_dir: str | None = None,
                timeout: float | None = None, link: str | None = None, server_link: str | None = None,
-               announce: bool = False, **settings) -> list[Departure]:
+               announce: bool = False, environment: dict[Setting, str] | None = None,
+               **settings) -> list[Departure]:
     """Run `python script args` on every rank (the `gradsync run` command); returns the workers that left an
     elastic job without finishing (`departures`). Raises JobFailed.
 
@@ -41,9 +42,12 @@ def run_script(script: str, script_args: list[str], *, strategy: str, workers: i
     server_link: the parameter servers' links at this rate instead (with `link`): a slow server link.
     announce: say on stderr where the run directory is and how to reach or join the job (`gradsync run`
     does; `gradsync compare`, whose runs no one reaches, does not).
+    environment: more variables for every rank (`gradsync compare`'s log directories and straggler), given to
+    the ranks only.
     Other settings left None come from the GRADSYNC_* environment, else their defaults.
     """
     config = job_config("run_script", strategy, workers, servers, mode, **settings)
+    extra = {setting.env: value for setting, value in (environment or {}).items()}
     say = (lambda text: print(f"gradsync: {text}", file=sys.stderr, flush=True)) if announce else (lambda text: None)
     with contextlib.ExitStack() as stack:
         network, store = network_and_store(stack, config, master_port, link, server_link)
@@ -65,7 +69,7 @@ def run_script(script: str, script_args: list[str], *, strategy: str, workers: i
                 argv = [sys.executable, script, *script_args]
                 if network is not None:
                     argv = network.command(rank, argv)
-                proc = subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True,
+                proc = subprocess.Popen(argv, env={**os.environ, **extra, **env}, start_new_session=True,
                                         preexec_fn=dying_with_this_process())
                 ranks.append(RankProcess(rank, proc))
             return supervise(config, ranks, run_dir, store, timeout)
