@@ -373,6 +373,25 @@ def test_hybrid_runs_after_one_that_found_no_tables_are_skipped_without_running(
                                                                 ("hybrid S=2 int8", "no tables")]
 
 
+def test_the_straggler_goes_to_the_runs_not_into_the_callers_environment(tmp_path, monkeypatch):
+    from gradsync.compare import compare, runner
+
+    monkeypatch.delenv(STRAGGLER.env, raising=False)
+    given = []
+
+    def fake_run(config, *args, straggler=None, **kwargs):
+        given.append(straggler)
+        return {**_finished(config.name, True), **config.settings()}
+
+    monkeypatch.setattr(runner, "run", fake_run)
+    script = tmp_path / "x.py"
+    script.write_text("")
+    compare(str(script), [], workers=2, out_dir=str(tmp_path / "out"), strategies=["allreduce", "ps"], servers=[1],
+            modes=["sync"], compressions=["none"], timeout=10, warmup=1, straggler="1:2.0", command="c", options={})
+    assert given == ["1:2.0", "1:2.0"]
+    assert STRAGGLER.env not in os.environ
+
+
 def test_throughput_leaves_the_warm_up_steps_out():
     from gradsync.compare.runner import samples_per_s
 

@@ -78,7 +78,7 @@ def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, 
             bar.update(steps - bar.n)
 
         runs.append(run(config, script, script_args, workers, out_dir, timeout, warmup, progress, log_dir,
-                        dict(link=link, server_link=server_link), straggler))
+                        dict(link=link, server_link=server_link), straggler=straggler))
         bar.close()
     if quiet := silent(runs):
         print(f"gradsync compare: warning: {quiet}", file=sys.stderr)
