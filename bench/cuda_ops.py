@@ -115,6 +115,14 @@ def cases(n: int, k: int, block: int, device: str):
            })
 
 
+def timed_copy_ms(nbytes: int, reps: int, device: str) -> float:
+    """`timed_ms` of a copy that reads and writes `nbytes` in all (the yardstick of the ops' bandwidth); its
+    buffers are freed on return."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return timed_ms(lambda: dst.copy_(src), reps, device)
+
+
 def run(args) -> dict:
     device = "cpu" if args.smoke else "cuda"
     n = 4099 if args.smoke else args.mb * 2**20 // 4
@@ -122,11 +130,8 @@ def run(args) -> dict:
     reps = 3 if args.smoke else args.reps
     rows = []
     for op, dtype, nbytes, ours, baselines in cases(n, k, args.block_size, device):
-        src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
-        dst = torch.empty_like(src)
-        copy_ms = timed_ms(lambda: dst.copy_(src), reps, device)
+        copy_ms = timed_copy_ms(nbytes, reps, device)
         ms = timed_ms(ours, reps, device)
-        del src, dst
         for name, fn in baselines.items():
             base_ms = timed_ms(fn, reps, device)
             rows.append({

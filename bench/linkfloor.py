@@ -24,12 +24,10 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 
-import torch
 import torch.distributed.autograd as dist_autograd
 import torch.nn.functional as F
 
@@ -37,7 +35,7 @@ import gradsync
 from gradsync.launcher.netem import DEVICE, Link
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from overhead import LR, MOMENTUM, Workload, build_model, cpu_per_step, cpu_snapshot, job_pids, make_batch  # noqa: E402
+from measure import Workload, gradsync_worker_setup, job_pids, machine, timed_loop  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "linkfloor.json")
 WORKLOADS = {  # layer widths, batch: MSE on one-hot labels, SGD momentum (bench/overhead.py's loop)
@@ -85,16 +83,13 @@ def tcp_counters() -> dict[str, int]:
 
 
 def worker(w: Workload, steps: int, warmup: int) -> dict:
-    """One rank's loop: forward, backward, step; worker 0 also reads the job's CPU and link counters."""
-    torch.set_num_threads(1)
+    """One rank's loop: forward, backward, step, each timed; worker 0 also reads the job's CPU and link counters."""
+    trainer, x, y = gradsync_worker_setup(w)
     me = gradsync.worker_rank()
-    trainer = gradsync.Trainer(build_model(w), torch.optim.SGD, lr=LR, momentum=MOMENTUM)
-    x, y = make_batch(w, me)
-    parts: dict[str, list[float]] = {"forward": [], "backward": [], "step": [], "total": []}
-    before, net_before = {}, {}
-    for i in range(warmup + steps):
-        if i == warmup and me == 0:
-            before, net_before, tcp_before = cpu_snapshot(), link_bytes(), tcp_counters()
+    parts: dict[str, list[float]] = {"forward": [], "backward": [], "step": []}
+    before: dict = {}
+
+    def step():
         t0 = time.perf_counter()
         with dist_autograd.context() as cid:
             loss = F.mse_loss(trainer.model(x), y)
@@ -102,20 +97,20 @@ def worker(w: Workload, steps: int, warmup: int) -> dict:
             dist_autograd.backward(cid, [loss])
             t2 = time.perf_counter()
             trainer.step(cid)
-        t3 = time.perf_counter()
-        if i >= warmup:
-            for name, seconds in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
-                parts[name].append(seconds)
-    result = {"step_s": statistics.median(parts["total"]), "step_times_s": parts["total"],
-              "parts_s": {n: statistics.median(v) for n, v in parts.items() if n != "total"}}
+        for name, seconds in zip(parts, (t1 - t0, t2 - t1, time.perf_counter() - t2)):
+            parts[name].append(seconds)
+
+    def on_window():
+        before.update(net=link_bytes(), tcp=tcp_counters())
+
+    result = timed_loop(step, steps, warmup, me, on_window)
+    result["parts_s"] = {n: statistics.median(v[warmup:]) for n, v in parts.items()}
     if me == 0:
-        result.update(cpu_per_step(before, cpu_snapshot(), steps))
-        after = link_bytes()
-        per = [((a[0] - net_before[p][0]) / steps, (a[1] - net_before[p][1]) / steps)
-               for p, a in after.items() if p in net_before]
+        per = [((a[0] - before["net"][p][0]) / steps, (a[1] - before["net"][p][1]) / steps)
+               for p, a in link_bytes().items() if p in before["net"]]
         result["link_bytes_per_step"] = per  # (sent, received) per process
         result["busiest_link_bytes"] = max((max(s, r) for s, r in per), default=0.0)
-        result["tcp_per_step"] = {n: (v - tcp_before[n]) / steps for n, v in tcp_counters().items()}
+        result["tcp_per_step"] = {n: (v - before["tcp"][n]) / steps for n, v in tcp_counters().items()}
     return result
 
 
@@ -200,8 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.out, "w") as f:
         json.dump(dict(command=" ".join(["bench/linkfloor.py", *(sys.argv[1:] if argv is None else argv)]),
                        when=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                       machine=dict(platform=platform.platform(), cores=os.cpu_count(), torch=torch.__version__,
-                                    load_average_before=load_before, load_average_after=os.getloadavg()),
+                       machine=machine(load_before),
                        settings=dict(repeats=args.repeats, steps=args.steps, warmup=args.warmup,
                                      workloads={wl: WORKLOADS[wl] for wl in args.workloads}),
                        rows=rows, runs=[dict(zip(("link", "workload", "workers", "config", "piece_mb"), k), runs=v)

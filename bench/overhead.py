@@ -37,12 +37,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import glob
 import json
 import multiprocessing
 import os
-import platform
-import re
 import statistics
 import sys
 import tempfile
@@ -60,27 +57,14 @@ from torch.distributed.rendezvous import register_rendezvous_handler
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsync
-from gradsync.launcher import procfs
-from gradsync.launcher.launch import host_store
+from gradsync.launcher.local_job import host_store
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from measure import (LR, MOMENTUM, Workload, build_model, gradsync_worker_setup, machine, make_batch,  # noqa: E402
+                     timed_loop)
 from step_time import BATCH, make_mlp  # noqa: E402
 
-LR, MOMENTUM = 1e-3, 0.9
 STEP_TIMEOUT_S = 300
-BUSY_POLL_THREAD = re.compile(r"^TP_\w*reactor$")  # spins while idle
-TENSORPIPE_THREAD = re.compile(r"^TP_")
-SEED = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class Workload:
-    sizes: tuple[int, ...]  # layer widths, input first
-    batch: int
-    onehot: bool  # MSE against one-hot labels (else against random targets)
-    workers: int
-    configs: dict[str, int]  # configuration -> server processes, in run order
-
 
 def _sizes_of(million: float) -> tuple[int, ...]:
     linears = [m for m in make_mlp(million) if isinstance(m, nn.Linear)]
@@ -110,103 +94,17 @@ def floors_of(config: str) -> tuple[str, ...]:
     return PS_FLOORS if config.startswith("gradsync_ps") else (ALLREDUCE_FLOOR,)
 
 
-def build_model(w: Workload) -> nn.Module:
-    torch.manual_seed(SEED)
-    layers = []
-    for i, (a, b) in enumerate(zip(w.sizes, w.sizes[1:])):
-        layers += [nn.Linear(a, b)] + ([nn.ReLU()] if i < len(w.sizes) - 2 else [])
-    return nn.Sequential(*layers)
-
-
-def make_batch(w: Workload, worker: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + worker)
-    x = torch.randn(w.batch, w.sizes[0], generator=g)
-    if w.onehot:
-        return x, F.one_hot(torch.randint(0, w.sizes[-1], (w.batch,), generator=g), w.sizes[-1]).float()
-    return x, torch.randn(w.batch, w.sizes[-1], generator=g)
-
-
-# ---- CPU of the job's processes, from /proc ----
-
-def job_pids() -> list[int]:
-    """The job's ranks, seen from one of them: its parent's children started by multiprocessing (spawned by
-    the bench, or forked by gradsync.launch's fork server), not the bench's resource tracker."""
-    parent = os.getppid()
-    with open(f"/proc/{parent}/cmdline", "rb") as f:
-        forked = b"forkserver" in f.read()  # then every child of the parent is a rank
-    pids = []
-    for pid in procfs.children(parent):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if forked or b"spawn_main" in f.read():
-                    pids.append(pid)
-        except OSError:
-            pass
-    return sorted(pids)
-
-
-def cpu_snapshot() -> dict:
-    """Ticks per process, and (thread name, ticks) per thread."""
-    snap = {}
-    for pid in job_pids():
-        try:
-            threads = {}
-            for task in glob.glob(f"/proc/{pid}/task/*"):
-                with open(f"{task}/comm") as f:
-                    name = f.read().strip()
-                if (ticks := procfs.cpu_ticks(f"{task}/stat")) is not None:
-                    threads[task] = (name, ticks)
-            if (ticks := procfs.cpu_ticks(f"/proc/{pid}/stat")) is not None:
-                snap[pid] = (ticks, threads)
-        except OSError:  # a thread or process ended while being read
-            pass
-    return snap
-
-
-def cpu_per_step(before: dict, after: dict, steps: int) -> dict:
-    """CPU-seconds per step over the window, all processes together, and per thread name."""
-    total, by_name = 0, {}
-    for pid, (ticks, threads) in after.items():
-        ticks0, threads0 = before.get(pid, (0, {}))
-        total += ticks - ticks0
-        for task, (name, t) in threads.items():
-            by_name[name] = by_name.get(name, 0) + t - threads0.get(task, (name, 0))[1]
-    per_step = lambda t: t / procfs.TICK / steps  # noqa: E731
-    threads = {name: per_step(t) for name, t in sorted(by_name.items())}
-    return dict(processes=len(after), cpu_s_per_step=per_step(total), threads=threads,
-                busy_poll_cpu_s_per_step=sum(c for n, c in threads.items() if BUSY_POLL_THREAD.match(n)),
-                tensorpipe_cpu_s_per_step=sum(c for n, c in threads.items() if TENSORPIPE_THREAD.match(n)))
-
-
-def timed_loop(step, steps: int, warmup: int, worker: int) -> dict:
-    """Run warmup + steps steps; worker 0 also reads the job's CPU over the timed ones."""
-    times, before = [], {}
-    for i in range(warmup + steps):
-        if i == warmup and worker == 0:
-            before = cpu_snapshot()
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    result = dict(step_s=statistics.median(times[warmup:]), step_times_s=times[warmup:])
-    if worker == 0:
-        result.update(cpu_per_step(before, cpu_snapshot(), steps))
-    return result
-
-
 # ---- gradsync configurations (gradsync.launch) ----
 
 def gradsync_worker(w: Workload, steps: int, warmup: int) -> dict:
-    torch.set_num_threads(1)
-    me = gradsync.worker_rank()
-    trainer = gradsync.Trainer(build_model(w), torch.optim.SGD, lr=LR, momentum=MOMENTUM)
-    x, y = make_batch(w, me)
+    trainer, x, y = gradsync_worker_setup(w)
 
     def step():
         with dist_autograd.context() as cid:
             dist_autograd.backward(cid, [F.mse_loss(trainer.model(x), y)])
             trainer.step(cid)
 
-    result = timed_loop(step, steps, warmup, me)
+    result = timed_loop(step, steps, warmup, gradsync.worker_rank())
     result["metrics"] = trainer.metrics.summary(skip=warmup)
     return result
 
@@ -469,9 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {wl: summarize(per_config) for wl, per_config in runs.items()}
     result = dict(
         command=" ".join([os.path.relpath(sys.argv[0])] + (sys.argv[1:] if argv is None else argv)),
-        machine=dict(platform=platform.platform(), machine=platform.machine(), cores=os.cpu_count(),
-                     torch=torch.__version__, python=platform.python_version(), clock_ticks_per_s=procfs.TICK,
-                     load_average_before=load_before, load_average_after=os.getloadavg()),
+        machine=machine(load_before),
         settings=dict(repeats=args.repeats, steps=args.steps, warmup=args.warmup, tiny=args.tiny,
                       workloads={wl: dataclasses.asdict(all_workloads[wl]) for wl in plan}),
         summary=summary, targets=targets(summary), runs=runs,

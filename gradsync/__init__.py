@@ -1,7 +1,8 @@
 """gradsync: data-parallel PyTorch training with a parameter server or allreduce behind one API."""
 from gradsync.compare.scalars import log
 from gradsync.core.row_optim import RowAdagrad, RowSGD
-from gradsync.launcher.launch import JobFailed, launch
+from gradsync.launcher.launch import launch
+from gradsync.launcher.supervision import JobFailed
 from gradsync.runtime.cluster import init, num_workers, shutdown, worker_rank
 from gradsync.trainer import Trainer
 

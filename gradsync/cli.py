@@ -10,7 +10,8 @@ import sys
 from gradsync.config import ConfigError
 from gradsync.core import settings
 from gradsync.core.settings import JOB_CONCERNS, JOB_SETTINGS, RUN_DIR, STRAGGLER, STRATEGY, Setting
-from gradsync.launcher.launch import JobFailed, join_script, run_script
+from gradsync.launcher.scripts import join_script, run_script
+from gradsync.launcher.supervision import JobFailed
 
 
 class _Stopped(Exception):

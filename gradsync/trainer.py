@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from gradsync.compare import scalars
-from gradsync.compare.straggler import Straggler
+from gradsync.compare.straggler import slowed
 from gradsync.config import ConfigError
 from gradsync.core.clipping import Clipping
 from gradsync.core.optimizer_spec import as_optimizer
@@ -94,9 +94,9 @@ class Trainer:
 
             self._strategy = AllreduceStrategy(job, model, optimizer, find_unused_parameters=find_unused_parameters,
                                                clipping=clipping)
-        self._straggler = Straggler(job.config.worker_rank)
+        self._commit = slowed(self._strategy.step, job.config.worker_rank)  # the step, or a straggler's
         self._joining = False
-        scalars.watch(self, self._strategy.model_sizes(trainable))
+        scalars.watch(self._strategy.metrics, self._strategy.model_sizes(trainable))
         self.start_step = 0
         if job.resumed is not None:
             self.start_step = job.steps = resume.restore(job.config, self._strategy, job.resumed)
@@ -135,9 +135,7 @@ class Trainer:
                 unscales the gradients before clipping, is skipped on every worker and server when they hold
                 an inf/NaN, and updates the scale (the GradScaler loop's unscale_, step and update in one).
         """
-        self._straggler.delay()
-        self._strategy.step(context_id, scaler)
-        self._straggler.committed()
+        self._commit(context_id, scaler)
         self._job.steps += 1
         every = self._job.config.checkpoint_every
         if every and self._job.steps % every == 0:

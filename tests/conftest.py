@@ -19,6 +19,6 @@ def pytest_configure(config):
 @pytest.fixture
 def store():
     """A rendezvous store hosted on loopback, on a port the kernel picked (no free-port guess to race)."""
-    from gradsync.launcher.launch import host_store
+    from gradsync.launcher.local_job import host_store
 
     return host_store(0)

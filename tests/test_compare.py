@@ -263,18 +263,22 @@ def test_straggler_sleeps_factor_minus_one_times_its_compute(monkeypatch):
     from gradsync.compare import straggler
 
     monkeypatch.setenv(STRAGGLER.env, "1:3.0")
-    slept, clock = [], iter([10.0, 10.5, 11.0, 12.0])  # built, delay at +0.5 s, committed, delay 1 s later
+    slept, clock = [], iter([10.0, 10.5, 11.0, 12.0, 12.5])  # built, commit at +0.5 s, ended, next 1 s later, ended
     monkeypatch.setattr(straggler.time, "perf_counter", lambda: next(clock))
     monkeypatch.setattr(straggler.time, "sleep", slept.append)
-    slow = straggler.Straggler(1)
-    slow.delay()
-    slow.committed()
-    slow.delay()
+    commits = []
+
+    def commit(context_id, scaler):
+        commits.append((context_id, scaler))
+
+    slow = straggler.slowed(commit, 1)
+    slow(7, None)
+    slow(8, None)
     assert slept == [pytest.approx(1.0), pytest.approx(2.0)]  # (3 - 1) x 0.5 s, then (3 - 1) x 1 s
-    monkeypatch.setattr(straggler.time, "perf_counter", lambda: 0.0)
-    other = straggler.Straggler(0)
-    other.delay()
-    assert len(slept) == 2  # another worker is not slowed
+    assert commits == [(7, None), (8, None)]
+    assert straggler.slowed(commit, 0) is commit  # another worker commits as it would without the setting
+    monkeypatch.delenv(STRAGGLER.env)
+    assert straggler.slowed(commit, 1) is commit
     for bad in ("1", "x:2", "1:0.5", "-1:2"):
         with pytest.raises(ValueError, match="straggler"):
             straggler.parse(bad)
@@ -369,6 +373,25 @@ def test_hybrid_runs_after_one_that_found_no_tables_are_skipped_without_running(
                                                                 ("hybrid S=2 int8", "no tables")]
 
 
+def test_the_straggler_goes_to_the_runs_not_into_the_callers_environment(tmp_path, monkeypatch):
+    from gradsync.compare import compare, runner
+
+    monkeypatch.delenv(STRAGGLER.env, raising=False)
+    given = []
+
+    def fake_run(config, *args, straggler=None, **kwargs):
+        given.append(straggler)
+        return {**_finished(config.name, True), **config.settings()}
+
+    monkeypatch.setattr(runner, "run", fake_run)
+    script = tmp_path / "x.py"
+    script.write_text("")
+    compare(str(script), [], workers=2, out_dir=str(tmp_path / "out"), strategies=["allreduce", "ps"], servers=[1],
+            modes=["sync"], compressions=["none"], timeout=10, warmup=1, straggler="1:2.0", command="c", options={})
+    assert given == ["1:2.0", "1:2.0"]
+    assert STRAGGLER.env not in os.environ
+
+
 def test_throughput_leaves_the_warm_up_steps_out():
     from gradsync.compare.runner import samples_per_s
 
@@ -421,7 +444,7 @@ def test_tensorboard_events_are_tfrecords_of_scalar_summaries(tmp_path, monkeypa
     assert tensorboard.crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
     monkeypatch.setenv(TENSORBOARD_DIR.env, str(tmp_path))
     monkeypatch.setattr(scalars, "_worker", lambda: 3)
-    monkeypatch.setattr(scalars, "_board", None)
+    monkeypatch.setattr(scalars, "CURRENT", scalars.WorkerLog())
     gradsync.log(step=7, loss=0.25, acc=0.5)
     (path,) = tmp_path.iterdir()
     assert path.name.startswith("events.out.tfevents.") and path.name.endswith(".worker3")

@@ -128,12 +128,6 @@ def test_config_errors_name_the_value_and_fix():
         Run(Config("allreduce", 8, dense=10), 2, 0)
 
 
-def test_run_from_metrics_summary():
-    summary = dict(steps=10, step_s=0.5, pull_s=0.1, compute_s=0.3, commit_s=0.1, bytes_sent=7, bytes_received=5)
-    run = Run.from_summary(Config("ps", 8, dense=10, servers=1), 2, summary)
-    assert (run.step_s, run.compute_s, run.comm_s, run.bytes_per_step) == (0.5, 0.3, pytest.approx(0.2), 12)
-
-
 # 1 GB/s, no latency: allreduce of 1e6 table elements moves 8e6 (W-1)/W bytes, ps W x 1e6 bytes of rows
 # (0.5e6 pulled, 0.5e6 pushed): ps is faster up to W = 6 (6e6 < 6.67e6); at W = 7 allreduce is (6.86e6 < 7e6).
 RING = Config("allreduce", 10, dense=0, tables=1_000_000)

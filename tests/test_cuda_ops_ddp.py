@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradsync.launcher.launch import host_store
+from gradsync.launcher.local_job import host_store
 from gradsync.worker.ddp_hooks import make_ddp_hook
 
 WORLD = 2

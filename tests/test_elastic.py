@@ -13,7 +13,8 @@ from faults import Fault, train_with_fault
 from gradsync.core import settings
 from gradsync.membership import newcomers
 from gradsync.config import ConfigError, JobConfig, StoreKeys
-from gradsync.launcher.launch import _joiner_ended, _Rank
+from gradsync.launcher.scripts import _joiner_ended
+from gradsync.launcher.supervision import RankProcess
 from gradsync.core.buckets import ModelSpec
 from gradsync.membership.liveness import Watch, create_keys, record_gone, staying
 from grpc_harness import make_server, model_state, served
@@ -182,8 +183,8 @@ def test_a_joined_worker_that_left_is_no_failure_when_the_job_and_its_store_are_
     monkeypatch.setenv(settings.JOIN_INDEX_FILE.env, str(tmp_path / "index-0"))
     newcomers.note_left(5)  # what its gradsync.shutdown() writes
     assert newcomers.read_index_file(str(tmp_path / "index-0")) == (5, True)
-    assert _joiner_ended(_Rank(0, _Exited(0)), str(tmp_path), client, "exited with code 0") == []
+    assert _joiner_ended(RankProcess(0, _Exited(0)), str(tmp_path), client, "exited with code 0") == []
     (tmp_path / "index-0").write_text("5")  # joined, never left: still a failure
-    (failure,) = _joiner_ended(_Rank(0, _Exited(0)), str(tmp_path), client, "exited with code 0")
+    (failure,) = _joiner_ended(RankProcess(0, _Exited(0)), str(tmp_path), client, "exited with code 0")
     assert failure.startswith("worker5 (joined) exited without calling gradsync.shutdown(), and the job's store is "
                               "gone"), failure

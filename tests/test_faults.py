@@ -13,7 +13,7 @@ import gradsync
 from faults import Fault, read_stamp, train_then_leave, train_with_fault
 from gradsync.runtime import cluster
 from gradsync.config import JobConfig
-from gradsync.launcher.launch import host_store, temporary_run_dir
+from gradsync.launcher.local_job import host_store, temporary_run_dir
 from gradsync.membership.liveness import Heartbeat
 from helpers import TESTS, gone as _gone, gradsync_run, run_failing_script
 

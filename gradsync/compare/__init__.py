@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import sys
 
-from gradsync.core import settings
 
 MARKER = ".gradsync-compare"
 """The file `compare` writes into its report directory: a directory with it may be overwritten."""
@@ -57,7 +56,7 @@ def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, 
     from gradsync.compare.report import dense_tables, silent, table, write_report
     from gradsync.compare.runner import NO_TABLES, run
     from gradsync.compare.straggler import parse as parse_straggler
-    from gradsync.launcher.launch import check_script
+    from gradsync.launcher.local_job import check_script
 
     if warmup < 1:
         raise ValueError(f"--warmup-steps {warmup}: at least the first step is warm-up (lazy imports, first "
@@ -66,7 +65,6 @@ def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, 
     configs = grid(strategies, servers, modes, compressions)
     if straggler is not None:
         parse_straggler(straggler)
-        os.environ[settings.STRAGGLER.env] = straggler  # the ranks inherit it
     prepare_out_dir(out_dir, force)
     runs: list[dict] = []
     for i, config in enumerate(configs):
@@ -80,7 +78,7 @@ def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, 
             bar.update(steps - bar.n)
 
         runs.append(run(config, script, script_args, workers, out_dir, timeout, warmup, progress, log_dir,
-                        dict(link=link, server_link=server_link)))
+                        dict(link=link, server_link=server_link), straggler=straggler))
         bar.close()
     if quiet := silent(runs):
         print(f"gradsync compare: warning: {quiet}", file=sys.stderr)

@@ -122,13 +122,6 @@ class Run:
             raise ValueError(f"a run needs workers >= 1 and step_s > 0, got workers={self.workers}, "
                              f"step_s={self.step_s}: pass the measured median step seconds")
 
-    @classmethod
-    def from_summary(cls, config: Config, workers: int, summary: dict, link: float | None = None) -> Run:
-        """From `trainer.metrics.summary()` (step_s, pull_s, compute_s, commit_s, bytes_sent, bytes_received)."""
-        return cls(config, workers, summary["step_s"], link, compute_s=summary["compute_s"],
-                   comm_s=summary["pull_s"] + summary["commit_s"],
-                   bytes_per_step=summary["bytes_sent"] + summary["bytes_received"])
-
 
 def contention(workers: int, cores: int | None) -> float:
     """How many times longer a worker's compute takes when W workers compute at once on `cores` cores

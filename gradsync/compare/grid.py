@@ -31,7 +31,7 @@ class Config:
         return self.name.replace(" ", "_").replace("=", "")
 
     def settings(self) -> dict:
-        """Keyword arguments of `gradsync.launcher.launch.run_script` for this run."""
+        """Keyword arguments of `gradsync.launcher.scripts.run_script` for this run."""
         return dict(strategy=self.strategy, mode=self.mode, servers=self.servers, compression=self.compression)
 
 

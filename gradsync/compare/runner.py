@@ -1,7 +1,7 @@
 """Run one configuration of `gradsync compare` and measure it: the script's own log, plus CPU and memory.
 
-The job runs as `gradsync run` would (`launch.run_script`, every rank a child
-of this process) with GRADSYNC_LOG_DIR set, so each worker's `gradsync.log`
+The job runs as `gradsync run` would (`scripts.run_script`, every rank a child
+of this process) with GRADSYNC_LOG_DIR set in its ranks, so each worker's `gradsync.log`
 lines land in the run's directory. A sampler thread reads /proc every
 `SAMPLE_S` for every rank: its role (from its environment), its CPU ticks and
 its peak resident memory (VmHWM). The first `warmup` steps of each worker
@@ -27,7 +27,8 @@ from gradsync.compare.grid import Config
 from gradsync.core import settings
 from gradsync.core.errors import NoTablesToServe
 from gradsync.launcher import procfs
-from gradsync.launcher.launch import JobFailed, run_script
+from gradsync.launcher.scripts import run_script
+from gradsync.launcher.supervision import JobFailed
 
 SAMPLE_S = 0.1
 NO_TABLES = "no tables"
@@ -107,11 +108,12 @@ def read_log(path: str) -> list[dict]:
 
 
 def run(config: Config, script: str, script_args: list[str], workers: int, out_dir: str, timeout: float,
-        warmup: int, progress=None, board_dir: str | None = None, network: dict | None = None) -> dict:
+        warmup: int, progress=None, board_dir: str | None = None, network: dict | None = None,
+        straggler: str | None = None) -> dict:
     """Run `config` and return its measurements (or its error, when the job failed; `skipped`: NO_TABLES
     for a hybrid run on a model without tables). `warmup`: steps left out of the per-step figures;
     `board_dir`: where the workers also write TensorBoard scalars, one subdirectory per run; `network`:
-    `link` and `server_link` of `run_script`."""
+    `link` and `server_link` of `run_script`; `straggler`: GRADSYNC_STRAGGLER of every rank."""
     log_dir = os.path.join(out_dir, "runs", config.slug)
     job_dir = os.path.join(log_dir, "job")  # the job's run directory: the servers leave their final counters there
     shutil.rmtree(job_dir, ignore_errors=True)
@@ -124,12 +126,13 @@ def run(config: Config, script: str, script_args: list[str], workers: int, out_d
     variables = {settings.LOG_DIR: log_dir}
     if board_dir:
         variables[settings.TENSORBOARD_DIR] = os.path.join(board_dir, config.slug)
+    if straggler:
+        variables[settings.STRAGGLER] = straggler
     sampler.start()
     started = time.time()
     try:
-        with settings.environment(variables):
-            run_script(script, script_args, workers=workers, timeout=timeout, run_dir=job_dir,
-                       **(network or {}), **config.settings())
+        run_script(script, script_args, workers=workers, timeout=timeout, run_dir=job_dir, environment=variables,
+                   **(network or {}), **config.settings())
         error = None
     except JobFailed as e:
         error = str(e)

@@ -16,21 +16,33 @@ import json
 import math
 import os
 import time
+from typing import TextIO
 
 from gradsync.compare.tensorboard import EventWriter
 from gradsync.core.settings import LOG_DIR, TENSORBOARD_DIR
-
-_trainer = None  # the worker's Trainer (`watch`), whose step records a line carries
-_started = time.monotonic()
-_file = None
-_board: EventWriter | None = None
+from gradsync.worker.metrics import StepMetrics
 
 
-def watch(trainer, elements: dict[str, int]) -> None:
-    """Called by `Trainer`: its step records go with each logged line, and times count from now.
+@dataclasses.dataclass
+class WorkerLog:
+    """What `gradsync.log` writes with: the worker's step metrics (`watch`), the time its lines count from, and
+    the files it writes to (opened on first use)."""
+
+    metrics: StepMetrics | None = None
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    file: TextIO | None = None
+    board: EventWriter | None = None
+
+
+CURRENT = WorkerLog()
+"""The one holder of this process's `gradsync.log` state (a process is one worker, with one Trainer, which
+calls `watch`)."""
+
+
+def watch(metrics: StepMetrics, elements: dict[str, int]) -> None:
+    """Called by `Trainer`: its step records (`metrics`) go with each logged line, and times count from now.
     `elements` ({'dense': ..., 'tables': ...}) is logged once, as {"model": elements}."""
-    global _trainer, _started
-    _trainer, _started = trainer, time.monotonic()
+    CURRENT.metrics, CURRENT.started = metrics, time.monotonic()
     if directory := LOG_DIR.read():
         _write(directory, {"t": 0.0, "wall": time.time(), "model": elements})
 
@@ -51,32 +63,30 @@ def log(step: int | None = None, **values: float) -> None:
     directory, board = LOG_DIR.read(), TENSORBOARD_DIR.read()
     if not directory and not board:
         return
-    metrics = _trainer.metrics if _trainer is not None else None
-    records = metrics.records if metrics is not None else ()
+    metrics = CURRENT.metrics
+    last = metrics.last() if metrics is not None else None
     step = (metrics.steps if metrics is not None else 0) if step is None else step
     if board:
         _writer(board).scalars(step, values)
     if directory:
-        line = {"t": time.monotonic() - _started, "wall": time.time(), "step": step, **values}
-        if records:
-            line["record"] = dataclasses.asdict(records[-1])
+        line = {"t": time.monotonic() - CURRENT.started, "wall": time.time(), "step": step, **values}
+        if last is not None:
+            line["record"] = dataclasses.asdict(last)
         _write(directory, line)
 
 
 def _write(directory: str, line: dict) -> None:
-    global _file
-    if _file is None:
+    if CURRENT.file is None:
         os.makedirs(directory, exist_ok=True)
-        _file = open(os.path.join(directory, f"worker-{_worker()}.jsonl"), "a")
-    _file.write(json.dumps(line) + "\n")
-    _file.flush()
+        CURRENT.file = open(os.path.join(directory, f"worker-{_worker()}.jsonl"), "a")
+    CURRENT.file.write(json.dumps(line) + "\n")
+    CURRENT.file.flush()
 
 
 def _writer(directory: str) -> EventWriter:
-    global _board
-    if _board is None:
-        _board = EventWriter(directory, f"worker{_worker()}")
-    return _board
+    if CURRENT.board is None:
+        CURRENT.board = EventWriter(directory, f"worker{_worker()}")
+    return CURRENT.board
 
 
 def _worker() -> int:

@@ -1,8 +1,11 @@
 """An emulated straggler (`gradsync compare --straggler W:F`, or GRADSYNC_STRAGGLER=W:F): worker W's
-forward and backward take F times as long, by sleeping (F - 1) times their duration before each commit."""
+forward and backward take F times as long, by sleeping (F - 1) times their duration before each commit.
+`Trainer` commits through `slowed(strategy.step, worker)`, which is the strategy's step itself when the setting is
+off: the emulation costs nothing outside `gradsync compare --straggler`."""
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from gradsync.core.settings import STRAGGLER
 
@@ -19,19 +22,20 @@ def parse(text: str) -> tuple[int, float]:
     return worker, factor
 
 
-class Straggler:
-    """Slows this worker down when GRADSYNC_STRAGGLER names it; otherwise does nothing."""
+def slowed(commit: Callable[..., None], worker: int) -> Callable[..., None]:
+    """`commit` (a strategy's step) for worker `worker`: `commit` itself, at no cost, unless GRADSYNC_STRAGGLER
+    names this worker; then a wrapper that sleeps (factor - 1) times the time since the last commit ended (or
+    since now, for the first) before each commit."""
+    raw = STRAGGLER.read()
+    chosen, factor = parse(raw) if raw else (None, 1.0)
+    if chosen != worker or factor == 1.0:
+        return commit
+    since = time.perf_counter()
 
-    def __init__(self, worker: int):
-        raw = STRAGGLER.read()
-        chosen, factor = parse(raw) if raw else (None, 1.0)
-        self.factor = factor if chosen == worker else 1.0
-        self._since = time.perf_counter()
+    def slowed_commit(*args) -> None:
+        nonlocal since
+        time.sleep((factor - 1.0) * (time.perf_counter() - since))
+        commit(*args)
+        since = time.perf_counter()
 
-    def delay(self) -> None:
-        """Before a commit: sleep (factor - 1) times the time since the last commit ended."""
-        if self.factor > 1.0:
-            time.sleep((self.factor - 1.0) * (time.perf_counter() - self._since))
-
-    def committed(self) -> None:
-        self._since = time.perf_counter()
+    return slowed_commit

@@ -66,3 +66,16 @@ def left_early_error(worker: int, steps: int, waiting: str) -> RuntimeError:
         "drop_last=True), or stop all workers at the smallest batch count), or use --mode async with the ps "
         "strategy"
     )
+
+
+def step_twice_error(context_id: int) -> RuntimeError:
+    """trainer.step(context_id) again for a context it already committed."""
+    return RuntimeError(f"step({context_id}) was already called for this context: call trainer.step(context_id) "
+                        "once per dist_autograd.context(), after its backward")
+
+
+def no_gradients_error(context_id: int) -> RuntimeError:
+    """trainer.step(context_id) for a context whose backward produced no gradient."""
+    return RuntimeError(f"step({context_id}) found no gradients in that context: call "
+                        "dist_autograd.backward(context_id, [loss]) in the same dist_autograd.context() before "
+                        "trainer.step(context_id)")

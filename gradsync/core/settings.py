@@ -10,7 +10,6 @@ sets the others.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import re
@@ -197,26 +196,6 @@ JOB_SETTINGS = tuple(s for s in TABLE if s.concern in JOB_CONCERNS and not s.int
 variables a launcher passes to every rank (`JobConfig.to_env`)."""
 SHARED = tuple(s.name for s in TABLE if s.shared)
 """The settings whose job's value holds on every rank: a worker that joins takes them, and may not ask for others."""
-
-
-@contextlib.contextmanager
-def environment(values: dict[Setting, str | None]):
-    """Set (None: unset) these settings' variables in this process's environment, restored on exit."""
-    previous = {s.env: os.environ.get(s.env) for s in values}
-    try:
-        for setting, value in values.items():
-            _put(setting.env, value)
-        yield
-    finally:
-        for name, value in previous.items():
-            _put(name, value)
-
-
-def _put(name: str, value: str | None) -> None:
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
 
 
 def markdown() -> str:

@@ -109,3 +109,33 @@ def int8_payloads(payloads: torch.Tensor, scales: torch.Tensor, block: int) -> N
         )
     if scales.device != payloads.device:
         raise ValueError(f"scales: on {scales.device} but payloads are on {payloads.device}")
+
+
+def aggregate_args(tensors: Sequence[torch.Tensor], out_dtype: torch.dtype | None) -> torch.dtype:
+    """`aggregate`'s arguments; returns the output dtype (out_dtype, else the inputs')."""
+    same_inputs("tensors", tensors)
+    dtype = out_dtype or tensors[0].dtype
+    float_dtype("out_dtype", dtype)
+    return dtype
+
+
+def scaled_cast_args(x: torch.Tensor, dtype: torch.dtype) -> None:
+    """`scaled_cast`'s arguments."""
+    float_dtype("x", x.dtype)
+    float_dtype("dtype", dtype)
+
+
+def quantize_int8_args(x: torch.Tensor, res: torch.Tensor | None, block: int) -> int:
+    """`quantize_int8`'s arguments; returns the number of blocks (of scales)."""
+    float_dtype("x", x.dtype)
+    block_size(block)
+    if res is not None:
+        residual(res, x)
+    return num_blocks(x.numel(), block)
+
+
+def dequantize_aggregate_args(payloads: torch.Tensor, scales: torch.Tensor, block: int,
+                              out_dtype: torch.dtype) -> None:
+    """`dequantize_aggregate`'s arguments."""
+    int8_payloads(payloads, scales, block)
+    float_dtype("out_dtype", out_dtype)

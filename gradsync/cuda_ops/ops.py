@@ -1,11 +1,11 @@
 """Registration of the `gradsync::*` custom ops with `torch.library`.
 
-One schema per op, the CPU kernel from `reference`, the CUDA kernel from
-`triton_impl` (imported on first CUDA call, so Triton stays optional on CPU
-machines) and a fake implementation that validates the arguments and
-describes the outputs, so the ops trace under `torch.compile`. The public
-functions in `aggregation` and `compression` call these ops; the dispatcher
-picks the kernel from the inputs' device.
+One schema per op (inferred from its CPU kernel's signature), the CPU kernel from
+`reference`, the CUDA kernel from `triton_impl` (imported on first CUDA call, so
+Triton stays optional on CPU machines) and a fake implementation that validates
+the arguments and describes the outputs, so the ops trace under `torch.compile`.
+The public functions in `aggregation` and `compression` call these ops; the
+dispatcher picks the kernel from the inputs' device.
 """
 from __future__ import annotations
 
@@ -27,77 +27,41 @@ def _triton():
         ) from e
 
 
-@custom_op("gradsync::aggregate", mutates_args=(), device_types="cpu")
-def aggregate(tensors: list[torch.Tensor], scale: float, out_dtype: torch.dtype | None) -> torch.Tensor:
-    return reference.aggregate(tensors, scale, out_dtype)
+def _register(name: str, fake, mutates_args: tuple[str, ...] = ()):
+    """The op `gradsync::<name>`: `reference.<name>` is its schema and CPU kernel, `triton_impl.<name>` its
+    CUDA kernel, `fake` (same arguments) its implementation for tracing."""
+    op = custom_op(f"gradsync::{name}", getattr(reference, name), mutates_args=mutates_args, device_types="cpu")
+    op.register_kernel("cuda")(lambda *args, **kwargs: getattr(_triton(), name)(*args, **kwargs))
+    op.register_fake(fake)
+    return op
 
 
-@aggregate.register_kernel("cuda")
-def _(tensors, scale, out_dtype):
-    return _triton().aggregate(tensors, scale, out_dtype)
+def _aggregate_fake(tensors, scale, out_dtype):
+    return tensors[0].new_empty(tensors[0].shape, dtype=checks.aggregate_args(tensors, out_dtype))
 
 
-@aggregate.register_fake
-def _(tensors, scale, out_dtype):
-    checks.same_inputs("tensors", tensors)
-    dtype = out_dtype or tensors[0].dtype
-    checks.float_dtype("out_dtype", dtype)
-    return tensors[0].new_empty(tensors[0].shape, dtype=dtype)
+aggregate = _register("aggregate", _aggregate_fake)
 
 
-@custom_op("gradsync::scaled_cast", mutates_args=(), device_types="cpu")
-def scaled_cast(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    return reference.scaled_cast(x, scale, dtype)
-
-
-@scaled_cast.register_kernel("cuda")
-def _(x, scale, dtype):
-    return _triton().scaled_cast(x, scale, dtype)
-
-
-@scaled_cast.register_fake
-def _(x, scale, dtype):
-    checks.float_dtype("x", x.dtype)
-    checks.float_dtype("dtype", dtype)
+def _scaled_cast_fake(x, scale, dtype):
+    checks.scaled_cast_args(x, dtype)
     return x.new_empty(x.shape, dtype=dtype)
 
 
-@custom_op("gradsync::quantize_int8", mutates_args=("residual",), device_types="cpu")
-def quantize_int8(
-    x: torch.Tensor, residual: torch.Tensor | None, block_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return reference.quantize_int8(x, residual, block_size)
+scaled_cast = _register("scaled_cast", _scaled_cast_fake)
 
 
-@quantize_int8.register_kernel("cuda")
-def _(x, residual, block_size):
-    return _triton().quantize_int8(x, residual, block_size)
+def _quantize_int8_fake(x, residual, block_size):
+    blocks = checks.quantize_int8_args(x, residual, block_size)
+    return x.new_empty(x.shape, dtype=torch.int8), x.new_empty((blocks,), dtype=torch.float32)
 
 
-@quantize_int8.register_fake
-def _(x, residual, block_size):
-    checks.float_dtype("x", x.dtype)
-    checks.block_size(block_size)
-    if residual is not None:
-        checks.residual(residual, x)
-    nb = checks.num_blocks(x.numel(), block_size)
-    return x.new_empty(x.shape, dtype=torch.int8), x.new_empty((nb,), dtype=torch.float32)
+quantize_int8 = _register("quantize_int8", _quantize_int8_fake, mutates_args=("residual",))
 
 
-@custom_op("gradsync::dequantize_aggregate", mutates_args=(), device_types="cpu")
-def dequantize_aggregate(
-    payloads: torch.Tensor, scales: torch.Tensor, block_size: int, scale: float, out_dtype: torch.dtype
-) -> torch.Tensor:
-    return reference.dequantize_aggregate(payloads, scales, block_size, scale, out_dtype)
-
-
-@dequantize_aggregate.register_kernel("cuda")
-def _(payloads, scales, block_size, scale, out_dtype):
-    return _triton().dequantize_aggregate(payloads, scales, block_size, scale, out_dtype)
-
-
-@dequantize_aggregate.register_fake
-def _(payloads, scales, block_size, scale, out_dtype):
-    checks.int8_payloads(payloads, scales, block_size)
-    checks.float_dtype("out_dtype", out_dtype)
+def _dequantize_aggregate_fake(payloads, scales, block_size, scale, out_dtype):
+    checks.dequantize_aggregate_args(payloads, scales, block_size, out_dtype)
     return payloads.new_empty((payloads.shape[1],), dtype=out_dtype)
+
+
+dequantize_aggregate = _register("dequantize_aggregate", _dequantize_aggregate_fake)

@@ -27,16 +27,13 @@ def _sum_f32(tensors: Sequence[torch.Tensor], scale: float) -> torch.Tensor:
 
 def aggregate(tensors: Sequence[torch.Tensor], scale: float, out_dtype: torch.dtype | None) -> torch.Tensor:
     """Sum of K same-shaped tensors times `scale`, accumulated in fp32, returned in out_dtype."""
-    checks.same_inputs("tensors", tensors)
-    dtype = out_dtype or tensors[0].dtype
-    checks.float_dtype("out_dtype", dtype)
+    dtype = checks.aggregate_args(tensors, out_dtype)
     return _sum_f32(tensors, scale).to(dtype)
 
 
 def scaled_cast(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """`x * scale` computed in fp32 and cast to `dtype`, as a new contiguous tensor."""
-    checks.float_dtype("x", x.dtype)
-    checks.float_dtype("dtype", dtype)
+    checks.scaled_cast_args(x, dtype)
     return (x.to(torch.float32) * scale).to(dtype, memory_format=torch.contiguous_format)
 
 
@@ -47,12 +44,8 @@ def quantize_int8(
 
     See `compression.compress_int8` for the format and the non-finite rule.
     """
-    checks.float_dtype("x", x.dtype)
-    checks.block_size(block_size)
-    if residual is not None:
-        checks.residual(residual, x)
+    nb = checks.quantize_int8_args(x, residual, block_size)
     n = x.numel()
-    nb = checks.num_blocks(n, block_size)
     v = x.reshape(-1).to(torch.float32)
     if residual is not None:
         v = v + residual.view(-1)
@@ -76,8 +69,7 @@ def dequantize_aggregate(
     payloads: torch.Tensor, scales: torch.Tensor, block_size: int, scale: float, out_dtype: torch.dtype
 ) -> torch.Tensor:
     """`scale * sum_k payloads[k] * scales[k, i // block_size]` in fp32, as a flat out_dtype tensor."""
-    checks.int8_payloads(payloads, scales, block_size)
-    checks.float_dtype("out_dtype", out_dtype)
+    checks.dequantize_aggregate_args(payloads, scales, block_size, out_dtype)
     k, n = payloads.shape
     per_elem = scales.repeat_interleave(block_size, dim=1)[:, :n]
     acc = torch.zeros(n, dtype=torch.float32, device=payloads.device)

@@ -63,9 +63,7 @@ def _launch_sum(xs: Sequence[torch.Tensor], scale: float, out: torch.Tensor) -> 
 
 def aggregate(tensors: Sequence[torch.Tensor], scale: float, out_dtype: torch.dtype | None) -> torch.Tensor:
     """Triton `aggregate`; same contract as `reference.aggregate`."""
-    checks.same_inputs("tensors", tensors)
-    dtype = out_dtype or tensors[0].dtype
-    checks.float_dtype("out_dtype", dtype)
+    dtype = checks.aggregate_args(tensors, out_dtype)
     out = torch.empty(tensors[0].shape, dtype=dtype, device=tensors[0].device)
     _launch_sum([_dense(t) for t in tensors], scale, out)
     return out
@@ -73,8 +71,7 @@ def aggregate(tensors: Sequence[torch.Tensor], scale: float, out_dtype: torch.dt
 
 def scaled_cast(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """Triton `scaled_cast`; same contract as `reference.scaled_cast`."""
-    checks.float_dtype("x", x.dtype)
-    checks.float_dtype("dtype", dtype)
+    checks.scaled_cast_args(x, dtype)
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     n = x.numel()
     if n:
@@ -89,12 +86,8 @@ def quantize_int8(
     x: torch.Tensor, residual: torch.Tensor | None, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton `quantize_int8`; same contract as `reference.quantize_int8`."""
-    checks.float_dtype("x", x.dtype)
-    checks.block_size(block_size)
-    if residual is not None:
-        checks.residual(residual, x)
+    nb = checks.quantize_int8_args(x, residual, block_size)
     n = x.numel()
-    nb = checks.num_blocks(n, block_size)
     payload = torch.empty(x.shape, dtype=torch.int8, device=x.device)
     scales = torch.empty(nb, dtype=torch.float32, device=x.device)
     if n:
@@ -113,8 +106,7 @@ def dequantize_aggregate(
     payloads: torch.Tensor, scales: torch.Tensor, block_size: int, scale: float, out_dtype: torch.dtype
 ) -> torch.Tensor:
     """Triton `dequantize_aggregate`; same contract as `reference.dequantize_aggregate`."""
-    checks.int8_payloads(payloads, scales, block_size)
-    checks.float_dtype("out_dtype", out_dtype)
+    checks.dequantize_aggregate_args(payloads, scales, block_size, out_dtype)
     k, n = payloads.shape
     out = torch.empty(n, dtype=out_dtype, device=payloads.device)
     if n:

@@ -168,7 +168,7 @@ class Network:
     def environment(self, rank: int) -> dict[str, str]:
         """Where a rank finds the store, the device its RPC and collectives use, where a server's gRPC endpoint
         listens (so that `--transport grpc` workers reach it over the link), and its link's rate."""
-        return {"MASTER_ADDR": HUB_ADDRESS, "TP_SOCKET_IFNAME": DEVICE, "GLOO_SOCKET_IFNAME": DEVICE,
+        return {settings.MASTER_ADDR.env: HUB_ADDRESS, "TP_SOCKET_IFNAME": DEVICE, "GLOO_SOCKET_IFNAME": DEVICE,
                 settings.GRPC_HOST.env: self.address(rank), settings.LINK.env: str(self.links[rank])}
 
     def in_hub(self, fn: Callable[[], T]) -> T:

@@ -21,7 +21,7 @@ import time
 import torch.distributed as dist
 
 from gradsync.config import JobConfig, StoreKeys
-from gradsync.membership.liveness import parse_gone, parse_left, record_gone
+from gradsync.membership.liveness import error_file, parse_gone, parse_left, record_gone
 
 
 @dataclasses.dataclass
@@ -92,7 +92,7 @@ class Departures:
                 self._finished.add(rank)
                 return None
             return "exited without calling gradsync.shutdown()"
-        if os.path.exists(os.path.join(self.run_dir, f"error-{rank}.txt")):
+        if os.path.exists(error_file(self.run_dir, rank)):
             return None
         return f"exited with code {code}"
 

@@ -100,6 +100,21 @@ def ranks_named(config: JobConfig, ranks: list[int]) -> str:
     return ", ".join(f"rank {rank} ({config.role(rank)})" for rank in ranks)
 
 
+def error_file(directory: str, index: int) -> str:
+    """Where rank `index` of a launched job (or joining worker `index`) records its failure for its launcher
+    (GRADSYNC_ERROR_FILE): `directory` is the job's run directory (a joiner's: its launcher's files)."""
+    return os.path.join(directory, f"error-{index}.txt")
+
+
+def recorded_error(directory: str, index: int) -> str | None:
+    """The failure rank `index` recorded in its `error_file`; None when it recorded none."""
+    path = error_file(directory, index)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return f.read()
+
+
 def wait_for_arrivals(store: dist.Store, config: JobConfig) -> None:
     """Wait until every rank of the job has beaten once, that is, has reached `gradsync.init`. Every rank of
     the job must call it (a worker that joins a running job does not).

@@ -55,6 +55,22 @@ def store_address(target: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def connect(target: str, timeout: float) -> tuple[dist.TCPStore, str, int]:
+    """A client of the store of the running job at `target` (`store_address`), and that store's host and port.
+
+    Raises:
+        ConfigError: `target` names no job (`store_address`).
+        ConnectionError: the store cannot be reached within `timeout` seconds (the job has ended?).
+    """
+    host, port = store_address(target)
+    try:
+        store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout))
+    except dist.DistError as e:
+        raise ConnectionError(f"cannot reach the store of the job to join at {host}:{port} (has it ended?): {e}") from e
+    return store, host, port
+
+
 def publish_settings(store: dist.Store, config: JobConfig) -> None:
     """On rank 0: the job's settings, for the workers that join it (an async job) or to refuse them at once."""
     store.compare_set(StoreKeys.JOB, "", json.dumps(config.to_env()))

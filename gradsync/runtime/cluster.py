@@ -284,13 +284,8 @@ def _join_running(target: str, asked: dict) -> Cluster:
     """Join the running async job at `target` (run directory or HOST:PORT of its store) as a new worker."""
     die_with_launcher()
     malloc.limit_arenas()
-    host, port = newcomers.store_address(target)
     timeout = asked.get("startup_timeout") or settings.STARTUP_TIMEOUT.read()
-    try:
-        store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=timeout))
-    except dist.DistError as e:
-        raise ConnectionError(f"cannot reach the store of the job to join at {host}:{port} (has it ended?): {e}") from e
+    store, host, port = newcomers.connect(target, timeout)
     config = newcomers.joiner_config(store, host, port, asked, timeout)
     _use_loopback_interfaces(config)
     cluster = Cluster(config, store, Heartbeat(store, config), joined=True)

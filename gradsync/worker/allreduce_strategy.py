@@ -50,7 +50,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from gradsync.config import StoreKeys
 from gradsync.core.buckets import ModelSpec
 from gradsync.core.clipping import Clipping
-from gradsync.core.errors import left_early_error, model_mismatch_error, nonfinite_error
+from gradsync.core.errors import (left_early_error, model_mismatch_error, no_gradients_error, nonfinite_error,
+                                  step_twice_error)
 from gradsync.core.finite import first_nonfinite
 from gradsync.core.traffic import allreduce_bytes, sparse_bytes
 from gradsync.core.torch_internals import current_context_id, tree_flatten, tree_unflatten
@@ -261,18 +262,11 @@ class AllreduceStrategy:
         `dist_autograd.backward` in that context. Returns False when the step was dropped for a NaN/Inf
         (nonfinite='skip', or an inf/NaN under the scaler), the same on every worker."""
         if context_id == self._last_context:
-            raise RuntimeError(
-                f"step({context_id}) was already called for this context: call trainer.step(context_id) once "
-                "per dist_autograd.context(), after its backward"
-            )
+            raise step_twice_error(context_id)
         start = time.perf_counter()
         grads = dist_autograd.get_gradients(context_id)
         if not grads:
-            raise RuntimeError(
-                f"step({context_id}) found no gradients in that context: call "
-                "dist_autograd.backward(context_id, [loss]) in the same dist_autograd.context() before "
-                "trainer.step(context_id)"
-            )
+            raise no_gradients_error(context_id)
         self._last_context = context_id
         applied = self._apply([grads.get(p) for p in self.trainable], joined=False, scaler=scaler)
         # the wait for DDP's last buckets after the last gradient is communication: commit, not compute

@@ -114,8 +114,8 @@ class HybridStrategy:
                 rows = {s: {} for s in self.servers}
             snapshots = self.transport.push(self._versions, empty, empty, no_buffers, rows, changes)
         self._versions = {s: snap.version for s, snap in snapshots.items()}
-        self.metrics.records[-1].bytes_sent += sum(ids.nbytes + g.nbytes for per in rows.values()
-                                                   for _, ids, g in per.values())
+        self.metrics.sent_after_commit(sum(ids.nbytes + g.nbytes for per in rows.values()
+                                           for _, ids, g in per.values()))
 
     def model_sizes(self, trainable: int) -> dict[str, int]:
         return self.tables.model_sizes(trainable)

@@ -60,6 +60,14 @@ class StepMetrics:
         self.steps += 1
         self._current, self._mark, self._inside = StepRecord(), None, 0.0
 
+    def last(self) -> StepRecord | None:
+        """The newest step's record; None before the first step."""
+        return self.records[-1] if self.records else None
+
+    def sent_after_commit(self, bytes_sent: int) -> None:
+        """Bytes of the newest step sent after its commit was recorded (hybrid: the rows, after the dense step)."""
+        self.records[-1].bytes_sent += bytes_sent
+
     def summary(self, skip: int = 1) -> dict[str, float]:
         """Medians over the kept steps (the first `skip` of the job are warm-up and left out when possible)."""
         warmup = max(0, skip - (self.steps - len(self.records)))  # those still kept

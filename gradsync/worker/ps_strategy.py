@@ -30,6 +30,7 @@ from torch.func import functional_call
 from gradsync.core.buckets import (Bucket, ModelSpec, assign_tensors, by_server, forward_order, join_pieces,
                                    may_split, plan_buckets)
 from gradsync.core.clipping import Clipping
+from gradsync.core.errors import no_gradients_error, step_twice_error
 from gradsync.core.finite import first_nonfinite
 from gradsync.core.optimizer_spec import OptimizerSpec, changed_options, group_options
 from gradsync.core.torch_internals import current_context_id
@@ -185,10 +186,7 @@ class PSStrategy:
         grads = {n: _dense(by_leaf[leaf]) for n, leaf in pulled.leaves.items() if leaf in by_leaf}
         rows = self.tables.row_grads(context_id, by_leaf)
         if not grads and not any(rows.values()):
-            raise RuntimeError(
-                f"step({context_id}) found no gradients in that context: call dist_autograd.backward(context_id, "
-                "[loss]) before trainer.step(context_id)"
-            )
+            raise no_gradients_error(context_id)
         self._last, self._stepped = None, context_id
         unscale = inverse_scale(scaler)
         if unscale != 1.0:
@@ -268,10 +266,7 @@ class PSStrategy:
         if self._last is not None and self._last[0] == context_id:
             return self._last[1]
         if context_id == self._stepped:
-            raise RuntimeError(
-                f"step({context_id}) was already called for this context: call trainer.step once per "
-                "dist_autograd.context(), after its backward"
-            )
+            raise step_twice_error(context_id)
         raise RuntimeError(
             f"step({context_id}) found no forward pass in that context: call trainer.model(...) inside "
             "the same dist_autograd.context() before trainer.step(context_id)"

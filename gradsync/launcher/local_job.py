@@ -1,0 +1,125 @@
+"""What a launcher on this machine prepares before it starts a job's ranks: the job's settings, its
+rendezvous store (on loopback, or in the hub of an emulated network), its run directory, and each rank's
+environment: the variables torchrun would set plus gradsync's own.
+
+The launcher hosts the store itself (on loopback only, on a free port unless one is given). With a link rate
+(`--link`, `launcher.netem`) each rank runs in its own network namespace behind a shaped link, and the store
+listens in the hub namespace of that network instead. The launcher of an async job over torch RPC leaves
+`join.json` in the run directory for workers that join it (`gradsync run --join`).
+"""
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import shutil
+import tempfile
+
+import torch.distributed as dist
+
+from gradsync.config import ConfigError, JobConfig, job_keywords, settings_from_env
+from gradsync.core.emulated_network import HUB_ADDRESS
+from gradsync.core.settings import (ERROR_FILE, LAUNCHER_PID, MASTER_ADDR, MASTER_PORT, RANK, RUN_DIR,
+                                    STORE_IS_HOSTED, TOKEN, WORLD_SIZE)
+from gradsync.launcher import netem
+from gradsync.launcher.leases import Lease, abandoned
+from gradsync.membership import newcomers
+from gradsync.membership.liveness import create_keys, error_file
+from gradsync.proto.endpoints import new_token
+from gradsync.runtime import cluster
+
+HOST = "127.0.0.1"
+"""Where a local job's store and ranks listen without an emulated network: loopback only."""
+_PORT_FIX = "pass --master-port 0 (the default) to pick a free one, or choose another port"
+
+
+def host_store(port: int) -> dist.TCPStore:
+    """Host the job's rendezvous store, listening on loopback only; port 0 picks a free one."""
+    return cluster.host_store(HOST, port, 60.0, _PORT_FIX)
+
+
+def rank_environments(config: JobConfig, port: int, run_dir: str,
+                      network: netem.Network | None = None) -> list[dict[str, str]]:
+    """The environment of each rank: torchrun's variables plus GRADSYNC_*, and this process's pid, which the
+    ranks die with; `network`: the job's emulated network, whose hub holds the store (default: every rank on
+    loopback)."""
+    base = {
+        **config.to_env(),
+        MASTER_ADDR.env: HOST,
+        MASTER_PORT.env: str(port),
+        WORLD_SIZE.env: str(config.world_size),
+        "LOCAL_WORLD_SIZE": str(config.world_size),  # torchrun's, which gradsync does not read (nor LOCAL_RANK)
+        "TP_SOCKET_IFNAME": "lo",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        # torch's C++ log lines (a TensorPipe EOF per worker that leaves an async job, c10d's "hostname of the
+        # client socket cannot be retrieved" behind --link) tell a user nothing to do; TORCH_CPP_LOG_LEVEL=INFO
+        # shows them. A rank `launch` forks has loaded torch already: its lines stay.
+        "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
+        STORE_IS_HOSTED.env: "1",
+        RUN_DIR.env: run_dir,
+        TOKEN.env: TOKEN.read() or new_token(),
+        LAUNCHER_PID.env: str(os.getpid()),
+    }
+    return [{**base, RANK.env: str(rank), "LOCAL_RANK": str(rank), **(network.environment(rank) if network else {}),
+             ERROR_FILE.env: error_file(run_dir, rank)} for rank in range(config.world_size)]
+
+
+def job_config(call, strategy, workers, servers, mode, **chosen) -> JobConfig:
+    """The job's settings: the arguments that are not None, else the GRADSYNC_* environment, else the defaults."""
+    if not isinstance(workers, int) or workers < 1:
+        raise ConfigError(f"workers must be a positive integer, got {workers!r}")
+    values = settings_from_env(os.environ, strategy)
+    values.update({k: v for k, v in dict(mode=mode, servers=servers, **job_keywords(chosen, call)).items()
+                   if v is not None})
+    return JobConfig(world_size=values["servers"] + workers, **values)
+
+
+_RUN_DIRS = ("gradsync-run-", "gradsync-launch-")
+_RUN_DIR_LEASE = ".lease"
+
+
+def temporary_run_dir(stack: contextlib.ExitStack, prefix: str) -> str:
+    """A new temporary run directory, removed when `stack` closes. It holds a lease (`gradsync.launcher.leases`):
+    first, the temporary run directories of launchers that died (SIGKILL) are removed here."""
+    for old in glob.glob(os.path.join(tempfile.gettempdir(), "gradsync-*-*", _RUN_DIR_LEASE)):
+        if os.path.basename(os.path.dirname(old)).startswith(_RUN_DIRS) and abandoned(old):
+            shutil.rmtree(os.path.dirname(old), ignore_errors=True)
+    path = tempfile.mkdtemp(prefix=prefix)
+    stack.callback(Lease(os.path.join(path, _RUN_DIR_LEASE)).release)
+    stack.callback(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+def network_and_store(stack: contextlib.ExitStack, config: JobConfig, port: int, link: str | None,
+                       server_link: str | None) -> tuple[netem.Network | None, dist.TCPStore]:
+    """The job's emulated network (removed when `stack` closes) when `link` names a rate, else None; and its
+    store, with every rank's heartbeat key: in the network's hub namespace, else on loopback. `server_link`:
+    the servers' rate, when it differs from `link`."""
+    if server_link is not None and link is None:
+        raise ConfigError(f"--server-link {server_link} needs --link too, the rate of the workers' links: "
+                          f"e.g. --link 1gbit --server-link {server_link}")
+    network = None
+    if link is None:
+        store = host_store(port)
+    else:
+        slow = None if server_link is None else netem.Link.parse(server_link, "--server-link")
+        network = stack.enter_context(netem.Network(netem.Link.parse(link), config.world_size, slow, config.servers))
+        store = network.in_hub(lambda: cluster.host_store(HUB_ADDRESS, port, 60.0, _PORT_FIX))
+    create_keys(store, config.world_size, config.num_workers)
+    return network, store
+
+
+def offer_join(config: JobConfig, run_dir: str, store: dist.TCPStore, network: netem.Network | None) -> bool:
+    """Leave join.json in the run directory when workers can join this job (async ps over torch RPC, on this
+    machine's loopback); returns whether it did."""
+    if not newcomers.joinable(config) or network is not None:
+        return False
+    newcomers.write_join_file(run_dir, HOST, store.port)
+    return True
+
+
+def check_script(script: str) -> None:
+    """Refuse a script path that names no file, before any rank starts (python would fail in every rank)."""
+    if not os.path.isfile(script):
+        raise ConfigError(f"{script}: no such file: give the path of the training script")

@@ -1,0 +1,151 @@
+"""The `gradsync run` command's launchers: `run_script` starts a job's ranks as `python SCRIPT ARGS`
+processes and supervises them; `join_script` starts workers that join a running async ps job
+(`gradsync run --join`).
+"""
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch.distributed as dist
+
+from gradsync.config import StoreKeys
+from gradsync.core.settings import ERROR_FILE, JOIN, JOIN_INDEX_FILE, LAUNCHER_PID, RUN_DIR, Setting
+from gradsync.launcher.local_job import (check_script, job_config, network_and_store, offer_join, rank_environments,
+                                         temporary_run_dir)
+from gradsync.launcher.supervision import POLL_S, JobFailed, RankProcess, kill_all, supervise
+from gradsync.membership import newcomers
+from gradsync.membership.departures import Departure
+from gradsync.membership.liveness import (dying_with_this_process, error_file, parse_gone, parse_left, recorded_error,
+                                          record_gone)
+
+_JOIN_STORE_TIMEOUT_S = 30.0
+
+
+def run_script(script: str, script_args: list[str], *, strategy: str, workers: int, servers: int | None = None,
+               mode: str | None = None, master_port: int = 0, run_dir: str | None = None,
+               timeout: float | None = None, link: str | None = None, server_link: str | None = None,
+               announce: bool = False, environment: dict[Setting, str] | None = None,
+               **settings) -> list[Departure]:
+    """Run `python script args` on every rank (the `gradsync run` command); returns the workers that left an
+    elastic job without finishing (`departures`). Raises JobFailed.
+
+    run_dir: the job's files (default: GRADSYNC_RUN_DIR, else a new temporary directory, removed at the end).
+    link: a tc rate (100mbit, 1gbit...): each rank in its own network namespace behind a link of that rate
+    (`gradsync.launcher.netem`; root and iproute2), the store in the hub namespace; None: every rank on loopback.
+    server_link: the parameter servers' links at this rate instead (with `link`): a slow server link.
+    announce: say on stderr where the run directory is and how to reach or join the job (`gradsync run`
+    does; `gradsync compare`, whose runs no one reaches, does not).
+    environment: more variables for every rank (`gradsync compare`'s log directories and straggler), given to
+    the ranks only.
+    Other settings left None come from the GRADSYNC_* environment, else their defaults.
+    """
+    config = job_config("run_script", strategy, workers, servers, mode, **settings)
+    extra = {setting.env: value for setting, value in (environment or {}).items()}
+    say = (lambda text: print(f"gradsync: {text}", file=sys.stderr, flush=True)) if announce else (lambda text: None)
+    with contextlib.ExitStack() as stack:
+        network, store = network_and_store(stack, config, master_port, link, server_link)
+        check_script(script)
+        run_dir = os.path.abspath(run_dir or RUN_DIR.read() or temporary_run_dir(stack, "gradsync-run-"))
+        os.makedirs(run_dir, exist_ok=True)
+        for old in glob.glob(os.path.join(run_dir, "stats-*.json")):  # an earlier job's: this one has not ended
+            os.remove(old)
+        say(f"run dir {run_dir}")
+        if network is not None:
+            servers = "" if server_link is None else f" (servers behind {server_link})"
+            say(f"ranks behind {link} links{servers}; `ip netns exec {network.hub} gradsync status {run_dir}` "
+                "reaches the job")
+        if offer_join(config, run_dir, store, network):
+            say(f"more workers can join: gradsync run --join {run_dir} {script}")
+        ranks = []
+        try:
+            for rank, env in enumerate(rank_environments(config, store.port, run_dir, network=network)):
+                argv = [sys.executable, script, *script_args]
+                if network is not None:
+                    argv = network.command(rank, argv)
+                proc = subprocess.Popen(argv, env={**os.environ, **extra, **env}, start_new_session=True,
+                                        preexec_fn=dying_with_this_process())
+                ranks.append(RankProcess(rank, proc))
+            return supervise(config, ranks, run_dir, store, timeout)
+        finally:
+            kill_all(ranks)
+
+
+def join_script(target: str, script: str, script_args: list[str], *, workers: int = 1,
+                timeout: float | None = None) -> None:
+    """Start `workers` processes running `python script args` that join the running async ps job at `target`
+    (its run directory, or its store's HOST:PORT), each as a new worker with the job's settings: the
+    `gradsync run --join` command. A joined worker that dies or fails is recorded gone, and the job goes on.
+
+    Raises:
+        ConnectionError: the job's store cannot be reached.
+        ConfigError: the job takes no joining workers (not an async ps job over torch RPC).
+        JobFailed: a joined worker did not finish (killed, failed, or out of `timeout` seconds), with its
+            traceback.
+    """
+    store, host, port = newcomers.connect(target, _JOIN_STORE_TIMEOUT_S)
+    newcomers.job_settings(store, host, port, _JOIN_STORE_TIMEOUT_S)  # refuses a job that takes no newcomers
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with tempfile.TemporaryDirectory(prefix="gradsync-join-") as files:
+        joiners: list[RankProcess] = []
+        failures: list[str] = []
+        try:
+            for i in range(workers):
+                env = {**os.environ, JOIN.env: f"{host}:{port}", LAUNCHER_PID.env: str(os.getpid()),
+                       JOIN_INDEX_FILE.env: os.path.join(files, f"index-{i}"),
+                       ERROR_FILE.env: error_file(files, i),
+                       "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+                proc = subprocess.Popen([sys.executable, script, *script_args], env=env, start_new_session=True)
+                joiners.append(RankProcess(i, proc))
+            running = list(joiners)
+            while running and (deadline is None or time.monotonic() < deadline):
+                for joiner in [j for j in running if j.exitcode() is not None]:
+                    running.remove(joiner)
+                    failures += _joiner_ended(joiner, files, store, f"exited with code {joiner.exitcode()}")
+                time.sleep(POLL_S)
+            for joiner in running:
+                failures += _joiner_ended(joiner, files, store, f"still running after {timeout:.0f} s (--timeout)")
+        finally:
+            kill_all(joiners)
+            for joiner in joiners:  # stopped by a signal to this launcher: the job must not wait for them
+                _joiner_ended(joiner, files, store, "stopped with gradsync run --join")
+    if failures:
+        raise JobFailed("\n".join(failures))
+
+
+def _joiner_ended(joiner: RankProcess, files: str, store: dist.Store, how: str) -> list[str]:
+    """Record joined worker `joiner` gone (`how`), unless it left the job (gradsync.shutdown) or was recorded
+    already; returns what to report: [] when it left, else its failure with its traceback."""
+    path = os.path.join(files, f"index-{joiner.rank}")
+    code = joiner.exitcode()
+    if code is not None and code < 0:
+        how = f"killed by {signal.Signals(-code).name}"
+    if not os.path.exists(path):
+        text = f"joining worker {joiner.rank} {how} before it joined the job"
+        return [] if code == 0 else [_with_traceback(text, files, joiner.rank)]
+    worker, left = newcomers.read_index_file(path)
+    if code == 0 and left:  # it left with gradsync.shutdown(): no failure, even once the job and its store are gone
+        return []
+    if code == 0:
+        how = "exited without calling gradsync.shutdown()"
+    try:
+        if worker in parse_left(store.get(StoreKeys.LEFT)) or worker in parse_gone(store.get(StoreKeys.GONE)):
+            return [] if code in (0, None) else [_with_traceback(f"worker{worker} (joined) left the job, then {how}",
+                                                                 files, joiner.rank)]
+        record_gone(store, worker, how)
+        text = f"worker{worker} (joined) left the job: {how}; the job goes on without it"
+    except dist.DistError:
+        text = f"worker{worker} (joined) {how}, and the job's store is gone: the job has ended"
+    return [_with_traceback(text, files, joiner.rank)]
+
+
+def _with_traceback(text: str, files: str, joiner: int) -> str:
+    """`text`, and the traceback the joining process `joiner` recorded, if any."""
+    recorded = recorded_error(files, joiner)
+    return text if recorded is None else text + ":\n" + recorded

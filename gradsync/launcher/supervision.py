@@ -1,0 +1,241 @@
+"""Supervision of a local job's rank processes: watch them until they finish, explain a failure, kill them.
+
+`supervise` watches exit codes and every rank's heartbeat (`liveness`); when a rank fails or falls silent
+for step_timeout, the launcher kills every rank (`kill_all`) and raises `JobFailed`, naming the rank that
+caused it (`_root_cause`: one killed by a signal, then one that is stopped or silent, then the first to
+record a failure) with its traceback. In an elastic job (async or ssp ps) a worker that dies is a departure,
+not a failure (`departures`).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import torch.distributed as dist
+
+from gradsync.config import JobConfig, StoreKeys
+from gradsync.launcher import procfs
+from gradsync.membership.departures import Departure, Departures
+from gradsync.membership.liveness import (Watch, error_file, interval, parse_workers, ranks_named,
+                                          recorded_error)
+
+POLL_S = 0.05
+_KILL_GRACE_S = 3.0
+_EXIT_GRACE_S = 10.0  # for a rank that recorded a failure to exit: torch's teardown takes seconds on a busy machine
+_STATES = {
+    "T": "its process is stopped (SIGSTOP, SIGTSTP)",
+    "t": "its process is stopped by a debugger",
+    "D": "its process waits in uninterruptible I/O",
+}
+
+
+class JobFailed(RuntimeError):
+    """A rank of a launched job failed; the message names it and holds its traceback."""
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+
+
+class RankProcess:
+    """One child process, started either as a script (subprocess) or a function (multiprocessing)."""
+
+    def __init__(self, rank: int, proc):
+        self.rank = rank
+        self.proc = proc
+        self.started = time.monotonic()
+
+    def exitcode(self) -> int | None:
+        if isinstance(self.proc, subprocess.Popen):
+            return self.proc.poll()
+        return self.proc.exitcode
+
+    def state(self) -> str | None:
+        """The process's state letter in /proc (R, S, D, T, t, Z), None when it cannot be read."""
+        return procfs.state(self.proc.pid)
+
+    def kill(self, sig: int) -> None:
+        if self.exitcode() is not None:
+            return
+        try:
+            if isinstance(self.proc, subprocess.Popen):
+                os.killpg(self.proc.pid, sig)
+            else:
+                os.kill(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def kill_all(ranks: list[RankProcess]) -> None:
+    """SIGTERM every rank (and SIGCONT, so a stopped one handles it), SIGKILL those left after a grace period."""
+    for r in ranks:
+        r.kill(signal.SIGTERM)
+        r.kill(signal.SIGCONT)
+    deadline = time.monotonic() + _KILL_GRACE_S
+    while any(r.exitcode() is None for r in ranks) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    for r in ranks:
+        r.kill(signal.SIGKILL)
+    for r in ranks:
+        if isinstance(r.proc, subprocess.Popen):
+            r.proc.wait(timeout=10)
+        else:
+            r.proc.join(timeout=10)
+
+
+def _failure_text(config: JobConfig, run_dir: str, rank: int, code: int, arrived: bool = True,
+                  recorded: str | None = None) -> str:
+    """A failed rank's headline with the failure it recorded (`recorded`: the job's first failure in the store,
+    which may be another rank's text that blames this one); `arrived`: whether it reached gradsync.init()."""
+    how = f"exit code {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
+    text = f"rank {rank} ({config.role(rank)}) failed with {how}"
+    recorded = recorded if recorded is not None else recorded_error(run_dir, rank)
+    if recorded is not None:
+        return text + ":\n" + recorded
+    if not arrived:
+        text += (" before it reached gradsync.init() (its traceback is above): every script that gradsync runs must "
+                 "call gradsync.init() first, and nothing that starts torch.distributed itself (a DDP script's "
+                 "dist.init_process_group fails on the port of gradsync's store: EADDRINUSE)")
+    return text
+
+
+def _absent_text(config: JobConfig, ranks: list[RankProcess]) -> str:
+    """Why the job stopped: `ranks` have not reached gradsync.init() within startup_timeout of their start."""
+    exited = [r.rank for r in ranks if r.exitcode() == 0]
+    text = (f"{ranks_named(config, [r.rank for r in ranks])} did not reach gradsync.init() within startup_timeout "
+            f"({config.startup_timeout:.0f} s) of its start, and the other ranks wait for every one")
+    if exited:
+        text += f" ({ranks_named(config, exited)} exited with code 0 without calling it)"
+    return text + ": is the script stuck before gradsync.init(), or does it skip it on some ranks?"
+
+
+def _quit_text(config: JobConfig, rank: RankProcess) -> str:
+    """Why worker `rank` stopped the job: it exited without gradsync.shutdown() while the others trained."""
+    code = rank.exitcode()
+    how = ("its process hangs in torch's teardown" if code is None else f"code {code}" if code >= 0
+           else f"then torch's teardown ended it with {signal.Signals(-code).name}")
+    return (f"rank {rank.rank} ({config.role(rank.rank)}) exited ({how}) without gradsync.shutdown() while the "
+            "others were training, so they failed waiting for it: every worker must call gradsync.shutdown() when "
+            "it is done (for uneven data, train inside `with trainer.join():` on every worker, then call it)")
+
+
+def _quitters(config: JobConfig, ranks: list[RankProcess], watch: Watch, store: dist.Store) -> list[RankProcess]:
+    """Workers of a job that is not elastic that reached gradsync.init() and ended without leaving the job
+    (gradsync.shutdown): exited 0, or noted at their interpreter's exit (`cluster`; torch's teardown may then
+    abort or hang them), as of the watch's last read."""
+    if config.elastic:
+        return []
+    exited = parse_workers(store.get(StoreKeys.EXITED))
+    return [r for r in ranks[config.servers:] if watch.moved[r.rank] is not None
+            and r.rank - config.servers not in watch.left
+            and (r.exitcode() == 0 or r.rank - config.servers in exited)]
+
+
+def _silent_text(config: JobConfig, rank: RankProcess, seconds: float) -> str:
+    """Why running `rank` stopped the job: it stopped sending heartbeats."""
+    state = _STATES.get(rank.state(), "its process runs, but not its heartbeat thread (a C call holding the GIL?)")
+    return (f"rank {rank.rank} ({config.role(rank.rank)}) stopped responding: no heartbeat for {seconds:.1f} s "
+            f"(step_timeout {config.step_timeout:.0f} s); {state}")
+
+
+def _recorded_failure(ranks: list[RankProcess], store: dist.Store) -> tuple[int, str] | None:
+    """The rank the job's first failure in the store is recorded under (the rank that recorded it, or the
+    worker its text blames) and its text, once that rank has exited non-zero (given a few seconds to)."""
+    if not store.check([StoreKeys.FAILED]):
+        return None
+    head, text = store.get(StoreKeys.FAILED).decode().split(":", 1)
+    first = ranks[int(head.split()[1])]
+    deadline = time.monotonic() + _EXIT_GRACE_S
+    while first.exitcode() is None and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    return (first.rank, text.lstrip()) if first.exitcode() not in (None, 0) else None
+
+
+def _absent(config: JobConfig, ranks: list[RankProcess], watch: Watch, departed: set[int]) -> list[RankProcess]:
+    """Ranks that have not reached gradsync.init() (running, or exited 0) within startup_timeout of their start."""
+    now = time.monotonic()
+    return [r for r in ranks if r.rank not in departed and watch.moved[r.rank] is None and r.exitcode() in (None, 0)
+            and now - r.started >= config.startup_timeout]
+
+
+def _root_cause(config: JobConfig, ranks: list[RankProcess], watch: Watch, store: dist.Store, run_dir: str,
+                departed: set[int]) -> JobFailed:
+    """The failure that explains the others: a worker that ended without gradsync.shutdown() in a job that is
+    not elastic; else a rank killed by a signal without recording a failure (it could
+    not report); else ranks that never reached gradsync.init() within startup_timeout, workers that never
+    built their Trainer, or a running rank that is stopped or silent for half the step timeout (the others
+    failed waiting for them); else the first to record a failure; else the lowest failed rank.
+    Ranks in `departed` (workers that left an elastic job) are none of these."""
+    failed = [(r.rank, r.exitcode()) for r in ranks if r.exitcode() not in (None, 0) and r.rank not in departed]
+    quitters = _quitters(config, ranks, watch, store)
+    if quitters:
+        followers = [rank for rank, _ in failed if rank != quitters[0].rank]
+        then = "" if not followers else "\nthen " + _failure_text(config, run_dir, followers[0],
+                                                                 ranks[followers[0]].exitcode())
+        return JobFailed(_quit_text(config, quitters[0]) + then, quitters[0].rank)
+    for rank, code in failed:
+        if code < 0 and not os.path.exists(error_file(run_dir, rank)):
+            return JobFailed(_failure_text(config, run_dir, rank, code, watch.moved[rank] is not None), rank)
+    recorded = _recorded_failure(ranks, store)
+    follower = recorded[0] if recorded is not None else failed[0][0]
+    follower_text = _failure_text(config, run_dir, follower, ranks[follower].exitcode(),
+                                  watch.moved[follower] is not None, recorded and recorded[1])
+    absent = _absent(config, ranks, watch, departed)
+    if absent:
+        return JobFailed(f"{_absent_text(config, absent)}\nthen {follower_text}", absent[0].rank)
+    late = watch.without_trainer(min(config.startup_timeout, config.step_timeout) / 2)
+    late = [w for w in late if ranks[config.servers + w].exitcode() in (None, 0)]
+    if late:
+        return JobFailed(f"{watch.describe_without_trainer(late)}\nthen {follower_text}", config.servers + late[0])
+    silent = watch.silent(config.step_timeout / 2)
+    suspects = [r for r in ranks if r.rank != follower and r.rank not in departed
+                and (r.rank in silent or r.state() in ("T", "t"))
+                and r.exitcode() is None]
+    if suspects:
+        cause = max(suspects, key=lambda r: silent.get(r.rank, 0.0))
+        return JobFailed(f"{_silent_text(config, cause, silent.get(cause.rank, 0.0))}\nthen {follower_text}",
+                         cause.rank)
+    return JobFailed(follower_text, follower)
+
+
+def supervise(config: JobConfig, ranks: list[RankProcess], run_dir: str, store: dist.Store, timeout: float | None
+              ) -> list[Departure]:
+    """Wait until every rank has exited 0, or, in an elastic job, departed (`departures`); returns the
+    departures. Raises JobFailed when one fails (naming the root cause), when every worker of an elastic job
+    has departed, when a running rank has not reached gradsync.init() within startup_timeout of its start or
+    has sent no heartbeat for step_timeout, or after `timeout` seconds (None: no limit)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    watch = Watch(config)
+    departures = Departures(config, store, run_dir) if config.elastic else None
+    next_read = 0.0
+    while True:
+        codes = [r.exitcode() for r in ranks]
+        if departures is not None and departures.observe(codes):
+            raise JobFailed(f"every worker left the job, so it cannot finish: {departures.describe()}",
+                            min(departures.found))
+        departed = set(departures.found) if departures is not None else set()
+        if all(c == 0 or rank in departed for rank, c in enumerate(codes)):
+            return departures.report() if departures is not None else []
+        failed = any(c not in (None, 0) and rank not in departed for rank, c in enumerate(codes))
+        if failed or time.monotonic() >= next_read:
+            watch.read(store)
+            next_read = time.monotonic() + interval(config.step_timeout)
+        if failed:
+            raise _root_cause(config, ranks, watch, store, run_dir, departed)
+        absent = _absent(config, ranks, watch, departed)
+        if any(r.exitcode() is None for r in absent):
+            raise JobFailed(_absent_text(config, absent), absent[0].rank)
+        silent = {rank: s for rank, s in watch.silent(config.step_timeout).items()
+                  if rank < len(codes) and codes[rank] is None}
+        if silent:
+            rank = max(silent, key=silent.get)
+            quitters = _quitters(config, ranks, watch, store)
+            if quitters:  # silent in torch's teardown
+                raise JobFailed(_quit_text(config, quitters[0]), quitters[0].rank)
+            raise JobFailed(_silent_text(config, ranks[rank], silent[rank]), rank)
+        if deadline is not None and time.monotonic() > deadline:
+            running = [config.role(r.rank) for r, c in zip(ranks, codes) if c is None]
+            raise JobFailed(f"job timed out after {timeout:.0f} s; still running: {', '.join(running)}")
+        time.sleep(POLL_S)
