@@ -47,6 +47,10 @@ from gradsync.membership.liveness import (Watch, create_keys, die_with_launcher,
                                           parse_gone, parse_left, parse_workers, ranks_named, record_gone)
 from gradsync.proto.endpoints import new_token
 from gradsync.runtime import cluster
+from gradsync.runtime.failures import record_failure, say_failure
+from gradsync.runtime.leaving import shutdown
+from gradsync.runtime.start import init
+from gradsync.runtime import store as rendezvous
 
 _HOST = "127.0.0.1"
 _POLL_S = 0.05
@@ -71,10 +75,10 @@ class JobFailed(RuntimeError):
 
 def host_store(port: int) -> dist.TCPStore:
     """Host the job's rendezvous store, listening on loopback only; port 0 picks a free one."""
-    return cluster.host_store(_HOST, port, 60.0, _PORT_FIX)
+    return rendezvous.host_store(_HOST, port, 60.0, _PORT_FIX)
 
 
-PRELOADED = ("torch", "torch._dynamo", "gradsync.runtime.cluster", "gradsync.worker.ps_strategy",
+PRELOADED = ("torch", "torch._dynamo", "gradsync.runtime.start", "gradsync.worker.ps_strategy",
              "gradsync.worker.allreduce_strategy", "gradsync.worker.hybrid_strategy", "gradsync.ps.server")
 """What the fork server imports once for every rank `launch` starts: a spawned rank spent ~2 s importing
 torch, and ~1.5 s more importing torch._dynamo on its first optimizer or DDP (torch imports it there)."""
@@ -206,7 +210,7 @@ def _quit_text(config: JobConfig, rank: _Rank) -> str:
 
 def _quitters(config: JobConfig, ranks: list[_Rank], watch: Watch, store: dist.Store) -> list[_Rank]:
     """Workers of a job that is not elastic that reached gradsync.init() and ended without leaving the job
-    (gradsync.shutdown): exited 0, or noted at their interpreter's exit (`cluster`; torch's teardown may then
+    (gradsync.shutdown): exited 0, or noted at their interpreter's exit (`runtime.start`; torch's teardown may then
     abort or hang them), as of the watch's last read."""
     if config.elastic:
         return []
@@ -364,7 +368,7 @@ def _network_and_store(stack: contextlib.ExitStack, config: JobConfig, port: int
     else:
         slow = None if server_link is None else netem.Link.parse(server_link, "--server-link")
         network = stack.enter_context(netem.Network(netem.Link.parse(link), config.world_size, slow, config.servers))
-        store = network.in_hub(lambda: cluster.host_store(HUB_ADDRESS, port, 60.0, _PORT_FIX))
+        store = network.in_hub(lambda: rendezvous.host_store(HUB_ADDRESS, port, 60.0, _PORT_FIX))
     create_keys(store, config.world_size, config.num_workers)
     return network, store
 
@@ -438,12 +442,12 @@ def _run_function(env: dict, call: bytes, result_path: str, namespace: str | Non
         if namespace is not None:
             netem.enter(namespace)
         fn, args = _unpickle_call(call)
-        cluster.init()
+        init()
         result = fn(*args)
-        cluster.shutdown()
+        shutdown()
         torch.save(result, result_path)
     except BaseException:
-        cluster.say_failure(cluster.record_failure(cluster._STATE, int(env["RANK"]), traceback.format_exc()))
+        say_failure(record_failure(cluster.running(), int(env["RANK"]), traceback.format_exc()))
         os._exit(1)
 
 
