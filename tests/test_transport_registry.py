@@ -1,6 +1,7 @@
 """Every transport is registered under a value of the `transport` setting, implements both sides of the ABC
 (`gradsync.transport.base`), and what it cannot do is refused from its declared capabilities, with the texts
 a user sees."""
+import ast
 import inspect
 import re
 import subprocess
@@ -14,6 +15,8 @@ from gradsync.config import ConfigError, JobConfig
 from gradsync.core import settings
 from gradsync.core.transport_capabilities import CAPABILITIES, capabilities
 from gradsync.membership.newcomers import joinable
+from gradsync.proto import service
+from gradsync.ps.server import ParameterServer
 from gradsync.transport import registry
 from gradsync.transport.base import RankTransport, WorkerTransport
 from gradsync.worker.ps_strategy import PSStrategy
@@ -113,3 +116,14 @@ def test_importing_gradsync_loads_no_grpc():
     code = "import sys, gradsync; print(sorted(m for m in ('grpc', 'gradsync.transport.grpc') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_grpc_servicer_calls_only_the_parameter_servers_public_methods():
+    """No reaching into ShardState or the server's private state: only its methods and its settings."""
+    tree = ast.parse(inspect.getsource(service.Servicer))
+    reached = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+               and (isinstance(node.value, ast.Name) and node.value.id == "server"
+                    or isinstance(node.value, ast.Attribute) and node.value.attr == "server")}
+    methods = {n for n, _ in inspect.getmembers(ParameterServer, inspect.isfunction) if not n.startswith("_")}
+    assert {"layout", "push", "pull_named"} <= reached
+    assert reached - methods == {"ready", "shard_id", "num_workers", "mode"}
