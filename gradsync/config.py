@@ -13,6 +13,7 @@ import os
 
 from gradsync.core import settings
 from gradsync.core.settings import ConfigError
+from gradsync.core.transport_capabilities import capabilities
 
 
 def _concern(name: str):
@@ -92,11 +93,9 @@ class Training:
     def _check_training(self) -> None:
         for s in settings.of("training"):
             s.check(getattr(self, s.name))
-        if self.transport == "grpc" and (self.strategy != "ps" or self.compression != "none"):
-            raise ConfigError(
-                f"the grpc transport serves the ps strategy without compression, got strategy={self.strategy!r}, "
-                f"compression={self.compression!r}: use --strategy ps --compression none, or --transport rpc"
-            )
+        refusal = capabilities(self.transport).job_refusal(self.strategy, self.compression)
+        if refusal:
+            raise ConfigError(refusal)
         if self.staleness < 0 or (self.staleness and self.mode != "ssp"):
             raise ConfigError(
                 f"staleness={self.staleness}: it bounds --mode ssp and must be >= 0; pass --mode ssp "

@@ -12,7 +12,8 @@ from gradsync.config import JobConfig, StoreKeys
 from gradsync.proto.service import serve_grpc
 from gradsync.core.buckets import ModelSpec, plan_buckets
 from gradsync.ps.server import ParameterServer, make_setup
-from gradsync.transport.grpc import MEMBER_TOKEN_KEY, GrpcTransport
+from gradsync.transport.endpoint import MEMBER_TOKEN_KEY
+from gradsync.transport.grpc import GrpcTransport
 
 TOKEN = "test-token-0123456789"  # clients outside the job
 MEMBER_TOKEN = "test-member-token-9876543210"  # the job's own workers

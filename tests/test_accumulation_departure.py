@@ -20,7 +20,7 @@ def accumulate_then_wait_for_the_other_to_leave() -> int:
     (and two heartbeats more) before its last trainer.step. Returns the steps taken."""
     torch.manual_seed(0)
     trainer = gradsync.Trainer(torch.nn.Linear(4, 2), torch.optim.SGD, lr=0.1)
-    me, store = gradsync.worker_rank(), cluster._STATE.store
+    me, store = gradsync.worker_rank(), cluster.current().store
     for step in range(STEPS):
         with dist_autograd.context() as cid:
             for micro in range(MICRO):
@@ -32,7 +32,7 @@ def accumulate_then_wait_for_the_other_to_leave() -> int:
                 while 1 not in parse_left(store.get(StoreKeys.LEFT)):
                     assert time.monotonic() < deadline, "worker 1 never left"
                     time.sleep(0.05)
-                time.sleep(2 * interval(cluster._STATE.config.step_timeout) + 0.5)  # its heartbeat saw it
+                time.sleep(2 * interval(cluster.current().config.step_timeout) + 0.5)  # its heartbeat saw it
             trainer.step(cid)
     return STEPS
 

@@ -12,6 +12,7 @@ import pytest
 import gradsync
 from faults import Fault, read_stamp, train_then_leave, train_with_fault
 from gradsync.runtime import cluster
+from gradsync.runtime.store import connect_store
 from gradsync.config import JobConfig
 from gradsync.launcher.local_job import host_store, temporary_run_dir
 from gradsync.membership.liveness import Heartbeat
@@ -57,7 +58,7 @@ def test_uneven_data_fails_at_once_naming_the_worker_that_left(strategy, servers
 def test_shutdown_returns_within_its_timeout_when_a_worker_never_leaves(capfd):
     config = JobConfig(strategy="ps", servers=1, world_size=3, rank=1, transport="grpc", shutdown_timeout=1.0)
     store = host_store(0)
-    cluster._STATE = cluster.Cluster(config, store, Heartbeat(store, config))
+    cluster.set_running(cluster.Cluster(config, store, Heartbeat(store, config)))
     start = time.monotonic()
     gradsync.shutdown()
     assert time.monotonic() - start < 1.0 + SLACK  # not the default 30 s shutdown_timeout
@@ -82,7 +83,7 @@ def test_the_rendezvous_store_listens_on_its_address_only(host):
     if host == "launcher":
         store = host_store(0)
     else:
-        store = cluster.connect_store(JobConfig(strategy="allreduce", servers=0, master_port=0))
+        store = connect_store(JobConfig(strategy="allreduce", servers=0, master_port=0))
     assert _listening(store.port) == ["0100007F"]  # 127.0.0.1, not 0.0.0.0 or [::]
 
 

@@ -33,12 +33,12 @@ def test_a_second_init_outside_launch_is_refused():
 
     from gradsync.runtime import cluster
 
-    cluster._STATE = types.SimpleNamespace(config=None)
+    cluster.set_running(types.SimpleNamespace(config=None))
     try:
         with pytest.raises(RuntimeError, match="already called"):
             gradsync.init(strategy="allreduce", servers=0)
     finally:
-        cluster._STATE = None
+        cluster.set_running(None)
 
 
 _CALLER = """import os, sys

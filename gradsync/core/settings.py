@@ -14,6 +14,8 @@ import dataclasses
 import os
 import re
 
+from gradsync.core.transport_capabilities import CAPABILITIES
+
 JOB_CONCERNS = ("placement", "training", "timeouts", "checkpointing")
 """The concerns of `JobConfig`, one dataclass each; the other concerns are read where they are used."""
 
@@ -113,9 +115,9 @@ NONFINITE = _S("nonfinite", "GRADSYNC_NONFINITE", str, "raise", "training",
 COMPRESSION = _S("compression", "GRADSYNC_COMPRESSION", str, "none", "training",
                  "none, fp16, bf16 or int8 gradients on the wire", flag="--compression",
                  choices=("none", "fp16", "bf16", "int8"), shared=True)
-TRANSPORT = _S("transport", "GRADSYNC_TRANSPORT", str, "rpc", "training",
+TRANSPORT = _S("transport", "GRADSYNC_TRANSPORT", str, next(iter(CAPABILITIES)), "training",
                "rpc or grpc: how ps workers reach the servers (torch RPC, or gRPC without TensorPipe)",
-               flag="--transport", choices=("rpc", "grpc"), shared=True)
+               flag="--transport", choices=tuple(CAPABILITIES), shared=True)
 BUCKET_CAP_MB = _S("bucket_cap_mb", "GRADSYNC_BUCKET_CAP_MB", float, 25.0, "training",
                    "largest parameter bucket in MB (one bucket is one flat tensor on the wire), and under ps with "
                    "an elementwise optimizer the size of the pieces a larger parameter is cut into (a sync step's "

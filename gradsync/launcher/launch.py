@@ -20,8 +20,11 @@ from gradsync.launcher.supervision import RankProcess, kill_all, supervise
 from gradsync.membership.departures import Results
 from gradsync.membership.liveness import die_with_launcher
 from gradsync.runtime import cluster
+from gradsync.runtime.failures import record_failure, say_failure
+from gradsync.runtime.leaving import shutdown
+from gradsync.runtime.start import init
 
-PRELOADED = ("torch", "torch._dynamo", "gradsync.runtime.cluster", "gradsync.worker.ps_strategy",
+PRELOADED = ("torch", "torch._dynamo", "gradsync.runtime.start", "gradsync.worker.ps_strategy",
              "gradsync.worker.allreduce_strategy", "gradsync.worker.hybrid_strategy", "gradsync.ps.server")
 """What the fork server imports once for every rank `launch` starts: a spawned rank spent ~2 s importing
 torch, and ~1.5 s more importing torch._dynamo on its first optimizer or DDP (torch imports it there)."""
@@ -45,12 +48,12 @@ def _run_function(env: dict, call: bytes, result_path: str, namespace: str | Non
         if namespace is not None:
             netem.enter(namespace)
         fn, args = _unpickle_call(call)
-        cluster.init()
+        init()
         result = fn(*args)
-        cluster.shutdown()
+        shutdown()
         torch.save(result, result_path)
     except BaseException:
-        cluster.say_failure(cluster.record_failure(cluster._STATE, int(env[RANK.env]), traceback.format_exc()))
+        say_failure(record_failure(cluster.running(), int(env[RANK.env]), traceback.format_exc()))
         os._exit(1)
 
 

@@ -26,7 +26,7 @@ from gradsync.launcher.leases import Lease, abandoned
 from gradsync.membership import newcomers
 from gradsync.membership.liveness import create_keys, error_file
 from gradsync.proto.endpoints import new_token
-from gradsync.runtime import cluster
+from gradsync.runtime import store as rendezvous
 
 HOST = "127.0.0.1"
 """Where a local job's store and ranks listen without an emulated network: loopback only."""
@@ -35,7 +35,7 @@ _PORT_FIX = "pass --master-port 0 (the default) to pick a free one, or choose an
 
 def host_store(port: int) -> dist.TCPStore:
     """Host the job's rendezvous store, listening on loopback only; port 0 picks a free one."""
-    return cluster.host_store(HOST, port, 60.0, _PORT_FIX)
+    return rendezvous.host_store(HOST, port, 60.0, _PORT_FIX)
 
 
 def rank_environments(config: JobConfig, port: int, run_dir: str,
@@ -105,7 +105,7 @@ def network_and_store(stack: contextlib.ExitStack, config: JobConfig, port: int,
     else:
         slow = None if server_link is None else netem.Link.parse(server_link, "--server-link")
         network = stack.enter_context(netem.Network(netem.Link.parse(link), config.world_size, slow, config.servers))
-        store = network.in_hub(lambda: cluster.host_store(HUB_ADDRESS, port, 60.0, _PORT_FIX))
+        store = network.in_hub(lambda: rendezvous.host_store(HUB_ADDRESS, port, 60.0, _PORT_FIX))
     create_keys(store, config.world_size, config.num_workers)
     return network, store
 

@@ -123,7 +123,7 @@ def _quit_text(config: JobConfig, rank: RankProcess) -> str:
 
 def _quitters(config: JobConfig, ranks: list[RankProcess], watch: Watch, store: dist.Store) -> list[RankProcess]:
     """Workers of a job that is not elastic that reached gradsync.init() and ended without leaving the job
-    (gradsync.shutdown): exited 0, or noted at their interpreter's exit (`cluster`; torch's teardown may then
+    (gradsync.shutdown): exited 0, or noted at their interpreter's exit (`runtime.start`; torch's teardown may then
     abort or hang them), as of the watch's last read."""
     if config.elastic:
         return []

@@ -19,13 +19,14 @@ import torch.distributed as dist
 from gradsync.config import ConfigError, JobConfig, StoreKeys, settings_from_env
 from gradsync.core import settings
 from gradsync.core.atomic_file import write_atomically
+from gradsync.core.transport_capabilities import capabilities
 
 JOIN_FILE = "join.json"
 
 
 def joinable(config: JobConfig) -> bool:
-    """Whether workers can join this job while it runs: async ps over torch RPC."""
-    return config.elastic and config.mode == "async" and config.transport == "rpc"
+    """Whether workers can join this job while it runs: async ps over a transport that takes them (torch RPC)."""
+    return config.elastic and config.mode == "async" and capabilities(config.transport).joining
 
 
 def write_join_file(run_dir: str, host: str, port: int) -> None:

@@ -1,7 +1,8 @@
 """The gRPC endpoint of one parameter server: a thin servicer, bearer-token auth, and `serve_grpc`.
 
-The servicer only translates: messages in, calls on a `ParameterServer` (and
-its `ShardState`) out, results back as messages. Clients outside the job use
+The servicer only translates: messages in, calls on a `ParameterServer`'s
+public methods out (its `layout()` for names and limits), results back as
+messages. Clients outside the job use
 the named calls (Pull, Push: tensors by parameter name, converted to and from
 the shard's buckets here); members of the job use the job calls (JobPull,
 JobPush: flat buckets by index in the shard's bucket order, handed to
@@ -45,9 +46,8 @@ from gradsync.proto import gradsync_pb2 as pb
 from gradsync.proto import tensor_codec
 from gradsync.proto.admission import MEMBER, Admission, BearerAuth, Credentials, Refused
 from gradsync.proto.store_data import from_bytes, to_bytes
-from gradsync.ps import checkpoint
 from gradsync.ps.consistency import Agreement, Partial
-from gradsync.ps.named_grads import push_named
+from gradsync.ps.layout import ShardLayout
 from gradsync.ps.shard import Snapshot
 
 SERVICE = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
@@ -95,32 +95,31 @@ class Servicer:
         with self._calls_lock:
             self.calls[method] += 1
 
-    def _shard(self):
+    def _layout(self) -> ShardLayout:
+        """The server's layout; refused while it has no model."""
         if not self.server.ready.is_set():
             raise Refused(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"server {self.server.shard_id} has no model yet: every worker must create its Trainer first",
             )
-        return self.server.shard
+        return self.server.layout()
 
     def health(self, request, context) -> pb.HealthResponse:
         _parsed(request)
-        shard = self.server.shard if self.server.ready.is_set() else None
-        if shard is None:
+        if not self.server.ready.is_set():
             return pb.HealthResponse(shard_id=self.server.shard_id, ready=False)
-        pieces = [pb.Piece(name=e.name, shape=e.shape, start=e.start, numel=e.numel)
-                  for b in shard.buckets for e in b.entries if not e.whole]
-        tables = [pb.TableInfo(name=n, shape=t.spec.shape, dtype=tensor_codec.dtype_name(t.spec.dtype),
+        shard = self.server.layout()
+        pieces = [pb.Piece(name=e.name, shape=e.shape, start=e.start, numel=e.numel) for e in shard.pieces]
+        tables = [pb.TableInfo(name=n, shape=t.shape, dtype=tensor_codec.dtype_name(t.dtype),
                                num_servers=t.num_servers, rows_held=t.rows) for n, t in shard.tables.items()]
         return pb.HealthResponse(
             shard_id=shard.shard_id, ready=True, version=shard.version,
-            parameters=list(shard.params) + list(shard.frozen), buffers=list(shard.buffers), pieces=pieces,
-            tables=tables,
+            parameters=shard.params + shard.frozen, buffers=shard.buffers, pieces=pieces, tables=tables,
         )
 
     def get_stats(self, request, context) -> pb.GetStatsResponse:
         _parsed(request)
-        shard = self._shard()
+        shard = self._layout()
         with self._calls_lock:
             calls = dict(self.calls)
         tables = [pb.TableStats(name=n, **t) for n, t in self.server.table_stats().items()]
@@ -128,27 +127,19 @@ class Servicer:
 
     def pull(self, request, context) -> Iterator[pb.PullResponse]:
         request = _parsed(request)
-        shard = self._shard()
-        owned = list(shard.params) + list(shard.buffers) + list(shard.frozen) + list(shard.tables)
-        unknown = sorted(set(request.names) - set(owned))
+        shard = self._layout()
+        unknown = sorted(set(request.names) - set(shard.names))
         if unknown:
             raise Refused(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"PullRequest.names: server {shard.shard_id} owns no tensor named {unknown[:5]}",
             )
-        version, flats, buffers = self.server.pull()
-        tensors: dict[str, torch.Tensor] = {}
-        for bucket, flat in zip(shard.buckets, flats):
-            tensors.update(bucket.views(flat))
-        tensors.update(buffers)
-        tensors.update(shard.frozen)
-        wanted = request.names or list(tensors) + list(shard.tables)
-        tensors = {n: tensors[n] if n in tensors else self.server.table_rows(n) for n in wanted}
+        version, tensors = self.server.pull_named(list(request.names))
         yield pb.PullResponse(header=pb.PullHeader(shard_id=shard.shard_id, version=version))
         yield from tensor_codec.encode_messages(tensors, pb.PullResponse)  # serialized PullResponse(chunk=...)
 
     def push(self, request_iterator, context, member: bool = True) -> pb.PushResponse:
-        shard = self._shard()
+        shard = self._layout()
         header = _header(request_iterator, "PushRequest", "PushHeader")
         try:
             self._check_pusher(header.worker, member)
@@ -165,12 +156,12 @@ class Servicer:
                     f"one parameter server {shard.shard_id} owns; a push without one would change nothing but the "
                     "version"
                 )
-            fut = push_named(self.server, header.worker, header.version, grads)
+            fut = self.server.push_named(header.worker, header.version, grads)
         except Refused:
-            self._rejected()
+            self.server.rejected()
             raise
         except ValueError as e:
-            self._rejected()
+            self.server.rejected()
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
         applied = self._applied(fut, header.worker, context)
         return pb.PushResponse(version=applied.version if isinstance(applied, Snapshot) else applied)
@@ -190,27 +181,21 @@ class Servicer:
                 f"the pushes of its {workers} workers only (over JobPush, with the job's member credential); "
                 "clients outside the job push to async jobs",
             )
-        if worker < workers or _registered(server, worker):
+        if worker < workers or server.registered(worker):
             raise Refused(
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"PushHeader.worker {worker} is a worker of this job: a client outside the job cannot push as one; "
                 f"push under an id of your own, {workers} .. {MAX_WORKER_ID}, that no worker of the job holds",
             )
 
-    def _rejected(self) -> None:
-        """Count a push refused here, before the consistency rule saw it."""
-        with self.server.shard.lock:
-            self.server.shard.stats.pushes_rejected += 1
-
     def pull_rows(self, request, context) -> Iterator[pb.PullResponse]:
         request = _parsed(request)
-        shard = self._shard()
-        table = shard.tables.get(request.table)
-        if table is None:
+        shard = self._layout()
+        if request.table not in shard.tables:
             raise Refused(grpc.StatusCode.NOT_FOUND, f"PullRowsRequest.table: server {shard.shard_id} holds no "
                                                       f"table {request.table!r} (it holds {sorted(shard.tables)})")
         try:
-            local = table.local(torch.tensor(list(request.ids), dtype=torch.int64))
+            local = self.server.local_rows(request.table, torch.tensor(list(request.ids), dtype=torch.int64))
         except GradientError as e:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"PullRowsRequest.ids: {e}") from e
         version, rows = self.server.pull_rows(request.table, local)
@@ -219,13 +204,13 @@ class Servicer:
 
     def job_pull(self, request, context) -> Iterator[pb.PullResponse]:
         _parsed(request)
-        shard = self._shard()
+        shard = self._layout()
         yield from _snapshot_messages(shard.shard_id, self.server.pull())
 
     def job_push(self, request_iterator, context) -> Iterator[pb.PullResponse]:
-        shard = self._shard()
+        shard = self._layout()
         header = _header(request_iterator, "JobPushRequest", "JobPushHeader")
-        buckets = len(shard.buckets)
+        buckets = shard.buckets
         try:
             tensors = _received(shard, request_iterator, "JobPushRequest", buckets + len(shard.buffers))
             outside = sorted(k for k in tensors if isinstance(k, int) and k >= buckets)
@@ -246,7 +231,7 @@ class Servicer:
 
     def job_finish(self, request, context) -> Iterator[pb.PullResponse]:
         request = _parsed(request)
-        shard = self._shard()
+        shard = self._layout()
         coefficient = request.coefficient if request.HasField("coefficient") else None
         applied = self._applied(self.server.finish(request.worker, request.version, coefficient), request.worker,
                                 context)
@@ -254,12 +239,12 @@ class Servicer:
 
     def job_optimizer_state(self, request, context) -> pb.PlainData:
         _parsed(request)
-        self._shard()
+        self._layout()
         return pb.PlainData(data=to_bytes(self.server.optimizer_state()))
 
     def job_load_optimizer_state(self, request, context) -> pb.PlainData:
         request = _parsed(request)
-        self._shard()
+        self._layout()
         try:
             state, groups = from_bytes(request.data, "JobLoadOptimizerState's data")
             self.server.load_optimizer_state(state, groups)
@@ -269,7 +254,8 @@ class Servicer:
 
     def job_checkpoint(self, request, context) -> pb.PlainData:
         request = _parsed(request)
-        return pb.PlainData(data=to_bytes(checkpoint.save(self._shard(), request.data.decode())))
+        self._layout()
+        return pb.PlainData(data=to_bytes(self.server.checkpoint(request.data.decode())))
 
     def _applied(self, fut, worker: int, context):
         """Wait (within the step timeout and the call's deadline) until the push `fut` is applied; what it
@@ -292,21 +278,14 @@ class Servicer:
 
     def checkpoint(self, request, context) -> pb.CheckpointResponse:
         _parsed(request)
-        shard = self._shard()
+        shard = self._layout()
         if self.checkpoint_dir is None:
             raise Refused(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"server {shard.shard_id} has no checkpoint directory: pass checkpoint_dir to serve_grpc",
             )
-        path, version = checkpoint.save(shard, self.checkpoint_dir)
+        path, version = self.server.checkpoint(self.checkpoint_dir)
         return pb.CheckpointResponse(path=path, version=version)
-
-
-def _registered(server, worker: int) -> bool:
-    """Whether `worker` registered the model with `server` (the job's workers, and in async jobs those that
-    joined it)."""
-    with server._lock:  # noqa: SLF001 (the ParameterServer has no public view of its registrations yet)
-        return worker in server._registrations  # noqa: SLF001
 
 
 def _header(request_iterator, kind: str, header_kind: str):
@@ -318,14 +297,14 @@ def _header(request_iterator, kind: str, header_kind: str):
     return first.header
 
 
-def _received(shard, request_iterator, kind: str, max_tensors: int) -> dict[tensor_codec.Key, torch.Tensor]:
+def _received(shard: ShardLayout, request_iterator, kind: str, max_tensors: int
+              ) -> dict[tensor_codec.Key, torch.Tensor]:
     """The tensors of a push stream after its header, at most `max_tensors` of them and the shard's bytes.
 
     Raises:
         ValueError: naming the message, the tensor and the field or limit.
     """
-    max_bytes = sum(b.nbytes for b in shard.buckets) + sum(b.nbytes for b in shard.buffers.values())
-    return tensor_codec.decode(_chunks(request_iterator, kind), max_bytes=max_bytes, max_tensors=max_tensors)
+    return tensor_codec.decode(_chunks(request_iterator, kind), max_bytes=shard.nbytes, max_tensors=max_tensors)
 
 
 def _chunks(request_iterator, kind: str) -> Iterator[pb.Tensor | tensor_codec.Chunk]:

@@ -53,8 +53,7 @@ def push_named(server, worker: int, pulled_version: int, grads: dict[str, torch.
         buffers = {n: grads[n] for n in grads if n in shard.buffers}
         flats, absent = bucket_gradients(shard, worker, {n: g for n, g in grads.items() if n not in buffers})
     except GradientError as e:
-        with shard.lock:
-            shard.stats.pushes_rejected += 1
+        server.rejected()
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_exception(e)
         return fut

@@ -20,6 +20,8 @@ from gradsync.core.errors import GradientError, model_mismatch_error
 from gradsync.core.optimizer_spec import OptimizerSpec
 from gradsync.ps import checkpoint, reshard
 from gradsync.ps.consistency import Agreement, Partial, SyncRule, make_rule
+from gradsync.ps.layout import ShardLayout, layout_of
+from gradsync.ps.named_grads import push_named
 from gradsync.ps.shard import ShardState, Snapshot
 from gradsync.ps.table import TableShard
 from gradsync.ps.wire import make_wire
@@ -275,6 +277,51 @@ class ParameterServer:
         shard = self._shard()
         with shard.lock:
             return {n: dataclasses.asdict(t.stats) for n, t in shard.tables.items()}
+
+    # What a transport's servicer reads and calls beyond the job's own calls (`gradsync.proto.service`).
+
+    def layout(self) -> ShardLayout:
+        """What this server holds (`ps.layout`: names, pieces of split parameters, tables, sizes) at its current
+        version."""
+        shard = self._shard()
+        with shard.lock:
+            return layout_of(shard)
+
+    def pull_named(self, names: list[str]) -> tuple[int, dict[str, torch.Tensor]]:
+        """(version, the tensors `names` by name: parameters or their pieces, buffers, frozen parameters, every
+        row of a table; no names: all of them). Raises KeyError for a name this server does not hold."""
+        shard = self._shard()
+        version, flats, buffers = self.pull()
+        tensors: dict[str, torch.Tensor] = {}
+        for bucket, flat in zip(shard.buckets, flats):
+            tensors.update(bucket.views(flat))
+        tensors.update(buffers)
+        tensors.update(shard.frozen)
+        wanted = names or list(tensors) + list(shard.tables)
+        return version, {n: tensors[n] if n in tensors else self.table_rows(n) for n in wanted}
+
+    def push_named(self, worker: int, pulled_version: int, grads: dict[str, torch.Tensor]) -> torch.futures.Future:
+        """`push` with gradients (and buffers) by name, as clients outside the job send them (`ps.named_grads`)."""
+        return push_named(self, worker, pulled_version, grads)
+
+    def rejected(self) -> None:
+        """Count a push refused before the consistency rule saw it."""
+        shard = self._shard()
+        with shard.lock:
+            shard.stats.pushes_rejected += 1
+
+    def registered(self, worker: int) -> bool:
+        """Whether `worker` registered the model here (the job's workers, and in async jobs those that joined)."""
+        with self._lock:
+            return worker in self._registrations
+
+    def local_rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """This server's local indices of the global row ids `ids` of `table`.
+
+        Raises:
+            GradientError: an id that is out of range or that another server holds.
+        """
+        return self._shard().tables[table].local(ids)
 
     def _shard(self) -> ShardState:
         if self.shard is None:

@@ -1,28 +1,19 @@
-"""gRPC: every server's endpoint for the world outside the job, and the ps transport without TensorPipe.
+"""gRPC as the ps transport: the job's workers reach the servers without TensorPipe.
 
-Server side: `start_endpoint` serves a `ParameterServer` over gRPC
-(`gradsync.proto.service`) and publishes the address (run directory and
-rendezvous store); in a `--transport grpc` job, `register_from_store` takes
-the model the workers left in the store (plain data only: `store_data`).
-Worker side: `GrpcTransport` uses the job calls of the service, which carry
-the flat buckets of the shared plan by index (no names, no conversion): one
-JobPull stream per server before the first step, then one JobPush stream per
-server per step, whose reply is the server's snapshot after the step, which
-the next forward uses without a pull (as over torch RPC).
-
-Settings come from the environment the launcher (or the user, under torchrun)
-sets: GRADSYNC_RUN_DIR (default ./runs/<job id>), GRADSYNC_GRPC_HOST (default
-127.0.0.1: nothing listens beyond loopback unless asked), GRADSYNC_GRPC_PORT
-(default 0, a free port; server i uses port + i), GRADSYNC_TOKEN (default: one
-token per job, made by the first server and shared through the store), and
-GRADSYNC_TLS_CERT / GRADSYNC_TLS_KEY for TLS. The token is the one for clients
-outside the job (written to the run directory); the job's workers hold a second,
-the member token, made by the first server and known only through the store, which
-alone opens the job calls (`gradsync.proto.service`).
+Rank side: `GrpcRank` starts no RPC agent (distributed autograd contexts still
+work without one); on a server, once its endpoint is up
+(`gradsync.transport.endpoint`), `register_from_store` takes the model the
+workers left in the store (plain data only: `store_data`). Worker side:
+`GrpcTransport` uses the job calls of the service, which carry the flat buckets
+of the shared plan by index (no names, no conversion): one JobPull stream per
+server before the first step, then one JobPush stream per server per step,
+whose reply is the server's snapshot after the step, which the next forward uses
+without a pull (as over torch RPC). Its capabilities: the ps strategy, no
+compression, no row-wise tables, no joining workers
+(`gradsync.core.transport_capabilities`).
 """
 from __future__ import annotations
 
-import os
 import time
 
 import grpc
@@ -32,65 +23,18 @@ import torch.distributed as dist
 from gradsync.config import JobConfig, StoreKeys
 from gradsync.core import settings
 from gradsync.core.buckets import Bucket, ModelSpec
+from gradsync.core.torch_internals import start_dist_autograd
+from gradsync.core.transport_capabilities import capabilities
 from gradsync.proto import gradsync_pb2 as pb
 from gradsync.proto import tensor_codec
-from gradsync.proto.endpoints import new_token, write_endpoints
-from gradsync.proto.service import SERVICE, serve_grpc
+from gradsync.proto.service import SERVICE
 from gradsync.proto.store_data import from_bytes, plain_setup, setup_from_plain, to_bytes
 from gradsync.ps.consistency import Partial
 from gradsync.ps.server import ParameterServer
 from gradsync.ps.shard import Snapshot
 from gradsync.remote.client import Client, read_stream
-
-
-def run_dir() -> str:
-    """This job's run directory (created if missing)."""
-    path = settings.RUN_DIR.read() or os.path.join("runs", os.environ.get("TORCHELASTIC_RUN_ID", "local"))
-    os.makedirs(path, exist_ok=True)
-    return path
-
-
-def job_token(store: dist.Store) -> str:
-    """The job's bearer token: GRADSYNC_TOKEN, else the first server's, shared through the store."""
-    given = settings.TOKEN.read()
-    if given:
-        return given
-    return store.compare_set(StoreKeys.TOKEN, "", new_token()).decode()
-
-
-MEMBER_TOKEN_KEY = "gradsync/grpc_member_token"  # the store key of the member token
-
-
-def member_token(store: dist.Store) -> str:
-    """The job members' bearer token: the first server's, shared through the store only."""
-    return store.compare_set(MEMBER_TOKEN_KEY, "", new_token()).decode()
-
-
-def worker_token(store: dist.Store) -> str:
-    """The token a worker's job calls carry: the member token, or, where the store has none (an endpoint
-    served with one credential), the job's token."""
-    return store.get(MEMBER_TOKEN_KEY).decode() if store.check([MEMBER_TOKEN_KEY]) else job_token(store)
-
-
-def start_endpoint(server: ParameterServer, store: dist.Store, step_timeout: float):
-    """Serve `server` over gRPC and write its address and the token to the run directory."""
-    directory = run_dir()
-    port = settings.GRPC_PORT.read()
-    token = job_token(store)
-    endpoint = serve_grpc(
-        server,
-        host=settings.GRPC_HOST.read(),
-        port=port + server.shard_id if port else 0,
-        token=token,
-        member_token=member_token(store),
-        tls_cert=settings.TLS_CERT.read(),
-        tls_key=settings.TLS_KEY.read(),
-        checkpoint_dir=os.path.join(directory, "checkpoints"),
-        step_timeout=step_timeout,
-    )
-    write_endpoints(directory, server.shard_id, endpoint.address, token)
-    store.set(StoreKeys.GRPC_ADDRESS.format(server.shard_id), endpoint.address)
-    return endpoint
+from gradsync.transport.base import RankTransport, WorkerTransport
+from gradsync.transport.endpoint import worker_token
 
 
 def register_from_store(server: ParameterServer, store: dist.Store, config: JobConfig) -> None:
@@ -110,15 +54,26 @@ def register_from_store(server: ParameterServer, store: dist.Store, config: JobC
     store.set(StoreKeys.GRPC_REGISTERED.format(shard), to_bytes(answer))
 
 
-class GrpcTransport:
+class GrpcRank(RankTransport):
+    """No RPC agent on any rank; a server takes the workers' model from the store once its endpoint is up."""
+
+    def start(self, config: JobConfig, store: dist.Store) -> None:
+        start_dist_autograd(config.rank)  # gRPC carries everything; contexts still work without an RPC agent
+
+    def serve(self, server: ParameterServer, store: dist.Store, config: JobConfig) -> None:
+        register_from_store(server, store, config)
+
+    def leave(self, config: JobConfig, store: dist.Store, timeout: float, at_once: bool = False) -> None:
+        """Nothing to stop: the server's endpoint stops with it, a worker's channels with its transport."""
+
+
+class GrpcTransport(WorkerTransport):
     """The worker side: one streaming call per server for each pull and each step, through the job calls."""
 
+    capabilities = capabilities("grpc")
+
     def __init__(self, config: JobConfig, store: dist.Store, server_buckets: dict[int, list[Bucket]]):
-        self.config = config
-        self.store = store
-        self.worker = config.worker_rank
-        self.servers = list(server_buckets)
-        self.server_buckets = server_buckets
+        super().__init__(config, store, server_buckets)
         self.frozen: dict[int, dict[str, torch.Tensor]] = {}
         store.wait([StoreKeys.GRPC_ADDRESS.format(s) for s in self.servers])  # bounded by the store's start-up timeout
         addresses = {s: store.get(StoreKeys.GRPC_ADDRESS.format(s)).decode() for s in self.servers}
@@ -236,7 +191,6 @@ class GrpcTransport:
             raise self.client.error(method, s, start, e) from None
 
     def checkpoint(self, directory: str) -> dict[int, tuple[str, int]]:
-        """Every server writes its shard into `directory` (on its machine): (path, version) by server."""
         return {s: from_bytes(self._plain("JobCheckpoint", s, directory.encode()), f"ps{s}'s checkpoint")
                 for s in self.servers}
 

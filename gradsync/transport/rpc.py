@@ -1,8 +1,9 @@
 """torch RPC (TensorPipe): the default transport of the ps strategy, both sides, and the RPC start-up.
 
-Worker side: `RpcTransport`, one asynchronous RPC per server per call. Server
-side: the module-level `rpc_*` handlers (torch RPC pickles functions by module
-path) call the process's `ParameterServer`, installed before RPC starts. A
+Worker side: `RpcTransport`, one asynchronous RPC per server per call. Rank
+side: `RpcRank` starts and stops RPC on every rank; on a server the module-level
+`rpc_*` handlers (torch RPC pickles functions by module path) call the process's
+`ParameterServer`, installed before RPC starts. A
 step is one RPC per server: the push carries the gradients and its reply the
 next version's snapshot, which the worker's next forward uses without a pull.
 
@@ -27,10 +28,12 @@ from gradsync.config import JobConfig, StoreKeys, server_name
 from gradsync.core import settings
 from gradsync.core.buckets import ModelSpec
 from gradsync.core.torch_internals import set_rpc_timeout
+from gradsync.core.transport_capabilities import capabilities
 from gradsync.ps.consistency import Agreement, Partial
 from gradsync.ps.server import ParameterServer
 from gradsync.ps.shard import Snapshot
 from gradsync.transport import rpc_group
+from gradsync.transport.base import RankTransport, WorkerTransport
 
 
 def start_rpc(config: JobConfig, store: dist.Store) -> None:
@@ -98,13 +101,10 @@ oldest piece, which keeps W workers' pushes into one server link in step, as Byt
 with bench/linkfloor.py, 100mbit, W=2: ps S=1 1.35x its floor with no limit, 1.17x with 1 MB)."""
 
 
-class RpcTransport:
+class RpcTransport(WorkerTransport):
     """The worker side: one asynchronous torch RPC per server for each call."""
 
-    def __init__(self, config: JobConfig, servers: list[int]):
-        self.config = config
-        self.worker = config.worker_rank
-        self.servers = servers
+    capabilities = capabilities("rpc")
 
     def _call(self, fn, args_of, what: str, timeout: float | None = None) -> dict[int, object]:
         timeout = timeout or self.config.step_timeout
@@ -168,27 +168,38 @@ class RpcTransport:
         return self._call(rpc_state, lambda s: (), "state")
 
     def table_rows(self, table: str) -> dict[int, torch.Tensor]:
-        """Every server's rows of embedding table `table`, in local order."""
         return self._call(rpc_table_rows, lambda s: (table,), f"reading table {table!r}")
 
     def stats(self) -> dict[int, dict]:
         return self._call(rpc_stats, lambda s: (), "stats")
 
     def checkpoint(self, directory: str) -> dict[int, tuple[str, int]]:
-        """Every server writes its shard into `directory`: (path, version) by server."""
         return self._call(rpc_checkpoint, lambda s: (directory,), "checkpoint")
 
     def close(self) -> None:
         """Nothing to release: RPC stops with the job."""
 
 
-_SERVER: ParameterServer | None = None
+class RpcRank(RankTransport):
+    """Every rank joins the RPC world; a server's handlers call its `ParameterServer`."""
+
+    def install(self, server: ParameterServer) -> None:
+        global _SERVER
+        _SERVER = server
+
+    def start(self, config: JobConfig, store: dist.Store) -> None:
+        start_rpc(config, store)
+
+    def leave(self, config: JobConfig, store: dist.Store, timeout: float, at_once: bool = False) -> None:
+        """An elastic job's rank leaves its dynamic group once its own calls are answered (`rpc_group.leave`);
+        any other rank stops RPC gracefully, which needs every rank, or with `at_once` without waiting."""
+        if config.elastic:
+            rpc_group.leave(config, store, timeout)
+        else:
+            stop_rpc(None if at_once else timeout)
 
 
-def install(server: ParameterServer) -> None:
-    """Make `server` the target of this process's RPC handlers (before RPC starts, so no call comes first)."""
-    global _SERVER
-    _SERVER = server
+_SERVER: ParameterServer | None = None  # the target of this process's RPC handlers (`RpcRank.install`)
 
 
 def _server() -> ParameterServer:

@@ -55,6 +55,7 @@ from gradsync.core.errors import (left_early_error, model_mismatch_error, no_gra
 from gradsync.core.finite import first_nonfinite
 from gradsync.core.traffic import allreduce_bytes, sparse_bytes
 from gradsync.core.torch_internals import current_context_id, tree_flatten, tree_unflatten
+from gradsync.runtime.failures import exit_now
 from gradsync.worker import ddp_join
 from gradsync.worker.amp import inverse_scale, record_found_inf
 from gradsync.worker.comm_timing import LastGradient
@@ -222,7 +223,7 @@ class AllreduceStrategy:
         waits in them out of reach: exit now."""
         if self._shadowing or self.started > steps:
             waiting = f"worker {self.worker} (in its step {self.started})"
-            self.cluster.exit_now(str(left_early_error(worker, steps, waiting)))
+            exit_now(self.cluster, str(left_early_error(worker, steps, waiting)))
 
     def _tie_unused(self, out):
         """Record the parameters `out` uses; add the others to `out` as a zero with zero gradients."""

@@ -28,7 +28,7 @@ from gradsync.core.optimizer_spec import OptimizerSpec, changed_options, group_o
 from gradsync.membership.uneven_data import Joiner
 from gradsync.ps.consistency import Agreement
 from gradsync.ps.server import make_setup
-from gradsync.transport.rpc import RpcTransport
+from gradsync.transport.registry import transport
 from gradsync.worker.allreduce_strategy import AllreduceStrategy
 from gradsync.worker.amp import inverse_scale
 from gradsync.worker.model_state import ordered
@@ -63,7 +63,7 @@ class HybridStrategy:
                 "layers): use --strategy allreduce"
             )
         self.servers = list(range(config.servers))
-        self.transport = RpcTransport(config, self.servers)
+        self.transport = transport(config.transport).worker(config, cluster.store, {s: [] for s in self.servers})
         self.tables.transport = self.transport
         self.transport.register(ModelSpec((), (), (), self.tables.specs),
                                 {s: make_setup([], {}, {}, {}, spec, setups[s], config.servers) if worker == 0

@@ -39,6 +39,7 @@ from gradsync.ps.consistency import Agreement, Partial
 from gradsync.ps.server import make_setup
 from gradsync.ps.shard import Snapshot
 from gradsync.ps.wire import make_wire
+from gradsync.transport.registry import transport
 from gradsync.worker.amp import inverse_scale, record_found_inf
 from gradsync.worker.metrics import StepMetrics
 from gradsync.worker.model_state import named_tensors, ordered, to_state_dict
@@ -95,11 +96,11 @@ class PSStrategy:
         self.keys = list(module.state_dict().keys())
         spec = OptimizerSpec.of(optimizer, module)
         spec.check_buildable()
-        if config.transport == "grpc" and tables == "rows":
-            raise ValueError("the grpc transport does not serve embedding tables row by row yet: use --transport "
-                             "rpc, or keep the tables dense with Trainer(..., tables='auto' or 'dense')")
+        chosen = transport(config.transport)
+        if tables == "rows" and not chosen.capabilities.row_tables:
+            raise ValueError(chosen.capabilities.rows_refusal())
         self.tables, table_setups = serve_tables(
-            module, "dense" if config.transport == "grpc" else tables, config.servers, self.metrics, spec,
+            module, tables if chosen.capabilities.row_tables else "dense", config.servers, self.metrics, spec,
             table_optimizer, send=self.worker == 0)
         params, buffers = named_tensors(module)
         self.params, self.buffers = params, buffers  # the user's module's: pointed at the servers' values
@@ -111,7 +112,7 @@ class PSStrategy:
         self._order = [(b.server, self.server_buckets[b.server].index(b)) for b in forward_order(self.buckets)]
         self.owner = assign_tensors(self.spec.buffers + self.spec.frozen, config.servers)
         self.wire = make_wire(config.compression)
-        self.transport = _transport(cluster, self.server_buckets)
+        self.transport = chosen.worker(config, cluster.store, self.server_buckets)
         self.joiner = Joiner(cluster.store, cluster.config, cluster.heartbeat, self.servers)
         self.tables.transport = self.transport
         self.frozen = self._register(params, buffers, spec, table_setups)
@@ -297,13 +298,3 @@ class PSStrategy:
 
 def _dense(grad: torch.Tensor) -> torch.Tensor:
     return grad.to_dense() if grad.is_sparse else grad
-
-
-def _transport(cluster: Cluster, server_buckets: dict[int, list[Bucket]]):
-    if cluster.config.transport == "grpc":
-        from gradsync.transport.grpc import GrpcTransport
-
-        return GrpcTransport(cluster.config, cluster.store, server_buckets)
-    from gradsync.transport.rpc import RpcTransport
-
-    return RpcTransport(cluster.config, list(server_buckets))

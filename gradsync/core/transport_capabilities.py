@@ -1,0 +1,58 @@
+"""What each transport can do, keyed by the value of the `transport` setting: the one table of capabilities.
+
+The table sits in core, below `config` and `membership`, because the job's checks (`config.Training`) and
+the joining of workers (`membership.newcomers`) read it, and those layers may not import `gradsync.transport`
+(tests/test_layout.py). The transport classes (`gradsync.transport.registry`) declare these same objects as
+their `capabilities`, so a capability is written once, here, and each refusal's text is made here from it.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """One transport's declared capabilities."""
+
+    name: str  # the `transport` setting's value
+    strategies: tuple[str, ...]  # the strategies it serves
+    compression: bool  # gradients compressed on the wire (--compression other than none)
+    row_tables: bool  # embedding tables served row by row (Trainer(tables='rows'), the hybrid strategy)
+    joining: bool  # workers joining a running async job
+
+    def job_refusal(self, strategy: str, compression: str) -> str | None:
+        """Why this transport cannot run a job of `strategy` with `compression`; None when it can."""
+        if strategy in self.strategies and (self.compression or compression == "none"):
+            return None
+        serves = f"the {'/'.join(self.strategies)} strategy" + ("" if self.compression else " without compression")
+        use = f"--strategy {'/'.join(self.strategies)}" + ("" if self.compression else " --compression none")
+        other = serving(lambda c: strategy in c.strategies and (c.compression or compression == "none"))
+        return (f"the {self.name} transport serves {serves}, got strategy={strategy!r}, compression={compression!r}: "
+                f"use {use}, or --transport {other}")
+
+    def rows_refusal(self) -> str:
+        """Why this transport refuses Trainer(tables='rows')."""
+        return (f"the {self.name} transport does not serve embedding tables row by row yet: use --transport "
+                f"{serving(lambda c: c.row_tables)}, or keep the tables dense with Trainer(..., tables='auto' or "
+                "'dense')")
+
+
+CAPABILITIES = {c.name: c for c in (
+    Capabilities("rpc", strategies=("ps", "allreduce", "hybrid"), compression=True, row_tables=True, joining=True),
+    Capabilities("grpc", strategies=("ps",), compression=False, row_tables=False, joining=False),
+)}
+"""Every transport by name; the first is the `transport` setting's default and serves everything (allreduce
+runs over it too: its workers start the RPC agent every rank starts)."""
+
+
+def capabilities(name: str) -> Capabilities:
+    """The capabilities of transport `name` (a value the `transport` setting accepts)."""
+    try:
+        return CAPABILITIES[name]
+    except KeyError:
+        raise ValueError(f"no transport named {name!r}: expected one of {', '.join(CAPABILITIES)}") from None
+
+
+def serving(can) -> str:
+    """The name of the first transport whose capabilities satisfy `can` (the fix a refusal names)."""
+    return next(c.name for c in CAPABILITIES.values() if can(c))

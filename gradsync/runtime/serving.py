@@ -1,0 +1,67 @@
+"""A parameter server's life after `gradsync.init`: its `ParameterServer`, the serving loop, the exit.
+
+The server is created and installed on the job's transport before the transport starts, so no request can
+arrive first (`install_server`); `serve` then opens the gRPC endpoint for the world outside the job, lets
+the transport do what it needs before the workers' first calls, waits until every worker has left, writes
+the final counters, and exits the process.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+from gradsync.config import JobConfig
+from gradsync.core.atomic_file import write_atomically
+from gradsync.membership import uneven_data
+from gradsync.ps.server import ParameterServer
+from gradsync.runtime import resume
+from gradsync.runtime.cluster import Cluster
+from gradsync.runtime.failures import record_failure, say_failure
+from gradsync.runtime.leaving import wait_for_workers
+from gradsync.transport.registry import transport
+
+
+def install_server(config: JobConfig, resumed: resume.Found | None) -> ParameterServer:
+    """Create this process's parameter server and make it the target of the job transport's calls."""
+    server = ParameterServer(
+        config.rank, config.num_workers, config.mode, config.nonfinite, config.compression, config.server_device,
+        config.staleness, (resumed.path, resumed.manifest["servers"]) if resumed else None,
+    )
+    transport(config.transport).rank.install(server)
+    return server
+
+
+def serve(cluster: Cluster, server: ParameterServer) -> None:
+    """Serve until every worker has left, then exit the process: 0, or 1 when the job failed (recorded here:
+    an exception must not leave a process whose RPC agent still runs, as interpreter exit then aborts it)."""
+    from gradsync.transport.endpoint import start_endpoint  # here: importing gradsync loads no grpc
+
+    config = cluster.config
+    rank_side = transport(config.transport).rank
+    code = 0
+    try:
+        cluster.heartbeat.on_left(server.worker_left)
+        uneven_data.serve(cluster.store, server, config.num_workers)
+        endpoint = start_endpoint(server, cluster.store, config.step_timeout)
+        rank_side.serve(server, cluster.store, config)
+        wait_for_workers(cluster, deadline=None)
+        _write_stats(server)
+        rank_side.leave(config, cluster.store, config.shutdown_timeout)
+        endpoint.stop()
+    except BaseException:
+        say_failure(record_failure(cluster, config.rank, traceback.format_exc()))
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _write_stats(server: ParameterServer) -> None:
+    """The server's final counters as `stats-<shard>.json` in the run directory (`gradsync compare` reads them)."""
+    from gradsync.transport.endpoint import run_dir
+
+    if server.shard is not None:
+        stats = {**server.stats(), "tables": server.table_stats()}
+        write_atomically(os.path.join(run_dir(), f"stats-{server.shard_id}.json"), json.dumps(stats).encode())

@@ -1,0 +1,122 @@
+"""The two sides every transport implements: a worker's calls to the servers, and its part in a rank's life.
+
+`WorkerTransport` is what a ps or hybrid worker calls (one call reaches every server and waits, bounded by
+the job's timeouts, for all of them); `RankTransport` is what `gradsync.runtime` calls as a rank starts,
+serves and leaves. Each transport declares its `Capabilities` (`gradsync.core.transport_capabilities`);
+what it lacks is refused from there, before a job or a Trainer starts. `gradsync.transport.registry` finds
+both sides by the `transport` setting's value.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+
+from gradsync.config import JobConfig
+from gradsync.core.buckets import Bucket, ModelSpec
+from gradsync.core.transport_capabilities import Capabilities
+from gradsync.ps.consistency import Agreement, Partial
+from gradsync.ps.server import ParameterServer
+from gradsync.ps.shard import Snapshot
+
+
+class WorkerTransport(ABC):
+    """A worker's calls to every server; each waits (bounded by the job's timeouts) for all servers."""
+
+    capabilities: ClassVar[Capabilities]
+
+    def __init__(self, config: JobConfig, store: dist.Store, server_buckets: dict[int, list[Bucket]]):
+        """Args: the job, its rendezvous store, and each server's buckets of the shared plan (by server)."""
+        self.config = config
+        self.store = store
+        self.worker = config.worker_rank
+        self.servers = list(server_buckets)
+        self.server_buckets = server_buckets
+
+    @abstractmethod
+    def register(self, spec: ModelSpec, setups: dict[int, dict | None]) -> dict[str, torch.Tensor]:
+        """Register this worker's model on every server (worker 0 brings each server's setup); returns the
+        frozen parameters' values (worker 0's)."""
+
+    @abstractmethod
+    def pull(self) -> dict[int, Snapshot]:
+        """Every server's current snapshot."""
+
+    @abstractmethod
+    def push(self, versions: dict[int, int], payloads: dict[int, list], absent: dict[int, list],
+             buffers: dict[int, dict], rows: dict[int, dict] | None = None, options: dict | None = None,
+             agree: Agreement | None = None) -> dict[int, Snapshot | Partial]:
+        """One step's gradients (per server: bucket payloads, absent entries, buffers, pulled version, and
+        row gradients {table: (pulled version, unique local ids, gradients)}) and the optimizer options a
+        schedule changed; returns every server's snapshot after the step (with `agree`, its `Partial` of the
+        held step's norm, and `finish` applies it)."""
+
+    @abstractmethod
+    def push_pieces(self, versions: dict[int, int], pieces: list[tuple[int, int, object, tuple]],
+                    buffers: dict[int, dict], rows: dict[int, dict] | None = None, options: dict | None = None
+                    ) -> dict[int, Snapshot]:
+        """A sync step's gradients as pieces ((server, its bucket index, payload, absent entries), in the
+        forward's order); returns each server's snapshot after the step."""
+
+    @abstractmethod
+    def finish(self, versions: dict[int, int], coefficient: float | None) -> dict[int, Snapshot]:
+        """Apply every server's held step with its gradients times `coefficient` (None: skip it); returns
+        every server's snapshot after it (`SyncRule.finish`)."""
+
+    @abstractmethod
+    def optimizer_state(self) -> dict[int, dict]:
+        """Every server's optimizer state by entry key and its groups' options."""
+
+    @abstractmethod
+    def load_optimizer_state(self, parts: dict[int, tuple[dict, list]]) -> None:
+        """Give every server its (state by entry key, group options)."""
+
+    @abstractmethod
+    def state(self) -> dict[int, tuple[int, list[torch.Tensor], dict[str, torch.Tensor]]]:
+        """Every server's (version, bucket tensors, buffers and frozen parameters by name)."""
+
+    @abstractmethod
+    def stats(self) -> dict[int, dict]:
+        """Every server's counters."""
+
+    @abstractmethod
+    def checkpoint(self, directory: str) -> dict[int, tuple[str, int]]:
+        """Every server writes its shard into `directory` (on its machine): (path, version) by server."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release what the transport holds (connections); the job's shutdown stops the servers."""
+
+    def pull_rows(self, table: str, ids: dict[int, torch.Tensor]) -> dict[int, tuple[int, torch.Tensor]]:
+        """Rows of an embedding table: per server, its unique local row ids; returns per server (version, rows).
+        A transport with `capabilities.row_tables` implements it."""
+        raise NotImplementedError(self.capabilities.rows_refusal())
+
+    def table_rows(self, table: str) -> dict[int, torch.Tensor]:
+        """Every server's rows of embedding table `table`, in local order. A transport with
+        `capabilities.row_tables` implements it."""
+        raise NotImplementedError(self.capabilities.rows_refusal())
+
+
+class RankTransport(ABC):
+    """A transport's part in a rank's life: on a server, taking calls (`install`, `serve`); on every rank,
+    starting (`start`) and leaving (`leave`)."""
+
+    def install(self, server: ParameterServer) -> None:
+        """Make `server` the target of this process's incoming calls; a server calls it before `start`, so that
+        no call arrives first."""
+
+    @abstractmethod
+    def start(self, config: JobConfig, store: dist.Store) -> None:
+        """Start this rank's side of the transport (every rank, and a worker that joins a running job)."""
+
+    def serve(self, server: ParameterServer, store: dist.Store, config: JobConfig) -> None:
+        """On a server whose gRPC endpoint is up: whatever the transport needs before the workers' first
+        calls (nothing by default)."""
+
+    @abstractmethod
+    def leave(self, config: JobConfig, store: dist.Store, timeout: float, at_once: bool = False) -> None:
+        """Stop this rank's side: gracefully within `timeout` seconds, or, with `at_once` (some rank is not
+        leaving), without waiting for the others."""
