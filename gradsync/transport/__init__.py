@@ -13,13 +13,14 @@ from typing import Protocol
 import torch
 
 from gradsync.core.buckets import ModelSpec
+from gradsync.ps.messages import Partial, Push, Setup
 from gradsync.ps.shard import Snapshot
 
 
 class Transport(Protocol):
     """A worker's calls to every server; each waits (bounded by the job's timeouts) for all servers."""
 
-    def register(self, spec: ModelSpec, setups: dict[int, dict | None]) -> dict[str, torch.Tensor]:
+    def register(self, spec: ModelSpec, setups: dict[int, Setup | None]) -> dict[str, torch.Tensor]:
         """Register this worker's model on every server (worker 0 brings each server's setup); returns the
         frozen parameters' values (worker 0's)."""
 
@@ -30,13 +31,9 @@ class Transport(Protocol):
         """Rows of an embedding table: per server, its unique local row ids; returns per server (version,
         rows)."""
 
-    def push(self, versions: dict[int, int], payloads: dict[int, list], absent: dict[int, list],
-             buffers: dict[int, dict], rows: dict[int, dict] | None = None, options: dict | None = None,
-             agree=None) -> dict[int, Snapshot]:
-        """One step's gradients (per server: bucket payloads, absent entries, buffers, pulled version, and
-        row gradients {table: (pulled version, unique local ids, gradients)}) and the optimizer options a
-        schedule changed; returns every server's snapshot after the step (with `agree`, its `Partial` of the
-        held step's norm, and `finish` applies it)."""
+    def push(self, versions: dict[int, int], pushes: dict[int, Push]) -> dict[int, Snapshot | Partial]:
+        """One step: per server, the version it was pulled at and its `Push`; returns every server's snapshot
+        after the step (with `Push.agree`, its `Partial` of the held step's norm, and `finish` applies it)."""
 
     def finish(self, versions: dict[int, int], coefficient: float | None) -> dict[int, Snapshot]:
         """Apply every server's held step with its gradients times `coefficient` (None: skip it); returns

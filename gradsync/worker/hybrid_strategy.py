@@ -26,8 +26,7 @@ from gradsync.core.clipping import Clipping
 from gradsync.core.errors import NoTablesToServe
 from gradsync.core.optimizer_spec import OptimizerSpec, changed_options, group_options
 from gradsync.membership.uneven_data import Joiner
-from gradsync.ps.consistency import Agreement
-from gradsync.ps.server import make_setup
+from gradsync.ps.messages import Agreement, Push, RowGrads, Setup
 from gradsync.transport.rpc import RpcTransport
 from gradsync.worker.allreduce_strategy import AllreduceStrategy
 from gradsync.worker.amp import inverse_scale
@@ -66,7 +65,7 @@ class HybridStrategy:
         self.transport = RpcTransport(config, self.servers)
         self.tables.transport = self.transport
         self.transport.register(ModelSpec((), (), (), self.tables.specs),
-                                {s: make_setup([], {}, {}, {}, spec, setups[s], config.servers) if worker == 0
+                                {s: Setup.of([], {}, {}, {}, spec, setups[s], config.servers) if worker == 0
                                  else None for s in self.servers})
         served = {id(weights[t.name]) for t in self.tables.specs}
         for group in optimizer.param_groups:  # the servers train the tables: the local optimizer keeps the rest
@@ -93,15 +92,15 @@ class HybridStrategy:
         changes = changed_options(self.optimizer.param_groups, self._sent)  # a schedule's, for the rows' lr
         if changes:
             self._sent = [group_options(g) for g in self.optimizer.param_groups]
-        empty = {s: [] for s in self.servers}
-        no_buffers = {s: {} for s in self.servers}
         if scaler is not None or self.dense.clipping.on:
             if self.mode != "sync":
                 raise ValueError(f"a GradScaler under the hybrid strategy needs --mode sync; got --mode {self.mode}")
             unscale = inverse_scale(scaler)
-            rows = {s: {t: (v, ids, g * unscale) for t, (v, ids, g) in per.items()} for s, per in rows.items()}
-            partials = self.transport.push(self._versions, empty, empty, no_buffers, rows, changes,
-                                           agree=Agreement(self.dense.clipping.norm_type, scaler is not None))
+            rows = {s: {t: RowGrads(r.version, r.ids, r.grads * unscale) for t, r in per.items()}
+                    for s, per in rows.items()}
+            agree = Agreement(self.dense.clipping.norm_type, scaler is not None)
+            partials = self.transport.push(self._versions, {s: Push([], [], {}, rows[s], changes, agree)
+                                                            for s in self.servers})
             self.dense.outside = lambda: [partials[s].value for s in self.servers]
             try:
                 stepped = self.dense.step(context_id, scaler)
@@ -112,10 +111,10 @@ class HybridStrategy:
         else:
             if not self.dense.step(context_id):  # a NaN/Inf step dropped by nonfinite='skip': drop its rows too
                 rows = {s: {} for s in self.servers}
-            snapshots = self.transport.push(self._versions, empty, empty, no_buffers, rows, changes)
+            snapshots = self.transport.push(self._versions, {s: Push([], [], {}, rows[s], changes)
+                                                             for s in self.servers})
         self._versions = {s: snap.version for s, snap in snapshots.items()}
-        self.metrics.records[-1].bytes_sent += sum(ids.nbytes + g.nbytes for per in rows.values()
-                                                   for _, ids, g in per.values())
+        self.metrics.records[-1].bytes_sent += sum(r.nbytes for per in rows.values() for r in per.values())
 
     def model_sizes(self, trainable: int) -> dict[str, int]:
         return self.tables.model_sizes(trainable)
