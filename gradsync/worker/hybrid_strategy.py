@@ -31,13 +31,14 @@ from gradsync.transport.rpc import RpcTransport
 from gradsync.worker.allreduce_strategy import AllreduceStrategy
 from gradsync.worker.amp import inverse_scale
 from gradsync.worker.model_state import ordered
+from gradsync.worker.strategy import Strategy
 from gradsync.worker.tables import serve_tables
 
 if TYPE_CHECKING:
     from gradsync.runtime.cluster import Cluster
 
 
-class HybridStrategy:
+class HybridStrategy(Strategy):
     """Served tables + DDP. Every worker must construct it (a barrier on the servers and in DDP)."""
 
     def __init__(self, cluster: Cluster, module: nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -118,6 +119,9 @@ class HybridStrategy:
 
     def model_sizes(self, trainable: int) -> dict[str, int]:
         return self.tables.model_sizes(trainable)
+
+    def server_stats(self) -> dict[int, dict]:
+        return self.transport.stats()
 
     def no_sync(self):
         """`Trainer.no_sync`: the dense part's DDP accumulates; rows travel once per step anyway."""

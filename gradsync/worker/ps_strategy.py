@@ -41,6 +41,7 @@ from gradsync.worker.amp import inverse_scale, record_found_inf
 from gradsync.worker.metrics import StepMetrics
 from gradsync.worker.model_state import named_tensors, ordered, to_state_dict
 from gradsync.worker.served_optimizer import ServedOptimizer
+from gradsync.worker.strategy import Strategy
 from gradsync.worker.tables import serve_tables
 
 if TYPE_CHECKING:  # imports point one way: the start-up code (cluster) builds the strategies
@@ -80,7 +81,7 @@ class PSModel(nn.Module):
         return functional_call(self.module, pulled.tensors, args, kwargs)
 
 
-class PSStrategy:
+class PSStrategy(Strategy):
     """Pull / push against the parameter servers. Every worker must construct it (a barrier)."""
 
     def __init__(self, cluster: Cluster, module: nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -251,6 +252,9 @@ class PSStrategy:
 
     def model_sizes(self, trainable: int) -> dict[str, int]:
         return self.tables.model_sizes(trainable)
+
+    def server_stats(self) -> dict[int, dict]:
+        return self.transport.stats()
 
     def no_sync(self):
         """`Trainer.no_sync`: nothing to hold back, the gradients travel once per step."""
