@@ -153,7 +153,6 @@ def _job_transport(address: str, size: int):
     import torch.distributed as dist
 
     from gradsync.config import JobConfig, StoreKeys
-    from gradsync.ps.messages import Push
     from gradsync.transport.grpc import GrpcTransport
 
     store = dist.HashStore()
@@ -164,6 +163,7 @@ def _job_transport(address: str, size: int):
 
 
 def bench_grpc(sizes: list[int]) -> dict:
+    from gradsync.ps.messages import Push
     from gradsync.remote.client import Client
 
     ctx = mp.get_context("spawn")

@@ -23,7 +23,6 @@ when it trips are the parameter and the worker searched for.
 """
 from __future__ import annotations
 
-
 from abc import ABC, abstractmethod
 from typing import NamedTuple
 

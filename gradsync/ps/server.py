@@ -17,7 +17,7 @@ import torch
 
 from gradsync.core.buckets import ModelSpec
 from gradsync.core.errors import GradientError, model_mismatch_error
-from gradsync.core.futures import failed
+from gradsync.core.futures import failed, resolved
 from gradsync.ps import checkpoint, reshard
 from gradsync.ps.consistency import ConsistencyRule, SyncRule, make_rule
 from gradsync.ps.messages import Committed, Partial, Piece, Push, Setup
@@ -95,9 +95,8 @@ class ParameterServer:
                 f"its {self.num_workers} workers; workers join async jobs (--mode async)"))
         if (diff := self._reference.difference(spec)) is not None:
             return failed(model_mismatch_error(worker, diff))
-        fut: torch.futures.Future = torch.futures.Future()
+        fut = resolved(self.shard.frozen)
         self._registrations[worker] = (spec, fut)
-        fut.set_result(self.shard.frozen)
         return fut
 
     def _build(self, s: Setup) -> ShardState:

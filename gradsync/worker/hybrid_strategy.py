@@ -26,7 +26,7 @@ from gradsync.core.clipping import Clipping
 from gradsync.core.errors import NoTablesToServe
 from gradsync.core.optimizer_spec import OptimizerSpec, changed_options, group_options
 from gradsync.membership.uneven_data import Joiner
-from gradsync.ps.messages import Agreement, Push, RowGrads, Setup
+from gradsync.ps.messages import Agreement, Push, Setup
 from gradsync.transport.rpc import RpcTransport
 from gradsync.worker.allreduce_strategy import AllreduceStrategy
 from gradsync.worker.amp import inverse_scale
@@ -97,8 +97,7 @@ class HybridStrategy(Strategy):
             if self.mode != "sync":
                 raise ValueError(f"a GradScaler under the hybrid strategy needs --mode sync; got --mode {self.mode}")
             unscale = inverse_scale(scaler)
-            rows = {s: {t: RowGrads(r.version, r.ids, r.grads * unscale) for t, r in per.items()}
-                    for s, per in rows.items()}
+            rows = {s: {t: r.times(unscale) for t, r in per.items()} for s, per in rows.items()}
             agree = Agreement(self.dense.clipping.norm_type, scaler is not None)
             partials = self.transport.push(self._versions, {s: Push([], [], {}, rows[s], changes, agree)
                                                             for s in self.servers})

@@ -34,7 +34,7 @@ from gradsync.core.finite import first_nonfinite
 from gradsync.core.optimizer_spec import OptimizerSpec, changed_options, group_options
 from gradsync.core.torch_internals import current_context_id
 from gradsync.membership.uneven_data import Joiner
-from gradsync.ps.messages import Agreement, Partial, Piece, Push, RowGrads, Setup
+from gradsync.ps.messages import Agreement, Partial, Piece, Push, Setup
 from gradsync.ps.shard import Snapshot
 from gradsync.ps.wire import make_wire
 from gradsync.worker.amp import inverse_scale, record_found_inf
@@ -193,8 +193,7 @@ class PSStrategy(Strategy):
         unscale = inverse_scale(scaler)
         if unscale != 1.0:
             grads = {n: g * unscale for n, g in grads.items()}
-            rows = {s: {t: RowGrads(r.version, r.ids, r.grads * unscale) for t, r in per.items()}
-                    for s, per in rows.items()}
+            rows = {s: {t: r.times(unscale) for t, r in per.items()} for s, per in rows.items()}
         agree = None
         if self.config.mode == "sync" and (self.clipping.on or scaler is not None):
             agree = Agreement(self.clipping.norm_type, skip_nonfinite=scaler is not None)
