@@ -92,8 +92,7 @@ def plain_setup(setup: Setup) -> dict:
     """A server's `Setup` as plain data: its fields by name, the `OptimizerSpec` with the class by name and
     each table's setup as its fields."""
     spec = setup.optimizer
-    return dict(_fields(setup), optimizer={"cls": optimizer_name(spec.cls), "defaults": spec.defaults,
-                                          "groups": spec.groups, "names": spec.names},
+    return dict(_fields(setup), optimizer=dict(_fields(spec), cls=optimizer_name(spec.cls)),
                 tables={n: _fields(t) for n, t in setup.tables.items()})
 
 
@@ -108,9 +107,8 @@ def setup_from_plain(plain: dict) -> Setup:
     _check_fields(OptimizerSpec, o, "the setup's optimizer")
     for name, table in plain["tables"].items():
         _check_fields(TableSetup, table, f"the setup of table {name!r}")
-    return Setup(**dict(plain, optimizer=OptimizerSpec(optimizer_class(o["cls"]), o["defaults"], tuple(o["groups"]),
-                                                       o["names"]),
-                        tables={n: TableSetup(**t) for n, t in plain["tables"].items()}))
+    optimizer = OptimizerSpec(**dict(o, cls=optimizer_class(o["cls"]), groups=tuple(o["groups"])))
+    return Setup(**dict(plain, optimizer=optimizer, tables={n: TableSetup(**t) for n, t in plain["tables"].items()}))
 
 
 def _fields(obj) -> dict:

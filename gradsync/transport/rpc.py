@@ -135,8 +135,8 @@ class RpcTransport:
         then one call per piece, in the order given, each answered with the bucket's values as soon as its
         server has applied it. Returns each server's snapshot after the step."""
         timeout = self.config.step_timeout
-        replies = {s: rpc.rpc_async(server_name(s), rpc_push, timeout=timeout, args=(self.worker, versions[s], heads[s]))
-                   for s in self.servers}
+        replies = {s: rpc.rpc_async(server_name(s), rpc_push, timeout=timeout,
+                                    args=(self.worker, versions[s], heads[s])) for s in self.servers}
         futures, flying = {}, {s: [] for s in self.servers}
         window = max(2, math.ceil(IN_FLIGHT_MB / self.config.bucket_cap_mb))
         for piece in pieces:
