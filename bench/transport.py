@@ -117,14 +117,15 @@ def _grpc_servers(run_dirs: dict[int, str], ready, stop, queue) -> None:
     """
     from gradsync.proto.endpoints import write_endpoints
     from gradsync.proto.service import serve_grpc
-    from gradsync.ps.server import ParameterServer, make_setup
+    from gradsync.ps.messages import Push, Setup
+    from gradsync.ps.server import ParameterServer
     from gradsync.core.optimizer_spec import OptimizerSpec
 
     torch.set_num_threads(1)
     endpoints, servers = [], {}
     for size, run_dir in run_dirs.items():
         params, spec, buckets = _plan(size)
-        setup = make_setup(buckets, params, {}, {}, OptimizerSpec.one_group(torch.optim.SGD, {"lr": 0.0}))
+        setup = Setup.of(buckets, params, {}, {}, OptimizerSpec.one_group(torch.optim.SGD, {"lr": 0.0}))
         server = ParameterServer(0, 1, "async", "raise")
         server.register(0, spec, setup).wait()
         endpoint = serve_grpc(server, token=TOKEN)
@@ -140,7 +141,7 @@ def _grpc_servers(run_dirs: dict[int, str], ready, stop, queue) -> None:
         grad = [torch.ones(size // 4)]
 
         def step():  # what the servicer asks of the server per JobPush, as it asks it
-            server.push(0, server.shard.version, grad, [()], {}).wait()
+            server.push(0, server.shard.version, Push(grad, [()])).wait()
             server.pull()
 
         work[size] = _median_time(step, _reps(size))
@@ -162,6 +163,7 @@ def _job_transport(address: str, size: int):
 
 
 def bench_grpc(sizes: list[int]) -> dict:
+    from gradsync.ps.messages import Push
     from gradsync.remote.client import Client
 
     ctx = mp.get_context("spawn")
@@ -183,7 +185,7 @@ def bench_grpc(sizes: list[int]) -> dict:
                     version = [0]
 
                     def step():  # one JobPush: the gradient out, the snapshot after the step back
-                        version[0] = transport.push({0: version[0]}, {0: grad}, {0: [()]}, {0: {}})[0].version
+                        version[0] = transport.push({0: version[0]}, {0: Push(grad, [()])})[0].version
 
                     def named():  # an outside client's pull, then push, by name
                         _, versions = client.pull_versioned(["w"])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -13,6 +14,9 @@ from gradsync.core.clipping import Clipping
 from gradsync.core.optimizer_spec import as_optimizer
 from gradsync.core.row_optim import ROW_OPTIMIZERS
 from gradsync.runtime import cluster, resume
+
+if TYPE_CHECKING:  # the strategy's module is imported when the job's strategy is known
+    from gradsync.worker.strategy import Strategy
 
 
 class Trainer:
@@ -79,6 +83,7 @@ class Trainer:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         if job.resumed is not None:
             resume.check_model(job.resumed, model)
+        self._strategy: Strategy
         if job.config.strategy == "ps":
             from gradsync.worker.ps_strategy import PSStrategy
 
@@ -200,8 +205,7 @@ class Trainer:
         """Every parameter server's counters by server index (version, pushes, staleness, bytes, and
         per embedding table: rows and bytes held, rows pulled and pushed, largest staleness); {} for
         allreduce."""
-        transport = getattr(self._strategy, "transport", None)
-        return {} if transport is None else transport.stats()
+        return self._strategy.server_stats()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full current model state, keyed exactly as `model.state_dict()`."""

@@ -11,7 +11,8 @@ from gradsync.remote.client import Client
 from gradsync.config import JobConfig, StoreKeys
 from gradsync.proto.service import serve_grpc
 from gradsync.core.buckets import ModelSpec, plan_buckets
-from gradsync.ps.server import ParameterServer, make_setup
+from gradsync.ps.messages import Setup
+from gradsync.ps.server import ParameterServer
 from gradsync.transport.endpoint import MEMBER_TOKEN_KEY
 from gradsync.transport.grpc import GrpcTransport
 
@@ -40,8 +41,8 @@ def make_server(mode: str = "sync", workers: int = 2, lr: float = 0.1, momentum:
     spec = ModelSpec.of(params, buffers)
     buckets = [b for b in plan_buckets(spec.params, num_servers, cap_bytes=256) if b.server == shard]
     mine = {e.key for b in buckets for e in b.entries}
-    setup = make_setup(buckets, params, {n: t for n, t in buffers.items() if shard == 0}, {}, OptimizerSpec.one_group(torch.optim.SGD,
-                       {"lr": lr, "momentum": momentum}))
+    setup = Setup.of(buckets, params, {n: t for n, t in buffers.items() if shard == 0}, {}, OptimizerSpec.one_group(torch.optim.SGD,
+                     {"lr": lr, "momentum": momentum}))
     server = ParameterServer(shard, workers, mode, nonfinite)
     futures = [server.register(w, spec, setup if w == 0 else None) for w in range(workers)]
     for f in futures:

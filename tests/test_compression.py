@@ -5,6 +5,7 @@ import torch
 import gradsync
 from gradsync.cuda_ops import compress_int8
 from gradsync.ps.consistency import SyncRule
+from gradsync.ps.messages import Push
 from gradsync.core.errors import GradientError
 from gradsync.ps.wire import make_wire
 from jobs import reference_mlp, train_mlp_with_metrics
@@ -41,11 +42,11 @@ def test_int8_push_of_the_wrong_shape_is_refused_and_changes_nothing():
     bad_block = [compress_int8(grads_of(0, shard)[0], None, 64)] + good[1:]
     rule = SyncRule(shard, 2, "raise")
     with pytest.raises(GradientError, match="int8 scales of bucket 0"):
-        rule.commit(0, 0, bad_scales, ALL, {}, wire).wait()
+        rule.commit(0, 0, Push(bad_scales, ALL), wire).wait()
     with pytest.raises(GradientError, match="not int8 with block size 256"):
-        rule.commit(0, 0, bad_block, ALL, {}, wire).wait()
+        rule.commit(0, 0, Push(bad_block, ALL), wire).wait()
     with pytest.raises(GradientError, match="is not|expected"):
-        rule.commit(0, 0, grads_of(0, shard), ALL, {}, wire).wait()  # plain tensors where int8 is expected
+        rule.commit(0, 0, Push(grads_of(0, shard), ALL), wire).wait()  # plain tensors where int8 is expected
     assert all(a.equal(b) for a, b in zip(before, shard.flats)) and shard.stats.pushes_rejected == 3
 
 
@@ -56,15 +57,15 @@ def test_int8_mean_is_the_mean_of_the_decoded_pushes_and_nan_is_named():
     rule = SyncRule(shard, 2, "raise")
     reference, _ = make_shard()
     expected = [(wire.decode(a, torch.float32) + wire.decode(b, torch.float32)) / 2 for a, b in zip(*pushes)]
-    futures = [rule.commit(w, 0, pushes[w], ALL, {}, wire) for w in range(2)]
-    assert [f.wait() for f in futures] == [1, 1]
+    futures = [rule.commit(w, 0, Push(pushes[w], ALL), wire) for w in range(2)]
+    assert [f.wait().version for f in futures] == [1, 1]
     reference.apply(expected, [set()] * len(expected), {})
     for a, b in zip(shard.flats, reference.flats):
         assert torch.allclose(a, b, rtol=0, atol=1e-3)
     nan = grads_of(0, shard)
     nan[0][5] = float("nan")
-    bad = rule.commit(0, 1, [wire.encode(g, 999 + i) for i, g in enumerate(nan)], ALL, {}, wire)
-    good = rule.commit(1, 1, [wire.encode(g, 99 + i) for i, g in enumerate(grads_of(1, shard))], ALL, {}, wire)
+    bad = rule.commit(0, 1, Push([wire.encode(g, 999 + i) for i, g in enumerate(nan)], ALL), wire)
+    good = rule.commit(1, 1, Push([wire.encode(g, 99 + i) for i, g in enumerate(grads_of(1, shard))], ALL), wire)
     for fut in (bad, good):  # the mean is checked once all W arrived: every worker learns who sent NaN
         with pytest.raises(GradientError, match=r"parameter '\w+' from worker 0"):
             fut.wait()

@@ -4,7 +4,8 @@ import torch
 
 from gradsync.core.optimizer_spec import OptimizerSpec
 from gradsync.core.buckets import ModelSpec, plan_buckets
-from gradsync.ps.consistency import AsyncRule, SSPRule, SyncRule
+from gradsync.ps.consistency import AsyncRule, SSPRule, SyncRule, make_rule
+from gradsync.ps.messages import Agreement, Committed, Push
 from gradsync.core.errors import GradientError
 from gradsync.ps.shard import ShardState
 
@@ -15,8 +16,8 @@ def _sync_flats(order):
     """The shard's values after one sync step whose three pushes arrive in `order`."""
     shard, _ = make_shard()
     rule = SyncRule(shard, num_workers=3, nonfinite="raise")
-    futures = [rule.commit(w, 0, grads_of(w, shard), ALL, {}) for w in order]
-    assert [f.wait() for f in futures] == [1, 1, 1]
+    futures = [rule.commit(w, 0, Push(grads_of(w, shard), ALL)) for w in order]
+    assert [f.wait().version for f in futures] == [1, 1, 1]
     return shard.flats
 
 
@@ -50,7 +51,7 @@ def test_bad_push_is_refused_and_changes_nothing(mutate, match):
     before = [f.clone() for f in shard.flats]
     for rule in (SyncRule(shard, 2, "raise"), AsyncRule(shard, 2, "raise")):
         with pytest.raises(GradientError, match=match):
-            rule.commit(0, 0, mutate(grads_of(0, shard)), ALL, {}).wait()
+            rule.commit(0, 0, Push(mutate(grads_of(0, shard)), ALL)).wait()
     assert all(a.equal(b) for a, b in zip(before, shard.flats))
     assert shard.stats.pushes_rejected == 2 and shard.version == 0
 
@@ -59,9 +60,9 @@ def test_async_rejects_a_version_from_the_future_and_tracks_staleness():
     shard, _ = make_shard()
     rule = AsyncRule(shard, 2, "raise")
     with pytest.raises(GradientError, match=r"version 5 .* \(a version from the future\)"):
-        rule.commit(0, 5, grads_of(0, shard), ALL, {}).wait()
-    assert rule.commit(0, 0, grads_of(0, shard), ALL, {}).wait() == 1
-    assert rule.commit(1, 0, grads_of(1, shard), ALL, {}).wait() == 2
+        rule.commit(0, 5, Push(grads_of(0, shard), ALL)).wait()
+    assert rule.commit(0, 0, Push(grads_of(0, shard), ALL)).wait().version == 1
+    assert rule.commit(1, 0, Push(grads_of(1, shard), ALL)).wait().version == 2
     assert shard.stats.max_staleness == 1
 
 
@@ -69,11 +70,11 @@ def test_sync_nan_with_raise_fails_every_waiting_worker_and_keeps_the_parameters
     shard, _ = make_shard()
     before = [f.clone() for f in shard.flats]
     rule = SyncRule(shard, 2, "raise")
-    waiting = rule.commit(0, 0, grads_of(0, shard), ALL, {})
+    waiting = rule.commit(0, 0, Push(grads_of(0, shard), ALL))
     bad = grads_of(1, shard)
     bad[0][1] = float("nan")
     with pytest.raises(GradientError, match="from worker 1"):
-        rule.commit(1, 0, bad, ALL, {}).wait()
+        rule.commit(1, 0, Push(bad, ALL)).wait()
     with pytest.raises(GradientError, match="from worker 1"):
         waiting.wait()
     assert all(a.equal(b) for a, b in zip(before, shard.flats))
@@ -95,8 +96,8 @@ def test_sync_on_a_cuda_shard_matches_the_cpu_shard():
     gpu = ShardState(0, buckets, params, {}, OptimizerSpec.one_group(torch.optim.SGD, {"lr": 0.5, "momentum": 0.9}), device="cuda")
     for shard in (cpu, gpu):
         rule = SyncRule(shard, num_workers=3, nonfinite="raise")
-        futures = [rule.commit(w, 0, grads_of(w, shard), ALL, {}) for w in range(3)]
-        assert [f.wait() for f in futures] == [1, 1, 1]
+        futures = [rule.commit(w, 0, Push(grads_of(w, shard), ALL)) for w in range(3)]
+        assert [f.wait().version for f in futures] == [1, 1, 1]
     for a, b in zip(cpu.flats, gpu.flats):
         assert b.device.type == "cuda"
         torch.testing.assert_close(a, b.cpu(), rtol=0, atol=1e-5)
@@ -116,8 +117,8 @@ def test_entries_no_worker_sent_are_skipped_and_partly_sent_ones_averaged_over_a
         for g, missing in zip(grads, absent):  # a worker sends zeros where it has no gradient
             for i in missing:
                 bucket.entries[i].view(g).zero_()
-        futures = [rule.commit(w, step, [grads[w]], [absent[w]], {}) for w in range(2)]
-        assert [f.wait() for f in futures] == [step + 1] * 2
+        futures = [rule.commit(w, step, Push([grads[w]], [absent[w]])) for w in range(2)]
+        assert [f.wait().version for f in futures] == [step + 1] * 2
         for name, tensor in reference.items():  # torch.optim skips a .grad of None: weight decay too
             sent = [e.view(g) for g in grads for e in bucket.entries if e.name == name]
             used = [s for s, p in zip(sent, present) if name in p]
@@ -139,12 +140,12 @@ def ssp_shard():
 def test_ssp_with_staleness_0_is_lock_step_and_averages_over_w():
     shard = ssp_shard()
     rule = SSPRule(shard, num_workers=2, nonfinite="raise", staleness=0)
-    first = rule.commit(0, 0, [torch.tensor([2.0, 4.0])], ALL, {})
+    first = rule.commit(0, 0, Push([torch.tensor([2.0, 4.0])], ALL))
     assert not first.done() and shard.flats[0].tolist() == [-1.0, -2.0]  # applied at once, scaled by 1/W
-    second = rule.commit(1, 0, [torch.tensor([4.0, 0.0])], ALL, {})
-    assert first.wait() is second.wait() and first.wait().version == 2 and shard.flats[0].tolist() == [-3.0, -2.0]
-    rule.commit(1, 2, [torch.tensor([2.0, 2.0])], ALL, {})  # applied at once ...
-    assert first.wait().flats[0].tolist() == [-3.0, -2.0]  # ... but not in the snapshot worker 0 goes on from
+    second = rule.commit(1, 0, Push([torch.tensor([4.0, 0.0])], ALL))
+    assert first.wait().snapshot is second.wait().snapshot and first.wait().version == 2 and shard.flats[0].tolist() == [-3.0, -2.0]
+    rule.commit(1, 2, Push([torch.tensor([2.0, 2.0])], ALL))  # applied at once ...
+    assert first.wait().snapshot.flats[0].tolist() == [-3.0, -2.0]  # ... but not in the snapshot worker 0 goes on from
     assert shard.stats.staleness_histogram == {0: 2, 1: 1} and shard.stats.max_lead == 0
 
 
@@ -152,11 +153,11 @@ def test_ssp_holds_a_worker_more_than_k_steps_ahead_until_the_slowest_catches_up
     shard = ssp_shard()
     rule = SSPRule(shard, num_workers=2, nonfinite="raise", staleness=1)
     g = [torch.ones(2)]
-    assert rule.commit(0, 0, g, ALL, {}).done()  # one step ahead: allowed
-    ahead = rule.commit(0, 1, g, ALL, {})
+    assert rule.commit(0, 0, Push(g, ALL)).done()  # one step ahead: allowed
+    ahead = rule.commit(0, 1, Push(g, ALL))
     assert not ahead.done() and shard.stats.max_lead == 1  # would be two ahead: held
-    assert rule.commit(1, 0, g, ALL, {}).done() and ahead.done()
-    held = rule.commit(0, 3, g, ALL, {})
+    assert rule.commit(1, 0, Push(g, ALL)).done() and ahead.done()
+    held = rule.commit(0, 3, Push(g, ALL))
     assert not held.done()
     rule.worker_left(1, 1)  # the slowest left: nobody waits for it
     assert held.wait().version == 4
@@ -171,3 +172,29 @@ def test_staleness_is_only_for_ssp():
         JobConfig(strategy="ps", mode="ssp", servers=1, world_size=2, staleness=-1)
     with pytest.raises(ConfigError, match=r"allreduce strategy is synchronous"):
         JobConfig(strategy="allreduce", mode="ssp", servers=0, world_size=2)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
+def test_every_rule_resolves_to_a_committed_at_the_version_after_the_step(mode):
+    """One worker's push is the whole step under every rule: each resolves to a `Committed` at version 1 with
+    the shard at one SGD step from the push (ssp with the snapshot it goes on from, which is that state)."""
+    shard, params = make_shard()
+    before = [f.clone() for f in shard.flats]
+    committed = make_rule(mode, shard, 1, "raise").commit(0, 0, Push(grads_of(0, shard), ALL)).wait()
+    assert isinstance(committed, Committed) and committed.version == 1 and committed.partial is None
+    expected = [f - 0.5 * g for f, g in zip(before, grads_of(0, shard))]  # SGD lr 0.5, first step: no momentum yet
+    assert all(torch.equal(f, e) for f, e in zip(shard.flats, expected))
+    if mode == "ssp":
+        assert committed.snapshot.version == 1 and torch.equal(committed.snapshot.flats[0], expected[0])
+    else:
+        assert committed.snapshot is None
+
+
+def test_a_held_sync_step_resolves_to_its_partial_of_the_norm():
+    shard, _ = make_shard()
+    grads = grads_of(0, shard)
+    before = shard.flats[0].clone()
+    committed = SyncRule(shard, 1, "raise").commit(0, 0, Push(grads, ALL, agree=Agreement(2.0, False))).wait()
+    assert committed.version == 0 and committed.snapshot is None and committed.partial.version == 0
+    assert committed.partial.value == pytest.approx(float(grads[0].double().pow(2).sum()), rel=1e-12)
+    assert torch.equal(shard.flats[0], before)  # held: nothing applied before the workers finish it

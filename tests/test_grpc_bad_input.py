@@ -10,6 +10,7 @@ import torch
 from gradsync.core.buckets import ModelSpec, plan_buckets
 from gradsync.proto import gradsync_pb2 as pb
 from gradsync.proto.tensor_codec import encode_all, encode_messages
+from gradsync.ps.messages import Push
 from grpc_harness import MEMBER_TOKEN, TOKEN, job_transport, make_server, model_state, served
 
 METADATA = (("authorization", f"Bearer {TOKEN}"),)  # a client outside the job
@@ -166,7 +167,7 @@ def test_a_stream_of_many_tiny_tensors_is_refused_at_the_count_limit_and_the_ser
         assert f"is one tensor too many: this call accepts at most {limit}" in details, details
         transport = job_transport(endpoint, server, 0)
         grads = [torch.full((b.numel,), 0.5) for b in shard.buckets]
-        after = transport.push({0: 0}, {0: grads}, {0: [()] * len(grads)}, {0: {}})[0]
+        after = transport.push({0: 0}, {0: Push(grads, [()] * len(grads))})[0]
         transport.close()
     assert after.version == 1
     for flat, was, grad in zip(after.flats, before.flats, grads):

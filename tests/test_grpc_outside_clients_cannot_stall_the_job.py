@@ -12,6 +12,7 @@ import torch
 
 from gradsync.remote.client import Client
 from gradsync.proto import gradsync_pb2 as pb
+from gradsync.ps.messages import Push
 from grpc_harness import MEMBER_TOKEN, TOKEN, job_transport, make_server, served
 
 OUTSIDE = (("authorization", f"Bearer {TOKEN}"),)
@@ -65,7 +66,7 @@ def test_idle_outside_pushes_never_stall_the_job_workers():
         def train(w):
             for step in range(steps):
                 grads = [torch.full((b.numel,), float(w + 1 + step)) for b in buckets]
-                replies[w].append(transports[w].push({0: step}, {0: grads}, {0: [()] * len(buckets)}, {0: {}})[0])
+                replies[w].append(transports[w].push({0: step}, {0: Push(grads, [()] * len(buckets))})[0])
 
         threads = [threading.Thread(target=train, args=(w,)) for w in range(workers)]
         for t in threads:
@@ -149,12 +150,13 @@ def test_an_outside_pull_left_unread_gives_its_slot_back_at_the_idle_limit():
     idle limit; then the call ends with DEADLINE_EXCEEDED and the slot serves others."""
     from gradsync.core.buckets import ModelSpec, plan_buckets
     from gradsync.core.optimizer_spec import OptimizerSpec
-    from gradsync.ps.server import ParameterServer, make_setup
+    from gradsync.ps.messages import Setup
+    from gradsync.ps.server import ParameterServer
 
     params = {"big": torch.zeros(8 << 20).requires_grad_()}  # 32 MB: more than any flow-control window
     spec = ModelSpec.of(params, {})
-    setup = make_setup(plan_buckets(spec.params, 1, 1 << 30), params, {}, {},
-                       OptimizerSpec.one_group(torch.optim.SGD, {"lr": LR}))
+    setup = Setup.of(plan_buckets(spec.params, 1, 1 << 30), params, {}, {},
+                     OptimizerSpec.one_group(torch.optim.SGD, {"lr": LR}))
     server = ParameterServer(0, 1, "async", "raise")
     server.register(0, spec, setup).wait()
     idle = 3.0

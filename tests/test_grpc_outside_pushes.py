@@ -13,6 +13,7 @@ from gradsync.remote.client import Client
 from gradsync.core.buckets import ModelSpec
 from gradsync.proto import gradsync_pb2 as pb
 from gradsync.proto.tensor_codec import encode_all
+from gradsync.ps.messages import Push
 from grpc_harness import MEMBER_TOKEN, TOKEN, job_transport, make_server, model_state, served
 
 OUTSIDE = (("authorization", f"Bearer {TOKEN}"),)
@@ -58,7 +59,7 @@ def test_an_outside_push_as_a_live_worker_never_enters_the_step(mode):
 
         def step(w):
             grads = [torch.full((b.numel,), float(w + 1)) for b in buckets]
-            replies[w] = transports[w].push({0: 0}, {0: grads}, {0: [()] * len(buckets)}, {0: {}})[0]
+            replies[w] = transports[w].push({0: 0}, {0: Push(grads, [()] * len(buckets))})[0]
 
         threads = [threading.Thread(target=step, args=(w,)) for w in range(workers)]
         for t in threads:

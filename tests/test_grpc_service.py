@@ -13,6 +13,7 @@ from gradsync.config import StoreKeys
 from gradsync.core.buckets import ModelSpec, TensorSpec
 from gradsync.proto.endpoints import write_endpoints
 from gradsync.proto.service import serve_grpc
+from gradsync.ps.messages import Push
 from grpc_harness import MEMBER_TOKEN, TOKEN, job_transport, make_server, model_state, served
 
 LR = 0.1
@@ -96,7 +97,7 @@ def test_job_calls_move_flat_buckets_and_reply_with_the_snapshot_after_the_step(
         assert _equal_snapshots(before, server.pull()) and before.version == 0
 
         def push(w):
-            replies[w] = transports[w].push({0: 0}, {0: grads[w]}, {0: absent[w]}, {0: buffers[w]})[0]
+            replies[w] = transports[w].push({0: 0}, {0: Push(grads[w], absent[w], buffers[w])})[0]
 
         threads = [threading.Thread(target=push, args=(w,)) for w in range(workers)]
         for t in threads:
@@ -215,12 +216,13 @@ def test_run_dir_client_gathers_and_routes_across_shards(tmp_path):
 def test_multi_chunk_tensors_pull_and_push_bit_for_bit(dtype):
     """Parameters of several chunks, of sizes that are no multiple of a chunk, both ways through the endpoint."""
     from gradsync.core.buckets import ModelSpec, plan_buckets
-    from gradsync.ps.server import ParameterServer, make_setup
+    from gradsync.ps.messages import Setup
+    from gradsync.ps.server import ParameterServer
 
     g = torch.Generator().manual_seed(5)
     params = {"big": torch.randn(700_001, generator=g).to(dtype), "small": torch.randn(3, 5, generator=g).to(dtype)}
     spec = ModelSpec.of({n: p.requires_grad_() for n, p in params.items()}, {})
-    setup = make_setup(plan_buckets(spec.params, 1, 1 << 30), params, {}, {}, OptimizerSpec.one_group(torch.optim.SGD, {"lr": LR}))
+    setup = Setup.of(plan_buckets(spec.params, 1, 1 << 30), params, {}, {}, OptimizerSpec.one_group(torch.optim.SGD, {"lr": LR}))
     server = ParameterServer(0, 1, "async", "raise")
     server.register(0, spec, setup).wait()
     with served(server) as (_, client):

@@ -7,6 +7,7 @@ import gradsync
 from gradsync.core.optimizer_spec import OptimizerSpec
 from gradsync.core.buckets import ModelSpec, plan_buckets
 from gradsync.ps.consistency import SSPRule, SyncRule
+from gradsync.ps.messages import Push
 from gradsync.ps.shard import ShardState
 from helpers import max_diff
 from uneven import join_without_every_worker, open_join, reference_uneven, reference_uneven_bn, train_uneven
@@ -24,25 +25,25 @@ def _shard():
 def test_sync_steps_average_over_the_workers_still_active():
     shard = _shard()
     rule = SyncRule(shard, num_workers=3, nonfinite="raise")
-    first = [rule.commit(w, 0, [torch.tensor([3.0, 6.0]) * (w + 1)], ALL, {}) for w in (0, 1)]
+    first = [rule.commit(w, 0, Push([torch.tensor([3.0, 6.0]) * (w + 1)], ALL)) for w in (0, 1)]
     assert not first[0].done()  # waits for worker 2 ...
     rule.worker_joined(2)  # ... until it joins: the step is the mean of the two that pushed
-    assert [f.wait() for f in first] == [1, 1] and shard.flats[0].tolist() == [-4.5, -9.0]
+    assert [f.wait().version for f in first] == [1, 1] and shard.flats[0].tolist() == [-4.5, -9.0]
     rule.worker_joined(0)
-    assert rule.commit(1, 1, [torch.tensor([1.0, 1.0])], ALL, {}).wait() == 2  # alone: its own gradient
+    assert rule.commit(1, 1, Push([torch.tensor([1.0, 1.0])], ALL)).wait().version == 2  # alone: its own gradient
     assert shard.flats[0].tolist() == [-5.5, -10.0]
     rule.worker_joined(1)  # every worker has joined: the next round waits for all three again
-    assert not rule.commit(1, 2, [torch.tensor([1.0, 1.0])], ALL, {}).done()
+    assert not rule.commit(1, 2, Push([torch.tensor([1.0, 1.0])], ALL)).done()
 
 
 def test_ssp_waits_for_no_joined_worker_and_weighs_pushes_by_the_active_ones():
     shard = _shard()
     rule = SSPRule(shard, num_workers=2, nonfinite="raise", staleness=0)
-    held = rule.commit(0, 0, [torch.tensor([2.0, 2.0])], ALL, {})
+    held = rule.commit(0, 0, Push([torch.tensor([2.0, 2.0])], ALL))
     assert not held.done() and shard.flats[0].tolist() == [-1.0, -1.0]  # 1 / W
     rule.worker_joined(1)
     assert held.wait().version == 1
-    assert rule.commit(0, 1, [torch.tensor([2.0, 2.0])], ALL, {}).wait().version == 2  # alone, not held
+    assert rule.commit(0, 1, Push([torch.tensor([2.0, 2.0])], ALL)).wait().version == 2  # alone, not held
     assert shard.flats[0].tolist() == [-3.0, -3.0]  # 1 / the one active worker
     rule.worker_joined(0)
     assert rule.clock == {0: 0, 1: 0} and rule.scale == 0.5

@@ -8,7 +8,8 @@ import torch.distributed as dist
 from gradsync.core.optimizer_spec import OptimizerSpec
 from gradsync.config import JobConfig, StoreKeys
 from gradsync.core.buckets import ModelSpec, plan_buckets
-from gradsync.ps.server import ParameterServer, make_setup
+from gradsync.ps.messages import Setup
+from gradsync.ps.server import ParameterServer
 from gradsync.transport.grpc import register_from_store
 from gradsync.proto.store_data import from_bytes, optimizer_class, optimizer_name, plain_setup, setup_from_plain, to_bytes
 from grpc_harness import model_state
@@ -35,17 +36,18 @@ def _setup(optimizer_cls=torch.optim.SGD):
     params, buffers = model_state()
     spec = ModelSpec.of(params, buffers)
     buckets = plan_buckets(spec.params, 1, cap_bytes=256)
-    return spec, make_setup(buckets, params, buffers, {}, OptimizerSpec.one_group(optimizer_cls, {"lr": 0.1, "betas": (0.9, 0.99)}))
+    return spec, Setup.of(buckets, params, buffers, {}, OptimizerSpec.one_group(optimizer_cls, {"lr": 0.1, "betas": (0.9, 0.99)}))
 
 
 def test_spec_and_setup_round_trip_as_plain_data():
     spec, setup = _setup()
     back = from_bytes(to_bytes({"spec": spec, "setup": plain_setup(setup)}), "the test's data")
-    assert back["spec"] == spec and back["setup"]["buckets"] == setup["buckets"]
+    assert back["spec"] == spec and back["setup"]["buckets"] == setup.buckets
     assert back["setup"]["optimizer"]["cls"] == "torch.optim.sgd:SGD"
-    assert setup_from_plain(back["setup"])["optimizer"] == setup["optimizer"]
+    again = setup_from_plain(back["setup"])
+    assert again.optimizer == setup.optimizer and again.buckets == setup.buckets
     for kind in ("params", "buffers"):
-        assert all(torch.equal(back["setup"][kind][n], t) for n, t in setup[kind].items())
+        assert all(torch.equal(getattr(again, kind)[n], t) for n, t in getattr(setup, kind).items())
 
 
 def test_anything_but_plain_data_is_refused_without_running_it():
@@ -90,3 +92,14 @@ def test_server_answers_a_refused_optimizer_in_the_store_and_registers_nothing()
     answer = from_bytes(store.get(StoreKeys.GRPC_REGISTERED.format(0)), "the answer")
     assert answer == "'os:system' is not a torch.optim.Optimizer subclass: refusing it as the optimizer"
     assert server.shard is None and not server.ready.is_set()
+
+
+@pytest.mark.parametrize("change,field", [
+    (lambda plain: {n: v for n, v in plain.items() if n != "num_servers"}, r"no field \['num_servers'\]"),
+    (lambda plain: dict(plain, values={}), r"the unknown fields \['values'\]"),
+    (lambda plain: dict(plain, optimizer=dict(plain["optimizer"], lr=0.1)), r"optimizer has the unknown fields \['lr'\]"),
+])
+def test_a_setup_with_a_missing_or_unknown_field_is_refused_naming_it(change, field):
+    _, setup = _setup()
+    with pytest.raises(ValueError, match=field + r".*expected exactly the fields"):
+        setup_from_plain(change(plain_setup(setup)))

@@ -14,6 +14,7 @@ from gradsync.core.errors import GradientError
 from gradsync.core.row_optim import LazyRows, RowAdagrad, RowSGD, exact_row_optimizer, no_row_form
 from gradsync.core.tables import check_ids, find_tables, merge_rows, rows_on, split_ids
 from gradsync.ps.consistency import AsyncRule, SyncRule
+from gradsync.ps.messages import Push, RowGrads
 from gradsync.ps.shard import ShardState
 from gradsync.ps.table import TableShard
 from gradsync.worker.metrics import StepMetrics
@@ -169,11 +170,11 @@ def test_lookups_match_the_dense_modules_and_sum_duplicate_rows(servers):
     for name, module in zip(("emb", "bag"), reference):
         got = torch.zeros_like(module.weight)
         for s, per in pushes.items():
-            version, local, grads = per[name]
-            assert version == 7 and local.unique().numel() == local.numel()  # one row each, duplicates summed
-            got[local * servers + s] = grads
+            rows = per[name]
+            assert rows.version == 7 and rows.ids.unique().numel() == rows.ids.numel()  # one row each, duplicates summed
+            got[rows.ids * servers + s] = rows.grads
         assert torch.allclose(got, module.weight.grad)
-    assert pushes[0]["emb"][2].shape[0] + (pushes[1]["emb"][2].shape[0] if servers == 2 else 0) == 4  # ids 1 2 4 8
+    assert pushes[0]["emb"].grads.shape[0] + (pushes[1]["emb"].grads.shape[0] if servers == 2 else 0) == 4  # ids 1 2 4 8
 
 
 def table_shard(optimizer=RowSGD(lr=1.0)) -> ShardState:
@@ -186,37 +187,37 @@ def table_shard(optimizer=RowSGD(lr=1.0)) -> ShardState:
 def test_sync_rows_are_averaged_over_all_workers_absent_rows_count_zero():
     shard = table_shard()
     rule = SyncRule(shard, num_workers=2, nonfinite="raise")
-    first = rule.commit(0, 0, [], [], {}, rows={"t": (0, torch.tensor([0, 2]), torch.tensor([[2.0, 2.0], [4.0, 4.0]]))})
+    first = rule.commit(0, 0, Push([], [], rows={"t": RowGrads(0, torch.tensor([0, 2]), torch.tensor([[2.0, 2.0], [4.0, 4.0]]))}))
     assert not first.done()
-    second = rule.commit(1, 0, [], [], {}, rows={"t": (0, torch.tensor([2]), torch.tensor([[6.0, 6.0]]))})
-    assert first.wait() == second.wait() == 1
+    second = rule.commit(1, 0, Push([], [], rows={"t": RowGrads(0, torch.tensor([2]), torch.tensor([[6.0, 6.0]]))}))
+    assert first.wait().version == second.wait().version == 1
     # rows 1, 3, 5 were [2, 3], [6, 7], [10, 11]: row 1 gets 2 / 2, row 5 (4 + 6) / 2, row 3 nothing
     assert shard.tables["t"].values.tolist() == [[1.0, 2.0], [6.0, 7.0], [5.0, 6.0]]
     assert shard.tables["t"].stats.rows_pushed == 2
 
 
 @pytest.mark.parametrize("rows,match", [
-    ({"t": (0, torch.tensor([3]), torch.ones(1, 2))}, r"names local row 3, this server holds 0..2"),
-    ({"t": (0, torch.tensor([1, 1]), torch.ones(2, 2))}, r"repeats row ids"),
-    ({"t": (0, torch.tensor([1]), torch.ones(1, 3))}, r"are \(1, 3\) torch.float32, expected \(1, 2\)"),
-    ({"u": (0, torch.tensor([1]), torch.ones(1, 2))}, r"table 'u', which server 1 does not hold"),
-    ({"t": (5, torch.tensor([1]), torch.ones(1, 2))}, r"version 5 .* from the future"),
+    ({"t": RowGrads(0, torch.tensor([3]), torch.ones(1, 2))}, r"names local row 3, this server holds 0..2"),
+    ({"t": RowGrads(0, torch.tensor([1, 1]), torch.ones(2, 2))}, r"repeats row ids"),
+    ({"t": RowGrads(0, torch.tensor([1]), torch.ones(1, 3))}, r"are \(1, 3\) torch.float32, expected \(1, 2\)"),
+    ({"u": RowGrads(0, torch.tensor([1]), torch.ones(1, 2))}, r"table 'u', which server 1 does not hold"),
+    ({"t": RowGrads(5, torch.tensor([1]), torch.ones(1, 2))}, r"version 5 .* from the future"),
 ])
 def test_bad_row_push_is_refused_and_changes_nothing(rows, match):
     shard = table_shard()
     before = shard.tables["t"].values.clone()
     for rule in (SyncRule(shard, 2, "raise"), AsyncRule(shard, 2, "raise")):
         with pytest.raises(GradientError, match=match):
-            rule.commit(0, 0, [], [], {}, rows=rows).wait()
+            rule.commit(0, 0, Push([], [], rows=rows)).wait()
     assert shard.tables["t"].values.equal(before) and shard.version == 0
 
 
 def test_nonfinite_row_gradient_names_table_and_worker():
     shard = table_shard()
     rule = SyncRule(shard, 2, "raise")
-    rule.commit(0, 0, [], [], {}, rows={"t": (0, torch.tensor([1]), torch.ones(1, 2))})
+    rule.commit(0, 0, Push([], [], rows={"t": RowGrads(0, torch.tensor([1]), torch.ones(1, 2))}))
     with pytest.raises(GradientError, match=r"parameter 't' from worker 1"):
-        rule.commit(1, 0, [], [], {}, rows={"t": (0, torch.tensor([0]), torch.tensor([[1.0, float("nan")]]))}).wait()
+        rule.commit(1, 0, Push([], [], rows={"t": RowGrads(0, torch.tensor([0]), torch.tensor([[1.0, float("nan")]]))})).wait()
     assert shard.version == 0
 
 
@@ -224,7 +225,7 @@ def test_async_rows_record_staleness_per_table():
     shard = table_shard(RowAdagrad(lr=0.1))
     rule = AsyncRule(shard, 2, "raise")
     for version in (0, 1, 0):
-        rule.commit(0, version, [], [], {}, rows={"t": (version, torch.tensor([1]), torch.ones(1, 2))}).wait()
+        rule.commit(0, version, Push([], [], rows={"t": RowGrads(version, torch.tensor([1]), torch.ones(1, 2))})).wait()
     assert shard.version == 3 and shard.tables["t"].stats.max_staleness == 2
 
 
@@ -248,12 +249,12 @@ def test_table_rows_and_row_state_survive_a_checkpoint(optimizer, tmp_path):
     shard, fresh = table_shard(optimizer), table_shard(optimizer)
     rule = AsyncRule(shard, 1, "raise")
     for version, ids in enumerate(([0, 2], [2])):
-        rule.commit(0, version, [], [], {}, rows={"t": (version, torch.tensor(ids), torch.ones(len(ids), 2))}).wait()
+        rule.commit(0, version, Push([], [], rows={"t": RowGrads(version, torch.tensor(ids), torch.ones(len(ids), 2))})).wait()
     path, version = checkpoint.save(shard, str(tmp_path))
     reshard.restore(fresh, [checkpoint.load(path)])
     assert version == fresh.version == 2 and fresh.tables["t"].values.equal(shard.tables["t"].values)
     for done in (shard, fresh):  # the same next step: the row state came back too
-        AsyncRule(done, 1, "raise").commit(0, 2, [], [], {}, rows={"t": (2, torch.tensor([0]), torch.ones(1, 2))}).wait()
+        AsyncRule(done, 1, "raise").commit(0, 2, Push([], [], rows={"t": RowGrads(2, torch.tensor([0]), torch.ones(1, 2))})).wait()
     assert fresh.tables["t"].values.equal(shard.tables["t"].values)
 
 
@@ -262,14 +263,14 @@ def test_pull_rows_over_grpc_refuses_misrouted_ids_unknown_tables_and_a_wrong_ta
 
     from gradsync.core.buckets import ModelSpec
     from gradsync.proto import gradsync_pb2 as pb
-    from gradsync.ps.server import ParameterServer, make_setup
+    from gradsync.ps.messages import Setup, TableSetup
+    from gradsync.ps.server import ParameterServer
     from grpc_harness import served
 
     values = torch.arange(14.0).view(7, 2)
     spec = TensorSpec("t", (7, 2), torch.float32)
-    setup = make_setup([], {}, {}, {}, OptimizerSpec.one_group(torch.optim.SGD, {"lr": 1.0}),
-                       {"t": {"spec": spec, "values": values[1::2].clone(), "padding_idx": None,
-                              "optimizer": RowSGD(lr=1.0), "group": None}}, 2)
+    setup = Setup.of([], {}, {}, {}, OptimizerSpec.one_group(torch.optim.SGD, {"lr": 1.0}),
+                     {"t": TableSetup(spec, values[1::2].clone(), None, RowSGD(lr=1.0), None)}, 2)
     server = ParameterServer(1, 1, "sync", "raise")
     server.register(0, ModelSpec((), (), (), (spec,)), setup).wait()
     with served(server) as (_, client):

@@ -46,8 +46,8 @@ from gradsync.proto import gradsync_pb2 as pb
 from gradsync.proto import tensor_codec
 from gradsync.proto.admission import MEMBER, Admission, BearerAuth, Credentials, Refused
 from gradsync.proto.store_data import from_bytes, to_bytes
-from gradsync.ps.consistency import Agreement, Partial
 from gradsync.ps.layout import ShardLayout
+from gradsync.ps.messages import Agreement, Partial, Push
 from gradsync.ps.shard import Snapshot
 
 SERVICE = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
@@ -157,14 +157,13 @@ class Servicer:
                     "version"
                 )
             fut = self.server.push_named(header.worker, header.version, grads)
-        except Refused:
-            self.server.rejected()
+        except Refused as e:
+            self.server.rejected(e)
             raise
         except ValueError as e:
-            self.server.rejected()
+            self.server.rejected(e)
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
-        applied = self._applied(fut, header.worker, context)
-        return pb.PushResponse(version=applied.version if isinstance(applied, Snapshot) else applied)
+        return pb.PushResponse(version=self._applied(fut, header.worker, context).version)
 
     def _check_pusher(self, worker: int, member: bool) -> None:
         """Refuse a Push header's worker id out of range, and, from outside the job, one that is a member's
@@ -225,7 +224,8 @@ class Servicer:
         absent = [tuple(a.entries) for a in header.absent]
         options = from_bytes(header.options, "JobPushHeader.options") if header.options else {}
         agree = Agreement(header.norm_type, header.skip_nonfinite) if header.HasField("norm_type") else None
-        fut = self.server.push(header.worker, header.version, payloads, absent, tensors, options=options, agree=agree)
+        fut = self.server.push(header.worker, header.version, Push(payloads, absent, tensors, options=options,
+                                                                   agree=agree))
         applied = self._applied(fut, header.worker, context)
         yield from _snapshot_messages(shard.shard_id, self.server.reply(applied))
 
@@ -258,8 +258,8 @@ class Servicer:
         return pb.PlainData(data=to_bytes(self.server.checkpoint(request.data.decode())))
 
     def _applied(self, fut, worker: int, context):
-        """Wait (within the step timeout and the call's deadline) until the push `fut` is applied; what it
-        resolved to (a version, or in ssp mode a Snapshot)."""
+        """Wait (within the step timeout and the call's deadline) until the push `fut` is applied; the
+        `Committed` it resolved to."""
         remaining = context.time_remaining()
         timeout = self.step_timeout if remaining is None else min(self.step_timeout, remaining)
         done = threading.Event()

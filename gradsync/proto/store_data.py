@@ -12,6 +12,7 @@ class, or one from a module the server can import).
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import io
 
@@ -19,6 +20,7 @@ import torch
 
 from gradsync.core.buckets import Bucket, Entry, ModelSpec, TensorSpec
 from gradsync.core.optimizer_spec import OptimizerSpec
+from gradsync.ps.messages import Setup, TableSetup
 
 torch.serialization.add_safe_globals([TensorSpec, ModelSpec, Bucket, Entry])  # plain frozen dataclasses
 
@@ -86,14 +88,41 @@ def optimizer_class(name: str) -> type:
     return obj
 
 
-def plain_setup(setup: dict) -> dict:
-    """A server's setup (`ps.server.make_setup`) as plain data: its `OptimizerSpec` with the class by name."""
-    spec = setup["optimizer"]
-    return dict(setup, optimizer={"cls": optimizer_name(spec.cls), "defaults": spec.defaults,
-                                  "groups": spec.groups, "names": spec.names})
+def plain_setup(setup: Setup) -> dict:
+    """A server's `Setup` as plain data: its fields by name, the `OptimizerSpec` with the class by name and
+    each table's setup as its fields."""
+    spec = setup.optimizer
+    return dict(_fields(setup), optimizer=dict(_fields(spec), cls=optimizer_name(spec.cls)),
+                tables={n: _fields(t) for n, t in setup.tables.items()})
 
 
-def setup_from_plain(plain: dict) -> dict:
-    """`plain_setup` undone; the optimizer class resolved by `optimizer_class`."""
+def setup_from_plain(plain: dict) -> Setup:
+    """`plain_setup` undone; the optimizer class resolved by `optimizer_class`.
+
+    Raises:
+        ValueError: naming a field that is missing or unknown, or an optimizer class that is refused.
+    """
+    _check_fields(Setup, plain, "the setup")
     o = plain["optimizer"]
-    return dict(plain, optimizer=OptimizerSpec(optimizer_class(o["cls"]), o["defaults"], tuple(o["groups"]), o["names"]))
+    _check_fields(OptimizerSpec, o, "the setup's optimizer")
+    for name, table in plain["tables"].items():
+        _check_fields(TableSetup, table, f"the setup of table {name!r}")
+    optimizer = OptimizerSpec(**dict(o, cls=optimizer_class(o["cls"]), groups=tuple(o["groups"])))
+    return Setup(**dict(plain, optimizer=optimizer, tables={n: TableSetup(**t) for n, t in plain["tables"].items()}))
+
+
+def _fields(obj) -> dict:
+    """A dataclass's fields by name, the values as they are (no copies)."""
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+
+def _check_fields(cls, plain, what: str) -> None:
+    """Refuse `plain` unless it is a dict with exactly the fields of dataclass `cls`."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    if not isinstance(plain, dict):
+        raise ValueError(f"{what} is a {type(plain).__name__}, expected a dict with the fields {sorted(names)}")
+    missing, unknown = sorted(names - set(plain)), sorted(set(plain) - names)
+    if missing or unknown:
+        said = [f"no field {missing}"] * bool(missing) + [f"the unknown fields {unknown}"] * bool(unknown)
+        raise ValueError(f"{what} has {' and '.join(said)}: expected exactly the fields {sorted(names)} (do the "
+                         "workers and the servers run the same gradsync?)")

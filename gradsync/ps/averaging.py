@@ -13,16 +13,8 @@ from gradsync.core.finite import first_nonfinite
 from gradsync.core.optimizer_spec import same_value
 from gradsync.core.tables import merge_rows
 from gradsync.cuda_ops import aggregate
+from gradsync.ps.messages import Push, RowGrads
 from gradsync.ps.shard import ShardState
-
-
-def done(value=None, error: Exception | None = None) -> torch.futures.Future:
-    fut: torch.futures.Future = torch.futures.Future()
-    if error is not None:
-        fut.set_exception(error)
-    else:
-        fut.set_result(value)
-    return fut
 
 
 def check_version(shard: ShardState, worker: int, pulled_version: int, exact: bool) -> None:
@@ -34,19 +26,18 @@ def check_version(shard: ShardState, worker: int, pulled_version: int, exact: bo
         )
 
 
-def validated(shard: ShardState, worker: int, pulled_version: int, grads: list, absent: list, buffers: dict,
-               wire, exact: bool, rows: dict):
-    """Check one push (`grads` None: a sync push whose buckets come as pieces); returns (payloads or None,
-    buffers). Call with the lock held.
+def validated(shard: ShardState, worker: int, pulled_version: int, push: Push, wire, exact: bool):
+    """Check one push (`payloads` None: a sync push whose buckets come as pieces); returns (payloads or None,
+    buffers), on the shard's device. Call with the lock held.
 
     Raises:
         GradientError: counted as a rejected push; nothing is changed.
     """
     try:
         check_version(shard, worker, pulled_version, exact)
-        checked = None if grads is None else shard.check_gradients(worker, grads, absent, wire)
-        buffers = shard.check_buffers(worker, buffers)
-        check_rows(shard, worker, rows, exact)
+        checked = None if push.payloads is None else shard.check_gradients(worker, push.payloads, push.absent, wire)
+        buffers = shard.check_buffers(worker, push.buffers)
+        check_rows(shard, worker, push.rows, exact)
     except GradientError:
         shard.stats.pushes_rejected += 1
         raise
@@ -55,7 +46,7 @@ def validated(shard: ShardState, worker: int, pulled_version: int, grads: list, 
 
 
 def check_rows(shard: ShardState, worker: int, rows: dict, exact: bool) -> None:
-    """Validate one push's row gradients: {table: (pulled version, unique local ids, gradients)}."""
+    """Validate one push's row gradients: {table: `RowGrads`}."""
     if not isinstance(rows, dict):
         raise GradientError(f"worker {worker}: row gradients must be a dict by table name, got {type(rows).__name__}")
     for name, push in rows.items():
@@ -63,16 +54,17 @@ def check_rows(shard: ShardState, worker: int, rows: dict, exact: bool) -> None:
         if table is None:
             raise GradientError(f"worker {worker} pushed rows of table {name!r}, which server {shard.shard_id} "
                                 f"does not hold (it holds {sorted(shard.tables)})")
-        if not isinstance(push, tuple) or len(push) != 3:
-            raise GradientError(f"worker {worker}: rows of table {name!r} must be (version, ids, gradients)")
-        check_version(shard, worker, push[0], exact)
-        table.check_push(worker, push[1], push[2])
+        if not isinstance(push, RowGrads):
+            raise GradientError(f"worker {worker}: rows of table {name!r} are a {type(push).__name__}, expected "
+                                "gradsync.ps.messages.RowGrads(version, ids, grads)")
+        check_version(shard, worker, push.version, exact)
+        table.check_push(worker, push.ids, push.grads)
 
 
-def row_staleness(shard: ShardState, rows: dict) -> None:
-    for name, (version, _, _) in rows.items():
+def row_staleness(shard: ShardState, rows: dict[str, RowGrads]) -> None:
+    for name, push in rows.items():
         stats = shard.tables[name].stats
-        stats.max_staleness = max(stats.max_staleness, shard.version - version)
+        stats.max_staleness = max(stats.max_staleness, shard.version - push.version)
 
 
 def mean_rows(shard: ShardState, pending: list, workers: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -80,13 +72,13 @@ def mean_rows(shard: ShardState, pending: list, workers: int) -> dict[str, tuple
     (in worker order) and divided by the `workers` of the step (a row a worker did not look up counts zero)."""
     out = {}
     for name in shard.tables:
-        pushes = [(p.rows[name][1], p.rows[name][2]) for p in pending if name in p.rows]
+        pushes = [(p.rows[name].ids, p.rows[name].grads) for p in pending if name in p.rows]
         if pushes:
             out[name] = merge_rows(pushes, 1.0 / workers)
     return out
 
 
-def blame_rows(means: dict, pushes: list[tuple[int, dict]]) -> GradientError | None:
+def blame_rows(means: dict, pushes: list[tuple[int, dict[str, RowGrads]]]) -> GradientError | None:
     """The error naming the first table whose mean row gradient is non-finite and a worker that sent one
     (pushes: (worker, its rows) per worker)."""
     names = list(means)
@@ -94,7 +86,7 @@ def blame_rows(means: dict, pushes: list[tuple[int, dict]]) -> GradientError | N
     if bad is None:
         return None
     name = names[bad]
-    culprit = next((w for w, rows in pushes if name in rows and first_nonfinite([rows[name][2]]) is not None),
+    culprit = next((w for w, rows in pushes if name in rows and first_nonfinite([rows[name].grads]) is not None),
                    "none alone (the average of finite gradients overflowed)")
     return nonfinite_error(name, culprit)
 

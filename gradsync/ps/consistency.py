@@ -13,15 +13,17 @@ batch computes. Workers that ran out of data (`trainer.join()`, told through
 active, which is single-process training on the batches left when batches are
 of equal size. `AsyncRule` applies each worker's gradient as it arrives and
 tracks staleness; `SSPRule` does too (scaled by 1/W) but holds a worker's reply
-while it is more than `staleness` steps ahead of the slowest worker. Each returns
-a `torch.futures.Future` that resolves to the
-shard's version after the step, or fails with the reason.
+while it is more than `staleness` steps ahead of the slowest worker. Each is a
+`ConsistencyRule`, whose `commit` returns a `torch.futures.Future` that resolves
+to a `Committed` (`ps.messages`: the shard's version after the step, and what
+the reply carries beyond it), or fails with the reason.
 
 NaN/Inf is found with one cheap reduction per bucket (`core.finite`); only
 when it trips are the parameter and the worker searched for.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import NamedTuple
 
 import torch
@@ -30,13 +32,15 @@ from gradsync.core.buckets import may_split
 from gradsync.core.clipping import Clipping
 from gradsync.core.errors import GradientError, left_early_error
 from gradsync.core.finite import first_nonfinite
-from gradsync.ps.averaging import (blame, blame_rows, check_version, done, mean, mean_buffers, mean_rows,
-                                   merged_options, row_staleness, scaled, skipped_entries, validated)
-from gradsync.ps.shard import ShardState, Snapshot
+from gradsync.core.futures import failed, resolved
+from gradsync.ps.averaging import (blame, blame_rows, check_version, mean, mean_buffers, mean_rows, merged_options,
+                                   row_staleness, scaled, skipped_entries, validated)
+from gradsync.ps.messages import Agreement, Committed, Partial, Piece, Push
+from gradsync.ps.shard import ShardState
 from gradsync.ps.wire import PLAIN
 
 
-class _Push(NamedTuple):
+class _Pending(NamedTuple):
     """One worker's validated push, waiting for the step in sync mode (its gradients are `_Part`s)."""
 
     worker: int
@@ -45,22 +49,6 @@ class _Push(NamedTuple):
     fut: torch.futures.Future
     options: dict  # a schedule's changed group options ({group: {option: value}}), applied before the step
     agree: Agreement | None  # hold the averaged gradient until the workers agree on its norm
-
-
-class Agreement(NamedTuple):
-    """A sync push asks its server to hold the averaged gradient and answer with its part of the norm
-    (`Partial`), for the workers to agree on the step's total norm (clipping) or finiteness (a GradScaler)
-    before any server applies (`SyncRule.finish`)."""
-
-    norm_type: float
-    skip_nonfinite: bool  # a NaN/Inf skips the step (GradScaler) instead of being the job's error
-
-
-class Partial(NamedTuple):
-    """A server's part of a held step's norm: sum of |g|^p of its averaged gradient (max |g| for p = inf)."""
-
-    version: int
-    value: float
 
 
 class _Held(NamedTuple):
@@ -86,7 +74,52 @@ class _Part(NamedTuple):
     fut: torch.futures.Future | None
 
 
-class SyncRule:
+class ConsistencyRule(ABC):
+    """When a server applies its workers' pushes. `commit` checks a push (a bad one changes nothing and fails
+    its future, naming the problem) and hands it to the rule; every rule's future resolves to a `Committed`."""
+
+    exact = False  # a push must be computed at the shard's current version
+
+    def __init__(self, shard: ShardState, num_workers: int, nonfinite: str):
+        self.shard = shard
+        self.num_workers = num_workers
+        self.nonfinite = nonfinite
+
+    def commit(self, worker: int, pulled_version: int, push: Push, wire=PLAIN) -> torch.futures.Future:
+        """One worker's push at the version it pulled, its payloads in `wire`'s format; resolves to a
+        `Committed`, or fails with the reason."""
+        shard = self.shard
+        with shard.lock:
+            if (refused := self._refused(worker, push)) is not None:
+                return refused
+            try:
+                checked, buffers = validated(shard, worker, pulled_version, push, wire, exact=self.exact)
+            except GradientError as e:
+                return failed(e)
+            fut, answers = self._take(worker, pulled_version, push, checked, buffers, wire)
+        _answer(answers)
+        return fut
+
+    def _refused(self, worker: int, push: Push) -> torch.futures.Future | None:
+        """The failed future that answers this push before it is checked, if any. Call with the lock held."""
+        return None
+
+    @abstractmethod
+    def _take(self, worker: int, pulled_version: int, push: Push, checked: list | None, buffers: dict, wire
+              ) -> tuple[torch.futures.Future, list[tuple]]:
+        """A checked push (`checked`: its payloads on the shard's device, `buffers` its buffers): the future
+        that answers it and the answers to give outside the lock. Call with the lock held."""
+
+    @abstractmethod
+    def worker_left(self, worker: int, steps: int | None) -> None:
+        """`worker` left the job after `steps` steps."""
+
+    @abstractmethod
+    def worker_joined(self, worker: int) -> None:
+        """`worker` ran out of data this round (`trainer.join()`)."""
+
+
+class SyncRule(ConsistencyRule):
     """Apply the mean of the gradients of all W workers, less those that joined, once per step.
 
     A step's gradients come bucket by bucket: with the push (`commit`) or as pieces on their own
@@ -97,12 +130,12 @@ class SyncRule:
     bucket waits for the whole step (a step skipped for a NaN/Inf changes nothing; a held step waits for the
     workers' word on its norm)."""
 
+    exact = True
+
     def __init__(self, shard: ShardState, num_workers: int, nonfinite: str):
-        self.shard = shard
-        self.num_workers = num_workers
-        self.nonfinite = nonfinite
+        super().__init__(shard, num_workers, nonfinite)
         self._early = nonfinite == "raise" and may_split(type(shard.optimizer))
-        self._pending: dict[int, _Push] = {}
+        self._pending: dict[int, _Pending] = {}
         self._parts: list[dict[int, _Part]] = [{} for _ in shard.buckets]  # this step's, by bucket and worker
         self._means: dict[int, tuple[torch.Tensor | None, set[int]]] = {}  # buckets averaged: (mean, skipped)
         self._options_set = False  # this step's group options are applied (before its first bucket)
@@ -111,63 +144,58 @@ class SyncRule:
         self._held: _Held | None = None  # a step waiting for the workers' word
         self._finishing: _Held | None = None  # the step applied on the first word, until every worker said it
 
-    def commit(self, worker: int, pulled_version: int, grads: list | None, absent: list | None, buffers: dict,
-               wire=PLAIN, rows: dict | None = None, options: dict | None = None,
-               agree: Agreement | None = None) -> torch.futures.Future:
-        """One worker's push of the step (`grads` None: its buckets come as pieces); resolves to the version
-        after it, or with `agree` to this server's `Partial` of the held step's norm (then `finish` applies it)."""
-        shard = self.shard
-        rows = {} if rows is None else rows
-        with shard.lock:
-            if (refused := self._refused(worker)) is not None:
-                return refused
-            if worker in self._pending:
-                shard.stats.pushes_rejected += 1
-                return done(error=GradientError(f"worker {worker} committed twice at version {shard.version}"))
-            try:
-                checked, buffers = validated(shard, worker, pulled_version, grads, absent, buffers, wire,
-                                              exact=True, rows=rows)
-                if checked is not None:
-                    for b in range(len(checked)):
-                        self._unsent(worker, b)
-            except GradientError as e:
-                return done(error=e)
-            for b, payload in enumerate(checked or ()):
-                self._parts[b][worker] = _Part(payload, tuple(absent[b]), wire, None)
-            fut: torch.futures.Future = torch.futures.Future()
-            self._pending[worker] = _Push(worker, buffers, rows, fut, options or {}, agree)
-            answers = self._progress()
-        _answer(answers)
-        return fut
+    def _refused(self, worker: int, push: Push) -> torch.futures.Future | None:
+        """A push of the step (`payloads` None: its buckets come as pieces) is refused when the step failed,
+        a step is held, or this worker already pushed it. Call with the lock held."""
+        if (refused := self._closed(worker)) is not None:
+            return refused
+        if worker in self._pending:
+            return self.shard.rejected(GradientError(f"worker {worker} committed twice at version "
+                                                     f"{self.shard.version}"))
+        return None
 
-    def commit_piece(self, worker: int, pulled_version: int, b: int, payload, absent, wire=PLAIN
-                     ) -> torch.futures.Future:
-        """One worker's gradient of bucket `b` (None: no entry of it got one; `absent`: the entries without
-        one) in the step at `pulled_version`; resolves to the bucket's values after the step."""
+    def _take(self, worker: int, pulled_version: int, push: Push, checked: list | None, buffers: dict, wire
+              ) -> tuple[torch.futures.Future, list[tuple]]:
+        """Keep the push and its buckets' parts until the step is complete (refused when a piece of this
+        worker already brought one of them). Call with the lock held."""
+        try:
+            for b in range(len(checked or ())):
+                self._unsent(worker, b)
+        except GradientError as e:
+            return failed(e), []
+        for b, payload in enumerate(checked or ()):
+            self._parts[b][worker] = _Part(payload, tuple(push.absent[b]), wire, None)
+        fut: torch.futures.Future = torch.futures.Future()
+        self._pending[worker] = _Pending(worker, buffers, push.rows, fut, push.options, push.agree)
+        return fut, self._progress()
+
+    def commit_piece(self, worker: int, pulled_version: int, piece: Piece, wire=PLAIN) -> torch.futures.Future:
+        """One worker's gradient of a bucket (`piece`) in the step at `pulled_version`; resolves to the
+        bucket's values after the step."""
         shard = self.shard
         with shard.lock:
-            if (refused := self._refused(worker)) is not None:
+            if (refused := self._closed(worker)) is not None:
                 return refused
+            b, absent = piece.bucket, tuple(piece.absent)
             try:
                 check_version(shard, worker, pulled_version, exact=True)
-                checked = shard.check_piece(worker, b, payload, tuple(absent), wire)
+                checked = shard.check_piece(worker, b, piece.payload, absent, wire)
                 self._unsent(worker, b)
             except GradientError as e:
-                shard.stats.pushes_rejected += 1
-                return done(error=e)
+                return shard.rejected(e)
             fut: torch.futures.Future = torch.futures.Future()
-            self._parts[b][worker] = _Part(checked, tuple(absent), wire, fut)
+            self._parts[b][worker] = _Part(checked, absent, wire, fut)
             answers = self._progress()
         _answer(answers)
         return fut
 
-    def _refused(self, worker: int) -> torch.futures.Future | None:
-        """The failed future that answers any push now, if any. Call with the lock held."""
+    def _closed(self, worker: int) -> torch.futures.Future | None:
+        """The failed future that answers any push or piece now, if any: the step failed, or one is held.
+        Call with the lock held."""
         if self._failure is not None:
-            return done(error=self._failure)
+            return failed(self._failure)
         if self._held is not None:
-            self.shard.stats.pushes_rejected += 1
-            return done(error=GradientError(
+            return self.shard.rejected(GradientError(
                 f"worker {worker} pushed at version {self.shard.version} while server {self.shard.shard_id} waits "
                 "for the workers to finish the held step (every worker must call finish before its next push)"))
         return None
@@ -181,18 +209,18 @@ class SyncRule:
         """A worker's word on the held step: apply it with every gradient times `coefficient` (the workers'
         clipping coefficient; 1.0 for none), or skip it (None). The first word applies (or skips) it, and the
         next step's pushes may come; every pushing worker must give the same word, and each is answered with
-        the version after the step."""
+        the version after the step (a `Committed`)."""
         shard = self.shard
         with shard.lock:
             held = self._held or self._finishing
             if held is None or version != held.version or worker not in held.workers or worker in held.finished:
-                return done(error=GradientError(
+                return failed(GradientError(
                     f"worker {worker} finished a step at version {version}, but server {shard.shard_id} holds "
                     + ("no step" if held is None else f"the step at version {held.version} pushed by workers "
                        f"{sorted(held.workers)}, finished by {sorted(held.finished)}")))
             said = set(held.finished.values())
             if said and said != {coefficient}:
-                return done(error=GradientError(
+                return failed(GradientError(
                     f"worker {worker} finished the step at version {version} with {coefficient!r}, others with "
                     f"{said.pop()!r}: every worker must compute the same coefficient from the servers' partials"))
             if held is self._held:
@@ -207,7 +235,7 @@ class SyncRule:
             held.finished[worker] = coefficient
             if len(held.finished) == len(held.workers):
                 self._finishing = None
-            return done(held.version + (coefficient is not None))
+            return resolved(Committed(held.version + (coefficient is not None)))
 
     def worker_joined(self, worker: int) -> None:
         """`worker` has no more data this round (it left its `trainer.join()` block): later steps average over
@@ -298,8 +326,8 @@ class SyncRule:
         if agree is not None:
             options = merged_options([(w, self._pending[w].options) for w in workers])  # checked by the workers
             self._held = _Held(shard.version, means, skipped, buffers, rows, options, set(workers), {})
-            value = Partial(shard.version, Clipping(norm_type=agree.norm_type).partial(
-                [m for m in means if m is not None] + [g for _, g in rows.values()]))
+            value = Committed(shard.version, partial=Partial(shard.version, Clipping(norm_type=agree.norm_type).partial(
+                [m for m in means if m is not None] + [g for _, g in rows.values()])))
             answers = [(f, None, GradientError("a held step's buckets come back with its finish, not as pieces"))
                        for _, f in pieces]
         else:
@@ -309,7 +337,7 @@ class SyncRule:
                 shard.end_step(buffers, rows)
             else:
                 shard.apply(means, skipped, buffers, rows)
-            value = shard.version
+            value = Committed(shard.version)
             answers = [] if early else [(f, shard.piece(b), None) for b, f in pieces]
         self._reset()
         return answers + [(p.fut, value, None) for p in pending]
@@ -324,7 +352,7 @@ class SyncRule:
             answers = [(f, None, error) for f in self._waiting()]
         else:
             shard.stats.steps_skipped += nonfinite
-            answers = [(p.fut, shard.version, None) for p in self._pending.values()]
+            answers = [(p.fut, Committed(shard.version), None) for p in self._pending.values()]
             answers += [(p.fut, shard.piece(b), None) for b, parts in enumerate(self._parts) for p in parts.values()
                         if p.fut is not None]
         self._reset()
@@ -340,50 +368,41 @@ def _answer(answers: list[tuple]) -> None:
             fut.set_result(value)
 
 
-class AsyncRule:
+class AsyncRule(ConsistencyRule):
     """Apply each worker's gradient as it arrives, under the shard lock."""
 
     scale = 1.0  # of each push's gradients
 
-    def __init__(self, shard: ShardState, num_workers: int, nonfinite: str):
-        self.shard = shard
-        self.nonfinite = nonfinite
+    def _refused(self, worker: int, push: Push) -> torch.futures.Future | None:
+        """A push that asks to be held for a joint norm: a worker clips its own push."""
+        if push.agree is not None:
+            return failed(GradientError(f"worker {worker} asked server {self.shard.shard_id} to hold its push for "
+                                        "a joint norm, which only sync steps have: async workers clip their own push"))
+        return None
 
-    def commit(self, worker: int, pulled_version: int, grads: list, absent: list, buffers: dict,
-               wire=PLAIN, rows: dict | None = None, options: dict | None = None,
-               agree: Agreement | None = None) -> torch.futures.Future:
-        """Apply one worker's push now, with its schedule's changed `options` (a worker clips its own push:
-        `agree` must be None)."""
-        shard = self.shard
-        rows = {} if rows is None else rows
-        with shard.lock:
-            try:
-                if agree is not None:
-                    raise GradientError(f"worker {worker} asked server {shard.shard_id} to hold its push for a "
-                                        "joint norm, which only sync steps have: async workers clip their own push")
-                checked, buffers = validated(shard, worker, pulled_version, grads, absent, buffers, wire,
-                                              exact=False, rows=rows)
-            except GradientError as e:
-                return done(error=e)
-            decoded = [None if g is None else scaled(wire.decode(g, b.dtype), self.scale)
-                       for g, b in zip(checked, shard.buckets)]
-            merged = {name: (ids, scaled(grads, self.scale)) for name, (_, ids, grads) in rows.items()}
-            error = None
-            if first_nonfinite([g for g in decoded if g is not None]) is not None:
-                error = next((e for b, g in enumerate(decoded)
-                              if g is not None and (e := blame(shard, b, g, [(worker, checked[b], wire)]))), None)
-            error = error or blame_rows(merged, [(worker, rows)])
-            if error is not None:
-                shard.stats.pushes_rejected += 1
-                return done(error=error) if self.nonfinite == "raise" else done(shard.version)
-            stale = shard.version - pulled_version
-            shard.stats.max_staleness = max(shard.stats.max_staleness, stale)
-            shard.stats.staleness_histogram[stale] = shard.stats.staleness_histogram.get(stale, 0) + 1
-            row_staleness(shard, rows)
-            shard.set_options(options or {})
-            shard.apply(decoded, skipped_entries(shard, [(checked, absent)]), buffers, merged)
-            shard.stats.pushes_by_worker[worker] = shard.stats.pushes_by_worker.get(worker, 0) + 1
-            return done(shard.version)
+    def _take(self, worker: int, pulled_version: int, push: Push, checked: list, buffers: dict, wire
+              ) -> tuple[torch.futures.Future, list[tuple]]:
+        """Apply one worker's push now, with its schedule's changed options. Call with the lock held."""
+        shard, rows = self.shard, push.rows
+        decoded = [None if g is None else scaled(wire.decode(g, b.dtype), self.scale)
+                   for g, b in zip(checked, shard.buckets)]
+        merged = {name: (r.ids, scaled(r.grads, self.scale)) for name, r in rows.items()}
+        error = None
+        if first_nonfinite([g for g in decoded if g is not None]) is not None:
+            error = next((e for b, g in enumerate(decoded)
+                          if g is not None and (e := blame(shard, b, g, [(worker, checked[b], wire)]))), None)
+        error = error or blame_rows(merged, [(worker, rows)])
+        if error is not None:
+            rejected = shard.rejected(error)
+            return (rejected if self.nonfinite == "raise" else resolved(Committed(shard.version))), []
+        stale = shard.version - pulled_version
+        shard.stats.max_staleness = max(shard.stats.max_staleness, stale)
+        shard.stats.staleness_histogram[stale] = shard.stats.staleness_histogram.get(stale, 0) + 1
+        row_staleness(shard, rows)
+        shard.set_options(push.options)
+        shard.apply(decoded, skipped_entries(shard, [(checked, push.absent)]), buffers, merged)
+        shard.stats.pushes_by_worker[worker] = shard.stats.pushes_by_worker.get(worker, 0) + 1
+        return resolved(Committed(shard.version)), []
 
     def worker_left(self, worker: int, steps: int) -> None:
         """Nothing to do: an async step needs no other worker."""
@@ -395,25 +414,22 @@ class AsyncRule:
 class SSPRule(AsyncRule):
     """Stale synchronous parallel: each push is applied as it arrives, scaled by 1/W (W pushes make one
     step of the mean), but a worker's reply (and so its next step) waits until the slowest worker is at
-    most `staleness` steps behind it, and resolves to the `Snapshot` it goes on from. staleness 0 is lock
+    most `staleness` steps behind it, and resolves with the `Snapshot` it goes on from. staleness 0 is lock
     step: with plain SGD, the parameters of sync training. Workers that joined (`trainer.join()`) are not
     waited for, and the pushes applied after the server learns of a join are scaled by 1 / the workers still
     active, as sync steps average over them."""
 
     def __init__(self, shard: ShardState, num_workers: int, nonfinite: str, staleness: int):
         super().__init__(shard, num_workers, nonfinite)
-        self.num_workers = num_workers
         self.scale = 1.0 / num_workers
         self.staleness = staleness
         self.clock = {w: 0 for w in range(num_workers)}  # pushes applied per worker still in the job
         self._joined: set[int] = set()  # workers out of data this round
         self._waiting: list[tuple[int, torch.futures.Future]] = []  # (slowest clock it needs, reply)
 
-    def commit(self, worker: int, pulled_version: int, grads: list, absent: list, buffers: dict,
-               wire=PLAIN, rows: dict | None = None, options: dict | None = None,
-               agree: Agreement | None = None) -> torch.futures.Future:
-        applied = super().commit(worker, pulled_version, grads, absent, buffers, wire, rows, options,
-                                 agree)  # done at once
+    def commit(self, worker: int, pulled_version: int, push: Push, wire=PLAIN) -> torch.futures.Future:
+        """Apply the push now (`AsyncRule`); its future resolves once the worker may go on."""
+        applied = super().commit(worker, pulled_version, push, wire)  # done at once
         try:
             applied.wait()
         except Exception:
@@ -428,26 +444,27 @@ class SSPRule(AsyncRule):
                 self._waiting.append((self.clock[worker] - self.staleness, fut))
             else:  # a worker that was reported gone: its push counts, it waits for no one
                 self._waiting.append((0, fut))
-            ready, snapshot = self._release()
-        for waiting in ready:
-            waiting.set_result(snapshot)
+            answers = self._release()
+        _answer(answers)
         return fut
 
-    def _release(self) -> tuple[list[torch.futures.Future], Snapshot]:
-        """The replies whose worker may go on now, and the snapshot they go on from: taken here, under the
-        lock, because a released worker's next push is applied at once (call with the lock held)."""
+    def _release(self) -> list[tuple]:
+        """The answers to the replies whose worker may go on now: a `Committed` with the snapshot they go on
+        from, taken here, under the lock, because a released worker's next push is applied at once. Call with
+        the lock held."""
         slowest = min(self.clock.values(), default=float("inf"))
         ready = [f for need, f in self._waiting if need <= slowest]
         self._waiting = [(need, f) for need, f in self._waiting if need > slowest]
-        return ready, self.shard.snapshot()
+        snapshot = self.shard.snapshot()
+        released = Committed(snapshot.version, snapshot=snapshot)
+        return [(f, released, None) for f in ready]
 
     def worker_left(self, worker: int, steps: int) -> None:
         """The slowest clock no longer counts `worker`: those who waited for it go on."""
         with self.shard.lock:
             self.clock.pop(worker, None)
-            ready, snapshot = self._release()
-        for waiting in ready:
-            waiting.set_result(snapshot)
+            answers = self._release()
+        _answer(answers)
 
     def worker_joined(self, worker: int) -> None:
         """`worker` has no more data this round: as if it left, and the others' pushes weigh 1 / those active;
@@ -460,12 +477,12 @@ class SSPRule(AsyncRule):
             else:
                 self.clock.pop(worker, None)
             self.scale = 1.0 / (self.num_workers - len(self._joined))
-            ready, snapshot = self._release()
-        for waiting in ready:
-            waiting.set_result(snapshot)
+            answers = self._release()
+        _answer(answers)
 
 
-def make_rule(mode: str, shard: ShardState, num_workers: int, nonfinite: str, staleness: int = 0):
+def make_rule(mode: str, shard: ShardState, num_workers: int, nonfinite: str, staleness: int = 0
+              ) -> ConsistencyRule:
     """The consistency rule of `mode` ('sync', 'async', 'ssp') for `shard`."""
     if mode == "ssp":
         return SSPRule(shard, num_workers, nonfinite, staleness)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from gradsync.core.errors import GradientError
+from gradsync.ps.messages import Push
 from gradsync.ps.shard import ShardState
 from gradsync.ps.wire import PLAIN
 
@@ -42,8 +43,8 @@ def bucket_gradients(shard: ShardState, worker: int, grads: dict[str, torch.Tens
 
 
 def push_named(server, worker: int, pulled_version: int, grads: dict[str, torch.Tensor]) -> torch.futures.Future:
-    """Hand `grads` (by name) to `server.push` in plain format; resolves to the shard's version after the
-    step or fails with the reason.
+    """Hand `grads` (by name) to `server.push` in plain format; resolves to a `Committed` (the shard's
+    version after the step) or fails with the reason.
 
     Args:
         server: a ready `ParameterServer`.
@@ -53,8 +54,5 @@ def push_named(server, worker: int, pulled_version: int, grads: dict[str, torch.
         buffers = {n: grads[n] for n in grads if n in shard.buffers}
         flats, absent = bucket_gradients(shard, worker, {n: g for n, g in grads.items() if n not in buffers})
     except GradientError as e:
-        server.rejected()
-        fut: torch.futures.Future = torch.futures.Future()
-        fut.set_exception(e)
-        return fut
-    return server.push(worker, pulled_version, flats, absent, buffers, PLAIN)
+        return server.rejected(e)
+    return server.push(worker, pulled_version, Push(flats, absent, buffers), PLAIN)

@@ -15,12 +15,13 @@ import threading
 
 import torch
 
-from gradsync.core.buckets import Bucket, ModelSpec
+from gradsync.core.buckets import ModelSpec
 from gradsync.core.errors import GradientError, model_mismatch_error
-from gradsync.core.optimizer_spec import OptimizerSpec
+from gradsync.core.futures import failed, resolved
 from gradsync.ps import checkpoint, reshard
-from gradsync.ps.consistency import Agreement, Partial, SyncRule, make_rule
+from gradsync.ps.consistency import ConsistencyRule, SyncRule, make_rule
 from gradsync.ps.layout import ShardLayout, layout_of
+from gradsync.ps.messages import Committed, Partial, Piece, Push, Setup
 from gradsync.ps.named_grads import push_named
 from gradsync.ps.shard import ShardState, Snapshot
 from gradsync.ps.table import TableShard
@@ -41,31 +42,29 @@ class ParameterServer:
         self.mode = mode
         self.nonfinite = nonfinite
         self.shard: ShardState | None = None
-        self.rule = None
+        self.rule: ConsistencyRule | None = None
         self._lock = threading.Lock()
         self._registrations: dict[int, tuple[ModelSpec, torch.futures.Future]] = {}
         self._reference: ModelSpec | None = None  # worker 0's model, which a worker that joins must match
         self._refusal: Exception | None = None  # why registrations fail: a worker left before all registered
-        self._setup: dict | None = None
+        self._setup: Setup | None = None
         self.ready = threading.Event()
 
-    def register(self, worker: int, spec: ModelSpec, setup: dict | None) -> torch.futures.Future:
+    def register(self, worker: int, spec: ModelSpec, setup: Setup | None) -> torch.futures.Future:
         """Barrier of all W workers; worker 0 brings `setup` (buckets, values, optimizer).
 
         The returned future resolves to this shard's frozen parameters (worker 0's values, which every
         worker then uses), and fails on every worker when any worker's model differs from worker 0's.
         In async mode a worker may register later, joining the running job (`_admit`).
         """
-        fut: torch.futures.Future = torch.futures.Future()
         with self._lock:
             if self._refusal is not None:
-                fut.set_exception(self._refusal)
-                return fut
+                return failed(self._refusal)
             if self.ready.is_set() and worker not in self._registrations:
                 return self._admit(worker, spec)
             if self.ready.is_set() or worker in self._registrations:
-                fut.set_exception(RuntimeError(f"worker {worker} registered twice with server {self.shard_id}"))
-                return fut
+                return failed(RuntimeError(f"worker {worker} registered twice with server {self.shard_id}"))
+            fut: torch.futures.Future = torch.futures.Future()
             self._registrations[worker] = (spec, fut)
             if setup is not None:
                 self._setup = setup
@@ -92,26 +91,22 @@ class ParameterServer:
 
     def _admit(self, worker: int, spec: ModelSpec) -> torch.futures.Future:
         """A worker that joins the running job: in async mode, with worker 0's model. Call with `_lock` held."""
-        fut: torch.futures.Future = torch.futures.Future()
         if self.mode != "async":
-            fut.set_exception(RuntimeError(
+            return failed(RuntimeError(
                 f"worker {worker} cannot join: server {self.shard_id} runs a {self.mode} job, whose steps count "
                 f"its {self.num_workers} workers; workers join async jobs (--mode async)"))
-        elif (diff := self._reference.difference(spec)) is not None:
-            fut.set_exception(model_mismatch_error(worker, diff))
-        else:
-            self._registrations[worker] = (spec, fut)
-            fut.set_result(self.shard.frozen)
+        if (diff := self._reference.difference(spec)) is not None:
+            return failed(model_mismatch_error(worker, diff))
+        fut = resolved(self.shard.frozen)
+        self._registrations[worker] = (spec, fut)
         return fut
 
-    def _build(self, s: dict) -> ShardState:
+    def _build(self, s: Setup) -> ShardState:
         """The shard from worker 0's setup, then, when resuming, its state from the checkpoint folder (written
         by any number of servers: `ps.reshard`)."""
-        tables = {name: TableShard(t["spec"], self.shard_id, s["num_servers"], t["values"], t["optimizer"],
-                                   t["padding_idx"], t["group"])
-                  for name, t in s["tables"].items()}
-        shard = ShardState(self.shard_id, s["buckets"], s["params"], s["buffers"], s["optimizer"], self.device,
-                           s["frozen"], tables)
+        tables = {name: TableShard(t.spec, self.shard_id, s.num_servers, t.values, t.optimizer, t.padding_idx, t.group)
+                  for name, t in s.tables.items()}
+        shard = ShardState(self.shard_id, s.buckets, s.params, s.buffers, s.optimizer, self.device, s.frozen, tables)
         if self.resume_from is not None:
             reshard.restore_folder(shard, *self.resume_from)
         return shard
@@ -144,19 +139,21 @@ class ParameterServer:
             shard.stats.bytes_out += rows.nbytes
             return shard.version, rows
 
-    def reply(self, applied, whole: bool = True) -> Snapshot | Partial:
-        """What a push's reply carries, from the value its future resolved to: the snapshot the rule released
-        the worker at (ssp), this server's part of a held step's norm (`Partial`), else the current snapshot,
-        or, when its buckets came back as pieces (`whole` False), the snapshot's version and buffers alone."""
-        if isinstance(applied, (Snapshot, Partial)):
-            return applied
+    def reply(self, committed: Committed, whole: bool = True) -> Snapshot | Partial:
+        """What a push's reply carries, from what its future resolved to: this server's part of a held step's
+        norm (`Partial`), the snapshot the rule released the worker at (ssp), else the current snapshot, or,
+        when its buckets came back as pieces (`whole` False), the snapshot's version and buffers alone."""
+        if committed.partial is not None:
+            return committed.partial
+        if committed.snapshot is not None:
+            return committed.snapshot
         if whole:
             return self.pull()
         shard = self._shard()
         with shard.lock:
             buffers = {n: b.to("cpu", copy=True) for n, b in shard.buffers.items()}
             shard.stats.bytes_out += sum(b.nbytes for b in buffers.values())
-            return Snapshot(applied, [], buffers)
+            return Snapshot(committed.version, [], buffers)
 
     def table_rows(self, table: str) -> torch.Tensor:
         """A copy of every row of `table` this server holds, in local order."""
@@ -164,50 +161,45 @@ class ParameterServer:
         with shard.lock:
             return shard.tables[table].values.clone()
 
-    def push(self, worker: int, pulled_version: int, payloads: list, absent: list, buffers: dict,
-             wire=None, rows: dict | None = None, options: dict | None = None,
-             agree: Agreement | None = None) -> torch.futures.Future:
-        """One worker's step: bucket payloads (None: no gradient in that bucket) in `wire`'s format (default:
-        the job's), the indices of entries without a gradient per bucket (`payloads` and `absent` None: a sync
-        step whose buckets come as pieces, `push_piece`), its updated buffers, its row
-        gradients per table: {name: (version the rows were pulled at, unique local ids, gradients)}, and the
-        optimizer group options its schedule changed ({group: {option: value}}).
-        Resolves to the shard's version after the step (in sync mode once all W pushed; in ssp mode to the
-        `Snapshot` the worker goes on from, once it may; with `agree`, to this server's `Partial` of the held
-        step's norm, and `finish` applies it), or fails with the reason.
+    def push(self, worker: int, pulled_version: int, push: Push, wire=None) -> torch.futures.Future:
+        """One worker's step (`Push`) computed at `pulled_version`, its payloads in `wire`'s format (default:
+        the job's); `push.payloads` None: a sync step whose buckets come as pieces (`push_piece`).
+        Resolves to a `Committed` (in sync mode once all W pushed; in ssp mode once the worker may go on, with
+        the `Snapshot` it goes on from; with `push.agree`, with this server's `Partial` of the held step's
+        norm, and `finish` applies it), or fails with the reason.
         """
-        shard = self._shard()
+        self._shard()
         if self.mode != "async" and not 0 <= worker < self.num_workers:
-            return _failed(shard, GradientError(
+            return self.rejected(GradientError(
                 f"worker {worker} is not a worker of this job: expected 0 .. {self.num_workers - 1}"
             ))
-        if payloads is None and not isinstance(self.rule, SyncRule):
-            return _failed(shard, GradientError(f"worker {worker} pushed no gradients to server {self.shard_id}, "
-                                                f"which runs a {self.mode} job: only sync steps take them as pieces"))
+        if push.payloads is None and not isinstance(self.rule, SyncRule):
+            return self.rejected(GradientError(
+                f"worker {worker} pushed no gradients to server {self.shard_id}, which runs a {self.mode} job: "
+                "only sync steps take them as pieces"))
         if worker < 0:  # async: any worker may join and leave, under a non-negative id
-            return _failed(shard, GradientError(f"worker {worker} is not a worker id: expected an integer >= 0"))
-        return self.rule.commit(worker, pulled_version, payloads, absent, buffers, wire or self.wire, rows, options,
-                                agree)
+            return self.rejected(GradientError(f"worker {worker} is not a worker id: expected an integer >= 0"))
+        return self.rule.commit(worker, pulled_version, push, wire or self.wire)
 
-    def push_piece(self, worker: int, pulled_version: int, b: int, payload, absent) -> torch.futures.Future:
-        """One worker's gradient of this server's bucket `b` in a sync step whose push carried none (in the
-        job's wire format; None: no entry got one; `absent`: the entries without one). Resolves to the bucket's
-        values after the step, sent as soon as every worker's part is in and the bucket is applied."""
-        shard = self._shard()
+    def push_piece(self, worker: int, pulled_version: int, piece: Piece) -> torch.futures.Future:
+        """One worker's gradient of this server's bucket `piece.bucket` in a sync step whose push carried none
+        (in the job's wire format). Resolves to the bucket's values after the step, sent as soon as every
+        worker's part is in and the bucket is applied."""
+        self._shard()
         if not isinstance(self.rule, SyncRule):
-            return _failed(shard, GradientError(f"worker {worker} pushed a piece to server {self.shard_id}, which "
+            return self.rejected(GradientError(f"worker {worker} pushed a piece to server {self.shard_id}, which "
                                                 f"runs a {self.mode} job: pieces are sync steps'"))
         if not 0 <= worker < self.num_workers:
-            return _failed(shard, GradientError(
+            return self.rejected(GradientError(
                 f"worker {worker} is not a worker of this job: expected 0 .. {self.num_workers - 1}"))
-        return self.rule.commit_piece(worker, pulled_version, b, payload, absent, self.wire)
+        return self.rule.commit_piece(worker, pulled_version, piece, self.wire)
 
     def finish(self, worker: int, version: int, coefficient: float | None) -> torch.futures.Future:
         """Apply the held sync step at `version` with its gradients times `coefficient`, or skip it (None):
         see `SyncRule.finish`."""
-        shard = self._shard()
+        self._shard()
         if not isinstance(self.rule, SyncRule):
-            return _failed(shard, GradientError(f"server {self.shard_id} runs a {self.mode} job, which holds no "
+            return self.rejected(GradientError(f"server {self.shard_id} runs a {self.mode} job, which holds no "
                                                 "step to finish"))
         return self.rule.finish(worker, version, coefficient)
 
@@ -304,11 +296,12 @@ class ParameterServer:
         """`push` with gradients (and buffers) by name, as clients outside the job send them (`ps.named_grads`)."""
         return push_named(self, worker, pulled_version, grads)
 
-    def rejected(self) -> None:
-        """Count a push refused before the consistency rule saw it."""
+    def rejected(self, error: Exception) -> torch.futures.Future:
+        """Count a push refused before its consistency rule saw it; the failed future that answers it (a caller
+        that answers otherwise, as the gRPC servicer's refusals do, drops it)."""
         shard = self._shard()
         with shard.lock:
-            shard.stats.pushes_rejected += 1
+            return shard.rejected(error)
 
     def registered(self, worker: int) -> bool:
         """Whether `worker` registered the model here (the job's workers, and in async jobs those that joined)."""
@@ -329,14 +322,6 @@ class ParameterServer:
         return self.shard
 
 
-def _failed(shard: ShardState, error: GradientError) -> torch.futures.Future:
-    with shard.lock:
-        shard.stats.pushes_rejected += 1
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_exception(error)
-    return fut
-
-
 def _usable_device(device: str) -> torch.device:
     """The server's shard device; refuses CUDA on a machine without it."""
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -344,24 +329,3 @@ def _usable_device(device: str) -> torch.device:
             f"server_device {device!r} asked for, but this server has no CUDA device: use --server-device cpu"
         )
     return torch.device(device)
-
-
-def make_setup(buckets: list[Bucket], params, buffers, frozen, optimizer: OptimizerSpec,
-               tables: dict | None = None, num_servers: int = 1) -> dict:
-    """What worker 0 sends one server at registration: its buckets, the values of the parameters they
-    hold pieces of, its buffers and frozen parameters, the optimizer (`OptimizerSpec`: the servers build its
-    class with its groups over their shards), and its rows of each embedding table
-    ({name: {"spec", "values" (None: initialise on the server), "padding_idx", "optimizer": its row optimizer,
-    "group": the optimizer group whose schedule sets the row optimizer's lr, or None}})."""
-    names = {e.name for b in buckets for e in b.entries}
-    cpu = lambda tensors: {n: t.detach().cpu() for n, t in tensors.items()}  # noqa: E731
-    return {
-        "buckets": buckets,
-        "params": cpu({n: t for n, t in params.items() if n in names}),
-        "buffers": cpu(buffers),
-        "frozen": cpu(frozen),
-        "optimizer": optimizer,
-        "tables": tables or {},
-        "num_servers": num_servers,
-    }
-

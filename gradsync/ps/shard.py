@@ -21,6 +21,7 @@ import torch
 from gradsync.core import memory
 from gradsync.core.buckets import Bucket
 from gradsync.core.errors import GradientError
+from gradsync.core.futures import failed
 from gradsync.core.optimizer_spec import OptimizerSpec, apply_options, load_by_name, state_by_name
 from gradsync.ps.table import TableShard
 
@@ -97,6 +98,11 @@ class ShardState:
             buffers = {n: b.to("cpu", copy=True) for n, b in self.buffers.items()}
             self._published = Snapshot(self.version, flats, buffers)
         return self._published
+
+    def rejected(self, error: Exception) -> torch.futures.Future:
+        """Count a refused push and return the failed future that answers it. Call with `lock` held."""
+        self.stats.pushes_rejected += 1
+        return failed(error)
 
     def check_gradients(self, worker: int, grads: list, absent: list, wire) -> list:
         """Validate one worker's bucket payloads in `wire`'s format (None: no gradient for the whole bucket)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from gradsync.config import JobConfig
 from gradsync.core.buckets import Bucket, ModelSpec
 from gradsync.core.transport_capabilities import Capabilities
-from gradsync.ps.consistency import Agreement, Partial
+from gradsync.ps.messages import Partial, Piece, Push, Setup
 from gradsync.ps.server import ParameterServer
 from gradsync.ps.shard import Snapshot
 
@@ -36,7 +36,7 @@ class WorkerTransport(ABC):
         self.server_buckets = server_buckets
 
     @abstractmethod
-    def register(self, spec: ModelSpec, setups: dict[int, dict | None]) -> dict[str, torch.Tensor]:
+    def register(self, spec: ModelSpec, setups: dict[int, Setup | None]) -> dict[str, torch.Tensor]:
         """Register this worker's model on every server (worker 0 brings each server's setup); returns the
         frozen parameters' values (worker 0's)."""
 
@@ -45,20 +45,15 @@ class WorkerTransport(ABC):
         """Every server's current snapshot."""
 
     @abstractmethod
-    def push(self, versions: dict[int, int], payloads: dict[int, list], absent: dict[int, list],
-             buffers: dict[int, dict], rows: dict[int, dict] | None = None, options: dict | None = None,
-             agree: Agreement | None = None) -> dict[int, Snapshot | Partial]:
-        """One step's gradients (per server: bucket payloads, absent entries, buffers, pulled version, and
-        row gradients {table: (pulled version, unique local ids, gradients)}) and the optimizer options a
-        schedule changed; returns every server's snapshot after the step (with `agree`, its `Partial` of the
-        held step's norm, and `finish` applies it)."""
+    def push(self, versions: dict[int, int], pushes: dict[int, Push]) -> dict[int, Snapshot | Partial]:
+        """One step: per server, the version it was pulled at and its `Push`; returns every server's snapshot
+        after the step (with `Push.agree`, its `Partial` of the held step's norm, and `finish` applies it)."""
 
     @abstractmethod
-    def push_pieces(self, versions: dict[int, int], pieces: list[tuple[int, int, object, tuple]],
-                    buffers: dict[int, dict], rows: dict[int, dict] | None = None, options: dict | None = None
+    def push_pieces(self, versions: dict[int, int], heads: dict[int, Push], pieces: list[Piece]
                     ) -> dict[int, Snapshot]:
-        """A sync step's gradients as pieces ((server, its bucket index, payload, absent entries), in the
-        forward's order); returns each server's snapshot after the step."""
+        """A sync step as pieces: per server a `Push` without gradients (`heads`), then the `Piece`s in the
+        forward's order; returns each server's snapshot after the step."""
 
     @abstractmethod
     def finish(self, versions: dict[int, int], coefficient: float | None) -> dict[int, Snapshot]:

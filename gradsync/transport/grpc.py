@@ -14,6 +14,7 @@ compression, no row-wise tables, no joining workers
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import grpc
@@ -29,7 +30,7 @@ from gradsync.proto import gradsync_pb2 as pb
 from gradsync.proto import tensor_codec
 from gradsync.proto.service import SERVICE
 from gradsync.proto.store_data import from_bytes, plain_setup, setup_from_plain, to_bytes
-from gradsync.ps.consistency import Partial
+from gradsync.ps.messages import Partial, Piece, Push, Setup
 from gradsync.ps.server import ParameterServer
 from gradsync.ps.shard import Snapshot
 from gradsync.remote.client import Client, read_stream
@@ -88,7 +89,7 @@ class GrpcTransport(WorkerTransport):
                                             request_serializer=pb.JobFinishRequest.SerializeToString,
                                             response_deserializer=snapshot) for s, c in self.client.channels.items()}
 
-    def register(self, spec: ModelSpec, setups: dict[int, dict | None]) -> dict[str, torch.Tensor]:
+    def register(self, spec: ModelSpec, setups: dict[int, Setup | None]) -> dict[str, torch.Tensor]:
         for t in spec.params + spec.buffers:  # refused here, not later inside gRPC's sending thread
             try:
                 tensor_codec.dtype_name(t.dtype)
@@ -112,15 +113,15 @@ class GrpcTransport(WorkerTransport):
                                    metadata=self.client.metadata) for s in self.servers}
         return {s: self._snapshot("JobPull", s, call, start) for s, call in calls.items()}
 
-    def push(self, versions, payloads, absent, buffers, rows=None, options=None, agree=None
-             ) -> dict[int, Snapshot | Partial]:
+    def push(self, versions: dict[int, int], pushes: dict[int, Push]) -> dict[int, Snapshot | Partial]:
+        """One JobPush per server (row gradients do not travel: a grpc job keeps its tables dense)."""
         start = time.monotonic()
-        calls = {s: self._pushes[s](self._step(versions[s], payloads[s], absent[s], buffers[s], options, agree),
+        calls = {s: self._pushes[s](self._step(versions[s], pushes[s]),
                                     timeout=self.config.step_timeout, metadata=self.client.metadata)
                  for s in self.servers}
         return {s: self._snapshot("JobPush", s, call, start) for s, call in calls.items()}
 
-    def push_pieces(self, versions, pieces: list[tuple[int, int, object, tuple]], buffers, rows=None, options=None
+    def push_pieces(self, versions: dict[int, int], heads: dict[int, Push], pieces: list[Piece]
                     ) -> dict[int, Snapshot]:
         """A sync step's pieces as one push per server, not yet a pipeline (`RpcTransport.push_pieces` is one):
         JobPush streams one whole step in (in chunks) and its snapshot out, and the servicer
@@ -128,9 +129,10 @@ class GrpcTransport(WorkerTransport):
         bucket to `ParameterServer.push_piece` as it arrives and stream each answer back."""
         payloads = {s: [None] * len(self.server_buckets[s]) for s in self.servers}
         absent = {s: [()] * len(self.server_buckets[s]) for s in self.servers}
-        for s, b, payload, missing in pieces:
-            payloads[s][b], absent[s][b] = payload, missing
-        return self.push(versions, payloads, absent, buffers, rows, options)
+        for piece in pieces:
+            payloads[piece.server][piece.bucket], absent[piece.server][piece.bucket] = piece.payload, piece.absent
+        return self.push(versions, {s: dataclasses.replace(head, payloads=payloads[s], absent=absent[s])
+                                    for s, head in heads.items()})
 
     def finish(self, versions: dict[int, int], coefficient: float | None) -> dict[int, Snapshot]:
         """Apply (or, with None, skip) the held step on every server: see `SyncRule.finish`."""
@@ -141,17 +143,17 @@ class GrpcTransport(WorkerTransport):
                  for s in self.servers}
         return {s: self._snapshot("JobFinish", s, call, start) for s, call in calls.items()}
 
-    def _step(self, version: int, payloads: list, absent: list, buffers: dict, options: dict | None, agree):
+    def _step(self, version: int, push: Push):
         """The messages of one JobPush: the header (with the schedule's changed options, and whether to hold
         the step for a joint norm), then the bucket gradients by index and the buffers."""
         header = pb.JobPushHeader(worker=self.worker, version=version,
-                                  absent=[pb.AbsentEntries(entries=missing) for missing in absent],
-                                  options=to_bytes(options) if options else b"")
-        if agree is not None:
-            header.norm_type, header.skip_nonfinite = agree.norm_type, agree.skip_nonfinite
+                                  absent=[pb.AbsentEntries(entries=missing) for missing in push.absent],
+                                  options=to_bytes(push.options) if push.options else b"")
+        if push.agree is not None:
+            header.norm_type, header.skip_nonfinite = push.agree.norm_type, push.agree.skip_nonfinite
         yield pb.JobPushRequest(header=header)
-        tensors = {b: flat for b, flat in enumerate(payloads) if flat is not None}
-        tensors.update(buffers)
+        tensors = {b: flat for b, flat in enumerate(push.payloads) if flat is not None}
+        tensors.update(push.buffers)
         yield from tensor_codec.encode_messages(tensors, pb.JobPushRequest)
 
     def _snapshot(self, what: str, s: int, call, start: float) -> Snapshot | Partial:

@@ -29,7 +29,7 @@ from gradsync.core import settings
 from gradsync.core.buckets import ModelSpec
 from gradsync.core.torch_internals import set_rpc_timeout
 from gradsync.core.transport_capabilities import capabilities
-from gradsync.ps.consistency import Agreement, Partial
+from gradsync.ps.messages import Committed, Partial, Piece, Push, Setup
 from gradsync.ps.server import ParameterServer
 from gradsync.ps.shard import Snapshot
 from gradsync.transport import rpc_group
@@ -111,7 +111,7 @@ class RpcTransport(WorkerTransport):
         futures = {s: rpc.rpc_async(server_name(s), fn, args=args_of(s), timeout=timeout) for s in self.servers}
         return wait_all(futures, what, timeout)
 
-    def register(self, spec: ModelSpec, setups: dict[int, dict | None]) -> dict[str, torch.Tensor]:
+    def register(self, spec: ModelSpec, setups: dict[int, Setup | None]) -> dict[str, torch.Tensor]:
         frozen: dict[str, torch.Tensor] = {}
         for part in self._call(rpc_register, lambda s: (self.worker, spec, setups[s]), "registering the model",
                                self.config.startup_timeout).values():
@@ -126,33 +126,30 @@ class RpcTransport(WorkerTransport):
                    for s, local in ids.items()}
         return wait_all(futures, f"pulling rows of table {table!r}", self.config.step_timeout)
 
-    def push(self, versions, payloads, absent, buffers, rows=None, options=None, agree=None
-             ) -> dict[int, Snapshot | Partial]:
-        rows = rows or {}
-        return self._call(rpc_push, lambda s: (self.worker, versions[s], payloads[s], absent[s], buffers[s],
-                                               rows.get(s, {}), options or {}, agree), "push")
+    def push(self, versions: dict[int, int], pushes: dict[int, Push]) -> dict[int, Snapshot | Partial]:
+        return self._call(rpc_push, lambda s: (self.worker, versions[s], pushes[s]), "push")
 
-    def push_pieces(self, versions, pieces: list[tuple[int, int, object, tuple]], buffers, rows=None, options=None
+    def push_pieces(self, versions: dict[int, int], heads: dict[int, Push], pieces: list[Piece]
                     ) -> dict[int, Snapshot]:
-        """A sync step as a pipeline: a push per server that carries no gradient, then one call per piece
-        ((server, its bucket index, payload, absent entries), in the order given), each answered with the
-        bucket's values as soon as its server has applied it. Returns each server's snapshot after the step."""
-        rows, timeout = rows or {}, self.config.step_timeout
-        heads = {s: rpc.rpc_async(server_name(s), rpc_push, timeout=timeout,
-                                  args=(self.worker, versions[s], None, None, buffers[s], rows.get(s, {}),
-                                        options or {}, None)) for s in self.servers}
+        """A sync step as a pipeline: a push per server that carries no gradient (`heads`: payloads None),
+        then one call per piece, in the order given, each answered with the bucket's values as soon as its
+        server has applied it. Returns each server's snapshot after the step."""
+        timeout = self.config.step_timeout
+        replies = {s: rpc.rpc_async(server_name(s), rpc_push, timeout=timeout,
+                                    args=(self.worker, versions[s], heads[s])) for s in self.servers}
         futures, flying = {}, {s: [] for s in self.servers}
         window = max(2, math.ceil(IN_FLIGHT_MB / self.config.bucket_cap_mb))
-        for s, b, payload, missing in pieces:
+        for piece in pieces:
+            s, b = piece.server, piece.bucket
             if len(flying[s]) >= window:  # a worker ahead of the others waits for their parts of its oldest piece
                 oldest = flying[s].pop(0)
                 wait_all({oldest: futures[oldest]}, "pushing a piece (bucket)", timeout)
             futures[(s, b)] = rpc.rpc_async(server_name(s), rpc_push_piece, timeout=timeout,
-                                            args=(self.worker, versions[s], b, payload, missing))
+                                            args=(self.worker, versions[s], piece))
             flying[s].append((s, b))
         values = wait_all(futures, "pushing a piece (bucket)", timeout)
         flats = {s: [values[(s, b)] for b in sorted(b for t, b in values if t == s)] for s in self.servers}
-        return {s: snap._replace(flats=flats[s]) for s, snap in wait_all(heads, "push", timeout).items()}
+        return {s: snap._replace(flats=flats[s]) for s, snap in wait_all(replies, "push", timeout).items()}
 
     def finish(self, versions: dict[int, int], coefficient: float | None) -> dict[int, Snapshot]:
         """Apply (or, with None, skip) the held step on every server: see `SyncRule.finish`."""
@@ -209,7 +206,7 @@ def _server() -> ParameterServer:
 
 
 @rpc.functions.async_execution
-def rpc_register(worker: int, spec: ModelSpec, setup: dict | None) -> torch.futures.Future:
+def rpc_register(worker: int, spec: ModelSpec, setup: Setup | None) -> torch.futures.Future:
     return _server().register(worker, spec, setup)
 
 
@@ -222,23 +219,21 @@ def rpc_pull_rows(table: str, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
 
 
 def _replied(server: ParameterServer, fut: torch.futures.Future, whole: bool = True) -> torch.futures.Future:
-    def reply(applied: torch.futures.Future) -> Snapshot | Partial:
-        return server.reply(applied.value(), whole)  # value() raises the push's error, if any, into the reply
+    def reply(committed: torch.futures.Future[Committed]) -> Snapshot | Partial:
+        return server.reply(committed.value(), whole)  # value() raises the push's error, if any, into the reply
 
     return fut.then(reply)
 
 
 @rpc.functions.async_execution
-def rpc_push(worker: int, pulled_version: int, payloads: list, absent: list, buffers: dict,
-             rows: dict, options: dict, agree: Agreement | None) -> torch.futures.Future:
+def rpc_push(worker: int, pulled_version: int, push: Push) -> torch.futures.Future:
     server = _server()
-    return _replied(server, server.push(worker, pulled_version, payloads, absent, buffers, rows=rows,
-                                        options=options, agree=agree), whole=payloads is not None)
+    return _replied(server, server.push(worker, pulled_version, push), whole=push.payloads is not None)
 
 
 @rpc.functions.async_execution
-def rpc_push_piece(worker: int, pulled_version: int, b: int, payload, absent: tuple) -> torch.futures.Future:
-    return _server().push_piece(worker, pulled_version, b, payload, absent).then(lambda applied: applied.value())
+def rpc_push_piece(worker: int, pulled_version: int, piece: Piece) -> torch.futures.Future:
+    return _server().push_piece(worker, pulled_version, piece).then(lambda applied: applied.value())
 
 
 @rpc.functions.async_execution

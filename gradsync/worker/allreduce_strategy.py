@@ -62,6 +62,7 @@ from gradsync.worker.comm_timing import LastGradient
 from gradsync.worker.ddp_hooks import make_ddp_hook
 from gradsync.worker.metrics import StepMetrics
 from gradsync.worker.model_state import named_tensors, to_state_dict
+from gradsync.worker.strategy import Strategy
 
 if TYPE_CHECKING:  # imports point one way: the start-up code (cluster) builds the strategies
     from gradsync.runtime.cluster import Cluster
@@ -155,7 +156,7 @@ class _Model(nn.Module):
         return self.ddp.module
 
 
-class AllreduceStrategy:
+class AllreduceStrategy(Strategy):
     """DDP + local optimizer. Every worker must construct it (a collective)."""
 
     def __init__(self, cluster: Cluster, module: nn.Module, optimizer: torch.optim.Optimizer, *,

@@ -26,19 +26,19 @@ from gradsync.core.clipping import Clipping
 from gradsync.core.errors import NoTablesToServe
 from gradsync.core.optimizer_spec import OptimizerSpec, changed_options, group_options
 from gradsync.membership.uneven_data import Joiner
-from gradsync.ps.consistency import Agreement
-from gradsync.ps.server import make_setup
+from gradsync.ps.messages import Agreement, Push, Setup
 from gradsync.transport.registry import transport
 from gradsync.worker.allreduce_strategy import AllreduceStrategy
 from gradsync.worker.amp import inverse_scale
 from gradsync.worker.model_state import ordered
+from gradsync.worker.strategy import Strategy
 from gradsync.worker.tables import serve_tables
 
 if TYPE_CHECKING:
     from gradsync.runtime.cluster import Cluster
 
 
-class HybridStrategy:
+class HybridStrategy(Strategy):
     """Served tables + DDP. Every worker must construct it (a barrier on the servers and in DDP)."""
 
     def __init__(self, cluster: Cluster, module: nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -66,7 +66,7 @@ class HybridStrategy:
         self.transport = transport(config.transport).worker(config, cluster.store, {s: [] for s in self.servers})
         self.tables.transport = self.transport
         self.transport.register(ModelSpec((), (), (), self.tables.specs),
-                                {s: make_setup([], {}, {}, {}, spec, setups[s], config.servers) if worker == 0
+                                {s: Setup.of([], {}, {}, {}, spec, setups[s], config.servers) if worker == 0
                                  else None for s in self.servers})
         served = {id(weights[t.name]) for t in self.tables.specs}
         for group in optimizer.param_groups:  # the servers train the tables: the local optimizer keeps the rest
@@ -93,15 +93,14 @@ class HybridStrategy:
         changes = changed_options(self.optimizer.param_groups, self._sent)  # a schedule's, for the rows' lr
         if changes:
             self._sent = [group_options(g) for g in self.optimizer.param_groups]
-        empty = {s: [] for s in self.servers}
-        no_buffers = {s: {} for s in self.servers}
         if scaler is not None or self.dense.clipping.on:
             if self.mode != "sync":
                 raise ValueError(f"a GradScaler under the hybrid strategy needs --mode sync; got --mode {self.mode}")
             unscale = inverse_scale(scaler)
-            rows = {s: {t: (v, ids, g * unscale) for t, (v, ids, g) in per.items()} for s, per in rows.items()}
-            partials = self.transport.push(self._versions, empty, empty, no_buffers, rows, changes,
-                                           agree=Agreement(self.dense.clipping.norm_type, scaler is not None))
+            rows = {s: {t: r.times(unscale) for t, r in per.items()} for s, per in rows.items()}
+            agree = Agreement(self.dense.clipping.norm_type, scaler is not None)
+            partials = self.transport.push(self._versions, {s: Push([], [], {}, rows[s], changes, agree)
+                                                            for s in self.servers})
             self.dense.outside = lambda: [partials[s].value for s in self.servers]
             try:
                 stepped = self.dense.step(context_id, scaler)
@@ -112,13 +111,16 @@ class HybridStrategy:
         else:
             if not self.dense.step(context_id):  # a NaN/Inf step dropped by nonfinite='skip': drop its rows too
                 rows = {s: {} for s in self.servers}
-            snapshots = self.transport.push(self._versions, empty, empty, no_buffers, rows, changes)
+            snapshots = self.transport.push(self._versions, {s: Push([], [], {}, rows[s], changes)
+                                                             for s in self.servers})
         self._versions = {s: snap.version for s, snap in snapshots.items()}
-        self.metrics.sent_after_commit(sum(ids.nbytes + g.nbytes for per in rows.values()
-                                           for _, ids, g in per.values()))
+        self.metrics.sent_after_commit(sum(r.nbytes for per in rows.values() for r in per.values()))
 
     def model_sizes(self, trainable: int) -> dict[str, int]:
         return self.tables.model_sizes(trainable)
+
+    def server_stats(self) -> dict[int, dict]:
+        return self.transport.stats()
 
     def no_sync(self):
         """`Trainer.no_sync`: the dense part's DDP accumulates; rows travel once per step anyway."""

@@ -35,8 +35,7 @@ from gradsync.core.finite import first_nonfinite
 from gradsync.core.optimizer_spec import OptimizerSpec, changed_options, group_options
 from gradsync.core.torch_internals import current_context_id
 from gradsync.membership.uneven_data import Joiner
-from gradsync.ps.consistency import Agreement, Partial
-from gradsync.ps.server import make_setup
+from gradsync.ps.messages import Agreement, Partial, Piece, Push, Setup
 from gradsync.ps.shard import Snapshot
 from gradsync.ps.wire import make_wire
 from gradsync.transport.registry import transport
@@ -44,6 +43,7 @@ from gradsync.worker.amp import inverse_scale, record_found_inf
 from gradsync.worker.metrics import StepMetrics
 from gradsync.worker.model_state import named_tensors, ordered, to_state_dict
 from gradsync.worker.served_optimizer import ServedOptimizer
+from gradsync.worker.strategy import Strategy
 from gradsync.worker.tables import serve_tables
 
 if TYPE_CHECKING:  # imports point one way: the start-up code (cluster) builds the strategies
@@ -83,7 +83,7 @@ class PSModel(nn.Module):
         return functional_call(self.module, pulled.tensors, args, kwargs)
 
 
-class PSStrategy:
+class PSStrategy(Strategy):
     """Pull / push against the parameter servers. Every worker must construct it (a barrier)."""
 
     def __init__(self, cluster: Cluster, module: nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -135,8 +135,8 @@ class PSStrategy:
             frozen = {t.name: params[t.name] for t in self.spec.frozen}
             for s in self.servers:
                 mine = lambda tensors: {n: t for n, t in tensors.items() if self.owner[n] == s}  # noqa: E731
-                setups[s] = make_setup(self.server_buckets[s], params, mine(buffers), mine(frozen), spec,
-                                       table_setups[s], self.config.servers)
+                setups[s] = Setup.of(self.server_buckets[s], params, mine(buffers), mine(frozen), spec,
+                                     table_setups[s], self.config.servers)
         return self.transport.register(self.spec, setups)
 
     def pulled(self, context_id: int | None) -> _Pulled:
@@ -192,12 +192,12 @@ class PSStrategy:
         unscale = inverse_scale(scaler)
         if unscale != 1.0:
             grads = {n: g * unscale for n, g in grads.items()}
-            rows = {s: {t: (v, ids, g * unscale) for t, (v, ids, g) in per.items()} for s, per in rows.items()}
+            rows = {s: {t: r.times(unscale) for t, r in per.items()} for s, per in rows.items()}
         agree = None
         if self.config.mode == "sync" and (self.clipping.on or scaler is not None):
             agree = Agreement(self.clipping.norm_type, skip_nonfinite=scaler is not None)
         elif self.clipping.on or scaler is not None:  # async and ssp: each push by its own norm
-            tensors = list(grads.values()) + [g for per in rows.values() for _, _, g in per.values()]
+            tensors = list(grads.values()) + [r.grads for per in rows.values() for r in per.values()]
             found_inf = first_nonfinite(tensors) is not None if scaler is not None else False
             if self.clipping.on and not found_inf:
                 self.grad_norm = self.clipping.clip_local(tensors)
@@ -215,15 +215,17 @@ class PSStrategy:
         buffers = {s: {n: pulled.tensors[n].detach() for n in pulled.buffer_names[s]} for s in self.servers}
         sent = sum(self.wire.nbytes(p) for per in payloads.values() for p in per if p is not None)
         sent += sum(b.nbytes for per in buffers.values() for b in per.values())
-        sent += sum(ids.nbytes + g.nbytes for per in rows.values() for _, ids, g in per.values())
+        sent += sum(r.nbytes for per in rows.values() for r in per.values())
         changes = changed_options(self.optimizer.param_groups, self._sent)
         if changes:
             self._sent = [group_options(g) for g in self.optimizer.param_groups]
         if agree is None and self.config.mode == "sync":  # a pipeline of pieces, each back once applied
-            pieces = [(s, b, payloads[s][b], absent[s][b]) for s, b in self._order]
-            fresh = self.transport.push_pieces(pulled.versions, pieces, buffers, rows, changes)
+            heads = {s: Push(None, None, buffers[s], rows.get(s, {}), changes) for s in self.servers}
+            pieces = [Piece(s, b, payloads[s][b], absent[s][b]) for s, b in self._order]
+            fresh = self.transport.push_pieces(pulled.versions, heads, pieces)
         else:
-            fresh = self.transport.push(pulled.versions, payloads, absent, buffers, rows, changes, agree)
+            fresh = self.transport.push(pulled.versions, {s: Push(payloads[s], absent[s], buffers[s], rows.get(s, {}),
+                                                                  changes, agree) for s in self.servers})
         if agree is not None:
             fresh = self._finish(fresh, scaler)
         elif scaler is not None:
@@ -248,6 +250,9 @@ class PSStrategy:
 
     def model_sizes(self, trainable: int) -> dict[str, int]:
         return self.tables.model_sizes(trainable)
+
+    def server_stats(self) -> dict[int, dict]:
+        return self.transport.stats()
 
     def no_sync(self):
         """`Trainer.no_sync`: nothing to hold back, the gradients travel once per step."""

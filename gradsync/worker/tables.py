@@ -23,6 +23,7 @@ from gradsync.core.optimizer_spec import OptimizerSpec
 from gradsync.core.row_optim import exact_row_optimizer, no_row_form
 from gradsync.core.tables import check_ids, find_tables, join_rows, merge_rows, split_ids, table_specs
 from gradsync.core.torch_internals import current_context_id
+from gradsync.ps.messages import RowGrads, TableSetup
 
 
 class _Lookup:
@@ -60,18 +61,17 @@ class ServedTables:
         served = sum(t.numel for t in self.specs)
         return {"dense": trainable - served, "tables": served}
 
-    def setups(self, rows: dict[str, tuple]) -> dict[int, dict[str, dict]]:
+    def setups(self, rows: dict[str, tuple]) -> dict[int, dict[str, TableSetup]]:
         """Per server, what registration sends of each table: its rows of worker 0's values (None for a
         table built on the meta device: the servers initialise it), and from `rows` ({table: (row optimizer,
         the optimizer group whose schedule its learning rate follows, or None)}) its row optimizer."""
-        out: dict[int, dict[str, dict]] = {s: {} for s in range(self.num_servers)}
+        out: dict[int, dict[str, TableSetup]] = {s: {} for s in range(self.num_servers)}
         for spec in self.specs:
             module = self.modules[spec.name]
             weight = module.weight.detach()
             for s in range(self.num_servers):
                 values = None if weight.is_meta else weight[s::self.num_servers].contiguous()
-                out[s][spec.name] = {"spec": spec, "values": values, "padding_idx": module.padding_idx,
-                                     "optimizer": rows[spec.name][0], "group": rows[spec.name][1]}
+                out[s][spec.name] = TableSetup(spec, values, module.padding_idx, *rows[spec.name])
         return out
 
     def take_over(self) -> None:
@@ -131,12 +131,12 @@ class ServedTables:
             values[positions] = answers[s][1]
         return values, {s: v for s, (v, _) in answers.items()}
 
-    def row_grads(self, context_id: int, grads: dict[torch.Tensor, torch.Tensor]) -> dict[int, dict[str, tuple]]:
-        """The pushes of this context's lookups: per server, {table: (version the rows were pulled at,
-        unique local ids, summed gradients)}; forgets the context's lookups."""
+    def row_grads(self, context_id: int, grads: dict[torch.Tensor, torch.Tensor]) -> dict[int, dict[str, RowGrads]]:
+        """The pushes of this context's lookups: per server, {table: `RowGrads`}; forgets the context's
+        lookups."""
         lookups = self._lookups.pop(context_id, [])
         self._lookups.clear()  # lookups of contexts that were never stepped
-        out: dict[int, dict[str, tuple]] = {s: {} for s in range(self.num_servers)}
+        out: dict[int, dict[str, RowGrads]] = {s: {} for s in range(self.num_servers)}
         for name in dict.fromkeys(lk.table for lk in lookups):
             mine = [lk for lk in lookups if lk.table == name and lk.leaf in grads]
             if not mine:
@@ -145,7 +145,7 @@ class ServedTables:
             ids, summed = pushes[0] if len(pushes) == 1 else merge_rows(pushes, 1.0)
             for s, (positions, local) in split_ids(ids, self.num_servers).items():
                 version = min(lk.versions[s] for lk in mine if s in lk.versions)  # the oldest rows pulled
-                out[s][name] = (version, local, summed if self.num_servers == 1 else summed[positions])
+                out[s][name] = RowGrads(version, local, summed if self.num_servers == 1 else summed[positions])
         return out
 
     def full(self, named_by_server: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -156,7 +156,7 @@ class ServedTables:
 
 
 def serve_tables(module: nn.Module, tables: str, num_servers: int, metrics, optimizer: OptimizerSpec,
-                 table_optimizer, send: bool) -> tuple[ServedTables, dict[int, dict]]:
+                 table_optimizer, send: bool) -> tuple[ServedTables, dict[int, dict[str, TableSetup]]]:
     """Take over the tables of `module` that are served row by row, and return them with what registration
     sends each server of them (only when `send`: worker 0).
 

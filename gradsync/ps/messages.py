@@ -1,0 +1,152 @@
+"""The messages between a worker and a parameter server: a worker's setup, a push, a piece, and what a
+consistency rule resolves to.
+
+Each is a small frozen dataclass. torch RPC pickles them as they are; the
+gRPC transport converts them to its protobuf messages and back at its
+boundary (`gradsync.transport.grpc`, `gradsync.proto.service`, and
+`gradsync.proto.store_data` for the setup), so the server's logic sees these
+types whichever transport a job runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from gradsync.core.buckets import Bucket, TensorSpec
+from gradsync.core.optimizer_spec import OptimizerSpec
+from gradsync.ps.shard import Snapshot
+
+
+@dataclasses.dataclass(frozen=True)
+class TableSetup:
+    """What worker 0 sends a server of one embedding table served row by row."""
+
+    spec: TensorSpec
+    """The whole table's name, shape and dtype."""
+    values: torch.Tensor | None
+    """This server's rows of worker 0's values (row r on server r % S); None: the server initialises them."""
+    padding_idx: int | None
+    """The table's padding row (never trained), as `nn.Embedding.padding_idx`."""
+    optimizer: object
+    """The row optimizer (`gradsync.RowSGD`, `gradsync.RowAdagrad`)."""
+    group: int | None
+    """The optimizer group whose schedule sets the row optimizer's lr; None: its own lr throughout."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What worker 0 sends one server at registration; the server builds its shard from it."""
+
+    buckets: list[Bucket]
+    """The server's buckets of the plan, in its bucket order."""
+    params: dict[str, torch.Tensor]
+    """The values of the parameters those buckets hold pieces of, by name (CPU)."""
+    buffers: dict[str, torch.Tensor]
+    """The buffers this server keeps, by name (CPU)."""
+    frozen: dict[str, torch.Tensor]
+    """The frozen parameters (requires_grad=False) this server keeps, by name (CPU)."""
+    optimizer: OptimizerSpec
+    """The user's optimizer as data: the server builds its class with its groups over the shard."""
+    tables: dict[str, TableSetup]
+    """The embedding tables served row by row, by name."""
+    num_servers: int
+    """The job's servers (a table's rows are spread over all of them)."""
+
+    @classmethod
+    def of(cls, buckets: list[Bucket], params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
+           frozen: dict[str, torch.Tensor], optimizer: OptimizerSpec, tables: dict[str, TableSetup] | None = None,
+           num_servers: int = 1) -> Setup:
+        """One server's setup: of `params` only those its `buckets` hold, every tensor as a CPU tensor."""
+        names = {e.name for b in buckets for e in b.entries}
+        cpu = lambda tensors: {n: t.detach().cpu() for n, t in tensors.items()}  # noqa: E731
+        return cls(list(buckets), cpu({n: t for n, t in params.items() if n in names}), cpu(buffers), cpu(frozen),
+                   optimizer, dict(tables or {}), num_servers)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowGrads:
+    """One worker's gradients of the rows of one served table that its step looked up, for one server."""
+
+    version: int
+    """The server's version the rows were pulled at (the oldest, when a step looked them up more than once)."""
+    ids: torch.Tensor
+    """The unique local row ids on that server (int64)."""
+    grads: torch.Tensor
+    """Their summed gradients, one row of the table's dim per id."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.ids.nbytes + self.grads.nbytes
+
+    def times(self, factor: float) -> RowGrads:
+        """The same rows with their gradients times `factor` (a GradScaler's inverse scale)."""
+        return RowGrads(self.version, self.ids, self.grads * factor)
+
+
+@dataclasses.dataclass(frozen=True)
+class Agreement:
+    """A sync push asks its server to hold the averaged gradient and answer with its part of the norm
+    (`Partial`), for the workers to agree on the step's total norm (clipping) or finiteness (a GradScaler)
+    before any server applies (`SyncRule.finish`)."""
+
+    norm_type: float
+    """The p of the norm (as `clip_grad_norm_`'s norm_type; inf: the largest |g|)."""
+    skip_nonfinite: bool
+    """A NaN/Inf skips the step (a GradScaler) instead of being the job's error."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Push:
+    """One worker's step for one server (the worker and the version it pulled travel beside it)."""
+
+    payloads: list | None
+    """One gradient per bucket of the server, in the wire format (None: no entry of that bucket got one);
+    None: a sync step whose buckets follow as `Piece`s (the pipeline)."""
+    absent: list | None
+    """Per bucket, the indices of the entries without a gradient (their elements in the payload are zeros);
+    None with `payloads`."""
+    buffers: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    """The worker's updated buffers this server keeps, by name."""
+    rows: dict[str, RowGrads] = dataclasses.field(default_factory=dict)
+    """Row gradients by served table."""
+    options: dict[int, dict] = dataclasses.field(default_factory=dict)
+    """The optimizer group options a schedule changed, {group index: {option: value}}, applied before the step."""
+    agree: Agreement | None = None
+    """Hold the averaged step until the workers agree on its norm (sync only); None: apply it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """One worker's gradient of one bucket in a sync step whose push carried none (the pipeline)."""
+
+    server: int
+    """The server that owns the bucket."""
+    bucket: int
+    """The bucket's index among that server's buckets."""
+    payload: object
+    """Its gradient in the wire format; None: no entry of the bucket got one."""
+    absent: tuple[int, ...]
+    """The indices of the bucket's entries without a gradient."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Partial:
+    """A server's part of a held step's norm: sum of |g|^p of its averaged gradient (max |g| for p = inf)."""
+
+    version: int
+    """The version of the held step (`finish` names it)."""
+    value: float
+    """This server's sum of |g|^p (max |g| for p = inf)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Committed:
+    """What every consistency rule's commit, and `SyncRule.finish`, resolves to."""
+
+    version: int
+    """The shard's version after the push (a push dropped under nonfinite='skip': the version it left)."""
+    snapshot: Snapshot | None = None
+    """ssp: the snapshot the worker goes on from, taken when the rule released it; None: the shard's own."""
+    partial: Partial | None = None
+    """A held sync step: this server's part of its norm (the workers then `finish` it)."""

@@ -1,0 +1,63 @@
+"""What `gradsync.Trainer` asks of a worker-side strategy, whichever the job runs (ps, allreduce, hybrid).
+
+Every strategy implements `Strategy`; the Trainer (and a job checkpoint,
+`gradsync.runtime.resume`, with `local_state` / `load_local_state`) calls these
+and nothing else, so it never asks which strategy it holds.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
+
+import torch
+from torch import nn
+
+from gradsync.worker.metrics import StepMetrics
+
+
+class Strategy(ABC):
+    """A worker's side of one strategy. Every worker must construct it (a barrier).
+
+    Attributes:
+        model: what the training loop calls in the forward pass (inside a dist_autograd context).
+        optimizer: what LR schedules drive (`Trainer.optimizer`).
+        metrics: per-step timings and bytes.
+        grad_norm: the total norm before clipping of the last step (with clipping; else None).
+    """
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    metrics: StepMetrics
+    grad_norm: float | None
+
+    @abstractmethod
+    def step(self, context_id: int, scaler=None):
+        """Commit the step of `context_id` once, after its backward (see `Trainer.step`)."""
+
+    @abstractmethod
+    def no_sync(self) -> AbstractContextManager:
+        """`Trainer.no_sync`: a block whose backward passes only accumulate."""
+
+    @abstractmethod
+    def join(self) -> AbstractContextManager:
+        """`Trainer.join`: a block in which workers may run out of data at different steps."""
+
+    @abstractmethod
+    def model_sizes(self, trainable: int) -> dict[str, int]:
+        """What `gradsync compare --predict` models of the `trainable` elements (dense, served tables)."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full current model state, keyed exactly as the user's `model.state_dict()`."""
+
+    @abstractmethod
+    def local_state(self) -> dict:
+        """What a job checkpoint keeps of this worker beyond its step and RNG."""
+
+    @abstractmethod
+    def load_local_state(self, state: dict) -> None:
+        """Take back `local_state()` from a checkpoint."""
+
+    def server_stats(self) -> dict[int, dict]:
+        """Every parameter server's counters by server index; {} without servers."""
+        return {}
