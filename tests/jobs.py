@@ -224,3 +224,17 @@ def train_mlp_and_stats(steps: int, lr: float = 0.1, momentum: float = 0.0, slow
     trainer = gradsync.Trainer(make_mlp(), torch.optim.SGD, lr=lr, momentum=momentum)
     run_loop(trainer, steps, pause_s=slow_s if gradsync.worker_rank() != 0 else 0.0)
     return trainer.state_dict(), trainer.server_stats()
+
+
+def train_with_timeline(steps: int, bn: bool = False) -> tuple[dict[str, torch.Tensor], list[dict], list[dict]]:
+    """`train_mlp` (or, with `bn`, `train_bn`) with the step timeline on (GRADSYNC_TIMELINE): the final state,
+    each step's record and each step's timeline."""
+    import dataclasses
+
+    if bn:
+        trainer = gradsync.Trainer(make_bn_net(), torch.optim.Adam, lr=0.01)
+    else:
+        trainer = gradsync.Trainer(make_mlp(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    run_loop(trainer, steps)
+    records = [dataclasses.asdict(r) for r in trainer.metrics.records]
+    return trainer.state_dict(), records, list(trainer.metrics.timeline.steps)

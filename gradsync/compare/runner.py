@@ -177,11 +177,20 @@ def measure(logs: list[list[dict]], sampler: Sampler, warmup: int) -> dict:
         "worker_peak_mb": max((v for p, v in sampler.peak.items() if sampler.role.get(p) == "worker"), default=0) / 2**20,
         "server_peak_mb": max((v for p, v in sampler.peak.items() if sampler.role.get(p) == "server"), default=0) / 2**20,
         "samples_per_s": samples_per_s([_steps(log) for log in logs], warmup),
+        "timeline": median_timeline(trained[warmup:]),
     }
     if len(trained) > warmup:
         start, end = trained[warmup - 1], trained[-1]
         out["cpu_s_per_step"] = sampler.cpu_between(start["wall"], end["wall"]) / (end["step"] - start["step"])
     return out
+
+
+def median_timeline(steps: list[dict]) -> dict | None:
+    """The timeline (`core.timeline`: {"step", "pieces"}) of the step of median time among `steps` (worker 0's
+    after the warm-up, merged lines) that have one; None when none has (GRADSYNC_TIMELINE off)."""
+    timed = sorted((s for s in steps if "timeline" in s),
+                   key=lambda s: sum(s["record"][part] for part in ("pull_s", "compute_s", "commit_s")))
+    return timed[len(timed) // 2]["timeline"] if timed else None
 
 
 def _steps(lines: list[dict]) -> list[dict]:

@@ -30,6 +30,7 @@ from gradsync.core.buckets import may_split
 from gradsync.core.clipping import Clipping
 from gradsync.core.errors import GradientError, left_early_error
 from gradsync.core.finite import first_nonfinite
+from gradsync.core.timeline import PieceStamps
 from gradsync.ps.averaging import (blame, blame_rows, check_version, done, mean, mean_buffers, mean_rows,
                                    merged_options, row_staleness, scaled, skipped_entries, validated)
 from gradsync.ps.shard import ShardState, Snapshot
@@ -110,6 +111,7 @@ class SyncRule:
         self._failure: Exception | None = None
         self._held: _Held | None = None  # a step waiting for the workers' word
         self._finishing: _Held | None = None  # the step applied on the first word, until every worker said it
+        self.stamps = PieceStamps(len(shard.buckets))  # the step timeline's server events
 
     def commit(self, worker: int, pulled_version: int, grads: list | None, absent: list | None, buffers: dict,
                wire=PLAIN, rows: dict | None = None, options: dict | None = None,
@@ -255,6 +257,7 @@ class SyncRule:
             if b in self._means or any(w not in parts for w in workers):
                 continue
             mine = [parts[w] for w in workers]
+            self.stamps.arrived(b, shard.version)
             avg = mean(shard, b, [(p.payload, p.wire) for p in mine], len(workers))
             if avg is not None and first_nonfinite([avg]) is not None:
                 error = blame(shard, b, avg, [(w, p.payload, p.wire) for w, p in zip(workers, mine)])
@@ -266,6 +269,7 @@ class SyncRule:
                 if (error := self._set_options(workers)) is not None:
                     return answers + self._dropped(error, nonfinite=False)
                 shard.apply_buckets({b: avg}, {b: self._means[b][1]})
+                self.stamps.applied([b])
                 value = shard.piece(b)
                 answers += [(p.fut, value, None) for p in mine if p.fut is not None]
         if len(self._means) < len(shard.buckets):
@@ -309,6 +313,7 @@ class SyncRule:
                 shard.end_step(buffers, rows)
             else:
                 shard.apply(means, skipped, buffers, rows)
+                self.stamps.applied(range(len(shard.buckets)))
             value = shard.version
             answers = [] if early else [(f, shard.piece(b), None) for b, f in pieces]
         self._reset()

@@ -26,6 +26,7 @@ from torch.distributed.rendezvous import register_rendezvous_handler
 from gradsync.config import JobConfig, StoreKeys, server_name
 from gradsync.core import settings
 from gradsync.core.buckets import ModelSpec
+from gradsync.core.timeline import HEAD, Timeline
 from gradsync.core.torch_internals import set_rpc_timeout
 from gradsync.ps.consistency import Agreement, Partial
 from gradsync.ps.server import ParameterServer
@@ -99,7 +100,10 @@ with bench/linkfloor.py, 100mbit, W=2: ps S=1 1.35x its floor with no limit, 1.1
 
 
 class RpcTransport:
-    """The worker side: one asynchronous torch RPC per server for each call."""
+    """The worker side: one asynchronous torch RPC per server for each call. `timeline`: where `push_pieces`
+    records its lanes' events (the worker's, when GRADSYNC_TIMELINE is on)."""
+
+    timeline = Timeline(on=False)
 
     def __init__(self, config: JobConfig, servers: list[int]):
         self.config = config
@@ -138,17 +142,18 @@ class RpcTransport:
         ((server, its bucket index, payload, absent entries), in the order given), each answered with the
         bucket's values as soon as its server has applied it. Returns each server's snapshot after the step."""
         rows, timeout = rows or {}, self.config.step_timeout
-        heads = {s: rpc.rpc_async(server_name(s), rpc_push, timeout=timeout,
-                                  args=(self.worker, versions[s], None, None, buffers[s], rows.get(s, {}),
-                                        options or {}, None)) for s in self.servers}
+        heads = {s: self.timeline.timed((s, HEAD), rpc.rpc_async, server_name(s), rpc_push, timeout=timeout,
+                                        args=(self.worker, versions[s], None, None, buffers[s], rows.get(s, {}),
+                                              options or {}, None)) for s in self.servers}
         futures, flying = {}, {s: [] for s in self.servers}
         window = max(2, math.ceil(IN_FLIGHT_MB / self.config.bucket_cap_mb))
         for s, b, payload, missing in pieces:
             if len(flying[s]) >= window:  # a worker ahead of the others waits for their parts of its oldest piece
                 oldest = flying[s].pop(0)
                 wait_all({oldest: futures[oldest]}, "pushing a piece (bucket)", timeout)
-            futures[(s, b)] = rpc.rpc_async(server_name(s), rpc_push_piece, timeout=timeout,
-                                            args=(self.worker, versions[s], b, payload, missing))
+            futures[(s, b)] = self.timeline.timed((s, b), rpc.rpc_async, server_name(s), rpc_push_piece,
+                                                  timeout=timeout, args=(self.worker, versions[s], b, payload,
+                                                                         missing, self.timeline.on))
             flying[s].append((s, b))
         values = wait_all(futures, "pushing a piece (bucket)", timeout)
         flats = {s: [values[(s, b)] for b in sorted(b for t, b in values if t == s)] for s in self.servers}
@@ -226,8 +231,16 @@ def rpc_push(worker: int, pulled_version: int, payloads: list, absent: list, buf
 
 
 @rpc.functions.async_execution
-def rpc_push_piece(worker: int, pulled_version: int, b: int, payload, absent: tuple) -> torch.futures.Future:
-    return _server().push_piece(worker, pulled_version, b, payload, absent).then(lambda applied: applied.value())
+def rpc_push_piece(worker: int, pulled_version: int, b: int, payload, absent: tuple, stamped: bool = False
+                   ) -> torch.futures.Future:
+    """The bucket's values after the step; with `stamped`, its server events too (`core.timeline.Stamped`)."""
+    server = _server()
+
+    def reply(applied: torch.futures.Future):
+        value = applied.value()  # raises the piece's error, if any, into the reply
+        return server.rule.stamps.reply(b, value, pulled_version, stamped)
+
+    return server.push_piece(worker, pulled_version, b, payload, absent).then(reply)
 
 
 @rpc.functions.async_execution
