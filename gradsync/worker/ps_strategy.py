@@ -253,7 +253,8 @@ class PSStrategy:
         return fresh
 
     def model_sizes(self, trainable: int) -> dict[str, int]:
-        return self.tables.model_sizes(trainable)
+        """The tables' sizes (`ServedTables.model_sizes`) and the largest piece's elements (the cost model's)."""
+        return {**self.tables.model_sizes(trainable), "largest_piece": max((b.numel for b in self.buckets), default=0)}
 
     def no_sync(self):
         """`Trainer.no_sync`: nothing to hold back, the gradients travel once per step."""
