@@ -226,15 +226,20 @@ def train_mlp_and_stats(steps: int, lr: float = 0.1, momentum: float = 0.0, slow
     return trainer.state_dict(), trainer.server_stats()
 
 
-def train_with_timeline(steps: int, bn: bool = False) -> tuple[dict[str, torch.Tensor], list[dict], list[dict]]:
-    """`train_mlp` (or, with `bn`, `train_bn`) with the step timeline on (GRADSYNC_TIMELINE): the final state,
-    each step's record and each step's timeline."""
+def train_with_timeline(steps: int, bn: bool = False, timeline: bool = True
+                        ) -> tuple[dict[str, torch.Tensor], list[dict], list[dict]]:
+    """`train_mlp` (or, with `bn`, `train_bn`) with the step timeline on (GRADSYNC_TIMELINE, set here: the
+    ranks of gradsync.launch inherit the environment their forkserver started with): the final state, each
+    step's record and each step's timeline."""
     import dataclasses
 
-    if bn:
-        trainer = gradsync.Trainer(make_bn_net(), torch.optim.Adam, lr=0.01)
-    else:
-        trainer = gradsync.Trainer(make_mlp(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    from gradsync.core import settings
+
+    with settings.environment({settings.TIMELINE: "1" if timeline else None}):
+        if bn:
+            trainer = gradsync.Trainer(make_bn_net(), torch.optim.Adam, lr=0.01)
+        else:
+            trainer = gradsync.Trainer(make_mlp(), torch.optim.SGD, lr=0.1, momentum=0.9)
     run_loop(trainer, steps)
     records = [dataclasses.asdict(r) for r in trainer.metrics.records]
     return trainer.state_dict(), records, list(trainer.metrics.timeline.steps)

@@ -11,9 +11,7 @@ import pytest
 import torch
 
 import gradsync
-from gradsync.core import settings
 from gradsync.core.timeline import HEAD, Timeline
-from gradsync.core.traffic import allreduce_bytes
 from gradsync.ps.consistency import SyncRule
 from helpers import max_diff
 from jobs import make_bn_net, make_mlp, reference_bn, reference_mlp, train_with_timeline
@@ -78,9 +76,8 @@ def _check_pipelined(pieces: list[dict]) -> None:
 @pytest.mark.parametrize("bn", [False, True])
 def test_a_ps_steps_lanes_carry_its_bytes_in_order_and_pipelined(bn):
     steps, workers, servers = 4, 2, 2
-    with settings.environment({settings.TIMELINE: "1"}):
-        results = gradsync.launch(train_with_timeline, strategy="ps", workers=workers, servers=servers,
-                                  args=(steps, bn), timeout=140, bucket_cap_mb=0.0002)  # 200-byte pieces
+    results = gradsync.launch(train_with_timeline, strategy="ps", workers=workers, servers=servers,
+                              args=(steps, bn), timeout=140, bucket_cap_mb=0.0002)  # 200-byte pieces
     model = make_bn_net() if bn else make_mlp()
     gradients = FP32 * sum(p.numel() for p in model.parameters())
     buffers = sum(b.nbytes for b in model.buffers())
@@ -98,21 +95,21 @@ def test_a_ps_steps_lanes_carry_its_bytes_in_order_and_pipelined(bn):
             _check_pipelined(pieces)
 
 
-@pytest.mark.timeout(120)
-def test_an_allreduce_steps_buckets_carry_its_bytes_in_order():
-    steps, workers = 4, 2
-    with settings.environment({settings.TIMELINE: "1"}):
-        results = gradsync.launch(train_with_timeline, strategy="allreduce", workers=workers, args=(steps,),
-                                  timeout=110)
+@pytest.mark.timeout(200)
+def test_an_allreduce_steps_buckets_carry_its_bytes_in_order_and_change_nothing():
+    steps, workers = 4, 3  # W = 3: the hook the timeline needs must scale by 1 / 3 exactly as DDP's own does
+    results = gradsync.launch(train_with_timeline, strategy="allreduce", workers=workers, args=(steps,), timeout=90)
+    untimed = gradsync.launch(train_with_timeline, strategy="allreduce", workers=workers, args=(steps, False, False),
+                              timeout=90)
     elements = sum(p.numel() for p in make_mlp().parameters())
-    reference = reference_mlp(steps, workers)
-    for state, records, timeline in results:
-        assert max_diff(state, reference) <= 1e-5
+    for (state, records, timeline), (plain, _, nothing) in zip(results, untimed):
+        assert not nothing and all(torch.equal(state[k], plain[k]) for k in plain)  # bit for bit
         for record, step in zip(records, timeline):
             pieces = step["pieces"]
-            assert pieces and all(p["server"] is None for p in pieces)
-            assert sum(p["bytes_sent"] for p in pieces) == record["bytes_sent"] == \
-                allreduce_bytes(elements, workers, "none")[0] == FP32 * elements  # a ring at W = 2: n each way
+            assert len(pieces) == 1 and pieces[0]["server"] is None  # the small MLP is one DDP bucket
+            # a ring at W = 3: 2 (W-1)/W of the fp32 gradients through each link, each way
+            assert pieces[0]["bytes_sent"] == pieces[0]["bytes_received"] == record["bytes_sent"] == \
+                int(2 * 2 / 3 * FP32 * elements)
             _check_order(pieces)
 
 

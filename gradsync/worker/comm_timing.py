@@ -46,7 +46,7 @@ def timed_hook(hook: Callable, timeline: Timeline, compression: str) -> Callable
 
     def timed(state, bucket):  # no annotations: DDP checks them, and this module's are strings
         workers = dist.get_world_size(state.process_group)
-        nbytes = allreduce_bytes(bucket.buffer().numel(), workers, compression)[0]
+        nbytes = int(allreduce_bytes(bucket.buffer().numel(), workers, compression)[0])  # whole bytes, as metrics
         return timeline.exchanged(bucket.index(), nbytes, hook, state, bucket)
 
     return timed
