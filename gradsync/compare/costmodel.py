@@ -35,6 +35,9 @@ elements) and W workers:
       worker:         row_bytes + max(e c + row_bytes, 4 e)  +   min(c, 4) p
   bytes = the larger, 2 messages (4 with rows). The CPU a piece costs (~1.5 ms, BENCHMARKS.md) does not
   grow with W: it is part of the fitted fixed cost per step. Compression shrinks the push direction.
+  Behind an emulated 100mbit link, one server, W = 2, two 4.2 MB pieces (bench/costmodel_link.py), a step
+  took 12 - 13% longer than this predicts at the link's fitted rate: the directions overlap less than it
+  assumes (BENCHMARKS.md has every ratio).
 - hybrid: the dense part as allreduce, plus the row pull and the row push through the servers:
   2 max(W / S, 1) row_bytes, 4 more messages.
 - async ps (no barrier): a worker's step is the larger of its own compute + exchange (its link carries
