@@ -60,7 +60,8 @@ def measure(link: str, workers: int, out: str) -> list[dict]:
 
     compare(os.path.abspath(__file__), ["--train", str(STEPS.get(link, 10))], workers=workers, out_dir=out,
             strategies=["allreduce", "ps"], servers=[1, 2], modes=["sync"], compressions=["none"], timeout=300,
-            link=link)
+            warmup=1, link=link, command=f"bench/costmodel_link.py: compare --link {link} --workers {workers}",
+            options={"--link": link, "--workers": str(workers)})
     with open(os.path.join(out, "report.json")) as f:
         return [{k: v for k, v in r.items() if k != "curve"} for r in json.load(f)["runs"]]
 

@@ -9,7 +9,7 @@ import sys
 
 from gradsync.config import ConfigError
 from gradsync.core import settings
-from gradsync.core.settings import JOB_CONCERNS, JOB_SETTINGS, RUN_DIR, STRAGGLER, STRATEGY, Setting
+from gradsync.core.settings import JOB_CONCERNS, JOB_SETTINGS, RUN_DIR, STRAGGLER, STRATEGY, TIMELINE, Setting
 from gradsync.launcher.scripts import join_script, run_script
 from gradsync.launcher.supervision import JobFailed
 
@@ -103,6 +103,9 @@ def _parser() -> argparse.ArgumentParser:
                          "this rate instead, in every run (a slow server link; default: none)")
     compare.add_argument(STRAGGLER.flag, default=None, metavar="W:F",
                          help=f"{STRAGGLER.help} in every run, e.g. 1:2.0 (default: {STRAGGLER.env} if set)")
+    compare.add_argument(TIMELINE.flag, action="store_true",
+                         help="record every step's timeline in every run (GRADSYNC_TIMELINE): report.json gives "
+                         "each run's median step, timeline.png draws it")
     compare.add_argument("--predict", action="store_true",
                          help="fit the cost model on the sync runs and predict every paradigm from --workers up to "
                          "W=1024 at this link: report.md ends with a verdict (which wins, the crossover, confidence)")
@@ -184,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                                    compressions=args.compressions, timeout=args.timeout, warmup=args.warmup_steps,
                                    straggler=args.straggler, log_dir=args.log_dir, link=args.link,
                                    server_link=args.server_link, predict=args.predict, force=args.force,
+                                   timeline=args.timeline,
                                    command=shlex.join(["gradsync", *argv]), options=_options(args))
             print(f"report: {report} (plots beside it)")
             failed = [r["name"] for r in runs if "error" in r]

@@ -127,7 +127,8 @@ class Trainer:
 
     @property
     def metrics(self):
-        """Per-step timings and bytes (`metrics.summary()` gives medians)."""
+        """Per-step timings and bytes (`metrics.summary()` gives medians); with GRADSYNC_TIMELINE,
+        `metrics.timeline.steps`: each step's pieces, when they left, were applied and came back."""
         return self._strategy.metrics
 
     def step(self, context_id: int, scaler: torch.amp.GradScaler | None = None) -> None:

@@ -245,3 +245,25 @@ def forever(pids: str) -> None:
             with open(os.path.join(pids, "ranks.tmp"), "w") as f:
                 f.write(" ".join(map(str, procfs.children(os.getppid()))))
             os.rename(os.path.join(pids, "ranks.tmp"), os.path.join(pids, "ranks"))
+
+
+def train_with_timeline(steps: int, bn: bool = False, timeline: bool = True
+                        ) -> tuple[dict[str, torch.Tensor], list[dict], list[dict]]:
+    """`train_mlp` (or, with `bn`, `train_bn`) with the step timeline on (GRADSYNC_TIMELINE, set here: the
+    ranks of gradsync.launch inherit the environment their forkserver started with): the final state, each
+    step's record and each step's timeline."""
+    import dataclasses
+
+    from gradsync.core import settings
+
+    if timeline:  # this rank's own environment: it ends with the job
+        os.environ[settings.TIMELINE.env] = "1"
+    else:
+        os.environ.pop(settings.TIMELINE.env, None)
+    if bn:
+        trainer = gradsync.Trainer(make_bn_net(), torch.optim.Adam, lr=0.01)
+    else:
+        trainer = gradsync.Trainer(make_mlp(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    run_loop(trainer, steps)
+    records = [dataclasses.asdict(r) for r in trainer.metrics.records]
+    return trainer.state_dict(), records, list(trainer.metrics.timeline.steps)

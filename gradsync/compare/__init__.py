@@ -3,8 +3,8 @@
 `grid` names the configurations, `runner` runs each (the same script, seeds and
 data order; the script reports its scalars with `gradsync.log`) and measures it
 from outside (CPU and peak memory of every process), `report` writes
-report.json and report.md, `plots` the PNG charts, `predict` (--predict) fits the
-cost model on the runs and writes the verdict that ends the report.
+report.json and report.md, `plots` the PNG charts (timeline.png too with --timeline), `predict` (--predict)
+fits the cost model on the runs and writes the verdict that ends the report.
 """
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ def prepare_out_dir(out_dir: str, force: bool = False) -> None:
 def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, strategies: list[str],
             servers: list[int], modes: list[str], compressions: list[str], timeout: float, warmup: int,
             straggler: str | None = None, log_dir: str | None = None, link: str | None = None,
-            server_link: str | None = None, predict: bool = False, force: bool = False, command: str,
-            options: dict) -> tuple[str, list[dict]]:
+            server_link: str | None = None, predict: bool = False, force: bool = False, timeline: bool = False,
+            command: str, options: dict) -> tuple[str, list[dict]]:
     """Run the grid and write the report; returns report.md's path and the runs (a failed one has `error`,
     a skipped one `skipped`). `warmup`: each worker's first steps, left out of the per-step figures.
     `straggler` ('W:F'): worker W's compute takes F times as long in every run (`gradsync.compare.straggler`).
@@ -40,7 +40,9 @@ def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, 
     of this rate (`gradsync.launcher.netem`); `server_link`: the parameter servers behind links of this rate instead
     (a slow server link). `predict`: fit the cost model on the sync runs, predict each paradigm up to
     W = 1024 and end the report with a verdict (`compare.predict`). `force`: write into a directory that
-    compare did not write (`prepare_out_dir`). `command` and `options`: the command line as typed and
+    compare did not write (`prepare_out_dir`). `timeline`: every
+    run records each step's timeline (`gradsync.core.timeline`); a run's median step goes into its result and
+    timeline.png. `command` and `options`: the command line as typed and
     every option's value, for the report's header."""
     try:
         from tqdm import tqdm
@@ -78,7 +80,7 @@ def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, 
             bar.update(steps - bar.n)
 
         runs.append(run(config, script, script_args, workers, out_dir, timeout, warmup, progress, log_dir,
-                        dict(link=link, server_link=server_link), straggler=straggler))
+                        dict(link=link, server_link=server_link), straggler=straggler, timeline=timeline))
         bar.close()
     if quiet := silent(runs):
         print(f"gradsync compare: warning: {quiet}", file=sys.stderr)

@@ -1,13 +1,14 @@
 """A calibrated cost model of a training step: fit on measured runs, predict allreduce, ps and hybrid at scale.
 
 Three parameters are fitted (`fit`): compute seconds per sample, seconds per byte on a link, and seconds
-per message (latency). A step is compute followed by communication, with no overlap assumed:
+per message (latency). A step is compute followed by communication, with no overlap between the two:
 
     step_s = compute_s_per_sample * batch + s_per_byte * bytes + latency_s * messages
 
-where `bytes` is what the busiest link carries in the sequential phases of a step (links are full duplex:
-within a phase what a node sends and what it receives move at once, but a phase waits for the one before)
-and `messages` the sequential exchanges on the critical path (`traffic`). With e gradient elements of c bytes
+where `bytes` is what the busiest link carries in one direction over a step (links are full duplex: what a
+node sends and what it receives move at once; a phase that waits for the one before adds its bytes, and a
+pipelined sync ps step overlaps its pushes and replies but for one piece) and `messages` the sequential
+exchanges on the critical path (`traffic`). With e gradient elements of c bytes
 each on the wire (`wire_bytes`: fp32 4, fp16/bf16 2; int8 1 plus a 4-byte scale per DEFAULT_BLOCK_SIZE
 elements) and W workers:
 
@@ -21,13 +22,22 @@ elements) and W workers:
   table elements themselves cost nothing on the wire; the bytes grow with W, where a ps server's
   share, W / S row_bytes, grows too but is split over S servers, and every worker also sums and applies
   all W workers' rows (CPU the model does not count).
-- ps, S servers: a worker pushes e c bytes of gradients, and in sync mode a server replies with the 4 e
-  bytes of fp32 weights only once all W pushes are in, so the push and the reply are sequential phases;
-  with tables a worker first pulls its rows (`row_bytes`, in the forward) and pushes as much back. A
-  server's link carries W / S of every phase: max(W / S, 1) (e c + 4 e + 2 row_bytes) bytes, 2 messages
-  (4 with rows). Measured at 100mbit (bench/costmodel_link.py), one server, W = 2, 8.4 MB of fp32: 2.7 -
-  2.9 s per step, where overlapped push and reply would take 1.4 s and sequential ones 2.8 s. Compression
-  shrinks the push phase.
+- sync ps, S servers, pipelined (`RpcTransport.push_pieces`): a worker first pulls its table rows in the
+  forward (`row_bytes`, a phase of its own), then pushes a header (its rows' gradients, `row_bytes`) and
+  its gradients piece by piece, e c bytes, and each piece comes back as 4 p bytes of fp32 weights as soon
+  as its server has every worker's part; so pushes and replies overlap, each direction of a full-duplex
+  link at its own rate, and a step is bounded by its busiest link and direction, plus what cannot
+  overlap: the first piece's pushes before any reply, and the last piece's replies after every push (one
+  piece, the largest: `piece` elements, p; without it the whole shard, e / S, is one piece and a step is
+  push then reply, as before the pipeline). A server's link carries W / S of the workers' bytes, and W
+  parts of each of its pieces; a worker's link its own:
+      server: W / S (row_bytes + max(e c + row_bytes, 4 e)) + W min(c, 4) p
+      worker:         row_bytes + max(e c + row_bytes, 4 e)  +   min(c, 4) p
+  bytes = the larger, 2 messages (4 with rows). The CPU a piece costs (~1.5 ms, BENCHMARKS.md) does not
+  grow with W: it is part of the fitted fixed cost per step. Compression shrinks the push direction.
+  Behind an emulated 100mbit link, one server, W = 2, two 4.2 MB pieces (bench/costmodel_link.py), a step
+  took 12 - 13% longer than this predicts at the link's fitted rate: the directions overlap less than it
+  assumes (BENCHMARKS.md has every ratio).
 - hybrid: the dense part as allreduce, plus the row pull and the row push through the servers:
   2 max(W / S, 1) row_bytes, 4 more messages.
 - async ps (no barrier): a worker's step is the larger of its own compute + exchange (its link carries
@@ -70,7 +80,8 @@ class Config:
     as dense parameters and ps / hybrid keep on the servers; `row_bytes`: the rows a ps / hybrid worker
     pulls per step (and pushes back as gradients), or under allreduce with `sparse_tables` the rows (and
     their indices) a worker's batch touches, its part of the all-gather; `sparse_tables`: allreduce only,
-    how many tables have sparse gradients (each its own all-gather)."""
+    how many tables have sparse gradients (each its own all-gather); `piece`: sync ps, elements of the
+    largest piece a server applies and answers on its own (0: the whole shard, dense / servers)."""
 
     strategy: str
     batch: int
@@ -81,6 +92,7 @@ class Config:
     mode: str = "sync"
     compression: str = "none"
     sparse_tables: int = 0
+    piece: int = 0
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -96,6 +108,8 @@ class Config:
         if self.sparse_tables and self.strategy != "allreduce":
             raise ValueError(f"sparse_tables={self.sparse_tables} is an allreduce setting, got strategy="
                              f"{self.strategy!r}: ps and hybrid move rows anyway (row_bytes), leave it 0")
+        if self.piece < 0:
+            raise ValueError(f"piece={self.piece}: elements of the largest piece, 0 (the whole shard) or more")
         if self.sparse_tables < 0:
             raise ValueError(f"sparse_tables={self.sparse_tables}: a count of tables, 0 or more")
         if self.mode == "async" and self.strategy != "ps":
@@ -140,13 +154,23 @@ def traffic(config: Config, workers: int) -> tuple[float, int]:
     if config.strategy == "allreduce":
         return allreduce_bytes(config.dense + config.tables, workers, config.compression)
     if config.strategy == "ps":
-        return share * _ps_exchange(config), _ps_messages(config)
+        return _ps_pipeline(config, workers), _ps_messages(config)
     dense_bytes, messages = allreduce_bytes(config.dense, workers, config.compression)
     return dense_bytes + 2 * share * config.row_bytes, messages + 4
 
 
+def _ps_pipeline(config: Config, workers: int) -> float:
+    """Bytes through the busiest link and direction of a pipelined sync ps step, with what cannot overlap (the
+    module docstring's formula)."""
+    busiest = config.row_bytes + max(wire_bytes(config.dense, config.compression) + config.row_bytes,
+                                     FP32 * config.dense)
+    piece = config.piece or -(-config.dense // config.servers)
+    alone = min(wire_bytes(piece, config.compression), FP32 * piece)
+    return max(workers / config.servers * busiest + workers * alone, busiest + alone)
+
+
 def _ps_exchange(config: Config) -> int:
-    """Bytes one ps worker moves per step, phase after phase: rows in, gradients out, weights in."""
+    """Bytes one async ps worker moves per step, phase after phase: rows in, gradients out, weights in."""
     return wire_bytes(config.dense, config.compression) + FP32 * config.dense + 2 * config.row_bytes
 
 

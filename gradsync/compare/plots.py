@@ -7,14 +7,15 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
 
 from gradsync.compare.report import warmup_text  # noqa: E402
 
 
 def write_plots(runs: list[dict], out_dir: str, warmup: int) -> list[str]:
     """loss.png (loss against wall-clock time after the `warmup` steps and against step, every run on one
-    chart), step_time.png (median step split into pull / compute / commit), bytes.png (bytes per step);
-    returns their paths."""
+    chart), step_time.png (median step split into pull / compute / commit), bytes.png (bytes per step), and
+    timeline.png when a run recorded its timeline (`--timeline`); returns their paths."""
     done = [r for r in runs if "error" not in r and "skipped" not in r]
     paths = []
     fig, (by_time, by_step) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -49,7 +50,39 @@ def write_plots(runs: list[dict], out_dir: str, warmup: int) -> list[str]:
     ax.set(ylabel="MB sent + received per step (worker 0)", title="traffic per step")
     ax.tick_params(axis="x", labelrotation=30)
     paths.append(_save(fig, out_dir, "bytes.png"))
+    if timed := [r for r in done if (r.get("timeline") or {}).get("pieces")]:
+        paths.append(_timeline(timed, out_dir))
     return paths
+
+
+SERVED = (("push, and the other workers' parts", "left", "arrived", "tab:blue"),
+          ("apply", "arrived", "applied", "tab:orange"),
+          ("reply", "applied", "back", "tab:green"))
+"""A ps piece's bars: (label, from event, to event, colour)."""
+EXCHANGED = (("exchange (allreduce bucket, ps header)", "left", "back", "tab:gray"),)
+"""The bar of a lane without server events."""
+
+
+def _timeline(timed: list[dict], out_dir: str) -> str:
+    """timeline.png: for each run (each with a timeline with lanes), its median step, a lane per piece or
+    bucket, bars from when it left to when it came back, in ms from the step's first departure."""
+    lanes = [len(r["timeline"]["pieces"]) for r in timed]
+    fig, axes = plt.subplots(len(timed), 1, figsize=(13, 1.5 + 0.25 * sum(lanes) + 0.8 * len(timed)),
+                             squeeze=False, gridspec_kw={"height_ratios": lanes})
+    for ax, r in zip(axes[:, 0], timed):
+        pieces = r["timeline"]["pieces"]
+        start = min(p["left"] for p in pieces)
+        for y, p in enumerate(pieces):
+            for label, begin, end, colour in SERVED if p["arrived"] is not None else EXCHANGED:
+                if p[begin] is not None and p[end] is not None:
+                    ax.barh(y, 1000 * (p[end] - p[begin]), left=1000 * (p[begin] - start), color=colour)
+        ax.set_yticks(range(len(pieces)), [p["lane"] for p in pieces], fontsize="small")
+        ax.invert_yaxis()
+        ax.set(title=f"{r['name']}: step {r['timeline']['step']} (median time)",
+               xlabel="ms from the step's first departure (worker 0)")
+    axes[0, 0].legend(handles=[Patch(color=colour, label=label) for label, _, _, colour in SERVED + EXCHANGED],
+                      loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
+    return _save(fig, out_dir, "timeline.png")
 
 
 def _save(fig, out_dir: str, name: str) -> str:

@@ -12,8 +12,9 @@ those runs).
 One W, yet three parameters: every run of a compare has the same W and batch, so in step times alone
 compute per sample and latency per message are both constants (at W = 2 allreduce and ps exchange 2
 messages each) and cannot be told apart. The ps compute split pins the compute; the paradigms' different
-byte volumes (at W = 2 ps with 1 server moves four times what allreduce moves: both workers' pushes,
-then both replies; more servers or compression change it again) pin the cost per byte; the latency is what remains, and where every run exchanged as many
+byte volumes (at W = 2 the link of ps's one server takes both workers' pushes, twice what allreduce moves,
+while their replies go out, plus the largest piece's pushes that no reply overlaps; more servers or
+compression change it again) pin the cost per byte; the latency is what remains, and where every run exchanged as many
 messages it is a fixed cost per step (`costmodel.latency_per_step`; the verdict says what a latency per
 message would change). A compare without a finished ps sync run, or whose runs move one byte volume only,
 is refused, and the verdict says which run to add.
@@ -133,8 +134,9 @@ def _configs(runs: list[dict], workers: int) -> tuple[dict[str, costmodel.Config
                                                      for r in served))
     configs = {}
     for r in done:
+        piece = (r.get("model") or {}).get("largest_piece", 0) if r["strategy"] == "ps" else 0  # its own plan's
         config = costmodel.Config(r["strategy"], sizes["batch"], model["dense"], servers=r["servers"],
-                                  compression=r["compression"])
+                                  compression=r["compression"], piece=piece)
         sparse = (r.get("model") or {}).get("sparse_tables", 0)
         if sparse and workers > 1:  # the tables' rows are all-gathered: this run's own rows, measured
             rows = max(0.0, r["bytes_sent"] - costmodel.traffic(config, workers)[0]) / (workers - 1)

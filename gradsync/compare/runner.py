@@ -109,11 +109,12 @@ def read_log(path: str) -> list[dict]:
 
 def run(config: Config, script: str, script_args: list[str], workers: int, out_dir: str, timeout: float,
         warmup: int, progress=None, board_dir: str | None = None, network: dict | None = None,
-        straggler: str | None = None) -> dict:
+        straggler: str | None = None, timeline: bool = False) -> dict:
     """Run `config` and return its measurements (or its error, when the job failed; `skipped`: NO_TABLES
     for a hybrid run on a model without tables). `warmup`: steps left out of the per-step figures;
     `board_dir`: where the workers also write TensorBoard scalars, one subdirectory per run; `network`:
-    `link` and `server_link` of `run_script`; `straggler`: GRADSYNC_STRAGGLER of every rank."""
+    `link` and `server_link` of `run_script`; `straggler`: GRADSYNC_STRAGGLER of every rank; `timeline`: every
+    rank records the step timeline (GRADSYNC_TIMELINE)."""
     log_dir = os.path.join(out_dir, "runs", config.slug)
     job_dir = os.path.join(log_dir, "job")  # the job's run directory: the servers leave their final counters there
     shutil.rmtree(job_dir, ignore_errors=True)
@@ -128,6 +129,8 @@ def run(config: Config, script: str, script_args: list[str], workers: int, out_d
         variables[settings.TENSORBOARD_DIR] = os.path.join(board_dir, config.slug)
     if straggler:
         variables[settings.STRAGGLER] = straggler
+    if timeline:
+        variables[settings.TIMELINE] = "1"
     sampler.start()
     started = time.time()
     try:
@@ -180,11 +183,20 @@ def measure(logs: list[list[dict]], sampler: Sampler, warmup: int) -> dict:
         "worker_peak_mb": max((v for p, v in sampler.peak.items() if sampler.role.get(p) == "worker"), default=0) / 2**20,
         "server_peak_mb": max((v for p, v in sampler.peak.items() if sampler.role.get(p) == "server"), default=0) / 2**20,
         "samples_per_s": samples_per_s([_steps(log) for log in logs], warmup),
+        "timeline": median_timeline(trained[warmup:]),
     }
     if len(trained) > warmup:
         start, end = trained[warmup - 1], trained[-1]
         out["cpu_s_per_step"] = sampler.cpu_between(start["wall"], end["wall"]) / (end["step"] - start["step"])
     return out
+
+
+def median_timeline(steps: list[dict]) -> dict | None:
+    """The timeline (`core.timeline`: {"step", "pieces"}) of the step of median time among `steps` (worker 0's
+    after the warm-up, merged lines) that have one; None when none has (GRADSYNC_TIMELINE off)."""
+    timed = sorted((s for s in steps if "timeline" in s),
+                   key=lambda s: sum(s["record"][part] for part in ("pull_s", "compute_s", "commit_s")))
+    return timed[len(timed) // 2]["timeline"] if timed else None
 
 
 def _steps(lines: list[dict]) -> list[dict]:

@@ -4,10 +4,11 @@ A worker calls `gradsync.log(loss=loss.item())` once per step (and, say,
 `gradsync.log(acc=accuracy)` at the end). When the job runs under `gradsync
 compare` (which sets GRADSYNC_LOG_DIR), each call appends one JSON line to
 `worker-<i>.jsonl` there: the seconds since the worker's Trainer was built, the
-wall-clock time, the step, the values, and the Trainer's last step record (pull, compute and commit
-seconds, bytes sent and received). The Trainer's first line names the model's trainable elements, dense
-and in embedding tables (for `gradsync compare --predict`). With GRADSYNC_TENSORBOARD_DIR (`compare --log-dir`) the
-values also go to a TensorBoard events file there. Without either it does nothing.
+wall-clock time, the step, the values, the Trainer's last step record (pull, compute and commit
+seconds, bytes sent and received), and with GRADSYNC_TIMELINE that step's timeline. The Trainer's first
+line names the model's trainable elements, dense and in embedding tables (for `gradsync compare --predict`).
+With GRADSYNC_TENSORBOARD_DIR (`compare --log-dir`) the values also go to a TensorBoard events file there.
+Without either it does nothing.
 """
 from __future__ import annotations
 
@@ -72,6 +73,8 @@ def log(step: int | None = None, **values: float) -> None:
         line = {"t": time.monotonic() - CURRENT.started, "wall": time.time(), "step": step, **values}
         if last is not None:
             line["record"] = dataclasses.asdict(last)
+        if metrics is not None and metrics.timeline.steps:
+            line["timeline"] = metrics.timeline.steps[-1]
         _write(directory, line)
 
 

@@ -166,6 +166,10 @@ TLS_KEY = _S("tls_key", "GRADSYNC_TLS_KEY", str, None, "grpc", "PEM key of the e
 # gradsync compare.
 STRAGGLER = _S("straggler", "GRADSYNC_STRAGGLER", str, "", "compare",
                "worker W's compute takes F times as long (W:F, an emulated straggler)", flag="--straggler")
+TIMELINE = _S("timeline", "GRADSYNC_TIMELINE", bool, False, "compare",
+              "'1': record each step's timeline, when every piece or bucket left the worker, reached and was "
+              "applied on its server and came back (a worker's trainer.metrics.timeline; compare draws "
+              "timeline.png)", flag="--timeline")
 LOG_DIR = _S("log_dir", "GRADSYNC_LOG_DIR", str, "", "compare",
              "where gradsync.log writes each worker's JSON lines (compare sets it per run)", internal=True)
 TENSORBOARD_DIR = _S("tensorboard_dir", "GRADSYNC_TENSORBOARD_DIR", str, "", "compare",

@@ -30,3 +30,9 @@ def allreduce_bytes(elements: int, workers: int, compression: str) -> tuple[floa
 def sparse_bytes(grad: torch.Tensor) -> int:
     """Bytes of a sparse gradient's rows and indices (what DDP's sparse allreduce all-gathers)."""
     return grad._values().nbytes + grad._indices().nbytes
+
+
+def head_bytes(buffers: dict[str, torch.Tensor], rows: dict) -> int:
+    """Bytes of a ps push's part that is not a bucket: its buffers, and its rows of each table ({name:
+    `ps.messages.RowGrads`})."""
+    return sum(b.nbytes for b in buffers.values()) + sum(r.nbytes for r in rows.values())

@@ -37,6 +37,7 @@ from gradsync.ps.averaging import (blame, blame_rows, check_version, mean, mean_
                                    row_staleness, scaled, skipped_entries, validated)
 from gradsync.ps.messages import Agreement, Committed, Partial, Piece, Push
 from gradsync.ps.shard import ShardState
+from gradsync.core.timeline import PieceStamps
 from gradsync.ps.wire import PLAIN
 
 
@@ -143,6 +144,7 @@ class SyncRule(ConsistencyRule):
         self._failure: Exception | None = None
         self._held: _Held | None = None  # a step waiting for the workers' word
         self._finishing: _Held | None = None  # the step applied on the first word, until every worker said it
+        self.stamps = PieceStamps(len(shard.buckets))  # the step timeline's server events
 
     def _refused(self, worker: int, push: Push) -> torch.futures.Future | None:
         """A push of the step (`payloads` None: its buckets come as pieces) is refused when the step failed,
@@ -283,6 +285,7 @@ class SyncRule(ConsistencyRule):
             if b in self._means or any(w not in parts for w in workers):
                 continue
             mine = [parts[w] for w in workers]
+            self.stamps.arrived(b, shard.version)
             avg = mean(shard, b, [(p.payload, p.wire) for p in mine], len(workers))
             if avg is not None and first_nonfinite([avg]) is not None:
                 error = blame(shard, b, avg, [(w, p.payload, p.wire) for w, p in zip(workers, mine)])
@@ -294,6 +297,7 @@ class SyncRule(ConsistencyRule):
                 if (error := self._set_options(workers)) is not None:
                     return answers + self._dropped(error, nonfinite=False)
                 shard.apply_buckets({b: avg}, {b: self._means[b][1]})
+                self.stamps.applied([b])
                 value = shard.piece(b)
                 answers += [(p.fut, value, None) for p in mine if p.fut is not None]
         if len(self._means) < len(shard.buckets):
@@ -337,6 +341,7 @@ class SyncRule(ConsistencyRule):
                 shard.end_step(buffers, rows)
             else:
                 shard.apply(means, skipped, buffers, rows)
+                self.stamps.applied(range(len(shard.buckets)))
             value = Committed(shard.version)
             answers = [] if early else [(f, shard.piece(b), None) for b, f in pieces]
         self._reset()

@@ -27,6 +27,7 @@ from torch.distributed.rendezvous import register_rendezvous_handler
 from gradsync.config import JobConfig, StoreKeys, server_name
 from gradsync.core import settings
 from gradsync.core.buckets import ModelSpec
+from gradsync.core.timeline import HEAD, Timeline
 from gradsync.core.torch_internals import set_rpc_timeout
 from gradsync.core.transport_capabilities import capabilities
 from gradsync.ps.messages import Committed, Partial, Piece, Push, Setup
@@ -102,7 +103,10 @@ with bench/linkfloor.py, 100mbit, W=2: ps S=1 1.35x its floor with no limit, 1.1
 
 
 class RpcTransport(WorkerTransport):
-    """The worker side: one asynchronous torch RPC per server for each call."""
+    """The worker side: one asynchronous torch RPC per server for each call. `timeline`: where `push_pieces`
+    records its lanes' events (the worker's, when GRADSYNC_TIMELINE is on)."""
+
+    timeline = Timeline(on=False)
 
     capabilities = capabilities("rpc")
 
@@ -135,8 +139,8 @@ class RpcTransport(WorkerTransport):
         then one call per piece, in the order given, each answered with the bucket's values as soon as its
         server has applied it. Returns each server's snapshot after the step."""
         timeout = self.config.step_timeout
-        replies = {s: rpc.rpc_async(server_name(s), rpc_push, timeout=timeout,
-                                    args=(self.worker, versions[s], heads[s])) for s in self.servers}
+        replies = {s: self.timeline.timed((s, HEAD), rpc.rpc_async, server_name(s), rpc_push, timeout=timeout,
+                                          args=(self.worker, versions[s], heads[s])) for s in self.servers}
         futures, flying = {}, {s: [] for s in self.servers}
         window = max(2, math.ceil(IN_FLIGHT_MB / self.config.bucket_cap_mb))
         for piece in pieces:
@@ -144,8 +148,9 @@ class RpcTransport(WorkerTransport):
             if len(flying[s]) >= window:  # a worker ahead of the others waits for their parts of its oldest piece
                 oldest = flying[s].pop(0)
                 wait_all({oldest: futures[oldest]}, "pushing a piece (bucket)", timeout)
-            futures[(s, b)] = rpc.rpc_async(server_name(s), rpc_push_piece, timeout=timeout,
-                                            args=(self.worker, versions[s], piece))
+            futures[(s, b)] = self.timeline.timed((s, b), rpc.rpc_async, server_name(s), rpc_push_piece,
+                                                  timeout=timeout, args=(self.worker, versions[s], piece,
+                                                                         self.timeline.on))
             flying[s].append((s, b))
         values = wait_all(futures, "pushing a piece (bucket)", timeout)
         flats = {s: [values[(s, b)] for b in sorted(b for t, b in values if t == s)] for s in self.servers}
@@ -232,8 +237,15 @@ def rpc_push(worker: int, pulled_version: int, push: Push) -> torch.futures.Futu
 
 
 @rpc.functions.async_execution
-def rpc_push_piece(worker: int, pulled_version: int, piece: Piece) -> torch.futures.Future:
-    return _server().push_piece(worker, pulled_version, piece).then(lambda applied: applied.value())
+def rpc_push_piece(worker: int, pulled_version: int, piece: Piece, stamped: bool = False) -> torch.futures.Future:
+    """The bucket's values after the step; with `stamped`, its server events too (`core.timeline.Stamped`)."""
+    server = _server()
+
+    def reply(applied: torch.futures.Future):
+        value = applied.value()  # raises the piece's error, if any, into the reply
+        return server.rule.stamps.reply(piece.bucket, value, pulled_version, stamped)
+
+    return server.push_piece(worker, pulled_version, piece).then(reply)
 
 
 @rpc.functions.async_execution

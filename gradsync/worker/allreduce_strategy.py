@@ -58,7 +58,7 @@ from gradsync.core.torch_internals import current_context_id, tree_flatten, tree
 from gradsync.runtime.failures import exit_now
 from gradsync.worker import ddp_join
 from gradsync.worker.amp import inverse_scale, record_found_inf
-from gradsync.worker.comm_timing import LastGradient
+from gradsync.worker.comm_timing import LastGradient, timed_hook
 from gradsync.worker.ddp_hooks import make_ddp_hook
 from gradsync.worker.metrics import StepMetrics
 from gradsync.worker.model_state import named_tensors, to_state_dict
@@ -183,8 +183,10 @@ class AllreduceStrategy(Strategy):
         self._used: set[int] = set()  # ids of the parameters this step's forward passes used
         self._last_context: int | None = None
         self.ddp = DDP(module, **_no_buffer_broadcast())
-        if config.compression != "none":  # else DDP's built-in allreduce: it divides by W as it copies, no extra pass
-            self.ddp.register_comm_hook(*make_ddp_hook(config.compression))
+        # else DDP's built-in allreduce: it divides by W as it copies, no extra pass (the timeline needs a hook)
+        if config.compression != "none" or self.metrics.timeline.on:
+            hook_state, hook = make_ddp_hook(config.compression)
+            self.ddp.register_comm_hook(hook_state, timed_hook(hook, self.metrics.timeline, config.compression))
         self.local_nonfinite = False
         for p in self.trainable:
             p.register_hook(self._check_local)

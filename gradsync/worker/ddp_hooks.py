@@ -4,7 +4,7 @@ The compression itself is done by the ops of `gradsync.cuda_ops`; this module
 only wires them into DDP. `make_ddp_hook` returns a `(state, hook)` pair for
 `DistributedDataParallel.register_comm_hook`. Every hook produces the MEAN of
 the ranks' gradient buckets, like DDP's default: 'none' scales by
-1 / world size and all-reduces; 'fp16'/'bf16' fuse the 1 / world size scale
+1 / world size and all-reduces (DDP's own arithmetic, bit for bit); 'fp16'/'bf16' fuse the 1 / world size scale
 into the cast (`compress`), all-reduce the 16-bit tensor and cast back
 (`decompress`); 'int8' quantizes the bucket with error feedback
 (`compress_int8`, one residual per bucket kept in the state), all-gathers
@@ -60,7 +60,7 @@ class DDPHookState:
 
 def _allreduce_hook(state: DDPHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     buf = bucket.buffer()
-    buf.div_(dist.get_world_size(state.process_group))
+    buf.mul_(1.0 / dist.get_world_size(state.process_group))  # as DDP's built-in allreduce scales: bit for bit
     fut = dist.all_reduce(buf, group=state.process_group, async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
 

@@ -6,6 +6,8 @@ import dataclasses
 import statistics
 import time
 
+from gradsync.core.timeline import Timeline
+
 
 @dataclasses.dataclass
 class StepRecord:
@@ -28,10 +30,11 @@ KEPT = 10_000
 
 class StepMetrics:
     """Collects a `StepRecord` per step: pull (in the forward), compute (until step), commit (step). Keeps the
-    newest `KEPT`; `steps` counts them all."""
+    newest `KEPT`; `steps` counts them all. `timeline`: each step's pieces (`core.timeline`), when on."""
 
     def __init__(self):
         self.records: collections.deque[StepRecord] = collections.deque(maxlen=KEPT)
+        self.timeline = Timeline()  # per piece, when GRADSYNC_TIMELINE is on
         self.steps = 0
         self._current = StepRecord()
         self._mark: float | None = None
@@ -58,6 +61,7 @@ class StepMetrics:
         self._current.bytes_received += bytes_received
         self.records.append(self._current)
         self.steps += 1
+        self.timeline.committed(self.steps)
         self._current, self._mark, self._inside = StepRecord(), None, 0.0
 
     def last(self) -> StepRecord | None:

@@ -33,7 +33,9 @@ from gradsync.core.clipping import Clipping
 from gradsync.core.errors import no_gradients_error, step_twice_error
 from gradsync.core.finite import first_nonfinite
 from gradsync.core.optimizer_spec import OptimizerSpec, changed_options, group_options
+from gradsync.core.timeline import HEAD
 from gradsync.core.torch_internals import current_context_id
+from gradsync.core.traffic import head_bytes
 from gradsync.membership.uneven_data import Joiner
 from gradsync.ps.messages import Agreement, Partial, Piece, Push, Setup
 from gradsync.ps.shard import Snapshot
@@ -115,6 +117,7 @@ class PSStrategy(Strategy):
         self.transport = chosen.worker(config, cluster.store, self.server_buckets)
         self.joiner = Joiner(cluster.store, cluster.config, cluster.heartbeat, self.servers)
         self.tables.transport = self.transport
+        self.transport.timeline = self.metrics.timeline  # torch RPC records its pieces (gRPC: no lanes yet)
         self.frozen = self._register(params, buffers, spec, table_setups)
         self.model = PSModel(module, self)
         self.optimizer = ServedOptimizer(
@@ -213,15 +216,17 @@ class PSStrategy(Strategy):
                            for (flat, _), b in zip(packed, self.server_buckets[s])]
             absent[s] = [missing for _, missing in packed]
         buffers = {s: {n: pulled.tensors[n].detach() for n in pulled.buffer_names[s]} for s in self.servers}
-        sent = sum(self.wire.nbytes(p) for per in payloads.values() for p in per if p is not None)
-        sent += sum(b.nbytes for per in buffers.values() for b in per.values())
-        sent += sum(r.nbytes for per in rows.values() for r in per.values())
+        sizes = {(s, b): self.wire.nbytes(p) for s, per in payloads.items() for b, p in enumerate(per)
+                 if p is not None}
+        sizes.update({(s, HEAD): head_bytes(buffers[s], rows.get(s, {})) for s in self.servers})
+        sent = sum(sizes.values())
         changes = changed_options(self.optimizer.param_groups, self._sent)
         if changes:
             self._sent = [group_options(g) for g in self.optimizer.param_groups]
         if agree is None and self.config.mode == "sync":  # a pipeline of pieces, each back once applied
             heads = {s: Push(None, None, buffers[s], rows.get(s, {}), changes) for s in self.servers}
             pieces = [Piece(s, b, payloads[s][b], absent[s][b]) for s, b in self._order]
+            self.metrics.timeline.expect(sizes)
             fresh = self.transport.push_pieces(pulled.versions, heads, pieces)
         else:
             fresh = self.transport.push(pulled.versions, {s: Push(payloads[s], absent[s], buffers[s], rows.get(s, {}),
@@ -249,7 +254,8 @@ class PSStrategy(Strategy):
         return fresh
 
     def model_sizes(self, trainable: int) -> dict[str, int]:
-        return self.tables.model_sizes(trainable)
+        """The tables' sizes (`ServedTables.model_sizes`) and the largest piece's elements (the cost model's)."""
+        return {**self.tables.model_sizes(trainable), "largest_piece": max((b.numel for b in self.buckets), default=0)}
 
     def server_stats(self) -> dict[int, dict]:
         return self.transport.stats()

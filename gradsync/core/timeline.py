@@ -1,0 +1,137 @@
+"""The step timeline (GRADSYNC_TIMELINE, `gradsync compare --timeline`): when each piece of a step left the
+worker, reached and was applied on its server, and came back.
+
+A worker's `Timeline` records one `PieceEvents` per lane and step: under ps each piece (a server's bucket) of
+the pipelined sync step over torch RPC, and each server's header push (buffers and rows, no gradient);
+under allreduce each bucket DDP exchanges. `left` and `back` are taken on the worker; `arrived` (every
+worker's part of the piece is in) and `applied` (the optimizer stepped on it) on the server, by its
+`PieceStamps`, and sent back in the piece's reply (`Stamped`). Every time is wall-clock seconds
+(`time.time()`): ranks on one machine, or in network namespaces on it, share that clock, so the worker's
+and the server's events are on one axis; across machines the clocks' skew (NTP: milliseconds) shifts
+the server's events against the worker's.
+
+Off, a worker records nothing (`timed` calls straight through) and a server only notes two clock readings
+per piece, which it sends only to a worker that asks. Other paths record no lane yet: the gRPC transport,
+async and ssp pushes, and a held step (clipping, a GradScaler), which travel whole.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import NamedTuple
+
+from gradsync.core import settings
+
+KEPT_STEPS = 100
+"""Steps whose timeline a worker keeps (the newest): a step holds an event per piece."""
+
+HEAD = None
+"""The bucket of a header lane: a server's push that carries the step's buffers and rows, no gradient."""
+
+
+@dataclasses.dataclass
+class PieceEvents:
+    """One lane of a step: a piece (ps: `server`, its bucket; allreduce: `server` None, DDP's bucket index)
+    or a header (`bucket` HEAD). Times are wall-clock seconds; `arrived` and `applied` are the server's (None
+    under allreduce, for a header, or when the piece was answered without being applied: a dropped step)."""
+
+    server: int | None
+    bucket: int | None
+    bytes_sent: float
+    left: float
+    bytes_received: float | None = None  # None until it is back: the reply's
+    arrived: float | None = None
+    applied: float | None = None
+    back: float | None = None
+
+    @property
+    def lane(self) -> str:
+        """'s0 b3', 's0 head', or 'bucket 3' (allreduce)."""
+        if self.server is None:
+            return f"bucket {self.bucket}"
+        return f"s{self.server} " + ("head" if self.bucket is HEAD else f"b{self.bucket}")
+
+
+class Stamped(NamedTuple):
+    """A piece's reply with its server's events, for a worker that asked for them."""
+
+    value: object
+    arrived: float | None
+    applied: float | None
+
+
+class PieceStamps:
+    """A server's events of its buckets in the current sync step: when every worker's part was in, when the
+    optimizer stepped on it. Call `arrived` and `applied` with the shard lock held."""
+
+    def __init__(self, buckets: int):
+        self._at: list[tuple[int, float, float | None] | None] = [None] * buckets  # (version, arrived, applied)
+
+    def arrived(self, b: int, version: int) -> None:
+        self._at[b] = (version, time.time(), None)
+
+    def applied(self, buckets) -> None:
+        now = time.time()
+        for b in buckets:
+            version, arrived, _ = self._at[b]
+            self._at[b] = (version, arrived, now)
+
+    def reply(self, b: int, value, version: int, stamped: bool):
+        """`value`, or with `stamped` the `Stamped` reply: bucket `b`'s events in the step at `version` (None
+        for those it has not had: a step dropped before the bucket was complete)."""
+        if not stamped:
+            return value
+        at = self._at[b]
+        return Stamped(value, *at[1:]) if at is not None and at[0] == version else Stamped(value, None, None)
+
+
+class Timeline:
+    """A worker's per-step events (`steps`: the newest `KEPT_STEPS`, each {"step", "pieces": [PieceEvents as
+    dicts]}). `on`: GRADSYNC_TIMELINE, read once."""
+
+    def __init__(self, on: bool | None = None):
+        self.on = settings.TIMELINE.read() if on is None else on
+        self.steps: collections.deque[dict] = collections.deque(maxlen=KEPT_STEPS)
+        self._current: list[PieceEvents] = []
+        self._sizes: dict[tuple, float] = {}
+
+    def expect(self, sizes: dict[tuple, float]) -> None:
+        """The bytes each lane of the coming push sends, by (server, bucket or HEAD)."""
+        self._sizes = sizes
+
+    def timed(self, lane: tuple, call, *args, **kwargs):
+        """`call(*args, **kwargs)`, a call that returns a torch future, with its lane's events (ps): `left`
+        now, the bytes `expect` gave, and when it completes `back`, the reply's bytes and a `Stamped` reply's
+        server events (unwrapped). Off: the call alone."""
+        if not self.on:
+            return call(*args, **kwargs)
+        return self._track(PieceEvents(*lane, self._sizes.get(lane, 0), time.time()), call, args, kwargs)
+
+    def exchanged(self, bucket: int, nbytes: float, call, *args):
+        """`call(*args)`, which launches the allreduce of DDP's bucket `bucket` (`nbytes` through the link each
+        way) and returns its future, with the bucket's events. Off: the call alone."""
+        if not self.on:
+            return call(*args)
+        return self._track(PieceEvents(None, bucket, nbytes, time.time(), nbytes), call, args, {})
+
+    def _track(self, events: PieceEvents, call, args, kwargs):
+        self._current.append(events)
+
+        def back(fut):
+            value = fut.value()
+            events.back = time.time()
+            if isinstance(value, Stamped):
+                value, events.arrived, events.applied = value
+            if events.bytes_received is None:
+                events.bytes_received = getattr(value, "nbytes", 0)
+            return value
+
+        return call(*args, **kwargs).then(back)
+
+    def committed(self, step: int) -> None:
+        """The step numbered `step` (1 for the job's first) is over: keep its events."""
+        if self.on:
+            self.steps.append({"step": step, "pieces": [dataclasses.asdict(e) | {"lane": e.lane}
+                                                        for e in self._current]})
+            self._current, self._sizes = [], {}

@@ -1,0 +1,130 @@
+"""The step timeline (GRADSYNC_TIMELINE): the bytes of a step's lanes add up to the bytes the step moved (the
+step metrics' and the closed form from the model's sizes), each piece's events come in order, and the
+pipeline's promise shows in the server's events (a piece applied before the next piece's parts are all in),
+never in timings."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import gradsync
+from gradsync.core.timeline import HEAD, Timeline
+from gradsync.ps.consistency import SyncRule
+from helpers import max_diff
+from jobs import make_bn_net, make_mlp, reference_bn, reference_mlp, train_with_timeline
+from test_pipeline import make_shard, part
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FP32 = 4
+
+
+def test_off_the_timeline_calls_straight_through_and_keeps_nothing():
+    timeline, fut = Timeline(on=False), torch.futures.Future()
+    assert timeline.timed((0, 0), lambda: fut) is fut
+    assert timeline.exchanged(0, 100, lambda: fut) is fut
+    timeline.committed(1)
+    assert not timeline.steps
+
+
+def test_a_server_applies_each_piece_before_the_next_ones_parts_are_all_in():
+    shard = make_shard()
+    rule = SyncRule(shard, num_workers=2, nonfinite="raise")
+    stamps = lambda b: rule.stamps.reply(b, None, 0, True)  # noqa: E731
+    [rule.commit(w, 0, None, None, {}) for w in (0, 1)]
+    for b in range(len(shard.buckets)):
+        rule.commit_piece(0, 0, b, part(0, b, shard), ())
+        assert stamps(b).arrived is None  # worker 1's part is not in yet
+        rule.commit_piece(1, 0, b, part(1, b, shard), ())
+        assert stamps(b).arrived <= stamps(b).applied
+        if b:
+            assert stamps(b - 1).applied <= stamps(b).arrived
+    assert rule.stamps.reply(0, "value", 0, False) == "value"  # a worker that did not ask gets the value alone
+    assert rule.stamps.reply(0, None, 1, True) == (None, None, None)  # another step's events are not sent
+
+
+def test_pieces_that_wait_for_the_whole_step_are_applied_after_the_last_is_in():
+    shard = make_shard()
+    rule = SyncRule(shard, num_workers=2, nonfinite="skip")  # a NaN in a later piece would skip the whole step
+    [rule.commit(w, 0, None, None, {}) for w in (0, 1)]
+    for b in range(len(shard.buckets)):
+        for w in (0, 1):
+            rule.commit_piece(w, 0, b, part(w, b, shard), ())
+    events = [rule.stamps.reply(b, None, 0, True) for b in range(len(shard.buckets))]
+    assert len({e.applied for e in events}) == 1 and max(e.arrived for e in events) <= events[0].applied
+
+
+def _check_order(pieces: list[dict]) -> None:
+    for p in pieces:
+        if p["arrived"] is None:  # a header or an allreduce bucket: no server events
+            assert p["left"] <= p["back"], p
+        else:
+            assert p["left"] <= p["arrived"] <= p["applied"] <= p["back"], p
+
+
+def _check_pipelined(pieces: list[dict]) -> None:
+    """On each server, every piece was applied before the next piece's parts were all in."""
+    for server in {p["server"] for p in pieces}:
+        served = sorted((p for p in pieces if p["server"] == server and p["arrived"] is not None),
+                        key=lambda p: p["arrived"])
+        assert len(served) > 1 and all(a["applied"] <= b["arrived"] for a, b in zip(served, served[1:]))
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("bn", [False, True])
+def test_a_ps_steps_lanes_carry_its_bytes_in_order_and_pipelined(bn):
+    steps, workers, servers = 4, 2, 2
+    results = gradsync.launch(train_with_timeline, strategy="ps", workers=workers, servers=servers,
+                              args=(steps, bn), timeout=140, bucket_cap_mb=0.0002)  # 200-byte pieces
+    model = make_bn_net() if bn else make_mlp()
+    gradients = FP32 * sum(p.numel() for p in model.parameters())
+    buffers = sum(b.nbytes for b in model.buffers())
+    reference = reference_bn(steps, workers) if bn else reference_mlp(steps, workers)
+    for state, records, timeline in results:
+        assert max_diff(state, reference) <= 1e-5  # the timeline changes nothing of the step
+        assert [t["step"] for t in timeline] == list(range(1, steps + 1))
+        for record, step in zip(records, timeline):
+            pieces = step["pieces"]
+            heads = [p for p in pieces if p["bucket"] is HEAD]
+            assert len(heads) == servers and sum(p["bytes_sent"] for p in heads) == buffers
+            assert sum(p["bytes_sent"] for p in pieces) == record["bytes_sent"] == gradients + buffers
+            assert sum(p["bytes_received"] for p in pieces) == record["bytes_received"] == gradients + buffers
+            _check_order(pieces)
+            _check_pipelined(pieces)
+
+
+@pytest.mark.timeout(200)
+def test_an_allreduce_steps_buckets_carry_its_bytes_in_order_and_change_nothing():
+    steps, workers = 4, 3  # W = 3: the hook the timeline needs must scale by 1 / 3 exactly as DDP's own does
+    results = gradsync.launch(train_with_timeline, strategy="allreduce", workers=workers, args=(steps,), timeout=90)
+    untimed = gradsync.launch(train_with_timeline, strategy="allreduce", workers=workers, args=(steps, False, False),
+                              timeout=90)
+    elements = sum(p.numel() for p in make_mlp().parameters())
+    for (state, records, timeline), (plain, _, nothing) in zip(results, untimed):
+        assert not nothing and all(torch.equal(state[k], plain[k]) for k in plain)  # bit for bit
+        for record, step in zip(records, timeline):
+            pieces = step["pieces"]
+            assert len(pieces) == 1 and pieces[0]["server"] is None  # the small MLP is one DDP bucket
+            # a ring at W = 3: 2 (W-1)/W of the fp32 gradients through each link, each way
+            assert pieces[0]["bytes_sent"] == pieces[0]["bytes_received"] == record["bytes_sent"] == \
+                int(2 * 2 / 3 * FP32 * elements)
+            _check_order(pieces)
+
+
+@pytest.mark.timeout(240)
+def test_compare_draws_each_runs_median_step(tmp_path):
+    out = tmp_path / "report"
+    done = subprocess.run([sys.executable, "-m", "gradsync.cli", "compare", "--workers", "2", "--out", str(out),
+                           "--strategies", "allreduce,ps", "--servers", "1", "--modes", "sync", "--timeline",
+                           os.path.join(HERE, "compare_script.py")], capture_output=True, text=True, timeout=230)
+    assert done.returncode == 0, done.stderr
+    assert (out / "timeline.png").stat().st_size > 0
+    runs = json.loads((out / "report.json").read_text())["runs"]
+    gradients = FP32 * sum(p.numel() for p in make_mlp().parameters())
+    for run in runs:
+        pieces = run["timeline"]["pieces"]
+        assert sum(p["bytes_sent"] for p in pieces) == gradients, run["name"]  # W = 2, no buffers
+        _check_order(pieces)
+    assert "timeline.png" in (out / "report.md").read_text()
