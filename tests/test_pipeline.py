@@ -12,69 +12,58 @@ from gradsync.ps.consistency import SyncRule
 from gradsync.ps.messages import Piece, Push
 from gradsync.ps.shard import ShardState
 from jobs import reference_mlp, train_mlp
+from shards import make_pieced_shard, piece_part
 from helpers import max_diff
 
 
-def make_shard(optimizer=torch.optim.SGD):
-    torch.manual_seed(0)
-    params = {"w": torch.randn(6, 4, requires_grad=True), "b": torch.randn(4, requires_grad=True)}
-    buckets = plan_buckets(ModelSpec.of(params, {}).params, 1, 32, split=True)  # pieces of 8 elements
-    shard = ShardState(0, buckets, params, {}, OptimizerSpec.one_group(optimizer, {"lr": 0.5}))
-    return shard
-
-
-def part(worker: int, b: int, shard) -> torch.Tensor:
-    return torch.full((shard.buckets[b].numel,), float(worker + 1 + 10 * b))
-
-
 def test_the_plan_cuts_the_parameters_into_pieces():
-    shard = make_shard()
+    shard = make_pieced_shard()
     assert len(shard.buckets) == 4 and all(b.numel <= 8 for b in shard.buckets)
 
 
 def test_a_piece_is_applied_and_answered_before_the_next_pieces_pushes_are_all_in():
-    shard = make_shard()
+    shard = make_pieced_shard()
     rule = SyncRule(shard, num_workers=2, nonfinite="raise")
     before = [f.clone() for f in shard.flats]
     heads = [rule.commit(w, 0, Push(None, None)) for w in (0, 1)]
-    pieces = {(w, b): rule.commit_piece(w, 0, Piece(0, b, part(w, b, shard), ())) for w in (0, 1) for b in (0, 1)}
-    pieces[(0, 2)] = rule.commit_piece(0, 0, Piece(0, 2, part(0, 2, shard), ()))  # worker 1's part of piece 2 not yet in
+    pieces = {(w, b): rule.commit_piece(w, 0, Piece(0, b, piece_part(w, b, shard), ())) for w in (0, 1) for b in (0, 1)}
+    pieces[(0, 2)] = rule.commit_piece(0, 0, Piece(0, 2, piece_part(0, 2, shard), ()))  # worker 1's part of piece 2 not yet in
     for b in (0, 1):
-        expected = before[b] - 0.5 * (part(0, b, shard) + part(1, b, shard)) / 2
+        expected = before[b] - 0.5 * (piece_part(0, b, shard) + piece_part(1, b, shard)) / 2
         assert pieces[(0, b)].done() and pieces[(1, b)].done()
         assert torch.equal(pieces[(0, b)].wait(), expected) and torch.equal(shard.flats[b], expected)
     assert not pieces[(0, 2)].done() and torch.equal(shard.flats[2], before[2])
     assert not any(h.done() for h in heads) and shard.version == 0  # the step is not over
-    rule.commit_piece(1, 0, Piece(0, 2, part(1, 2, shard), ()))
+    rule.commit_piece(1, 0, Piece(0, 2, piece_part(1, 2, shard), ()))
     assert pieces[(0, 2)].done() and not any(h.done() for h in heads)
-    last = [rule.commit_piece(w, 0, Piece(0, 3, part(w, 3, shard), ())) for w in (0, 1)]
+    last = [rule.commit_piece(w, 0, Piece(0, 3, piece_part(w, 3, shard), ())) for w in (0, 1)]
     assert [h.wait().version for h in heads] == [1, 1] and all(f.done() for f in last) and shard.version == 1
 
 
 def test_pieces_are_held_for_the_whole_step_when_a_nan_must_skip_it():
-    shard = make_shard()
+    shard = make_pieced_shard()
     rule = SyncRule(shard, num_workers=2, nonfinite="skip")
     before = [f.clone() for f in shard.flats]
     heads = [rule.commit(w, 0, Push(None, None)) for w in (0, 1)]
-    first = [rule.commit_piece(w, 0, Piece(0, 0, part(w, 0, shard), ())) for w in (0, 1)]
+    first = [rule.commit_piece(w, 0, Piece(0, 0, piece_part(w, 0, shard), ())) for w in (0, 1)]
     assert not any(f.done() for f in first)  # not applied early: a later piece may still skip the step
-    bad = part(1, 1, shard)
+    bad = piece_part(1, 1, shard)
     bad[3] = float("nan")
     for b in (1, 2, 3):
         for w in (0, 1):
-            rule.commit_piece(w, 0, Piece(0, b, bad if (w, b) == (1, 1) else part(w, b, shard), ()))
+            rule.commit_piece(w, 0, Piece(0, b, bad if (w, b) == (1, 1) else piece_part(w, b, shard), ()))
     assert [h.wait().version for h in heads] == [0, 0] and shard.stats.steps_skipped == 1
     assert all(torch.equal(a, b) for a, b in zip(shard.flats, before))
     assert torch.equal(first[0].wait(), before[0])
 
 
 def test_a_nan_piece_names_the_parameter_and_the_worker():
-    shard = make_shard()
+    shard = make_pieced_shard()
     rule = SyncRule(shard, num_workers=2, nonfinite="raise")
     heads = [rule.commit(w, 0, Push(None, None)) for w in (0, 1)]
-    bad = part(1, 3, shard)
+    bad = piece_part(1, 3, shard)
     bad[0] = float("inf")
-    rule.commit_piece(0, 0, Piece(0, 3, part(0, 3, shard), ()))
+    rule.commit_piece(0, 0, Piece(0, 3, piece_part(0, 3, shard), ()))
     with pytest.raises(GradientError, match=r"'w'.*worker 1|worker 1.*'w'"):
         rule.commit_piece(1, 0, Piece(0, 3, bad, ())).wait()
     with pytest.raises(GradientError):
@@ -82,12 +71,12 @@ def test_a_nan_piece_names_the_parameter_and_the_worker():
 
 
 def test_a_piece_sent_twice_is_refused():
-    shard = make_shard()
+    shard = make_pieced_shard()
     rule = SyncRule(shard, num_workers=2, nonfinite="raise")
     rule.commit(0, 0, Push(None, None))
-    rule.commit_piece(0, 0, Piece(0, 1, part(0, 1, shard), ()))
+    rule.commit_piece(0, 0, Piece(0, 1, piece_part(0, 1, shard), ()))
     with pytest.raises(GradientError, match="worker 0 sent bucket 1 twice"):
-        rule.commit_piece(0, 0, Piece(0, 1, part(0, 1, shard), ())).wait()
+        rule.commit_piece(0, 0, Piece(0, 1, piece_part(0, 1, shard), ())).wait()
 
 
 @pytest.mark.timeout(180)

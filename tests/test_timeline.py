@@ -13,9 +13,10 @@ import torch
 import gradsync
 from gradsync.core.timeline import HEAD, Timeline
 from gradsync.ps.consistency import SyncRule
+from gradsync.ps.messages import Piece, Push
 from helpers import max_diff
 from jobs import make_bn_net, make_mlp, reference_bn, reference_mlp, train_with_timeline
-from test_pipeline import make_shard, part
+from shards import make_pieced_shard, piece_part
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FP32 = 4
@@ -30,14 +31,14 @@ def test_off_the_timeline_calls_straight_through_and_keeps_nothing():
 
 
 def test_a_server_applies_each_piece_before_the_next_ones_parts_are_all_in():
-    shard = make_shard()
+    shard = make_pieced_shard()
     rule = SyncRule(shard, num_workers=2, nonfinite="raise")
     stamps = lambda b: rule.stamps.reply(b, None, 0, True)  # noqa: E731
-    [rule.commit(w, 0, None, None, {}) for w in (0, 1)]
+    [rule.commit(w, 0, Push(None, None)) for w in (0, 1)]
     for b in range(len(shard.buckets)):
-        rule.commit_piece(0, 0, b, part(0, b, shard), ())
+        rule.commit_piece(0, 0, Piece(0, b, piece_part(0, b, shard), ()))
         assert stamps(b).arrived is None  # worker 1's part is not in yet
-        rule.commit_piece(1, 0, b, part(1, b, shard), ())
+        rule.commit_piece(1, 0, Piece(0, b, piece_part(1, b, shard), ()))
         assert stamps(b).arrived <= stamps(b).applied
         if b:
             assert stamps(b - 1).applied <= stamps(b).arrived
@@ -46,12 +47,12 @@ def test_a_server_applies_each_piece_before_the_next_ones_parts_are_all_in():
 
 
 def test_pieces_that_wait_for_the_whole_step_are_applied_after_the_last_is_in():
-    shard = make_shard()
+    shard = make_pieced_shard()
     rule = SyncRule(shard, num_workers=2, nonfinite="skip")  # a NaN in a later piece would skip the whole step
-    [rule.commit(w, 0, None, None, {}) for w in (0, 1)]
+    [rule.commit(w, 0, Push(None, None)) for w in (0, 1)]
     for b in range(len(shard.buckets)):
         for w in (0, 1):
-            rule.commit_piece(w, 0, b, part(w, b, shard), ())
+            rule.commit_piece(w, 0, Piece(0, b, piece_part(w, b, shard), ()))
     events = [rule.stamps.reply(b, None, 0, True) for b in range(len(shard.buckets))]
     assert len({e.applied for e in events}) == 1 and max(e.arrived for e in events) <= events[0].applied
 
