@@ -249,8 +249,8 @@ def forever(pids: str) -> None:
 
 def train_with_timeline(steps: int, bn: bool = False, timeline: bool = True
                         ) -> tuple[dict[str, torch.Tensor], list[dict], list[dict]]:
-    """`train_mlp` (or, with `bn`, `train_bn`) with the step timeline on (GRADSYNC_TIMELINE, set here: the
-    ranks of gradsync.launch inherit the environment their forkserver started with): the final state, each
+    """`train_mlp` (or, with `bn`, `train_bn`) with the step timeline on (GRADSYNC_TIMELINE, set here, in
+    the rank, before its Trainer reads it): the final state, each
     step's record and each step's timeline."""
     import dataclasses
 
@@ -267,3 +267,8 @@ def train_with_timeline(steps: int, bn: bool = False, timeline: bool = True
     run_loop(trainer, steps)
     records = [dataclasses.asdict(r) for r in trainer.metrics.records]
     return trainer.state_dict(), records, list(trainer.metrics.timeline.steps)
+
+
+def environment_value(name: str) -> str | None:
+    """This rank's value of the environment variable `name`."""
+    return os.environ.get(name)

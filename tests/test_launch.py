@@ -10,7 +10,7 @@ import pytest
 
 import gradsync
 from gradsync.launcher import procfs
-from jobs import init_then_train, reference_mlp
+from jobs import environment_value, init_then_train, reference_mlp
 from helpers import max_diff
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -75,3 +75,15 @@ def test_no_rank_outlives_the_process_that_called_launch(tmp_path):
         for pid in pids:
             if procfs.state(pid) not in (None, "Z"):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_the_ranks_see_the_callers_environment_at_each_call(monkeypatch):
+    """The fork server keeps the environment it started with; each launch's ranks see the caller's as it is."""
+    probe = "GRADSYNC_TEST_PROBE"  # read only by the test's function
+    one_worker = dict(strategy="allreduce", workers=1, timeout=120)
+    monkeypatch.delenv(probe, raising=False)
+    assert gradsync.launch(environment_value, args=(probe,), **one_worker) == [None]  # the fork server is up
+    monkeypatch.setenv(probe, "set after the first launch")
+    assert gradsync.launch(environment_value, args=(probe,), **one_worker) == ["set after the first launch"]
+    monkeypatch.delenv(probe)
+    assert gradsync.launch(environment_value, args=(probe,), **one_worker) == [None]

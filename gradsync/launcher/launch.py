@@ -40,8 +40,10 @@ def rank_starter() -> tuple[multiprocessing.context.BaseContext, int]:
 
 
 def _run_function(env: dict, call: bytes, result_path: str, namespace: str | None) -> None:
-    """Body of a spawned rank: die with the launcher, enter its network namespace (if any), init, then fn(*args)
-    (`call`, pickled by the launcher) on workers; a failure is recorded for the launcher."""
+    """Body of a spawned rank: take `env` as its whole environment (the fork server keeps the one it started
+    with), die with the launcher, enter its network namespace (if any), init, then fn(*args) (`call`, pickled by
+    the launcher) on workers; a failure is recorded for the launcher."""
+    os.environ.clear()
     os.environ.update({**env, LAUNCHED.env: "1"})
     try:
         die_with_launcher()
@@ -74,6 +76,9 @@ def launch(fn, *, strategy: str, workers: int, servers: int | None = None, mode:
            timeout: float | None = None, link: str | None = None, server_link: str | None = None,
            **settings) -> Results:
     """Run `fn(*args)` on each worker of a local job and return the results in worker order.
+
+    Every rank's environment is this process's at the call, plus the job's settings (as a subprocess's
+    would be, though the ranks are forked from a fork server started once).
 
     In an async or ssp ps job a worker that dies (killed, or exited without an exception and without
     gradsync.shutdown()) does not stop the job: its result is None, the returned list's `departures` says
@@ -108,7 +113,7 @@ def launch(fn, *, strategy: str, workers: int, servers: int | None = None, mode:
             for rank, env in enumerate(rank_environments(config, store.port, run_dir, network)):
                 result_path = os.path.join(run_dir, f"result-{rank}.pt")
                 namespace = network.namespaces[rank] if network else None
-                proc = context.Process(target=_run_function, args=(env, call, result_path, namespace),
+                proc = context.Process(target=_run_function, args=({**os.environ, **env}, call, result_path, namespace),
                                        daemon=False)
                 proc.start()
                 ranks.append(RankProcess(rank, proc))
