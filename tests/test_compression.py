@@ -4,7 +4,7 @@ import torch
 
 import gradsync
 from gradsync.cuda_ops import compress_int8
-from gradsync.ps.consistency import SyncRule
+from gradsync.ps.sync_rule import SyncRule
 from gradsync.ps.messages import Push
 from gradsync.core.errors import GradientError
 from gradsync.ps.wire import make_wire

@@ -4,7 +4,9 @@ import torch
 
 from gradsync.core.optimizer_spec import OptimizerSpec
 from gradsync.core.buckets import ModelSpec, plan_buckets
-from gradsync.ps.consistency import AsyncRule, SSPRule, SyncRule, make_rule
+from gradsync.ps.async_rules import AsyncRule, SSPRule
+from gradsync.ps.server import make_rule
+from gradsync.ps.sync_rule import SyncRule
 from gradsync.ps.messages import Agreement, Committed, Push
 from gradsync.core.errors import GradientError
 from gradsync.ps.shard import ShardState

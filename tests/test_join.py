@@ -6,7 +6,8 @@ import torch
 import gradsync
 from gradsync.core.optimizer_spec import OptimizerSpec
 from gradsync.core.buckets import ModelSpec, plan_buckets
-from gradsync.ps.consistency import SSPRule, SyncRule
+from gradsync.ps.async_rules import SSPRule
+from gradsync.ps.sync_rule import SyncRule
 from gradsync.ps.messages import Push
 from gradsync.ps.shard import ShardState
 from helpers import max_diff

@@ -5,12 +5,9 @@ import pytest
 import torch
 
 import gradsync
-from gradsync.core.buckets import ModelSpec, plan_buckets
 from gradsync.core.errors import GradientError
-from gradsync.core.optimizer_spec import OptimizerSpec
-from gradsync.ps.consistency import SyncRule
+from gradsync.ps.sync_rule import SyncRule
 from gradsync.ps.messages import Piece, Push
-from gradsync.ps.shard import ShardState
 from jobs import reference_mlp, train_mlp
 from shards import make_pieced_shard, piece_part
 from helpers import max_diff

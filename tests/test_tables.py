@@ -13,7 +13,8 @@ from gradsync.core.buckets import TensorSpec
 from gradsync.core.errors import GradientError
 from gradsync.core.row_optim import LazyRows, RowAdagrad, RowSGD, exact_row_optimizer, no_row_form
 from gradsync.core.tables import check_ids, find_tables, merge_rows, rows_on, split_ids
-from gradsync.ps.consistency import AsyncRule, SyncRule
+from gradsync.ps.async_rules import AsyncRule
+from gradsync.ps.sync_rule import SyncRule
 from gradsync.ps.messages import Push, RowGrads
 from gradsync.ps.shard import ShardState
 from gradsync.ps.table import TableShard

@@ -12,7 +12,7 @@ import torch
 
 import gradsync
 from gradsync.core.timeline import HEAD, Timeline
-from gradsync.ps.consistency import SyncRule
+from gradsync.ps.sync_rule import SyncRule
 from gradsync.ps.messages import Piece, Push
 from helpers import max_diff
 from jobs import make_bn_net, make_mlp, reference_bn, reference_mlp, train_with_timeline

@@ -19,11 +19,13 @@ from gradsync.core.buckets import ModelSpec
 from gradsync.core.errors import GradientError, model_mismatch_error
 from gradsync.core.futures import failed, resolved
 from gradsync.ps import checkpoint, reshard
-from gradsync.ps.consistency import ConsistencyRule, SyncRule, make_rule
+from gradsync.ps.async_rules import AsyncRule, SSPRule
+from gradsync.ps.consistency import ConsistencyRule
 from gradsync.ps.layout import ShardLayout, layout_of
 from gradsync.ps.messages import Committed, Partial, Piece, Push, Setup
 from gradsync.ps.named_grads import push_named
 from gradsync.ps.shard import ShardState, Snapshot
+from gradsync.ps.sync_rule import SyncRule
 from gradsync.ps.table import TableShard
 from gradsync.ps.wire import make_wire
 
@@ -329,3 +331,11 @@ def _usable_device(device: str) -> torch.device:
             f"server_device {device!r} asked for, but this server has no CUDA device: use --server-device cpu"
         )
     return torch.device(device)
+
+
+def make_rule(mode: str, shard: ShardState, num_workers: int, nonfinite: str, staleness: int = 0
+              ) -> ConsistencyRule:
+    """The consistency rule of `mode` ('sync', 'async', 'ssp') for `shard`."""
+    if mode == "ssp":
+        return SSPRule(shard, num_workers, nonfinite, staleness)
+    return {"sync": SyncRule, "async": AsyncRule}[mode](shard, num_workers, nonfinite)

@@ -1,0 +1,132 @@
+"""The async rules: each worker's push is applied as it arrives.
+
+`AsyncRule` applies each worker's gradient as it arrives and tracks staleness;
+`SSPRule` does too (scaled by 1/W) but holds a worker's reply while it is more
+than `staleness` steps ahead of the slowest worker.
+"""
+from __future__ import annotations
+
+
+import torch
+
+from gradsync.core.errors import GradientError
+from gradsync.core.finite import first_nonfinite
+from gradsync.core.futures import failed, resolved
+from gradsync.ps.averaging import blame, blame_rows, row_staleness, scaled, skipped_entries
+from gradsync.ps.consistency import ConsistencyRule, answer
+from gradsync.ps.messages import Committed, Push
+from gradsync.ps.shard import ShardState
+from gradsync.ps.wire import PLAIN
+
+
+class AsyncRule(ConsistencyRule):
+    """Apply each worker's gradient as it arrives, under the shard lock."""
+
+    scale = 1.0  # of each push's gradients
+
+    def _refused(self, worker: int, push: Push) -> torch.futures.Future | None:
+        """A push that asks to be held for a joint norm: a worker clips its own push."""
+        if push.agree is not None:
+            return failed(GradientError(f"worker {worker} asked server {self.shard.shard_id} to hold its push for "
+                                        "a joint norm, which only sync steps have: async workers clip their own push"))
+        return None
+
+    def _take(self, worker: int, pulled_version: int, push: Push, checked: list, buffers: dict, wire
+              ) -> tuple[torch.futures.Future, list[tuple]]:
+        """Apply one worker's push now, with its schedule's changed options. Call with the lock held."""
+        shard, rows = self.shard, push.rows
+        decoded = [None if g is None else scaled(wire.decode(g, b.dtype), self.scale)
+                   for g, b in zip(checked, shard.buckets)]
+        merged = {name: (r.ids, scaled(r.grads, self.scale)) for name, r in rows.items()}
+        error = None
+        if first_nonfinite([g for g in decoded if g is not None]) is not None:
+            error = next((e for b, g in enumerate(decoded)
+                          if g is not None and (e := blame(shard, b, g, [(worker, checked[b], wire)]))), None)
+        error = error or blame_rows(merged, [(worker, rows)])
+        if error is not None:
+            rejected = shard.rejected(error)
+            return (rejected if self.nonfinite == "raise" else resolved(Committed(shard.version))), []
+        stale = shard.version - pulled_version
+        shard.stats.max_staleness = max(shard.stats.max_staleness, stale)
+        shard.stats.staleness_histogram[stale] = shard.stats.staleness_histogram.get(stale, 0) + 1
+        row_staleness(shard, rows)
+        shard.set_options(push.options)
+        shard.apply(decoded, skipped_entries(shard, [(checked, push.absent)]), buffers, merged)
+        shard.stats.pushes_by_worker[worker] = shard.stats.pushes_by_worker.get(worker, 0) + 1
+        return resolved(Committed(shard.version)), []
+
+    def worker_left(self, worker: int, steps: int) -> None:
+        """Nothing to do: an async step needs no other worker."""
+
+    def worker_joined(self, worker: int) -> None:
+        """Nothing to do: an async step needs no other worker."""
+
+
+class SSPRule(AsyncRule):
+    """Stale synchronous parallel: each push is applied as it arrives, scaled by 1/W (W pushes make one
+    step of the mean), but a worker's reply (and so its next step) waits until the slowest worker is at
+    most `staleness` steps behind it, and resolves with the `Snapshot` it goes on from. staleness 0 is lock
+    step: with plain SGD, the parameters of sync training. Workers that joined (`trainer.join()`) are not
+    waited for, and the pushes applied after the server learns of a join are scaled by 1 / the workers still
+    active, as sync steps average over them."""
+
+    def __init__(self, shard: ShardState, num_workers: int, nonfinite: str, staleness: int):
+        super().__init__(shard, num_workers, nonfinite)
+        self.scale = 1.0 / num_workers
+        self.staleness = staleness
+        self.clock = {w: 0 for w in range(num_workers)}  # pushes applied per worker still in the job
+        self._joined: set[int] = set()  # workers out of data this round
+        self._waiting: list[tuple[int, torch.futures.Future]] = []  # (slowest clock it needs, reply)
+
+    def commit(self, worker: int, pulled_version: int, push: Push, wire=PLAIN) -> torch.futures.Future:
+        """Apply the push now (`AsyncRule`); its future resolves once the worker may go on."""
+        applied = super().commit(worker, pulled_version, push, wire)  # done at once
+        try:
+            applied.wait()
+        except Exception:
+            return applied
+        shard = self.shard
+        fut: torch.futures.Future = torch.futures.Future()
+        with shard.lock:
+            lead = self.clock.get(worker, 0) - min(self.clock.values(), default=0)
+            shard.stats.max_lead = max(shard.stats.max_lead, lead)
+            if worker in self.clock:
+                self.clock[worker] += 1
+                self._waiting.append((self.clock[worker] - self.staleness, fut))
+            else:  # a worker that was reported gone: its push counts, it waits for no one
+                self._waiting.append((0, fut))
+            answers = self._release()
+        answer(answers)
+        return fut
+
+    def _release(self) -> list[tuple]:
+        """The answers to the replies whose worker may go on now: a `Committed` with the snapshot they go on
+        from, taken here, under the lock, because a released worker's next push is applied at once. Call with
+        the lock held."""
+        slowest = min(self.clock.values(), default=float("inf"))
+        ready = [f for need, f in self._waiting if need <= slowest]
+        self._waiting = [(need, f) for need, f in self._waiting if need > slowest]
+        snapshot = self.shard.snapshot()
+        released = Committed(snapshot.version, snapshot=snapshot)
+        return [(f, released, None) for f in ready]
+
+    def worker_left(self, worker: int, steps: int) -> None:
+        """The slowest clock no longer counts `worker`: those who waited for it go on."""
+        with self.shard.lock:
+            self.clock.pop(worker, None)
+            answers = self._release()
+        answer(answers)
+
+    def worker_joined(self, worker: int) -> None:
+        """`worker` has no more data this round: as if it left, and the others' pushes weigh 1 / those active;
+        once every worker has joined, all start the next round level, at 1 / W."""
+        with self.shard.lock:
+            self._joined.add(worker)
+            if len(self._joined) == self.num_workers:
+                self._joined = set()
+                self.clock = {w: 0 for w in range(self.num_workers)}
+            else:
+                self.clock.pop(worker, None)
+            self.scale = 1.0 / (self.num_workers - len(self._joined))
+            answers = self._release()
+        answer(answers)

@@ -1,0 +1,310 @@
+"""The sync rule: a step applies the mean of the gradients of all W workers.
+
+`SyncRule` averages each bucket of a step once all W workers have pushed and
+sent their part of it (with the push, or as a piece of its own: the pipeline),
+in worker order (one fused pass per bucket: `aggregate`, or
+`dequantize_aggregate` for int8 pushes; see `wire`), so the result is the same
+bit for bit whatever the arrival order; with an elementwise optimizer it applies
+that bucket at once and answers its pieces while the next are on their way. A
+bucket entry that no worker produced a gradient for is skipped by the optimizer;
+one that some workers did is averaged over all W (zeros from the others), which
+is what single-process training on the joint batch computes. Workers that ran
+out of data (`trainer.join()`, told through `gradsync.membership.uneven_data`)
+are not waited for: a step averages over the workers still active, which is
+single-process training on the batches left when batches are of equal size.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from gradsync.core.buckets import may_split
+from gradsync.core.clipping import Clipping
+from gradsync.core.errors import GradientError, left_early_error
+from gradsync.core.finite import first_nonfinite
+from gradsync.core.futures import failed, resolved
+from gradsync.core.timeline import PieceStamps
+from gradsync.ps.averaging import blame, blame_rows, check_version, mean, mean_buffers, mean_rows, merged_options
+from gradsync.ps.consistency import ConsistencyRule, answer
+from gradsync.ps.messages import Agreement, Committed, Partial, Piece, Push
+from gradsync.ps.shard import ShardState
+from gradsync.ps.wire import PLAIN
+
+
+class _Pending(NamedTuple):
+    """One worker's validated push, waiting for the step in sync mode (its gradients are `_Part`s)."""
+
+    worker: int
+    buffers: dict
+    rows: dict
+    fut: torch.futures.Future
+    options: dict  # a schedule's changed group options ({group: {option: value}}), applied before the step
+    agree: Agreement | None  # hold the averaged gradient until the workers agree on its norm
+
+
+class _Held(NamedTuple):
+    """A sync step averaged and held, at `version`, until every worker has said how to finish it."""
+
+    version: int
+    means: list
+    skipped: list
+    buffers: dict
+    rows: dict
+    options: dict
+    workers: set  # the workers that pushed it
+    finished: dict  # worker -> the coefficient it asked for (None: skip)
+
+
+class _Part(NamedTuple):
+    """One worker's gradient of one bucket in a sync step: in a whole push (`fut` None), or a piece pushed
+    on its own, answered with the bucket's values after the step."""
+
+    payload: object
+    absent: tuple
+    wire: object
+    fut: torch.futures.Future | None
+
+
+class SyncRule(ConsistencyRule):
+    """Apply the mean of the gradients of all W workers, less those that joined, once per step.
+
+    A step's gradients come bucket by bucket: with the push (`commit`) or as pieces on their own
+    (`commit_piece`: the pipeline, where the push is a header that carries no gradient). A bucket is averaged
+    once every worker of the step has pushed and sent its part, and, when it may be applied early, applied
+    and answered at once, while the next buckets are still on their way: with an elementwise optimizer
+    (`may_split`: stepping buckets apart is one step), nonfinite='raise' and no agreement. Otherwise every
+    bucket waits for the whole step (a step skipped for a NaN/Inf changes nothing; a held step waits for the
+    workers' word on its norm)."""
+
+    exact = True
+
+    def __init__(self, shard: ShardState, num_workers: int, nonfinite: str):
+        super().__init__(shard, num_workers, nonfinite)
+        self._early = nonfinite == "raise" and may_split(type(shard.optimizer))
+        self._pending: dict[int, _Pending] = {}
+        self._parts: list[dict[int, _Part]] = [{} for _ in shard.buckets]  # this step's, by bucket and worker
+        self._means: dict[int, tuple[torch.Tensor | None, set[int]]] = {}  # buckets averaged: (mean, skipped)
+        self._options_set = False  # this step's group options are applied (before its first bucket)
+        self._joined: set[int] = set()  # workers out of data this round (trainer.join())
+        self._failure: Exception | None = None
+        self._held: _Held | None = None  # a step waiting for the workers' word
+        self._finishing: _Held | None = None  # the step applied on the first word, until every worker said it
+        self.stamps = PieceStamps(len(shard.buckets))  # the step timeline's server events
+
+    def _refused(self, worker: int, push: Push) -> torch.futures.Future | None:
+        """A push of the step (`payloads` None: its buckets come as pieces) is refused when the step failed,
+        a step is held, or this worker already pushed it. Call with the lock held."""
+        if (refused := self._closed(worker)) is not None:
+            return refused
+        if worker in self._pending:
+            return self.shard.rejected(GradientError(f"worker {worker} committed twice at version "
+                                                     f"{self.shard.version}"))
+        return None
+
+    def _take(self, worker: int, pulled_version: int, push: Push, checked: list | None, buffers: dict, wire
+              ) -> tuple[torch.futures.Future, list[tuple]]:
+        """Keep the push and its buckets' parts until the step is complete (refused when a piece of this
+        worker already brought one of them). Call with the lock held."""
+        try:
+            for b in range(len(checked or ())):
+                self._unsent(worker, b)
+        except GradientError as e:
+            return failed(e), []
+        for b, payload in enumerate(checked or ()):
+            self._parts[b][worker] = _Part(payload, tuple(push.absent[b]), wire, None)
+        fut: torch.futures.Future = torch.futures.Future()
+        self._pending[worker] = _Pending(worker, buffers, push.rows, fut, push.options, push.agree)
+        return fut, self._progress()
+
+    def commit_piece(self, worker: int, pulled_version: int, piece: Piece, wire=PLAIN) -> torch.futures.Future:
+        """One worker's gradient of a bucket (`piece`) in the step at `pulled_version`; resolves to the
+        bucket's values after the step."""
+        shard = self.shard
+        with shard.lock:
+            if (refused := self._closed(worker)) is not None:
+                return refused
+            b, absent = piece.bucket, tuple(piece.absent)
+            try:
+                check_version(shard, worker, pulled_version, exact=True)
+                checked = shard.check_piece(worker, b, piece.payload, absent, wire)
+                self._unsent(worker, b)
+            except GradientError as e:
+                return shard.rejected(e)
+            fut: torch.futures.Future = torch.futures.Future()
+            self._parts[b][worker] = _Part(checked, absent, wire, fut)
+            answers = self._progress()
+        answer(answers)
+        return fut
+
+    def _closed(self, worker: int) -> torch.futures.Future | None:
+        """The failed future that answers any push or piece now, if any: the step failed, or one is held.
+        Call with the lock held."""
+        if self._failure is not None:
+            return failed(self._failure)
+        if self._held is not None:
+            return self.shard.rejected(GradientError(
+                f"worker {worker} pushed at version {self.shard.version} while server {self.shard.shard_id} waits "
+                "for the workers to finish the held step (every worker must call finish before its next push)"))
+        return None
+
+    def _unsent(self, worker: int, b: int) -> None:
+        if worker in self._parts[b]:
+            raise GradientError(f"worker {worker} sent bucket {self.shard.buckets[b].index} twice at version "
+                                f"{self.shard.version}")
+
+    def finish(self, worker: int, version: int, coefficient: float | None) -> torch.futures.Future:
+        """A worker's word on the held step: apply it with every gradient times `coefficient` (the workers'
+        clipping coefficient; 1.0 for none), or skip it (None). The first word applies (or skips) it, and the
+        next step's pushes may come; every pushing worker must give the same word, and each is answered with
+        the version after the step (a `Committed`)."""
+        shard = self.shard
+        with shard.lock:
+            held = self._held or self._finishing
+            if held is None or version != held.version or worker not in held.workers or worker in held.finished:
+                return failed(GradientError(
+                    f"worker {worker} finished a step at version {version}, but server {shard.shard_id} holds "
+                    + ("no step" if held is None else f"the step at version {held.version} pushed by workers "
+                       f"{sorted(held.workers)}, finished by {sorted(held.finished)}")))
+            said = set(held.finished.values())
+            if said and said != {coefficient}:
+                return failed(GradientError(
+                    f"worker {worker} finished the step at version {version} with {coefficient!r}, others with "
+                    f"{said.pop()!r}: every worker must compute the same coefficient from the servers' partials"))
+            if held is self._held:
+                shard.set_options(held.options)
+                if coefficient is None:
+                    shard.stats.steps_skipped += 1
+                else:
+                    scale = lambda g: g if g is None or coefficient == 1.0 else g * coefficient  # noqa: E731
+                    shard.apply([scale(m) for m in held.means], held.skipped, held.buffers,
+                                {n: (ids, scale(g)) for n, (ids, g) in held.rows.items()})
+                self._held, self._finishing = None, held
+            held.finished[worker] = coefficient
+            if len(held.finished) == len(held.workers):
+                self._finishing = None
+            return resolved(Committed(held.version + (coefficient is not None)))
+
+    def worker_joined(self, worker: int) -> None:
+        """`worker` has no more data this round (it left its `trainer.join()` block): later steps average over
+        the others, and a step that waited only for it is applied now. Once every worker has joined, all of
+        them are active again (the next round: another epoch)."""
+        with self.shard.lock:
+            self._joined.add(worker)
+            if len(self._joined) == self.num_workers:
+                self._joined = set()
+            answers = self._progress()
+        answer(answers)
+
+    def worker_left(self, worker: int, steps: int) -> None:
+        """`worker` left the job after `steps` steps: no later step can have all W workers, so the step that
+        waits (if any) and every later commit fail at once, naming it."""
+        with self.shard.lock:
+            if self._failure is None:
+                waiting = f"the sync step at version {self.shard.version} on server {self.shard.shard_id}"
+                self._failure = left_early_error(worker, steps, waiting)
+            answers = [(f, None, self._failure) for f in self._waiting()]
+            self._reset()
+        answer(answers)
+
+    def _waiting(self) -> list[torch.futures.Future]:
+        """Every future of this step: the pushes', then the pieces'. Call with the lock held."""
+        return [p.fut for p in self._pending.values()] + [p.fut for parts in self._parts for p in parts.values()
+                                                          if p.fut is not None]
+
+    def _reset(self) -> None:
+        self._pending, self._parts, self._means = {}, [{} for _ in self.shard.buckets], {}
+        self._options_set = False
+
+    def _progress(self) -> list[tuple]:
+        """Average (and, when it may, apply) every bucket whose parts are all in, once every active worker
+        has pushed; close the step when every bucket is averaged. Returns the answers to give outside the
+        lock: (future, value, error). Call with the lock held."""
+        active = self.num_workers - len(self._joined)
+        if not self._pending or len(self._pending) < active:
+            return []
+        shard, workers = self.shard, sorted(self._pending)
+        agree = self._pending[workers[0]].agree
+        early = self._early and agree is None
+        answers = []
+        for b, parts in enumerate(self._parts):
+            if b in self._means or any(w not in parts for w in workers):
+                continue
+            mine = [parts[w] for w in workers]
+            self.stamps.arrived(b, shard.version)
+            avg = mean(shard, b, [(p.payload, p.wire) for p in mine], len(workers))
+            if avg is not None and first_nonfinite([avg]) is not None:
+                error = blame(shard, b, avg, [(w, p.payload, p.wire) for w, p in zip(workers, mine)])
+                if error is not None and not (agree is not None and agree.skip_nonfinite):
+                    return answers + self._dropped(error)
+            every = set(range(len(shard.buckets[b].entries)))
+            self._means[b] = (avg, {i for i in every if all(p.payload is None or i in p.absent for p in mine)})
+            if early:
+                if (error := self._set_options(workers)) is not None:
+                    return answers + self._dropped(error, nonfinite=False)
+                shard.apply_buckets({b: avg}, {b: self._means[b][1]})
+                self.stamps.applied([b])
+                value = shard.piece(b)
+                answers += [(p.fut, value, None) for p in mine if p.fut is not None]
+        if len(self._means) < len(shard.buckets):
+            return answers
+        return answers + self._close(workers, agree, early)
+
+    def _set_options(self, workers: list[int]) -> GradientError | None:
+        """Apply the step's group options once, before its first bucket. Call with the lock held."""
+        if not self._options_set:
+            try:
+                self.shard.set_options(merged_options([(w, self._pending[w].options) for w in workers]))
+            except GradientError as e:
+                return e
+            self._options_set = True
+        return None
+
+    def _close(self, workers: list[int], agree: Agreement | None, early: bool) -> list[tuple]:
+        """Every bucket is averaged: the rows and buffers too, then apply the rest (or hold the step). Call
+        with the lock held."""
+        shard = self.shard
+        pending = [self._pending[w] for w in workers]
+        rows = mean_rows(shard, pending, len(pending))
+        error = blame_rows(rows, [(p.worker, p.rows) for p in pending])
+        if error is not None and not (agree is not None and agree.skip_nonfinite):
+            return self._dropped(error)
+        means = [self._means[b][0] for b in range(len(shard.buckets))]
+        skipped = [self._means[b][1] for b in range(len(shard.buckets))]
+        buffers = mean_buffers([p.buffers for p in pending])
+        pieces = [(b, p.fut) for b, parts in enumerate(self._parts) for p in parts.values() if p.fut is not None]
+        if agree is not None:
+            options = merged_options([(w, self._pending[w].options) for w in workers])  # checked by the workers
+            self._held = _Held(shard.version, means, skipped, buffers, rows, options, set(workers), {})
+            value = Committed(shard.version, partial=Partial(shard.version, Clipping(norm_type=agree.norm_type).partial(
+                [m for m in means if m is not None] + [g for _, g in rows.values()])))
+            answers = [(f, None, GradientError("a held step's buckets come back with its finish, not as pieces"))
+                       for _, f in pieces]
+        else:
+            if (error := self._set_options(workers)) is not None:
+                return self._dropped(error, nonfinite=False)
+            if early:
+                shard.end_step(buffers, rows)
+            else:
+                shard.apply(means, skipped, buffers, rows)
+                self.stamps.applied(range(len(shard.buckets)))
+            value = Committed(shard.version)
+            answers = [] if early else [(f, shard.piece(b), None) for b, f in pieces]
+        self._reset()
+        return answers + [(p.fut, value, None) for p in pending]
+
+    def _dropped(self, error: GradientError, nonfinite: bool = True) -> list[tuple]:
+        """The step cannot be applied (a NaN/Inf, options the workers disagree on): with nonfinite='raise'
+        it fails, and every later push with it; with 'skip' nothing of it is applied and every push and piece
+        is answered as if it had not come. Call with the lock held."""
+        shard = self.shard
+        if self.nonfinite == "raise":
+            self._failure = error
+            answers = [(f, None, error) for f in self._waiting()]
+        else:
+            shard.stats.steps_skipped += nonfinite
+            answers = [(p.fut, Committed(shard.version), None) for p in self._pending.values()]
+            answers += [(p.fut, shard.piece(b), None) for b, parts in enumerate(self._parts) for p in parts.values()
+                        if p.fut is not None]
+        self._reset()
+        return answers
