@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import gradsync
 from gradsync.launcher import procfs
-from jobs import batch, make_mlp
+from jobs import batch, make_mlp, run_loop
 
 
 class Fault(NamedTuple):
@@ -70,14 +70,7 @@ def train_in_join(fault: Fault, steps: int, outside: int | None = None) -> int:
 def _train(trainer: gradsync.Trainer, fault: Fault, steps: int) -> int:
     """This worker's loop: up to `steps` steps on its MLP batches, stopping where `fault` strikes."""
     me = gradsync.worker_rank()
-    for step in range(steps):
-        if fault.strike(me, step):
-            return step
-        x, y = batch(step, me)
-        with dist_autograd.context() as cid:
-            dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
-            trainer.step(cid)
-    return steps
+    return run_loop(trainer, steps, stop=lambda step: fault.strike(me, step))
 
 
 def train_then_leave(fault: Fault, steps: int) -> None:

@@ -10,7 +10,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.nn.functional as F
 
 import gradsync
-from jobs import batch, make_bn_net, make_mlp
+from jobs import batch, make_bn_net, make_mlp, run_loop
 from sparse_models import LR, ClickNet, click_batch
 
 
@@ -93,14 +93,9 @@ def reference_uneven_bn(counts: list[tuple[int, ...]]) -> dict[str, torch.Tensor
 def join_without_every_worker(steps: int) -> None:
     """Worker 0 trains inside trainer.join(); worker 1 trains as many steps without it, and leaves."""
     make, data, loss_fn, kwargs = NETS["mlp"]
-    me = gradsync.worker_rank()
     trainer = gradsync.Trainer(make(), torch.optim.SGD, **kwargs)
-    with trainer.join() if me == 0 else contextlib.nullcontext():
-        for i in range(steps):
-            x, y = data(i, me)
-            with dist_autograd.context() as cid:
-                dist_autograd.backward(cid, [loss_fn(trainer.model(x), y)])
-                trainer.step(cid)
+    with trainer.join() if gradsync.worker_rank() == 0 else contextlib.nullcontext():
+        run_loop(trainer, steps, data=data, loss_fn=loss_fn)
 
 
 def open_join() -> None:
