@@ -5,6 +5,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -62,6 +63,17 @@ def test_shutdown_returns_within_its_timeout_when_a_worker_never_leaves(capfd):
     gradsync.shutdown()
     assert time.monotonic() - start < 1.0 + SLACK  # not the default 30 s shutdown_timeout
     assert "shutdown waited 1 s (shutdown_timeout) for worker1 to leave the job" in capfd.readouterr().err
+
+
+def test_shutdown_returns_after_the_heartbeat_thread_has_ended():
+    """No thread of gradsync's may be inside a store call when the script after shutdown() ends: interpreter exit
+    aborts it (SIGABRT, `terminate called without an active exception`; seen on a grpc job behind a link)."""
+    config = JobConfig(strategy="ps", servers=1, world_size=2, rank=1, transport="grpc", shutdown_timeout=5.0)
+    store, before = host_store(0), set(threading.enumerate())
+    cluster._STATE = cluster.Cluster(config, store, Heartbeat(store, config))
+    [beating] = [t for t in threading.enumerate() if t not in before and t.name == "gradsync-heartbeat"]
+    gradsync.shutdown()
+    assert not beating.is_alive()
 
 
 def _listening(port: int) -> list[str]:
