@@ -9,8 +9,6 @@ import time
 from typing import NamedTuple
 
 import torch
-import torch.distributed.autograd as dist_autograd
-import torch.nn.functional as F
 
 import gradsync
 from gradsync.launcher import procfs
@@ -95,17 +93,16 @@ def kill_job() -> None:
 def train_resumable(steps: int, optimizer: str, kill_at: int | None = None) -> tuple[int, dict]:
     """The README's resumable loop on noisy batches (noise from the global RNG, so a resume must restore it);
     worker 0 kills the whole job as it reaches step `kill_at`. Returns (start step, final state)."""
-    me = gradsync.worker_rank()
     optimizer_cls, kwargs = OPTIMIZERS[optimizer]
     trainer = gradsync.Trainer(make_mlp(), optimizer_cls, **kwargs)
-    for step in range(trainer.start_step, steps):
-        if me == 0 and step == kill_at:
+
+    def noisy(step: int, worker: int):
+        if worker == 0 and step == kill_at:
             kill_job()
-        x, y = batch(step, me)
-        with dist_autograd.context() as cid:
-            loss = F.cross_entropy(trainer.model(x + 0.1 * torch.randn_like(x)), y)
-            dist_autograd.backward(cid, [loss])
-            trainer.step(cid)
+        x, y = batch(step, worker)
+        return x + 0.1 * torch.randn_like(x), y
+
+    run_loop(trainer, steps, data=noisy)
     return trainer.start_step, trainer.state_dict()
 
 

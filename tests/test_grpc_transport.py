@@ -7,12 +7,11 @@ from jobs import train_mlp, train_mlp_server_stats, train_with_outside_worker
 
 
 @pytest.mark.timeout(150)
-def test_grpc_workers_use_only_the_job_calls_one_push_per_server_per_step():
+def test_grpc_workers_use_only_the_job_calls_one_push_per_server_per_step(launch):
     """Workers pull once before the first step, then make exactly one JobPush per server per step (its reply
     is the next snapshot); the named Pull and Push, for clients outside the job, are never called."""
     workers, steps = 2, 5
-    results = gradsync.launch(train_mlp_server_stats, strategy="ps", workers=workers, servers=2, args=(steps,),
-                              transport="grpc", timeout=140)
+    results = launch(train_mlp_server_stats, strategy="ps", workers=workers, servers=2, args=(steps,), transport="grpc")
     for stats in results:  # as each worker saw them after its last step
         for shard in (0, 1):
             calls = stats[shard]["calls"]
@@ -22,9 +21,9 @@ def test_grpc_workers_use_only_the_job_calls_one_push_per_server_per_step():
 
 
 @pytest.mark.timeout(150)
-def test_async_grpc_job_lets_workers_join_and_leave():
-    results = gradsync.launch(train_with_outside_worker, strategy="ps", mode="async", workers=2, servers=1,
-                              args=(10, 3), transport="grpc", timeout=140)
+def test_async_grpc_job_lets_workers_join_and_leave(launch):
+    results = launch(train_with_outside_worker, strategy="ps", mode="async", workers=2, servers=1, args=(10, 3),
+                     transport="grpc")
     first = results[0]
     code, output = first["outsider"]
     assert code == 0, output

@@ -6,7 +6,6 @@ import contextlib
 import copy
 
 import torch
-import torch.distributed.autograd as dist_autograd
 import torch.nn.functional as F
 
 import gradsync
@@ -38,11 +37,7 @@ def train_uneven(net: str, counts: list[tuple[int, ...]], with_stats: bool = Fal
     trainer = gradsync.Trainer(make(), torch.optim.SGD, **kwargs)
     for epoch, per_worker in enumerate(counts):
         with trainer.join():
-            for i in range(per_worker[me]):
-                *inputs, y = data(_step(epoch, i), me)
-                with dist_autograd.context() as cid:
-                    dist_autograd.backward(cid, [loss_fn(trainer.model(*inputs), y)])
-                    trainer.step(cid)
+            run_loop(trainer, per_worker[me], data=lambda i, worker: data(_step(epoch, i), worker), loss_fn=loss_fn)
     state = trainer.state_dict()
     return (state, trainer.server_stats()[0]) if with_stats else state
 
