@@ -5,6 +5,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -174,15 +175,17 @@ faults.train_with_fault(faults.Fault(0, 2, "mark", {pids!r}), 10**6)
 @pytest.mark.parametrize("strategy,servers,sig", [("ps", 1, signal.SIGTERM), ("ps", 1, signal.SIGKILL),
                                                   ("allreduce", 0, signal.SIGHUP), ("allreduce", 0, signal.SIGINT)],
                          ids=["ps-SIGTERM", "ps-SIGKILL", "allreduce-SIGHUP", "allreduce-SIGINT (Ctrl-C)"])
-def test_no_rank_outlives_a_killed_gradsync_run(strategy, servers, sig, tmp_path):
-    pids_dir = tmp_path / "pids"
+def test_no_rank_outlives_a_killed_gradsync_run(strategy, servers, sig, tmp_path, monkeypatch):
+    pids_dir, own_tmp = tmp_path / "pids", tmp_path / "tmp"
     pids_dir.mkdir()
+    own_tmp.mkdir()  # run directories of its own: another launcher (the other pytest worker's) removes abandoned ones
     script = tmp_path / "forever.py"
     script.write_text(_FOREVER.format(tests=TESTS, pids=str(pids_dir)))
     stderr = tmp_path / "stderr"  # a file, not a pipe: a surviving rank would hold a pipe open
     with open(stderr, "w") as out:
         launcher = subprocess.Popen([sys.executable, "-m", "gradsync.cli", "run", "--strategy", strategy,
-                                     "--workers", "2", str(script)], stderr=out, start_new_session=True)
+                                     "--workers", "2", str(script)], stderr=out, start_new_session=True,
+                                    env={**os.environ, "TMPDIR": str(own_tmp)})
     pids = []
     try:
         deadline = time.monotonic() + 60
@@ -202,6 +205,7 @@ def test_no_rank_outlives_a_killed_gradsync_run(strategy, servers, sig, tmp_path
             assert f"gradsync: stopped by {sig.name}: every rank was stopped" in stderr.read_text()
         else:  # the launcher could not remove its run directory: the next one does
             assert os.path.exists(run_dir)
+            monkeypatch.setattr(tempfile, "tempdir", str(own_tmp))
             with contextlib.ExitStack() as stack:
                 temporary_run_dir(stack, "gradsync-run-")
         assert not os.path.exists(run_dir)
