@@ -20,8 +20,9 @@ run: $(VENV)/.installed
 	$(PY) -m gradsync.cli compare --out gradsync-report --strategies allreduce,ps --servers 1 --modes sync,async \
 		$(if $(filter 0,$(shell id -u)),--link $(LINK),) examples/digits.py
 
+# two pytest workers, a test file each at a time: the suite waits on timeouts and emulated links about half the time
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 proto: $(VENV)/.installed
 	$(PY) -m gradsync.proto.generate

@@ -13,7 +13,7 @@ setup(
     install_requires=["torch>=2.13,<2.14", "numpy", "grpcio>=1.85.1", "protobuf>=7.35,<8", "matplotlib>=3.5", "tqdm>=4.60"],
     extras_require={
         "triton": ["triton>=3.0"],
-        "dev": ["pytest", "pytest-timeout", "grpcio-tools>=1.85.1", "triton>=3.0"],
+        "dev": ["pytest", "pytest-timeout", "pytest-xdist", "grpcio-tools>=1.85.1", "triton>=3.0"],
     },
     entry_points={"console_scripts": ["gradsync = gradsync.cli:main"]},
 )

@@ -1,5 +1,8 @@
 """Shared test setup: tests/ on sys.path (for the helper modules, and for the ranks the tests spawn, which
-import jobs.py and friends by module path), pytest-timeout required, and the fixtures many files use."""
+import jobs.py and friends by module path), pytest-timeout required, and the fixtures many files use: a store,
+a job launcher inside the test's hard timeout, an in-process gRPC server, single-process reference training."""
+import contextlib
+import functools
 import os
 import sys
 
@@ -22,3 +25,50 @@ def store():
     from gradsync.launcher.local_job import host_store
 
     return host_store(0)
+
+
+JOB_MARGIN_S = 10
+"""How long before the test's hard timeout (pytest-timeout) the `launch` fixture's job is stopped: the job's
+own timeout fails it naming the rank it waited for, and kills every rank, rather than pytest-timeout's stack dump."""
+
+
+@pytest.fixture
+def launch(request):
+    """`gradsync.launch` (its own store port, run directory, and every rank killed when one fails), whose job
+    times out JOB_MARGIN_S before the test's @pytest.mark.timeout unless the test passes `timeout`."""
+    import gradsync
+
+    marker = request.node.get_closest_marker("timeout")
+    limit = float(marker.args[0] if marker and marker.args else request.config.getini("timeout"))
+
+    def run(fn, **kwargs):
+        kwargs.setdefault("timeout", limit - JOB_MARGIN_S)
+        return gradsync.launch(fn, **kwargs)
+
+    return run
+
+
+@pytest.fixture
+def grpc_server():
+    """`serve(mode, workers, member, timeout, **make_server keywords)` -> (server, endpoint, client): a ready
+    in-process ParameterServer (`grpc_harness.make_server`) behind a gRPC endpoint, with a client holding the
+    outside token (`member=True`: the members' one) whose calls time out after `timeout` seconds; every
+    endpoint and client is stopped after the test."""
+    from grpc_harness import make_server, served
+
+    with contextlib.ExitStack() as stack:
+        def serve(mode: str = "sync", workers: int = 2, member: bool = False, timeout: float = 10.0, **kwargs):
+            server = make_server(mode, workers, **kwargs)
+            endpoint, client = stack.enter_context(served(server, timeout, member))
+            return server, endpoint, client
+
+        yield serve
+
+
+@pytest.fixture(scope="session")
+def reference():
+    """Single-process training on the workers' concatenated batches (`jobs.reference_mlp(steps, workers, ...)`),
+    each setting trained once per session; the states are shared: read them, never change them."""
+    from jobs import reference_mlp
+
+    return functools.cache(reference_mlp)

@@ -18,7 +18,7 @@ from torch import nn
 
 import gradsync
 from helpers import max_diff
-from jobs import BATCH, HIDDEN, IN, OUT, batch
+from jobs import BATCH, HIDDEN, IN, OUT, batch, run_loop
 
 VOCAB, DIM = 12, 8
 
@@ -106,12 +106,7 @@ def train_edge(case: str, steps: int) -> dict[str, torch.Tensor]:
     """The README loop on this worker's batches; returns the final state."""
     c = CASES[case]
     trainer = gradsync.Trainer(c.build(), c.optimizer, find_unused_parameters=c.find_unused, **c.kwargs)
-    me = gradsync.worker_rank()
-    for step in range(steps):
-        x, use, y = inputs(case, step, me)
-        with dist_autograd.context() as cid:
-            dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x, use), y)])
-            trainer.step(cid)
+    run_loop(trainer, steps, data=lambda step, worker: inputs(case, step, worker))
     return trainer.state_dict()
 
 

@@ -9,12 +9,10 @@ import time
 from typing import NamedTuple
 
 import torch
-import torch.distributed.autograd as dist_autograd
-import torch.nn.functional as F
 
 import gradsync
 from gradsync.launcher import procfs
-from jobs import batch, make_mlp
+from jobs import batch, make_mlp, run_loop
 
 
 class Fault(NamedTuple):
@@ -70,14 +68,7 @@ def train_in_join(fault: Fault, steps: int, outside: int | None = None) -> int:
 def _train(trainer: gradsync.Trainer, fault: Fault, steps: int) -> int:
     """This worker's loop: up to `steps` steps on its MLP batches, stopping where `fault` strikes."""
     me = gradsync.worker_rank()
-    for step in range(steps):
-        if fault.strike(me, step):
-            return step
-        x, y = batch(step, me)
-        with dist_autograd.context() as cid:
-            dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
-            trainer.step(cid)
-    return steps
+    return run_loop(trainer, steps, stop=lambda step: fault.strike(me, step))
 
 
 def train_then_leave(fault: Fault, steps: int) -> None:
@@ -102,17 +93,16 @@ def kill_job() -> None:
 def train_resumable(steps: int, optimizer: str, kill_at: int | None = None) -> tuple[int, dict]:
     """The README's resumable loop on noisy batches (noise from the global RNG, so a resume must restore it);
     worker 0 kills the whole job as it reaches step `kill_at`. Returns (start step, final state)."""
-    me = gradsync.worker_rank()
     optimizer_cls, kwargs = OPTIMIZERS[optimizer]
     trainer = gradsync.Trainer(make_mlp(), optimizer_cls, **kwargs)
-    for step in range(trainer.start_step, steps):
-        if me == 0 and step == kill_at:
+
+    def noisy(step: int, worker: int):
+        if worker == 0 and step == kill_at:
             kill_job()
-        x, y = batch(step, me)
-        with dist_autograd.context() as cid:
-            loss = F.cross_entropy(trainer.model(x + 0.1 * torch.randn_like(x)), y)
-            dist_autograd.backward(cid, [loss])
-            trainer.step(cid)
+        x, y = batch(step, worker)
+        return x + 0.1 * torch.randn_like(x), y
+
+    run_loop(trainer, steps, data=noisy)
     return trainer.start_step, trainer.state_dict()
 
 

@@ -1,7 +1,9 @@
-"""A ready in-process ParameterServer behind a gRPC endpoint, for the gRPC and proto tests."""
+"""A ready in-process ParameterServer behind a gRPC endpoint, for the gRPC and proto tests: the server, its
+endpoint and clients, the job's transports, and its workers' calls made at once from threads."""
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 import torch.distributed as dist
@@ -73,3 +75,24 @@ def job_transport(endpoint, server: ParameterServer, worker: int) -> GrpcTranspo
     config = JobConfig(strategy="ps", servers=1, rank=1 + worker, world_size=1 + server.num_workers,
                        transport="grpc", step_timeout=10.0)
     return GrpcTransport(config, store, {0: server.shard.buckets})
+
+
+@contextlib.contextmanager
+def job_transports(endpoint, server: ParameterServer, workers: int):
+    """The GrpcTransports of workers 0..workers-1 (`job_transport`), closed afterwards."""
+    transports = [job_transport(endpoint, server, w) for w in range(workers)]
+    try:
+        yield transports
+    finally:
+        for t in transports:
+            t.close()
+
+
+def each_worker(call, workers: int, join_s: float = 30.0) -> None:
+    """`call(w)` for every worker w at once, one thread each (a sync step needs them all); waits up to `join_s`
+    seconds for every thread (the test's assertions on what the calls returned then name one that did not end)."""
+    threads = [threading.Thread(target=call, args=(w,)) for w in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(join_s)

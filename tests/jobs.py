@@ -25,19 +25,25 @@ def batch(step: int, worker: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, IN, generator=g), torch.randint(0, OUT, (BATCH,), generator=g)
 
 
-def run_loop(trainer: gradsync.Trainer, steps: int, log: bool = False, pause_s: float = 0.0) -> None:
-    """The user loop of the README on this worker's batches (`log`: each step's loss through gradsync.log;
-    `pause_s`: seconds of sleep before each step, a slow worker)."""
+def run_loop(trainer: gradsync.Trainer, steps: int, log: bool = False, pause_s: float = 0.0, data=batch,
+             loss_fn=F.cross_entropy, stop=None) -> int:
+    """The user loop of the README, from `trainer.start_step` to `steps`, on this worker's batches
+    (`data(step, worker)` -> (*inputs, target), scored by `loss_fn`); `log`: each step's loss through gradsync.log;
+    `pause_s`: seconds of sleep before each step, a slow worker; `stop(step)`: true ends the loop before that
+    step. Returns the step it ended before."""
     me = gradsync.worker_rank()
-    for step in range(steps):
+    for step in range(trainer.start_step, steps):
+        if stop is not None and stop(step):
+            return step
         time.sleep(pause_s)
-        x, y = batch(step, me)
+        *inputs, y = data(step, me)
         with dist_autograd.context() as cid:
-            loss = F.cross_entropy(trainer.model(x), y)
+            loss = loss_fn(trainer.model(*inputs), y)
             dist_autograd.backward(cid, [loss])
             trainer.step(cid)
         if log:
-            gradsync.log(loss=loss.item(), samples=len(x))
+            gradsync.log(loss=loss.item(), samples=len(y))
+    return steps
 
 
 def train_mlp(steps: int, lr: float = 0.1, momentum: float = 0.9) -> dict[str, torch.Tensor]:

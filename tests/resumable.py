@@ -17,7 +17,7 @@ from gradsync.core.buckets import Entry, join_pieces
 from gradsync.core.optimizer_spec import join_state
 from gradsync.core.tables import join_rows
 from gradsync.ps import checkpoint
-from jobs import batch, make_mlp
+from jobs import batch, make_mlp, run_loop
 from sparse_models import ClickNet, click_batch
 
 
@@ -59,15 +59,10 @@ def train_clicks(steps: int, kill_at: int | None = None, out: str | None = None)
 def train_mlp(steps: int, out: str | None = None) -> tuple[int, dict]:
     """The MLP with Adam from `trainer.start_step` on worker w's batches of each step (w < num_workers()).
     Returns (start step, final state)."""
-    me = gradsync.worker_rank()
     model = make_mlp()
     trainer = gradsync.Trainer(model, torch.optim.Adam(model.parameters(), lr=0.01))
     _started(trainer, out)
-    for step in range(trainer.start_step, steps):
-        x, y = batch(step, me)
-        with dist_autograd.context() as cid:
-            dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
-            trainer.step(cid)
+    run_loop(trainer, steps)
     return trainer.start_step, trainer.state_dict()
 
 
@@ -76,13 +71,7 @@ def train_mlp_with_fault(steps: int, fault: Fault) -> tuple[int, dict]:
     me = gradsync.worker_rank()
     model = make_mlp()
     trainer = gradsync.Trainer(model, torch.optim.Adam(model.parameters(), lr=0.01))
-    for step in range(trainer.start_step, steps):
-        if fault.strike(me, step):
-            break
-        x, y = batch(step, me)
-        with dist_autograd.context() as cid:
-            dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
-            trainer.step(cid)
+    run_loop(trainer, steps, stop=lambda step: fault.strike(me, step))
     return trainer.start_step, trainer.state_dict()
 
 

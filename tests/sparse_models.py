@@ -3,11 +3,11 @@ and single-process references (dense SGD, and row-wise Adagrad / lazy-momentum S
 from __future__ import annotations
 
 import torch
-import torch.distributed.autograd as dist_autograd
 import torch.nn.functional as F
 from torch import nn
 
 import gradsync
+from jobs import run_loop
 
 ROWS_BAG, ROWS_EMB, DIM, DENSE, BATCH, HOT = 40, 30, 4, 3, 6, 3
 LR = 0.1
@@ -44,15 +44,13 @@ OPTIMIZERS = {
 
 def click_loop(trainer: gradsync.Trainer, steps: int, corrupt=None) -> None:
     """The README loop on this worker's click batches; `corrupt(step, worker, ids)` may edit the ids."""
-    me = gradsync.worker_rank()
-    for step in range(steps):
-        bag, ids, dense, y = click_batch(step, me)
+    def data(step: int, worker: int):
+        bag, ids, dense, y = click_batch(step, worker)
         if corrupt is not None:
-            corrupt(step, me, ids)
-        with dist_autograd.context() as cid:
-            loss = F.binary_cross_entropy_with_logits(trainer.model(bag, ids, dense), y)
-            dist_autograd.backward(cid, [loss])
-            trainer.step(cid)
+            corrupt(step, worker, ids)
+        return bag, ids, dense, y
+
+    run_loop(trainer, steps, data=data, loss_fn=F.binary_cross_entropy_with_logits)
 
 
 def train_clicks(optimizer: str, steps: int, sparse: bool = False) -> dict[str, torch.Tensor]:

@@ -5,6 +5,8 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 import pytest
@@ -63,6 +65,17 @@ def test_shutdown_returns_within_its_timeout_when_a_worker_never_leaves(capfd):
     gradsync.shutdown()
     assert time.monotonic() - start < 1.0 + SLACK  # not the default 30 s shutdown_timeout
     assert "shutdown waited 1 s (shutdown_timeout) for worker1 to leave the job" in capfd.readouterr().err
+
+
+def test_shutdown_returns_after_the_heartbeat_thread_has_ended():
+    """No thread of gradsync's may be inside a store call when the script after shutdown() ends: interpreter exit
+    aborts it (SIGABRT, `terminate called without an active exception`; seen on a grpc job behind a link)."""
+    config = JobConfig(strategy="ps", servers=1, world_size=2, rank=1, transport="grpc", shutdown_timeout=5.0)
+    store, before = host_store(0), set(threading.enumerate())
+    cluster._STATE = cluster.Cluster(config, store, Heartbeat(store, config))
+    [beating] = [t for t in threading.enumerate() if t not in before and t.name == "gradsync-heartbeat"]
+    gradsync.shutdown()
+    assert not beating.is_alive()
 
 
 def _listening(port: int) -> list[str]:
@@ -163,15 +176,17 @@ faults.train_with_fault(faults.Fault(0, 2, "mark", {pids!r}), 10**6)
 @pytest.mark.parametrize("strategy,servers,sig", [("ps", 1, signal.SIGTERM), ("ps", 1, signal.SIGKILL),
                                                   ("allreduce", 0, signal.SIGHUP), ("allreduce", 0, signal.SIGINT)],
                          ids=["ps-SIGTERM", "ps-SIGKILL", "allreduce-SIGHUP", "allreduce-SIGINT (Ctrl-C)"])
-def test_no_rank_outlives_a_killed_gradsync_run(strategy, servers, sig, tmp_path):
-    pids_dir = tmp_path / "pids"
+def test_no_rank_outlives_a_killed_gradsync_run(strategy, servers, sig, tmp_path, monkeypatch):
+    pids_dir, own_tmp = tmp_path / "pids", tmp_path / "tmp"
     pids_dir.mkdir()
+    own_tmp.mkdir()  # run directories of its own: another launcher (the other pytest worker's) removes abandoned ones
     script = tmp_path / "forever.py"
     script.write_text(_FOREVER.format(tests=TESTS, pids=str(pids_dir)))
     stderr = tmp_path / "stderr"  # a file, not a pipe: a surviving rank would hold a pipe open
     with open(stderr, "w") as out:
         launcher = subprocess.Popen([sys.executable, "-m", "gradsync.cli", "run", "--strategy", strategy,
-                                     "--workers", "2", str(script)], stderr=out, start_new_session=True)
+                                     "--workers", "2", str(script)], stderr=out, start_new_session=True,
+                                    env={**os.environ, "TMPDIR": str(own_tmp)})
     pids = []
     try:
         deadline = time.monotonic() + 60
@@ -191,6 +206,7 @@ def test_no_rank_outlives_a_killed_gradsync_run(strategy, servers, sig, tmp_path
             assert f"gradsync: stopped by {sig.name}: every rank was stopped" in stderr.read_text()
         else:  # the launcher could not remove its run directory: the next one does
             assert os.path.exists(run_dir)
+            monkeypatch.setattr(tempfile, "tempdir", str(own_tmp))
             with contextlib.ExitStack() as stack:
                 temporary_run_dir(stack, "gradsync-run-")
         assert not os.path.exists(run_dir)

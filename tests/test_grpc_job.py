@@ -1,14 +1,13 @@
 """Every server of a launched job serves gRPC: clients outside the RPC world read the live job."""
 import pytest
 
-import gradsync
 from helpers import max_diff
 from jobs import reference_mlp, train_then_read_over_grpc
 
 
 @pytest.mark.timeout(150)
-def test_servers_of_a_job_serve_grpc_with_owner_only_endpoint_files():
-    result = gradsync.launch(train_then_read_over_grpc, strategy="ps", workers=1, servers=2, args=(3,), timeout=140)[0]
+def test_servers_of_a_job_serve_grpc_with_owner_only_endpoint_files(launch):
+    result = launch(train_then_read_over_grpc, strategy="ps", workers=1, servers=2, args=(3,))[0]
     state, pulled = result["state"], result["pulled"]
     assert result["pieces"], "SGD lets the plan split a parameter across the 2 servers; the client joins it"
     assert max_diff(state, reference_mlp(3, 1)) <= 1e-5  # what the job trained, so what the clients must read
@@ -24,11 +23,10 @@ def test_servers_of_a_job_serve_grpc_with_owner_only_endpoint_files():
 
 
 @pytest.mark.timeout(150)
-def test_embedding_tables_are_read_over_grpc_rows_whole_and_in_status():
+def test_embedding_tables_are_read_over_grpc_rows_whole_and_in_status(launch):
     from sparse_models import ROWS_EMB, TABLES, train_then_read_tables_over_grpc
 
-    result = gradsync.launch(train_then_read_tables_over_grpc, strategy="ps", workers=1, servers=2, args=(4,),
-                             timeout=140)[0]
+    result = launch(train_then_read_tables_over_grpc, strategy="ps", workers=1, servers=2, args=(4,))[0]
     state = result["state"]
     assert result["rows"].equal(state["emb.weight"][result["ids"]])  # repeats and both servers' rows, in order
     assert sorted(result["pulled"]) == sorted(state)

@@ -13,7 +13,7 @@ import torch
 from gradsync.remote.client import Client
 from gradsync.proto import gradsync_pb2 as pb
 from gradsync.ps.messages import Push
-from grpc_harness import MEMBER_TOKEN, TOKEN, job_transport, make_server, served
+from grpc_harness import MEMBER_TOKEN, TOKEN, each_worker, job_transports, make_server, served
 
 OUTSIDE = (("authorization", f"Bearer {TOKEN}"),)
 LR = 0.1
@@ -59,22 +59,16 @@ def test_idle_outside_pushes_never_stall_the_job_workers():
         assert member.health()[0]["ready"]  # ... the members' calls are not
 
         # the job's workers train as if nothing were happening
-        transports = [job_transport(endpoint, server, w) for w in range(workers)]
-        before = transports[0].pull()[0]
-        replies: dict[int, list] = {w: [] for w in range(workers)}
+        with job_transports(endpoint, server, workers) as transports:
+            before = transports[0].pull()[0]
+            replies: dict[int, list] = {w: [] for w in range(workers)}
 
-        def train(w):
-            for step in range(steps):
-                grads = [torch.full((b.numel,), float(w + 1 + step)) for b in buckets]
-                replies[w].append(transports[w].push({0: step}, {0: Push(grads, [()] * len(buckets))})[0])
+            def train(w):
+                for step in range(steps):
+                    grads = [torch.full((b.numel,), float(w + 1 + step)) for b in buckets]
+                    replies[w].append(transports[w].push({0: step}, {0: Push(grads, [()] * len(buckets))})[0])
 
-        threads = [threading.Thread(target=train, args=(w,)) for w in range(workers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-        for t in transports:
-            t.close()
+            each_worker(train, workers)
         assert [len(r) for r in replies.values()] == [steps] * workers, "the workers' steps did not finish"
         assert [s.version for s in replies[0]] == list(range(1, steps + 1))
         expected = before.flats

@@ -3,8 +3,6 @@ out-of-range worker changes nothing: refused with a status naming the problem, t
 the version unchanged."""
 from __future__ import annotations
 
-import threading
-
 import grpc
 import pytest
 import torch
@@ -14,7 +12,7 @@ from gradsync.core.buckets import ModelSpec
 from gradsync.proto import gradsync_pb2 as pb
 from gradsync.proto.tensor_codec import encode_all
 from gradsync.ps.messages import Push
-from grpc_harness import MEMBER_TOKEN, TOKEN, job_transport, make_server, model_state, served
+from grpc_harness import MEMBER_TOKEN, TOKEN, each_worker, job_transports, make_server, model_state, served
 
 OUTSIDE = (("authorization", f"Bearer {TOKEN}"),)
 MEMBER = (("authorization", f"Bearer {MEMBER_TOKEN}"),)
@@ -53,21 +51,15 @@ def test_an_outside_push_as_a_live_worker_never_enters_the_step(mode):
             assert f"runs a {mode} job, whose steps take the pushes of its 2 workers only" in details
         assert _bits(server) == before and server.shard.version == 0
 
-        transports = [job_transport(endpoint, server, w) for w in range(workers)]
-        start = transports[0].pull()[0]
-        replies = {}
+        with job_transports(endpoint, server, workers) as transports:
+            start = transports[0].pull()[0]
+            replies = {}
 
-        def step(w):
-            grads = [torch.full((b.numel,), float(w + 1)) for b in buckets]
-            replies[w] = transports[w].push({0: 0}, {0: Push(grads, [()] * len(buckets))})[0]
+            def step(w):
+                grads = [torch.full((b.numel,), float(w + 1)) for b in buckets]
+                replies[w] = transports[w].push({0: 0}, {0: Push(grads, [()] * len(buckets))})[0]
 
-        threads = [threading.Thread(target=step, args=(w,)) for w in range(workers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(20)
-        for t in transports:
-            t.close()
+            each_worker(step, workers, join_s=20)
     assert sorted(replies) == [0, 1] and server.shard.version == {"sync": 1, "ssp": 2}[mode]  # ssp: one per push
     for flat, was in zip(server.pull().flats, start.flats):  # the workers' mean, (1 + 2) / 2, and nothing else
         assert torch.allclose(flat, was - LR * torch.full_like(was, 1.5), atol=1e-6)

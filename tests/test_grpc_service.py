@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import re
-import threading
 
 import pytest
 import torch
@@ -14,7 +13,8 @@ from gradsync.core.buckets import ModelSpec, TensorSpec
 from gradsync.proto.endpoints import write_endpoints
 from gradsync.proto.service import serve_grpc
 from gradsync.ps.messages import Push
-from grpc_harness import MEMBER_TOKEN, TOKEN, job_transport, make_server, model_state, served
+from grpc_harness import (MEMBER_TOKEN, TOKEN, each_worker, job_transport, job_transports, make_server, model_state,
+                          served)
 
 LR = 0.1
 
@@ -25,40 +25,35 @@ def _grads(seed: int, server) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.timeout(60)
-def test_pull_is_the_shard_state_bit_for_bit_with_its_version():
-    server = make_server("async", workers=1)
-    with served(server) as (_, client):
-        state, versions = client.pull_versioned()
-        assert versions == {0: 0}
-        live = server.state_dict()
-        assert list(state) == list(live)
-        for name, value in live.items():
-            assert state[name].dtype == value.dtype and torch.equal(state[name], value), name
-        subset = client.pull(["fc1.bias", "norm.steps"])
-        assert list(subset) == ["fc1.bias", "norm.steps"] and int(subset["norm.steps"]) == 7
-        with pytest.raises(ValueError, match=r"INVALID_ARGUMENT: PullRequest\.names.*'nope'"):
-            client.pull(["nope"])
+def test_pull_is_the_shard_state_bit_for_bit_with_its_version(grpc_server):
+    server, _, client = grpc_server("async", workers=1)
+    state, versions = client.pull_versioned()
+    assert versions == {0: 0}
+    live = server.state_dict()
+    assert list(state) == list(live)
+    for name, value in live.items():
+        assert state[name].dtype == value.dtype and torch.equal(state[name], value), name
+    subset = client.pull(["fc1.bias", "norm.steps"])
+    assert list(subset) == ["fc1.bias", "norm.steps"] and int(subset["norm.steps"]) == 7
+    with pytest.raises(ValueError, match=r"INVALID_ARGUMENT: PullRequest\.names.*'nope'"):
+        client.pull(["nope"])
 
 
 @pytest.mark.timeout(60)
-def test_sync_push_from_w_clients_applies_the_mean_sgd_step_once():
+def test_sync_push_from_w_clients_applies_the_mean_sgd_step_once(grpc_server):
     """W clients holding the job's member token push by name as its workers 0..W-1: one mean step."""
     workers = 3
-    server = make_server("sync", workers=workers, lr=LR)
+    server, endpoint, _ = grpc_server("sync", workers=workers, lr=LR)
     before = {n: p.detach().clone() for n, p in server.shard.params.items()}
     grads = [_grads(w, server) for w in range(workers)]
     del grads[2]["fc1.bias"]  # a parameter a worker leaves out counts as a zero gradient
     results: dict[int, object] = {}
-    with served(server) as (endpoint, _):
-        def push(w):
-            with Client(endpoint.address, token=MEMBER_TOKEN) as c:
-                results[w] = c.push(grads[w], 0, worker=w)
 
-        threads = [threading.Thread(target=push, args=(w,)) for w in range(workers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
+    def push(w):
+        with Client(endpoint.address, token=MEMBER_TOKEN) as c:
+            results[w] = c.push(grads[w], 0, worker=w)
+
+    each_worker(push, workers)
     assert results == {w: {0: 1} for w in range(workers)}
     after = server.state_dict()
     for name, p in before.items():
@@ -91,21 +86,14 @@ def test_job_calls_move_flat_buckets_and_reply_with_the_snapshot_after_the_step(
     buffers = [{"norm.running_mean": torch.full((4,), 1.0 + w), "norm.steps": torch.tensor(8 + w)}
                for w in range(workers)]
     replies = {}
-    with served(server) as (endpoint, _):
-        transports = [job_transport(endpoint, server, w) for w in range(workers)]
+    with served(server) as (endpoint, _), job_transports(endpoint, server, workers) as transports:
         before = transports[0].pull()[0]
         assert _equal_snapshots(before, server.pull()) and before.version == 0
 
         def push(w):
             replies[w] = transports[w].push({0: 0}, {0: Push(grads[w], absent[w], buffers[w])})[0]
 
-        threads = [threading.Thread(target=push, args=(w,)) for w in range(workers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-        for t in transports:
-            t.close()
+        each_worker(push, workers)
     after = server.pull()
     assert after.version == 1 and all(_equal_snapshots(replies[w], after) for w in range(workers))
     for b, (flat, was) in enumerate(zip(after.flats, before.flats)):
@@ -130,21 +118,20 @@ def test_job_transport_refuses_a_dtype_it_cannot_carry_before_registering():
 
 
 @pytest.mark.timeout(60)
-def test_async_push_applies_at_once_and_records_staleness():
-    server = make_server("async", workers=2, lr=LR)
-    with served(server) as (_, client):
-        state0 = client.pull()
-        g0, g1 = _grads(0, server), _grads(1, server)
-        assert client.push(g0, 0, worker=2) == {0: 1}  # outside clients: ids of their own, >= W
-        state1 = client.pull()
-        for name, g in g0.items():
-            assert torch.equal(state1[name], state0[name].add(g, alpha=-LR)), name
-        assert client.push(g1, 0, worker=3) == {0: 2}  # computed at version 0: one step stale
-        state2, versions = client.pull_versioned()
-        assert versions == {0: 2}
-        for name, g in g1.items():
-            assert torch.equal(state2[name], state1[name].add(g, alpha=-LR)), name
-        stats = client.stats()[0]
+def test_async_push_applies_at_once_and_records_staleness(grpc_server):
+    server, _, client = grpc_server("async", workers=2, lr=LR)
+    state0 = client.pull()
+    g0, g1 = _grads(0, server), _grads(1, server)
+    assert client.push(g0, 0, worker=2) == {0: 1}  # outside clients: ids of their own, >= W
+    state1 = client.pull()
+    for name, g in g0.items():
+        assert torch.equal(state1[name], state0[name].add(g, alpha=-LR)), name
+    assert client.push(g1, 0, worker=3) == {0: 2}  # computed at version 0: one step stale
+    state2, versions = client.pull_versioned()
+    assert versions == {0: 2}
+    for name, g in g1.items():
+        assert torch.equal(state2[name], state1[name].add(g, alpha=-LR)), name
+    stats = client.stats()[0]
     assert stats["version"] == 2 and stats["pushes_applied"] == 2 and stats["pushes_rejected"] == 0
     assert stats["workers_seen"] == [2, 3] and stats["max_staleness"] == 1
     grad_bytes = sum(p.numel() * 4 for p in server.shard.params.values())
@@ -153,11 +140,10 @@ def test_async_push_applies_at_once_and_records_staleness():
 
 
 @pytest.mark.timeout(60)
-def test_sync_push_without_the_other_workers_times_out_naming_the_call():
-    server = make_server("sync", workers=2)
-    with served(server, timeout=0.5, member=True) as (_, client):
-        with pytest.raises(TimeoutError, match=r"Push on shard 0 at 127\.0\.0\.1:\d+ failed after \d+\.\d+ s") as info:
-            client.push(_grads(0, server), 0, worker=0)
+def test_sync_push_without_the_other_workers_times_out_naming_the_call(grpc_server):
+    server, _, client = grpc_server("sync", workers=2, member=True, timeout=0.5)
+    with pytest.raises(TimeoutError, match=r"Push on shard 0 at 127\.0\.0\.1:\d+ failed after \d+\.\d+ s") as info:
+        client.push(_grads(0, server), 0, worker=0)
     # the timeout fired, not something earlier (how much later depends on the machine's load: no upper bound)
     assert float(re.search(r"failed after (\d+\.\d+) s", str(info.value)).group(1)) >= 0.45
     assert server.shard.version == 0

@@ -162,7 +162,7 @@ gradsync.shutdown()
 
 
 @needs_root
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(150)  # the job, then two `gradsync status` processes (each imports torch)
 def test_gradsync_run_trains_over_the_emulated_network_with_the_grpc_transport(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(_JOB.format(tests=TESTS, body="import helpers\nstate = jobs.train_mlp(4)\n"
@@ -171,7 +171,7 @@ def test_gradsync_run_trains_over_the_emulated_network_with_the_grpc_transport(t
                                   "line = f\"{gradsync.worker_rank()} {names} {diff}\"\n"
                                   "sys.stdout.write(line + '\\n')"))
     done = gradsync_run("--link", "100mbit", "--strategy", "ps", "--transport", "grpc", "--workers", "2",
-                        "--run-dir", str(tmp_path / "run"), str(script), timeout=80)
+                        "--run-dir", str(tmp_path / "run"), str(script), timeout=110)
     assert done.returncode == 0, done.stderr
     hint = re.search(r"gradsync: ranks behind 100mbit links; `ip netns exec (gsnet[0-9a-f]{6}hub) gradsync status "
                      + re.escape(str(tmp_path / "run")) + "` reaches the job", done.stderr)

@@ -8,11 +8,10 @@ import sys
 
 import pytest
 import torch
-import torch.distributed.autograd as dist_autograd
 import torch.nn.functional as F
 
 import gradsync
-from sparse_models import DIM, LR, ROWS_BAG, ROWS_EMB, TABLES, ClickNet, click_batch, reference_clicks, train_clicks
+from sparse_models import DIM, LR, ROWS_BAG, ROWS_EMB, TABLES, ClickNet, click_batch, click_loop, reference_clicks, train_clicks
 from helpers import max_diff
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,13 +22,7 @@ def train_sparse_adagrad(steps: int) -> tuple[dict, list[bool], list[int]]:
     """torch's Adagrad over the whole model, tables with sparse gradients; returns the final state,
     whether each table's averaged gradient reached the optimizer sparse, and the bytes sent at each step."""
     trainer = gradsync.Trainer(ClickNet(sparse=True), torch.optim.Adagrad, lr=LR)
-    me = gradsync.worker_rank()
-    for step in range(steps):
-        bag, ids, dense, y = click_batch(step, me)
-        with dist_autograd.context() as cid:
-            loss = F.binary_cross_entropy_with_logits(trainer.model(bag, ids, dense), y)
-            dist_autograd.backward(cid, [loss])
-            trainer.step(cid)
+    click_loop(trainer, steps)
     module = trainer.model.module
     sent = [r.bytes_sent for r in trainer.metrics.records]
     assert trainer._strategy.model_sizes(1000) == {"dense": 1000 - (ROWS_BAG + ROWS_EMB) * DIM,

@@ -1,14 +1,11 @@
 """The step split of `gradsync compare`: under allreduce, the wait for DDP's exchange is commit, not compute."""
 import statistics
-import time
 
 import pytest
 import torch
-import torch.distributed.autograd as dist_autograd
-import torch.nn.functional as F
 
 import gradsync
-from jobs import batch, make_mlp
+from jobs import make_mlp, run_loop
 
 PEER_SLEEP_S = 1.0
 
@@ -17,14 +14,7 @@ def train_with_a_slow_peer(steps: int) -> dict:
     """Worker 1 sleeps before each forward; worker 0's backward then waits for its gradients in DDP's
     allreduce. Returns this worker's median compute and commit seconds after the first step."""
     trainer = gradsync.Trainer(make_mlp(), torch.optim.SGD, lr=0.1)
-    me = gradsync.worker_rank()
-    for step in range(steps):
-        x, y = batch(step, me)
-        if me == 1:
-            time.sleep(PEER_SLEEP_S)
-        with dist_autograd.context() as cid:
-            dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
-            trainer.step(cid)
+    run_loop(trainer, steps, pause_s=PEER_SLEEP_S if gradsync.worker_rank() == 1 else 0.0)
     records = list(trainer.metrics.records)[1:]
     return {key: statistics.median(getattr(r, key) for r in records) for key in ("compute_s", "commit_s")}
 

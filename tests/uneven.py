@@ -6,11 +6,10 @@ import contextlib
 import copy
 
 import torch
-import torch.distributed.autograd as dist_autograd
 import torch.nn.functional as F
 
 import gradsync
-from jobs import batch, make_bn_net, make_mlp
+from jobs import batch, make_bn_net, make_mlp, run_loop
 from sparse_models import LR, ClickNet, click_batch
 
 
@@ -38,11 +37,7 @@ def train_uneven(net: str, counts: list[tuple[int, ...]], with_stats: bool = Fal
     trainer = gradsync.Trainer(make(), torch.optim.SGD, **kwargs)
     for epoch, per_worker in enumerate(counts):
         with trainer.join():
-            for i in range(per_worker[me]):
-                *inputs, y = data(_step(epoch, i), me)
-                with dist_autograd.context() as cid:
-                    dist_autograd.backward(cid, [loss_fn(trainer.model(*inputs), y)])
-                    trainer.step(cid)
+            run_loop(trainer, per_worker[me], data=lambda i, worker: data(_step(epoch, i), worker), loss_fn=loss_fn)
     state = trainer.state_dict()
     return (state, trainer.server_stats()[0]) if with_stats else state
 
@@ -93,14 +88,9 @@ def reference_uneven_bn(counts: list[tuple[int, ...]]) -> dict[str, torch.Tensor
 def join_without_every_worker(steps: int) -> None:
     """Worker 0 trains inside trainer.join(); worker 1 trains as many steps without it, and leaves."""
     make, data, loss_fn, kwargs = NETS["mlp"]
-    me = gradsync.worker_rank()
     trainer = gradsync.Trainer(make(), torch.optim.SGD, **kwargs)
-    with trainer.join() if me == 0 else contextlib.nullcontext():
-        for i in range(steps):
-            x, y = data(i, me)
-            with dist_autograd.context() as cid:
-                dist_autograd.backward(cid, [loss_fn(trainer.model(x), y)])
-                trainer.step(cid)
+    with trainer.join() if gradsync.worker_rank() == 0 else contextlib.nullcontext():
+        run_loop(trainer, steps, data=data, loss_fn=loss_fn)
 
 
 def open_join() -> None:

@@ -230,15 +230,20 @@ class Heartbeat:
         self._listeners: list[Callable[[int, int | None], None]] = []
         self._stop = threading.Event()
         self._launcher = watch_launcher()
-        threading.Thread(target=self._run, name="gradsync-heartbeat", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name="gradsync-heartbeat", daemon=True)
+        self._thread.start()
 
     def on_left(self, listener: Callable[[int, int | None], None]) -> None:
         """Call `listener(worker, steps)`, on the heartbeat thread, for each worker that leaves the job (steps
         None: it is gone without leaving, from an elastic job)."""
         self._listeners.append(listener)
 
-    def stop(self) -> None:
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop beating, and wait up to `timeout` seconds for the thread to end (its store calls are bounded by
+        step_timeout). A daemon thread still inside a store call as the interpreter exits is ended when it takes
+        the GIL back, an unwinding that C++ cannot do: `terminate called without an active exception`, SIGABRT."""
         self._stop.set()
+        self._thread.join(timeout)
 
     def _run(self) -> None:
         key = StoreKeys.ALIVE.format(self.config.rank)

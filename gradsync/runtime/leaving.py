@@ -66,7 +66,7 @@ def shutdown() -> None:
                   f"{', '.join(worker_name(w) for w in others)} to leave the job; leaving without them",
                   file=sys.stderr, flush=True)
     finally:
-        cluster.heartbeat.stop()
+        cluster.heartbeat.stop(max(deadline - time.monotonic(), 1.0))
         if cluster.has_process_group:
             dist.destroy_process_group()
         transport(config.transport).rank.leave(config, cluster.store, max(deadline - time.monotonic(), 1.0),
