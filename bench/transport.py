@@ -116,7 +116,7 @@ def _grpc_servers(run_dirs: dict[int, str], ready, stop, queue) -> None:
     Once stopped, it times the servers' own work per step (no transport) and puts it on `queue`.
     """
     from gradsync.proto.endpoints import write_endpoints
-    from gradsync.proto.service import serve_grpc
+    from gradsync.proto.grpc_server import serve_grpc
     from gradsync.ps.messages import Push, Setup
     from gradsync.ps.server import ParameterServer
     from gradsync.core.optimizer_spec import OptimizerSpec

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from gradsync.core.optimizer_spec import OptimizerSpec
 from gradsync.remote.client import Client
 from gradsync.config import JobConfig, StoreKeys
-from gradsync.proto.service import serve_grpc
+from gradsync.proto.grpc_server import serve_grpc
 from gradsync.core.buckets import ModelSpec, plan_buckets
 from gradsync.ps.messages import Setup
 from gradsync.ps.server import ParameterServer

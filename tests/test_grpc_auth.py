@@ -10,7 +10,7 @@ import torch
 from gradsync.remote.client import Client
 from gradsync.proto import gradsync_pb2 as pb
 from gradsync.proto import gradsync_pb2_grpc as pb_grpc
-from gradsync.proto.service import serve_grpc
+from gradsync.proto.grpc_server import serve_grpc
 from grpc_harness import TOKEN, make_server, served
 from helpers import self_signed
 

@@ -11,7 +11,7 @@ from gradsync.remote.client import Client, pull_to_file, status_table
 from gradsync.config import StoreKeys
 from gradsync.core.buckets import ModelSpec, TensorSpec
 from gradsync.proto.endpoints import write_endpoints
-from gradsync.proto.service import serve_grpc
+from gradsync.proto.grpc_server import serve_grpc
 from gradsync.ps.messages import Push
 from grpc_harness import (MEMBER_TOKEN, TOKEN, each_worker, job_transport, job_transports, make_server, model_state,
                           served)

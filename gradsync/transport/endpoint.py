@@ -24,7 +24,7 @@ import torch.distributed as dist
 from gradsync.config import StoreKeys
 from gradsync.core import settings
 from gradsync.proto.endpoints import new_token, write_endpoints
-from gradsync.proto.service import GrpcEndpoint, serve_grpc
+from gradsync.proto.grpc_server import GrpcEndpoint, serve_grpc
 from gradsync.ps.server import ParameterServer
 
 
