@@ -167,7 +167,7 @@ def save(store: dist.Store, config: JobConfig, step: int, strategy, model: dict[
     written = _wait(store, config, [StoreKeys.CHECKPOINT.format(step, w) for w in range(config.num_workers)],
                     list(range(config.num_workers)),
                     f"did not write its state of the checkpoint of step {step} in {path}")
-    shards = strategy.transport.checkpoint(path) if config.servers else {}
+    shards = strategy.checkpoint_servers(path)
     paths = [p for p, _ in shards.values()] + [os.path.join(path, worker_file(w)) for w in written]
     files = {os.path.basename(p): checkpoint.stored_digest(p) for p in paths}
     manifest = dict(step=step, strategy=config.strategy, mode=config.mode, servers=config.servers,

@@ -122,6 +122,9 @@ class HybridStrategy(Strategy):
     def server_stats(self) -> dict[int, dict]:
         return self.transport.stats()
 
+    def checkpoint_servers(self, directory: str) -> dict[int, tuple[str, int]]:
+        return self.transport.checkpoint(directory)
+
     def no_sync(self):
         """`Trainer.no_sync`: the dense part's DDP accumulates; rows travel once per step anyway."""
         return self.dense.no_sync()

@@ -260,6 +260,9 @@ class PSStrategy(Strategy):
     def server_stats(self) -> dict[int, dict]:
         return self.transport.stats()
 
+    def checkpoint_servers(self, directory: str) -> dict[int, tuple[str, int]]:
+        return self.transport.checkpoint(directory)
+
     def no_sync(self):
         """`Trainer.no_sync`: nothing to hold back, the gradients travel once per step."""
         return contextlib.nullcontext()

@@ -61,3 +61,8 @@ class Strategy(ABC):
     def server_stats(self) -> dict[int, dict]:
         """Every parameter server's counters by server index; {} without servers."""
         return {}
+
+    def checkpoint_servers(self, directory: str) -> dict[int, tuple[str, int]]:
+        """Every parameter server writes its shard into `directory`: (path, version) by server; {} without
+        servers (a job checkpoint, `gradsync.runtime.resume`)."""
+        return {}
