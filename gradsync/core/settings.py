@@ -132,7 +132,7 @@ STEP_TIMEOUT = _S("step_timeout", "GRADSYNC_STEP_TIMEOUT", float, 60.0, "timeout
                   "job stopped", flag="--step-timeout")
 SHUTDOWN_TIMEOUT = _S("shutdown_timeout", "GRADSYNC_SHUTDOWN_TIMEOUT", float, 30.0, "timeouts",
                       "seconds shutdown waits for the other workers to finish", flag="--shutdown-timeout")
-# Checkpointing: exact for sync jobs of the ps and allreduce strategies over rpc.
+# Checkpointing: every strategy, mode and transport; a resume may change the number of servers and workers.
 CHECKPOINT_DIR = _S("checkpoint_dir", "GRADSYNC_CHECKPOINT_DIR", str, "", "checkpointing",
                     "write a checkpoint every --checkpoint-every steps into this directory (a folder per step; "
                     "every rank must reach it)", flag="--checkpoint-dir", shared=True)
