@@ -183,10 +183,12 @@ class ParameterServer:
             return self.rejected(GradientError(f"worker {worker} is not a worker id: expected an integer >= 0"))
         return self.rule.commit(worker, pulled_version, push, wire or self.wire)
 
-    def push_piece(self, worker: int, pulled_version: int, piece: Piece) -> torch.futures.Future:
+    def push_piece(self, worker: int, pulled_version: int, piece: Piece, stamped: bool = False
+                   ) -> torch.futures.Future:
         """One worker's gradient of this server's bucket `piece.bucket` in a sync step whose push carried none
         (in the job's wire format). Resolves to the bucket's values after the step, sent as soon as every
-        worker's part is in and the bucket is applied."""
+        worker's part is in and the bucket is applied; with `stamped`, to a `core.timeline.Stamped` of them
+        and the bucket's events on this server (the step timeline)."""
         self._shard()
         if not isinstance(self.rule, SyncRule):
             return self.rejected(GradientError(f"worker {worker} pushed a piece to server {self.shard_id}, which "
@@ -194,7 +196,12 @@ class ParameterServer:
         if not 0 <= worker < self.num_workers:
             return self.rejected(GradientError(
                 f"worker {worker} is not a worker of this job: expected 0 .. {self.num_workers - 1}"))
-        return self.rule.commit_piece(worker, pulled_version, piece, self.wire)
+        stamps = self.rule.stamps
+
+        def reply(applied: torch.futures.Future):
+            return stamps.reply(piece.bucket, applied.value(), pulled_version, stamped)  # value(): raises its error
+
+        return self.rule.commit_piece(worker, pulled_version, piece, self.wire).then(reply)
 
     def finish(self, worker: int, version: int, coefficient: float | None) -> torch.futures.Future:
         """Apply the held sync step at `version` with its gradients times `coefficient`, or skip it (None):

@@ -239,13 +239,7 @@ def rpc_push(worker: int, pulled_version: int, push: Push) -> torch.futures.Futu
 @rpc.functions.async_execution
 def rpc_push_piece(worker: int, pulled_version: int, piece: Piece, stamped: bool = False) -> torch.futures.Future:
     """The bucket's values after the step; with `stamped`, its server events too (`core.timeline.Stamped`)."""
-    server = _server()
-
-    def reply(applied: torch.futures.Future):
-        value = applied.value()  # raises the piece's error, if any, into the reply
-        return server.rule.stamps.reply(piece.bucket, value, pulled_version, stamped)
-
-    return server.push_piece(worker, pulled_version, piece).then(reply)
+    return _server().push_piece(worker, pulled_version, piece, stamped)
 
 
 @rpc.functions.async_execution
