@@ -96,17 +96,22 @@ class Timeline:
         self._current: list[PieceEvents] = []
         self._sizes: dict[tuple, float] = {}
 
+    def begin(self) -> None:
+        """A context's first forward: the events of one that ended without a step are dropped."""
+        self._current = []
+
     def expect(self, sizes: dict[tuple, float]) -> None:
-        """The bytes each lane of the coming push sends, by (server, bucket or HEAD)."""
+        """The bytes each lane of the step sends, by (server, bucket or HEAD): read when the step is committed
+        (a piece may have left during the backward, before its step knew them)."""
         self._sizes = sizes
 
     def timed(self, lane: tuple, call, *args, **kwargs):
         """`call(*args, **kwargs)`, a call that returns a torch future, with its lane's events (ps): `left`
-        now, the bytes `expect` gave, and when it completes `back`, the reply's bytes and a `Stamped` reply's
+        now, the bytes `expect` gives, and when it completes `back`, the reply's bytes and a `Stamped` reply's
         server events (unwrapped). Off: the call alone."""
         if not self.on:
             return call(*args, **kwargs)
-        return self._track(PieceEvents(*lane, self._sizes.get(lane, 0), time.time()), call, args, kwargs)
+        return self._track(PieceEvents(*lane, 0, time.time()), call, args, kwargs)
 
     def exchanged(self, bucket: int, nbytes: float, call, *args):
         """`call(*args)`, which launches the allreduce of DDP's bucket `bucket` (`nbytes` through the link each
@@ -132,6 +137,9 @@ class Timeline:
     def committed(self, step: int) -> None:
         """The step numbered `step` (1 for the job's first) is over: keep its events."""
         if self.on:
+            for e in self._current:
+                if e.server is not None:  # a ps lane: its bytes from `expect`
+                    e.bytes_sent = self._sizes.get((e.server, e.bucket), 0)
             self.steps.append({"step": step, "pieces": [dataclasses.asdict(e) | {"lane": e.lane}
                                                         for e in self._current]})
             self._current, self._sizes = [], {}

@@ -19,6 +19,7 @@ class Capabilities:
     compression: bool  # gradients compressed on the wire (--compression other than none)
     row_tables: bool  # embedding tables served row by row (Trainer(tables='rows'), the hybrid strategy)
     joining: bool  # workers joining a running async job
+    streams: bool  # a sync ps step's pieces leave during the backward (`worker.streaming`)
 
     def job_refusal(self, strategy: str, compression: str) -> str | None:
         """Why this transport cannot run a job of `strategy` with `compression`; None when it can."""
@@ -38,8 +39,10 @@ class Capabilities:
 
 
 CAPABILITIES = {c.name: c for c in (
-    Capabilities("rpc", strategies=("ps", "allreduce", "hybrid"), compression=True, row_tables=True, joining=True),
-    Capabilities("grpc", strategies=("ps",), compression=False, row_tables=False, joining=False),
+    Capabilities("rpc", strategies=("ps", "allreduce", "hybrid"), compression=True, row_tables=True, joining=True,
+                 streams=True),
+    Capabilities("grpc", strategies=("ps",), compression=False, row_tables=False, joining=False,
+                 streams=False),
 )}
 """Every transport by name; the first is the `transport` setting's default and serves everything (allreduce
 runs over it too: its workers start the RPC agent every rank starts)."""

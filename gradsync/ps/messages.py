@@ -114,11 +114,18 @@ class Push:
     """The optimizer group options a schedule changed, {group index: {option: value}}, applied before the step."""
     agree: Agreement | None = None
     """Hold the averaged step until the workers agree on its norm (sync only); None: apply it."""
+    pieces: tuple[int, ...] | None = None
+    """With `payloads` None: per bucket, the `Piece.seq` of the piece that carries this step's gradient (a
+    bucket may have been sent more than once: the one named counts); None: whichever piece comes."""
+    seq: int = 0
+    """With `payloads`: the worker's send number (`Piece.seq`'s counter): pieces it numbered below supersede
+    nothing and are void (they left during a backward whose step then travelled whole); 0: unnumbered."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
-    """One worker's gradient of one bucket in a sync step whose push carried none (the pipeline)."""
+    """One worker's gradient of one bucket in a sync step whose push carried none (the pipeline), sent as soon
+    as the backward produced it (`worker.streaming`) or with the step."""
 
     server: int
     """The server that owns the bucket."""
@@ -128,6 +135,9 @@ class Piece:
     """Its gradient in the wire format; None: no entry of the bucket got one."""
     absent: tuple[int, ...]
     """The indices of the bucket's entries without a gradient."""
+    seq: int = 0
+    """The worker's send number, increasing over the job: a piece supersedes the same bucket's earlier ones
+    from that worker until its step's push names the one that counts (`Push.pieces`); 0: unnumbered."""
 
 
 @dataclasses.dataclass(frozen=True)

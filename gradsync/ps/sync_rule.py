@@ -41,6 +41,7 @@ class _Pending(NamedTuple):
     fut: torch.futures.Future
     options: dict  # a schedule's changed group options ({group: {option: value}}), applied before the step
     agree: Agreement | None  # hold the averaged gradient until the workers agree on its norm
+    pieces: tuple | None  # per bucket, the seq of the piece that counts (`Push.pieces`); None: any
 
 
 class _Held(NamedTuple):
@@ -64,6 +65,7 @@ class _Part(NamedTuple):
     absent: tuple
     wire: object
     fut: torch.futures.Future | None
+    seq: int = 0  # `Piece.seq`
 
 
 class SyncRule(ConsistencyRule):
@@ -91,6 +93,7 @@ class SyncRule(ConsistencyRule):
         self._held: _Held | None = None  # a step waiting for the workers' word
         self._finishing: _Held | None = None  # the step applied on the first word, until every worker said it
         self.stamps = PieceStamps(len(shard.buckets))  # the step timeline's server events
+        self._latest: dict[tuple[int, int], int] = {}  # (worker, bucket) -> the highest piece seq it sent
 
     def _refused(self, worker: int, push: Push) -> torch.futures.Future | None:
         """A push of the step (`payloads` None: its buckets come as pieces) is refused when the step failed,
@@ -106,16 +109,29 @@ class SyncRule(ConsistencyRule):
               ) -> tuple[torch.futures.Future, list[tuple]]:
         """Keep the push and its buckets' parts until the step is complete (refused when a piece of this
         worker already brought one of them). Call with the lock held."""
+        answers = self._void(worker, push.seq) if checked is not None and push.seq else []
         try:
             for b in range(len(checked or ())):
                 self._unsent(worker, b)
         except GradientError as e:
-            return failed(e), []
+            return failed(e), answers
         for b, payload in enumerate(checked or ()):
             self._parts[b][worker] = _Part(payload, tuple(push.absent[b]), wire, None)
         fut: torch.futures.Future = torch.futures.Future()
-        self._pending[worker] = _Pending(worker, buffers, push.rows, fut, push.options, push.agree)
-        return fut, self._progress()
+        self._pending[worker] = _Pending(worker, buffers, push.rows, fut, push.options, push.agree, push.pieces)
+        return fut, answers + self._progress()
+
+    def _void(self, worker: int, seq: int) -> list[tuple]:
+        """A whole push numbered `seq` voids this worker's pieces numbered below it: those here are answered
+        None, those still on their way will be. Call with the lock held."""
+        answers = []
+        for b, parts in enumerate(self._parts):
+            self._latest[(worker, b)] = max(seq, self._latest.get((worker, b), 0))
+            part = parts.get(worker)
+            if part is not None and part.fut is not None:
+                del parts[worker]
+                answers.append((part.fut, None, None))
+        return answers
 
     def commit_piece(self, worker: int, pulled_version: int, piece: Piece, wire=PLAIN) -> torch.futures.Future:
         """One worker's gradient of a bucket (`piece`) in the step at `pulled_version`; resolves to the
@@ -125,17 +141,30 @@ class SyncRule(ConsistencyRule):
             if (refused := self._closed(worker)) is not None:
                 return refused
             b, absent = piece.bucket, tuple(piece.absent)
+            if piece.seq and piece.seq <= self._latest.get((worker, b), 0):
+                return resolved(None)  # superseded before it came
             try:
                 check_version(shard, worker, pulled_version, exact=True)
                 checked = shard.check_piece(worker, b, piece.payload, absent, wire)
-                self._unsent(worker, b)
+                answers = self._supersede(worker, b, piece.seq)
             except GradientError as e:
                 return shard.rejected(e)
             fut: torch.futures.Future = torch.futures.Future()
-            self._parts[b][worker] = _Part(checked, absent, wire, fut)
-            answers = self._progress()
+            self._parts[b][worker] = _Part(checked, absent, wire, fut, piece.seq)
+            answers += self._progress()
         answer(answers)
         return fut
+
+    def _supersede(self, worker: int, b: int, seq: int) -> list[tuple]:
+        """Make room for this worker's piece of bucket `b` numbered `seq`: a numbered piece replaces the one
+        it sent before (answered None; sent during a backward another one followed); an unnumbered one may
+        come once per step. Call with the lock held."""
+        if not seq:
+            self._unsent(worker, b)
+            return []
+        self._latest[(worker, b)] = seq
+        old = self._parts[b].pop(worker, None)
+        return [] if old is None or old.fut is None else [(old.fut, None, None)]
 
     def _closed(self, worker: int) -> torch.futures.Future | None:
         """The failed future that answers any push or piece now, if any: the step failed, or one is held.
@@ -228,7 +257,7 @@ class SyncRule(ConsistencyRule):
         early = self._early and agree is None
         answers = []
         for b, parts in enumerate(self._parts):
-            if b in self._means or any(w not in parts for w in workers):
+            if b in self._means or not all(self._counts(parts, w, b) for w in workers):
                 continue
             mine = [parts[w] for w in workers]
             self.stamps.arrived(b, shard.version)
@@ -249,6 +278,11 @@ class SyncRule(ConsistencyRule):
         if len(self._means) < len(shard.buckets):
             return answers
         return answers + self._close(workers, agree, early)
+
+    def _counts(self, parts: dict[int, _Part], worker: int, b: int) -> bool:
+        """Whether `worker`'s part of bucket `b` is in: the piece its push names, when it names one."""
+        named = self._pending[worker].pieces
+        return worker in parts and (named is None or parts[worker].seq == named[b])
 
     def _set_options(self, workers: list[int]) -> GradientError | None:
         """Apply the step's group options once, before its first bucket. Call with the lock held."""
@@ -289,7 +323,11 @@ class SyncRule(ConsistencyRule):
                 shard.apply(means, skipped, buffers, rows)
                 self.stamps.applied(range(len(shard.buckets)))
             value = Committed(shard.version)
-            answers = [] if early else [(f, shard.piece(b), None) for b, f in pieces]
+            if early:  # the step's pieces are answered; pieces left by a worker that pushed no step are void
+                answers = [(p.fut, None, None) for parts in self._parts for w, p in parts.items()
+                           if p.fut is not None and w not in self._pending]
+            else:
+                answers = [(f, shard.piece(b), None) for b, f in pieces]
         self._reset()
         return answers + [(p.fut, value, None) for p in pending]
 

@@ -36,6 +36,7 @@ class PlainWire:
     """Gradients travel in the parameters' own dtype."""
 
     name = "none"
+    stateful = False  # whether encoding a gradient changes how the next is encoded
 
     def encode(self, grad: torch.Tensor, key: int):
         return grad
@@ -78,6 +79,7 @@ class Int8Wire:
     """Gradients travel as int8 with one fp32 scale per block, with error feedback on the worker."""
 
     name = "int8"
+    stateful = True  # the residual: each step's gradient must be encoded once (no piece sent ahead of the step)
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE):
         self.block_size = block_size

@@ -138,23 +138,11 @@ class RpcTransport(WorkerTransport):
         """A sync step as a pipeline: a push per server that carries no gradient (`heads`: payloads None),
         then one call per piece, in the order given, each answered with the bucket's values as soon as its
         server has applied it. Returns each server's snapshot after the step."""
-        timeout = self.config.step_timeout
-        replies = {s: self.timeline.timed((s, HEAD), rpc.rpc_async, server_name(s), rpc_push, timeout=timeout,
-                                          args=(self.worker, versions[s], heads[s])) for s in self.servers}
-        futures, flying = {}, {s: [] for s in self.servers}
-        window = max(2, math.ceil(IN_FLIGHT_MB / self.config.bucket_cap_mb))
-        for piece in pieces:
-            s, b = piece.server, piece.bucket
-            if len(flying[s]) >= window:  # a worker ahead of the others waits for their parts of its oldest piece
-                oldest = flying[s].pop(0)
-                wait_all({oldest: futures[oldest]}, "pushing a piece (bucket)", timeout)
-            futures[(s, b)] = self.timeline.timed((s, b), rpc.rpc_async, server_name(s), rpc_push_piece,
-                                                  timeout=timeout, args=(self.worker, versions[s], piece,
-                                                                         self.timeline.on))
-            flying[s].append((s, b))
-        values = wait_all(futures, "pushing a piece (bucket)", timeout)
-        flats = {s: [values[(s, b)] for b in sorted(b for t, b in values if t == s)] for s in self.servers}
-        return {s: snap._replace(flats=flats[s]) for s, snap in wait_all(replies, "push", timeout).items()}
+        return self.pipeline(versions).finish(heads, pieces)
+
+    def pipeline(self, versions: dict[int, int]) -> "Pipeline":
+        """A sync step's pieces, some of which may leave before the step (during the backward: `worker.streaming`)."""
+        return Pipeline(self, versions)
 
     def finish(self, versions: dict[int, int], coefficient: float | None) -> dict[int, Snapshot]:
         """Apply (or, with None, skip) the held step on every server: see `SyncRule.finish`."""
@@ -180,6 +168,53 @@ class RpcTransport(WorkerTransport):
 
     def close(self) -> None:
         """Nothing to release: RPC stops with the job."""
+
+
+class Pipeline:
+    """One sync step's pieces on their way to the servers, at most a window of them unanswered per server (a
+    worker ahead of the others waits for their parts of its oldest piece, which keeps W workers' pushes into
+    one server link in step, as BytePS's credits do). During the backward a piece leaves when `room` says
+    its server's window has some (`worker.streaming` never waits); `finish` sends the step's heads and the
+    rest, and waits."""
+
+    def __init__(self, transport: RpcTransport, versions: dict[int, int]):
+        self.transport = transport
+        self.versions = versions
+        self.timeout = transport.config.step_timeout
+        self.window = max(2, math.ceil(IN_FLIGHT_MB / transport.config.bucket_cap_mb))
+        self.futures: dict[tuple[int, int], torch.futures.Future] = {}  # the last piece sent of each bucket
+        self.flying: dict[int, list[torch.futures.Future]] = {s: [] for s in transport.servers}
+
+    def room(self, server: int) -> bool:
+        """Whether a piece for `server` may leave now, without waiting."""
+        flying = self.flying[server]
+        flying[:] = [f for f in flying if not f.done()]
+        return len(flying) < self.window
+
+    def send(self, piece: Piece) -> None:
+        """Send `piece` now (call `room` first: the window is the caller's to keep)."""
+        t = self.transport
+        s, b = piece.server, piece.bucket
+        self.futures[(s, b)] = fut = t.timeline.timed(
+            (s, b), rpc.rpc_async, server_name(s), rpc_push_piece, timeout=self.timeout,
+            args=(t.worker, self.versions[s], piece, t.timeline.on))
+        self.flying[s].append(fut)
+
+    def finish(self, heads: dict[int, Push], pieces: list[Piece]) -> dict[int, Snapshot]:
+        """Send each server's head (`Push` with payloads None), then `pieces` in the order given, and wait for
+        every piece's reply (the bucket's values once its server applied it) and every head's; returns each
+        server's snapshot after the step."""
+        t = self.transport
+        replies = {s: t.timeline.timed((s, HEAD), rpc.rpc_async, server_name(s), rpc_push, timeout=self.timeout,
+                                       args=(t.worker, self.versions[s], heads[s])) for s in t.servers}
+        for piece in pieces:
+            flying = self.flying[piece.server]
+            if len(flying) >= self.window:
+                wait_all({piece.server: flying.pop(0)}, "pushing a piece (bucket)", self.timeout)
+            self.send(piece)
+        values = wait_all(self.futures, "pushing a piece (bucket)", self.timeout)
+        flats = {s: [values[(s, b)] for b in sorted(b for t, b in values if t == s)] for s in t.servers}
+        return {s: snap._replace(flats=flats[s]) for s, snap in wait_all(replies, "push", self.timeout).items()}
 
 
 class RpcRank(RankTransport):

@@ -46,6 +46,7 @@ from gradsync.worker.metrics import StepMetrics
 from gradsync.worker.model_state import named_tensors, ordered, to_state_dict
 from gradsync.worker.served_optimizer import ServedOptimizer
 from gradsync.worker.strategy import Strategy
+from gradsync.worker.streaming import GradientStream, next_seq
 from gradsync.worker.tables import serve_tables
 
 if TYPE_CHECKING:  # imports point one way: the start-up code (cluster) builds the strategies
@@ -115,6 +116,12 @@ class PSStrategy(Strategy):
         self.owner = assign_tensors(self.spec.buffers + self.spec.frozen, config.servers)
         self.wire = make_wire(config.compression)
         self.transport = chosen.worker(config, cluster.store, self.server_buckets)
+        # sync steps' pieces may leave during the backward (worker.streaming): decided per context from the last
+        self._streams = (config.mode == "sync" and chosen.capabilities.streams and not clipping.on
+                         and not self.wire.stateful)
+        self._stream_next = False
+        self._stream: tuple[int, GradientStream] | None = None
+        self._quiet = False  # inside trainer.no_sync()
         self.joiner = Joiner(cluster.store, cluster.config, cluster.heartbeat, self.servers)
         self.tables.transport = self.transport
         self.transport.timeline = self.metrics.timeline  # torch RPC records its pieces (gRPC: no lanes yet)
@@ -158,8 +165,24 @@ class PSStrategy(Strategy):
             return pulled
         self._next = None
         self._last = (context_id, pulled)
+        self.metrics.timeline.begin()
+        self._listen(context_id, pulled)
         self.metrics.pulled(time.perf_counter() - start, received)
         return pulled
+
+    def _listen(self, context_id: int, pulled: _Pulled) -> None:
+        """Hook this context's backward (`worker.streaming`): its pieces leave as they are ready when the last
+        step showed it safe, else it is only watched."""
+        if self._stream is not None:
+            self._stream[1].close()
+        self._stream = None
+        if self._streams:
+            pipeline = self.transport.pipeline(pulled.versions) if self._stream_next else None
+            self._stream = (context_id, GradientStream(pulled.leaves, self.server_buckets, self._encode, pipeline,
+                                                       lambda: self._quiet))
+
+    def _encode(self, flat: torch.Tensor | None, bucket: Bucket):
+        return None if flat is None else self.wire.encode(flat, bucket.index)
 
     def _build(self, snapshots: dict[int, Snapshot]) -> _Pulled:
         """What a forward runs on, from the servers' snapshots; the user's module is pointed at the same values."""
@@ -186,6 +209,10 @@ class PSStrategy(Strategy):
         or a GradScaler in sync mode, agree on the step's norm first)."""
         pulled = self._pulled_for(context_id)
         start = time.perf_counter()
+        stream = None
+        if self._stream is not None and self._stream[0] == context_id:
+            stream, self._stream = self._stream[1], None
+        streamed = stream.close() if stream is not None else {}
         by_leaf = dist_autograd.get_gradients(context_id)
         grads = {n: _dense(by_leaf[leaf]) for n, leaf in pulled.leaves.items() if leaf in by_leaf}
         rows = self.tables.row_grads(context_id, by_leaf)
@@ -208,13 +235,21 @@ class PSStrategy(Strategy):
                 record_found_inf(scaler, True)
                 self.metrics.committed(start, 0, 0)
                 return
+        pipelined = agree is None and self.config.mode == "sync"
+        if not pipelined:  # the step travels whole, unscaled: what left during the backward is void (Push.seq)
+            streamed = {}
         payloads, absent = {}, {}
         for s in self.servers:
-            packed = [b.pack([e.piece(grads[e.name]) if e.name in grads else None for e in b.entries])
-                      for b in self.server_buckets[s]]
-            payloads[s] = [None if flat is None else self.wire.encode(flat, b.index)
-                           for (flat, _), b in zip(packed, self.server_buckets[s])]
-            absent[s] = [missing for _, missing in packed]
+            payloads[s], absent[s] = [], []
+            for b, bucket in enumerate(self.server_buckets[s]):
+                if (s, b) in streamed:
+                    payload, missing = streamed[(s, b)].payload, streamed[(s, b)].absent
+                else:
+                    flat, missing = bucket.pack([e.piece(grads[e.name]) if e.name in grads else None
+                                                 for e in bucket.entries])
+                    payload = self._encode(flat, bucket)
+                payloads[s].append(payload)
+                absent[s].append(missing)
         buffers = {s: {n: pulled.tensors[n].detach() for n in pulled.buffer_names[s]} for s in self.servers}
         sizes = {(s, b): self.wire.nbytes(p) for s, per in payloads.items() for b, p in enumerate(per)
                  if p is not None}
@@ -223,19 +258,30 @@ class PSStrategy(Strategy):
         changes = changed_options(self.optimizer.param_groups, self._sent)
         if changes:
             self._sent = [group_options(g) for g in self.optimizer.param_groups]
-        if agree is None and self.config.mode == "sync":  # a pipeline of pieces, each back once applied
-            heads = {s: Push(None, None, buffers[s], rows.get(s, {}), changes) for s in self.servers}
-            pieces = [Piece(s, b, payloads[s][b], absent[s][b]) for s, b in self._order]
+        seq = next_seq if self._streams else lambda: 0  # numbered where pieces may have left ahead
+        if pipelined:  # a pipeline of pieces, each back once applied
+            pieces = [Piece(s, b, payloads[s][b], absent[s][b], seq()) for s, b in self._order if (s, b) not in streamed]
+            named = {(p.server, p.bucket): p.seq for p in [*streamed.values(), *pieces]}
+            heads = {s: Push(None, None, buffers[s], rows.get(s, {}), changes, pieces=tuple(
+                named[(s, b)] for b in range(len(self.server_buckets[s]))) if self._streams else None)
+                for s in self.servers}
             self.metrics.timeline.expect(sizes)
-            fresh = self.transport.push_pieces(pulled.versions, heads, pieces)
+            if stream is not None and stream.pipeline is not None:
+                fresh = stream.pipeline.finish(heads, pieces)
+            else:
+                fresh = self.transport.push_pieces(pulled.versions, heads, pieces)
         else:
             fresh = self.transport.push(pulled.versions, {s: Push(payloads[s], absent[s], buffers[s], rows.get(s, {}),
-                                                                  changes, agree) for s in self.servers})
+                                                                  changes, agree, seq=seq()) for s in self.servers})
         if agree is not None:
             fresh = self._finish(fresh, scaler)
         elif scaler is not None:
             record_found_inf(scaler, False)
         self._next = self._build(fresh)
+        self._stream_next = stream is not None and scaler is None and not stream.resend
+        if stream is not None:  # pieces that left and were superseded: bytes on the link all the same
+            sent += sum(self.wire.nbytes(p.payload) for k, p in stream.sent.items()
+                        if k not in streamed and p.payload is not None)
         self.metrics.committed(start, sent, sum(s.nbytes for s in fresh.values()))
         with self.optimizer.stepping():
             self.optimizer.step()
@@ -263,9 +309,15 @@ class PSStrategy(Strategy):
     def checkpoint_servers(self, directory: str) -> dict[int, tuple[str, int]]:
         return self.transport.checkpoint(directory)
 
+    @contextlib.contextmanager
     def no_sync(self):
-        """`Trainer.no_sync`: nothing to hold back, the gradients travel once per step."""
-        return contextlib.nullcontext()
+        """`Trainer.no_sync`: the gradients travel once per step anyway; backward passes inside it send nothing
+        ahead of the step (`worker.streaming`)."""
+        self._quiet = True
+        try:
+            yield
+        finally:
+            self._quiet = False
 
     @contextlib.contextmanager
     def join(self):

@@ -1,0 +1,105 @@
+"""Gradients that leave during the backward: a sync ps step's pieces sent as the backward produces them.
+
+A `GradientStream` hooks the trainable leaves one forward ran on. When the backward has produced the
+gradient of every entry of a bucket, that bucket's piece is packed, encoded and handed to the step's
+`Pipeline` (sent at once when its server's window has room, else with the step), the way DDP's reducer
+starts a bucket's allreduce once it is ready. A bucket whose entries did not all get a gradient (an unused
+branch) travels with the step, from the context's gradients, as before.
+
+Every piece is numbered (`Piece.seq`), and the step's head names the piece of each bucket that counts, so
+a guess that turns out wrong costs bytes, never correctness: a second backward into the same context
+(accumulation without `trainer.no_sync()`) makes the buckets it touches travel again with the step, summed
+by the context; a step that then travels whole (a GradScaler) voids the pieces (`Push.seq`). Backward passes
+inside `trainer.no_sync()` send nothing, and a bucket they touched waits for the step. Whether to stream is
+decided per context by the worker (`PSStrategy`): after a step that needed neither of those fixes.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Callable
+
+import torch
+
+from gradsync.core.buckets import Bucket
+from gradsync.ps.messages import Piece
+
+_SEQ = itertools.count(time.time_ns())
+"""Piece and push numbers: increasing within a process, and across its restarts (the clock)."""
+
+
+def next_seq() -> int:
+    return next(_SEQ)
+
+
+class GradientStream:
+    """One context's pieces that left during its backward. `leaves`: the trainable leaves by name the forward
+    ran on; `buckets`: each server's bucket plan; `encode(flat, bucket)`: the wire payload of a packed bucket
+    gradient; `pipeline`: the step's `transport.rpc.Pipeline` (`room(server)`, `send(piece)`); `quiet()`:
+    whether a backward runs inside `trainer.no_sync()`."""
+
+    def __init__(self, leaves: dict[str, torch.Tensor], buckets: dict[int, list[Bucket]], encode, pipeline,
+                 quiet: Callable[[], bool]):
+        self.buckets = buckets
+        self.encode = encode
+        self.pipeline = pipeline  # None: only note what the backward passes produce (whether to stream next)
+        self.quiet = quiet  # inside trainer.no_sync(): note the leaves, send nothing
+        self.sent: dict[tuple[int, int], Piece] = {}  # bucket -> the piece that left (its seq names it)
+        self.touched: set[str] = set()  # leaves a backward produced a gradient for
+        self.resend: set[tuple[int, int]] = set()  # buckets a later backward added to (or that no_sync held)
+        self._grads: dict[str, torch.Tensor] = {}
+        self._ready: list[tuple[int, int]] = []  # complete, not yet sent (the window was full)
+        self._lock = threading.Lock()
+        self._of: dict[str, list[tuple[int, int]]] = {}
+        self._missing: dict[tuple[int, int], int] = {}
+        for s, per in buckets.items():
+            for b, bucket in enumerate(per):
+                names = {e.name for e in bucket.entries}
+                self._missing[(s, b)] = len(names)
+                for n in names:
+                    self._of.setdefault(n, []).append((s, b))
+        self._handles = [leaf.register_hook(self._hook(name)) for name, leaf in leaves.items() if name in self._of]
+
+    def _hook(self, name: str):
+        def on_grad(grad: torch.Tensor) -> None:
+            with self._lock:
+                self._produced(name, grad)
+        return on_grad
+
+    def _produced(self, name: str, grad: torch.Tensor) -> None:
+        again = name in self.touched
+        self.touched.add(name)
+        if again or self.quiet():  # the context sums this backward's gradient with an earlier one's
+            self.resend.update(self._of[name])
+            self._grads.pop(name, None)
+            return
+        self._grads[name] = grad.to_dense() if grad.is_sparse else grad
+        for key in self._of[name]:
+            self._missing[key] -= 1
+            if self._missing[key] == 0 and key not in self.resend and self.pipeline is not None:
+                self._ready.append(key)
+        self._flush()
+
+    def _flush(self) -> None:
+        while self._ready:
+            s, b = self._ready[0]
+            if (s, b) in self.resend:
+                self._ready.pop(0)
+                continue
+            if not self.pipeline.room(s):
+                return
+            bucket = self.buckets[s][b]
+            flat, absent = bucket.pack([e.piece(self._grads[e.name]) for e in bucket.entries])
+            piece = Piece(s, b, self.encode(flat, bucket), absent, next_seq())
+            self.pipeline.send(piece)
+            self._ready.pop(0)
+            self.sent[(s, b)] = piece
+
+    def close(self) -> dict[tuple[int, int], Piece]:
+        """Stop listening; returns the pieces that left and still count (their buckets got no gradient since)."""
+        with self._lock:
+            for handle in self._handles:
+                handle.remove()
+            self._handles = []
+            return {key: piece for key, piece in self.sent.items() if key not in self.resend}

@@ -1,0 +1,167 @@
+"""Gradients that leave during the backward (`gradsync.worker.streaming`): a bucket's piece leaves once the
+backward has produced every entry's gradient; a numbered piece supersedes the same bucket's earlier ones, the
+step's head names the one that counts and a whole push voids them; and a loop whose steps change shape (two
+backwards, no_sync, a skipped step, a GradScaler) still ends where single-process training ends."""
+import pytest
+import torch
+from torch import nn
+
+import gradsync
+from gradsync.core.buckets import ModelSpec, by_server, plan_buckets
+from gradsync.ps.messages import Piece, Push
+from gradsync.ps.sync_rule import SyncRule
+from gradsync.worker.streaming import GradientStream
+from helpers import max_diff
+from shards import make_pieced_shard, piece_part
+from streaming_loops import PATTERN, reference_shapes, train_shapes
+
+
+def _mean(shard, b, parts, before):
+    return before[b] - 0.5 * sum(parts) / len(parts)
+
+
+def test_a_later_piece_supersedes_an_earlier_one_and_the_head_names_the_one_that_counts():
+    shard = make_pieced_shard()
+    rule = SyncRule(shard, num_workers=2, nonfinite="raise")
+    before = [f.clone() for f in shard.flats]
+    wrong = torch.full((shard.buckets[0].numel,), 1e3)
+    first = rule.commit_piece(0, 0, Piece(0, 0, wrong, (), seq=5))  # left during a backward another followed
+    again = rule.commit_piece(0, 0, Piece(0, 0, piece_part(0, 0, shard), (), seq=9))
+    assert first.wait() is None and not again.done()
+    stale = rule.commit_piece(0, 0, Piece(0, 0, wrong, (), seq=7))  # came late: older than the one here
+    assert stale.wait() is None
+    named = (9, 10, 11, 12)
+    heads = [rule.commit(0, 0, Push(None, None, pieces=named)), rule.commit(1, 0, Push(None, None))]
+    for b in range(1, 4):
+        rule.commit_piece(0, 0, Piece(0, b, piece_part(0, b, shard), (), seq=named[b]))
+    for b in range(4):
+        rule.commit_piece(1, 0, Piece(0, b, piece_part(1, b, shard), ()))
+    assert [h.wait().version for h in heads] == [1, 1]
+    assert torch.equal(again.wait(), _mean(shard, 0, [piece_part(0, 0, shard), piece_part(1, 0, shard)], before))
+
+
+def test_a_bucket_waits_for_the_piece_its_head_names():
+    shard = make_pieced_shard()
+    rule = SyncRule(shard, num_workers=1, nonfinite="raise")
+    before = [f.clone() for f in shard.flats]
+    rule.commit_piece(0, 0, Piece(0, 0, torch.full((shard.buckets[0].numel,), 1e3), (), seq=3))
+    head = rule.commit(0, 0, Push(None, None, pieces=(4, 5, 6, 7)))
+    for b in range(1, 4):
+        rule.commit_piece(0, 0, Piece(0, b, piece_part(0, b, shard), (), seq=5 + b - 1))
+    assert not head.done() and torch.equal(shard.flats[0], before[0])  # the piece here is not the one named
+    named = rule.commit_piece(0, 0, Piece(0, 0, piece_part(0, 0, shard), (), seq=4))
+    assert head.wait().version == 1 and torch.equal(named.wait(), _mean(shard, 0, [piece_part(0, 0, shard)], before))
+
+
+def test_a_whole_push_voids_the_pieces_numbered_before_it():
+    shard = make_pieced_shard()
+    rule = SyncRule(shard, num_workers=1, nonfinite="raise")
+    before = [f.clone() for f in shard.flats]
+    early = rule.commit_piece(0, 0, Piece(0, 1, torch.full((shard.buckets[1].numel,), 1e3), (), seq=3))
+    grads = [piece_part(0, b, shard) for b in range(4)]
+    push = rule.commit(0, 0, Push(grads, [()] * 4, seq=8))
+    assert early.wait() is None and push.wait().version == 1
+    late = rule.commit_piece(0, 1, Piece(0, 2, torch.full((shard.buckets[2].numel,), 1e3), (), seq=4))
+    assert late.wait() is None  # left before the push, arrived after it: void, not the next step's
+    assert all(torch.equal(shard.flats[b], _mean(shard, b, [grads[b]], before)) for b in range(4))
+
+
+def test_pieces_left_by_a_worker_that_pushed_no_step_are_answered_when_the_step_closes():
+    shard = make_pieced_shard()
+    rule = SyncRule(shard, num_workers=2, nonfinite="raise")
+    left = rule.commit_piece(1, 0, Piece(0, 0, piece_part(1, 0, shard), (), seq=3))
+    rule.worker_joined(1)  # worker 1 ran out of data after that backward (trainer.join())
+    head = rule.commit(0, 0, Push(None, None))
+    for b in range(4):
+        rule.commit_piece(0, 0, Piece(0, b, piece_part(0, b, shard), ()))
+    assert head.wait().version == 1 and left.wait() is None
+
+
+class _Window:
+    """A pipeline whose window holds `room` pieces; records what was sent."""
+
+    def __init__(self, room: int):
+        self.left, self.sent = room, []
+
+    def room(self, server):
+        return self.left > 0
+
+    def send(self, piece):
+        self.left -= 1
+        self.sent.append(piece)
+
+
+def _streamed(room=100, quiet=lambda: False, pipeline=True):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    unused = nn.Linear(2, 2)  # an unused branch: its bucket never completes during the backward
+    params = {**{f"net.{n}": p for n, p in net.named_parameters()}, **{f"unused.{n}": p for n, p in unused.named_parameters()}}
+    buckets = by_server(plan_buckets(ModelSpec.of(params, {}).params, 2, 40, split=True), 2)
+    window = _Window(room) if pipeline else None
+    stream = GradientStream(params, buckets, lambda flat, bucket: flat, window, quiet)
+    return net, params, buckets, window, stream
+
+
+def _expected(params, buckets, key):
+    s, b = key
+    return buckets[s][b].pack([e.piece(params[e.name].grad) for e in buckets[s][b].entries])[0]
+
+
+def test_a_bucket_leaves_once_the_backward_produced_all_its_entries_in_the_order_they_complete():
+    net, params, buckets, window, stream = _streamed()
+    net(torch.randn(5, 3)).square().sum().backward()
+    sent = stream.close()
+    complete = {(s, b) for s, per in buckets.items() for b, bucket in enumerate(per)
+                if all(e.name.startswith("net.") for e in bucket.entries)}
+    assert set(sent) == complete and len(window.sent) == len(complete) and complete != set()
+    for key, piece in sent.items():
+        assert piece.absent == () and torch.equal(piece.payload, _expected(params, buckets, key))
+    order = [(p.server, p.bucket) for p in window.sent]
+    last_layer = {k for k in complete if any(e.name.startswith("net.2.") for e in buckets[k[0]][k[1]].entries)}
+    assert set(order[:len(last_layer)]) == last_layer  # the backward produces the last layer first
+    assert [p.seq for p in window.sent] == sorted(p.seq for p in window.sent)
+
+
+def test_a_second_backward_makes_its_buckets_travel_with_the_step():
+    net, params, buckets, window, stream = _streamed()
+    net(torch.randn(5, 3)).square().sum().backward()
+    net[2](torch.randn(5, 4)).sum().backward()  # adds to the last layer only
+    sent = stream.close()
+    assert stream.resend and all(any(e.name.startswith("net.2.") for e in buckets[s][b].entries)
+                                 for s, b in stream.resend)
+    assert set(sent) == {(p.server, p.bucket) for p in window.sent} - stream.resend
+
+
+def test_no_sync_and_a_full_window_send_nothing_ahead():
+    quiet = [True]
+    net, params, buckets, window, stream = _streamed(quiet=lambda: quiet[0])
+    net(torch.randn(5, 3)).square().sum().backward()
+    quiet[0] = False
+    net(torch.randn(5, 3)).square().sum().backward()
+    assert stream.close() == {} and window.sent == []
+    net, params, buckets, window, stream = _streamed(room=1)
+    net(torch.randn(5, 3)).square().sum().backward()
+    assert len(stream.close()) == 1 == len(window.sent)  # the rest travel with the step
+    net, params, buckets, window, stream = _streamed(pipeline=False)  # watching only
+    net(torch.randn(5, 3)).square().sum().backward()
+    assert stream.close() == {} and not stream.resend
+
+
+@pytest.mark.timeout(200)
+def test_a_loop_whose_steps_change_shape_ends_where_single_process_training_ends():
+    steps, workers = len(PATTERN), 2
+    results = gradsync.launch(train_shapes, strategy="ps", workers=workers, servers=2, args=(steps,), timeout=180,
+                              bucket_cap_mb=0.0002)  # 200-byte pieces, parameters split across them
+    reference = reference_shapes(steps, workers)
+    taken = [shape for shape in PATTERN if shape != "skip"]
+    for r in results:
+        assert max_diff(r["state"], reference) <= 1e-5
+        assert max_diff(r["state"], results[0]["state"]) == 0.0
+        pieces = len(r["early"][1])
+        assert pieces > 4
+        # which steps' pieces left during the backward: from the second step on, after a step that needed
+        # neither a second backward, no_sync nor a GradScaler; a step that travelled whole has no lanes
+        streamed = {0: 0, 1: pieces, 2: pieces, 3: 0, 4: pieces, 5: pieces, 6: None, 7: 0, 8: pieces, 9: 0, 10: 0,
+                    11: pieces}
+        assert len(r["early"]) == len(taken) == len(streamed)
+        assert [None if e is None else len(e) for e in r["early"]] == [streamed[i] for i in range(len(taken))]
