@@ -95,7 +95,7 @@ def _streamed(room=100, quiet=lambda: False, pipeline=True):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
     unused = nn.Linear(2, 2)  # an unused branch: its bucket never completes during the backward
-    params = {**{f"net.{n}": p for n, p in net.named_parameters()}, **{f"unused.{n}": p for n, p in unused.named_parameters()}}
+    params = {f"{name}.{n}": p for name, m in (("net", net), ("unused", unused)) for n, p in m.named_parameters()}
     buckets = by_server(plan_buckets(ModelSpec.of(params, {}).params, 2, 40, split=True), 2)
     window = _Window(room) if pipeline else None
     stream = GradientStream(params, buckets, lambda flat, bucket: flat, window, quiet)

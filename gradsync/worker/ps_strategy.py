@@ -260,7 +260,8 @@ class PSStrategy(Strategy):
             self._sent = [group_options(g) for g in self.optimizer.param_groups]
         seq = next_seq if self._streams else lambda: 0  # numbered where pieces may have left ahead
         if pipelined:  # a pipeline of pieces, each back once applied
-            pieces = [Piece(s, b, payloads[s][b], absent[s][b], seq()) for s, b in self._order if (s, b) not in streamed]
+            pieces = [Piece(s, b, payloads[s][b], absent[s][b], seq()) for s, b in self._order
+                      if (s, b) not in streamed]
             named = {(p.server, p.bucket): p.seq for p in [*streamed.values(), *pieces]}
             heads = {s: Push(None, None, buffers[s], rows.get(s, {}), changes, pieces=tuple(
                 named[(s, b)] for b in range(len(self.server_buckets[s]))) if self._streams else None)
