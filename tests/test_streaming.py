@@ -8,7 +8,11 @@ from torch import nn
 
 import gradsync
 from gradsync.core.buckets import ModelSpec, by_server, plan_buckets
-from gradsync.ps.messages import Piece, Push
+from gradsync.ps.messages import Piece, Push, Setup
+from gradsync.ps.server import ParameterServer
+from gradsync.core.futures import resolved
+from gradsync.core.optimizer_spec import OptimizerSpec
+from gradsync.ps.staging import Staging
 from gradsync.ps.sync_rule import SyncRule
 from gradsync.worker.streaming import GradientStream
 from helpers import max_diff
@@ -148,20 +152,57 @@ def test_no_sync_and_a_full_window_send_nothing_ahead():
 
 
 @pytest.mark.timeout(200)
-def test_a_loop_whose_steps_change_shape_ends_where_single_process_training_ends():
-    steps, workers = len(PATTERN), 2
-    results = gradsync.launch(train_shapes, strategy="ps", workers=workers, servers=2, args=(steps,), timeout=180,
-                              bucket_cap_mb=0.0002)  # 200-byte pieces, parameters split across them
+@pytest.mark.parametrize("mode,workers", [("sync", 2), ("async", 1), ("ssp", 1)])
+def test_a_loop_whose_steps_change_shape_ends_where_single_process_training_ends(mode, workers):
+    """Sync at W = 2 against the joint batch; async and ssp with one worker are sync training, bit for bit."""
+    steps = len(PATTERN)
+    results = gradsync.launch(train_shapes, strategy="ps", workers=workers, servers=2, mode=mode, args=(steps,),
+                              timeout=180, bucket_cap_mb=0.0002)  # 200-byte pieces, parameters split across them
     reference = reference_shapes(steps, workers)
     taken = [shape for shape in PATTERN if shape != "skip"]
     for r in results:
-        assert max_diff(r["state"], reference) <= 1e-5
+        assert max_diff(r["state"], reference) <= (1e-5 if workers > 1 else 0.0)
         assert max_diff(r["state"], results[0]["state"]) == 0.0
         pieces = len(r["early"][1])
         assert pieces > 4
         # which steps' pieces left during the backward: from the second step on, after a step that needed
-        # neither a second backward, no_sync nor a GradScaler; a step that travelled whole has no lanes
-        streamed = {0: 0, 1: pieces, 2: pieces, 3: 0, 4: pieces, 5: pieces, 6: None, 7: 0, 8: pieces, 9: 0, 10: 0,
-                    11: pieces}
+        # neither a second backward, no_sync nor a GradScaler; a sync step that travelled whole (held for the
+        # GradScaler) has no lanes, an async one goes as fresh pieces that supersede those
+        scaled = None if mode == "sync" else pieces
+        streamed = [0, pieces, pieces, 0, pieces, pieces, scaled, 0, pieces, 0, 0, pieces]
         assert len(r["early"]) == len(taken) == len(streamed)
-        assert [None if e is None else len(e) for e in r["early"]] == [streamed[i] for i in range(len(taken))]
+        assert [None if e is None else len(e) for e in r["early"]] == streamed
+
+
+def test_an_async_push_waits_on_its_server_for_the_pieces_it_names():
+    shard = make_pieced_shard()
+    committed = []
+    staging = Staging(len(shard.buckets), lambda w, v, push: committed.append((w, v, push)) or resolved("applied"))
+    part = lambda b, x: Piece(0, b, torch.full((shard.buckets[b].numel,), float(x)), (), seq=10 + b)  # noqa: E731
+    early = [staging.piece(0, part(b, b)) for b in (0, 1)]
+    superseded = staging.piece(0, Piece(0, 1, torch.zeros(shard.buckets[1].numel), (), seq=5))
+    assert superseded.wait() is None  # older than the piece of bucket 1 already here
+    head = staging.head(0, 3, Push(None, None, pieces=(10, 11, 12, 13)))
+    late = staging.piece(0, part(2, 2))
+    assert not head.done() and not committed
+    staging.piece(1, part(3, 7))  # another worker's piece is not this one's
+    last = staging.piece(0, part(3, 3))
+    assert head.wait() == "applied" and all(f.wait() is None for f in early + [late, last])
+    ((worker, version, push),) = committed
+    assert (worker, version, push.pieces) == (0, 3, None)
+    assert [p[0].item() for p in push.payloads] == [0.0, 1.0, 2.0, 3.0] and push.absent == [()] * 4
+    staging.void(1, 20)  # worker 1's push came whole: its piece is void, and so is one still on its way
+    assert staging.piece(1, part(3, 7)).wait() is None and not committed[1:]
+
+
+@pytest.mark.timeout(60)
+def test_an_async_server_refuses_a_head_that_names_no_pieces():
+    torch.manual_seed(0)
+    params = {"w": torch.randn(4, 3, requires_grad=True)}
+    spec = ModelSpec.of(params, {})
+    buckets = plan_buckets(spec.params, 1, 10**9)
+    server = ParameterServer(0, 1, "async", "raise")
+    setup = Setup.of(buckets, params, {}, {}, OptimizerSpec.one_group(torch.optim.SGD, {"lr": 0.1}), {}, 1)
+    server.register(0, spec, setup).wait()
+    with pytest.raises(Exception, match="named no piece for each of its 1 buckets"):
+        server.push(0, 0, Push(None, None)).wait()

@@ -25,6 +25,7 @@ from gradsync.ps.layout import ShardLayout, layout_of
 from gradsync.ps.messages import Committed, Partial, Piece, Push, Setup
 from gradsync.ps.named_grads import push_named
 from gradsync.ps.shard import ShardState, Snapshot
+from gradsync.ps.staging import Staging
 from gradsync.ps.sync_rule import SyncRule
 from gradsync.ps.table import TableShard
 from gradsync.ps.wire import make_wire
@@ -45,6 +46,7 @@ class ParameterServer:
         self.nonfinite = nonfinite
         self.shard: ShardState | None = None
         self.rule: ConsistencyRule | None = None
+        self.staging: Staging | None = None  # async and ssp: pieces that left during a worker's backward
         self._lock = threading.Lock()
         self._registrations: dict[int, tuple[ModelSpec, torch.futures.Future]] = {}
         self._reference: ModelSpec | None = None  # worker 0's model, which a worker that joins must match
@@ -81,6 +83,8 @@ class ParameterServer:
                     error = e
             if error is None:
                 self.rule = make_rule(self.mode, self.shard, self.num_workers, self.nonfinite, self.staleness)
+                if not self.pipelined:
+                    self.staging = Staging(len(self.shard.buckets), self._commit)
                 self._setup = None
                 self._reference = registrations[0][0]
                 self.ready.set()
@@ -165,7 +169,8 @@ class ParameterServer:
 
     def push(self, worker: int, pulled_version: int, push: Push, wire=None) -> torch.futures.Future:
         """One worker's step (`Push`) computed at `pulled_version`, its payloads in `wire`'s format (default:
-        the job's); `push.payloads` None: a sync step whose buckets come as pieces (`push_piece`).
+        the job's); `push.payloads` None: a step whose buckets come as pieces (`push_piece`; async and ssp: it
+        waits in `staging` for the pieces `push.pieces` names, then goes to the rule whole).
         Resolves to a `Committed` (in sync mode once all W pushed; in ssp mode once the worker may go on, with
         the `Snapshot` it goes on from; with `push.agree`, with this server's `Partial` of the held step's
         norm, and `finish` applies it), or fails with the reason.
@@ -175,24 +180,45 @@ class ParameterServer:
             return self.rejected(GradientError(
                 f"worker {worker} is not a worker of this job: expected 0 .. {self.num_workers - 1}"
             ))
-        if push.payloads is None and not isinstance(self.rule, SyncRule):
-            return self.rejected(GradientError(
-                f"worker {worker} pushed no gradients to server {self.shard_id}, which runs a {self.mode} job: "
-                "only sync steps take them as pieces"))
         if worker < 0:  # async: any worker may join and leave, under a non-negative id
             return self.rejected(GradientError(f"worker {worker} is not a worker id: expected an integer >= 0"))
+        if self.staging is not None:
+            if push.payloads is None:
+                if push.pieces is None or len(push.pieces) != len(self.shard.buckets):
+                    return self.rejected(GradientError(
+                        f"worker {worker} pushed no gradients to server {self.shard_id}, which runs a {self.mode} "
+                        f"job, and named no piece for each of its {len(self.shard.buckets)} buckets"))
+                return self.staging.head(worker, pulled_version, push)
+            if push.seq:
+                self.staging.void(worker, push.seq)
+        return self._commit(worker, pulled_version, push, wire)
+
+    def _commit(self, worker: int, pulled_version: int, push: Push, wire=None) -> torch.futures.Future:
         return self.rule.commit(worker, pulled_version, push, wire or self.wire)
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether a piece is answered with its bucket's values (sync: the pipeline), not the push (async, ssp:
+        the push's reply brings the whole snapshot)."""
+        return isinstance(self.rule, SyncRule)
 
     def push_piece(self, worker: int, pulled_version: int, piece: Piece, stamped: bool = False
                    ) -> torch.futures.Future:
-        """One worker's gradient of this server's bucket `piece.bucket` in a sync step whose push carried none
-        (in the job's wire format). Resolves to the bucket's values after the step, sent as soon as every
+        """One worker's gradient of this server's bucket `piece.bucket` in a step whose push carries none (in
+        the job's wire format). Sync: resolves to the bucket's values after the step, sent as soon as every
         worker's part is in and the bucket is applied; with `stamped`, to a `core.timeline.Stamped` of them
-        and the bucket's events on this server (the step timeline)."""
-        self._shard()
-        if not isinstance(self.rule, SyncRule):
-            return self.rejected(GradientError(f"worker {worker} pushed a piece to server {self.shard_id}, which "
-                                                f"runs a {self.mode} job: pieces are sync steps'"))
+        and the bucket's events on this server (the step timeline). Async and ssp: kept until its push comes
+        (`staging`), then resolves to None (the push's reply brings the snapshot)."""
+        shard = self._shard()
+        if not 0 <= piece.bucket < len(shard.buckets):
+            return self.rejected(GradientError(f"worker {worker} pushed a piece of bucket {piece.bucket} to server "
+                                                f"{self.shard_id}, which holds {len(shard.buckets)} buckets"))
+        if self.staging is not None:
+            if worker < 0 or not piece.seq:
+                return self.rejected(GradientError(
+                    f"worker {worker} pushed an unnumbered piece or a bad worker id to server {self.shard_id}, "
+                    f"which runs a {self.mode} job: its pieces must be numbered (Piece.seq > 0), from a worker >= 0"))
+            return self.staging.piece(worker, piece)
         if not 0 <= worker < self.num_workers:
             return self.rejected(GradientError(
                 f"worker {worker} is not a worker of this job: expected 0 .. {self.num_workers - 1}"))
@@ -238,6 +264,8 @@ class ParameterServer:
                 waiting, self._registrations = [f for _, f in self._registrations.values()], {}
         if rule is not None:
             rule.worker_left(worker, steps)
+        if self.staging is not None:
+            self.staging.forget(worker)
         for fut in waiting:
             fut.set_exception(self._refusal)
 

@@ -202,8 +202,8 @@ class Pipeline:
 
     def finish(self, heads: dict[int, Push], pieces: list[Piece]) -> dict[int, Snapshot]:
         """Send each server's head (`Push` with payloads None), then `pieces` in the order given, and wait for
-        every piece's reply (the bucket's values once its server applied it) and every head's; returns each
-        server's snapshot after the step."""
+        every piece's reply (sync: the bucket's values once its server applied it) and every head's; returns
+        each server's snapshot after the step (async, ssp: the head's reply brings it whole)."""
         t = self.transport
         replies = {s: t.timeline.timed((s, HEAD), rpc.rpc_async, server_name(s), rpc_push, timeout=self.timeout,
                                        args=(t.worker, self.versions[s], heads[s])) for s in t.servers}
@@ -214,7 +214,8 @@ class Pipeline:
             self.send(piece)
         values = wait_all(self.futures, "pushing a piece (bucket)", self.timeout)
         flats = {s: [values[(s, b)] for b in sorted(b for t, b in values if t == s)] for s in t.servers}
-        return {s: snap._replace(flats=flats[s]) for s, snap in wait_all(replies, "push", self.timeout).items()}
+        return {s: snap if snap.flats else snap._replace(flats=flats[s])
+                for s, snap in wait_all(replies, "push", self.timeout).items()}
 
 
 class RpcRank(RankTransport):
@@ -268,7 +269,8 @@ def _replied(server: ParameterServer, fut: torch.futures.Future, whole: bool = T
 @rpc.functions.async_execution
 def rpc_push(worker: int, pulled_version: int, push: Push) -> torch.futures.Future:
     server = _server()
-    return _replied(server, server.push(worker, pulled_version, push), whole=push.payloads is not None)
+    whole = push.payloads is not None or not server.pipelined  # async, ssp: pieces come back with the push
+    return _replied(server, server.push(worker, pulled_version, push), whole=whole)
 
 
 @rpc.functions.async_execution

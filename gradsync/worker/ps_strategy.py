@@ -116,9 +116,8 @@ class PSStrategy(Strategy):
         self.owner = assign_tensors(self.spec.buffers + self.spec.frozen, config.servers)
         self.wire = make_wire(config.compression)
         self.transport = chosen.worker(config, cluster.store, self.server_buckets)
-        # sync steps' pieces may leave during the backward (worker.streaming): decided per context from the last
-        self._streams = (config.mode == "sync" and chosen.capabilities.streams and not clipping.on
-                         and not self.wire.stateful)
+        # a step's pieces may leave during the backward (worker.streaming): decided per context from the last
+        self._streams = chosen.capabilities.streams and not clipping.on and not self.wire.stateful
         self._stream_next = False
         self._stream: tuple[int, GradientStream] | None = None
         self._quiet = False  # inside trainer.no_sync()
@@ -235,8 +234,8 @@ class PSStrategy(Strategy):
                 record_found_inf(scaler, True)
                 self.metrics.committed(start, 0, 0)
                 return
-        pipelined = agree is None and self.config.mode == "sync"
-        if not pipelined:  # the step travels whole, unscaled: what left during the backward is void (Push.seq)
+        pipelined = agree is None and (self.config.mode == "sync" or self._streams)
+        if agree is not None or unscale != 1.0:  # held or unscaled: what left during the backward is void
             streamed = {}
         payloads, absent = {}, {}
         for s in self.servers:
