@@ -1,6 +1,6 @@
 """What the test files share that is not a fixture: comparing state dicts, running `gradsync run`, telling
-whether a process is gone, a self-signed certificate. Test files import these from here, never from one another (tests/conftest.py puts
-this folder on sys.path, for the tests and for the ranks they spawn)."""
+whether a process is gone, a self-signed certificate, what a job must not print. Test files import these from here,
+never from one another (tests/conftest.py puts this folder on sys.path, for the tests and for the ranks they spawn)."""
 from __future__ import annotations
 
 import os
@@ -12,6 +12,10 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
 HEADLINE = re.compile(r"^gradsync: rank \d+ \(\w+\) (?:failed|exited|stopped)", re.MULTILINE)
 """The first line of a failed job's headline."""
+NOISE = re.compile(r"EOF|c10d|hostname of the client socket|more workers can join|Traceback|warn|^[WE]\d{4} ",
+                   re.IGNORECASE | re.MULTILINE)
+"""What a user cannot act on: TensorPipe's EOF of a worker leaving an async job, c10d's hostname lines, glog's
+W/E prefixes, the join hint of `gradsync run` inside compare, any traceback (refused hybrid ranks), warnings."""
 
 
 def max_diff(a: dict, b: dict) -> float:

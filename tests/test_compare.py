@@ -1,7 +1,6 @@
 """`gradsync compare`: the grid, gradsync.log, and a report whose numbers come from the runs."""
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from gradsync.compare.grid import Config, grid
 from gradsync.compare.predict import fitted, markdown, percent, predict
 from gradsync.compare.runner import headline, read_log
 from gradsync.core.settings import STRAGGLER, TENSORBOARD_DIR
+from helpers import NOISE
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -50,12 +50,6 @@ def _compare(*args: str, env: dict | None = None) -> subprocess.CompletedProcess
                           timeout=230, env=env)
 
 
-# What a user cannot act on: TensorPipe's EOF of a worker leaving an async job, c10d's hostname lines, glog's
-# W/E prefixes, the join hint of `gradsync run` inside compare, any traceback (refused hybrid ranks), warnings.
-_NOISE = re.compile(r"EOF|c10d|hostname of the client socket|more workers can join|Traceback|warn|^[WE]\d{4} ",
-                    re.IGNORECASE | re.MULTILINE)
-
-
 @pytest.mark.timeout(240)
 def test_compare_report_numbers_come_from_the_runs(tmp_path):
     out = tmp_path / "report"
@@ -65,7 +59,7 @@ def test_compare_report_numbers_come_from_the_runs(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     # make run's compare (allreduce and ps, sync and async) prints nothing a user cannot act on, and hybrid on a
     # model without tables is skipped without the refused ranks' tracebacks
-    assert _NOISE.findall(done.stdout + done.stderr) == [], done.stdout + done.stderr
+    assert NOISE.findall(done.stdout + done.stderr) == [], done.stdout + done.stderr
     report = json.loads((out / "report.json").read_text())
     runs = {r["name"]: r for r in report["runs"]}
     assert list(runs) == ["allreduce", "ps sync S=1", "ps async S=1", "hybrid S=1"]

@@ -19,7 +19,7 @@ from gradsync.core.emulated_network import reachable
 from gradsync.launcher.netem import Link, Network
 import jobs
 from jobs import reference_mlp, train_mlp
-from helpers import gradsync_run
+from helpers import NOISE, gradsync_run
 
 TESTS = os.path.dirname(__file__)
 needs_root = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/sbin/ip"),
@@ -191,6 +191,33 @@ def test_gradsync_run_trains_over_the_emulated_network_with_the_grpc_transport(t
     # every parameter of every worker, against single-process training (not the sum of one tensor)
     assert all(float(line.rsplit(" ", 1)[1]) <= 1e-5 for line in lines), lines
     _nothing_left(_job(done.stderr))
+
+
+_LAUNCH = """import sys
+sys.path.insert(0, {tests!r})
+import gradsync, jobs
+if __name__ == "__main__":
+    gradsync.launch(jobs.train_mlp, strategy="ps", workers=2, args=(2,), link="1gbit", timeout=40)
+"""
+
+
+@needs_root
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("launcher", ["gradsync run", "gradsync.launch"])
+def test_a_job_behind_links_prints_nothing_a_user_cannot_act_on(launcher, tmp_path):
+    """`make run`'s first lines: no c10d line that the store's hostname cannot be retrieved (no DNS answers in
+    the emulated network), from the launcher that hosts the store in the hub or from a rank, forked or not."""
+    script = tmp_path / "job.py"
+    if launcher == "gradsync run":
+        script.write_text(_JOB.format(tests=TESTS, body="jobs.train_mlp(2)"))
+        argv = ["-m", "gradsync.cli", "run", "--link", "1gbit", "--strategy", "ps", "--workers", "2", str(script)]
+    else:
+        script.write_text(_LAUNCH.format(tests=TESTS))
+        argv = [str(script)]
+    quiet = {k: v for k, v in os.environ.items() if k != "TORCH_CPP_LOG_LEVEL"}  # gradsync must set it itself
+    done = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=50, env=quiet)
+    assert done.returncode == 0, done.stderr
+    assert NOISE.findall(done.stdout + done.stderr) == [], done.stdout + done.stderr
 
 
 @needs_root

@@ -88,3 +88,25 @@ def test_forkserver_pid_is_the_running_fork_server():
     with open(f"/proc/{pid}/stat") as f:
         assert int(f.read().split(") ")[1].split()[1]) == os.getpid()  # its parent is this process
     assert context is not None
+
+
+_LOG_LEVEL = """
+import sys, torch.distributed as dist
+from gradsync.core import torch_internals as ti
+level = ti.cpp_log_level()
+print(level.value)
+dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+sys.stderr.write("set to ERROR\\n")
+sys.stderr.flush()
+level.value = 2
+dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+"""
+
+
+def test_the_cpp_log_level_is_the_one_torch_read_and_setting_it_takes_effect():
+    """cpp_log_level: TORCH_CPP_LOG_LEVEL=INFO at import is 0, and c10d's INFO lines stop once it is ERROR."""
+    done = subprocess.run([sys.executable, "-c", _LOG_LEVEL], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "TORCH_CPP_LOG_LEVEL": "INFO"})
+    assert done.returncode == 0 and done.stdout.strip() == "0", done.stderr
+    before, after = done.stderr.split("set to ERROR\n")
+    assert "[c10d]" in before and after == "", done.stderr

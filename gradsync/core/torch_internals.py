@@ -6,8 +6,11 @@ installed torch, so an upgrade that changes one fails there, by name, instead of
 """
 from __future__ import annotations
 
+import ctypes
 import multiprocessing.forkserver
+import os
 
+import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch.utils._pytree import tree_flatten, tree_unflatten  # DDP's own way to find tensors in any output
@@ -17,7 +20,7 @@ TESTED_TORCH = (2, 13)
 __all__ = ["TESTED_TORCH", "tree_flatten", "tree_unflatten", "start_dist_autograd", "current_context_id",
            "set_rpc_timeout", "current_rpc_agent", "rpc_init_count", "RPC_STORE_PREFIX", "RPC_MEMBER_LIST",
            "RPC_JOIN_TOKEN", "rpc_join_token", "RPC_JOIN_DONE", "ddp_shadow_round", "ddp_push_rebuilt_params",
-           "forkserver_pid"]
+           "forkserver_pid", "cpp_log_level"]
 
 
 def start_dist_autograd(rank: int) -> None:
@@ -85,3 +88,10 @@ def ddp_push_rebuilt_params(reducer) -> None:
 def forkserver_pid() -> int:
     """The pid of this process's fork server (the parent of the ranks it starts; no public accessor)."""
     return multiprocessing.forkserver._forkserver._forkserver_pid
+
+
+def cpp_log_level() -> ctypes.c_int32:
+    """torch's C++ log level, writable (0 INFO, 1 WARNING, 2 ERROR, 3 FATAL): TORCH_CPP_LOG_LEVEL sets it once, when
+    torch is imported, and no public call sets it later. c10's FLAGS_caffe2_log_level, which c10d reads at each line."""
+    c10 = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))  # loaded already: the same one
+    return ctypes.c_int32.in_dll(c10, "FLAGS_caffe2_log_level")

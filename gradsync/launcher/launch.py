@@ -14,7 +14,7 @@ import torch
 
 from gradsync.core.settings import LAUNCHED, RANK
 from gradsync.core.torch_internals import forkserver_pid
-from gradsync.launcher import netem
+from gradsync.launcher import netem, torch_logs
 from gradsync.launcher.local_job import job_config, network_and_store, offer_join, rank_environments, temporary_run_dir
 from gradsync.launcher.supervision import RankProcess, kill_all, supervise
 from gradsync.membership.departures import Results
@@ -41,12 +41,13 @@ def rank_starter() -> tuple[multiprocessing.context.BaseContext, int]:
 
 def _run_function(env: dict, call: bytes, result_path: str, namespace: str | None) -> None:
     """Body of a spawned rank: take `env` as its whole environment (the fork server keeps the one it started
-    with), die with the launcher, enter its network namespace (if any), init, then fn(*args) (`call`, pickled by
-    the launcher) on workers; a failure is recorded for the launcher."""
+    with), die with the launcher, log torch's C++ lines at the job's level, enter its network namespace (if any),
+    init, then fn(*args) (`call`, pickled by the launcher) on workers; a failure is recorded for the launcher."""
     os.environ.clear()
     os.environ.update({**env, LAUNCHED.env: "1"})
     try:
         die_with_launcher()
+        torch_logs.apply()
         if namespace is not None:
             netem.enter(namespace)
         fn, args = _unpickle_call(call)

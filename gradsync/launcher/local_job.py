@@ -4,8 +4,9 @@ environment: the variables torchrun would set plus gradsync's own.
 
 The launcher hosts the store itself (on loopback only, on a free port unless one is given). With a link rate
 (`--link`, `launcher.netem`) each rank runs in its own network namespace behind a shaped link, and the store
-listens in the hub namespace of that network instead. The launcher of an async job over torch RPC leaves
-`join.json` in the run directory for workers that join it (`gradsync run --join`).
+listens in the hub namespace of that network instead, hosted from a thread of the launcher that entered it
+(torch's C++ lines meanwhile at the ranks' level: `launcher.torch_logs`). The launcher of an async job over torch
+RPC leaves `join.json` in the run directory for workers that join it (`gradsync run --join`).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from gradsync.config import ConfigError, JobConfig, job_keywords, settings_from_
 from gradsync.core.emulated_network import HUB_ADDRESS
 from gradsync.core.settings import (ERROR_FILE, LAUNCHER_PID, MASTER_ADDR, MASTER_PORT, RANK, RUN_DIR,
                                     STORE_IS_HOSTED, TOKEN, WORLD_SIZE)
-from gradsync.launcher import netem
+from gradsync.launcher import netem, torch_logs
 from gradsync.launcher.leases import Lease, abandoned
 from gradsync.membership import newcomers
 from gradsync.membership.liveness import create_keys, error_file
@@ -52,10 +53,7 @@ def rank_environments(config: JobConfig, port: int, run_dir: str,
         "TP_SOCKET_IFNAME": "lo",
         "GLOO_SOCKET_IFNAME": "lo",
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-        # torch's C++ log lines (a TensorPipe EOF per worker that leaves an async job, c10d's "hostname of the
-        # client socket cannot be retrieved" behind --link) tell a user nothing to do; TORCH_CPP_LOG_LEVEL=INFO
-        # shows them. A rank `launch` forks has loaded torch already: its lines stay.
-        "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
+        "TORCH_CPP_LOG_LEVEL": torch_logs.level(),
         STORE_IS_HOSTED.env: "1",
         RUN_DIR.env: run_dir,
         TOKEN.env: TOKEN.read() or new_token(),
@@ -105,7 +103,8 @@ def network_and_store(stack: contextlib.ExitStack, config: JobConfig, port: int,
     else:
         slow = None if server_link is None else netem.Link.parse(server_link, "--server-link")
         network = stack.enter_context(netem.Network(netem.Link.parse(link), config.world_size, slow, config.servers))
-        store = network.in_hub(lambda: rendezvous.host_store(HUB_ADDRESS, port, 60.0, _PORT_FIX))
+        with torch_logs.applied():
+            store = network.in_hub(lambda: rendezvous.host_store(HUB_ADDRESS, port, 60.0, _PORT_FIX))
     create_keys(store, config.world_size, config.num_workers)
     return network, store
 
