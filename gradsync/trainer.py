@@ -150,7 +150,8 @@ class Trainer:
     def no_sync(self):
         """A block whose backward passes only accumulate, as DDP's `no_sync()`: wrap every micro-batch of a
         context but the last, and allreduce (and hybrid) exchange the gradients once per step instead of once
-        per backward. The ps strategy pushes once per step anyway: there it changes nothing.
+        per backward. The ps strategy pushes once per step anyway; inside the block it sends nothing during
+        the backward (`gradsync.worker.streaming`).
 
             with dist_autograd.context() as cid:
                 with trainer.no_sync():

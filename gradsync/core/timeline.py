@@ -2,7 +2,8 @@
 worker, reached and was applied on its server, and came back.
 
 A worker's `Timeline` records one `PieceEvents` per lane and step: under ps each piece (a server's bucket) of
-the pipelined sync step over torch RPC, and each server's header push (buffers and rows, no gradient);
+a step over torch RPC (sync, async, ssp; pieces that left during the backward included), and each server's
+header push (buffers and rows, no gradient);
 under allreduce each bucket DDP exchanges. `left` and `back` are taken on the worker; `arrived` (every
 worker's part of the piece is in) and `applied` (the optimizer stepped on it) on the server, by its
 `PieceStamps`, and sent back in the piece's reply (`Stamped`). Every time is wall-clock seconds
@@ -11,8 +12,9 @@ and the server's events are on one axis; across machines the clocks' skew (NTP: 
 the server's events against the worker's.
 
 Off, a worker records nothing (`timed` calls straight through) and a server only notes two clock readings
-per piece, which it sends only to a worker that asks. Other paths record no lane yet: the gRPC transport,
-async and ssp pushes, and a held step (clipping, a GradScaler), which travel whole.
+per piece, which it sends only to a worker that asks. Other paths record no lane yet: the gRPC transport
+and a held sync step (clipping, a GradScaler), which travel whole. Async and ssp servers apply a push
+whole: their pieces have no server events.
 """
 from __future__ import annotations
 
