@@ -30,8 +30,8 @@ def _losses(model, step: int, worker: int, shape: str) -> list[torch.Tensor]:
 
 
 def train_shapes(steps: int) -> dict:
-    """PATTERN's first `steps` steps with the step timeline on; returns the state and, per step taken,
-    which lanes left before the step's first head (the pieces that left during the backward)."""
+    """PATTERN's first `steps` steps with the step timeline on; returns the state, per step taken which lanes
+    left before the step's first head (the pieces that left during the backward), and the number of buckets."""
     from gradsync.core import settings
 
     os.environ[settings.TIMELINE.env] = "1"  # this rank's own environment: it ends with the job
@@ -52,7 +52,8 @@ def train_shapes(steps: int) -> dict:
         first_head = min((p["left"] for p in pieces if p["bucket"] is None), default=None)  # None: travelled whole
         early.append(None if first_head is None else
                      sorted(p["lane"] for p in pieces if p["bucket"] is not None and p["left"] < first_head))
-    return {"state": trainer.state_dict(), "early": early}
+    buckets = sum(p["bucket"] is not None for p in trainer.metrics.timeline.steps[0]["pieces"])  # every server's
+    return {"state": trainer.state_dict(), "early": early, "buckets": buckets}
 
 
 def reference_shapes(steps: int, workers: int) -> dict[str, torch.Tensor]:

@@ -18,6 +18,7 @@ out of data (`join`) tells the servers through the store (`gradsync.membership.u
 from __future__ import annotations
 
 import contextlib
+import os
 import math
 import time
 from typing import TYPE_CHECKING
@@ -46,7 +47,7 @@ from gradsync.worker.metrics import StepMetrics
 from gradsync.worker.model_state import named_tensors, ordered, to_state_dict
 from gradsync.worker.served_optimizer import ServedOptimizer
 from gradsync.worker.strategy import Strategy
-from gradsync.worker.streaming import GradientStream, next_seq
+from gradsync.worker.streaming import GradientStream, dense, next_seq
 from gradsync.worker.tables import serve_tables
 
 if TYPE_CHECKING:  # imports point one way: the start-up code (cluster) builds the strategies
@@ -117,7 +118,7 @@ class PSStrategy(Strategy):
         self.wire = make_wire(config.compression)
         self.transport = chosen.worker(config, cluster.store, self.server_buckets)
         # a step's pieces may leave during the backward (worker.streaming): decided per context from the last
-        self._streams = chosen.capabilities.streams and not clipping.on and not self.wire.stateful
+        self._streams = chosen.capabilities.streams and not clipping.on and not self.wire.stateful and not os.environ.get("XNOSTREAM")
         self._stream_next = False
         self._stream: tuple[int, GradientStream] | None = None
         self._quiet = False  # inside trainer.no_sync()
@@ -177,8 +178,9 @@ class PSStrategy(Strategy):
         self._stream = None
         if self._streams:
             pipeline = self.transport.pipeline(pulled.versions) if self._stream_next else None
-            self._stream = (context_id, GradientStream(pulled.leaves, self.server_buckets, self._encode, pipeline,
-                                                       lambda: self._quiet))
+            self._stream = (context_id, GradientStream(
+                pulled.leaves, self.server_buckets, lambda: dist_autograd.get_gradients(context_id), self._encode,
+                pipeline, lambda: self._quiet))
 
     def _encode(self, flat: torch.Tensor | None, bucket: Bucket):
         return None if flat is None else self.wire.encode(flat, bucket.index)
@@ -213,7 +215,7 @@ class PSStrategy(Strategy):
             stream, self._stream = self._stream[1], None
         streamed = stream.close() if stream is not None else {}
         by_leaf = dist_autograd.get_gradients(context_id)
-        grads = {n: _dense(by_leaf[leaf]) for n, leaf in pulled.leaves.items() if leaf in by_leaf}
+        grads = {n: dense(by_leaf[leaf]) for n, leaf in pulled.leaves.items() if leaf in by_leaf}
         rows = self.tables.row_grads(context_id, by_leaf)
         if not grads and not any(rows.values()):
             raise no_gradients_error(context_id)
@@ -360,7 +362,3 @@ class PSStrategy(Strategy):
         tables = self.tables.full({s: named for s, (_, _, named) in states.items()})
         with self.tables.own_state():
             return ordered(to_state_dict(self.model.module, values), tables, self.keys)
-
-
-def _dense(grad: torch.Tensor) -> torch.Tensor:
-    return grad.to_dense() if grad.is_sparse else grad

@@ -1,9 +1,9 @@
 """Gradients that leave during the backward: a sync ps step's pieces sent as the backward produces them.
 
 A `GradientStream` hooks the trainable leaves one forward ran on. When the backward has produced the
-gradient of every entry of a bucket, that bucket's piece is packed, encoded and handed to the step's
-`Pipeline` (sent at once when its server's window has room, else with the step), the way DDP's reducer
-starts a bucket's allreduce once it is ready. A bucket whose entries did not all get a gradient (an unused
+gradient of every entry of a bucket, that bucket's piece is packed from the context, encoded and handed to
+the step's `Pipeline` at the next leaf's hook (when its server's window has room, else with the step), the
+way DDP's reducer starts a bucket's allreduce once it is ready. A bucket whose entries did not all get a gradient (an unused
 branch) travels with the step, from the context's gradients, as before.
 
 Every piece is numbered (`Piece.seq`), and the step's head names the piece of each bucket that counts, so
@@ -35,21 +35,27 @@ def next_seq() -> int:
 
 class GradientStream:
     """One context's pieces that left during its backward. `leaves`: the trainable leaves by name the forward
-    ran on; `buckets`: each server's bucket plan; `encode(flat, bucket)`: the wire payload of a packed bucket
-    gradient; `pipeline`: the step's `transport.rpc.Pipeline` (`room(server)`, `send(piece)`); `quiet()`:
-    whether a backward runs inside `trainer.no_sync()`."""
+    ran on; `buckets`: each server's bucket plan; `gradients()`: the context's gradients by leaf so far;
+    `encode(flat, bucket)`: the wire payload of a packed bucket gradient; `pipeline`: the step's
+    `transport.rpc.Pipeline` (`room(server)`, `send(piece)`), None to only watch; `quiet()`: whether a
+    backward runs inside `trainer.no_sync()`.
 
-    def __init__(self, leaves: dict[str, torch.Tensor], buckets: dict[int, list[Bucket]], encode, pipeline,
-                 quiet: Callable[[], bool]):
+    A hook keeps no gradient: a bucket the backward completed is packed from the context at the next leaf's
+    hook, once the context holds it (a reference held past the hook would make the context copy the
+    gradient instead of taking it). The last bucket the backward completes travels with the step."""
+
+    def __init__(self, leaves: dict[str, torch.Tensor], buckets: dict[int, list[Bucket]], gradients, encode,
+                 pipeline, quiet: Callable[[], bool]):
+        self.leaves = leaves
         self.buckets = buckets
+        self.gradients = gradients
         self.encode = encode
-        self.pipeline = pipeline  # None: only note what the backward passes produce (whether to stream next)
-        self.quiet = quiet  # inside trainer.no_sync(): note the leaves, send nothing
+        self.pipeline = pipeline
+        self.quiet = quiet
         self.sent: dict[tuple[int, int], Piece] = {}  # bucket -> the piece that left (its seq names it)
         self.touched: set[str] = set()  # leaves a backward produced a gradient for
         self.resend: set[tuple[int, int]] = set()  # buckets a later backward added to (or that no_sync held)
-        self._grads: dict[str, torch.Tensor] = {}
-        self._ready: list[tuple[int, int]] = []  # complete, not yet sent (the window was full)
+        self._ready: list[tuple[int, int]] = []  # complete, not sent yet
         self._lock = threading.Lock()
         self._of: dict[str, list[tuple[int, int]]] = {}
         self._missing: dict[tuple[int, int], int] = {}
@@ -64,36 +70,33 @@ class GradientStream:
     def _hook(self, name: str):
         def on_grad(grad: torch.Tensor) -> None:
             with self._lock:
-                self._produced(name, grad)
+                self._produced(name)
         return on_grad
 
-    def _produced(self, name: str, grad: torch.Tensor) -> None:
+    def _produced(self, name: str) -> None:
+        self._flush()
         again = name in self.touched
         self.touched.add(name)
         if again or self.quiet():  # the context sums this backward's gradient with an earlier one's
             self.resend.update(self._of[name])
-            self._grads.pop(name, None)
             return
-        self._grads[name] = grad.to_dense() if grad.is_sparse else grad
         for key in self._of[name]:
             self._missing[key] -= 1
-            if self._missing[key] == 0 and key not in self.resend and self.pipeline is not None:
+            if self._missing[key] == 0 and self.pipeline is not None:
                 self._ready.append(key)
-        self._flush()
 
     def _flush(self) -> None:
-        while self._ready:
-            s, b = self._ready[0]
-            if (s, b) in self.resend:
-                self._ready.pop(0)
-                continue
-            if not self.pipeline.room(s):
-                return
+        """Send the complete buckets the window has room for, packed from the context."""
+        self._ready = [key for key in self._ready if key not in self.resend]
+        if not self._ready:
+            return
+        grads = self.gradients()
+        while self._ready and self.pipeline.room(self._ready[0][0]):
+            s, b = self._ready.pop(0)
             bucket = self.buckets[s][b]
-            flat, absent = bucket.pack([e.piece(self._grads[e.name]) for e in bucket.entries])
+            flat, absent = bucket.pack([e.piece(dense(grads[self.leaves[e.name]])) for e in bucket.entries])
             piece = Piece(s, b, self.encode(flat, bucket), absent, next_seq())
             self.pipeline.send(piece)
-            self._ready.pop(0)
             self.sent[(s, b)] = piece
 
     def close(self) -> dict[tuple[int, int], Piece]:
@@ -103,3 +106,8 @@ class GradientStream:
                 handle.remove()
             self._handles = []
             return {key: piece for key, piece in self.sent.items() if key not in self.resend}
+
+
+def dense(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient as a dense tensor (a sparse table's, when its table is not served by rows)."""
+    return grad.to_dense() if grad.is_sparse else grad
