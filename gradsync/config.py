@@ -29,7 +29,7 @@ def _concern(name: str):
 
 def _positive(config, concern: str) -> None:
     for s in settings.of(concern):
-        if s.type is float and getattr(config, s.name) <= 0:
+        if s.type is float and getattr(config, s.name) is not None and getattr(config, s.name) <= 0:
             raise ConfigError(f"{s.name} must be > 0, got {getattr(config, s.name)}")
 
 
@@ -172,7 +172,7 @@ class JobConfig(Checkpointing, Timeouts, Training, Placement):  # fields in the 
 
     def to_env(self) -> dict[str, str]:
         """The GRADSYNC_* variables that reproduce this job's settings in a child process."""
-        return {s.env: str(getattr(self, s.name)) for s in settings.JOB_SETTINGS}
+        return {s.env: str(getattr(self, s.name)) for s in settings.JOB_SETTINGS if getattr(self, s.name) is not None}
 
 
 def settings_from_env(env, strategy: str | None = None) -> dict:
@@ -212,6 +212,7 @@ class StoreKeys:
     PROCESS_GROUP = "gradsync/pg"
     RPC = "gradsync/rpc"
     TOKEN = "gradsync/grpc_token"
+    PIECE_MB = "gradsync/piece_mb"  # the bucket cap worker 0 chose from the bandwidth it measured (ps)
     GRPC_ADDRESS = "gradsync/grpc/address/{}"
     GRPC_SETUP = "gradsync/grpc/setup/{}"
     GRPC_SPEC = "gradsync/grpc/spec/{}/{}"

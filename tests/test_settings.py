@@ -109,10 +109,12 @@ def test_every_job_setting_travels_through_the_environment():
     changed = set()
     for config in (sync, ssp, grpc, allreduce):
         env = config.to_env()
-        assert set(env) == {s.env for s in JOB_SETTINGS}
+        assert set(env) == {s.env for s in JOB_SETTINGS if getattr(config, s.name) is not None}  # None: unset
         assert JobConfig.from_env({**env, "WORLD_SIZE": str(config.world_size)}) == config
         changed |= {s.name for s in JOB_SETTINGS if getattr(config, s.name) != s.default}
     assert changed == {s.name for s in JOB_SETTINGS}
+    assert "GRADSYNC_BUCKET_CAP_MB" not in ssp.to_env() and JobConfig.from_env(
+        {**ssp.to_env(), "WORLD_SIZE": "2"}).bucket_cap_mb is None  # auto travels as unset
     assert settings_from_env({})["servers"] == 1 and settings_from_env({}, "allreduce")["servers"] == 0
 
 
@@ -126,7 +128,7 @@ def test_gradsync_run_has_an_option_for_every_job_setting_bucket_cap_mb_included
     flags = {o for name in ("run", "compare") for a in commands[name]._actions for o in a.option_strings}
     assert {s.flag for s in TABLE if s.flag} <= flags
     run = " ".join(commands["run"].format_help().split())
-    assert "(default: GRADSYNC_BUCKET_CAP_MB, else 25.0)" in run
+    assert "(default: GRADSYNC_BUCKET_CAP_MB, else auto (25 over gRPC))" in run
 
 
 def test_init_and_launch_refuse_a_keyword_that_is_no_setting():

@@ -118,12 +118,13 @@ COMPRESSION = _S("compression", "GRADSYNC_COMPRESSION", str, "none", "training",
 TRANSPORT = _S("transport", "GRADSYNC_TRANSPORT", str, next(iter(CAPABILITIES)), "training",
                "rpc or grpc: how ps workers reach the servers (torch RPC, or gRPC without TensorPipe)",
                flag="--transport", choices=tuple(CAPABILITIES), shared=True)
-BUCKET_CAP_MB = _S("bucket_cap_mb", "GRADSYNC_BUCKET_CAP_MB", float, 25.0, "training",
-                   "largest parameter bucket in MB (one bucket is one flat tensor on the wire), and under ps with "
-                   "an elementwise optimizer the size of the pieces a larger parameter is cut into (a sync step's "
-                   "pieces are applied and sent back one by one); behind a slow link 0.25 brings a step close to "
-                   "the link's floor, at ~1.5 ms of CPU per piece (BENCHMARKS.md)", flag="--bucket-cap-mb",
-                   shared=True)
+BUCKET_CAP_MB = _S("bucket_cap_mb", "GRADSYNC_BUCKET_CAP_MB", float, None, "training",
+                   "ps: largest parameter bucket in MB (one bucket is one flat tensor on the wire), and with an "
+                   "elementwise optimizer the size of the pieces a larger parameter is cut into (a step's pieces "
+                   "are applied and sent back one by one); unset: chosen at start-up from the bandwidth worker 0 "
+                   "measures to the servers (small pieces behind a slow link, large ones on a fast one: "
+                   "gradsync.worker.piece_size)", flag="--bucket-cap-mb", shared=True,
+                   default_text="auto (25 over gRPC)")
 # Timeouts: each rank's own; a worker that joins may choose its own.
 STARTUP_TIMEOUT = _S("startup_timeout", "GRADSYNC_STARTUP_TIMEOUT", float, 120.0, "timeouts",
                      "seconds for every rank to join and register the model", flag="--startup-timeout")

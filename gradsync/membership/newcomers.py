@@ -127,8 +127,8 @@ def joiner_config(store: dist.Store, host: str, port: int, asked: dict, timeout:
         ConfigError: the job does not take joining workers, or runs other settings than `asked`.
     """
     values = job_settings(store, host, port, timeout)
-    differ = [f"{k}={v!r} (the job runs {values[k]!r})" for k, v in asked.items()
-              if v is not None and k in settings.SHARED and v != values[k]]
+    differ = [f"{k}={v!r} (the job runs {values[k]!r}{'' if values[k] is not None else ': chosen at start-up'})"
+              for k, v in asked.items() if v is not None and k in settings.SHARED and v != values[k]]
     if differ:
         raise ConfigError(f"joining the job at {host}:{port} with {', '.join(differ)}: leave those settings "
                           "out, a joining worker takes the job's")

@@ -35,6 +35,12 @@ class WorkerTransport(ABC):
         self.servers = list(server_buckets)
         self.server_buckets = server_buckets
 
+    @classmethod
+    def bandwidth(cls, config: JobConfig) -> float | None:
+        """The bytes/s this worker reaches the slowest server at, measured now (before any plan: the piece
+        size is chosen from it, `worker.piece_size`); None when this transport does not measure it."""
+        return None
+
     @abstractmethod
     def register(self, spec: ModelSpec, setups: dict[int, Setup | None]) -> dict[str, torch.Tensor]:
         """Register this worker's model on every server (worker 0 brings each server's setup); returns the

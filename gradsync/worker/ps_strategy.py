@@ -44,6 +44,7 @@ from gradsync.ps.wire import make_wire
 from gradsync.transport.registry import transport
 from gradsync.worker.amp import inverse_scale, record_found_inf
 from gradsync.worker.metrics import StepMetrics
+from gradsync.worker.piece_size import piece_mb
 from gradsync.worker.model_state import named_tensors, ordered, to_state_dict
 from gradsync.worker.served_optimizer import ServedOptimizer
 from gradsync.worker.strategy import Strategy
@@ -109,7 +110,8 @@ class PSStrategy(Strategy):
         params, buffers = named_tensors(module)
         self.params, self.buffers = params, buffers  # the user's module's: pointed at the servers' values
         self.spec = ModelSpec.of(params, buffers, self.tables.specs)
-        cap = int(config.bucket_cap_mb * 2**20)
+        model_bytes = sum(t.nbytes for t in self.spec.params)
+        cap = int(piece_mb(config, cluster.store, model_bytes, lambda: chosen.worker.bandwidth(config)) * 2**20)
         self.buckets = plan_buckets(self.spec.params, config.servers, cap, split=may_split(spec.cls))
         self.servers = list(range(config.servers))
         self.server_buckets = by_server(self.buckets, config.servers)
