@@ -7,21 +7,37 @@ import torch
 
 import gradsync
 from gradsync.config import JobConfig
-from gradsync.worker.piece_size import LARGEST_MB, PIECE_CPU_S, SMALLEST_MB, best_piece_mb, piece_mb
+from gradsync.worker.piece_size import (LARGEST_MB, PIECE_CPU_S, SMALLEST_MB, SPLIT_S_PER_BYTE, best_piece_mb,
+                                        overhead_s, piece_mb)
 
 MB = 2**20
 
 
+ISSUE = [12288 * 128 * 4, 128 * 4, 128 * 128 * 4, 128 * 4, 128 * 30 * 4, 30 * 4]  # issue 17's MLP, 6.4 MB
+REFERENCE = [12288 * 512 * 4, 512 * 4, 512 * 512 * 4, 512 * 4, 512 * 30 * 4, 30 * 4]  # 26 MB, one 25 MB layer
+
+
 def test_the_best_piece_balances_the_pipelines_fill_against_the_cpu_per_piece():
-    model, bandwidth = 6.4e6, 12.5e6  # issue 17's workload behind 100 Mbit/s
-    chosen = best_piece_mb(int(model), servers=1, workers=2, bandwidth=bandwidth)
+    model, bandwidth = sum(ISSUE), 12.5e6  # behind 100 Mbit/s
+    chosen = best_piece_mb(ISSUE, servers=1, workers=2, bandwidth=bandwidth)
     assert chosen * MB == pytest.approx(math.sqrt(model * PIECE_CPU_S * bandwidth / 2))
     assert 0.2 < chosen < 0.3
-    step = lambda p: 2 * p / bandwidth + model * PIECE_CPU_S / p  # noqa: E731 (W p / B + M c / (S p))
-    assert step(chosen * MB) < min(step(chosen * MB * 2), step(chosen * MB / 2))
-    assert best_piece_mb(26 * MB, 2, 2, 125e6) == pytest.approx(math.sqrt(26 * MB * PIECE_CPU_S * 125e6 / 4) / MB)
-    assert best_piece_mb(26 * MB, 1, 2, 1e12) == LARGEST_MB and best_piece_mb(1000, 1, 2, 1e6) == SMALLEST_MB
-    assert best_piece_mb(26 * MB, 1, 2, None) == LARGEST_MB  # not measured (gRPC)
+    fill_and_cpu = lambda p: 2 * p / bandwidth + model * PIECE_CPU_S / p  # noqa: E731 (W p / B + M c / (S p))
+    assert fill_and_cpu(chosen * MB) < min(fill_and_cpu(chosen * MB * 2), fill_and_cpu(chosen * MB / 2))
+    at_1gbit = best_piece_mb(REFERENCE, 2, 2, 125e6)
+    assert at_1gbit == pytest.approx(math.sqrt(sum(REFERENCE) * PIECE_CPU_S * 125e6 / 4) / MB) and at_1gbit < 1.5
+    assert best_piece_mb(ISSUE, 1, 2, 1e12) == LARGEST_MB and best_piece_mb([1000], 1, 2, 1e6) == SMALLEST_MB
+    assert best_piece_mb(REFERENCE, 1, 2, None) == LARGEST_MB  # not measured (gRPC)
+
+
+def test_on_a_fast_link_a_piece_cuts_no_parameter_when_its_copies_would_cost_more():
+    fast = 3e9  # loopback: the balance would cut the 25 MB layer into ~6 MB pieces
+    chosen = best_piece_mb(REFERENCE, 1, 2, fast)
+    assert chosen * MB == REFERENCE[0]  # the smallest piece that cuts nothing: the largest parameter
+    balanced = math.sqrt(sum(REFERENCE) * PIECE_CPU_S * fast / 2)
+    assert overhead_s(chosen * MB, REFERENCE, 1, 2, fast) < overhead_s(balanced, REFERENCE, 1, 2, fast)
+    assert overhead_s(balanced, REFERENCE, 1, 2, fast) - overhead_s(balanced, REFERENCE[1:], 1, 2, fast) > \
+        SPLIT_S_PER_BYTE * REFERENCE[0] * 0.99  # the cut layer's copies are what tips it
 
 
 def test_worker_0_chooses_and_every_other_worker_takes_its_choice(store):
@@ -29,11 +45,11 @@ def test_worker_0_chooses_and_every_other_worker_takes_its_choice(store):
     measure = lambda: measured.append(1) or 12.5e6  # noqa: E731
     first = JobConfig(strategy="ps", servers=1, world_size=3, rank=1)
     second = JobConfig(strategy="ps", servers=1, world_size=3, rank=2)
-    chosen = piece_mb(first, store, int(6.4e6), measure)
-    assert chosen == best_piece_mb(int(6.4e6), 1, 2, 12.5e6) and measured == [1]
-    assert piece_mb(second, store, int(6.4e6), lambda: pytest.fail("only worker 0 measures")) == chosen
+    chosen = piece_mb(first, store, ISSUE, measure)
+    assert chosen == best_piece_mb(ISSUE, 1, 2, 12.5e6) and measured == [1]
+    assert piece_mb(second, store, ISSUE, lambda: pytest.fail("only worker 0 measures")) == chosen
     given = JobConfig(strategy="ps", servers=1, world_size=3, rank=2, bucket_cap_mb=3.0)
-    assert piece_mb(given, store, int(6.4e6), lambda: pytest.fail("a set value is not measured")) == 3.0
+    assert piece_mb(given, store, ISSUE, lambda: pytest.fail("a set value is not measured")) == 3.0
 
 
 def _measured() -> tuple[float, int]:

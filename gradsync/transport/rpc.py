@@ -97,7 +97,19 @@ def wait_all(futures: dict[int, torch.futures.Future], what: str, timeout: float
 
 
 PROBE_BYTES = 2**20
-"""The large message of `RpcTransport.bandwidth`: 80 ms behind 100 Mbit/s, under a millisecond on loopback."""
+"""The first large message of `RpcTransport.bandwidth`: 80 ms behind 100 Mbit/s, under a millisecond on loopback."""
+PROBE_S = 0.02
+"""How long the large message must take for `RpcTransport.bandwidth` to trust its time."""
+
+
+def _timed(server: int, nbytes: int, timeout: float) -> float:
+    """The best of two times of a message of `nbytes` to `server` and its answer."""
+    payload, best = torch.zeros(nbytes // 4), float("inf")
+    for _ in range(2):
+        start = time.perf_counter()
+        rpc.rpc_sync(server_name(server), rpc_probe, args=(payload,), timeout=timeout)
+        best = min(best, time.perf_counter() - start)
+    return best
 
 IN_FLIGHT_MB = 0.25
 """A worker's unanswered pieces per server, in MB (at least two pieces): a worker ahead of the others waits for
@@ -122,18 +134,18 @@ class RpcTransport(WorkerTransport):
 
     @classmethod
     def bandwidth(cls, config: JobConfig) -> float:
-        """Time a small and a large message (`PROBE_BYTES`) to each server, the best of two each: the slowest
-        server's (large - small) bytes / (its time difference)."""
-        small, large = torch.zeros(256), torch.zeros(PROBE_BYTES // 4)
+        """Time a small and a large message to each server, the best of two each, the large one growing from
+        `PROBE_BYTES` (x8, to 32 MB) until it takes `PROBE_S`: the slowest server's (large - small) bytes / (its
+        time difference)."""
         rates = []
         for s in range(config.servers):
-            times = {}
-            for payload in (small, large, small, large):
-                start = time.perf_counter()
-                rpc.rpc_sync(server_name(s), rpc_probe, args=(payload,), timeout=config.startup_timeout)
-                elapsed = time.perf_counter() - start
-                times[payload.nbytes] = min(elapsed, times.get(payload.nbytes, elapsed))
-            rates.append((large.nbytes - small.nbytes) / max(times[large.nbytes] - times[small.nbytes], 1e-6))
+            nbytes = PROBE_BYTES
+            while True:
+                small, large = (_timed(s, n, config.startup_timeout) for n in (1024, nbytes))
+                if large >= PROBE_S or nbytes >= 32 * PROBE_BYTES:
+                    break
+                nbytes *= 8
+            rates.append((nbytes - 1024) / max(large - small, 1e-6))
         return min(rates)
 
     def register(self, spec: ModelSpec, setups: dict[int, Setup | None]) -> dict[str, torch.Tensor]:
