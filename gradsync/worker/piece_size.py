@@ -24,9 +24,10 @@ from gradsync.config import JobConfig, StoreKeys
 
 PIECE_CPU_S = 1.5e-3
 """CPU seconds a piece costs beyond its bytes (bench/overhead.py, reference workload, 1 MB pieces against 25)."""
-SPLIT_S_PER_BYTE = 8e-10
+SPLIT_S_PER_BYTE = 1.1e-9
 """Seconds per byte of a parameter cut into pieces: a worker copies it twice a step (its gradient's pieces out,
-the values' pieces joined back), 20 ms for the reference workload's 25 MB layer (py-spy, loopback)."""
+the values' pieces joined back into fresh memory), 27 ms a step for the reference workload's 25 MB layer
+(py-spy on a worker, loopback, 1 MB pieces: 28% of its time)."""
 LARGEST_MB = 25.0
 """The largest piece: DDP's default bucket, and gradsync's before pieces were chosen."""
 SMALLEST_MB = 0.0625
