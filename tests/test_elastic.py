@@ -144,7 +144,8 @@ def test_joining_refuses_jobs_that_take_no_workers_and_other_settings(tmp_path):
         newcomers.joiner_config(store, "127.0.0.1", store.port, {"bucket_cap_mb": 1.0}, 1.0)  # another bucket plan
     assert newcomers.joiner_config(store, "127.0.0.1", store.port, {}, 1.0).bucket_cap_mb is None  # the job's choice
     store = _store()
-    newcomers.publish_settings(store, JobConfig(strategy="ps", mode="async", servers=1, world_size=2, bucket_cap_mb=4.0))
+    newcomers.publish_settings(store, JobConfig(strategy="ps", mode="async", servers=1, world_size=2,
+                                                bucket_cap_mb=4.0))
     with pytest.raises(ConfigError, match=r"with bucket_cap_mb=1.0 \(the job runs 4.0\)"):
         newcomers.joiner_config(store, "127.0.0.1", store.port, {"bucket_cap_mb": 1.0}, 1.0)
     assert newcomers.joiner_config(store, "127.0.0.1", store.port, {}, 1.0).bucket_cap_mb == 4.0

@@ -9,16 +9,18 @@ the gradients from the dist_autograd context, packs them into the bucket plan
 (with the entries that got no gradient listed), encodes them (`ps.wire`) and
 pushes them: in sync mode without clipping or a GradScaler as pieces, one
 call per bucket in the forward's order, each answered with that bucket's
-values once its server has applied it (`RpcTransport.push_pieces`); else one
-call per server. The replies make the snapshot after the step, which the next
-forward uses without another pull. Frozen parameters
+values once its server has applied it (`transport.rpc.Pipeline`); else one
+call per server. Over torch RPC most pieces leave during the backward, from a
+`GradientStream` on the context's leaves (sync, async and ssp; async and ssp
+servers keep them until the push names them). The bucket plan's size comes
+from `worker.piece_size` when `bucket_cap_mb` is unset. The replies make the
+snapshot after the step, which the next forward uses without another pull. Frozen parameters
 (`requires_grad=False`) never travel after registration. A worker that ran
 out of data (`join`) tells the servers through the store (`gradsync.membership.uneven_data`).
 """
 from __future__ import annotations
 
 import contextlib
-import os
 import math
 import time
 from typing import TYPE_CHECKING
@@ -120,7 +122,7 @@ class PSStrategy(Strategy):
         self.wire = make_wire(config.compression)
         self.transport = chosen.worker(config, cluster.store, self.server_buckets)
         # a step's pieces may leave during the backward (worker.streaming): decided per context from the last
-        self._streams = chosen.capabilities.streams and not clipping.on and not self.wire.stateful and not os.environ.get("XNOSTREAM")
+        self._streams = chosen.capabilities.streams and not clipping.on and not self.wire.stateful
         self._stream_next = False
         self._stream: tuple[int, GradientStream] | None = None
         self._quiet = False  # inside trainer.no_sync()

@@ -1,10 +1,10 @@
-"""Gradients that leave during the backward: a sync ps step's pieces sent as the backward produces them.
+"""Gradients that leave during the backward: a ps step's pieces sent as the backward produces them.
 
 A `GradientStream` hooks the trainable leaves one forward ran on. When the backward has produced the
 gradient of every entry of a bucket, that bucket's piece is packed from the context, encoded and handed to
 the step's `Pipeline` at the next leaf's hook (when its server's window has room, else with the step), the
-way DDP's reducer starts a bucket's allreduce once it is ready. A bucket whose entries did not all get a gradient (an unused
-branch) travels with the step, from the context's gradients, as before.
+way DDP's reducer starts a bucket's allreduce once it is ready. A bucket whose entries did not all get a
+gradient (an unused branch) travels with the step, from the context's gradients, as before.
 
 Every piece is numbered (`Piece.seq`), and the step's head names the piece of each bucket that counts, so
 a guess that turns out wrong costs bytes, never correctness: a second backward into the same context
