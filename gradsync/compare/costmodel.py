@@ -33,8 +33,11 @@ elements) and W workers:
   parts of each of its pieces; a worker's link its own:
       server: W / S (row_bytes + max(e c + row_bytes, 4 e)) + W min(c, 4) p
       worker:         row_bytes + max(e c + row_bytes, 4 e)  +   min(c, 4) p
-  bytes = the larger, 2 messages (4 with rows). The CPU a piece costs (~1.5 ms, BENCHMARKS.md) does not
-  grow with W: it is part of the fitted fixed cost per step. Compression shrinks the push direction.
+  bytes = the larger, 2 messages (4 with rows). The CPU a piece costs (~1.5 ms, BENCHMARKS.md) is part of
+  the fitted fixed cost per step, measured at the fit's W; it grows with W (a server takes W parts of each
+  piece, and pieces chosen by bandwidth, `worker.piece_size`, shrink as 1 / sqrt(W)), which the model does
+  not count: behind 100mbit it under-predicts ps S=1 at W = 4 by 26% (BENCHMARKS.md). Compression shrinks
+  the push direction.
   Behind an emulated 100mbit link, one server, W = 2, two 4.2 MB pieces (bench/costmodel_link.py), a step
   took 12 - 13% longer than this predicts at the link's fitted rate: the directions overlap less than it
   assumes (BENCHMARKS.md has every ratio).
