@@ -19,7 +19,7 @@ class Capabilities:
     compression: bool  # gradients compressed on the wire (--compression other than none)
     row_tables: bool  # embedding tables served row by row (Trainer(tables='rows'), the hybrid strategy)
     joining: bool  # workers joining a running async job
-    streams: bool  # a sync ps step's pieces leave during the backward (`worker.streaming`)
+    streams: bool  # a ps step's pieces leave during the backward (`worker.streaming`)
 
     def job_refusal(self, strategy: str, compression: str) -> str | None:
         """Why this transport cannot run a job of `strategy` with `compression`; None when it can."""

@@ -17,6 +17,7 @@ import torch
 
 from gradsync.core.futures import resolved
 from gradsync.ps.messages import Piece, Push
+from gradsync.ps.piece_numbers import PieceNumbers
 
 
 class _Staged(NamedTuple):
@@ -39,16 +40,15 @@ class Staging:
         self.commit = commit
         self._lock = threading.Lock()
         self._pieces: dict[tuple[int, int], _Staged] = {}
-        self._latest: dict[tuple[int, int], int] = {}
+        self._numbers = PieceNumbers(buckets)
         self._heads: dict[int, _Head] = {}
 
     def piece(self, worker: int, piece: Piece) -> torch.futures.Future:
         """Keep `piece` (superseding this worker's earlier one of the bucket); resolves to None once handed on."""
         key = (worker, piece.bucket)
         with self._lock:
-            if piece.seq <= self._latest.get(key, 0):
+            if not self._numbers.take(worker, piece.bucket, piece.seq):
                 return resolved(None)  # superseded before it came
-            self._latest[key] = piece.seq
             fut: torch.futures.Future = torch.futures.Future()
             old = self._pieces.get(key)
             self._pieces[key] = _Staged(piece, fut)
@@ -70,19 +70,22 @@ class Staging:
     def void(self, worker: int, seq: int) -> None:
         """A whole push numbered `seq` came from `worker`: its pieces numbered below are void."""
         with self._lock:
-            gone = [self._pieces.pop((worker, b)) for b in range(self.buckets) if (worker, b) in self._pieces]
-            for b in range(self.buckets):
-                self._latest[(worker, b)] = max(seq, self._latest.get((worker, b), 0))
+            self._numbers.void_below(worker, seq)
+            gone = self._drop(worker)
         for staged in gone:
             staged.fut.set_result(None)
 
     def forget(self, worker: int) -> None:
         """`worker` left the job: drop what it left here."""
         with self._lock:
-            gone = [self._pieces.pop((worker, b)) for b in range(self.buckets) if (worker, b) in self._pieces]
+            gone = self._drop(worker)
             self._heads.pop(worker, None)
         for staged in gone:
             staged.fut.set_result(None)
+
+    def _drop(self, worker: int) -> list[_Staged]:
+        """Take out every piece `worker` left here (answer them outside the lock). Call with the lock held."""
+        return [self._pieces.pop((worker, b)) for b in range(self.buckets) if (worker, b) in self._pieces]
 
     def _complete(self, worker: int) -> tuple[_Head, list[_Staged]] | None:
         """This worker's head and the pieces it names, taken out, once all are here. Call with the lock held."""

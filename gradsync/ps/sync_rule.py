@@ -28,6 +28,7 @@ from gradsync.core.timeline import PieceStamps
 from gradsync.ps.averaging import blame, blame_rows, check_version, mean, mean_buffers, mean_rows, merged_options
 from gradsync.ps.consistency import ConsistencyRule, answer
 from gradsync.ps.messages import Agreement, Committed, Partial, Piece, Push
+from gradsync.ps.piece_numbers import PieceNumbers
 from gradsync.ps.shard import ShardState
 from gradsync.ps.wire import PLAIN
 
@@ -93,7 +94,7 @@ class SyncRule(ConsistencyRule):
         self._held: _Held | None = None  # a step waiting for the workers' word
         self._finishing: _Held | None = None  # the step applied on the first word, until every worker said it
         self.stamps = PieceStamps(len(shard.buckets))  # the step timeline's server events
-        self._latest: dict[tuple[int, int], int] = {}  # (worker, bucket) -> the highest piece seq it sent
+        self._numbers = PieceNumbers(len(shard.buckets))  # which numbered pieces still count
 
     def _refused(self, worker: int, push: Push) -> torch.futures.Future | None:
         """A push of the step (`payloads` None: its buckets come as pieces) is refused when the step failed,
@@ -124,9 +125,9 @@ class SyncRule(ConsistencyRule):
     def _void(self, worker: int, seq: int) -> list[tuple]:
         """A whole push numbered `seq` voids this worker's pieces numbered below it: those here are answered
         None, those still on their way will be. Call with the lock held."""
+        self._numbers.void_below(worker, seq)
         answers = []
-        for b, parts in enumerate(self._parts):
-            self._latest[(worker, b)] = max(seq, self._latest.get((worker, b), 0))
+        for parts in self._parts:
             part = parts.get(worker)
             if part is not None and part.fut is not None:
                 del parts[worker]
@@ -141,7 +142,7 @@ class SyncRule(ConsistencyRule):
             if (refused := self._closed(worker)) is not None:
                 return refused
             b, absent = piece.bucket, tuple(piece.absent)
-            if piece.seq and piece.seq <= self._latest.get((worker, b), 0):
+            if piece.seq and not self._numbers.take(worker, b, piece.seq):
                 return resolved(None)  # superseded before it came
             try:
                 check_version(shard, worker, pulled_version, exact=True)
@@ -162,7 +163,6 @@ class SyncRule(ConsistencyRule):
         if not seq:
             self._unsent(worker, b)
             return []
-        self._latest[(worker, b)] = seq
         old = self._parts[b].pop(worker, None)
         return [] if old is None or old.fut is None else [(old.fut, None, None)]
 

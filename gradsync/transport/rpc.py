@@ -111,6 +111,7 @@ def _timed(server: int, nbytes: int, timeout: float) -> float:
         best = min(best, time.perf_counter() - start)
     return best
 
+
 IN_FLIGHT_MB = 0.25
 """A worker's unanswered pieces per server, in MB (at least two pieces): a worker ahead of the others waits for
 their parts of its oldest piece, which keeps W workers' pushes into one server link in step, as BytePS's
