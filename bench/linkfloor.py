@@ -17,6 +17,7 @@ ratio to the floor. Writes bench/results/linkfloor.json (or --out).
     PYTHONPATH=$PWD .venv/bin/python bench/linkfloor.py                  # 100mbit, W=2, issue workload (~3 min)
     PYTHONPATH=$PWD .venv/bin/python bench/linkfloor.py --links 1gbit --workloads reference --workers 2 4
     PYTHONPATH=$PWD .venv/bin/python bench/linkfloor.py --links 1gbit --server-link 100mbit --configs ps_s2
+    PYTHONPATH=$PWD .venv/bin/python bench/linkfloor.py --transport grpc --configs ps_s1 ps_s2
 """
 from __future__ import annotations
 
@@ -127,9 +128,11 @@ def floor_of(config: str, w: Workload, workers: int, link: Link, server_link: Li
 
 
 def run(config: str, w: Workload, workers: int, link: str, server_link: str | None, cap: float | None, steps: int,
-        warmup: int, timeout: float) -> dict:
+        warmup: int, timeout: float, transport: str) -> dict:
     strategy, servers = CONFIGS[config]
     settings = {} if cap is None else {"bucket_cap_mb": cap}
+    if strategy == "ps":
+        settings["transport"] = transport
     return gradsync.launch(worker, strategy=strategy, workers=workers, servers=servers, args=(w, steps, warmup),
                            timeout=timeout, link=link, server_link=server_link, step_timeout=120, **settings)[0]
 
@@ -148,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--piece-mb", nargs="+", type=float, default=[None],
                         help="ps only: bucket_cap_mb values to compare, the largest bucket and piece (default: the "
                              "job's default)")
+    parser.add_argument("--transport", default="rpc", choices=["rpc", "grpc"], help="the ps configurations' transport")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs of every configuration")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per job")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
@@ -165,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
             link, wl, workers, config, cap = key
             w = Workload(WORKLOADS[wl][0], WORKLOADS[wl][1], True, workers, {})
             nbytes, floor = floor_of(config, w, workers, Link.parse(link), server_link)
-            r = run(config, w, workers, link, args.server_link, cap, args.steps, args.warmup, args.timeout)
+            r = run(config, w, workers, link, args.server_link, cap, args.steps, args.warmup, args.timeout,
+                    args.transport)
             r.update(floor_s=floor, floor_bytes=nbytes, ratio=r["step_s"] / floor)
             runs[key].append(r)
             parts = " ".join(f"{n} {1000 * s:.0f}" for n, s in r["parts_s"].items())
@@ -196,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(dict(command=" ".join(["bench/linkfloor.py", *(sys.argv[1:] if argv is None else argv)]),
                        when=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        machine=machine(load_before),
-                       settings=dict(repeats=args.repeats, steps=args.steps, warmup=args.warmup,
+                       settings=dict(transport=args.transport, repeats=args.repeats, steps=args.steps, warmup=args.warmup,
                                      workloads={wl: WORKLOADS[wl] for wl in args.workloads}),
                        rows=rows, runs=[dict(zip(("link", "workload", "workers", "config", "piece_mb"), k), runs=v)
                                         for k, v in runs.items()]), f, indent=1)
