@@ -52,16 +52,19 @@ def test_worker_0_chooses_and_every_other_worker_takes_its_choice(store):
     assert piece_mb(given, store, ISSUE, lambda: pytest.fail("a set value is not measured")) == 3.0
 
 
-def _measured() -> tuple[float, int]:
+def _measured(name: str) -> tuple[float, int]:
     from gradsync.runtime.cluster import current
-    from gradsync.transport.rpc import RpcTransport
+    from gradsync.transport.registry import transport
 
     trainer = gradsync.Trainer(torch.nn.Linear(300, 300), torch.optim.SGD, lr=0.1)
-    return RpcTransport.bandwidth(current().config), trainer._strategy.model_sizes(0)["largest_piece"]
+    bandwidth = transport(name).worker.bandwidth(current().config, current().store)
+    return bandwidth, trainer._strategy.model_sizes(0)["largest_piece"]
 
 
 @pytest.mark.timeout(60)
-def test_torch_rpc_measures_a_bandwidth_and_the_plan_follows_it():
-    (bandwidth, piece), = gradsync.launch(_measured, strategy="ps", workers=1, servers=2, timeout=50)
+@pytest.mark.parametrize("name", ["rpc", "grpc"])
+def test_each_transport_measures_a_bandwidth_and_the_plan_follows_it(name):
+    (bandwidth, piece), = gradsync.launch(_measured, strategy="ps", workers=1, servers=2, timeout=50,
+                                          args=(name,), transport=name)
     assert 1e6 < bandwidth < 1e12  # loopback: between 1 MB/s and 1 TB/s
     assert piece == (300 * 300 + 300) // 2  # the model's 361 KB is below any piece chosen: one bucket per server

@@ -126,4 +126,4 @@ def test_the_grpc_servicer_calls_only_the_parameter_servers_public_methods():
                     or isinstance(node.value, ast.Attribute) and node.value.attr == "server")}
     methods = {n for n, _ in inspect.getmembers(ParameterServer, inspect.isfunction) if not n.startswith("_")}
     assert {"layout", "push", "pull_named"} <= reached
-    assert reached - methods == {"ready", "shard_id", "num_workers", "mode"}
+    assert reached - methods == {"ready", "shard_id", "num_workers", "mode", "pipelined"}

@@ -124,7 +124,7 @@ BUCKET_CAP_MB = _S("bucket_cap_mb", "GRADSYNC_BUCKET_CAP_MB", float, None, "trai
                    "are applied and sent back one by one); unset: chosen at start-up from the bandwidth worker 0 "
                    "measures to the servers (small pieces behind a slow link, large ones on a fast one: "
                    "gradsync.worker.piece_size)", flag="--bucket-cap-mb", shared=True,
-                   default_text="auto (25 over gRPC)")
+                   default_text="auto")
 # Timeouts: each rank's own; a worker that joins may choose its own.
 STARTUP_TIMEOUT = _S("startup_timeout", "GRADSYNC_STARTUP_TIMEOUT", float, 120.0, "timeouts",
                      "seconds for every rank to join and register the model", flag="--startup-timeout")

@@ -21,7 +21,7 @@ from typing import Iterator
 import grpc
 
 JOB_CALLS = frozenset({"JobPull", "JobPush", "JobFinish", "JobOptimizerState", "JobLoadOptimizerState",
-                       "JobCheckpoint"})
+                       "JobCheckpoint", "JobProbe"})
 
 
 class Refused(Exception):

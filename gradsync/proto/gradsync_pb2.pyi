@@ -200,20 +200,22 @@ class AbsentEntries(_message.Message):
     def __init__(self, entries: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JobPushHeader(_message.Message):
-    __slots__ = ("worker", "version", "absent", "options", "norm_type", "skip_nonfinite")
+    __slots__ = ("worker", "version", "absent", "options", "norm_type", "skip_nonfinite", "pieces")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ABSENT_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     NORM_TYPE_FIELD_NUMBER: _ClassVar[int]
     SKIP_NONFINITE_FIELD_NUMBER: _ClassVar[int]
+    PIECES_FIELD_NUMBER: _ClassVar[int]
     worker: int
     version: int
     absent: _containers.RepeatedCompositeFieldContainer[AbsentEntries]
     options: bytes
     norm_type: float
     skip_nonfinite: bool
-    def __init__(self, worker: _Optional[int] = ..., version: _Optional[int] = ..., absent: _Optional[_Iterable[_Union[AbsentEntries, _Mapping]]] = ..., options: _Optional[bytes] = ..., norm_type: _Optional[float] = ..., skip_nonfinite: _Optional[bool] = ...) -> None: ...
+    pieces: bool
+    def __init__(self, worker: _Optional[int] = ..., version: _Optional[int] = ..., absent: _Optional[_Iterable[_Union[AbsentEntries, _Mapping]]] = ..., options: _Optional[bytes] = ..., norm_type: _Optional[float] = ..., skip_nonfinite: _Optional[bool] = ..., pieces: _Optional[bool] = ...) -> None: ...
 
 class JobFinishRequest(_message.Message):
     __slots__ = ("worker", "version", "coefficient")

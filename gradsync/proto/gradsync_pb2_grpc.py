@@ -96,6 +96,11 @@ class ParameterServerStub:
                 request_serializer=gradsync_dot_proto_dot_gradsync__pb2.PlainData.SerializeToString,
                 response_deserializer=gradsync_dot_proto_dot_gradsync__pb2.PlainData.FromString,
                 _registered_method=True)
+        self.JobProbe = channel.unary_unary(
+                '/gradsync.ParameterServer/JobProbe',
+                request_serializer=gradsync_dot_proto_dot_gradsync__pb2.PlainData.SerializeToString,
+                response_deserializer=gradsync_dot_proto_dot_gradsync__pb2.PlainData.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -140,7 +145,8 @@ class ParameterServerServicer:
 
     def JobPush(self, request_iterator, context):
         """Job members: one step, a JobPushHeader, then the bucket gradients and the buffers; once the
-        consistency rule applied them, the reply is the snapshot after the step, as JobPull sends it.
+        consistency rule applied them, the reply is the snapshot after the step, as JobPull sends it
+        (JobPushHeader.pieces: each bucket as soon as it is applied, then the PullHeader and the buffers).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -184,6 +190,14 @@ class ParameterServerServicer:
     def JobCheckpoint(self, request, context):
         """Job members: write the shard's state into a job checkpoint's folder, given as the request's data
         (a path on the server's machine, UTF-8); the reply's data is (path, version).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def JobProbe(self, request, context):
+        """Job members: an empty answer to a request of any size (up to gRPC's message limit), before the model is
+        registered too: worker 0 times the link with it to choose the piece size.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -249,6 +263,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
             ),
             'JobCheckpoint': grpc.unary_unary_rpc_method_handler(
                     servicer.JobCheckpoint,
+                    request_deserializer=gradsync_dot_proto_dot_gradsync__pb2.PlainData.FromString,
+                    response_serializer=gradsync_dot_proto_dot_gradsync__pb2.PlainData.SerializeToString,
+            ),
+            'JobProbe': grpc.unary_unary_rpc_method_handler(
+                    servicer.JobProbe,
                     request_deserializer=gradsync_dot_proto_dot_gradsync__pb2.PlainData.FromString,
                     response_serializer=gradsync_dot_proto_dot_gradsync__pb2.PlainData.SerializeToString,
             ),
@@ -577,6 +596,33 @@ class ParameterServer:
             request,
             target,
             '/gradsync.ParameterServer/JobCheckpoint',
+            gradsync_dot_proto_dot_gradsync__pb2.PlainData.SerializeToString,
+            gradsync_dot_proto_dot_gradsync__pb2.PlainData.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JobProbe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradsync.ParameterServer/JobProbe',
             gradsync_dot_proto_dot_gradsync__pb2.PlainData.SerializeToString,
             gradsync_dot_proto_dot_gradsync__pb2.PlainData.FromString,
             options,

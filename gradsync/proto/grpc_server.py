@@ -59,6 +59,7 @@ def _handlers(servicer: Servicer, admission: Admission) -> grpc.GenericRpcHandle
         "JobLoadOptimizerState": (unary, servicer.job_load_optimizer_state, pb.PlainData,
                                   pb.PlainData.SerializeToString),
         "JobCheckpoint": (unary, servicer.job_checkpoint, pb.PlainData, pb.PlainData.SerializeToString),
+        "JobProbe": (unary, servicer.job_probe, pb.PlainData, pb.PlainData.SerializeToString),
     }
 
     def handler(name, kind, method, request_cls, serialize):

@@ -33,6 +33,7 @@ joined worker registered); every Push carries at least one gradient.
 from __future__ import annotations
 
 import collections
+import queue
 import threading
 import time
 from typing import Iterator
@@ -47,7 +48,7 @@ from gradsync.proto import tensor_codec
 from gradsync.proto.admission import Refused
 from gradsync.proto.store_data import from_bytes, to_bytes
 from gradsync.ps.layout import ShardLayout
-from gradsync.ps.messages import Agreement, Partial, Push
+from gradsync.ps.messages import Agreement, Partial, Piece, Push
 from gradsync.ps.shard import Snapshot
 
 SERVICE = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
@@ -143,7 +144,8 @@ class Servicer:
         header = _header(request_iterator, "PushRequest", "PushHeader")
         try:
             self._check_pusher(header.worker, member)
-            grads = _received(shard, request_iterator, "PushRequest", len(shard.params) + len(shard.buffers))
+            grads = tensor_codec.decode(_chunks(request_iterator, "PushRequest"), max_bytes=shard.nbytes,
+                                        max_tensors=len(shard.params) + len(shard.buffers))
             buckets = sorted(k for k in grads if isinstance(k, int))
             if buckets:
                 raise ValueError(
@@ -210,24 +212,87 @@ class Servicer:
         shard = self._layout()
         header = _header(request_iterator, "JobPushRequest", "JobPushHeader")
         buckets = shard.buckets
+        absent = [tuple(a.entries) for a in header.absent]
+        options = from_bytes(header.options, "JobPushHeader.options") if header.options else {}
+        if header.pieces:
+            yield from self._job_push_pieces(shard, header, request_iterator, absent, options, context)
+            return
         try:
-            tensors = _received(shard, request_iterator, "JobPushRequest", buckets + len(shard.buffers))
-            outside = sorted(k for k in tensors if isinstance(k, int) and k >= buckets)
-            if outside:
-                raise ValueError(
-                    f"JobPushRequest: Tensor.bucket {outside[0]} is not a bucket of server {shard.shard_id}, which "
-                    f"owns {buckets} (indices 0..{buckets - 1} in its bucket order): do both ends hold the same plan?"
-                )
+            tensors = dict(_job_tensors(shard, request_iterator))
         except ValueError as e:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
         payloads = [tensors.pop(b, None) for b in range(buckets)]
-        absent = [tuple(a.entries) for a in header.absent]
-        options = from_bytes(header.options, "JobPushHeader.options") if header.options else {}
         agree = Agreement(header.norm_type, header.skip_nonfinite) if header.HasField("norm_type") else None
         fut = self.server.push(header.worker, header.version, Push(payloads, absent, tensors, options=options,
                                                                    agree=agree))
         applied = self._applied(fut, header.worker, context)
         yield from _snapshot_messages(shard.shard_id, self.server.reply(applied))
+
+    def _job_push_pieces(self, shard: ShardLayout, header, request_iterator, absent: list[tuple], options: dict,
+                         context) -> Iterator[pb.PullResponse]:
+        """A JobPush with `pieces` (see the .proto): a thread reads the request stream and hands the server the
+        step's head (the buffers, before the first bucket) and each bucket as a `Piece` as soon as its last chunk
+        is in; this generator sends each bucket's values as soon as the server applied it, then the head's
+        reply (the version and buffers after the step). Every wait is bounded by the step timeout."""
+        worker, version = header.worker, header.version
+        if not self.server.pipelined or header.HasField("norm_type") or len(absent) != shard.buckets:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, (
+                f"JobPushHeader.pieces to server {shard.shard_id} in {self.server.mode} mode, with norm_type "
+                f"{header.norm_type if header.HasField('norm_type') else 'unset'} and {len(absent)} absence lists "
+                f"for its {shard.buckets} buckets: a pipelined step is for sync mode, holds for no norm and lists "
+                "every bucket"))
+        answered: queue.SimpleQueue = queue.SimpleQueue()  # (bucket or None for the head, future) or an error
+
+        def give(key, fut) -> None:
+            fut.add_done_callback(lambda done: answered.put((key, done)))
+
+        def read() -> None:
+            buffers, head, sent = {}, None, set()
+            try:
+                for key, tensor in _job_tensors(shard, request_iterator):
+                    if isinstance(key, str):
+                        if head is not None:
+                            raise ValueError(f"JobPushRequest: buffer {key!r} came after a bucket; with "
+                                             "JobPushHeader.pieces the buffers come first")
+                        buffers[key] = tensor
+                        continue
+                    if head is None:
+                        head = self.server.push(worker, version, Push(None, None, buffers, options=options))
+                        give(None, head)
+                    give(key, self.server.push_piece(worker, version, Piece(shard.shard_id, key, tensor, absent[key])))
+                    sent.add(key)
+                if head is None:
+                    give(None, self.server.push(worker, version, Push(None, None, buffers, options=options)))
+                for b in sorted(set(range(shard.buckets)) - sent):  # sent no gradient: a piece all the same
+                    give(b, self.server.push_piece(worker, version, Piece(shard.shard_id, b, None, absent[b])))
+            except Exception as e:  # noqa: BLE001 -- the reply's generator raises it, with its status
+                answered.put(e)
+
+        threading.Thread(target=read, name=f"JobPush pieces of worker {worker}", daemon=True).start()
+        committed = None
+        for _ in range(shard.buckets + 1):
+            key, fut = self._answer(answered, worker, context)
+            value = self._value(fut)
+            if key is None:
+                committed = value
+            else:
+                yield from tensor_codec.encode_messages({key: value}, pb.PullResponse)
+        yield from _snapshot_messages(shard.shard_id, self.server.reply(committed, whole=False))
+
+    def _answer(self, answered: queue.SimpleQueue, worker: int, context):
+        """The next (key, future) a pipelined push's reader gave, within the step timeout."""
+        timeout = self._timeout(context)
+        try:
+            item = answered.get(timeout=timeout)
+        except queue.Empty:
+            raise Refused(grpc.StatusCode.DEADLINE_EXCEEDED, (
+                f"push of worker {worker} to server {self.server.shard_id}: a piece was not applied after "
+                f"{timeout:.1f} s (in sync mode every worker must push each step)")) from None
+        if isinstance(item, ValueError):
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(item)) from item
+        if isinstance(item, Exception):
+            raise item
+        return item
 
     def job_finish(self, request, context) -> Iterator[pb.PullResponse]:
         request = _parsed(request)
@@ -257,20 +322,33 @@ class Servicer:
         self._layout()
         return pb.PlainData(data=to_bytes(self.server.checkpoint(request.data.decode())))
 
+    def job_probe(self, request, context) -> pb.PlainData:
+        """Nothing back: the worker times the request's bytes (`GrpcTransport.bandwidth`); no model needed."""
+        _parsed(request)
+        return pb.PlainData()
+
+    def _timeout(self, context) -> float:
+        """The step timeout, or less when the call's deadline comes first."""
+        remaining = context.time_remaining()
+        return self.step_timeout if remaining is None else min(self.step_timeout, remaining)
+
     def _applied(self, fut, worker: int, context):
         """Wait (within the step timeout and the call's deadline) until the push `fut` is applied; the
         `Committed` it resolved to."""
-        remaining = context.time_remaining()
-        timeout = self.step_timeout if remaining is None else min(self.step_timeout, remaining)
         done = threading.Event()
         fut.add_done_callback(lambda _: done.set())
         start = time.monotonic()
-        if not done.wait(timeout):
+        if not done.wait(self._timeout(context)):
             raise Refused(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"push of worker {worker} to server {self.server.shard_id}: not applied after "
                 f"{time.monotonic() - start:.1f} s (in sync mode every worker must push each step)",
             )
+        return self._value(fut)
+
+    @staticmethod
+    def _value(fut):
+        """What a done future of the server resolved to; its GradientError as INVALID_ARGUMENT."""
         try:
             return fut.value()
         except GradientError as e:
@@ -297,14 +375,22 @@ def _header(request_iterator, kind: str, header_kind: str):
     return first.header
 
 
-def _received(shard: ShardLayout, request_iterator, kind: str, max_tensors: int
-              ) -> dict[tensor_codec.Key, torch.Tensor]:
-    """The tensors of a push stream after its header, at most `max_tensors` of them and the shard's bytes.
+def _job_tensors(shard: ShardLayout, request_iterator) -> Iterator[tuple[tensor_codec.Key, torch.Tensor]]:
+    """The tensors of a JobPush stream after its header, each as soon as it is complete: at most the shard's
+    buckets plus its buffers, and the shard's bytes; a bucket index must be the shard's.
 
     Raises:
         ValueError: naming the message, the tensor and the field or limit.
     """
-    return tensor_codec.decode(_chunks(request_iterator, kind), max_bytes=shard.nbytes, max_tensors=max_tensors)
+    buckets = shard.buckets
+    for key, tensor in tensor_codec.decode_each(_chunks(request_iterator, "JobPushRequest"), max_bytes=shard.nbytes,
+                                                max_tensors=buckets + len(shard.buffers)):
+        if isinstance(key, int) and key >= buckets:
+            raise ValueError(
+                f"JobPushRequest: Tensor.bucket {key} is not a bucket of server {shard.shard_id}, which "
+                f"owns {buckets} (indices 0..{buckets - 1} in its bucket order): do both ends hold the same plan?"
+            )
+        yield key, tensor
 
 
 def _chunks(request_iterator, kind: str) -> Iterator[pb.Tensor | tensor_codec.Chunk]:

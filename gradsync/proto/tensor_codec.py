@@ -331,18 +331,28 @@ class _Partial:
 
 def decode(chunks: Iterable[pb.Tensor | Chunk], max_bytes: int | None = None,
            max_tensors: int | None = None) -> dict[Key, torch.Tensor]:
-    """Reassemble tensors from their chunks, in the order they arrive.
+    """Reassemble tensors from their chunks, in the order they arrive (`decode_each`, gathered).
+
+    Returns:
+        Tensors by key: name or bucket index (CPU, writable, not sharing memory with the messages).
+    """
+    return dict(decode_each(chunks, max_bytes, max_tensors))
+
+
+def decode_each(chunks: Iterable[pb.Tensor | Chunk], max_bytes: int | None = None,
+                max_tensors: int | None = None) -> Iterator[tuple[Key, torch.Tensor]]:
+    """Each tensor as soon as its last chunk arrived: (key, tensor), in the order they arrive.
 
     Args:
         chunks: `Tensor` messages as `encode_all` produces them, or `Chunk`s as `parse_message` returns them.
         max_bytes: the most tensor bytes to accept in all (checked before allocating); None: no limit.
         max_tensors: the most tensors to accept (checked when a new one starts); None: no limit.
-    Returns:
-        Tensors by key: name or bucket index (CPU, writable, not sharing memory with the messages).
+    Yields:
+        (name or bucket index, tensor): CPU, writable, not sharing memory with the messages.
     Raises:
         ValueError: naming the tensor and the field, for any sequence `encode_all` would not produce.
     """
-    out: dict[Key, torch.Tensor] = {}
+    seen: set[Key] = set()
     current: _Partial | None = None
     budget = max_bytes
     for chunk in chunks:
@@ -357,20 +367,20 @@ def decode(chunks: Iterable[pb.Tensor | Chunk], max_bytes: int | None = None,
                 f"before a chunk of {describe(key)}"
             )
         if current is None:
-            if key in out:
+            if key in seen:
                 raise ValueError(f"{describe(key)} was sent twice (duplicate Tensor.name or Tensor.bucket)")
-            if max_tensors is not None and len(out) >= max_tensors:
+            if max_tensors is not None and len(seen) >= max_tensors:
                 raise ValueError(
                     f"{describe(key)} is one tensor too many: this call accepts at most {max_tensors} "
                     "(is it the right server?)"
                 )
             current = _Partial(key, chunk, budget, max_bytes)
+            seen.add(key)
             if budget is not None:
                 budget -= current.total
         current.add(chunk)
         if current.complete:
-            out[current.key] = current.out
-            current = None
+            done, current = current, None
+            yield done.key, done.out
     if current is not None:
         raise ValueError(f"{describe(current.key)} is truncated: {current.received} of {current.total} bytes arrived")
-    return out

@@ -22,6 +22,28 @@ from gradsync.ps.server import ParameterServer
 from gradsync.ps.shard import Snapshot
 
 
+PROBE_BYTES = 2**20
+"""The first large probe message of `link_rate`: 80 ms behind 100 Mbit/s, under a millisecond on loopback."""
+PROBE_S = 0.02
+"""How long the large probe message must take for `link_rate` to trust its time."""
+
+
+def link_rate(servers: int, timed, largest: int = 64 * PROBE_BYTES) -> float:
+    """The slowest server's bytes/s: `timed(server, nbytes)` (a message of `nbytes` there and its answer, in
+    seconds) for a small and a large message, the best of two each, the large one growing from `PROBE_BYTES`
+    (x8, up to `largest`) until it takes `PROBE_S`; (large - small) bytes / (their time difference)."""
+    rates = []
+    for s in range(servers):
+        nbytes = PROBE_BYTES
+        while True:
+            small, large = (min(timed(s, n) for _ in range(2)) for n in (1024, nbytes))
+            if large >= PROBE_S or nbytes * 8 > largest:
+                break
+            nbytes *= 8
+        rates.append((nbytes - 1024) / max(large - small, 1e-6))
+    return min(rates)
+
+
 class WorkerTransport(ABC):
     """A worker's calls to every server; each waits (bounded by the job's timeouts) for all servers."""
 
@@ -36,9 +58,10 @@ class WorkerTransport(ABC):
         self.server_buckets = server_buckets
 
     @classmethod
-    def bandwidth(cls, config: JobConfig) -> float | None:
+    def bandwidth(cls, config: JobConfig, store: dist.Store) -> float | None:
         """The bytes/s this worker reaches the slowest server at, measured now (before any plan: the piece
-        size is chosen from it, `worker.piece_size`); None when this transport does not measure it."""
+        size is chosen from it, `worker.piece_size`, with `link_rate`); None when this transport does not
+        measure it."""
         return None
 
     @abstractmethod

@@ -8,13 +8,15 @@ workers left in the store (plain data only: `store_data`). Worker side:
 of the shared plan by index (no names, no conversion): one JobPull stream per
 server before the first step, then one JobPush stream per server per step,
 whose reply is the server's snapshot after the step, which the next forward uses
-without a pull (as over torch RPC). Its capabilities: the ps strategy, no
+without a pull (as over torch RPC); a sync step without clipping or a GradScaler is a
+pipeline inside that stream (`JobPushHeader.pieces`: each bucket applied and sent
+back while the next is still coming up). Worker 0 times the link with JobProbe calls
+for the piece size (`worker.piece_size`). Its capabilities: the ps strategy, no
 compression, no row-wise tables, no joining workers
 (`gradsync.core.transport_capabilities`).
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import grpc
@@ -34,7 +36,7 @@ from gradsync.ps.messages import Partial, Piece, Push, Setup
 from gradsync.ps.server import ParameterServer
 from gradsync.ps.shard import Snapshot
 from gradsync.remote.client import Client, read_stream
-from gradsync.transport.base import RankTransport, WorkerTransport
+from gradsync.transport.base import PROBE_BYTES, RankTransport, WorkerTransport, link_rate
 from gradsync.transport.endpoint import worker_token
 
 
@@ -53,6 +55,40 @@ def register_from_store(server: ParameterServer, store: dist.Store, config: JobC
     except Exception as e:
         answer = str(e)
     store.set(StoreKeys.GRPC_REGISTERED.format(shard), to_bytes(answer))
+
+
+def _client(config: JobConfig, store: dist.Store) -> Client:
+    """A client of every server of the job, with the member token (with TLS, trusting the servers'
+    certificate); waits for their addresses within the store's start-up timeout."""
+    servers = range(config.servers)
+    store.wait([StoreKeys.GRPC_ADDRESS.format(s) for s in servers])
+    addresses = {s: store.get(StoreKeys.GRPC_ADDRESS.format(s)).decode() for s in servers}
+    return Client(addresses, token=worker_token(store), timeout=config.step_timeout,
+                  root_cert=settings.TLS_CERT.read())
+
+
+def read_pieces(call, what: str, s: int) -> tuple[pb.PullHeader, dict[tensor_codec.Key, torch.Tensor]]:
+    """A pipelined JobPush's reply (see the .proto): the buckets, the PullHeader, the buffers."""
+    header = None
+
+    def chunks():
+        nonlocal header
+        for response in call:
+            if isinstance(response, tensor_codec.Chunk):
+                yield response
+            elif response.WhichOneof("item") == "chunk":
+                yield response.chunk
+            elif header is None:
+                header = response.header
+                return
+            else:
+                raise RuntimeError(f"{what} on ps{s}: a second PullHeader in the reply")
+
+    tensors = tensor_codec.decode(chunks())
+    if header is None:
+        raise RuntimeError(f"{what} on ps{s}: the reply ended without its PullHeader")
+    tensors.update(tensor_codec.decode(chunks()))
+    return header, tensors
 
 
 class GrpcRank(RankTransport):
@@ -76,10 +112,7 @@ class GrpcTransport(WorkerTransport):
     def __init__(self, config: JobConfig, store: dist.Store, server_buckets: dict[int, list[Bucket]]):
         super().__init__(config, store, server_buckets)
         self.frozen: dict[int, dict[str, torch.Tensor]] = {}
-        store.wait([StoreKeys.GRPC_ADDRESS.format(s) for s in self.servers])  # bounded by the store's start-up timeout
-        addresses = {s: store.get(StoreKeys.GRPC_ADDRESS.format(s)).decode() for s in self.servers}
-        # with TLS, the job's own workers trust the servers' certificate
-        self.client = Client(addresses, token=worker_token(store), timeout=config.step_timeout, root_cert=settings.TLS_CERT.read())
+        self.client = _client(config, store)
         snapshot = tensor_codec.message_parser(pb.PullResponse)  # chunks as views of the received bytes
         self._pulls = {s: c.unary_stream(f"/{SERVICE}/JobPull", request_serializer=pb.JobPullRequest.SerializeToString,
                                          response_deserializer=snapshot) for s, c in self.client.channels.items()}
@@ -88,6 +121,28 @@ class GrpcTransport(WorkerTransport):
         self._finishes = {s: c.unary_stream(f"/{SERVICE}/JobFinish",
                                             request_serializer=pb.JobFinishRequest.SerializeToString,
                                             response_deserializer=snapshot) for s, c in self.client.channels.items()}
+
+    @classmethod
+    def bandwidth(cls, config: JobConfig, store: dist.Store) -> float:
+        """`link_rate` by JobProbe calls of at most `PROBE_BYTES` (gRPC's default message limit is 4 MB)."""
+        client = _client(config, store)
+        try:
+            probes = {s: c.unary_unary(f"/{SERVICE}/JobProbe", request_serializer=pb.PlainData.SerializeToString,
+                                       response_deserializer=pb.PlainData.FromString)
+                      for s, c in client.channels.items()}
+
+            def timed(s: int, nbytes: int) -> float:
+                start = time.perf_counter()
+                try:
+                    probes[s](pb.PlainData(data=bytes(nbytes)), timeout=config.startup_timeout,
+                              metadata=client.metadata)
+                except grpc.RpcError as e:
+                    raise client.error("JobProbe", s, start, e) from None
+                return time.perf_counter() - start
+
+            return link_rate(config.servers, timed, largest=PROBE_BYTES)
+        finally:
+            client.close()
 
     def register(self, spec: ModelSpec, setups: dict[int, Setup | None]) -> dict[str, torch.Tensor]:
         for t in spec.params + spec.buffers:  # refused here, not later inside gRPC's sending thread
@@ -123,16 +178,15 @@ class GrpcTransport(WorkerTransport):
 
     def push_pieces(self, versions: dict[int, int], heads: dict[int, Push], pieces: list[Piece]
                     ) -> dict[int, Snapshot]:
-        """A sync step's pieces as one push per server, not yet a pipeline (`RpcTransport.push_pieces` is one):
-        JobPush streams one whole step in (in chunks) and its snapshot out, and the servicer
-        (`proto/service.py`) hands the server the step once it is all in; a pipeline needs it to hand each
-        bucket to `ParameterServer.push_piece` as it arrives and stream each answer back."""
-        payloads = {s: [None] * len(self.server_buckets[s]) for s in self.servers}
-        absent = {s: [()] * len(self.server_buckets[s]) for s in self.servers}
-        for piece in pieces:
-            payloads[piece.server][piece.bucket], absent[piece.server][piece.bucket] = piece.payload, piece.absent
-        return self.push(versions, {s: dataclasses.replace(head, payloads=payloads[s], absent=absent[s])
-                                    for s, head in heads.items()})
+        """A sync step as a pipeline: per server one JobPush with `pieces` (see the .proto) carries the head's
+        buffers and options, then the server's buckets in the order given; the server applies each bucket as soon
+        as every worker's part of it is in and sends it back at once, while later buckets still come up (both
+        directions of the stream at once; HTTP/2's flow control paces them)."""
+        start = time.monotonic()
+        calls = {s: self._pushes[s](self._pipelined(versions[s], heads[s], [p for p in pieces if p.server == s]),
+                                    timeout=self.config.step_timeout, metadata=self.client.metadata)
+                 for s in self.servers}
+        return {s: self._snapshot("JobPush", s, call, start, pieces=True) for s, call in calls.items()}
 
     def finish(self, versions: dict[int, int], coefficient: float | None) -> dict[int, Snapshot]:
         """Apply (or, with None, skip) the held step on every server: see `SyncRule.finish`."""
@@ -143,24 +197,41 @@ class GrpcTransport(WorkerTransport):
                  for s in self.servers}
         return {s: self._snapshot("JobFinish", s, call, start) for s, call in calls.items()}
 
-    def _step(self, version: int, push: Push):
-        """The messages of one JobPush: the header (with the schedule's changed options, and whether to hold
-        the step for a joint norm), then the bucket gradients by index and the buffers."""
-        header = pb.JobPushHeader(worker=self.worker, version=version,
-                                  absent=[pb.AbsentEntries(entries=missing) for missing in push.absent],
+    def _header(self, version: int, push: Push, absent, pieces: bool = False) -> pb.JobPushRequest:
+        """A JobPush's first message: the step's version, absent entries per bucket, the schedule's changed
+        options, and whether to hold the step for a joint norm or to pipeline it."""
+        header = pb.JobPushHeader(worker=self.worker, version=version, pieces=pieces,
+                                  absent=[pb.AbsentEntries(entries=missing) for missing in absent],
                                   options=to_bytes(push.options) if push.options else b"")
         if push.agree is not None:
             header.norm_type, header.skip_nonfinite = push.agree.norm_type, push.agree.skip_nonfinite
-        yield pb.JobPushRequest(header=header)
+        return pb.JobPushRequest(header=header)
+
+    def _step(self, version: int, push: Push):
+        """The messages of one JobPush: the header, then the bucket gradients by index and the buffers."""
+        yield self._header(version, push, push.absent)
         tensors = {b: flat for b, flat in enumerate(push.payloads) if flat is not None}
         tensors.update(push.buffers)
         yield from tensor_codec.encode_messages(tensors, pb.JobPushRequest)
 
-    def _snapshot(self, what: str, s: int, call, start: float) -> Snapshot | Partial:
+    def _pipelined(self, version: int, head: Push, pieces: list[Piece]):
+        """The messages of one pipelined JobPush: the header, the buffers, then each piece's bucket (one that
+        got no gradient is not sent)."""
+        absent = [()] * len(self.server_buckets[pieces[0].server]) if pieces else []
+        for piece in pieces:
+            absent[piece.bucket] = piece.absent
+        yield self._header(version, head, absent, pieces=True)
+        yield from tensor_codec.encode_messages(head.buffers, pb.JobPushRequest)
+        for piece in pieces:
+            if piece.payload is not None:
+                yield from tensor_codec.encode_messages({piece.bucket: piece.payload}, pb.JobPushRequest)
+
+    def _snapshot(self, what: str, s: int, call, start: float, pieces: bool = False) -> Snapshot | Partial:
         """Read one server's snapshot stream: its buckets by index, its buffers by name (or a held step's
-        `Partial`)."""
+        `Partial`); with `pieces`, a pipelined JobPush's reply: the buckets first, then the PullHeader and the
+        buffers."""
         try:
-            header, tensors = read_stream(call, what, s)
+            header, tensors = read_pieces(call, what, s) if pieces else read_stream(call, what, s)
         except grpc.RpcError as e:
             raise self.client.error(what, s, start, e) from None
         version = header.version

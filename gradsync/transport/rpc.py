@@ -34,7 +34,7 @@ from gradsync.ps.messages import Committed, Partial, Piece, Push, Setup
 from gradsync.ps.server import ParameterServer
 from gradsync.ps.shard import Snapshot
 from gradsync.transport import rpc_group
-from gradsync.transport.base import RankTransport, WorkerTransport
+from gradsync.transport.base import RankTransport, WorkerTransport, link_rate
 
 
 def start_rpc(config: JobConfig, store: dist.Store) -> None:
@@ -96,20 +96,11 @@ def wait_all(futures: dict[int, torch.futures.Future], what: str, timeout: float
     return results
 
 
-PROBE_BYTES = 2**20
-"""The first large message of `RpcTransport.bandwidth`: 80 ms behind 100 Mbit/s, under a millisecond on loopback."""
-PROBE_S = 0.02
-"""How long the large message must take for `RpcTransport.bandwidth` to trust its time."""
-
-
 def _timed(server: int, nbytes: int, timeout: float) -> float:
-    """The best of two times of a message of `nbytes` to `server` and its answer."""
-    payload, best = torch.zeros(nbytes // 4), float("inf")
-    for _ in range(2):
-        start = time.perf_counter()
-        rpc.rpc_sync(server_name(server), rpc_probe, args=(payload,), timeout=timeout)
-        best = min(best, time.perf_counter() - start)
-    return best
+    """The time of a message of `nbytes` to `server` and its answer."""
+    payload, start = torch.zeros(nbytes // 4), time.perf_counter()
+    rpc.rpc_sync(server_name(server), rpc_probe, args=(payload,), timeout=timeout)
+    return time.perf_counter() - start
 
 
 IN_FLIGHT_MB = 0.25
@@ -134,20 +125,9 @@ class RpcTransport(WorkerTransport):
         return wait_all(futures, what, timeout)
 
     @classmethod
-    def bandwidth(cls, config: JobConfig) -> float:
-        """Time a small and a large message to each server, the best of two each, the large one growing from
-        `PROBE_BYTES` (x8, to 32 MB) until it takes `PROBE_S`: the slowest server's (large - small) bytes / (its
-        time difference)."""
-        rates = []
-        for s in range(config.servers):
-            nbytes = PROBE_BYTES
-            while True:
-                small, large = (_timed(s, n, config.startup_timeout) for n in (1024, nbytes))
-                if large >= PROBE_S or nbytes >= 32 * PROBE_BYTES:
-                    break
-                nbytes *= 8
-            rates.append((nbytes - 1024) / max(large - small, 1e-6))
-        return min(rates)
+    def bandwidth(cls, config: JobConfig, store: dist.Store) -> float:
+        """`link_rate` by torch RPC messages (`rpc_probe`)."""
+        return link_rate(config.servers, lambda s, n: _timed(s, n, config.startup_timeout))
 
     def register(self, spec: ModelSpec, setups: dict[int, Setup | None]) -> dict[str, torch.Tensor]:
         frozen: dict[str, torch.Tensor] = {}

@@ -10,8 +10,8 @@ copies of it a step, so the smallest piece that cuts none is chosen instead when
 link). Behind 100 Mbit/s that is ~0.25 MB for a 6 MB model, at 1 Gbit/s ~1 MB for a 26 MB one, on loopback
 whole parameters (measured: BENCHMARKS.md, "Pieces").
 Worker 0 measures and publishes the choice in the store; every other worker, and one that joins later,
-takes it from there, so that all build the same plan. A transport that cannot measure (gRPC, which sends a
-step whole anyway) gets `LARGEST_MB`.
+takes it from there, so that all build the same plan. Each transport measures with its own messages (torch
+RPC, gRPC's JobProbe: `transport.base.link_rate`); one that cannot gets `LARGEST_MB`.
 """
 from __future__ import annotations
 
