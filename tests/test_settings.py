@@ -128,7 +128,7 @@ def test_gradsync_run_has_an_option_for_every_job_setting_bucket_cap_mb_included
     flags = {o for name in ("run", "compare") for a in commands[name]._actions for o in a.option_strings}
     assert {s.flag for s in TABLE if s.flag} <= flags
     run = " ".join(commands["run"].format_help().split())
-    assert "(default: GRADSYNC_BUCKET_CAP_MB, else auto (25 over gRPC))" in run
+    assert "(default: GRADSYNC_BUCKET_CAP_MB, else auto)" in run
 
 
 def test_init_and_launch_refuse_a_keyword_that_is_no_setting():
