@@ -1,6 +1,8 @@
 """What a grpc job passes through the rendezvous store: plain data only, the optimizer class by name."""
 from __future__ import annotations
 
+import datetime
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,7 +13,8 @@ from gradsync.core.buckets import ModelSpec, plan_buckets
 from gradsync.ps.messages import Setup
 from gradsync.ps.server import ParameterServer
 from gradsync.transport.grpc import register_from_store
-from gradsync.proto.store_data import from_bytes, optimizer_class, optimizer_name, plain_setup, setup_from_plain, to_bytes
+from gradsync.proto.store_data import (STORE_VALUE_BYTES, from_bytes, optimizer_class, optimizer_name, plain_setup, put,
+                                       setup_from_plain, take, to_bytes)
 from grpc_harness import model_state
 
 RAN: list[str] = []
@@ -85,11 +88,12 @@ def test_optimizer_classes_travel_by_name_and_resolve_only_to_optimizers():
 def test_server_answers_a_refused_optimizer_in_the_store_and_registers_nothing():
     spec, setup = _setup()
     store = dist.HashStore()
-    store.set(StoreKeys.GRPC_SETUP.format(0), to_bytes(dict(plain_setup(setup), optimizer=dict(plain_setup(setup)["optimizer"], cls="os:system"))))
-    store.set(StoreKeys.GRPC_SPEC.format(0, 0), to_bytes(spec))
+    put(store, StoreKeys.GRPC_SETUP.format(0),
+        dict(plain_setup(setup), optimizer=dict(plain_setup(setup)["optimizer"], cls="os:system")))
+    put(store, StoreKeys.GRPC_SPEC.format(0, 0), spec)
     server = ParameterServer(0, 1, "sync", "raise")
     register_from_store(server, store, JobConfig(strategy="ps", servers=1, rank=0, world_size=2, transport="grpc"))
-    answer = from_bytes(store.get(StoreKeys.GRPC_REGISTERED.format(0)), "the answer")
+    answer = take(store, StoreKeys.GRPC_REGISTERED.format(0), "the answer")
     assert answer == "'os:system' is not a torch.optim.Optimizer subclass: refusing it as the optimizer"
     assert server.shard is None and not server.ready.is_set()
 
@@ -103,3 +107,16 @@ def test_a_setup_with_a_missing_or_unknown_field_is_refused_naming_it(change, fi
     _, setup = _setup()
     with pytest.raises(ValueError, match=field + r".*expected exactly the fields"):
         setup_from_plain(change(plain_setup(setup)))
+
+
+@pytest.mark.timeout(60)
+def test_a_value_larger_than_the_tcp_store_takes_travels_in_parts():
+    """torch's TCPStore refuses a value over 8 MB; a grpc job's setup holds the server's initial values (a 26 MB
+    model's did not start): `put` splits it, `take` joins it, bit for bit."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=20))
+    values = {"w": torch.randn(3 * STORE_VALUE_BYTES // 4 + 5)}
+    client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=20))
+    with pytest.raises(dist.DistError):  # the store drops the connection that sent it
+        client.set("whole", to_bytes(values))
+    put(store, "parts", values)
+    assert torch.equal(take(store, "parts", "the values")["w"], values["w"])

@@ -49,6 +49,27 @@ def from_bytes(data: bytes, what: str):
         ) from e
 
 
+STORE_VALUE_BYTES = 4 << 20
+"""The most bytes put in one store value: torch's TCPStore refuses a message over 8 MB (its libuv backend:
+"Invalid payload size"), and a setup holds the server's initial values."""
+
+
+def put(store, key: str, obj) -> None:
+    """`obj` (as `to_bytes`) under `key`, in values of at most `STORE_VALUE_BYTES`: the parts first, then `key`
+    (their count), so that a reader waits for `key` alone."""
+    data = to_bytes(obj)
+    parts = range(0, len(data), STORE_VALUE_BYTES)
+    for i, at in enumerate(parts):
+        store.set(f"{key}/part/{i}", data[at:at + STORE_VALUE_BYTES])
+    store.set(key, str(len(parts)))
+
+
+def take(store, key: str, what: str):
+    """What `put` left under `key` (`from_bytes`: plain data only; `what` names it in the error)."""
+    count = int(store.get(key).decode())
+    return from_bytes(b"".join(store.get(f"{key}/part/{i}") for i in range(count)), what)
+
+
 def optimizer_name(cls) -> str:
     """The name of an optimizer class, `module:qualname`, which `optimizer_class` resolves.
 

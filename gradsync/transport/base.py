@@ -8,6 +8,7 @@ both sides by the `transport` setting's value.
 """
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
@@ -42,6 +43,20 @@ def link_rate(servers: int, timed, largest: int = 64 * PROBE_BYTES) -> float:
             nbytes *= 8
         rates.append((nbytes - 1024) / max(large - small, 1e-6))
     return min(rates)
+
+
+IN_FLIGHT_MB = 0.25
+"""A worker's unanswered pieces per server, in MB (at least two pieces): a worker ahead of the others waits for
+their parts of its oldest piece, which keeps W workers' pushes into one server link in step, as BytePS's
+credits do, and a link's queue short (measured with bench/linkfloor.py, 100mbit, W=2, pieces chosen by
+bandwidth: ps S=2 1.40x its floor with 1 MB, 1.27x with 0.5, 1.23x with 0.25, from fewer TCP retransmissions;
+at 1gbit, reference workload, 0.25 and 1 MB the same). Both transports keep it (`window`)."""
+
+
+def window(server_buckets: dict[int, list[Bucket]]) -> int:
+    """How many pieces a worker keeps unanswered per server: `IN_FLIGHT_MB` of the largest, at least two."""
+    largest = max((b.nbytes for per in server_buckets.values() for b in per), default=1)
+    return max(2, math.ceil(IN_FLIGHT_MB * 2**20 / largest))
 
 
 class WorkerTransport(ABC):

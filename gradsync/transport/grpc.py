@@ -17,6 +17,7 @@ compression, no row-wise tables, no joining workers
 """
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
@@ -31,12 +32,12 @@ from gradsync.core.transport_capabilities import capabilities
 from gradsync.proto import gradsync_pb2 as pb
 from gradsync.proto import tensor_codec
 from gradsync.proto.service import SERVICE
-from gradsync.proto.store_data import from_bytes, plain_setup, setup_from_plain, to_bytes
+from gradsync.proto.store_data import from_bytes, plain_setup, put, setup_from_plain, take, to_bytes
 from gradsync.ps.messages import Partial, Piece, Push, Setup
 from gradsync.ps.server import ParameterServer
 from gradsync.ps.shard import Snapshot
 from gradsync.remote.client import Client, read_stream
-from gradsync.transport.base import PROBE_BYTES, RankTransport, WorkerTransport, link_rate
+from gradsync.transport.base import PROBE_BYTES, RankTransport, WorkerTransport, link_rate, window
 from gradsync.transport.endpoint import worker_token
 
 
@@ -47,14 +48,14 @@ def register_from_store(server: ParameterServer, store: dist.Store, config: JobC
     keys = [StoreKeys.GRPC_SETUP.format(shard)] + [StoreKeys.GRPC_SPEC.format(shard, w) for w in range(config.num_workers)]
     store.wait(keys)
     try:
-        setup = setup_from_plain(from_bytes(store.get(StoreKeys.GRPC_SETUP.format(shard)), f"the setup of server {shard}"))
-        specs = [from_bytes(store.get(StoreKeys.GRPC_SPEC.format(shard, w)), f"the model spec of worker {w}")
+        setup = setup_from_plain(take(store, StoreKeys.GRPC_SETUP.format(shard), f"the setup of server {shard}"))
+        specs = [take(store, StoreKeys.GRPC_SPEC.format(shard, w), f"the model spec of worker {w}")
                  for w in range(config.num_workers)]
         futures = [server.register(w, spec, setup if w == 0 else None) for w, spec in enumerate(specs)]
         answer = [fut.wait() for fut in futures][0]
     except Exception as e:
         answer = str(e)
-    store.set(StoreKeys.GRPC_REGISTERED.format(shard), to_bytes(answer))
+    put(store, StoreKeys.GRPC_REGISTERED.format(shard), answer)
 
 
 def _client(config: JobConfig, store: dist.Store) -> Client:
@@ -67,8 +68,10 @@ def _client(config: JobConfig, store: dist.Store) -> Client:
                   root_cert=settings.TLS_CERT.read())
 
 
-def read_pieces(call, what: str, s: int) -> tuple[pb.PullHeader, dict[tensor_codec.Key, torch.Tensor]]:
-    """A pipelined JobPush's reply (see the .proto): the buckets, the PullHeader, the buffers."""
+def read_pieces(call, what: str, s: int, arrived=lambda: None
+                ) -> tuple[pb.PullHeader, dict[tensor_codec.Key, torch.Tensor]]:
+    """A pipelined JobPush's reply (see the .proto): the buckets (`arrived()` after each), the PullHeader, the
+    buffers."""
     header = None
 
     def chunks():
@@ -84,7 +87,10 @@ def read_pieces(call, what: str, s: int) -> tuple[pb.PullHeader, dict[tensor_cod
             else:
                 raise RuntimeError(f"{what} on ps{s}: a second PullHeader in the reply")
 
-    tensors = tensor_codec.decode(chunks())
+    tensors = {}
+    for key, tensor in tensor_codec.decode_each(chunks()):
+        tensors[key] = tensor
+        arrived()
     if header is None:
         raise RuntimeError(f"{what} on ps{s}: the reply ended without its PullHeader")
     tensors.update(tensor_codec.decode(chunks()))
@@ -152,11 +158,11 @@ class GrpcTransport(WorkerTransport):
                 raise ValueError(f"{t.name!r}: {e}; or use --transport rpc") from None
         for s in self.servers:
             if setups[s] is not None:
-                self.store.set(StoreKeys.GRPC_SETUP.format(s), to_bytes(plain_setup(setups[s])))
-            self.store.set(StoreKeys.GRPC_SPEC.format(s, self.worker), to_bytes(spec))
+                put(self.store, StoreKeys.GRPC_SETUP.format(s), plain_setup(setups[s]))
+            put(self.store, StoreKeys.GRPC_SPEC.format(s, self.worker), spec)
         self.store.wait([StoreKeys.GRPC_REGISTERED.format(s) for s in self.servers])
         for s in self.servers:
-            answer = from_bytes(self.store.get(StoreKeys.GRPC_REGISTERED.format(s)), f"the answer of server {s}")
+            answer = take(self.store, StoreKeys.GRPC_REGISTERED.format(s), f"the answer of server {s}")
             if isinstance(answer, str):
                 raise RuntimeError(f"registering the model on ps{s} failed: {answer}")
             self.frozen[s] = answer
@@ -183,10 +189,30 @@ class GrpcTransport(WorkerTransport):
         as every worker's part of it is in and sends it back at once, while later buckets still come up (both
         directions of the stream at once; HTTP/2's flow control paces them)."""
         start = time.monotonic()
-        calls = {s: self._pushes[s](self._pipelined(versions[s], heads[s], [p for p in pieces if p.server == s]),
+        slots = {s: threading.Semaphore(window(self.server_buckets)) for s in self.servers}
+        calls = {s: self._pushes[s](self._pipelined(versions[s], heads[s], [p for p in pieces if p.server == s],
+                                                    slots[s]),
                                     timeout=self.config.step_timeout, metadata=self.client.metadata)
                  for s in self.servers}
-        return {s: self._snapshot("JobPush", s, call, start, pieces=True) for s, call in calls.items()}
+        replies: dict[int, Snapshot | BaseException] = {}
+
+        def read(s: int) -> None:
+            try:
+                replies[s] = self._snapshot("JobPush", s, calls[s], start, arrived=slots[s].release)
+            except BaseException as e:  # noqa: BLE001 -- raised below, in the caller's thread
+                replies[s] = e
+
+        readers = [threading.Thread(target=read, args=(s,), name=f"JobPush replies of ps{s}", daemon=True)
+                   for s in self.servers]
+        for t in readers:
+            t.start()
+        for t in readers:  # each reply stream ends by its call's deadline, the step timeout
+            t.join(self.config.step_timeout + 5)
+        for s in self.servers:
+            if not isinstance(replies.get(s), Snapshot):
+                raise replies.get(s) or RuntimeError(f"JobPush on ps{s}: no reply {self.config.step_timeout:g} s "
+                                                     "after the step timeout")
+        return replies
 
     def finish(self, versions: dict[int, int], coefficient: float | None) -> dict[int, Snapshot]:
         """Apply (or, with None, skip) the held step on every server: see `SyncRule.finish`."""
@@ -214,24 +240,27 @@ class GrpcTransport(WorkerTransport):
         tensors.update(push.buffers)
         yield from tensor_codec.encode_messages(tensors, pb.JobPushRequest)
 
-    def _pipelined(self, version: int, head: Push, pieces: list[Piece]):
+    def _pipelined(self, version: int, head: Push, pieces: list[Piece], slots: threading.Semaphore):
         """The messages of one pipelined JobPush: the header, the buffers, then each piece's bucket (one that
-        got no gradient is not sent)."""
+        got no gradient is not sent), each once `slots` has room (the server answered one before it: the
+        window that keeps W workers' pushes into one server link in step, `transport.base.IN_FLIGHT_MB`)."""
         absent = [()] * len(self.server_buckets[pieces[0].server]) if pieces else []
         for piece in pieces:
             absent[piece.bucket] = piece.absent
         yield self._header(version, head, absent, pieces=True)
         yield from tensor_codec.encode_messages(head.buffers, pb.JobPushRequest)
         for piece in pieces:
-            if piece.payload is not None:
-                yield from tensor_codec.encode_messages({piece.bucket: piece.payload}, pb.JobPushRequest)
+            if piece.payload is None:  # its reply comes after the stream ends
+                continue
+            if not slots.acquire(timeout=self.config.step_timeout):  # raising cancels the call: no short step
+                raise RuntimeError(f"JobPush on ps{piece.server}: no piece answered in {self.config.step_timeout:g} s")
+            yield from tensor_codec.encode_messages({piece.bucket: piece.payload}, pb.JobPushRequest)
 
-    def _snapshot(self, what: str, s: int, call, start: float, pieces: bool = False) -> Snapshot | Partial:
+    def _snapshot(self, what: str, s: int, call, start: float, arrived=None) -> Snapshot | Partial:
         """Read one server's snapshot stream: its buckets by index, its buffers by name (or a held step's
-        `Partial`); with `pieces`, a pipelined JobPush's reply: the buckets first, then the PullHeader and the
-        buffers."""
+        `Partial`); with `arrived`, a pipelined JobPush's reply (`read_pieces`), `arrived()` after each bucket."""
         try:
-            header, tensors = read_pieces(call, what, s) if pieces else read_stream(call, what, s)
+            header, tensors = read_stream(call, what, s) if arrived is None else read_pieces(call, what, s, arrived)
         except grpc.RpcError as e:
             raise self.client.error(what, s, start, e) from None
         version = header.version

@@ -15,7 +15,6 @@ between the processes' memory directly, around the rate-limited links.
 """
 from __future__ import annotations
 
-import math
 import time
 import warnings
 
@@ -34,7 +33,7 @@ from gradsync.ps.messages import Committed, Partial, Piece, Push, Setup
 from gradsync.ps.server import ParameterServer
 from gradsync.ps.shard import Snapshot
 from gradsync.transport import rpc_group
-from gradsync.transport.base import RankTransport, WorkerTransport, link_rate
+from gradsync.transport.base import RankTransport, WorkerTransport, link_rate, window
 
 
 def start_rpc(config: JobConfig, store: dist.Store) -> None:
@@ -103,12 +102,7 @@ def _timed(server: int, nbytes: int, timeout: float) -> float:
     return time.perf_counter() - start
 
 
-IN_FLIGHT_MB = 0.25
-"""A worker's unanswered pieces per server, in MB (at least two pieces): a worker ahead of the others waits for
-their parts of its oldest piece, which keeps W workers' pushes into one server link in step, as BytePS's
-credits do, and a link's queue short (measured with bench/linkfloor.py, 100mbit, W=2, pieces chosen by
-bandwidth: ps S=2 1.40x its floor with 1 MB, 1.27x with 0.5, 1.23x with 0.25, from fewer TCP retransmissions;
-at 1gbit, reference workload, 0.25 and 1 MB the same)."""
+
 
 
 class RpcTransport(WorkerTransport):
@@ -195,8 +189,7 @@ class Pipeline:
         self.transport = transport
         self.versions = versions
         self.timeout = transport.config.step_timeout
-        largest = max((b.nbytes for per in transport.server_buckets.values() for b in per), default=1)
-        self.window = max(2, math.ceil(IN_FLIGHT_MB * 2**20 / largest))
+        self.window = window(transport.server_buckets)
         self.futures: dict[tuple[int, int], torch.futures.Future] = {}  # the last piece sent of each bucket
         self.flying: dict[int, list[torch.futures.Future]] = {s: [] for s in transport.servers}
 
