@@ -187,7 +187,7 @@ class GrpcTransport(WorkerTransport):
         """A sync step as a pipeline: per server one JobPush with `pieces` (see the .proto) carries the head's
         buffers and options, then the server's buckets in the order given; the server applies each bucket as soon
         as every worker's part of it is in and sends it back at once, while later buckets still come up (both
-        directions of the stream at once; HTTP/2's flow control paces them)."""
+        directions of the stream at once, at most `transport.base.window` pieces unanswered per server)."""
         start = time.monotonic()
         slots = {s: threading.Semaphore(window(self.server_buckets)) for s in self.servers}
         calls = {s: self._pushes[s](self._pipelined(versions[s], heads[s], [p for p in pieces if p.server == s],
