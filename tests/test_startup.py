@@ -95,6 +95,25 @@ dist.init_process_group("gloo")  # an unported DDP script: no gradsync.init()
 """
 
 
+_UNGUARDED_LAUNCH = """import gradsync
+print(gradsync.launch(gradsync.worker_rank, strategy="allreduce", workers=1, servers=0, timeout=60))
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_launch_script_without_a_main_guard_is_told_to_add_one(tmp_path):
+    """Each rank imports the script that called gradsync.launch; without the guard it would launch again."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(_UNGUARDED_LAUNCH)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=80, cwd=tmp_path,
+                          env=_without_job_environment())
+    assert done.returncode == 1
+    assert ("RuntimeError: gradsync.launch() was called again while a rank imported your script (each rank "
+            "imports the script that called launch, to find the function it runs): put the call under "
+            '`if __name__ == "__main__":`') in done.stderr
+    assert 'a script that calls gradsync.launch must call it under `if __name__ == "__main__":`' in done.stderr
+
+
 @pytest.mark.timeout(90)
 def test_a_script_that_never_calls_init_is_told_to(tmp_path):
     script = tmp_path / "ddp.py"

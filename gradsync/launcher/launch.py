@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import sys
 import pickle
 import traceback
 from multiprocessing import forkserver
@@ -102,6 +103,11 @@ def launch(fn, *, strategy: str, workers: int, servers: int | None = None, mode:
         JobFailed: naming the rank that caused the failure, with its traceback (or, in an async or ssp job,
             the departures when every worker left).
     """
+    if sys._getframe(1).f_globals.get("__name__") == "__mp_main__":  # a rank runs the calling script's top level
+        raise RuntimeError(
+            "gradsync.launch() was called again while a rank imported your script (each rank imports the "
+            "script that called launch, to find the function it runs): put the call under "
+            "`if __name__ == \"__main__\":`")
     config = job_config("gradsync.launch", strategy, workers, servers, mode, **settings)
     call = pickle.dumps((fn, args))  # here, so that an unpicklable function fails before any rank starts
     with contextlib.ExitStack() as stack:

@@ -97,7 +97,8 @@ def _failure_text(config: JobConfig, run_dir: str, rank: int, code: int, arrived
     if not arrived:
         text += (" before it reached gradsync.init() (its traceback is above): every script that gradsync runs must "
                  "call gradsync.init() first, and nothing that starts torch.distributed itself (a DDP script's "
-                 "dist.init_process_group fails on the port of gradsync's store: EADDRINUSE)")
+                 "dist.init_process_group fails on the port of gradsync's store: EADDRINUSE); a script that calls "
+                 "gradsync.launch must call it under `if __name__ == \"__main__\":`")
     return text
 
 
