@@ -7,7 +7,9 @@ messages. Clients outside the job use
 the named calls (Pull, Push: tensors by parameter name, converted to and from
 the shard's buckets here); members of the job use the job calls (JobPull,
 JobPush: flat buckets by index in the shard's bucket order, handed to
-`ParameterServer.pull` / `push` as they are). A push stream is bounded in bytes
+`ParameterServer.pull` / `push` as they are; a pipelined JobPush hands each
+bucket to `push_piece` as it arrives and streams it back once applied;
+JobProbe: bytes to time the link). A push stream is bounded in bytes
 (the shard's size) and in tensor count (its entries, or buckets, plus buffers).
 It counts the calls it receives per method (GetStats `calls`). Errors map to status codes:
 bad input -> INVALID_ARGUMENT, a server without its model or without a
