@@ -142,7 +142,7 @@ CASES = {
     "an async job": ("async", lambda n, g: [_header(n, 0)], "in async mode"),
     "short absence lists": ("sync", lambda n, g: [_header(1, 0)], "1 absence lists for its"),
     "a NaN bucket": ("sync1", lambda n, g: [_header(n, 0), *_tensor(0, torch.full_like(g[0], float("nan")))],
-                     "non-finite"),  # one worker: its bucket is averaged at once
+                     "non-finite gradient (NaN or Inf) for parameter 'fc2.bias' from worker 0"),  # averaged at once
 }
 
 
