@@ -6,8 +6,8 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
-import sys
 import pickle
+import sys
 import traceback
 from multiprocessing import forkserver
 

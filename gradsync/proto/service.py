@@ -249,22 +249,24 @@ class Servicer:
             fut.add_done_callback(lambda done: answered.put((key, done)))
 
         def read() -> None:
-            buffers, head, sent = {}, None, set()
+            buffers, sent = {}, None  # sent: the buckets handed over; None until the head is
+
+            def head() -> set:
+                give(None, self.server.push(worker, version, Push(None, None, buffers, options=options)))
+                return set()
+
             try:
                 for key, tensor in _job_tensors(shard, request_iterator):
                     if isinstance(key, str):
-                        if head is not None:
+                        if sent is not None:
                             raise ValueError(f"JobPushRequest: buffer {key!r} came after a bucket; with "
                                              "JobPushHeader.pieces the buffers come first")
                         buffers[key] = tensor
                         continue
-                    if head is None:
-                        head = self.server.push(worker, version, Push(None, None, buffers, options=options))
-                        give(None, head)
+                    sent = head() if sent is None else sent
                     give(key, self.server.push_piece(worker, version, Piece(shard.shard_id, key, tensor, absent[key])))
                     sent.add(key)
-                if head is None:
-                    give(None, self.server.push(worker, version, Push(None, None, buffers, options=options)))
+                sent = head() if sent is None else sent
                 for b in sorted(set(range(shard.buckets)) - sent):  # sent no gradient: a piece all the same
                     give(b, self.server.push_piece(worker, version, Piece(shard.shard_id, b, None, absent[b])))
             except Exception as e:  # noqa: BLE001 -- the reply's generator raises it, with its status

@@ -71,6 +71,7 @@ class WorkerTransport(ABC):
         self.worker = config.worker_rank
         self.servers = list(server_buckets)
         self.server_buckets = server_buckets
+        self.window = window(server_buckets)  # pieces a sync step keeps unanswered per server
 
     @classmethod
     def bandwidth(cls, config: JobConfig, store: dist.Store) -> float | None:

@@ -37,7 +37,7 @@ from gradsync.ps.messages import Partial, Piece, Push, Setup
 from gradsync.ps.server import ParameterServer
 from gradsync.ps.shard import Snapshot
 from gradsync.remote.client import Client, read_stream
-from gradsync.transport.base import PROBE_BYTES, RankTransport, WorkerTransport, link_rate, window
+from gradsync.transport.base import PROBE_BYTES, RankTransport, WorkerTransport, link_rate
 from gradsync.transport.endpoint import worker_token
 
 
@@ -187,9 +187,9 @@ class GrpcTransport(WorkerTransport):
         """A sync step as a pipeline: per server one JobPush with `pieces` (see the .proto) carries the head's
         buffers and options, then the server's buckets in the order given; the server applies each bucket as soon
         as every worker's part of it is in and sends it back at once, while later buckets still come up (both
-        directions of the stream at once, at most `transport.base.window` pieces unanswered per server)."""
+        directions of the stream at once, at most `self.window` pieces unanswered per server)."""
         start = time.monotonic()
-        slots = {s: threading.Semaphore(window(self.server_buckets)) for s in self.servers}
+        slots = {s: threading.Semaphore(self.window) for s in self.servers}
         calls = {s: self._pushes[s](self._pipelined(versions[s], heads[s], [p for p in pieces if p.server == s],
                                                     slots[s]),
                                     timeout=self.config.step_timeout, metadata=self.client.metadata)

@@ -33,7 +33,7 @@ from gradsync.ps.messages import Committed, Partial, Piece, Push, Setup
 from gradsync.ps.server import ParameterServer
 from gradsync.ps.shard import Snapshot
 from gradsync.transport import rpc_group
-from gradsync.transport.base import RankTransport, WorkerTransport, link_rate, window
+from gradsync.transport.base import RankTransport, WorkerTransport, link_rate
 
 
 def start_rpc(config: JobConfig, store: dist.Store) -> None:
@@ -189,7 +189,6 @@ class Pipeline:
         self.transport = transport
         self.versions = versions
         self.timeout = transport.config.step_timeout
-        self.window = window(transport.server_buckets)
         self.futures: dict[tuple[int, int], torch.futures.Future] = {}  # the last piece sent of each bucket
         self.flying: dict[int, list[torch.futures.Future]] = {s: [] for s in transport.servers}
 
@@ -197,7 +196,7 @@ class Pipeline:
         """Whether a piece for `server` may leave now, without waiting."""
         flying = self.flying[server]
         flying[:] = [f for f in flying if not f.done()]
-        return len(flying) < self.window
+        return len(flying) < self.transport.window
 
     def send(self, piece: Piece) -> None:
         """Send `piece` now (call `room` first: the window is the caller's to keep)."""
@@ -217,7 +216,7 @@ class Pipeline:
                                        args=(t.worker, self.versions[s], heads[s])) for s in t.servers}
         for piece in pieces:
             flying = self.flying[piece.server]
-            if len(flying) >= self.window:
+            if len(flying) >= self.transport.window:
                 wait_all({piece.server: flying.pop(0)}, "pushing a piece (bucket)", self.timeout)
             self.send(piece)
         values = wait_all(self.futures, "pushing a piece (bucket)", self.timeout)

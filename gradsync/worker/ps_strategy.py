@@ -113,7 +113,8 @@ class PSStrategy(Strategy):
         self.params, self.buffers = params, buffers  # the user's module's: pointed at the servers' values
         self.spec = ModelSpec.of(params, buffers, self.tables.specs)
         sizes = [t.nbytes for t in self.spec.params]
-        cap = int(piece_mb(config, cluster.store, sizes, lambda: chosen.worker.bandwidth(config, cluster.store)) * 2**20)
+        measure = lambda: chosen.worker.bandwidth(config, cluster.store)  # noqa: E731
+        cap = int(piece_mb(config, cluster.store, sizes, measure) * 2**20)
         self.buckets = plan_buckets(self.spec.params, config.servers, cap, split=may_split(spec.cls))
         self.servers = list(range(config.servers))
         self.server_buckets = by_server(self.buckets, config.servers)
