@@ -6,6 +6,7 @@ import pathlib
 import re
 
 import pytest
+import torch
 
 import gradsync
 from gradsync import cli
@@ -145,6 +146,21 @@ def test_device_is_cuda_or_cpu():
     assert settings.DEVICE.read({}) == "cuda" and settings.DEVICE.read({"GRADSYNC_DEVICE": "cpu"}) == "cpu"
     with pytest.raises(ConfigError, match="unknown device 'gpu': expected one of 'cuda', 'cpu' .*GRADSYNC_DEVICE"):
         settings.DEVICE.read({"GRADSYNC_DEVICE": "gpu"})
+
+
+@pytest.mark.parametrize("cuda,device,backend", [(True, None, "cpu:gloo,cuda:nccl"), (True, "cpu", "gloo"),
+                                                 (False, None, "gloo")])
+def test_a_gpu_machine_keeps_gloo_for_cpu_tensors(monkeypatch, cuda, device, backend):
+    """On a GPU machine nccl alone failed DDP on a CPU model ("No backend type associated with device type
+    cpu", seen on an H200): CPU tensors keep gloo beside it."""
+    from gradsync.runtime.start import process_group_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    if device is None:
+        monkeypatch.delenv("GRADSYNC_DEVICE", raising=False)
+    else:
+        monkeypatch.setenv("GRADSYNC_DEVICE", device)
+    assert process_group_backend() == backend
 
 
 def test_typed_reads_name_the_variable():

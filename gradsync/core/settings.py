@@ -144,8 +144,8 @@ RESUME = _S("resume", "GRADSYNC_RESUME", str, "", "checkpointing",
             flag="--resume", shared=True)
 # The process: read where it is used.
 DEVICE = _S("device", "GRADSYNC_DEVICE", str, "cuda", "process",
-            "the workers' process group (allreduce, hybrid): cuda uses nccl when CUDA is available, cpu uses "
-            "gloo (for a model kept on the CPU of a GPU machine)", choices=("cuda", "cpu"))
+            "the workers' process group (allreduce, hybrid): cuda adds nccl for CUDA tensors beside gloo for "
+            "CPU ones when CUDA is available; cpu uses gloo alone", choices=("cuda", "cpu"))
 JOIN = _S("join", "GRADSYNC_JOIN", str, "", "process",
           "a running async ps job's run directory or store HOST:PORT: gradsync.init() joins it as a new worker "
           "(also gradsync.init(join=...))", flag="--join")

@@ -87,7 +87,7 @@ def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=
         serve(cluster, server)
     elif config.strategy in ("allreduce", "hybrid"):
         dist.init_process_group(
-            "nccl" if _use_cuda() else "gloo",
+            process_group_backend(),
             store=dist.PrefixStore(StoreKeys.PROCESS_GROUP, store),
             rank=config.worker_rank,
             world_size=config.num_workers,
@@ -152,5 +152,7 @@ def _check_launched(strategy: str | None) -> None:
             "gradsync.init(strategy=...)")
 
 
-def _use_cuda() -> bool:
-    return torch.cuda.is_available() and settings.DEVICE.read() == "cuda"
+def process_group_backend() -> str:
+    """The workers' process group: gloo for CPU tensors and, where CUDA is in use (GRADSYNC_DEVICE=cuda on a
+    machine that has it), nccl for CUDA tensors beside it, so a model kept on a GPU machine's CPU trains too."""
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and settings.DEVICE.read() == "cuda" else "gloo"
