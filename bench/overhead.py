@@ -11,7 +11,8 @@ Configurations, each a separate job on this machine (loopback only):
 - `ddp_context`: the same DDP inside a dist_autograd context (torch RPC on the uv transport),
   gradients read with `get_gradients` (THE FLOOR for allreduce);
 - `gradsync_allreduce`, `gradsync_ps_sync_s1`, `gradsync_ps_sync_s2`, `gradsync_ps_async`: gradsync.launch
-  with the README's loop;
+  with the README's loop; `gradsync_ps_sync_s1_grpc` over gRPC (on one machine its steps go whole), and
+  `gradsync_ps_sync_s1_grpc_pipelined` with `pipeline="on"` (reference workload);
 - `naive_ps`: a whole-model parameter server written here, the design of PyTorch's batch-RPC parameter-server
   tutorial (one RPC per step carrying all gradients; the server waits for all W, averages, steps, and returns
   the whole model), 1 server (THE BASELINE for ps).
@@ -78,7 +79,9 @@ def workloads(tiny: bool) -> dict[str, Workload]:
     allreduce = {"ddp": 0, "ddp_context": 0, "gradsync_allreduce": 0}
     return {
         "reference": Workload(reference, 20, True, 2, {**allreduce, "gradsync_ps_sync_s1": 1, "gradsync_ps_sync_s2": 2,
-                                                       "gradsync_ps_async": 1, "naive_ps": 1, "naive_ps_shm": 1}),
+                                                       "gradsync_ps_async": 1, "naive_ps": 1, "naive_ps_shm": 1,
+                                                       "gradsync_ps_sync_s1_grpc": 1,
+                                                       "gradsync_ps_sync_s1_grpc_pipelined": 1}),
         # no ps_sync_s1 on 10m: 4 workers on one server is slow on 2 cores, and no target needs it
         "10m": Workload(ten_m, BATCH, False, 4, {**allreduce, "gradsync_ps_sync_s2": 2, "gradsync_ps_async": 2,
                                                  "naive_ps": 1}),
@@ -110,9 +113,13 @@ def gradsync_worker(w: Workload, steps: int, warmup: int) -> dict:
 
 
 def run_gradsync(config: str, w: Workload, servers: int, steps: int, warmup: int, timeout: float) -> dict:
+    """A gradsync job: `_grpc` in the name runs it over gRPC, `_pipelined` with its steps as pipelines (on one
+    machine gRPC sends them whole by default)."""
     strategy = "allreduce" if config == "gradsync_allreduce" else "ps"
     mode = "async" if config.endswith("async") else "sync"
     return gradsync.launch(gradsync_worker, strategy=strategy, mode=mode, workers=w.workers, servers=servers,
+                           transport="grpc" if "_grpc" in config else "rpc",
+                           pipeline="on" if config.endswith("_pipelined") else "auto",
                            args=(w, steps, warmup), timeout=timeout, step_timeout=STEP_TIMEOUT_S)[0]
 
 

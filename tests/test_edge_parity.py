@@ -23,9 +23,10 @@ def test_edge_model_matches_single_process(case, strategy, servers):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", ["frozen", "even_steps", "adam_unused", "tied"])
 def test_edge_model_matches_single_process_through_the_grpc_pipeline_in_small_pieces(case):
-    """Over gRPC a sync step is a pipeline of pieces; 256-byte pieces cut every weight of these models."""
+    """A sync step as a pipeline of pieces over gRPC (on, as between machines: on one it goes whole by
+    default); 256-byte pieces cut every weight of these models."""
     states = gradsync.launch(train_edge, strategy="ps", workers=2, servers=2, args=(case, STEPS), transport="grpc",
-                             bucket_cap_mb=256 / 2**20, step_timeout=30, timeout=100)
+                             pipeline="on", bucket_cap_mb=256 / 2**20, step_timeout=30, timeout=100)
     check_parity(case, states, 2, STEPS)
 
 

@@ -7,8 +7,9 @@ import torch
 
 import gradsync
 from gradsync.config import JobConfig, StoreKeys
+from gradsync.core.transport_capabilities import capabilities
 from gradsync.worker.piece_size import (LARGEST_MB, PIECE_CPU_S, SMALLEST_MB, SPLIT_S_PER_BYTE, best_piece_mb,
-                                        overhead_s, piece_mb)
+                                        overhead_s, piece_mb, pipelined)
 
 MB = 2**20
 
@@ -66,8 +67,20 @@ def _measured(name: str) -> tuple[float, int, float]:
 @pytest.mark.parametrize("name", ["rpc", "grpc"])
 def test_each_transport_measures_a_bandwidth_and_the_plan_follows_it(name):
     (bandwidth, piece, chosen), = gradsync.launch(_measured, strategy="ps", workers=1, servers=2, timeout=50,
-                                                  args=(name,), transport=name)
+                                                  args=(name,), transport=name, pipeline="on")
     assert 1e6 < bandwidth < 1e12  # loopback: between 1 MB/s and 1 TB/s
     model = 300 * 300 + 300
     # the plan follows the choice: 2 servers share the model; pieces of at most the chosen size
     assert min(model // 2, int(chosen * 2**20) // 4) == piece
+
+
+@pytest.mark.parametrize("setting,transport,host,expected", [
+    ("auto", "rpc", "127.0.0.1", True), ("auto", "grpc", "127.0.0.1", False), ("auto", "grpc", "localhost", False),
+    ("auto", "grpc", "10.99.0.1", True), ("on", "grpc", "127.0.0.1", True), ("off", "rpc", "10.99.0.1", False),
+])
+def test_a_sync_step_is_a_pipeline_except_over_grpc_on_one_machine(setting, transport, host, expected):
+    """On loopback gRPC's pipeline threads cost more than its overlap saves (BENCHMARKS.md), torch RPC's not;
+    across machines, or behind an emulated link (the store on the hub's address), both pipeline."""
+    config = JobConfig(strategy="ps", servers=1, world_size=2, master_addr=host, transport=transport,
+                       pipeline=setting)
+    assert pipelined(config, capabilities(transport)) is expected

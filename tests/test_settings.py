@@ -105,7 +105,7 @@ def test_every_job_setting_travels_through_the_environment():
                      bucket_cap_mb=4.5, startup_timeout=5.0, step_timeout=6.0, shutdown_timeout=7.0,
                      checkpoint_dir="c", checkpoint_every=3, resume="r")
     ssp = JobConfig(strategy="ps", mode="ssp", staleness=2, compression="int8", world_size=2)
-    grpc = JobConfig(transport="grpc", world_size=2)
+    grpc = JobConfig(transport="grpc", world_size=2, pipeline="on")
     allreduce = JobConfig(strategy="allreduce", servers=0, world_size=2)
     changed = set()
     for config in (sync, ssp, grpc, allreduce):

@@ -125,6 +125,11 @@ BUCKET_CAP_MB = _S("bucket_cap_mb", "GRADSYNC_BUCKET_CAP_MB", float, None, "trai
                    "measures to the servers (small pieces behind a slow link, large ones on a fast one: "
                    "gradsync.worker.piece_size)", flag="--bucket-cap-mb", shared=True,
                    default_text="auto")
+PIPELINE = _S("pipeline", "GRADSYNC_PIPELINE", str, "auto", "training",
+              "ps sync: a step as a pipeline of pieces, each applied and sent back once every worker's part of it "
+              "is in (on), or whole (off); auto: on, but off over grpc when the job's store is on this machine's "
+              "loopback (no link to overlap: gRPC's pipeline threads then cost more than they save)",
+              flag="--pipeline", choices=("auto", "on", "off"), shared=True)
 # Timeouts: each rank's own; a worker that joins may choose its own.
 STARTUP_TIMEOUT = _S("startup_timeout", "GRADSYNC_STARTUP_TIMEOUT", float, 120.0, "timeouts",
                      "seconds for every rank to join and register the model", flag="--startup-timeout")

@@ -20,6 +20,7 @@ class Capabilities:
     row_tables: bool  # embedding tables served row by row (Trainer(tables='rows'), the hybrid strategy)
     joining: bool  # workers joining a running async job
     streams: bool  # a ps step's pieces leave during the backward (`worker.streaming`)
+    pipelines_on_one_host: bool  # a sync step is a pipeline of pieces (`pipeline` auto) on loopback too
 
     def job_refusal(self, strategy: str, compression: str) -> str | None:
         """Why this transport cannot run a job of `strategy` with `compression`; None when it can."""
@@ -40,9 +41,9 @@ class Capabilities:
 
 CAPABILITIES = {c.name: c for c in (
     Capabilities("rpc", strategies=("ps", "allreduce", "hybrid"), compression=True, row_tables=True, joining=True,
-                 streams=True),
+                 streams=True, pipelines_on_one_host=True),
     Capabilities("grpc", strategies=("ps",), compression=False, row_tables=False, joining=False,
-                 streams=False),
+                 streams=False, pipelines_on_one_host=False),
 )}
 """Every transport by name; the first is the `transport` setting's default and serves everything (allreduce
 runs over it too: its workers start the RPC agent every rank starts)."""

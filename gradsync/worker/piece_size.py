@@ -9,7 +9,9 @@ W p / B + M c / (S p) is least at p = sqrt(M c B / (S W)). A piece smaller than 
 copies of it a step, so the smallest piece that cuts none is chosen instead when that costs less (on a fast
 link). Behind 100 Mbit/s that is ~0.25 MB for a 6 MB model, at 1 Gbit/s ~1 MB for a 26 MB one, on loopback
 whole parameters (measured: BENCHMARKS.md, "Pieces").
-Worker 0 measures and publishes the choice in the store; every other worker, and one that joins later,
+Whether a sync step is a pipeline at all is `pipelined`: over gRPC on one machine it is not (whole steps and
+the largest buckets, unmeasured), as gRPC's pipeline threads cost more CPU than the overlap saves where no link
+is slower than the CPUs. Worker 0 measures and publishes the choice in the store; every other worker, and one that joins later,
 takes it from there, so that all build the same plan. Each transport measures with its own messages (torch
 RPC, gRPC's JobProbe: `transport.base.link_rate`); one that cannot gets `LARGEST_MB`.
 """
@@ -21,6 +23,8 @@ import math
 import torch.distributed as dist
 
 from gradsync.config import JobConfig, StoreKeys
+from gradsync.core.transport_capabilities import Capabilities
+from gradsync.runtime.store import is_loopback
 
 PIECE_CPU_S = 1.5e-3
 """CPU seconds a piece costs beyond its bytes (bench/overhead.py, reference workload, 1 MB pieces against 25)."""
@@ -53,6 +57,15 @@ def best_piece_mb(sizes: list[int], servers: int, workers: int, bandwidth: float
     balanced = clamp(math.sqrt(sum(sizes) * PIECE_CPU_S * bandwidth / (servers * workers)) / 2**20)
     whole = clamp(max(balanced, max(sizes, default=0) / 2**20))
     return min((balanced, whole), key=lambda mb: overhead_s(mb * 2**20, sizes, servers, workers, bandwidth))
+
+
+def pipelined(config: JobConfig, transport: Capabilities) -> bool:
+    """Whether a sync step goes as a pipeline of pieces (the `pipeline` setting): with auto, always over a
+    transport that `pipelines_on_one_host`, else only when the job's store is not on loopback (the job spans
+    machines, or an emulated link separates its ranks). BENCHMARKS.md, "gRPC on one machine"."""
+    if config.pipeline != "auto":
+        return config.pipeline == "on"
+    return transport.pipelines_on_one_host or not is_loopback(config.master_addr)
 
 
 def piece_mb(config: JobConfig, store: dist.Store, sizes: list[int], measure) -> float:

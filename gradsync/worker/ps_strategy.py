@@ -7,7 +7,8 @@ pieces of a parameter split across servers joined), so backward writes each
 parameter's gradient once and knows which parameters got none. `step` reads
 the gradients from the dist_autograd context, packs them into the bucket plan
 (with the entries that got no gradient listed), encodes them (`ps.wire`) and
-pushes them: in sync mode without clipping or a GradScaler as pieces, one
+pushes them: in sync mode without clipping or a GradScaler as pieces (unless
+`worker.piece_size.pipelined` sends steps whole: gRPC on one machine), one
 call per bucket in the forward's order, each answered with that bucket's
 values once its server has applied it (`transport.rpc.Pipeline`); else one
 call per server. Over torch RPC most pieces leave during the backward, from a
@@ -46,7 +47,7 @@ from gradsync.ps.wire import make_wire
 from gradsync.transport.registry import transport
 from gradsync.worker.amp import inverse_scale, record_found_inf
 from gradsync.worker.metrics import StepMetrics
-from gradsync.worker.piece_size import piece_mb
+from gradsync.worker.piece_size import piece_mb, pipelined
 from gradsync.worker.model_state import named_tensors, ordered, to_state_dict
 from gradsync.worker.served_optimizer import ServedOptimizer
 from gradsync.worker.strategy import Strategy
@@ -113,7 +114,8 @@ class PSStrategy(Strategy):
         self.params, self.buffers = params, buffers  # the user's module's: pointed at the servers' values
         self.spec = ModelSpec.of(params, buffers, self.tables.specs)
         sizes = [t.nbytes for t in self.spec.params]
-        measure = lambda: chosen.worker.bandwidth(config, cluster.store)  # noqa: E731
+        self._pipelined = pipelined(config, chosen.capabilities)  # else whole steps: the largest buckets
+        measure = lambda: chosen.worker.bandwidth(config, cluster.store) if self._pipelined else None  # noqa: E731
         cap = int(piece_mb(config, cluster.store, sizes, measure) * 2**20)
         self.buckets = plan_buckets(self.spec.params, config.servers, cap, split=may_split(spec.cls))
         self.servers = list(range(config.servers))
@@ -123,7 +125,8 @@ class PSStrategy(Strategy):
         self.wire = make_wire(config.compression)
         self.transport = chosen.worker(config, cluster.store, self.server_buckets)
         # a step's pieces may leave during the backward (worker.streaming): decided per context from the last
-        self._streams = chosen.capabilities.streams and not clipping.on and not self.wire.stateful
+        self._streams = (chosen.capabilities.streams and self._pipelined and not clipping.on
+                         and not self.wire.stateful)
         self._stream_next = False
         self._stream: tuple[int, GradientStream] | None = None
         self._quiet = False  # inside trainer.no_sync()
@@ -241,7 +244,7 @@ class PSStrategy(Strategy):
                 record_found_inf(scaler, True)
                 self.metrics.committed(start, 0, 0)
                 return
-        pipelined = agree is None and (self.config.mode == "sync" or self._streams)
+        pipelined = agree is None and self._pipelined and (self.config.mode == "sync" or self._streams)
         if agree is not None or unscale != 1.0:  # held or unscaled: what left during the backward is void
             streamed = {}
         payloads, absent = {}, {}
