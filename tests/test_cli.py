@@ -68,11 +68,11 @@ def test_run_and_compare_refuse_a_script_that_does_not_exist_before_starting_any
     assert not out.exists()  # refused before anything was written
 
 
-def test_run_keeps_every_option_it_had_and_adds_bucket_cap_mb():
+def test_run_keeps_every_option_it_had_and_adds_bucket_cap_mb_and_pipeline():
     run = cli._parser()._subparsers._group_actions[0].choices["run"]
     options = {o for a in run._actions for o in a.option_strings}
     assert options == {"-h", "--help", "--strategy", "--workers", "--join", "--servers", "--mode", "--staleness",
-                       "--nonfinite", "--compression", "--transport", "--server-device", "--bucket-cap-mb",
+                       "--nonfinite", "--compression", "--transport", "--server-device", "--bucket-cap-mb", "--pipeline",
                        "--startup-timeout", "--step-timeout", "--shutdown-timeout", "--checkpoint-dir",
                        "--checkpoint-every", "--resume", "--master-port", "--run-dir", "--timeout", "--link",
                        "--server-link"}
