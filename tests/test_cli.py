@@ -72,7 +72,7 @@ def test_run_keeps_every_option_it_had_and_adds_bucket_cap_mb_and_pipeline():
     run = cli._parser()._subparsers._group_actions[0].choices["run"]
     options = {o for a in run._actions for o in a.option_strings}
     assert options == {"-h", "--help", "--strategy", "--workers", "--join", "--servers", "--mode", "--staleness",
-                       "--nonfinite", "--compression", "--transport", "--server-device", "--bucket-cap-mb", "--pipeline",
-                       "--startup-timeout", "--step-timeout", "--shutdown-timeout", "--checkpoint-dir",
+                       "--nonfinite", "--compression", "--transport", "--server-device", "--bucket-cap-mb",
+                       "--pipeline", "--startup-timeout", "--step-timeout", "--shutdown-timeout", "--checkpoint-dir",
                        "--checkpoint-every", "--resume", "--master-port", "--run-dir", "--timeout", "--link",
                        "--server-link"}

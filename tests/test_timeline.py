@@ -74,11 +74,14 @@ def _check_pipelined(pieces: list[dict]) -> None:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("bn", [False, True])
-def test_a_ps_steps_lanes_carry_its_bytes_in_order_and_pipelined(bn):
+@pytest.mark.parametrize("bn,transport", [(False, "rpc"), (True, "rpc"), (True, "grpc")])
+def test_a_ps_steps_lanes_carry_its_bytes_in_order_and_pipelined(bn, transport):
+    """Over gRPC the server's events come back in the reply stream (`PieceStamp`), and the pipeline is on as
+    between machines (on one machine gRPC sends steps whole by default)."""
     steps, workers, servers = 4, 2, 2
     results = gradsync.launch(train_with_timeline, strategy="ps", workers=workers, servers=servers,
-                              args=(steps, bn), timeout=140, bucket_cap_mb=0.0002)  # 200-byte pieces
+                              args=(steps, bn), timeout=140, bucket_cap_mb=0.0002,  # 200-byte pieces
+                              transport=transport, pipeline="on")
     model = make_bn_net() if bn else make_mlp()
     gradients = FP32 * sum(p.numel() for p in model.parameters())
     buffers = sum(b.nbytes for b in model.buffers())

@@ -12,9 +12,10 @@ and the server's events are on one axis; across machines the clocks' skew (NTP: 
 the server's events against the worker's.
 
 Off, a worker records nothing (`timed` calls straight through) and a server only notes two clock readings
-per piece, which it sends only to a worker that asks. Other paths record no lane yet: the gRPC transport
-and a held sync step (clipping, a GradScaler), which travel whole. Async and ssp servers apply a push
-whole: their pieces have no server events.
+per piece, which it sends only to a worker that asks. A pipelined step over gRPC records the same lanes
+(the server's events travel as a `PieceStamp` before each bucket of the reply). Other paths record no lane
+yet: whole steps (gRPC on one machine, a held sync step under clipping or a GradScaler). Async and ssp
+servers apply a push whole: their pieces have no server events.
 """
 from __future__ import annotations
 
@@ -46,6 +47,10 @@ class PieceEvents:
     arrived: float | None = None
     applied: float | None = None
     back: float | None = None
+
+    def returned(self, nbytes: float, arrived: float | None = None, applied: float | None = None) -> None:
+        """Its reply is in, now: the reply's bytes and the server's events."""
+        self.back, self.bytes_received, self.arrived, self.applied = time.time(), nbytes, arrived, applied
 
     @property
     def lane(self) -> str:
@@ -114,6 +119,15 @@ class Timeline:
         if not self.on:
             return call(*args, **kwargs)
         return self._track(PieceEvents(*lane, 0, time.time()), call, args, kwargs)
+
+    def lane(self, lane: tuple) -> PieceEvents | None:
+        """A lane whose reply its transport notes itself (`PieceEvents.returned`; gRPC's streams): `left` now;
+        None when off."""
+        if not self.on:
+            return None
+        events = PieceEvents(*lane, 0, time.time())
+        self._current.append(events)
+        return events
 
     def exchanged(self, bucket: int, nbytes: float, call, *args):
         """`call(*args)`, which launches the allreduce of DDP's bucket `bucket` (`nbytes` through the link each

@@ -164,12 +164,24 @@ class PullHeader(_message.Message):
     def __init__(self, shard_id: _Optional[int] = ..., version: _Optional[int] = ..., partial: _Optional[float] = ...) -> None: ...
 
 class PullResponse(_message.Message):
-    __slots__ = ("header", "chunk")
+    __slots__ = ("header", "chunk", "stamp")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    STAMP_FIELD_NUMBER: _ClassVar[int]
     header: PullHeader
     chunk: Tensor
-    def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., chunk: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    stamp: PieceStamp
+    def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., chunk: _Optional[_Union[Tensor, _Mapping]] = ..., stamp: _Optional[_Union[PieceStamp, _Mapping]] = ...) -> None: ...
+
+class PieceStamp(_message.Message):
+    __slots__ = ("bucket", "arrived", "applied")
+    BUCKET_FIELD_NUMBER: _ClassVar[int]
+    ARRIVED_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    bucket: int
+    arrived: float
+    applied: float
+    def __init__(self, bucket: _Optional[int] = ..., arrived: _Optional[float] = ..., applied: _Optional[float] = ...) -> None: ...
 
 class PushHeader(_message.Message):
     __slots__ = ("worker", "version")
@@ -200,7 +212,7 @@ class AbsentEntries(_message.Message):
     def __init__(self, entries: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JobPushHeader(_message.Message):
-    __slots__ = ("worker", "version", "absent", "options", "norm_type", "skip_nonfinite", "pieces")
+    __slots__ = ("worker", "version", "absent", "options", "norm_type", "skip_nonfinite", "pieces", "timeline")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ABSENT_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +220,7 @@ class JobPushHeader(_message.Message):
     NORM_TYPE_FIELD_NUMBER: _ClassVar[int]
     SKIP_NONFINITE_FIELD_NUMBER: _ClassVar[int]
     PIECES_FIELD_NUMBER: _ClassVar[int]
+    TIMELINE_FIELD_NUMBER: _ClassVar[int]
     worker: int
     version: int
     absent: _containers.RepeatedCompositeFieldContainer[AbsentEntries]
@@ -215,7 +228,8 @@ class JobPushHeader(_message.Message):
     norm_type: float
     skip_nonfinite: bool
     pieces: bool
-    def __init__(self, worker: _Optional[int] = ..., version: _Optional[int] = ..., absent: _Optional[_Iterable[_Union[AbsentEntries, _Mapping]]] = ..., options: _Optional[bytes] = ..., norm_type: _Optional[float] = ..., skip_nonfinite: _Optional[bool] = ..., pieces: _Optional[bool] = ...) -> None: ...
+    timeline: bool
+    def __init__(self, worker: _Optional[int] = ..., version: _Optional[int] = ..., absent: _Optional[_Iterable[_Union[AbsentEntries, _Mapping]]] = ..., options: _Optional[bytes] = ..., norm_type: _Optional[float] = ..., skip_nonfinite: _Optional[bool] = ..., pieces: _Optional[bool] = ..., timeline: _Optional[bool] = ...) -> None: ...
 
 class JobFinishRequest(_message.Message):
     __slots__ = ("worker", "version", "coefficient")

@@ -264,11 +264,13 @@ class Servicer:
                         buffers[key] = tensor
                         continue
                     sent = head() if sent is None else sent
-                    give(key, self.server.push_piece(worker, version, Piece(shard.shard_id, key, tensor, absent[key])))
+                    give(key, self.server.push_piece(worker, version, Piece(shard.shard_id, key, tensor, absent[key]),
+                                                     stamped=header.timeline))
                     sent.add(key)
                 sent = head() if sent is None else sent
                 for b in sorted(set(range(shard.buckets)) - sent):  # sent no gradient: a piece all the same
-                    give(b, self.server.push_piece(worker, version, Piece(shard.shard_id, b, None, absent[b])))
+                    give(b, self.server.push_piece(worker, version, Piece(shard.shard_id, b, None, absent[b]),
+                                                   stamped=header.timeline))
             except Exception as e:  # noqa: BLE001 -- the reply's generator raises it, with its status
                 answered.put(e)
 
@@ -279,8 +281,11 @@ class Servicer:
             value = self._value(fut)
             if key is None:
                 committed = value
-            else:
-                yield from tensor_codec.encode_messages({key: value}, pb.PullResponse)
+                continue
+            if header.timeline:  # a `core.timeline.Stamped`: the bucket's events on this server first
+                value, arrived, applied = value
+                yield pb.PullResponse(stamp=pb.PieceStamp(bucket=key, arrived=arrived or 0.0, applied=applied or 0.0))
+            yield from tensor_codec.encode_messages({key: value}, pb.PullResponse)
         yield from _snapshot_messages(shard.shard_id, self.server.reply(committed, whole=False))
 
     def _answer(self, answered: queue.SimpleQueue, worker: int, context):

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from gradsync.config import JobConfig
 from gradsync.core.buckets import Bucket, ModelSpec
+from gradsync.core.timeline import Timeline
 from gradsync.core.transport_capabilities import Capabilities
 from gradsync.ps.messages import Partial, Piece, Push, Setup
 from gradsync.ps.server import ParameterServer
@@ -63,6 +64,9 @@ class WorkerTransport(ABC):
     """A worker's calls to every server; each waits (bounded by the job's timeouts) for all servers."""
 
     capabilities: ClassVar[Capabilities]
+    timeline = Timeline(on=False)
+    """Where `push_pieces` records its lanes' events (the worker's `StepMetrics.timeline`, set by the strategy;
+    on when GRADSYNC_TIMELINE is)."""
 
     def __init__(self, config: JobConfig, store: dist.Store, server_buckets: dict[int, list[Bucket]]):
         """Args: the job, its rendezvous store, and each server's buckets of the shared plan (by server)."""

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from gradsync.config import JobConfig, StoreKeys
 from gradsync.core import settings
 from gradsync.core.buckets import Bucket, ModelSpec
+from gradsync.core.timeline import HEAD, PieceEvents
 from gradsync.core.torch_internals import start_dist_autograd
 from gradsync.core.transport_capabilities import capabilities
 from gradsync.proto import gradsync_pb2 as pb
@@ -68,11 +69,12 @@ def _client(config: JobConfig, store: dist.Store) -> Client:
                   root_cert=settings.TLS_CERT.read())
 
 
-def read_pieces(call, what: str, s: int, arrived=lambda: None
+def read_pieces(call, what: str, s: int, arrived=lambda bucket, tensor, stamp: None
                 ) -> tuple[pb.PullHeader, dict[tensor_codec.Key, torch.Tensor]]:
-    """A pipelined JobPush's reply (see the .proto): the buckets (`arrived()` after each), the PullHeader, the
-    buffers."""
-    header = None
+    """A pipelined JobPush's reply (see the .proto): the buckets (`arrived(bucket, tensor, stamp)` after each,
+    `stamp` its server's (arrived, applied) when a `PieceStamp` came before it, else None), the PullHeader,
+    the buffers."""
+    header, stamps = None, {}
 
     def chunks():
         nonlocal header
@@ -81,6 +83,8 @@ def read_pieces(call, what: str, s: int, arrived=lambda: None
                 yield response
             elif response.WhichOneof("item") == "chunk":
                 yield response.chunk
+            elif response.WhichOneof("item") == "stamp":
+                stamps[response.stamp.bucket] = (response.stamp.arrived or None, response.stamp.applied or None)
             elif header is None:
                 header = response.header
                 return
@@ -90,7 +94,7 @@ def read_pieces(call, what: str, s: int, arrived=lambda: None
     tensors = {}
     for key, tensor in tensor_codec.decode_each(chunks()):
         tensors[key] = tensor
-        arrived()
+        arrived(key, tensor, stamps.pop(key, None))
     if header is None:
         raise RuntimeError(f"{what} on ps{s}: the reply ended without its PullHeader")
     tensors.update(tensor_codec.decode(chunks()))
@@ -190,15 +194,24 @@ class GrpcTransport(WorkerTransport):
         directions of the stream at once, at most `self.window` pieces unanswered per server)."""
         start = time.monotonic()
         slots = {s: threading.Semaphore(self.window) for s in self.servers}
-        calls = {s: self._pushes[s](self._pipelined(versions[s], heads[s], [p for p in pieces if p.server == s],
-                                                    slots[s]),
+        lanes: dict[tuple, PieceEvents | None] = {}  # the step timeline's, by (server, bucket or HEAD)
+        calls = {s: self._pushes[s](self._pipelined(s, versions[s], heads[s], [p for p in pieces if p.server == s],
+                                                    slots[s], lanes),
                                     timeout=self.config.step_timeout, metadata=self.client.metadata)
                  for s in self.servers}
         replies: dict[int, Snapshot | BaseException] = {}
 
+        def arrived(s: int, bucket: int, tensor: torch.Tensor, stamp: tuple | None) -> None:
+            slots[s].release()
+            if lanes.get((s, bucket)) is not None:
+                lanes[(s, bucket)].returned(tensor.nbytes, *(stamp or ()))
+
         def read(s: int) -> None:
             try:
-                replies[s] = self._snapshot("JobPush", s, calls[s], start, arrived=slots[s].release)
+                replies[s] = self._snapshot("JobPush", s, calls[s], start,
+                                            arrived=lambda *bucket: arrived(s, *bucket))
+                if lanes.get((s, HEAD)) is not None:
+                    lanes[(s, HEAD)].returned(sum(t.nbytes for t in replies[s].buffers.values()))
             except BaseException as e:  # noqa: BLE001 -- raised below, in the caller's thread
                 replies[s] = e
 
@@ -225,8 +238,9 @@ class GrpcTransport(WorkerTransport):
 
     def _header(self, version: int, push: Push, absent, pieces: bool = False) -> pb.JobPushRequest:
         """A JobPush's first message: the step's version, absent entries per bucket, the schedule's changed
-        options, and whether to hold the step for a joint norm or to pipeline it."""
+        options, and whether to hold the step for a joint norm or to pipeline it (with the timeline's stamps)."""
         header = pb.JobPushHeader(worker=self.worker, version=version, pieces=pieces,
+                                  timeline=pieces and self.timeline.on,
                                   absent=[pb.AbsentEntries(entries=missing) for missing in absent],
                                   options=to_bytes(push.options) if push.options else b"")
         if push.agree is not None:
@@ -240,25 +254,29 @@ class GrpcTransport(WorkerTransport):
         tensors.update(push.buffers)
         yield from tensor_codec.encode_messages(tensors, pb.JobPushRequest)
 
-    def _pipelined(self, version: int, head: Push, pieces: list[Piece], slots: threading.Semaphore):
+    def _pipelined(self, s: int, version: int, head: Push, pieces: list[Piece], slots: threading.Semaphore,
+                   lanes: dict):
         """The messages of one pipelined JobPush: the header, the buffers, then each piece's bucket (one that
         got no gradient is not sent), each once `slots` has room (the server answered one before it: the
-        window that keeps W workers' pushes into one server link in step, `transport.base.IN_FLIGHT_MB`)."""
-        absent = [()] * len(self.server_buckets[pieces[0].server]) if pieces else []
+        window that keeps W workers' pushes into one server link in step, `transport.base.IN_FLIGHT_MB`).
+        Each lane's events go to `lanes` as it leaves (the step timeline)."""
+        absent = [()] * len(self.server_buckets[s])
         for piece in pieces:
             absent[piece.bucket] = piece.absent
+        lanes[(s, HEAD)] = self.timeline.lane((s, HEAD))
         yield self._header(version, head, absent, pieces=True)
         yield from tensor_codec.encode_messages(head.buffers, pb.JobPushRequest)
         for piece in pieces:
             if piece.payload is None:  # its reply comes after the stream ends
                 continue
             if not slots.acquire(timeout=self.config.step_timeout):  # raising cancels the call: no short step
-                raise RuntimeError(f"JobPush on ps{piece.server}: no piece answered in {self.config.step_timeout:g} s")
+                raise RuntimeError(f"JobPush on ps{s}: no piece answered in {self.config.step_timeout:g} s")
+            lanes[(s, piece.bucket)] = self.timeline.lane((s, piece.bucket))
             yield from tensor_codec.encode_messages({piece.bucket: piece.payload}, pb.JobPushRequest)
 
     def _snapshot(self, what: str, s: int, call, start: float, arrived=None) -> Snapshot | Partial:
         """Read one server's snapshot stream: its buckets by index, its buffers by name (or a held step's
-        `Partial`); with `arrived`, a pipelined JobPush's reply (`read_pieces`), `arrived()` after each bucket."""
+        `Partial`); with `arrived`, a pipelined JobPush's reply (`read_pieces`), `arrived` after each bucket."""
         try:
             header, tensors = read_stream(call, what, s) if arrived is None else read_pieces(call, what, s, arrived)
         except grpc.RpcError as e:

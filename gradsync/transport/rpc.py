@@ -26,7 +26,7 @@ from torch.distributed.rendezvous import register_rendezvous_handler
 from gradsync.config import JobConfig, StoreKeys, server_name
 from gradsync.core import settings
 from gradsync.core.buckets import ModelSpec
-from gradsync.core.timeline import HEAD, Timeline
+from gradsync.core.timeline import HEAD
 from gradsync.core.torch_internals import set_rpc_timeout
 from gradsync.core.transport_capabilities import capabilities
 from gradsync.ps.messages import Committed, Partial, Piece, Push, Setup
@@ -106,10 +106,7 @@ def _timed(server: int, nbytes: int, timeout: float) -> float:
 
 
 class RpcTransport(WorkerTransport):
-    """The worker side: one asynchronous torch RPC per server for each call. `timeline`: where `push_pieces`
-    records its lanes' events (the worker's, when GRADSYNC_TIMELINE is on)."""
-
-    timeline = Timeline(on=False)
+    """The worker side: one asynchronous torch RPC per server for each call."""
 
     capabilities = capabilities("rpc")
 

@@ -10,10 +10,11 @@ copies of it a step, so the smallest piece that cuts none is chosen instead when
 link). Behind 100 Mbit/s that is ~0.25 MB for a 6 MB model, at 1 Gbit/s ~1 MB for a 26 MB one, on loopback
 whole parameters (measured: BENCHMARKS.md, "Pieces").
 Whether a sync step is a pipeline at all is `pipelined`: over gRPC on one machine it is not (whole steps and
-the largest buckets, unmeasured), as gRPC's pipeline threads cost more CPU than the overlap saves where no link
-is slower than the CPUs. Worker 0 measures and publishes the choice in the store; every other worker, and one that joins later,
-takes it from there, so that all build the same plan. Each transport measures with its own messages (torch
-RPC, gRPC's JobProbe: `transport.base.link_rate`); one that cannot gets `LARGEST_MB`.
+the largest buckets, unmeasured), as gRPC's pipeline threads cost more CPU than the overlap saves where no
+link is slower than the CPUs. Worker 0 measures and publishes the choice in the store; every other worker,
+and one that joins later, takes it from there, so that all build the same plan. Each transport measures
+with its own messages (torch RPC, gRPC's JobProbe: `transport.base.link_rate`); one that cannot gets
+`LARGEST_MB`.
 """
 from __future__ import annotations
 

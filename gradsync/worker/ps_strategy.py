@@ -132,7 +132,7 @@ class PSStrategy(Strategy):
         self._quiet = False  # inside trainer.no_sync()
         self.joiner = Joiner(cluster.store, cluster.config, cluster.heartbeat, self.servers)
         self.tables.transport = self.transport
-        self.transport.timeline = self.metrics.timeline  # torch RPC records its pieces (gRPC: no lanes yet)
+        self.transport.timeline = self.metrics.timeline  # where the transport records its lanes
         self.frozen = self._register(params, buffers, spec, table_setups)
         self.model = PSModel(module, self)
         self.optimizer = ServedOptimizer(
