@@ -140,12 +140,11 @@ class Timeline:
         self._current.append(events)
 
         def back(fut):
-            value = fut.value()
-            events.back = time.time()
+            value, stamps = fut.value(), ()
             if isinstance(value, Stamped):
-                value, events.arrived, events.applied = value
-            if events.bytes_received is None:
-                events.bytes_received = getattr(value, "nbytes", 0)
+                value, *stamps = value
+            known = events.bytes_received  # an allreduce bucket's, given at the start
+            events.returned(getattr(value, "nbytes", 0) if known is None else known, *stamps)
             return value
 
         return call(*args, **kwargs).then(back)
