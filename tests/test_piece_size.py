@@ -84,3 +84,16 @@ def test_a_sync_step_is_a_pipeline_except_over_grpc_on_one_machine(setting, tran
     config = JobConfig(strategy="ps", servers=1, world_size=2, master_addr=host, transport=transport,
                        pipeline=setting)
     assert pipelined(config, capabilities(transport)) is expected
+
+
+def test_the_window_holds_a_quarter_mb_per_worker_and_two_pieces_at_least():
+    """Unanswered bytes per server grow with W: at W = 4, 0.25 MB per server left a 100mbit server link idle
+    (1.6x its floor against 1.2x with 1 MB, BENCHMARKS.md)."""
+    from types import SimpleNamespace
+
+    from gradsync.transport.base import IN_FLIGHT_MB, window
+
+    pieces = lambda nbytes: {0: [SimpleNamespace(nbytes=nbytes)] * 40}  # noqa: E731
+    assert window(pieces(MB // 8), 2) == math.ceil(2 * IN_FLIGHT_MB * 8) == 4  # 0.5 MB of 1/8 MB pieces
+    assert window(pieces(MB // 8), 4) == 8 and window(pieces(MB // 8), 8) == 16
+    assert window(pieces(25 * MB), 4) == 2  # whole large parameters: two in flight

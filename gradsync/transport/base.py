@@ -47,17 +47,20 @@ def link_rate(servers: int, timed, largest: int = 64 * PROBE_BYTES) -> float:
 
 
 IN_FLIGHT_MB = 0.25
-"""A worker's unanswered pieces per server, in MB (at least two pieces): a worker ahead of the others waits for
-their parts of its oldest piece, which keeps W workers' pushes into one server link in step, as BytePS's
-credits do, and a link's queue short (measured with bench/linkfloor.py, 100mbit, W=2, pieces chosen by
-bandwidth: ps S=2 1.40x its floor with 1 MB, 1.27x with 0.5, 1.23x with 0.25, from fewer TCP retransmissions;
-at 1gbit, reference workload, 0.25 and 1 MB the same). Both transports keep it (`window`)."""
+"""A worker's unanswered pieces per server, in MB per worker of the job (so 0.5 MB at W = 2, 1 MB at W = 4;
+at least two pieces): a worker ahead of the others waits for their parts of its oldest piece, which keeps W
+workers' pushes into one server link in step, as BytePS's credits do, and a link's queue short. Measured with
+bench/linkfloor.py, 100mbit, issue workload, pieces chosen by bandwidth (ratio to the floor, two runs each;
+BENCHMARKS.md, "The window grows with W"): W = 4 S = 1 1.61-1.70x with 0.25 MB per server, 1.30-1.38x with
+0.5, 1.18-1.21x with 1; W = 2 S = 2 1.30-1.35x / 1.26-1.27x / 1.37x; W = 2 S = 1 1.14-1.18x with all three;
+at 1gbit, reference workload, W = 2, 0.25 and 1 MB the same. Both transports keep it (`window`)."""
 
 
-def window(server_buckets: dict[int, list[Bucket]]) -> int:
-    """How many pieces a worker keeps unanswered per server: `IN_FLIGHT_MB` of the largest, at least two."""
+def window(server_buckets: dict[int, list[Bucket]], workers: int) -> int:
+    """How many pieces a worker keeps unanswered per server: `IN_FLIGHT_MB` x `workers` of the largest, at
+    least two."""
     largest = max((b.nbytes for per in server_buckets.values() for b in per), default=1)
-    return max(2, math.ceil(IN_FLIGHT_MB * 2**20 / largest))
+    return max(2, math.ceil(IN_FLIGHT_MB * workers * 2**20 / largest))
 
 
 class WorkerTransport(ABC):
@@ -75,7 +78,7 @@ class WorkerTransport(ABC):
         self.worker = config.worker_rank
         self.servers = list(server_buckets)
         self.server_buckets = server_buckets
-        self.window = window(server_buckets)  # pieces a sync step keeps unanswered per server
+        self.window = window(server_buckets, config.num_workers)  # pieces unanswered per server
 
     @classmethod
     def bandwidth(cls, config: JobConfig, store: dist.Store) -> float | None:
