@@ -203,15 +203,17 @@ class GrpcTransport(WorkerTransport):
 
         def arrived(s: int, bucket: int, tensor: torch.Tensor, stamp: tuple | None) -> None:
             slots[s].release()
-            if lanes.get((s, bucket)) is not None:
-                lanes[(s, bucket)].returned(tensor.nbytes, *(stamp or ()))
+            events = lanes.get((s, bucket))
+            if events is not None:
+                events.returned(tensor.nbytes, *(stamp or ()))
 
         def read(s: int) -> None:
             try:
                 replies[s] = self._snapshot("JobPush", s, calls[s], start,
                                             arrived=lambda *bucket: arrived(s, *bucket))
-                if lanes.get((s, HEAD)) is not None:
-                    lanes[(s, HEAD)].returned(sum(t.nbytes for t in replies[s].buffers.values()))
+                head = lanes.get((s, HEAD))
+                if head is not None:
+                    head.returned(sum(t.nbytes for t in replies[s].buffers.values()))
             except BaseException as e:  # noqa: BLE001 -- raised below, in the caller's thread
                 replies[s] = e
 

@@ -102,9 +102,6 @@ def _timed(server: int, nbytes: int, timeout: float) -> float:
     return time.perf_counter() - start
 
 
-
-
-
 class RpcTransport(WorkerTransport):
     """The worker side: one asynchronous torch RPC per server for each call."""
 
