@@ -9,6 +9,11 @@ markdown table.
 
     python bench/cuda_ops.py              # on a GPU machine
     python bench/cuda_ops.py --smoke      # tiny sizes on CPU, through the reference path
+    python bench/cuda_ops.py --sweep      # each op against `reference` on the GPU, 64K to 64M elements
+
+`--sweep` finds the crossover: below which input size the plain-PyTorch
+`reference` (the same arithmetic, bit for bit) beats the Triton kernel, and
+where a small call's time goes (the op's dispatcher, the Triton launch).
 """
 from __future__ import annotations
 
@@ -43,6 +48,7 @@ def parse_args(argv):
     p.add_argument("--reps", type=int, default=20, help="timed runs per measurement; the median is reported")
     p.add_argument("--block-size", type=int, default=256, help="int8 block size (default 256)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (reference path): checks the script")
+    p.add_argument("--sweep", action="store_true", help="each op against reference at 64K..64M elements")
     p.add_argument("--out", type=pathlib.Path, help="JSON path (default bench/results/cuda_ops-<device>.json)")
     return p.parse_args(argv)
 
@@ -153,6 +159,60 @@ def run(args) -> dict:
     }
 
 
+def sweep_cases(n: int, k: int, block: int, device: str):
+    """(op, the op's public call, the same op's `reference` kernel, the Triton wrapper called directly; None
+    on CPU, where Triton only interprets)."""
+    T = importlib.import_module("gradsync.cuda_ops.triton_impl") if device == "cuda" else None
+    g = torch.Generator(device=device).manual_seed(0)
+    xs = [torch.randn(n, device=device, generator=g) for _ in range(k)]
+    x, s, residual = xs[0], 1.0 / k, torch.zeros(n, device=device)
+    c = compress_int8(x, block_size=block)
+    payloads, scales = c.payload.expand(k, n).contiguous(), c.scales.expand(k, -1).contiguous()
+    yield ("aggregate", lambda: aggregate(xs, s), lambda: reference.aggregate(xs, s, None),
+           T and (lambda: T.aggregate(xs, s, None)))
+    yield ("scaled_cast", lambda: compress(x, torch.float16, s), lambda: reference.scaled_cast(x, s, torch.float16),
+           T and (lambda: T.scaled_cast(x, s, torch.float16)))
+    yield ("quantize_int8", lambda: compress_int8(x, residual, block),
+           lambda: reference.quantize_int8(x, residual, block), T and (lambda: T.quantize_int8(x, residual, block)))
+    yield ("dequantize_aggregate", lambda: dequantize_aggregate(payloads, scales, block),
+           lambda: reference.dequantize_aggregate(payloads, scales, block, s, torch.float32),
+           T and (lambda: T.dequantize_aggregate(payloads, scales, block, s, torch.float32)))
+
+
+def sweep(args) -> dict:
+    """Per op and size: the op, its reference and its Triton wrapper (ms, median), and the crossover."""
+    device = "cpu" if args.smoke else "cuda"
+    sizes = [4099] if args.smoke else [2**e for e in range(16, 27, 2)]
+    k, reps, rows = (3 if args.smoke else args.workers), (3 if args.smoke else args.reps), []
+    for n in sizes:
+        for op, ours, ref, direct in sweep_cases(n, k, args.block_size, device):
+            rows.append({"op": op, "elements": n, "ms": timed_ms(ours, reps, device),
+                         "reference_ms": timed_ms(ref, reps, device),
+                         "triton_direct_ms": direct and timed_ms(direct, reps, device)})
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    crossover = {}
+    for op in dict.fromkeys(r["op"] for r in rows):
+        slower = [r["elements"] for r in rows if r["op"] == op and r["ms"] > r["reference_ms"]]
+        crossover[op] = max(slower) if slower else 0
+    return {"device": "cpu (smoke)" if args.smoke else torch.cuda.get_device_name(),
+            "command": "python bench/cuda_ops.py " + " ".join(sys.argv[1:]), "torch": torch.__version__,
+            "workers": k, "reps": reps, "block_size": args.block_size, "sweep": rows,
+            "reference_wins_up_to": crossover}
+
+
+def sweep_table(report: dict) -> str:
+    lines = [f"cuda_ops against reference on {report['device']}, K={report['workers']}, median of {report['reps']}",
+             "", "| op | elements | op ms | Triton wrapper ms | reference ms | reference/op |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in report["sweep"]:
+        direct = "-" if r["triton_direct_ms"] is None else f"{r['triton_direct_ms']:.3f}"
+        lines.append(f"| {r['op']} | {r['elements']} | {r['ms']:.3f} | {direct} | "
+                     f"{r['reference_ms']:.3f} | {r['reference_ms'] / r['ms']:.2f}x |")
+    lines.append(f"\nreference wins up to (elements): {report['reference_wins_up_to']}")
+    return "\n".join(lines)
+
+
 def table(report: dict) -> str:
     lines = [
         f"cuda_ops on {report['device']}: {report['elements_per_input']} elements per input, "
@@ -177,12 +237,12 @@ def main(argv=None) -> None:
                      "NVIDIA GPU machine, or pass --smoke to check the script on CPU")
         if importlib.util.find_spec("triton") is None:
             sys.exit("bench/cuda_ops.py needs Triton for the CUDA kernels: pip install 'triton>=3.0'")
-    report = run(args)
+    report = sweep(args) if args.sweep else run(args)
     slug = re.sub(r"[^a-z0-9]+", "-", report["device"].lower()).strip("-")
-    out = args.out or RESULTS / f"cuda_ops-{slug}.json"
+    out = args.out or RESULTS / f"cuda_ops-{slug}{'-sweep' if args.sweep else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
-    print(table(report))
+    print(sweep_table(report) if args.sweep else table(report))
     print(f"\nwrote {out}")
 
 

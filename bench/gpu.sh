@@ -2,8 +2,8 @@
 # The checks that need an NVIDIA GPU, in one run (CI has none): the CUDA twins of the cuda_ops tests and the
 # Triton kernels compiled for the device, a CUDA server shard against the CPU one, parity with the servers'
 # shards on the GPU, then bench/cuda_ops.py at K = 2, 8 and 16 with 256 MB inputs and at K = 8 with 4, 16 and
-# 64 MB inputs (where the Triton kernels start to beat plain torch; bench/results/cuda_ops-<gpu>-k<K>-<MB>mb.json),
-# then the whole suite (-v: the failures stay in the log if its time runs out).
+# 64 MB inputs (bench/results/cuda_ops-<gpu>-k<K>-<MB>mb.json) and the sweep of each op against its reference
+# at K = 2 and 8 (where `cuda_ops.ops.SMALL` comes from: ...-sweep-k<K>.json), then the whole suite (-v: the failures stay in the log if its time runs out).
 #
 #     bash bench/gpu.sh [LOGS]     # LOGS: where the test logs go (default /tmp/gradsync-gpu)
 #
@@ -35,6 +35,10 @@ echo "== bench/cuda_ops.py"
 for run in "2 256" "8 256" "16 256" "8 4" "8 16" "8 64"; do
     set -- $run
     timeout 120 python3 bench/cuda_ops.py --workers "$1" --mb "$2" --out "bench/results/cuda_ops-$gpu-k$1-$2mb.json"
+done
+
+for k in 2 8; do
+    timeout 120 python3 bench/cuda_ops.py --sweep --workers "$k" --out "bench/results/cuda_ops-$gpu-sweep-k$k.json"
 done
 
 echo "== the whole suite"

@@ -263,6 +263,25 @@ def test_opcheck():
         torch.library.opcheck(op, args)
 
 
+def test_eager_calls_skip_the_dispatcher(monkeypatch):
+    def through_the_op(*args):
+        raise AssertionError("an eager call went through the op")
+
+    monkeypatch.setitem(ops._OPS, "aggregate", through_the_op)
+    x = torch.randn(10)
+    assert torch.equal(aggregate([x, x], 0.5), x)
+
+
+def test_small_cuda_inputs_of_the_cheapest_ops_take_the_reference():
+    small, large = torch.empty(ops.SMALL - 1, device="meta"), torch.empty(ops.SMALL, device="meta")
+    assert ops._reference_is_faster("scaled_cast", (small, 1.0, torch.float16))
+    assert not ops._reference_is_faster("scaled_cast", (large, 1.0, torch.float16))
+    assert ops._reference_is_faster("aggregate", ([small, small], 1.0, None))
+    assert not ops._reference_is_faster("aggregate", ([small] * 3, 1.0, None))  # K > 2: Triton wins at any size
+    assert not ops._reference_is_faster("aggregate", ([large, large], 1.0, None))
+    assert not ops._reference_is_faster("quantize_int8", (small, None, 256))
+
+
 def test_ops_trace_under_torch_compile():
     def step(grads, residual):
         total = aggregate(grads, 0.5)
@@ -293,6 +312,16 @@ def test_bench_smoke_writes_json_and_table(tmp_path, capsys):
                                        "dequantize_aggregate"}
     assert all(r["ms"] > 0 and r["baseline_ms"] > 0 for r in rows)
     assert "| op |" in capsys.readouterr().out
+
+
+def test_bench_sweep_smoke_reports_each_op_against_its_reference(tmp_path, capsys):
+    out = tmp_path / "s.json"
+    _bench_module().main(["--smoke", "--sweep", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert {r["op"] for r in report["sweep"]} == set(report["reference_wins_up_to"]) == {
+        "aggregate", "scaled_cast", "quantize_int8", "dequantize_aggregate"}
+    assert all(r["ms"] > 0 and r["reference_ms"] > 0 for r in report["sweep"])
+    assert "reference wins up to" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on machines without CUDA")

@@ -3,8 +3,9 @@
 Each op is a `torch.library` custom op (`torch.ops.gradsync.*`, registered in
 `ops`) with a plain-PyTorch CPU implementation (`reference`), a Triton CUDA
 implementation (`triton_impl`, kernels in `triton_kernels`) and a fake
-implementation for `torch.compile`; the functions below call them and the
-dispatcher picks the implementation from the tensors' device.
+implementation for `torch.compile`; the functions below run the implementation
+of the tensors' device (`ops.call`: eager calls skip the dispatcher, and small
+CUDA inputs of the cheapest ops take the reference).
 """
 from .aggregation import aggregate
 from .compression import (

@@ -1,9 +1,8 @@
 """The public aggregation function: the K-way sum the parameter server calls.
 
 It normalises the arguments (a stacked tensor becomes a list of views) and
-calls the `gradsync::aggregate` op, whose
-dispatcher runs the Triton kernel for CUDA tensors and the PyTorch reference
-for CPU tensors.
+runs the `gradsync::aggregate` op through `ops.call`: the Triton kernel for
+CUDA tensors, the PyTorch reference for CPU tensors.
 """
 from __future__ import annotations
 
@@ -43,6 +42,6 @@ def aggregate(
     items = as_list(tensors, "tensors")
     if not items:
         raise ValueError("tensors: got an empty list; pass at least one tensor")
-    return ops.aggregate(items, float(scale), out_dtype)
+    return ops.call("aggregate", items[0].device, items, float(scale), out_dtype)
 
 

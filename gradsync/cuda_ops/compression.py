@@ -50,7 +50,7 @@ def compress(x: torch.Tensor, dtype: torch.dtype = torch.float16, scale: float =
         A new contiguous tensor `(x * scale).to(dtype)`.
     """
     checks.float_dtype("dtype", dtype, checks.HALF_DTYPES)
-    return ops.scaled_cast(x, float(scale), dtype)
+    return ops.call("scaled_cast", x.device, x, float(scale), dtype)
 
 
 def decompress(x: torch.Tensor, scale: float = 1.0, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -65,7 +65,7 @@ def decompress(x: torch.Tensor, scale: float = 1.0, out_dtype: torch.dtype = tor
         A new contiguous tensor `(x.float() * scale).to(out_dtype)`.
     """
     checks.float_dtype("x", x.dtype, checks.HALF_DTYPES)
-    return ops.scaled_cast(x, float(scale), out_dtype)
+    return ops.call("scaled_cast", x.device, x, float(scale), out_dtype)
 
 
 def compress_int8(
@@ -82,7 +82,7 @@ def compress_int8(
     Returns:
         `Int8Compressed(payload, scales, block_size)`.
     """
-    payload, scales = ops.quantize_int8(x, residual, block_size)
+    payload, scales = ops.call("quantize_int8", x.device, x, residual, block_size)
     return Int8Compressed(payload, scales, block_size)
 
 
@@ -144,5 +144,6 @@ def dequantize_aggregate(
                 f"{[tuple(s.shape) for s in scale_list]}; pass the scales compress_int8 returned"
             )
         flat_s = torch.stack(scale_list)
-    out = ops.dequantize_aggregate(flat_q, flat_s, block_size, 1.0 / k if scale is None else float(scale), out_dtype)
+    scale = 1.0 / k if scale is None else float(scale)
+    out = ops.call("dequantize_aggregate", flat_q.device, flat_q, flat_s, block_size, scale, out_dtype)
     return out.view(shape)

@@ -4,8 +4,9 @@ One schema per op (inferred from its CPU kernel's signature), the CPU kernel fro
 `reference`, the CUDA kernel from `triton_impl` (imported on first CUDA call, so
 Triton stays optional on CPU machines) and a fake implementation that validates
 the arguments and describes the outputs, so the ops trace under `torch.compile`.
-The public functions in `aggregation` and `compression` call these ops; the
-dispatcher picks the kernel from the inputs' device.
+The public functions in `aggregation` and `compression` reach them through
+`call`: eager calls go straight to the kernel of the inputs' device, traced
+calls through the op.
 """
 from __future__ import annotations
 
@@ -27,13 +28,40 @@ def _triton():
         ) from e
 
 
+_OPS = {}
+
+
 def _register(name: str, fake, mutates_args: tuple[str, ...] = ()):
     """The op `gradsync::<name>`: `reference.<name>` is its schema and CPU kernel, `triton_impl.<name>` its
     CUDA kernel, `fake` (same arguments) its implementation for tracing."""
     op = custom_op(f"gradsync::{name}", getattr(reference, name), mutates_args=mutates_args, device_types="cpu")
     op.register_kernel("cuda")(lambda *args, **kwargs: getattr(_triton(), name)(*args, **kwargs))
     op.register_fake(fake)
+    _OPS[name] = op
     return op
+
+
+SMALL = 2**23
+"""Elements below which, on CUDA, `scaled_cast` and a two-input `aggregate` run the reference: its few torch
+kernels (about 10 us each) beat one Triton launch (about 50 us) there; the other ops win at every size
+(`bench/cuda_ops.py --sweep` on an H200: the crossover lies between 4M and 16M elements)."""
+
+
+def _reference_is_faster(name: str, args) -> bool:
+    if name == "scaled_cast":
+        return args[0].numel() < SMALL
+    return name == "aggregate" and len(args[0]) <= 2 and args[0][0].numel() < SMALL
+
+
+def call(name: str, device: torch.device, *args):
+    """The op `name` on inputs on `device`. Eager, the kernel is called directly: the dispatcher costs 25-100 us a
+    call, more than a whole kernel on inputs of a few MB. Under `torch.compile`, and on devices the op has no
+    kernel for (its error), through the op."""
+    if torch.compiler.is_compiling() or device.type not in ("cpu", "cuda"):
+        return _OPS[name](*args)
+    if device.type == "cpu" or _reference_is_faster(name, args):
+        return getattr(reference, name)(*args)
+    return getattr(_triton(), name)(*args)
 
 
 def _aggregate_fake(tensors, scale, out_dtype):

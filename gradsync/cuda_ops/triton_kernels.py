@@ -113,10 +113,12 @@ def dequantize_sum_kernel(
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     qp = q_ptr
     sp = scales_ptr
-    for _ in range(k):
+    i = 0
+    while i < k:  # not `range(k)`: Triton 3.6's interpreter cannot index with a runtime argument
         q = tl.load(qp + offs, mask=mask, other=0).to(tl.float32)
         s = tl.load(sp + blk, mask=mask, other=0.0)
         acc += q * s
         qp += q_stride
         sp += s_stride
+        i += 1
     tl.store(out_ptr + offs, (acc * scale).to(out_ptr.dtype.element_ty), mask=mask)
