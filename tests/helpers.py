@@ -72,3 +72,13 @@ def placed_once(buckets, params) -> bool:
         if not ends or ends[0][0] != 0 or ends[-1][1] != p.numel or any(a[1] != b[0] for a, b in zip(ends, ends[1:])):
             return False
     return True
+
+
+def check_timeline_order(pieces: list[dict]) -> None:
+    """Each piece of a step's timeline left, arrived, was applied and came back in that order."""
+    for p in pieces:
+        if p["arrived"] is None:  # a header or an allreduce bucket: no server events
+            assert p["left"] <= p["back"], p
+        else:
+            assert p["left"] <= p["arrived"] <= p["applied"] <= p["back"], p
+

@@ -13,7 +13,8 @@ from gradsync.compare.grid import Config, grid
 from gradsync.compare.predict import fitted, markdown, percent, predict
 from gradsync.compare.runner import headline, read_log
 from gradsync.core.settings import STRAGGLER, TENSORBOARD_DIR
-from helpers import NOISE
+from helpers import NOISE, check_timeline_order
+from jobs import make_mlp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -55,7 +56,7 @@ def test_compare_report_numbers_come_from_the_runs(tmp_path):
     out = tmp_path / "report"
     quiet = {k: v for k, v in os.environ.items() if k != "TORCH_CPP_LOG_LEVEL"}  # gradsync must set it itself
     done = _compare("--out", str(out), "--strategies", "allreduce,ps,hybrid", "--servers", "1", "--modes",
-                    "sync,async", "--predict", os.path.join(HERE, "compare_script.py"), env=quiet)
+                    "sync,async", "--predict", "--timeline", os.path.join(HERE, "compare_script.py"), env=quiet)
     assert done.returncode == 0, done.stderr[-3000:]
     # make run's compare (allreduce and ps, sync and async) prints nothing a user cannot act on, and hybrid on a
     # model without tables is skipped without the refused ranks' tracebacks
@@ -116,6 +117,13 @@ def test_compare_report_numbers_come_from_the_runs(tmp_path):
     # 2 step times and 1 compute split for 3 parameters, on loopback: one confidence, low, for both reasons
     assert verdict.count("Confidence is") == 1 and "Confidence is low: the fit is exactly determined by 3 " in verdict
     assert "the runs were on loopback" in verdict
+    # --timeline: each sync run's median step, drawn; its pieces carry the gradients, each in order
+    assert (out / "timeline.png").stat().st_size > 0 and "timeline.png" in md
+    gradients = 4 * sum(p.numel() for p in make_mlp().parameters())
+    for name in ("allreduce", "ps sync S=1"):
+        pieces = runs[name]["timeline"]["pieces"]
+        assert sum(p["bytes_sent"] for p in pieces) == gradients, name  # W = 2, no buffers
+        check_timeline_order(pieces)
 
 
 @pytest.mark.timeout(240)

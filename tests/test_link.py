@@ -292,12 +292,12 @@ def test_compare_runs_the_slow_server_link_scenario(tmp_path):
     script.write_text(_WIDE.format(tests=TESTS))
     out = tmp_path / "report"
     done = subprocess.run([sys.executable, "-m", "gradsync.cli", "compare", "--out", str(out), "--strategies",
-                           "allreduce,ps", "--servers", "1", "--modes", "sync", "--link", "1gbit", "--server-link",
+                           "ps", "--servers", "1", "--modes", "sync", "--link", "1gbit", "--server-link",
                            "10mbit", str(script)], capture_output=True, text=True, timeout=170)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     runs = {r["name"]: r for r in report["runs"]}
-    assert list(runs) == ["allreduce", "ps sync S=1"] and not any("error" in r for r in runs.values())
+    assert list(runs) == ["ps sync S=1"] and not any("error" in r for r in runs.values())
     model_bits = 8 * 4 * (jobs.IN * 4096 + 4096 + 4096 * jobs.OUT + jobs.OUT)
     assert runs["ps sync S=1"]["step_s"] > 0.9 * 2 * model_bits / 10e6
     assert report["server_link"] == "10mbit" and report["link"] == "1gbit"

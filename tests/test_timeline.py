@@ -2,10 +2,6 @@
 step metrics' and the closed form from the model's sizes), each piece's events come in order, and the
 pipeline's promise shows in the server's events (a piece applied before the next piece's parts are all in),
 never in timings."""
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,11 +10,10 @@ import gradsync
 from gradsync.core.timeline import HEAD, Timeline
 from gradsync.ps.sync_rule import SyncRule
 from gradsync.ps.messages import Piece, Push
-from helpers import max_diff
+from helpers import check_timeline_order, max_diff
 from jobs import make_bn_net, make_mlp, reference_bn, reference_mlp, train_with_timeline
 from shards import make_pieced_shard, piece_part
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 FP32 = 4
 
 
@@ -57,14 +52,6 @@ def test_pieces_that_wait_for_the_whole_step_are_applied_after_the_last_is_in():
     assert len({e.applied for e in events}) == 1 and max(e.arrived for e in events) <= events[0].applied
 
 
-def _check_order(pieces: list[dict]) -> None:
-    for p in pieces:
-        if p["arrived"] is None:  # a header or an allreduce bucket: no server events
-            assert p["left"] <= p["back"], p
-        else:
-            assert p["left"] <= p["arrived"] <= p["applied"] <= p["back"], p
-
-
 def _check_pipelined(pieces: list[dict]) -> None:
     """On each server, every piece was applied before the next piece's parts were all in."""
     for server in {p["server"] for p in pieces}:
@@ -95,7 +82,7 @@ def test_a_ps_steps_lanes_carry_its_bytes_in_order_and_pipelined(bn, transport):
             assert len(heads) == servers and sum(p["bytes_sent"] for p in heads) == buffers
             assert sum(p["bytes_sent"] for p in pieces) == record["bytes_sent"] == gradients + buffers
             assert sum(p["bytes_received"] for p in pieces) == record["bytes_received"] == gradients + buffers
-            _check_order(pieces)
+            check_timeline_order(pieces)
             _check_pipelined(pieces)
 
 
@@ -114,21 +101,4 @@ def test_an_allreduce_steps_buckets_carry_its_bytes_in_order_and_change_nothing(
             # a ring at W = 3: 2 (W-1)/W of the fp32 gradients through each link, each way
             assert pieces[0]["bytes_sent"] == pieces[0]["bytes_received"] == record["bytes_sent"] == \
                 int(2 * 2 / 3 * FP32 * elements)
-            _check_order(pieces)
-
-
-@pytest.mark.timeout(240)
-def test_compare_draws_each_runs_median_step(tmp_path):
-    out = tmp_path / "report"
-    done = subprocess.run([sys.executable, "-m", "gradsync.cli", "compare", "--workers", "2", "--out", str(out),
-                           "--strategies", "allreduce,ps", "--servers", "1", "--modes", "sync", "--timeline",
-                           os.path.join(HERE, "compare_script.py")], capture_output=True, text=True, timeout=230)
-    assert done.returncode == 0, done.stderr
-    assert (out / "timeline.png").stat().st_size > 0
-    runs = json.loads((out / "report.json").read_text())["runs"]
-    gradients = FP32 * sum(p.numel() for p in make_mlp().parameters())
-    for run in runs:
-        pieces = run["timeline"]["pieces"]
-        assert sum(p["bytes_sent"] for p in pieces) == gradients, run["name"]  # W = 2, no buffers
-        _check_order(pieces)
-    assert "timeline.png" in (out / "report.md").read_text()
+            check_timeline_order(pieces)
