@@ -1,12 +1,31 @@
 """gradsync: data-parallel PyTorch training with a parameter server or allreduce behind one API."""
-from gradsync.compare.scalars import log
-from gradsync.core.row_optim import RowAdagrad, RowSGD
-from gradsync.launcher.launch import launch
-from gradsync.launcher.supervision import JobFailed
-from gradsync.runtime.cluster import num_workers, worker_rank
-from gradsync.runtime.leaving import shutdown
-from gradsync.runtime.start import init
-from gradsync.trainer import Trainer
+import importlib
 
-__all__ = ["init", "shutdown", "worker_rank", "num_workers", "Trainer", "RowSGD", "RowAdagrad", "launch",
-           "JobFailed", "log"]
+_HOMES = {
+    "init": "gradsync.runtime.start",
+    "shutdown": "gradsync.runtime.leaving",
+    "worker_rank": "gradsync.runtime.cluster",
+    "num_workers": "gradsync.runtime.cluster",
+    "Trainer": "gradsync.trainer",
+    "RowSGD": "gradsync.core.row_optim",
+    "RowAdagrad": "gradsync.core.row_optim",
+    "launch": "gradsync.launcher.launch",
+    "JobFailed": "gradsync.core.errors",
+    "log": "gradsync.compare.scalars",
+}
+"""Where each public name lives. They load on first use, so `gradsync run` and `gradsync --help` start
+without importing torch (seconds) before the ranks do."""
+
+__all__ = list(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'gradsync' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_HOMES))

@@ -10,8 +10,7 @@ import sys
 from gradsync.config import ConfigError
 from gradsync.core import settings
 from gradsync.core.settings import JOB_CONCERNS, JOB_SETTINGS, RUN_DIR, STRAGGLER, STRATEGY, TIMELINE, Setting
-from gradsync.launcher.scripts import join_script, run_script
-from gradsync.launcher.supervision import JobFailed
+from gradsync.core.errors import JobFailed
 
 
 class _Stopped(Exception):
@@ -169,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if args.command == "run":
+            from gradsync.launcher.scripts import join_script, run_script  # torch: not for --help or a bad flag
+
             for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # stop every rank, then exit
                 signal.signal(sig, _stop)
             chosen = job_settings(args)

@@ -1,4 +1,7 @@
 """The `gradsync` command line: compare's options, its report directory, the help texts."""
+import subprocess
+import sys
+
 import pytest
 
 from gradsync import cli
@@ -76,3 +79,17 @@ def test_run_keeps_every_option_it_had_and_adds_bucket_cap_mb_and_pipeline():
                        "--pipeline", "--startup-timeout", "--step-timeout", "--shutdown-timeout", "--checkpoint-dir",
                        "--checkpoint-every", "--resume", "--master-port", "--run-dir", "--timeout", "--link",
                        "--server-link"}
+
+
+def test_help_and_a_bad_flag_answer_without_importing_torch():
+    """`gradsync --help`, each command's, and a refused flag answer in a fraction of a second: torch (3 s to
+    import on a small machine) loads only once a job is to run."""
+    code = ("import contextlib, io, sys\nfrom gradsync import cli\n"
+            "for argv in (['--help'], ['run', '--help'], ['compare', '--help'], ['status', '--help'],"
+            " ['run', '--workers', 'x', 's.py']):\n"
+            "    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+            "        try:\n            cli.main(argv)\n        except SystemExit:\n            pass\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

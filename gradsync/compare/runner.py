@@ -28,7 +28,7 @@ from gradsync.core import settings
 from gradsync.core.errors import NoTablesToServe
 from gradsync.launcher import procfs
 from gradsync.launcher.scripts import run_script
-from gradsync.launcher.supervision import JobFailed
+from gradsync.core.errors import JobFailed
 
 SAMPLE_S = 0.1
 NO_TABLES = "no tables"

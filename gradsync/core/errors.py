@@ -1,7 +1,15 @@
-"""The errors both strategies raise, worded in one place."""
+"""The errors gradsync raises (a failed job, and what both strategies raise), worded in one place."""
 from __future__ import annotations
 
 import re
+
+
+class JobFailed(RuntimeError):
+    """A rank of a launched job failed; the message names it and holds its traceback."""
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
 
 
 class NoTablesToServe(ValueError):

@@ -16,10 +16,11 @@ import time
 import torch.distributed as dist
 
 from gradsync.config import StoreKeys
+from gradsync.core.errors import JobFailed
 from gradsync.core.settings import ERROR_FILE, JOIN, JOIN_INDEX_FILE, LAUNCHER_PID, RUN_DIR, Setting
 from gradsync.launcher.local_job import (check_script, job_config, network_and_store, offer_join, rank_environments,
                                          temporary_run_dir)
-from gradsync.launcher.supervision import POLL_S, JobFailed, RankProcess, kill_all, supervise
+from gradsync.launcher.supervision import POLL_S, RankProcess, kill_all, supervise
 from gradsync.membership import newcomers
 from gradsync.membership.departures import Departure
 from gradsync.membership.liveness import (dying_with_this_process, error_file, parse_gone, parse_left, recorded_error,

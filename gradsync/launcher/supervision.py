@@ -16,6 +16,7 @@ import time
 import torch.distributed as dist
 
 from gradsync.config import JobConfig, StoreKeys
+from gradsync.core.errors import JobFailed
 from gradsync.launcher import procfs
 from gradsync.membership.departures import Departure, Departures
 from gradsync.membership.liveness import (Watch, error_file, interval, parse_workers, ranks_named,
@@ -29,14 +30,6 @@ _STATES = {
     "t": "its process is stopped by a debugger",
     "D": "its process waits in uninterruptible I/O",
 }
-
-
-class JobFailed(RuntimeError):
-    """A rank of a launched job failed; the message names it and holds its traceback."""
-
-    def __init__(self, message: str, rank: int | None = None):
-        super().__init__(message)
-        self.rank = rank
 
 
 class RankProcess:
