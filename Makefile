@@ -20,7 +20,8 @@ run: $(VENV)/.installed
 	$(PY) -m gradsync.cli compare --out gradsync-report --strategies allreduce,ps --servers 1 --modes sync,async \
 		$(if $(filter 0,$(shell id -u)),--link $(LINK),) examples/digits.py
 
-# two pytest workers, a test file each at a time: the suite waits on timeouts and emulated links about half the time
+# two pytest workers, a test file each at a time: on 2 cores the suite is CPU-bound (every `gradsync run` rank
+# imports torch and, with its optimizer, torch._dynamo: ~4 CPU-s each); -n 3 or 4 ran as long (11 min), each test slower
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
