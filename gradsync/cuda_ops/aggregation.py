@@ -16,10 +16,16 @@ from . import ops
 def as_list(tensors: torch.Tensor | Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
     """A list of K tensors from a list, or from a stacked [K, ...] tensor (as views, no copy)."""
     if isinstance(tensors, torch.Tensor):
-        if tensors.dim() == 0:
-            raise ValueError(f"{name}: a stacked input needs a leading K dimension, got a 0-d tensor")
+        stacked_count(tensors, name)
         return list(tensors.unbind(0))
     return list(tensors)
+
+
+def stacked_count(tensors: torch.Tensor, name: str) -> int:
+    """K of a stacked [K, ...] input."""
+    if tensors.dim() == 0:
+        raise ValueError(f"{name}: a stacked input needs a leading K dimension, got a 0-d tensor")
+    return tensors.shape[0]
 
 
 def aggregate(

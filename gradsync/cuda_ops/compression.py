@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 
 from . import checks, ops
-from .aggregation import as_list
+from .aggregation import stacked_count
 
 DEFAULT_BLOCK_SIZE = 256
 
@@ -119,12 +119,14 @@ def dequantize_aggregate(
     Returns:
         `scale * sum_k decode(payloads[k], scales[k])` in the payloads' shape.
     """
-    items = as_list(payloads, "payloads")
-    if not items:
+    stacked = isinstance(payloads, torch.Tensor)  # then no views of its K rows: they cost more than a small kernel
+    items = None if stacked else list(payloads)
+    k = stacked_count(payloads, "payloads") if stacked else len(items)
+    if not k:
         raise ValueError("payloads: got an empty list; pass at least one compressed gradient")
-    shape = items[0].shape
-    if isinstance(payloads, torch.Tensor):
-        flat_q = payloads.reshape(len(items), -1)
+    shape = payloads.shape[1:] if stacked else items[0].shape
+    if stacked:
+        flat_q = payloads.reshape(k, -1)
     else:
         for i, p in enumerate(items):
             if p.shape != shape:
@@ -133,7 +135,6 @@ def dequantize_aggregate(
                     f"has {tuple(shape)}; all payloads must have the same shape"
                 )
         flat_q = torch.stack([p.reshape(-1) for p in items])
-    k = len(items)
     if isinstance(scales, torch.Tensor):
         flat_s = scales
     else:
