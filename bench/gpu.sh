@@ -3,7 +3,8 @@
 # Triton kernels compiled for the device, a CUDA server shard against the CPU one, parity with the servers'
 # shards on the GPU, then bench/cuda_ops.py at K = 2, 8 and 16 with 256 MB inputs and at K = 8 with 4, 16 and
 # 64 MB inputs (bench/results/cuda_ops-<gpu>-k<K>-<MB>mb.json) and the sweep of each op against its reference
-# at K = 2 and 8 (where `cuda_ops.ops.SMALL` comes from: ...-sweep-k<K>.json), then the whole suite (-v: the failures stay in the log if its time runs out).
+# at K = 2 and 8 (where `cuda_ops.ops.SMALL` comes from: ...-sweep-k<K>.json), then the whole suite (-v: the
+# failures stay in the log if its time runs out).
 #
 #     bash bench/gpu.sh [LOGS]     # LOGS: where the test logs go (default /tmp/gradsync-gpu)
 #

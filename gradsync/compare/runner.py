@@ -25,10 +25,9 @@ import numpy
 
 from gradsync.compare.grid import Config
 from gradsync.core import settings
-from gradsync.core.errors import NoTablesToServe
+from gradsync.core.errors import JobFailed, NoTablesToServe
 from gradsync.launcher import procfs
 from gradsync.launcher.scripts import run_script
-from gradsync.core.errors import JobFailed
 
 SAMPLE_S = 0.1
 NO_TABLES = "no tables"
