@@ -173,10 +173,11 @@ faults.train_with_fault(faults.Fault(0, 2, "mark", {pids!r}), 10**6)
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("strategy,servers,sig", [("ps", 1, signal.SIGTERM), ("ps", 1, signal.SIGKILL),
-                                                  ("allreduce", 0, signal.SIGHUP), ("allreduce", 0, signal.SIGINT)],
-                         ids=["ps-SIGTERM", "ps-SIGKILL", "allreduce-SIGHUP", "allreduce-SIGINT (Ctrl-C)"])
-def test_no_rank_outlives_a_killed_gradsync_run(strategy, servers, sig, tmp_path, monkeypatch):
+@pytest.mark.parametrize("strategy,servers,workers,sig", [  # two ranks at least, each: a server and a worker for ps
+    ("ps", 1, 1, signal.SIGTERM), ("ps", 1, 1, signal.SIGKILL),
+    ("allreduce", 0, 2, signal.SIGHUP), ("allreduce", 0, 2, signal.SIGINT)],
+    ids=["ps-SIGTERM", "ps-SIGKILL", "allreduce-SIGHUP", "allreduce-SIGINT (Ctrl-C)"])
+def test_no_rank_outlives_a_killed_gradsync_run(strategy, servers, workers, sig, tmp_path, monkeypatch):
     pids_dir, own_tmp = tmp_path / "pids", tmp_path / "tmp"
     pids_dir.mkdir()
     own_tmp.mkdir()  # run directories of its own: another launcher (the other pytest worker's) removes abandoned ones
@@ -185,7 +186,7 @@ def test_no_rank_outlives_a_killed_gradsync_run(strategy, servers, sig, tmp_path
     stderr = tmp_path / "stderr"  # a file, not a pipe: a surviving rank would hold a pipe open
     with open(stderr, "w") as out:
         launcher = subprocess.Popen([sys.executable, "-m", "gradsync.cli", "run", "--strategy", strategy,
-                                     "--workers", "2", str(script)], stderr=out, start_new_session=True,
+                                     "--workers", str(workers), str(script)], stderr=out, start_new_session=True,
                                     env={**os.environ, "TMPDIR": str(own_tmp)})
     pids = []
     try:
@@ -193,7 +194,7 @@ def test_no_rank_outlives_a_killed_gradsync_run(strategy, servers, sig, tmp_path
         while not (pids_dir / "fault").exists():  # worker 0 reached step 2: every rank is up
             assert launcher.poll() is None and time.monotonic() < deadline, "the job did not start"
             time.sleep(0.1)
-        pids = [int((pids_dir / str(rank)).read_text()) for rank in range(servers + 2)]
+        pids = [int((pids_dir / str(rank)).read_text()) for rank in range(servers + workers)]
         launcher.send_signal(sig)
         launcher.wait(timeout=30)
         deadline = time.monotonic() + 5
