@@ -129,11 +129,22 @@ def timed_copy_ms(nbytes: int, reps: int, device: str) -> float:
     return timed_ms(lambda: dst.copy_(src), reps, device)
 
 
+def scale(args) -> tuple[str, int, int]:
+    """(device, K, timed runs per measurement): tiny on CPU with --smoke."""
+    return ("cpu", 3, 3) if args.smoke else ("cuda", args.workers, args.reps)
+
+
+def about(args, k: int, reps: int) -> dict:
+    """What a report says of its run: the device, the command, the versions, K, the repeats."""
+    return {"device": "cpu (smoke)" if args.smoke else torch.cuda.get_device_name(),
+            "command": "python bench/cuda_ops.py " + " ".join(sys.argv[1:]),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "workers": k, "reps": reps, "block_size": args.block_size}
+
+
 def run(args) -> dict:
-    device = "cpu" if args.smoke else "cuda"
+    device, k, reps = scale(args)
     n = 4099 if args.smoke else args.mb * 2**20 // 4
-    k = 3 if args.smoke else args.workers
-    reps = 3 if args.smoke else args.reps
     rows = []
     for op, dtype, nbytes, ours, baselines in cases(n, k, args.block_size, device):
         copy_ms = timed_copy_ms(nbytes, reps, device)
@@ -148,15 +159,7 @@ def run(args) -> dict:
             })
         if device == "cuda":
             torch.cuda.empty_cache()
-    name = "cpu (smoke)" if args.smoke else torch.cuda.get_device_name()
-    return {
-        "device": name,
-        "command": "python bench/cuda_ops.py " + " ".join(sys.argv[1:]),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "elements_per_input": n, "workers": k, "reps": reps, "block_size": args.block_size,
-        "results": rows,
-    }
+    return {**about(args, k, reps), "elements_per_input": n, "results": rows}
 
 
 def sweep_cases(n: int, k: int, block: int, device: str):
@@ -181,9 +184,9 @@ def sweep_cases(n: int, k: int, block: int, device: str):
 
 def sweep(args) -> dict:
     """Per op and size: the op, its reference and its Triton wrapper (ms, median), and the crossover."""
-    device = "cpu" if args.smoke else "cuda"
+    device, k, reps = scale(args)
     sizes = [4099] if args.smoke else [2**e for e in range(16, 27, 2)]
-    k, reps, rows = (3 if args.smoke else args.workers), (3 if args.smoke else args.reps), []
+    rows = []
     for n in sizes:
         for op, ours, ref, direct in sweep_cases(n, k, args.block_size, device):
             rows.append({"op": op, "elements": n, "ms": timed_ms(ours, reps, device),
@@ -195,10 +198,7 @@ def sweep(args) -> dict:
     for op in dict.fromkeys(r["op"] for r in rows):
         slower = [r["elements"] for r in rows if r["op"] == op and r["ms"] > r["reference_ms"]]
         crossover[op] = max(slower) if slower else 0
-    return {"device": "cpu (smoke)" if args.smoke else torch.cuda.get_device_name(),
-            "command": "python bench/cuda_ops.py " + " ".join(sys.argv[1:]), "torch": torch.__version__,
-            "workers": k, "reps": reps, "block_size": args.block_size, "sweep": rows,
-            "reference_wins_up_to": crossover}
+    return {**about(args, k, reps), "sweep": rows, "reference_wins_up_to": crossover}
 
 
 def sweep_table(report: dict) -> str:

@@ -116,12 +116,11 @@ class Timeline:
         """`call(*args, **kwargs)`, a call that returns a torch future, with its lane's events (ps): `left`
         now, the bytes `expect` gives, and when it completes `back`, the reply's bytes and a `Stamped` reply's
         server events (unwrapped). Off: the call alone."""
-        if not self.on:
-            return call(*args, **kwargs)
-        return self._track(PieceEvents(*lane, 0, time.time()), call, args, kwargs)
+        events = self.lane(lane)
+        return call(*args, **kwargs) if events is None else self._track(events, call, args, kwargs)
 
     def lane(self, lane: tuple) -> PieceEvents | None:
-        """A lane whose reply its transport notes itself (`PieceEvents.returned`; gRPC's streams): `left` now;
+        """A ps lane's events, `left` now (gRPC's streams note its reply themselves: `PieceEvents.returned`);
         None when off."""
         if not self.on:
             return None
@@ -134,10 +133,12 @@ class Timeline:
         way) and returns its future, with the bucket's events. Off: the call alone."""
         if not self.on:
             return call(*args)
-        return self._track(PieceEvents(None, bucket, nbytes, time.time(), nbytes), call, args, {})
+        events = PieceEvents(None, bucket, nbytes, time.time(), nbytes)
+        self._current.append(events)
+        return self._track(events, call, args, {})
 
     def _track(self, events: PieceEvents, call, args, kwargs):
-        self._current.append(events)
+        """`call`'s future, whose reply completes `events` (already among the step's)."""
 
         def back(fut):
             value, stamps = fut.value(), ()
