@@ -39,7 +39,7 @@ from torch import nn
 
 import gradsync
 from gradsync.launcher import procfs
-from gradsync.launcher.launch import rank_starter
+from gradsync.launcher.forked import rank_starter
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SIZES = (256, 256, 256, 10)

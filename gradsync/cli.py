@@ -9,7 +9,8 @@ import sys
 
 from gradsync.config import ConfigError
 from gradsync.core import settings
-from gradsync.core.settings import JOB_CONCERNS, JOB_SETTINGS, RUN_DIR, STRAGGLER, STRATEGY, TIMELINE, Setting
+from gradsync.core.settings import (JOB_CONCERNS, JOB_SETTINGS, RANK_START, RUN_DIR, STRAGGLER, STRATEGY, TIMELINE,
+                                    Setting)
 from gradsync.core.errors import JobFailed
 
 
@@ -167,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gradsync: error: {e}", file=sys.stderr)
         return 2
     try:
+        if args.command in ("run", "compare") and getattr(args, "join", None) is None and RANK_START.read() == "fork":
+            from gradsync.launcher.forked import rank_starter
+
+            rank_starter()  # its fork server imports torch for the ranks while this process imports it too
         if args.command == "run":
             from gradsync.launcher.scripts import join_script, run_script  # torch: not for --help or a bad flag
 

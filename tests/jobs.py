@@ -281,3 +281,10 @@ def train_with_timeline(steps: int, bn: bool = False, timeline: bool = True
 def environment_value(name: str) -> str | None:
     """This rank's value of the environment variable `name`."""
     return os.environ.get(name)
+
+
+def threads_and_draws() -> tuple[int, float, int]:
+    """This rank's intra-op thread count and a first draw of torch's and numpy's global generators."""
+    import numpy
+
+    return torch.get_num_threads(), torch.rand(1).item(), int(numpy.random.randint(2**31))

@@ -90,6 +90,22 @@ def test_forkserver_pid_is_the_running_fork_server():
     assert context is not None
 
 
+def _alive_fd_released() -> tuple[bool, bool]:
+    """In a child of the fork server: whether it held the fork server's liveness pipe, and whether it still does
+    after `release_fork_server`."""
+    server = multiprocessing.forkserver._forkserver
+    held = server._forkserver_alive_fd is not None and os.fstat(server._forkserver_alive_fd) is not None
+    ti.release_fork_server()
+    return held, server._forkserver_alive_fd is not None
+
+
+@pytest.mark.timeout(60)
+def test_a_fork_server_child_lets_go_of_the_fork_servers_liveness_pipe():
+    context = multiprocessing.get_context("forkserver")
+    with context.Pool(1) as pool:
+        assert pool.apply(_alive_fd_released) == (True, False)
+
+
 _LOG_LEVEL = """
 import sys, torch.distributed as dist
 from gradsync.core import torch_internals as ti

@@ -3,7 +3,7 @@
 The job runs as `gradsync run` would (`scripts.run_script`, every rank a child
 of this process) with GRADSYNC_LOG_DIR set in its ranks, so each worker's `gradsync.log`
 lines land in the run's directory. A sampler thread reads /proc every
-`SAMPLE_S` for every rank: its role (from its environment), its CPU ticks and
+`SAMPLE_S` for every rank (`run_script` says which they are): its CPU ticks and
 its peak resident memory (VmHWM). The first `warmup` steps of each worker
 (first calls, lazy imports, buffers allocated) are left out of every per-step
 figure: the medians, samples/s and CPU per step count from the end of the
@@ -28,6 +28,7 @@ from gradsync.core import settings
 from gradsync.core.errors import JobFailed, NoTablesToServe
 from gradsync.launcher import procfs
 from gradsync.launcher.scripts import run_script
+from gradsync.launcher.supervision import RankProcess
 
 SAMPLE_S = 0.1
 NO_TABLES = "no tables"
@@ -35,13 +36,15 @@ NO_TABLES = "no tables"
 
 
 class Sampler(threading.Thread):
-    """CPU ticks (all ranks together, over time) and peak memory and role of each rank, from /proc."""
+    """CPU ticks (all ranks together, over time) and peak memory of each rank, from /proc; `role`: 'server' or
+    'worker' by pid, of the ranks `started` gave (the first `servers` are the servers)."""
 
-    def __init__(self, on_sample=None):
+    def __init__(self, servers: int, on_sample=None):
         super().__init__(daemon=True)
         self.ticks: list[tuple[float, int]] = []  # (wall time, ticks of every rank so far)
         self.peak: dict[int, int] = {}  # pid -> VmHWM bytes
         self.role: dict[int, str] = {}
+        self._servers = servers
         self._last: dict[int, int] = {}
         self._on_sample = on_sample
         self._finished = threading.Event()
@@ -54,15 +57,17 @@ class Sampler(threading.Thread):
         self._finished.set()
         self.join(timeout=5)
 
+    def started(self, ranks: list[RankProcess]) -> None:
+        """The job's rank processes (`run_script`'s `started`)."""
+        self.role = {r.proc.pid: "server" if r.rank < self._servers else "worker" for r in ranks}
+
     def sample(self) -> None:
-        for pid in procfs.children(os.getpid()):
+        for pid in list(self.role):
             ticks, peak = procfs.cpu_ticks(f"/proc/{pid}/stat"), procfs.memory(pid)
-            if ticks is None or peak is None:  # the process ended between the listing and the read
+            if ticks is None or peak is None:  # the process has ended
                 continue
             self._last[pid] = ticks
             self.peak[pid] = max(self.peak.get(pid, 0), peak)
-            if pid not in self.role and (role := _role(pid)) is not None:
-                self.role[pid] = role
         self.ticks.append((time.time(), sum(self._last.values())))
         if self._on_sample is not None:
             self._on_sample()
@@ -73,17 +78,6 @@ class Sampler(threading.Thread):
             return float("nan")
         times, ticks = zip(*self.ticks)
         return float(numpy.interp(end, times, ticks) - numpy.interp(start, times, ticks)) / procfs.TICK
-
-
-def _role(pid: int) -> str | None:
-    """'server' or 'worker', from the rank's environment (RANK < GRADSYNC_SERVERS); None when unreadable."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-    except OSError:
-        return None
-    rank, servers = (int(env.get(s.env.encode(), 0)) for s in (settings.RANK, settings.SERVERS))
-    return "server" if rank < servers else "worker"
 
 
 def headline(failure: str) -> str:
@@ -120,7 +114,7 @@ def run(config: Config, script: str, script_args: list[str], workers: int, out_d
     os.makedirs(log_dir, exist_ok=True)
     for old in glob.glob(os.path.join(log_dir, "worker-*.jsonl")):
         os.remove(old)
-    sampler = Sampler(on_sample=(lambda: progress(sum("record" in line for line in
+    sampler = Sampler(config.servers, on_sample=(lambda: progress(sum("record" in line for line in
                                                       read_log(os.path.join(log_dir, "worker-0.jsonl")))))
                       if progress else None)
     variables = {settings.LOG_DIR: log_dir}
@@ -134,7 +128,7 @@ def run(config: Config, script: str, script_args: list[str], workers: int, out_d
     started = time.time()
     try:
         run_script(script, script_args, workers=workers, timeout=timeout, run_dir=job_dir, environment=variables,
-                   **(network or {}), **config.settings())
+                   started=sampler.started, **(network or {}), **config.settings())
         error = None
     except JobFailed as e:
         error = str(e)

@@ -158,6 +158,11 @@ RUN_DIR = _S("run_dir", "GRADSYNC_RUN_DIR", str, "", "process",
              "the job's files, kept (endpoints, tokens, join.json, stats)", flag="--run-dir",
              default_text="a new temporary directory, removed at the end (torchrun: ./runs/<job id>, made "
                           "when a gRPC endpoint needs one)")
+RANK_START = _S("rank_start", "GRADSYNC_RANK_START", str, "fork", "process",
+                "how gradsync run starts its ranks: fork, from a fork server that imported torch once (a rank starts "
+                "in a fraction of a second, not ~4 CPU-s); exec, each a new `python SCRIPT` process, as torchrun "
+                "does (for a script that sets, before importing torch, variables torch reads only then)",
+                choices=("fork", "exec"))
 # gRPC endpoints of the servers (the world outside the job, and --transport grpc).
 GRPC_HOST = _S("grpc_host", "GRADSYNC_GRPC_HOST", str, "127.0.0.1", "grpc",
                "where the servers' gRPC endpoints listen (loopback only unless set)")

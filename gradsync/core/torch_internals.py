@@ -20,7 +20,7 @@ TESTED_TORCH = (2, 13)
 __all__ = ["TESTED_TORCH", "tree_flatten", "tree_unflatten", "start_dist_autograd", "current_context_id",
            "set_rpc_timeout", "current_rpc_agent", "rpc_init_count", "RPC_STORE_PREFIX", "RPC_MEMBER_LIST",
            "RPC_JOIN_TOKEN", "rpc_join_token", "RPC_JOIN_DONE", "ddp_shadow_round", "ddp_push_rebuilt_params",
-           "forkserver_pid", "cpp_log_level"]
+           "forkserver_pid", "release_fork_server", "cpp_log_level"]
 
 
 def start_dist_autograd(rank: int) -> None:
@@ -88,6 +88,16 @@ def ddp_push_rebuilt_params(reducer) -> None:
 def forkserver_pid() -> int:
     """The pid of this process's fork server (the parent of the ranks it starts; no public accessor)."""
     return multiprocessing.forkserver._forkserver._forkserver_pid
+
+
+def release_fork_server() -> None:
+    """In a process the fork server forked: close its copy of the pipe whose end tells the fork server that its
+    launcher is gone (every child gets one), so the fork server exits, and its ranks with it, when the launcher
+    dies, not when the last rank does."""
+    server = multiprocessing.forkserver._forkserver
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
 
 
 def cpp_log_level() -> ctypes.c_int32:

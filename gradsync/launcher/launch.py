@@ -1,56 +1,32 @@
 """`gradsync.launch`: run a function on every worker of a local job, servers and workers forked from a
-fork server that has imported torch and gradsync once (`rank_starter`); returns the workers' results.
+fork server that has imported torch and gradsync once (`launcher.forked`); returns the workers' results.
 """
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
 import pickle
 import sys
 import traceback
-from multiprocessing import forkserver
 
 import torch
 
 from gradsync.core.settings import LAUNCHED, RANK
-from gradsync.core.torch_internals import forkserver_pid
-from gradsync.launcher import netem, torch_logs
+from gradsync.launcher.forked import become_rank, rank_starter
 from gradsync.launcher.local_job import job_config, network_and_store, offer_join, rank_environments, temporary_run_dir
 from gradsync.launcher.supervision import RankProcess, kill_all, supervise
 from gradsync.membership.departures import Results
-from gradsync.membership.liveness import die_with_launcher
 from gradsync.runtime import cluster
 from gradsync.runtime.failures import record_failure, say_failure
 from gradsync.runtime.leaving import shutdown
 from gradsync.runtime.start import init
 
-PRELOADED = ("torch", "torch._dynamo", "gradsync.runtime.start", "gradsync.worker.ps_strategy",
-             "gradsync.worker.allreduce_strategy", "gradsync.worker.hybrid_strategy", "gradsync.ps.server")
-"""What the fork server imports once for every rank `launch` starts: a spawned rank spent ~2 s importing
-torch, and ~1.5 s more importing torch._dynamo on its first optimizer or DDP (torch imports it there)."""
-
-
-def rank_starter() -> tuple[multiprocessing.context.BaseContext, int]:
-    """The multiprocessing context that starts `launch`'s ranks (a fork server with `PRELOADED` imported,
-    shared by every launch of this process), and the pid of the ranks' parent (the fork server)."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(PRELOADED))
-    forkserver.ensure_running()
-    return context, forkserver_pid()
-
 
 def _run_function(env: dict, call: bytes, result_path: str, namespace: str | None) -> None:
-    """Body of a spawned rank: take `env` as its whole environment (the fork server keeps the one it started
-    with), die with the launcher, log torch's C++ lines at the job's level, enter its network namespace (if any),
-    init, then fn(*args) (`call`, pickled by the launcher) on workers; a failure is recorded for the launcher."""
-    os.environ.clear()
-    os.environ.update({**env, LAUNCHED.env: "1"})
+    """Body of a forked rank: become the rank `env` describes (`forked.become_rank`), init, then fn(*args)
+    (`call`, pickled by the launcher) on workers; a failure is recorded for the launcher."""
     try:
-        die_with_launcher()
-        torch_logs.apply()
-        if namespace is not None:
-            netem.enter(namespace)
+        become_rank({**env, LAUNCHED.env: "1"}, namespace)
         fn, args = _unpickle_call(call)
         init()
         result = fn(*args)

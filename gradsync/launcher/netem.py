@@ -38,6 +38,8 @@ DEVICE = "link0"
 _JOIN_TIMEOUT_S = 120.0
 _CMD_TIMEOUT_S = 10.0
 _CLONE_NEWNET = 0x40000000
+_CLONE_NEWNS = 0x00020000  # a mount namespace
+_MS_REC, _MS_SLAVE, _MNT_DETACH = 0x4000, 0x80000, 2
 _UNITS = {"bit": 1, "bps": 8}
 _SCALES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
            "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
@@ -181,6 +183,18 @@ def enter(name: str) -> None:
     with open(f"/run/netns/{name}") as f:
         if ctypes.CDLL(None, use_errno=True).setns(f.fileno(), _CLONE_NEWNET) != 0:
             raise OSError(ctypes.get_errno(), f"setns into network namespace {name} failed")
+
+
+def enter_as_process(name: str) -> None:
+    """Move this single-threaded process into network namespace `name` as `ip netns exec` does: its network,
+    and a mount namespace of its own whose /sys shows that network's devices (a rank's /sys/class/net/link0)."""
+    enter(name)
+    libc = ctypes.CDLL(None, use_errno=True)
+    steps = [(libc.unshare, (_CLONE_NEWNS,)), (libc.mount, (b"none", b"/", None, _MS_REC | _MS_SLAVE, None)),
+             (libc.umount2, (b"/sys", _MNT_DETACH)), (libc.mount, (name.encode(), b"/sys", b"sysfs", 0, None))]
+    for call, args in steps:
+        if call(*args) != 0:
+            raise OSError(ctypes.get_errno(), f"{call.__name__}{args} for network namespace {name} failed")
 
 
 def in_namespace(name: str, fn: Callable[[], T]) -> T:

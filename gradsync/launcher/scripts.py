@@ -1,5 +1,6 @@
-"""The `gradsync run` command's launchers: `run_script` starts a job's ranks as `python SCRIPT ARGS`
-processes and supervises them; `join_script` starts workers that join a running async ps job
+"""The `gradsync run` command's launchers: `run_script` starts a job's ranks as `python SCRIPT ARGS` would run
+(forked from a fork server that imported torch once, `launcher.forked`, or each a new process: GRADSYNC_RANK_START)
+and supervises them; `join_script` starts workers that join a running async ps job
 (`gradsync run --join`).
 """
 from __future__ import annotations
@@ -12,12 +13,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Callable
 
 import torch.distributed as dist
 
 from gradsync.config import StoreKeys
 from gradsync.core.errors import JobFailed
-from gradsync.core.settings import ERROR_FILE, JOIN, JOIN_INDEX_FILE, LAUNCHER_PID, RUN_DIR, Setting
+from gradsync.core.settings import ERROR_FILE, JOIN, JOIN_INDEX_FILE, LAUNCHER_PID, RANK_START, RUN_DIR, Setting
+from gradsync.launcher import forked, netem
 from gradsync.launcher.local_job import (check_script, job_config, network_and_store, offer_join, rank_environments,
                                          temporary_run_dir)
 from gradsync.launcher.supervision import POLL_S, RankProcess, kill_all, supervise
@@ -33,7 +36,7 @@ def run_script(script: str, script_args: list[str], *, strategy: str, workers: i
                mode: str | None = None, master_port: int = 0, run_dir: str | None = None,
                timeout: float | None = None, link: str | None = None, server_link: str | None = None,
                announce: bool = False, environment: dict[Setting, str] | None = None,
-               **settings) -> list[Departure]:
+               started: Callable[[list[RankProcess]], None] | None = None, **settings) -> list[Departure]:
     """Run `python script args` on every rank (the `gradsync run` command); returns the workers that left an
     elastic job without finishing (`departures`). Raises JobFailed.
 
@@ -48,6 +51,7 @@ def run_script(script: str, script_args: list[str], *, strategy: str, workers: i
     Other settings left None come from the GRADSYNC_* environment, else their defaults.
     """
     config = job_config("run_script", strategy, workers, servers, mode, **settings)
+    fork = RANK_START.read() == "fork"
     extra = {setting.env: value for setting, value in (environment or {}).items()}
     say = (lambda text: print(f"gradsync: {text}", file=sys.stderr, flush=True)) if announce else (lambda text: None)
     with contextlib.ExitStack() as stack:
@@ -67,15 +71,29 @@ def run_script(script: str, script_args: list[str], *, strategy: str, workers: i
         ranks = []
         try:
             for rank, env in enumerate(rank_environments(config, store.port, run_dir, network=network)):
-                argv = [sys.executable, script, *script_args]
-                if network is not None:
-                    argv = network.command(rank, argv)
-                proc = subprocess.Popen(argv, env={**os.environ, **extra, **env}, start_new_session=True,
-                                        preexec_fn=dying_with_this_process())
-                ranks.append(RankProcess(rank, proc))
+                env = {**os.environ, **extra, **env}
+                ranks.append(RankProcess(rank, _start(fork, rank, env, script, script_args, network), group=True))
+            if started is not None:
+                started(ranks)
             return supervise(config, ranks, run_dir, store, timeout)
         finally:
             kill_all(ranks)
+
+
+def _start(fork: bool, rank: int, env: dict[str, str], script: str, script_args: list[str],
+           network: netem.Network | None):
+    """Rank `rank`'s process, running `python script script_args` in a session of its own with environment `env`
+    (in its network namespace behind a link): forked (`forked.run_script`), or a new process."""
+    if fork:
+        context, _ = forked.rank_starter()
+        proc = context.Process(target=forked.run_script, daemon=False,
+                               args=(env, script, script_args, network.namespaces[rank] if network else None))
+        proc.start()
+        return proc
+    argv = [sys.executable, script, *script_args]
+    if network is not None:
+        argv = network.command(rank, argv)
+    return subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=dying_with_this_process())
 
 
 def join_script(target: str, script: str, script_args: list[str], *, workers: int = 1,
@@ -103,7 +121,7 @@ def join_script(target: str, script: str, script_args: list[str], *, workers: in
                        ERROR_FILE.env: error_file(files, i),
                        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
                 proc = subprocess.Popen([sys.executable, script, *script_args], env=env, start_new_session=True)
-                joiners.append(RankProcess(i, proc))
+                joiners.append(RankProcess(i, proc, group=True))
             running = list(joiners)
             while running and (deadline is None or time.monotonic() < deadline):
                 for joiner in [j for j in running if j.exitcode() is not None]:

@@ -8,6 +8,7 @@ not a failure (`departures`).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -33,11 +34,13 @@ _STATES = {
 
 
 class RankProcess:
-    """One child process, started either as a script (subprocess) or a function (multiprocessing)."""
+    """One rank's process, a new one (subprocess) or forked (multiprocessing); `group`: it leads a process group
+    of its own (a session), which is killed with it."""
 
-    def __init__(self, rank: int, proc):
+    def __init__(self, rank: int, proc, group: bool = False):
         self.rank = rank
         self.proc = proc
+        self.group = group
         self.started = time.monotonic()
 
     def exitcode(self) -> int | None:
@@ -53,12 +56,10 @@ class RankProcess:
         if self.exitcode() is not None:
             return
         try:
-            if isinstance(self.proc, subprocess.Popen):
-                os.killpg(self.proc.pid, sig)
-            else:
+            os.killpg(self.proc.pid, sig) if self.group else os.kill(self.proc.pid, sig)
+        except ProcessLookupError:  # gone, or forked and not yet the leader of its group
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
 
 
 def kill_all(ranks: list[RankProcess]) -> None:

@@ -1,0 +1,120 @@
+"""Ranks forked from a fork server that imported torch and gradsync once, rather than started as new processes.
+
+A rank started as `python SCRIPT` spends ~2.5 CPU-s importing torch and ~2 s more importing torch._dynamo (at
+its first optimizer step or DDP). A launcher starts one fork server (multiprocessing's) with `PRELOADED`
+imported and forks its ranks from it: `gradsync.launch`'s always, `gradsync run`'s unless GRADSYNC_RANK_START
+is exec. A forked rank first becomes what a new process would be (`become_rank`): the rank's environment and
+no other, dying with the launcher (as the fork server does: `release_fork_server`), torch's C++ log level and
+thread count from that environment (torch read both when the fork server imported it), torch's and numpy's
+global random states its own, and, behind --link, its network namespace with /sys showing that network's
+devices (as `ip netns exec` does). `run_script` then runs the script as `python SCRIPT ARGS` does: as
+`__main__`, its directory first on sys.path, and on its way out non-daemon threads joined, atexit functions
+run and an uncaught exception shown by sys.excepthook from the script's first frame.
+
+What a forked rank does not share with a new process: its command line and initial environment in /proc (the
+fork server's), the variables other than those above that torch reads once at import (the launcher's), the hash
+seed of str (the same in every rank) and stdin (/dev/null).
+"""
+from __future__ import annotations
+
+import atexit
+import builtins
+import importlib.machinery
+import io
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import types
+from multiprocessing import forkserver
+
+PRELOADED = ("torch", "torch._dynamo", "gradsync.runtime.start", "gradsync.worker.ps_strategy",
+             "gradsync.worker.allreduce_strategy", "gradsync.worker.hybrid_strategy", "gradsync.ps.server")
+"""What the fork server imports once for every rank it starts (torch imports torch._dynamo at the first
+optimizer step or DDP)."""
+
+
+def rank_starter() -> tuple[multiprocessing.context.BaseContext, int]:
+    """The multiprocessing context that forks ranks (a fork server with `PRELOADED` imported, started once per
+    process and shared by its jobs), and the pid of the ranks' parent (the fork server)."""
+    from gradsync.core.torch_internals import forkserver_pid
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(PRELOADED))
+    forkserver.ensure_running()
+    return context, forkserver_pid()
+
+
+def become_rank(env: dict[str, str], namespace: str | None) -> None:
+    """Make this freshly forked process the rank `env` describes (see the module's docstring); `namespace`: its
+    network namespace behind an emulated link, else None."""
+    import numpy
+    import torch
+
+    from gradsync.core.torch_internals import release_fork_server
+    from gradsync.launcher import netem, torch_logs
+    from gradsync.membership.liveness import die_with_launcher
+
+    os.environ.clear()
+    os.environ.update(env)
+    release_fork_server()
+    die_with_launcher()
+    torch_logs.apply()
+    if env.get("OMP_NUM_THREADS", "").isdigit():
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    numpy.random.seed()  # from the OS's entropy, as a new process would
+    torch.seed()
+    if namespace is not None:
+        netem.enter_as_process(namespace)
+
+
+def run_script(env: dict[str, str], script: str, args: list[str], namespace: str | None) -> None:
+    """Body of a forked `gradsync run` rank: `python script args` in a session of its own (as the launcher
+    starts an exec'd rank); exits with the status python would."""
+    os.setsid()
+    become_rank(env, namespace)
+    path = os.path.abspath(script)
+    sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(os.path.realpath(script))
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=path, __builtins__=builtins,
+                         __loader__=importlib.machinery.SourceFileLoader("__main__", path))
+    sys.modules["__main__"] = main
+    code, interrupted = 0, False
+    try:
+        with io.open_code(path) as f:
+            source = compile(f.read(), path, "exec")
+        exec(source, main.__dict__)
+    except SystemExit as e:
+        code = _exit_status(e.code)
+    except BaseException as e:  # what python does with any uncaught exception
+        code, interrupted = 1, isinstance(e, KeyboardInterrupt)
+        e = e.with_traceback(_from(e.__traceback__, path))
+        sys.excepthook(type(e), e, e.__traceback__)
+    threading._shutdown()  # what the interpreter does at exit, in its order: threads, atexit, streams
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    if interrupted:  # python ends on an uncaught Ctrl-C by that signal
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(code)
+
+
+def _exit_status(code) -> int:
+    """The exit status of SystemExit(code), as python gives it (a message goes to stderr with status 1)."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    sys.stderr.write(f"{code}\n")
+    return 1
+
+
+def _from(tb: types.TracebackType, path: str) -> types.TracebackType:
+    """The traceback from the script's own first frame on (without this module's)."""
+    first = tb
+    while first is not None and first.tb_frame.f_code.co_filename != path:
+        first = first.tb_next
+    return first or tb
