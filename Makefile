@@ -20,8 +20,9 @@ run: $(VENV)/.installed
 	$(PY) -m gradsync.cli compare --out gradsync-report --strategies allreduce,ps --servers 1 --modes sync,async \
 		$(if $(filter 0,$(shell id -u)),--link $(LINK),) examples/digits.py
 
-# two pytest workers, a test file each at a time: on 2 cores the suite is CPU-bound (every `gradsync run` rank
-# imports torch and, with its optimizer, torch._dynamo: ~4 CPU-s each); -n 3 or 4 ran as long (11 min), each test slower
+# two pytest workers, a test file each at a time: on 2 cores the suite is CPU-bound (each `gradsync run` job's
+# launcher imports torch, its fork server torch and torch._dynamo, ~8 CPU-s a job); -n 3: 9:29 against 9:58 (one run
+# each, both cores 95% busy), too little for the load it adds to the tests that time out a rank on purpose
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 --dist loadfile
 

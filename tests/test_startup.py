@@ -16,8 +16,8 @@ from gradsync.membership.liveness import create_keys, wait_for_arrivals
 from helpers import TESTS, gone as _gone, gradsync_run
 
 ROOT = os.path.dirname(TESTS)
-STARTUP_TIMEOUT = 12  # the ranks that do arrive import torch first (~3 s for three at once on 2 cores, up to
-# twice that while the other pytest worker starts a job too): 2x slack
+STARTUP_TIMEOUT = 8  # from each rank's start: forked from the launcher's fork server, the ranks that do arrive
+# reach gradsync.init() within ~1 s, 2 s while the other pytest worker starts a job too
 
 
 def _without_job_environment() -> dict:

@@ -1,14 +1,13 @@
 """Run one configuration of `gradsync compare` and measure it: the script's own log, plus CPU and memory.
 
-The job runs as `gradsync run` would (`scripts.run_script`, every rank a child
-of this process) with GRADSYNC_LOG_DIR set in its ranks, so each worker's `gradsync.log`
-lines land in the run's directory. A sampler thread reads /proc every
-`SAMPLE_S` for every rank (`run_script` says which they are): its CPU ticks and
-its peak resident memory (VmHWM). The first `warmup` steps of each worker
-(first calls, lazy imports, buffers allocated) are left out of every per-step
-figure: the medians, samples/s and CPU per step count from the end of the
-warm-up to the last logged step. A hybrid run whose model has no table to
-serve (`NoTablesToServe`) is skipped, not failed.
+The job runs as `gradsync run` would (`scripts.run_script`) with GRADSYNC_LOG_DIR
+set in its ranks, so each worker's `gradsync.log` lines land in the run's directory.
+A sampler thread reads /proc every `SAMPLE_S` for every rank (`run_script` says
+which they are): its CPU ticks and its peak resident memory (VmHWM). The first
+`warmup` steps of each worker (first calls, lazy imports, buffers allocated) are
+left out of every per-step figure: the medians, samples/s and CPU per step count
+from the end of the warm-up to the last logged step. A hybrid run whose model has
+no table to serve (`NoTablesToServe`) is skipped, not failed.
 """
 from __future__ import annotations
 
@@ -114,9 +113,8 @@ def run(config: Config, script: str, script_args: list[str], workers: int, out_d
     os.makedirs(log_dir, exist_ok=True)
     for old in glob.glob(os.path.join(log_dir, "worker-*.jsonl")):
         os.remove(old)
-    sampler = Sampler(config.servers, on_sample=(lambda: progress(sum("record" in line for line in
-                                                      read_log(os.path.join(log_dir, "worker-0.jsonl")))))
-                      if progress else None)
+    sampler = Sampler(config.servers, on_sample=(lambda: progress(sum(
+        "record" in line for line in read_log(os.path.join(log_dir, "worker-0.jsonl"))))) if progress else None)
     variables = {settings.LOG_DIR: log_dir}
     if board_dir:
         variables[settings.TENSORBOARD_DIR] = os.path.join(board_dir, config.slug)
