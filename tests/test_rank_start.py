@@ -89,7 +89,7 @@ def test_a_forked_rank_exits_with_the_status_python_gives(tmp_path, code, said):
         assert "no more data" in done.stderr
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(90)
 def test_a_traceback_starts_at_the_script_and_a_bad_start_is_refused(tmp_path):
     script = tmp_path / "early.py"
     script.write_text("def load():\n    raise KeyError('shard 9')\nload()\n")
@@ -98,6 +98,10 @@ def test_a_traceback_starts_at_the_script_and_a_bad_start_is_refused(tmp_path):
     trace = done.stderr[done.stderr.index("Traceback"):]
     assert trace.splitlines()[1].startswith(f'  File "{script}", line 3'), trace
     assert "forked.py" not in trace and "multiprocessing" not in trace
+    script.write_text("x = (1,\n")
+    done = gradsync_run("--strategy", "allreduce", "--workers", "1", str(script), timeout=50)
+    assert done.returncode == 1 and "SyntaxError: '(' was never closed" in done.stderr
+    assert "Traceback" not in done.stderr and "forked.py" not in done.stderr, done.stderr  # as python shows it
     done = gradsync_run("--strategy", "allreduce", "--workers", "1", str(script), timeout=50,
                         env={"GRADSYNC_RANK_START": "spawn"})
     assert done.returncode == 2

@@ -112,9 +112,9 @@ def _exit_status(code) -> int:
     return 1
 
 
-def _from(tb: types.TracebackType, path: str) -> types.TracebackType:
-    """The traceback from the script's own first frame on (without this module's)."""
-    first = tb
-    while first is not None and first.tb_frame.f_code.co_filename != path:
-        first = first.tb_next
-    return first or tb
+def _from(tb: types.TracebackType | None, path: str) -> types.TracebackType | None:
+    """The traceback from the script's own first frame on, without this module's (None when the script has no
+    frame in it: a SyntaxError shows only itself, as python shows it)."""
+    while tb is not None and tb.tb_frame.f_code.co_filename != path:
+        tb = tb.tb_next
+    return tb
