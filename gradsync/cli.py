@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gradsync: error: {e}", file=sys.stderr)
         return 2
     try:
-        if args.command in ("run", "compare") and getattr(args, "join", None) is None and RANK_START.read() == "fork":
+        if args.command in ("run", "compare") and RANK_START.read() == "fork":
             from gradsync.launcher.forked import rank_starter
 
             rank_starter()  # its fork server imports torch for the ranks while this process imports it too

@@ -82,8 +82,8 @@ def run_script(script: str, script_args: list[str], *, strategy: str, workers: i
 
 def _start(fork: bool, rank: int, env: dict[str, str], script: str, script_args: list[str],
            network: netem.Network | None):
-    """Rank `rank`'s process, running `python script script_args` in a session of its own with environment `env`
-    (in its network namespace behind a link): forked (`forked.run_script`), or a new process."""
+    """The process of rank (or joiner) `rank`, running `python script script_args` in a session of its own with
+    environment `env` (in its network namespace behind a link): forked (`forked.run_script`), or a new process."""
     if fork:
         context, _ = forked.rank_starter()
         proc = context.Process(target=forked.run_script, daemon=False,
@@ -98,7 +98,7 @@ def _start(fork: bool, rank: int, env: dict[str, str], script: str, script_args:
 
 def join_script(target: str, script: str, script_args: list[str], *, workers: int = 1,
                 timeout: float | None = None) -> None:
-    """Start `workers` processes running `python script args` that join the running async ps job at `target`
+    """Start `workers` processes running `python script args` (forked, as `run_script`'s) that join the running async ps job at `target`
     (its run directory, or its store's HOST:PORT), each as a new worker with the job's settings: the
     `gradsync run --join` command. A joined worker that dies or fails is recorded gone, and the job goes on.
 
@@ -108,6 +108,7 @@ def join_script(target: str, script: str, script_args: list[str], *, workers: in
         JobFailed: a joined worker did not finish (killed, failed, or out of `timeout` seconds), with its
             traceback.
     """
+    fork = RANK_START.read() == "fork"
     store, host, port = newcomers.connect(target, _JOIN_STORE_TIMEOUT_S)
     newcomers.job_settings(store, host, port, _JOIN_STORE_TIMEOUT_S)  # refuses a job that takes no newcomers
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -120,8 +121,7 @@ def join_script(target: str, script: str, script_args: list[str], *, workers: in
                        JOIN_INDEX_FILE.env: os.path.join(files, f"index-{i}"),
                        ERROR_FILE.env: error_file(files, i),
                        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-                proc = subprocess.Popen([sys.executable, script, *script_args], env=env, start_new_session=True)
-                joiners.append(RankProcess(i, proc, group=True))
+                joiners.append(RankProcess(i, _start(fork, i, env, script, script_args, None), group=True))
             running = list(joiners)
             while running and (deadline is None or time.monotonic() < deadline):
                 for joiner in [j for j in running if j.exitcode() is not None]:
