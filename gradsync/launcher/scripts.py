@@ -98,9 +98,10 @@ def _start(fork: bool, rank: int, env: dict[str, str], script: str, script_args:
 
 def join_script(target: str, script: str, script_args: list[str], *, workers: int = 1,
                 timeout: float | None = None) -> None:
-    """Start `workers` processes running `python script args` (forked, as `run_script`'s) that join the running async ps job at `target`
-    (its run directory, or its store's HOST:PORT), each as a new worker with the job's settings: the
-    `gradsync run --join` command. A joined worker that dies or fails is recorded gone, and the job goes on.
+    """Start `workers` processes running `python script args` (forked, as `run_script`'s ranks) that join the
+    running async ps job at `target` (its run directory, or its store's HOST:PORT), each as a new worker with the
+    job's settings: the `gradsync run --join` command. A joined worker that dies or fails is recorded gone, and
+    the job goes on.
 
     Raises:
         ConnectionError: the job's store cannot be reached.
