@@ -1,8 +1,6 @@
 """Shared test setup: tests/ on sys.path (for the helper modules, and for the ranks the tests spawn, which
-import jobs.py and friends by module path), pytest-timeout required, the files with the longest hard timeouts
-first (`make test` gives each of its two workers a file at a time), and the fixtures many files use: a store,
+import jobs.py and friends by module path), pytest-timeout required, and the fixtures many files use: a store,
 a job launcher inside the test's hard timeout, an in-process gRPC server, single-process reference training."""
-import collections
 import contextlib
 import functools
 import os
@@ -19,17 +17,6 @@ def pytest_configure(config):
     if not config.pluginmanager.hasplugin("timeout"):
         raise pytest.UsageError("the test suite needs the pytest-timeout plugin loaded: its multi-process tests "
                                 "rely on @pytest.mark.timeout never to hang (pip install -r requirements.txt)")
-
-
-def pytest_collection_modifyitems(session, config, items):
-    """The files whose tests declare the longest hard timeouts in all run first: with a file at a time per
-    worker (`--dist loadfile`), the two workers then end together, not one running a long file alone at the
-    end (in alphabetical order the longest files came last: ~30 s more)."""
-    limits = collections.Counter()
-    for item in items:
-        marker = item.get_closest_marker("timeout")
-        limits[item.path] += float(marker.args[0]) if marker and marker.args else 0.0
-    items.sort(key=lambda item: (-limits[item.path], str(item.path)))  # stable: a file's tests keep their order
 
 
 @pytest.fixture
