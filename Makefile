@@ -22,9 +22,9 @@ run: $(VENV)/.installed
 
 # two pytest workers, a test file each at a time: on 2 cores the suite is CPU-bound (each `gradsync run` job's
 # launcher imports torch, its fork server torch and torch._dynamo, ~8 CPU-s a job); -n 3: 9:29 against 9:58 (one run
-# each, both cores 95% busy), too little for the load it adds to the tests that time out a rank on purpose. Files in
-# alphabetical order: the longest first ran 11:24 and 11:33 against 9:58 and 10:13 (likely: two multi-process
-# files side by side spend more CPU waiting in their collectives than one beside short tests)
+# each, both cores 95% busy), too little for the load it adds to the tests that time out a rank on purpose. The
+# same code runs 10:13 to 11:23 from fresh clones on this machine; the longest files first (11:24, 11:33) showed
+# no gain within that spread, so the files run in alphabetical order
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
