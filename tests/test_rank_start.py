@@ -15,7 +15,7 @@ import gradsync
 gradsync.init()
 me = gradsync.worker_rank()
 out = {OUT!r}
-if me is not None:
+if me is not None:  # a worker
     seen = dict(name=__name__, argv=sys.argv, file=__file__, path0=sys.path[0], threads=torch.get_num_threads(),
                 env={{k: v for k, v in os.environ.items() if k.startswith(("GRADSYNC_", "RANK", "WORLD_SIZE",
                                                                         "MASTER_", "OMP_", "PROBE_"))}},
@@ -40,7 +40,7 @@ def _probe(tmp_path, start: str) -> list[dict]:
     out.mkdir()
     script = tmp_path / f"probe_{start}.py"
     script.write_text(_PROBE.format(OUT=str(out)))
-    done = gradsync_run("--strategy", "ps", "--workers", "2", str(script), "--lr", "0.1", timeout=100,
+    done = gradsync_run("--strategy", "allreduce", "--workers", "2", str(script), "--lr", "0.1", timeout=100,
                         env={"GRADSYNC_RANK_START": start, "PROBE_LAUNCHER_ONLY": "1"})
     assert done.returncode == 0, done.stderr
     assert sorted(os.listdir(out)) == ["atexit-0", "atexit-1", "seen-0.json", "seen-1.json", "thread-0", "thread-1"]
@@ -59,7 +59,7 @@ def test_a_forked_rank_sees_what_a_new_process_sees(tmp_path):
         assert rank["argv"] == [script, "--lr", "0.1"] and rank["file"] == script
         assert rank["path0"] == str(tmp_path)
         assert rank["threads"] == 1 and rank["env"]["OMP_NUM_THREADS"] == "1"  # not the fork server's thread count
-        assert rank["env"]["RANK"] == str(1 + w) and rank["env"]["PROBE_LAUNCHER_ONLY"] == "1"
+        assert rank["env"]["RANK"] == str(w) and rank["env"]["PROBE_LAUNCHER_ONLY"] == "1"
     for forked_rank, fresh_rank in zip(forked, fresh):
         assert forked_rank["env"] == fresh_rank["env"]
         assert forked_rank["threads"] == fresh_rank["threads"]
