@@ -25,6 +25,11 @@ import sys
 import tempfile
 import time
 
+from gradsync.launcher import procfs
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from measure import machine  # noqa: E402
+
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "startup.json")
 BIN = os.path.dirname(sys.executable)
 
@@ -60,7 +65,7 @@ def busy_s() -> float:
     """CPU-seconds every core of this machine has been busy since boot (user, nice, system, irq, softirq)."""
     with open("/proc/stat") as f:
         fields = [int(v) for v in f.readline().split()[1:8]]
-    return (fields[0] + fields[1] + fields[2] + fields[5] + fields[6]) / os.sysconf("SC_CLK_TCK")
+    return (fields[0] + fields[1] + fields[2] + fields[5] + fields[6]) / procfs.TICK
 
 
 def commands(workers: int, folder: str) -> dict[str, tuple[list[str], dict[str, str]]]:
@@ -117,8 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(dict(command=" ".join(["bench/startup.py", *(sys.argv[1:] if argv is None else argv)]),
-                       workers=args.workers, repeats=args.repeats, cores=os.cpu_count(), load_average_before=load,
-                       load_average_after=os.getloadavg(), configs=rows), f, indent=1)
+                       workers=args.workers, repeats=args.repeats, machine=machine(load), configs=rows), f, indent=1)
     print(f"wrote {args.out}")
     return 0
 

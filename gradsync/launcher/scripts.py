@@ -51,7 +51,7 @@ def run_script(script: str, script_args: list[str], *, strategy: str, workers: i
     Other settings left None come from the GRADSYNC_* environment, else their defaults.
     """
     config = job_config("run_script", strategy, workers, servers, mode, **settings)
-    fork = RANK_START.read() == "fork"
+    context = _rank_context()
     extra = {setting.env: value for setting, value in (environment or {}).items()}
     say = (lambda text: print(f"gradsync: {text}", file=sys.stderr, flush=True)) if announce else (lambda text: None)
     with contextlib.ExitStack() as stack:
@@ -72,7 +72,7 @@ def run_script(script: str, script_args: list[str], *, strategy: str, workers: i
         try:
             for rank, env in enumerate(rank_environments(config, store.port, run_dir, network=network)):
                 env = {**os.environ, **extra, **env}
-                ranks.append(RankProcess(rank, _start(fork, rank, env, script, script_args, network), group=True))
+                ranks.append(RankProcess(rank, _start(context, rank, env, script, script_args, network), group=True))
             if started is not None:
                 started(ranks)
             return supervise(config, ranks, run_dir, store, timeout)
@@ -80,12 +80,18 @@ def run_script(script: str, script_args: list[str], *, strategy: str, workers: i
             kill_all(ranks)
 
 
-def _start(fork: bool, rank: int, env: dict[str, str], script: str, script_args: list[str],
+def _rank_context():
+    """The multiprocessing context that forks ranks from the fork server (`forked.rank_starter`), or None when
+    GRADSYNC_RANK_START says each rank is a new process."""
+    return forked.rank_starter()[0] if RANK_START.read() == "fork" else None
+
+
+def _start(context, rank: int, env: dict[str, str], script: str, script_args: list[str],
            network: netem.Network | None):
     """The process of rank (or joiner) `rank`, running `python script script_args` in a session of its own with
-    environment `env` (in its network namespace behind a link): forked (`forked.run_script`), or a new process."""
-    if fork:
-        context, _ = forked.rank_starter()
+    environment `env` (in its network namespace behind a link): forked from `context` (`forked.run_script`), or,
+    without one, a new process."""
+    if context is not None:
         proc = context.Process(target=forked.run_script, daemon=False,
                                args=(env, script, script_args, network.namespaces[rank] if network else None))
         proc.start()
@@ -109,7 +115,7 @@ def join_script(target: str, script: str, script_args: list[str], *, workers: in
         JobFailed: a joined worker did not finish (killed, failed, or out of `timeout` seconds), with its
             traceback.
     """
-    fork = RANK_START.read() == "fork"
+    context = _rank_context()
     store, host, port = newcomers.connect(target, _JOIN_STORE_TIMEOUT_S)
     newcomers.job_settings(store, host, port, _JOIN_STORE_TIMEOUT_S)  # refuses a job that takes no newcomers
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -122,7 +128,7 @@ def join_script(target: str, script: str, script_args: list[str], *, workers: in
                        JOIN_INDEX_FILE.env: os.path.join(files, f"index-{i}"),
                        ERROR_FILE.env: error_file(files, i),
                        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-                joiners.append(RankProcess(i, _start(fork, i, env, script, script_args, None), group=True))
+                joiners.append(RankProcess(i, _start(context, i, env, script, script_args, None), group=True))
             running = list(joiners)
             while running and (deadline is None or time.monotonic() < deadline):
                 for joiner in [j for j in running if j.exitcode() is not None]:
