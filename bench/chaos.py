@@ -132,6 +132,13 @@ def alive(pid: int) -> bool:
     return procfs.state(pid) not in (None, "Z")
 
 
+def parent(pid: int) -> int | None:
+    from gradsync.launcher import procfs
+
+    fields = procfs.stat_fields(f"/proc/{pid}/stat")
+    return int(fields[1]) if fields else None
+
+
 def tagged(tag: str) -> list[int]:
     """Pids of the live processes whose environment carries `tag` (zombies have no environment)."""
     needle = f"{TAG}={tag}".encode()
@@ -190,7 +197,7 @@ class Chaos:
         self.joins: list[dict] = []  # {"proc": Popen, "event": its join event}
         self.events: list[dict] = []
         self.killed: dict[int, int] = {}  # worker -> pid, killed by the bench
-        self.parents: dict[int, int] = {}  # worker -> the pid of its launcher
+        self.parents: dict[int, int] = {}  # worker -> its parent's pid: its launcher, or a fork server the launcher started
         self.samples: dict[int, dict] = {}  # pid -> {"name", "t": [time.monotonic()...], "rss": [...]}
         self.first_steps: dict[int, float] = {}  # worker -> when the bench saw its first step
         self.namespaces: set[int] = set()
@@ -232,17 +239,16 @@ class Chaos:
         return {s: pid for s, pid in pids.items() if pid is not None}
 
     def refresh(self) -> dict[int, int]:
-        """pid by worker index (`workers`), noting each new worker's parent: the launcher, or a join's."""
-        from gradsync.launcher import procfs
-
+        """pid by worker index (`workers`), noting each new worker's parent and which join, if any, started it."""
         workers = self.workers()
         for worker, pid in workers.items():
             if worker not in self.first_steps and count_acks(self.folder, worker):
                 self.first_steps[worker] = time.monotonic()
-            if worker not in self.parents and (fields := procfs.stat_fields(f"/proc/{pid}/stat")):
-                self.parents[worker] = int(fields[1])
+            if worker not in self.parents and (ppid := parent(pid)) is not None:
+                self.parents[worker] = ppid
+                ancestors = {ppid, parent(ppid)}  # a forked worker's parent is the fork server its launcher started
                 for join in self.joins:
-                    if join["proc"].pid == self.parents[worker]:
+                    if join["proc"].pid in ancestors:
                         join["event"]["worker"] = worker
         return workers
 

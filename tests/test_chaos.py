@@ -27,6 +27,8 @@ def test_a_short_chaos_soak_accounts_for_every_push_and_leaves_nothing(tmp_path)
     kinds = [e["kind"] for e in result["events"]]
     assert kinds.count("join") >= 1 and kinds.count("kill") >= 1 and kinds.count("stop") >= 1, kinds
     assert kinds.count("cont") == kinds.count("stop"), kinds
+    joins = [e for e in result["events"] if e["kind"] == "join"]
+    assert all("worker" in e for e in joins), joins  # else the bench waits out --startup-timeout for it to join
     assert result["launcher_code"] == 0 and result["error"] is None, text
     pushes = result["pushes"]
     assert pushes["killed"] == len(result["killed"]) >= 1
