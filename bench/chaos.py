@@ -197,7 +197,7 @@ class Chaos:
         self.joins: list[dict] = []  # {"proc": Popen, "event": its join event}
         self.events: list[dict] = []
         self.killed: dict[int, int] = {}  # worker -> pid, killed by the bench
-        self.parents: dict[int, int] = {}  # worker -> its parent's pid: its launcher, or a fork server the launcher started
+        self.parents: dict[int, int] = {}  # worker -> its parent: its launcher, or the fork server its launcher started
         self.samples: dict[int, dict] = {}  # pid -> {"name", "t": [time.monotonic()...], "rss": [...]}
         self.first_steps: dict[int, float] = {}  # worker -> when the bench saw its first step
         self.namespaces: set[int] = set()

@@ -7,7 +7,7 @@ import shlex
 import signal
 import sys
 
-from gradsync.config import ConfigError
+from gradsync.config import ConfigError, check_script
 from gradsync.core import settings
 from gradsync.core.settings import (JOB_CONCERNS, JOB_SETTINGS, RANK_START, RUN_DIR, STRAGGLER, STRATEGY, TIMELINE,
                                     Setting)
@@ -168,10 +168,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gradsync: error: {e}", file=sys.stderr)
         return 2
     try:
-        if args.command in ("run", "compare") and RANK_START.read() == "fork":
-            from gradsync.launcher.forked import rank_starter
+        if args.command in ("run", "compare"):
+            check_script(args.script)  # before the import of torch
+            if RANK_START.read() == "fork":
+                from gradsync.launcher.forked import rank_starter
 
-            rank_starter()  # its fork server imports torch for the ranks while this process imports it too
+                rank_starter(from_here=True)
         if args.command == "run":
             from gradsync.launcher.scripts import join_script, run_script  # torch: not for --help or a bad flag
 

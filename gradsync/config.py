@@ -196,6 +196,12 @@ def job_keywords(given: dict, call: str) -> dict:
     return given
 
 
+def check_script(script: str) -> None:
+    """Refuse a script path that names no file, before any rank starts (python would fail in every rank)."""
+    if not os.path.isfile(script):
+        raise ConfigError(f"{script}: no such file: give the path of the training script")
+
+
 class StoreKeys:
     """Every key and prefix gradsync uses in the rendezvous store (`{}`: a shard, worker or global rank index)."""
 

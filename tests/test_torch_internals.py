@@ -5,6 +5,7 @@ import multiprocessing.forkserver
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -104,6 +105,50 @@ def test_a_fork_server_child_lets_go_of_the_fork_servers_liveness_pipe():
     context = multiprocessing.get_context("forkserver")
     with context.Pool(1) as pool:
         assert pool.apply(_alive_fd_released) == (True, False)
+
+
+_FORKED_SERVER = """
+import multiprocessing, os, sys, tempfile
+import numpy, torch  # numpy's native thread pool starts at import, as in any fork server's parent
+from gradsync.core import torch_internals as ti
+launchers_file = tempfile.NamedTemporaryFile()
+ti.fork_fork_server()
+server = ti.forkserver_pid()
+with open(f"/proc/{server}/stat") as f:
+    parent = int(f.read().split(") ")[1].split()[1])
+with multiprocessing.get_context("forkserver").Pool(1) as pool:  # children served as by a new interpreter's
+    child_parent = pool.apply(os.getppid)
+    files = [os.readlink(f"/proc/{server}/fd/{fd}") for fd in os.listdir(f"/proc/{server}/fd")]  # now it serves
+print(server, parent == os.getpid(), child_parent == server, launchers_file.name not in files, flush=True)
+sys.stdin.read()  # until the test kills this process
+"""
+
+
+def test_a_fork_server_forked_from_its_launcher_serves_its_children_and_ends_with_the_launcher():
+    launcher = subprocess.Popen([sys.executable, "-c", _FORKED_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                text=True)
+    try:
+        server, *checks = launcher.stdout.readline().split()
+        # the launcher's child, the parent of the children it serves, holding none of the launcher's files
+        assert checks == ["True", "True", "True"]
+        assert _alive(int(server))
+        launcher.kill()
+        launcher.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while _alive(int(server)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(int(server)), "the fork server outlived its launcher"
+    finally:
+        launcher.kill()
+        launcher.wait(timeout=10)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 _LOG_LEVEL = """

@@ -58,7 +58,7 @@ def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, 
     from gradsync.compare.report import dense_tables, silent, table, write_report
     from gradsync.compare.runner import NO_TABLES, run
     from gradsync.compare.straggler import parse as parse_straggler
-    from gradsync.launcher.local_job import check_script
+    from gradsync.config import check_script
 
     if warmup < 1:
         raise ValueError(f"--warmup-steps {warmup}: at least the first step is warm-up (lazy imports, first "

@@ -7,8 +7,13 @@ installed torch, so an upgrade that changes one fails there, by name, instead of
 from __future__ import annotations
 
 import ctypes
+import multiprocessing.connection
 import multiprocessing.forkserver
+import multiprocessing.resource_tracker
+import multiprocessing.util
 import os
+import socket
+import sys
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -20,7 +25,7 @@ TESTED_TORCH = (2, 13)
 __all__ = ["TESTED_TORCH", "tree_flatten", "tree_unflatten", "start_dist_autograd", "current_context_id",
            "set_rpc_timeout", "current_rpc_agent", "rpc_init_count", "RPC_STORE_PREFIX", "RPC_MEMBER_LIST",
            "RPC_JOIN_TOKEN", "rpc_join_token", "RPC_JOIN_DONE", "ddp_shadow_round", "ddp_push_rebuilt_params",
-           "forkserver_pid", "release_fork_server", "cpp_log_level"]
+           "forkserver_pid", "fork_fork_server", "release_fork_server", "cpp_log_level"]
 
 
 def start_dist_autograd(rank: int) -> None:
@@ -88,6 +93,42 @@ def ddp_push_rebuilt_params(reducer) -> None:
 def forkserver_pid() -> int:
     """The pid of this process's fork server (the parent of the ranks it starts; no public accessor)."""
     return multiprocessing.forkserver._forkserver._forkserver_pid
+
+
+def fork_fork_server() -> None:
+    """Start multiprocessing's fork server as a fork of this process, which has imported what its children need,
+    rather than as a new interpreter that imports it all again (what `forkserver.ensure_running` does: ~5 CPU-s
+    with torch). The same server (`forkserver.main`) and the same state in this process afterwards; it must hold
+    no thread but the main one (import-time native pools excepted, as in any fork server). Nothing public starts
+    a fork server from a fork."""
+    server = multiprocessing.forkserver._forkserver
+    with server._lock:
+        if server._forkserver_pid is not None:
+            raise RuntimeError("this process has a fork server already")
+        multiprocessing.resource_tracker.ensure_running()
+        with socket.socket(socket.AF_UNIX) as listener:
+            address = multiprocessing.connection.arbitrary_address("AF_UNIX")
+            listener.bind(address)
+            if not multiprocessing.util.is_abstract_socket_namespace(address):
+                os.chmod(address, 0o600)
+            listener.listen()
+            alive_r, alive_w = os.pipe()  # EOF on alive_r, once every holder of alive_w is gone, ends the server
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    keep = sorted({0, 1, 2, listener.fileno(), alive_r})
+                    for low, high in zip(keep, [*keep[1:], os.sysconf("SC_OPEN_MAX")]):
+                        if high > low + 1:  # closerange(n, n) closes every fd from n on (python 3.11)
+                            os.closerange(low + 1, high)  # as a new interpreter: only the fds passed to it
+                    multiprocessing.forkserver.main(listener.fileno(), alive_r, [])
+                finally:
+                    os._exit(0)
+            os.close(alive_r)
+        server._forkserver_address = address
+        server._forkserver_alive_fd = alive_w
+        server._forkserver_pid = pid
 
 
 def release_fork_server() -> None:

@@ -2,8 +2,8 @@
 
 A rank started as `python SCRIPT` spends ~2.5 CPU-s importing torch and ~2 s more importing torch._dynamo (at
 its first optimizer step or DDP). A launcher starts one fork server (multiprocessing's) with `PRELOADED`
-imported and forks its ranks from it: `gradsync.launch`'s always, `gradsync run`'s unless GRADSYNC_RANK_START
-is exec. A forked rank first becomes what a new process would be (`become_rank`): the rank's environment and
+imported (the command line forks it from itself once it imported them) and forks its ranks from it:
+`gradsync.launch`'s always, `gradsync run`'s unless GRADSYNC_RANK_START is exec. A forked rank first becomes what a new process would be (`become_rank`): the rank's environment and
 no other, dying with the launcher (as the fork server does: `release_fork_server`), torch's C++ log level and
 thread count from that environment (torch read both when the fork server imported it), torch's and numpy's
 global random states its own, and, behind --link, its network namespace with /sys showing that network's
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import builtins
+import importlib
 import importlib.machinery
 import io
 import multiprocessing
@@ -35,14 +36,25 @@ PRELOADED = ("torch", "torch._dynamo", "gradsync.runtime.start", "gradsync.worke
 optimizer step or DDP)."""
 
 
-def rank_starter() -> tuple[multiprocessing.context.BaseContext, int]:
+def rank_starter(from_here: bool = False) -> tuple[multiprocessing.context.BaseContext, int]:
     """The multiprocessing context that forks ranks (a fork server with `PRELOADED` imported, started once per
-    process and shared by its jobs), and the pid of the ranks' parent (the fork server)."""
-    from gradsync.core.torch_internals import forkserver_pid
+    process and shared by its jobs), and the pid of the ranks' parent (the fork server).
+
+    from_here: import `PRELOADED` in this process and fork the fork server from it, rather than start a new
+    interpreter that imports them (the command line, which needs torch itself, saves one import of torch: ~2.5
+    CPU-s a job), when this process has no thread but its main one (a fork of a thread's locks, or of an OpenMP
+    pool that ran, can hang the ranks); else as without it."""
+    one_thread = len(os.listdir("/proc/self/task")) == 1  # counted before torch's import starts native pools
+    from gradsync.core.torch_internals import fork_fork_server, forkserver_pid
 
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(PRELOADED))
-    forkserver.ensure_running()
+    if from_here and one_thread and forkserver_pid() is None:
+        for name in PRELOADED:
+            importlib.import_module(name)
+        fork_fork_server()
+    else:
+        context.set_forkserver_preload(list(PRELOADED))
+        forkserver.ensure_running()
     return context, forkserver_pid()
 
 

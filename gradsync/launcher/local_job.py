@@ -116,9 +116,3 @@ def offer_join(config: JobConfig, run_dir: str, store: dist.TCPStore, network: n
         return False
     newcomers.write_join_file(run_dir, HOST, store.port)
     return True
-
-
-def check_script(script: str) -> None:
-    """Refuse a script path that names no file, before any rank starts (python would fail in every rank)."""
-    if not os.path.isfile(script):
-        raise ConfigError(f"{script}: no such file: give the path of the training script")

@@ -17,11 +17,11 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from gradsync.config import StoreKeys
+from gradsync.config import StoreKeys, check_script
 from gradsync.core.errors import JobFailed
 from gradsync.core.settings import ERROR_FILE, JOIN, JOIN_INDEX_FILE, LAUNCHER_PID, RANK_START, RUN_DIR, Setting
 from gradsync.launcher import forked, netem
-from gradsync.launcher.local_job import (check_script, job_config, network_and_store, offer_join, rank_environments,
+from gradsync.launcher.local_job import (job_config, network_and_store, offer_join, rank_environments,
                                          temporary_run_dir)
 from gradsync.launcher.supervision import POLL_S, RankProcess, kill_all, supervise
 from gradsync.membership import newcomers
