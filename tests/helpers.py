@@ -24,6 +24,10 @@ def max_diff(a: dict, b: dict) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
+REFUSED_SCRIPT = os.path.join(TESTS, "compare_script.py")
+"""A script that exists, for the jobs a test expects refused before any rank runs it."""
+
+
 def gradsync_run(*args, timeout=60, env=None) -> subprocess.CompletedProcess:
     """`gradsync run ARGS` in a subprocess (`env`: variables added to this environment)."""
     return subprocess.run([sys.executable, "-m", "gradsync.cli", "run", *args], capture_output=True, text=True,

@@ -8,7 +8,7 @@ import gradsync
 from gradsync.config import ConfigError
 from faults import Fault, read_stamp, train_with_fault
 from jobs import build_mismatched, reference_mlp, reference_skipping, train_mlp_stats, train_with_nan
-from helpers import gradsync_run, max_diff
+from helpers import REFUSED_SCRIPT, gradsync_run, max_diff
 
 
 @pytest.mark.timeout(90)
@@ -89,14 +89,14 @@ def test_cli_reports_a_port_in_use():
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        done = gradsync_run("--strategy", "ps", "--workers", "1", "--master-port", str(port), "x.py")
+        done = gradsync_run("--strategy", "ps", "--workers", "1", "--master-port", str(port), REFUSED_SCRIPT)
     assert done.returncode == 2
     assert f"port {port} on 127.0.0.1 is already in use" in done.stderr
 
 
 @pytest.mark.timeout(60)
 def test_cli_refuses_ps_without_servers():
-    done = gradsync_run("--strategy", "ps", "--workers", "2", "--servers", "0", "x.py")
+    done = gradsync_run("--strategy", "ps", "--workers", "2", "--servers", "0", REFUSED_SCRIPT)
     assert done.returncode == 2 and "--servers 1" in done.stderr
 
 

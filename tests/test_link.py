@@ -20,7 +20,7 @@ from gradsync.core.emulated_network import reachable
 from gradsync.launcher.netem import Link, Network
 import jobs
 from jobs import reference_mlp, train_mlp
-from helpers import NOISE, gradsync_run
+from helpers import NOISE, REFUSED_SCRIPT, gradsync_run
 
 TESTS = os.path.dirname(__file__)
 needs_root = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/sbin/ip"),
@@ -74,7 +74,7 @@ def test_a_bad_server_link_rate_is_refused_naming_its_flag():
 
 @pytest.mark.timeout(60)
 def test_server_link_without_link_is_refused_naming_both_flags():
-    done = gradsync_run("--server-link", "100mbit", "--strategy", "ps", "--workers", "1", "x.py")
+    done = gradsync_run("--server-link", "100mbit", "--strategy", "ps", "--workers", "1", REFUSED_SCRIPT)
     assert done.returncode == 2
     assert ("gradsync: error: --server-link 100mbit needs --link too, the rate of the workers' links: "
             "e.g. --link 1gbit --server-link 100mbit") in done.stderr
@@ -99,7 +99,7 @@ def test_refused_without_root(monkeypatch):
 
 @pytest.mark.timeout(60)
 def test_gradsync_run_refuses_when_iproute2_is_missing(tmp_path):
-    done = gradsync_run("--link", "1gbit", "--strategy", "ps", "--workers", "1", "x.py", env={"PATH": str(tmp_path)})
+    done = gradsync_run("--link", "1gbit", "--strategy", "ps", "--workers", "1", REFUSED_SCRIPT, env={"PATH": str(tmp_path)})
     assert done.returncode == 2
     assert (f"gradsync: error: --link needs iproute2, but 'ip' and 'tc' are not on PATH (PATH={tmp_path}): "
             "install iproute2, or run without --link") in done.stderr
