@@ -23,16 +23,18 @@ from helpers import TESTS, gone as _gone, gradsync_run, run_failing_script
 STEP_TIMEOUT = 4.0
 SLACK = 8.0  # heartbeat period, the launcher's poll, killing the ranks, on a loaded 2-core machine
 
-JOBS = [("ps", 1, "sync"), ("ps", 1, "async"), ("allreduce", 0, "sync")]
+JOBS = [("ps", 1, "sync", "rpc"), ("ps", 1, "async", "rpc"), ("ps", 1, "sync", "grpc"), ("ps", 1, "async", "grpc"),
+        ("allreduce", 0, "sync", "rpc")]
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("strategy,servers,mode", JOBS)
-def test_a_stopped_worker_is_named_within_the_step_timeout(strategy, servers, mode, tmp_path):
+@pytest.mark.parametrize("strategy,servers,mode,transport", JOBS)
+def test_a_stopped_worker_is_named_within_the_step_timeout(strategy, servers, mode, transport, tmp_path):
     fault = Fault(1, 3, "stop", str(tmp_path))
     with pytest.raises(gradsync.JobFailed) as info:
         gradsync.launch(train_then_leave, strategy=strategy, workers=2, servers=servers, mode=mode,
-                        args=(fault, 6), step_timeout=STEP_TIMEOUT, shutdown_timeout=1.5, timeout=80)
+                        args=(fault, 6), step_timeout=STEP_TIMEOUT, shutdown_timeout=1.5, timeout=80,
+                        transport=transport)
     failed_after = time.time() - read_stamp(tmp_path, "fault")
     headline = str(info.value).splitlines()[0]
     assert headline.startswith(f"rank {servers + 1} (worker1) stopped responding: no heartbeat for "), headline
@@ -43,12 +45,12 @@ def test_a_stopped_worker_is_named_within_the_step_timeout(strategy, servers, mo
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("strategy,servers", [("ps", 1), ("allreduce", 0)])
-def test_uneven_data_fails_at_once_naming_the_worker_that_left(strategy, servers, tmp_path):
+@pytest.mark.parametrize("strategy,servers,transport", [("ps", 1, "rpc"), ("ps", 1, "grpc"), ("allreduce", 0, "rpc")])
+def test_uneven_data_fails_at_once_naming_the_worker_that_left(strategy, servers, transport, tmp_path):
     fault = Fault(1, 9, "leave", str(tmp_path))
     with pytest.raises(gradsync.JobFailed) as info:
         gradsync.launch(train_with_fault, strategy=strategy, workers=2, servers=servers, args=(fault, 10),
-                        step_timeout=60, timeout=80)
+                        step_timeout=60, timeout=80, transport=transport)
     assert time.time() - read_stamp(tmp_path, "fault") < 60 / 2  # not after the 60 s step timeout
     message = str(info.value)
     assert message.startswith(f"rank {servers} (worker0) failed with exit code 1"), message
@@ -139,13 +141,16 @@ def test_a_worker_exception_in_async_mode_is_the_headline(tmp_path):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("strategy,servers,join", [("allreduce", 0, False), ("allreduce", 0, True), ("ps", 1, False)],
-                         ids=["allreduce", "allreduce in join", "ps"])
-def test_a_worker_that_exits_without_shutdown_is_the_headline_not_the_healthy_one(strategy, servers, join, tmp_path):
+@pytest.mark.parametrize("strategy,servers,join,transport",
+                         [("allreduce", 0, False, "rpc"), ("allreduce", 0, True, "rpc"), ("ps", 1, False, "rpc"),
+                          ("ps", 1, False, "grpc")],
+                         ids=["allreduce", "allreduce in join", "ps", "ps over grpc"])
+def test_a_worker_that_exits_without_shutdown_is_the_headline_not_the_healthy_one(strategy, servers, join, transport,
+                                                                                   tmp_path):
     train = "faults.train_in_join" if join else "faults.train_with_fault"
     body = f"gradsync.init()\n{train}(faults.Fault(1, 3, 'exit'), 30)\ngradsync.shutdown()\n"
     stderr, headline = run_failing_script(tmp_path, body, "--strategy", strategy, "--workers", "2", "--step-timeout",
-                                          str(STEP_TIMEOUT))
+                                          str(STEP_TIMEOUT), "--transport", transport)
     # how the leaving process ends is torch's teardown's choice: exit 0, SIGABRT, or a hang until it is killed
     assert re.match(rf"gradsync: rank {servers + 1} \(worker1\) exited \((code 0|then torch's teardown ended it with "
                     r"SIGABRT|its process hangs in torch's teardown)\) without gradsync.shutdown\(\) while the others "
