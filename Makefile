@@ -20,11 +20,11 @@ run: $(VENV)/.installed
 	$(PY) -m gradsync.cli compare --out gradsync-report --strategies allreduce,ps --servers 1 --modes sync,async \
 		$(if $(filter 0,$(shell id -u)),--link $(LINK),) examples/digits.py
 
-# two pytest workers, a test file each at a time: on 2 cores the suite is CPU-bound (each `gradsync run` job's
-# launcher imports torch, its fork server torch and torch._dynamo, ~8 CPU-s a job); -n 3: 9:29 against 9:58 (one run
-# each, both cores 95% busy), too little for the load it adds to the tests that time out a rank on purpose. The
-# same code runs 10:13 to 11:23 from fresh clones on this machine; the longest files first (11:24, 11:33) showed
-# no gain within that spread, so the files run in alphabetical order
+# two pytest workers, a test file each at a time: on 2 cores the suite is CPU-bound (each `gradsync run` job imports
+# torch and torch._dynamo once, in its launcher, which forks the ranks' fork server: ~6 CPU-s a job); -n 3 gained
+# too little for the load it adds to the tests that time out a rank on purpose. From a fresh clone on this machine:
+# 9:06 (session 13; 10:13 to 11:23 in session 12, before the launcher forked its fork server); the longest files
+# first showed no gain, so the files run in alphabetical order
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
