@@ -12,7 +12,8 @@ meanwhile (/proc/stat: the fork server is no child the launcher waits for, so it
 on an otherwise idle machine). Repeats are interleaved; medians, and each median's ratio to torchrun's.
 Writes bench/results/startup.json (or --out) and prints a markdown table.
 
-    .venv/bin/python bench/startup.py [--workers 2] [--repeats 5] [--out bench/results/startup.json]
+    .venv/bin/python bench/startup.py [--workers 2] [--repeats 5] [--configs allreduce_fork ...]
+        [--out bench/results/startup.json]
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ from measure import machine  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "startup.json")
 BIN = os.path.dirname(sys.executable)
+CONFIGS = ["allreduce_fork", "allreduce_exec", "ps_fork", "ps_exec"]
+"""gradsync's configurations: STRATEGY_RANKSTART."""
 
 _MODEL = """import torch
 import torch.nn.functional as F
@@ -81,7 +84,7 @@ def commands(workers: int, folder: str) -> dict[str, tuple[list[str], dict[str, 
         "torchrun": ([os.path.join(BIN, "torchrun"), "--standalone", f"--nproc-per-node={workers}", ddp_script], env),
         **{f"{strategy}_{start}": ([*run, "--strategy", strategy, gradsync_script],
                                    {**env, "GRADSYNC_RANK_START": start})
-           for strategy in ("allreduce", "ps") for start in ("fork", "exec")},
+           for strategy, start in (name.split("_") for name in CONFIGS)},
     }
 
 
@@ -100,11 +103,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=CONFIGS,
+                        help="gradsync configurations to run (torchrun, the baseline, always runs)")
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args(argv)
     load = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="gradsync-startup-") as folder:
-        configs = commands(args.workers, folder)
+        configs = {name: c for name, c in commands(args.workers, folder).items() if name in ["torchrun", *args.configs]}
         runs: dict[str, list[tuple[float, float]]] = {name: [] for name in configs}
         for repeat in range(args.repeats):
             for name, (command, env) in configs.items():
