@@ -99,7 +99,8 @@ def test_refused_without_root(monkeypatch):
 
 @pytest.mark.timeout(60)
 def test_gradsync_run_refuses_when_iproute2_is_missing(tmp_path):
-    done = gradsync_run("--link", "1gbit", "--strategy", "ps", "--workers", "1", REFUSED_SCRIPT, env={"PATH": str(tmp_path)})
+    done = gradsync_run("--link", "1gbit", "--strategy", "ps", "--workers", "1", REFUSED_SCRIPT,
+                        env={"PATH": str(tmp_path)})
     assert done.returncode == 2
     assert (f"gradsync: error: --link needs iproute2, but 'ip' and 'tc' are not on PATH (PATH={tmp_path}): "
             "install iproute2, or run without --link") in done.stderr
