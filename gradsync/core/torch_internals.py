@@ -123,6 +123,8 @@ def fork_fork_server() -> None:
                         if high > low + 1:  # closerange(n, n) closes every fd from n on (python 3.11)
                             os.closerange(low + 1, high)  # as a new interpreter: only the fds passed to it
                     multiprocessing.forkserver.main(listener.fileno(), alive_r, [])
+                except Exception:  # noqa: BLE001 -- said here: the launcher sees only a refused connection
+                    sys.excepthook(*sys.exc_info())
                 finally:
                     os._exit(0)
             os.close(alive_r)

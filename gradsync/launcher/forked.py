@@ -3,17 +3,18 @@
 A rank started as `python SCRIPT` spends ~2.5 CPU-s importing torch and ~2 s more importing torch._dynamo (at
 its first optimizer step or DDP). A launcher starts one fork server (multiprocessing's) with `PRELOADED`
 imported (the command line forks it from itself once it imported them) and forks its ranks from it:
-`gradsync.launch`'s always, `gradsync run`'s unless GRADSYNC_RANK_START is exec. A forked rank first becomes what a new process would be (`become_rank`): the rank's environment and
-no other, dying with the launcher (as the fork server does: `release_fork_server`), torch's C++ log level and
-thread count from that environment (torch read both when the fork server imported it), torch's and numpy's
-global random states its own, and, behind --link, its network namespace with /sys showing that network's
-devices (as `ip netns exec` does). `run_script` then runs the script as `python SCRIPT ARGS` does: as
-`__main__`, its directory first on sys.path, and on its way out non-daemon threads joined, atexit functions
-run and an uncaught exception shown by sys.excepthook from the script's first frame.
+`gradsync.launch`'s always, `gradsync run`'s unless GRADSYNC_RANK_START is exec. A forked rank first becomes
+what a new process would be (`become_rank`): the rank's environment and no other, dying with the launcher (as
+the fork server does: `release_fork_server`), torch's C++ log level and thread count from that environment
+(torch read both when the fork server imported it), torch's and numpy's global random states its own, and,
+behind --link, its network namespace with /sys showing that network's devices (as `ip netns exec` does).
+`run_script` then runs the script as `python SCRIPT ARGS` does: as `__main__`, its directory first on
+sys.path, and on its way out non-daemon threads joined, atexit functions run and an uncaught exception shown by
+sys.excepthook from the script's first frame.
 
 What a forked rank does not share with a new process: its command line and initial environment in /proc (the
-fork server's), the variables other than those above that torch reads once at import (the launcher's), the hash
-seed of str (the same in every rank) and stdin (/dev/null).
+command line's, or the fork server's), the variables other than those above that torch reads once at import
+(the launcher's), the hash seed of str (the same in every rank) and stdin (/dev/null).
 """
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ def rank_starter(from_here: bool = False) -> tuple[multiprocessing.context.BaseC
     interpreter that imports them (the command line, which needs torch itself, saves one import of torch: ~2.5
     CPU-s a job), when this process has no thread but its main one (a fork of a thread's locks, or of an OpenMP
     pool that ran, can hang the ranks); else as without it."""
-    one_thread = len(os.listdir("/proc/self/task")) == 1  # counted before torch's import starts native pools
+    tasks = "/proc/self/task"  # counted before torch's import starts native pools (Linux; elsewhere, as without)
+    one_thread = os.path.isdir(tasks) and len(os.listdir(tasks)) == 1
     from gradsync.core.torch_internals import fork_fork_server, forkserver_pid
 
     context = multiprocessing.get_context("forkserver")
