@@ -124,6 +124,7 @@ sys.stdin.read()  # until the test kills this process
 """
 
 
+@pytest.mark.timeout(60)
 def test_a_fork_server_forked_from_its_launcher_serves_its_children_and_ends_with_the_launcher():
     launcher = subprocess.Popen([sys.executable, "-c", _FORKED_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 text=True)
