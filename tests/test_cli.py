@@ -81,12 +81,13 @@ def test_run_keeps_every_option_it_had_and_adds_bucket_cap_mb_and_pipeline():
                        "--server-link"}
 
 
-def test_help_and_a_bad_flag_answer_without_importing_torch():
-    """`gradsync --help`, each command's, and a refused flag answer in a fraction of a second: torch (3 s to
-    import on a small machine) loads only once a job is to run."""
+def test_help_a_bad_flag_and_a_missing_script_answer_without_importing_torch():
+    """`gradsync --help`, each command's, a refused flag and a script that does not exist answer in a fraction of
+    a second: torch (3 s to import on a small machine) loads only once a job is to run."""
     code = ("import contextlib, io, sys\nfrom gradsync import cli\n"
             "for argv in (['--help'], ['run', '--help'], ['compare', '--help'], ['status', '--help'],"
-            " ['run', '--workers', 'x', 's.py']):\n"
+            " ['run', '--workers', 'x', 's.py'], ['run', '--strategy', 'ps', '--workers', '1', 'no/such.py'],"
+            " ['compare', 'no/such.py']):\n"
             "    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
             "        try:\n            cli.main(argv)\n        except SystemExit:\n            pass\n"
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
