@@ -13,6 +13,7 @@ import torch.distributed.rpc as rpc
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradsync.core import torch_internals as ti
+from helpers import gone
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -132,24 +133,16 @@ def test_a_fork_server_forked_from_its_launcher_serves_its_children_and_ends_wit
         server, *checks = launcher.stdout.readline().split()
         # the launcher's child, the parent of the children it serves, holding none of the launcher's files
         assert checks == ["True", "True", "True"]
-        assert _alive(int(server))
+        assert not gone(int(server))
         launcher.kill()
         launcher.wait(timeout=10)
         deadline = time.monotonic() + 10
-        while _alive(int(server)) and time.monotonic() < deadline:
+        while not gone(int(server)) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not _alive(int(server)), "the fork server outlived its launcher"
+        assert gone(int(server)), "the fork server outlived its launcher"
     finally:
         launcher.kill()
         launcher.wait(timeout=10)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 _LOG_LEVEL = """
