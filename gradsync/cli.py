@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shlex
 import signal
@@ -168,13 +169,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gradsync: error: {e}", file=sys.stderr)
         return 2
     try:
+        fork_server = None  # imports torch and forks the ranks' fork server: once the job's arguments are checked
         if args.command in ("run", "compare"):
             check_script(args.script)  # before the import of torch
             if RANK_START.read() == "fork":
-                from gradsync.launcher.forked import rank_starter
+                from gradsync.launcher.forked import rank_starter, single_threaded
 
-                rank_starter(from_here=True)
+                fork_server = functools.partial(rank_starter, from_here=single_threaded())
         if args.command == "run":
+            if fork_server is not None:
+                fork_server()
             from gradsync.launcher.scripts import join_script, run_script  # torch: not for --help or a bad flag
 
             for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # stop every rank, then exit
@@ -195,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                                    compressions=args.compressions, timeout=args.timeout, warmup=args.warmup_steps,
                                    straggler=args.straggler, log_dir=args.log_dir, link=args.link,
                                    server_link=args.server_link, predict=args.predict, force=args.force,
-                                   timeline=args.timeline,
+                                   timeline=args.timeline, checked=fork_server,
                                    command=shlex.join(["gradsync", *argv]), options=_options(args))
             print(f"report: {report} (plots beside it)")
             failed = [r["name"] for r in runs if "error" in r]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Callable
 
 
 MARKER = ".gradsync-compare"
@@ -32,7 +33,7 @@ def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, 
             servers: list[int], modes: list[str], compressions: list[str], timeout: float, warmup: int,
             straggler: str | None = None, log_dir: str | None = None, link: str | None = None,
             server_link: str | None = None, predict: bool = False, force: bool = False, timeline: bool = False,
-            command: str, options: dict) -> tuple[str, list[dict]]:
+            command: str, options: dict, checked: Callable[[], None] | None = None) -> tuple[str, list[dict]]:
     """Run the grid and write the report; returns report.md's path and the runs (a failed one has `error`,
     a skipped one `skipped`). `warmup`: each worker's first steps, left out of the per-step figures.
     `straggler` ('W:F'): worker W's compute takes F times as long in every run (`gradsync.compare.straggler`).
@@ -43,7 +44,8 @@ def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, 
     compare did not write (`prepare_out_dir`). `timeline`: every
     run records each step's timeline (`gradsync.core.timeline`); a run's median step goes into its result and
     timeline.png. `command` and `options`: the command line as typed and
-    every option's value, for the report's header."""
+    every option's value, for the report's header. `checked`: called once every argument is checked, before
+    the first run (the command line starts its ranks' fork server there)."""
     try:
         from tqdm import tqdm
 
@@ -68,6 +70,8 @@ def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, 
     if straggler is not None:
         parse_straggler(straggler)
     prepare_out_dir(out_dir, force)
+    if checked is not None:
+        checked()
     runs: list[dict] = []
     for i, config in enumerate(configs):
         if config.strategy == "hybrid" and any(r.get("skipped") == NO_TABLES for r in runs):

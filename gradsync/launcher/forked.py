@@ -43,14 +43,13 @@ def rank_starter(from_here: bool = False) -> tuple[multiprocessing.context.BaseC
 
     from_here: import `PRELOADED` in this process and fork the fork server from it, rather than start a new
     interpreter that imports them (the command line, which needs torch itself, saves one import of torch: ~2.5
-    CPU-s a job), when this process has no thread but its main one (a fork of a thread's locks, or of an OpenMP
-    pool that ran, can hang the ranks); else as without it."""
-    tasks = "/proc/self/task"  # counted before torch's import starts native pools (Linux; elsewhere, as without)
-    one_thread = os.path.isdir(tasks) and len(os.listdir(tasks)) == 1
+    CPU-s a job). Only for a process that was `single_threaded()` before it imported torch and has run no torch
+    operation since (a fork of a thread's locks, or of an OpenMP pool that ran, can hang the ranks); it still
+    falls back to a new interpreter if a Python thread runs now."""
     from gradsync.core.torch_internals import fork_fork_server, forkserver_pid
 
     context = multiprocessing.get_context("forkserver")
-    if from_here and one_thread and forkserver_pid() is None:
+    if from_here and threading.active_count() == 1 and forkserver_pid() is None:
         for name in PRELOADED:
             importlib.import_module(name)
         fork_fork_server()
@@ -58,6 +57,13 @@ def rank_starter(from_here: bool = False) -> tuple[multiprocessing.context.BaseC
         context.set_forkserver_preload(list(PRELOADED))
         forkserver.ensure_running()
     return context, forkserver_pid()
+
+
+def single_threaded() -> bool:
+    """Whether this process runs no thread but its main one (Linux's task list; False elsewhere): asked before
+    torch is imported, whose import starts native thread pools."""
+    tasks = "/proc/self/task"
+    return os.path.isdir(tasks) and len(os.listdir(tasks)) == 1
 
 
 def become_rank(env: dict[str, str], namespace: str | None) -> None:
