@@ -91,6 +91,21 @@ def test_a_cuda_shard_is_refused_without_cuda():
         ParameterServer(0, 2, "sync", "raise", device="cuda")
 
 
+@pytest.mark.parametrize("local_rank,device", [(None, 0), ("2", 2), ("6", 2)])
+def test_servers_of_a_machine_spread_over_its_gpus(local_rank, device, monkeypatch):
+    """'cuda': the GPU the server's LOCAL_RANK names, modulo the GPUs it sees (4 here); 'cuda:N' that one."""
+    from gradsync.ps.server import ParameterServer
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    if local_rank is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+    assert ParameterServer(0, 2, "sync", "raise", device="cuda").device == torch.device("cuda", device)
+    assert ParameterServer(0, 2, "sync", "raise", device="cuda:3").device == torch.device("cuda", 3)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_sync_on_a_cuda_shard_matches_the_cpu_shard():
     cpu, params = make_shard()

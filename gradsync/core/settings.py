@@ -98,7 +98,9 @@ SERVERS = _S("servers", "GRADSYNC_SERVERS", int, 1, "placement",
              "parameter servers, the first ranks", flag="--servers", shared=True,
              default_text="1 for ps and hybrid, 0 for allreduce")
 SERVER_DEVICE = _S("server_device", "GRADSYNC_SERVER_DEVICE", str, "cpu", "placement",
-                   "where servers keep their shard and aggregate: cpu, cuda, cuda:N", flag="--server-device")
+                   "where servers keep their shard and aggregate: cpu, cuda (a server's GPU is its LOCAL_RANK "
+                   "modulo the GPUs it sees: a machine's servers spread over its GPUs), cuda:N",
+                   flag="--server-device")
 # Training: what a step computes and how gradients travel.
 STRATEGY = _S("strategy", "GRADSYNC_STRATEGY", str, "ps", "training",
               "ps (parameter server), allreduce (DDP), or hybrid (embedding tables on the servers, the rest DDP)",
@@ -148,6 +150,9 @@ RESUME = _S("resume", "GRADSYNC_RESUME", str, "", "checkpointing",
             "restart from the newest complete checkpoint in this directory (any --servers/--workers)",
             flag="--resume", shared=True)
 # The process: read where it is used.
+LOCAL_RANK = _S("local_rank", "LOCAL_RANK", int, 0, "process",
+                "this process's index among its machine's processes (torchrun's; gradsync run sets it to the "
+                "rank): a server's GPU with --server-device cuda", internal=True)
 DEVICE = _S("device", "GRADSYNC_DEVICE", str, "cuda", "process",
             "the workers' process group (allreduce, hybrid): cuda adds nccl for CUDA tensors beside gloo for "
             "CPU ones when CUDA is available; cpu uses gloo alone", choices=("cuda", "cpu"))

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from gradsync.config import ConfigError, JobConfig, job_keywords, settings_from_env
 from gradsync.core.emulated_network import HUB_ADDRESS
-from gradsync.core.settings import (ERROR_FILE, LAUNCHER_PID, MASTER_ADDR, MASTER_PORT, RANK, RUN_DIR,
+from gradsync.core.settings import (ERROR_FILE, LAUNCHER_PID, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, RANK, RUN_DIR,
                                     STORE_IS_HOSTED, TOKEN, WORLD_SIZE)
 from gradsync.launcher import netem, torch_logs
 from gradsync.launcher.leases import Lease, abandoned
@@ -49,7 +49,7 @@ def rank_environments(config: JobConfig, port: int, run_dir: str,
         MASTER_ADDR.env: HOST,
         MASTER_PORT.env: str(port),
         WORLD_SIZE.env: str(config.world_size),
-        "LOCAL_WORLD_SIZE": str(config.world_size),  # torchrun's, which gradsync does not read (nor LOCAL_RANK)
+        "LOCAL_WORLD_SIZE": str(config.world_size),  # torchrun's, which gradsync does not read
         "TP_SOCKET_IFNAME": "lo",
         "GLOO_SOCKET_IFNAME": "lo",
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
@@ -59,7 +59,7 @@ def rank_environments(config: JobConfig, port: int, run_dir: str,
         TOKEN.env: TOKEN.read() or new_token(),
         LAUNCHER_PID.env: str(os.getpid()),
     }
-    return [{**base, RANK.env: str(rank), "LOCAL_RANK": str(rank), **(network.environment(rank) if network else {}),
+    return [{**base, RANK.env: str(rank), LOCAL_RANK.env: str(rank), **(network.environment(rank) if network else {}),
              ERROR_FILE.env: error_file(run_dir, rank)} for rank in range(config.world_size)]
 
 

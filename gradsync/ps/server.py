@@ -15,6 +15,7 @@ import threading
 
 import torch
 
+from gradsync.core import settings
 from gradsync.core.buckets import ModelSpec
 from gradsync.core.errors import GradientError, model_mismatch_error
 from gradsync.core.futures import failed, resolved
@@ -360,11 +361,14 @@ class ParameterServer:
 
 
 def _usable_device(device: str) -> torch.device:
-    """The server's shard device; refuses CUDA on a machine without it."""
+    """The server's shard device ('cuda': the GPU its LOCAL_RANK names, modulo the GPUs it sees, so that a
+    machine's servers spread over its GPUs); refuses CUDA on a machine without it."""
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError(
             f"server_device {device!r} asked for, but this server has no CUDA device: use --server-device cpu"
         )
+    if device == "cuda":
+        return torch.device("cuda", settings.LOCAL_RANK.read() % torch.cuda.device_count())
     return torch.device(device)
 
 
