@@ -145,6 +145,25 @@ def test_a_fork_server_forked_from_its_launcher_serves_its_children_and_ends_wit
         launcher.wait(timeout=10)
 
 
+_LONG_TMPDIR = """
+import multiprocessing.forkserver, multiprocessing.util, os
+from gradsync.core import torch_internals as ti
+ti.short_fork_server_folder()
+multiprocessing.forkserver.ensure_running()  # its socket in that folder: "AF_UNIX path too long" under the long TMPDIR
+print(os.path.dirname(multiprocessing.util.get_temp_dir()))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_fork_server_starts_under_a_tmpdir_too_long_for_its_socket(tmp_path):
+    long = tmp_path / ("d" * 90)
+    long.mkdir()
+    done = subprocess.run([sys.executable, "-c", _LONG_TMPDIR], capture_output=True, text=True, timeout=50,
+                          env={**os.environ, "TMPDIR": str(long)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "/tmp"
+
+
 _LOG_LEVEL = """
 import sys, torch.distributed as dist
 from gradsync.core import torch_internals as ti

@@ -14,6 +14,7 @@ import multiprocessing.util
 import os
 import socket
 import sys
+import tempfile
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -25,7 +26,7 @@ TESTED_TORCH = (2, 13)
 __all__ = ["TESTED_TORCH", "tree_flatten", "tree_unflatten", "start_dist_autograd", "current_context_id",
            "set_rpc_timeout", "current_rpc_agent", "rpc_init_count", "RPC_STORE_PREFIX", "RPC_MEMBER_LIST",
            "RPC_JOIN_TOKEN", "rpc_join_token", "RPC_JOIN_DONE", "ddp_shadow_round", "ddp_push_rebuilt_params",
-           "forkserver_pid", "fork_fork_server", "release_fork_server", "cpp_log_level"]
+           "forkserver_pid", "short_fork_server_folder", "fork_fork_server", "release_fork_server", "cpp_log_level"]
 
 
 def start_dist_autograd(rank: int) -> None:
@@ -93,6 +94,20 @@ def ddp_push_rebuilt_params(reducer) -> None:
 def forkserver_pid() -> int:
     """The pid of this process's fork server (the parent of the ranks it starts; no public accessor)."""
     return multiprocessing.forkserver._forkserver._forkserver_pid
+
+
+def short_fork_server_folder() -> None:
+    """Make the folder where multiprocessing puts its fork server's socket (`util.get_temp_dir`, a private folder
+    made once per process under TMPDIR) under /tmp when TMPDIR is so long that the socket's path would pass
+    AF_UNIX's 107 bytes (pytest's tmp_path does: "AF_UNIX path too long"). Nothing public moves it."""
+    longest = os.path.join(tempfile.gettempdir(), "pymp-" + "x" * 8, "listener-" + "x" * 8)
+    if len(os.fsencode(longest)) <= 100:
+        return
+    saved, tempfile.tempdir = tempfile.tempdir, "/tmp"
+    try:
+        multiprocessing.util.get_temp_dir()  # made now, kept for the process, removed at its exit
+    finally:
+        tempfile.tempdir = saved
 
 
 def fork_fork_server() -> None:
