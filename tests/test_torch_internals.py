@@ -3,6 +3,7 @@ changes one fails here, naming it, instead of inside a job."""
 import inspect
 import multiprocessing.forkserver
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -129,20 +130,24 @@ sys.stdin.read()  # until the test kills this process
 def test_a_fork_server_forked_from_its_launcher_serves_its_children_and_ends_with_the_launcher():
     launcher = subprocess.Popen([sys.executable, "-c", _FORKED_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 text=True)
+    server = None
     try:
         server, *checks = launcher.stdout.readline().split()
+        server = int(server)
         # the launcher's child, the parent of the children it serves, holding none of the launcher's files
         assert checks == ["True", "True", "True"]
-        assert not gone(int(server))
+        assert not gone(server)
         launcher.kill()
         launcher.wait(timeout=10)
         deadline = time.monotonic() + 10
-        while not gone(int(server)) and time.monotonic() < deadline:
+        while not gone(server) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert gone(int(server)), "the fork server outlived its launcher"
+        assert gone(server), "the fork server outlived its launcher"
     finally:
         launcher.kill()
         launcher.wait(timeout=10)
+        if server is not None and not gone(server):  # a failed check leaves no process behind
+            os.kill(server, signal.SIGKILL)
 
 
 _LONG_TMPDIR = """
