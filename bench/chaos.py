@@ -132,13 +132,6 @@ def alive(pid: int) -> bool:
     return procfs.state(pid) not in (None, "Z")
 
 
-def parent(pid: int) -> int | None:
-    from gradsync.launcher import procfs
-
-    fields = procfs.stat_fields(f"/proc/{pid}/stat")
-    return int(fields[1]) if fields else None
-
-
 def tagged(tag: str) -> list[int]:
     """Pids of the live processes whose environment carries `tag` (zombies have no environment)."""
     needle = f"{TAG}={tag}".encode()
@@ -240,6 +233,8 @@ class Chaos:
 
     def refresh(self) -> dict[int, int]:
         """pid by worker index (`workers`), noting each new worker's parent and which join, if any, started it."""
+        from gradsync.launcher.procfs import parent
+
         workers = self.workers()
         for worker, pid in workers.items():
             if worker not in self.first_steps and count_acks(self.folder, worker):

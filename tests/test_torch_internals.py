@@ -14,6 +14,7 @@ import torch.distributed.rpc as rpc
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradsync.core import torch_internals as ti
+from gradsync.launcher import procfs
 from helpers import gone
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -88,8 +89,7 @@ def test_forkserver_pid_is_the_running_fork_server():
     multiprocessing.forkserver.ensure_running()
     pid = ti.forkserver_pid()
     assert isinstance(pid, int) and pid > 0
-    with open(f"/proc/{pid}/stat") as f:
-        assert int(f.read().split(") ")[1].split()[1]) == os.getpid()  # its parent is this process
+    assert procfs.parent(pid) == os.getpid()
     assert context is not None
 
 
@@ -113,11 +113,11 @@ _FORKED_SERVER = """
 import multiprocessing, os, sys, tempfile
 import numpy, torch  # numpy's native thread pool starts at import, as in any fork server's parent
 from gradsync.core import torch_internals as ti
+from gradsync.launcher import procfs
 launchers_file = tempfile.NamedTemporaryFile()
 ti.fork_fork_server()
 server = ti.forkserver_pid()
-with open(f"/proc/{server}/stat") as f:
-    parent = int(f.read().split(") ")[1].split()[1])
+parent = procfs.parent(server)
 with multiprocessing.get_context("forkserver").Pool(1) as pool:  # children served as by a new interpreter's
     child_parent = pool.apply(os.getppid)
     files = [os.readlink(f"/proc/{server}/fd/{fd}") for fd in os.listdir(f"/proc/{server}/fd")]  # now it serves

@@ -1,4 +1,4 @@
-"""What Linux's /proc says about a process: its children, state, CPU ticks and memory.
+"""What Linux's /proc says about a process: its parent, children, state, CPU ticks and memory.
 
 Each reader returns None (or nothing) for a process that is gone or unreadable, since processes come and
 go while they are read.
@@ -26,6 +26,12 @@ def state(pid: int) -> str | None:
     """The process's state letter (R, S, D, T, t, Z)."""
     fields = stat_fields(f"/proc/{pid}/stat")
     return fields[0] if fields else None
+
+
+def parent(pid: int) -> int | None:
+    """The pid of the process's parent."""
+    fields = stat_fields(f"/proc/{pid}/stat")
+    return int(fields[1]) if fields else None
 
 
 def cpu_ticks(stat_path: str) -> int | None:
