@@ -8,11 +8,12 @@ move (P: the model's fp32 parameter bytes, R: the link's rate in bytes/s, W work
 Each configuration is a `gradsync.launch` job with `link=` (every rank in its own network namespace, `tc tbf`
 links; root and iproute2). Repeats are interleaved: repeat r runs every configuration once, then r + 1.
 Per run, on worker 0: the median step (forward + backward + trainer.step) over the timed steps, the median
-of each part of it, the CPU-seconds per step of all the job's processes (/proc), and the bytes every rank's
-link carried per step in each direction (its namespace's /proc/PID/net/dev: frames on the wire, headers
-included), whose largest is "the busiest link", and the TCP retransmissions, timeouts and tail-loss probes
-of all its namespaces per step. The table reports medians over repeats, and each run's
-ratio to the floor. Writes bench/results/linkfloor.json (or --out).
+of each part of it, the CPU-seconds per step of all the job's processes (/proc) and the seconds their
+threads waited, runnable, for a CPU (schedstat, summed over threads: the time-slicing on this machine's
+cores), the bytes every rank's link carried per step in each direction (its namespace's /proc/PID/net/dev:
+frames on the wire, headers included), whose largest is "the busiest link", and the TCP retransmissions,
+timeouts and tail-loss probes of all its namespaces per step. The table reports medians over repeats, and
+each run's ratio to the floor. Writes bench/results/linkfloor.json (or --out).
 
     PYTHONPATH=$PWD .venv/bin/python bench/linkfloor.py                  # 100mbit, W=2, issue workload (~3 min)
     PYTHONPATH=$PWD .venv/bin/python bench/linkfloor.py --links 1gbit --workloads reference --workers 2 4
@@ -174,10 +175,12 @@ def main(argv: list[str] | None = None) -> int:
             r.update(floor_s=floor, floor_bytes=nbytes, ratio=r["step_s"] / floor)
             runs[key].append(r)
             parts = " ".join(f"{n} {1000 * s:.0f}" for n, s in r["parts_s"].items())
-            print(f"repeat {repeat + 1}/{args.repeats} {link} {wl} W={workers} {config + _piece(cap):9} {1000 * r['step_s']:7.0f} "
-                  f"ms/step ({parts} ms), floor {1000 * floor:.0f} ms ({nbytes / 1e6:.2f} MB), ratio "
-                  f"{r['ratio']:.2f}x; busiest link {r['busiest_link_bytes'] / 1e6:.2f} MB/step; "
-                  f"CPU {r['cpu_s_per_step']:.3f} s/step; TCP per step: {r['tcp_per_step']}", flush=True)
+            print(f"repeat {repeat + 1}/{args.repeats} {link} {wl} W={workers} {config + _piece(cap):9} "
+                  f"{1000 * r['step_s']:7.0f} ms/step ({parts} ms), floor {1000 * floor:.0f} ms "
+                  f"({nbytes / 1e6:.2f} MB), ratio {r['ratio']:.2f}x; "
+                  f"busiest link {r['busiest_link_bytes'] / 1e6:.2f} MB/step; "
+                  f"CPU {r['cpu_s_per_step']:.3f} s/step, waited for a CPU {r['runqueue_wait_s_per_step']:.3f} "
+                  f"s/step; TCP per step: {r['tcp_per_step']}", flush=True)
     rows = []
     for (link, wl, workers, config, cap), reps in runs.items():
         rows.append(dict(link=link, server_link=args.server_link, workload=wl, workers=workers,
@@ -187,22 +190,24 @@ def main(argv: list[str] | None = None) -> int:
                          ratio=statistics.median(r["ratio"] for r in reps), ratios=[r["ratio"] for r in reps],
                          busiest_link_mb=statistics.median(r["busiest_link_bytes"] for r in reps) / 1e6,
                          cpu_s_per_step=statistics.median(r["cpu_s_per_step"] for r in reps),
+                         runqueue_wait_s_per_step=statistics.median(r["runqueue_wait_s_per_step"] for r in reps),
                          parts_ms={n: 1000 * statistics.median(r["parts_s"][n] for r in reps)
                                    for n in reps[0]["parts_s"]}))
     print("| link | workload | W | config | ms/step | floor ms (MB) | ratio (each run) | busiest link MB/step "
-          "| CPU-s/step |\n|---|---|---|---|---|---|---|---|---|")
+          "| CPU-s/step | waited for a CPU, s/step |\n|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         each = ", ".join(f"{x:.2f}" for x in r["ratios"])
         print(f"| {r['link']}{' / server ' + r['server_link'] if r['server_link'] else ''} | {r['workload']} | "
               f"{r['workers']} | {r['config']} | {r['step_ms']:.0f} | {r['floor_ms']:.0f} ({r['floor_mb']:.2f}) | "
-              f"{r['ratio']:.2f}x ({each}) | {r['busiest_link_mb']:.2f} | {r['cpu_s_per_step']:.3f} |")
+              f"{r['ratio']:.2f}x ({each}) | {r['busiest_link_mb']:.2f} | {r['cpu_s_per_step']:.3f} | "
+              f"{r['runqueue_wait_s_per_step']:.3f} |")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(dict(command=" ".join(["bench/linkfloor.py", *(sys.argv[1:] if argv is None else argv)]),
                        when=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        machine=machine(load_before),
-                       settings=dict(transport=args.transport, repeats=args.repeats, steps=args.steps, warmup=args.warmup,
-                                     workloads={wl: WORKLOADS[wl] for wl in args.workloads}),
+                       settings=dict(transport=args.transport, repeats=args.repeats, steps=args.steps,
+                                     warmup=args.warmup, workloads={wl: WORKLOADS[wl] for wl in args.workloads}),
                        rows=rows, runs=[dict(zip(("link", "workload", "workers", "config", "piece_mb"), k), runs=v)
                                         for k, v in runs.items()]), f, indent=1)
     print(f"wrote {args.out}")

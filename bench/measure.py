@@ -80,7 +80,7 @@ def job_pids() -> list[int]:
 
 
 def cpu_snapshot() -> dict:
-    """Ticks per process, and (thread name, ticks) per thread."""
+    """Ticks per process, and (thread name, ticks, ns waited for a CPU) per thread."""
     snap = {}
     for pid in job_pids():
         try:
@@ -89,7 +89,7 @@ def cpu_snapshot() -> dict:
                 with open(f"{task}/comm") as f:
                     name = f.read().strip()
                 if (ticks := procfs.cpu_ticks(f"{task}/stat")) is not None:
-                    threads[task] = (name, ticks)
+                    threads[task] = (name, ticks, procfs.runqueue_wait_ns(task) or 0)
             if (ticks := procfs.cpu_ticks(f"/proc/{pid}/stat")) is not None:
                 snap[pid] = (ticks, threads)
         except OSError:  # a thread or process ended while being read
@@ -98,16 +98,22 @@ def cpu_snapshot() -> dict:
 
 
 def cpu_per_step(before: dict, after: dict, steps: int) -> dict:
-    """CPU-seconds per step over the window, all processes together, and per thread name."""
-    total, by_name = 0, {}
+    """CPU-seconds per step over the window, all processes together and per thread name, and the seconds
+    per step the job's threads waited, runnable, for a CPU (summed over threads, and per thread name: the
+    time-slicing they met)."""
+    total, by_name, waited = 0, {}, {}
     for pid, (ticks, threads) in after.items():
         ticks0, threads0 = before.get(pid, (0, {}))
         total += ticks - ticks0
-        for task, (name, t) in threads.items():
-            by_name[name] = by_name.get(name, 0) + t - threads0.get(task, (name, 0))[1]
+        for task, (name, t, wait) in threads.items():
+            _, t0, wait0 = threads0.get(task, (name, 0, 0))
+            by_name[name] = by_name.get(name, 0) + t - t0
+            waited[name] = waited.get(name, 0) + wait - wait0
     per_step = lambda t: t / procfs.TICK / steps  # noqa: E731
     threads = {name: per_step(t) for name, t in sorted(by_name.items())}
     return dict(processes=len(after), cpu_s_per_step=per_step(total), threads=threads,
+                runqueue_wait_s_per_step=sum(waited.values()) / 1e9 / steps,
+                threads_waited={name: w / 1e9 / steps for name, w in sorted(waited.items())},
                 busy_poll_cpu_s_per_step=sum(c for n, c in threads.items() if BUSY_POLL_THREAD.match(n)),
                 tensorpipe_cpu_s_per_step=sum(c for n, c in threads.items() if TENSORPIPE_THREAD.match(n)))
 

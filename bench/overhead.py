@@ -27,7 +27,9 @@ CPU of TensorPipe's threads: `busy-poll` counts its reactors (`TP_*_reactor`: TP
 transport's, polls and yields, so it takes whatever CPU is free, 0.5-0.6 core per process in an idle
 2-process RPC job here), `TensorPipe` all its threads (the reactors plus the loops that do real work:
 TP_UV_loop socket I/O, TP_CMA_loop cross-process copies; idle they use nothing), with a per-thread-name
-breakdown in the JSON. Async ps does not run in lock step, so its CPU window is worker 0's view.
+breakdown in the JSON; and the seconds per step the job's threads waited, runnable, for a CPU (schedstat,
+summed over threads: the time-slicing of more threads than cores). Async ps does not run in lock step, so
+its CPU window is worker 0's view.
 Writes bench/results/overhead.json and prints a markdown table and the project's targets as PASS/FAIL lines.
 
     .venv/bin/python bench/overhead.py [--workloads reference 10m] [--configs ...] [--repeats 3] [--steps 20]
@@ -297,6 +299,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
                    cpu_s_per_step=statistics.median(r["cpu_s_per_step"] for r in reps),
                    busy_poll_cpu_s_per_step=statistics.median(r["busy_poll_cpu_s_per_step"] for r in reps),
                    tensorpipe_cpu_s_per_step=statistics.median(r["tensorpipe_cpu_s_per_step"] for r in reps),
+                   runqueue_wait_s_per_step=statistics.median(r["runqueue_wait_s_per_step"] for r in reps),
                    threads={n: statistics.median(r["threads"].get(n, 0.0) for r in reps) for n in names},
                    ratios={})
         for floor in floors_of(config):
@@ -309,12 +312,14 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
 
 def table(summary: dict[str, dict[str, dict]]) -> str:
     lines = ["| workload | config | median ms/step | ratio to floor | CPU-s/step (all processes) "
-             "| busy-poll CPU-s/step | TensorPipe CPU-s/step |", "|---|---|---|---|---|---|---|"]
+             "| busy-poll CPU-s/step | TensorPipe CPU-s/step | waited for a CPU, s/step |",
+             "|---|---|---|---|---|---|---|---|"]
     for workload, rows in summary.items():
         for config, row in rows.items():
             ratio = "; ".join(f"{r['median']:.2f}x {floor}" for floor, r in row["ratios"].items()) or "floor"
             lines.append(f"| {workload} | {config} | {row['median_ms']:.1f} | {ratio} | {row['cpu_s_per_step']:.3f} "
-                         f"| {row['busy_poll_cpu_s_per_step']:.3f} | {row['tensorpipe_cpu_s_per_step']:.3f} |")
+                         f"| {row['busy_poll_cpu_s_per_step']:.3f} | {row['tensorpipe_cpu_s_per_step']:.3f} "
+                         f"| {row['runqueue_wait_s_per_step']:.3f} |")
     return "\n".join(lines)
 
 

@@ -1,4 +1,5 @@
-"""Embedding tables against allreduce at its best: sparse-gradient allreduce beside dense-gradient allreduce, ps and hybrid.
+"""Embedding tables against allreduce at its best: sparse-gradient allreduce beside dense-gradient allreduce, ps
+and hybrid.
 
 The model and data are examples/ctr.py's: 4 fields (`--fields`), one `nn.Embedding` of R / 4 rows x 32 per
 field (R = all rows, fp32), an MLP (128 -> 64 -> 1), Zipf-distributed ids (exponent 1.5), batch 512 per

@@ -27,6 +27,7 @@ def test_overhead_bench_writes_step_times_and_cpu(tmp_path):
         row, run = summary[config], result["runs"]["reference"][config][0]
         assert row["median_ms"] > 0 and row["cpu_s_per_step"] > 0, (config, row)
         assert row["busy_poll_cpu_s_per_step"] >= 0 and row["threads"], (config, row)
+        assert row["runqueue_wait_s_per_step"] >= 0 and set(run["threads_waited"]) == set(run["threads"]), run
         assert run["processes"] == (2 if config == "ddp_context" else 3), (config, run["processes"])
         assert len(run["step_times_s"]) == 3
     assert summary["gradsync_ps_sync_s1"]["ratios"]["naive_ps"]["per_repeat"]

@@ -1,4 +1,4 @@
-"""What Linux's /proc says about a process: its parent, children, state, CPU ticks and memory.
+"""What Linux's /proc says about a process: its parent, children, state, CPU ticks, waits for a CPU and memory.
 
 Each reader returns None (or nothing) for a process that is gone or unreadable, since processes come and
 go while they are read.
@@ -38,6 +38,16 @@ def cpu_ticks(stat_path: str) -> int | None:
     """utime + stime of a process (/proc/PID/stat) or of one of its threads (/proc/PID/task/TID/stat)."""
     fields = stat_fields(stat_path)
     return int(fields[11]) + int(fields[12]) if fields else None
+
+
+def runqueue_wait_ns(task_path: str) -> int | None:
+    """Nanoseconds a thread (/proc/PID/task/TID) has been runnable and waited for a CPU (schedstat's second
+    field): the time-slicing it met."""
+    try:
+        with open(f"{task_path}/schedstat") as f:
+            return int(f.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def children(parent: int) -> list[int]:
