@@ -50,8 +50,8 @@ elements) and W workers:
 `fit` refuses async runs (the max makes the model non-linear): fit on sync runs, then predict async.
 
 Runs that all exchanged the same number of messages m (a `gradsync compare` at one W, unless hybrid or
-tables add exchanges) measure m x latency, not how it grows with the messages: `latency_per_step` turns it into a fixed cost
-per step (`Fit.step_overhead_s`), which a ring's 2 (W-1) messages do not multiply. Behind an emulated
+tables add exchanges) measure m x latency, not how it grows with the messages: `latency_per_step` turns it into a fixed
+cost per step (`Fit.step_overhead_s`), which a ring's 2 (W-1) messages do not multiply. Behind an emulated
 100mbit link it came out at 36 - 62 ms per message (bench/costmodel_link.py, three sessions), far above
 any network latency: it is software and link-shaping overhead per step, and taken per message it
 over-predicted allreduce at W = 4 by up to 22%, per step it was within 6%.

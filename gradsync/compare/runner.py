@@ -71,6 +71,10 @@ class Sampler(threading.Thread):
         if self._on_sample is not None:
             self._on_sample()
 
+    def peak_mb(self, role: str) -> float:
+        """The largest peak resident memory of the ranks of `role` ('server' or 'worker'), in MB; 0 with none."""
+        return max((v for p, v in self.peak.items() if self.role.get(p) == role), default=0) / 2**20
+
     def cpu_between(self, start: float, end: float) -> float:
         """CPU-seconds of every rank between two wall times (ticks interpolated between samples)."""
         if len(self.ticks) < 2:
@@ -171,8 +175,8 @@ def measure(logs: list[list[dict]], sampler: Sampler, warmup: int) -> dict:
         "bytes_received": median("bytes_received"),
         "batch": statistics.median(samples) if samples else None,
         "model": next((line["model"] for line in lines if "model" in line), None),
-        "worker_peak_mb": max((v for p, v in sampler.peak.items() if sampler.role.get(p) == "worker"), default=0) / 2**20,
-        "server_peak_mb": max((v for p, v in sampler.peak.items() if sampler.role.get(p) == "server"), default=0) / 2**20,
+        "worker_peak_mb": sampler.peak_mb("worker"),
+        "server_peak_mb": sampler.peak_mb("server"),
         "samples_per_s": samples_per_s([_steps(log) for log in logs], warmup),
         "timeline": median_timeline(trained[warmup:]),
     }

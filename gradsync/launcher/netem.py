@@ -5,11 +5,11 @@ where the launcher hosts the rendezvous store) and one namespace per rank, joine
 pair (the rank's end 10.213.0.<rank + 2>/24). Both ends of every veth are shaped with `tc tbf` at the
 link's rate, so a byte from rank a to rank b crosses a's uplink and b's downlink, as between machines on
 one switch. The parameter servers (the first `servers` ranks) may sit behind a different rate
-(`server_link`: a slow server link). Nothing is configured in the root namespace: links are created inside the job's namespaces,
-whose names carry a job-unique prefix, and deleting the namespaces on exit removes every link with them.
-A launcher killed by SIGKILL cannot delete them: each network holds a lease (`gradsync.launcher.leases`) in
-LEASES, and the next network created on the machine deletes the namespaces of every abandoned lease.
-Needs root and iproute2 (`ip`, `tc`).
+(`server_link`: a slow server link). Nothing is configured in the root namespace: links are created inside
+the job's namespaces, whose names carry a job-unique prefix, and deleting the namespaces on exit removes
+every link with them. A launcher killed by SIGKILL cannot delete them: each network holds a lease
+(`gradsync.launcher.leases`) in LEASES, and the next network created on the machine deletes the namespaces
+of every abandoned lease. Needs root and iproute2 (`ip`, `tc`).
 """
 from __future__ import annotations
 

@@ -2,11 +2,11 @@
 
 The launcher of an elastic job that runs over torch RPC writes `join.json` (the rendezvous store's address,
 mode 0600) into the run directory; rank 0 of every job publishes its settings (its GRADSYNC_* variables) in
-the store, so that joining a job that takes no newcomers fails at once. A joining process (`gradsync run --join RUN_DIR script.py`, or GRADSYNC_JOIN=RUN_DIR|HOST:PORT for
-`gradsync.init()`) connects to the store, takes the next worker index (`gradsync/workers`, an atomic
-counter), creates its heartbeat counter at once, and starts as that worker: rank servers + index, RPC name
-worker<index>. The servers admit its registration while the job runs and its first step pulls their current
-parameters.
+the store, so that joining a job that takes no newcomers fails at once. A joining process (`gradsync run
+--join RUN_DIR script.py`, or GRADSYNC_JOIN=RUN_DIR|HOST:PORT for `gradsync.init()`) connects to the
+store, takes the next worker index (`gradsync/workers`, an atomic counter), creates its heartbeat counter at
+once, and starts as that worker: rank servers + index, RPC name worker<index>. The servers admit its
+registration while the job runs and its first step pulls their current parameters.
 """
 from __future__ import annotations
 

@@ -112,7 +112,8 @@ def blame(shard: ShardState, b: int, mean: torch.Tensor, per_worker: list[tuple[
     if bad is None:
         return None
     for worker, payload, wire in per_worker:
-        if payload is not None and first_nonfinite([entries[bad].view(wire.decode(payload, torch.float32))]) is not None:
+        decoded = None if payload is None else wire.decode(payload, torch.float32)
+        if decoded is not None and first_nonfinite([entries[bad].view(decoded)]) is not None:
             return nonfinite_error(entries[bad].name, worker)
     return nonfinite_error(entries[bad].name, "none alone (the average of finite gradients overflowed)")
 

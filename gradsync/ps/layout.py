@@ -48,7 +48,8 @@ def layout_of(shard: ShardState) -> ShardLayout:
     return ShardLayout(
         shard_id=shard.shard_id, version=shard.version, params=list(shard.params), frozen=list(shard.frozen),
         buffers=list(shard.buffers),
-        tables={n: TableLayout(tuple(t.spec.shape), t.spec.dtype, t.num_servers, t.rows) for n, t in shard.tables.items()},
+        tables={n: TableLayout(tuple(t.spec.shape), t.spec.dtype, t.num_servers, t.rows)
+                for n, t in shard.tables.items()},
         pieces=[e for b in shard.buckets for e in b.entries if not e.whole], buckets=len(shard.buckets),
         nbytes=sum(b.nbytes for b in shard.buckets) + sum(b.nbytes for b in shard.buffers.values()),
     )

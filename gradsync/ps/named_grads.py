@@ -35,7 +35,8 @@ def bucket_gradients(shard: ShardState, worker: int, grads: dict[str, torch.Tens
         shape = entry.view_shape
         if tuple(grad.shape) != shape or grad.dtype != bucket.dtype:
             raise GradientError(
-                f"worker {worker}: gradient of {key!r} is {tuple(grad.shape)} {grad.dtype}, expected {shape} {bucket.dtype}"
+                f"worker {worker}: gradient of {key!r} is {tuple(grad.shape)} {grad.dtype}, "
+                f"expected {shape} {bucket.dtype}"
             )
     packed = [b.pack([grads.get(e.key) for e in b.entries]) for b in shard.buckets]
     flats, absent = [flat for flat, _ in packed], [missing for _, missing in packed]

@@ -73,7 +73,8 @@ class ShardState:
         self.buckets = list(buckets)
         self.device = torch.device(device)
         self.flats = [b.flatten(params).to(self.device).contiguous() for b in self.buckets]
-        self.entries = [[e.view(flat).requires_grad_(True) for e in b.entries] for b, flat in zip(self.buckets, self.flats)]
+        self.entries = [[e.view(flat).requires_grad_(True) for e in b.entries]
+                        for b, flat in zip(self.buckets, self.flats)]
         self.params = {e.key: t for b, ts in zip(self.buckets, self.entries) for e, t in zip(b.entries, ts)}
         self.buffers = {n: t.detach().clone().to(self.device) for n, t in buffers.items()}
         self.frozen = {n: t.detach().to("cpu", copy=True) for n, t in (frozen or {}).items()}
@@ -117,7 +118,8 @@ class ShardState:
                 f"worker {worker} sent {len(grads)} bucket gradients ({len(absent)} absence lists) to server "
                 f"{self.shard_id}, which owns {len(self.buckets)} buckets"
             )
-        return [self.check_piece(worker, b, grad, missing, wire) for b, (grad, missing) in enumerate(zip(grads, absent))]
+        return [self.check_piece(worker, b, grad, missing, wire)
+                for b, (grad, missing) in enumerate(zip(grads, absent))]
 
     def check_piece(self, worker: int, b: int, grad, absent, wire):
         """Validate one worker's payload of bucket `b` (None: no gradient) and its absent entry indices;
@@ -201,7 +203,8 @@ class ShardState:
         fresh, self._fresh = self._fresh, [None] * len(self.buckets)
         self._published = None
         if self.buckets and all(f is not None for f in fresh):  # every piece was sent: they are the snapshot
-            self._published = Snapshot(self.version, fresh, {n: b.to("cpu", copy=True) for n, b in self.buffers.items()})
+            buffers = {n: b.to("cpu", copy=True) for n, b in self.buffers.items()}
+            self._published = Snapshot(self.version, fresh, buffers)
 
     def piece(self, b: int) -> torch.Tensor:
         """A CPU copy of bucket `b`'s values (a piece's reply; once per step, shared by every worker and by

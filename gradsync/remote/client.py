@@ -152,8 +152,9 @@ class Client:
             out[shard]["calls"] = dict(r.calls)
             out[shard]["staleness_histogram"] = dict(r.staleness_histogram)
             out[shard]["pushes_by_worker"] = dict(r.pushes_by_worker)
-            out[shard]["tables"] = {t.name: {f.name: getattr(t, f.name) for f in t.DESCRIPTOR.fields if f.name != "name"}
-                                    for t in r.tables}
+            out[shard]["tables"] = {
+                t.name: {f.name: getattr(t, f.name) for f in t.DESCRIPTOR.fields if f.name != "name"} for t in r.tables
+            }
         return out
 
     def tables(self) -> dict[str, dict]:
@@ -342,14 +343,19 @@ def read_stream(call, what: str, shard: int) -> tuple[pb.PullHeader, dict[tensor
     return first.header, tensor_codec.decode(_pulled_chunks(call, what, shard))
 
 
+def chunk_of(response) -> tensor_codec.Chunk | None:
+    """The tensor chunk a reply stream's item carries (a `PullResponse`, or a bare Chunk from a server in this
+    process), None for another item (a header, a stamp)."""
+    if isinstance(response, tensor_codec.Chunk):
+        return response
+    return response.chunk if response.WhichOneof("item") == "chunk" else None
+
+
 def _pulled_chunks(call, what: str, shard: int):
     for response in call:
-        if isinstance(response, tensor_codec.Chunk):
-            yield response
-        elif response.WhichOneof("item") == "chunk":
-            yield response.chunk
-        else:
+        if (chunk := chunk_of(response)) is None:
             raise RuntimeError(f"{what} on shard {shard}: a second PullHeader in the middle of the stream")
+        yield chunk
 
 
 def status_table(client: Client) -> str:

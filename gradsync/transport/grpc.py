@@ -37,7 +37,7 @@ from gradsync.proto.store_data import from_bytes, plain_setup, put, setup_from_p
 from gradsync.ps.messages import Partial, Piece, Push, Setup
 from gradsync.ps.server import ParameterServer
 from gradsync.ps.shard import Snapshot
-from gradsync.remote.client import Client, read_stream
+from gradsync.remote.client import Client, chunk_of, read_stream
 from gradsync.transport.base import PROBE_BYTES, RankTransport, WorkerTransport, link_rate
 from gradsync.transport.endpoint import worker_token
 
@@ -46,7 +46,8 @@ def register_from_store(server: ParameterServer, store: dist.Store, config: JobC
     """On a server of a grpc-transport job: take the model that the workers left in the store,
     register it, and answer in the store (the frozen parameters, or the error text)."""
     shard = server.shard_id
-    keys = [StoreKeys.GRPC_SETUP.format(shard)] + [StoreKeys.GRPC_SPEC.format(shard, w) for w in range(config.num_workers)]
+    keys = [StoreKeys.GRPC_SETUP.format(shard)]
+    keys += [StoreKeys.GRPC_SPEC.format(shard, w) for w in range(config.num_workers)]
     store.wait(keys)
     try:
         setup = setup_from_plain(take(store, StoreKeys.GRPC_SETUP.format(shard), f"the setup of server {shard}"))
@@ -79,10 +80,8 @@ def read_pieces(call, what: str, s: int, arrived=lambda bucket, tensor, stamp: N
     def chunks():
         nonlocal header
         for response in call:
-            if isinstance(response, tensor_codec.Chunk):
-                yield response
-            elif response.WhichOneof("item") == "chunk":
-                yield response.chunk
+            if (chunk := chunk_of(response)) is not None:
+                yield chunk
             elif response.WhichOneof("item") == "stamp":
                 stamps[response.stamp.bucket] = (response.stamp.arrived or None, response.stamp.applied or None)
             elif header is None:
@@ -305,8 +304,9 @@ class GrpcTransport(WorkerTransport):
     def _plain(self, method: str, s: int, data: bytes) -> bytes:
         """One unary job call whose request and reply are `PlainData`."""
         start = time.monotonic()
-        call = self.client.channels[s].unary_unary(f"/{SERVICE}/{method}", request_serializer=pb.PlainData.SerializeToString,
-                                                   response_deserializer=pb.PlainData.FromString)
+        call = self.client.channels[s].unary_unary(
+            f"/{SERVICE}/{method}", request_serializer=pb.PlainData.SerializeToString,
+            response_deserializer=pb.PlainData.FromString)
         try:
             return call(pb.PlainData(data=data), timeout=self.config.step_timeout, metadata=self.client.metadata).data
         except grpc.RpcError as e:

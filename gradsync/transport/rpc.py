@@ -128,8 +128,8 @@ class RpcTransport(WorkerTransport):
         return self._call(rpc_pull, lambda s: (), "pull")
 
     def pull_rows(self, table: str, ids: dict[int, torch.Tensor]) -> dict[int, tuple[int, torch.Tensor]]:
-        futures = {s: rpc.rpc_async(server_name(s), rpc_pull_rows, args=(table, local), timeout=self.config.step_timeout)
-                   for s, local in ids.items()}
+        futures = {s: rpc.rpc_async(server_name(s), rpc_pull_rows, args=(table, local),
+                                    timeout=self.config.step_timeout) for s, local in ids.items()}
         return wait_all(futures, f"pulling rows of table {table!r}", self.config.step_timeout)
 
     def push(self, versions: dict[int, int], pushes: dict[int, Push]) -> dict[int, Snapshot | Partial]:
