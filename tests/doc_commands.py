@@ -50,7 +50,8 @@ def command_problem(where: str, argv: list[str], targets: set[str] | None = None
     from gradsync.config import ConfigError
 
     if argv[0] == "make":
-        missing = [a for a in argv[1:] if "=" not in a and a not in (targets if targets is not None else make_targets())]
+        missing = [a for a in argv[1:]
+                   if "=" not in a and a not in (targets if targets is not None else make_targets())]
         return f"{where}: make {' '.join(missing)}: no such target in the Makefile" if missing else None
     try:
         with contextlib.redirect_stderr(io.StringIO()) as said:
@@ -135,7 +136,8 @@ def run_ddp_programs(spec_path: str) -> None:
     """One rank of plain torch.distributed programs, as torchrun starts them (RANK, WORLD_SIZE, MASTER_ADDR set
     by the caller): spec {"runs": [[path, argv], ...], "out": folder} runs each program in turn, with
     MASTER_PORT a port rank 0 picks just before it (`_agreed_port`), and writes {index: printed} to
-    out/rank-<RANK>.json; a failure is written there too, and the process exits 1 at once (so that the other ranks' collectives fail instead of waiting).
+    out/rank-<RANK>.json; a failure is written there too, and the process exits 1 at once (so that the other
+    ranks' collectives fail instead of waiting).
 
     Each group a program destroys is kept alive until this process ends with os._exit: when the last reference
     to a gloo group goes (a DDP model freed after `destroy_process_group()`, as a program's `main` returns),

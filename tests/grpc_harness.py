@@ -43,8 +43,8 @@ def make_server(mode: str = "sync", workers: int = 2, lr: float = 0.1, momentum:
     spec = ModelSpec.of(params, buffers)
     buckets = [b for b in plan_buckets(spec.params, num_servers, cap_bytes=256) if b.server == shard]
     mine = {e.key for b in buckets for e in b.entries}
-    setup = Setup.of(buckets, params, {n: t for n, t in buffers.items() if shard == 0}, {}, OptimizerSpec.one_group(torch.optim.SGD,
-                     {"lr": lr, "momentum": momentum}))
+    setup = Setup.of(buckets, params, {n: t for n, t in buffers.items() if shard == 0}, {},
+                     OptimizerSpec.one_group(torch.optim.SGD, {"lr": lr, "momentum": momentum}))
     server = ParameterServer(shard, workers, mode, nonfinite)
     futures = [server.register(w, spec, setup if w == 0 else None) for w in range(workers)]
     for f in futures:

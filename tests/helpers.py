@@ -42,7 +42,8 @@ def gone(pid: int) -> bool:
 
 
 def self_signed(tmp_path) -> tuple[str, str]:
-    """A self-signed certificate for 127.0.0.1 made with the openssl command (the cryptography package is not installed)."""
+    """A self-signed certificate for 127.0.0.1 made with the openssl command (the cryptography package is not
+    installed)."""
     cert, key = str(tmp_path / "cert.pem"), str(tmp_path / "key.pem")
     subprocess.run(
         ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",

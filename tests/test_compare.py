@@ -258,7 +258,8 @@ def test_predict_says_plainly_why_it_cannot_fit():
                      {"workers": 2, "cores": 2})
     assert "no ps or hybrid run measured the rows" in tables["error"]
     assert markdown(no_ps)[-1].startswith("No prediction: the cost model could not be fitted on these runs. ")
-    slow = predict([made_run("allreduce"), made_run("ps", 1)], {"workers": 2, "link": "1gbit", "server_link": "100mbit"})
+    slow = predict([made_run("allreduce"), made_run("ps", 1)],
+                   {"workers": 2, "link": "1gbit", "server_link": "100mbit"})
     assert slow["error"].startswith("--server-link 100mbit puts the servers behind another rate")
 
 
@@ -455,7 +456,8 @@ def test_tensorboard_events_are_tfrecords_of_scalar_summaries(tmp_path, monkeypa
     while data:
         (length,) = struct.unpack("<Q", data[:8])
         body = data[12:12 + length]
-        assert data[12 + length:16 + length] == tensorboard._masked(body) and data[8:12] == tensorboard._masked(data[:8])
+        assert (data[12 + length:16 + length] == tensorboard._masked(body)
+                and data[8:12] == tensorboard._masked(data[:8]))
         events.append(dict(_fields(body)))
         data = data[16 + length:]
     assert events[0][3] == b"brain.Event:2"

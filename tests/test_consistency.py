@@ -110,7 +110,8 @@ def test_servers_of_a_machine_spread_over_its_gpus(local_rank, device, monkeypat
 def test_sync_on_a_cuda_shard_matches_the_cpu_shard():
     cpu, params = make_shard()
     buckets = cpu.buckets
-    gpu = ShardState(0, buckets, params, {}, OptimizerSpec.one_group(torch.optim.SGD, {"lr": 0.5, "momentum": 0.9}), device="cuda")
+    gpu = ShardState(0, buckets, params, {}, OptimizerSpec.one_group(torch.optim.SGD, {"lr": 0.5, "momentum": 0.9}),
+                     device="cuda")
     for shard in (cpu, gpu):
         rule = SyncRule(shard, num_workers=3, nonfinite="raise")
         futures = [rule.commit(w, 0, Push(grads_of(w, shard), ALL)) for w in range(3)]
@@ -160,7 +161,8 @@ def test_ssp_with_staleness_0_is_lock_step_and_averages_over_w():
     first = rule.commit(0, 0, Push([torch.tensor([2.0, 4.0])], ALL))
     assert not first.done() and shard.flats[0].tolist() == [-1.0, -2.0]  # applied at once, scaled by 1/W
     second = rule.commit(1, 0, Push([torch.tensor([4.0, 0.0])], ALL))
-    assert first.wait().snapshot is second.wait().snapshot and first.wait().version == 2 and shard.flats[0].tolist() == [-3.0, -2.0]
+    assert (first.wait().snapshot is second.wait().snapshot and first.wait().version == 2
+            and shard.flats[0].tolist() == [-3.0, -2.0])
     rule.commit(1, 2, Push([torch.tensor([2.0, 2.0])], ALL))  # applied at once ...
     assert first.wait().snapshot.flats[0].tolist() == [-3.0, -2.0]  # ... but not in the snapshot worker 0 goes on from
     assert shard.stats.staleness_histogram == {0: 2, 1: 1} and shard.stats.max_lead == 0

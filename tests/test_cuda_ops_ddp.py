@@ -68,7 +68,8 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
 
 def _run_ranks(out_dir: str, timeout: float) -> None:
     """Start WORLD ranks; re-raise the first rank failure; kill every rank on failure or timeout. The ranks
-    meet in a store this process hosts on loopback, on a port the kernel picked (no free-port guess another process can take)."""
+    meet in a store this process hosts on loopback, on a port the kernel picked (no free-port guess another
+    process can take)."""
     store = host_store(0)
     ctx = mp.start_processes(_rank_main, args=(store.port, out_dir), nprocs=WORLD, join=False,
                              start_method="spawn")

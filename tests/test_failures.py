@@ -38,7 +38,8 @@ def test_workers_with_different_models_are_refused(strategy, servers):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("strategy,servers", [("ps", 1), ("allreduce", 0)])
 def test_nan_gradient_raises_naming_parameter_and_worker(strategy, servers):
-    with pytest.raises(gradsync.JobFailed, match=r"non-finite gradient .* for parameter '\d\.(weight|bias)' from worker 1"):
+    with pytest.raises(gradsync.JobFailed,
+                       match=r"non-finite gradient .* for parameter '\d\.(weight|bias)' from worker 1"):
         gradsync.launch(train_with_nan, strategy=strategy, workers=2, servers=servers, args=(6, 2), timeout=100)
 
 
@@ -54,13 +55,15 @@ def test_nan_gradient_skip_drops_exactly_that_step(strategy, servers):
 
 @pytest.mark.timeout(120)
 def test_nan_gradient_over_a_compressed_allreduce_names_parameter_and_worker():
-    with pytest.raises(gradsync.JobFailed, match=r"non-finite gradient .* for parameter '\d\.(weight|bias)' from worker 1"):
+    with pytest.raises(gradsync.JobFailed,
+                       match=r"non-finite gradient .* for parameter '\d\.(weight|bias)' from worker 1"):
         gradsync.launch(train_with_nan, strategy="allreduce", workers=2, args=(6, 2), compression="fp16", timeout=100)
 
 
 @pytest.mark.timeout(120)
 def test_async_applies_every_push_and_uneven_workers_shut_down():
-    stats = gradsync.launch(train_mlp_stats, strategy="ps", mode="async", workers=3, servers=1, args=(12, 3), timeout=100)
+    stats = gradsync.launch(train_mlp_stats, strategy="ps", mode="async", workers=3, servers=1, args=(12, 3),
+                            timeout=100)
     # workers 0 and 2 run 12 steps, worker 1 only 3; whoever finishes last has seen every push applied
     last = max(stats, key=lambda s: s["pushes_applied"])
     assert last["pushes_applied"] == last["version"] == 27

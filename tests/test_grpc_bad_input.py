@@ -270,7 +270,8 @@ def test_fuzzed_pushes_never_corrupt_the_server():
             chosen = rng.sample(names, rng.randint(1, len(names)))
             g = torch.Generator().manual_seed(trial)
             grads = {n: torch.randn(shapes[n], generator=g) for n in chosen}
-            messages = [_header(worker=rng.choice([2, 3]), version=version)] + _chunks(grads, rng.choice([16, 64, 4096]))
+            messages = ([_header(worker=rng.choice([2, 3]), version=version)]
+                        + _chunks(grads, rng.choice([16, 64, 4096])))
             raw = _mutate(rng, messages, names) if trial % 8 else [rng.randbytes(rng.randrange(1, 100))
                                                                    for _ in range(rng.randrange(1, 4))]
             code, details = _send(channel, raw)

@@ -98,7 +98,8 @@ def test_empty_and_out_of_range_pushes_change_nothing(metadata):
     cases = [  # (worker, tensors, what the refusal says)
         (1, {}, "PushRequest carries no gradient (no tensor)"),
         (1, {"norm.running_mean": torch.zeros(4)}, "PushRequest carries no gradient (only buffers)"),
-        (2**31 - 1, {"fc1.bias": torch.ones(16)}, f"PushHeader.worker {2**31 - 1} is not a worker id: expected 0 .. 65535"),
+        (2**31 - 1, {"fc1.bias": torch.ones(16)},
+         f"PushHeader.worker {2**31 - 1} is not a worker id: expected 0 .. 65535"),
         (65536, {"fc1.bias": torch.ones(16)}, "PushHeader.worker 65536 is not a worker id"),
         (-1, {"fc1.bias": torch.ones(16)}, "PushHeader.worker -1 is not a worker id"),
         (-(2**63), {"fc1.bias": torch.ones(16)}, "is not a worker id"),

@@ -1,4 +1,5 @@
-"""The gRPC service through the Client: consistent pulls, sync and async pushes against closed-form SGD, stats, shards."""
+"""The gRPC service through the Client: consistent pulls, sync and async pushes against closed-form SGD, stats,
+shards."""
 from __future__ import annotations
 
 import re
@@ -208,7 +209,8 @@ def test_multi_chunk_tensors_pull_and_push_bit_for_bit(dtype):
     g = torch.Generator().manual_seed(5)
     params = {"big": torch.randn(700_001, generator=g).to(dtype), "small": torch.randn(3, 5, generator=g).to(dtype)}
     spec = ModelSpec.of({n: p.requires_grad_() for n, p in params.items()}, {})
-    setup = Setup.of(plan_buckets(spec.params, 1, 1 << 30), params, {}, {}, OptimizerSpec.one_group(torch.optim.SGD, {"lr": LR}))
+    setup = Setup.of(plan_buckets(spec.params, 1, 1 << 30), params, {}, {},
+                     OptimizerSpec.one_group(torch.optim.SGD, {"lr": LR}))
     server = ParameterServer(0, 1, "async", "raise")
     server.register(0, spec, setup).wait()
     with served(server) as (_, client):

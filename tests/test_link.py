@@ -257,7 +257,8 @@ def test_a_slow_server_link_bounds_the_ps_step_from_below(tmp_path):
                                   "for step in range(4):\n"
                                   "    if step == 1: start = time.monotonic()\n"
                                   "    with dist_autograd.context() as cid:\n"
-                                  "        dist_autograd.backward(cid, [torch.nn.functional.cross_entropy(trainer.model(x), y)])\n"
+                                  "        dist_autograd.backward(cid, "
+                                  "[torch.nn.functional.cross_entropy(trainer.model(x), y)])\n"
                                   "        trainer.step(cid)\n"
                                   "print(time.monotonic() - start)"))
     done = gradsync_run("--link", "1gbit", "--server-link", "10mbit", "--strategy", "ps", "--workers", "1",

@@ -24,7 +24,8 @@ def test_a_piece_is_applied_and_answered_before_the_next_pieces_pushes_are_all_i
     before = [f.clone() for f in shard.flats]
     heads = [rule.commit(w, 0, Push(None, None)) for w in (0, 1)]
     pieces = {(w, b): rule.commit_piece(w, 0, Piece(0, b, piece_part(w, b, shard), ())) for w in (0, 1) for b in (0, 1)}
-    pieces[(0, 2)] = rule.commit_piece(0, 0, Piece(0, 2, piece_part(0, 2, shard), ()))  # worker 1's part of piece 2 not yet in
+    # worker 1's part of piece 2 not yet in
+    pieces[(0, 2)] = rule.commit_piece(0, 0, Piece(0, 2, piece_part(0, 2, shard), ()))
     for b in (0, 1):
         expected = before[b] - 0.5 * (piece_part(0, b, shard) + piece_part(1, b, shard)) / 2
         assert pieces[(0, b)].done() and pieces[(1, b)].done()

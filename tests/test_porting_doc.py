@@ -97,7 +97,8 @@ def test_the_page_has_every_program_and_its_ddp_twin():
 
 def test_the_page_commands_run_as_written():
     """The shell blocks' commands and the programs' `# run:` lines parse, and every script they name is on the page."""
-    found = commands(TEXT) + [(b["line"], argv) for b in PROGRAMS.values() for argv in b["runs"] if argv[0] == "gradsync"]
+    found = commands(TEXT) + [(b["line"], argv) for b in PROGRAMS.values() for argv in b["runs"]
+                              if argv[0] == "gradsync"]
     assert {argv[1] for _, argv in found} == {"run"} and len(found) >= 14
     for line, argv in found:
         problem = command_problem(f"docs/porting.md:{line}", argv)

@@ -148,7 +148,8 @@ def test_tables_are_served_only_where_a_row_optimizer_applies(optimizer_kind, se
 
 @pytest.mark.timeout(120)
 def test_a_schedule_that_differs_between_workers_is_refused_naming_both():
-    with pytest.raises(gradsync.JobFailed, match=r"worker 0 changed 'lr' of optimizer group 0 to 0.05 and worker 1 not at all"):
+    with pytest.raises(gradsync.JobFailed,
+                       match=r"worker 0 changed 'lr' of optimizer group 0 to 0.05 and worker 1 not at all"):
         gradsync.launch(train_drive_apart, strategy="ps", workers=2, servers=1, args=(3,), timeout=110)
 
 

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 import gradsync
-from sparse_models import DIM, LR, ROWS_BAG, ROWS_EMB, TABLES, ClickNet, click_batch, click_loop, reference_clicks, train_clicks
+from sparse_models import (DIM, LR, ROWS_BAG, ROWS_EMB, TABLES, ClickNet, click_batch, click_loop, reference_clicks,
+                           train_clicks)
 from helpers import max_diff
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

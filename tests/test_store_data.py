@@ -39,7 +39,8 @@ def _setup(optimizer_cls=torch.optim.SGD):
     params, buffers = model_state()
     spec = ModelSpec.of(params, buffers)
     buckets = plan_buckets(spec.params, 1, cap_bytes=256)
-    return spec, Setup.of(buckets, params, buffers, {}, OptimizerSpec.one_group(optimizer_cls, {"lr": 0.1, "betas": (0.9, 0.99)}))
+    return spec, Setup.of(buckets, params, buffers, {},
+                          OptimizerSpec.one_group(optimizer_cls, {"lr": 0.1, "betas": (0.9, 0.99)}))
 
 
 def test_spec_and_setup_round_trip_as_plain_data():
@@ -101,7 +102,8 @@ def test_server_answers_a_refused_optimizer_in_the_store_and_registers_nothing()
 @pytest.mark.parametrize("change,field", [
     (lambda plain: {n: v for n, v in plain.items() if n != "num_servers"}, r"no field \['num_servers'\]"),
     (lambda plain: dict(plain, values={}), r"the unknown fields \['values'\]"),
-    (lambda plain: dict(plain, optimizer=dict(plain["optimizer"], lr=0.1)), r"optimizer has the unknown fields \['lr'\]"),
+    (lambda plain: dict(plain, optimizer=dict(plain["optimizer"], lr=0.1)),
+     r"optimizer has the unknown fields \['lr'\]"),
 ])
 def test_a_setup_with_a_missing_or_unknown_field_is_refused_naming_it(change, field):
     _, setup = _setup()
@@ -113,7 +115,8 @@ def test_a_setup_with_a_missing_or_unknown_field_is_refused_naming_it(change, fi
 def test_a_value_larger_than_the_tcp_store_takes_travels_in_parts():
     """torch's TCPStore refuses a value over 8 MB; a grpc job's setup holds the server's initial values (a 26 MB
     model's did not start): `put` splits it, `take` joins it, bit for bit."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=20))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=20))
     values = {"w": torch.randn(3 * STORE_VALUE_BYTES // 4 + 5)}
     client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=20))
     with pytest.raises(dist.DistError):  # the store drops the connection that sent it

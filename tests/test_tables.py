@@ -172,10 +172,12 @@ def test_lookups_match_the_dense_modules_and_sum_duplicate_rows(servers):
         got = torch.zeros_like(module.weight)
         for s, per in pushes.items():
             rows = per[name]
-            assert rows.version == 7 and rows.ids.unique().numel() == rows.ids.numel()  # one row each, duplicates summed
+            # one row each, duplicates summed
+            assert rows.version == 7 and rows.ids.unique().numel() == rows.ids.numel()
             got[rows.ids * servers + s] = rows.grads
         assert torch.allclose(got, module.weight.grad)
-    assert pushes[0]["emb"].grads.shape[0] + (pushes[1]["emb"].grads.shape[0] if servers == 2 else 0) == 4  # ids 1 2 4 8
+    # ids 1 2 4 8
+    assert pushes[0]["emb"].grads.shape[0] + (pushes[1]["emb"].grads.shape[0] if servers == 2 else 0) == 4
 
 
 def table_shard(optimizer=RowSGD(lr=1.0)) -> ShardState:
@@ -188,7 +190,8 @@ def table_shard(optimizer=RowSGD(lr=1.0)) -> ShardState:
 def test_sync_rows_are_averaged_over_all_workers_absent_rows_count_zero():
     shard = table_shard()
     rule = SyncRule(shard, num_workers=2, nonfinite="raise")
-    first = rule.commit(0, 0, Push([], [], rows={"t": RowGrads(0, torch.tensor([0, 2]), torch.tensor([[2.0, 2.0], [4.0, 4.0]]))}))
+    first = rule.commit(0, 0, Push([], [], rows={"t": RowGrads(0, torch.tensor([0, 2]),
+                                                               torch.tensor([[2.0, 2.0], [4.0, 4.0]]))}))
     assert not first.done()
     second = rule.commit(1, 0, Push([], [], rows={"t": RowGrads(0, torch.tensor([2]), torch.tensor([[6.0, 6.0]]))}))
     assert first.wait().version == second.wait().version == 1
@@ -218,7 +221,8 @@ def test_nonfinite_row_gradient_names_table_and_worker():
     rule = SyncRule(shard, 2, "raise")
     rule.commit(0, 0, Push([], [], rows={"t": RowGrads(0, torch.tensor([1]), torch.ones(1, 2))}))
     with pytest.raises(GradientError, match=r"parameter 't' from worker 1"):
-        rule.commit(1, 0, Push([], [], rows={"t": RowGrads(0, torch.tensor([0]), torch.tensor([[1.0, float("nan")]]))})).wait()
+        rule.commit(1, 0, Push([], [], rows={"t": RowGrads(0, torch.tensor([0]),
+                                                           torch.tensor([[1.0, float("nan")]]))})).wait()
     assert shard.version == 0
 
 
@@ -239,7 +243,8 @@ def test_table_that_does_not_fit_is_refused(monkeypatch):
 
 
 def test_max_norm_is_refused_clearly():
-    with pytest.raises(ValueError, match=r"table 'e' has max_norm=1.0: .* build it without max_norm, or .*tables='dense'"):
+    with pytest.raises(ValueError,
+                       match=r"table 'e' has max_norm=1.0: .* build it without max_norm, or .*tables='dense'"):
         ServedTables({"e": nn.Embedding(3, 2, max_norm=1.0)}, 1, StepMetrics())
 
 
@@ -250,12 +255,14 @@ def test_table_rows_and_row_state_survive_a_checkpoint(optimizer, tmp_path):
     shard, fresh = table_shard(optimizer), table_shard(optimizer)
     rule = AsyncRule(shard, 1, "raise")
     for version, ids in enumerate(([0, 2], [2])):
-        rule.commit(0, version, Push([], [], rows={"t": RowGrads(version, torch.tensor(ids), torch.ones(len(ids), 2))})).wait()
+        rule.commit(0, version, Push([], [], rows={"t": RowGrads(version, torch.tensor(ids),
+                                                                 torch.ones(len(ids), 2))})).wait()
     path, version = checkpoint.save(shard, str(tmp_path))
     reshard.restore(fresh, [checkpoint.load(path)])
     assert version == fresh.version == 2 and fresh.tables["t"].values.equal(shard.tables["t"].values)
     for done in (shard, fresh):  # the same next step: the row state came back too
-        AsyncRule(done, 1, "raise").commit(0, 2, Push([], [], rows={"t": RowGrads(2, torch.tensor([0]), torch.ones(1, 2))})).wait()
+        AsyncRule(done, 1, "raise").commit(0, 2, Push([], [], rows={"t": RowGrads(2, torch.tensor([0]),
+                                                                                  torch.ones(1, 2))})).wait()
     assert fresh.tables["t"].values.equal(shard.tables["t"].values)
 
 

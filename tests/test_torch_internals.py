@@ -71,7 +71,8 @@ def test_the_group_join_token_is_the_one_gradsync_releases():
 def test_ddp_reducer_offers_the_calls_of_a_shadow_round():
     reducer = torch._C._distributed_c10d.Reducer
     for name in ("_rebuild_buckets", "_get_zeros_like_grad_buckets", "_run_comm_hook", "_push_all_rebuilt_params"):
-        assert hasattr(reducer, name), f"DDP's Reducer has no {name}: gradsync's trainer.join() under allreduce needs it"
+        assert hasattr(reducer, name), (f"DDP's Reducer has no {name}: "
+                                        "gradsync's trainer.join() under allreduce needs it")
     assert "reducer" in inspect.getsource(DDP.__init__)
 
 
