@@ -1,4 +1,5 @@
 """The `gradsync` command line: compare's options, its report directory, the help texts."""
+import os
 import subprocess
 import sys
 
@@ -6,6 +7,8 @@ import pytest
 
 from gradsync import cli
 from gradsync.compare import MARKER, prepare_out_dir
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_compare_refuses_its_own_option_after_the_script_with_a_hint(capsys):
@@ -81,16 +84,27 @@ def test_run_keeps_every_option_it_had_and_adds_bucket_cap_mb_and_pipeline():
                        "--server-link"}
 
 
-def test_help_a_bad_flag_and_a_missing_script_answer_without_importing_torch():
-    """`gradsync --help`, each command's, a refused flag and a script that does not exist answer in a fraction of
-    a second: torch (3 s to import on a small machine) loads only once a job is to run."""
+def test_help_a_bad_flag_and_a_missing_script_answer_without_importing_torch(tmp_path):
+    """`gradsync --help`, each command's, a refused flag, a script that does not exist and compare's refused
+    arguments answer in a fraction of a second: torch (3 s to import on a small machine) loads only once a job
+    is to run."""
+    foreign = tmp_path / "theirs"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("not compare's")
+    script = os.path.join(ROOT, "tests", "compare_script.py")
     code = ("import contextlib, io, sys\nfrom gradsync import cli\n"
             "for argv in (['--help'], ['run', '--help'], ['compare', '--help'], ['status', '--help'],"
             " ['run', '--workers', 'x', 's.py'], ['run', '--strategy', 'ps', '--workers', '1', 'no/such.py'],"
-            " ['compare', 'no/such.py']):\n"
+            f" ['compare', 'no/such.py'], ['compare', '--out', {str(foreign)!r}, {script!r}],"
+            f" ['compare', '--straggler', '9', {script!r}], ['compare', '--warmup-steps', '0', {script!r}]):\n"
             "    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
-            "        try:\n            cli.main(argv)\n        except SystemExit:\n            pass\n"
+            "        try:\n            print(cli.main(argv), file=sys.__stdout__)\n"
+            "        except SystemExit as e:\n            print(e.code, file=sys.__stdout__)\n"
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=str(tmp_path))
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]"
+    *codes, torch_modules = done.stdout.split("\n")[:-1]
+    assert codes == ["0"] * 4 + ["2"] * 6, done.stdout  # the help texts, then six refusals
+    assert torch_modules == "[]"
+    assert os.listdir(foreign) == ["notes.txt"]

@@ -46,22 +46,17 @@ def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, 
     timeline.png. `command` and `options`: the command line as typed and
     every option's value, for the report's header. `checked`: called once every argument is checked, before
     the first run (the command line starts its ranks' fork server there)."""
-    try:
-        from tqdm import tqdm
+    from gradsync.compare.grid import grid
+    from gradsync.compare.straggler import parse as parse_straggler
+    from gradsync.config import check_script
 
-        from gradsync.compare.plots import write_plots
+    try:
+        import matplotlib  # noqa: F401  (the plots'; torch is not imported yet)
+        from tqdm import tqdm
     except ImportError as e:
         raise ImportError(f"gradsync compare needs {e.name}, which is not installed in {sys.prefix}: "
                           "pip install matplotlib tqdm (both are dependencies of gradsync, left out by an "
                           "install with --no-deps)") from e
-    from gradsync.compare.grid import grid
-    from gradsync.compare.predict import markdown
-    from gradsync.compare.predict import predict as predict_runs
-    from gradsync.compare.report import dense_tables, silent, table, write_report
-    from gradsync.compare.runner import NO_TABLES, run
-    from gradsync.compare.straggler import parse as parse_straggler
-    from gradsync.config import check_script
-
     if warmup < 1:
         raise ValueError(f"--warmup-steps {warmup}: at least the first step is warm-up (lazy imports, first "
                          "calls): pass 1 or more")
@@ -70,6 +65,13 @@ def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, 
     if straggler is not None:
         parse_straggler(straggler)
     prepare_out_dir(out_dir, force)
+    # every argument is checked: now the imports that take seconds (torch)
+    from gradsync.compare.plots import write_plots
+    from gradsync.compare.predict import markdown
+    from gradsync.compare.predict import predict as predict_runs
+    from gradsync.compare.report import dense_tables, silent, table, write_report
+    from gradsync.compare.runner import NO_TABLES, run
+
     if checked is not None:
         checked()
     runs: list[dict] = []
