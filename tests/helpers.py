@@ -1,12 +1,15 @@
 """What the test files share that is not a fixture: comparing state dicts, running `gradsync run`, telling
-whether a process is gone, a self-signed certificate, what a job must not print. Test files import these from here,
+whether a process is gone, processes that take turns on one CPU, a self-signed certificate, what a job must not
+print. Test files import these from here,
 never from one another (tests/conftest.py puts this folder on sys.path, for the tests and for the ranks they spawn)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
 import sys
+import time
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
@@ -39,6 +42,30 @@ def gone(pid: int) -> bool:
     from gradsync.launcher import procfs
 
     return procfs.state(pid) in (None, "Z")
+
+
+@contextlib.contextmanager
+def spinning_on_one_cpu(processes: int = 2, seconds: float = 0.4):
+    """Fork `processes` children pinned to one CPU, each spinning for `seconds` then sleeping; yields their pids
+    (so they wait for that CPU in turn: together about (processes - 1) x seconds) and kills them on exit."""
+    cpu = min(os.sched_getaffinity(0))
+    pids = []
+    try:
+        for _ in range(processes):
+            pid = os.fork()
+            if pid == 0:
+                os.sched_setaffinity(0, {cpu})
+                end = time.monotonic() + seconds
+                while time.monotonic() < end:
+                    pass
+                time.sleep(60)
+                os._exit(0)
+            pids.append(pid)
+        yield pids
+    finally:
+        for pid in pids:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
 
 
 def self_signed(tmp_path) -> tuple[str, str]:

@@ -4,6 +4,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -13,7 +14,7 @@ from gradsync.compare.grid import Config, grid
 from gradsync.compare.predict import fitted, markdown, percent, predict
 from gradsync.compare.runner import headline, read_log
 from gradsync.core.settings import STRAGGLER, TENSORBOARD_DIR
-from helpers import NOISE, check_timeline_order
+from helpers import NOISE, check_timeline_order, spinning_on_one_cpu
 from jobs import make_mlp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -81,6 +82,7 @@ def test_compare_report_numbers_come_from_the_runs(tmp_path):
         records = [line["record"] for line in log if "loss" in line][1:]  # the first step is warm-up
         assert run["commit_s"] == pytest.approx(statistics.median(r["commit_s"] for r in records))
         assert run["bytes_per_step"] > 0 and run["worker_peak_mb"] > 100 and run["cpu_s_per_step"] > 0
+        assert 0 <= run["cpu_wait_s_per_step"] < 60  # measured (not NaN), over the same steps as the CPU
         # samples/s: each worker's 9 steps after the first, 6 samples each, over its time since the first
         stepped = [[line for line in worker if "loss" in line] for worker in logs[name]]
         assert run["samples_per_s"] == pytest.approx(sum(9 * 6 / (w[-1]["t"] - w[0]["t"]) for w in stepped))
@@ -406,6 +408,26 @@ def test_throughput_leaves_the_warm_up_steps_out():
     assert samples_per_s([fast, slow], 2) == pytest.approx(16 / 2 + 16 / 4)
     assert samples_per_s([fast, slow], 4) is None  # no step after the warm-up
     assert samples_per_s([fast, [{"t": 5.0}, {"t": 6.0}]], 1) is None  # a worker logs no samples
+
+
+def test_the_sampler_counts_what_ranks_sharing_a_cpu_waited_for_it():
+    from types import SimpleNamespace
+
+    from gradsync.compare.runner import Sampler
+
+    sampler = Sampler(servers=1)
+    with spinning_on_one_cpu(2, 0.4) as pids:  # a "server" and a "worker" taking turns on one CPU
+        sampler.started([SimpleNamespace(rank=r, proc=SimpleNamespace(pid=pid)) for r, pid in enumerate(pids)])
+        start = time.time()
+        sampler.sample()
+        time.sleep(0.6)
+        sampler.sample()
+        end = time.time()
+        cpu, waited = sampler.cpu_between(start, end), sampler.wait_between(start, end)
+    assert sampler.role == {pids[0]: "server", pids[1]: "worker"}
+    # both runnable for 0.4 s of wall time on one CPU: 0.8 s runnable together, at most 0.4 s of it running
+    assert 0.05 < cpu and 0.3 < waited and cpu + waited < 0.85, (cpu, waited)
+    assert sampler.wait_between(end + 1, end + 2) == 0.0  # nothing after the last sample
 
 
 def _varint(data: bytes, at: int) -> tuple[int, int]:

@@ -23,6 +23,9 @@ COLUMNS = (  # (heading, key, format, what it is)
     ("KB/step", "bytes_per_step", "kb", "bytes worker 0 sent and received per step"),
     ("CPU-s/step", "cpu_s_per_step", "{:.3f}", "CPU-seconds of every process of the job (workers and servers) per "
      "step, from the end of worker 0's warm-up to its last step"),
+    ("CPU wait s/step", "cpu_wait_s_per_step", "{:.3f}", "seconds per step the job's threads were ready to run "
+     "but waited for a CPU (summed over threads; /proc schedstat), over the same steps: the time-slicing of more "
+     "busy threads than this machine's cores, which a machine per rank would not have"),
     ("worker peak MB", "worker_peak_mb", "{:.0f}", "the largest peak resident memory (VmHWM) of a worker process"),
     ("server peak MB", "server_peak_mb", "{:.0f}", "the same of a server process (0: the run has none)"),
     ("staleness: pushes", "staleness", "histogram", "async and ssp runs: pushes the servers applied, by how many "

@@ -3,7 +3,8 @@
 The job runs as `gradsync run` would (`scripts.run_script`) with GRADSYNC_LOG_DIR
 set in its ranks, so each worker's `gradsync.log` lines land in the run's directory.
 A sampler thread reads /proc every `SAMPLE_S` for every rank (`run_script` says
-which they are): its CPU ticks and its peak resident memory (VmHWM). The first
+which they are): its CPU ticks, how long its threads waited for a CPU (schedstat)
+and its peak resident memory (VmHWM). The first
 `warmup` steps of each worker (first calls, lazy imports, buffers allocated) are
 left out of every per-step figure: the medians, samples/s and CPU per step count
 from the end of the warm-up to the last logged step. A hybrid run whose model has
@@ -35,12 +36,15 @@ NO_TABLES = "no tables"
 
 
 class Sampler(threading.Thread):
-    """CPU ticks (all ranks together, over time) and peak memory of each rank, from /proc; `role`: 'server' or
-    'worker' by pid, of the ranks `started` gave (the first `servers` are the servers)."""
+    """CPU ticks and the nanoseconds threads waited for a CPU (all ranks together, over time) and peak memory
+    of each rank, from /proc; `role`: 'server' or 'worker' by pid, of the ranks `started` gave (the first
+    `servers` are the servers)."""
 
     def __init__(self, servers: int, on_sample=None):
         super().__init__(daemon=True)
         self.ticks: list[tuple[float, int]] = []  # (wall time, ticks of every rank so far)
+        self.waits: list[tuple[float, int]] = []  # (wall time, ns every rank's threads have waited so far)
+        self._waited: dict[tuple[int, int], int] = {}  # (pid, tid) -> its last wait seen (kept once it ends)
         self.peak: dict[int, int] = {}  # pid -> VmHWM bytes
         self.role: dict[int, str] = {}
         self._servers = servers
@@ -67,7 +71,10 @@ class Sampler(threading.Thread):
                 continue
             self._last[pid] = ticks
             self.peak[pid] = max(self.peak.get(pid, 0), peak)
-        self.ticks.append((time.time(), sum(self._last.values())))
+            self._waited.update({(pid, tid): ns for tid, ns in procfs.runqueue_waits_ns(pid).items()})
+        now = time.time()
+        self.ticks.append((now, sum(self._last.values())))
+        self.waits.append((now, sum(self._waited.values())))
         if self._on_sample is not None:
             self._on_sample()
 
@@ -77,10 +84,21 @@ class Sampler(threading.Thread):
 
     def cpu_between(self, start: float, end: float) -> float:
         """CPU-seconds of every rank between two wall times (ticks interpolated between samples)."""
-        if len(self.ticks) < 2:
-            return float("nan")
-        times, ticks = zip(*self.ticks)
-        return float(numpy.interp(end, times, ticks) - numpy.interp(start, times, ticks)) / procfs.TICK
+        return _between(self.ticks, start, end) / procfs.TICK
+
+    def wait_between(self, start: float, end: float) -> float:
+        """Seconds every rank's threads waited, runnable, for a CPU between two wall times (summed over
+        threads, interpolated between samples): the time-slicing of more busy threads than cores."""
+        return _between(self.waits, start, end) / 1e9
+
+
+def _between(samples: list[tuple[float, int]], start: float, end: float) -> float:
+    """How much a cumulative count sampled as (wall time, count) grew between two wall times; NaN with fewer
+    than two samples."""
+    if len(samples) < 2:
+        return float("nan")
+    times, counts = zip(*samples)
+    return float(numpy.interp(end, times, counts) - numpy.interp(start, times, counts))
 
 
 def headline(failure: str) -> str:
@@ -182,7 +200,9 @@ def measure(logs: list[list[dict]], sampler: Sampler, warmup: int) -> dict:
     }
     if len(trained) > warmup:
         start, end = trained[warmup - 1], trained[-1]
-        out["cpu_s_per_step"] = sampler.cpu_between(start["wall"], end["wall"]) / (end["step"] - start["step"])
+        steps = end["step"] - start["step"]
+        out["cpu_s_per_step"] = sampler.cpu_between(start["wall"], end["wall"]) / steps
+        out["cpu_wait_s_per_step"] = sampler.wait_between(start["wall"], end["wall"]) / steps
     return out
 
 

@@ -50,6 +50,15 @@ def runqueue_wait_ns(task_path: str) -> int | None:
         return None
 
 
+def runqueue_waits_ns(pid: int) -> dict[int, int]:
+    """`runqueue_wait_ns` of each thread of the process, by thread id (none when it is gone)."""
+    out = {}
+    for task in glob.glob(f"/proc/{pid}/task/*"):
+        if (waited := runqueue_wait_ns(task)) is not None:
+            out[int(task.rsplit("/", 1)[1])] = waited
+    return out
+
+
 def children(parent: int) -> list[int]:
     """The pids whose parent is `parent`: from the kernel's children lists, else (a kernel without
     CONFIG_PROC_CHILDREN) from every process's parent pid."""
