@@ -219,6 +219,7 @@ class StoreKeys:
     RPC = "gradsync/rpc"
     TOKEN = "gradsync/grpc_token"
     PIECE_MB = "gradsync/piece_mb"  # the bucket cap worker 0 chose from the bandwidth it measured (ps)
+    PIPELINE = "gradsync/pipeline"  # on | off: whether the job's sync steps go as a pipeline, worker 0's plan (ps)
     GRPC_ADDRESS = "gradsync/grpc/address/{}"
     GRPC_SETUP = "gradsync/grpc/setup/{}"
     GRPC_SPEC = "gradsync/grpc/spec/{}/{}"

@@ -9,13 +9,14 @@ import gradsync
 from gradsync.config import JobConfig, StoreKeys
 from gradsync.core.transport_capabilities import capabilities
 from gradsync.worker.piece_size import (LARGEST_MB, PIECE_CPU_S, SMALLEST_MB, SPLIT_S_PER_BYTE, best_piece_mb,
-                                        overhead_s, piece_mb, pipelined)
+                                        overhead_s, pipeline_pays, pipelined, step_plan, whole_step_overhead_s)
 
 MB = 2**20
 
 
 ISSUE = [12288 * 128 * 4, 128 * 4, 128 * 128 * 4, 128 * 4, 128 * 30 * 4, 30 * 4]  # issue 17's MLP, 6.4 MB
 REFERENCE = [12288 * 512 * 4, 512 * 4, 512 * 512 * 4, 512 * 4, 512 * 30 * 4, 30 * 4]  # 26 MB, one 25 MB layer
+DIGITS = [64 * 128 * 4, 128 * 4, 128 * 128 * 4, 128 * 4, 128 * 10 * 4, 10 * 4]  # examples/digits.py, 104 KB
 
 
 def test_the_best_piece_balances_the_pipelines_fill_against_the_cpu_per_piece():
@@ -41,16 +42,49 @@ def test_on_a_fast_link_a_piece_cuts_no_parameter_when_its_copies_would_cost_mor
         SPLIT_S_PER_BYTE * REFERENCE[0] * 0.99  # the cut layer's copies are what tips it
 
 
-def test_worker_0_chooses_and_every_other_worker_takes_its_choice(store):
+def test_a_pipeline_pays_where_a_whole_steps_second_crossing_of_the_busiest_link_costs_more():
+    # a whole step: the busiest link's bytes twice in a row; the worker's M, or a server's W M / S
+    assert whole_step_overhead_s(ISSUE, 2, 2, 12.5e6) == pytest.approx(sum(ISSUE) / 12.5e6)
+    assert whole_step_overhead_s(ISSUE, 1, 4, 12.5e6) == pytest.approx(4 * sum(ISSUE) / 12.5e6)
+    assert whole_step_overhead_s(ISSUE, 4, 2, 12.5e6) == pytest.approx(sum(ISSUE) / 12.5e6)
+    for sizes, servers, bandwidth, pays in [
+        (ISSUE, 2, 12.5e6, True),  # issue 17's workload behind 100 Mbit/s: 0.51 s whole against ~60 ms
+        (REFERENCE, 2, 125e6, True),  # the reference workload at 1 Gbit/s
+        (DIGITS, 1, 125e6, False),  # 104 KB at 1 Gbit/s: 1.7 ms whole against ~3 ms of pieces
+        (DIGITS, 1, 12.5e6, True),  # the same behind 100 Mbit/s: 17 ms whole
+        (REFERENCE, 2, 1e9, False),  # at 8 Gbit/s the cut 25 MB layer's copies cost more than the overlap saves
+    ]:
+        piece = best_piece_mb(sizes, servers, 2, bandwidth) * MB
+        expected = overhead_s(piece, sizes, servers, 2, bandwidth) < whole_step_overhead_s(sizes, servers, 2, bandwidth)
+        assert pipeline_pays(piece, sizes, servers, 2, bandwidth) is expected is pays, (sum(sizes), bandwidth)
+
+
+def test_worker_0_plans_and_every_other_worker_takes_its_plan(store):
     measured = []
     measure = lambda: measured.append(1) or 12.5e6  # noqa: E731
     first = JobConfig(strategy="ps", servers=1, world_size=3, rank=1)
     second = JobConfig(strategy="ps", servers=1, world_size=3, rank=2)
-    chosen = piece_mb(first, store, ISSUE, measure)
-    assert chosen == best_piece_mb(ISSUE, 1, 2, 12.5e6) and measured == [1]
-    assert piece_mb(second, store, ISSUE, lambda: pytest.fail("only worker 0 measures")) == chosen
+    chosen = step_plan(first, store, ISSUE, measure, True)
+    assert chosen == (best_piece_mb(ISSUE, 1, 2, 12.5e6), True) and measured == [1]
+    assert step_plan(second, store, ISSUE, lambda: pytest.fail("only worker 0 measures"), True) == chosen
     given = JobConfig(strategy="ps", servers=1, world_size=3, rank=2, bucket_cap_mb=3.0)
-    assert piece_mb(given, store, ISSUE, lambda: pytest.fail("a set value is not measured")) == 3.0
+    assert step_plan(given, store, ISSUE, lambda: pytest.fail("a set value is not measured"), True) == (3.0, True)
+
+
+@pytest.mark.parametrize("host,setting,plan", [
+    ("10.99.0.1", "auto", (LARGEST_MB, False)),  # behind a link: whole steps, the largest buckets
+    ("127.0.0.1", "auto", None),  # on loopback the link is the CPUs: pieces, as measured (BENCHMARKS.md)
+    ("10.99.0.1", "on", None),  # asked for
+])
+def test_a_small_model_behind_a_fast_link_goes_whole_unless_asked(store, host, setting, plan):
+    first = JobConfig(strategy="ps", servers=1, world_size=3, rank=1, master_addr=host, pipeline=setting)
+    second = JobConfig(strategy="ps", servers=1, world_size=3, rank=2, master_addr=host, pipeline=setting)
+    expected = plan or (best_piece_mb(DIGITS, 1, 2, 125e6), True)
+    assert step_plan(first, store, DIGITS, lambda: 125e6, True) == expected
+    assert step_plan(second, store, DIGITS, lambda: pytest.fail("only worker 0 measures"), True) == expected
+    # a plan that is not a pipeline (gRPC on loopback, or off) stays one, and measures nothing
+    store.delete_key(StoreKeys.PIECE_MB)
+    assert step_plan(first, store, ISSUE, lambda: None, False) == (LARGEST_MB, False)
 
 
 def _measured(name: str) -> tuple[float, int, float]:

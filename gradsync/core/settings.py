@@ -129,8 +129,10 @@ BUCKET_CAP_MB = _S("bucket_cap_mb", "GRADSYNC_BUCKET_CAP_MB", float, None, "trai
                    default_text="auto")
 PIPELINE = _S("pipeline", "GRADSYNC_PIPELINE", str, "auto", "training",
               "ps sync: a step as a pipeline of pieces, each applied and sent back once every worker's part of it "
-              "is in (on), or whole (off); auto: on, but off over grpc when the job's store is on this machine's "
-              "loopback (no link to overlap: gRPC's pipeline threads then cost more than they save)",
+              "is in (on), or whole (off); auto: on where it pays: off over grpc when the job's store is on this "
+              "machine's loopback (no link to overlap: gRPC's pipeline threads then cost more than they save), and "
+              "behind a link for a model whose whole step costs less than the pipeline's pieces (with "
+              "bucket_cap_mb unset; gradsync.worker.piece_size)",
               flag="--pipeline", choices=("auto", "on", "off"), shared=True)
 # Timeouts: each rank's own; a worker that joins may choose its own.
 STARTUP_TIMEOUT = _S("startup_timeout", "GRADSYNC_STARTUP_TIMEOUT", float, 120.0, "timeouts",

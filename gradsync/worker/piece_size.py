@@ -11,7 +11,10 @@ link). Behind 100 Mbit/s that is ~0.25 MB for a 6 MB model, at 1 Gbit/s ~1 MB fo
 whole parameters (measured: BENCHMARKS.md, "Pieces").
 Whether a sync step is a pipeline at all is `pipelined`: over gRPC on one machine it is not (whole steps and
 the largest buckets, unmeasured), as gRPC's pipeline threads cost more CPU than the overlap saves where no
-link is slower than the CPUs. Worker 0 measures and publishes the choice in the store; every other worker,
+link is slower than the CPUs. Behind a link it is where it pays (`pipeline_pays`): a whole step's replies
+wait for all its pushes, so its busiest link's bytes cross twice in a row, which a small model's few
+milliseconds cost less than a pipeline's CPU per piece (the digits example behind 1 Gbit/s: 6-8 ms a step
+whole, 11-13 ms as a pipeline). Worker 0 measures and publishes the plan in the store; every other worker,
 and one that joins later, takes it from there, so that all build the same plan. Each transport measures
 with its own messages (torch RPC, gRPC's JobProbe: `transport.base.link_rate`); one that cannot gets
 `LARGEST_MB`.
@@ -69,15 +72,37 @@ def pipelined(config: JobConfig, transport: Capabilities) -> bool:
     return transport.pipelines_on_one_host or not is_loopback(config.master_addr)
 
 
-def piece_mb(config: JobConfig, store: dist.Store, sizes: list[int], measure) -> float:
-    """The job's piece size in MB: `bucket_cap_mb` when set; else worker 0's choice from `measure()` (the
-    bandwidth to the servers in bytes/s, or None) for parameters of `sizes` bytes, published in the store for
-    the others."""
+def whole_step_overhead_s(sizes: list[int], servers: int, workers: int, bandwidth: float) -> float:
+    """What a whole step adds beyond its link time: its replies wait for every push, so the busiest link's
+    bytes (a worker's M, or a server's W M / S) cross a second time after the first."""
+    model = sum(sizes)
+    return max(model, workers * model / max(servers, 1)) / bandwidth
+
+
+def pipeline_pays(piece: float, sizes: list[int], servers: int, workers: int, bandwidth: float) -> bool:
+    """Whether a pipeline of `piece`-byte pieces adds less to a step than going whole (`overhead_s` against
+    `whole_step_overhead_s`); each also sends one head or push per server, which cancels out."""
+    return overhead_s(piece, sizes, servers, workers, bandwidth) < whole_step_overhead_s(sizes, servers, workers,
+                                                                                        bandwidth)
+
+
+def step_plan(config: JobConfig, store: dist.Store, sizes: list[int], measure, pipeline: bool
+              ) -> tuple[float, bool]:
+    """The job's piece size in MB and whether its sync steps go as a pipeline (`pipeline`: what `pipelined`
+    said). `bucket_cap_mb` when set; else worker 0's choice from `measure()` (the bandwidth to the servers in
+    bytes/s, or None) for parameters of `sizes` bytes, and behind a link (the store not on loopback) with the
+    `pipeline` setting auto a pipeline only where it pays, else whole steps of the largest buckets; published
+    in the store for the others."""
     if config.bucket_cap_mb is not None:
-        return config.bucket_cap_mb
+        return config.bucket_cap_mb, pipeline
     if config.worker_rank == 0:  # a worker that joins later has another index
-        chosen = best_piece_mb(sizes, config.servers, config.num_workers, measure())
+        servers, workers, bandwidth = config.servers, config.num_workers, measure()
+        chosen = best_piece_mb(sizes, servers, workers, bandwidth)
+        if (pipeline and bandwidth is not None and config.pipeline == "auto" and not is_loopback(config.master_addr)
+                and not pipeline_pays(chosen * 2**20, sizes, servers, workers, bandwidth)):
+            chosen, pipeline = LARGEST_MB, False
         store.set(StoreKeys.PIECE_MB, repr(chosen))
-        return chosen
-    store.wait([StoreKeys.PIECE_MB], datetime.timedelta(seconds=config.startup_timeout))
-    return float(store.get(StoreKeys.PIECE_MB).decode())
+        store.set(StoreKeys.PIPELINE, "on" if pipeline else "off")
+        return chosen, pipeline
+    store.wait([StoreKeys.PIECE_MB, StoreKeys.PIPELINE], datetime.timedelta(seconds=config.startup_timeout))
+    return float(store.get(StoreKeys.PIECE_MB).decode()), store.get(StoreKeys.PIPELINE) == b"on"

@@ -8,7 +8,8 @@ parameter's gradient once and knows which parameters got none. `step` reads
 the gradients from the dist_autograd context, packs them into the bucket plan
 (with the entries that got no gradient listed), encodes them (`ps.wire`) and
 pushes them: in sync mode without clipping or a GradScaler as pieces (unless
-`worker.piece_size.pipelined` sends steps whole: gRPC on one machine), one
+the job's plan, `worker.piece_size.step_plan`, sends steps whole: gRPC on one
+machine, or a model too small for a pipeline to pay behind its link), one
 call per bucket in the forward's order, each answered with that bucket's
 values once its server has applied it (`transport.rpc.Pipeline`); else one
 call per server. Over torch RPC most pieces leave during the backward, from a
@@ -47,7 +48,7 @@ from gradsync.ps.wire import make_wire
 from gradsync.transport.registry import transport
 from gradsync.worker.amp import inverse_scale, record_found_inf
 from gradsync.worker.metrics import StepMetrics
-from gradsync.worker.piece_size import piece_mb, pipelined
+from gradsync.worker.piece_size import pipelined, step_plan
 from gradsync.worker.model_state import named_tensors, ordered, to_state_dict
 from gradsync.worker.served_optimizer import ServedOptimizer
 from gradsync.worker.strategy import Strategy
@@ -114,9 +115,10 @@ class PSStrategy(Strategy):
         self.params, self.buffers = params, buffers  # the user's module's: pointed at the servers' values
         self.spec = ModelSpec.of(params, buffers, self.tables.specs)
         sizes = [t.nbytes for t in self.spec.params]
-        self._pipelined = pipelined(config, chosen.capabilities)  # else whole steps: the largest buckets
-        measure = lambda: chosen.worker.bandwidth(config, cluster.store) if self._pipelined else None  # noqa: E731
-        cap = int(piece_mb(config, cluster.store, sizes, measure) * 2**20)
+        pipeline = pipelined(config, chosen.capabilities)
+        measure = lambda: chosen.worker.bandwidth(config, cluster.store) if pipeline else None  # noqa: E731
+        piece, self._pipelined = step_plan(config, cluster.store, sizes, measure, pipeline)  # else whole steps
+        cap = int(piece * 2**20)
         self.buckets = plan_buckets(self.spec.params, config.servers, cap, split=may_split(spec.cls))
         self.servers = list(range(config.servers))
         self.server_buckets = by_server(self.buckets, config.servers)
