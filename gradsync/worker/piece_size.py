@@ -12,9 +12,9 @@ whole parameters (measured: BENCHMARKS.md, "Pieces").
 Whether a sync step is a pipeline at all is `pipelined`: over gRPC on one machine it is not (whole steps and
 the largest buckets, unmeasured), as gRPC's pipeline threads cost more CPU than the overlap saves where no
 link is slower than the CPUs. Behind a link it is where it pays (`pipeline_pays`): a whole step's replies
-wait for all its pushes, so its busiest link's bytes cross twice in a row, which a small model's few
-milliseconds cost less than a pipeline's CPU per piece (the digits example behind 1 Gbit/s: 6-8 ms a step
-whole, 11-13 ms as a pipeline). Worker 0 measures and publishes the plan in the store; every other worker,
+wait for all its pushes, so its busiest link's bytes cross twice in a row; for a small model that is a few
+milliseconds, less than a pipeline's CPU per piece (the digits example behind 1 Gbit/s: 6-10 ms a step
+whole, 10-20 ms as a pipeline). Worker 0 measures and publishes the plan in the store; every other worker,
 and one that joins later, takes it from there, so that all build the same plan. Each transport measures
 with its own messages (torch RPC, gRPC's JobProbe: `transport.base.link_rate`); one that cannot gets
 `LARGEST_MB`.
