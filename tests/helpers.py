@@ -1,7 +1,7 @@
 """What the test files share that is not a fixture: comparing state dicts, running `gradsync run`, telling
 whether a process is gone, processes that take turns on one CPU, a self-signed certificate, what a job must not
-print. Test files import these from here,
-never from one another (tests/conftest.py puts this folder on sys.path, for the tests and for the ranks they spawn)."""
+print. Test files import these from here, never from one another (tests/conftest.py puts this folder on
+sys.path, for the tests and for the ranks they spawn)."""
 from __future__ import annotations
 
 import contextlib
