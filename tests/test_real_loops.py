@@ -53,6 +53,20 @@ def test_schedules_and_clipping_reach_every_server_exactly_with_sgd(strategy, se
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("pipeline", ["on", "off"])
+def test_a_schedule_without_clipping_matches_single_process_in_pieces_and_in_whole_steps(pipeline):
+    """The two sync ps steps a job may plan (`worker.piece_size.step_plan`): the options a scheduler changes
+    travel with the pieces' head, or with the whole push."""
+    results = gradsync.launch(train, strategy="ps", workers=2, servers=2, pipeline=pipeline,
+                              args=(STEPS, "sgd", "onecycle", None), timeout=280)
+    joint = reference(STEPS, 2, "sgd", "onecycle", None)
+    for r in results:
+        assert max_diff(r["state"], joint["state"]) <= 1e-5
+        assert optimizer_diff(r["optimizer"], joint["optimizer"]) <= 1e-5
+    assert len({tuple(map(tuple, r["lrs"])) for r in results}) == 1 and results[0]["lrs"][0] != results[0]["lrs"][-1]
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy,servers,load_before", [("ps", 2, True), ("ps", 2, False), ("allreduce", 0, False)])
 def test_optimizer_state_dicts_move_between_single_process_and_gradsync(strategy, servers, load_before):
     """3 steps in one process, 3 under gradsync from its state dicts, 2 more in one process from gradsync's:
