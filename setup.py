@@ -1,5 +1,5 @@
-"""Install gradsync. Ranges here keep the user's own torch build (torch: the minor version the tests run on,
-since gradsync relies on private torch calls, `gradsync/core/torch_internals.py`); the Makefile pins exact versions."""
+"""Install gradsync. Ranges here keep the user's own torch build, newer ones included (the private torch calls
+gradsync relies on are checked at first use: `gradsync/core/torch_internals.py`); the Makefile pins exact versions."""
 from setuptools import find_packages, setup
 
 setup(
@@ -10,7 +10,7 @@ setup(
     package_data={"gradsync.proto": ["*.proto", "*.pyi"]},
     python_requires=">=3.10",
     # matplotlib and tqdm: `gradsync compare` (its plots and progress bars); `import gradsync` loads neither
-    install_requires=["torch>=2.13,<2.14", "numpy", "grpcio>=1.85.1", "protobuf>=7.35,<8", "matplotlib>=3.5", "tqdm>=4.60"],
+    install_requires=["torch>=2.13", "numpy", "grpcio>=1.85.1", "protobuf>=7.35,<8", "matplotlib>=3.5", "tqdm>=4.60"],
     extras_require={
         "triton": ["triton>=3.0"],
         "dev": ["pytest", "pytest-timeout", "pytest-xdist", "grpcio-tools>=1.85.1", "triton>=3.0"],

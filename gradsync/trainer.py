@@ -13,7 +13,10 @@ from gradsync.config import ConfigError
 from gradsync.core.clipping import Clipping
 from gradsync.core.optimizer_spec import as_optimizer
 from gradsync.core.row_optim import ROW_OPTIMIZERS
+from gradsync.core.errors import outside_context_error
+from gradsync.core.torch_internals import current_context_id
 from gradsync.runtime import cluster, resume
+from gradsync.worker.user_optimizer import watch_clipping
 
 if TYPE_CHECKING:  # the strategy's module is imported when the job's strategy is known
     from gradsync.worker.strategy import Strategy
@@ -99,6 +102,7 @@ class Trainer:
 
             self._strategy = AllreduceStrategy(job, model, optimizer, find_unused_parameters=find_unused_parameters,
                                                clipping=clipping)
+        watch_clipping(say=job.config.worker_rank == 0)
         self._commit = slowed(self._strategy.step, job.config.worker_rank)  # the step, or a straggler's
         self._joining = False
         scalars.watch(self._strategy.metrics, self._strategy.model_sizes(trainable))
@@ -108,11 +112,11 @@ class Trainer:
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
-        """The optimizer LR schedules drive: `param_groups` in the user's order with the user's keys (a change
-        takes effect from the next step, on every server); `state_dict()` keyed as the single-process
-        optimizer's; `load_state_dict()`. Under allreduce it is the user's own instance; under ps its groups
-        are the user's instance's (the same dicts) and its state lives on the servers. Every worker must
-        drive it alike."""
+        """The optimizer instance the user built (the same object, under every strategy), which LR schedules
+        drive: `param_groups` in the user's order with the user's keys (a change takes effect from the next step,
+        on every server); `state_dict()` keyed as the single-process optimizer's, `load_state_dict()` (under ps
+        they answer with the state the servers hold). Its `step()` runs inside `trainer.step` only: called
+        anywhere else it refuses. Every worker must drive it alike."""
         return self._strategy.optimizer
 
     @property
@@ -141,6 +145,8 @@ class Trainer:
                 unscales the gradients before clipping, is skipped on every worker and server when they hold
                 an inf/NaN, and updates the scale (the GradScaler loop's unscale_, step and update in one).
         """
+        if current_context_id() != context_id:
+            raise outside_context_error(context_id)
         self._commit(context_id, scaler)
         self._job.steps += 1
         every = self._job.config.checkpoint_every

@@ -206,14 +206,25 @@ def train_drive_apart(steps: int) -> None:
     run_steps(trainer, range(1, steps))
 
 
-def call_optimizer_step() -> str:
+def misuse_the_step() -> dict:
+    """Habits left from a DDP loop: the user's own optimizer's step(), and trainer.step after its context; what
+    each said, and whether trainer.optimizer is the user's object."""
     net = make_net()
-    trainer = gradsync.Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    trainer = gradsync.Trainer(net, optimizer)
+    said = {"same_object": trainer.optimizer is optimizer}
     try:
-        trainer.optimizer.step()
+        optimizer.step()
     except RuntimeError as e:
-        return str(e)
-    return "no error"
+        said["optimizer.step"] = str(e)
+    with dist_autograd.context() as cid:
+        x, y = batch(0, gradsync.worker_rank())
+        dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
+    try:
+        trainer.step(cid)
+    except RuntimeError as e:
+        said["outside"] = str(e)
+    return said
 
 
 def optimizer_diff(a: dict, b: dict) -> float:

@@ -8,7 +8,7 @@ import torch
 
 import gradsync
 from helpers import max_diff
-from real_loops import (MAX_NORM, call_optimizer_step, train_accumulating, continue_single_process, noise_bound,
+from real_loops import (MAX_NORM, misuse_the_step, train_accumulating, continue_single_process, noise_bound,
                         optimizer_diff, reference, train_drive_apart,
                         reference_amp, relative, train, train_amp, train_resumed, train_tables)
 
@@ -168,9 +168,13 @@ def test_a_schedule_that_differs_between_workers_is_refused_naming_both():
 
 
 @pytest.mark.timeout(120)
-def test_optimizer_step_under_ps_says_to_call_trainer_step():
-    answer = gradsync.launch(call_optimizer_step, strategy="ps", workers=1, servers=1, timeout=110)[0]
-    assert "call trainer.step(context_id)" in answer and "not optimizer.step()" in answer
+@pytest.mark.parametrize("strategy,servers", [("ps", 1), ("allreduce", 0)])
+def test_the_users_optimizer_is_the_trainers_and_a_misplaced_step_says_where_it_belongs(strategy, servers):
+    said = gradsync.launch(misuse_the_step, strategy=strategy, workers=1, servers=servers, timeout=110)[0]
+    assert said["same_object"] is True
+    assert "call trainer.step(context_id)" in said["optimizer.step"] and "not optimizer.step()" in said["optimizer.step"]
+    assert said["outside"].startswith("trainer.step(") and "outside its dist_autograd context" in said["outside"]
+    assert "Could not find autograd context" not in said["outside"]
 
 
 @pytest.mark.timeout(300)

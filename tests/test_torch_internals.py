@@ -3,6 +3,7 @@ changes one fails here, naming it, instead of inside a job."""
 import inspect
 import multiprocessing.forkserver
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,11 +21,34 @@ from helpers import gone
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_the_installed_torch_is_the_tested_one_and_setup_py_allows_only_that():
-    assert tuple(int(v) for v in torch.__version__.split(".")[:2]) == ti.TESTED_TORCH
+def test_the_installed_torch_is_a_tested_one_and_setup_py_keeps_newer_ones():
+    assert ".".join(torch.__version__.split(".")[:2]) in ti.TESTED_TORCH
     with open(os.path.join(ROOT, "setup.py")) as f:
-        major, minor = ti.TESTED_TORCH
-        assert f'"torch>={major}.{minor},<{major}.{minor + 1}"' in f.read()
+        requirement = re.search(r'"torch[^"]*"', f.read()).group(0)
+    assert requirement == f'"torch>={ti.TESTED_TORCH[0]}"'  # no upper bound that would downgrade a user's torch
+
+
+def test_every_private_name_a_function_uses_is_in_this_torch():
+    checked = [f for f in vars(ti).values() if callable(f) and hasattr(f, "private_names")]
+    assert len(checked) >= 14
+    for f in checked:
+        for name in f.private_names:
+            ti._require(name, f.__name__)  # raises TorchChanged naming it
+
+
+def test_a_private_name_this_torch_lacks_fails_at_first_use_in_one_line_naming_it_and_the_versions():
+    calls = []
+
+    @ti._uses("torch.distributed.autograd:_current_context", "torch.nn.utils.clip_grad:_gone_in_a_later_torch")
+    def relies():
+        calls.append(1)
+
+    with pytest.raises(ti.TorchChanged) as failed:
+        relies()
+    text = str(failed.value)
+    assert "\n" not in text and calls == []
+    assert "torch.nn.utils.clip_grad._gone_in_a_later_torch (in gradsync's relies)" in text
+    assert f"torch {torch.__version__}" in text and "tested on torch 2.13, 2.14" in text
 
 
 def test_contexts_start_without_an_rpc_agent_and_name_their_id():
@@ -94,20 +118,30 @@ def test_forkserver_pid_is_the_running_fork_server():
     assert context is not None
 
 
-def _alive_fd_released() -> tuple[bool, bool]:
-    """In a child of the fork server: whether it held the fork server's liveness pipe, and whether it still does
-    after `release_fork_server`."""
+def _fork_server_forgotten() -> tuple:
+    """In a child of the fork server: whether it held the fork server's liveness pipe, its start method, and after
+    `forget_fork_server`: whether it still holds the pipe, its start method, the fork server it knows and whether
+    a fork server's lock is free, as in a new process."""
     server = multiprocessing.forkserver._forkserver
-    held = server._forkserver_alive_fd is not None and os.fstat(server._forkserver_alive_fd) is not None
-    ti.release_fork_server()
-    return held, server._forkserver_alive_fd is not None
+    alive = server._forkserver_alive_fd
+    held = alive is not None and os.fstat(alive) is not None
+    method = multiprocessing.get_start_method(allow_none=True)
+    ti.forget_fork_server()
+    fd_open = True
+    try:
+        os.fstat(alive)
+    except OSError:
+        fd_open = False
+    free = server._lock.acquire(blocking=False)
+    return (held, method, fd_open, server._forkserver_alive_fd, multiprocessing.get_start_method(allow_none=True),
+            ti.forkserver_pid(), server._forkserver_address, free)
 
 
 @pytest.mark.timeout(60)
-def test_a_fork_server_child_lets_go_of_the_fork_servers_liveness_pipe():
+def test_a_fork_server_child_forgets_the_fork_server_as_a_new_process_knows_none():
     context = multiprocessing.get_context("forkserver")
     with context.Pool(1) as pool:
-        assert pool.apply(_alive_fd_released) == (True, False)
+        assert pool.apply(_fork_server_forgotten) == (True, "forkserver", False, None, None, None, None, True)
 
 
 _FORKED_SERVER = """
@@ -119,10 +153,13 @@ launchers_file = tempfile.NamedTemporaryFile()
 ti.fork_fork_server()
 server = ti.forkserver_pid()
 parent = procfs.parent(server)
+from test_torch_internals import _fork_server_forgotten
 with multiprocessing.get_context("forkserver").Pool(1) as pool:  # children served as by a new interpreter's
     child_parent = pool.apply(os.getppid)
     files = [os.readlink(f"/proc/{server}/fd/{fd}") for fd in os.listdir(f"/proc/{server}/fd")]  # now it serves
-print(server, parent == os.getpid(), child_parent == server, launchers_file.name not in files, flush=True)
+    forgotten = pool.apply(_fork_server_forgotten)  # forked inside the fork server's lock: a child must free it
+print(server, parent == os.getpid(), child_parent == server, launchers_file.name not in files,
+      forgotten == (True, "forkserver", False, None, None, None, None, True), flush=True)
 sys.stdin.read()  # until the test kills this process
 """
 
@@ -130,13 +167,14 @@ sys.stdin.read()  # until the test kills this process
 @pytest.mark.timeout(60)
 def test_a_fork_server_forked_from_its_launcher_serves_its_children_and_ends_with_the_launcher():
     launcher = subprocess.Popen([sys.executable, "-c", _FORKED_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                text=True)
+                                text=True, cwd=os.path.dirname(__file__))
     server = None
     try:
         server, *checks = launcher.stdout.readline().split()
         server = int(server)
-        # the launcher's child, the parent of the children it serves, holding none of the launcher's files
-        assert checks == ["True", "True", "True"]
+        # the launcher's child, the parent of the children it serves, holding none of the launcher's files; its
+        # children forget it as a new process knows none
+        assert checks == ["True", "True", "True", "True"]
         assert not gone(server)
         launcher.kill()
         launcher.wait(timeout=10)

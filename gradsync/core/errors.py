@@ -82,6 +82,22 @@ def step_twice_error(context_id: int) -> RuntimeError:
                         "once per dist_autograd.context(), after its backward")
 
 
+def outside_context_error(context_id: int) -> RuntimeError:
+    """trainer.step(context_id) where `context_id` is not the dist_autograd context open now."""
+    return RuntimeError(f"trainer.step({context_id}) was called outside its dist_autograd context: call it inside "
+                        "the `with dist_autograd.context() as cid:` block, after dist_autograd.backward(cid, [loss])")
+
+
+def optimizer_step_error() -> RuntimeError:
+    """optimizer.step() called by anyone but trainer.step."""
+    return RuntimeError(
+        "call trainer.step(context_id) once per step, inside the dist_autograd context after its backward, not "
+        "optimizer.step() (nor scaler.step(optimizer): pass the scaler, trainer.step(cid, scaler)): the step's "
+        "gradients live in its context, where trainer.step applies them (under ps the parameter servers apply the "
+        "optimizer), and it steps your optimizer too, so LR schedulers see the step"
+    )
+
+
 def no_gradients_error(context_id: int) -> RuntimeError:
     """trainer.step(context_id) for a context whose backward produced no gradient."""
     return RuntimeError(f"step({context_id}) found no gradients in that context: call "

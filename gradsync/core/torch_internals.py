@@ -1,12 +1,16 @@
 """Every private PyTorch (and standard-library) interface gradsync relies on, in one place.
 
-Each is used because the public API has no equivalent, said per item. They were checked on torch 2.13
-(`TESTED_TORCH`, the range setup.py allows); `tests/test_torch_internals.py` checks each one against the
-installed torch, so an upgrade that changes one fails there, by name, instead of deep inside a job.
+Each is used because the public API has no equivalent, said per item. Each function names the private names it
+uses (`_uses`), checked at its first call: a torch without one fails there with one line naming it and the torch
+version (`TorchChanged`), not deep inside a job. `tests/test_torch_internals.py` checks each name and each
+behaviour against the installed torch; the suite passes on the versions `TESTED_TORCH` lists (setup.py admits
+newer ones, which these checks guard).
 """
 from __future__ import annotations
 
 import ctypes
+import functools
+import importlib
 import multiprocessing.connection
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
@@ -19,22 +23,74 @@ import tempfile
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
-from torch.utils._pytree import tree_flatten, tree_unflatten  # DDP's own way to find tensors in any output
 
-TESTED_TORCH = (2, 13)
+TESTED_TORCH = ("2.13", "2.14")
+"""The torch versions (major.minor) the whole suite passed on (`make test`, `make test-torch-next`)."""
 
-__all__ = ["TESTED_TORCH", "tree_flatten", "tree_unflatten", "start_dist_autograd", "current_context_id",
+__all__ = ["TESTED_TORCH", "TorchChanged", "tree_flatten", "tree_unflatten", "start_dist_autograd", "current_context_id",
            "set_rpc_timeout", "current_rpc_agent", "rpc_init_count", "RPC_STORE_PREFIX", "RPC_MEMBER_LIST",
            "RPC_JOIN_TOKEN", "rpc_join_token", "RPC_JOIN_DONE", "ddp_shadow_round", "ddp_push_rebuilt_params",
-           "forkserver_pid", "short_fork_server_folder", "fork_fork_server", "release_fork_server", "cpp_log_level"]
+           "forkserver_pid", "short_fork_server_folder", "fork_fork_server", "forget_fork_server", "cpp_log_level",
+           "take_over_step", "before_clip_grad_norm"]
 
 
+class TorchChanged(RuntimeError):
+    """The installed torch (or Python) lacks a private name gradsync relies on."""
+
+
+def _require(name: str, user: str) -> None:
+    """Resolve `name` ('module:attribute.attribute'), or raise TorchChanged naming it, `user` and the versions."""
+    module, _, attributes = name.partition(":")
+    try:
+        found = importlib.import_module(module)
+        for attribute in filter(None, attributes.split(".")):
+            found = getattr(found, attribute)
+    except (ImportError, AttributeError):
+        raise TorchChanged(
+            f"gradsync needs {name.replace(':', '.')} (in {user}), which torch {torch.__version__} on Python "
+            f"{sys.version.split()[0]} does not have: gradsync was tested on torch {', '.join(TESTED_TORCH)}; "
+            f"install one of those (pip install 'torch~={TESTED_TORCH[-1]}.0'), or a gradsync that supports this "
+            "torch") from None
+
+
+def _uses(*names: str):
+    """Decorator: check the private `names` a function uses ('module:attribute.attribute') at its first call."""
+    def decorate(fn):
+        checked = []
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if not checked:
+                for name in names:
+                    _require(name, f"gradsync's {fn.__name__}")
+                checked.append(True)
+            return fn(*args, **kwargs)
+
+        call.private_names = names
+        return call
+    return decorate
+
+
+@_uses("torch.utils._pytree:tree_flatten")
+def tree_flatten(tree) -> tuple[list, object]:
+    """The tensors (leaves) of any nested output and its structure: DDP's own way to find them."""
+    return torch.utils._pytree.tree_flatten(tree)
+
+
+@_uses("torch.utils._pytree:tree_unflatten")
+def tree_unflatten(leaves: list, spec) -> object:
+    """`tree_flatten`'s output rebuilt from `leaves`."""
+    return torch.utils._pytree.tree_unflatten(leaves, spec)
+
+
+@_uses("torch.distributed.autograd:_init")
 def start_dist_autograd(rank: int) -> None:
     """Make `dist_autograd.context()` usable in a process without an RPC agent (the gRPC transport): the
     agent's start does this, and nothing public does it alone."""
     dist_autograd._init(rank)
 
 
+@_uses("torch.distributed.autograd:_current_context")
 def current_context_id() -> int | None:
     """The id of the active dist_autograd context, or None outside one (no public accessor)."""
     try:
@@ -43,17 +99,20 @@ def current_context_id() -> int | None:
         return None
 
 
+@_uses("torch.distributed.rpc:_set_rpc_timeout")
 def set_rpc_timeout(seconds: float) -> None:
     """The default timeout of later RPCs (init_rpc takes one for start-up only)."""
     rpc._set_rpc_timeout(seconds)
 
 
+@_uses("torch.distributed.rpc:api._get_current_rpc_agent")
 def current_rpc_agent():
     """This process's RPC agent: its metrics (calls still open) and its join, for leaving a dynamic group
     without torch's graceful shutdown, which would call every member."""
     return rpc.api._get_current_rpc_agent()
 
 
+@_uses("torch.distributed.rpc:_init_counter")
 def rpc_init_count() -> int:
     """How many times this process has started RPC: torch prefixes its store keys with it."""
     return rpc._init_counter
@@ -75,6 +134,8 @@ def rpc_join_token(holder: str) -> str:
     return f"Token_for_{holder}_join"
 
 
+@_uses("torch._C._distributed_c10d:Reducer._rebuild_buckets", "torch._C._distributed_c10d:Reducer._get_zeros_like_grad_buckets",
+       "torch._C._distributed_c10d:Reducer._run_comm_hook")
 def ddp_shadow_round(reducer) -> tuple[list, list]:
     """One backward pass's collectives of DDP's `reducer` with zero gradients, for a worker that ran out of
     data (DDP's own `join()` does the same through these calls; it has no form that a dist_autograd
@@ -86,16 +147,19 @@ def ddp_shadow_round(reducer) -> tuple[list, list]:
     return buckets, futures
 
 
+@_uses("torch._C._distributed_c10d:Reducer._push_all_rebuilt_params")
 def ddp_push_rebuilt_params(reducer) -> None:
     """Let a worker that never stepped take part in DDP's bucket rebuild (after `ddp_shadow_round`)."""
     reducer._push_all_rebuilt_params()
 
 
+@_uses("multiprocessing.forkserver:_forkserver._forkserver_pid")
 def forkserver_pid() -> int:
     """The pid of this process's fork server (the parent of the ranks it starts; no public accessor)."""
     return multiprocessing.forkserver._forkserver._forkserver_pid
 
 
+@_uses("multiprocessing.util:get_temp_dir")
 def short_fork_server_folder() -> None:
     """Make the folder where multiprocessing puts its fork server's socket (`util.get_temp_dir`, a private folder
     made once per process under TMPDIR) under /tmp when TMPDIR is so long that the socket's path would pass
@@ -110,6 +174,9 @@ def short_fork_server_folder() -> None:
         tempfile.tempdir = saved
 
 
+@_uses("multiprocessing.forkserver:_forkserver._lock", "multiprocessing.forkserver:_forkserver._forkserver_address",
+       "multiprocessing.forkserver:main", "multiprocessing.connection:arbitrary_address",
+       "multiprocessing.util:is_abstract_socket_namespace")
 def fork_fork_server() -> None:
     """Start multiprocessing's fork server as a fork of this process, which has imported what its children need,
     rather than as a new interpreter that imports it all again (what `forkserver.ensure_running` does: ~5 CPU-s
@@ -148,14 +215,21 @@ def fork_fork_server() -> None:
         server._forkserver_pid = pid
 
 
-def release_fork_server() -> None:
-    """In a process the fork server forked: close its copy of the pipe whose end tells the fork server that its
-    launcher is gone (every child gets one), so the fork server exits, and its ranks with it, when the launcher
-    dies, not when the last rank does."""
+@_uses("multiprocessing.forkserver:_forkserver._forkserver_alive_fd")
+def forget_fork_server() -> None:
+    """In a process the fork server forked: multiprocessing as a new `python SCRIPT` finds it. No start method
+    chosen (the fork server's child has 'forkserver' set, so a `DataLoader(num_workers>0)` would start its workers
+    through a fork server of the rank's own), and no fork server known: the one inherited is the launcher's (its
+    address, its pid), and its lock is held (`fork_fork_server` forks inside it), so the rank's first
+    `ensure_running` would wait forever. The rank's copy of the pipe whose end tells the fork server that its
+    launcher is gone is closed, so the fork server exits, and its ranks with it, when the launcher dies, not when
+    the last rank does. The launcher's resource tracker stays the rank's: it cleans up after a rank that was killed.
+    Nothing public resets any of it."""
     server = multiprocessing.forkserver._forkserver
     if server._forkserver_alive_fd is not None:
         os.close(server._forkserver_alive_fd)
-        server._forkserver_alive_fd = None
+    server.__init__()  # the module's functions are bound to this instance: reset it, not replace it
+    multiprocessing.set_start_method(None, force=True)
 
 
 def cpp_log_level() -> ctypes.c_int32:
@@ -163,3 +237,36 @@ def cpp_log_level() -> ctypes.c_int32:
     torch is imported, and no public call sets it later. c10's FLAGS_caffe2_log_level, which c10d reads at each line."""
     c10 = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))  # loaded already: the same one
     return ctypes.c_int32.in_dll(c10, "FLAGS_caffe2_log_level")
+
+
+def take_over_step(optimizer: torch.optim.Optimizer, step) -> object:
+    """Make `step` the optimizer's `step` (called with the same arguments); returns the step it replaces. torch's
+    LR schedulers track an optimizer's steps by wrapping its `step` (marked `_wrapped_by_lr_sched`, setting
+    `_opt_called` when called): the new step carries the mark, so a scheduler built later leaves it in place, and
+    sets `_opt_called` itself, so no scheduler warns that the optimizer never stepped or was replaced. Nothing
+    public lets a scheduler watch another step."""
+    replaced = optimizer.step
+
+    def tracked(*args, **kwargs):
+        result = step(*args, **kwargs)
+        optimizer._opt_called = True
+        return result
+
+    tracked._wrapped_by_lr_sched = True
+    optimizer.step = tracked
+    return replaced
+
+
+@_uses("torch.nn.utils.clip_grad:_get_total_norm")
+def before_clip_grad_norm(hook) -> None:
+    """Call `hook(grads)` at each `torch.nn.utils.clip_grad_norm_` with the gradients it found, under whatever name
+    the script imported it: wraps clip_grad's `_get_total_norm`, which it looks up at each call. Nothing public
+    observes a call."""
+    module = torch.nn.utils.clip_grad
+    inner = module._get_total_norm
+
+    def total_norm(tensors, *args, **kwargs):
+        hook(tensors)
+        return inner(tensors, *args, **kwargs)
+
+    module._get_total_norm = total_norm

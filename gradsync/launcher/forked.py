@@ -5,7 +5,8 @@ its first optimizer step or DDP). A launcher starts one fork server (multiproces
 imported (the command line forks it from itself once it imported them) and forks its ranks from it:
 `gradsync.launch`'s always, `gradsync run`'s unless GRADSYNC_RANK_START is exec. A forked rank first becomes
 what a new process would be (`become_rank`): the rank's environment and no other, dying with the launcher (as
-the fork server does: `release_fork_server`), torch's C++ log level and thread count from that environment
+the fork server does), multiprocessing with no start method and no fork server chosen (`forget_fork_server`: so
+a DataLoader's workers start as in a new process), torch's C++ log level and thread count from that environment
 (torch read both when the fork server imported it), torch's and numpy's global random states its own, and,
 behind --link, its network namespace with /sys showing that network's devices (as `ip netns exec` does).
 `run_script` then runs the script as `python SCRIPT ARGS` does: as `__main__`, its directory first on
@@ -73,13 +74,13 @@ def become_rank(env: dict[str, str], namespace: str | None) -> None:
     import numpy
     import torch
 
-    from gradsync.core.torch_internals import release_fork_server
+    from gradsync.core.torch_internals import forget_fork_server
     from gradsync.launcher import netem, torch_logs
     from gradsync.membership.liveness import die_with_launcher
 
     os.environ.clear()
     os.environ.update(env)
-    release_fork_server()
+    forget_fork_server()
     die_with_launcher()
     torch_logs.apply()
     if env.get("OMP_NUM_THREADS", "").isdigit():

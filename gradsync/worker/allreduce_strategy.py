@@ -63,6 +63,7 @@ from gradsync.worker.ddp_hooks import make_ddp_hook
 from gradsync.worker.metrics import StepMetrics
 from gradsync.worker.model_state import named_tensors, to_state_dict
 from gradsync.worker.strategy import Strategy
+from gradsync.worker.user_optimizer import StepGuard
 
 if TYPE_CHECKING:  # imports point one way: the start-up code (cluster) builds the strategies
     from gradsync.runtime.cluster import Cluster
@@ -193,6 +194,7 @@ class AllreduceStrategy(Strategy):
         self.last_gradient = LastGradient(self.trainable)
         self.model = _Model(self.ddp, self._forward)
         self.optimizer = optimizer  # the user's own, over the module's parameters, which DDP keeps
+        self.steps = StepGuard(optimizer)
         self.clipping = clipping
         self.grad_norm: float | None = None
         self.outside: Callable[[], list[float]] | None = None  # hybrid: the servers' partial norms of the step
@@ -295,22 +297,23 @@ class AllreduceStrategy(Strategy):
         for p, u, g in zip(self.trainable, used, averaged):
             p.grad = g if u else None
         live = [p for p in self.trainable if p.grad is not None]
-        if scaler is not None and self.outside is None:  # an inf/NaN is the scaler's: it skips and backs off
-            scaler.unscale_(self.optimizer)
-            stepped = first_nonfinite([p.grad for p in live]) is None
-            self._clip(live)
-            scaler.step(self.optimizer)
-            scaler.update()
-            return stepped
-        bad = first_nonfinite([p.grad for p in live]) if suspect and scaler is None else None
-        if bad is None:
-            if self.outside is not None and (scaler is not None or self.clipping.on):
-                return self._agreed(live, scaler)
-            self._clip(live)
-            self.optimizer.step()
-        if bad is not None and self.config.nonfinite == "raise":
-            raise nonfinite_error(self.names[live[bad]], bad_workers[0] if bad_workers else "unknown")
-        return bad is None
+        with self.steps.open():  # the user's optimizer steps here only (`user_optimizer`)
+            if scaler is not None and self.outside is None:  # an inf/NaN is the scaler's: it skips and backs off
+                scaler.unscale_(self.optimizer)
+                stepped = first_nonfinite([p.grad for p in live]) is None
+                self._clip(live)
+                scaler.step(self.optimizer)
+                scaler.update()
+                return stepped
+            bad = first_nonfinite([p.grad for p in live]) if suspect and scaler is None else None
+            if bad is None:
+                if self.outside is not None and (scaler is not None or self.clipping.on):
+                    return self._agreed(live, scaler)
+                self._clip(live)
+                self.optimizer.step()
+            if bad is not None and self.config.nonfinite == "raise":
+                raise nonfinite_error(self.names[live[bad]], bad_workers[0] if bad_workers else "unknown")
+            return bad is None
 
     def _agreed(self, live: list[torch.Tensor], scaler) -> bool:
         """The hybrid strategy's step with clipping or a GradScaler: the total norm adds the servers' partial

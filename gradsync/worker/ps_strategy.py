@@ -50,10 +50,11 @@ from gradsync.worker.amp import inverse_scale, record_found_inf
 from gradsync.worker.metrics import StepMetrics
 from gradsync.worker.piece_size import pipelined, step_plan
 from gradsync.worker.model_state import named_tensors, ordered, to_state_dict
-from gradsync.worker.served_optimizer import ServedOptimizer
+from gradsync.worker.served_optimizer import ServedState, serve_state
 from gradsync.worker.strategy import Strategy
 from gradsync.worker.streaming import GradientStream, dense, next_seq
 from gradsync.worker.tables import serve_tables
+from gradsync.worker.user_optimizer import StepGuard
 
 if TYPE_CHECKING:  # imports point one way: the start-up code (cluster) builds the strategies
     from gradsync.runtime.cluster import Cluster
@@ -137,17 +138,21 @@ class PSStrategy(Strategy):
         self.transport.timeline = self.metrics.timeline  # where the transport records its lanes
         self.frozen = self._register(params, buffers, spec, table_setups)
         self.model = PSModel(module, self)
-        self.optimizer = ServedOptimizer(
+        loaded = optimizer.state_dict() if any(optimizer.state.values()) else None  # loaded before the Trainer
+        served = ServedState(
             optimizer, spec.names, {s: [e for b in bs for e in b.entries] for s, bs in self.server_buckets.items()},
             self.transport.optimizer_state, self.transport.load_optimizer_state)
+        serve_state(optimizer, served)
+        self.optimizer = optimizer  # the user's own, answering with the servers' state
+        self.steps = StepGuard(optimizer, lambda closure=None: None)  # the servers applied the step
         self._sent = [group_options(g) for g in optimizer.param_groups]  # the options the servers hold
         self._last: tuple[int, _Pulled] | None = None
         self._stepped: int | None = None
         self.grad_norm: float | None = None
         self._next = self._build(self.transport.pull())  # what the next forward runs on, the module points at
         self.tables.serving = True
-        if self.worker == 0 and any(optimizer.state.values()):  # a state the user loaded before the Trainer
-            self.optimizer.load_state_dict(optimizer.state_dict())
+        if self.worker == 0 and loaded is not None:
+            optimizer.load_state_dict(loaded)
 
     def _register(self, params, buffers, spec: OptimizerSpec, table_setups) -> dict[str, torch.Tensor]:
         setups = {s: None for s in self.servers}
@@ -295,7 +300,7 @@ class PSStrategy(Strategy):
             sent += sum(self.wire.nbytes(p.payload) for k, p in stream.sent.items()
                         if k not in streamed and p.payload is not None)
         self.metrics.committed(start, sent, sum(s.nbytes for s in fresh.values()))
-        with self.optimizer.stepping():
+        with self.steps.open():
             self.optimizer.step()
 
     def _finish(self, partials: dict[int, Partial], scaler) -> dict[int, Snapshot]:

@@ -1,18 +1,15 @@
-"""`trainer.optimizer` under the ps strategy: the user's parameter groups on the worker, the state on the servers.
+"""The optimizer state of the ps strategy, which lives on the servers, answered by the user's own optimizer.
 
-`ServedOptimizer` shares the user's optimizer's `param_groups` (the same list
-and dicts), so an LR scheduler built on either, or a hand-written
-`group["lr"] = ...`, changes what the next step sends the servers
-(`changed_options`). Its `state_dict()` gathers the servers' optimizer state
-into torch's layout (parameter indices in group order, a split parameter's
-pieces joined), and `load_state_dict()` takes such a dict, from gradsync or
-from single-process training, and hands each server its part. Its `step()` is
-what `trainer.step` calls once the servers applied a step (LR schedulers count
-it); called by anyone else it refuses, since only `trainer.step` can step.
+`serve_state` makes the optimizer instance the user built (`trainer.optimizer`, the same object) answer
+`state_dict()` and `load_state_dict()` with the servers' state, so a snapshot routine written for a single
+process saves and restores the real state. Its `param_groups` stay the user's, so an LR scheduler or a
+hand-written `group["lr"] = ...` changes what the next step sends the servers (`changed_options`).
+`state_dict()` gathers the servers' optimizer state into torch's layout (parameter indices in group order, a
+split parameter's pieces joined), and `load_state_dict()` takes such a dict, from gradsync or from
+single-process training, and hands each server its part. Its `step()` is the `user_optimizer.StepGuard`'s.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Callable
 
 import torch
@@ -21,11 +18,11 @@ from gradsync.core.buckets import Entry
 from gradsync.core.optimizer_spec import group_options, join_state, split_state
 
 
-class ServedOptimizer(torch.optim.Optimizer):
-    """The user's optimizer groups, stepped by the parameter servers.
+class ServedState:
+    """The servers' optimizer state, in the layout of the user's optimizer.
 
     Args:
-        optimizer: the user's optimizer instance (its groups are shared, not copied).
+        optimizer: the user's optimizer instance, whose groups these are.
         names: each group's parameter names, in group order.
         entries: each server's bucket entries (whole parameters and pieces of split ones).
         gather: returns {server: {"state": {entry key: state}, "groups": [...]}} from every server.
@@ -34,32 +31,11 @@ class ServedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, names: tuple[tuple[str, ...], ...],
                  entries: dict[int, list[Entry]], gather: Callable[[], dict], scatter: Callable[[dict], None]):
-        super().__init__(optimizer.param_groups, optimizer.defaults)
         self.param_groups = optimizer.param_groups
         self._names = names
         self._entries = entries
         self._gather = gather
         self._scatter = scatter
-        self._stepping = False
-
-    @contextlib.contextmanager
-    def stepping(self):
-        """The block in which `trainer.step` marks a step applied by the servers."""
-        self._stepping = True
-        try:
-            yield
-        finally:
-            self._stepping = False
-
-    def step(self, closure=None):
-        """Called by `trainer.step` after the servers applied the step; refuses any other caller."""
-        if not self._stepping:
-            raise RuntimeError(
-                "under the ps strategy the parameter servers apply the optimizer: call trainer.step(context_id) "
-                "once per step (it steps trainer.optimizer too, so LR schedulers see the step), not "
-                "optimizer.step()"
-            )
-        return None
 
     def state_dict(self) -> dict:
         """The servers' optimizer state in torch's layout, as the single-process optimizer's `state_dict()`."""
@@ -98,3 +74,9 @@ class ServedOptimizer(torch.optim.Optimizer):
         self._scatter({s: (split_state(by_name, entries), options) for s, entries in self._entries.items()})
         for group, new in zip(self.param_groups, options):
             group.update(new)
+
+
+def serve_state(optimizer: torch.optim.Optimizer, state: ServedState) -> None:
+    """Make `optimizer` answer `state_dict()` and `load_state_dict()` with the servers' `state`."""
+    optimizer.state_dict = state.state_dict
+    optimizer.load_state_dict = state.load_state_dict
