@@ -228,3 +228,22 @@ def test_the_cpp_log_level_is_the_one_torch_read_and_setting_it_takes_effect():
     assert done.returncode == 0 and done.stdout.strip() == "0", done.stderr
     before, after = done.stderr.split("set to ERROR\n")
     assert "[c10d]" in before and after == "", done.stderr
+
+
+_LEAKS_A_SEMAPHORE = """
+import multiprocessing, os, sys
+from gradsync.core import torch_internals as ti
+if sys.argv[1] == "quiet":
+    ti.quiet_resource_tracker()
+lock = multiprocessing.get_context("spawn").Lock()  # a named semaphore, registered with the resource tracker
+os._exit(0)  # as a process stopped by a signal: nothing released
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("tracker", ["quiet", "plain"])
+def test_a_quiet_resource_tracker_cleans_up_a_stopped_process_without_its_leak_warning(tracker):
+    done = subprocess.run([sys.executable, "-c", _LEAKS_A_SEMAPHORE, tracker], capture_output=True, text=True,
+                          timeout=50)
+    assert done.returncode == 0
+    assert ("leaked semaphore objects" in done.stderr) == (tracker == "plain"), done.stderr

@@ -82,6 +82,16 @@ def step_twice_error(context_id: int) -> RuntimeError:
                         "once per dist_autograd.context(), after its backward")
 
 
+def init_in_a_child_error() -> RuntimeError:
+    """gradsync.init() run while a spawned child (a DataLoader worker) imports the main script."""
+    return RuntimeError(
+        "gradsync.init() ran while a child process (a DataLoader worker with the 'spawn' or 'forkserver' start "
+        "method) imported your script: such children import the main script again, so the training must not run "
+        "at import. Put it under `if __name__ == \"__main__\":` (as python's multiprocessing requires), or use "
+        "the DataLoader's default start method"
+    )
+
+
 def outside_context_error(context_id: int) -> RuntimeError:
     """trainer.step(context_id) where `context_id` is not the dist_autograd context open now."""
     return RuntimeError(f"trainer.step({context_id}) was called outside its dist_autograd context: call it inside "

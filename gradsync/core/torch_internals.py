@@ -31,7 +31,8 @@ __all__ = ["TESTED_TORCH", "TorchChanged", "tree_flatten", "tree_unflatten", "st
            "set_rpc_timeout", "current_rpc_agent", "rpc_init_count", "RPC_STORE_PREFIX", "RPC_MEMBER_LIST",
            "RPC_JOIN_TOKEN", "rpc_join_token", "RPC_JOIN_DONE", "ddp_shadow_round", "ddp_push_rebuilt_params",
            "forkserver_pid", "short_fork_server_folder", "fork_fork_server", "forget_fork_server", "cpp_log_level",
-           "take_over_step", "before_clip_grad_norm"]
+           "take_over_step", "before_clip_grad_norm", "importing_main_for_a_child",
+           "quiet_resource_tracker"]
 
 
 class TorchChanged(RuntimeError):
@@ -270,3 +271,22 @@ def before_clip_grad_norm(hook) -> None:
         return inner(tensors, *args, **kwargs)
 
     module._get_total_norm = total_norm
+
+
+def importing_main_for_a_child() -> bool:
+    """Whether this process is a spawned (or fork server's) child importing the parent's main script before it
+    runs its target: a DataLoader worker under the 'spawn' or 'forkserver' start method does so. multiprocessing
+    marks it on the current process (`_inheriting`) and says so publicly only in an error."""
+    return bool(getattr(multiprocessing.current_process(), "_inheriting", False))
+
+
+def quiet_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker of this process (a launcher: its ranks share it) so that it cleans
+    up what a rank stopped by a signal left registered (the named semaphores of a 'spawn' or 'forkserver'
+    DataLoader) without its "leaked semaphore objects" warning: a rank the launcher stops cannot release them,
+    and the warning would blame the user's script. The tracker is a new interpreter that takes this process's
+    -W options (`sys.warnoptions`) at its start, its only configuration."""
+    quiet = "ignore:resource_tracker:UserWarning"
+    if quiet not in sys.warnoptions:
+        sys.warnoptions.append(quiet)
+    multiprocessing.resource_tracker.ensure_running()

@@ -47,10 +47,12 @@ def rank_starter(from_here: bool = False) -> tuple[multiprocessing.context.BaseC
     CPU-s a job). Only for a process that was `single_threaded()` before it imported torch and has run no torch
     operation since (a fork of a thread's locks, or of an OpenMP pool that ran, can hang the ranks); it still
     falls back to a new interpreter if a Python thread runs now."""
-    from gradsync.core.torch_internals import fork_fork_server, forkserver_pid, short_fork_server_folder
+    from gradsync.core.torch_internals import (fork_fork_server, forkserver_pid, quiet_resource_tracker,
+                                               short_fork_server_folder)
 
     context = multiprocessing.get_context("forkserver")
     short_fork_server_folder()
+    quiet_resource_tracker()
     if from_here and threading.active_count() == 1 and forkserver_pid() is None:
         for name in PRELOADED:
             importlib.import_module(name)

@@ -21,6 +21,8 @@ import torch.distributed as dist
 
 from gradsync.config import ConfigError, JobConfig, StoreKeys, job_keywords
 from gradsync.core import settings
+from gradsync.core.errors import init_in_a_child_error
+from gradsync.core.torch_internals import importing_main_for_a_child
 from gradsync.membership import newcomers
 from gradsync.membership.liveness import Heartbeat, die_with_launcher, wait_for_arrivals
 from gradsync.runtime import cluster as job
@@ -56,6 +58,8 @@ def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=
         TypeError: a keyword that is no job setting.
         TimeoutError: some rank did not reach init() within startup_timeout (naming it).
     """
+    if importing_main_for_a_child():
+        raise init_in_a_child_error()
     asked = dict(strategy=strategy, mode=mode, servers=servers, nonfinite=nonfinite, compression=compression,
                  transport=transport, **job_keywords(timeouts, "gradsync.init"))
     join = join or settings.JOIN.read()
