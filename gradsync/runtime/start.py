@@ -80,8 +80,8 @@ def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=
     if config.rank == 0:  # for workers that join (an async job), and to refuse them at once (any other)
         newcomers.publish_settings(store, config)
     wait_for_arrivals(store, config)
-    cluster.resumed = resume.find(config)
-    server = install_server(config, cluster.resumed) if config.is_server else None
+    cluster.run, cluster.resumed = resume.open_run(config, store)
+    server = install_server(cluster) if config.is_server else None
     registry.transport(config.transport).rank.start(config, store)
     if server is not None:
         serve(cluster, server)
