@@ -178,7 +178,8 @@ class JobConfig(Checkpointing, Timeouts, Training, Placement):  # fields in the 
 
     def to_env(self) -> dict[str, str]:
         """The GRADSYNC_* variables that reproduce this job's settings in a child process."""
-        return {s.env: s.text(getattr(self, s.name)) for s in settings.JOB_SETTINGS if getattr(self, s.name) is not None}
+        return {s.env: s.text(getattr(self, s.name)) for s in settings.JOB_SETTINGS
+                if getattr(self, s.name) is not None}
 
 
 def settings_from_env(env, strategy: str | None = None) -> dict:

@@ -11,6 +11,7 @@ import torch
 
 import gradsync
 from faults import build_wider, train_resumable
+from resumable import train_clicks
 from gradsync.config import ConfigError, JobConfig
 from gradsync.ps import checkpoint
 from gradsync.runtime import resume
@@ -174,6 +175,23 @@ def test_a_changed_optimizer_is_one_refusal_on_worker_0_naming_both_classes(stra
     assert stderr.count(f"was written with the optimizer {names[written]}, and this job builds {names[built]}: "
                         "its state (and options) are") == 1, stderr
     assert "KeyError" not in stderr
+
+
+@pytest.mark.timeout(240)
+def test_a_shard_its_server_cannot_restore_is_one_refusal_on_that_server(tmp_path):
+    """Tables served by row when written, dense when resumed: the model and optimizer match (worker 0 lets it
+    through), and server 0, which restores its shard, refuses it, headlined on that server."""
+    directory = str(tmp_path / "checkpoints")
+    gradsync.launch(train_clicks, strategy="ps", workers=2, servers=1, args=(EVERY,), checkpoint_dir=directory,
+                    checkpoint_every=EVERY, step_timeout=20, timeout=90)
+    body = ("gradsync.init()\nimport torch, sparse_models\nmodel = sparse_models.ClickNet()\n"
+            "gradsync.Trainer(model, torch.optim.Adam(model.parameters(), lr=0.01), tables='dense')\n"
+            "gradsync.shutdown()\n")
+    stderr, headline = run_failing_script(tmp_path, body, "--strategy", "ps", "--servers", "1", "--workers", "2",
+                                          "--resume", directory)
+    assert headline.startswith("gradsync: rank 0 (ps0) failed with exit code 1:\nValueError: server 0 cannot "
+                               f"restore its shard: {directory}/step-00000005 holds 0 of the "), stderr
+    assert stderr.count("cannot restore its shard") == 1, stderr
 
 
 def _write_checkpoint(directory: str, step: int, servers: int, workers: int, run: str = "run-a") -> str:

@@ -266,7 +266,8 @@ def check(found: Found, described: dict) -> None:
     """Refuse to resume `found` into the job's model and optimizer (`describe`) when they differ from the
     checkpoint's: raises ValueError naming the first tensor, or the optimizer classes, or the group that
     differs, and the fix."""
-    fix = "resume with the model and optimizer that wrote it, or start a new run (--start-over, or another --checkpoint-dir)"
+    fix = ("resume with the model and optimizer that wrote it, or start a new run (--start-over, or another "
+           "--checkpoint-dir)")
     theirs, ours = found.manifest["model"], described["model"]
     for key in [*theirs, *(k for k in ours if k not in theirs)]:
         if theirs.get(key) != ours.get(key):

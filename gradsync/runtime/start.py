@@ -47,7 +47,8 @@ def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=
             it as a new worker, with the job's settings (README, "Elastic async workers").
         timeouts: the other job settings: startup_timeout, step_timeout, shutdown_timeout (seconds);
             staleness (steps, mode 'ssp'); server_device, bucket_cap_mb; checkpoint_dir and checkpoint_every
-            (steps), resume (a checkpoint directory): see README, "Checkpoint and resume", and the settings
+            (steps), resume (a checkpoint directory), start_over (a new run in a checkpoint_dir holding another
+            run's step folders, removed first): see README, "Checkpoint and resume", and the settings
             table of docs/architecture.md.
     On a server this call serves until the job ends and then exits the process.
     Raises:
