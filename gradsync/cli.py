@@ -65,7 +65,8 @@ def _parser() -> argparse.ArgumentParser:
         group = run.add_argument_group(f"job settings: {concern}")
         for s in settings.of(concern):
             if s in JOB_SETTINGS:
-                group.add_argument(s.flag, dest=s.name, type=s.type, default=None, help=_help(s))
+                kind = dict(action="store_const", const=True) if s.type is bool else dict(type=s.type)
+                group.add_argument(s.flag, dest=s.name, default=None, help=_help(s), **kind)
     run.add_argument("--master-port", type=int, default=0, help="port of the rendezvous store (0: a free one)")
     run.add_argument(RUN_DIR.flag, default=None, help=_help(RUN_DIR))
     run.add_argument("--timeout", type=float, default=None, help="seconds before the whole job is killed")

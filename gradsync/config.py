@@ -136,6 +136,12 @@ class Checkpointing:
                 f"checkpoint_every={self.checkpoint_every}, checkpoint_dir={self.checkpoint_dir!r}: pass both "
                 "--checkpoint-dir DIR and --checkpoint-every N (N >= 1), or neither"
             )
+        if self.start_over and (self.resume or not self.checkpoint_dir):
+            raise ConfigError(
+                f"start_over with resume={self.resume!r}, checkpoint_dir={self.checkpoint_dir!r}: --start-over "
+                "begins a new run in --checkpoint-dir, removing the old run's checkpoints, and --resume continues "
+                "one: pass --checkpoint-dir DIR with one of them"
+            )
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -172,7 +178,8 @@ class JobConfig(Checkpointing, Timeouts, Training, Placement):  # fields in the 
 
     def to_env(self) -> dict[str, str]:
         """The GRADSYNC_* variables that reproduce this job's settings in a child process."""
-        return {s.env: str(getattr(self, s.name)) for s in settings.JOB_SETTINGS if getattr(self, s.name) is not None}
+        return {s.env: s.text(getattr(self, s.name)) for s in settings.JOB_SETTINGS
+                if getattr(self, s.name) is not None}
 
 
 def settings_from_env(env, strategy: str | None = None) -> dict:
@@ -225,6 +232,7 @@ class StoreKeys:
     GRPC_SPEC = "gradsync/grpc/spec/{}/{}"
     GRPC_REGISTERED = "gradsync/grpc/registered/{}"
     CHECKPOINT = "gradsync/checkpoint/{}/{}"  # step, worker: that worker wrote its state of that step
+    RUN = "gradsync/run"  # rank 0's decision (JSON): the run this job checkpoints, and the folder it resumes from
     JOINS = "gradsync/joins"  # how many times a worker has joined (trainer.join()): numbers the events
     JOINED = "gradsync/joined/{}"  # event number: the worker that joined
     JOIN_DONE = "gradsync/join_done/{}/{}"  # round, shard: that server saw every worker join that round

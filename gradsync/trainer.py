@@ -82,10 +82,10 @@ class Trainer:
         if job.config.is_server:
             raise RuntimeError("Trainer is for workers; servers serve inside gradsync.init()")
         job.building_trainer()
-        self._model_description = resume.describe_model(model)
+        self._described = resume.describe(model, optimizer)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        if job.resumed is not None:
-            resume.check_model(job.resumed, model)
+        if job.resumed is not None and job.config.worker_rank == 0:  # one worker decides: one failure
+            resume.check(job.resumed, self._described)
         self._strategy: Strategy
         if job.config.strategy == "ps":
             from gradsync.worker.ps_strategy import PSStrategy
@@ -151,7 +151,8 @@ class Trainer:
         self._job.steps += 1
         every = self._job.config.checkpoint_every
         if every and self._job.steps % every == 0:
-            resume.save(self._job.store, self._job.config, self._job.steps, self._strategy, self._model_description)
+            resume.save(self._job.store, self._job.config, self._job.run, self._job.steps, self._strategy,
+                        self._described)
 
     def no_sync(self):
         """A block whose backward passes only accumulate, as DDP's `no_sync()`: wrap every micro-batch of a

@@ -74,14 +74,16 @@ def test_run_and_compare_refuse_a_script_that_does_not_exist_before_starting_any
     assert not out.exists()  # refused before anything was written
 
 
-def test_run_keeps_every_option_it_had_and_adds_bucket_cap_mb_and_pipeline():
+def test_run_keeps_every_option_it_had_and_adds_bucket_cap_mb_pipeline_and_start_over():
     run = cli._parser()._subparsers._group_actions[0].choices["run"]
     options = {o for a in run._actions for o in a.option_strings}
     assert options == {"-h", "--help", "--strategy", "--workers", "--join", "--servers", "--mode", "--staleness",
                        "--nonfinite", "--compression", "--transport", "--server-device", "--bucket-cap-mb",
                        "--pipeline", "--startup-timeout", "--step-timeout", "--shutdown-timeout", "--checkpoint-dir",
-                       "--checkpoint-every", "--resume", "--master-port", "--run-dir", "--timeout", "--link",
-                       "--server-link"}
+                       "--checkpoint-every", "--resume", "--start-over", "--master-port", "--run-dir", "--timeout",
+                       "--link", "--server-link"}
+    chosen = cli.job_settings(cli.parse_args(["run", "--strategy", "ps", "--workers", "1", "--start-over", __file__]))
+    assert chosen["start_over"] is True  # a flag without a value
 
 
 def test_help_a_bad_flag_and_a_missing_script_answer_without_importing_torch(tmp_path):

@@ -4,16 +4,19 @@ import functools
 import json
 import os
 import shutil
+import tempfile
 
 import pytest
 import torch
 
 import gradsync
 from faults import build_wider, train_resumable
+from resumable import train_clicks
+from gradsync.config import ConfigError, JobConfig
 from gradsync.ps import checkpoint
 from gradsync.runtime import resume
 from jobs import make_mlp
-from helpers import gradsync_run, max_diff
+from helpers import gradsync_run, max_diff, run_failing_script
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -88,35 +91,117 @@ def test_resume_refuses_a_checkpoint_of_another_strategy_or_model(tmp_path):
                         timeout=60)
 
 
-@pytest.mark.timeout(150)
-def test_gradsync_run_flags_checkpoint_and_resume(tmp_path):
-    directory, out = str(tmp_path / "checkpoints"), str(tmp_path / "state.pt")
+def _script(tmp_path) -> str:
+    """A script running `train_resumable(STEPS, OPTIMIZER)` (its arguments), which saves worker 0's result to
+    its third argument."""
     script = tmp_path / "train.py"
     script.write_text(
         f"import sys; sys.path[:0] = [{TESTS!r}, {os.path.dirname(TESTS)!r}]\n"
         "import torch, gradsync\nfrom faults import train_resumable\n"
-        "gradsync.init()\nresult = train_resumable(int(sys.argv[1]), 'sgd')\n"
-        "if gradsync.worker_rank() == 0:\n    torch.save(result, sys.argv[2])\ngradsync.shutdown()\n"
+        "gradsync.init()\nresult = train_resumable(int(sys.argv[1]), sys.argv[2])\n"
+        "if gradsync.worker_rank() == 0:\n    torch.save(result, sys.argv[3])\ngradsync.shutdown()\n"
     )
+    return str(script)
+
+
+@pytest.mark.timeout(150)
+def test_gradsync_run_flags_checkpoint_and_resume(tmp_path):
+    directory, out, script = str(tmp_path / "checkpoints"), str(tmp_path / "state.pt"), _script(tmp_path)
     flags = ["--strategy", "allreduce", "--workers", "2", "--checkpoint-dir", directory, "--checkpoint-every", "5"]
-    done = gradsync_run(*flags, "--timeout", "50", str(script), "12", out, timeout=60)
+    done = gradsync_run(*flags, "--timeout", "50", script, "12", "sgd", out, timeout=60)
     assert done.returncode == 0, done.stderr
     assert sorted(os.listdir(directory)) == ["step-00000005", "step-00000010"]
-    done = gradsync_run(*flags, "--resume", directory, "--timeout", "50", str(script), str(STEPS), out, timeout=60)
+    done = gradsync_run(*flags, "--resume", directory, "--timeout", "50", script, str(STEPS), "sgd", out, timeout=60)
     assert done.returncode == 0, done.stderr
     start, state = torch.load(out)
     assert start == 10
     assert max_diff(state, _uninterrupted("allreduce", 0, "sgd")) <= 1e-6
 
 
-def _write_checkpoint(directory: str, step: int, servers: int, workers: int) -> str:
-    """A checkpoint folder as `resume.save` leaves it (placeholder states), with its manifest."""
+def _run_of(folder: str) -> str:
+    with open(os.path.join(folder, resume.MANIFEST)) as f:
+        return json.load(f)["run"]
+
+
+@pytest.mark.timeout(240)
+def test_a_reused_checkpoint_dir_is_refused_started_over_or_continued_as_one_run(tmp_path):
+    """Run A (Adam) checkpoints steps 5 and 10; a fresh run B (SGD) into the same folder is refused, starts with
+    --start-over (A's folders removed), and --resume continues B, not A: the parameters of an uninterrupted SGD
+    run. A dead writer's temporary file in B's folder is removed on the way."""
+    directory, out, script = str(tmp_path / "checkpoints"), str(tmp_path / "state.pt"), _script(tmp_path)
+    flags = ["--strategy", "allreduce", "--workers", "2", "--checkpoint-dir", directory, "--checkpoint-every", "5",
+             "--timeout", "50"]
+    done = gradsync_run(*flags, script, "10", "adam", out, timeout=60)
+    assert done.returncode == 0, done.stderr
+    run_a = _run_of(os.path.join(directory, "step-00000010"))
+    done = gradsync_run(*flags, script, "5", "sgd", out, timeout=60)
+    assert done.returncode == 1
+    assert done.stderr.count(f"holds another run's checkpoints (step-00000005, step-00000010 (run {run_a}))") == 1
+    assert "gradsync: rank 0 (worker0) failed with exit code 1" in done.stderr, done.stderr
+    assert sorted(os.listdir(directory)) == ["step-00000005", "step-00000010"]  # untouched
+
+    done = gradsync_run(*flags, "--start-over", script, "5", "sgd", out, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert sorted(os.listdir(directory)) == ["step-00000005"]  # B's; A's step-10 is gone
+    run_b = _run_of(os.path.join(directory, "step-00000005"))
+    assert run_b != run_a
+    left = os.path.join(directory, "step-00000005", ".shard-0.ckpt-k2v9q_x1.tmp")
+    with open(left, "wb") as f:  # what a writer killed before its rename leaves
+        f.write(bytes(2**20))
+
+    done = gradsync_run(*flags, "--resume", directory, script, str(STEPS), "sgd", out, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert f"gradsync: resuming run {run_b} from step 5 ({directory}/step-00000005)" in done.stderr
+    assert not os.path.exists(left)
+    assert "removed 1 temporary files (1.0 MiB) that a checkpoint writer which died left: " \
+        "step-00000005/.shard-0.ckpt-k2v9q_x1.tmp" in done.stderr
+    start, state = torch.load(out)
+    assert start == 5
+    assert max_diff(state, _uninterrupted("allreduce", 0, "sgd")) <= 1e-6
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy,servers,written,built", [("ps", 1, "adam", "sgd"), ("ps", 1, "sgd", "adam"),
+                                                             ("allreduce", 0, "sgd", "adam")])
+def test_a_changed_optimizer_is_one_refusal_on_worker_0_naming_both_classes(strategy, servers, written, built,
+                                                                               tmp_path):
+    directory = str(tmp_path / "checkpoints")
+    _launch(strategy, servers, written, steps=EVERY, checkpoint_dir=directory, checkpoint_every=EVERY)
+    body = f"gradsync.init()\nfaults.train_resumable(8, {built!r})\ngradsync.shutdown()\n"
+    stderr, headline = run_failing_script(tmp_path, body, "--strategy", strategy, "--servers", str(servers),
+                                          "--workers", "2", "--resume", directory)
+    names = {"adam": "Adam", "sgd": "SGD"}
+    assert headline.startswith(f"gradsync: rank {servers} (worker0) failed with exit code 1:"), stderr
+    assert stderr.count(f"was written with the optimizer {names[written]}, and this job builds {names[built]}: "
+                        "its state (and options) are") == 1, stderr
+    assert "KeyError" not in stderr
+
+
+@pytest.mark.timeout(240)
+def test_a_shard_its_server_cannot_restore_is_one_refusal_on_that_server(tmp_path):
+    """Tables served by row when written, dense when resumed: the model and optimizer match (worker 0 lets it
+    through), and server 0, which restores its shard, refuses it, headlined on that server."""
+    directory = str(tmp_path / "checkpoints")
+    gradsync.launch(train_clicks, strategy="ps", workers=2, servers=1, args=(EVERY,), checkpoint_dir=directory,
+                    checkpoint_every=EVERY, step_timeout=20, timeout=90)
+    body = ("gradsync.init()\nimport torch, sparse_models\nmodel = sparse_models.ClickNet()\n"
+            "gradsync.Trainer(model, torch.optim.Adam(model.parameters(), lr=0.01), tables='dense')\n"
+            "gradsync.shutdown()\n")
+    stderr, headline = run_failing_script(tmp_path, body, "--strategy", "ps", "--servers", "1", "--workers", "2",
+                                          "--resume", directory)
+    assert headline.startswith("gradsync: rank 0 (ps0) failed with exit code 1:\nValueError: server 0 cannot "
+                               f"restore its shard: {directory}/step-00000005 holds 0 of the "), stderr
+    assert stderr.count("cannot restore its shard") == 1, stderr
+
+
+def _write_checkpoint(directory: str, step: int, servers: int, workers: int, run: str = "run-a") -> str:
+    """A checkpoint folder of `run` as `resume.save` leaves it (placeholder states), with its manifest."""
     path = resume.step_dir(directory, step)
     files = {}
     for name in resume.needed_files(servers, list(range(workers))):
         files[name] = checkpoint.stored_digest(checkpoint.write(os.path.join(path, name), {"step": step}))
-    manifest = dict(step=step, strategy="ps", servers=servers, workers=workers, written=list(range(workers)),
-                    model={}, files=files)
+    manifest = dict(run=run, step=step, strategy="ps", servers=servers, workers=workers,
+                    written=list(range(workers)), model={}, files=files)
     with open(os.path.join(path, resume.MANIFEST), "w") as f:
         json.dump(manifest, f)
     return path
@@ -136,3 +221,88 @@ def test_a_manifest_edited_to_omit_a_file_is_skipped_saying_why(omitted, tmp_pat
     assert found.step == 5
     assert found.skipped == (f"{newest}: its MANIFEST.json does not list {omitted}, which a checkpoint of 2 servers "
                              "and 2 workers needs",)
+
+
+def _config(**checkpointing) -> JobConfig:
+    """Rank 0 of a ps job of 2 servers and 2 workers, with these checkpoint settings."""
+    return JobConfig(strategy="ps", servers=2, world_size=4, **checkpointing)
+
+
+def test_a_folder_renamed_to_a_newer_step_is_skipped_for_the_step_its_state_holds(tmp_path):
+    directory = str(tmp_path)
+    _write_checkpoint(directory, 5, servers=2, workers=2)
+    _write_checkpoint(directory, 10, servers=2, workers=2)
+    os.rename(resume.step_dir(directory, 5), resume.step_dir(directory, 20))
+    run, found = resume.decide(_config(resume=directory))
+    assert (run, found.step, found.path) == ("run-a", 10, resume.step_dir(directory, 10))
+    assert found.skipped == (f"{resume.step_dir(directory, 20)}: its MANIFEST.json holds step 5, and its name says "
+                             "step 20: a folder renamed or copied, refused (the step of its state is not the one its "
+                             "name orders it by, and the job would later write that step's files into it)",)
+
+
+def test_no_usable_folder_is_refused_with_the_reason_for_each(tmp_path):
+    directory = str(tmp_path)
+    _write_checkpoint(directory, 5, servers=2, workers=2)
+    os.rename(resume.step_dir(directory, 5), resume.step_dir(directory, 7))
+    os.makedirs(resume.step_dir(directory, 10))  # unfinished: no manifest
+    with pytest.raises(FileNotFoundError) as refused:
+        resume.decide(_config(resume=directory))
+    assert str(refused.value).splitlines() == [
+        f"no complete checkpoint in {directory!r} (a step-N folder with MANIFEST.json and intact files, every one "
+        "listed)",
+        f"  {resume.step_dir(directory, 10)}: [Errno 2] No such file or directory: "
+        f"'{resume.step_dir(directory, 10)}/MANIFEST.json'",
+        f"  {resume.step_dir(directory, 7)}: its MANIFEST.json holds step 5, and its name says step 7: a folder "
+        "renamed or copied, refused (the step of its state is not the one its name orders it by, and the job would "
+        "later write that step's files into it)",
+        "start without --resume"]
+
+
+def test_a_folder_of_two_runs_is_refused_naming_both(tmp_path):
+    directory = str(tmp_path)
+    _write_checkpoint(directory, 5, servers=2, workers=2, run="run-a")
+    _write_checkpoint(directory, 10, servers=2, workers=2, run="run-b")
+    with pytest.raises(ConfigError, match=r"holds the checkpoints of 2 runs \(run run-b: step-00000010; run run-a: "
+                                          r"step-00000005\), and a resume continues one"):
+        resume.decide(_config(resume=directory))
+
+
+def test_a_fresh_run_refuses_another_runs_folder_or_starts_over_removing_its_step_folders(tmp_path):
+    directory = str(tmp_path)
+    _write_checkpoint(directory, 5, servers=2, workers=2)
+    os.makedirs(resume.step_dir(directory, 10))  # unfinished
+    (tmp_path / "notes.txt").write_text("the user's")
+    fresh = dict(checkpoint_dir=directory, checkpoint_every=5)
+    with pytest.raises(ConfigError, match=r"holds another run's checkpoints \(step-00000010 \(no run: unfinished "
+                                          r"or older\); step-00000005 \(run run-a\)\), and this job writes run "
+                                          r".*: pass --resume .* to continue that run, --start-over"):
+        resume.decide(_config(**fresh))
+    assert sorted(os.listdir(directory)) == ["notes.txt", "step-00000005", "step-00000010"]
+    run, found = resume.decide(_config(**fresh, start_over=True))
+    assert found is None and run != "run-a"
+    assert os.listdir(directory) == ["notes.txt"]
+    assert resume.decide(_config(**fresh))[1] is None  # an empty folder is anyone's
+
+
+def test_a_resume_refuses_to_write_into_a_folder_of_another_run(tmp_path):
+    old, other = str(tmp_path / "old"), str(tmp_path / "other")
+    _write_checkpoint(old, 5, servers=2, workers=2, run="run-a")
+    _write_checkpoint(other, 5, servers=2, workers=2, run="run-b")
+    with pytest.raises(ConfigError, match=r"holds another run's checkpoints \(step-00000005 \(run run-b\)\), and "
+                                          r"this job writes run run-a's"):
+        resume.decide(_config(resume=old, checkpoint_dir=other, checkpoint_every=5))
+    run, found = resume.decide(_config(resume=old, checkpoint_dir=str(tmp_path / "new"), checkpoint_every=5))
+    assert (run, found.step) == ("run-a", 5)
+
+
+def test_temporary_files_of_a_dead_writer_are_removed_and_nothing_else(tmp_path):
+    directory = str(tmp_path)
+    folder = _write_checkpoint(directory, 5, servers=2, workers=2)
+    fd, left = tempfile.mkstemp(prefix=".shard-1.ckpt-", suffix=".tmp", dir=folder)  # as write_atomically names it
+    os.close(fd)
+    kept = sorted(os.listdir(folder))
+    (tmp_path / ".notes.txt-draft.tmp").write_text("the user's, outside the step folders")
+    resume.decide(_config(resume=directory))
+    assert not os.path.exists(left)
+    assert sorted(os.listdir(folder)) == [n for n in kept if n != os.path.basename(left)]
+    assert (tmp_path / ".notes.txt-draft.tmp").exists()

@@ -106,7 +106,8 @@ def test_every_job_setting_travels_through_the_environment():
                      checkpoint_dir="c", checkpoint_every=3, resume="r")
     ssp = JobConfig(strategy="ps", mode="ssp", staleness=2, compression="int8", world_size=2)
     grpc = JobConfig(transport="grpc", world_size=2, pipeline="on")
-    allreduce = JobConfig(strategy="allreduce", servers=0, world_size=2)
+    allreduce = JobConfig(strategy="allreduce", servers=0, world_size=2, checkpoint_dir="c", checkpoint_every=1,
+                          start_over=True)
     changed = set()
     for config in (sync, ssp, grpc, allreduce):
         env = config.to_env()

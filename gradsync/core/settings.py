@@ -56,6 +56,10 @@ class Setting:
             kind = "an integer" if self.type is int else "a number"
             raise ConfigError(f"{self.env}={raw!r} is not {kind}") from None
 
+    def text(self, value) -> str:
+        """The variable's text for `value` (what `parse` reads back)."""
+        return ("1" if value else "0") if self.type is bool else str(value)
+
     def check(self, value) -> None:
         """Refuse a value outside `choices`, naming it, the choices and where to set it."""
         if self.choices and value not in self.choices:
@@ -151,6 +155,9 @@ CHECKPOINT_EVERY = _S("checkpoint_every", "GRADSYNC_CHECKPOINT_EVERY", int, 0, "
 RESUME = _S("resume", "GRADSYNC_RESUME", str, "", "checkpointing",
             "restart from the newest complete checkpoint in this directory (any --servers/--workers)",
             flag="--resume", shared=True)
+START_OVER = _S("start_over", "GRADSYNC_START_OVER", bool, False, "checkpointing",
+                "start a new run in a --checkpoint-dir that holds another run's checkpoints: remove its step "
+                "folders first (without it such a folder is refused)", flag="--start-over", shared=True)
 # The process: read where it is used.
 LOCAL_RANK = _S("local_rank", "LOCAL_RANK", int, 0, "process",
                 "this process's index among its machine's processes (torchrun's; gradsync run sets it to the "

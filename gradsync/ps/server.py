@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -36,9 +37,11 @@ class ParameterServer:
     """State of one server process; methods are thread-safe."""
 
     def __init__(self, shard_id: int, num_workers: int, mode: str, nonfinite: str, compression: str = "none",
-                 device: str = "cpu", staleness: int = 0, resume_from: tuple[str, int] | None = None):
+                 device: str = "cpu", staleness: int = 0, resume_from: tuple[str, int] | None = None,
+                 refuse_restore: Callable[[Exception], None] | None = None):
         self.shard_id = shard_id
         self.resume_from = resume_from  # (checkpoint folder, the number of servers that wrote it)
+        self.refuse_restore = refuse_restore  # told why the shard cannot be restored, before the workers are
         self.staleness = staleness
         self.device = _usable_device(device)
         self.wire = make_wire(compression)
@@ -115,7 +118,13 @@ class ParameterServer:
                   for name, t in s.tables.items()}
         shard = ShardState(self.shard_id, s.buckets, s.params, s.buffers, s.optimizer, self.device, s.frozen, tables)
         if self.resume_from is not None:
-            reshard.restore_folder(shard, *self.resume_from)
+            try:
+                reshard.restore_folder(shard, *self.resume_from)
+            except (ValueError, OSError) as e:
+                error = ValueError(f"server {self.shard_id} cannot restore its shard: {e}")
+                if self.refuse_restore is not None:
+                    self.refuse_restore(error)
+                raise error from e
         return shard
 
     def _mismatch(self, registrations: dict[int, tuple[ModelSpec, torch.futures.Future]]) -> Exception | None:

@@ -22,6 +22,7 @@ class Cluster:
         self.has_process_group = False
         self.steps = 0  # steps this worker has committed (Trainer.step; allreduce: and answered after joining)
         self.resumed: resume.Found | None = None  # the checkpoint this job resumes from (--resume)
+        self.run = ""  # the run this job's checkpoints belong to ('' without --checkpoint-dir or --resume)
 
     def building_trainer(self) -> None:
         """Note in the store that this worker builds its Trainer, so that a worker that never does is named

@@ -15,21 +15,29 @@ pushes (each worker's first N) and the checkpoint is one consistent cut:
     DIR/step-00000010/MANIFEST.json    step, strategy, mode, servers, workers, the model's tensors, and the
                                        files above with their SHA-256
 
-Every file is written atomically with its SHA-256. `--resume DIR` starts from
-the newest step folder whose manifest exists, lists every file the checkpoint
-needs (each server's shard, the state of each worker that wrote one), and whose
-files all verify and are the ones it names (an older one when the newest is torn,
-altered, edited, unfinished or half rewritten by a later job), with any number of
-servers and workers (the servers re-split the shards: `ps.reshard`), and refuses
-one written by a job of another strategy or model.
+Every file is written atomically with its SHA-256.
+
+A checkpoint folder belongs to one run: a fresh job (no --resume) makes a run id, every manifest records it,
+and a resume continues it. Rank 0 decides for the job what it continues or starts (`open_run`) and publishes
+it in the store, so every refusal is one failure on the rank that decided it: a fresh job refuses a
+--checkpoint-dir holding step folders (another run's) unless --start-over, which removes them first;
+`--resume DIR` refuses a folder holding more than one run's checkpoints, and starts from the newest step folder
+whose manifest exists, names the step its folder's name says, lists every file the checkpoint needs (each
+server's shard, the state of each worker that wrote one), and whose files all verify and are the ones it names
+(an older one when the newest is torn, altered, renamed, edited, unfinished or half rewritten by a later job;
+the reason for each folder skipped), with any number of servers and workers (the servers re-split the shards:
+`ps.reshard`), and refuses one written by a job of another strategy; worker 0 refuses one of another model or
+optimizer (`check`). Temporary files that a writer which died left in step folders are removed on opening.
 """
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import os
 import random
 import re
+import shutil
 import sys
 import time
 
@@ -37,7 +45,8 @@ import torch
 import torch.distributed as dist
 
 from gradsync.config import ConfigError, JobConfig, StoreKeys, worker_name
-from gradsync.core.atomic_file import write_atomically
+from gradsync.core.atomic_file import temporaries, write_atomically
+from gradsync.core.optimizer_spec import group_options
 from gradsync.membership.liveness import staying
 from gradsync.ps import checkpoint
 
@@ -69,52 +78,175 @@ def needed_files(servers: int, workers: list[int]) -> list[str]:
     return [f"shard-{s}.ckpt" for s in range(servers)] + [worker_file(w) for w in workers]
 
 
-def describe_model(module: torch.nn.Module) -> dict[str, list]:
-    """{state_dict key: [shape, dtype]}: what a checkpoint's model must match."""
-    return {k: [list(t.shape), str(t.dtype)] for k, t in module.state_dict().items()}
+def describe(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """What a checkpoint's job must match to resume it (`check`): the model, {state_dict key: [shape, dtype]};
+    the optimizer, its class and per group its parameters' sizes and its option keys."""
+    cls = type(optimizer)
+    return {"model": {k: [list(t.shape), str(t.dtype)] for k, t in module.state_dict().items()},
+            "optimizer": {"class": f"{cls.__module__}.{cls.__qualname__}",
+                          "groups": [{"sizes": [p.numel() for p in g["params"]], "keys": sorted(group_options(g))}
+                                     for g in optimizer.param_groups]}}
 
 
-def find(config: JobConfig) -> Found | None:
-    """The newest complete checkpoint of `config.resume` (None without --resume), checked against the job: any
-    number of servers and workers may resume it (`ps.reshard`), a job of another strategy may not.
+def open_run(config: JobConfig, store: dist.Store) -> tuple[str, Found | None]:
+    """The run this job checkpoints ('' without --checkpoint-dir) and the checkpoint it resumes from (None
+    without --resume): decided by rank 0 (`decide`), published in the store, read by the other ranks.
 
     Raises:
-        FileNotFoundError: the directory holds no complete checkpoint.
-        ConfigError: the checkpoint was written by a job of another strategy.
+        FileNotFoundError, ConfigError: on rank 0, the refusals of `decide`.
+        RuntimeError: on another rank, rank 0 decided nothing within startup_timeout.
     """
-    if not config.resume:
-        return None
-    found = latest_complete(config.resume)
-    m = found.manifest
+    if not (config.checkpoint_dir or config.resume):
+        return "", None
     if config.rank == 0:
-        for reason in found.skipped:
-            print(f"gradsync: resume skips {reason}", file=sys.stderr, flush=True)
-        reshaped = (m["servers"], m["workers"]) != (config.servers, config.num_workers)
-        print(f"gradsync: resuming from step {found.step} ({found.path})"
-              + (f", written by {m['servers']} servers and {m['workers']} workers" if reshaped else ""),
-              file=sys.stderr, flush=True)
+        run, found = decide(config)
+        store.set(StoreKeys.RUN, json.dumps({"run": run, "path": found and found.path}))
+        return run, found
+    try:
+        store.wait([StoreKeys.RUN], datetime.timedelta(seconds=config.startup_timeout))
+    except dist.DistError:
+        raise RuntimeError(f"rank 0 did not decide within startup_timeout ({config.startup_timeout:.0f} s) which "
+                           "checkpoint this job resumes from or which run it starts (its failure says why)") from None
+    decided = json.loads(store.get(StoreKeys.RUN))
+    return decided["run"], decided["path"] and Found(*_manifest(decided["path"]))
+
+
+def decide(config: JobConfig) -> tuple[str, Found | None]:
+    """Rank 0's decision: remove dead writers' temporary files from the step folders; then, with --resume, the
+    newest complete checkpoint of the one run --resume holds (`latest_complete`), checked against the job's
+    strategy and --checkpoint-dir; else a new run id, in a --checkpoint-dir holding no step folder (or emptied
+    with --start-over). Says on stderr what it removed, skipped and resumes.
+
+    Raises:
+        FileNotFoundError: --resume holds no complete checkpoint (the reason per folder).
+        ConfigError: --resume holds several runs' checkpoints, or one of another strategy; --checkpoint-dir
+            holds another run's checkpoints.
+    """
+    for directory in dict.fromkeys(d for d in (config.resume, config.checkpoint_dir) if d):
+        _remove_temporaries(directory)
+    if not config.resume:
+        run = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(3).hex()}"
+        _claim(config.checkpoint_dir, run, config.start_over)
+        return run, None
+    found = latest_complete(config.resume)
+    m, run = found.manifest, found.manifest["run"]
+    for reason in found.skipped:
+        _say(f"resume skips {reason}")
     if m["strategy"] != config.strategy:
         raise ConfigError(
             f"{found.path} was written by a job with strategy={m['strategy']!r}, and this job has strategy="
             f"{config.strategy!r}: resume with --strategy {m['strategy']}, or start without --resume"
         )
-    return found
+    if config.checkpoint_dir and os.path.abspath(config.checkpoint_dir) != os.path.abspath(config.resume):
+        _claim(config.checkpoint_dir, run, start_over=False)
+    reshaped = (m["servers"], m["workers"]) != (config.servers, config.num_workers)
+    _say(f"resuming run {run} from step {found.step} ({found.path})"
+         + (f", written by {m['servers']} servers and {m['workers']} workers" if reshaped else ""))
+    return run, found
+
+
+def _claim(directory: str, run: str, start_over: bool) -> None:
+    """Make `directory` the checkpoint folder of `run`: refuse it when it holds step folders of another run
+    (or of none known: unfinished), or with `start_over` remove them first."""
+    runs = {}  # run (None: unknown) -> its step folders
+    for _, path in _step_folders(directory):
+        try:
+            theirs = _manifest(path)[2].get("run")
+        except (OSError, ValueError, KeyError):
+            theirs = None
+        if theirs != run:
+            runs.setdefault(theirs, []).append(os.path.basename(path))
+    if not runs:
+        return
+    held = "; ".join(f"{', '.join(sorted(names))} ({'run ' + r if r else 'no run: unfinished or older'})"
+                     for r, names in runs.items())
+    if start_over:
+        for names in runs.values():
+            for name in names:
+                shutil.rmtree(os.path.join(directory, name))
+        _say(f"--start-over removed the step folders of another run from {directory}: {held}")
+        return
+    raise ConfigError(
+        f"checkpoint_dir {directory!r} holds another run's checkpoints ({held}), and this job writes run {run}'s: "
+        f"pass --resume {directory} to continue that run, --start-over to remove its step folders first, or "
+        "another --checkpoint-dir"
+    )
+
+
+def _remove_temporaries(directory: str) -> None:
+    """Remove the temporary files that a writer which died left in `directory`'s step folders (no writer of
+    this job has started), saying which."""
+    left = [p for _, folder in _step_folders(directory) for p in temporaries(folder)]
+    if left:
+        size = sum(os.path.getsize(p) for p in left)
+        for path in left:
+            os.unlink(path)
+        _say(f"removed {len(left)} temporary files ({size / 2**20:.1f} MiB) that a checkpoint writer which died "
+             f"left: {', '.join(os.path.relpath(p, directory) for p in left)}")
+
+
+def _say(line: str) -> None:
+    print(f"gradsync: {line}", file=sys.stderr, flush=True)
+
+
+def _step_folders(directory: str) -> list[tuple[int, str]]:
+    """(step its name says, path) of `directory`'s step folders, newest first ([] when it does not exist)."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(((int(m.group(1)), os.path.join(directory, name)) for name in os.listdir(directory)
+                   if (m := _STEP.fullmatch(name)) and os.path.isdir(os.path.join(directory, name))), reverse=True)
+
+
+def _manifest(path: str) -> tuple[int, str, dict]:
+    """(step, path, manifest) of the step folder `path`, whose manifest names a run and the step of the
+    folder's name.
+
+    Raises:
+        OSError, ValueError, KeyError: no readable manifest, or one that names no run or another step.
+    """
+    with open(os.path.join(path, MANIFEST)) as f:
+        manifest = json.load(f)
+    if "run" not in manifest:
+        raise ValueError(f"its {MANIFEST} names no run (written by an older gradsync): start a new run with "
+                         "--start-over")
+    named = int(_STEP.fullmatch(os.path.basename(os.path.normpath(path))).group(1))
+    if manifest["step"] != named:
+        raise ValueError(f"its {MANIFEST} holds step {manifest['step']}, and its name says step {named}: a folder "
+                         "renamed or copied, refused (the step of its state is not the one its name orders it by, "
+                         "and the job would later write that step's files into it)")
+    return manifest["step"], path, manifest
 
 
 def latest_complete(directory: str) -> Found:
-    """The newest step folder of `directory` whose manifest exists and lists every file the checkpoint needs,
-    and whose files all verify (and are the ones it names)."""
+    """The newest step folder of `directory` whose manifest exists, names a run and its folder's step, and
+    lists every file the checkpoint needs, and whose files all verify (and are the ones it names).
+
+    Raises:
+        FileNotFoundError: no such folder, naming why each was refused.
+        ConfigError: the manifests name more than one run.
+    """
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"resume directory {directory!r} does not exist: pass the --checkpoint-dir of "
                                 "the job to resume")
-    steps = sorted(((int(m.group(1)), name) for name in os.listdir(directory) if (m := _STEP.fullmatch(name))),
-                   reverse=True)
-    skipped = []
-    for step, name in steps:
-        path = os.path.join(directory, name)
+    manifests, skipped = {}, []
+    for _, path in _step_folders(directory):
         try:
-            with open(os.path.join(path, MANIFEST)) as f:
-                manifest = json.load(f)
+            manifests[path] = _manifest(path)
+        except (OSError, ValueError, KeyError) as e:
+            manifests[path] = e
+    runs = {}
+    for path, read in manifests.items():
+        if not isinstance(read, Exception):
+            runs.setdefault(read[2]["run"], []).append(os.path.basename(path))
+    if len(runs) > 1:
+        raise ConfigError(f"{directory!r} holds the checkpoints of {len(runs)} runs ("
+                          + "; ".join(f"run {r}: {', '.join(sorted(n))}" for r, n in runs.items())
+                          + "), and a resume continues one: move the other runs' step folders out")
+    for path, read in manifests.items():
+        try:
+            if isinstance(read, Exception):
+                raise read
+            step, _, manifest = read
             written = manifest.get("written", range(manifest["workers"]))  # elastic: the workers still there
             if omitted := [n for n in needed_files(manifest["servers"], written) if n not in manifest["files"]]:
                 raise ValueError(f"its {MANIFEST} does not list {', '.join(omitted)}, which a checkpoint of "
@@ -125,24 +257,41 @@ def latest_complete(directory: str) -> Found:
             skipped.append(f"{path}: {e}")
             continue
         return Found(step, path, manifest, tuple(skipped))
-    raise FileNotFoundError(f"no complete checkpoint in {directory!r} (a step-N folder with {MANIFEST} and "
-                            "intact files, every one listed): start without --resume")
+    raise FileNotFoundError(f"no complete checkpoint in {directory!r} (a step-N folder with {MANIFEST} and intact "
+                            "files, every one listed)" + "".join(f"\n  {reason}" for reason in skipped)
+                            + "\nstart without --resume")
 
 
-def check_model(found: Found, module: torch.nn.Module) -> None:
-    """Raises ValueError naming the first tensor where `module` differs from the checkpoint's model."""
-    theirs, ours = found.manifest["model"], describe_model(module)
+def check(found: Found, described: dict) -> None:
+    """Refuse to resume `found` into the job's model and optimizer (`describe`) when they differ from the
+    checkpoint's: raises ValueError naming the first tensor, or the optimizer classes, or the group that
+    differs, and the fix."""
+    fix = ("resume with the model and optimizer that wrote it, or start a new run (--start-over, or another "
+           "--checkpoint-dir)")
+    theirs, ours = found.manifest["model"], described["model"]
     for key in [*theirs, *(k for k in ours if k not in theirs)]:
         if theirs.get(key) != ours.get(key):
-            raise ValueError(
-                f"{found.path} holds a different model: {key!r} is {theirs.get(key, 'absent')} there and "
-                f"{ours.get(key, 'absent')} in this job's model ([shape, dtype]): resume with the model that wrote "
-                "it, or start without --resume"
-            )
+            raise ValueError(f"{found.path} holds a different model: {key!r} is {theirs.get(key, 'absent')} there "
+                             f"and {ours.get(key, 'absent')} in this job's model ([shape, dtype]): {fix}")
+    theirs, ours = found.manifest["optimizer"], described["optimizer"]
+    if theirs["class"] != ours["class"]:
+        short = [c.rsplit(".", 1)[-1] for c in (theirs["class"], ours["class"])]
+        a, b = short if short[0] != short[1] else (theirs["class"], ours["class"])
+        raise ValueError(f"{found.path} was written with the optimizer {a}, and this job builds {b}: its state "
+                         f"(and options) are {a}'s: {fix}")
+    if len(theirs["groups"]) != len(ours["groups"]):
+        raise ValueError(f"{found.path} holds {len(theirs['groups'])} parameter groups of {ours['class']}, and "
+                         f"this job's optimizer has {len(ours['groups'])}: {fix}")
+    for i, (saved, built) in enumerate(zip(theirs["groups"], ours["groups"])):
+        for what, kind in (("sizes", "parameters of sizes"), ("keys", "options")):
+            if saved[what] != built[what]:
+                raise ValueError(f"{found.path}'s parameter group {i} holds {kind} {saved[what]}, and this job's "
+                                 f"group {i} {built[what]}: {fix}")
 
 
-def save(store: dist.Store, config: JobConfig, step: int, strategy, model: dict[str, list]) -> None:
-    """Write this worker's part of the checkpoint of `step`; the coordinator (worker 0, or in an elastic job the
+def save(store: dist.Store, config: JobConfig, run: str, step: int, strategy, described: dict) -> None:
+    """Write this worker's part of the checkpoint of `step` of `run` (its model and optimizer `described`); the
+    coordinator (worker 0, or in an elastic job the
     lowest of the job's first workers still in it) has the servers write their shards and writes the manifest.
     Every worker of the job must call it after the same step (workers that joined a running job take no
     part; in an elastic job, neither do workers that have left it). In async and ssp jobs the workers wait
@@ -170,8 +319,8 @@ def save(store: dist.Store, config: JobConfig, step: int, strategy, model: dict[
     shards = strategy.checkpoint_servers(path)
     paths = [p for p, _ in shards.values()] + [os.path.join(path, worker_file(w)) for w in written]
     files = {os.path.basename(p): checkpoint.stored_digest(p) for p in paths}
-    manifest = dict(step=step, strategy=config.strategy, mode=config.mode, servers=config.servers,
-                    workers=config.num_workers, written=written, model=model, files=files)
+    manifest = dict(run=run, step=step, strategy=config.strategy, mode=config.mode, servers=config.servers,
+                    workers=config.num_workers, written=written, **described, files=files)
     write_atomically(os.path.join(path, MANIFEST), json.dumps(manifest, indent=1).encode())
     if held:
         store.set(StoreKeys.CHECKPOINT.format(step, "shards"), "1")

@@ -12,22 +12,27 @@ import os
 import sys
 import traceback
 
-from gradsync.config import JobConfig
 from gradsync.core.atomic_file import write_atomically
 from gradsync.membership import uneven_data
 from gradsync.ps.server import ParameterServer
-from gradsync.runtime import resume
 from gradsync.runtime.cluster import Cluster
 from gradsync.runtime.failures import record_failure, say_failure
 from gradsync.runtime.leaving import wait_for_workers
 from gradsync.transport.registry import transport
 
 
-def install_server(config: JobConfig, resumed: resume.Found | None) -> ParameterServer:
-    """Create this process's parameter server and make it the target of the job transport's calls."""
+def install_server(cluster: Cluster) -> ParameterServer:
+    """Create this process's parameter server and make it the target of the job transport's calls. A shard
+    it cannot restore from the checkpoint the job resumes fails the job on this server, the rank that decided it
+    (the workers waiting to register fail after it)."""
+    config, resumed = cluster.config, cluster.resumed
+
+    def refuse(error: Exception) -> None:
+        record_failure(cluster, config.rank, f"{type(error).__name__}: {error}\n")
+
     server = ParameterServer(
         config.rank, config.num_workers, config.mode, config.nonfinite, config.compression, config.server_device,
-        config.staleness, (resumed.path, resumed.manifest["servers"]) if resumed else None,
+        config.staleness, (resumed.path, resumed.manifest["servers"]) if resumed else None, refuse,
     )
     transport(config.transport).rank.install(server)
     return server

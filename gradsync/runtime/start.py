@@ -49,7 +49,8 @@ def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=
             it as a new worker, with the job's settings (README, "Elastic async workers").
         timeouts: the other job settings: startup_timeout, step_timeout, shutdown_timeout (seconds);
             staleness (steps, mode 'ssp'); server_device, bucket_cap_mb; checkpoint_dir and checkpoint_every
-            (steps), resume (a checkpoint directory): see README, "Checkpoint and resume", and the settings
+            (steps), resume (a checkpoint directory), start_over (a new run in a checkpoint_dir holding another
+            run's step folders, removed first): see README, "Checkpoint and resume", and the settings
             table of docs/architecture.md.
     On a server this call serves until the job ends and then exits the process.
     Raises:
@@ -84,8 +85,8 @@ def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=
     if config.rank == 0:  # for workers that join (an async job), and to refuse them at once (any other)
         newcomers.publish_settings(store, config)
     wait_for_arrivals(store, config)
-    cluster.resumed = resume.find(config)
-    server = install_server(config, cluster.resumed) if config.is_server else None
+    cluster.run, cluster.resumed = resume.open_run(config, store)
+    server = install_server(cluster) if config.is_server else None
     registry.transport(config.transport).rank.start(config, store)
     if server is not None:
         serve(cluster, server)
