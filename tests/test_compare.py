@@ -335,8 +335,8 @@ def test_a_script_that_logs_nothing_gets_a_warning_and_plots_without_matplotlib_
     assert silent([_finished("allreduce", True)]) is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # matplotlib's "No artists with labels found" is a warning
-        assert len(write_plots(runs, str(tmp_path), 1)) == 3
-        write_plots([], str(tmp_path), 1)
+        assert write_plots(runs, str(tmp_path), 1) == write_plots([], str(tmp_path), 1) == []  # nothing to draw
+    assert not list(tmp_path.glob("*.png"))
     _, md = write_report(META, runs, [], str(tmp_path))
     assert f"Warning: {silent(runs)}." in open(md).read()
 
@@ -486,3 +486,78 @@ def test_tensorboard_events_are_tfrecords_of_scalar_summaries(tmp_path, monkeypa
     assert events[0][3] == b"brain.Event:2"
     values = [dict(_fields(v)) for n, v in _fields(events[1][5]) if n == 1]
     assert events[1][2] == 7 and values == [{1: b"loss", 2: 0.25}, {1: b"acc", 2: 0.5}]
+
+
+def _project(tmp_path) -> str:
+    """A working directory holding snapshot_script.py, the jobs.py it imports and notes.txt, as a user's
+    project would."""
+    project = tmp_path / "project"
+    project.mkdir()
+    for name in ("snapshot_script.py", "jobs.py"):
+        (project / name).write_text(open(os.path.join(HERE, name)).read())
+    (project / "notes.txt").write_text("before\n")
+    return str(project)
+
+
+def _tree(top: str) -> dict[str, bytes]:
+    return {os.path.relpath(os.path.join(d, f), top): open(os.path.join(d, f), "rb").read()
+            for d, _, files in os.walk(top) for f in files}
+
+
+@pytest.mark.timeout(240)
+def test_compare_runs_each_run_in_its_own_copy_of_the_working_directory(tmp_path):
+    """A script that resumes from the snapshot it finds in its working directory trains every step in every
+    run: no run sees what another wrote. The ps run is made to train 2 epochs of 3: it is flagged."""
+    import torch
+
+    project = _project(tmp_path)
+    before = _tree(project)
+    done = subprocess.run([sys.executable, "-m", "gradsync.cli", "compare", "--out", "report", "--strategies",
+                           "allreduce,ps", "--servers", "1", "--modes", "sync", "snapshot_script.py",
+                           "--epochs-under", "ps:2"], capture_output=True, text=True, timeout=230, cwd=project)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(open(os.path.join(project, "report", "report.json")).read())
+    runs = {r["name"]: r for r in report["runs"]}
+    assert runs["allreduce"]["worker_steps"] == [9, 9] and runs["ps sync S=1"]["worker_steps"] == [6, 6]
+    assert runs["allreduce"]["first_step"] == runs["ps sync S=1"]["first_step"] == 0
+    for slug, last, epochs in (("allreduce", 2, "allreduce epoch 0\nallreduce epoch 1\nallreduce epoch 2\n"),
+                               ("ps_sync_S1", 1, "ps epoch 0\nps epoch 1\n")):
+        workdir = os.path.join(project, "report", "runs", slug, "workdir")
+        assert torch.load(os.path.join(workdir, "snapshot.pt")) == {"epoch": last}
+        assert open(os.path.join(workdir, "notes.txt")).read() == "before\n" + epochs  # its own lines only
+        assert open(os.path.join(workdir, "jobs.py")).read() == before["jobs.py"].decode()
+    # the working directory is as it was, beside the report; the copy the runs started from is gone
+    assert {k: v for k, v in _tree(project).items() if not k.startswith("report" + os.sep)} == before
+    assert not os.path.exists(os.path.join(project, "report", ".start-dir"))
+    flag = ("ps sync S=1 logged 6 steps, allreduce 9: its final loss and medians cover other steps than the other "
+            "runs', so its row does not compare like for like")
+    md = open(os.path.join(project, "report", "report.md")).read()
+    assert f"Warning: {flag}" in md and flag in done.stderr and "resumed" not in md
+    # each run's output under a heading that names it
+    headings = [done.stderr.index(f"[{name}] run {i} of 2; its ranks' output follows; its working directory: "
+                                  f"{os.path.join('report', 'runs', slug, 'workdir')}")
+                for i, (name, slug) in enumerate((("allreduce", "allreduce"), ("ps sync S=1", "ps_sync_S1")), 1)]
+    said = [done.stderr.index(f"snapshot_script.py: {s} saved epoch 0") for s in ("allreduce", "ps")]
+    assert headings[0] < said[0] < headings[1] < said[1]
+
+
+@pytest.mark.timeout(240)
+def test_a_compare_whose_runs_all_fail_names_the_rank_its_traceback_and_the_steps_logged(tmp_path):
+    out = tmp_path / "report"
+    done = _compare("--out", str(out), "--strategies", "ps", "--servers", "1", "--modes", "sync",
+                    os.path.join(HERE, "snapshot_script.py"), "--fail-after", "4")
+    assert done.returncode == 1, done.stderr[-3000:]
+    (run,) = json.loads((out / "report.json").read_text())["runs"]
+    assert run["failed_rank"] == "rank 2 (worker1)" and run["worker_steps"] == [4, 4]
+    assert run["failure"] == os.path.join("runs", "ps_sync_S1", "failure.txt")
+    failure = (out / run["failure"]).read_text()
+    assert "Traceback" in failure and "RuntimeError: snapshot_script.py fails after 4 steps on purpose" in failure
+    assert [c[1] for c in run["curve"]] == [0, 1, 2, 3]  # worker 0's losses up to the failure
+    md = (out / "report.md").read_text()
+    line = (f"- ps sync S=1: rank 2 (worker1) failed: RuntimeError: snapshot_script.py fails after 4 steps on "
+            f"purpose; the traceback is in {run['failure']}; steps logged before the failure: worker0 4, worker1 4 "
+            "(its loss up to the failure is in loss.png)")
+    assert line in md and "No run logged a step to compare" not in md
+    assert "No run finished; the failed runs logged steps before they failed" in md
+    assert "rank 2 (worker1) failed" in done.stderr and str(out / run["failure"]) in done.stderr
+    assert sorted(p.name for p in out.glob("*.png")) == ["loss.png"]  # no empty chart
