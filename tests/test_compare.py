@@ -329,7 +329,8 @@ def test_a_script_that_logs_nothing_gets_a_warning_and_plots_without_matplotlib_
     from gradsync.compare.plots import write_plots
     from gradsync.compare.report import silent, write_report
 
-    runs = [_finished("allreduce", False), _finished("ps sync S=1", False), {"name": "x", "error": "E: y"}]
+    failed = {**_finished("x", False), "error": "E: y", "failure": "runs/x/failure.txt", "worker_steps": [0, 0]}
+    runs = [_finished("allreduce", False), _finished("ps sync S=1", False), failed]
     assert silent(runs).startswith("the script logged nothing in allreduce, ps sync S=1, so the report has no loss")
     assert "call gradsync.log(loss=loss.item(), samples=len(x)) once per step" in silent(runs)
     assert silent([_finished("allreduce", True)]) is None
@@ -561,3 +562,84 @@ def test_a_compare_whose_runs_all_fail_names_the_rank_its_traceback_and_the_step
     assert "No run finished; the failed runs logged steps before they failed" in md
     assert "rank 2 (worker1) failed" in done.stderr and str(out / run["failure"]) in done.stderr
     assert sorted(p.name for p in out.glob("*.png")) == ["loss.png"]  # no empty chart
+
+
+def test_the_copy_of_the_working_directory_leaves_out_vcs_venvs_and_reports_and_keeps_links_pointing_right(
+        tmp_path, monkeypatch):
+    from gradsync.compare import MARKER, workdir
+
+    start, outside = tmp_path / "project", tmp_path / "data"
+    for d in (start / "sub", start / ".git", start / "venv", start / "old-report", outside):
+        d.mkdir(parents=True)
+    (start / "train.py").write_text("print('hi')")
+    (start / "sub" / "conf.txt").write_text("lr 0.1")
+    (start / ".git" / "HEAD").write_text("ref")
+    (start / "venv" / "pyvenv.cfg").write_text("home = /usr")
+    (start / "old-report" / MARKER).write_text("")
+    (outside / "big.bin").write_bytes(b"x" * 2048)
+    os.symlink("sub/conf.txt", start / "inside")  # stays relative: it resolves in the copy
+    os.symlink("../data", start / "data")  # relative, out of the directory: made absolute
+    copy = tmp_path / "copy"
+    workdir.snapshot(str(start), str(copy), MARKER)
+    assert sorted(os.listdir(copy)) == ["data", "inside", "sub", "train.py"]
+    assert os.readlink(copy / "inside") == "sub/conf.txt" and (copy / "inside").read_text() == "lr 0.1"
+    assert os.readlink(copy / "data") == str(outside) and (copy / "data" / "big.bin").stat().st_size == 2048
+    run = tmp_path / "run"
+    workdir.fresh(str(copy), str(run))
+    (run / "sub" / "conf.txt").write_text("changed by a run")
+    assert (copy / "sub" / "conf.txt").read_text() == "lr 0.1"  # a copy, not a link
+    workdir.fresh(str(copy), str(run))
+    assert (run / "sub" / "conf.txt").read_text() == "lr 0.1"
+    # the script the run starts: its copy when it is inside the directory, else where it is
+    monkeypatch.chdir(start)
+    assert workdir.script_in("train.py", str(start), str(run)) == "train.py"  # resolves in the run's directory
+    assert workdir.script_in(str(start / "train.py"), str(start), str(run)) == str(run / "train.py")
+    assert workdir.script_in(str(outside / "big.bin"), str(start), str(run)) == str(outside / "big.bin")
+    assert workdir.script_in(str(start / "venv" / "pyvenv.cfg"), str(start), str(run)) == str(
+        start / "venv" / "pyvenv.cfg")  # left out of the copy: run where it is
+    workdir.check_size(str(start), MARKER, 17 / 2**20)  # train.py and conf.txt: the linked data is not copied
+    with pytest.raises(ValueError, match=r"^the working directory .*project holds over 1e-05 MB to copy "
+                                         r"\(--copy-limit-mb\): each run of compare works in its own copy"):
+        workdir.check_size(str(start), MARKER, 1e-5)
+
+
+def test_a_run_that_logged_fewer_steps_or_resumed_is_flagged(tmp_path):
+    from gradsync.compare.report import silent, uneven, write_report
+
+    full = {**_finished("allreduce", True), "steps": 9, "first_step": 0}
+    fewer = {**_finished("ps sync S=1", True), "steps": 6, "first_step": 0}
+    resumed = {**_finished("ps async S=1", True), "steps": 9, "first_step": 3}
+    nothing = _finished("hybrid S=1", False)
+    failed = {**_finished("x", True), "error": "E: y", "steps": 1, "first_step": 7, "failure": "f", "worker_steps": [1]}
+    assert uneven([full, {**fewer, "steps": 9}, failed]) == []
+    flags = uneven([full, fewer, resumed, nothing, failed])
+    assert flags == [
+        "ps sync S=1 logged 6 steps, allreduce 9: its final loss and medians cover other steps than the other runs', "
+        "so its row does not compare like for like (did the script stop early, or resume from a snapshot it found?)",
+        "ps async S=1 resumed: its first logged step is 3, not 0, so it continued a training that began before it "
+        "and its loss curve starts where that one stopped (a snapshot that was in the working directory when "
+        "compare started: every run starts from a copy of that directory)",
+        "hybrid S=1 logged 0 steps, allreduce 9: its final loss and medians cover other steps than the other runs', "
+        "so its row does not compare like for like (did the script stop early, or resume from a snapshot it found?)"]
+    # steps counted by gradsync (from 1): every run that resumed from the same snapshot is flagged
+    assert [f.split(":")[0] for f in uneven([{**full, "first_step": 4}, {**resumed, "first_step": 4}])] == [
+        "allreduce resumed", "ps async S=1 resumed"]
+    assert silent([full, nothing]) is None  # the script calls gradsync.log: the run that logged nothing is flagged
+    _, md = write_report(META, [full, fewer], [], str(tmp_path))
+    assert f"Warning: {flags[0]}.\n" in open(md).read()
+
+
+def test_a_second_compare_into_the_same_out_moves_the_earlier_report_aside(tmp_path):
+    from gradsync.compare import MARKER, prepare_out_dir
+
+    out = tmp_path / "gradsync-report"
+    assert prepare_out_dir(str(out)) is None
+    assert prepare_out_dir(str(out)) is None  # only the marker: nothing to keep
+    (out / "report.md").write_text("the first")
+    os.utime(out / "report.md", (0, 1_700_000_000))
+    moved = prepare_out_dir(str(out))
+    assert moved == str(out) + "-" + time.strftime("%Y%m%d-%H%M%S", time.localtime(1_700_000_000))
+    assert open(os.path.join(moved, "report.md")).read() == "the first" and os.listdir(out) == [MARKER]
+    (out / "report.md").write_text("the second")
+    os.utime(out / "report.md", (0, 1_700_000_000))
+    assert prepare_out_dir(str(out)) == moved + "-2"  # the same second: a name of its own

@@ -31,8 +31,8 @@ def prepare_out_dir(out_dir: str, force: bool = False) -> str | None:
         raise FileExistsError(f"--out {out_dir}: the directory has files that gradsync compare did not write: "
                               "choose another --out, or pass --force to write the report into it anyway")
     moved = None
-    if ours and set(os.listdir(out_dir)) - {MARKER}:
-        written = max(os.path.getmtime(os.path.join(out_dir, name)) for name in os.listdir(out_dir))
+    if ours and (kept := set(os.listdir(out_dir)) - {MARKER}):
+        written = max(os.path.getmtime(os.path.join(out_dir, name)) for name in kept)
         moved = base = f"{out_dir.rstrip(os.sep)}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(written))}"
         for n in range(2, 1000):
             if not os.path.exists(moved):
