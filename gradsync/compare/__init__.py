@@ -51,8 +51,8 @@ def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, 
             server_link: str | None = None, predict: bool = False, force: bool = False, timeline: bool = False,
             copy_limit_mb: float = 500, command: str, options: dict,
             checked: Callable[[], None] | None = None) -> tuple[str, list[dict]]:
-    """Run the grid and write the report; returns report.md's path and the runs (a failed one has `error`,
-    a skipped one `skipped`). `warmup`: each worker's first steps, left out of the per-step figures.
+    """Run the grid and write the report; returns report.md's path (relative when under the working directory)
+    and the runs (a failed one has `error`, a skipped one `skipped`). `warmup`: each worker's first steps, left out of the per-step figures.
     `straggler` ('W:F'): worker W's compute takes F times as long in every run (`gradsync.compare.straggler`).
     `log_dir`: TensorBoard scalars too, one subdirectory per run. `link`: every run over an emulated network
     of this rate (`gradsync.launcher.netem`); `server_link`: the parameter servers behind links of this rate instead
@@ -141,7 +141,7 @@ def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, 
     print(table(runs))
     if prediction:
         print("\n".join(["", *markdown(prediction)]))
-    return md_path, runs
+    return _shown(md_path), runs
 
 
 def _shown(path: str) -> str:
