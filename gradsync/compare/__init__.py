@@ -52,7 +52,8 @@ def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, 
             copy_limit_mb: float = 500, command: str, options: dict,
             checked: Callable[[], None] | None = None) -> tuple[str, list[dict]]:
     """Run the grid and write the report; returns report.md's path (relative when under the working directory)
-    and the runs (a failed one has `error`, a skipped one `skipped`). `warmup`: each worker's first steps, left out of the per-step figures.
+    and the runs (a failed one has `error`, a skipped one `skipped`). `warmup`: each worker's first steps, left
+    out of the per-step figures.
     `straggler` ('W:F'): worker W's compute takes F times as long in every run (`gradsync.compare.straggler`).
     `log_dir`: TensorBoard scalars too, one subdirectory per run. `link`: every run over an emulated network
     of this rate (`gradsync.launcher.netem`); `server_link`: the parameter servers behind links of this rate instead
