@@ -47,6 +47,12 @@ def test_headline_is_the_exception_line():
     assert headline("rank 0 (ps0) was killed") == "rank 0 (ps0) was killed"
 
 
+def test_a_log_line_cut_short_is_left_out(tmp_path):
+    log = tmp_path / "worker-0.jsonl"
+    log.write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "lo')  # a rank killed in the middle of its line
+    assert read_log(log) == [{"step": 1, "loss": 0.5}] and read_log(tmp_path / "none.jsonl") == []
+
+
 def _compare(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "gradsync.cli", "compare", *args], capture_output=True, text=True,
                           timeout=230, env=env)

@@ -120,11 +120,12 @@ def read_json(path: str):
 
 
 def read_log(path: str) -> list[dict]:
-    """The JSON lines one worker logged (none when it logged nothing)."""
+    """The JSON lines one worker logged (none when it logged nothing); a last line without its newline (being
+    written, or cut short by a rank's end) is left out."""
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [json.loads(line) for line in f if line.endswith("\n") and line.strip()]
 
 
 def run(config: Config, script: str, script_args: list[str], workers: int, out_dir: str, timeout: float,
