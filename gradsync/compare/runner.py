@@ -1,7 +1,9 @@
 """Run one configuration of `gradsync compare` and measure it: the script's own log, plus CPU and memory.
 
 The job runs as `gradsync run` would (`scripts.run_script`) with GRADSYNC_LOG_DIR
-set in its ranks, so each worker's `gradsync.log` lines land in the run's directory.
+set in its ranks, so each worker's `gradsync.log` lines land in the run's directory, and its ranks
+start in the run's own copy of the working directory (`compare.workdir`). A failed run is measured
+too, up to its failure, which goes to `FAILURE` in the run's directory.
 A sampler thread reads /proc every `SAMPLE_S` for every rank (`run_script` says
 which they are): its CPU ticks, how long its threads waited for a CPU (schedstat)
 and its peak resident memory (VmHWM). The first
