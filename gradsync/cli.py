@@ -80,9 +80,13 @@ def _parser() -> argparse.ArgumentParser:
                                   description="Run SCRIPT under a grid of paradigms and write a report. Options "
                                   "go before SCRIPT; what follows SCRIPT goes to the script.")
     compare.add_argument("--workers", type=int, default=2, help="worker processes of every run (default: %(default)s)")
-    compare.add_argument("--out", default="gradsync-report", help="report directory (default: %(default)s)")
+    compare.add_argument("--out", default="gradsync-report", help="report directory; one an earlier compare "
+                         "wrote is first renamed to OUT-<its time>, and compare says so (default: %(default)s)")
     compare.add_argument("--force", action="store_true", help="write the report into --out even when it holds "
                          "files that gradsync compare did not write")
+    compare.add_argument("--copy-limit-mb", type=float, default=500, help="each run works in its own copy of the "
+                         "directory compare is started in (not its .git, virtual environments or reports): refuse "
+                         "one whose copy would hold more MB than this (default: %(default)s)")
     compare.add_argument("--strategies", type=_names, default="allreduce,ps,hybrid",
                          help="comma-separated, of allreduce, ps, hybrid; hybrid runs are skipped when the model has "
                          "no embedding table to serve (default: %(default)s)")
@@ -200,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                                    compressions=args.compressions, timeout=args.timeout, warmup=args.warmup_steps,
                                    straggler=args.straggler, log_dir=args.log_dir, link=args.link,
                                    server_link=args.server_link, predict=args.predict, force=args.force,
-                                   timeline=args.timeline, checked=fork_server,
+                                   timeline=args.timeline, copy_limit_mb=args.copy_limit_mb, checked=fork_server,
                                    command=shlex.join(["gradsync", *argv]), options=_options(args))
             print(f"report: {report} (plots beside it)")
             failed = [r["name"] for r in runs if "error" in r]

@@ -41,7 +41,8 @@ def test_compare_refuses_a_report_directory_it_did_not_write_unless_forced(tmp_p
     prepare_out_dir(str(theirs), force=True)
     assert (theirs / MARKER).exists() and (theirs / "notes.txt").read_text() == "mine"
     (theirs / "report.md").write_text("an earlier report")
-    prepare_out_dir(str(theirs))  # marked: compare wrote it, and may again
+    moved = prepare_out_dir(str(theirs))  # marked: compare wrote it, and may again, once it moved the earlier aside
+    assert sorted(os.listdir(moved)) == [MARKER, "notes.txt", "report.md"] and os.listdir(theirs) == [MARKER]
     fresh = tmp_path / "new" / "report"
     prepare_out_dir(str(fresh))
     assert (fresh / MARKER).exists()

@@ -47,6 +47,12 @@ def test_headline_is_the_exception_line():
     assert headline("rank 0 (ps0) was killed") == "rank 0 (ps0) was killed"
 
 
+def test_a_log_line_cut_short_is_left_out(tmp_path):
+    log = tmp_path / "worker-0.jsonl"
+    log.write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "lo')  # a rank killed in the middle of its line
+    assert read_log(log) == [{"step": 1, "loss": 0.5}] and read_log(tmp_path / "none.jsonl") == []
+
+
 def _compare(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "gradsync.cli", "compare", *args], capture_output=True, text=True,
                           timeout=230, env=env)
@@ -329,14 +335,15 @@ def test_a_script_that_logs_nothing_gets_a_warning_and_plots_without_matplotlib_
     from gradsync.compare.plots import write_plots
     from gradsync.compare.report import silent, write_report
 
-    runs = [_finished("allreduce", False), _finished("ps sync S=1", False), {"name": "x", "error": "E: y"}]
+    failed = {**_finished("x", False), "error": "E: y", "failure": "runs/x/failure.txt", "worker_steps": [0, 0]}
+    runs = [_finished("allreduce", False), _finished("ps sync S=1", False), failed]
     assert silent(runs).startswith("the script logged nothing in allreduce, ps sync S=1, so the report has no loss")
     assert "call gradsync.log(loss=loss.item(), samples=len(x)) once per step" in silent(runs)
     assert silent([_finished("allreduce", True)]) is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # matplotlib's "No artists with labels found" is a warning
-        assert len(write_plots(runs, str(tmp_path), 1)) == 3
-        write_plots([], str(tmp_path), 1)
+        assert write_plots(runs, str(tmp_path), 1) == write_plots([], str(tmp_path), 1) == []  # nothing to draw
+    assert not list(tmp_path.glob("*.png"))
     _, md = write_report(META, runs, [], str(tmp_path))
     assert f"Warning: {silent(runs)}." in open(md).read()
 
@@ -486,3 +493,159 @@ def test_tensorboard_events_are_tfrecords_of_scalar_summaries(tmp_path, monkeypa
     assert events[0][3] == b"brain.Event:2"
     values = [dict(_fields(v)) for n, v in _fields(events[1][5]) if n == 1]
     assert events[1][2] == 7 and values == [{1: b"loss", 2: 0.25}, {1: b"acc", 2: 0.5}]
+
+
+def _project(tmp_path) -> str:
+    """A working directory holding snapshot_script.py, the jobs.py it imports and notes.txt, as a user's
+    project would."""
+    project = tmp_path / "project"
+    project.mkdir()
+    for name in ("snapshot_script.py", "jobs.py"):
+        (project / name).write_text(open(os.path.join(HERE, name)).read())
+    (project / "notes.txt").write_text("before\n")
+    return str(project)
+
+
+def _tree(top: str) -> dict[str, bytes]:
+    return {os.path.relpath(os.path.join(d, f), top): open(os.path.join(d, f), "rb").read()
+            for d, _, files in os.walk(top) for f in files}
+
+
+@pytest.mark.timeout(240)
+def test_compare_runs_each_run_in_its_own_copy_of_the_working_directory(tmp_path):
+    """A script that resumes from the snapshot it finds in its working directory trains every step in every
+    run: no run sees what another wrote. The ps run is made to train 2 epochs of 3: it is flagged."""
+    import torch
+
+    project = _project(tmp_path)
+    before = _tree(project)
+    done = subprocess.run([sys.executable, "-m", "gradsync.cli", "compare", "--out", "report", "--strategies",
+                           "allreduce,ps", "--servers", "1", "--modes", "sync", "snapshot_script.py",
+                           "--epochs-under", "ps:2"], capture_output=True, text=True, timeout=230, cwd=project)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(open(os.path.join(project, "report", "report.json")).read())
+    runs = {r["name"]: r for r in report["runs"]}
+    assert runs["allreduce"]["worker_steps"] == [9, 9] and runs["ps sync S=1"]["worker_steps"] == [6, 6]
+    assert runs["allreduce"]["first_step"] == runs["ps sync S=1"]["first_step"] == 0
+    for slug, last, epochs in (("allreduce", 2, "allreduce epoch 0\nallreduce epoch 1\nallreduce epoch 2\n"),
+                               ("ps_sync_S1", 1, "ps epoch 0\nps epoch 1\n")):
+        workdir = os.path.join(project, "report", "runs", slug, "workdir")
+        assert torch.load(os.path.join(workdir, "snapshot.pt")) == {"epoch": last}
+        assert open(os.path.join(workdir, "notes.txt")).read() == "before\n" + epochs  # its own lines only
+        assert open(os.path.join(workdir, "jobs.py")).read() == before["jobs.py"].decode()
+    # the working directory is as it was, beside the report; the copy the runs started from is gone
+    assert {k: v for k, v in _tree(project).items() if not k.startswith("report" + os.sep)} == before
+    assert not os.path.exists(os.path.join(project, "report", ".start-dir"))
+    flag = ("ps sync S=1 logged 6 steps, allreduce 9: its final loss and medians cover other steps than the other "
+            "runs', so its row does not compare like for like")
+    md = open(os.path.join(project, "report", "report.md")).read()
+    assert f"Warning: {flag}" in md and flag in done.stderr and "resumed" not in md
+    # each run's output under a heading that names it
+    headings = [done.stderr.index(f"[{name}] run {i} of 2; its ranks' output follows; its working directory: "
+                                  f"{os.path.join('report', 'runs', slug, 'workdir')}")
+                for i, (name, slug) in enumerate((("allreduce", "allreduce"), ("ps sync S=1", "ps_sync_S1")), 1)]
+    said = [done.stderr.index(f"snapshot_script.py: {s} saved epoch 0") for s in ("allreduce", "ps")]
+    assert headings[0] < said[0] < headings[1] < said[1]
+
+
+@pytest.mark.timeout(240)
+def test_a_compare_whose_runs_all_fail_names_the_rank_its_traceback_and_the_steps_logged(tmp_path):
+    out = tmp_path / "report"
+    done = _compare("--out", str(out), "--strategies", "ps", "--servers", "1", "--modes", "sync",
+                    os.path.join(HERE, "snapshot_script.py"), "--fail-after", "4")
+    assert done.returncode == 1, done.stderr[-3000:]
+    (run,) = json.loads((out / "report.json").read_text())["runs"]
+    assert run["failed_rank"] == "rank 2 (worker1)" and run["worker_steps"] == [4, 4]
+    assert run["failure"] == os.path.join("runs", "ps_sync_S1", "failure.txt")
+    failure = (out / run["failure"]).read_text()
+    assert "Traceback" in failure and "RuntimeError: snapshot_script.py fails after 4 steps on purpose" in failure
+    assert [c[1] for c in run["curve"]] == [0, 1, 2, 3]  # worker 0's losses up to the failure
+    md = (out / "report.md").read_text()
+    line = (f"- ps sync S=1: rank 2 (worker1) failed: RuntimeError: snapshot_script.py fails after 4 steps on "
+            f"purpose; the traceback is in {run['failure']}; steps logged before the failure: worker0 4, worker1 4 "
+            "(its loss up to the failure is in loss.png)")
+    assert line in md and "No run logged a step to compare" not in md
+    assert "No run finished; the failed runs logged steps before they failed" in md
+    assert "rank 2 (worker1) failed" in done.stderr and str(out / run["failure"]) in done.stderr
+    assert sorted(p.name for p in out.glob("*.png")) == ["loss.png"]  # no empty chart
+
+
+def test_the_copy_of_the_working_directory_leaves_out_vcs_venvs_and_reports_and_keeps_links_pointing_right(
+        tmp_path, monkeypatch):
+    from gradsync.compare import MARKER, workdir
+
+    start, outside = tmp_path / "project", tmp_path / "data"
+    for d in (start / "sub", start / ".git", start / "venv", start / "old-report", outside):
+        d.mkdir(parents=True)
+    (start / "train.py").write_text("print('hi')")
+    (start / "sub" / "conf.txt").write_text("lr 0.1")
+    (start / ".git" / "HEAD").write_text("ref")
+    (start / "venv" / "pyvenv.cfg").write_text("home = /usr")
+    (start / "old-report" / MARKER).write_text("")
+    (outside / "big.bin").write_bytes(b"x" * 2048)
+    os.symlink("sub/conf.txt", start / "inside")  # stays relative: it resolves in the copy
+    os.symlink("../data", start / "data")  # relative, out of the directory: made absolute
+    copy = tmp_path / "copy"
+    workdir.snapshot(str(start), str(copy), MARKER)
+    assert sorted(os.listdir(copy)) == ["data", "inside", "sub", "train.py"]
+    assert os.readlink(copy / "inside") == "sub/conf.txt" and (copy / "inside").read_text() == "lr 0.1"
+    assert os.readlink(copy / "data") == str(outside) and (copy / "data" / "big.bin").stat().st_size == 2048
+    run = tmp_path / "run"
+    workdir.fresh(str(copy), str(run))
+    (run / "sub" / "conf.txt").write_text("changed by a run")
+    assert (copy / "sub" / "conf.txt").read_text() == "lr 0.1"  # a copy, not a link
+    workdir.fresh(str(copy), str(run))
+    assert (run / "sub" / "conf.txt").read_text() == "lr 0.1"
+    # the script the run starts: its copy when it is inside the directory, else where it is
+    monkeypatch.chdir(start)
+    assert workdir.script_in("train.py", str(start), str(run)) == "train.py"  # resolves in the run's directory
+    assert workdir.script_in(str(start / "train.py"), str(start), str(run)) == str(run / "train.py")
+    assert workdir.script_in(str(outside / "big.bin"), str(start), str(run)) == str(outside / "big.bin")
+    assert workdir.script_in(str(start / "venv" / "pyvenv.cfg"), str(start), str(run)) == str(
+        start / "venv" / "pyvenv.cfg")  # left out of the copy: run where it is
+    workdir.check_size(str(start), MARKER, 17 / 2**20)  # train.py and conf.txt: the linked data is not copied
+    with pytest.raises(ValueError, match=r"^the working directory .*project holds over 1e-05 MB to copy "
+                                         r"\(--copy-limit-mb\): each run of compare works in its own copy"):
+        workdir.check_size(str(start), MARKER, 1e-5)
+
+
+def test_a_run_that_logged_fewer_steps_or_resumed_is_flagged(tmp_path):
+    from gradsync.compare.report import silent, uneven, write_report
+
+    full = {**_finished("allreduce", True), "steps": 9, "first_step": 0}
+    fewer = {**_finished("ps sync S=1", True), "steps": 6, "first_step": 0}
+    resumed = {**_finished("ps async S=1", True), "steps": 9, "first_step": 3}
+    nothing = _finished("hybrid S=1", False)
+    failed = {**_finished("x", True), "error": "E: y", "steps": 1, "first_step": 7, "failure": "f", "worker_steps": [1]}
+    assert uneven([full, {**fewer, "steps": 9}, failed]) == []
+    flags = uneven([full, fewer, resumed, nothing, failed])
+    assert flags == [
+        "ps sync S=1 logged 6 steps, allreduce 9: its final loss and medians cover other steps than the other runs', "
+        "so its row does not compare like for like (did the script stop early, or resume from a snapshot it found?)",
+        "ps async S=1 resumed: its first logged step is 3, not 0, so it continued a training that began before it "
+        "and its loss curve starts where that one stopped (a snapshot that was in the working directory when "
+        "compare started: every run starts from a copy of that directory)",
+        "hybrid S=1 logged 0 steps, allreduce 9: its final loss and medians cover other steps than the other runs', "
+        "so its row does not compare like for like (did the script stop early, or resume from a snapshot it found?)"]
+    # steps counted by gradsync (from 1): every run that resumed from the same snapshot is flagged
+    assert [f.split(":")[0] for f in uneven([{**full, "first_step": 4}, {**resumed, "first_step": 4}])] == [
+        "allreduce resumed", "ps async S=1 resumed"]
+    assert silent([full, nothing]) is None  # the script calls gradsync.log: the run that logged nothing is flagged
+    _, md = write_report(META, [full, fewer], [], str(tmp_path))
+    assert f"Warning: {flags[0]}.\n" in open(md).read()
+
+
+def test_a_second_compare_into_the_same_out_moves_the_earlier_report_aside(tmp_path):
+    from gradsync.compare import MARKER, prepare_out_dir
+
+    out = tmp_path / "gradsync-report"
+    assert prepare_out_dir(str(out)) is None
+    assert prepare_out_dir(str(out)) is None  # only the marker: nothing to keep
+    (out / "report.md").write_text("the first")
+    os.utime(out / "report.md", (0, 1_700_000_000))
+    moved = prepare_out_dir(str(out))
+    assert moved == str(out) + "-" + time.strftime("%Y%m%d-%H%M%S", time.localtime(1_700_000_000))
+    assert open(os.path.join(moved, "report.md")).read() == "the first" and os.listdir(out) == [MARKER]
+    (out / "report.md").write_text("the second")
+    os.utime(out / "report.md", (0, 1_700_000_000))
+    assert prepare_out_dir(str(out)) == moved + "-2"  # the same second: a name of its own

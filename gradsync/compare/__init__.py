@@ -1,7 +1,8 @@
 """`gradsync compare SCRIPT`: the user's own training script under a grid of paradigms, side by side.
 
 `grid` names the configurations, `runner` runs each (the same script, seeds and
-data order; the script reports its scalars with `gradsync.log`) and measures it
+data order; the script reports its scalars with `gradsync.log`), in a working directory of its own that
+`workdir` copies from the one compare started in, and measures it
 from outside (CPU and peak memory of every process), `report` writes
 report.json and report.md, `plots` the PNG charts (timeline.png too with --timeline), `predict` (--predict)
 fits the cost model on the runs and writes the verdict that ends the report.
@@ -9,43 +10,62 @@ fits the cost model on the runs and writes the verdict that ends the report.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import time
 from typing import Callable
 
 
 MARKER = ".gradsync-compare"
-"""The file `compare` writes into its report directory: a directory with it may be overwritten."""
+"""The file `compare` writes into its report directory: a later compare moves such a directory aside."""
+PRISTINE = ".start-dir"
+"""The copy of the directory compare started in, under --out while compare runs (`workdir`)."""
 
 
-def prepare_out_dir(out_dir: str, force: bool = False) -> None:
+def prepare_out_dir(out_dir: str, force: bool = False) -> str | None:
     """Create the report directory and mark it; refuse one with files that `compare` did not write
-    (no MARKER, and not the report.json of a compare from before the marker) unless `force`."""
+    (no MARKER, and not the report.json of a compare from before the marker) unless `force`. A directory an
+    earlier compare wrote is renamed to OUT-<its time> first; returns that name (None: nothing was moved)."""
     ours = any(os.path.exists(os.path.join(out_dir, name)) for name in (MARKER, "report.json"))
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not ours and not force:
         raise FileExistsError(f"--out {out_dir}: the directory has files that gradsync compare did not write: "
                               "choose another --out, or pass --force to write the report into it anyway")
+    moved = None
+    if ours and (kept := set(os.listdir(out_dir)) - {MARKER}):
+        written = max(os.path.getmtime(os.path.join(out_dir, name)) for name in kept)
+        moved = base = f"{out_dir.rstrip(os.sep)}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(written))}"
+        for n in range(2, 1000):
+            if not os.path.exists(moved):
+                break
+            moved = f"{base}-{n}"
+        os.rename(out_dir, moved)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, MARKER), "w") as f:
-        f.write("written by gradsync compare: a later compare may overwrite this directory\n")
+        f.write("written by gradsync compare: a later compare moves this directory aside to OUT-<time>\n")
+    return moved
 
 
 def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, strategies: list[str],
             servers: list[int], modes: list[str], compressions: list[str], timeout: float, warmup: int,
             straggler: str | None = None, log_dir: str | None = None, link: str | None = None,
             server_link: str | None = None, predict: bool = False, force: bool = False, timeline: bool = False,
-            command: str, options: dict, checked: Callable[[], None] | None = None) -> tuple[str, list[dict]]:
-    """Run the grid and write the report; returns report.md's path and the runs (a failed one has `error`,
-    a skipped one `skipped`). `warmup`: each worker's first steps, left out of the per-step figures.
+            copy_limit_mb: float = 500, command: str, options: dict,
+            checked: Callable[[], None] | None = None) -> tuple[str, list[dict]]:
+    """Run the grid and write the report; returns report.md's path (relative when under the working directory)
+    and the runs (a failed one has `error`, a skipped one `skipped`). `warmup`: each worker's first steps, left
+    out of the per-step figures.
     `straggler` ('W:F'): worker W's compute takes F times as long in every run (`gradsync.compare.straggler`).
     `log_dir`: TensorBoard scalars too, one subdirectory per run. `link`: every run over an emulated network
     of this rate (`gradsync.launcher.netem`); `server_link`: the parameter servers behind links of this rate instead
     (a slow server link). `predict`: fit the cost model on the sync runs, predict each paradigm up to
     W = 1024 and end the report with a verdict (`compare.predict`). `force`: write into a directory that
-    compare did not write (`prepare_out_dir`). `timeline`: every
+    compare did not write (`prepare_out_dir`). `copy_limit_mb`: the most the copy of the working directory each
+    run starts from may hold (`workdir`). `timeline`: every
     run records each step's timeline (`gradsync.core.timeline`); a run's median step goes into its result and
     timeline.png. `command` and `options`: the command line as typed and
     every option's value, for the report's header. `checked`: called once every argument is checked, before
     the first run (the command line starts its ranks' fork server there)."""
+    from gradsync.compare import workdir
     from gradsync.compare.grid import grid
     from gradsync.compare.straggler import parse as parse_straggler
     from gradsync.config import check_script
@@ -64,32 +84,52 @@ def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, 
     configs = grid(strategies, servers, modes, compressions)
     if straggler is not None:
         parse_straggler(straggler)
-    prepare_out_dir(out_dir, force)
+    start, out_dir = os.getcwd(), os.path.abspath(out_dir)  # the ranks' working directories are elsewhere
+    log_dir = None if log_dir is None else os.path.abspath(log_dir)
+    if os.path.commonpath([start, out_dir]) == out_dir:
+        raise ValueError(f"--out {out_dir} holds the working directory {start}, which every run gets a copy of: "
+                         "choose an --out inside the working directory or beside it")
+    workdir.check_size(start, MARKER, copy_limit_mb)
+    if moved := prepare_out_dir(out_dir, force):
+        print(f"gradsync compare: the earlier report in {_shown(out_dir)} is now in {_shown(moved)}", file=sys.stderr)
     # every argument is checked: now the imports that take seconds (torch)
     from gradsync.compare.plots import write_plots
     from gradsync.compare.predict import markdown
     from gradsync.compare.predict import predict as predict_runs
-    from gradsync.compare.report import dense_tables, silent, table, write_report
-    from gradsync.compare.runner import NO_TABLES, run
+    from gradsync.compare.report import dense_tables, failures, silent, table, uneven, write_report
+    from gradsync.compare.runner import NO_TABLES, WORKDIR, run
 
     if checked is not None:
         checked()
+    pristine = os.path.join(out_dir, PRISTINE)
     runs: list[dict] = []
-    for i, config in enumerate(configs):
-        if config.strategy == "hybrid" and any(r.get("skipped") == NO_TABLES for r in runs):
-            # the same script builds the same model: no other hybrid run would find a table either
-            runs.append({"name": config.name, **config.settings(), "workers": workers, "skipped": NO_TABLES})
-            continue
-        bar = tqdm(desc=f"[{i + 1}/{len(configs)}] {config.name}", unit="step", disable=not sys.stderr.isatty())
+    try:
+        workdir.snapshot(start, pristine, MARKER)
+        for i, config in enumerate(configs):
+            if config.strategy == "hybrid" and any(r.get("skipped") == NO_TABLES for r in runs):
+                # the same script builds the same model: no other hybrid run would find a table either
+                runs.append({"name": config.name, **config.settings(), "workers": workers, "skipped": NO_TABLES})
+                continue
+            print(f"[{config.name}] run {i + 1} of {len(configs)}; its ranks' output follows; its working "
+                  f"directory: {_shown(os.path.join(out_dir, 'runs', config.slug, WORKDIR))}", file=sys.stderr,
+                  flush=True)
+            bar = tqdm(desc=f"[{i + 1}/{len(configs)}] {config.name}", unit="step", disable=not sys.stderr.isatty())
 
-        def progress(steps: int, bar=bar) -> None:
-            bar.update(steps - bar.n)
+            def progress(steps: int, bar=bar) -> None:
+                bar.update(steps - bar.n)
 
-        runs.append(run(config, script, script_args, workers, out_dir, timeout, warmup, progress, log_dir,
-                        dict(link=link, server_link=server_link), straggler=straggler, timeline=timeline))
-        bar.close()
+            runs.append(run(config, script, script_args, workers, out_dir, timeout, warmup, progress, log_dir,
+                            dict(link=link, server_link=server_link), straggler=straggler, timeline=timeline,
+                            start=start, pristine=pristine))
+            bar.close()
+    finally:
+        shutil.rmtree(pristine, ignore_errors=True)
     if quiet := silent(runs):
         print(f"gradsync compare: warning: {quiet}", file=sys.stderr)
+    for flag in uneven(runs):
+        print(f"gradsync compare: warning: {flag}", file=sys.stderr)
+    for line in failures(runs, _shown(out_dir)):
+        print(f"gradsync compare: failed run {line.removeprefix('- ')}", file=sys.stderr)
     if dense := dense_tables(runs):
         print(f"gradsync compare: note: {dense}", file=sys.stderr)
     plots = write_plots(runs, out_dir, warmup)
@@ -102,4 +142,10 @@ def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, 
     print(table(runs))
     if prediction:
         print("\n".join(["", *markdown(prediction)]))
-    return md_path, runs
+    return _shown(md_path), runs
+
+
+def _shown(path: str) -> str:
+    """`path` relative to the working directory when it lies inside it, else as it is."""
+    inside = os.path.relpath(path)
+    return path if inside.split(os.sep)[0] == os.pardir else inside

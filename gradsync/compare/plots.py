@@ -13,26 +13,17 @@ from gradsync.compare.report import warmup_text  # noqa: E402
 
 
 def write_plots(runs: list[dict], out_dir: str, warmup: int) -> list[str]:
-    """loss.png (loss against wall-clock time after the `warmup` steps and against step, every run on one
-    chart), step_time.png (median step split into pull / compute / commit), bytes.png (bytes per step), and
-    timeline.png when a run recorded its timeline (`--timeline`); returns their paths."""
-    done = [r for r in runs if "error" not in r and "skipped" not in r]
+    """loss.png (loss against wall-clock time after the `warmup` steps and against step, every run that logged a
+    loss on one chart, a failed one up to its failure), step_time.png (median step split into pull / compute /
+    commit) and bytes.png (bytes per step) of the finished runs with step figures, and timeline.png when a run
+    recorded its timeline (`--timeline`); returns the paths of those drawn (a chart with nothing to draw is not
+    written)."""
     paths = []
-    fig, (by_time, by_step) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for r in (r for r in done if r["curve"]):
-        t, step, loss = zip(*r["curve"])
-        warm = r["warmup_t"] or 0.0
-        after = [(s - warm, l) for s, l in zip(t, loss) if s >= warm]
-        if after:
-            by_time.plot(*zip(*after), label=r["name"])
-        by_step.plot(step, loss, label=r["name"])
-    by_time.set(xlabel=f"seconds after the warm-up ({warmup_text(warmup)})", ylabel="loss (worker 0)",
-                title="loss against time")
-    by_step.set(xlabel="step", ylabel="loss (worker 0)", title="loss against step")
-    if by_step.lines:  # a run that logged no loss draws nothing, and an empty legend only warns
-        by_step.legend(fontsize="small")
-    paths.append(_save(fig, out_dir, "loss.png"))
-
+    if curves := [r for r in runs if "skipped" not in r and r.get("curve")]:
+        paths.append(_losses(curves, out_dir, warmup))
+    done = [r for r in runs if "error" not in r and "skipped" not in r and r["step_s"] == r["step_s"]]  # not NaN
+    if not done:
+        return paths
     names = [r["name"] for r in done]
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(done)), 4.5))
     bottom = [0.0] * len(done)
@@ -53,6 +44,24 @@ def write_plots(runs: list[dict], out_dir: str, warmup: int) -> list[str]:
     if timed := [r for r in done if (r.get("timeline") or {}).get("pieces")]:
         paths.append(_timeline(timed, out_dir))
     return paths
+
+
+def _losses(curves: list[dict], out_dir: str, warmup: int) -> str:
+    """loss.png: each run's logged losses against time after its warm-up and against step."""
+    fig, (by_time, by_step) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in curves:
+        label = f"{r['name']} (failed)" if "error" in r else r["name"]
+        t, step, loss = zip(*r["curve"])
+        warm = r["warmup_t"] or 0.0
+        after = [(s - warm, l) for s, l in zip(t, loss) if s >= warm]
+        if after:
+            by_time.plot(*zip(*after), label=label)
+        by_step.plot(step, loss, label=label)
+    by_time.set(xlabel=f"seconds after the warm-up ({warmup_text(warmup)})", ylabel="loss (worker 0)",
+                title="loss against time")
+    by_step.set(xlabel="step", ylabel="loss (worker 0)", title="loss against step")
+    by_step.legend(fontsize="small")
+    return _save(fig, out_dir, "loss.png")
 
 
 SERVED = (("push, and the other workers' parts", "left", "arrived", "tab:blue"),

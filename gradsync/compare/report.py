@@ -72,12 +72,48 @@ def legend(warmup: int) -> list[str]:
 
 
 def silent(runs: list[dict]) -> str | None:
-    """The warning for finished runs whose script never called gradsync.log; None when every one logged."""
-    names = [r["name"] for r in runs if "error" not in r and "skipped" not in r and not r["logged"]]
-    if not names:
+    """The warning for finished runs whose script never called gradsync.log; None when every one logged, or when
+    another run logged (the script does call it: `uneven` says that a run logged fewer steps)."""
+    finished = [r for r in runs if "error" not in r and "skipped" not in r]
+    names = [r["name"] for r in finished if not r["logged"]]
+    if not names or any(r["logged"] for r in finished):
         return None
     return (f"the script logged nothing in {', '.join(names)}, so the report has no loss, speed or step split "
             "for them: call gradsync.log(loss=loss.item(), samples=len(x)) once per step in the training loop")
+
+
+def uneven(runs: list[dict]) -> list[str]:
+    """A warning per finished run that logged fewer steps than another finished run, or that resumed (its first
+    logged step is later than the first: 0 or 1, or an earlier run's first)."""
+    finished = [r for r in runs if "error" not in r and "skipped" not in r]
+    most = max(finished, key=lambda r: r["steps"], default=None)
+    firsts = [r["first_step"] for r in finished if r.get("first_step") is not None]
+    first = min([1, *firsts])
+    out = []
+    for r in finished:
+        if r["steps"] < most["steps"]:
+            out.append(f"{r['name']} logged {r['steps']} steps, {most['name']} {most['steps']}: its final loss and "
+                       "medians cover other steps than the other runs', so its row does not compare like for like "
+                       "(did the script stop early, or resume from a snapshot it found?)")
+        if r.get("first_step") is not None and r["first_step"] > first:
+            out.append(f"{r['name']} resumed: its first logged step is {r['first_step']}, not {first}, so it "
+                       "continued a training that began before it and its loss curve starts where that one stopped "
+                       "(a snapshot that was in the working directory when compare started: every run starts from "
+                       "a copy of that directory)")
+    return out
+
+
+def failures(runs: list[dict], out_dir: str = "") -> list[str]:
+    """A line per failed run: the failing rank, the file with its traceback (under `out_dir`), the steps each
+    worker logged before the failure."""
+    out = []
+    for r in (r for r in runs if "error" in r):
+        logged = ", ".join(f"worker{w} {n}" for w, n in enumerate(r.get("worker_steps", [])))
+        rank = f"{r['failed_rank']} failed" if r.get("failed_rank") else "it failed"
+        drawn = " (its loss up to the failure is in loss.png)" if r.get("curve") else ""
+        out.append(f"- {r['name']}: {rank}: {r['error']}; the traceback is in {os.path.join(out_dir, r['failure'])}; "
+                   f"steps logged before the failure: {logged or 'none'}{drawn}")
+    return out
 
 
 def dense_tables(runs: list[dict]) -> str | None:
@@ -95,8 +131,10 @@ def dense_tables(runs: list[dict]) -> str | None:
 
 def summary(runs: list[dict]) -> str:
     """Plain sentences: the fastest run per step and the one with the lowest final loss."""
-    done = [r for r in runs if r.get("steps") and not math.isnan(r["step_s"])]
+    done = [r for r in runs if "error" not in r and r.get("steps") and not math.isnan(r["step_s"])]
     if not done:
+        if any(sum(r.get("worker_steps", [])) for r in runs if "error" in r):
+            return "No run finished; the failed runs logged steps before they failed (Failed runs, below)."
         return "No run logged a step to compare."
     fastest = min(done, key=lambda r: r["step_s"])
     lines = [f"Fastest step: {fastest['name']} ({1000 * fastest['step_s']:.2f} ms, median of worker 0)."]
@@ -114,7 +152,7 @@ def write_report(meta: dict, runs: list[dict], plots: list[str], out_dir: str,
     json_path, md_path = os.path.join(out_dir, "report.json"), os.path.join(out_dir, "report.md")
     with open(json_path, "w") as f:
         json.dump({**meta, "runs": runs, **({"prediction": prediction} if prediction else {})}, f, indent=1)
-    quiet, dense = silent(runs), dense_tables(runs)
+    quiet, dense, flags, failed = silent(runs), dense_tables(runs), uneven(runs), failures(runs)
     lines = [
         f"# gradsync compare: {meta['command']}",
         "",
@@ -128,9 +166,11 @@ def write_report(meta: dict, runs: list[dict], plots: list[str], out_dir: str,
         *legend(meta["warmup_steps"]),
         "",
         *([f"Warning: {quiet}.", ""] if quiet else []),
+        *[line for flag in flags for line in (f"Warning: {flag}.", "")],
         *([f"Note: {dense}.", ""] if dense else []),
         summary(runs),
         "",
+        *(["Failed runs:", "", *failed, ""] if failed else []),
         *[f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plots],
         *(["", *markdown(prediction)] if prediction else []),
     ]

@@ -1,7 +1,9 @@
 """Run one configuration of `gradsync compare` and measure it: the script's own log, plus CPU and memory.
 
 The job runs as `gradsync run` would (`scripts.run_script`) with GRADSYNC_LOG_DIR
-set in its ranks, so each worker's `gradsync.log` lines land in the run's directory.
+set in its ranks, so each worker's `gradsync.log` lines land in the run's directory, and its ranks
+start in the run's own copy of the working directory (`compare.workdir`). A failed run is measured
+too, up to its failure, which goes to `FAILURE` in the run's directory.
 A sampler thread reads /proc every `SAMPLE_S` for every rank (`run_script` says
 which they are): its CPU ticks, how long its threads waited for a CPU (schedstat)
 and its peak resident memory (VmHWM). The first
@@ -23,7 +25,9 @@ import time
 
 import numpy
 
+from gradsync.compare import workdir
 from gradsync.compare.grid import Config
+from gradsync.config import server_name, worker_name
 from gradsync.core import settings
 from gradsync.core.errors import JobFailed, NoTablesToServe
 from gradsync.launcher import procfs
@@ -33,6 +37,10 @@ from gradsync.launcher.supervision import RankProcess
 SAMPLE_S = 0.1
 NO_TABLES = "no tables"
 """A hybrid run's `skipped` reason: the model has no embedding table that hybrid would serve."""
+WORKDIR = "workdir"
+"""A run's working directory in its run folder: a copy of compare's at its start (`compare.workdir`)."""
+FAILURE = "failure.txt"
+"""A failed run's file in its run folder: the failure the job raised, with the failing rank's traceback."""
 
 
 class Sampler(threading.Thread):
@@ -114,27 +122,35 @@ def read_json(path: str):
 
 
 def read_log(path: str) -> list[dict]:
-    """The JSON lines one worker logged (none when it logged nothing)."""
+    """The JSON lines one worker logged (none when it logged nothing); a last line without its newline (being
+    written, or cut short by a rank's end) is left out."""
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [json.loads(line) for line in f if line.endswith("\n") and line.strip()]
 
 
 def run(config: Config, script: str, script_args: list[str], workers: int, out_dir: str, timeout: float,
         warmup: int, progress=None, board_dir: str | None = None, network: dict | None = None,
-        straggler: str | None = None, timeline: bool = False) -> dict:
-    """Run `config` and return its measurements (or its error, when the job failed; `skipped`: NO_TABLES
-    for a hybrid run on a model without tables). `warmup`: steps left out of the per-step figures;
-    `board_dir`: where the workers also write TensorBoard scalars, one subdirectory per run; `network`:
-    `link` and `server_link` of `run_script`; `straggler`: GRADSYNC_STRAGGLER of every rank; `timeline`: every
-    rank records the step timeline (GRADSYNC_TIMELINE)."""
+        straggler: str | None = None, timeline: bool = False, start: str | None = None,
+        pristine: str | None = None) -> dict:
+    """Run `config` and return its measurements (a failed run also its `error`, `failed_rank` and `failure`
+    file; `skipped`: NO_TABLES for a hybrid run on a model without tables). `warmup`: steps left out of the
+    per-step figures; `board_dir`: where the workers also write TensorBoard scalars, one subdirectory per run;
+    `network`: `link` and `server_link` of `run_script`; `straggler`: GRADSYNC_STRAGGLER of every rank;
+    `timeline`: every rank records the step timeline (GRADSYNC_TIMELINE); `pristine`: the copy of directory
+    `start` the run's own working directory is copied from (`compare.workdir`; None: this process's)."""
     log_dir = os.path.join(out_dir, "runs", config.slug)
     job_dir = os.path.join(log_dir, "job")  # the job's run directory: the servers leave their final counters there
     shutil.rmtree(job_dir, ignore_errors=True)
     os.makedirs(log_dir, exist_ok=True)
     for old in glob.glob(os.path.join(log_dir, "worker-*.jsonl")):
         os.remove(old)
+    cwd = None
+    if pristine is not None:
+        cwd = os.path.join(log_dir, WORKDIR)
+        workdir.fresh(pristine, cwd)
+        script = workdir.script_in(script, start, cwd)
     sampler = Sampler(config.servers, on_sample=(lambda: progress(sum(
         "record" in line for line in read_log(os.path.join(log_dir, "worker-0.jsonl"))))) if progress else None)
     variables = {settings.LOG_DIR: log_dir}
@@ -146,30 +162,42 @@ def run(config: Config, script: str, script_args: list[str], workers: int, out_d
         variables[settings.TIMELINE] = "1"
     sampler.start()
     started = time.time()
+    failed = None
     try:
         run_script(script, script_args, workers=workers, timeout=timeout, run_dir=job_dir, environment=variables,
-                   started=sampler.started, **(network or {}), **config.settings())
-        error = None
+                   started=sampler.started, cwd=cwd, **(network or {}), **config.settings())
     except JobFailed as e:
-        error = str(e)
+        failed = e
     finally:
         sampler.stop()
     result = {"name": config.name, **config.settings(), "workers": workers, "wall_s": time.time() - started}
-    if error is not None and NoTablesToServe.__name__ in error:
+    if failed is not None and NoTablesToServe.__name__ in str(failed):
         return {**result, "skipped": NO_TABLES}
-    if error is not None:
-        return {**result, "error": headline(error)}
     logs = [read_log(os.path.join(log_dir, f"worker-{w}.jsonl")) for w in range(workers)]
     stats = [read_json(p) for p in sorted(glob.glob(os.path.join(job_dir, "stats-*.json")))]
     shutil.rmtree(job_dir, ignore_errors=True)  # tokens and endpoint files of a job that has ended
-    return {**result, **measure(logs, sampler, warmup), "staleness": staleness(stats)}
+    result.update(measure(logs, sampler, warmup), staleness=staleness(stats))
+    if failed is not None:
+        failure = os.path.join(log_dir, FAILURE)
+        with open(failure, "w") as f:
+            f.write(f"{failed}\n")
+        rank = failed.rank
+        result.update(error=headline(str(failed)), failure=os.path.relpath(failure, out_dir),
+                      failed_rank=None if rank is None else f"rank {rank} ({role(rank, config.servers)})")
+    return result
+
+
+def role(rank: int, servers: int) -> str:
+    """The name of global rank `rank` of a job with `servers` servers first ('ps0', 'worker1')."""
+    return server_name(rank) if rank < servers else worker_name(rank - servers)
 
 
 def measure(logs: list[list[dict]], sampler: Sampler, warmup: int) -> dict:
     """Per-run metrics from the workers' logs (worker 0's for the curves and step split) and the sampler,
     leaving each worker's first `warmup` steps out of the per-step figures; `logged`: whether worker 0 called
     `gradsync.log` at all. `batch` (worker 0's median `samples` per step, None when the script logs none) and
-    `model` (the Trainer's trainable elements, dense and in tables) are what `compare --predict` fits on."""
+    `model` (the Trainer's trainable elements, dense and in tables) are what `compare --predict` fits on.
+    `worker_steps`: the steps each worker logged; `first_step`: worker 0's first (None: it logged none)."""
     lines = logs[0]
     trained = _steps(lines)
     records = [line["record"] for line in trained[warmup:]]
@@ -179,6 +207,8 @@ def measure(logs: list[list[dict]], sampler: Sampler, warmup: int) -> dict:
     out = {
         "logged": any("step" in line for line in lines),
         "steps": len(trained),
+        "worker_steps": [len(_steps(log)) for log in logs],
+        "first_step": min((line["step"] for line in trained), default=None),
         "warmup_steps": warmup,
         "warmup_t": trained[warmup - 1]["t"] if len(trained) >= warmup else None,
         "curve": losses,

@@ -36,7 +36,8 @@ def run_script(script: str, script_args: list[str], *, strategy: str, workers: i
                mode: str | None = None, master_port: int = 0, run_dir: str | None = None,
                timeout: float | None = None, link: str | None = None, server_link: str | None = None,
                announce: bool = False, environment: dict[Setting, str] | None = None,
-               started: Callable[[list[RankProcess]], None] | None = None, **settings) -> list[Departure]:
+               started: Callable[[list[RankProcess]], None] | None = None, cwd: str | None = None,
+               **settings) -> list[Departure]:
     """Run `python script args` on every rank (the `gradsync run` command); returns the workers that left an
     elastic job without finishing (`departures`). Raises JobFailed.
 
@@ -48,6 +49,7 @@ def run_script(script: str, script_args: list[str], *, strategy: str, workers: i
     does; `gradsync compare`, whose runs no one reaches, does not).
     environment: more variables for every rank (`gradsync compare`'s log directories and straggler), given to
     the ranks only.
+    cwd: the ranks' working directory (`gradsync compare` gives each run its own); None: this process's.
     Other settings left None come from the GRADSYNC_* environment, else their defaults.
     """
     config = job_config("run_script", strategy, workers, servers, mode, **settings)
@@ -71,8 +73,9 @@ def run_script(script: str, script_args: list[str], *, strategy: str, workers: i
         ranks = []
         try:
             for rank, env in enumerate(rank_environments(config, store.port, run_dir, network=network)):
-                env = {**os.environ, **extra, **env}
-                ranks.append(RankProcess(rank, _start(context, rank, env, script, script_args, network), group=True))
+                env = {**os.environ, **extra, **env, **({"PWD": cwd} if cwd else {})}
+                ranks.append(RankProcess(rank, _start(context, rank, env, script, script_args, network, cwd),
+                                         group=True))
             if started is not None:
                 started(ranks)
             return supervise(config, ranks, run_dir, store, timeout)
@@ -87,19 +90,26 @@ def _rank_context():
 
 
 def _start(context, rank: int, env: dict[str, str], script: str, script_args: list[str],
-           network: netem.Network | None):
+           network: netem.Network | None, cwd: str | None = None):
     """The process of rank (or joiner) `rank`, running `python script script_args` in a session of its own with
-    environment `env` (in its network namespace behind a link): forked from `context` (`forked.run_script`), or,
-    without one, a new process."""
+    environment `env` (in its network namespace behind a link) in working directory `cwd` (None: this
+    process's): forked from `context` (`forked.run_script`), or, without one, a new process."""
     if context is not None:
-        proc = context.Process(target=forked.run_script, daemon=False,
-                               args=(env, script, script_args, network.namespaces[rank] if network else None))
+        args = (env, script, script_args, network.namespaces[rank] if network else None)
+        proc = context.Process(target=forked.run_script if cwd is None else _run_in, daemon=False,
+                               args=args if cwd is None else (cwd, *args))
         proc.start()
         return proc
     argv = [sys.executable, script, *script_args]
     if network is not None:
         argv = network.command(rank, argv)
-    return subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=dying_with_this_process())
+    return subprocess.Popen(argv, env=env, cwd=cwd, start_new_session=True, preexec_fn=dying_with_this_process())
+
+
+def _run_in(cwd: str, *args) -> None:
+    """`forked.run_script(*args)` in working directory `cwd` (a forked rank has the fork server's)."""
+    os.chdir(cwd)
+    forked.run_script(*args)
 
 
 def join_script(target: str, script: str, script_args: list[str], *, workers: int = 1,
