@@ -156,8 +156,8 @@ def test_tables_are_served_only_where_a_row_optimizer_applies(optimizer_kind, se
     assert result["tables"] == served
     assert max_diff(result["state"], joint["state"]) <= noise_bound(noise)
     assert max_diff(result["module"], result["state"]) == 0.0  # a served table is in the module's state_dict
-    note = "embedding table 'emb.weight' (12, 8) stays in the dense path (tables='auto'): AdamW has no exact"
-    assert result["said"].count(note) == (0 if served else 1) and other["said"] == ""  # said once, by worker 0
+    # the table is 7% of the model: not worth a line (`WORTH_SERVING_SHARE`; test_tables says it for a larger one)
+    assert "stays in the dense path" not in result["said"] and other["said"] == ""
 
 
 @pytest.mark.timeout(120)

@@ -295,3 +295,17 @@ def test_pull_rows_over_grpc_refuses_misrouted_ids_unknown_tables_and_a_wrong_ta
                 call(**request)
             assert refused.value.code() == code and match in refused.value.details()
         assert client.stats()[0]["tables"]["t"]["rows_pulled"] == 0  # nothing was read
+
+
+@pytest.mark.parametrize("rows,said", [(400, True), (20, False)])
+def test_a_table_left_dense_is_named_only_when_it_is_a_tenth_of_the_model_or_more(capsys, rows, said):
+    from gradsync.worker.tables import WORTH_SERVING_SHARE, serve_tables
+
+    model = nn.Sequential(nn.Embedding(rows, 8), nn.Linear(8, 300))  # 2,700 parameters beside the table
+    share = rows * 8 / sum(p.numel() for p in model.parameters())
+    assert (share >= WORTH_SERVING_SHARE) == said  # 400 rows: 54% of the model; 20 rows: 6%
+    spec = OptimizerSpec.of(torch.optim.AdamW(model.parameters()), model)
+    tables, _ = serve_tables(model, "auto", 1, None, spec, None, send=True)
+    assert not tables.specs  # AdamW has no exact row-wise form: the table stays dense either way
+    out = capsys.readouterr().out
+    assert out.count("embedding table '0.weight'") == (1 if said else 0)

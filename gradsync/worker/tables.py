@@ -155,6 +155,13 @@ class ServedTables:
                 for spec in self.specs}
 
 
+WORTH_SERVING_SHARE = 0.1
+"""The share of the model's parameters from which a table left dense is worth a line: serving it row by row can
+save at most its share of the bytes a step moves (a batch's rows instead of the whole table), so below a tenth
+the gain is smaller than the spread between repeated runs of one job (BENCHMARKS), while the line would repeat
+in every run of a model whose small token embedding has no row optimizer."""
+
+
 def serve_tables(module: nn.Module, tables: str, num_servers: int, metrics, optimizer: OptimizerSpec,
                  table_optimizer, send: bool) -> tuple[ServedTables, dict[int, dict[str, TableSetup]]]:
     """Take over the tables of `module` that are served row by row, and return them with what registration
@@ -162,8 +169,8 @@ def serve_tables(module: nn.Module, tables: str, num_servers: int, metrics, opti
 
     tables='auto' serves a table when a row optimizer applies to it: `table_optimizer`, or the exact row-wise
     form of its group's optimizer (plain SGD, whose learning rate then follows the group's schedule); any
-    other table stays dense, said once. tables='rows' serves every table and refuses one without a row
-    optimizer; tables='dense' serves none.
+    other table stays dense, said once where it matters (`WORTH_SERVING_SHARE`). tables='rows' serves every
+    table and refuses one without a row optimizer; tables='dense' serves none.
     """
     found = find_tables(module) if tables in ("auto", "rows") else {}
     group_of = optimizer.group_of(found)
@@ -174,7 +181,7 @@ def serve_tables(module: nn.Module, tables: str, num_servers: int, metrics, opti
         if table_optimizer is None and exact is None:
             if tables == "rows":
                 raise ValueError(no_row_form(optimizer.cls, options, name))
-            if send:
+            if send and table.weight.numel() >= WORTH_SERVING_SHARE * sum(p.numel() for p in module.parameters()):
                 print(f"gradsync: embedding table {name!r} {tuple(table.weight.shape)} stays in the dense path "
                       f"(tables='auto'): {optimizer.cls.__name__} has no exact row-wise form; serve it row by row "
                       "with Trainer(..., table_optimizer=gradsync.RowAdagrad(lr=...)) or gradsync.RowSGD",
