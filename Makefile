@@ -8,7 +8,7 @@ WHEELS ?= /opt/wheels
 LINK ?= 1gbit
 PIP_FLAGS := $(if $(wildcard $(WHEELS)),--find-links $(WHEELS),)
 
-.PHONY: run test proto docs bench clean
+.PHONY: run test test-torch-next proto docs bench clean
 
 $(VENV)/.installed: requirements.txt setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,20 @@ run: $(VENV)/.installed
 # longest files first showed no gain, so the files run in alphabetical order
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 --dist loadfile
+
+# the suite on torch 2.14.1, the newest torch this machine's package index offers: a CUDA build from the index (several
+# GB, with the triton it pairs with), so a venv of its own and never in CI
+NEXT_VENV := .venv-torch-2.14
+$(NEXT_VENV)/.installed: requirements.txt setup.py pyproject.toml
+	test -x $(NEXT_VENV)/bin/python || $(PYTHON) -m venv $(NEXT_VENV)
+	$(NEXT_VENV)/bin/python -m pip install -q torch==2.14.1
+	grep -v -e '^torch==' -e '^triton==' requirements.txt > $(NEXT_VENV)/requirements.txt
+	$(NEXT_VENV)/bin/python -m pip install -q -r $(NEXT_VENV)/requirements.txt
+	$(NEXT_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+test-torch-next: $(NEXT_VENV)/.installed
+	$(NEXT_VENV)/bin/python -m pytest -q -n 2 --dist loadfile
 
 proto: $(VENV)/.installed
 	$(PY) -m gradsync.proto.generate
