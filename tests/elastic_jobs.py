@@ -1,5 +1,6 @@
 """Jobs of the elastic tests (module level, so the ranks can unpickle them): a model whose every push moves it
-by a known amount, and a worker that brings a new worker into its running job with `gradsync run --join`."""
+by a known amount, a worker that brings a new worker into its running job with `gradsync run --join`, and
+one killed halfway through a push."""
 from __future__ import annotations
 
 import os
@@ -21,12 +22,12 @@ JOINER = os.path.join(os.path.dirname(__file__), "elastic_joiner.py")
 
 class Constant(nn.Module):
     """loss = sum(w * x) with x = GRAD: every step's gradient is GRAD, whatever w is, so under async SGD the
-    weights after n applied pushes are -LR * GRAD * n (exactly, in float32) and the loss at a step is
-    sum(w) = -SIZE * LR * GRAD * (pushes applied before it)."""
+    weights after n applied pushes are -LR * GRAD * n (exactly, in float32; ssp: each push scaled by 1/W)
+    and the loss at a step is sum(w) = -SIZE * LR * GRAD * (pushes applied before it). `size`: w's elements."""
 
-    def __init__(self):
+    def __init__(self, size: int = SIZE):
         super().__init__()
-        self.w = nn.Parameter(torch.zeros(SIZE))
+        self.w = nn.Parameter(torch.zeros(size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (self.w * x).sum()
@@ -35,7 +36,7 @@ class Constant(nn.Module):
 def constant_step(trainer: gradsync.Trainer) -> float:
     """One step of `Constant`; returns its loss (what the worker pulled, summed)."""
     with dist_autograd.context() as cid:
-        loss = trainer.model(torch.full((SIZE,), GRAD))
+        loss = trainer.model(torch.full((trainer.model.module.w.numel(),), GRAD))
         dist_autograd.backward(cid, [loss])
         trainer.step(cid)
     return loss.item()
@@ -85,3 +86,31 @@ def train_while_a_worker_joins(steps: int, joiner_steps: int, how: str = "run-di
         time.sleep(0.02)  # leave the 2 cores to the joiner's start-up
     out = joiner.communicate(timeout=10)[0]
     return dict(code=joiner.returncode, out=out, stats=trainer.server_stats()[0], state=trainer.state_dict())
+
+
+def train_constant_and_stats(steps: int, size: int) -> tuple[dict[str, torch.Tensor], dict[int, dict]]:
+    """`steps` steps of `Constant(size)` inside `trainer.join()`; returns, once every worker has joined (its
+    pushes all applied), the state and every server's counters."""
+    trainer = gradsync.Trainer(Constant(size), torch.optim.SGD, lr=LR)
+    with trainer.join():
+        for _ in range(steps):
+            constant_step(trainer)
+    return trainer.state_dict(), trainer.server_stats()
+
+
+def train_until_killed_mid_push(kill_at: int, size: int, withheld: int) -> dict | None:
+    """`Constant(size)` over two servers or more: worker 1 is killed during its push of step `kill_at`
+    (`faults.die_mid_push`: every server but `withheld` gets it whole, `withheld` its head and first piece);
+    worker 0 steps until server 0 has applied that push, and returns the servers' counters and the state."""
+    from faults import die_mid_push
+
+    trainer = gradsync.Trainer(Constant(size), torch.optim.SGD, lr=LR)
+    if gradsync.worker_rank() == 1:
+        for _ in range(kill_at):
+            constant_step(trainer)
+        die_mid_push(withheld)
+        constant_step(trainer)
+        raise AssertionError("worker 1 outlived its push of step kill_at")
+    while trainer.server_stats()[0]["pushes_by_worker"].get(1, 0) <= kill_at:  # bounded by the job's timeout
+        constant_step(trainer)
+    return dict(stats=trainer.server_stats(), state=trainer.state_dict())

@@ -125,3 +125,29 @@ def sample_without_arguments() -> list[int]:
     from torch.utils.data import DistributedSampler
 
     return list(DistributedSampler(list(range(10))))
+
+
+def die_mid_push(withheld: int) -> None:
+    """A worker killed halfway through a push, the same way every time (torch RPC ps jobs): from now on, this
+    worker's push reaches every server but `withheld` whole, and `withheld` only in part, its head and first
+    piece (the others never leave: answered here at once, so the push goes on); SIGKILL once server 0 has
+    answered its part (applied it)."""
+    import torch.distributed.rpc as rpc
+
+    from gradsync.config import server_name
+    from gradsync.core.futures import resolved
+    from gradsync.transport import rpc as rpc_transport
+
+    send, pieces = rpc.rpc_async, []
+
+    def rpc_async(to, fn, *args, **kwargs):
+        if fn is rpc_transport.rpc_push_piece and to == server_name(withheld):
+            pieces.append(fn)
+            if len(pieces) > 1:
+                return resolved(None)
+        fut = send(to, fn, *args, **kwargs)
+        if fn is rpc_transport.rpc_push and to == server_name(0):
+            fut.add_done_callback(lambda _: os.kill(os.getpid(), signal.SIGKILL))
+        return fut
+
+    rpc.rpc_async = rpc_async

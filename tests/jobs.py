@@ -14,9 +14,9 @@ import gradsync
 IN, HIDDEN, OUT, BATCH = 8, 16, 4, 6
 
 
-def make_mlp(seed: int = 0) -> nn.Module:
+def make_mlp(seed: int = 0, hidden: int = HIDDEN) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT))
+    return nn.Sequential(nn.Linear(IN, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, OUT))
 
 
 def batch(step: int, worker: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,10 +53,11 @@ def train_mlp(steps: int, lr: float = 0.1, momentum: float = 0.9) -> dict[str, t
     return trainer.state_dict()
 
 
-def reference_mlp(steps: int, workers: int, lr: float = 0.1, momentum: float = 0.9, skip: int | None = None
-                  ) -> dict[str, torch.Tensor]:
-    """Single-process training on the concatenation of the workers' batches (`skip`: a step left out)."""
-    model = make_mlp()
+def reference_mlp(steps: int, workers: int, lr: float = 0.1, momentum: float = 0.9, skip: int | None = None,
+                  hidden: int = HIDDEN) -> dict[str, torch.Tensor]:
+    """Single-process training on the concatenation of the workers' batches (`skip`: a step left out) of the
+    MLP `hidden` wide."""
+    model = make_mlp(hidden=hidden)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     for step in range(steps):
         if step == skip:
@@ -227,11 +228,11 @@ def train_mlp_server_stats(steps: int) -> dict[int, dict]:
     return trainer.server_stats()
 
 
-def train_mlp_and_stats(steps: int, lr: float = 0.1, momentum: float = 0.0, slow_s: float = 0.0
-                        ) -> tuple[dict[str, torch.Tensor], dict]:
-    """Train the MLP with SGD; returns the final state and every server's counters (`slow_s`: every worker
-    but worker 0 sleeps that long before each step)."""
-    trainer = gradsync.Trainer(make_mlp(), torch.optim.SGD, lr=lr, momentum=momentum)
+def train_mlp_and_stats(steps: int, lr: float = 0.1, momentum: float = 0.0, slow_s: float = 0.0,
+                        hidden: int = HIDDEN) -> tuple[dict[str, torch.Tensor], dict]:
+    """Train the MLP (`hidden` wide) with SGD; returns the final state and every server's counters (`slow_s`:
+    every worker but worker 0 sleeps that long before each step)."""
+    trainer = gradsync.Trainer(make_mlp(hidden=hidden), torch.optim.SGD, lr=lr, momentum=momentum)
     run_loop(trainer, steps, pause_s=slow_s if gradsync.worker_rank() != 0 else 0.0)
     return trainer.state_dict(), trainer.server_stats()
 

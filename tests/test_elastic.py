@@ -8,14 +8,15 @@ import torch
 import torch.distributed as dist
 
 import gradsync
-from elastic_jobs import GRAD, LR, SIZE, die_before_the_trainer, kill_the_server_at, train_while_a_worker_joins
+from elastic_jobs import (GRAD, LR, SIZE, Constant, die_before_the_trainer, kill_the_server_at,
+                          train_until_killed_mid_push, train_while_a_worker_joins)
 from faults import Fault, train_with_fault
 from gradsync.core import settings
 from gradsync.membership import newcomers
 from gradsync.config import ConfigError, JobConfig, StoreKeys
 from gradsync.launcher.scripts import _joiner_ended
 from gradsync.launcher.supervision import RankProcess
-from gradsync.core.buckets import ModelSpec
+from gradsync.core.buckets import ModelSpec, by_server, plan_buckets
 from gradsync.membership.liveness import Watch, create_keys, record_gone, staying
 from grpc_harness import make_server, model_state, served
 from helpers import gradsync_run
@@ -36,6 +37,26 @@ def test_a_killed_worker_leaves_the_job_and_the_others_finish(mode, workers, set
     err = capfd.readouterr().err
     assert f"gradsync: the job finished without a worker: worker{killed} (rank {killed + 1}) left at step 3 " \
            "(killed by SIGKILL)" in err, err
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_killed_mid_push_leaves_that_push_applied_whole_or_not_at_all_on_each_server():
+    """Worker 1 dies during its push of step 3: ps0 got it whole, ps1 its head and one of its 4 pieces. ps0
+    applied it (one more than worker 1 saw acknowledged), ps1 never applied any of it; each server's elements
+    of w moved by exactly the pushes it counts (`Constant`), and the departure says the step every server has."""
+    kill_at, size, cap_mb = 3, 8 * 2**16, 0.25  # 0.25 MB pieces: 4 of them on each server
+    results = gradsync.launch(train_until_killed_mid_push, strategy="ps", mode="async", workers=2, servers=2,
+                              args=(kill_at, size, 1), bucket_cap_mb=cap_mb, step_timeout=30, timeout=110)
+    assert results[1] is None
+    (departure,) = results.departures
+    assert (departure.worker, departure.step, departure.how) == (1, kill_at, "killed by SIGKILL")
+    stats, w = results[0]["stats"], results[0]["state"]["w"]
+    assert [stats[s]["pushes_by_worker"][1] for s in (0, 1)] == [kill_at + 1, kill_at]
+    spec = ModelSpec.of(dict(Constant(size).named_parameters()), {})
+    for s, buckets in by_server(plan_buckets(spec.params, 2, int(cap_mb * 2**20), split=True), 2).items():
+        for e in (e for b in buckets for e in b.entries):
+            held = w[e.start:e.start + e.numel]
+            assert torch.equal(held, torch.full_like(held, -LR * GRAD * stats[s]["pushes_applied"]))
 
 
 @pytest.mark.timeout(60)

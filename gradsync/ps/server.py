@@ -218,7 +218,7 @@ class ParameterServer:
         the job's wire format). Sync: resolves to the bucket's values after the step, sent as soon as every
         worker's part is in and the bucket is applied; with `stamped`, to a `core.timeline.Stamped` of them
         and the bucket's events on this server (the step timeline). Async and ssp: kept until its push comes
-        (`staging`), then resolves to None (the push's reply brings the snapshot)."""
+        (`staging`), and answered None at once (the push's reply brings the snapshot)."""
         shard = self._shard()
         if not 0 <= piece.bucket < len(shard.buckets):
             return self.rejected(GradientError(f"worker {worker} pushed a piece of bucket {piece.bucket} to server "
