@@ -311,3 +311,16 @@ def train_accumulating(steps: int, no_sync: bool) -> dict:
             dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y) / 2])
             trainer.step(cid)
     return {"state": trainer.state_dict(), "allreduces": len(calls)}
+
+
+def loader_batches(contexts: tuple[str, ...]) -> dict:
+    """Every batch of one epoch from a DataLoader with worker processes of each start method in `contexts`
+    (None: the DataLoader's default) and from one without workers, in a rank of a job."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = TensorDataset(torch.arange(48.0).reshape(24, 2))
+    loaders = {"none": DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1))}
+    for c in contexts:
+        loaders[str(c)] = DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1),
+                                     num_workers=2, multiprocessing_context=c)
+    return {name: [b[0] for b in loader] for name, loader in loaders.items()}

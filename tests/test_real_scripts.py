@@ -45,3 +45,15 @@ def test_loader_workers_of_every_start_method_and_a_resumed_snapshot_match_one_p
     assert len(momentum) == 4 and all(m.abs().sum() > 0 for m in momentum.values())  # the real state was saved
     for i, m in momentum.items():
         torch.testing.assert_close(m, b["optimizer"]["state"][i]["momentum_buffer"], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.timeout(120)
+def test_loader_workers_of_every_start_method_in_a_rank_of_gradsync_launch():
+    import gradsync
+    from real_loops import loader_batches
+
+    batches = gradsync.launch(loader_batches, strategy="allreduce", workers=1, timeout=110,
+                              args=((None, "fork", "spawn", "forkserver"),))[0]
+    assert len(batches["none"]) == 6
+    for name in ("None", "fork", "spawn", "forkserver"):
+        assert len(batches[name]) == 6 and all(torch.equal(a, b) for a, b in zip(batches[name], batches["none"]))
