@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import functools
 import os
 import shlex
@@ -52,9 +53,24 @@ def _counts(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, e.g. 1,2") from None
 
 
+class _CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: an option it does not know is refused with the subcommand's usage (not the top
+    level's) and the closest option it has."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, unknown = super().parse_known_args(args, namespace)
+        if unknown:
+            given = unknown[0].split("=")[0]
+            close = difflib.get_close_matches(given, [o for o in self._option_string_actions if o.startswith("--")],
+                                              n=1)
+            self.error(f"unrecognized arguments: {' '.join(unknown)}" + (f" (did you mean {close[0]}?)" if close
+                                                                         else ""))
+        return namespace, unknown
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gradsync", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
     run = commands.add_parser("run", help="spawn servers and workers on this machine and run SCRIPT on each")
     run.add_argument("--workers", type=int, help="number of worker processes (required, except with --join: "
                      "the workers that join, default 1)")

@@ -214,11 +214,13 @@ class StoreKeys:
 
     FAILED = "gradsync/failed"
     ALIVE = "gradsync/alive/{}"
+    MOVED = "gradsync/moved/{}"  # +1 at each heartbeat of rank {} (a worker) whose main thread moved since the last
     LEFT = "gradsync/left"
     GONE = "gradsync/gone"  # workers that left an elastic job without gradsync.shutdown(): `worker:how` lines
     TRAINERS = "gradsync/trainers"  # `worker,` entries: the workers that have begun to build their Trainer
     EXITED = "gradsync/exited"  # `worker,` entries: workers whose interpreter exited without gradsync.shutdown()
     WORKERS = "gradsync/workers"  # worker indices handed out: the job's workers, then one more per joiner
+    EARLY_STDERR = "gradsync/early_stderr/{}"  # sha256 of what a rank wrote before init: a rank wrote that text
     JOB = "gradsync/job"  # an elastic job's settings (GRADSYNC_* variables, JSON), for workers that join it
     RPC_SERVING = "gradsync/rpc_serving/{}"  # server s is in the dynamic RPC group of an elastic job
     RPC_MEMBERSHIP = "gradsync/rpc_membership"  # the rank that joins or leaves that group now

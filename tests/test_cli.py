@@ -75,14 +75,27 @@ def test_run_and_compare_refuse_a_script_that_does_not_exist_before_starting_any
     assert not out.exists()  # refused before anything was written
 
 
+@pytest.mark.parametrize("command,mistyped,meant", [(["run"], "--stratgy", "--strategy"),
+                                                    (["run", "--strategy", "ps"], "--wrkers=2", "--workers"),
+                                                    (["compare"], "--modse", "--modes")])
+def test_a_mistyped_option_gets_its_commands_usage_and_the_closest_option(command, mistyped, meant, capsys):
+    with pytest.raises(SystemExit) as exit:
+        cli.main([*command, mistyped, "ps", "train.py"])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count(f"usage: gradsync {command[0]} [-h]") == 1 and err.count("usage: gradsync [-h]") == 0, err
+    assert err.splitlines()[-1] == (f"gradsync {command[0]}: error: unrecognized arguments: {mistyped} (did you "
+                                    f"mean {meant}?)")
+
+
 def test_run_keeps_every_option_it_had_and_adds_bucket_cap_mb_pipeline_and_start_over():
     run = cli._parser()._subparsers._group_actions[0].choices["run"]
     options = {o for a in run._actions for o in a.option_strings}
     assert options == {"-h", "--help", "--strategy", "--workers", "--join", "--servers", "--mode", "--staleness",
                        "--nonfinite", "--compression", "--transport", "--server-device", "--bucket-cap-mb",
-                       "--pipeline", "--startup-timeout", "--step-timeout", "--shutdown-timeout", "--checkpoint-dir",
-                       "--checkpoint-every", "--resume", "--start-over", "--master-port", "--run-dir", "--timeout",
-                       "--link", "--server-link"}
+                       "--pipeline", "--startup-timeout", "--step-timeout", "--stall-report", "--shutdown-timeout",
+                       "--checkpoint-dir", "--checkpoint-every", "--resume", "--start-over", "--master-port",
+                       "--run-dir", "--timeout", "--link", "--server-link"}
     chosen = cli.job_settings(cli.parse_args(["run", "--strategy", "ps", "--workers", "1", "--start-over", __file__]))
     assert chosen["start_over"] is True  # a flag without a value
 

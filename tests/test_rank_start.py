@@ -30,8 +30,8 @@ if me is not None:  # a worker
 gradsync.shutdown()
 """
 
-_PER_JOB = ("GRADSYNC_RUN_DIR", "GRADSYNC_ERROR_FILE", "GRADSYNC_TOKEN", "GRADSYNC_LAUNCHER_PID", "MASTER_PORT",
-            "GRADSYNC_RANK_START")
+_PER_JOB = ("GRADSYNC_RUN_DIR", "GRADSYNC_ERROR_FILE", "GRADSYNC_STACK_FILE", "GRADSYNC_EARLY_STDERR",
+            "GRADSYNC_STDERR_FD", "GRADSYNC_TOKEN", "GRADSYNC_LAUNCHER_PID", "MASTER_PORT", "GRADSYNC_RANK_START")
 """What differs between the two jobs beside how they start: their files, token, launcher and store port."""
 
 

@@ -7,7 +7,7 @@ import pytest
 
 import gradsync
 from faults import train_resumable
-from helpers import run_failing_script
+from helpers import gradsync_run, run_failing_script
 
 
 
@@ -50,3 +50,45 @@ def test_a_nan_gradient_is_headlined_with_the_worker_that_sent_it(strategy, serv
     stderr, headline = run_failing_script(tmp_path, body, "--strategy", strategy, "--workers", "2")
     assert headline.startswith(f"gradsync: rank {servers + 1} (worker1) failed with exit code 1:"), stderr
     assert "from worker 1: lower the learning rate" in headline
+
+
+_BAD_ARGUMENT = """import argparse
+import gradsync
+parser = argparse.ArgumentParser()
+parser.add_argument("--lr", type=float, required=True)
+parser.parse_args()
+gradsync.init()
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("start", ["fork", "exec"])
+def test_a_bad_argument_before_init_is_shown_once_with_the_ranks_that_printed_it(start, tmp_path):
+    script = tmp_path / "args.py"
+    script.write_text(_BAD_ARGUMENT)
+    done = gradsync_run("--strategy", "ps", "--workers", "2", str(script), timeout=100,
+                        env={"GRADSYNC_RANK_START": start})
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.splitlines()
+    headline = lines.index("gradsync: rank 0 (ps0) failed with exit code 2 before it reached gradsync.init(), "
+                           "printing:")
+    assert lines[headline + 1:] == ["usage: args.py [-h] --lr LR",
+                                    "args.py: error: the following arguments are required: --lr",
+                                    "rank 1 (worker0), rank 2 (worker1) failed the same way"], done.stderr
+    assert done.stderr.count("usage: args.py") == 1, done.stderr
+    assert "gradsync.init() first" not in done.stderr and "EADDRINUSE" not in done.stderr
+
+
+@pytest.mark.timeout(120)
+def test_an_error_at_import_is_shown_once(tmp_path):
+    script = tmp_path / "imports.py"
+    script.write_text("import gradsync\nimport no_such_module_here\ngradsync.init()\n")
+    done = gradsync_run("--strategy", "allreduce", "--workers", "2", str(script), timeout=100)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.count("ModuleNotFoundError: No module named 'no_such_module_here'") == 1, done.stderr
+    assert done.stderr.count("Traceback (most recent call last):") == 1, done.stderr
+    headline = done.stderr[done.stderr.index("gradsync: rank "):].splitlines()
+    assert headline[0] == ("gradsync: rank 0 (worker0) failed with exit code 1 before it reached gradsync.init(), "
+                           "printing:")
+    assert headline[-1] == "rank 1 (worker1) failed the same way", done.stderr
+    assert "gradsync.init() first" not in done.stderr and "EADDRINUSE" not in done.stderr

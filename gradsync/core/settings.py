@@ -144,6 +144,11 @@ STARTUP_TIMEOUT = _S("startup_timeout", "GRADSYNC_STARTUP_TIMEOUT", float, 120.0
 STEP_TIMEOUT = _S("step_timeout", "GRADSYNC_STEP_TIMEOUT", float, 60.0, "timeouts",
                   "seconds an RPC or collective of a step may take; a rank silent that long is named and the "
                   "job stopped", flag="--step-timeout")
+STALL_REPORT = _S("stall_report", "GRADSYNC_STALL_REPORT", float, 300.0, "timeouts",
+                  "seconds a worker's main thread may stay at the same place (no step, no line run: waiting on a "
+                  "lock, a DataLoader, a peer) before the launcher shows every rank's Python stack, once (the job "
+                  "goes on; inf: never); a job the launcher stops (--timeout, a signal) shows them too",
+                  flag="--stall-report")
 SHUTDOWN_TIMEOUT = _S("shutdown_timeout", "GRADSYNC_SHUTDOWN_TIMEOUT", float, 30.0, "timeouts",
                       "seconds shutdown waits for the other workers to finish", flag="--shutdown-timeout")
 # Checkpointing: every strategy, mode and transport; a resume may change the number of servers and workers.
@@ -208,6 +213,15 @@ LAUNCHED = _S("launched", "GRADSYNC_LAUNCHED", bool, False, "launcher",
 ERROR_FILE = _S("error_file", "GRADSYNC_ERROR_FILE", str, "", "launcher",
                 "where a rank writes its failure for the launcher (which shows it, so the rank does not)",
                 internal=True)
+STACK_FILE = _S("stack_file", "GRADSYNC_STACK_FILE", str, "", "launcher",
+                "where a rank writes its Python stack (every thread) when its launcher asks with SIGUSR1",
+                internal=True)
+EARLY_STDERR = _S("early_stderr", "GRADSYNC_EARLY_STDERR", str, "", "launcher",
+                  "where a rank's stderr goes until it reaches gradsync.init() (the launcher shows what ranks that "
+                  "fail before it printed, once)", internal=True)
+STDERR_FD = _S("stderr_fd", "GRADSYNC_STDERR_FD", int, None, "launcher",
+               "the descriptor of the launcher's stderr, which a rank's stderr goes back to at gradsync.init()",
+               internal=True)
 JOIN_INDEX_FILE = _S("join_index_file", "GRADSYNC_JOIN_INDEX_FILE", str, None, "launcher",
                      "where a joining worker writes the worker index it took (gradsync run --join)", internal=True)
 LINK = _S("link", "GRADSYNC_LINK", str, "", "launcher",

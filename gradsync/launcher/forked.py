@@ -79,9 +79,11 @@ def become_rank(env: dict[str, str], namespace: str | None) -> None:
     from gradsync.core.torch_internals import forget_fork_server
     from gradsync.launcher import netem, torch_logs
     from gradsync.membership.liveness import die_with_launcher
+    from gradsync.membership.rank_reports import start_launched_rank
 
     os.environ.clear()
     os.environ.update(env)
+    start_launched_rank()
     forget_fork_server()
     die_with_launcher()
     torch_logs.apply()

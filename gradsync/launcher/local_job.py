@@ -20,12 +20,13 @@ import torch.distributed as dist
 
 from gradsync.config import ConfigError, JobConfig, job_keywords, settings_from_env
 from gradsync.core.emulated_network import HUB_ADDRESS
-from gradsync.core.settings import (ERROR_FILE, LAUNCHER_PID, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, RANK, RUN_DIR,
-                                    STORE_IS_HOSTED, TOKEN, WORLD_SIZE)
+from gradsync.core.settings import (EARLY_STDERR, ERROR_FILE, LAUNCHER_PID, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, RANK,
+                                    RUN_DIR, STACK_FILE, STORE_IS_HOSTED, TOKEN, WORLD_SIZE)
 from gradsync.launcher import netem, torch_logs
 from gradsync.launcher.leases import Lease, abandoned
 from gradsync.membership import newcomers
 from gradsync.membership.liveness import create_keys, error_file
+from gradsync.membership.rank_reports import early_stderr_file, stack_file
 from gradsync.proto.endpoints import new_token
 from gradsync.runtime import store as rendezvous
 
@@ -60,7 +61,8 @@ def rank_environments(config: JobConfig, port: int, run_dir: str,
         LAUNCHER_PID.env: str(os.getpid()),
     }
     return [{**base, RANK.env: str(rank), LOCAL_RANK.env: str(rank), **(network.environment(rank) if network else {}),
-             ERROR_FILE.env: error_file(run_dir, rank)} for rank in range(config.world_size)]
+             ERROR_FILE.env: error_file(run_dir, rank), STACK_FILE.env: stack_file(run_dir, rank),
+             EARLY_STDERR.env: early_stderr_file(run_dir, rank)} for rank in range(config.world_size)]
 
 
 def job_config(call, strategy, workers, servers, mode, **chosen) -> JobConfig:

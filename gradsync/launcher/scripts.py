@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from gradsync.config import StoreKeys, check_script
 from gradsync.core.errors import JobFailed
-from gradsync.core.settings import ERROR_FILE, JOIN, JOIN_INDEX_FILE, LAUNCHER_PID, RANK_START, RUN_DIR, Setting
+from gradsync.core.settings import (EARLY_STDERR, ERROR_FILE, JOIN, JOIN_INDEX_FILE, LAUNCHER_PID, RANK_START, RUN_DIR,
+                                    STDERR_FD, Setting)
 from gradsync.launcher import forked, netem
 from gradsync.launcher.local_job import (job_config, network_and_store, offer_join, rank_environments,
                                          temporary_run_dir)
@@ -103,7 +104,16 @@ def _start(context, rank: int, env: dict[str, str], script: str, script_args: li
     argv = [sys.executable, script, *script_args]
     if network is not None:
         argv = network.command(rank, argv)
-    return subprocess.Popen(argv, env=env, cwd=cwd, start_new_session=True, preexec_fn=dying_with_this_process())
+    if not env.get(EARLY_STDERR.env):
+        return subprocess.Popen(argv, env=env, cwd=cwd, start_new_session=True, preexec_fn=dying_with_this_process())
+    launchers = os.dup(2)  # the rank's stderr until gradsync.init(): `rank_reports`
+    try:
+        with open(env[EARLY_STDERR.env], "wb") as held:
+            return subprocess.Popen(argv, env={**env, STDERR_FD.env: str(launchers)}, stderr=held, cwd=cwd,
+                                    pass_fds=(launchers,), start_new_session=True,
+                                    preexec_fn=dying_with_this_process())
+    finally:
+        os.close(launchers)
 
 
 def _run_in(cwd: str, *args) -> None:

@@ -12,6 +12,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import torch.distributed as dist
@@ -22,6 +23,7 @@ from gradsync.launcher import procfs
 from gradsync.membership.departures import Departure, Departures
 from gradsync.membership.liveness import (Watch, error_file, interval, parse_workers, ranks_named,
                                           recorded_error)
+from gradsync.membership.rank_reports import ask_stacks, early_stderr, early_stderr_file, stack_file
 
 POLL_S = 0.05
 _KILL_GRACE_S = 3.0
@@ -89,11 +91,45 @@ def _failure_text(config: JobConfig, run_dir: str, rank: int, code: int, arrived
     if recorded is not None:
         return text + ":\n" + recorded
     if not arrived:
-        text += (" before it reached gradsync.init() (its traceback is above): every script that gradsync runs must "
-                 "call gradsync.init() first, and nothing that starts torch.distributed itself (a DDP script's "
-                 "dist.init_process_group fails on the port of gradsync's store: EADDRINUSE); a script that calls "
-                 "gradsync.launch must call it under `if __name__ == \"__main__\":`")
+        text += " before it reached gradsync.init() (its traceback is above)" + _NOT_PORTED
     return text
+
+
+_NOT_PORTED = (": every script that gradsync runs must call gradsync.init() first, and nothing that starts "
+               "torch.distributed itself (a DDP script's dist.init_process_group fails on the port of gradsync's "
+               "store: EADDRINUSE); a script that calls gradsync.launch must call it under "
+               "`if __name__ == \"__main__\":`")
+
+
+def _before_init_text(config: JobConfig, ranks: list[RankProcess], watch: Watch, run_dir: str) -> tuple[int, str]:
+    """The first rank that failed before gradsync.init(), and what it printed there (its stderr, which gradsync held:
+    `rank_reports`), once: the ranks that failed the same way (the same text and exit status) are named after it,
+    the others' own text follows. Ranks that have not reached init are given a few seconds to exit on their own.
+    Advice to call gradsync.init() only where the text does not show the script's own error: gradsync never took
+    its stderr (its traceback is above), or torch.distributed started without gradsync."""
+    early = [r for r in ranks if watch.moved[r.rank] is None]
+    deadline = time.monotonic() + _KILL_GRACE_S
+    while any(r.exitcode() is None for r in early) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    failed = [r for r in early if r.exitcode() not in (None, 0)]
+    said = {r.rank: (r.exitcode(), early_stderr(early_stderr_file(run_dir, r.rank))) for r in failed}
+    groups: dict[tuple[int, str | None], list[int]] = {}
+    for rank, what in said.items():
+        groups.setdefault(what, []).append(rank)
+    parts = []
+    for (code, printed), same in groups.items():
+        text = _failure_text(config, run_dir, same[0], code)
+        if printed is None:
+            text += " before it reached gradsync.init() (its traceback is above)" + _NOT_PORTED
+        else:
+            text += " before it reached gradsync.init()"
+            text += (", printing:\n" + printed.rstrip("\n")) if printed.strip() else ", printing nothing"
+            if "init_process_group" in printed:
+                text += "\n" + _NOT_PORTED[2:]
+        if same[1:]:
+            text += f"\n{ranks_named(config, same[1:])} failed the same way"
+        parts.append(text)
+    return failed[0].rank, "\nthen ".join(parts)
 
 
 def _absent_text(config: JobConfig, ranks: list[RankProcess]) -> str:
@@ -175,8 +211,11 @@ def _root_cause(config: JobConfig, ranks: list[RankProcess], watch: Watch, store
             return JobFailed(_failure_text(config, run_dir, rank, code, watch.moved[rank] is not None), rank)
     recorded = _recorded_failure(ranks, store)
     follower = recorded[0] if recorded is not None else failed[0][0]
-    follower_text = _failure_text(config, run_dir, follower, ranks[follower].exitcode(),
-                                  watch.moved[follower] is not None, recorded and recorded[1])
+    if recorded is None and watch.moved[follower] is None and recorded_error(run_dir, follower) is None:
+        follower, follower_text = _before_init_text(config, ranks, watch, run_dir)
+    else:
+        follower_text = _failure_text(config, run_dir, follower, ranks[follower].exitcode(),
+                                      watch.moved[follower] is not None, recorded and recorded[1])
     absent = _absent(config, ranks, watch, departed)
     if absent:
         return JobFailed(f"{_absent_text(config, absent)}\nthen {follower_text}", absent[0].rank)
@@ -205,32 +244,75 @@ def supervise(config: JobConfig, ranks: list[RankProcess], run_dir: str, store: 
     watch = Watch(config)
     departures = Departures(config, store, run_dir) if config.elastic else None
     next_read = 0.0
-    while True:
-        codes = [r.exitcode() for r in ranks]
-        if departures is not None and departures.observe(codes):
-            raise JobFailed(f"every worker left the job, so it cannot finish: {departures.describe()}",
-                            min(departures.found))
-        departed = set(departures.found) if departures is not None else set()
-        if all(c == 0 or rank in departed for rank, c in enumerate(codes)):
-            return departures.report() if departures is not None else []
-        failed = any(c not in (None, 0) and rank not in departed for rank, c in enumerate(codes))
-        if failed or time.monotonic() >= next_read:
-            watch.read(store)
-            next_read = time.monotonic() + interval(config.step_timeout)
-        if failed:
-            raise _root_cause(config, ranks, watch, store, run_dir, departed)
-        absent = _absent(config, ranks, watch, departed)
-        if any(r.exitcode() is None for r in absent):
-            raise JobFailed(_absent_text(config, absent), absent[0].rank)
-        silent = {rank: s for rank, s in watch.silent(config.step_timeout).items()
-                  if rank < len(codes) and codes[rank] is None}
-        if silent:
-            rank = max(silent, key=silent.get)
-            quitters = _quitters(config, ranks, watch, store)
-            if quitters:  # silent in torch's teardown
-                raise JobFailed(_quit_text(config, quitters[0]), quitters[0].rank)
-            raise JobFailed(_silent_text(config, ranks[rank], silent[rank]), rank)
-        if deadline is not None and time.monotonic() > deadline:
-            running = [config.role(r.rank) for r, c in zip(ranks, codes) if c is None]
-            raise JobFailed(f"job timed out after {timeout:.0f} s; still running: {', '.join(running)}")
-        time.sleep(POLL_S)
+    reported: list[int] | None = None  # where each worker's main thread was at the last stall report
+    try:
+        while True:
+            codes = [r.exitcode() for r in ranks]
+            if departures is not None and departures.observe(codes):
+                raise JobFailed(f"every worker left the job, so it cannot finish: {departures.describe()}",
+                                min(departures.found))
+            departed = set(departures.found) if departures is not None else set()
+            if all(c == 0 or rank in departed for rank, c in enumerate(codes)):
+                _show_held_stderr(ranks, run_dir)
+                return departures.report() if departures is not None else []
+            failed = any(c not in (None, 0) and rank not in departed for rank, c in enumerate(codes))
+            if failed or time.monotonic() >= next_read:
+                watch.read(store)
+                next_read = time.monotonic() + interval(config.step_timeout)
+            if failed:
+                raise _root_cause(config, ranks, watch, store, run_dir, departed)
+            absent = _absent(config, ranks, watch, departed)
+            if any(r.exitcode() is None for r in absent):
+                raise JobFailed(_absent_text(config, absent) + _stacks_text(config, ranks, run_dir), absent[0].rank)
+            silent = {rank: s for rank, s in watch.silent(config.step_timeout).items()
+                      if rank < len(codes) and codes[rank] is None}
+            if silent:
+                rank = max(silent, key=silent.get)
+                quitters = _quitters(config, ranks, watch, store)
+                if quitters:  # silent in torch's teardown
+                    raise JobFailed(_quit_text(config, quitters[0]), quitters[0].rank)
+                raise JobFailed(_silent_text(config, ranks[rank], silent[rank]) + _stacks_text(config, ranks, run_dir),
+                                rank)
+            if deadline is not None and time.monotonic() > deadline:
+                running = [config.role(r.rank) for r, c in zip(ranks, codes) if c is None]
+                raise JobFailed(f"job timed out after {timeout:.0f} s; still running: {', '.join(running)}"
+                                + _stacks_text(config, ranks, run_dir))
+            stalled = watch.stalled(config.stall_report)
+            if stalled and (reported is None or any(watch.places[r] != reported[r] for r in stalled)):
+                reported = list(watch.places)
+                print(f"gradsync: {_stalled_text(config, stalled)}{_stacks_text(config, ranks, run_dir)}",
+                      file=sys.stderr, flush=True)
+            time.sleep(POLL_S)
+    except JobFailed:
+        raise
+    except BaseException:  # stopped by a signal (Ctrl-C, SIGTERM): where each rank was, before they are killed
+        print(f"gradsync: stopping the job; where each rank was:{_stacks_text(config, ranks, run_dir)}",
+              file=sys.stderr, flush=True)
+        raise
+
+
+def _stalled_text(config: JobConfig, stalled: dict[int, float]) -> str:
+    """Why the launcher shows every rank's stack while the job goes on: `stalled` workers' main threads wait."""
+    waits = ", ".join(f"rank {rank} ({config.role(rank)}) for {seconds:.0f} s" for rank, seconds in stalled.items())
+    return (f"no progress: the main thread has stayed at the same place in {waits} (stall_report "
+            f"{config.stall_report:g} s: --stall-report or GRADSYNC_STALL_REPORT); the job goes on; each rank's "
+            "stack:")
+
+
+def _stacks_text(config: JobConfig, ranks: list[RankProcess], run_dir: str) -> str:
+    """Every running rank's Python stack, asked now (`rank_reports.ask_stacks`), each headed with the rank's name;
+    '' when none runs."""
+    stacks = ask_stacks({f"{config.role(r.rank)} (rank {r.rank})": (r.proc.pid, stack_file(run_dir, r.rank))
+                         for r in ranks if r.exitcode() is None})
+    return "".join(f"\n{name} stack:\n{text.rstrip()}" if text else
+                   f"\n{name}: no stack (not yet in gradsync.init(), or its process is stopped)"
+                   for name, text in stacks.items())
+
+
+def _show_held_stderr(ranks: list[RankProcess], run_dir: str) -> None:
+    """Write what ranks that exited without reaching gradsync.init() held of their stderr (`rank_reports`), each
+    text once."""
+    held = dict.fromkeys(early_stderr(early_stderr_file(run_dir, r.rank)) for r in ranks)
+    for text in [t for t in held if t]:
+        sys.stderr.write(text)
+    sys.stderr.flush()

@@ -16,6 +16,11 @@ startup_timeout, naming the ranks that have not), before torch's own rendezvous,
 without a useful limit. A worker that begins to build its Trainer appends `worker,` to `gradsync/trainers`, so
 that a worker that never builds one is named, not the worker that waited for it.
 
+A worker's heartbeat also adds 1 to `gradsync/moved/<rank>` at each beat where its main thread is somewhere else
+than at the last (another frame or instruction): a counter that stops moving while the heartbeat goes on belongs
+to a worker whose main thread waits (a lock, a DataLoader, a peer): `Watch.stalled`, which the launcher answers
+with every rank's stack (`rank_reports`). A server's main thread waits in `serve` until the job ends: not watched.
+
 Why heartbeats through the store, not only the launcher's view of its processes: they also work under
 torchrun and across machines, every rank can name a silent peer in its own error, and they cost one small
 store write and one read per rank per interval. The launcher adds what only it can see: exit codes and
@@ -58,6 +63,7 @@ def create_keys(store: dist.Store, world_size: int, workers: int) -> None:
     already), so that reading them never waits."""
     for rank in range(world_size):
         store.add(StoreKeys.ALIVE.format(rank), 0)
+        store.add(StoreKeys.MOVED.format(rank), 0)
     store.append(StoreKeys.LEFT, "")
     store.append(StoreKeys.GONE, "")
     store.append(StoreKeys.TRAINERS, "")
@@ -151,14 +157,21 @@ class Watch:
         self.gone: dict[int, str] = {}
         self._noticed: dict[int, float] = {}  # rank of a joined worker: when this watch first saw its index
         self.trainers: dict[int, float] = {}  # worker: when this watch first saw it begin to build its Trainer
+        self.places = [0] * config.world_size  # of the job's first ranks: MOVED, where each worker's main thread is
+        self.placed: list[float | None] = [None] * config.world_size  # when `places` last changed, from the first beat
 
     def read(self, store: dist.Store) -> dict[int, int | None]:
         """Read every counter and the leavers; returns {worker: steps, or None when it is gone} of those that
         left since the last read."""
         keys = [StoreKeys.ALIVE.format(rank) for rank in range(len(self.counts))]
+        keys += [StoreKeys.MOVED.format(rank) for rank in range(self.config.world_size)]
         *counts, left, gone, workers, trainers = store.multi_get(
             keys + [StoreKeys.LEFT, StoreKeys.GONE, StoreKeys.WORKERS, StoreKeys.TRAINERS])
+        counts, places = counts[:len(self.counts)], counts[len(self.counts):]
         self.read_at = time.monotonic()
+        for rank, raw in enumerate(places):
+            if int(raw) != self.places[rank] or (self.placed[rank] is None and int(counts[rank])):
+                self.places[rank], self.placed[rank] = int(raw), self.read_at
         for worker in parse_workers(trainers):
             self.trainers.setdefault(worker, self.read_at)
         for rank, raw in enumerate(counts):
@@ -194,6 +207,15 @@ class Watch:
         gone = {self.config.servers + w for w in self.left}
         return {rank: self.read_at - moved for rank, moved in enumerate(self.moved)
                 if moved is not None and rank not in gone and self.read_at - moved >= seconds}
+
+    def stalled(self, seconds: float) -> dict[int, float]:
+        """{rank: seconds} of the job's first workers whose main thread has stayed at the same place for
+        `seconds` up to the last read while their heartbeat went on (none that left)."""
+        silent = self.silent(seconds)
+        gone = {self.config.servers + w for w in self.left}
+        return {rank: self.read_at - placed for rank, placed in enumerate(self.placed)
+                if rank >= self.config.servers and placed is not None and rank not in gone and rank not in silent
+                and self.read_at - placed >= seconds}
 
     def absent(self) -> list[int]:
         """The ranks of the job's first processes that have not beaten yet: not yet in `gradsync.init`."""
@@ -247,11 +269,17 @@ class Heartbeat:
 
     def _run(self) -> None:
         key = StoreKeys.ALIVE.format(self.config.rank)
+        moved = StoreKeys.MOVED.format(self.config.rank)
+        place = None
         while True:
             if self._launcher is not None and self._launcher.gone():
                 _orphaned(self._launcher.pid)
             try:
                 self._store.add(key, 1)
+                if not self.config.is_server and self.config.rank < self.config.world_size:
+                    place, before = _main_thread_place(), place
+                    if place != before:
+                        self._store.add(moved, 1)
                 left = self.watch.read(self._store)
             except dist.DistError:  # the store is gone: the job is ending, or its host died
                 left = {}
@@ -260,6 +288,16 @@ class Heartbeat:
                     listener(worker, steps)
             if self._stop.wait(interval(self.config.step_timeout)):
                 return
+
+
+def _main_thread_place() -> tuple:
+    """Where this process's main thread is: each frame's code and instruction, innermost first."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    place = []
+    while frame is not None:
+        place.append((frame.f_code, frame.f_lasti))
+        frame = frame.f_back
+    return tuple(place)
 
 
 def launcher_pid() -> int | None:

@@ -25,6 +25,7 @@ from gradsync.core.errors import init_in_a_child_error
 from gradsync.core.torch_internals import importing_main_for_a_child
 from gradsync.membership import newcomers
 from gradsync.membership.liveness import Heartbeat, die_with_launcher, wait_for_arrivals
+from gradsync.membership.rank_reports import register_stack_file, release_early_stderr
 from gradsync.runtime import cluster as job
 from gradsync.runtime import malloc, resume
 from gradsync.runtime.failures import report_failures
@@ -78,6 +79,8 @@ def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=
     malloc.limit_arenas()  # before the heartbeat, RPC and gloo threads make arenas of their own
     use_loopback_interfaces(config)
     store = connect_store(config)
+    release_early_stderr(store)
+    register_stack_file()
     cluster = job.Cluster(config, store, Heartbeat(store, config))
     job.set_running(cluster)
     report_failures(cluster)
