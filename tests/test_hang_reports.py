@@ -73,3 +73,24 @@ def test_a_stalled_worker_and_a_stop_by_sigterm_each_show_every_stack_once(tmp_p
     assert stop.count("gradsync: stopping the job; where each rank was:\n") == 1, stop
     _said_once_each(stop)
     assert stop.endswith("gradsync: stopped by SIGTERM: every rank was stopped\n"), stop
+
+
+_STUCK_BEFORE_INIT = """import sys, threading
+
+def stuck_before_init():
+    threading.Event().wait()
+
+print("loading the data set", file=sys.stderr, flush=True)
+stuck_before_init()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_job_hung_before_init_shows_where_and_what_its_ranks_wrote_once(tmp_path):
+    script = tmp_path / "stuck.py"
+    script.write_text(_STUCK_BEFORE_INIT)
+    done = gradsync_run("--strategy", "allreduce", "--workers", "2", "--timeout", "15", str(script), timeout=110)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.count(" in stuck_before_init\n") == 2, done.stderr  # each forked rank's stack
+    assert done.stderr.count("loading the data set") == 1, done.stderr
+    assert "worker0 (rank 0), worker1 (rank 1) wrote before gradsync.init():\nloading the data set" in done.stderr

@@ -302,11 +302,19 @@ def _stalled_text(config: JobConfig, stalled: dict[int, float]) -> str:
 def _stacks_text(config: JobConfig, ranks: list[RankProcess], run_dir: str) -> str:
     """Every running rank's Python stack, asked now (`rank_reports.ask_stacks`), each headed with the rank's name;
     '' when none runs."""
+    running = [r for r in ranks if r.exitcode() is None]
     stacks = ask_stacks({f"{config.role(r.rank)} (rank {r.rank})": (r.proc.pid, stack_file(run_dir, r.rank))
-                         for r in ranks if r.exitcode() is None})
-    return "".join(f"\n{name} stack:\n{text.rstrip()}" if text else
+                         for r in running})
+    text = "".join(f"\n{name} stack:\n{text.rstrip()}" if text else
                    f"\n{name}: no stack (not yet in gradsync.init(), or its process is stopped)"
                    for name, text in stacks.items())
+    held: dict[str, list[str]] = {}  # what ranks still short of gradsync.init() wrote to stderr, each text once
+    for r in running:
+        said = early_stderr(early_stderr_file(run_dir, r.rank))
+        if said:
+            held.setdefault(said, []).append(f"{config.role(r.rank)} (rank {r.rank})")
+    return text + "".join(f"\n{', '.join(names)} wrote before gradsync.init():\n{said.rstrip()}"
+                          for said, names in held.items())
 
 
 def _show_held_stderr(ranks: list[RankProcess], run_dir: str) -> None:
