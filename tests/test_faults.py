@@ -1,7 +1,9 @@
 """Injected faults: the job fails within its timeouts, naming the rank that caused it; no rank outlives the job."""
 import contextlib
 import os
+import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +18,7 @@ from faults import Fault, read_stamp, train_then_leave, train_with_fault
 from gradsync.runtime import cluster
 from gradsync.runtime.store import connect_store
 from gradsync.config import JobConfig
+from gradsync.launcher import procfs
 from gradsync.launcher.local_job import host_store, temporary_run_dir
 from gradsync.membership.liveness import Heartbeat
 from helpers import TESTS, gone as _gone, gradsync_run, run_failing_script
@@ -183,9 +186,11 @@ faults.train_with_fault(faults.Fault(0, 2, "mark", {pids!r}), 10**6)
     ("allreduce", 0, 2, signal.SIGHUP), ("allreduce", 0, 2, signal.SIGINT)],
     ids=["ps-SIGTERM", "ps-SIGKILL", "allreduce-SIGHUP", "allreduce-SIGINT (Ctrl-C)"])
 def test_no_rank_outlives_a_killed_gradsync_run(strategy, servers, workers, sig, tmp_path, monkeypatch):
-    pids_dir, own_tmp = tmp_path / "pids", tmp_path / "tmp"
+    pids_dir = tmp_path / "pids"
     pids_dir.mkdir()
-    own_tmp.mkdir()  # run directories of its own: another launcher (the other pytest worker's) removes abandoned ones
+    # run directories of its own (another launcher, the other pytest worker's, removes abandoned ones), short enough
+    # that the launcher's multiprocessing folder (pymp-*) is made inside it too
+    own_tmp = pathlib.Path(tempfile.mkdtemp(prefix="gs-", dir="/tmp"))
     script = tmp_path / "forever.py"
     script.write_text(_FOREVER.format(tests=TESTS, pids=str(pids_dir)))
     stderr = tmp_path / "stderr"  # a file, not a pipe: a surviving rank would hold a pipe open
@@ -200,12 +205,15 @@ def test_no_rank_outlives_a_killed_gradsync_run(strategy, servers, workers, sig,
             assert launcher.poll() is None and time.monotonic() < deadline, "the job did not start"
             time.sleep(0.1)
         pids = [int((pids_dir / str(rank)).read_text()) for rank in range(servers + workers)]
+        pids.append(procfs.parent(pids[0]))  # the fork server, which removes a SIGKILLed launcher's pymp-* folder
+        assert len(list(own_tmp.glob("pymp-*"))) == 1
         launcher.send_signal(sig)
         launcher.wait(timeout=30)
         deadline = time.monotonic() + 5
         while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert [pid for pid in pids if not _gone(pid)] == []
+        assert list(own_tmp.glob("pymp-*")) == []
         run_dir = _run_dir(stderr.read_text())
         if sig != signal.SIGKILL:  # README: SIGTERM, SIGHUP or Ctrl-C stop every rank, exit 128 + the signal
             assert launcher.returncode == 128 + sig
@@ -222,3 +230,4 @@ def test_no_rank_outlives_a_killed_gradsync_run(strategy, servers, workers, sig,
                 os.kill(pid, signal.SIGKILL)
         if launcher.poll() is None:
             launcher.kill()
+        shutil.rmtree(own_tmp, ignore_errors=True)
