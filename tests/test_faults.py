@@ -231,3 +231,46 @@ def test_no_rank_outlives_a_killed_gradsync_run(strategy, servers, workers, sig,
         if launcher.poll() is None:
             launcher.kill()
         shutil.rmtree(own_tmp, ignore_errors=True)
+
+
+_WAITING = """import os, sys, time
+with open(sys.argv[1], "w") as f:
+    f.write(str(os.getpid()))
+time.sleep(600)  # until its launcher is killed
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_run_dir_is_one_jobs_until_its_launcher_ends_even_by_sigkill(tmp_path):
+    run_dir, started = tmp_path / "run", tmp_path / "started"
+    waiting, quick = tmp_path / "waiting.py", tmp_path / "quick.py"
+    waiting.write_text(_WAITING)
+    quick.write_text("print('ran')\n")
+    job = ["--strategy", "allreduce", "--workers", "1", "--run-dir", str(run_dir)]
+    with open(tmp_path / "stderr", "w") as out:
+        first = subprocess.Popen([sys.executable, "-m", "gradsync.cli", "run", *job, str(waiting), str(started)],
+                                 stderr=out, start_new_session=True)
+    rank = None
+    try:
+        deadline = time.monotonic() + 60
+        while not started.exists() or not started.read_text():
+            assert first.poll() is None and time.monotonic() < deadline, "the first job did not start"
+            time.sleep(0.1)
+        rank = int(started.read_text())
+        second = gradsync_run(*job, str(quick))
+        assert (second.returncode, second.stdout) == (2, ""), second.stderr
+        assert second.stderr == (f"gradsync: error: {run_dir} is the run dir of a running job (its launcher is pid "
+                                 f"{first.pid}): give this job another --run-dir, or wait for pid {first.pid} to end "
+                                 "(or stop it)\n")
+        first.kill()  # SIGKILL: its lease stays in the run dir, held by no one
+        first.wait(timeout=30)
+        for name in ("grpc-0.json", "stats-0.json", "join.json", "error-0.txt"):  # as an ended job leaves them
+            (run_dir / name).write_text("{}")
+        third = gradsync_run(*job, str(quick))
+        assert (third.returncode, third.stdout) == (0, "ran\n"), third.stderr
+        assert sorted(os.listdir(run_dir)) == []  # the earlier job's files removed, its own lease released
+    finally:
+        if first.poll() is None:
+            first.kill()
+        if rank is not None and not _gone(rank):
+            os.kill(rank, signal.SIGKILL)
