@@ -38,6 +38,10 @@ from gradsync.proto.endpoints import read_endpoints
 from gradsync.remote import tls
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+_MAYBE_TLS = re.compile(r"socket closed|handshake|ssl|tls", re.IGNORECASE)
+"""What gRPC's detail says when TLS may be why a connection failed (a plain client at a TLS endpoint sees only
+"Socket closed"): then `remote.tls` asks the endpoint."""
+_TLS_PROBE_S = 5.0
 
 _ERRORS = {
     grpc.StatusCode.INVALID_ARGUMENT: ValueError,
@@ -85,7 +89,7 @@ class Client:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
         self.timeout = timeout
-        self.root_cert = root_cert or settings.TLS_CERT.read()
+        self.root_cert = root_cert or settings.TLS_CERT.read() or None
         credentials = None
         if self.root_cert is not None:
             if not os.path.isfile(self.root_cert):
@@ -126,7 +130,8 @@ class Client:
         (since `start`, a `time.monotonic()`), and TLS with its fix when TLS is why (`remote.tls`)."""
         kind = _ERRORS.get(e.code(), RuntimeError)
         where = f"{call} on shard {shard} at {self.addresses[shard]} failed after {time.monotonic() - start:.2f} s"
-        why = tls.mismatch(self.addresses[shard], self.root_cert, self.timeout) if kind is ConnectionError else None
+        why = tls.mismatch(self.addresses[shard], self.root_cert, min(self.timeout, _TLS_PROBE_S)) \
+            if kind is ConnectionError and _MAYBE_TLS.search(e.details() or "") else None
         return kind(f"{where}: TLS: {why}" if why else f"{where}: {e.code().name}: {e.details()}")
 
     def _reach(self) -> None:
