@@ -12,7 +12,7 @@ import sys
 from gradsync.config import ConfigError, check_script
 from gradsync.core import settings
 from gradsync.core.settings import (JOB_CONCERNS, JOB_SETTINGS, RANK_START, RUN_DIR, STRAGGLER, STRATEGY, TIMELINE,
-                                    Setting)
+                                    TLS_CERT, Setting)
 from gradsync.core.errors import JobFailed
 
 
@@ -141,6 +141,10 @@ def _parser() -> argparse.ArgumentParser:
     pull = commands.add_parser("pull", help="save a running job's current weights with torch.save")
     pull.add_argument("run_dir", help="the job's run directory (printed at start-up)")
     pull.add_argument("out", help="where to write the state dict (.pt)")
+    for reaching in (status, pull):
+        reaching.add_argument(TLS_CERT.flag, metavar="PEM", default=None,
+                              help="the certificate of a job whose endpoints serve TLS (default: GRADSYNC_TLS_CERT "
+                              "if set, the one they serve with)")
     return parser
 
 
@@ -238,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             if final is not None:
                 print(final)
                 return 0
-            with Client(args.run_dir) as client:
+            with Client(args.run_dir, root_cert=args.tls_cert) as client:
                 if args.command == "status":
                     print(status_table(client))
                 else:

@@ -18,6 +18,7 @@ from gradsync.launcher.scripts import _joiner_ended
 from gradsync.launcher.supervision import RankProcess
 from gradsync.core.buckets import ModelSpec, by_server, plan_buckets
 from gradsync.membership.liveness import Watch, create_keys, record_gone, staying
+from gradsync.proto.endpoints import job_id
 from grpc_harness import make_server, model_state, served
 from helpers import gradsync_run
 
@@ -172,9 +173,26 @@ def test_joining_refuses_jobs_that_take_no_workers_and_other_settings(tmp_path):
     assert newcomers.joiner_config(store, "127.0.0.1", store.port, {}, 1.0).bucket_cap_mb == 4.0
     with pytest.raises(ConfigError, match="has no join.json"):
         newcomers.store_address(str(tmp_path))
-    newcomers.write_join_file(str(tmp_path), "127.0.0.1", 1234)
-    assert newcomers.store_address(str(tmp_path)) == ("127.0.0.1", 1234)
-    assert newcomers.store_address("10.0.0.5:29500") == ("10.0.0.5", 29500)
+    newcomers.write_join_file(str(tmp_path), "127.0.0.1", 1234, "job1")
+    assert newcomers.store_address(str(tmp_path)) == ("127.0.0.1", 1234, "job1")
+    assert newcomers.store_address("10.0.0.5:29500") == ("10.0.0.5", 29500, "")
+
+
+def test_joining_through_a_run_dir_reaches_the_job_that_run_dir_names_or_says_it_does_not(tmp_path):
+    store = _store()
+    job = job_id(store)
+    assert job_id(store) == job and len(job) == 16  # made once, by the first caller
+    newcomers.write_join_file(str(tmp_path), "127.0.0.1", store.port, job)
+    joined, host, port = newcomers.connect(str(tmp_path), 5.0)
+    assert (host, port, joined.get(StoreKeys.JOB_ID).decode()) == ("127.0.0.1", store.port, job)
+    newcomers.write_join_file(str(tmp_path), "127.0.0.1", store.port, "0123456789abcdef")  # an ended job's file
+    with pytest.raises(ConnectionError, match=f"the store at 127.0.0.1:{store.port} is job {job}'s, not job "
+                                              "0123456789abcdef's that .*join.json names: that job has ended"):
+        newcomers.connect(str(tmp_path), 5.0)
+    unnamed = _store()  # a store no gradsync launcher or server named: another program's, or a job's without servers
+    newcomers.write_join_file(str(tmp_path), "127.0.0.1", unnamed.port, job)
+    with pytest.raises(ConnectionError, match=r"is job \(unnamed\)'s, not job"):
+        newcomers.connect(str(tmp_path), 5.0)
 
 
 @pytest.mark.timeout(60)

@@ -1,7 +1,9 @@
 """Injected faults: the job fails within its timeouts, naming the rank that caused it; no rank outlives the job."""
 import contextlib
 import os
+import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +18,7 @@ from faults import Fault, read_stamp, train_then_leave, train_with_fault
 from gradsync.runtime import cluster
 from gradsync.runtime.store import connect_store
 from gradsync.config import JobConfig
+from gradsync.launcher import procfs
 from gradsync.launcher.local_job import host_store, temporary_run_dir
 from gradsync.membership.liveness import Heartbeat
 from helpers import TESTS, gone as _gone, gradsync_run, run_failing_script
@@ -183,9 +186,11 @@ faults.train_with_fault(faults.Fault(0, 2, "mark", {pids!r}), 10**6)
     ("allreduce", 0, 2, signal.SIGHUP), ("allreduce", 0, 2, signal.SIGINT)],
     ids=["ps-SIGTERM", "ps-SIGKILL", "allreduce-SIGHUP", "allreduce-SIGINT (Ctrl-C)"])
 def test_no_rank_outlives_a_killed_gradsync_run(strategy, servers, workers, sig, tmp_path, monkeypatch):
-    pids_dir, own_tmp = tmp_path / "pids", tmp_path / "tmp"
+    pids_dir = tmp_path / "pids"
     pids_dir.mkdir()
-    own_tmp.mkdir()  # run directories of its own: another launcher (the other pytest worker's) removes abandoned ones
+    # run directories of its own (another launcher, the other pytest worker's, removes abandoned ones), short enough
+    # that the launcher's multiprocessing folder (pymp-*) is made inside it too
+    own_tmp = pathlib.Path(tempfile.mkdtemp(prefix="gs-", dir="/tmp"))
     script = tmp_path / "forever.py"
     script.write_text(_FOREVER.format(tests=TESTS, pids=str(pids_dir)))
     stderr = tmp_path / "stderr"  # a file, not a pipe: a surviving rank would hold a pipe open
@@ -200,12 +205,15 @@ def test_no_rank_outlives_a_killed_gradsync_run(strategy, servers, workers, sig,
             assert launcher.poll() is None and time.monotonic() < deadline, "the job did not start"
             time.sleep(0.1)
         pids = [int((pids_dir / str(rank)).read_text()) for rank in range(servers + workers)]
+        pids.append(procfs.parent(pids[0]))  # the fork server, which removes a SIGKILLed launcher's pymp-* folder
+        assert len(list(own_tmp.glob("pymp-*"))) == 1
         launcher.send_signal(sig)
         launcher.wait(timeout=30)
         deadline = time.monotonic() + 5
         while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert [pid for pid in pids if not _gone(pid)] == []
+        assert list(own_tmp.glob("pymp-*")) == []
         run_dir = _run_dir(stderr.read_text())
         if sig != signal.SIGKILL:  # README: SIGTERM, SIGHUP or Ctrl-C stop every rank, exit 128 + the signal
             assert launcher.returncode == 128 + sig
@@ -222,3 +230,47 @@ def test_no_rank_outlives_a_killed_gradsync_run(strategy, servers, workers, sig,
                 os.kill(pid, signal.SIGKILL)
         if launcher.poll() is None:
             launcher.kill()
+        shutil.rmtree(own_tmp, ignore_errors=True)
+
+
+_WAITING = """import os, sys, time
+with open(sys.argv[1], "w") as f:
+    f.write(str(os.getpid()))
+time.sleep(600)  # until its launcher is killed
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_run_dir_is_one_jobs_until_its_launcher_ends_even_by_sigkill(tmp_path):
+    run_dir, started = tmp_path / "run", tmp_path / "started"
+    waiting, quick = tmp_path / "waiting.py", tmp_path / "quick.py"
+    waiting.write_text(_WAITING)
+    quick.write_text("print('ran')\n")
+    job = ["--strategy", "allreduce", "--workers", "1", "--run-dir", str(run_dir)]
+    with open(tmp_path / "stderr", "w") as out:
+        first = subprocess.Popen([sys.executable, "-m", "gradsync.cli", "run", *job, str(waiting), str(started)],
+                                 stderr=out, start_new_session=True)
+    rank = None
+    try:
+        deadline = time.monotonic() + 60
+        while not started.exists() or not started.read_text():
+            assert first.poll() is None and time.monotonic() < deadline, "the first job did not start"
+            time.sleep(0.1)
+        rank = int(started.read_text())
+        second = gradsync_run(*job, str(quick))
+        assert (second.returncode, second.stdout) == (2, ""), second.stderr
+        assert second.stderr == (f"gradsync: error: {run_dir} is the run dir of a running job (its launcher is pid "
+                                 f"{first.pid}): give this job another --run-dir, or wait for pid {first.pid} to end "
+                                 "(or stop it)\n")
+        first.kill()  # SIGKILL: its lease stays in the run dir, held by no one
+        first.wait(timeout=30)
+        for name in ("grpc-0.json", "stats-0.json", "join.json", "error-0.txt"):  # as an ended job leaves them
+            (run_dir / name).write_text("{}")
+        third = gradsync_run(*job, str(quick))
+        assert (third.returncode, third.stdout) == (0, "ran\n"), third.stderr
+        assert sorted(os.listdir(run_dir)) == []  # the earlier job's files removed, its own lease released
+    finally:
+        if first.poll() is None:
+            first.kill()
+        if rank is not None and not _gone(rank):
+            os.kill(rank, signal.SIGKILL)

@@ -1,12 +1,15 @@
 """Bearer-token auth (refused calls change nothing) and TLS."""
 from __future__ import annotations
 
+import re
 import shutil
 
 import grpc
 import pytest
 import torch
 
+from gradsync import cli
+from gradsync.proto.endpoints import write_endpoints
 from gradsync.remote.client import Client
 from gradsync.proto import gradsync_pb2 as pb
 from gradsync.proto import gradsync_pb2_grpc as pb_grpc
@@ -90,5 +93,65 @@ def test_tls_endpoint_serves_tls_clients_only(tmp_path):
         with Client(endpoint.address, token=TOKEN, timeout=2) as plain:
             with pytest.raises((ConnectionError, RuntimeError)):
                 plain.health()
+    finally:
+        endpoint.stop(0.5)
+
+
+@pytest.mark.timeout(60)
+def test_a_tls_mismatch_says_tls_and_the_fix(tmp_path):
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is not installed; it makes the self-signed test certificate")
+    (tmp_path / "other").mkdir()
+    cert, key = self_signed(tmp_path)
+    other, _ = self_signed(tmp_path / "other")  # another certificate for 127.0.0.1, which the endpoint does not serve
+    tls = serve_grpc(make_server("async", workers=1), token=TOKEN, tls_cert=cert, tls_key=key)
+    plain = serve_grpc(make_server("async", workers=1), token=TOKEN)
+    cases = [(tls.address, None, "the endpoint serves TLS and this client speaks plain gRPC: give the endpoint's "
+              "certificate: --tls-cert PEM (default GRADSYNC_TLS_CERT), or Client(root_cert=PEM)"),
+             (tls.address, other, f"the endpoint's TLS certificate is not signed by {other}, the certificate this "
+              "client trusts: give the certificate the endpoint serves (the GRADSYNC_TLS_CERT of its job)"),
+             (plain.address, cert, f"the endpoint serves plain gRPC, without TLS, and this client speaks TLS "
+              f"(certificate {cert}): leave out --tls-cert and unset GRADSYNC_TLS_CERT (Client(root_cert=None))")]
+    try:
+        for address, root_cert, why in cases:
+            with Client(address, token=TOKEN, timeout=5, root_cert=root_cert) as client:
+                with pytest.raises(ConnectionError) as refused:
+                    client.health()
+            assert re.fullmatch(rf"Health on shard 0 at {address} failed after [\d.]+ s: TLS: {re.escape(why)}",
+                                str(refused.value)), (str(refused.value), why)
+    finally:
+        tls.stop(0.5)
+        plain.stop(0.5)
+
+
+@pytest.mark.timeout(60)
+def test_status_and_pull_reach_a_tls_job_with_its_certificate_from_the_option_or_the_servers_variable(
+        tmp_path, monkeypatch, capsys):
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is not installed; it makes the self-signed test certificate")
+    cert, key = self_signed(tmp_path)
+    server = make_server("async", workers=1)
+    endpoint = serve_grpc(server, token=TOKEN, tls_cert=cert, tls_key=key, job="job-a")
+    run_dir, out = tmp_path / "run", tmp_path / "out.pt"
+    run_dir.mkdir()
+    write_endpoints(str(run_dir), 0, endpoint.address, TOKEN, "job-a")
+    monkeypatch.delenv("GRADSYNC_TLS_CERT", raising=False)
+    try:
+        assert cli.main(["status", str(run_dir)]) == 2
+        error = capsys.readouterr().err
+        assert error.startswith(f"gradsync: error: Health on shard 0 at {endpoint.address} failed after ") and \
+            error.endswith(" s: TLS: the endpoint serves TLS and this client speaks plain gRPC: give the endpoint's "
+                           "certificate: --tls-cert PEM (default GRADSYNC_TLS_CERT), or Client(root_cert=PEM)\n")
+        assert cli.main(["status", str(run_dir), "--tls-cert", cert]) == 0
+        rows = capsys.readouterr().out.splitlines()
+        assert rows[2].split(" | ")[1:4] == [endpoint.address, "yes", "0"]
+        monkeypatch.setenv("GRADSYNC_TLS_CERT", cert)  # the variable the job's servers serve with
+        assert cli.main(["pull", str(run_dir), str(out)]) == 0
+        assert capsys.readouterr().out == f"wrote {out} (versions by shard: {{0: 0}})\n"
+        saved = torch.load(out, weights_only=True)
+        assert saved.keys() == server.state_dict().keys()
+        assert all(torch.equal(saved[n], t) for n, t in server.state_dict().items())
+        with Client(str(run_dir)) as client:  # the Client's default too
+            assert client.health()[0]["job"] == "job-a"
     finally:
         endpoint.stop(0.5)

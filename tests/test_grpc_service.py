@@ -165,10 +165,10 @@ def test_not_ready_server_answers_health_and_refuses_the_rest():
 @pytest.mark.timeout(60)
 def test_run_dir_client_gathers_and_routes_across_shards(tmp_path):
     servers = [make_server("async", workers=1, lr=LR, num_servers=2, shard=s) for s in range(2)]
-    endpoints = [serve_grpc(s, token=TOKEN, member_token=MEMBER_TOKEN) for s in servers]
+    endpoints = [serve_grpc(s, token=TOKEN, member_token=MEMBER_TOKEN, job="job-a") for s in servers]
     try:
         for shard, e in enumerate(endpoints):
-            write_endpoints(str(tmp_path), shard, e.address, TOKEN)
+            write_endpoints(str(tmp_path), shard, e.address, TOKEN, "job-a")
         with Client(str(tmp_path)) as client:
             params, buffers = model_state()
             state, versions = client.pull_versioned()
@@ -196,6 +196,35 @@ def test_run_dir_client_gathers_and_routes_across_shards(tmp_path):
     finally:
         for e in endpoints:
             e.stop(0.5)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("call", ["health", "pull", "push"])
+def test_a_run_dir_client_refuses_a_server_of_another_job_at_the_address_its_files_name(call, tmp_path):
+    server = make_server("async", workers=1, lr=LR)
+    before = server.state_dict()
+    endpoint = serve_grpc(server, token=TOKEN, member_token=MEMBER_TOKEN, job="job-b")  # the job there now
+    calls = {"health": lambda c: c.health(), "pull": lambda c: c.pull(),
+             "push": lambda c: c.push({"fc1.bias": torch.ones(16)}, 0, worker=1)}
+    try:
+        write_endpoints(str(tmp_path), 0, endpoint.address, TOKEN, "job-a")  # left by job-a, which has ended
+        with Client(str(tmp_path)) as client, pytest.raises(ConnectionError) as refused:
+            calls[call](client)
+        assert str(refused.value) == (
+            f"{endpoint.address} serves job job-b, not job job-a that {tmp_path}/grpc-0.json names: that job has "
+            "ended and another listens there; give the run directory of a running job (gradsync run prints it "
+            "at start)")
+        write_endpoints(str(tmp_path), 0, endpoint.address, "job-a's token", "job-a")
+        with Client(str(tmp_path)) as client, pytest.raises(ConnectionError, match=(
+                f"{endpoint.address} refuses the token of job job-a that {tmp_path}/grpc-0.json names: that job "
+                "has ended")):
+            calls[call](client)
+        assert all(torch.equal(server.state_dict()[n], t) for n, t in before.items())  # nothing pushed
+        write_endpoints(str(tmp_path), 0, endpoint.address, TOKEN, "job-b")
+        with Client(str(tmp_path)) as client:
+            calls[call](client)
+    finally:
+        endpoint.stop(0.5)
 
 
 @pytest.mark.timeout(60)

@@ -127,7 +127,8 @@ def test_gradsync_run_has_an_option_for_every_job_setting_bucket_cap_mb_included
     assert (chosen["bucket_cap_mb"], chosen["step_timeout"], chosen["strategy"]) == (5.0, 9.0, "ps")
     assert chosen["mode"] is None  # not given: the environment's, else the default
     commands = cli._parser()._subparsers._group_actions[0].choices
-    flags = {o for name in ("run", "compare") for a in commands[name]._actions for o in a.option_strings}
+    flags = {o for name in ("run", "compare", "status", "pull") for a in commands[name]._actions
+             for o in a.option_strings}
     assert {s.flag for s in TABLE if s.flag} <= flags
     run = " ".join(commands["run"].format_help().split())
     assert "(default: GRADSYNC_BUCKET_CAP_MB, else auto)" in run

@@ -191,7 +191,7 @@ TOKEN = _S("token", "GRADSYNC_TOKEN", str, None, "grpc",
            "bearer token of clients outside the job", default_text="one per job, written to the run directory")
 TLS_CERT = _S("tls_cert", "GRADSYNC_TLS_CERT", str, None, "grpc",
               "PEM certificate the endpoints serve with (with GRADSYNC_TLS_KEY: TLS only), which the job's own "
-              "workers trust")
+              "workers, gradsync status and pull (--tls-cert) and gradsync.client.Client trust", flag="--tls-cert")
 TLS_KEY = _S("tls_key", "GRADSYNC_TLS_KEY", str, None, "grpc", "PEM key of the endpoints (with GRADSYNC_TLS_CERT)")
 # gradsync compare.
 STRAGGLER = _S("straggler", "GRADSYNC_STRAGGLER", str, "", "compare",

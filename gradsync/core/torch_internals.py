@@ -16,6 +16,7 @@ import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import multiprocessing.util
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -182,8 +183,9 @@ def fork_fork_server() -> None:
     """Start multiprocessing's fork server as a fork of this process, which has imported what its children need,
     rather than as a new interpreter that imports it all again (what `forkserver.ensure_running` does: ~5 CPU-s
     with torch). The same server (`forkserver.main`) and the same state in this process afterwards; it must hold
-    no thread but the main one (import-time native pools excepted, as in any fork server). Nothing public starts
-    a fork server from a fork."""
+    no thread but the main one (import-time native pools excepted, as in any fork server); once this process has
+    died, however, the server removes this process's multiprocessing folder (`util.get_temp_dir`, which holds its
+    socket), which a SIGKILLed process leaves. Nothing public starts a fork server from a fork."""
     server = multiprocessing.forkserver._forkserver
     with server._lock:
         if server._forkserver_pid is not None:
@@ -206,6 +208,8 @@ def fork_fork_server() -> None:
                         if high > low + 1:  # closerange(n, n) closes every fd from n on (python 3.11)
                             os.closerange(low + 1, high)  # as a new interpreter: only the fds passed to it
                     multiprocessing.forkserver.main(listener.fileno(), alive_r, [])
+                except SystemExit:  # EOF on alive_r: its parent died, maybe by SIGKILL: remove the socket's folder
+                    shutil.rmtree(os.path.dirname(address), ignore_errors=True)
                 except Exception:  # noqa: BLE001 -- said here: the launcher sees only a refused connection
                     sys.excepthook(*sys.exc_info())
                 finally:

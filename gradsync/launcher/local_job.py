@@ -23,11 +23,11 @@ from gradsync.core.emulated_network import HUB_ADDRESS
 from gradsync.core.settings import (EARLY_STDERR, ERROR_FILE, LAUNCHER_PID, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, RANK,
                                     RUN_DIR, STACK_FILE, STORE_IS_HOSTED, TOKEN, WORLD_SIZE)
 from gradsync.launcher import netem, torch_logs
-from gradsync.launcher.leases import Lease, abandoned
+from gradsync.launcher.leases import Lease, abandoned, holder
 from gradsync.membership import newcomers
 from gradsync.membership.liveness import create_keys, error_file
 from gradsync.membership.rank_reports import early_stderr_file, stack_file
-from gradsync.proto.endpoints import new_token
+from gradsync.proto.endpoints import job_id, new_token
 from gradsync.runtime import store as rendezvous
 
 HOST = "127.0.0.1"
@@ -77,6 +77,9 @@ def job_config(call, strategy, workers, servers, mode, **chosen) -> JobConfig:
 
 _RUN_DIRS = ("gradsync-run-", "gradsync-launch-")
 _RUN_DIR_LEASE = ".lease"
+_EARLIER_JOB_FILES = ("stats-*.json", "grpc-*.json", "error-*.txt", newcomers.JOIN_FILE)
+"""What a job that ended left in its run directory: its servers' final counters and endpoints, its ranks'
+recorded failures, its join.json."""
 
 
 def temporary_run_dir(stack: contextlib.ExitStack, prefix: str) -> str:
@@ -86,9 +89,30 @@ def temporary_run_dir(stack: contextlib.ExitStack, prefix: str) -> str:
         if os.path.basename(os.path.dirname(old)).startswith(_RUN_DIRS) and abandoned(old):
             shutil.rmtree(os.path.dirname(old), ignore_errors=True)
     path = tempfile.mkdtemp(prefix=prefix)
-    stack.callback(Lease(os.path.join(path, _RUN_DIR_LEASE)).release)
+    stack.callback(Lease(os.path.join(path, _RUN_DIR_LEASE), str(os.getpid()).encode()).release)
     stack.callback(shutil.rmtree, path, ignore_errors=True)
     return path
+
+
+def hold_run_dir(stack: contextlib.ExitStack, run_dir: str) -> None:
+    """Make `run_dir` (created if missing) this job's until `stack` closes: a lease naming this process, taken
+    over from a launcher that died, and the files an earlier job left there removed.
+
+    Raises:
+        ConfigError: another job's launcher holds `run_dir`, naming its pid.
+    """
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, _RUN_DIR_LEASE)
+    try:
+        lease = Lease(path, str(os.getpid()).encode(), take_abandoned=True)
+    except FileExistsError:
+        pid = holder(path).decode() or "that has just ended"
+        raise ConfigError(f"{run_dir} is the run dir of a running job (its launcher is pid {pid}): give this job "
+                          f"another --run-dir, or wait for pid {pid} to end (or stop it)") from None
+    stack.callback(lease.release)
+    for pattern in _EARLIER_JOB_FILES:
+        for old in glob.glob(os.path.join(run_dir, pattern)):
+            os.remove(old)
 
 
 def network_and_store(stack: contextlib.ExitStack, config: JobConfig, port: int, link: str | None,
@@ -116,5 +140,5 @@ def offer_join(config: JobConfig, run_dir: str, store: dist.TCPStore, network: n
     machine's loopback); returns whether it did."""
     if not newcomers.joinable(config) or network is not None:
         return False
-    newcomers.write_join_file(run_dir, HOST, store.port)
+    newcomers.write_join_file(run_dir, HOST, store.port, job_id(store))
     return True

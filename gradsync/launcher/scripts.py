@@ -6,7 +6,6 @@ and supervises them; `join_script` starts workers that join a running async ps j
 from __future__ import annotations
 
 import contextlib
-import glob
 import os
 import signal
 import subprocess
@@ -22,7 +21,7 @@ from gradsync.core.errors import JobFailed
 from gradsync.core.settings import (EARLY_STDERR, ERROR_FILE, JOIN, JOIN_INDEX_FILE, LAUNCHER_PID, RANK_START, RUN_DIR,
                                     STDERR_FD, Setting)
 from gradsync.launcher import forked, netem
-from gradsync.launcher.local_job import (job_config, network_and_store, offer_join, rank_environments,
+from gradsync.launcher.local_job import (hold_run_dir, job_config, network_and_store, offer_join, rank_environments,
                                          temporary_run_dir)
 from gradsync.launcher.supervision import POLL_S, RankProcess, kill_all, supervise
 from gradsync.membership import newcomers
@@ -42,7 +41,8 @@ def run_script(script: str, script_args: list[str], *, strategy: str, workers: i
     """Run `python script args` on every rank (the `gradsync run` command); returns the workers that left an
     elastic job without finishing (`departures`). Raises JobFailed.
 
-    run_dir: the job's files (default: GRADSYNC_RUN_DIR, else a new temporary directory, removed at the end).
+    run_dir: the job's files (default: GRADSYNC_RUN_DIR, else a new temporary directory, removed at the end),
+    this job's alone while it runs (`local_job.hold_run_dir`).
     link: a tc rate (100mbit, 1gbit...): each rank in its own network namespace behind a link of that rate
     (`gradsync.launcher.netem`; root and iproute2), the store in the hub namespace; None: every rank on loopback.
     server_link: the parameter servers' links at this rate instead (with `link`): a slow server link.
@@ -60,10 +60,11 @@ def run_script(script: str, script_args: list[str], *, strategy: str, workers: i
     with contextlib.ExitStack() as stack:
         network, store = network_and_store(stack, config, master_port, link, server_link)
         check_script(script)
-        run_dir = os.path.abspath(run_dir or RUN_DIR.read() or temporary_run_dir(stack, "gradsync-run-"))
-        os.makedirs(run_dir, exist_ok=True)
-        for old in glob.glob(os.path.join(run_dir, "stats-*.json")):  # an earlier job's: this one has not ended
-            os.remove(old)
+        if run_dir or RUN_DIR.read():
+            run_dir = os.path.abspath(run_dir or RUN_DIR.read())
+            hold_run_dir(stack, run_dir)
+        else:
+            run_dir = temporary_run_dir(stack, "gradsync-run-")
         say(f"run dir {run_dir}")
         if network is not None:
             servers = "" if server_link is None else f" (servers behind {server_link})"

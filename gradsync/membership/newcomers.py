@@ -1,7 +1,7 @@
 """Newcomers: workers that join a running async ps job. Where its store is, its settings, a fresh worker index.
 
-The launcher of an elastic job that runs over torch RPC writes `join.json` (the rendezvous store's address,
-mode 0600) into the run directory; rank 0 of every job publishes its settings (its GRADSYNC_* variables) in
+The launcher of an elastic job that runs over torch RPC writes `join.json` (the rendezvous store's address and
+the job's id, mode 0600) into the run directory, and a joining process checks that the store there is that job's; rank 0 of every job publishes its settings (its GRADSYNC_* variables) in
 the store, so that joining a job that takes no newcomers fails at once. A joining process (`gradsync run
 --join RUN_DIR script.py`, or GRADSYNC_JOIN=RUN_DIR|HOST:PORT for `gradsync.init()`) connects to the
 store, takes the next worker index (`gradsync/workers`, an atomic counter), creates its heartbeat counter at
@@ -29,13 +29,15 @@ def joinable(config: JobConfig) -> bool:
     return config.elastic and config.mode == "async" and capabilities(config.transport).joining
 
 
-def write_join_file(run_dir: str, host: str, port: int) -> None:
-    """Leave the store's address in the run directory (owner-only: the store has no authentication)."""
-    write_atomically(os.path.join(run_dir, JOIN_FILE), json.dumps({"host": host, "port": port}).encode())
+def write_join_file(run_dir: str, host: str, port: int, job: str) -> None:
+    """Leave the address of the store of job `job` (`proto.endpoints.job_id`) in the run directory (owner-only:
+    the store has no authentication)."""
+    write_atomically(os.path.join(run_dir, JOIN_FILE), json.dumps({"host": host, "port": port, "job": job}).encode())
 
 
-def store_address(target: str) -> tuple[str, int]:
-    """(host, port) of a running job's store, from its run directory (join.json) or 'host:port'.
+def store_address(target: str) -> tuple[str, int, str]:
+    """(host, port, job id) of a running job's store, from its run directory (join.json) or 'host:port' (no job
+    id: "").
 
     Raises:
         ConfigError: naming `target` and what it must be.
@@ -49,11 +51,11 @@ def store_address(target: str) -> tuple[str, int]:
             )
         with open(path) as f:
             found = json.load(f)
-        return found["host"], int(found["port"])
+        return found["host"], int(found["port"]), found.get("job", "")
     host, _, port = target.rpartition(":")
     if not host or not port.isdigit():
         raise ConfigError(f"cannot join {target!r}: give the job's run directory or its store address as HOST:PORT")
-    return host, int(port)
+    return host, int(port), ""
 
 
 def connect(target: str, timeout: float) -> tuple[dist.TCPStore, str, int]:
@@ -61,14 +63,21 @@ def connect(target: str, timeout: float) -> tuple[dist.TCPStore, str, int]:
 
     Raises:
         ConfigError: `target` names no job (`store_address`).
-        ConnectionError: the store cannot be reached within `timeout` seconds (the job has ended?).
+        ConnectionError: the store cannot be reached within `timeout` seconds (the job has ended?), or it is
+            another job's than the one `target`'s join.json names.
     """
-    host, port = store_address(target)
+    host, port, job = store_address(target)
     try:
         store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=timeout))
     except dist.DistError as e:
         raise ConnectionError(f"cannot reach the store of the job to join at {host}:{port} (has it ended?): {e}") from e
+    served = store.get(StoreKeys.JOB_ID).decode() if job and store.check([StoreKeys.JOB_ID]) else ""
+    if job and served != job:
+        raise ConnectionError(
+            f"the store at {host}:{port} is job {served or '(unnamed)'}'s, not job {job}'s that "
+            f"{os.path.join(target, JOIN_FILE)} names: that job has ended and another listens there; give the run "
+            "directory of a running async job")
     return store, host, port
 
 

@@ -55,7 +55,7 @@ class TableInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., num_servers: _Optional[int] = ..., rows_held: _Optional[int] = ...) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("shard_id", "ready", "version", "parameters", "buffers", "pieces", "tables")
+    __slots__ = ("shard_id", "ready", "version", "parameters", "buffers", "pieces", "tables", "job")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class HealthResponse(_message.Message):
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
     PIECES_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
     shard_id: int
     ready: bool
     version: int
@@ -70,7 +71,8 @@ class HealthResponse(_message.Message):
     buffers: _containers.RepeatedScalarFieldContainer[str]
     pieces: _containers.RepeatedCompositeFieldContainer[Piece]
     tables: _containers.RepeatedCompositeFieldContainer[TableInfo]
-    def __init__(self, shard_id: _Optional[int] = ..., ready: _Optional[bool] = ..., version: _Optional[int] = ..., parameters: _Optional[_Iterable[str]] = ..., buffers: _Optional[_Iterable[str]] = ..., pieces: _Optional[_Iterable[_Union[Piece, _Mapping]]] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ...) -> None: ...
+    job: str
+    def __init__(self, shard_id: _Optional[int] = ..., ready: _Optional[bool] = ..., version: _Optional[int] = ..., parameters: _Optional[_Iterable[str]] = ..., buffers: _Optional[_Iterable[str]] = ..., pieces: _Optional[_Iterable[_Union[Piece, _Mapping]]] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., job: _Optional[str] = ...) -> None: ...
 
 class TableStats(_message.Message):
     __slots__ = ("name", "rows", "bytes", "rows_pulled", "rows_pushed", "max_staleness")

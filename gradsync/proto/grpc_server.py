@@ -104,6 +104,7 @@ def serve_grpc(
     max_workers: int | None = None,
     outside_calls: int = 8,
     idle_timeout: float = 10.0,
+    job: str = "",
 ) -> GrpcEndpoint:
     """Serve one `ParameterServer` over gRPC (returns at once; the endpoint runs on its own threads).
 
@@ -123,6 +124,7 @@ def serve_grpc(
             (RESOURCE_EXHAUSTED).
         idle_timeout: longest an outside request stream (Push) may wait between two messages before it is
             cancelled (DEADLINE_EXCEEDED).
+        job: the id of the job the server belongs to, which Health answers (`endpoints.job_id`).
     Returns:
         The running endpoint.
     """
@@ -141,7 +143,7 @@ def serve_grpc(
     threads = (max_workers or max(8, 2 * server_obj.num_workers + 4)) + outside_calls
     server = grpc.server(
         concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gradsync-grpc"),
-        handlers=[_handlers(Servicer(server_obj, checkpoint_dir, step_timeout), admission)],
+        handlers=[_handlers(Servicer(server_obj, checkpoint_dir, step_timeout, job), admission)],
         interceptors=[BearerAuth(credentials)],
     )
     target = f"{host}:{port}"

@@ -86,8 +86,9 @@ def _parsed(request):
 class Servicer:
     """Messages <-> calls on one `ParameterServer`."""
 
-    def __init__(self, server, checkpoint_dir: str | None, step_timeout: float):
+    def __init__(self, server, checkpoint_dir: str | None, step_timeout: float, job: str = ""):
         self.server = server
+        self.job = job
         self.checkpoint_dir = checkpoint_dir
         self.step_timeout = step_timeout
         self.calls: collections.Counter[str] = collections.Counter()
@@ -110,13 +111,13 @@ class Servicer:
     def health(self, request, context) -> pb.HealthResponse:
         _parsed(request)
         if not self.server.ready.is_set():
-            return pb.HealthResponse(shard_id=self.server.shard_id, ready=False)
+            return pb.HealthResponse(shard_id=self.server.shard_id, ready=False, job=self.job)
         shard = self.server.layout()
         pieces = [pb.Piece(name=e.name, shape=e.shape, start=e.start, numel=e.numel) for e in shard.pieces]
         tables = [pb.TableInfo(name=n, shape=t.shape, dtype=tensor_codec.dtype_name(t.dtype),
                                num_servers=t.num_servers, rows_held=t.rows) for n, t in shard.tables.items()]
         return pb.HealthResponse(
-            shard_id=shard.shard_id, ready=True, version=shard.version,
+            shard_id=shard.shard_id, ready=True, version=shard.version, job=self.job,
             parameters=shard.params + shard.frozen, buffers=shard.buffers, pieces=pieces, tables=tables,
         )
 

@@ -8,9 +8,11 @@ since in sync mode each server waits for every worker. Every call has a
 deadline; failures raise builtin exceptions naming the call, the shard, its
 address and the elapsed time (ValueError: the server refused the input;
 TimeoutError: the deadline passed; PermissionError: bad token, or a call the
-token does not allow; ConnectionError: server unreachable; RuntimeError: anything
-else, such as RESOURCE_EXHAUSTED when the endpoint already serves as many outside
-calls as it takes at once).
+token does not allow; ConnectionError: server unreachable, another job's server
+(`read_endpoints`' job id, checked at the first call), or TLS on one side only
+or another certificate (`remote.tls`); RuntimeError: anything else, such as
+RESOURCE_EXHAUSTED when the endpoint already serves as many outside calls as it
+takes at once).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import time
 import grpc
 import torch
 
+from gradsync.core import settings
 from gradsync.core.atomic_file import write_atomically
 from gradsync.core.buckets import Entry, join_pieces
 from gradsync.core.emulated_network import reachable
@@ -32,8 +35,13 @@ from gradsync.proto import gradsync_pb2 as pb
 from gradsync.proto import gradsync_pb2_grpc as pb_grpc
 from gradsync.proto import tensor_codec
 from gradsync.proto.endpoints import read_endpoints
+from gradsync.remote import tls
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+_MAYBE_TLS = re.compile(r"socket closed|handshake|ssl|tls", re.IGNORECASE)
+"""What gRPC's detail says when TLS may be why a connection failed (a plain client at a TLS endpoint sees only
+"Socket closed"): then `remote.tls` asks the endpoint."""
+_TLS_PROBE_S = 5.0
 
 _ERRORS = {
     grpc.StatusCode.INVALID_ARGUMENT: ValueError,
@@ -53,15 +61,18 @@ class Client:
             or {shard: "host:port"}.
         token: the bearer token; default: the one in the run directory.
         timeout: deadline in seconds of each call (pull, push and checkpoint may override it).
-        root_cert: path of a PEM certificate to trust; given, the client speaks TLS.
+        root_cert: path of a PEM certificate to trust (default: GRADSYNC_TLS_CERT, the one a job's endpoints serve
+            with); given, the client speaks TLS.
     """
 
     def __init__(self, address_or_run_dir: str | dict[int, str], token: str | None = None, timeout: float = 10.0,
                  root_cert: str | None = None):
+        self._job = ""  # the job the run directory names, checked at the first call (`_reach`)
         if isinstance(address_or_run_dir, dict):
             self.addresses = dict(address_or_run_dir)
         elif os.path.isdir(address_or_run_dir):
-            self.addresses, run_token = read_endpoints(address_or_run_dir)
+            self.addresses, run_token, self._job = read_endpoints(address_or_run_dir)
+            self._run_dir = address_or_run_dir
             token = token or run_token
         else:
             self.addresses = {0: address_or_run_dir}
@@ -78,9 +89,13 @@ class Client:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
         self.timeout = timeout
+        self.root_cert = root_cert or settings.TLS_CERT.read() or None
         credentials = None
-        if root_cert is not None:
-            with open(root_cert, "rb") as f:
+        if self.root_cert is not None:
+            if not os.path.isfile(self.root_cert):
+                raise FileNotFoundError(f"no TLS certificate {self.root_cert!r}: give the PEM file the endpoints "
+                                        "serve with (GRADSYNC_TLS_CERT of the job)")
+            with open(self.root_cert, "rb") as f:
                 credentials = grpc.ssl_channel_credentials(root_certificates=f.read())
         # channels and metadata are public: the job's own calls (gradsync.transport.grpc) go through them too
         self.channels = {
@@ -112,14 +127,37 @@ class Client:
 
     def error(self, call: str, shard: int, start: float, e: grpc.RpcError) -> Exception:
         """The builtin exception for `call` on `shard` failing with `e`, naming the address and elapsed time
-        (since `start`, a `time.monotonic()`)."""
+        (since `start`, a `time.monotonic()`), and TLS with its fix when TLS is why (`remote.tls`)."""
         kind = _ERRORS.get(e.code(), RuntimeError)
-        return kind(
-            f"{call} on shard {shard} at {self.addresses[shard]} failed after {time.monotonic() - start:.2f} s: "
-            f"{e.code().name}: {e.details()}"
-        )
+        where = f"{call} on shard {shard} at {self.addresses[shard]} failed after {time.monotonic() - start:.2f} s"
+        why = tls.mismatch(self.addresses[shard], self.root_cert, min(self.timeout, _TLS_PROBE_S)) \
+            if kind is ConnectionError and _MAYBE_TLS.search(e.details() or "") else None
+        return kind(f"{where}: TLS: {why}" if why else f"{where}: {e.code().name}: {e.details()}")
+
+    def _reach(self) -> None:
+        """Before the first call of a client of a run directory: check that each shard serves the job the run
+        directory names (its endpoint files), not another job's server now at the address of one that ended."""
+        job, self._job = self._job, ""  # once; and the Health calls below do not come back here
+        if not job:
+            return
+        try:
+            for shard in self._stubs:
+                try:
+                    served = self._unary("Health", shard, pb.HealthRequest()).job
+                    other = None if served == job else f"serves job {served or '(unnamed)'}, not job {job}"
+                except PermissionError:
+                    other = f"refuses the token of job {job}"
+                if other:
+                    raise ConnectionError(
+                        f"{self.addresses[shard]} {other} that {os.path.join(self._run_dir, f'grpc-{shard}.json')} "
+                        "names: that job has ended and another listens there; give the run directory of a running "
+                        "job (gradsync run prints it at start)")
+        except BaseException:
+            self._job = job
+            raise
 
     def _unary(self, call: str, shard: int, request, timeout: float | None = None):
+        self._reach()
         start = time.monotonic()
         try:
             return getattr(self._stubs[shard], call)(request, timeout=timeout or self.timeout, metadata=self.metadata)
@@ -128,11 +166,11 @@ class Client:
 
     def health(self) -> dict[int, dict]:
         """Per shard: ready, version, the names of its parameters and buffers, the pieces of split
-        parameters, and the embedding tables it holds rows of."""
+        parameters, the embedding tables it holds rows of, and the id of the job it belongs to."""
         out = {}
         for shard in self._stubs:
             r = self._unary("Health", shard, pb.HealthRequest())
-            out[shard] = {"shard_id": r.shard_id, "ready": r.ready, "version": r.version,
+            out[shard] = {"shard_id": r.shard_id, "ready": r.ready, "version": r.version, "job": r.job,
                           "parameters": list(r.parameters), "buffers": list(r.buffers),
                           "pieces": [Entry(p.name, tuple(p.shape), 0, p.numel, p.start) for p in r.pieces],
                           "tables": {t.name: {"shape": tuple(t.shape), "dtype": t.dtype, "num_servers": t.num_servers,
@@ -167,6 +205,7 @@ class Client:
     def pull_rows(self, table: str, ids, timeout: float | None = None) -> torch.Tensor:
         """Rows `ids` (global row ids, any order, repeats allowed) of an embedding table, shape (len(ids), dim),
         one call per shard holding any of them."""
+        self._reach()
         info = self.tables().get(table)
         if info is None:
             raise KeyError(f"this run serves no table {table!r}: it serves {sorted(self.tables())}")
@@ -225,6 +264,7 @@ class Client:
             whole: join the pieces of a parameter split across shards (False: the pieces as the
                 shards hold them, `name[start:end]`).
         """
+        self._reach()
         if whole and names is not None:
             split = {p.name for p in self.pieces()}
             names = [n for n in names if n not in split] + [p.key for p in self.pieces() if p.name in names]
@@ -274,6 +314,7 @@ class Client:
                 only, an id of your own: W .. 65535, none that a worker of the job holds; with the job's
                 member token, the worker's index 0 .. W-1.
         """
+        self._reach()
         grads = split_pieces(grads, self.pieces())
         routes = {shard: names for shard, names in self._route(grads).items() if names}
         if not routes:

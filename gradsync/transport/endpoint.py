@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from gradsync.config import StoreKeys
 from gradsync.core import settings
-from gradsync.proto.endpoints import new_token, write_endpoints
+from gradsync.proto.endpoints import job_id, new_token, write_endpoints
 from gradsync.proto.grpc_server import GrpcEndpoint, serve_grpc
 from gradsync.ps.server import ParameterServer
 
@@ -61,7 +61,7 @@ def start_endpoint(server: ParameterServer, store: dist.Store, step_timeout: flo
     """Serve `server` over gRPC and write its address and the token to the run directory."""
     directory = run_dir()
     port = settings.GRPC_PORT.read()
-    token = job_token(store)
+    token, job = job_token(store), job_id(store)
     endpoint = serve_grpc(
         server,
         host=settings.GRPC_HOST.read(),
@@ -72,7 +72,8 @@ def start_endpoint(server: ParameterServer, store: dist.Store, step_timeout: flo
         tls_key=settings.TLS_KEY.read(),
         checkpoint_dir=os.path.join(directory, "checkpoints"),
         step_timeout=step_timeout,
+        job=job,
     )
-    write_endpoints(directory, server.shard_id, endpoint.address, token)
+    write_endpoints(directory, server.shard_id, endpoint.address, token, job)
     store.set(StoreKeys.GRPC_ADDRESS.format(server.shard_id), endpoint.address)
     return endpoint
