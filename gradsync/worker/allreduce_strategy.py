@@ -63,6 +63,7 @@ from gradsync.worker.ddp_hooks import make_ddp_hook
 from gradsync.worker.metrics import StepMetrics
 from gradsync.worker.model_state import named_tensors, to_state_dict
 from gradsync.worker.strategy import Strategy
+from gradsync.worker.tables import WORTH_SERVING_SHARE
 from gradsync.worker.user_optimizer import StepGuard
 
 if TYPE_CHECKING:  # imports point one way: the start-up code (cluster) builds the strategies
@@ -204,7 +205,9 @@ class AllreduceStrategy(Strategy):
         self.dense_bytes = int(allreduce_bytes(dense, config.num_workers, config.compression)[0])
         self.rows_bytes = 0  # this step's rows of the sparse tables: this worker's part of their all-gather
         self.sparse = [p for p in self.trainable if id(p) in sparse]
-        self.dense_tables = sum(not m.sparse for m in _tables(module))
+        elements = sum(p.numel() for p in module.parameters())  # dense tables worth compare's note on sparse=True
+        self.dense_tables = sum(not m.sparse and m.weight.numel() >= WORTH_SERVING_SHARE * elements
+                                for m in _tables(module))
         for p in self.sparse:
             p.register_hook(self._count_rows)
         cluster.heartbeat.on_left(self._peer_left)
@@ -246,7 +249,8 @@ class AllreduceStrategy(Strategy):
 
     def model_sizes(self, trainable: int) -> dict[str, int]:
         """What `gradsync compare` models and reports: dense elements, the tables with sparse gradients (their
-        elements and how many), whose touched rows are all-gathered, and how many tables are averaged densely."""
+        elements and how many), whose touched rows are all-gathered, and how many tables large enough to matter
+        (`WORTH_SERVING_SHARE`) are averaged densely."""
         tables = sum(p.numel() for p in self.sparse)
         return {"dense": trainable - tables, "tables": tables, "sparse_tables": len(self.sparse),
                 "dense_tables": self.dense_tables}
