@@ -77,9 +77,11 @@ def job_config(call, strategy, workers, servers, mode, **chosen) -> JobConfig:
 
 _RUN_DIRS = ("gradsync-run-", "gradsync-launch-")
 _RUN_DIR_LEASE = ".lease"
-_EARLIER_JOB_FILES = ("stats-*.json", "grpc-*.json", "error-*.txt", newcomers.JOIN_FILE)
+_RANK_REPORTS = ("stack-*.txt*", "stderr-*.txt")
+"""The files a job's ranks write for their launcher only (`rank_reports`): removed when the job ends."""
+_EARLIER_JOB_FILES = ("stats-*.json", "grpc-*.json", "error-*.txt", newcomers.JOIN_FILE, *_RANK_REPORTS)
 """What a job that ended left in its run directory: its servers' final counters and endpoints, its ranks'
-recorded failures, its join.json."""
+recorded failures, its join.json, and the rank reports of a launcher that was killed."""
 
 
 def temporary_run_dir(stack: contextlib.ExitStack, prefix: str) -> str:
@@ -110,7 +112,13 @@ def hold_run_dir(stack: contextlib.ExitStack, run_dir: str) -> None:
         raise ConfigError(f"{run_dir} is the run dir of a running job (its launcher is pid {pid}): give this job "
                           f"another --run-dir, or wait for pid {pid} to end (or stop it)") from None
     stack.callback(lease.release)
-    for pattern in _EARLIER_JOB_FILES:
+    _remove(run_dir, _EARLIER_JOB_FILES)
+    stack.callback(_remove, run_dir, _RANK_REPORTS)  # once the ranks are gone, before the lease
+
+
+def _remove(run_dir: str, patterns: tuple[str, ...]) -> None:
+    """Remove the files of `run_dir` that match `patterns`."""
+    for pattern in patterns:
         for old in glob.glob(os.path.join(run_dir, pattern)):
             os.remove(old)
 
