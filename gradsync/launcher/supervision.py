@@ -240,8 +240,8 @@ def _root_cause(config: JobConfig, ranks: list[RankProcess], watch: Watch, store
         follower, follower_text = _before_init_text(config, ranks, watch, run_dir)
     else:
         follower_text = _failure_text(config, run_dir, follower, ranks[follower].exitcode(), recorded and recorded[1])
-        if recorded is not None:
-            follower_text += _answered_text(config, ranks, run_dir, recorded[1])
+        answered = _answered_text(config, ranks, run_dir, recorded[1]) if recorded is not None else ""
+        follower_text = follower_text.rstrip("\n") + answered if answered else follower_text
     absent = _absent(config, ranks, watch, departed)
     if absent:
         return JobFailed(f"{_absent_text(config, absent)}\nthen {follower_text}", absent[0].rank)
