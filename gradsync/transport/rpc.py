@@ -85,7 +85,8 @@ def wait_all(futures: dict[int, torch.futures.Future], what: str, timeout: float
         except Exception as e:
             error = e
         else:
-            # torch RPC hands an exception set on an async_execution future back as a value
+            # a handler's error comes back as a value (`_answering`; torch RPC hands an exception set on an
+            # async_execution future back as one too)
             if not isinstance(result, BaseException):
                 results[server] = result
                 continue
@@ -254,15 +255,15 @@ def _answering(call: str, later: bool = False):
     """A server's handler of `call` whose exception is answered, not raised (torch RPC would print it raw on the
     server): `ParameterServer.fault` tells a refusal of what the call carries from the server's own failure, which
     it records before the caller sees it. `later`: an async_execution handler, answered with a failed future
-    (which comes back to the caller as a value, as every handler's error now does: `wait_all`). A handler whose
+    (which comes back to the caller as a value, as every handler's error does: `wait_all`). A handler whose
     first argument is `worker` names the caller."""
     def wrap(handler):
         names_worker = next(iter(inspect.signature(handler).parameters), None) == "worker"
 
         @functools.wraps(handler)
-        def answer(*args):
+        def answer(*args, **kwargs):
             try:
-                return handler(*args)
+                return handler(*args, **kwargs)
             except Exception as e:  # noqa: BLE001 -- the caller is answered with it
                 error = _server().fault(e, call, args[0] if names_worker else None)
                 return failed(error) if later else error
