@@ -151,3 +151,18 @@ def die_mid_push(withheld: int) -> None:
         return fut
 
     rpc.rpc_async = rpc_async
+
+
+def break_push(worker: int) -> None:
+    """In a server, before gradsync.init(): its push handler raises a KeyError for `worker`'s pushes (a server's
+    own failure, not the push's), and answers the others as before."""
+    from gradsync.ps.server import ParameterServer
+
+    push = ParameterServer.push
+
+    def broken(self, pusher: int, *args, **kwargs):
+        if pusher == worker:
+            raise KeyError(f"the push handler broke on purpose for worker {worker}")
+        return push(self, pusher, *args, **kwargs)
+
+    ParameterServer.push = broken

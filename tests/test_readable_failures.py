@@ -52,6 +52,25 @@ def test_a_nan_gradient_is_headlined_with_the_worker_that_sent_it(strategy, serv
     assert "from worker 1: lower the learning rate" in headline
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("transport", ["rpc", "grpc"])
+def test_an_exception_in_a_servers_handler_is_headlined_on_that_server_with_the_worker_that_saw_it(transport,
+                                                                                                   tmp_path):
+    """The server's traceback once, in its own headline (not printed raw by torch RPC or gRPC); the worker whose
+    push it was answering follows in one line."""
+    body = ("faults.break_push(1)\ngradsync.init()\nfaults.train_with_fault(faults.Fault(-1, -1, 'none'), 5)\n"
+            "gradsync.shutdown()\n")
+    stderr, headline = run_failing_script(tmp_path, body, "--strategy", "ps", "--transport", transport,
+                                          "--workers", "2", "--step-timeout", "30")
+    lines = headline.splitlines()
+    assert lines[:2] == ["gradsync: rank 0 (ps0) failed with exit code 1:", "Traceback (most recent call last):"], stderr
+    end = lines.index("KeyError: 'the push handler broke on purpose for worker 1'")
+    assert lines[end + 1] == "gradsync: server 0 failed answering worker 1's push", stderr
+    assert lines[end + 2].startswith("then rank 2 (worker1) failed with exit code 1: "), stderr
+    assert [line for line in lines[end + 3:] if line.strip()] == [], stderr
+    assert stderr.count("Traceback") == 1, stderr
+
+
 _BAD_ARGUMENT = """import argparse
 import gradsync
 parser = argparse.ArgumentParser()
@@ -92,3 +111,26 @@ def test_an_error_at_import_is_shown_once(tmp_path):
                            "printing:")
     assert headline[-1] == "rank 1 (worker1) failed the same way", done.stderr
     assert "gradsync.init() first" not in done.stderr and "EADDRINUSE" not in done.stderr
+
+
+_KILLED_BEFORE_INIT = """import os, signal
+import gradsync
+if os.environ["RANK"] == "0":
+    os.kill(os.getpid(), signal.SIGKILL)
+gradsync.init()
+gradsync.shutdown()
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("start", ["fork", "exec"])
+def test_a_server_killed_before_init_is_said_to_be_without_a_traceback_or_init_advice(start, tmp_path):
+    script = tmp_path / "killed.py"
+    script.write_text(_KILLED_BEFORE_INIT)
+    done = gradsync_run("--strategy", "ps", "--workers", "2", str(script), timeout=100,
+                        env={"GRADSYNC_RANK_START": start})
+    assert done.returncode == 1, done.stderr
+    headline = done.stderr[done.stderr.index("gradsync: rank "):]
+    assert headline == ("gradsync: rank 0 (ps0) failed: killed by SIGKILL before it reached gradsync.init(), "
+                        "printing nothing\n"), done.stderr
+    assert "traceback" not in done.stderr.lower(), done.stderr

@@ -17,7 +17,12 @@ class NoTablesToServe(ValueError):
     such a run instead of counting it failed)."""
 
 
-class GradientError(ValueError):
+class Refusal(ValueError):
+    """A parameter server refused a call for what the call carries: the caller's fault, not the server's (any
+    other exception of a server's handler is the server's failure: `server_failure_error`); nothing was changed."""
+
+
+class GradientError(Refusal):
     """A pushed gradient is unusable (wrong shape/dtype, non-finite, stale); nothing was changed."""
 
 
@@ -43,14 +48,45 @@ def blamed_worker(text: str) -> int | None:
     return int(found.group(1)) if found else None
 
 
+_ANSWERING = re.compile(r"server \d+ failed answering worker (\d+)'s ")
+
+
+def failed_answering(server: int, call: str, worker: int | None) -> str:
+    """'server 0 failed answering worker 1's push' (`worker` None: 'a push')."""
+    return f"server {server} failed answering " + (f"worker {worker}'s {call}" if worker is not None else f"a {call}")
+
+
+def server_failure_error(server: int, call: str, worker: int | None, error: BaseException) -> RuntimeError:
+    """Server `server` failed answering `call` (of `worker`, when known) with `error`, which is its own failure,
+    not the call's: what the caller is answered."""
+    return RuntimeError(f"{failed_answering(server, call, worker)} ({type(error).__name__}: {error}): the failure "
+                        "is the server's, headlined with its traceback")
+
+
+def answered_worker(text: str) -> int | None:
+    """The worker whose call a server failed answering (`server_failure_error`), None when `text` names none."""
+    found = _ANSWERING.search(text)
+    return int(found.group(1)) if found else None
+
+
+def _named(workers: list[int]) -> str:
+    return ", ".join(f"worker {w}" for w in workers)
+
+
+def no_trainer_error(missing: list[int], built: list[int], seconds: float) -> RuntimeError:
+    """Workers `missing` did not begin to build their Trainer within `seconds` (startup_timeout) of `built` building
+    theirs (allreduce: DDP's construction waits for every worker)."""
+    return RuntimeError(
+        f"{_named(missing)} did not build a gradsync.Trainer within startup_timeout ({seconds:.0f} s) of "
+        f"{_named(built)} building its own: every worker must build one (building it is a collective that waits "
+        "for every worker)")
+
+
 def outside_join_error(outside: list[int], inside: list[int], seconds: float) -> RuntimeError:
     """Workers `outside` did not open trainer.join() within `seconds` of `inside` opening it (allreduce)."""
-    def named(workers: list[int]) -> str:
-        return ", ".join(f"worker {w}" for w in workers)
-
     return RuntimeError(
-        f"{named(outside)} did not enter trainer.join() within {seconds:.0f} s (half the step timeout) of "
-        f"{named(inside)} entering it: every worker must train inside `with trainer.join():` (under allreduce a "
+        f"{_named(outside)} did not enter trainer.join() within {seconds:.0f} s (half the step timeout) of "
+        f"{_named(inside)} entering it: every worker must train inside `with trainer.join():` (under allreduce a "
         "worker that trains outside it sends its gradients while the workers inside count the active workers, a "
         "collective mismatch). Open the block on every worker around the same loop"
     )

@@ -18,7 +18,7 @@ import time
 import torch.distributed as dist
 
 from gradsync.config import JobConfig, StoreKeys
-from gradsync.core.errors import JobFailed
+from gradsync.core.errors import JobFailed, answered_worker
 from gradsync.launcher import procfs
 from gradsync.membership.departures import Departure, Departures
 from gradsync.membership.liveness import (Watch, error_file, interval, parse_workers, ranks_named,
@@ -81,18 +81,18 @@ def kill_all(ranks: list[RankProcess]) -> None:
             r.proc.join(timeout=10)
 
 
-def _failure_text(config: JobConfig, run_dir: str, rank: int, code: int, arrived: bool = True,
-                  recorded: str | None = None) -> str:
-    """A failed rank's headline with the failure it recorded (`recorded`: the job's first failure in the store,
-    which may be another rank's text that blames this one); `arrived`: whether it reached gradsync.init()."""
+def _failed(config: JobConfig, rank: int, code: int) -> str:
+    """'rank 2 (worker1) failed with exit code 1' (a negative `code`: the signal that ended it)."""
     how = f"exit code {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
-    text = f"rank {rank} ({config.role(rank)}) failed with {how}"
+    return f"rank {rank} ({config.role(rank)}) failed with {how}"
+
+
+def _failure_text(config: JobConfig, run_dir: str, rank: int, code: int, recorded: str | None = None) -> str:
+    """A failed rank's headline with the failure it recorded (`recorded`: the job's first failure in the store,
+    which may be another rank's text that blames this one)."""
+    text = _failed(config, rank, code)
     recorded = recorded if recorded is not None else recorded_error(run_dir, rank)
-    if recorded is not None:
-        return text + ":\n" + recorded
-    if not arrived:
-        text += " before it reached gradsync.init() (its traceback is above)" + _NOT_PORTED
-    return text
+    return text if recorded is None else text + ":\n" + recorded
 
 
 _NOT_PORTED = (": every script that gradsync runs must call gradsync.init() first, and nothing that starts "
@@ -101,12 +101,31 @@ _NOT_PORTED = (": every script that gradsync runs must call gradsync.init() firs
                "`if __name__ == \"__main__\":`")
 
 
+def _answered_text(config: JobConfig, ranks: list[RankProcess], run_dir: str, recorded: str) -> str:
+    """When `recorded`, a server's failure, names the worker whose call it failed answering (`answered_worker`):
+    that worker's failure, a consequence, in one line (the last of its error), once it has exited non-zero (given a
+    few seconds to); else ''."""
+    worker = answered_worker(recorded)
+    if worker is None or worker >= config.num_workers:
+        return ""
+    rank = ranks[config.servers + worker]
+    deadline = time.monotonic() + _EXIT_GRACE_S
+    while rank.exitcode() is None and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    code, error = rank.exitcode(), recorded_error(run_dir, rank.rank)
+    if code in (None, 0) or error is None:
+        return ""
+    lines = [line for line in error.splitlines() if line.strip() and not line.startswith("gradsync: ")]
+    return f"\nthen {_failed(config, rank.rank, code)}" + (f": {lines[-1]}" if lines else "")
+
+
 def _before_init_text(config: JobConfig, ranks: list[RankProcess], watch: Watch, run_dir: str) -> tuple[int, str]:
     """The first rank that failed before gradsync.init(), and what it printed there (its stderr, which gradsync held:
     `rank_reports`), once: the ranks that failed the same way (the same text and exit status) are named after it,
     the others' own text follows. Ranks that have not reached init are given a few seconds to exit on their own.
-    Advice to call gradsync.init() only where the text does not show the script's own error: gradsync never took
-    its stderr (its traceback is above), or torch.distributed started without gradsync."""
+    A rank ended by a signal is said to be killed by it (it printed no traceback). Advice to call gradsync.init()
+    only where the text does not show the script's own error: gradsync never took the stderr of a rank that
+    exited (its traceback is above), or torch.distributed started without gradsync."""
     early = [r for r in ranks if watch.moved[r.rank] is None]
     deadline = time.monotonic() + _KILL_GRACE_S
     while any(r.exitcode() is None for r in early) and time.monotonic() < deadline:
@@ -118,11 +137,14 @@ def _before_init_text(config: JobConfig, ranks: list[RankProcess], watch: Watch,
         groups.setdefault(what, []).append(rank)
     parts = []
     for (code, printed), same in groups.items():
-        text = _failure_text(config, run_dir, same[0], code)
-        if printed is None:
-            text += " before it reached gradsync.init() (its traceback is above)" + _NOT_PORTED
+        if code < 0:
+            text = f"rank {same[0]} ({config.role(same[0])}) failed: killed by {signal.Signals(-code).name}"
         else:
-            text += " before it reached gradsync.init()"
+            text = _failure_text(config, run_dir, same[0], code)
+        text += " before it reached gradsync.init()"
+        if printed is None:
+            text += "" if code < 0 else " (its traceback is above)" + _NOT_PORTED
+        else:
             text += (", printing:\n" + printed.rstrip("\n")) if printed.strip() else ", printing nothing"
             if "init_process_group" in printed:
                 text += "\n" + _NOT_PORTED[2:]
@@ -208,14 +230,18 @@ def _root_cause(config: JobConfig, ranks: list[RankProcess], watch: Watch, store
         return JobFailed(_quit_text(config, quitters[0]) + then, quitters[0].rank)
     for rank, code in failed:
         if code < 0 and not os.path.exists(error_file(run_dir, rank)):
-            return JobFailed(_failure_text(config, run_dir, rank, code, watch.moved[rank] is not None), rank)
+            if watch.moved[rank] is None:
+                first, text = _before_init_text(config, ranks, watch, run_dir)
+                return JobFailed(text, first)
+            return JobFailed(_failure_text(config, run_dir, rank, code), rank)
     recorded = _recorded_failure(ranks, store)
     follower = recorded[0] if recorded is not None else failed[0][0]
     if recorded is None and watch.moved[follower] is None and recorded_error(run_dir, follower) is None:
         follower, follower_text = _before_init_text(config, ranks, watch, run_dir)
     else:
-        follower_text = _failure_text(config, run_dir, follower, ranks[follower].exitcode(),
-                                      watch.moved[follower] is not None, recorded and recorded[1])
+        follower_text = _failure_text(config, run_dir, follower, ranks[follower].exitcode(), recorded and recorded[1])
+        answered = _answered_text(config, ranks, run_dir, recorded[1]) if recorded is not None else ""
+        follower_text = follower_text.rstrip("\n") + answered if answered else follower_text
     absent = _absent(config, ranks, watch, departed)
     if absent:
         return JobFailed(f"{_absent_text(config, absent)}\nthen {follower_text}", absent[0].rank)

@@ -145,6 +145,21 @@ def wait_for_arrivals(store: dist.Store, config: JobConfig) -> None:
         time.sleep(_ARRIVAL_POLL_S)
 
 
+def wait_for_every_worker(store: dist.Store, key: str, workers: int, seconds: float,
+                          late: Callable[[list[int], list[int]], Exception]) -> None:
+    """Wait until all `workers` are in the store's `worker,` list `key`: they reached a point every worker must
+    reach before a collective that would wait for them without a useful limit (a DDP construction, a join block).
+
+    Raises:
+        Exception: `late(missing, arrived)` when some are not within `seconds`, naming them.
+    """
+    deadline = time.monotonic() + seconds
+    while len(arrived := parse_workers(store.get(key))) < workers:
+        if time.monotonic() >= deadline:
+            raise late(sorted(set(range(workers)) - arrived), sorted(arrived))
+        time.sleep(_ARRIVAL_POLL_S)
+
+
 class Watch:
     """When each rank's heartbeat counter last moved, by this process's clock, and which workers left."""
 

@@ -14,9 +14,10 @@ from gradsync.proto.service import SERVICE, Servicer, request_parser
 
 
 def _guarded(name: str, method, admission: Admission, streaming_request: bool, streaming_response: bool,
-             takes_role: bool):
+             takes_role: bool, failure):
     """The handler of method `name`: admitted (`Admission`), its request and reply streams watched for a client
-    that neither sends nor reads, `Refused` turned into the call's status code."""
+    that neither sends nor reads, `Refused` turned into the call's status code; any other exception of a
+    member's call is told to `failure` (`Servicer.failure`: the server's own failure, or a refusal)."""
     def run(request, context, role):
         if streaming_request:
             request = admission.requests(request, context, role, name)
@@ -26,7 +27,10 @@ def _guarded(name: str, method, admission: Admission, streaming_request: bool, s
         def call_stream(request, context):
             try:
                 with admission.admitted(name, context) as role:
-                    yield from admission.replies(run(request, context, role), context, role, name)
+                    try:
+                        yield from admission.replies(run(request, context, role), context, role, name)
+                    except Exception as e:
+                        raise failure(e, name) if role == MEMBER else e
             except Refused as e:
                 context.abort(e.code, str(e))
         return call_stream
@@ -34,7 +38,10 @@ def _guarded(name: str, method, admission: Admission, streaming_request: bool, s
     def call(request, context):
         try:
             with admission.admitted(name, context) as role:
-                return run(request, context, role)
+                try:
+                    return run(request, context, role)
+                except Exception as e:
+                    raise failure(e, name) if role == MEMBER else e
         except Refused as e:
             context.abort(e.code, str(e))
     return call
@@ -69,7 +76,7 @@ def _handlers(servicer: Servicer, admission: Admission) -> grpc.GenericRpcHandle
 
         streaming_request = kind in (stream_unary, stream_stream)
         guarded = _guarded(name, counted, admission, streaming_request, kind in (unary_stream, stream_stream),
-                           takes_role=name == "Push")
+                           takes_role=name == "Push", failure=servicer.failure)
         return kind(guarded, request_parser(request_cls, chunks=streaming_request), serialize)
 
     return grpc.method_handlers_generic_handler(SERVICE, {n: handler(n, *m) for n, m in methods.items()})

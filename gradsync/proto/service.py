@@ -14,7 +14,9 @@ JobProbe: bytes to time the link). A push stream is bounded in bytes
 It counts the calls it receives per method (GetStats `calls`). Errors map to status codes:
 bad input -> INVALID_ARGUMENT, a server without its model or without a
 checkpoint directory -> FAILED_PRECONDITION, a push the consistency rule did
-not resolve in time -> DEADLINE_EXCEEDED. Requests are parsed inside the
+not resolve in time -> DEADLINE_EXCEEDED, a step it refused -> ABORTED; any other
+exception of a member's call is the server's own failure -> INTERNAL, recorded as
+the job's (`ParameterServer.fault`). Requests are parsed inside the
 handlers, so even bytes that are not a protobuf message get INVALID_ARGUMENT.
 Every call must carry `authorization: Bearer <token>` metadata; a call without
 it is refused with UNAUTHENTICATED before its request is read.
@@ -98,6 +100,16 @@ class Servicer:
         """Record one call of `method`."""
         with self._calls_lock:
             self.calls[method] += 1
+
+    def failure(self, error: Exception, call: str, worker: int | None = None) -> Exception:
+        """What answers a member's call `call` (of `worker`, when known) whose handler raised `error`: a `Refused`
+        or the call's own gRPC error as it is; a ValueError, a refusal of what the call carries, with
+        INVALID_ARGUMENT; any other, the server's own failure (`ParameterServer.fault`), with INTERNAL."""
+        if isinstance(error, (Refused, grpc.RpcError)):
+            return error
+        if isinstance(error, ValueError):
+            return Refused(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        return Refused(grpc.StatusCode.INTERNAL, str(self.server.fault(error, call, worker)))
 
     def _layout(self) -> ShardLayout:
         """The server's layout; refused while it has no model."""
@@ -214,6 +226,12 @@ class Servicer:
     def job_push(self, request_iterator, context) -> Iterator[pb.PullResponse]:
         shard = self._layout()
         header = _header(request_iterator, "JobPushRequest", "JobPushHeader")
+        try:
+            yield from self._job_push(shard, header, request_iterator, context)
+        except Exception as e:
+            raise self.failure(e, "push", header.worker)
+
+    def _job_push(self, shard: ShardLayout, header, request_iterator, context) -> Iterator[pb.PullResponse]:
         buckets = shard.buckets
         absent = [tuple(a.entries) for a in header.absent]
         options = from_bytes(header.options, "JobPushHeader.options") if header.options else {}
@@ -358,11 +376,14 @@ class Servicer:
 
     @staticmethod
     def _value(fut):
-        """What a done future of the server resolved to; its GradientError as INVALID_ARGUMENT."""
+        """What a done future of the server resolved to; its GradientError as INVALID_ARGUMENT, any other error
+        (the server's answer: a step that cannot be taken, a worker gone) as ABORTED."""
         try:
             return fut.value()
         except GradientError as e:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
+        except Exception as e:
+            raise Refused(grpc.StatusCode.ABORTED, str(e)) from e
 
     def checkpoint(self, request, context) -> pb.CheckpointResponse:
         _parsed(request)

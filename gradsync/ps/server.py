@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import traceback
 from collections.abc import Callable
 
 import torch
 
 from gradsync.core import settings
 from gradsync.core.buckets import ModelSpec
-from gradsync.core.errors import GradientError, model_mismatch_error
+from gradsync.core.errors import (GradientError, Refusal, failed_answering, model_mismatch_error,
+                                  server_failure_error)
 from gradsync.core.futures import failed, resolved
 from gradsync.ps import checkpoint, reshard
 from gradsync.ps.async_rules import AsyncRule, SSPRule
@@ -38,10 +40,12 @@ class ParameterServer:
 
     def __init__(self, shard_id: int, num_workers: int, mode: str, nonfinite: str, compression: str = "none",
                  device: str = "cpu", staleness: int = 0, resume_from: tuple[str, int] | None = None,
-                 refuse_restore: Callable[[Exception], None] | None = None):
+                 on_failure: Callable[[str], None] | None = None):
         self.shard_id = shard_id
         self.resume_from = resume_from  # (checkpoint folder, the number of servers that wrote it)
-        self.refuse_restore = refuse_restore  # told why the shard cannot be restored, before the workers are
+        self.on_failure = on_failure  # told this server's own failure (`fail`), before any worker is
+        self.failed = False  # whether this server has failed (`fail`): it stops
+        self._failing = threading.Lock()
         self.staleness = staleness
         self.device = _usable_device(device)
         self.wire = make_wire(compression)
@@ -122,8 +126,7 @@ class ParameterServer:
                 reshard.restore_folder(shard, *self.resume_from)
             except (ValueError, OSError) as e:
                 error = ValueError(f"server {self.shard_id} cannot restore its shard: {e}")
-                if self.refuse_restore is not None:
-                    self.refuse_restore(error)
+                self.fail(f"{type(error).__name__}: {error}\n")
                 raise error from e
         return shard
 
@@ -255,10 +258,18 @@ class ParameterServer:
             return shard.optimizer_state()
 
     def load_optimizer_state(self, state: dict, groups: list[dict]) -> None:
-        """Replace the optimizer's state (by entry key) and its groups' options."""
+        """Replace the optimizer's state (by entry key) and its groups' options.
+
+        Raises:
+            Refusal: `state` or `groups` do not fit this server's optimizer.
+        """
         shard = self._shard()
         with shard.lock:
-            shard.load_optimizer_state(state, groups)
+            try:
+                shard.load_optimizer_state(state, groups)
+            except (ValueError, KeyError, TypeError) as e:
+                raise Refusal(f"the optimizer state does not fit server {self.shard_id}'s optimizer: "
+                              f"{type(e).__name__}: {e}") from e
             shard.restored()
 
     def worker_left(self, worker: int, steps: int | None) -> None:
@@ -362,6 +373,24 @@ class ParameterServer:
             GradientError: an id that is out of range or that another server holds.
         """
         return self._shard().tables[table].local(ids)
+
+    def fail(self, text: str) -> None:
+        """This server has failed, for the reason `text`: told to `on_failure` once (the first failure is the
+        cause; what follows from it is not)."""
+        with self._failing:
+            first, self.failed = not self.failed, True
+        if first and self.on_failure is not None:
+            self.on_failure(text)
+
+    def fault(self, error: Exception, call: str, worker: int | None = None) -> Exception:
+        """What answers `call` (of `worker`, when known) whose handler raised `error`: a `Refusal` of what the
+        call carries as it is; any other exception is this server's own failure (`fail`, with its traceback),
+        answered with an error that says so (`server_failure_error`)."""
+        if isinstance(error, Refusal):
+            return error
+        self.fail("".join(traceback.format_exception(error))
+                  + f"gradsync: {failed_answering(self.shard_id, call, worker)}\n")
+        return server_failure_error(self.shard_id, call, worker, error)
 
     def _shard(self) -> ShardState:
         if self.shard is None:

@@ -22,25 +22,27 @@ from gradsync.transport.registry import transport
 
 
 def install_server(cluster: Cluster) -> ParameterServer:
-    """Create this process's parameter server and make it the target of the job transport's calls. A shard
-    it cannot restore from the checkpoint the job resumes fails the job on this server, the rank that decided it
-    (the workers waiting to register fail after it)."""
+    """Create this process's parameter server and make it the target of the job transport's calls. The server's
+    own failure (a shard it cannot restore from the checkpoint the job resumes, an exception inside a handler:
+    `ParameterServer.fail`) fails the job on this server, recorded before the worker that called sees it (the
+    workers fail after it)."""
     config, resumed = cluster.config, cluster.resumed
 
-    def refuse(error: Exception) -> None:
-        record_failure(cluster, config.rank, f"{type(error).__name__}: {error}\n")
+    def fail(text: str) -> None:
+        say_failure(record_failure(cluster, config.rank, text))
 
     server = ParameterServer(
         config.rank, config.num_workers, config.mode, config.nonfinite, config.compression, config.server_device,
-        config.staleness, (resumed.path, resumed.manifest["servers"]) if resumed else None, refuse,
+        config.staleness, (resumed.path, resumed.manifest["servers"]) if resumed else None, fail,
     )
     transport(config.transport).rank.install(server)
     return server
 
 
 def serve(cluster: Cluster, server: ParameterServer) -> None:
-    """Serve until every worker has left, then exit the process: 0, or 1 when the job failed (recorded here:
-    an exception must not leave a process whose RPC agent still runs, as interpreter exit then aborts it)."""
+    """Serve until every worker has left, then exit the process: 0, or 1 when the job failed (recorded here,
+    unless the failure is this server's own, recorded already: an exception must not leave a process whose RPC
+    agent still runs, as interpreter exit then aborts it)."""
     from gradsync.transport.endpoint import start_endpoint  # here: importing gradsync loads no grpc
 
     config = cluster.config
@@ -56,7 +58,8 @@ def serve(cluster: Cluster, server: ParameterServer) -> None:
         rank_side.leave(config, cluster.store, config.shutdown_timeout)
         endpoint.stop()
     except BaseException:
-        say_failure(record_failure(cluster, config.rank, traceback.format_exc()))
+        if not server.failed:
+            say_failure(record_failure(cluster, config.rank, traceback.format_exc()))
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()

@@ -15,6 +15,8 @@ between the processes' memory directly, around the rate-limited links.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import time
 import warnings
 
@@ -26,6 +28,7 @@ from torch.distributed.rendezvous import register_rendezvous_handler
 from gradsync.config import JobConfig, StoreKeys, server_name
 from gradsync.core import settings
 from gradsync.core.buckets import ModelSpec
+from gradsync.core.futures import failed
 from gradsync.core.timeline import HEAD
 from gradsync.core.torch_internals import set_rpc_timeout
 from gradsync.core.transport_capabilities import capabilities
@@ -82,7 +85,8 @@ def wait_all(futures: dict[int, torch.futures.Future], what: str, timeout: float
         except Exception as e:
             error = e
         else:
-            # torch RPC hands an exception set on an async_execution future back as a value
+            # a handler's error comes back as a value (`_answering`; torch RPC hands an exception set on an
+            # async_execution future back as one too)
             if not isinstance(result, BaseException):
                 results[server] = result
                 continue
@@ -247,7 +251,30 @@ def _server() -> ParameterServer:
     return _SERVER
 
 
+def _answering(call: str, later: bool = False):
+    """A server's handler of `call` whose exception is answered, not raised (torch RPC would print it raw on the
+    server): `ParameterServer.fault` tells a refusal of what the call carries from the server's own failure, which
+    it records before the caller sees it. `later`: an async_execution handler, answered with a failed future
+    (which comes back to the caller as a value, as every handler's error does: `wait_all`). A handler whose
+    first argument is `worker` names the caller."""
+    def wrap(handler):
+        names_worker = next(iter(inspect.signature(handler).parameters), None) == "worker"
+
+        @functools.wraps(handler)
+        def answer(*args, **kwargs):
+            try:
+                return handler(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 -- the caller is answered with it
+                error = _server().fault(e, call, args[0] if names_worker else None)
+                return failed(error) if later else error
+
+        return answer
+
+    return wrap
+
+
 @rpc.functions.async_execution
+@_answering("registration", later=True)
 def rpc_register(worker: int, spec: ModelSpec, setup: Setup | None) -> torch.futures.Future:
     return _server().register(worker, spec, setup)
 
@@ -257,60 +284,76 @@ def rpc_probe(payload: torch.Tensor) -> int:
     return payload.numel()
 
 
+@_answering("pull")
 def rpc_pull() -> Snapshot:
     return _server().pull()
 
 
+@_answering("pull of rows")
 def rpc_pull_rows(table: str, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
     return _server().pull_rows(table, ids)
 
 
-def _replied(server: ParameterServer, fut: torch.futures.Future, whole: bool = True) -> torch.futures.Future:
+def _replied(server: ParameterServer, fut: torch.futures.Future, worker: int, call: str, whole: bool = True
+             ) -> torch.futures.Future:
     def reply(committed: torch.futures.Future[Committed]) -> Snapshot | Partial:
-        return server.reply(committed.value(), whole)  # value() raises the push's error, if any, into the reply
+        value = committed.value()  # raises the push's error, if any, into the reply
+        try:
+            return server.reply(value, whole)
+        except Exception as e:
+            raise server.fault(e, call, worker) from e
 
     return fut.then(reply)
 
 
 @rpc.functions.async_execution
+@_answering("push", later=True)
 def rpc_push(worker: int, pulled_version: int, push: Push) -> torch.futures.Future:
     server = _server()
     whole = push.payloads is not None or not server.pipelined  # async, ssp: pieces come back with the push
-    return _replied(server, server.push(worker, pulled_version, push), whole=whole)
+    return _replied(server, server.push(worker, pulled_version, push), worker, "push", whole=whole)
 
 
 @rpc.functions.async_execution
+@_answering("push of a piece", later=True)
 def rpc_push_piece(worker: int, pulled_version: int, piece: Piece, stamped: bool = False) -> torch.futures.Future:
     """The bucket's values after the step; with `stamped`, its server events too (`core.timeline.Stamped`)."""
     return _server().push_piece(worker, pulled_version, piece, stamped)
 
 
 @rpc.functions.async_execution
+@_answering("finish of a step", later=True)
 def rpc_finish(worker: int, version: int, coefficient: float | None) -> torch.futures.Future:
     server = _server()
-    return _replied(server, server.finish(worker, version, coefficient))
+    return _replied(server, server.finish(worker, version, coefficient), worker, "finish of a step")
 
 
+@_answering("read of the optimizer state")
 def rpc_optimizer_state() -> dict:
     return _server().optimizer_state()
 
 
+@_answering("load of the optimizer state")
 def rpc_load_optimizer_state(state: dict, groups: list) -> None:
     _server().load_optimizer_state(state, groups)
 
 
+@_answering("read of a table")
 def rpc_table_rows(table: str) -> torch.Tensor:
     return _server().table_rows(table)
 
 
+@_answering("read of the state")
 def rpc_state() -> tuple:
     return _server().state()
 
 
+@_answering("checkpoint")
 def rpc_checkpoint(directory: str) -> tuple[str, int]:
     return _server().checkpoint(directory)
 
 
+@_answering("read of the counters")
 def rpc_stats() -> dict:
     server = _server()
     return {**server.stats(), "tables": server.table_stats()}

@@ -50,11 +50,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from gradsync.config import StoreKeys
 from gradsync.core.buckets import ModelSpec
 from gradsync.core.clipping import Clipping
-from gradsync.core.errors import (left_early_error, model_mismatch_error, no_gradients_error, nonfinite_error,
-                                  step_twice_error)
+from gradsync.core.errors import (left_early_error, model_mismatch_error, no_gradients_error, no_trainer_error,
+                                  nonfinite_error, outside_join_error, step_twice_error)
 from gradsync.core.finite import first_nonfinite
 from gradsync.core.traffic import allreduce_bytes, sparse_bytes
 from gradsync.core.torch_internals import current_context_id, tree_flatten, tree_unflatten
+from gradsync.membership.liveness import wait_for_every_worker
 from gradsync.runtime.failures import exit_now
 from gradsync.worker import ddp_join
 from gradsync.worker.amp import inverse_scale, record_found_inf
@@ -171,6 +172,9 @@ class AllreduceStrategy(Strategy):
         self.started = 0  # steps begun: contexts with a training forward (with grad)
         self._begun: int | None = None  # the context of the last step begun
         params, buffers = named_tensors(module)
+        # DDP's construction is a collective, bounded only by the step timeout: first every worker's Trainer
+        wait_for_every_worker(cluster.store, StoreKeys.TRAINERS, config.num_workers, config.startup_timeout,
+                              lambda missing, built: no_trainer_error(missing, built, config.startup_timeout))
         _check_same_model(ModelSpec.of(params, buffers), self.worker, config.num_workers)
         self.module = module
         self.trainable = [p for p in params.values() if p.requires_grad]  # what DDP averages
@@ -375,8 +379,12 @@ class AllreduceStrategy(Strategy):
         """`Trainer.join`: count the active workers at each step; on leaving the block, call `joined`, then
         answer the others' steps until every worker has joined. Waits first until every worker has opened
         its block (half the step timeout at most)."""
-        ddp_join.wait_for_every_worker(self.cluster.store, StoreKeys.JOIN_ENTERED.format(self.join_rounds),
-                                       self.worker, self.config.num_workers, self.config.step_timeout / 2)
+        key, seconds = StoreKeys.JOIN_ENTERED.format(self.join_rounds), self.config.step_timeout / 2
+        self.cluster.store.append(key, f"{self.worker},")
+        # a worker that trains outside the block would meet `count_active` with a gradient bucket, a collective
+        # mismatch that gloo aborts the process on (SIGABRT) instead of raising
+        wait_for_every_worker(self.cluster.store, key, self.config.num_workers, seconds,
+                              lambda outside, inside: outside_join_error(outside, inside, seconds))
         self.join_rounds += 1
         self.joining = True
         try:

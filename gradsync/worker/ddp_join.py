@@ -15,33 +15,11 @@ state of that worker falls behind).
 """
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradsync.core.errors import outside_join_error
 from gradsync.core.torch_internals import ddp_push_rebuilt_params, ddp_shadow_round
-
-_POLL_S = 0.01
-
-
-def wait_for_every_worker(store: dist.Store, key: str, worker: int, workers: int, seconds: float) -> None:
-    """Note in the store (`key`: this join block's round) that `worker` entered its join block, and wait until
-    every worker has: a worker that trains outside the block would meet `count_active` with a gradient bucket,
-    a collective mismatch that gloo aborts the process on (SIGABRT) instead of raising.
-
-    Raises:
-        RuntimeError: some workers have not entered within `seconds` (`outside_join_error`, naming them).
-    """
-    store.append(key, f"{worker},")
-    deadline = time.monotonic() + seconds
-    while len(entered := {int(w) for w in store.get(key).decode().split(",") if w}) < workers:
-        if time.monotonic() >= deadline:
-            raise outside_join_error(sorted(set(range(workers)) - entered), sorted(entered), seconds)
-        time.sleep(_POLL_S)
-
 
 def count_active(mine: bool, device: torch.device) -> int:
     """The number of workers still active in this step (`mine`: this one is). Every worker must reach it."""
