@@ -4,24 +4,26 @@ server holds one for its shard of the ids, a process training alone holds the wh
 
 A step is `lookup(ids, step)` (any number of times), `apply(optimizer, slots, grads)`, then `end_step(step)`.
 
-Lookup, for each distinct id of the step's lookups (an id's sightings and lookups are its occurrences, so
-duplicates count, and the sum over a step does not depend on how the step's ids were split or ordered):
+Lookup, for each distinct id of the step's lookups (a sighting is a step in which the id is looked up, once or
+many times, by any worker: so the decision at step t depends only on earlier steps and whether the id is looked
+up at t, never on how the step's ids were split among workers or in which order they arrived):
   - resident: its slot; the row's last step becomes `step` and its lookup count grows by its occurrences.
-  - not resident: its sightings (remembered while it waits, starting at 0) grow by its occurrences, to n.
-    It is admitted, and its row created with `init(id)` and fresh optimizer state, when
-      - `admit_probability` is None: n >= `admit_after`;
-      - otherwise: some sighting k among this step's (previous n < k <= n) with k >= `admit_after` has
-        `unit_interval(keyed(id, seed, b"admit", k)) < admit_probability` (see core/id_hash.py): each
-        sighting from the `admit_after`-th on admits with that probability, the same draw for the same id
+  - not resident: this step is its sighting n (sightings are remembered while it waits, starting at 1).
+    It is admitted at its first lookup of the step, and its row created with `init(id)` and fresh optimizer
+    state (every lookup of the id in that step then reads the row), when
+      - n >= `admit_after`, and
+      - with `admit_probability` = p: `unit_interval(keyed(id, seed, b"admit", n)) < p` (core/id_hash.py):
+        each sighting from the `admit_after`-th on admits with probability p, the same draw for the same id
         and sighting in every process.
-    A created row's lookup count starts at its occurrences in the step. A not-admitted id has no slot (-1):
-    it reads zeros and gets no update; its occurrences count as `filtered`.
+    A created row's lookup count starts at its occurrences in the step (lookups count occurrences, each
+    lookup of each worker). A not-admitted id has no slot (-1): it reads zeros and gets no update; its
+    occurrences count as `filtered`.
 End of step, after the update:
   1. with `ttl_steps` = N, every row whose last step is <= step - N is evicted (not looked up in the last N);
   2. while more than `capacity` rows remain, the smallest by key is evicted: `evict="lru"`: (last step looked
      up, id); `"lfu"`: (lookups since created, last step looked up, id); ids compare as signed int64;
   3. waiting ids are bounded the same way: while more than `capacity` ids wait, the smallest by (last step
-     sighted, id) is forgotten (its sightings restart at 0). An evicted id's sightings also restart at 0: it
+     sighted, id) is forgotten (its sightings start again from 0). An evicted id's sightings also restart: it
      is admitted again by the same rule as a new id, with `init(id)` and fresh optimizer state.
 So rows and waiting ids each exceed `capacity` only within a step, by that step's new ids.
 
@@ -88,12 +90,14 @@ class DynamicTable:
         slots = self.find(unique)
         missing = (slots < 0).nonzero().squeeze(1)
         if missing.numel():
-            new_ids, new_counts = unique[missing], counts[missing]
-            admitted, waiting_slots, sightings = self._admission(new_ids, new_counts)
-            rows = checked_init(self.init, new_ids[admitted], self.dim, self.dtype, self.name)
+            new_ids = unique[missing]
+            admitted, waiting_slots, sightings = self._admission(new_ids, step)
+            created = new_ids[admitted]
+            rows = checked_init(self.init, created, self.dim, self.dtype, self.name) if created.numel() else None
             self._wait(new_ids[~admitted], waiting_slots[~admitted], sightings[~admitted], step)
-            self.waiting.drop(waiting_slots[admitted & (waiting_slots >= 0)])
-            slots[missing[admitted]] = self._create(new_ids[admitted], rows)
+            if rows is not None:
+                self.waiting.drop(waiting_slots[admitted & (waiting_slots >= 0)])
+                slots[missing[admitted]] = self._create(created, rows)
         present = slots >= 0
         seen = slots[present]
         self.rows.columns["last_step"][seen] = step
@@ -178,23 +182,22 @@ class DynamicTable:
             raise ValueError(f"{self.name}: {call}(step={step}) after step {self.step - 1} ended; steps only go "
                              f"forward: pass step >= {self.step}")
 
-    def _admission(self, ids: torch.Tensor, counts: torch.Tensor):
-        """For ids not resident with their occurrences this step: which are admitted, the slot of each in
-        `waiting` (-1: not waiting) and its sightings after this step."""
+    def _admission(self, ids: torch.Tensor, step: int):
+        """For distinct ids not resident, looked up at `step`: which are admitted, the slot of each in `waiting`
+        (-1: not waiting) and its sightings counting this step (a later lookup in the same step finds the step
+        counted and the same decision)."""
         if self.admit_after == 1 and self.admit_probability is None:
-            return torch.ones_like(ids, dtype=torch.bool), torch.full_like(ids, -1), counts
+            return torch.ones_like(ids, dtype=torch.bool), torch.full_like(ids, -1), torch.ones_like(ids)
         waiting_slots = self.waiting.index.find(ids)
-        before = torch.where(waiting_slots >= 0, self.waiting.columns["sightings"][waiting_slots.clamp(min=0)], 0)
-        after = before + counts
-        if self.admit_probability is None:
-            return after >= self.admit_after, waiting_slots, after
-        first = torch.clamp(before + 1, min=self.admit_after)
-        draws = (after - first + 1).clamp(min=0)
-        owner = torch.repeat_interleave(torch.arange(ids.numel()), draws)
-        sighting = first[owner] + torch.arange(owner.numel()) - (torch.cumsum(draws, 0) - draws)[owner]
-        passed = unit_interval(keyed(ids[owner], self.seed, _ADMIT_WORD, sighting)) < self.admit_probability
-        admitted = torch.zeros(ids.numel(), dtype=torch.int64).index_add_(0, owner, passed.long()) > 0
-        return admitted, waiting_slots, after
+        held, at = waiting_slots >= 0, waiting_slots.clamp(min=0)
+        before = torch.where(held, self.waiting.columns["sightings"][at], 0)
+        counted = held & (self.waiting.columns["last_step"][at] == step)
+        sightings = torch.where(counted, before, before + 1)
+        admitted = sightings >= self.admit_after
+        if self.admit_probability is not None:
+            draw = unit_interval(keyed(ids, self.seed, _ADMIT_WORD, sightings))
+            admitted &= draw < self.admit_probability
+        return admitted, waiting_slots, sightings
 
     def _wait(self, ids: torch.Tensor, slots: torch.Tensor, sightings: torch.Tensor, step: int) -> None:
         """Remember not-admitted ids' sightings (new ones get a slot in `waiting`)."""
