@@ -119,7 +119,9 @@ class ReferenceTable:
             for i in [i for i, r in self.rows.items() if r[1] <= t - self.ttl]:
                 del self.rows[i]
                 self.counters["evicted"] += 1
-        key = (lambda i: (self.rows[i][1], i)) if self.evict == "lru" else (lambda i: (self.rows[i][2], self.rows[i][1], i))
+        def key(i):
+            return (self.rows[i][1], i) if self.evict == "lru" else (self.rows[i][2], self.rows[i][1], i)
+
         while len(self.rows) > self.capacity:
             del self.rows[min(self.rows, key=key)]
             self.counters["evicted"] += 1
@@ -149,8 +151,9 @@ def test_admission_and_eviction_follow_the_documented_rule(rule):
             state = table.state_dict()
             assert state["ids"].tolist() == sorted(reference.rows), (seed, t)
             assert table.resident_rows == len(reference.rows) <= capacity
-            torch.testing.assert_close(state["weight"], torch.stack([reference.rows[i][0] for i in sorted(reference.rows)])
-                                       if reference.rows else torch.zeros(0, dim), rtol=0, atol=1e-6)
+            rows = [reference.rows[i][0] for i in sorted(reference.rows)]
+            torch.testing.assert_close(state["weight"], torch.stack(rows) if rows else torch.zeros(0, dim),
+                                       rtol=0, atol=1e-6)
             assert state["lookups"].tolist() == [reference.rows[i][2] for i in sorted(reference.rows)]
             assert state["waiting_ids"].tolist() == sorted(reference.waiting)
             assert state["waiting_sightings"].tolist() == [reference.waiting[i][0] for i in sorted(reference.waiting)]
@@ -323,12 +326,14 @@ def test_bad_ids_and_init_results_are_refused_and_change_nothing():
         with pytest.raises(TypeError, match="ids must be an integer tensor.*torch.int64"):
             table(ids)
     for init, got in ((lambda ids: torch.zeros(ids.numel(), 3), r"a tensor of shape \[1, 3\] and dtype torch.float32"),
-                      (lambda ids: torch.zeros(ids.numel(), 2, dtype=torch.float64), r"a tensor of shape \[1, 2\] and dtype torch.float64"),
+                      (lambda ids: torch.zeros(ids.numel(), 2, dtype=torch.float64),
+                       r"a tensor of shape \[1, 2\] and dtype torch.float64"),
                       (lambda ids: None, "a NoneType")):
         bad = gradsync.DynamicEmbedding(2, capacity=4, init=init, admit_after=2)
         bad(torch.tensor([5]))  # one sighting: waits
         bad.step(gradsync.RowSGD(lr=0.1))
-        with pytest.raises(ValueError, match=f"init\\(1 ids\\) returned {got}.*shape \\[1, 2\\] and dtype torch.float32"):
+        expected = f"init\\(1 ids\\) returned {got}.*shape \\[1, 2\\] and dtype torch.float32"
+        with pytest.raises(ValueError, match=expected):
             bad(torch.tensor([5]))
         assert bad.resident_rows == 0 and bad.state_dict()["waiting_sightings"].tolist() == [1]
     with pytest.raises(TypeError, match="row optimizer, got SGD"):

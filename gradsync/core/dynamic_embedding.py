@@ -118,7 +118,8 @@ class DynamicEmbedding(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        mine = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
+        mine = {k[len(prefix):]: v for k, v in state_dict.items()
+                if k.startswith(prefix) and "." not in k[len(prefix):]}
         unexpected_keys.extend(prefix + k for k in mine if k not in _STATE_KEYS)
         absent = [prefix + k for k in _REQUIRED_KEYS if k not in mine]
         missing_keys.extend(absent)
