@@ -44,14 +44,13 @@ class IdIndex:
         """Each id's bucket in the table as it stands: -1 where the id is absent."""
         mask = self.keys.numel() - 1
         found = torch.full_like(ids, -1)
-        pending = torch.arange(ids.numel())
-        pos = mix64(ids) & mask
+        pending, wanted, pos = torch.arange(ids.numel()), ids, mix64(ids) & mask
         while pending.numel():
             state = self.state[pos]
-            hit = (state == _FULL) & (self.keys[pos] == ids[pending])
+            hit = (self.keys[pos] == wanted) & (state == _FULL)
             found[pending[hit]] = pos[hit]
             go_on = ~hit & (state != _EMPTY)
-            pending, pos = pending[go_on], (pos[go_on] + 1) & mask
+            pending, wanted, pos = pending[go_on], wanted[go_on], (pos[go_on] + 1) & mask
         return found
 
     def find(self, ids: torch.Tensor) -> torch.Tensor:
@@ -70,25 +69,23 @@ class IdIndex:
         self._place(ids, values)
 
     def _place(self, ids: torch.Tensor, values: torch.Tensor) -> None:
-        """Each id into the first non-full bucket along its probe; where several reach the same free bucket
-        in a round, the earliest in the batch takes it and the others probe on."""
+        """Each id into the first non-full bucket along its probe. Where several reach the same free bucket in
+        a round, all write their id there and the one whose id reads back takes it; the others probe on."""
         mask = self.keys.numel() - 1
-        pending = torch.arange(ids.numel())
-        pos = mix64(ids) & mask
+        pending, pos = torch.arange(ids.numel()), mix64(ids) & mask
         while pending.numel():
-            free = self.state[pos] != _FULL
-            candidates = pos[free]
-            unique, first = _first_of_each(candidates)
-            chosen = free.nonzero().squeeze(1)[first]
-            taken = torch.zeros_like(free)
-            taken[chosen] = True
-            winners = pending[chosen]
-            self.tombstones -= int((self.state[unique] == _TOMBSTONE).sum())
-            self.keys[unique] = ids[winners]
-            self.values[unique] = values[winners]
-            self.state[unique] = _FULL
-            self.count += winners.numel()
-            pending, pos = pending[~taken], (pos[~taken] + 1) & mask
+            free = (self.state[pos] != _FULL).nonzero().squeeze(1)
+            at, who = pos[free], pending[free]
+            self.keys[at] = ids[who]
+            won = self.keys[at] == ids[who]
+            at, who = at[won], who[won]
+            self.tombstones -= int((self.state[at] == _TOMBSTONE).sum())
+            self.values[at] = values[who]
+            self.state[at] = _FULL
+            self.count += who.numel()
+            left = torch.ones_like(pending, dtype=torch.bool)
+            left[free[won]] = False
+            pending, pos = pending[left], (pos[left] + 1) & mask
 
     def remove(self, ids: torch.Tensor) -> None:
         """Drop present ids (absent ones are ignored)."""
@@ -115,11 +112,3 @@ def _buckets_for(count: int) -> int:
     while count > MAX_LOAD * buckets:
         buckets *= 2
     return buckets
-
-
-def _first_of_each(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The distinct values and, for each, the position of its first occurrence."""
-    unique, inverse = torch.unique(values, return_inverse=True)
-    first = torch.full((unique.numel(),), values.numel(), dtype=torch.int64)
-    first.scatter_reduce_(0, inverse, torch.arange(values.numel()), "amin")
-    return unique, first
