@@ -9,6 +9,7 @@ _HOMES = {
     "Trainer": "gradsync.trainer",
     "RowSGD": "gradsync.core.row_optim",
     "RowAdagrad": "gradsync.core.row_optim",
+    "DynamicEmbedding": "gradsync.core.dynamic_embedding",
     "launch": "gradsync.launcher.launch",
     "JobFailed": "gradsync.core.errors",
     "log": "gradsync.compare.scalars",

@@ -1,0 +1,131 @@
+"""gradsync.DynamicEmbedding: an embedding layer for ids of any int64 value, holding at most `capacity` rows
+(a `DynamicTable`, whose docstring states the admission and eviction rules exactly).
+
+In a process with no job it is a local table. A forward in training mode with gradients enabled records: it
+counts sightings and lookups, creates admitted ids' rows and gathers the looked-up rows into a leaf tensor that
+requires grad. `step(optimizer)` after the backward applies a row optimizer (gradsync.RowSGD / RowAdagrad) to
+those rows with their gradients (an id's occurrences summed, over every recording forward since the last step)
+and ends the step (eviction), so a plain training loop is:
+
+    loss = loss_fn(model(batch)); loss.backward(); dense_optimizer.step(); table.step(gradsync.RowSGD(lr=0.1))
+
+Any other forward (eval mode, `torch.no_grad()`) only reads: resident ids' rows, zeros for the rest.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gradsync.core.dynamic_table import DynamicTable
+from gradsync.core.row_init import HashedUniform
+
+MODES = (None, "sum", "mean")
+_STATE_KEYS = ("ids", "weight", "last_step", "lookups", "waiting_ids", "waiting_sightings", "waiting_last_step",
+               "step", "counters")
+_REQUIRED_KEYS = ("ids", "weight")
+
+
+class DynamicEmbedding(nn.Module):
+    """Rows for ids of any int64 value, created on admission with `init(ids)` ([len(ids), dim] of `dtype`;
+    default: `HashedUniform(dim, seed)`, uniform in [-1, 1) / sqrt(dim) by a fixed hash of the id and `seed`),
+    at most `capacity` resident after each step. `mode=None` works like nn.Embedding (output
+    ids.shape + (dim,)); "sum" / "mean" like nn.EmbeddingBag (2-D ids, or 1-D with `offsets`;
+    `per_sample_weights` with "sum"). Ids not admitted read zeros (and count in a "mean" bag's size).
+
+    `state_dict()` holds `ids` (resident, ascending int64) and `weight` (their rows in that order), and the
+    admission and eviction state: `last_step` and `lookups` per row, `waiting_ids` (ascending) with
+    `waiting_sightings` and `waiting_last_step`, `step` (the next step) and `counters` (admitted, filtered,
+    evicted). `load_state_dict` needs only `ids` and `weight`; the local row optimizer's state is not saved
+    and starts fresh after a load.
+    """
+
+    def __init__(self, dim: int, *, capacity: int, init: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 mode: str | None = None, admit_after: int = 1, admit_probability: float | None = None,
+                 evict: str = "lru", ttl_steps: int | None = None, dtype: torch.dtype = torch.float32,
+                 seed: int = 0):
+        super().__init__()
+        name = f"DynamicEmbedding(dim={dim}, capacity={capacity})"
+        if mode not in MODES:
+            raise ValueError(f"{name}: mode={mode!r} is not accepted; pass None (like nn.Embedding), 'sum' or "
+                             "'mean' (like nn.EmbeddingBag)")
+        self.mode = mode
+        self.table = DynamicTable(dim, capacity=capacity, init=init or HashedUniform(dim, seed, dtype),
+                                  admit_after=admit_after, admit_probability=admit_probability, evict=evict,
+                                  ttl_steps=ttl_steps, dtype=dtype, seed=seed, name=name)
+        self._recorded: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """(slots, leaf rows) of each recording forward since the last step."""
+
+    @property
+    def resident_rows(self) -> int:
+        return len(self.table)
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """admitted: rows created; filtered: lookups of ids not admitted (read as zeros); evicted: rows evicted."""
+        return dict(self.table.counters)
+
+    def extra_repr(self) -> str:
+        t = self.table
+        return (f"{t.dim}, capacity={t.capacity}, mode={self.mode!r}, admit_after={t.admit_after}, "
+                f"admit_probability={t.admit_probability}, evict={t.evict!r}, ttl_steps={t.ttl_steps}")
+
+    def forward(self, ids: torch.Tensor, offsets: torch.Tensor | None = None,
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        ids = self._checked_ids(ids)
+        if self.mode is None and (offsets is not None or per_sample_weights is not None):
+            raise ValueError(f"{self.table.name}: offsets and per_sample_weights are for mode='sum' or 'mean' "
+                             "(like nn.EmbeddingBag); this table has mode=None (like nn.Embedding)")
+        recording = self.training and torch.is_grad_enabled()
+        slots = self.table.lookup(ids, self.table.step) if recording else self.table.find(ids)
+        unique, index = torch.unique(slots, return_inverse=True)
+        rows = self.table.weight[unique.clamp(min=0)]
+        rows[unique < 0] = 0
+        if recording:
+            rows.requires_grad_()
+            self._recorded.append((unique, rows))
+        if self.mode is None:
+            return F.embedding(index, rows)
+        return F.embedding_bag(index, rows, offsets, mode=self.mode, per_sample_weights=per_sample_weights)
+
+    def step(self, optimizer) -> None:
+        """Apply the row optimizer `optimizer` to the rows looked up since the last step with their gradients,
+        then end the step (eviction). Pass the same optimizer every step."""
+        if self._recorded:
+            slots = torch.cat([s for s, _ in self._recorded])
+            grads = torch.cat([r.grad if r.grad is not None else torch.zeros_like(r) for _, r in self._recorded])
+            resident = slots >= 0
+            unique, inverse = torch.unique(slots[resident], return_inverse=True)
+            summed = grads.new_zeros((unique.numel(), self.table.dim)).index_add_(0, inverse, grads[resident])
+            self.table.apply(optimizer, unique, summed)
+        self._recorded.clear()
+        self.table.end_step(self.table.step)
+
+    def _checked_ids(self, ids) -> torch.Tensor:
+        if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex \
+                or ids.dtype in (torch.bool, torch.uint64):
+            got = f"a tensor of dtype {ids.dtype}" if isinstance(ids, torch.Tensor) else f"a {type(ids).__name__}"
+            raise TypeError(f"{self.table.name}: ids must be an integer tensor (int64 ids of any value), got {got}; "
+                            "pass torch.as_tensor(ids, dtype=torch.int64) (64-bit ids beyond 2**63 - 1 as "
+                            "their two's-complement int64)")
+        return ids.long()
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for key, value in self.table.state().items():
+            destination[prefix + key] = value
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        mine = {k[len(prefix):]: v for k, v in state_dict.items()
+                if k.startswith(prefix) and "." not in k[len(prefix):]}
+        unexpected_keys.extend(prefix + k for k in mine if k not in _STATE_KEYS)
+        absent = [prefix + k for k in _REQUIRED_KEYS if k not in mine]
+        missing_keys.extend(absent)
+        if not absent:
+            try:
+                self.table.load({k: v for k, v in mine.items() if k in _STATE_KEYS})
+            except ValueError as e:
+                error_msgs.append(str(e))
+            self._recorded.clear()

@@ -1,0 +1,327 @@
+"""DynamicTable: the state of a dynamic embedding table (rows for ids of any int64 value, at most `capacity` of
+them after each step), with the admission, creation and eviction rules. Pure tensors in and out, no job: a
+server holds one for its shard of the ids, a process training alone holds the whole table.
+
+A step is `lookup(ids, step)` (any number of times), `apply(optimizer, slots, grads)`, then `end_step(step)`.
+
+Lookup, for each distinct id of the step's lookups (a sighting is a step in which the id is looked up, once or
+many times, by any worker: so the decision at step t depends only on earlier steps and whether the id is looked
+up at t, never on how the step's ids were split among workers or in which order they arrived):
+  - resident: its slot; the row's last step becomes `step` and its lookup count grows by its occurrences.
+  - not resident: this step is its sighting n (sightings are remembered while it waits, starting at 1).
+    It is admitted at its first lookup of the step, and its row created with `init(id)` and fresh optimizer
+    state (every lookup of the id in that step then reads the row), when
+      - n >= `admit_after`, and
+      - with `admit_probability` = p: `unit_interval(keyed(id, seed, b"admit", n)) < p` (core/id_hash.py):
+        each sighting from the `admit_after`-th on admits with probability p, the same draw for the same id
+        and sighting in every process.
+    A created row's lookup count starts at its occurrences in the step (lookups count occurrences, each
+    lookup of each worker). A not-admitted id has no slot (-1): it reads zeros and gets no update; its
+    occurrences count as `filtered`.
+End of step, after the update:
+  1. with `ttl_steps` = N, every row whose last step is <= step - N is evicted (not looked up in the last N);
+  2. while more than `capacity` rows remain, the smallest by key is evicted: `evict="lru"`: (last step looked
+     up, id); `"lfu"`: (lookups since created, last step looked up, id); ids compare as signed int64;
+  3. waiting ids are bounded the same way: while more than `capacity` ids wait, the smallest by (last step
+     sighted, id) is forgotten (its sightings start again from 0). An evicted id's sightings also restart: it
+     is admitted again by the same rule as a new id, with `init(id)` and fresh optimizer state.
+So rows and waiting ids each exceed `capacity` only within a step, by that step's new ids.
+
+Memory: per slot the row, its id, last step and lookup count (24 bytes) and the row optimizer's state; per
+waiting id 24 bytes; each id index 17 bytes per bucket, 2 to 4 buckets per id.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from gradsync.core.id_hash import keyed, unit_interval
+from gradsync.core.id_index import IdIndex
+from gradsync.core.row_init import checked_init
+from gradsync.core.row_optim import ROW_OPTIMIZERS, LazyRows
+
+EVICTION_RULES = ("lru", "lfu")
+_ADMIT_WORD = 0x61646D6974  # b"admit"
+
+
+class DynamicTable:
+    """Rows for ids of any int64 value; see the module docstring for the rules. `step` is the next step."""
+
+    def __init__(self, dim: int, *, capacity: int, init: Callable[[torch.Tensor], torch.Tensor],
+                 admit_after: int = 1, admit_probability: float | None = None, evict: str = "lru",
+                 ttl_steps: int | None = None, dtype: torch.dtype = torch.float32, seed: int = 0,
+                 name: str = "dynamic table"):
+        _check_settings(name, dim=dim, capacity=capacity, admit_after=admit_after,
+                        admit_probability=admit_probability, evict=evict, ttl_steps=ttl_steps, dtype=dtype)
+        self.dim, self.capacity, self.init, self.dtype, self.seed, self.name = dim, capacity, init, dtype, seed, name
+        self.admit_after, self.admit_probability = admit_after, admit_probability
+        self.evict, self.ttl_steps = evict, ttl_steps
+        self.optimizer = None
+        self.optimizer_state = None
+        self.reset()
+
+    def reset(self) -> None:
+        """Empty: no rows, no waiting ids, step 0, counters 0, fresh optimizer state."""
+        self.rows = _IdColumns(weight=((self.dim,), self.dtype), last_step=((), torch.int64),
+                               lookups=((), torch.int64))
+        self.waiting = _IdColumns(sightings=((), torch.int64), last_step=((), torch.int64))
+        self.step = 0
+        self.counters = {"admitted": 0, "filtered": 0, "evicted": 0}
+        self.optimizer_state = None if self.optimizer is None else self._new_state(self.rows.slots)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The rows by slot (slots of evicted ids hold stale values until reused)."""
+        return self.rows.columns["weight"]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def find(self, ids: torch.Tensor) -> torch.Tensor:
+        """Each id's slot, -1 where not resident; reads only (evaluation)."""
+        return self.rows.index.find(ids)
+
+    def lookup(self, ids: torch.Tensor, step: int) -> torch.Tensor:
+        """Each id's slot (same shape as `ids`) at step `step`, counting sightings and lookups and creating the
+        admitted ids' rows; -1 where not admitted. An `init` result of the wrong shape or dtype changes nothing."""
+        self._check_step(step, "lookup")
+        unique, inverse, counts = torch.unique(ids.reshape(-1), return_inverse=True, return_counts=True)
+        slots = self.find(unique)
+        missing = (slots < 0).nonzero().squeeze(1)
+        if missing.numel():
+            new_ids = unique[missing]
+            admitted, waiting_slots, sightings = self._admission(new_ids, step)
+            created = new_ids[admitted]
+            rows = checked_init(self.init, created, self.dim, self.dtype, self.name) if created.numel() else None
+            self._wait(new_ids[~admitted], waiting_slots[~admitted], sightings[~admitted], step)
+            if rows is not None:
+                self.waiting.drop(waiting_slots[admitted & (waiting_slots >= 0)])
+                slots[missing[admitted]] = self._create(created, rows)
+        present = slots >= 0
+        seen = slots[present]
+        self.rows.columns["last_step"][seen] = step
+        self.rows.columns["lookups"][seen] += counts[present]
+        self.counters["filtered"] += int(counts[~present].sum())
+        return slots[inverse].reshape(ids.shape)
+
+    def apply(self, optimizer, slots: torch.Tensor, grads: torch.Tensor) -> None:
+        """Update the distinct resident `slots` with their `grads` [len(slots), dim] by the row optimizer
+        (gradsync.RowSGD or RowAdagrad); its per-slot state starts fresh with each row."""
+        if not isinstance(optimizer, ROW_OPTIMIZERS):
+            raise TypeError(f"{self.name}: a dynamic table is trained by a row optimizer, got "
+                            f"{type(optimizer).__name__}; pass gradsync.RowSGD(lr=...) or gradsync.RowAdagrad(lr=...)")
+        if self.optimizer is None:
+            self.optimizer = optimizer
+            self.optimizer_state = self._new_state(self.rows.slots)
+        elif optimizer != self.optimizer:
+            raise ValueError(f"{self.name}: trained by {self.optimizer!r}, now given {optimizer!r}; pass the same "
+                             "row optimizer every step (its per-row state belongs to the first)")
+        optimizer.step(self.weight, self.optimizer_state, slots, grads.to(self.dtype))
+
+    def end_step(self, step: int) -> None:
+        """After step `step`'s update: evict by `ttl_steps` and `capacity`, forget waiting ids beyond capacity."""
+        self._check_step(step, "end_step")
+        if self.ttl_steps is not None or len(self.rows) > self.capacity:
+            ids, slots = self.rows.resident()
+            last, lookups = self.rows.columns["last_step"][slots], self.rows.columns["lookups"][slots]
+            if self.ttl_steps is not None:
+                fresh = last > step - self.ttl_steps
+                self._evict(slots[~fresh])
+                ids, slots, last, lookups = ids[fresh], slots[fresh], last[fresh], lookups[fresh]
+            keys = [last, ids] if self.evict == "lru" else [lookups, last, ids]
+            self._evict(slots[smallest(keys, len(ids) - self.capacity)])
+        if len(self.waiting) > self.capacity:
+            ids, slots = self.waiting.resident()
+            last = self.waiting.columns["last_step"][slots]
+            self.waiting.drop(slots[smallest([last, ids], len(ids) - self.capacity)])
+        self.step = step + 1
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The table as tensors: resident ids ascending with their rows, last steps and lookup counts; waiting
+        ids ascending with their sightings and last steps; the next step; the counters."""
+        ids, slots = _ascending(*self.rows.resident())
+        waiting, waiting_slots = _ascending(*self.waiting.resident())
+        return {
+            "ids": ids, "weight": self.weight[slots].clone(),
+            "last_step": self.rows.columns["last_step"][slots].clone(),
+            "lookups": self.rows.columns["lookups"][slots].clone(),
+            "waiting_ids": waiting,
+            "waiting_sightings": self.waiting.columns["sightings"][waiting_slots].clone(),
+            "waiting_last_step": self.waiting.columns["last_step"][waiting_slots].clone(),
+            "step": torch.tensor(self.step),
+            "counters": torch.tensor([self.counters[k] for k in ("admitted", "filtered", "evicted")]),
+        }
+
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        """Replace everything by `state` (the keys of `state()`; only `ids` and `weight` are required: rows
+        then count as looked up in the step before `step`, zero lookups). Optimizer state starts fresh."""
+        ids, weight = state["ids"], state["weight"]
+        if ids.dtype != torch.int64 or ids.dim() != 1 or ids.unique().numel() != ids.numel():
+            raise ValueError(f"{self.name}: state 'ids' must be distinct int64 ids in a 1-D tensor, got "
+                             f"{ids.dtype} of shape {list(ids.shape)}; load a state saved by a dynamic table")
+        if tuple(weight.shape) != (ids.numel(), self.dim) or not weight.dtype.is_floating_point:
+            raise ValueError(f"{self.name}: state 'weight' has shape {list(weight.shape)} and dtype {weight.dtype}; "
+                             f"expected [{ids.numel()}, {self.dim}] floating rows, one per id")
+        self.reset()
+        self.step = int(state.get("step", 0))
+        counters = state.get("counters", torch.zeros(3, dtype=torch.int64)).tolist()
+        self.counters = dict(zip(("admitted", "filtered", "evicted"), counters))
+        slots = self.rows.add(ids)
+        self.rows.columns["weight"][slots] = weight.to(self.dtype)
+        self.rows.columns["last_step"][slots] = state.get("last_step", torch.tensor(self.step - 1))
+        self.rows.columns["lookups"][slots] = state.get("lookups", torch.tensor(0))
+        if "waiting_ids" in state:
+            waiting = self.waiting.add(state["waiting_ids"])
+            self.waiting.columns["sightings"][waiting] = state["waiting_sightings"]
+            self.waiting.columns["last_step"][waiting] = state["waiting_last_step"]
+        self.optimizer_state = None if self.optimizer is None else self._new_state(self.rows.slots)
+
+    def _check_step(self, step: int, call: str) -> None:
+        if step < self.step:
+            raise ValueError(f"{self.name}: {call}(step={step}) after step {self.step - 1} ended; steps only go "
+                             f"forward: pass step >= {self.step}")
+
+    def _admission(self, ids: torch.Tensor, step: int):
+        """For distinct ids not resident, looked up at `step`: which are admitted, the slot of each in `waiting`
+        (-1: not waiting) and its sightings counting this step (a later lookup in the same step finds the step
+        counted and the same decision)."""
+        if self.admit_after == 1 and self.admit_probability is None:
+            return torch.ones_like(ids, dtype=torch.bool), torch.full_like(ids, -1), torch.ones_like(ids)
+        waiting_slots = self.waiting.index.find(ids)
+        held, at = waiting_slots >= 0, waiting_slots.clamp(min=0)
+        before = torch.where(held, self.waiting.columns["sightings"][at], 0)
+        counted = held & (self.waiting.columns["last_step"][at] == step)
+        sightings = torch.where(counted, before, before + 1)
+        admitted = sightings >= self.admit_after
+        if self.admit_probability is not None:
+            draw = unit_interval(keyed(ids, self.seed, _ADMIT_WORD, sightings))
+            admitted &= draw < self.admit_probability
+        return admitted, waiting_slots, sightings
+
+    def _wait(self, ids: torch.Tensor, slots: torch.Tensor, sightings: torch.Tensor, step: int) -> None:
+        """Remember not-admitted ids' sightings (new ones get a slot in `waiting`)."""
+        new = slots < 0
+        slots = slots.clone()
+        slots[new] = self.waiting.add(ids[new])
+        self.waiting.columns["sightings"][slots] = sightings
+        self.waiting.columns["last_step"][slots] = step
+
+    def _create(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        slots = self.rows.add(ids)
+        self.rows.columns["weight"][slots] = rows
+        self.rows.columns["lookups"][slots] = 0
+        if self.optimizer is not None:
+            self._fresh_state(slots)
+        self.counters["admitted"] += ids.numel()
+        return slots
+
+    def _evict(self, slots: torch.Tensor) -> None:
+        self.rows.drop(slots)
+        self.counters["evicted"] += slots.numel()
+
+    def _new_state(self, slots: int):
+        return self.optimizer.new_state(slots, self.dim, self.dtype)
+
+    def _fresh_state(self, slots: torch.Tensor) -> None:
+        """The row optimizer's state grown to the rows' slots, and fresh for `slots` (rows just created).
+        RowAdagrad: one accumulator per slot, reset to its initial value; RowSGD with momentum (LazyRows): the
+        slot's momentum row is zeroed and kept for it, so that memory stays bounded by the slots; RowSGD
+        without momentum: no state."""
+        state, missing = self.optimizer_state, self.rows.slots - _state_slots(self.optimizer_state)
+        if isinstance(state, torch.Tensor):
+            if missing:
+                state = self.optimizer_state = torch.cat([state, self._new_state(missing)])
+            state[slots] = self._new_state(slots.numel())
+        elif isinstance(state, LazyRows):
+            if missing:
+                state.slot = torch.cat([state.slot, self._new_state(missing).slot])
+            held = state.slot[slots]
+            state.data[held[held >= 0].long()] = 0
+
+
+def _state_slots(state) -> int:
+    """How many slots a row optimizer's state covers."""
+    return state.numel() if isinstance(state, torch.Tensor) else state.slot.numel() if state is not None else 0
+
+
+def smallest(keys: list[torch.Tensor], count: int) -> torch.Tensor:
+    """Positions of the `count` lexicographically smallest rows of the columns `keys` (the last key unique),
+    in that order: a partial selection on the first key, then a full sort of its ties only."""
+    if count <= 0:
+        return torch.zeros(0, dtype=torch.int64)
+    first = keys[0]
+    if count < first.numel():
+        threshold = first.kthvalue(count).values
+        candidates = (first <= threshold).nonzero().squeeze(1)
+    else:
+        candidates = torch.arange(first.numel())
+    order = torch.arange(candidates.numel())
+    for key in reversed(keys):
+        order = order[torch.sort(key[candidates][order], stable=True).indices]
+    return candidates[order[:count]]
+
+
+def _ascending(ids: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    order = torch.argsort(ids)
+    return ids[order], slots[order]
+
+
+class _IdColumns:
+    """Distinct ids, each in a slot of some columns (tensors with one entry per slot): an `IdIndex` from id to
+    slot, a stack of free slots, and columns that double when the slots run out."""
+
+    def __init__(self, **columns: tuple[tuple[int, ...], torch.dtype]):
+        self.index = IdIndex()
+        columns["id"] = ((), torch.int64)
+        self.slots = 64
+        self.columns = {name: torch.zeros((self.slots,) + shape, dtype=dtype)
+                        for name, (shape, dtype) in columns.items()}
+        self.free = torch.arange(self.slots - 1, -1, -1)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def add(self, ids: torch.Tensor) -> torch.Tensor:
+        """Slots for distinct ids not held yet: freed slots first, then new ones."""
+        reused = self.free[max(0, self.free.numel() - ids.numel()):]
+        self.free = self.free[: self.free.numel() - reused.numel()]
+        extra = ids.numel() - reused.numel()
+        if extra:
+            grown = max(self.slots + extra, 2 * self.slots)
+            for name, column in self.columns.items():
+                self.columns[name] = torch.cat([column, column.new_zeros((grown - self.slots,) + column.shape[1:])])
+            self.free = torch.arange(grown - 1, self.slots + extra - 1, -1)
+            reused = torch.cat([reused, torch.arange(self.slots, self.slots + extra)])
+            self.slots = grown
+        self.index.insert(ids, reused)
+        self.columns["id"][reused] = ids
+        return reused
+
+    def drop(self, slots: torch.Tensor) -> None:
+        """Forget the ids in `slots`; the slots are free for the next ids."""
+        self.index.remove(self.columns["id"][slots])
+        self.free = torch.cat([self.free, slots])
+
+    def resident(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ids held and their slots."""
+        return self.index.items()
+
+
+def _check_settings(name: str, *, dim, capacity, admit_after, admit_probability, evict, ttl_steps, dtype) -> None:
+    """One error naming the first bad setting, its value and what it accepts."""
+    def whole(value, least: int) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+    bad = (("dim", dim, "an int >= 1") if not whole(dim, 1) else
+           ("capacity", capacity, "the most rows the table holds, an int >= 1") if not whole(capacity, 1) else
+           ("admit_after", admit_after, "an int >= 1 (1: admit on first sight)") if not whole(admit_after, 1) else
+           ("admit_probability", admit_probability, "None or a number in (0, 1]")
+           if admit_probability is not None and not (isinstance(admit_probability, (int, float))
+                                                     and 0 < admit_probability <= 1) else
+           ("evict", evict, "'lru' or 'lfu'") if evict not in EVICTION_RULES else
+           ("ttl_steps", ttl_steps, "None or an int >= 1") if ttl_steps is not None and not whole(ttl_steps, 1) else
+           ("dtype", dtype, "a floating dtype such as torch.float32")
+           if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point) else None)
+    if bad:
+        raise ValueError(f"{name}: {bad[0]}={bad[1]!r} is not accepted; pass {bad[2]}")

@@ -1,0 +1,51 @@
+"""A fixed 64-bit hash of int64 ids, vectorised in torch: where an id sits in an `IdIndex`, whether a sighting
+admits it, and the default initial row of a dynamic table all derive from it.
+
+`mix64` is SplitMix64's finaliser (Steele, Lea, Flood 2014) on the id's two's-complement bits, computed with
+wrapping int64 arithmetic and logical shifts; `keyed(ids, *words)` folds further words in, one `mix64` each.
+Being a fixed function of the id (no per-process salt), it gives the same answer in every process, under every
+strategy and arrival order.
+"""
+from __future__ import annotations
+
+import torch
+
+_MASK = (1 << 64) - 1
+
+
+def _signed(value: int) -> int:
+    """A 64-bit pattern as the int64 that holds it."""
+    value &= _MASK
+    return value - (1 << 64) if value >> 63 else value
+
+
+_GOLDEN = _signed(0x9E3779B97F4A7C15)
+_M1 = _signed(0xBF58476D1CE4E5B9)
+_M2 = _signed(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's `>>` on int64 keeps the sign)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def mix64(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64 of each int64 value: a bijection of the 64-bit patterns that scatters neighbouring ids."""
+    z = x + _GOLDEN
+    z = (z ^ _shr(z, 30)) * _M1
+    z = (z ^ _shr(z, 27)) * _M2
+    return z ^ _shr(z, 31)
+
+
+def keyed(ids: torch.Tensor, *words: int | torch.Tensor) -> torch.Tensor:
+    """mix64 of the ids, then each word xor-ed in and mixed again: `mix64(...mix64(mix64(ids) ^ w1)... ^ wn)`.
+    A word is a Python int (taken as its low 64 bits) or an int64 tensor that broadcasts against the ids."""
+    h = mix64(ids.long())
+    for word in words:
+        h = mix64(h ^ (_signed(word) if isinstance(word, int) else word))
+    return h
+
+
+def unit_interval(h: torch.Tensor) -> torch.Tensor:
+    """The top 53 bits of each hash as a float64 in [0, 1): exact, the same on every machine."""
+    return _shr(h, 11).double() * 2.0 ** -53

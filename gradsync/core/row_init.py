@@ -1,0 +1,40 @@
+"""The initial rows of a dynamic table: a deterministic function of the ids, so that every process, strategy,
+number of servers, arrival order and resume creates the same row for the same id."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from gradsync.core.id_hash import keyed, unit_interval
+
+_INIT_WORD = 0x696E6974  # b"init": keeps the init stream apart from the admission stream of the same seed
+
+
+@dataclasses.dataclass(frozen=True)
+class HashedUniform:
+    """gradsync's default init: element j of id's row is `(2 u - 1) / sqrt(dim)`, u in [0, 1) the
+    `unit_interval` of `keyed(id, seed, b"init", j)`; computed in float64, then cast to `dtype`.
+    A dataclass, so that it pickles by value to the processes that create rows."""
+
+    dim: int
+    seed: int = 0
+    dtype: torch.dtype = torch.float32
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        u = unit_interval(keyed(ids.reshape(-1, 1), self.seed, _INIT_WORD, torch.arange(self.dim)))
+        return ((2 * u - 1) / self.dim ** 0.5).to(self.dtype)
+
+
+def checked_init(init: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tensor, dim: int,
+                 dtype: torch.dtype, table: str) -> torch.Tensor:
+    """`init(ids)`, refused unless it is a tensor of shape [len(ids), dim] and of the table's dtype."""
+    rows = init(ids)
+    expected = (ids.numel(), dim)
+    if not isinstance(rows, torch.Tensor) or tuple(rows.shape) != expected or rows.dtype != dtype:
+        got = (f"a tensor of shape {list(rows.shape)} and dtype {rows.dtype}" if isinstance(rows, torch.Tensor)
+               else f"a {type(rows).__name__}")
+        raise ValueError(f"{table}: init({ids.numel()} ids) returned {got}; it must return a tensor of shape "
+                         f"{list(expected)} and dtype {dtype} (one row of `dim` values per id, the table's dtype)")
+    return rows

@@ -1,0 +1,343 @@
+"""gradsync.DynamicEmbedding in one process: the id hash and index, the admission and eviction rules against a
+plain Python implementation of the documented rule, fresh rows after readmission, parity with nn.Embedding and
+nn.EmbeddingBag, the whole int64 range, state_dict and bad input."""
+import random
+
+import pytest
+import torch
+from torch import nn
+
+import gradsync
+from gradsync.core.id_hash import keyed, mix64, unit_interval
+from gradsync.core.id_index import IdIndex
+from gradsync.core.row_init import HashedUniform
+
+LOW, HIGH = -2**63, 2**63 - 1
+MASK = 2**64 - 1
+
+
+def py_mix64(x: int) -> int:
+    """SplitMix64's finaliser on Python ints, as published."""
+    z = (x + 0x9E3779B97F4A7C15) & MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK
+    return z ^ (z >> 31)
+
+
+def py_keyed(x: int, *words: int) -> int:
+    h = py_mix64(x & MASK)
+    for w in words:
+        h = py_mix64(h ^ (w & MASK))
+    return h
+
+
+def py_unit(h: int) -> float:
+    return (h >> 11) * 2.0 ** -53
+
+
+def signed(h: int) -> int:
+    return h - 2**64 if h >> 63 else h
+
+
+def test_mix64_is_splitmix64_on_every_bit_pattern():
+    assert signed(0xE220A8397B1DCDAF) == int(mix64(torch.tensor([0]))[0])  # SplitMix64's first output from 0
+    values = [LOW, HIGH, -1, 0, 1, 2**62] + [random.Random(1).randrange(LOW, HIGH) for _ in range(200)]
+    got = mix64(torch.tensor(values)).tolist()
+    assert got == [signed(py_mix64(v & MASK)) for v in values]
+    words = keyed(torch.tensor(values), 7, torch.tensor(3)).tolist()
+    assert words == [signed(py_keyed(v, 7, 3)) for v in values]
+
+
+def test_default_init_is_the_documented_function_of_the_id():
+    ids = [LOW, -1, 0, 5, HIGH]
+    rows = HashedUniform(3, seed=11)(torch.tensor(ids))
+    expected = [[(2 * py_unit(py_keyed(i, 11, 0x696E6974, j)) - 1) / 3 ** 0.5 for j in range(3)] for i in ids]
+    assert rows.dtype == torch.float32
+    torch.testing.assert_close(rows, torch.tensor(expected))
+    assert rows.abs().max() <= 1 / 3 ** 0.5
+    assert not torch.equal(rows, HashedUniform(3, seed=12)(torch.tensor(ids)))
+
+
+def test_id_index_matches_a_dict_through_inserts_removals_and_rebuilds():
+    index, reference = IdIndex(), {}
+    g = torch.Generator().manual_seed(0)
+    for _ in range(150):
+        ids = torch.unique(torch.cat([torch.randint(LOW, HIGH, (40,), generator=g),
+                                      torch.randint(-20, 20, (20,), generator=g), torch.tensor([LOW, HIGH])]))
+        found = index.find(ids)
+        assert found.tolist() == [reference.get(i, -1) for i in ids.tolist()]
+        new = ids[found < 0]
+        values = torch.randint(0, 1000, (new.numel(),), generator=g)
+        index.insert(new, values)
+        reference.update(zip(new.tolist(), values.tolist()))
+        gone = ids[torch.randperm(ids.numel(), generator=g)[:30]]
+        index.remove(gone)
+        for i in gone.tolist():
+            reference.pop(i, None)
+        keys, values = index.items()
+        assert len(index) == len(reference) and dict(zip(keys.tolist(), values.tolist())) == reference
+    assert index.tombstones > 0 and index.keys.numel() > 64  # it grew and carries removals
+
+
+class ReferenceTable:
+    """The documented rule, one id at a time in plain Python (gradsync/core/dynamic_table.py's docstring)."""
+
+    def __init__(self, dim, capacity, admit_after, admit_probability, evict, ttl_steps, seed, lr):
+        self.init = HashedUniform(dim, seed)
+        self.capacity, self.admit_after, self.p, self.evict = capacity, admit_after, admit_probability, evict
+        self.ttl, self.seed, self.lr = ttl_steps, seed, lr
+        self.rows, self.waiting = {}, {}  # id -> [row, last step, lookups]; id -> [sightings, last step]
+        self.counters = {"admitted": 0, "filtered": 0, "evicted": 0}
+
+    def admitted(self, i, n):
+        return n >= self.admit_after and (self.p is None or py_unit(py_keyed(i, self.seed, 0x61646D6974, n)) < self.p)
+
+    def step(self, t, ids, weights):
+        """One step: lookups of `ids` (a flat list), loss sum(out[k] * weights[k]), SGD, end of step."""
+        counts = {}
+        for i in ids:
+            counts[i] = counts.get(i, 0) + 1
+        for i, c in counts.items():
+            if i in self.rows:
+                self.rows[i][1], self.rows[i][2] = t, self.rows[i][2] + c
+                continue
+            n = self.waiting.get(i, [0])[0] + 1
+            if self.admitted(i, n):
+                self.waiting.pop(i, None)
+                self.rows[i] = [self.init(torch.tensor([i]))[0], t, c]
+                self.counters["admitted"] += 1
+            else:
+                self.waiting[i] = [n, t]
+                self.counters["filtered"] += c
+        grads = {}
+        for i, w in zip(ids, weights):
+            if i in self.rows:
+                grads[i] = grads.get(i, 0) + w
+        for i, g in grads.items():
+            self.rows[i][0] = self.rows[i][0] - self.lr * g
+        if self.ttl is not None:
+            for i in [i for i, r in self.rows.items() if r[1] <= t - self.ttl]:
+                del self.rows[i]
+                self.counters["evicted"] += 1
+        def key(i):
+            return (self.rows[i][1], i) if self.evict == "lru" else (self.rows[i][2], self.rows[i][1], i)
+
+        while len(self.rows) > self.capacity:
+            del self.rows[min(self.rows, key=key)]
+            self.counters["evicted"] += 1
+        while len(self.waiting) > self.capacity:
+            del self.waiting[min(self.waiting, key=lambda i: (self.waiting[i][1], i))]
+
+
+RULES = [dict(evict=e, ttl_steps=ttl, admit_after=a, admit_probability=p)
+         for e in ("lru", "lfu") for ttl in (None, 2) for a, p in ((1, None), (2, None), (3, None), (1, 0.4), (2, 0.6))]
+
+
+@pytest.mark.parametrize("rule", RULES, ids=lambda r: "-".join(f"{k}={v}" for k, v in r.items()))
+def test_admission_and_eviction_follow_the_documented_rule(rule):
+    for seed in range(12):
+        rng = random.Random(seed)
+        pool = [LOW, HIGH, -1, 0, 1] + [rng.randrange(LOW, HIGH) for _ in range(7)]
+        dim, capacity, lr = 3, rng.randint(1, 6), 0.5
+        table = gradsync.DynamicEmbedding(dim, capacity=capacity, seed=seed, **rule)
+        reference = ReferenceTable(dim, capacity, seed=seed, lr=lr, **rule)
+        for t in range(14):
+            batches = [[rng.choice(pool) for _ in range(rng.randint(1, 8))] for _ in range(rng.randint(1, 2))]
+            weights = [[rng.choice([-1, -0.5, 0.25, 1]) for _ in b] for b in batches]
+            loss = sum((table(torch.tensor(b)) * torch.tensor(w).unsqueeze(1)).sum() for b, w in zip(batches, weights))
+            loss.backward()
+            table.step(gradsync.RowSGD(lr=lr))
+            reference.step(t, sum(batches, []), sum(weights, []))
+            state = table.state_dict()
+            assert state["ids"].tolist() == sorted(reference.rows), (seed, t)
+            assert table.resident_rows == len(reference.rows) <= capacity
+            rows = [reference.rows[i][0] for i in sorted(reference.rows)]
+            torch.testing.assert_close(state["weight"], torch.stack(rows) if rows else torch.zeros(0, dim),
+                                       rtol=0, atol=1e-6)
+            assert state["lookups"].tolist() == [reference.rows[i][2] for i in sorted(reference.rows)]
+            assert state["waiting_ids"].tolist() == sorted(reference.waiting)
+            assert state["waiting_sightings"].tolist() == [reference.waiting[i][0] for i in sorted(reference.waiting)]
+            assert table.counters == reference.counters
+
+
+def test_rows_exceed_capacity_only_within_a_step_by_its_new_ids():
+    table = gradsync.DynamicEmbedding(2, capacity=10)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(30):
+        before = table.resident_rows
+        ids = torch.randint(-10**6, 10**6, (25,), generator=g)
+        table(ids).sum().backward()
+        assert table.resident_rows <= before + ids.unique().numel()
+        table.step(gradsync.RowSGD(lr=0.1))
+        assert table.resident_rows == 10
+    assert table.counters["evicted"] == table.counters["admitted"] - 10
+
+
+@pytest.mark.parametrize("optimizer", [gradsync.RowAdagrad(lr=0.3, initial_accumulator_value=0.1),
+                                       gradsync.RowSGD(lr=0.3, momentum=0.9)], ids=["adagrad", "momentum"])
+def test_an_evicted_id_seen_again_starts_with_init_and_fresh_optimizer_state(optimizer):
+    def train(table, ids_per_step):
+        for ids in ids_per_step:
+            out = table(torch.tensor(ids))
+            (out * torch.arange(1.0, 3.0)).sum().backward()
+            table.step(optimizer)
+        return out.detach()
+
+    table = gradsync.DynamicEmbedding(2, capacity=1)
+    train(table, [[7], [7], [7], [8]])  # 7 builds optimizer state, then 8 evicts it
+    assert table.state_dict()["ids"].tolist() == [8]
+    first_read = train(table, [[7]])  # 7 comes back into 7's old slot
+    assert table.state_dict()["ids"].tolist() == [7] and table.counters["evicted"] == 2
+    fresh = gradsync.DynamicEmbedding(2, capacity=1)
+    fresh_read = train(fresh, [[7]])
+    torch.testing.assert_close(first_read, HashedUniform(2)(torch.tensor([7])))
+    torch.testing.assert_close(first_read, fresh_read)
+    train(table, [[7]])
+    train(fresh, [[7]])
+    torch.testing.assert_close(table.state_dict()["weight"], fresh.state_dict()["weight"], rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("optimizer", [gradsync.RowSGD(lr=0.1, momentum=0.5), gradsync.RowAdagrad(lr=0.1)],
+                         ids=["sgd", "adagrad"])
+def test_training_equals_nn_embedding_holding_init_of_each_id_in_order_of_first_sight(optimizer):
+    g = torch.Generator().manual_seed(3)
+    pool = torch.cat([torch.tensor([LOW, HIGH, 0]), torch.randint(LOW, HIGH, (20,), generator=g)])
+    stream = [pool[torch.randint(0, pool.numel(), (4, 3), generator=g)] for _ in range(12)]
+    targets = [torch.randn(4, 3, 5, generator=g) for _ in stream]
+    first_sight = list(dict.fromkeys(torch.cat([s.reshape(-1) for s in stream]).tolist()))
+    position = {i: k for k, i in enumerate(first_sight)}
+    init = HashedUniform(5)
+    dense = nn.Embedding(len(first_sight), 5)
+    dense.weight.data.copy_(init(torch.tensor(first_sight)))
+    state = optimizer.new_state(len(first_sight), 5, torch.float32)
+    table = gradsync.DynamicEmbedding(5, capacity=1000)
+    for ids, target in zip(stream, targets):
+        nn.functional.mse_loss(table(ids), target).backward()
+        table.step(optimizer)
+        rows = torch.tensor([position[i] for i in ids.reshape(-1).tolist()]).reshape(ids.shape)
+        dense.weight.grad = None
+        nn.functional.mse_loss(dense(rows), target).backward()
+        touched = rows.unique()
+        optimizer.step(dense.weight.data, state, touched, dense.weight.grad[touched])
+    saved = table.state_dict()
+    assert saved["ids"].tolist() == sorted(first_sight)
+    expected = dense.weight.data[torch.tensor([position[i] for i in saved["ids"].tolist()])]
+    torch.testing.assert_close(saved["weight"], expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_bag_modes_equal_nn_embedding_bag(mode):
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(-50, 50, (6, 4), generator=g)
+    flat, offsets = ids.reshape(-1)[:17], torch.tensor([0, 3, 3, 9, 12])
+    weights = torch.rand(17, generator=g) if mode == "sum" else None
+    table = gradsync.DynamicEmbedding(4, capacity=1000, mode=mode)
+    unique = torch.cat([ids.reshape(-1), flat]).unique()
+    bag = nn.EmbeddingBag(unique.numel(), 4, mode=mode)
+    bag.weight.data.copy_(HashedUniform(4)(unique))
+    out_2d, out_1d = table(ids), table(flat, offsets, weights)
+    ref_2d, ref_1d = bag(torch.searchsorted(unique, ids)), bag(torch.searchsorted(unique, flat), offsets, weights)
+    torch.testing.assert_close(out_2d, ref_2d)
+    torch.testing.assert_close(out_1d, ref_1d)
+    (out_2d.sum() + (out_1d ** 2).sum()).backward()
+    (ref_2d.sum() + (ref_1d ** 2).sum()).backward()
+    table.step(gradsync.RowSGD(lr=0.5))
+    saved = table.state_dict()
+    assert torch.equal(saved["ids"], unique)
+    torch.testing.assert_close(saved["weight"], bag.weight.data - 0.5 * bag.weight.grad, rtol=0, atol=1e-6)
+
+
+def test_ids_not_admitted_read_zeros_and_get_no_update():
+    table = gradsync.DynamicEmbedding(3, capacity=10, admit_after=2, mode="mean")
+    out = table(torch.tensor([[HIGH, HIGH, 5]]))  # one step, one sighting each, however many lookups
+    torch.testing.assert_close(out, torch.zeros(1, 3))
+    out.sum().backward()
+    table.step(gradsync.RowSGD(lr=1.0))
+    out = table(torch.tensor([[HIGH, HIGH, 7]]))  # HIGH's second sighting admits it; 7 waits
+    row = HashedUniform(3)(torch.tensor([HIGH]))[0]
+    torch.testing.assert_close(out[0], 2 * row / 3)
+    out.sum().backward()
+    table.step(gradsync.RowSGD(lr=1.0))
+    assert table.state_dict()["ids"].tolist() == [HIGH]
+    torch.testing.assert_close(table.state_dict()["weight"][0], row - 2 / 3)
+    assert table.state_dict()["waiting_ids"].tolist() == [5, 7]
+    assert table.counters == {"admitted": 1, "filtered": 4, "evicted": 0}
+    table.eval()
+    torch.testing.assert_close(table(torch.tensor([[5, LOW]])), torch.zeros(1, 3))
+    assert table.resident_rows == 1 and table.counters["filtered"] == 4  # evaluation reads only
+
+
+def test_ids_span_the_whole_int64_range():
+    table = gradsync.DynamicEmbedding(2, capacity=8)
+    ids = torch.tensor([HIGH, LOW, 0, -1, LOW + 1, HIGH - 1])
+    out = table(ids)
+    torch.testing.assert_close(out, HashedUniform(2)(ids))
+    assert table.state_dict()["ids"].tolist() == [LOW, LOW + 1, -1, 0, HIGH - 1, HIGH]
+    assert table(torch.tensor([LOW, HIGH], dtype=torch.int64)).shape == (2, 2)
+    torch.testing.assert_close(table(ids.int()[2:4]), HashedUniform(2)(torch.tensor([0, -1])))  # int32 ids too
+
+
+def test_state_dict_round_trip_continues_as_if_uninterrupted(tmp_path):
+    def run(table, steps):
+        for t in steps:
+            g = torch.Generator().manual_seed(t)
+            (table(torch.randint(-30, 30, (12,), generator=g)) * torch.randn(12, 2, generator=g)).sum().backward()
+            table.step(gradsync.RowSGD(lr=0.2))
+
+    options = dict(capacity=6, admit_after=2, admit_probability=0.7, evict="lfu", ttl_steps=3)
+    whole, first = gradsync.DynamicEmbedding(2, **options), gradsync.DynamicEmbedding(2, **options)
+    run(whole, range(20))
+    run(first, range(10))
+    torch.save(nn.ModuleDict({"emb": first}).state_dict(), tmp_path / "state.pt")
+    resumed = gradsync.DynamicEmbedding(2, **options)
+    nn.ModuleDict({"emb": resumed}).load_state_dict(torch.load(tmp_path / "state.pt"))
+    run(resumed, range(10, 20))
+    for key, value in whole.state_dict().items():
+        assert torch.equal(resumed.state_dict()[key], value), key
+    assert len(whole.state_dict()["waiting_ids"]) > 0 and whole.counters["evicted"] > 0
+
+
+def test_load_state_dict_with_only_ids_and_weight():
+    table = gradsync.DynamicEmbedding(2, capacity=4)
+    table.load_state_dict({"ids": torch.tensor([HIGH, LOW]), "weight": torch.tensor([[1.0, 2.0], [3.0, 4.0]])})
+    assert table.state_dict()["ids"].tolist() == [LOW, HIGH]
+    torch.testing.assert_close(table.eval()(torch.tensor([HIGH, 3])), torch.tensor([[1.0, 2.0], [0.0, 0.0]]))
+    with pytest.raises(RuntimeError, match="Missing key.*weight"):
+        table.load_state_dict({"ids": torch.tensor([1])})
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(capacity=0), r"capacity=0 .*int >= 1"),
+    (dict(capacity=4, evict="fifo"), r"evict='fifo' .*'lru' or 'lfu'"),
+    (dict(capacity=4, mode="max"), r"mode='max' .*'sum' or 'mean'"),
+    (dict(capacity=4, admit_after=0), r"admit_after=0"),
+    (dict(capacity=4, admit_probability=0.0), r"admit_probability=0.0 .*\(0, 1\]"),
+    (dict(capacity=4, ttl_steps=0), r"ttl_steps=0"),
+    (dict(capacity=4, dtype=torch.int64), r"dtype=torch.int64 .*floating"),
+])
+def test_bad_settings_are_refused_naming_the_value_and_the_fix(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        gradsync.DynamicEmbedding(2, **kwargs)
+
+
+def test_bad_ids_and_init_results_are_refused_and_change_nothing():
+    table = gradsync.DynamicEmbedding(2, capacity=4)
+    for ids in (torch.tensor([1.0]), torch.tensor([True]), [1, 2]):
+        with pytest.raises(TypeError, match="ids must be an integer tensor.*torch.int64"):
+            table(ids)
+    for init, got in ((lambda ids: torch.zeros(ids.numel(), 3), r"a tensor of shape \[1, 3\] and dtype torch.float32"),
+                      (lambda ids: torch.zeros(ids.numel(), 2, dtype=torch.float64),
+                       r"a tensor of shape \[1, 2\] and dtype torch.float64"),
+                      (lambda ids: None, "a NoneType")):
+        bad = gradsync.DynamicEmbedding(2, capacity=4, init=init, admit_after=2)
+        bad(torch.tensor([5]))  # one sighting: waits
+        bad.step(gradsync.RowSGD(lr=0.1))
+        expected = f"init\\(1 ids\\) returned {got}.*shape \\[1, 2\\] and dtype torch.float32"
+        with pytest.raises(ValueError, match=expected):
+            bad(torch.tensor([5]))
+        assert bad.resident_rows == 0 and bad.state_dict()["waiting_sightings"].tolist() == [1]
+    with pytest.raises(TypeError, match="row optimizer, got SGD"):
+        table(torch.tensor([1])).sum().backward()
+        table.step(torch.optim.SGD([torch.zeros(1)], lr=0.1))
+    with pytest.raises(ValueError, match="offsets and per_sample_weights are for mode='sum'"):
+        table(torch.tensor([1, 2]), torch.tensor([0]))
