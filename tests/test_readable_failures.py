@@ -134,3 +134,22 @@ def test_a_server_killed_before_init_is_said_to_be_without_a_traceback_or_init_a
     assert headline == ("gradsync: rank 0 (ps0) failed: killed by SIGKILL before it reached gradsync.init(), "
                         "printing nothing\n"), done.stderr
     assert "traceback" not in done.stderr.lower(), done.stderr
+
+
+_CAUGHT = """gradsync.init()
+try:
+    faults.train_with_fault(faults.Fault(1, 3, 'raise'), 30)
+except RuntimeError as e:  # as hydra's main does: print the error, exit with a status
+    print(f"Error executing job: {e}", file=sys.stderr, flush=True)
+    sys.exit(1)
+gradsync.shutdown()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_that_catches_its_error_and_exits_is_said_to_have_failed_not_to_have_forgotten_shutdown(tmp_path):
+    stderr, headline = run_failing_script(tmp_path, _CAUGHT, "--strategy", "allreduce", "--workers", "2")
+    assert headline.startswith("gradsync: rank 1 (worker1) exited (code 1) without gradsync.shutdown()"), stderr
+    assert "its exit status says it failed, and its own output above says why" in headline
+    assert "must call gradsync.shutdown()" not in stderr
+    assert stderr.count("Error executing job: worker 1 broke on purpose at step 3") == 1, stderr

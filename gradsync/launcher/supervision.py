@@ -169,9 +169,13 @@ def _quit_text(config: JobConfig, rank: RankProcess) -> str:
     code = rank.exitcode()
     how = ("its process hangs in torch's teardown" if code is None else f"code {code}" if code >= 0
            else f"then torch's teardown ended it with {signal.Signals(-code).name}")
-    return (f"rank {rank.rank} ({config.role(rank.rank)}) exited ({how}) without gradsync.shutdown() while the "
-            "others were training, so they failed waiting for it: every worker must call gradsync.shutdown() when "
-            "it is done (for uneven data, train inside `with trainer.join():` on every worker, then call it)")
+    said = (f"rank {rank.rank} ({config.role(rank.rank)}) exited ({how}) without gradsync.shutdown() while the "
+            "others were training, so they failed waiting for it: ")
+    if code is not None and code > 0:  # the script caught its own error and exited (hydra's main does)
+        return said + ("its exit status says it failed, and its own output above says why (where a framework "
+                       "catches the exception and exits, e.g. hydra's, HYDRA_FULL_ERROR=1 shows the traceback)")
+    return said + ("every worker must call gradsync.shutdown() when it is done (for uneven data, train inside "
+                   "`with trainer.join():` on every worker, then call it)")
 
 
 def _quitters(config: JobConfig, ranks: list[RankProcess], watch: Watch, store: dist.Store) -> list[RankProcess]:
