@@ -11,6 +11,7 @@ from gradsync.compare import scalars
 from gradsync.compare.straggler import slowed
 from gradsync.config import ConfigError
 from gradsync.core.clipping import Clipping
+from gradsync.core.dynamic_embedding import DynamicEmbedding
 from gradsync.core.optimizer_spec import as_optimizer
 from gradsync.core.row_optim import ROW_OPTIMIZERS
 from gradsync.core.errors import outside_context_error
@@ -70,6 +71,13 @@ class Trainer:
                 "the model has no trainable parameters (none with requires_grad=True), so there is nothing "
                 "to train: unfreeze at least one (p.requires_grad_(True)) before building the Trainer"
             )
+        dynamic = [n for n, m in model.named_modules() if isinstance(m, DynamicEmbedding)]
+        if dynamic:
+            raise NotImplementedError(
+                f"{dynamic[0]!r} is a gradsync.DynamicEmbedding, which trains as a local table in a plain process "
+                "(forward, then table.step(row_optimizer)) but not yet inside a job: gradsync.Trainer would leave "
+                "its rows untrained. In a job, use an nn.Embedding of fixed rows (served row by row under ps with "
+                "table_optimizer=gradsync.RowAdagrad(...))")
         if tables not in ("auto", "rows", "dense"):
             raise ValueError(f"tables={tables!r}: expected 'auto' (serve the tables a row optimizer applies to), "
                              "'rows' (serve every table) or 'dense'")
