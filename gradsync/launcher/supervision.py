@@ -21,8 +21,7 @@ from gradsync.config import JobConfig, StoreKeys
 from gradsync.core.errors import JobFailed, answered_worker
 from gradsync.launcher import procfs
 from gradsync.membership.departures import Departure, Departures
-from gradsync.membership.liveness import (Watch, error_file, interval, parse_workers, ranks_named,
-                                          recorded_error)
+from gradsync.membership.liveness import Watch, error_file, interval, ranks_named, recorded_error
 from gradsync.membership.rank_reports import ask_stacks, early_stderr, early_stderr_file, stack_file
 
 POLL_S = 0.05
@@ -181,13 +180,16 @@ def _quit_text(config: JobConfig, rank: RankProcess) -> str:
 def _quitters(config: JobConfig, ranks: list[RankProcess], watch: Watch, store: dist.Store) -> list[RankProcess]:
     """Workers of a job that is not elastic that reached gradsync.init() and ended without leaving the job
     (gradsync.shutdown): exited 0, or noted at their interpreter's exit (`runtime.start`; torch's teardown may then
-    abort or hang them), as of the watch's last read."""
+    abort or hang them), as of the watch's last read; those noted first (the others exited after them), then by
+    rank."""
     if config.elastic:
         return []
-    exited = parse_workers(store.get(StoreKeys.EXITED))
-    return [r for r in ranks[config.servers:] if watch.moved[r.rank] is not None
-            and r.rank - config.servers not in watch.left
-            and (r.exitcode() == 0 or r.rank - config.servers in exited)]
+    noted = [int(w) for w in store.get(StoreKeys.EXITED).decode().split(",") if w]  # in the order they exited
+    quitters = [r for r in ranks[config.servers:] if watch.moved[r.rank] is not None
+                and r.rank - config.servers not in watch.left
+                and (r.exitcode() == 0 or r.rank - config.servers in noted)]
+    first = {w: i for i, w in reversed(list(enumerate(noted)))}
+    return sorted(quitters, key=lambda r: first.get(r.rank - config.servers, len(noted)))  # the first to exit first
 
 
 def _silent_text(config: JobConfig, rank: RankProcess, seconds: float) -> str:
