@@ -18,7 +18,10 @@ CAP_MB = 0.25
 WIDE = 512  # the MLP's hidden width: its 512 x 512 weight (1 MB) is cut into 4 pieces
 SIZE = 8 * 2**16  # Constant's elements (2 MB): 4 pieces on each of two servers
 STEPS = 6
-SERVERS_TRANSPORTS = [(1, "rpc"), (2, "rpc"), (1, "grpc"), (2, "grpc")]
+ONE_WORKER = [("sync", 1, "rpc"), ("sync", 2, "grpc"), ("async", 1, "rpc"), ("async", 2, "rpc"), ("async", 1, "grpc"),
+              ("ssp", 1, "grpc"), ("ssp", 2, "rpc")]
+"""Every pair of mode, number of servers and transport once (pairwise), and async over torch RPC, where the hang
+was, with one server and with two."""
 
 
 def _buckets(model: torch.nn.Module, servers: int) -> dict[int, list]:
@@ -36,8 +39,7 @@ def test_each_server_holds_more_pieces_of_a_cut_parameter_than_a_worker_keeps_un
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
-@pytest.mark.parametrize("servers,transport", SERVERS_TRANSPORTS)
+@pytest.mark.parametrize("mode,servers,transport", ONE_WORKER)
 def test_one_worker_with_a_cut_parameter_trains_as_a_single_process(launch, mode, servers, transport):
     state, stats = launch(train_mlp_and_stats, strategy="ps", mode=mode, workers=1, servers=servers,
                           transport=transport, args=(STEPS, 0.1, 0.9, 0.0, WIDE), bucket_cap_mb=CAP_MB,
