@@ -9,7 +9,10 @@ what a real loop imports, torch._dynamo included, through its optimizer):
 - `ps_fork`, `ps_exec`: `gradsync run --strategy ps --workers W` (W + 1 ranks: one server).
 Per run: the wall seconds from the command's start to its exit, and the CPU-seconds the whole machine spent
 meanwhile (/proc/stat: the fork server is no child the launcher waits for, so its CPU is in no rusage; run it
-on an otherwise idle machine). Repeats are interleaved; medians, and each median's ratio to torchrun's.
+on an otherwise idle machine). torch's own teardown sometimes aborts a DDP rank after its work is done
+("terminate called without an active exception", SIGABRT in a gloo destructor): a torchrun run whose every rank
+printed that it finished counts all the same, and the aborts are counted (`teardown_aborts`) and said. Repeats
+are interleaved; medians, and each median's ratio to torchrun's.
 Writes bench/results/startup.json (or --out) and prints a markdown table.
 
     .venv/bin/python bench/startup.py [--workers 2] [--repeats 5] [--configs allreduce_fork ...]
@@ -53,7 +56,9 @@ with dist_autograd.context() as cid:
 gradsync.shutdown()
 """
 
-DDP_SCRIPT = _MODEL + """import torch.distributed as dist
+FINISHED = "finished"
+"""What each rank of the DDP twin prints once its work is done, before torch's teardown."""
+DDP_SCRIPT = _MODEL + f"FINISHED = {FINISHED!r}\n" + """import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 dist.init_process_group("gloo")
 ddp = DDP(model)
@@ -61,6 +66,7 @@ opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
 F.cross_entropy(ddp(x), y).backward()
 opt.step()
 dist.destroy_process_group()
+print(FINISHED, flush=True)
 """
 
 
@@ -88,15 +94,18 @@ def commands(workers: int, folder: str) -> dict[str, tuple[list[str], dict[str, 
     }
 
 
-def measure(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
-    """(wall seconds, machine CPU-seconds) of one run of `argv`, which must succeed."""
+def measure(argv: list[str], env: dict[str, str], workers: int) -> tuple[float, float, bool]:
+    """(wall seconds, machine CPU-seconds, whether torch's teardown aborted a rank) of one run of `argv`, which must
+    succeed, or have had every one of its `workers` ranks print FINISHED before torch's known teardown abort."""
     cpu, start = busy_s(), time.monotonic()
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
     wall = time.monotonic() - start
     time.sleep(0.5)  # a fork server outlives its launcher by a moment: its last CPU counts too
-    if done.returncode != 0:
+    aborted = (done.returncode != 0 and done.stdout.split().count(FINISHED) == workers
+               and "terminate called without an active exception" in done.stderr)
+    if done.returncode != 0 and not aborted:
         raise RuntimeError(f"{' '.join(argv)} failed:\n{done.stderr}")
-    return wall, busy_s() - cpu
+    return wall, busy_s() - cpu, aborted
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,14 +120,19 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="gradsync-startup-") as folder:
         configs = {name: c for name, c in commands(args.workers, folder).items() if name in ["torchrun", *args.configs]}
         runs: dict[str, list[tuple[float, float]]] = {name: [] for name in configs}
+        aborts = dict.fromkeys(configs, 0)
         for repeat in range(args.repeats):
             for name, (command, env) in configs.items():
-                runs[name].append(measure(command, env))
-                print(f"repeat {repeat} {name}: {runs[name][-1][0]:.2f} s, {runs[name][-1][1]:.2f} CPU-s", flush=True)
+                wall_s, cpu_s, aborted = measure(command, env, args.workers)
+                runs[name].append((wall_s, cpu_s))
+                aborts[name] += aborted
+                said = " (torch's teardown aborted a rank after its work: counted)" if aborted else ""
+                print(f"repeat {repeat} {name}: {wall_s:.2f} s, {cpu_s:.2f} CPU-s{said}", flush=True)
     wall = {name: statistics.median(w for w, _ in r) for name, r in runs.items()}
     cpu = {name: statistics.median(c for _, c in r) for name, r in runs.items()}
     rows = {name: dict(wall_s=wall[name], cpu_s=cpu[name], wall_vs_torchrun=wall[name] / wall["torchrun"],
-                       cpu_vs_torchrun=cpu[name] / cpu["torchrun"], runs=runs[name]) for name in configs}
+                       cpu_vs_torchrun=cpu[name] / cpu["torchrun"], runs=runs[name], teardown_aborts=aborts[name])
+            for name in configs}
     print(f"\nW = {args.workers}, median of {args.repeats} interleaved repeats\n")
     print("| configuration | wall s | x torchrun | CPU-s | x torchrun |\n|---|---|---|---|---|")
     for name, row in rows.items():
