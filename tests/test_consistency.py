@@ -107,6 +107,7 @@ def test_servers_of_a_machine_spread_over_its_gpus(local_rank, device, monkeypat
 
 
 @pytest.mark.gpu
+@pytest.mark.job  # the shard averages with the Triton kernels, which Triton compiles with ptxas, a process
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_sync_on_a_cuda_shard_matches_the_cpu_shard():
     cpu, params = make_shard()

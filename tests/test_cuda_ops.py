@@ -29,8 +29,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def cuda(test):
-    """Marked `gpu`, and skipped without a CUDA GPU."""
-    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(test))
+    """Marked `gpu` and `job` (Triton compiles a kernel with ptxas, a process), skipped without a CUDA GPU."""
+    return pytest.mark.job(pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(),
+                                                              reason="needs a CUDA GPU")(test)))
 
 
 def ints(k: int, n: int, dtype=torch.float32) -> list[torch.Tensor]:
