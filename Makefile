@@ -8,7 +8,7 @@ WHEELS ?= /opt/wheels
 LINK ?= 1gbit
 PIP_FLAGS := $(if $(wildcard $(WHEELS)),--find-links $(WHEELS),)
 
-.PHONY: run test test-torch-next proto docs bench clean
+.PHONY: run test test-fast test-torch-next proto docs bench clean
 
 $(VENV)/.installed: requirements.txt setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,11 @@ run: $(VENV)/.installed
 # longest files first showed no gain, so the files run in alphabetical order
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 --dist loadfile
+
+# every test that starts no process (-m "not job": settings, messages, layout, cost model, codecs, kernels on CPU,
+# tables, plans), the tier to run after each change; tests/conftest.py fails a test not marked `job` that starts one
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q -n 2 -m "not job"
 
 # the suite on torch 2.14.1, the newest torch this machine's package index offers: a CUDA build from the index (several
 # GB, with the triton it pairs with), so a venv of its own and never in CI

@@ -13,6 +13,7 @@ overtakes allreduce at W = 2 and 4, and two verdicts.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -55,7 +56,8 @@ def overhead_runs(path: str) -> list[Run]:
             for name, (strategy, servers) in STRATEGY.items()]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     try:
         fit(overhead_runs(os.path.join(HERE, "results", "overhead.json")))
     except ValueError as e:

@@ -65,7 +65,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 from ctr import ClickLog, CTRModel  # noqa: E402
-from overhead import cpu_per_step, cpu_snapshot, job_pids  # noqa: E402
+from measure import cpu_per_step, cpu_snapshot, job_pids  # noqa: E402
 
 DIM, BATCH, LR = 32, 512, 0.05
 CONFIGS = {"allreduce-sparse": 0, "allreduce-dense": 0, "ps": 1, "hybrid": 1}  # -> servers

@@ -1,6 +1,8 @@
 """Shared test setup: tests/ on sys.path (for the helper modules, and for the ranks the tests spawn, which
 import jobs.py and friends by module path), pytest-timeout required, and the fixtures many files use: a store,
-a job launcher inside the test's hard timeout, an in-process gRPC server, single-process reference training."""
+a job launcher inside the test's hard timeout, an in-process gRPC server, single-process reference training; and
+the tiers (tiers.py): `job` marked on tests using `launch`, and a process started by any test not marked `job` fails
+it."""
 import contextlib
 import functools
 import os
@@ -10,6 +12,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import tiers  # noqa: E402
+
 
 def pytest_configure(config):
     # pyproject's required_plugins refuses a run where pytest-timeout is not installed; this also refuses one
@@ -17,6 +21,28 @@ def pytest_configure(config):
     if not config.pluginmanager.hasplugin("timeout"):
         raise pytest.UsageError("the test suite needs the pytest-timeout plugin loaded: its multi-process tests "
                                 "rely on @pytest.mark.timeout never to hang (pip install -r requirements.txt)")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by the marks
+def pytest_collection_modifyitems(items):
+    tiers.mark_jobs(items, pytest.mark.job)
+
+
+def _refusing_processes_unless_job(item):
+    """A hook wrapper's body: runs the phase, refusing process starts unless `item` is marked `job`."""
+    if item.get_closest_marker("job"):
+        return (yield)
+    started = []
+    with tiers.refusing_processes(item.nodeid, started):
+        result = yield
+    if started:
+        pytest.fail(tiers.refusal(item.nodeid, started[0]))  # the test caught ProcessStarted
+    return result
+
+
+pytest_runtest_setup = pytest.hookimpl(wrapper=True)(_refusing_processes_unless_job)
+pytest_runtest_call = pytest.hookimpl(wrapper=True)(_refusing_processes_unless_job)
+pytest_runtest_teardown = pytest.hookimpl(wrapper=True)(_refusing_processes_unless_job)
 
 
 @pytest.fixture

@@ -12,6 +12,8 @@ from gradsync.config import StoreKeys
 from gradsync.membership.liveness import interval, parse_left
 from gradsync.runtime import cluster
 
+pytestmark = pytest.mark.job  # every test here starts processes
+
 STEPS, MICRO = 3, 2
 
 

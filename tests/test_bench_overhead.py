@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.job  # every test here starts processes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = ["ddp_context", "gradsync_ps_sync_s1", "naive_ps"]
 

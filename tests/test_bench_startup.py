@@ -8,6 +8,8 @@ import pytest
 
 from helpers import ROOT
 
+pytestmark = pytest.mark.job  # every test here starts processes
+
 
 @pytest.mark.timeout(180)
 def test_startup_bench_times_torchrun_and_gradsync_run(tmp_path):

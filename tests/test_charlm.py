@@ -38,6 +38,7 @@ def test_the_tiny_model_learns_and_clipping_bites(reference):
     assert max_diff(untrained, joint["state"]) > 100 * noise_bound(noise)  # the bound below tells training apart
 
 
+@pytest.mark.job
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy,servers", [("ps", 2), ("allreduce", 0)])
 def test_gradsync_matches_single_process_training_on_the_joint_batch(strategy, servers, reference):
@@ -56,6 +57,7 @@ def test_gradsync_matches_single_process_training_on_the_joint_batch(strategy, s
     assert mean == pytest.approx(joint["losses"], abs=1e-5)
 
 
+@pytest.mark.job
 @pytest.mark.timeout(300)
 def test_with_row_tables_hybrid_trains_what_ps_trains(reference):
     """--row-tables serves both embeddings with RowAdagrad (no single-process form), which hybrid needs:

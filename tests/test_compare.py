@@ -58,6 +58,7 @@ def _compare(*args: str, env: dict | None = None) -> subprocess.CompletedProcess
                           timeout=230, env=env)
 
 
+@pytest.mark.job
 @pytest.mark.timeout(240)
 def test_compare_report_numbers_come_from_the_runs(tmp_path):
     out = tmp_path / "report"
@@ -134,6 +135,7 @@ def test_compare_report_numbers_come_from_the_runs(tmp_path):
         check_timeline_order(pieces)
 
 
+@pytest.mark.job
 @pytest.mark.timeout(240)
 def test_compare_exits_non_zero_when_a_run_fails_and_warns_when_the_script_logs_nothing(tmp_path):
     out = tmp_path / "report"
@@ -417,6 +419,7 @@ def test_throughput_leaves_the_warm_up_steps_out():
     assert samples_per_s([fast, [{"t": 5.0}, {"t": 6.0}]], 1) is None  # a worker logs no samples
 
 
+@pytest.mark.job
 def test_the_sampler_counts_what_ranks_sharing_a_cpu_waited_for_it():
     from types import SimpleNamespace
 
@@ -511,6 +514,7 @@ def _tree(top: str) -> dict[str, bytes]:
             for d, _, files in os.walk(top) for f in files}
 
 
+@pytest.mark.job
 @pytest.mark.timeout(240)
 def test_compare_runs_each_run_in_its_own_copy_of_the_working_directory(tmp_path):
     """A script that resumes from the snapshot it finds in its working directory trains every step in every
@@ -548,6 +552,7 @@ def test_compare_runs_each_run_in_its_own_copy_of_the_working_directory(tmp_path
     assert headings[0] < said[0] < headings[1] < said[1]
 
 
+@pytest.mark.job
 @pytest.mark.timeout(240)
 def test_a_compare_whose_runs_all_fail_names_the_rank_its_traceback_and_the_steps_logged(tmp_path):
     out = tmp_path / "report"

@@ -17,6 +17,7 @@ STEPS = 20
 TOLERANCE = {"fp16": 1e-3, "bf16": 1e-2, "int8": 1e-2}
 
 
+@pytest.mark.job
 @pytest.mark.timeout(240)
 def test_compressed_ps_training_tracks_exact_training_and_sends_fewer_bytes():
     reference = reference_mlp(STEPS, 2)

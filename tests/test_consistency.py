@@ -106,6 +106,8 @@ def test_servers_of_a_machine_spread_over_its_gpus(local_rank, device, monkeypat
     assert ParameterServer(0, 2, "sync", "raise", device="cuda:3").device == torch.device("cuda", 3)
 
 
+@pytest.mark.gpu
+@pytest.mark.job  # the shard averages with the Triton kernels, which Triton compiles with ptxas, a process
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_sync_on_a_cuda_shard_matches_the_cpu_shard():
     cpu, params = make_shard()

@@ -26,7 +26,12 @@ from gradsync.cuda_ops import ops
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def cuda(test):
+    """Marked `gpu` and `job` (Triton compiles a kernel with ptxas, a process), skipped without a CUDA GPU."""
+    return pytest.mark.job(pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(),
+                                                              reason="needs a CUDA GPU")(test)))
 
 
 def ints(k: int, n: int, dtype=torch.float32) -> list[torch.Tensor]:

@@ -19,6 +19,8 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from gradsync.cuda_ops import triton_kernels as K  # noqa: E402
 
+pytestmark = pytest.mark.job  # every test here starts processes
+
 PTRS = {f"p{i}": "*bf16" for i in range(K.MAX_INPUTS)}
 KERNELS = {
     "sum": (K.sum_kernel, {"out_ptr": "*fp16", "acc_ptr": "*fp32", **PTRS, "n": "i64", "scale": "fp32",

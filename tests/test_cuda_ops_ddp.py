@@ -92,6 +92,7 @@ def ranks(tmp_path_factory):
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
 
 
+@pytest.mark.job
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("compression", COMPRESSIONS)
 def test_ddp_hook_gives_the_mean_over_ranks(ranks, compression):

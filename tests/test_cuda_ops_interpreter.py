@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.job  # every test here starts processes
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 KERNEL_TESTS = pathlib.Path(__file__).with_name("test_cuda_ops_kernels.py")
 

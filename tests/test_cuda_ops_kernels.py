@@ -30,7 +30,9 @@ blocks of 4096 (`triton_impl.BLOCK`, `QUANT_TILE`) with the same ragged tail."""
 if not (INTERPRET or torch.cuda.is_available()):
     pytest.skip("no GPU: test_cuda_ops_interpreter.py runs these kernels with TRITON_INTERPRET=1",
                 allow_module_level=True)
-pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy on NaN/Inf under the interpreter
+pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning")]  # NumPy on NaN/Inf under the interpreter
+if not INTERPRET:
+    pytestmark += [pytest.mark.gpu, pytest.mark.job]  # Triton compiles each kernel with ptxas, a process
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ STEPS = 10
 STRATEGIES = [("allreduce", 0), ("ps", 1), ("ps", 2)]
 
 
+@pytest.mark.job
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("strategy,servers", STRATEGIES)
 @pytest.mark.parametrize("case", list(CASES))
@@ -20,6 +21,7 @@ def test_edge_model_matches_single_process(case, strategy, servers):
     check_parity(case, states, 2, STEPS)
 
 
+@pytest.mark.job
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", ["frozen", "even_steps", "adam_unused", "tied"])
 def test_edge_model_matches_single_process_through_the_grpc_pipeline_in_small_pieces(case):
@@ -30,6 +32,7 @@ def test_edge_model_matches_single_process_through_the_grpc_pipeline_in_small_pi
     check_parity(case, states, 2, STEPS)
 
 
+@pytest.mark.job
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("strategy,servers", STRATEGIES)
 def test_branch_on_even_steps_with_one_worker(strategy, servers):
@@ -44,6 +47,7 @@ def test_model_without_trainable_parameters_is_refused_before_any_strategy():
         gradsync.Trainer(frozen, torch.optim.SGD, lr=0.1)  # no job running: refused before the strategy is picked
 
 
+@pytest.mark.job
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("strategy,servers", STRATEGIES[:2])
 @pytest.mark.parametrize("fn,match", [

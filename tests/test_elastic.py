@@ -25,6 +25,7 @@ from helpers import gradsync_run
 STEPS = 8
 
 
+@pytest.mark.job
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("mode,workers,settings", [("async", 3, {}), ("ssp", 2, {"staleness": 1})])
 def test_a_killed_worker_leaves_the_job_and_the_others_finish(mode, workers, settings, capfd):
@@ -40,6 +41,7 @@ def test_a_killed_worker_leaves_the_job_and_the_others_finish(mode, workers, set
            "(killed by SIGKILL)" in err, err
 
 
+@pytest.mark.job
 @pytest.mark.timeout(120)
 def test_a_worker_killed_mid_push_leaves_that_push_applied_whole_or_not_at_all_on_each_server():
     """Worker 1 dies during its push of step 3: ps0 got it whole, ps1 its head and one of its 4 pieces. ps0
@@ -60,6 +62,7 @@ def test_a_worker_killed_mid_push_leaves_that_push_applied_whole_or_not_at_all_o
             assert torch.equal(held, torch.full_like(held, -LR * GRAD * stats[s]["pushes_applied"]))
 
 
+@pytest.mark.job
 @pytest.mark.timeout(60)
 def test_an_async_job_whose_every_worker_dies_fails_naming_them():
     with pytest.raises(gradsync.JobFailed, match=r"every worker left the job, so it cannot finish: worker0 "
@@ -69,6 +72,7 @@ def test_an_async_job_whose_every_worker_dies_fails_naming_them():
     assert info.value.rank == 1
 
 
+@pytest.mark.job
 @pytest.mark.timeout(60)
 def test_a_killed_server_still_fails_an_async_job_naming_it():
     with pytest.raises(gradsync.JobFailed) as info:
@@ -77,6 +81,7 @@ def test_a_killed_server_still_fails_an_async_job_naming_it():
     assert str(info.value).startswith("rank 0 (ps0) failed with signal SIGKILL"), str(info.value)
 
 
+@pytest.mark.job
 @pytest.mark.timeout(60)
 def test_a_worker_that_dies_before_registering_fails_the_others_registration_naming_it():
     start = time.monotonic()
@@ -87,6 +92,7 @@ def test_a_worker_that_dies_before_registering_fails_the_others_registration_nam
     assert time.monotonic() - start < 30  # not after the 120 s startup_timeout
 
 
+@pytest.mark.job
 @pytest.mark.timeout(60)
 def test_a_killed_worker_still_fails_a_sync_job_fast_naming_it():
     start = time.monotonic()
@@ -97,6 +103,7 @@ def test_a_killed_worker_still_fails_a_sync_job_fast_naming_it():
     assert time.monotonic() - start < 30
 
 
+@pytest.mark.job
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("how", ["run-dir", "address", "init"])
 def test_a_new_worker_joins_a_running_async_job_over_rpc_and_its_pushes_are_applied(how):
@@ -195,6 +202,7 @@ def test_joining_through_a_run_dir_reaches_the_job_that_run_dir_names_or_says_it
         newcomers.connect(str(tmp_path), 5.0)
 
 
+@pytest.mark.job
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode,transport", [("sync", "rpc"), ("async", "grpc")])
 def test_run_join_refuses_a_job_it_cannot_join_before_starting_anything(mode, transport, tmp_path):

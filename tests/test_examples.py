@@ -11,6 +11,8 @@ import pytest
 
 import gradsync
 
+pytestmark = pytest.mark.job  # every test here starts processes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
 CTR_ARGS = dict(fields=4, rows=10000, steps=150)  # the rest: the script's defaults, as `gradsync run` passes them

@@ -11,6 +11,7 @@ from jobs import build_mismatched, reference_mlp, reference_skipping, train_mlp_
 from helpers import REFUSED_SCRIPT, gradsync_run, max_diff
 
 
+@pytest.mark.job
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("strategy,servers", [("ps", 1), ("allreduce", 0)])
 @pytest.mark.parametrize("how", ["raise", "kill"])
@@ -28,6 +29,7 @@ def test_failing_worker_fails_the_job_within_30s(strategy, servers, how, tmp_pat
     assert elapsed < 30  # after the failure: half the 60 s step timeout that a missed failure would wait for
 
 
+@pytest.mark.job
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("strategy,servers", [("ps", 1), ("allreduce", 0)])
 def test_workers_with_different_models_are_refused(strategy, servers):
@@ -35,6 +37,7 @@ def test_workers_with_different_models_are_refused(strategy, servers):
         gradsync.launch(build_mismatched, strategy=strategy, workers=2, servers=servers, timeout=80)
 
 
+@pytest.mark.job
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("strategy,servers", [("ps", 1), ("allreduce", 0)])
 def test_nan_gradient_raises_naming_parameter_and_worker(strategy, servers):
@@ -43,6 +46,7 @@ def test_nan_gradient_raises_naming_parameter_and_worker(strategy, servers):
         gradsync.launch(train_with_nan, strategy=strategy, workers=2, servers=servers, args=(6, 2), timeout=100)
 
 
+@pytest.mark.job
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("strategy,servers", [("ps", 2), ("allreduce", 0)])
 def test_nan_gradient_skip_drops_exactly_that_step(strategy, servers):
@@ -53,6 +57,7 @@ def test_nan_gradient_skip_drops_exactly_that_step(strategy, servers):
     assert max_diff(states[0], reference_mlp(6, 2)) > 1e-4
 
 
+@pytest.mark.job
 @pytest.mark.timeout(120)
 def test_nan_gradient_over_a_compressed_allreduce_names_parameter_and_worker():
     with pytest.raises(gradsync.JobFailed,
@@ -60,6 +65,7 @@ def test_nan_gradient_over_a_compressed_allreduce_names_parameter_and_worker():
         gradsync.launch(train_with_nan, strategy="allreduce", workers=2, args=(6, 2), compression="fp16", timeout=100)
 
 
+@pytest.mark.job
 @pytest.mark.timeout(120)
 def test_async_applies_every_push_and_uneven_workers_shut_down():
     stats = gradsync.launch(train_mlp_stats, strategy="ps", mode="async", workers=3, servers=1, args=(12, 3),
@@ -86,6 +92,7 @@ def test_bad_settings_are_refused_before_anything_starts(kwargs, match):
         gradsync.launch(train_mlp_stats, **kwargs)
 
 
+@pytest.mark.job
 @pytest.mark.timeout(60)
 def test_cli_reports_a_port_in_use():
     with socket.socket() as busy:
@@ -97,12 +104,14 @@ def test_cli_reports_a_port_in_use():
     assert f"port {port} on 127.0.0.1 is already in use" in done.stderr
 
 
+@pytest.mark.job
 @pytest.mark.timeout(60)
 def test_cli_refuses_ps_without_servers():
     done = gradsync_run("--strategy", "ps", "--workers", "2", "--servers", "0", REFUSED_SCRIPT)
     assert done.returncode == 2 and "--servers 1" in done.stderr
 
 
+@pytest.mark.job
 @pytest.mark.timeout(90)
 def test_cli_failing_script_exits_nonzero_with_rank_and_traceback(tmp_path):
     script = tmp_path / "broken.py"

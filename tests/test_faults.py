@@ -30,6 +30,7 @@ JOBS = [("ps", 1, "sync", "rpc"), ("ps", 1, "async", "rpc"), ("ps", 1, "sync", "
         ("allreduce", 0, "sync", "rpc")]
 
 
+@pytest.mark.job
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("strategy,servers,mode,transport", JOBS)
 def test_a_stopped_worker_is_named_within_the_step_timeout(strategy, servers, mode, transport, tmp_path):
@@ -47,6 +48,7 @@ def test_a_stopped_worker_is_named_within_the_step_timeout(strategy, servers, mo
         assert read_stamp(tmp_path, "shutdown-0") < 1.5 + SLACK  # not the default 30 s shutdown_timeout
 
 
+@pytest.mark.job
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("strategy,servers,transport", [("ps", 1, "rpc"), ("ps", 1, "grpc"), ("allreduce", 0, "rpc")])
 def test_uneven_data_fails_at_once_naming_the_worker_that_left(strategy, servers, transport, tmp_path):
@@ -109,6 +111,7 @@ def _run_dir(stderr: str) -> str:
     return re.search(r"gradsync: run dir (\S+)", stderr).group(1)
 
 
+@pytest.mark.job
 @pytest.mark.timeout(60)
 def test_run_takes_timeouts_from_flags_and_environment_and_removes_its_run_dir(tmp_path):
     script = tmp_path / "settings.py"
@@ -127,6 +130,7 @@ def test_run_takes_timeouts_from_flags_and_environment_and_removes_its_run_dir(t
     assert _run_dir(done.stderr) == str(chosen) and chosen.is_dir()
 
 
+@pytest.mark.job
 @pytest.mark.timeout(90)
 def test_a_worker_exception_in_async_mode_is_the_headline(tmp_path):
     script = tmp_path / "async_raise.py"
@@ -143,6 +147,7 @@ def test_a_worker_exception_in_async_mode_is_the_headline(tmp_path):
     assert "SIGABRT" not in done.stderr
 
 
+@pytest.mark.job
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("strategy,servers,join,transport",
                          [("allreduce", 0, False, "rpc"), ("allreduce", 0, True, "rpc"), ("ps", 1, False, "rpc"),
@@ -160,6 +165,7 @@ def test_a_worker_that_exits_without_shutdown_is_the_headline_not_the_healthy_on
                     "were training", headline), stderr
 
 
+@pytest.mark.job
 @pytest.mark.timeout(180)
 def test_an_allreduce_worker_training_outside_join_is_explained_not_an_abort(tmp_path):
     body = "gradsync.init()\nfaults.train_in_join(faults.Fault(-1, -1, 'none'), 10, outside=1)\ngradsync.shutdown()\n"
@@ -180,6 +186,7 @@ faults.train_with_fault(faults.Fault(0, 2, "mark", {pids!r}), 10**6)
 """
 
 
+@pytest.mark.job
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("strategy,servers,workers,sig", [  # two ranks at least, each: a server and a worker for ps
     ("ps", 1, 1, signal.SIGTERM), ("ps", 1, 1, signal.SIGKILL),
@@ -240,6 +247,7 @@ time.sleep(600)  # until its launcher is killed
 """
 
 
+@pytest.mark.job
 @pytest.mark.timeout(150)
 def test_a_run_dir_is_one_jobs_until_its_launcher_ends_even_by_sigkill(tmp_path):
     run_dir, started = tmp_path / "run", tmp_path / "started"

@@ -79,6 +79,7 @@ def test_serving_needs_a_token_and_both_tls_files():
         Client("127.0.0.1:1")
 
 
+@pytest.mark.job
 @pytest.mark.timeout(60)
 def test_tls_endpoint_serves_tls_clients_only(tmp_path):
     if shutil.which("openssl") is None:
@@ -97,6 +98,7 @@ def test_tls_endpoint_serves_tls_clients_only(tmp_path):
         endpoint.stop(0.5)
 
 
+@pytest.mark.job
 @pytest.mark.timeout(60)
 def test_a_tls_mismatch_says_tls_and_the_fix(tmp_path):
     if shutil.which("openssl") is None:
@@ -124,6 +126,7 @@ def test_a_tls_mismatch_says_tls_and_the_fix(tmp_path):
         plain.stop(0.5)
 
 
+@pytest.mark.job
 @pytest.mark.timeout(60)
 def test_status_and_pull_reach_a_tls_job_with_its_certificate_from_the_option_or_the_servers_variable(
         tmp_path, monkeypatch, capsys):

@@ -10,6 +10,8 @@ import pytest
 
 from helpers import gradsync_run, self_signed
 
+pytestmark = pytest.mark.job  # every test here starts processes
+
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 _SCRIPT = """import json, os, sys

@@ -11,6 +11,8 @@ import pytest
 
 from helpers import gradsync_run
 
+pytestmark = pytest.mark.job  # every test here starts processes
+
 _STUCK = """import threading
 import gradsync
 

@@ -64,6 +64,7 @@ def _python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
 
 
+@pytest.mark.job
 @pytest.mark.timeout(150)
 def test_import_gradsync_needs_no_plotting_progress_grpc_or_triton():
     blocked = ("matplotlib", "tqdm", "grpc", "triton")
@@ -71,6 +72,7 @@ def test_import_gradsync_needs_no_plotting_progress_grpc_or_triton():
     assert done.returncode == 0 and done.stdout.strip() == "imported", done.stderr[-2000:]
 
 
+@pytest.mark.job
 @pytest.mark.timeout(150)
 def test_compare_without_matplotlib_names_the_install_command_before_running_anything(tmp_path):
     out = tmp_path / "report"

@@ -56,6 +56,7 @@ def _check(states, reference, tolerance=1e-5):
     assert max_diff(states[0], states[1]) <= 1e-6  # the joined worker holds the final state too
 
 
+@pytest.mark.job
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("strategy,servers,counts,settings", [
     ("ps", 1, EPOCHS, {}), ("ps", 2, EPOCHS, {}), ("ps", 1, EPOCHS, {"transport": "grpc"}),
@@ -68,6 +69,7 @@ def test_uneven_data_matches_single_process_training_on_the_batches_left(strateg
     _check(states, reference_uneven("mlp", counts), 1e-2 if settings.get("compression") else 1e-5)
 
 
+@pytest.mark.job
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("strategy,servers", [("ps", 1), ("allreduce", 0)])
 def test_batchnorm_statistics_are_averaged_over_the_active_workers(strategy, servers):
@@ -78,6 +80,7 @@ def test_batchnorm_statistics_are_averaged_over_the_active_workers(strategy, ser
     assert all(s["1.num_batches_tracked"].item() == 9 for s in states)  # 5 + 4 steps, on every worker
 
 
+@pytest.mark.job
 @pytest.mark.timeout(120)
 def test_hybrid_tables_and_dense_layers_average_over_the_active_workers():
     counts = [(4, 2)]
@@ -86,6 +89,7 @@ def test_hybrid_tables_and_dense_layers_average_over_the_active_workers():
     _check(states, reference_uneven("clicks", counts))
 
 
+@pytest.mark.job
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode,settings", [("async", {}), ("ssp", {"staleness": 1})])
 def test_async_and_ssp_finish_with_every_push_applied(mode, settings):
@@ -96,6 +100,7 @@ def test_async_and_ssp_finish_with_every_push_applied(mode, settings):
     assert max_diff(state0, state1) == 0
 
 
+@pytest.mark.job
 @pytest.mark.timeout(90)
 def test_a_worker_that_leaves_without_joining_is_named():
     with pytest.raises(gradsync.JobFailed, match=r"worker1 left the job after 3 steps without joining, and "
@@ -104,6 +109,7 @@ def test_a_worker_that_leaves_without_joining_is_named():
                         step_timeout=20, timeout=80)
 
 
+@pytest.mark.job
 @pytest.mark.timeout(90)
 def test_join_is_refused_with_checkpoints(tmp_path):
     with pytest.raises(gradsync.JobFailed, match=r"checkpoint_every=5 needs every worker at the same step"):

@@ -16,12 +16,14 @@ from helpers import max_diff
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
+@pytest.mark.job
 @pytest.mark.timeout(120)
 def test_ps_launch_without_servers_gets_one_and_a_script_style_init_joins_the_job():
     states = gradsync.launch(init_then_train, strategy="ps", workers=2, args=(3, {}), timeout=110)
     assert all(max_diff(state, reference_mlp(3, 2)) <= 1e-5 for state in states)
 
 
+@pytest.mark.job
 @pytest.mark.timeout(120)
 def test_init_inside_launch_asking_for_another_job_is_refused_by_name():
     with pytest.raises(gradsync.JobFailed, match=r"asked for mode='async' \(the job runs 'sync'\)"):
@@ -48,6 +50,7 @@ gradsync.launch(jobs.forever, strategy="ps", workers=2, args=({pids!r},), timeou
 """
 
 
+@pytest.mark.job
 @pytest.mark.timeout(150)
 def test_no_rank_outlives_the_process_that_called_launch(tmp_path):
     """README: the ranks die when the process that called gradsync.launch dies, whatever the signal. They are
@@ -77,6 +80,7 @@ def test_no_rank_outlives_the_process_that_called_launch(tmp_path):
                 os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.job
 def test_the_ranks_see_the_callers_environment_at_each_call(monkeypatch):
     """The fork server keeps the environment it started with; each launch's ranks see the caller's as it is."""
     probe = "GRADSYNC_TEST_PROBE"  # read only by the test's function

@@ -5,6 +5,8 @@ import subprocess
 import sys
 import pathlib
 
+import pytest
+
 import gradsync
 
 PACKAGE = pathlib.Path(gradsync.__file__).parent
@@ -70,6 +72,7 @@ def test_every_part_is_a_known_layer_and_the_top_level_is_the_public_api():
     assert parts <= set(LAYERS), f"a package that is in no layer: {sorted(parts - set(LAYERS))}"
 
 
+@pytest.mark.job
 def test_import_gradsync_loads_no_optional_stack():
     """`import gradsync` (what a training script does) loads neither gRPC, matplotlib, triton nor tqdm beyond
     what `import torch` loads itself (torch.hub imports tqdm): they load where they are used."""

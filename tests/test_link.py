@@ -23,8 +23,12 @@ from jobs import reference_mlp, train_mlp
 from helpers import NOISE, REFUSED_SCRIPT, gradsync_run
 
 TESTS = os.path.dirname(__file__)
-needs_root = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/sbin/ip"),
-                                reason="an emulated network needs root and iproute2")
+
+
+def needs_root(test):
+    """Marked `root`, and skipped without root or iproute2: an emulated network needs both."""
+    return pytest.mark.root(pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/sbin/ip"),
+                                               reason="an emulated network needs root and iproute2")(test))
 
 
 def _job(stderr: str) -> str:
@@ -72,6 +76,7 @@ def test_a_bad_server_link_rate_is_refused_naming_its_flag():
         Link.parse("slow", "--server-link")
 
 
+@pytest.mark.job
 @pytest.mark.timeout(60)
 def test_server_link_without_link_is_refused_naming_both_flags():
     done = gradsync_run("--server-link", "100mbit", "--strategy", "ps", "--workers", "1", REFUSED_SCRIPT)
@@ -97,6 +102,7 @@ def test_refused_without_root(monkeypatch):
         Network(Link.parse("1gbit"), 2)
 
 
+@pytest.mark.job
 @pytest.mark.timeout(60)
 def test_gradsync_run_refuses_when_iproute2_is_missing(tmp_path):
     done = gradsync_run("--link", "1gbit", "--strategy", "ps", "--workers", "1", REFUSED_SCRIPT,
@@ -107,6 +113,7 @@ def test_gradsync_run_refuses_when_iproute2_is_missing(tmp_path):
     _nothing_left()
 
 
+@pytest.mark.job
 @needs_root
 def test_a_failed_setup_removes_what_it_created(monkeypatch):
     monkeypatch.setattr(Link, "tbf", lambda self: ["rate", "fast"])
@@ -118,6 +125,7 @@ def test_a_failed_setup_removes_what_it_created(monkeypatch):
     _nothing_left(net.job)
 
 
+@pytest.mark.job
 @needs_root
 def test_ranks_reach_each_other_through_shaped_links_and_nothing_is_left():
     with Network(Link.parse("100mbit"), 2) as net:
@@ -144,6 +152,7 @@ def test_ranks_reach_each_other_through_shaped_links_and_nothing_is_left():
     _nothing_left(net.job)
 
 
+@pytest.mark.job
 @needs_root
 def test_servers_sit_behind_the_server_link_and_workers_behind_the_link():
     with Network(Link.parse("1gbit"), 3, Link.parse("100mbit"), servers=1) as net:
@@ -166,6 +175,7 @@ gradsync.shutdown()
 """
 
 
+@pytest.mark.job
 @needs_root
 @pytest.mark.timeout(150)  # the job, then two `gradsync status` processes (each imports torch)
 def test_gradsync_run_trains_over_the_emulated_network_with_the_grpc_transport(tmp_path):
@@ -206,6 +216,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.job
 @needs_root
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("launcher", ["gradsync run", "gradsync.launch"])
@@ -225,6 +236,7 @@ def test_a_job_behind_links_prints_nothing_a_user_cannot_act_on(launcher, tmp_pa
     assert NOISE.findall(done.stdout + done.stderr) == [], done.stdout + done.stderr
 
 
+@pytest.mark.job
 @needs_root
 @pytest.mark.timeout(90)
 def test_rpc_tensors_cross_the_link(tmp_path):
@@ -241,6 +253,7 @@ def test_rpc_tensors_cross_the_link(tmp_path):
     assert int(done.stdout) > 3 * gradient_bytes  # three pushes of every gradient, through the worker's link
 
 
+@pytest.mark.job
 @needs_root
 @pytest.mark.timeout(90)
 def test_a_slow_server_link_bounds_the_ps_step_from_below(tmp_path):
@@ -285,6 +298,7 @@ gradsync.shutdown()
 """
 
 
+@pytest.mark.job
 @needs_root
 @pytest.mark.timeout(180)
 def test_compare_runs_the_slow_server_link_scenario(tmp_path):
@@ -306,6 +320,7 @@ def test_compare_runs_the_slow_server_link_scenario(tmp_path):
     assert "Slow server link: each parameter server behind 10mbit" in (out / "report.md").read_text()
 
 
+@pytest.mark.job
 @needs_root
 @pytest.mark.timeout(90)
 def test_nothing_is_left_after_a_failed_job(tmp_path):
@@ -317,6 +332,7 @@ def test_nothing_is_left_after_a_failed_job(tmp_path):
     _nothing_left(_job(done.stderr))
 
 
+@pytest.mark.job
 @needs_root
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
@@ -348,6 +364,7 @@ def test_nothing_is_left_after_a_signal_to_gradsync_run(sig, tmp_path):
     _nothing_left(job)
 
 
+@pytest.mark.job
 @needs_root
 @pytest.mark.timeout(90)
 def test_launch_runs_forked_ranks_in_their_namespaces():

@@ -13,7 +13,8 @@ import pytest
 import gradsync
 from gradsync.runtime import malloc
 
-pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc arenas are glibc's")
+pytestmark = [pytest.mark.job,  # every test here starts processes
+              pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc arenas are glibc's")]
 
 THREADS = 8
 

@@ -97,6 +97,7 @@ def _measured(name: str) -> tuple[float, int, float]:
     return bandwidth, trainer._strategy.model_sizes(0)["largest_piece"], chosen
 
 
+@pytest.mark.job
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("name", ["rpc", "grpc"])
 def test_each_transport_measures_a_bandwidth_and_the_plan_follows_it(name):

@@ -77,6 +77,7 @@ def test_a_piece_sent_twice_is_refused():
         rule.commit_piece(0, 0, Piece(0, 1, piece_part(0, 1, shard), ())).wait()
 
 
+@pytest.mark.job
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("servers", [1, 2])
 def test_pieces_smaller_than_a_parameter_match_single_process_training(servers):
@@ -87,6 +88,7 @@ def test_pieces_smaller_than_a_parameter_match_single_process_training(servers):
         assert max_diff(state, reference) <= 1e-5
 
 
+@pytest.mark.job
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", ["frozen", "unused", "one_worker", "adam_unused", "tied"])
 def test_edge_models_with_pieces_smaller_than_a_parameter_match_single_process(case):

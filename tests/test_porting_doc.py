@@ -92,7 +92,7 @@ def test_the_page_has_every_program_and_its_ddp_twin():
         assert PROGRAMS.get(twin(name), {}).get("kind") == "torchrun", f"{name} has no DDP twin {twin(name)}"
         assert "gradsync.init()" in PROGRAMS[name]["text"] and "gradsync.shutdown()" in PROGRAMS[name]["text"]
     assert "toy.py" in FILES and not FILES["toy.py"]["runs"]
-    assert "](porting.md)" not in TEXT and "docs/porting.md" in open(os.path.join(ROOT, "README.md")).read()[:2000]
+    assert "](porting.md)" not in TEXT and "docs/porting.md" in open(os.path.join(ROOT, "README.md")).read()[:2200]
 
 
 def test_the_page_commands_run_as_written():
@@ -159,6 +159,7 @@ def launch_settings(argv: list[str], strategy: str, folder: str) -> dict:
     return dict(settings, strategy=strategy, workers=args.workers, servers=servers), args.args
 
 
+@pytest.mark.job
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("strategy", ["ps", "allreduce"])
 @pytest.mark.parametrize("name", GRADSYNC_PROGRAMS)
@@ -177,6 +178,7 @@ def test_the_gradsync_program_prints_what_its_ddp_twin_prints(name, strategy, dd
         assert problem is None, f"docs/porting.md:{program['line']}: {name} under {strategy} {problem}"
 
 
+@pytest.mark.job
 @pytest.mark.timeout(120)
 def test_the_whole_script_runs_with_gradsync_run_as_written(ddp_printed, tmp_path):
     program = PROGRAMS["train.py"]
@@ -190,6 +192,7 @@ def test_the_whole_script_runs_with_gradsync_run_as_written(ddp_printed, tmp_pat
     assert (tmp_path / "model.pt").exists()
 
 
+@pytest.mark.job
 @pytest.mark.timeout(120)
 def test_the_whole_script_runs_under_torchrun_with_a_server_as_written(ddp_printed, tmp_path):
     """The page's one-machine torchrun line for ps: the server counted in --nproc-per-node."""
@@ -206,6 +209,7 @@ def test_the_whole_script_runs_under_torchrun_with_a_server_as_written(ddp_print
     assert problem is None, f"docs/porting.md: {line} {problem}"
 
 
+@pytest.mark.job
 @pytest.mark.timeout(120)
 def test_a_broken_program_fails_this_test(tmp_path):
     """What the tests above catch: a misspelt call fails the job with its traceback, a changed number differs."""

@@ -2,9 +2,13 @@
 pinned to one CPU, each spinning."""
 import time
 
+import pytest
+
 from helpers import spinning_on_one_cpu
 
 from gradsync.launcher import procfs
+
+pytestmark = pytest.mark.job  # every test here starts processes
 
 
 def test_two_processes_on_one_cpu_wait_for_it_in_turn():

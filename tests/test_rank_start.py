@@ -50,6 +50,7 @@ def _probe(tmp_path, start: str) -> list[dict]:
     return seen
 
 
+@pytest.mark.job
 @pytest.mark.timeout(200)
 def test_a_forked_rank_sees_what_a_new_process_sees(tmp_path):
     forked, fresh = _probe(tmp_path, "fork"), _probe(tmp_path, "exec")
@@ -77,6 +78,7 @@ gradsync.shutdown()
 """
 
 
+@pytest.mark.job
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("code, said", [("3", "code 3"), ("'no more data'", "code 1")])
 def test_a_forked_rank_exits_with_the_status_python_gives(tmp_path, code, said):
@@ -89,6 +91,7 @@ def test_a_forked_rank_exits_with_the_status_python_gives(tmp_path, code, said):
         assert "no more data" in done.stderr
 
 
+@pytest.mark.job
 @pytest.mark.timeout(90)
 def test_a_traceback_starts_at_the_script_and_a_bad_start_is_refused(tmp_path):
     script = tmp_path / "early.py"

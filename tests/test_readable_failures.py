@@ -9,6 +9,8 @@ import gradsync
 from faults import train_resumable
 from helpers import gradsync_run, run_failing_script
 
+pytestmark = pytest.mark.job  # every test here starts processes
+
 
 
 TRAIN = "gradsync.init()\nfaults.train_with_fault(faults.Fault(1, 3, 'raise'), 30)\ngradsync.shutdown()\n"

@@ -15,6 +15,7 @@ from real_loops import (MAX_NORM, misuse_the_step, train_accumulating, continue_
 STEPS = 8
 
 
+@pytest.mark.job
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy,servers,workers", [("ps", 1, 2), ("ps", 2, 4), ("allreduce", 0, 4)])
 def test_adamw_groups_warmup_clipping_and_accumulation_match_single_process(strategy, servers, workers):
@@ -35,6 +36,7 @@ def test_adamw_groups_warmup_clipping_and_accumulation_match_single_process(stra
     assert max_diff(results[0]["state"], reference(0, workers, "adamw", None, None)["state"]) > 1e-2
 
 
+@pytest.mark.job
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy,servers,mode,workers,schedule", [
     ("ps", 2, "sync", 2, "onecycle"), ("allreduce", 0, "sync", 2, "onecycle"), ("ps", 2, "async", 1, "onecycle"),
@@ -52,6 +54,7 @@ def test_schedules_and_clipping_reach_every_server_exactly_with_sgd(strategy, se
     assert len({tuple(map(tuple, r["lrs"])) for r in results}) == 1 and results[0]["lrs"][0] != results[0]["lrs"][-1]
 
 
+@pytest.mark.job
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("pipeline", ["on", "off"])
 def test_a_schedule_without_clipping_matches_single_process_in_pieces_and_in_whole_steps(pipeline):
@@ -66,6 +69,7 @@ def test_a_schedule_without_clipping_matches_single_process_in_pieces_and_in_who
     assert len({tuple(map(tuple, r["lrs"])) for r in results}) == 1 and results[0]["lrs"][0] != results[0]["lrs"][-1]
 
 
+@pytest.mark.job
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy,servers,load_before", [("ps", 2, True), ("ps", 2, False), ("allreduce", 0, False)])
 def test_optimizer_state_dicts_move_between_single_process_and_gradsync(strategy, servers, load_before):
@@ -84,6 +88,7 @@ def test_optimizer_state_dicts_move_between_single_process_and_gradsync(strategy
                     ) <= noise_bound(noise)
 
 
+@pytest.mark.job
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("servers", [2])
 def test_hybrid_clips_by_the_norm_of_dense_layers_and_served_rows_together(servers):
@@ -99,6 +104,7 @@ def test_hybrid_clips_by_the_norm_of_dense_layers_and_served_rows_together(serve
         assert max_diff(r["module"], r["state"]) == 0.0  # the served table too, gathered by net.state_dict()
 
 
+@pytest.mark.job
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy,servers,transport", [("ps", 2, "rpc"), ("ps", 2, "grpc"), ("allreduce", 0, "rpc"),
                                                         ("hybrid", 2, "rpc")])
@@ -119,6 +125,7 @@ def test_grad_scaler_skips_overflowing_steps_everywhere_and_backs_off_like_singl
     assert max_diff(results[0]["state"], reference_amp(0, 2, *args[1:])["state"]) > 1e-2
 
 
+@pytest.mark.job
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy,servers", [("ps", 2), ("allreduce", 0), ("hybrid", 1)])
 def test_bfloat16_autocast_trains_fp32_parameters_under_every_strategy(strategy, servers):
@@ -138,6 +145,7 @@ def test_noise_bound_is_not_vacuous():
     assert noise_bound(noise) < 1e-3 and math.isfinite(noise)
 
 
+@pytest.mark.job
 @pytest.mark.timeout(300)
 def test_a_users_own_optimizer_class_with_groups_runs_on_the_servers():
     result = gradsync.launch(train, strategy="ps", workers=2, servers=2, args=(4, "sign", None, None), timeout=280)[0]
@@ -146,6 +154,7 @@ def test_a_users_own_optimizer_class_with_groups_runs_on_the_servers():
     assert max_diff(result["state"], reference(0, 2, "sign", None, None)["state"]) > 1e-2
 
 
+@pytest.mark.job
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("optimizer_kind,served", [("plain", ["emb.weight"]), ("adamw", [])])
 def test_tables_are_served_only_where_a_row_optimizer_applies(optimizer_kind, served):
@@ -160,6 +169,7 @@ def test_tables_are_served_only_where_a_row_optimizer_applies(optimizer_kind, se
     assert "stays in the dense path" not in result["said"] and other["said"] == ""
 
 
+@pytest.mark.job
 @pytest.mark.timeout(120)
 def test_a_schedule_that_differs_between_workers_is_refused_naming_both():
     with pytest.raises(gradsync.JobFailed,
@@ -167,6 +177,7 @@ def test_a_schedule_that_differs_between_workers_is_refused_naming_both():
         gradsync.launch(train_drive_apart, strategy="ps", workers=2, servers=1, args=(3,), timeout=110)
 
 
+@pytest.mark.job
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("strategy,servers", [("ps", 1), ("allreduce", 0)])
 def test_the_users_optimizer_is_the_trainers_and_a_misplaced_step_says_where_it_belongs(strategy, servers):
@@ -177,6 +188,7 @@ def test_the_users_optimizer_is_the_trainers_and_a_misplaced_step_says_where_it_
     assert "Could not find autograd context" not in said["outside"]
 
 
+@pytest.mark.job
 @pytest.mark.timeout(300)
 def test_schedules_clipping_and_optimizer_state_over_the_grpc_transport():
     results = gradsync.launch(train, strategy="ps", workers=2, servers=2, transport="grpc",
@@ -189,6 +201,7 @@ def test_schedules_clipping_and_optimizer_state_over_the_grpc_transport():
         assert optimizer_diff(r["optimizer"], joint["optimizer"]) <= noise_bound(noise)
 
 
+@pytest.mark.job
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy,servers", [("allreduce", 0), ("ps", 1)])
 def test_no_sync_accumulates_without_an_exchange_per_backward(strategy, servers):

@@ -13,6 +13,8 @@ import torch
 
 from helpers import ROOT
 
+pytestmark = pytest.mark.job  # every test here starts processes
+
 SCRIPT = os.path.join(ROOT, "examples", "snapshots.py")
 ARGS = ["--losses", "losses.json", "--loader-workers", "1", "--amp"]
 

@@ -128,6 +128,7 @@ def _launch(fn, strategy: str, servers: int, workers: int, args: tuple, **settin
 STEPS, EVERY, ON = 10, 5, 14
 
 
+@pytest.mark.job
 @pytest.mark.timeout(300)
 def test_a_checkpoint_of_2_servers_and_4_workers_resumes_with_1_and_2_and_with_3_and_3(tmp_path):
     directory = str(tmp_path / "checkpoints")
@@ -149,6 +150,7 @@ def test_a_checkpoint_of_2_servers_and_4_workers_resumes_with_1_and_2_and_with_3
             assert max_diff(state, reference) <= 1e-5  # sync parity from the checkpoint's state
 
 
+@pytest.mark.job
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("strategy,transport,before,after", [
     ("hybrid", "rpc", (2, 3), (3, 2)), ("allreduce", "rpc", (0, 2), (0, 3)), ("ps", "grpc", (2, 2), (1, 3))])

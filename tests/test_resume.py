@@ -43,6 +43,7 @@ def _killed_at_12(strategy: str, servers: int, optimizer: str, directory: str) -
     assert sorted(os.listdir(directory)) == ["step-00000005", "step-00000010"]
 
 
+@pytest.mark.job
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 @pytest.mark.parametrize("strategy,servers", JOBS)
@@ -58,6 +59,7 @@ def test_a_job_killed_at_step_12_resumes_to_the_uninterrupted_parameters(strateg
     assert sorted(os.listdir(directory))[-2:] == ["step-00000015", "step-00000020"]  # the resumed job goes on writing
 
 
+@pytest.mark.job
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("damage", ["corrupt shard", "no manifest", "another step's file"])
 def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_complete_one(damage, tmp_path):
@@ -78,6 +80,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_complete_one(da
         assert max_diff(state, _uninterrupted("ps", 2, "sgd")) <= 1e-6
 
 
+@pytest.mark.job
 @pytest.mark.timeout(150)
 def test_resume_refuses_a_checkpoint_of_another_strategy_or_model(tmp_path):
     directory = str(tmp_path / "checkpoints")
@@ -104,6 +107,7 @@ def _script(tmp_path) -> str:
     return str(script)
 
 
+@pytest.mark.job
 @pytest.mark.timeout(150)
 def test_gradsync_run_flags_checkpoint_and_resume(tmp_path):
     directory, out, script = str(tmp_path / "checkpoints"), str(tmp_path / "state.pt"), _script(tmp_path)
@@ -123,6 +127,7 @@ def _run_of(folder: str) -> str:
         return json.load(f)["run"]
 
 
+@pytest.mark.job
 @pytest.mark.timeout(240)
 def test_a_reused_checkpoint_dir_is_refused_started_over_or_continued_as_one_run(tmp_path):
     """Run A (Adam) checkpoints steps 5 and 10; a fresh run B (SGD) into the same folder is refused, starts with
@@ -160,6 +165,7 @@ def test_a_reused_checkpoint_dir_is_refused_started_over_or_continued_as_one_run
     assert max_diff(state, _uninterrupted("allreduce", 0, "sgd")) <= 1e-6
 
 
+@pytest.mark.job
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("strategy,servers,written,built", [("ps", 1, "adam", "sgd"), ("ps", 1, "sgd", "adam"),
                                                              ("allreduce", 0, "sgd", "adam")])
@@ -177,6 +183,7 @@ def test_a_changed_optimizer_is_one_refusal_on_worker_0_naming_both_classes(stra
     assert "KeyError" not in stderr
 
 
+@pytest.mark.job
 @pytest.mark.timeout(240)
 def test_a_shard_its_server_cannot_restore_is_one_refusal_on_that_server(tmp_path):
     """Tables served by row when written, dense when resumed: the model and optimizer match (worker 0 lets it

@@ -12,6 +12,8 @@ from faults import Fault
 from resumable import by_name, saved, train_clicks, train_mlp_with_fault
 from helpers import max_diff
 
+pytestmark = pytest.mark.job  # every test here starts processes
+
 STEPS, KILL_AT, EVERY = 16, 12, 5
 JOBS = {  # name: (strategy, mode, transport)
     "async": ("ps", "async", "rpc"),

@@ -15,6 +15,8 @@ from sparse_models import (DIM, LR, ROWS_BAG, ROWS_EMB, TABLES, ClickNet, click_
                            train_clicks)
 from helpers import max_diff
 
+pytestmark = pytest.mark.job  # every test here starts processes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 10
 

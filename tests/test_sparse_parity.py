@@ -10,6 +10,8 @@ from sparse_models import (BATCH, HOT, ROWS_BAG, ROWS_EMB, TABLES, ClickNet, hug
                            reference_clicks, train_clicks, train_on_meta_tables)
 from helpers import max_diff
 
+pytestmark = pytest.mark.job  # every test here starts processes
+
 STEPS = 20
 CASES = [
     ("ps", 1, 1, "sgd"), ("ps", 2, 2, "adagrad"), ("ps", 4, 2, "sgd"), ("ps", 2, 1, "momentum"),

@@ -5,6 +5,8 @@ import gradsync
 from jobs import reference_mlp, train_mlp_and_stats
 from helpers import max_diff
 
+pytestmark = pytest.mark.job  # every test here starts processes
+
 STEPS = 8
 SLOW_S = 0.3  # seconds each of workers 1 and 2 sleeps before a step: far longer than a step of worker 0
 

@@ -25,6 +25,7 @@ def _without_job_environment() -> dict:
             if not k.startswith("GRADSYNC_") and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
 
 
+@pytest.mark.job
 @pytest.mark.timeout(60)
 def test_a_script_started_without_a_launcher_fails_at_once_saying_how_to_start_it():
     done = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "digits.py")], capture_output=True,
@@ -61,6 +62,7 @@ gradsync.shutdown()
 """
 
 
+@pytest.mark.job
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("flags", [["--strategy", "ps", "--mode", "async"], ["--strategy", "allreduce"]],
                          ids=["ps-async", "allreduce"])
@@ -79,6 +81,7 @@ def test_a_rank_that_never_reaches_init_is_named_within_the_startup_timeout(flag
                                f"startup_timeout ({STARTUP_TIMEOUT} s)"), done.stderr
 
 
+@pytest.mark.job
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("strategy,servers,mode", [("ps", 1, "sync"), ("ps", 1, "async"), ("allreduce", 0, "sync")])
 def test_a_worker_that_never_builds_its_trainer_is_named_not_the_one_that_waited(strategy, servers, mode):
@@ -102,6 +105,7 @@ print(gradsync.launch(gradsync.worker_rank, strategy="allreduce", workers=1, ser
 """
 
 
+@pytest.mark.job
 @pytest.mark.timeout(90)
 def test_a_launch_script_without_a_main_guard_is_told_to_add_one(tmp_path):
     """Each rank imports the script that called gradsync.launch; without the guard it would launch again."""
@@ -116,6 +120,7 @@ def test_a_launch_script_without_a_main_guard_is_told_to_add_one(tmp_path):
     assert 'a script that calls gradsync.launch must call it under `if __name__ == "__main__":`' in done.stderr
 
 
+@pytest.mark.job
 @pytest.mark.timeout(90)
 def test_a_script_that_never_calls_init_is_told_to(tmp_path):
     script = tmp_path / "ddp.py"
@@ -126,6 +131,7 @@ def test_a_script_that_never_calls_init_is_told_to(tmp_path):
     assert "every script that gradsync runs must call gradsync.init() first" in done.stderr
 
 
+@pytest.mark.job
 @pytest.mark.timeout(90)
 def test_distributed_sampler_without_arguments_under_ps_names_the_arguments_to_give():
     with pytest.raises(gradsync.JobFailed) as info:
@@ -144,6 +150,7 @@ time.sleep(3600)
 """
 
 
+@pytest.mark.job
 @pytest.mark.timeout(90)
 def test_a_rank_that_never_calls_init_dies_with_a_killed_launcher(tmp_path):
     pids_dir = tmp_path / "pids"

@@ -7,6 +7,8 @@ import torch
 import gradsync
 from jobs import make_mlp, run_loop
 
+pytestmark = pytest.mark.job  # every test here starts processes
+
 PEER_SLEEP_S = 1.0
 
 

@@ -157,6 +157,7 @@ def test_no_sync_and_a_full_window_send_nothing_ahead():
     assert stream.close() == {} and not stream.resend
 
 
+@pytest.mark.job
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("mode,workers", [("sync", 2), ("async", 1), ("ssp", 1)])
 def test_a_loop_whose_steps_change_shape_ends_where_single_process_training_ends(mode, workers):

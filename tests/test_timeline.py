@@ -60,6 +60,7 @@ def _check_pipelined(pieces: list[dict]) -> None:
         assert len(served) > 1 and all(a["applied"] <= b["arrived"] for a, b in zip(served, served[1:]))
 
 
+@pytest.mark.job
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("bn,transport", [(False, "rpc"), (True, "rpc"), (True, "grpc")])
 def test_a_ps_steps_lanes_carry_its_bytes_in_order_and_pipelined(bn, transport):
@@ -86,6 +87,7 @@ def test_a_ps_steps_lanes_carry_its_bytes_in_order_and_pipelined(bn, transport):
             _check_pipelined(pieces)
 
 
+@pytest.mark.job
 @pytest.mark.timeout(200)
 def test_an_allreduce_steps_buckets_carry_its_bytes_in_order_and_change_nothing():
     steps, workers = 4, 3  # W = 3: the hook the timeline needs must scale by 1 / 3 exactly as DDP's own does

@@ -51,6 +51,7 @@ def test_a_private_name_this_torch_lacks_fails_at_first_use_in_one_line_naming_i
     assert f"torch {torch.__version__}" in text and "tested on torch 2.13, 2.14" in text
 
 
+@pytest.mark.job
 def test_contexts_start_without_an_rpc_agent_and_name_their_id():
     """start_dist_autograd and current_context_id, in a fresh process (the agent's state is per process)."""
     code = ("import torch.distributed.autograd as d\nfrom gradsync.core import torch_internals as ti\n"
@@ -77,6 +78,7 @@ rpc.shutdown(graceful=False)
 """
 
 
+@pytest.mark.job
 def test_a_dynamic_rpc_group_keeps_its_members_where_gradsync_edits_them():
     """rpc_group reads and edits torch's member list under torch's per-init prefix, and leaves through the
     current agent: a one-member dynamic group (init_rpc without world_size) in a fresh process."""
@@ -108,6 +110,7 @@ def test_pytree_round_trips_a_nested_output():
     assert back["b"][1][0] == 3 and torch.equal(back["b"][1][1], torch.full((1,), 2.0))
 
 
+@pytest.mark.job
 @pytest.mark.timeout(60)
 def test_forkserver_pid_is_the_running_fork_server():
     context = multiprocessing.get_context("forkserver")
@@ -137,6 +140,7 @@ def _fork_server_forgotten() -> tuple:
             ti.forkserver_pid(), server._forkserver_address, free)
 
 
+@pytest.mark.job
 @pytest.mark.timeout(60)
 def test_a_fork_server_child_forgets_the_fork_server_as_a_new_process_knows_none():
     context = multiprocessing.get_context("forkserver")
@@ -164,6 +168,7 @@ sys.stdin.read()  # until the test kills this process
 """
 
 
+@pytest.mark.job
 @pytest.mark.timeout(60)
 def test_a_fork_server_forked_from_its_launcher_serves_its_children_and_ends_with_the_launcher():
     launcher = subprocess.Popen([sys.executable, "-c", _FORKED_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -198,6 +203,7 @@ print(os.path.dirname(multiprocessing.util.get_temp_dir()))
 """
 
 
+@pytest.mark.job
 @pytest.mark.timeout(60)
 def test_a_fork_server_starts_under_a_tmpdir_too_long_for_its_socket(tmp_path):
     long = tmp_path / ("d" * 90)
@@ -221,6 +227,7 @@ dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 """
 
 
+@pytest.mark.job
 def test_the_cpp_log_level_is_the_one_torch_read_and_setting_it_takes_effect():
     """cpp_log_level: TORCH_CPP_LOG_LEVEL=INFO at import is 0, and c10d's INFO lines stop once it is ERROR."""
     done = subprocess.run([sys.executable, "-c", _LOG_LEVEL], capture_output=True, text=True, timeout=60,
@@ -240,6 +247,7 @@ os._exit(0)  # as a process stopped by a signal: nothing released
 """
 
 
+@pytest.mark.job
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("tracker", ["quiet", "plain"])
 def test_a_quiet_resource_tracker_cleans_up_a_stopped_process_without_its_leak_warning(tracker):

@@ -111,6 +111,7 @@ def test_row_tables_are_refused_by_a_transport_without_them(name):
             call()
 
 
+@pytest.mark.job
 def test_importing_gradsync_loads_no_grpc():
     """The registry imports a transport's module only when that transport is asked for."""
     code = "import sys, gradsync; print(sorted(m for m in ('grpc', 'gradsync.transport.grpc') if m in sys.modules))"

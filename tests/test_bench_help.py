@@ -1,0 +1,47 @@
+"""Every script in bench/ imports and answers --help, so a helper moved between modules cannot silently break a
+benchmark whose figures the docs quote. Each runs in this process as `python bench/X.py --help` would (its
+folder first on sys.path, run as __main__): no process started, a fraction of a second each."""
+import contextlib
+import io
+import pathlib
+import runpy
+import sys
+
+import pytest
+
+BENCH = pathlib.Path(__file__).resolve().parent.parent / "bench"
+EXAMPLES = BENCH.parent / "examples"
+SCRIPTS = sorted(p.name for p in BENCH.glob("*.py"))
+LIBRARIES = {"measure.py"}
+"""Modules the scripts import, not run: importing them is the check."""
+
+
+@pytest.fixture
+def isolated_imports(monkeypatch):
+    """sys.path as it was before the test, and no module of bench/ or examples/ left imported (a script finds
+    its neighbours afresh, as in its own process)."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    _forget_bench_modules()
+    yield
+    _forget_bench_modules()
+
+
+def _forget_bench_modules():
+    for name, module in list(sys.modules.items()):
+        if pathlib.Path(getattr(module, "__file__", None) or "/").parent in (BENCH, EXAMPLES):
+            del sys.modules[name]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_bench_script_imports_and_shows_help(script, isolated_imports, monkeypatch):
+    path = BENCH / script
+    sys.path.insert(0, str(BENCH))
+    if script in LIBRARIES:
+        runpy.run_path(str(path), run_name=path.stem)
+        return
+    monkeypatch.setattr(sys, "argv", [str(path), "--help"])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exited:
+        runpy.run_path(str(path), run_name="__main__")
+    assert exited.value.code == 0, (script, out.getvalue())
+    assert out.getvalue().startswith(f"usage: {script}"), (script, out.getvalue()[:300])
