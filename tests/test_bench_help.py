@@ -18,18 +18,23 @@ LIBRARIES = {"measure.py"}
 
 @pytest.fixture
 def isolated_imports(monkeypatch):
-    """sys.path as it was before the test, and no module of bench/ or examples/ left imported (a script finds
-    its neighbours afresh, as in its own process)."""
+    """sys.path as it was before the test, and no module of bench/ or examples/ imported while a script runs (it
+    finds its neighbours afresh, as in its own process); afterwards the modules of bench/ and examples/ that were
+    imported before (another test's `charlm`, whose functions pickle by that module) are back as they were."""
     monkeypatch.setattr(sys, "path", list(sys.path))
-    _forget_bench_modules()
+    before = _forget_bench_modules()
     yield
     _forget_bench_modules()
+    sys.modules.update(before)
 
 
-def _forget_bench_modules():
-    for name, module in list(sys.modules.items()):
-        if pathlib.Path(getattr(module, "__file__", None) or "/").parent in (BENCH, EXAMPLES):
-            del sys.modules[name]
+def _forget_bench_modules() -> dict:
+    """Remove the modules of bench/ and examples/ from sys.modules; returns them by name."""
+    gone = {name: module for name, module in sys.modules.items()
+            if pathlib.Path(getattr(module, "__file__", None) or "/").parent in (BENCH, EXAMPLES)}
+    for name in gone:
+        del sys.modules[name]
+    return gone
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

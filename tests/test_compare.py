@@ -1,5 +1,6 @@
 """`gradsync compare`: the grid, gradsync.log, and a report whose numbers come from the runs."""
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -88,8 +89,11 @@ def test_compare_report_numbers_come_from_the_runs(tmp_path):
         assert run["accuracy"] == 0.5  # worker 0's last acc
         records = [line["record"] for line in log if "loss" in line][1:]  # the first step is warm-up
         assert run["commit_s"] == pytest.approx(statistics.median(r["commit_s"] for r in records))
-        assert run["bytes_per_step"] > 0 and run["worker_peak_mb"] > 100 and run["cpu_s_per_step"] > 0
-        assert 0 <= run["cpu_wait_s_per_step"] < 60  # measured (not NaN), over the same steps as the CPU
+        assert run["bytes_per_step"] > 0 and run["worker_peak_mb"] > 100
+        # measured over the same steps, or NaN where the ranks ended within a sampling interval of the last step
+        # (what they ran after the last sample went unseen), never a made-up 0
+        cpu, wait = run["cpu_s_per_step"], run["cpu_wait_s_per_step"]
+        assert (cpu > 0 and 0 <= wait < 60) or (math.isnan(cpu) and math.isnan(wait)), (cpu, wait)
         # samples/s: each worker's 9 steps after the first, 6 samples each, over its time since the first
         stepped = [[line for line in worker if "loss" in line] for worker in logs[name]]
         assert run["samples_per_s"] == pytest.approx(sum(9 * 6 / (w[-1]["t"] - w[0]["t"]) for w in stepped))

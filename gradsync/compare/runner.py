@@ -5,7 +5,7 @@ set in its ranks, so each worker's `gradsync.log` lines land in the run's direct
 start in the run's own copy of the working directory (`compare.workdir`). A failed run is measured
 too, up to its failure, which goes to `FAILURE` in the run's directory.
 A sampler thread reads /proc every `SAMPLE_S` for every rank (`run_script` says
-which they are): its CPU ticks, how long its threads waited for a CPU (schedstat)
+which they are): how long its threads ran on a CPU and waited for one (schedstat)
 and its peak resident memory (VmHWM). The first
 `warmup` steps of each worker (first calls, lazy imports, buffers allocated) are
 left out of every per-step figure: the medians, samples/s and CPU per step count
@@ -44,19 +44,20 @@ FAILURE = "failure.txt"
 
 
 class Sampler(threading.Thread):
-    """CPU ticks and the nanoseconds threads waited for a CPU (all ranks together, over time) and peak memory
-    of each rank, from /proc; `role`: 'server' or 'worker' by pid, of the ranks `started` gave (the first
-    `servers` are the servers)."""
+    """The nanoseconds threads ran on a CPU and waited for one (all ranks together, over time; schedstat, to the
+    nanosecond: a few ms of steps between two samples still count, where utime's 10 ms ticks often do not) and
+    peak memory of each rank, from /proc; `role`: 'server' or 'worker' by pid, of the ranks `started` gave (the
+    first `servers` are the servers). A thread that ended keeps what it was last seen to use."""
 
     def __init__(self, servers: int, on_sample=None):
         super().__init__(daemon=True)
-        self.ticks: list[tuple[float, int]] = []  # (wall time, ticks of every rank so far)
+        self.ran: list[tuple[float, int]] = []  # (wall time, ns every rank's threads have run so far)
         self.waits: list[tuple[float, int]] = []  # (wall time, ns every rank's threads have waited so far)
-        self._waited: dict[tuple[int, int], int] = {}  # (pid, tid) -> its last wait seen (kept once it ends)
+        self._seen: dict[tuple[int, int], tuple[int, int]] = {}  # (pid, tid) -> its last (run, wait) ns
         self.peak: dict[int, int] = {}  # pid -> VmHWM bytes
         self.role: dict[int, str] = {}
+        self.unseen_after: float | None = None  # the last sample before every rank had ended
         self._servers = servers
-        self._last: dict[int, int] = {}
         self._on_sample = on_sample
         self._finished = threading.Event()
 
@@ -73,16 +74,21 @@ class Sampler(threading.Thread):
         self.role = {r.proc.pid: "server" if r.rank < self._servers else "worker" for r in ranks}
 
     def sample(self) -> None:
+        alive = False
         for pid in list(self.role):
-            ticks, peak = procfs.cpu_ticks(f"/proc/{pid}/stat"), procfs.memory(pid)
-            if ticks is None or peak is None:  # the process has ended
+            peak = procfs.memory(pid)
+            if peak is None:  # the process has ended
                 continue
-            self._last[pid] = ticks
+            alive = True
             self.peak[pid] = max(self.peak.get(pid, 0), peak)
-            self._waited.update({(pid, tid): ns for tid, ns in procfs.runqueue_waits_ns(pid).items()})
+            self._seen.update({(pid, tid): ns for tid, ns in procfs.schedstats_ns(pid).items()})
+        if self.role and not alive:  # every rank has ended: what they ran since the last sample went unseen
+            if self.unseen_after is None and self.ran:
+                self.unseen_after = self.ran[-1][0]
+            return
         now = time.time()
-        self.ticks.append((now, sum(self._last.values())))
-        self.waits.append((now, sum(self._waited.values())))
+        self.ran.append((now, sum(run for run, _ in self._seen.values())))
+        self.waits.append((now, sum(wait for _, wait in self._seen.values())))
         if self._on_sample is not None:
             self._on_sample()
 
@@ -91,13 +97,18 @@ class Sampler(threading.Thread):
         return max((v for p, v in self.peak.items() if self.role.get(p) == role), default=0) / 2**20
 
     def cpu_between(self, start: float, end: float) -> float:
-        """CPU-seconds of every rank between two wall times (ticks interpolated between samples)."""
-        return _between(self.ticks, start, end) / procfs.TICK
+        """CPU-seconds of every rank between two wall times (interpolated between samples); NaN for a span that
+        ends after the ranks' last sample, when they ended before another (not measured, rather than 0)."""
+        return self._measured(end) * _between(self.ran, start, end) / 1e9
 
     def wait_between(self, start: float, end: float) -> float:
         """Seconds every rank's threads waited, runnable, for a CPU between two wall times (summed over
         threads, interpolated between samples): the time-slicing of more busy threads than cores."""
-        return _between(self.waits, start, end) / 1e9
+        return self._measured(end) * _between(self.waits, start, end) / 1e9
+
+    def _measured(self, end: float) -> float:
+        """1, or NaN when the span up to `end` reaches past the sample before every rank ended."""
+        return float("nan") if self.unseen_after is not None and end > self.unseen_after else 1.0
 
 
 def _between(samples: list[tuple[float, int]], start: float, end: float) -> float:
@@ -231,8 +242,10 @@ def measure(logs: list[list[dict]], sampler: Sampler, warmup: int) -> dict:
     if len(trained) > warmup:
         start, end = trained[warmup - 1], trained[-1]
         steps = end["step"] - start["step"]
-        out["cpu_s_per_step"] = sampler.cpu_between(start["wall"], end["wall"]) / steps
-        out["cpu_wait_s_per_step"] = sampler.wait_between(start["wall"], end["wall"]) / steps
+        cpu = sampler.cpu_between(start["wall"], end["wall"])
+        seen = 1.0 if cpu > 0 else float("nan")  # steps ran, so no CPU seen means the samples missed them
+        out["cpu_s_per_step"] = seen * cpu / steps
+        out["cpu_wait_s_per_step"] = seen * sampler.wait_between(start["wall"], end["wall"]) / steps
     return out
 
 

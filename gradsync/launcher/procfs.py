@@ -40,31 +40,44 @@ def cpu_ticks(stat_path: str) -> int | None:
     return int(fields[11]) + int(fields[12]) if fields else None
 
 
-def runqueue_wait_ns(task_path: str) -> int | None:
-    """Nanoseconds a thread (/proc/PID/task/TID) has been runnable and waited for a CPU (schedstat's second
-    field): the time-slicing it met. Read with one system call each way: compare samples it often."""
+def schedstat_ns(task_path: str) -> tuple[int, int] | None:
+    """(nanoseconds on a CPU, nanoseconds runnable and waiting for one) of a thread (/proc/PID/task/TID): the
+    scheduler's own clock, where utime/stime count 10 ms ticks. Read with one system call each way: compare
+    samples it often."""
     try:
         fd = os.open(f"{task_path}/schedstat", os.O_RDONLY)
         try:
-            data = os.read(fd, 256)
+            data = os.read(fd, 256).split()
         finally:
             os.close(fd)
-        return int(data.split()[1])
+        return int(data[0]), int(data[1])
     except (OSError, IndexError, ValueError):
         return None
 
 
-def runqueue_waits_ns(pid: int) -> dict[int, int]:
-    """`runqueue_wait_ns` of each thread of the process, by thread id (none when it is gone)."""
+def runqueue_wait_ns(task_path: str) -> int | None:
+    """Nanoseconds a thread (/proc/PID/task/TID) has been runnable and waited for a CPU (schedstat's second
+    field): the time-slicing it met."""
+    stat = schedstat_ns(task_path)
+    return None if stat is None else stat[1]
+
+
+def schedstats_ns(pid: int) -> dict[int, tuple[int, int]]:
+    """`schedstat_ns` of each thread of the process, by thread id (none when it is gone)."""
     try:
         threads = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return {}
     out = {}
     for tid in threads:
-        if (waited := runqueue_wait_ns(f"/proc/{pid}/task/{tid}")) is not None:
-            out[int(tid)] = waited
+        if (stat := schedstat_ns(f"/proc/{pid}/task/{tid}")) is not None:
+            out[int(tid)] = stat
     return out
+
+
+def runqueue_waits_ns(pid: int) -> dict[int, int]:
+    """`runqueue_wait_ns` of each thread of the process, by thread id (none when it is gone)."""
+    return {tid: waited for tid, (_, waited) in schedstats_ns(pid).items()}
 
 
 def children(parent: int) -> list[int]:
