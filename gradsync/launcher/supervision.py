@@ -21,7 +21,8 @@ from gradsync.config import JobConfig, StoreKeys
 from gradsync.core.errors import JobFailed, answered_worker
 from gradsync.launcher import procfs
 from gradsync.membership.departures import Departure, Departures
-from gradsync.membership.liveness import Watch, error_file, interval, ranks_named, recorded_error
+from gradsync.membership.liveness import (Watch, error_file, interval, ranks_named, recorded_error,
+                                          workers_in_order)
 from gradsync.membership.rank_reports import ask_stacks, early_stderr, early_stderr_file, stack_file
 
 POLL_S = 0.05
@@ -184,7 +185,7 @@ def _quitters(config: JobConfig, ranks: list[RankProcess], watch: Watch, store: 
     rank."""
     if config.elastic:
         return []
-    noted = [int(w) for w in store.get(StoreKeys.EXITED).decode().split(",") if w]  # in the order they exited
+    noted = workers_in_order(store.get(StoreKeys.EXITED))
     quitters = [r for r in ranks[config.servers:] if watch.moved[r.rank] is not None
                 and r.rank - config.servers not in watch.left
                 and (r.exitcode() == 0 or r.rank - config.servers in noted)]

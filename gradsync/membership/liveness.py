@@ -78,7 +78,12 @@ def parse_left(raw: bytes) -> dict[int, int]:
 
 def parse_workers(raw: bytes) -> set[int]:
     """The workers of a `worker,` list (the TRAINERS key)."""
-    return {int(w) for w in raw.decode().split(",") if w}
+    return set(workers_in_order(raw))
+
+
+def workers_in_order(raw: bytes) -> list[int]:
+    """The workers of a `worker,` list in the order they were appended (the EXITED key: the order they exited)."""
+    return [int(w) for w in raw.decode().split(",") if w]
 
 
 def parse_gone(raw: bytes) -> dict[int, str]:
