@@ -26,9 +26,9 @@ import time
 
 import torch
 
-from gradsync.core.dynamic_table import DynamicTable
-from gradsync.core.id_index import IdIndex
-from gradsync.core.row_init import HashedUniform
+from gradsync.tables.dynamic_table import DynamicTable
+from gradsync.tables.id_index import IdIndex
+from gradsync.tables.row_init import HashedUniform
 
 
 def batches(ids: torch.Tensor, size: int) -> list[torch.Tensor]:

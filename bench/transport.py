@@ -115,8 +115,8 @@ def _grpc_servers(run_dirs: dict[int, str], ready, stop, queue) -> None:
 
     Once stopped, it times the servers' own work per step (no transport) and puts it on `queue`.
     """
-    from gradsync.proto.endpoints import write_endpoints
-    from gradsync.proto.grpc_server import serve_grpc
+    from gradsync.transport.grpc.endpoint_files import write_endpoints
+    from gradsync.transport.grpc.server import serve_grpc
     from gradsync.ps.messages import Push, Setup
     from gradsync.ps.server import ParameterServer
     from gradsync.core.optimizer_spec import OptimizerSpec
@@ -152,8 +152,9 @@ def _job_transport(address: str, size: int):
     """Worker 0's GrpcTransport to the one-server job at `address` (the store holds only its address and token)."""
     import torch.distributed as dist
 
-    from gradsync.config import JobConfig, StoreKeys
-    from gradsync.transport.grpc import GrpcTransport
+    from gradsync.config import JobConfig
+    from gradsync.core.job_names import StoreKeys
+    from gradsync.transport.grpc.job_calls import GrpcTransport
 
     store = dist.HashStore()
     store.set(StoreKeys.GRPC_ADDRESS.format(0), address)
@@ -164,7 +165,7 @@ def _job_transport(address: str, size: int):
 
 def bench_grpc(sizes: list[int]) -> dict:
     from gradsync.ps.messages import Push
-    from gradsync.remote.client import Client
+    from gradsync.transport.grpc.client import Client
 
     ctx = mp.get_context("spawn")
     ready, stop, queue = ctx.Event(), ctx.Event(), ctx.Queue()

@@ -7,12 +7,12 @@ _HOMES = {
     "worker_rank": "gradsync.runtime.cluster",
     "num_workers": "gradsync.runtime.cluster",
     "Trainer": "gradsync.trainer",
-    "RowSGD": "gradsync.core.row_optim",
-    "RowAdagrad": "gradsync.core.row_optim",
-    "DynamicEmbedding": "gradsync.core.dynamic_embedding",
+    "RowSGD": "gradsync.tables.row_optim",
+    "RowAdagrad": "gradsync.tables.row_optim",
+    "DynamicEmbedding": "gradsync.tables.dynamic_embedding",
     "launch": "gradsync.launcher.launch",
     "JobFailed": "gradsync.core.errors",
-    "log": "gradsync.compare.scalars",
+    "log": "gradsync.metrics.scalars",
 }
 """Where each public name lives. They load on first use, so `gradsync run` and `gradsync --help` start
 without importing torch (seconds) before the ranks do."""

@@ -9,7 +9,8 @@ import shlex
 import signal
 import sys
 
-from gradsync.config import ConfigError, check_script
+from gradsync.config import ConfigError
+from gradsync.launcher.script_file import check_script
 from gradsync.core import settings
 from gradsync.core.settings import (JOB_CONCERNS, JOB_SETTINGS, RANK_START, RUN_DIR, STRAGGLER, STRATEGY, TIMELINE,
                                     TLS_CERT, Setting)
@@ -233,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{report}", file=sys.stderr)
                 return 1
         else:
-            from gradsync.remote.client import Client, final_status_table, pull_to_file, status_table
+            from gradsync.transport.grpc.client import Client, final_status_table, pull_to_file, status_table
 
             if not os.path.isdir(args.run_dir):
                 raise FileNotFoundError(f"no run directory {args.run_dir!r}: give the one gradsync run printed at "

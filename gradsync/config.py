@@ -12,6 +12,7 @@ import dataclasses
 import os
 
 from gradsync.core import settings
+from gradsync.core.job_names import server_name, worker_name
 from gradsync.core.settings import ConfigError
 from gradsync.core.transport_capabilities import capabilities
 
@@ -203,53 +204,6 @@ def job_keywords(given: dict, call: str) -> dict:
     return given
 
 
-def check_script(script: str) -> None:
-    """Refuse a script path that names no file, before any rank starts (python would fail in every rank)."""
-    if not os.path.isfile(script):
-        raise ConfigError(f"{script}: no such file: give the path of the training script")
-
-
-class StoreKeys:
-    """Every key and prefix gradsync uses in the rendezvous store (`{}`: a shard, worker or global rank index)."""
-
-    FAILED = "gradsync/failed"
-    ALIVE = "gradsync/alive/{}"
-    MOVED = "gradsync/moved/{}"  # +1 at each heartbeat of rank {} (a worker) whose main thread moved since the last
-    LEFT = "gradsync/left"
-    GONE = "gradsync/gone"  # workers that left an elastic job without gradsync.shutdown(): `worker:how` lines
-    TRAINERS = "gradsync/trainers"  # `worker,` entries: the workers that have begun to build their Trainer
-    EXITED = "gradsync/exited"  # `worker,` entries: workers whose interpreter exited without gradsync.shutdown()
-    WORKERS = "gradsync/workers"  # worker indices handed out: the job's workers, then one more per joiner
-    EARLY_STDERR = "gradsync/early_stderr/{}"  # sha256 of what a rank wrote before init: a rank wrote that text
-    JOB = "gradsync/job"  # an elastic job's settings (GRADSYNC_* variables, JSON), for workers that join it
-    RPC_SERVING = "gradsync/rpc_serving/{}"  # server s is in the dynamic RPC group of an elastic job
-    RPC_MEMBERSHIP = "gradsync/rpc_membership"  # the rank that joins or leaves that group now
-    PROCESS_GROUP = "gradsync/pg"
-    RPC = "gradsync/rpc"
-    TOKEN = "gradsync/grpc_token"
-    JOB_ID = "gradsync/job_id"  # the job's id, which its run directory's files name (`proto.endpoints.job_id`)
-    PIECE_MB = "gradsync/piece_mb"  # the bucket cap worker 0 chose from the bandwidth it measured (ps)
-    PIPELINE = "gradsync/pipeline"  # on | off: whether the job's sync steps go as a pipeline, worker 0's plan (ps)
-    GRPC_ADDRESS = "gradsync/grpc/address/{}"
-    GRPC_SETUP = "gradsync/grpc/setup/{}"
-    GRPC_SPEC = "gradsync/grpc/spec/{}/{}"
-    GRPC_REGISTERED = "gradsync/grpc/registered/{}"
-    CHECKPOINT = "gradsync/checkpoint/{}/{}"  # step, worker: that worker wrote its state of that step
-    RUN = "gradsync/run"  # rank 0's decision (JSON): the run this job checkpoints, and the folder it resumes from
-    JOINS = "gradsync/joins"  # how many times a worker has joined (trainer.join()): numbers the events
-    JOINED = "gradsync/joined/{}"  # event number: the worker that joined
-    JOIN_DONE = "gradsync/join_done/{}/{}"  # round, shard: that server saw every worker join that round
-    JOIN_ENTERED = "gradsync/join_entered/{}"  # round: `worker,` entries, the workers that opened trainer.join()
-
-
 def default_servers(strategy: str) -> int:
     """Parameter servers a job gets when none are asked for: 1 for ps and hybrid, 0 for allreduce."""
     return 0 if strategy == "allreduce" else 1
-
-
-def server_name(index: int) -> str:
-    return f"ps{index}"
-
-
-def worker_name(index: int) -> str:
-    return f"worker{index}"

@@ -7,16 +7,16 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from gradsync.compare import scalars
-from gradsync.compare.straggler import slowed
+from gradsync.metrics import scalars
+from gradsync.metrics.straggler import slowed
 from gradsync.config import ConfigError
 from gradsync.core.clipping import Clipping
-from gradsync.core.dynamic_embedding import DynamicEmbedding
+from gradsync.tables.dynamic_embedding import DynamicEmbedding
 from gradsync.core.optimizer_spec import as_optimizer
-from gradsync.core.row_optim import ROW_OPTIMIZERS
+from gradsync.tables.row_optim import ROW_OPTIMIZERS
 from gradsync.core.errors import outside_context_error
 from gradsync.core.torch_internals import current_context_id
-from gradsync.runtime import cluster, resume
+from gradsync.runtime import checkpoints, cluster
 from gradsync.worker.user_optimizer import watch_clipping
 
 if TYPE_CHECKING:  # the strategy's module is imported when the job's strategy is known
@@ -90,10 +90,10 @@ class Trainer:
         if job.config.is_server:
             raise RuntimeError("Trainer is for workers; servers serve inside gradsync.init()")
         job.building_trainer()
-        self._described = resume.describe(model, optimizer)
+        self._described = checkpoints.describe(model, optimizer)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         if job.resumed is not None and job.config.worker_rank == 0:  # one worker decides: one failure
-            resume.check(job.resumed, self._described)
+            checkpoints.check(job.resumed, self._described)
         self._strategy: Strategy
         if job.config.strategy == "ps":
             from gradsync.worker.ps_strategy import PSStrategy
@@ -116,7 +116,7 @@ class Trainer:
         scalars.watch(self._strategy.metrics, self._strategy.model_sizes(trainable))
         self.start_step = 0
         if job.resumed is not None:
-            self.start_step = job.steps = resume.restore(job.config, self._strategy, job.resumed)
+            self.start_step = job.steps = checkpoints.restore(job.config, self._strategy, job.resumed)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -159,7 +159,7 @@ class Trainer:
         self._job.steps += 1
         every = self._job.config.checkpoint_every
         if every and self._job.steps % every == 0:
-            resume.save(self._job.store, self._job.config, self._job.run, self._job.steps, self._strategy,
+            checkpoints.save(self._job.store, self._job.config, self._job.run, self._job.steps, self._strategy,
                         self._described)
 
     def no_sync(self):

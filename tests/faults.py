@@ -134,7 +134,7 @@ def die_mid_push(withheld: int) -> None:
     answered its part (applied it)."""
     import torch.distributed.rpc as rpc
 
-    from gradsync.config import server_name
+    from gradsync.core.job_names import server_name
     from gradsync.core.futures import resolved
     from gradsync.transport import rpc as rpc_transport
 

@@ -9,14 +9,15 @@ import torch
 import torch.distributed as dist
 
 from gradsync.core.optimizer_spec import OptimizerSpec
-from gradsync.remote.client import Client
-from gradsync.config import JobConfig, StoreKeys
-from gradsync.proto.grpc_server import serve_grpc
+from gradsync.transport.grpc.client import Client
+from gradsync.config import JobConfig
+from gradsync.core.job_names import StoreKeys
+from gradsync.transport.grpc.server import serve_grpc
 from gradsync.core.buckets import ModelSpec, plan_buckets
 from gradsync.ps.messages import Setup
 from gradsync.ps.server import ParameterServer
-from gradsync.transport.endpoint import MEMBER_TOKEN_KEY
-from gradsync.transport.grpc import GrpcTransport
+from gradsync.transport.grpc.endpoint import MEMBER_TOKEN_KEY
+from gradsync.transport.grpc.job_calls import GrpcTransport
 
 TOKEN = "test-token-0123456789"  # clients outside the job
 MEMBER_TOKEN = "test-member-token-9876543210"  # the job's own workers

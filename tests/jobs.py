@@ -149,7 +149,7 @@ def train_then_read_over_grpc(steps: int) -> dict:
     import subprocess
     import sys
 
-    from gradsync.remote.client import Client
+    from gradsync.transport.grpc.client import Client
 
     state = train_mlp(steps)
     run_dir = os.environ["GRADSYNC_RUN_DIR"]
@@ -189,7 +189,7 @@ def train_with_outside_worker(steps: int, steps_worker1: int) -> dict:
 
     import torch.distributed.rpc as rpc
 
-    from gradsync.remote.client import Client
+    from gradsync.transport.grpc.client import Client
 
     me = gradsync.worker_rank()
     trainer = gradsync.Trainer(make_mlp(), torch.optim.SGD, lr=0.05)
@@ -198,7 +198,7 @@ def train_with_outside_worker(steps: int, steps_worker1: int) -> dict:
     if me == 0:
         code = (
             "import sys, torch, torch.nn.functional as F; sys.path.insert(0, %r)\n"
-            "from gradsync.remote.client import Client; import jobs\n"
+            "from gradsync.transport.grpc.client import Client; import jobs\n"
             "c = Client(%r)\n"
             "state, versions = c.pull_versioned()\n"
             "model = jobs.make_mlp(); model.load_state_dict(state)\n"

@@ -15,8 +15,8 @@ import gradsync
 from faults import Fault, kill_job
 from gradsync.core.buckets import Entry, join_pieces
 from gradsync.core.optimizer_spec import join_state
-from gradsync.core.tables import join_rows
-from gradsync.ps import checkpoint
+from gradsync.tables.placement import join_rows
+from gradsync.ps import shard_file
 from jobs import batch, make_mlp, run_loop
 from sparse_models import ClickNet, click_batch
 
@@ -96,10 +96,10 @@ def saved(folder: str) -> dict:
     optimizer state by parameter name, "worker": worker 0's file, "versions": each shard's version}."""
     with open(os.path.join(folder, "MANIFEST.json")) as f:
         manifest = json.load(f)
-    worker = checkpoint.load(os.path.join(folder, "worker-0.ckpt"))
+    worker = shard_file.load(os.path.join(folder, "worker-0.ckpt"))
     model, optimizer, entries, tables, pieces, versions = dict(worker.get("model", {})), {}, [], {}, {}, {}
     for path in sorted(glob.glob(os.path.join(folder, "shard-*.ckpt"))):
-        shard = checkpoint.load(path)
+        shard = shard_file.load(path)
         mine = [Entry(n, tuple(shape), 0, numel, start) for n, shape, start, numel in shard["entries"]]
         entries += mine
         versions[shard["shard_id"]] = shard["version"]

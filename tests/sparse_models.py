@@ -130,7 +130,7 @@ def train_then_read_tables_over_grpc(steps: int) -> dict:
     import subprocess
     import sys
 
-    from gradsync.remote.client import Client
+    from gradsync.transport.grpc.client import Client
 
     state = train_clicks("adagrad", steps)
     run_dir = os.environ["GRADSYNC_RUN_DIR"]

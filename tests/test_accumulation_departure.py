@@ -8,7 +8,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.nn.functional as F
 
 import gradsync
-from gradsync.config import StoreKeys
+from gradsync.core.job_names import StoreKeys
 from gradsync.membership.liveness import interval, parse_left
 from gradsync.runtime import cluster
 

@@ -278,7 +278,7 @@ def test_predict_says_plainly_why_it_cannot_fit():
 
 
 def test_straggler_sleeps_factor_minus_one_times_its_compute(monkeypatch):
-    from gradsync.compare import straggler
+    from gradsync.metrics import straggler
 
     monkeypatch.setenv(STRAGGLER.env, "1:3.0")
     slept, clock = [], iter([10.0, 10.5, 11.0, 12.0, 12.5])  # built, commit at +0.5 s, ended, next 1 s later, ended
@@ -479,8 +479,8 @@ def _fields(data: bytes) -> list[tuple[int, object]]:
 def test_tensorboard_events_are_tfrecords_of_scalar_summaries(tmp_path, monkeypatch):
     import struct
 
-    from gradsync.compare import scalars
-    from gradsync.compare import tensorboard
+    from gradsync.metrics import scalars
+    from gradsync.metrics import tensorboard
 
     assert tensorboard.crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
     monkeypatch.setenv(TENSORBOARD_DIR.env, str(tmp_path))

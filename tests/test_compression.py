@@ -7,7 +7,7 @@ from gradsync.cuda_ops import compress_int8
 from gradsync.ps.sync_rule import SyncRule
 from gradsync.ps.messages import Push
 from gradsync.core.errors import GradientError
-from gradsync.ps.wire import make_wire
+from gradsync.ps.gradient_codecs import make_wire
 from jobs import reference_mlp, train_mlp_with_metrics
 from shards import ALL, grads_of, make_shard
 from helpers import max_diff

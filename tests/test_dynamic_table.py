@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 import gradsync
-from gradsync.core.id_hash import keyed, mix64, unit_interval
-from gradsync.core.id_index import IdIndex
-from gradsync.core.row_init import HashedUniform
+from gradsync.tables.id_hash import keyed, mix64, unit_interval
+from gradsync.tables.id_index import IdIndex
+from gradsync.tables.row_init import HashedUniform
 
 LOW, HIGH = -2**63, 2**63 - 1
 MASK = 2**64 - 1
@@ -80,7 +80,7 @@ def test_id_index_matches_a_dict_through_inserts_removals_and_rebuilds():
 
 
 class ReferenceTable:
-    """The documented rule, one id at a time in plain Python (gradsync/core/dynamic_table.py's docstring)."""
+    """The documented rule, one id at a time in plain Python (gradsync/tables/dynamic_table.py's docstring)."""
 
     def __init__(self, dim, capacity, admit_after, admit_probability, evict, ttl_steps, seed, lr):
         self.init = HashedUniform(dim, seed)

@@ -13,12 +13,13 @@ from elastic_jobs import (GRAD, LR, SIZE, Constant, die_before_the_trainer, kill
 from faults import Fault, train_with_fault
 from gradsync.core import settings
 from gradsync.membership import newcomers
-from gradsync.config import ConfigError, JobConfig, StoreKeys
+from gradsync.config import ConfigError, JobConfig
+from gradsync.core.job_names import StoreKeys
 from gradsync.launcher.scripts import _joiner_ended
 from gradsync.launcher.supervision import RankProcess
 from gradsync.core.buckets import ModelSpec, by_server, plan_buckets
 from gradsync.membership.liveness import Watch, create_keys, record_gone, staying
-from gradsync.proto.endpoints import job_id
+from gradsync.transport.grpc.endpoint_files import job_id
 from grpc_harness import make_server, model_state, served
 from helpers import gradsync_run
 

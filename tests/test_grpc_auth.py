@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from gradsync import cli
-from gradsync.proto.endpoints import write_endpoints
-from gradsync.remote.client import Client
+from gradsync.transport.grpc.endpoint_files import write_endpoints
+from gradsync.transport.grpc.client import Client
 from gradsync.proto import gradsync_pb2 as pb
 from gradsync.proto import gradsync_pb2_grpc as pb_grpc
-from gradsync.proto.grpc_server import serve_grpc
+from gradsync.transport.grpc.server import serve_grpc
 from grpc_harness import TOKEN, make_server, served
 from helpers import self_signed
 

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from gradsync.ps import checkpoint, reshard
+from gradsync.ps import reshard, shard_file
 from grpc_harness import make_server, served
 
 
@@ -25,7 +25,7 @@ def test_checkpoint_call_writes_state_that_loads_back_bit_for_bit(tmp_path):
         (path, version), = client.checkpoint().values()
     assert path == str(tmp_path / "shard-0.ckpt") and version == 3
     assert os.listdir(tmp_path) == ["shard-0.ckpt"]
-    state = checkpoint.load(path)
+    state = shard_file.load(path)
     assert state["version"] == 3 and state["shard_id"] == 0
     live = server.state_dict()
     for name, value in {**state["params"], **state["buffers"]}.items():
@@ -48,16 +48,16 @@ def test_checkpoint_call_writes_state_that_loads_back_bit_for_bit(tmp_path):
 
 def test_load_refuses_corrupt_and_foreign_files(tmp_path):
     server = make_server("async", workers=1)
-    path, _ = checkpoint.save(server.shard, str(tmp_path))
+    path, _ = shard_file.save(server.shard, str(tmp_path))
     blob = bytearray(open(path, "rb").read())
     blob[-10] ^= 0xFF
     bad = tmp_path / "flipped.ckpt"
     bad.write_bytes(bytes(blob))
     with pytest.raises(ValueError, match="SHA-256 does not match"):
-        checkpoint.load(str(bad))
+        shard_file.load(str(bad))
     torch.save({"params": {}}, tmp_path / "plain.pt")
     with pytest.raises(ValueError, match="bad magic header"):
-        checkpoint.load(str(tmp_path / "plain.pt"))
+        shard_file.load(str(tmp_path / "plain.pt"))
 
 
 @pytest.mark.timeout(60)

@@ -10,7 +10,7 @@ import grpc
 import pytest
 import torch
 
-from gradsync.remote.client import Client
+from gradsync.transport.grpc.client import Client
 from gradsync.proto import gradsync_pb2 as pb
 from gradsync.ps.messages import Push
 from grpc_harness import MEMBER_TOKEN, TOKEN, each_worker, job_transports, make_server, served

@@ -7,7 +7,7 @@ import grpc
 import pytest
 import torch
 
-from gradsync.remote.client import Client
+from gradsync.transport.grpc.client import Client
 from gradsync.core.buckets import ModelSpec
 from gradsync.proto import gradsync_pb2 as pb
 from gradsync.proto.tensor_codec import encode_all

@@ -11,8 +11,8 @@ import torch
 
 from gradsync.proto import gradsync_pb2 as pb
 from gradsync.proto import tensor_codec
-from gradsync.ps.messages import Piece, Push
-from gradsync.transport.grpc import read_pieces
+from gradsync.ps.messages import Piece, PipelineHead, Push
+from gradsync.transport.grpc.job_calls import read_pieces
 from grpc_harness import MEMBER_TOKEN, each_worker, job_transports, make_server, served
 
 LR = 0.1
@@ -108,7 +108,7 @@ def test_the_job_transport_pipelines_a_step_and_reads_back_the_snapshot_after_it
         def push(w):
             pieces = [Piece(0, b, None if b == len(buckets) - 1 else grads[w][b],
                             every if b == len(buckets) - 1 else ()) for b in reversed(range(len(buckets)))]
-            head = Push(None, None, {"norm.running_mean": torch.zeros(4)}, options={0: {"lr": LR / 2}})
+            head = PipelineHead(buffers={"norm.running_mean": torch.zeros(4)}, options={0: {"lr": LR / 2}})
             replies[w] = transports[w].push_pieces({0: 0}, {0: head}, pieces)[0]
 
         each_worker(push, workers)

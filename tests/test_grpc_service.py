@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from gradsync.core.optimizer_spec import OptimizerSpec
-from gradsync.remote.client import Client, pull_to_file, status_table
-from gradsync.config import StoreKeys
+from gradsync.transport.grpc.client import Client, pull_to_file, status_table
+from gradsync.core.job_names import StoreKeys
 from gradsync.core.buckets import ModelSpec, TensorSpec
-from gradsync.proto.endpoints import write_endpoints
-from gradsync.proto.grpc_server import serve_grpc
+from gradsync.transport.grpc.endpoint_files import write_endpoints
+from gradsync.transport.grpc.server import serve_grpc
 from gradsync.ps.messages import Push
 from grpc_harness import (MEMBER_TOKEN, TOKEN, each_worker, job_transport, job_transports, make_server, model_state,
                           served)

@@ -10,7 +10,7 @@ import pytest
 import gradsync
 
 PACKAGE = pathlib.Path(gradsync.__file__).parent
-LAYERS = ["cuda_ops", "core", "config", "ps", "proto", "remote", "membership", "transport", "runtime", "worker",
+LAYERS = ["cuda_ops", "core", "tables", "metrics", "config", "ps", "proto", "membership", "transport", "runtime", "worker",
           "launcher", "compare", "trainer", "client", "cli", "__init__"]
 """Lowest first: a part may import the parts before it, never one after it."""
 TOP_LEVEL = {"__init__.py", "trainer.py", "config.py", "cli.py", "client.py"}
@@ -82,3 +82,30 @@ def test_import_gradsync_loads_no_optional_stack():
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert loaded.returncode == 0, loaded.stderr
     assert loaded.stdout.split() == []
+
+
+def test_grpc_lives_in_one_package():
+    """gRPC, both sides and everything around them, is `transport/grpc/`; `proto/` is the schema, its generated
+    code and the tensor codec, which alone may import protobuf there."""
+    modules = _modules()
+    grpc_users = set()
+    for module, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            if any(n == "grpc" or n.startswith("grpc.") for n in names):
+                grpc_users.add(module)
+    assert grpc_users and all(m.startswith("gradsync.transport.grpc.") for m in grpc_users), sorted(grpc_users)
+    proto = {p.name for p in (PACKAGE / "proto").iterdir() if p.suffix in (".py", ".proto")}
+    assert proto == {"__init__.py", "gradsync.proto", "gradsync_pb2.py", "gradsync_pb2_grpc.py", "generate.py",
+                     "tensor_codec.py"}, f"proto/ holds the schema, its generated code and the codec: {sorted(proto)}"
+
+
+def test_the_in_job_metrics_are_not_part_of_the_offline_compare_tool():
+    """`compare/` runs outside the job; what a worker records (`metrics/`) does not import it, nor do the
+    trainer, the workers or the servers."""
+    modules = _modules()
+    inside = [m for m in modules if _part(m) in ("metrics", "worker", "ps", "runtime", "transport", "trainer")]
+    offenders = sorted(f"{m} imports {i}" for m in inside for i in _imports(modules[m], set(modules))
+                       if _part(i) == "compare")
+    assert not offenders, offenders

@@ -7,7 +7,7 @@ import torch
 import gradsync
 from gradsync.core.errors import GradientError
 from gradsync.ps.sync_rule import SyncRule
-from gradsync.ps.messages import Piece, Push
+from gradsync.ps.messages import Piece, PipelineHead, Push
 from jobs import reference_mlp, train_mlp
 from shards import make_pieced_shard, piece_part
 from helpers import max_diff
@@ -22,7 +22,7 @@ def test_a_piece_is_applied_and_answered_before_the_next_pieces_pushes_are_all_i
     shard = make_pieced_shard()
     rule = SyncRule(shard, num_workers=2, nonfinite="raise")
     before = [f.clone() for f in shard.flats]
-    heads = [rule.commit(w, 0, Push(None, None)) for w in (0, 1)]
+    heads = [rule.commit(w, 0, PipelineHead()) for w in (0, 1)]
     pieces = {(w, b): rule.commit_piece(w, 0, Piece(0, b, piece_part(w, b, shard), ())) for w in (0, 1) for b in (0, 1)}
     # worker 1's part of piece 2 not yet in
     pieces[(0, 2)] = rule.commit_piece(0, 0, Piece(0, 2, piece_part(0, 2, shard), ()))
@@ -42,7 +42,7 @@ def test_pieces_are_held_for_the_whole_step_when_a_nan_must_skip_it():
     shard = make_pieced_shard()
     rule = SyncRule(shard, num_workers=2, nonfinite="skip")
     before = [f.clone() for f in shard.flats]
-    heads = [rule.commit(w, 0, Push(None, None)) for w in (0, 1)]
+    heads = [rule.commit(w, 0, PipelineHead()) for w in (0, 1)]
     first = [rule.commit_piece(w, 0, Piece(0, 0, piece_part(w, 0, shard), ())) for w in (0, 1)]
     assert not any(f.done() for f in first)  # not applied early: a later piece may still skip the step
     bad = piece_part(1, 1, shard)
@@ -58,7 +58,7 @@ def test_pieces_are_held_for_the_whole_step_when_a_nan_must_skip_it():
 def test_a_nan_piece_names_the_parameter_and_the_worker():
     shard = make_pieced_shard()
     rule = SyncRule(shard, num_workers=2, nonfinite="raise")
-    heads = [rule.commit(w, 0, Push(None, None)) for w in (0, 1)]
+    heads = [rule.commit(w, 0, PipelineHead()) for w in (0, 1)]
     bad = piece_part(1, 3, shard)
     bad[0] = float("inf")
     rule.commit_piece(0, 0, Piece(0, 3, piece_part(0, 3, shard), ()))
@@ -71,7 +71,7 @@ def test_a_nan_piece_names_the_parameter_and_the_worker():
 def test_a_piece_sent_twice_is_refused():
     shard = make_pieced_shard()
     rule = SyncRule(shard, num_workers=2, nonfinite="raise")
-    rule.commit(0, 0, Push(None, None))
+    rule.commit(0, 0, PipelineHead())
     rule.commit_piece(0, 0, Piece(0, 1, piece_part(0, 1, shard), ()))
     with pytest.raises(GradientError, match="worker 0 sent bucket 1 twice"):
         rule.commit_piece(0, 0, Piece(0, 1, piece_part(0, 1, shard), ())).wait()

@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from gradsync.proto.endpoints import read_endpoints, write_endpoints
+from gradsync.transport.grpc.endpoint_files import read_endpoints, write_endpoints
 
 
 def test_each_server_adds_its_own_owner_only_file(tmp_path):

@@ -9,11 +9,11 @@ import torch
 import gradsync
 from gradsync.core.buckets import ModelSpec, TensorSpec, assign_tensors, join_pieces, plan_buckets
 from gradsync.core.optimizer_spec import OptimizerSpec, join_state
-from gradsync.core.row_optim import RowSGD
-from gradsync.core.tables import join_rows
-from gradsync.ps import checkpoint, reshard
+from gradsync.tables.row_optim import RowSGD
+from gradsync.tables.placement import join_rows
+from gradsync.ps import reshard, shard_file
 from gradsync.ps.shard import ShardState
-from gradsync.ps.table import TableShard
+from gradsync.ps.table_shard import TableShard
 from resumable import by_name, reference_mlp, saved, train_clicks, train_mlp
 from helpers import max_diff
 
@@ -56,7 +56,7 @@ def _step(shards: list[ShardState], seed: int) -> None:
 
 def _whole(shards: list[ShardState]) -> dict:
     """The layout's state joined: parameters, buffers, Adam state by name, the table and its momentum rows."""
-    states = [checkpoint.capture(s) for s in shards]
+    states = [shard_file.capture(s) for s in shards]
     entries = [e for s in shards for b in s.buckets for e in b.entries]
     values = join_pieces({k: v for st in states for k, v in st["params"].items()}, [e for e in entries if not e.whole])
     values.update({k: v for st in states for k, v in st["buffers"].items()})
@@ -88,7 +88,7 @@ def test_a_checkpoint_of_2_servers_restores_onto_any_number_bit_for_bit(servers,
     for seed in range(2):
         _step(written, seed)
     for shard in written:
-        checkpoint.save(shard, str(tmp_path))
+        shard_file.save(shard, str(tmp_path))
     assert any(not e.whole for s in written for b in s.buckets for e in b.entries)  # a parameter was cut
     resumed = _layout(servers, fill=0.0)
     for shard in resumed:
@@ -103,10 +103,10 @@ def test_the_same_layout_reads_its_own_file_alone(tmp_path, monkeypatch):
     written = _layout(3)
     _step(written, 0)
     for shard in written:
-        checkpoint.save(shard, str(tmp_path))
+        shard_file.save(shard, str(tmp_path))
     read = []
-    load = checkpoint.load
-    monkeypatch.setattr(checkpoint, "load", lambda path: read.append(os.path.basename(path)) or load(path))
+    load = shard_file.load
+    monkeypatch.setattr(shard_file, "load", lambda path: read.append(os.path.basename(path)) or load(path))
     resumed = _layout(3, fill=0.0)
     reshard.restore_folder(resumed[1], str(tmp_path), 3)
     assert read == ["shard-1.ckpt"]
@@ -114,7 +114,7 @@ def test_the_same_layout_reads_its_own_file_alone(tmp_path, monkeypatch):
 
 def test_a_checkpoint_without_the_shards_tensors_is_refused(tmp_path):
     written = _layout(2)
-    state = checkpoint.capture(written[0])
+    state = shard_file.capture(written[0])
     with pytest.raises(ValueError, match=r"the checkpoint holds \d+ of the \d+ elements of parameter '\w+' that "
                                          r"server 0 needs: it was written by another model.*start without --resume"):
         reshard.restore(_layout(1, fill=0.0)[0], [state])

@@ -13,8 +13,8 @@ import gradsync
 from faults import build_wider, train_resumable
 from resumable import train_clicks
 from gradsync.config import ConfigError, JobConfig
-from gradsync.ps import checkpoint
-from gradsync.runtime import resume
+from gradsync.ps import shard_file
+from gradsync.runtime import checkpoints
 from jobs import make_mlp
 from helpers import gradsync_run, max_diff, run_failing_script
 
@@ -123,7 +123,7 @@ def test_gradsync_run_flags_checkpoint_and_resume(tmp_path):
 
 
 def _run_of(folder: str) -> str:
-    with open(os.path.join(folder, resume.MANIFEST)) as f:
+    with open(os.path.join(folder, checkpoints.MANIFEST)) as f:
         return json.load(f)["run"]
 
 
@@ -202,14 +202,14 @@ def test_a_shard_its_server_cannot_restore_is_one_refusal_on_that_server(tmp_pat
 
 
 def _write_checkpoint(directory: str, step: int, servers: int, workers: int, run: str = "run-a") -> str:
-    """A checkpoint folder of `run` as `resume.save` leaves it (placeholder states), with its manifest."""
-    path = resume.step_dir(directory, step)
+    """A checkpoint folder of `run` as `checkpoints.save` leaves it (placeholder states), with its manifest."""
+    path = checkpoints.step_dir(directory, step)
     files = {}
-    for name in resume.needed_files(servers, list(range(workers))):
-        files[name] = checkpoint.stored_digest(checkpoint.write(os.path.join(path, name), {"step": step}))
+    for name in checkpoints.needed_files(servers, list(range(workers))):
+        files[name] = shard_file.stored_digest(shard_file.write(os.path.join(path, name), {"step": step}))
     manifest = dict(run=run, step=step, strategy="ps", servers=servers, workers=workers,
                     written=list(range(workers)), model={}, files=files)
-    with open(os.path.join(path, resume.MANIFEST), "w") as f:
+    with open(os.path.join(path, checkpoints.MANIFEST), "w") as f:
         json.dump(manifest, f)
     return path
 
@@ -219,12 +219,12 @@ def test_a_manifest_edited_to_omit_a_file_is_skipped_saying_why(omitted, tmp_pat
     directory = str(tmp_path)
     _write_checkpoint(directory, 5, servers=2, workers=2)
     newest = _write_checkpoint(directory, 10, servers=2, workers=2)
-    with open(os.path.join(newest, resume.MANIFEST)) as f:
+    with open(os.path.join(newest, checkpoints.MANIFEST)) as f:
         manifest = json.load(f)
     del manifest["files"][omitted]  # the file is there and intact; the manifest no longer names it
-    with open(os.path.join(newest, resume.MANIFEST), "w") as f:
+    with open(os.path.join(newest, checkpoints.MANIFEST), "w") as f:
         json.dump(manifest, f)
-    found = resume.latest_complete(directory)
+    found = checkpoints.latest_complete(directory)
     assert found.step == 5
     assert found.skipped == (f"{newest}: its MANIFEST.json does not list {omitted}, which a checkpoint of 2 servers "
                              "and 2 workers needs",)
@@ -239,10 +239,10 @@ def test_a_folder_renamed_to_a_newer_step_is_skipped_for_the_step_its_state_hold
     directory = str(tmp_path)
     _write_checkpoint(directory, 5, servers=2, workers=2)
     _write_checkpoint(directory, 10, servers=2, workers=2)
-    os.rename(resume.step_dir(directory, 5), resume.step_dir(directory, 20))
-    run, found = resume.decide(_config(resume=directory))
-    assert (run, found.step, found.path) == ("run-a", 10, resume.step_dir(directory, 10))
-    assert found.skipped == (f"{resume.step_dir(directory, 20)}: its MANIFEST.json holds step 5, and its name says "
+    os.rename(checkpoints.step_dir(directory, 5), checkpoints.step_dir(directory, 20))
+    run, found = checkpoints.decide(_config(resume=directory))
+    assert (run, found.step, found.path) == ("run-a", 10, checkpoints.step_dir(directory, 10))
+    assert found.skipped == (f"{checkpoints.step_dir(directory, 20)}: its MANIFEST.json holds step 5, and its name says "
                              "step 20: a folder renamed or copied, refused (the step of its state is not the one its "
                              "name orders it by, and the job would later write that step's files into it)",)
 
@@ -250,16 +250,16 @@ def test_a_folder_renamed_to_a_newer_step_is_skipped_for_the_step_its_state_hold
 def test_no_usable_folder_is_refused_with_the_reason_for_each(tmp_path):
     directory = str(tmp_path)
     _write_checkpoint(directory, 5, servers=2, workers=2)
-    os.rename(resume.step_dir(directory, 5), resume.step_dir(directory, 7))
-    os.makedirs(resume.step_dir(directory, 10))  # unfinished: no manifest
+    os.rename(checkpoints.step_dir(directory, 5), checkpoints.step_dir(directory, 7))
+    os.makedirs(checkpoints.step_dir(directory, 10))  # unfinished: no manifest
     with pytest.raises(FileNotFoundError) as refused:
-        resume.decide(_config(resume=directory))
+        checkpoints.decide(_config(resume=directory))
     assert str(refused.value).splitlines() == [
         f"no complete checkpoint in {directory!r} (a step-N folder with MANIFEST.json and intact files, every one "
         "listed)",
-        f"  {resume.step_dir(directory, 10)}: [Errno 2] No such file or directory: "
-        f"'{resume.step_dir(directory, 10)}/MANIFEST.json'",
-        f"  {resume.step_dir(directory, 7)}: its MANIFEST.json holds step 5, and its name says step 7: a folder "
+        f"  {checkpoints.step_dir(directory, 10)}: [Errno 2] No such file or directory: "
+        f"'{checkpoints.step_dir(directory, 10)}/MANIFEST.json'",
+        f"  {checkpoints.step_dir(directory, 7)}: its MANIFEST.json holds step 5, and its name says step 7: a folder "
         "renamed or copied, refused (the step of its state is not the one its name orders it by, and the job would "
         "later write that step's files into it)",
         "start without --resume"]
@@ -271,24 +271,24 @@ def test_a_folder_of_two_runs_is_refused_naming_both(tmp_path):
     _write_checkpoint(directory, 10, servers=2, workers=2, run="run-b")
     with pytest.raises(ConfigError, match=r"holds the checkpoints of 2 runs \(run run-b: step-00000010; run run-a: "
                                           r"step-00000005\), and a resume continues one"):
-        resume.decide(_config(resume=directory))
+        checkpoints.decide(_config(resume=directory))
 
 
 def test_a_fresh_run_refuses_another_runs_folder_or_starts_over_removing_its_step_folders(tmp_path):
     directory = str(tmp_path)
     _write_checkpoint(directory, 5, servers=2, workers=2)
-    os.makedirs(resume.step_dir(directory, 10))  # unfinished
+    os.makedirs(checkpoints.step_dir(directory, 10))  # unfinished
     (tmp_path / "notes.txt").write_text("the user's")
     fresh = dict(checkpoint_dir=directory, checkpoint_every=5)
     with pytest.raises(ConfigError, match=r"holds another run's checkpoints \(step-00000010 \(no run: unfinished "
                                           r"or older\); step-00000005 \(run run-a\)\), and this job writes run "
                                           r".*: pass --resume .* to continue that run, --start-over"):
-        resume.decide(_config(**fresh))
+        checkpoints.decide(_config(**fresh))
     assert sorted(os.listdir(directory)) == ["notes.txt", "step-00000005", "step-00000010"]
-    run, found = resume.decide(_config(**fresh, start_over=True))
+    run, found = checkpoints.decide(_config(**fresh, start_over=True))
     assert found is None and run != "run-a"
     assert os.listdir(directory) == ["notes.txt"]
-    assert resume.decide(_config(**fresh))[1] is None  # an empty folder is anyone's
+    assert checkpoints.decide(_config(**fresh))[1] is None  # an empty folder is anyone's
 
 
 def test_a_resume_refuses_to_write_into_a_folder_of_another_run(tmp_path):
@@ -297,8 +297,8 @@ def test_a_resume_refuses_to_write_into_a_folder_of_another_run(tmp_path):
     _write_checkpoint(other, 5, servers=2, workers=2, run="run-b")
     with pytest.raises(ConfigError, match=r"holds another run's checkpoints \(step-00000005 \(run run-b\)\), and "
                                           r"this job writes run run-a's"):
-        resume.decide(_config(resume=old, checkpoint_dir=other, checkpoint_every=5))
-    run, found = resume.decide(_config(resume=old, checkpoint_dir=str(tmp_path / "new"), checkpoint_every=5))
+        checkpoints.decide(_config(resume=old, checkpoint_dir=other, checkpoint_every=5))
+    run, found = checkpoints.decide(_config(resume=old, checkpoint_dir=str(tmp_path / "new"), checkpoint_every=5))
     assert (run, found.step) == ("run-a", 5)
 
 
@@ -309,7 +309,7 @@ def test_temporary_files_of_a_dead_writer_are_removed_and_nothing_else(tmp_path)
     os.close(fd)
     kept = sorted(os.listdir(folder))
     (tmp_path / ".notes.txt-draft.tmp").write_text("the user's, outside the step folders")
-    resume.decide(_config(resume=directory))
+    checkpoints.decide(_config(resume=directory))
     assert not os.path.exists(left)
     assert sorted(os.listdir(folder)) == [n for n in kept if n != os.path.basename(left)]
     assert (tmp_path / ".notes.txt-draft.tmp").exists()

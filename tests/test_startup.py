@@ -11,7 +11,8 @@ import pytest
 
 import gradsync
 from faults import sample_without_arguments, train_without_one_trainer
-from gradsync.config import ConfigError, JobConfig, StoreKeys
+from gradsync.config import ConfigError, JobConfig
+from gradsync.core.job_names import StoreKeys
 from gradsync.membership.liveness import create_keys, wait_for_arrivals
 from helpers import TESTS, gone as _gone, gradsync_run
 

@@ -8,12 +8,13 @@ import torch
 import torch.distributed as dist
 
 from gradsync.core.optimizer_spec import OptimizerSpec
-from gradsync.config import JobConfig, StoreKeys
+from gradsync.config import JobConfig
+from gradsync.core.job_names import StoreKeys
 from gradsync.core.buckets import ModelSpec, plan_buckets
 from gradsync.ps.messages import Setup
 from gradsync.ps.server import ParameterServer
-from gradsync.transport.grpc import register_from_store
-from gradsync.proto.store_data import (STORE_VALUE_BYTES, from_bytes, optimizer_class, optimizer_name, plain_setup, put,
+from gradsync.transport.grpc.job_calls import register_from_store
+from gradsync.transport.grpc.plain_data import (STORE_VALUE_BYTES, from_bytes, optimizer_class, optimizer_name, plain_setup, put,
                                        setup_from_plain, take, to_bytes)
 from grpc_harness import model_state
 

@@ -8,7 +8,7 @@ from torch import nn
 
 import gradsync
 from gradsync.core.buckets import ModelSpec, by_server, plan_buckets
-from gradsync.ps.messages import Piece, Push, Setup
+from gradsync.ps.messages import Piece, PipelineHead, Push, Setup
 from gradsync.ps.server import ParameterServer
 from gradsync.core.futures import resolved
 from gradsync.core.optimizer_spec import OptimizerSpec
@@ -35,7 +35,7 @@ def test_a_later_piece_supersedes_an_earlier_one_and_the_head_names_the_one_that
     stale = rule.commit_piece(0, 0, Piece(0, 0, wrong, (), seq=7))  # came late: older than the one here
     assert stale.wait() is None
     named = (9, 10, 11, 12)
-    heads = [rule.commit(0, 0, Push(None, None, pieces=named)), rule.commit(1, 0, Push(None, None))]
+    heads = [rule.commit(0, 0, PipelineHead(pieces=named)), rule.commit(1, 0, PipelineHead())]
     for b in range(1, 4):
         rule.commit_piece(0, 0, Piece(0, b, piece_part(0, b, shard), (), seq=named[b]))
     for b in range(4):
@@ -49,7 +49,7 @@ def test_a_bucket_waits_for_the_piece_its_head_names():
     rule = SyncRule(shard, num_workers=1, nonfinite="raise")
     before = [f.clone() for f in shard.flats]
     rule.commit_piece(0, 0, Piece(0, 0, torch.full((shard.buckets[0].numel,), 1e3), (), seq=3))
-    head = rule.commit(0, 0, Push(None, None, pieces=(4, 5, 6, 7)))
+    head = rule.commit(0, 0, PipelineHead(pieces=(4, 5, 6, 7)))
     for b in range(1, 4):
         rule.commit_piece(0, 0, Piece(0, b, piece_part(0, b, shard), (), seq=5 + b - 1))
     assert not head.done() and torch.equal(shard.flats[0], before[0])  # the piece here is not the one named
@@ -75,7 +75,7 @@ def test_pieces_left_by_a_worker_that_pushed_no_step_are_answered_when_the_step_
     rule = SyncRule(shard, num_workers=2, nonfinite="raise")
     left = rule.commit_piece(1, 0, Piece(0, 0, piece_part(1, 0, shard), (), seq=3))
     rule.worker_joined(1)  # worker 1 ran out of data after that backward (trainer.join())
-    head = rule.commit(0, 0, Push(None, None))
+    head = rule.commit(0, 0, PipelineHead())
     for b in range(4):
         rule.commit_piece(0, 0, Piece(0, b, piece_part(0, b, shard), ()))
     assert head.wait().version == 1 and left.wait() is None
@@ -191,7 +191,7 @@ def test_an_async_push_waits_on_its_server_for_the_pieces_it_names():
     early = [staging.piece(0, part(b, b)) for b in (0, 1)]
     superseded = staging.piece(0, Piece(0, 1, torch.zeros(shard.buckets[1].numel), (), seq=5))
     assert superseded.wait() is None  # older than the piece of bucket 1 already here
-    head = staging.head(0, 3, Push(None, None, pieces=(10, 11, 12, 13)))
+    head = staging.head(0, 3, PipelineHead(pieces=(10, 11, 12, 13)))
     late = staging.piece(0, part(2, 2))
     assert not head.done() and not committed
     # each piece is answered as it is kept, before its push is whole: a worker sends its later pieces only as
@@ -217,4 +217,4 @@ def test_an_async_server_refuses_a_head_that_names_no_pieces():
     setup = Setup.of(buckets, params, {}, {}, OptimizerSpec.one_group(torch.optim.SGD, {"lr": 0.1}), {}, 1)
     server.register(0, spec, setup).wait()
     with pytest.raises(Exception, match="named no piece for each of its 1 buckets"):
-        server.push(0, 0, Push(None, None)).wait()
+        server.push(0, 0, PipelineHead()).wait()

@@ -11,15 +11,15 @@ import gradsync
 from gradsync.core.optimizer_spec import OptimizerSpec
 from gradsync.core.buckets import TensorSpec
 from gradsync.core.errors import GradientError
-from gradsync.core.row_optim import LazyRows, RowAdagrad, RowSGD, exact_row_optimizer, no_row_form
-from gradsync.core.tables import check_ids, find_tables, merge_rows, rows_on, split_ids
+from gradsync.tables.row_optim import LazyRows, RowAdagrad, RowSGD, exact_row_optimizer, no_row_form
+from gradsync.tables.placement import check_ids, find_tables, merge_rows, rows_on, split_ids
 from gradsync.ps.async_rules import AsyncRule
 from gradsync.ps.sync_rule import SyncRule
 from gradsync.ps.messages import Push, RowGrads
 from gradsync.ps.shard import ShardState
-from gradsync.ps.table import TableShard
-from gradsync.worker.metrics import StepMetrics
-from gradsync.worker.tables import ServedTables
+from gradsync.ps.table_shard import TableShard
+from gradsync.metrics.step_metrics import StepMetrics
+from gradsync.worker.served_tables import ServedTables
 
 
 class Mixed(nn.Module):
@@ -235,7 +235,7 @@ def test_async_rows_record_staleness_per_table():
 
 
 def test_table_that_does_not_fit_is_refused(monkeypatch):
-    monkeypatch.setattr("gradsync.ps.table.available_memory", lambda: 2**30)
+    monkeypatch.setattr("gradsync.ps.table_shard.available_memory", lambda: 2**30)
     spec = TensorSpec("big", (10**7, 64), torch.float32)
     with pytest.raises(MemoryError, match=r"table 'big' needs 1\.21 GiB on server 0 \(5,000,000 rows x 64 float32 "
                                           r"plus the row optimizer's state\), but only 1\.00 GiB are free"):
@@ -250,15 +250,15 @@ def test_max_norm_is_refused_clearly():
 
 @pytest.mark.parametrize("optimizer", [RowSGD(lr=1.0, momentum=0.5), RowAdagrad(lr=0.1)])
 def test_table_rows_and_row_state_survive_a_checkpoint(optimizer, tmp_path):
-    from gradsync.ps import checkpoint, reshard
+    from gradsync.ps import reshard, shard_file
 
     shard, fresh = table_shard(optimizer), table_shard(optimizer)
     rule = AsyncRule(shard, 1, "raise")
     for version, ids in enumerate(([0, 2], [2])):
         rule.commit(0, version, Push([], [], rows={"t": RowGrads(version, torch.tensor(ids),
                                                                  torch.ones(len(ids), 2))})).wait()
-    path, version = checkpoint.save(shard, str(tmp_path))
-    reshard.restore(fresh, [checkpoint.load(path)])
+    path, version = shard_file.save(shard, str(tmp_path))
+    reshard.restore(fresh, [shard_file.load(path)])
     assert version == fresh.version == 2 and fresh.tables["t"].values.equal(shard.tables["t"].values)
     for done in (shard, fresh):  # the same next step: the row state came back too
         AsyncRule(done, 1, "raise").commit(0, 2, Push([], [], rows={"t": RowGrads(2, torch.tensor([0]),
@@ -299,7 +299,7 @@ def test_pull_rows_over_grpc_refuses_misrouted_ids_unknown_tables_and_a_wrong_ta
 
 @pytest.mark.parametrize("rows,said", [(400, True), (20, False)])
 def test_a_table_left_dense_is_named_only_when_it_is_a_tenth_of_the_model_or_more(capsys, rows, said):
-    from gradsync.worker.tables import WORTH_SERVING_SHARE, serve_tables
+    from gradsync.worker.served_tables import WORTH_SERVING_SHARE, serve_tables
 
     model = nn.Sequential(nn.Embedding(rows, 8), nn.Linear(8, 300))  # 2,700 parameters beside the table
     share = rows * 8 / sum(p.numel() for p in model.parameters())

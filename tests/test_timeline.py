@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import gradsync
-from gradsync.core.timeline import HEAD, Timeline
+from gradsync.metrics.timeline import HEAD, Timeline
 from gradsync.ps.sync_rule import SyncRule
-from gradsync.ps.messages import Piece, Push
+from gradsync.ps.messages import Piece, PipelineHead
 from helpers import check_timeline_order, max_diff
 from jobs import make_bn_net, make_mlp, reference_bn, reference_mlp, train_with_timeline
 from shards import make_pieced_shard, piece_part
@@ -29,7 +29,7 @@ def test_a_server_applies_each_piece_before_the_next_ones_parts_are_all_in():
     shard = make_pieced_shard()
     rule = SyncRule(shard, num_workers=2, nonfinite="raise")
     stamps = lambda b: rule.stamps.reply(b, None, 0, True)  # noqa: E731
-    [rule.commit(w, 0, Push(None, None)) for w in (0, 1)]
+    [rule.commit(w, 0, PipelineHead()) for w in (0, 1)]
     for b in range(len(shard.buckets)):
         rule.commit_piece(0, 0, Piece(0, b, piece_part(0, b, shard), ()))
         assert stamps(b).arrived is None  # worker 1's part is not in yet
@@ -44,7 +44,7 @@ def test_a_server_applies_each_piece_before_the_next_ones_parts_are_all_in():
 def test_pieces_that_wait_for_the_whole_step_are_applied_after_the_last_is_in():
     shard = make_pieced_shard()
     rule = SyncRule(shard, num_workers=2, nonfinite="skip")  # a NaN in a later piece would skip the whole step
-    [rule.commit(w, 0, Push(None, None)) for w in (0, 1)]
+    [rule.commit(w, 0, PipelineHead()) for w in (0, 1)]
     for b in range(len(shard.buckets)):
         for w in (0, 1):
             rule.commit_piece(w, 0, Piece(0, b, piece_part(w, b, shard), ()))

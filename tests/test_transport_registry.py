@@ -15,7 +15,7 @@ from gradsync.config import ConfigError, JobConfig
 from gradsync.core import settings
 from gradsync.core.transport_capabilities import CAPABILITIES, capabilities
 from gradsync.membership.newcomers import joinable
-from gradsync.proto import service
+from gradsync.transport.grpc import servicer
 from gradsync.ps.server import ParameterServer
 from gradsync.transport import registry
 from gradsync.transport.base import RankTransport, WorkerTransport
@@ -114,14 +114,14 @@ def test_row_tables_are_refused_by_a_transport_without_them(name):
 @pytest.mark.job
 def test_importing_gradsync_loads_no_grpc():
     """The registry imports a transport's module only when that transport is asked for."""
-    code = "import sys, gradsync; print(sorted(m for m in ('grpc', 'gradsync.transport.grpc') if m in sys.modules))"
+    code = "import sys, gradsync; print(sorted(m for m in ('grpc', 'gradsync.transport.grpc.job_calls') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
 
 
 def test_the_grpc_servicer_calls_only_the_parameter_servers_public_methods():
     """No reaching into ShardState or the server's private state: only its methods and its settings."""
-    tree = ast.parse(inspect.getsource(service.Servicer))
+    tree = ast.parse(inspect.getsource(servicer.Servicer))
     reached = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
                and (isinstance(node.value, ast.Name) and node.value.id == "server"
                     or isinstance(node.value, ast.Attribute) and node.value.attr == "server")}

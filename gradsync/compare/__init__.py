@@ -54,21 +54,21 @@ def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, 
     """Run the grid and write the report; returns report.md's path (relative when under the working directory)
     and the runs (a failed one has `error`, a skipped one `skipped`). `warmup`: each worker's first steps, left
     out of the per-step figures.
-    `straggler` ('W:F'): worker W's compute takes F times as long in every run (`gradsync.compare.straggler`).
+    `straggler` ('W:F'): worker W's compute takes F times as long in every run (`gradsync.metrics.straggler`).
     `log_dir`: TensorBoard scalars too, one subdirectory per run. `link`: every run over an emulated network
     of this rate (`gradsync.launcher.netem`); `server_link`: the parameter servers behind links of this rate instead
     (a slow server link). `predict`: fit the cost model on the sync runs, predict each paradigm up to
     W = 1024 and end the report with a verdict (`compare.predict`). `force`: write into a directory that
     compare did not write (`prepare_out_dir`). `copy_limit_mb`: the most the copy of the working directory each
     run starts from may hold (`workdir`). `timeline`: every
-    run records each step's timeline (`gradsync.core.timeline`); a run's median step goes into its result and
+    run records each step's timeline (`gradsync.metrics.timeline`); a run's median step goes into its result and
     timeline.png. `command` and `options`: the command line as typed and
     every option's value, for the report's header. `checked`: called once every argument is checked, before
     the first run (the command line starts its ranks' fork server there)."""
     from gradsync.compare import workdir
     from gradsync.compare.grid import grid
-    from gradsync.compare.straggler import parse as parse_straggler
-    from gradsync.config import check_script
+    from gradsync.metrics.straggler import parse as parse_straggler
+    from gradsync.launcher.script_file import check_script
 
     try:
         import matplotlib  # noqa: F401  (the plots'; torch is not imported yet)

@@ -69,7 +69,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gradsync.core.traffic import FP32, ITEMSIZE, allreduce_bytes, wire_bytes
+from gradsync.metrics.traffic import FP32, ITEMSIZE, allreduce_bytes, wire_bytes
 
 STRATEGIES = ("allreduce", "ps", "hybrid")
 MODES = ("sync", "async")

@@ -27,7 +27,7 @@ import numpy
 
 from gradsync.compare import workdir
 from gradsync.compare.grid import Config
-from gradsync.config import server_name, worker_name
+from gradsync.core.job_names import server_name, worker_name
 from gradsync.core import settings
 from gradsync.core.errors import JobFailed, NoTablesToServe
 from gradsync.launcher import procfs
@@ -250,7 +250,7 @@ def measure(logs: list[list[dict]], sampler: Sampler, warmup: int) -> dict:
 
 
 def median_timeline(steps: list[dict]) -> dict | None:
-    """The timeline (`core.timeline`: {"step", "pieces"}) of the step of median time among `steps` (worker 0's
+    """The timeline (`metrics.timeline`: {"step", "pieces"}) of the step of median time among `steps` (worker 0's
     after the warm-up, merged lines) that have one; None when none has (GRADSYNC_TIMELINE off)."""
     timed = sorted((s for s in steps if "timeline" in s),
                    key=lambda s: sum(s["record"][part] for part in ("pull_s", "compute_s", "commit_s")))

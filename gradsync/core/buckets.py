@@ -40,7 +40,7 @@ def _specs(tensors: dict[str, torch.Tensor]) -> tuple[TensorSpec, ...]:
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """What every worker's model must agree on: trainable and frozen parameters, persistent buffers, and
-    embedding tables served row-wise (`core.tables`)."""
+    embedding tables served row-wise (`tables.placement`)."""
 
     params: tuple[TensorSpec, ...]
     buffers: tuple[TensorSpec, ...]

@@ -27,7 +27,7 @@ from gradsync.launcher.leases import Lease, abandoned, holder
 from gradsync.membership import newcomers
 from gradsync.membership.liveness import create_keys, error_file
 from gradsync.membership.rank_reports import early_stderr_file, stack_file
-from gradsync.proto.endpoints import job_id, new_token
+from gradsync.transport.grpc.endpoint_files import job_id, new_token
 from gradsync.runtime import store as rendezvous
 
 HOST = "127.0.0.1"

@@ -16,7 +16,8 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from gradsync.config import StoreKeys, check_script
+from gradsync.core.job_names import StoreKeys
+from gradsync.launcher.script_file import check_script
 from gradsync.core.errors import JobFailed
 from gradsync.core.settings import (EARLY_STDERR, ERROR_FILE, JOIN, JOIN_INDEX_FILE, LAUNCHER_PID, RANK_START, RUN_DIR,
                                     STDERR_FD, Setting)

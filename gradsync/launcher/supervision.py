@@ -17,7 +17,8 @@ import time
 
 import torch.distributed as dist
 
-from gradsync.config import JobConfig, StoreKeys
+from gradsync.config import JobConfig
+from gradsync.core.job_names import StoreKeys
 from gradsync.core.errors import JobFailed, answered_worker
 from gradsync.launcher import procfs
 from gradsync.membership.departures import Departure, Departures

@@ -20,7 +20,8 @@ import time
 
 import torch.distributed as dist
 
-from gradsync.config import JobConfig, StoreKeys
+from gradsync.config import JobConfig
+from gradsync.core.job_names import StoreKeys
 from gradsync.membership.liveness import error_file, parse_gone, parse_left, record_gone
 
 

@@ -46,7 +46,8 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from gradsync.config import JobConfig, StoreKeys, worker_name
+from gradsync.config import JobConfig
+from gradsync.core.job_names import StoreKeys, worker_name
 from gradsync.core import settings
 
 _PR_SET_PDEATHSIG = 1

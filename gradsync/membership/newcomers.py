@@ -16,7 +16,8 @@ import os
 
 import torch.distributed as dist
 
-from gradsync.config import ConfigError, JobConfig, StoreKeys, settings_from_env
+from gradsync.config import ConfigError, JobConfig, settings_from_env
+from gradsync.core.job_names import StoreKeys
 from gradsync.core import settings
 from gradsync.core.atomic_file import write_atomically
 from gradsync.core.transport_capabilities import capabilities
@@ -30,7 +31,7 @@ def joinable(config: JobConfig) -> bool:
 
 
 def write_join_file(run_dir: str, host: str, port: int, job: str) -> None:
-    """Leave the address of the store of job `job` (`proto.endpoints.job_id`) in the run directory (owner-only:
+    """Leave the address of the store of job `job` (`transport.grpc.endpoint_files.job_id`) in the run directory (owner-only:
     the store has no authentication)."""
     write_atomically(os.path.join(run_dir, JOIN_FILE), json.dumps({"host": host, "port": port, "job": job}).encode())
 

@@ -24,7 +24,7 @@ import time
 
 import torch.distributed as dist
 
-from gradsync.config import StoreKeys
+from gradsync.core.job_names import StoreKeys
 from gradsync.core.settings import EARLY_STDERR, STACK_FILE, STDERR_FD
 
 STACK_SIGNAL = signal.SIGUSR1

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from gradsync.config import JobConfig, StoreKeys, worker_name
+from gradsync.config import JobConfig
+from gradsync.core.job_names import StoreKeys, worker_name
 from gradsync.membership.liveness import Heartbeat, parse_gone, parse_left
 
 if TYPE_CHECKING:

@@ -14,9 +14,9 @@ from gradsync.core.finite import first_nonfinite
 from gradsync.core.futures import failed, resolved
 from gradsync.ps.averaging import blame, blame_rows, row_staleness, scaled, skipped_entries
 from gradsync.ps.consistency import ConsistencyRule, answer
-from gradsync.ps.messages import Committed, Push
+from gradsync.ps.messages import Committed, Push, Snapshot
 from gradsync.ps.shard import ShardState
-from gradsync.ps.wire import PLAIN
+from gradsync.ps.gradient_codecs import PLAIN
 
 
 class AsyncRule(ConsistencyRule):

@@ -11,9 +11,9 @@ import torch
 from gradsync.core.errors import GradientError, nonfinite_error
 from gradsync.core.finite import first_nonfinite
 from gradsync.core.optimizer_spec import same_value
-from gradsync.core.tables import merge_rows
+from gradsync.tables.placement import merge_rows
 from gradsync.cuda_ops import aggregate
-from gradsync.ps.messages import Push, RowGrads
+from gradsync.ps.messages import PipelineHead, Push, RowGrads
 from gradsync.ps.shard import ShardState
 
 
@@ -35,7 +35,8 @@ def validated(shard: ShardState, worker: int, pulled_version: int, push: Push, w
     """
     try:
         check_version(shard, worker, pulled_version, exact)
-        checked = None if push.payloads is None else shard.check_gradients(worker, push.payloads, push.absent, wire)
+        checked = (None if isinstance(push, PipelineHead)
+                   else shard.check_gradients(worker, push.payloads, push.absent, wire))
         buffers = shard.check_buffers(worker, push.buffers)
         check_rows(shard, worker, push.rows, exact)
     except GradientError:

@@ -21,7 +21,7 @@ from gradsync.core.futures import failed
 from gradsync.ps.averaging import validated
 from gradsync.ps.messages import Push
 from gradsync.ps.shard import ShardState
-from gradsync.ps.wire import PLAIN
+from gradsync.ps.gradient_codecs import PLAIN
 
 
 class ConsistencyRule(ABC):

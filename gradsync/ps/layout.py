@@ -1,7 +1,7 @@
 """What one parameter server holds, as plain data: what its endpoint tells clients and checks requests against.
 
 `ParameterServer.layout()` makes it under the shard's lock, so that a transport's servicer
-(`gradsync.proto.service`) reads names, pieces, tables and limits without reaching into `ShardState`.
+(`gradsync.transport.grpc.servicer`) reads names, pieces, tables and limits without reaching into `ShardState`.
 """
 from __future__ import annotations
 

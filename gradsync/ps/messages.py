@@ -1,21 +1,33 @@
-"""The messages between a worker and a parameter server: a worker's setup, a push, a piece, and what a
-consistency rule resolves to.
+"""The messages between a worker and a parameter server: a worker's setup, a push (or a pipeline's head), a
+piece, what a consistency rule resolves to, and the snapshot a server answers with.
 
 Each is a small frozen dataclass. torch RPC pickles them as they are; the
 gRPC transport converts them to its protobuf messages and back at its
-boundary (`gradsync.transport.grpc`, `gradsync.proto.service`, and
-`gradsync.proto.store_data` for the setup), so the server's logic sees these
+boundary (`gradsync.transport.grpc.job_calls`, `gradsync.transport.grpc.servicer`, and
+`gradsync.transport.grpc.plain_data` for the setup), so the server's logic sees these
 types whichever transport a job runs.
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 
 from gradsync.core.buckets import Bucket, TensorSpec
 from gradsync.core.optimizer_spec import OptimizerSpec
-from gradsync.ps.shard import Snapshot
+
+
+class Snapshot(NamedTuple):
+    """A shard at one version: CPU bucket tensors and buffers that are never modified after publication."""
+
+    version: int
+    flats: list[torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.nbytes for f in self.flats) + sum(b.nbytes for b in self.buffers.values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +114,7 @@ class Push:
 
     payloads: list | None
     """One gradient per bucket of the server, in the wire format (None: no entry of that bucket got one);
-    None: a sync step whose buckets follow as `Piece`s (the pipeline)."""
+    None only in a `PipelineHead`."""
     absent: list | None
     """Per bucket, the indices of the entries without a gradient (their elements in the payload are zeros);
     None with `payloads`."""
@@ -115,11 +127,25 @@ class Push:
     agree: Agreement | None = None
     """Hold the averaged step until the workers agree on its norm (sync only); None: apply it."""
     pieces: tuple[int, ...] | None = None
-    """With `payloads` None: per bucket, the `Piece.seq` of the piece that carries this step's gradient (a
+    """In a `PipelineHead`: per bucket, the `Piece.seq` of the piece that carries this step's gradient (a
     bucket may have been sent more than once: the one named counts); None: whichever piece comes."""
     seq: int = 0
-    """With `payloads`: the worker's send number (`Piece.seq`'s counter): pieces it numbered below supersede
+    """The worker's send number (`Piece.seq`'s counter): pieces it numbered below supersede
     nothing and are void (they left during a backward whose step then travelled whole); 0: unnumbered."""
+
+    def __post_init__(self):
+        if (self.payloads is None) != isinstance(self, PipelineHead):
+            raise TypeError("a step whose buckets follow as pieces is a PipelineHead(buffers=..., ...), which "
+                            "carries no gradients; a Push carries them all")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineHead(Push):
+    """A sync step's head whose buckets follow as `Piece`s (the pipeline): the buffers, rows and options of a
+    `Push`, no gradients (async and ssp: the server stages the pieces its `pieces` name until it comes)."""
+
+    payloads: None = None
+    absent: None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ import torch
 from gradsync.core.errors import GradientError
 from gradsync.ps.messages import Push
 from gradsync.ps.shard import ShardState
-from gradsync.ps.wire import PLAIN
+from gradsync.ps.gradient_codecs import PLAIN
 
 
 def bucket_gradients(shard: ShardState, worker: int, grads: dict[str, torch.Tensor]

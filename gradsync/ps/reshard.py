@@ -20,18 +20,18 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from gradsync.core.buckets import Entry
-from gradsync.ps import checkpoint
+from gradsync.ps import shard_file
 from gradsync.ps.shard import ShardState
 
 
 def restore_folder(shard: ShardState, folder: str, servers: int) -> None:
     """Restore `shard` from the checkpoint folder `folder`, written by a job with `servers` servers."""
     order = sorted(range(servers), key=lambda k: k != shard.shard_id)  # its own file first
-    restore(shard, (checkpoint.load(os.path.join(folder, f"shard-{k}.ckpt")) for k in order), where=folder)
+    restore(shard, (shard_file.load(os.path.join(folder, f"shard-{k}.ckpt")) for k in order), where=folder)
 
 
 def restore(shard: ShardState, states: Iterable[dict], where: str = "the checkpoint") -> None:
-    """Put the loaded shard checkpoints `states` (`checkpoint.capture`) back into `shard`, whatever layout
+    """Put the loaded shard checkpoints `states` (`shard_file.capture`) back into `shard`, whatever layout
     they were written with, reading no more of them than it needs.
 
     Raises:

@@ -1,7 +1,7 @@
 """The parameter server: registration barrier, pulls and pushes, with no transport inside.
 
 One `ParameterServer` lives in each server process; a transport
-(`gradsync.transport.rpc`, `gradsync.transport.grpc`) turns its messages into
+(`gradsync.transport.rpc`, `gradsync.transport.grpc.job_calls`) turns its messages into
 calls on it. The server waits until all W workers have registered the same
 model, builds its `ShardState` from worker 0's values, then serves pulls (the
 published snapshot of the current version) and pushes (one worker's bucket
@@ -22,17 +22,17 @@ from gradsync.core.buckets import ModelSpec
 from gradsync.core.errors import (GradientError, Refusal, failed_answering, model_mismatch_error,
                                   server_failure_error)
 from gradsync.core.futures import failed, resolved
-from gradsync.ps import checkpoint, reshard
+from gradsync.ps import reshard, shard_file
 from gradsync.ps.async_rules import AsyncRule, SSPRule
 from gradsync.ps.consistency import ConsistencyRule
 from gradsync.ps.layout import ShardLayout, layout_of
-from gradsync.ps.messages import Committed, Partial, Piece, Push, Setup
+from gradsync.ps.messages import Committed, Partial, Piece, PipelineHead, Push, Setup, Snapshot
 from gradsync.ps.named_grads import push_named
-from gradsync.ps.shard import ShardState, Snapshot
+from gradsync.ps.shard import ShardState
 from gradsync.ps.staging import Staging
 from gradsync.ps.sync_rule import SyncRule
-from gradsync.ps.table import TableShard
-from gradsync.ps.wire import make_wire
+from gradsync.ps.table_shard import TableShard
+from gradsync.ps.gradient_codecs import make_wire
 
 
 class ParameterServer:
@@ -196,7 +196,7 @@ class ParameterServer:
         if worker < 0:  # async: any worker may join and leave, under a non-negative id
             return self.rejected(GradientError(f"worker {worker} is not a worker id: expected an integer >= 0"))
         if self.staging is not None:
-            if push.payloads is None:
+            if isinstance(push, PipelineHead):
                 if push.pieces is None or len(push.pieces) != len(self.shard.buckets):
                     return self.rejected(GradientError(
                         f"worker {worker} pushed no gradients to server {self.shard_id}, which runs a {self.mode} "
@@ -219,7 +219,7 @@ class ParameterServer:
                    ) -> torch.futures.Future:
         """One worker's gradient of this server's bucket `piece.bucket` in a step whose push carries none (in
         the job's wire format). Sync: resolves to the bucket's values after the step, sent as soon as every
-        worker's part is in and the bucket is applied; with `stamped`, to a `core.timeline.Stamped` of them
+        worker's part is in and the bucket is applied; with `stamped`, to a `metrics.timeline.Stamped` of them
         and the bucket's events on this server (the step timeline). Async and ssp: kept until its push comes
         (`staging`), and answered None at once (the push's reply brings the snapshot)."""
         shard = self._shard()
@@ -311,8 +311,8 @@ class ParameterServer:
             return shard.state_dict()
 
     def checkpoint(self, directory: str) -> tuple[str, int]:
-        """Write this shard's state into `directory` (`ps.checkpoint`); returns (path, version)."""
-        return checkpoint.save(self._shard(), directory)
+        """Write this shard's state into `directory` (`ps.shard_file`); returns (path, version)."""
+        return shard_file.save(self._shard(), directory)
 
     def stats(self) -> dict:
         """This server's counters (version, pushes applied/rejected, staleness, bytes)."""
@@ -328,7 +328,7 @@ class ParameterServer:
         with shard.lock:
             return {n: dataclasses.asdict(t.stats) for n, t in shard.tables.items()}
 
-    # What a transport's servicer reads and calls beyond the job's own calls (`gradsync.proto.service`).
+    # What a transport's servicer reads and calls beyond the job's own calls (`gradsync.transport.grpc.servicer`).
 
     def layout(self) -> ShardLayout:
         """What this server holds (`ps.layout`: names, pieces of split parameters, tables, sizes) at its current

@@ -1,5 +1,5 @@
 """One server's part of the model: flat parameter buckets, buffers, frozen parameters, optimizer, embedding
-table rows (`ps.table`) and version.
+table rows (`ps.table_shard`) and version.
 
 `ShardState` knows nothing of transports or consistency rules. It publishes
 one read-only CPU copy of its buckets and buffers per version, when first asked
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import NamedTuple
 
 import torch
 
@@ -23,19 +22,8 @@ from gradsync.core.buckets import Bucket
 from gradsync.core.errors import GradientError
 from gradsync.core.futures import failed
 from gradsync.core.optimizer_spec import OptimizerSpec, apply_options, load_by_name, state_by_name
-from gradsync.ps.table import TableShard
-
-
-class Snapshot(NamedTuple):
-    """A shard at one version: CPU bucket tensors and buffers that are never modified after publication."""
-
-    version: int
-    flats: list[torch.Tensor]
-    buffers: dict[str, torch.Tensor]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(f.nbytes for f in self.flats) + sum(b.nbytes for b in self.buffers.values())
+from gradsync.ps.messages import Snapshot
+from gradsync.ps.table_shard import TableShard
 
 
 @dataclasses.dataclass

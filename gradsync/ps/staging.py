@@ -1,5 +1,5 @@
 """Async and ssp pushes whose gradients left during the backward: a server keeps each worker's pieces until
-its push (a head: `Push.payloads` None, `Push.pieces` naming each bucket's piece) comes, then hands the rule
+its push (a `PipelineHead`, its `pieces` naming each bucket's piece) comes, then hands the rule
 one whole push, as if it had come whole.
 
 The pieces travel while the worker's backward runs (`gradsync.worker.streaming`); the rule still applies the
@@ -97,8 +97,9 @@ class Staging:
         if whole is None:
             return
         head, staged = whole
-        push = dataclasses.replace(head.push, payloads=[p.payload for p in staged],
-                                   absent=[tuple(p.absent) for p in staged], pieces=None)
+        fields = {f.name: getattr(head.push, f.name) for f in dataclasses.fields(Push)}
+        push = Push(**{**fields, "payloads": [p.payload for p in staged],
+                       "absent": [tuple(p.absent) for p in staged], "pieces": None})
         committed = self.commit(worker, head.pulled_version, push)
 
         def forward(done: torch.futures.Future) -> None:

@@ -24,13 +24,13 @@ from gradsync.core.clipping import Clipping
 from gradsync.core.errors import GradientError, left_early_error
 from gradsync.core.finite import first_nonfinite
 from gradsync.core.futures import failed, resolved
-from gradsync.core.timeline import PieceStamps
+from gradsync.metrics.timeline import PieceStamps
 from gradsync.ps.averaging import blame, blame_rows, check_version, mean, mean_buffers, mean_rows, merged_options
 from gradsync.ps.consistency import ConsistencyRule, answer
 from gradsync.ps.messages import Agreement, Committed, Partial, Piece, Push
 from gradsync.ps.piece_numbers import PieceNumbers
 from gradsync.ps.shard import ShardState
-from gradsync.ps.wire import PLAIN
+from gradsync.ps.gradient_codecs import PLAIN
 
 
 class _Pending(NamedTuple):

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from gradsync.config import JobConfig, StoreKeys
+from gradsync.config import JobConfig
+from gradsync.core.job_names import StoreKeys
 from gradsync.membership.liveness import Heartbeat
-from gradsync.runtime import resume
+from gradsync.metrics import scalars
+from gradsync.runtime import checkpoints
 
 _STATE: "Cluster | None" = None
 
@@ -21,7 +23,7 @@ class Cluster:
         self.joined = joined  # joined the running job: its failure is its own, not the job's
         self.has_process_group = False
         self.steps = 0  # steps this worker has committed (Trainer.step; allreduce: and answered after joining)
-        self.resumed: resume.Found | None = None  # the checkpoint this job resumes from (--resume)
+        self.resumed: checkpoints.Found | None = None  # the checkpoint this job resumes from (--resume)
         self.run = ""  # the run this job's checkpoints belong to ('' without --checkpoint-dir or --resume)
 
     def building_trainer(self) -> None:
@@ -39,6 +41,7 @@ def set_running(cluster: Cluster | None) -> None:
     """Enter the job (`cluster`) or leave it (None)."""
     global _STATE
     _STATE = cluster
+    scalars.CURRENT.worker = None if cluster is None else cluster.config.worker_rank
 
 
 def current() -> Cluster:

@@ -10,7 +10,7 @@ import sys
 import threading
 import traceback
 
-from gradsync.config import StoreKeys
+from gradsync.core.job_names import StoreKeys
 from gradsync.core import settings
 from gradsync.core.errors import blamed_worker
 from gradsync.runtime.cluster import Cluster

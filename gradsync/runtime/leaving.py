@@ -7,7 +7,7 @@ import time
 
 import torch.distributed as dist
 
-from gradsync.config import StoreKeys, worker_name
+from gradsync.core.job_names import StoreKeys, worker_name
 from gradsync.membership import newcomers
 from gradsync.membership.liveness import record_gone, staying
 from gradsync.runtime import cluster as job

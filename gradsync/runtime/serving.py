@@ -43,7 +43,7 @@ def serve(cluster: Cluster, server: ParameterServer) -> None:
     """Serve until every worker has left, then exit the process: 0, or 1 when the job failed (recorded here,
     unless the failure is this server's own, recorded already: an exception must not leave a process whose RPC
     agent still runs, as interpreter exit then aborts it)."""
-    from gradsync.transport.endpoint import start_endpoint  # here: importing gradsync loads no grpc
+    from gradsync.transport.grpc.endpoint import start_endpoint  # here: importing gradsync loads no grpc
 
     config = cluster.config
     rank_side = transport(config.transport).rank
@@ -68,7 +68,7 @@ def serve(cluster: Cluster, server: ParameterServer) -> None:
 
 def _write_stats(server: ParameterServer) -> None:
     """The server's final counters as `stats-<shard>.json` in the run directory (`gradsync compare` reads them)."""
-    from gradsync.transport.endpoint import run_dir
+    from gradsync.transport.grpc.endpoint import run_dir
 
     if server.shard is not None:
         stats = {**server.stats(), "tables": server.table_stats()}

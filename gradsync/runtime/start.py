@@ -19,7 +19,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from gradsync.config import ConfigError, JobConfig, StoreKeys, job_keywords
+from gradsync.config import ConfigError, JobConfig, job_keywords
+from gradsync.core.job_names import StoreKeys
 from gradsync.core import settings
 from gradsync.core.errors import init_in_a_child_error
 from gradsync.core.torch_internals import importing_main_for_a_child
@@ -27,7 +28,7 @@ from gradsync.membership import newcomers
 from gradsync.membership.liveness import Heartbeat, die_with_launcher, wait_for_arrivals
 from gradsync.membership.rank_reports import register_stack_file, release_early_stderr
 from gradsync.runtime import cluster as job
-from gradsync.runtime import malloc, resume
+from gradsync.runtime import checkpoints, malloc
 from gradsync.runtime.failures import report_failures
 from gradsync.runtime.serving import install_server, serve
 from gradsync.runtime.store import connect_store, use_loopback_interfaces
@@ -88,7 +89,7 @@ def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=
     if config.rank == 0:  # for workers that join (an async job), and to refuse them at once (any other)
         newcomers.publish_settings(store, config)
     wait_for_arrivals(store, config)
-    cluster.run, cluster.resumed = resume.open_run(config, store)
+    cluster.run, cluster.resumed = checkpoints.open_run(config, store)
     server = install_server(cluster) if config.is_server else None
     registry.transport(config.transport).rank.start(config, store)
     if server is not None:

@@ -17,11 +17,10 @@ import torch.distributed as dist
 
 from gradsync.config import JobConfig
 from gradsync.core.buckets import Bucket, ModelSpec
-from gradsync.core.timeline import Timeline
+from gradsync.metrics.timeline import Timeline
 from gradsync.core.transport_capabilities import Capabilities
-from gradsync.ps.messages import Partial, Piece, Push, Setup
+from gradsync.ps.messages import Partial, Piece, Push, Setup, Snapshot
 from gradsync.ps.server import ParameterServer
-from gradsync.ps.shard import Snapshot
 
 
 PROBE_BYTES = 2**20

@@ -31,9 +31,9 @@ def _rpc() -> Transport:
 
 
 def _grpc() -> Transport:
-    from gradsync.transport import grpc
+    from gradsync.transport.grpc import job_calls
 
-    return Transport(grpc.GrpcTransport, grpc.GrpcRank())
+    return Transport(job_calls.GrpcTransport, job_calls.GrpcRank())
 
 
 _LOADERS = {"rpc": _rpc, "grpc": _grpc}

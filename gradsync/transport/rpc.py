@@ -25,16 +25,16 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from torch.distributed.rendezvous import register_rendezvous_handler
 
-from gradsync.config import JobConfig, StoreKeys, server_name
+from gradsync.config import JobConfig
+from gradsync.core.job_names import StoreKeys, server_name
 from gradsync.core import settings
 from gradsync.core.buckets import ModelSpec
 from gradsync.core.futures import failed
-from gradsync.core.timeline import HEAD
+from gradsync.metrics.timeline import HEAD
 from gradsync.core.torch_internals import set_rpc_timeout
 from gradsync.core.transport_capabilities import capabilities
-from gradsync.ps.messages import Committed, Partial, Piece, Push, Setup
+from gradsync.ps.messages import Committed, Partial, Piece, PipelineHead, Push, Setup, Snapshot
 from gradsync.ps.server import ParameterServer
-from gradsync.ps.shard import Snapshot
 from gradsync.transport import rpc_group
 from gradsync.transport.base import RankTransport, WorkerTransport, link_rate
 
@@ -310,14 +310,14 @@ def _replied(server: ParameterServer, fut: torch.futures.Future, worker: int, ca
 @_answering("push", later=True)
 def rpc_push(worker: int, pulled_version: int, push: Push) -> torch.futures.Future:
     server = _server()
-    whole = push.payloads is not None or not server.pipelined  # async, ssp: pieces come back with the push
+    whole = not isinstance(push, PipelineHead) or not server.pipelined  # async, ssp: pieces come back with the push
     return _replied(server, server.push(worker, pulled_version, push), worker, "push", whole=whole)
 
 
 @rpc.functions.async_execution
 @_answering("push of a piece", later=True)
 def rpc_push_piece(worker: int, pulled_version: int, piece: Piece, stamped: bool = False) -> torch.futures.Future:
-    """The bucket's values after the step; with `stamped`, its server events too (`core.timeline.Stamped`)."""
+    """The bucket's values after the step; with `stamped`, its server events too (`metrics.timeline.Stamped`)."""
     return _server().push_piece(worker, pulled_version, piece, stamped)
 
 

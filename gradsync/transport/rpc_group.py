@@ -28,7 +28,8 @@ from typing import Callable
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from gradsync.config import JobConfig, StoreKeys, worker_name
+from gradsync.config import JobConfig
+from gradsync.core.job_names import StoreKeys, worker_name
 from gradsync.core.torch_internals import (RPC_JOIN_DONE, RPC_JOIN_TOKEN, RPC_MEMBER_LIST, RPC_STORE_PREFIX,
                                            current_rpc_agent, rpc_init_count, rpc_join_token)
 from gradsync.membership.liveness import parse_gone

@@ -47,13 +47,13 @@ import torch.distributed.autograd as dist_autograd
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradsync.config import StoreKeys
+from gradsync.core.job_names import StoreKeys
 from gradsync.core.buckets import ModelSpec
 from gradsync.core.clipping import Clipping
 from gradsync.core.errors import (left_early_error, model_mismatch_error, no_gradients_error, no_trainer_error,
                                   nonfinite_error, outside_join_error, step_twice_error)
 from gradsync.core.finite import first_nonfinite
-from gradsync.core.traffic import allreduce_bytes, sparse_bytes
+from gradsync.metrics.traffic import allreduce_bytes, sparse_bytes
 from gradsync.core.torch_internals import current_context_id, tree_flatten, tree_unflatten
 from gradsync.membership.liveness import wait_for_every_worker
 from gradsync.runtime.failures import exit_now
@@ -61,10 +61,10 @@ from gradsync.worker import ddp_join
 from gradsync.worker.amp import inverse_scale, record_found_inf
 from gradsync.worker.comm_timing import LastGradient, timed_hook
 from gradsync.worker.ddp_hooks import make_ddp_hook
-from gradsync.worker.metrics import StepMetrics
+from gradsync.metrics.step_metrics import StepMetrics
 from gradsync.worker.model_state import named_tensors, to_state_dict
 from gradsync.worker.strategy import Strategy
-from gradsync.worker.tables import WORTH_SERVING_SHARE
+from gradsync.worker.served_tables import WORTH_SERVING_SHARE
 from gradsync.worker.user_optimizer import StepGuard
 
 if TYPE_CHECKING:  # imports point one way: the start-up code (cluster) builds the strategies

@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from gradsync.core.timeline import Timeline
-from gradsync.core.traffic import allreduce_bytes
+from gradsync.metrics.timeline import Timeline
+from gradsync.metrics.traffic import allreduce_bytes
 
 
 class LastGradient:
@@ -39,7 +39,7 @@ class LastGradient:
 
 def timed_hook(hook: Callable, timeline: Timeline, compression: str) -> Callable:
     """DDP comm hook `hook` (`ddp_hooks.make_ddp_hook`'s) with each bucket's events in `timeline`: launched,
-    completed, and the bytes its allreduce moves through a link each way (`core.traffic.allreduce_bytes`).
+    completed, and the bytes its allreduce moves through a link each way (`metrics.traffic.allreduce_bytes`).
     `hook` itself when the timeline is off."""
     if not timeline.on:
         return hook

@@ -1,7 +1,7 @@
 """Worker side of the hybrid strategy: embedding tables on the parameter servers, the rest in DDP.
 
 The recommendation-model layout (PERSIA, HugeCTR): a worker pulls only the
-rows of the tables its batch looks up (`worker.tables`), and the dense layers
+rows of the tables its batch looks up (`worker.served_tables`), and the dense layers
 are averaged by DDP among the workers, in the same dist_autograd loop. `step`
 applies the dense optimizer (`AllreduceStrategy.step`, with its checks and
 refusals) and pushes the row gradients, one call per server (none when the
@@ -32,7 +32,7 @@ from gradsync.worker.allreduce_strategy import AllreduceStrategy
 from gradsync.worker.amp import inverse_scale
 from gradsync.worker.model_state import ordered
 from gradsync.worker.strategy import Strategy
-from gradsync.worker.tables import serve_tables
+from gradsync.worker.served_tables import serve_tables
 
 if TYPE_CHECKING:
     from gradsync.runtime.cluster import Cluster

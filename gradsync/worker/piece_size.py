@@ -26,7 +26,8 @@ import math
 
 import torch.distributed as dist
 
-from gradsync.config import JobConfig, StoreKeys
+from gradsync.config import JobConfig
+from gradsync.core.job_names import StoreKeys
 from gradsync.core.transport_capabilities import Capabilities
 from gradsync.runtime.store import is_loopback
 

@@ -6,7 +6,7 @@ parameter is a leaf tensor of its own (a view of the pulled bucket, or the
 pieces of a parameter split across servers joined), so backward writes each
 parameter's gradient once and knows which parameters got none. `step` reads
 the gradients from the dist_autograd context, packs them into the bucket plan
-(with the entries that got no gradient listed), encodes them (`ps.wire`) and
+(with the entries that got no gradient listed), encodes them (`ps.gradient_codecs`) and
 pushes them: in sync mode without clipping or a GradScaler as pieces (unless
 the job's plan, `worker.piece_size.step_plan`, sends steps whole: gRPC on one
 machine, or a model too small for a pipeline to pay behind its link), one
@@ -38,22 +38,21 @@ from gradsync.core.clipping import Clipping
 from gradsync.core.errors import no_gradients_error, step_twice_error
 from gradsync.core.finite import first_nonfinite
 from gradsync.core.optimizer_spec import OptimizerSpec, changed_options, group_options
-from gradsync.core.timeline import HEAD
+from gradsync.metrics.timeline import HEAD
 from gradsync.core.torch_internals import current_context_id
-from gradsync.core.traffic import head_bytes
+from gradsync.metrics.traffic import head_bytes
 from gradsync.membership.uneven_data import Joiner
-from gradsync.ps.messages import Agreement, Partial, Piece, Push, Setup
-from gradsync.ps.shard import Snapshot
-from gradsync.ps.wire import make_wire
+from gradsync.ps.messages import Agreement, Partial, Piece, PipelineHead, Push, Setup, Snapshot
+from gradsync.ps.gradient_codecs import make_wire
 from gradsync.transport.registry import transport
 from gradsync.worker.amp import inverse_scale, record_found_inf
-from gradsync.worker.metrics import StepMetrics
+from gradsync.metrics.step_metrics import StepMetrics
 from gradsync.worker.piece_size import pipelined, step_plan
 from gradsync.worker.model_state import named_tensors, ordered, to_state_dict
 from gradsync.worker.served_optimizer import ServedState, serve_state
 from gradsync.worker.strategy import Strategy
 from gradsync.worker.streaming import GradientStream, dense, next_seq
-from gradsync.worker.tables import serve_tables
+from gradsync.worker.served_tables import serve_tables
 from gradsync.worker.user_optimizer import StepGuard
 
 if TYPE_CHECKING:  # imports point one way: the start-up code (cluster) builds the strategies
@@ -279,7 +278,7 @@ class PSStrategy(Strategy):
             pieces = [Piece(s, b, payloads[s][b], absent[s][b], seq()) for s, b in self._order
                       if (s, b) not in streamed]
             named = {(p.server, p.bucket): p.seq for p in [*streamed.values(), *pieces]}
-            heads = {s: Push(None, None, buffers[s], rows.get(s, {}), changes, pieces=tuple(
+            heads = {s: PipelineHead(buffers=buffers[s], rows=rows.get(s, {}), options=changes, pieces=tuple(
                 named[(s, b)] for b in range(len(self.server_buckets[s]))) if self._streams else None)
                 for s in self.servers}
             self.metrics.timeline.expect(sizes)

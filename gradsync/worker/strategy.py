@@ -1,7 +1,7 @@
 """What `gradsync.Trainer` asks of a worker-side strategy, whichever the job runs (ps, allreduce, hybrid).
 
 Every strategy implements `Strategy`; the Trainer (and a job checkpoint,
-`gradsync.runtime.resume`, with `local_state` / `load_local_state`) calls these
+`gradsync.runtime.checkpoints`, with `local_state` / `load_local_state`) calls these
 and nothing else, so it never asks which strategy it holds.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from contextlib import AbstractContextManager
 import torch
 from torch import nn
 
-from gradsync.worker.metrics import StepMetrics
+from gradsync.metrics.step_metrics import StepMetrics
 
 
 class Strategy(ABC):
@@ -64,5 +64,5 @@ class Strategy(ABC):
 
     def checkpoint_servers(self, directory: str) -> dict[int, tuple[str, int]]:
         """Every parameter server writes its shard into `directory`: (path, version) by server; {} without
-        servers (a job checkpoint, `gradsync.runtime.resume`)."""
+        servers (a job checkpoint, `gradsync.runtime.checkpoints`)."""
         return {}

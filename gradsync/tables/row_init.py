@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from gradsync.core.id_hash import keyed, unit_interval
+from gradsync.tables.id_hash import keyed, unit_interval
 
 _INIT_WORD = 0x696E6974  # b"init": keeps the init stream apart from the admission stream of the same seed
 

@@ -1,5 +1,5 @@
 """The gRPC service of one parameter server: a thin servicer over its public methods (served by
-`gradsync.proto.grpc_server.serve_grpc`, with bearer-token auth).
+`gradsync.transport.grpc.server.serve_grpc`, with bearer-token auth).
 
 The servicer only translates: messages in, calls on a `ParameterServer`'s
 public methods out (its `layout()` for names and limits), results back as
@@ -29,7 +29,7 @@ client can stall the job: at most `outside_calls` outside calls run at once (one
 more is refused with RESOURCE_EXHAUSTED) on threads of their own, beside the
 members' threads; a call whose client sends nothing of its request stream, or reads
 nothing of its reply stream, for its idle limit (outside: `idle_timeout`; members: the
-step timeout) is cancelled with DEADLINE_EXCEEDED (`gradsync.proto.admission`).
+step timeout) is cancelled with DEADLINE_EXCEEDED (`gradsync.transport.grpc.admission`).
 An outside Push may not speak for a member: in sync and ssp jobs it is refused, in
 async jobs it must name a worker id of its own (num_workers .. 65535, none that a
 joined worker registered); every Push carries at least one gradient.
@@ -49,11 +49,10 @@ from google.protobuf.message import DecodeError
 from gradsync.core.errors import GradientError
 from gradsync.proto import gradsync_pb2 as pb
 from gradsync.proto import tensor_codec
-from gradsync.proto.admission import Refused
-from gradsync.proto.store_data import from_bytes, to_bytes
+from gradsync.transport.grpc.admission import Refused
+from gradsync.transport.grpc.plain_data import from_bytes, to_bytes
 from gradsync.ps.layout import ShardLayout
-from gradsync.ps.messages import Agreement, Partial, Piece, Push
-from gradsync.ps.shard import Snapshot
+from gradsync.ps.messages import Agreement, Partial, Piece, PipelineHead, Push, Snapshot
 
 SERVICE = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 MAX_WORKER_ID = (1 << 16) - 1  # the largest worker id a named Push may carry
@@ -271,7 +270,7 @@ class Servicer:
             buffers, sent = {}, None  # sent: the buckets handed over; None until the head is
 
             def head() -> set:
-                give(None, self.server.push(worker, version, Push(None, None, buffers, options=options)))
+                give(None, self.server.push(worker, version, PipelineHead(buffers=buffers, options=options)))
                 return set()
 
             try:
@@ -301,7 +300,7 @@ class Servicer:
             if key is None:
                 committed = value
                 continue
-            if header.timeline:  # a `core.timeline.Stamped`: the bucket's events on this server first
+            if header.timeline:  # a `metrics.timeline.Stamped`: the bucket's events on this server first
                 value, arrived, applied = value
                 yield pb.PullResponse(stamp=pb.PieceStamp(bucket=key, arrived=arrived or 0.0, applied=applied or 0.0))
             yield from tensor_codec.encode_messages({key: value}, pb.PullResponse)

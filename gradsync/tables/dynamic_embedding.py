@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradsync.core.dynamic_table import DynamicTable
-from gradsync.core.row_init import HashedUniform
+from gradsync.tables.dynamic_table import DynamicTable
+from gradsync.tables.row_init import HashedUniform
 
 MODES = (None, "sum", "mean")
 _STATE_KEYS = ("ids", "weight", "last_step", "lookups", "waiting_ids", "waiting_sightings", "waiting_last_step",

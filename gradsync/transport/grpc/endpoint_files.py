@@ -14,7 +14,7 @@ import os
 import re
 import secrets
 
-from gradsync.config import StoreKeys
+from gradsync.core.job_names import StoreKeys
 from gradsync.core.atomic_file import write_atomically
 
 _NAME = re.compile(r"grpc-(\d+)\.json$")

@@ -19,9 +19,9 @@ import os
 import time
 from typing import TextIO
 
-from gradsync.compare.tensorboard import EventWriter
+from gradsync.metrics.tensorboard import EventWriter
 from gradsync.core.settings import LOG_DIR, TENSORBOARD_DIR
-from gradsync.worker.metrics import StepMetrics
+from gradsync.metrics.step_metrics import StepMetrics
 
 
 @dataclasses.dataclass
@@ -30,6 +30,8 @@ class WorkerLog:
     the files it writes to (opened on first use)."""
 
     metrics: StepMetrics | None = None
+    worker: int | None = None
+    """This process's worker index, set when it enters a job (`runtime.cluster.set_running`)."""
     started: float = dataclasses.field(default_factory=time.monotonic)
     file: TextIO | None = None
     board: EventWriter | None = None
@@ -93,6 +95,6 @@ def _writer(directory: str) -> EventWriter:
 
 
 def _worker() -> int:
-    from gradsync.runtime import cluster
-
-    return cluster.worker_rank()
+    if CURRENT.worker is None:
+        raise RuntimeError("gradsync is not initialized in this process: call gradsync.init() first")
+    return CURRENT.worker

@@ -10,7 +10,7 @@ address and the elapsed time (ValueError: the server refused the input;
 TimeoutError: the deadline passed; PermissionError: bad token, or a call the
 token does not allow; ConnectionError: server unreachable, another job's server
 (`read_endpoints`' job id, checked at the first call), or TLS on one side only
-or another certificate (`remote.tls`); RuntimeError: anything else, such as
+or another certificate (`tls`); RuntimeError: anything else, such as
 RESOURCE_EXHAUSTED when the endpoint already serves as many outside calls as it
 takes at once).
 """
@@ -30,17 +30,17 @@ from gradsync.core import settings
 from gradsync.core.atomic_file import write_atomically
 from gradsync.core.buckets import Entry, join_pieces
 from gradsync.core.emulated_network import reachable
-from gradsync.core.tables import check_ids, join_rows, split_ids
+from gradsync.tables.placement import check_ids, join_rows, split_ids
 from gradsync.proto import gradsync_pb2 as pb
 from gradsync.proto import gradsync_pb2_grpc as pb_grpc
 from gradsync.proto import tensor_codec
-from gradsync.proto.endpoints import read_endpoints
-from gradsync.remote import tls
+from gradsync.transport.grpc.endpoint_files import read_endpoints
+from gradsync.transport.grpc import tls
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 _MAYBE_TLS = re.compile(r"socket closed|handshake|ssl|tls", re.IGNORECASE)
 """What gRPC's detail says when TLS may be why a connection failed (a plain client at a TLS endpoint sees only
-"Socket closed"): then `remote.tls` asks the endpoint."""
+"Socket closed"): then `tls` asks the endpoint."""
 _TLS_PROBE_S = 5.0
 
 _ERRORS = {
@@ -97,7 +97,7 @@ class Client:
                                         "serve with (GRADSYNC_TLS_CERT of the job)")
             with open(self.root_cert, "rb") as f:
                 credentials = grpc.ssl_channel_credentials(root_certificates=f.read())
-        # channels and metadata are public: the job's own calls (gradsync.transport.grpc) go through them too
+        # channels and metadata are public: the job's own calls (gradsync.transport.grpc.job_calls) go through them too
         self.channels = {
             shard: grpc.secure_channel(a, credentials) if credentials else grpc.insecure_channel(a)
             for shard, a in self.addresses.items()
@@ -127,7 +127,7 @@ class Client:
 
     def error(self, call: str, shard: int, start: float, e: grpc.RpcError) -> Exception:
         """The builtin exception for `call` on `shard` failing with `e`, naming the address and elapsed time
-        (since `start`, a `time.monotonic()`), and TLS with its fix when TLS is why (`remote.tls`)."""
+        (since `start`, a `time.monotonic()`), and TLS with its fix when TLS is why (`tls`)."""
         kind = _ERRORS.get(e.code(), RuntimeError)
         where = f"{call} on shard {shard} at {self.addresses[shard]} failed after {time.monotonic() - start:.2f} s"
         why = tls.mismatch(self.addresses[shard], self.root_cert, min(self.timeout, _TLS_PROBE_S)) \

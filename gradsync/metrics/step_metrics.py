@@ -6,7 +6,7 @@ import dataclasses
 import statistics
 import time
 
-from gradsync.core.timeline import Timeline
+from gradsync.metrics.timeline import Timeline
 
 
 @dataclasses.dataclass
@@ -30,7 +30,7 @@ KEPT = 10_000
 
 class StepMetrics:
     """Collects a `StepRecord` per step: pull (in the forward), compute (until step), commit (step). Keeps the
-    newest `KEPT`; `steps` counts them all. `timeline`: each step's pieces (`core.timeline`), when on."""
+    newest `KEPT`; `steps` counts them all. `timeline`: each step's pieces (`metrics.timeline`), when on."""
 
     def __init__(self):
         self.records: collections.deque[StepRecord] = collections.deque(maxlen=KEPT)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from gradsync.core.id_hash import mix64
+from gradsync.tables.id_hash import mix64
 
 _EMPTY, _FULL, _TOMBSTONE = 0, 1, 2
 MAX_LOAD = 0.5

@@ -11,7 +11,7 @@ A checkpoint file is a magic line, the SHA-256 of the payload, and the payload
 temporary file in the target directory, fsyncs it, renames it over
 `shard-<id>.ckpt` and fsyncs the directory, so a reader sees the old file or
 the new one, never a torn one. `load` refuses a file whose digest does not match.
-`write` and `load` serve any such file (a worker's state in a job checkpoint, `gradsync.runtime.resume`).
+`write` and `load` serve any such file (a worker's state in a job checkpoint, `gradsync.runtime.checkpoints`).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Rank side: `GrpcRank` starts no RPC agent (distributed autograd contexts still
 work without one); on a server, once its endpoint is up
-(`gradsync.transport.endpoint`), `register_from_store` takes the model the
+(`gradsync.transport.grpc.endpoint`), `register_from_store` takes the model the
 workers left in the store (plain data only: `store_data`). Worker side:
 `GrpcTransport` uses the job calls of the service, which carry the flat buckets
 of the shared plan by index (no names, no conversion): one JobPull stream per
@@ -24,22 +24,22 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from gradsync.config import JobConfig, StoreKeys
+from gradsync.config import JobConfig
+from gradsync.core.job_names import StoreKeys
 from gradsync.core import settings
 from gradsync.core.buckets import Bucket, ModelSpec
-from gradsync.core.timeline import HEAD, PieceEvents
+from gradsync.metrics.timeline import HEAD, PieceEvents
 from gradsync.core.torch_internals import start_dist_autograd
 from gradsync.core.transport_capabilities import capabilities
 from gradsync.proto import gradsync_pb2 as pb
 from gradsync.proto import tensor_codec
-from gradsync.proto.service import SERVICE
-from gradsync.proto.store_data import from_bytes, plain_setup, put, setup_from_plain, take, to_bytes
-from gradsync.ps.messages import Partial, Piece, Push, Setup
+from gradsync.transport.grpc.servicer import SERVICE
+from gradsync.transport.grpc.plain_data import from_bytes, plain_setup, put, setup_from_plain, take, to_bytes
+from gradsync.ps.messages import Partial, Piece, Push, Setup, Snapshot
 from gradsync.ps.server import ParameterServer
-from gradsync.ps.shard import Snapshot
-from gradsync.remote.client import Client, chunk_of, read_stream
+from gradsync.transport.grpc.client import Client, chunk_of, read_stream
 from gradsync.transport.base import PROBE_BYTES, RankTransport, WorkerTransport, link_rate
-from gradsync.transport.endpoint import worker_token
+from gradsync.transport.grpc.endpoint import worker_token
 
 
 def register_from_store(server: ParameterServer, store: dist.Store, config: JobConfig) -> None:

@@ -3,7 +3,7 @@
 A checkpoint is taken at a step boundary: after `Trainer.step` of step N,
 when N % checkpoint_every == 0. Every worker writes its own state; worker 0,
 once the store says every worker has, asks every server to write its shard
-(`ps.checkpoint`: parameters, buffers, optimizer state, table rows, version)
+(`ps.shard_file`: parameters, buffers, optimizer state, table rows, version)
 and writes the manifest, last. In a sync job no step N+1 can be applied
 meanwhile, as it needs worker 0's push; in an async or ssp job the other
 workers wait until the shards are written, so every shard holds the same
@@ -44,11 +44,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from gradsync.config import ConfigError, JobConfig, StoreKeys, worker_name
+from gradsync.config import ConfigError, JobConfig
+from gradsync.core.job_names import StoreKeys, worker_name
 from gradsync.core.atomic_file import temporaries, write_atomically
 from gradsync.core.optimizer_spec import group_options
 from gradsync.membership.liveness import staying
-from gradsync.ps import checkpoint
+from gradsync.ps import shard_file
 
 MANIFEST = "MANIFEST.json"
 _STEP = re.compile(r"step-(\d+)")
@@ -74,7 +75,7 @@ def worker_file(worker: int) -> str:
 
 def needed_files(servers: int, workers: list[int]) -> list[str]:
     """The files a checkpoint of `servers` servers, written by `workers`, holds (its manifest must list each;
-    the servers write `shard-<s>.ckpt`, `ps.checkpoint`)."""
+    the servers write `shard-<s>.ckpt`, `ps.shard_file`)."""
     return [f"shard-{s}.ckpt" for s in range(servers)] + [worker_file(w) for w in workers]
 
 
@@ -252,7 +253,7 @@ def latest_complete(directory: str) -> Found:
                 raise ValueError(f"its {MANIFEST} does not list {', '.join(omitted)}, which a checkpoint of "
                                  f"{manifest['servers']} servers and {len(written)} workers needs")
             for file, digest in manifest["files"].items():
-                checkpoint.verify(os.path.join(path, file), digest)
+                shard_file.verify(os.path.join(path, file), digest)
         except (OSError, ValueError, KeyError) as e:
             skipped.append(f"{path}: {e}")
             continue
@@ -304,7 +305,7 @@ def save(store: dist.Store, config: JobConfig, run: str, step: int, strategy, de
     state = dict(step=step, torch_rng=torch.get_rng_state(), python_rng=random.getstate(),
                  cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
                  **strategy.local_state())
-    checkpoint.write(os.path.join(path, worker_file(me)), state)
+    shard_file.write(os.path.join(path, worker_file(me)), state)
     store.set(StoreKeys.CHECKPOINT.format(step, me), "1")
     held = config.mode != "sync" and config.servers > 0  # the others' pushes would go on meanwhile
     while (coordinator := _coordinator(store, config)) != me:
@@ -318,7 +319,7 @@ def save(store: dist.Store, config: JobConfig, run: str, step: int, strategy, de
                     f"did not write its state of the checkpoint of step {step} in {path}")
     shards = strategy.checkpoint_servers(path)
     paths = [p for p, _ in shards.values()] + [os.path.join(path, worker_file(w)) for w in written]
-    files = {os.path.basename(p): checkpoint.stored_digest(p) for p in paths}
+    files = {os.path.basename(p): shard_file.stored_digest(p) for p in paths}
     manifest = dict(run=run, step=step, strategy=config.strategy, mode=config.mode, servers=config.servers,
                     workers=config.num_workers, written=written, **described, files=files)
     write_atomically(os.path.join(path, MANIFEST), json.dumps(manifest, indent=1).encode())
@@ -362,7 +363,7 @@ def restore(config: JobConfig, strategy, found: Found) -> int:
     me = config.worker_rank
     mine = me < found.manifest["workers"] and worker_file(me) in found.manifest["files"]
     first = min(found.manifest.get("written", [0]))  # worker 0, unless it had left an elastic job
-    state = checkpoint.load(os.path.join(found.path, worker_file(me if mine else first)))
+    state = shard_file.load(os.path.join(found.path, worker_file(me if mine else first)))
     if mine:
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])

@@ -14,8 +14,8 @@ import torch
 
 from gradsync.core.buckets import TensorSpec
 from gradsync.core.errors import GradientError
-from gradsync.core.row_optim import LazyRows
-from gradsync.core.tables import out_of_range, rows_on
+from gradsync.tables.row_optim import LazyRows
+from gradsync.tables.placement import out_of_range, rows_on
 
 
 @dataclasses.dataclass

@@ -1,7 +1,7 @@
 """What a grpc-transport job passes through the rendezvous store: plain data, loaded with `weights_only=True`.
 
 Workers leave their `ModelSpec`, worker 0 each server's setup, and servers
-their answer in the store (`gradsync.transport.grpc`). Everything is saved with
+their answer in the store (`gradsync.transport.grpc.job_calls`). Everything is saved with
 `torch.save` and loaded with torch's weights-only unpickler, which builds
 tensors, numbers, strings, containers, dtypes and gradsync's plan dataclasses
 (`TensorSpec`, `ModelSpec`, `Bucket`, `Entry`) and nothing else: whoever can

@@ -1,6 +1,6 @@
 """Every server's gRPC endpoint, for the world outside the job (and the job's own workers under `grpc`).
 
-`start_endpoint` serves a `ParameterServer` over gRPC (`gradsync.proto.service`)
+`start_endpoint` serves a `ParameterServer` over gRPC (`gradsync.transport.grpc.servicer`)
 and publishes the address (run directory and rendezvous store), whatever the
 job's transport: `gradsync status|pull` and `gradsync.client.Client` reach a
 running job through it.
@@ -13,7 +13,7 @@ token per job, made by the first server and shared through the store), and
 GRADSYNC_TLS_CERT / GRADSYNC_TLS_KEY for TLS. The token is the one for clients
 outside the job (written to the run directory); the job's workers hold a second,
 the member token, made by the first server and known only through the store, which
-alone opens the job calls (`gradsync.proto.service`).
+alone opens the job calls (`gradsync.transport.grpc.servicer`).
 """
 from __future__ import annotations
 
@@ -21,10 +21,10 @@ import os
 
 import torch.distributed as dist
 
-from gradsync.config import StoreKeys
+from gradsync.core.job_names import StoreKeys
 from gradsync.core import settings
-from gradsync.proto.endpoints import job_id, new_token, write_endpoints
-from gradsync.proto.grpc_server import GrpcEndpoint, serve_grpc
+from gradsync.transport.grpc.endpoint_files import job_id, new_token, write_endpoints
+from gradsync.transport.grpc.server import GrpcEndpoint, serve_grpc
 from gradsync.ps.server import ParameterServer
 
 

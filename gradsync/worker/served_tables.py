@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradsync.core.optimizer_spec import OptimizerSpec
-from gradsync.core.row_optim import exact_row_optimizer, no_row_form
-from gradsync.core.tables import check_ids, find_tables, join_rows, merge_rows, split_ids, table_specs
+from gradsync.tables.row_optim import exact_row_optimizer, no_row_form
+from gradsync.tables.placement import check_ids, find_tables, join_rows, merge_rows, split_ids, table_specs
 from gradsync.core.torch_internals import current_context_id
 from gradsync.ps.messages import RowGrads, TableSetup
 
@@ -37,7 +37,7 @@ class _Lookup:
 
 
 class ServedTables:
-    """The model's row-wise tables (`core.tables.find_tables`), looked up through `transport`."""
+    """The model's row-wise tables (`tables.placement.find_tables`), looked up through `transport`."""
 
     def __init__(self, tables: dict[str, nn.Module], num_servers: int, metrics):
         for name, module in tables.items():

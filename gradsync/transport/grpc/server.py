@@ -1,6 +1,6 @@
 """Serving one parameter server's gRPC service: `serve_grpc` starts a gRPC server whose handlers admit each
-call (`gradsync.proto.admission`: the two tokens, the outside calls' slots, idle streams) and hand it to the
-`Servicer` (`gradsync.proto.service`); `GrpcEndpoint` is the running endpoint."""
+call (`gradsync.transport.grpc.admission`: the two tokens, the outside calls' slots, idle streams) and hand it to the
+`Servicer` (`gradsync.transport.grpc.servicer`); `GrpcEndpoint` is the running endpoint."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -9,8 +9,8 @@ import grpc
 
 from gradsync.proto import gradsync_pb2 as pb
 from gradsync.proto import tensor_codec
-from gradsync.proto.admission import MEMBER, Admission, BearerAuth, Credentials, Refused
-from gradsync.proto.service import SERVICE, Servicer, request_parser
+from gradsync.transport.grpc.admission import MEMBER, Admission, BearerAuth, Credentials, Refused
+from gradsync.transport.grpc.servicer import SERVICE, Servicer, request_parser
 
 
 def _guarded(name: str, method, admission: Admission, streaming_request: bool, streaming_response: bool,
@@ -136,7 +136,7 @@ def serve_grpc(
         The running endpoint.
     """
     if not token:
-        raise ValueError("serve_grpc needs a non-empty token: pass token=gradsync.proto.endpoints.new_token()")
+        raise ValueError("serve_grpc needs a non-empty token: pass token=gradsync.transport.grpc.endpoint_files.new_token()")
     if member_token is not None and (not member_token or member_token == token):
         raise ValueError("member_token must be a non-empty token other than token (new_token() makes one), "
                          "or None for an endpoint with one credential")

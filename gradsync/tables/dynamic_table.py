@@ -12,7 +12,7 @@ up at t, never on how the step's ids were split among workers or in which order 
     It is admitted at its first lookup of the step, and its row created with `init(id)` and fresh optimizer
     state (every lookup of the id in that step then reads the row), when
       - n >= `admit_after`, and
-      - with `admit_probability` = p: `unit_interval(keyed(id, seed, b"admit", n)) < p` (core/id_hash.py):
+      - with `admit_probability` = p: `unit_interval(keyed(id, seed, b"admit", n)) < p` (tables/id_hash.py):
         each sighting from the `admit_after`-th on admits with probability p, the same draw for the same id
         and sighting in every process.
     A created row's lookup count starts at its occurrences in the step (lookups count occurrences, each
@@ -36,10 +36,10 @@ from typing import Callable
 
 import torch
 
-from gradsync.core.id_hash import keyed, unit_interval
-from gradsync.core.id_index import IdIndex
-from gradsync.core.row_init import checked_init
-from gradsync.core.row_optim import ROW_OPTIMIZERS, LazyRows
+from gradsync.tables.id_hash import keyed, unit_interval
+from gradsync.tables.id_index import IdIndex
+from gradsync.tables.row_init import checked_init
+from gradsync.tables.row_optim import ROW_OPTIMIZERS, LazyRows
 
 EVICTION_RULES = ("lru", "lfu")
 _ADMIT_WORD = 0x61646D6974  # b"admit"

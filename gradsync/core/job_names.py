@@ -1,0 +1,42 @@
+"""How a job names things: its rendezvous store's keys, and its ranks' RPC names."""
+
+
+class StoreKeys:
+    """Every key and prefix gradsync uses in the rendezvous store (`{}`: a shard, worker or global rank index)."""
+
+    FAILED = "gradsync/failed"
+    ALIVE = "gradsync/alive/{}"
+    MOVED = "gradsync/moved/{}"  # +1 at each heartbeat of rank {} (a worker) whose main thread moved since the last
+    LEFT = "gradsync/left"
+    GONE = "gradsync/gone"  # workers that left an elastic job without gradsync.shutdown(): `worker:how` lines
+    TRAINERS = "gradsync/trainers"  # `worker,` entries: the workers that have begun to build their Trainer
+    EXITED = "gradsync/exited"  # `worker,` entries: workers whose interpreter exited without gradsync.shutdown()
+    WORKERS = "gradsync/workers"  # worker indices handed out: the job's workers, then one more per joiner
+    EARLY_STDERR = "gradsync/early_stderr/{}"  # sha256 of what a rank wrote before init: a rank wrote that text
+    JOB = "gradsync/job"  # an elastic job's settings (GRADSYNC_* variables, JSON), for workers that join it
+    RPC_SERVING = "gradsync/rpc_serving/{}"  # server s is in the dynamic RPC group of an elastic job
+    RPC_MEMBERSHIP = "gradsync/rpc_membership"  # the rank that joins or leaves that group now
+    PROCESS_GROUP = "gradsync/pg"
+    RPC = "gradsync/rpc"
+    TOKEN = "gradsync/grpc_token"
+    JOB_ID = "gradsync/job_id"  # the job's id, which its run directory's files name (`transport.grpc.endpoint_files.job_id`)
+    PIECE_MB = "gradsync/piece_mb"  # the bucket cap worker 0 chose from the bandwidth it measured (ps)
+    PIPELINE = "gradsync/pipeline"  # on | off: whether the job's sync steps go as a pipeline, worker 0's plan (ps)
+    GRPC_ADDRESS = "gradsync/grpc/address/{}"
+    GRPC_SETUP = "gradsync/grpc/setup/{}"
+    GRPC_SPEC = "gradsync/grpc/spec/{}/{}"
+    GRPC_REGISTERED = "gradsync/grpc/registered/{}"
+    CHECKPOINT = "gradsync/checkpoint/{}/{}"  # step, worker: that worker wrote its state of that step
+    RUN = "gradsync/run"  # rank 0's decision (JSON): the run this job checkpoints, and the folder it resumes from
+    JOINS = "gradsync/joins"  # how many times a worker has joined (trainer.join()): numbers the events
+    JOINED = "gradsync/joined/{}"  # event number: the worker that joined
+    JOIN_DONE = "gradsync/join_done/{}/{}"  # round, shard: that server saw every worker join that round
+    JOIN_ENTERED = "gradsync/join_entered/{}"  # round: `worker,` entries, the workers that opened trainer.join()
+
+
+def server_name(index: int) -> str:
+    return f"ps{index}"
+
+
+def worker_name(index: int) -> str:
+    return f"worker{index}"
