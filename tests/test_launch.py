@@ -35,7 +35,7 @@ def test_a_second_init_outside_launch_is_refused():
 
     from gradsync.runtime import cluster
 
-    cluster.set_running(types.SimpleNamespace(config=types.SimpleNamespace(worker_rank=0)))
+    cluster.set_running(types.SimpleNamespace(config=types.SimpleNamespace(is_server=False, worker_rank=0)))
     try:
         with pytest.raises(RuntimeError, match="already called"):
             gradsync.init(strategy="allreduce", servers=0)

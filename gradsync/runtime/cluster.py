@@ -41,7 +41,7 @@ def set_running(cluster: Cluster | None) -> None:
     """Enter the job (`cluster`) or leave it (None)."""
     global _STATE
     _STATE = cluster
-    scalars.CURRENT.worker = None if cluster is None else cluster.config.worker_rank
+    scalars.CURRENT.worker = None if cluster is None or cluster.config.is_server else cluster.config.worker_rank
 
 
 def current() -> Cluster:
