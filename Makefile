@@ -23,8 +23,8 @@ run: $(VENV)/.installed
 # two pytest workers, a test file each at a time: on 2 cores the suite is CPU-bound (each `gradsync run` job imports
 # torch and torch._dynamo once, in its launcher, which forks the ranks' fork server: ~6 CPU-s a job); -n 3 gained
 # too little for the load it adds to the tests that time out a rank on purpose. From fresh clones on this machine:
-# 9:06, 9:21, 9:09 (session 13; 10:13 to 11:23 in session 12, before the launcher forked its fork server); the
-# longest files first showed no gain, so the files run in alphabetical order
+# 9:06, 9:21, 9:09 (10:13 to 11:23 before the launcher forked its fork server); the longest files first showed
+# no gain, so the files run in alphabetical order
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 --dist loadfile
 

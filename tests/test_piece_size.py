@@ -74,7 +74,7 @@ def test_worker_0_plans_and_every_other_worker_takes_its_plan(store):
 
 @pytest.mark.parametrize("host,setting,plan", [
     ("10.99.0.1", "auto", (LARGEST_MB, False)),  # behind a link: whole steps, the largest buckets
-    ("127.0.0.1", "auto", None),  # on loopback the link is the CPUs: pieces, as measured (BENCHMARKS.md)
+    ("127.0.0.1", "auto", None),  # on loopback the link is the CPUs: pieces (BENCHMARKS.md, "Piece sizes")
     ("10.99.0.1", "on", None),  # asked for
 ])
 def test_a_small_model_behind_a_fast_link_goes_whole_unless_asked(store, host, setting, plan):
@@ -115,8 +115,9 @@ def test_each_transport_measures_a_bandwidth_and_the_plan_follows_it(name):
     ("auto", "grpc", "10.99.0.1", True), ("on", "grpc", "127.0.0.1", True), ("off", "rpc", "10.99.0.1", False),
 ])
 def test_a_sync_step_is_a_pipeline_except_over_grpc_on_one_machine(setting, transport, host, expected):
-    """On loopback gRPC's pipeline threads cost more than its overlap saves (BENCHMARKS.md), torch RPC's not;
-    across machines, or behind an emulated link (the store on the hub's address), both pipeline."""
+    """On loopback gRPC's pipeline threads cost more than its overlap saves (BENCHMARKS.md, "gRPC against torch
+    RPC"), torch RPC's not; across machines, or behind an emulated link (the store on the hub's address), both
+    pipeline."""
     config = JobConfig(strategy="ps", servers=1, world_size=2, master_addr=host, transport=transport,
                        pipeline=setting)
     assert pipelined(config, capabilities(transport)) is expected
@@ -124,7 +125,7 @@ def test_a_sync_step_is_a_pipeline_except_over_grpc_on_one_machine(setting, tran
 
 def test_the_window_holds_a_quarter_mb_per_worker_and_two_pieces_at_least():
     """Unanswered bytes per server grow with W: at W = 4, 0.25 MB per server left a 100mbit server link idle
-    (1.6x its floor against 1.2x with 1 MB, BENCHMARKS.md)."""
+    (BENCHMARKS.md, "The window of unanswered pieces")."""
     from types import SimpleNamespace
 
     from gradsync.transport.base import IN_FLIGHT_MB, window

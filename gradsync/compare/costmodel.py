@@ -33,14 +33,12 @@ elements) and W workers:
   parts of each of its pieces; a worker's link its own:
       server: W / S (row_bytes + max(e c + row_bytes, 4 e)) + W min(c, 4) p
       worker:         row_bytes + max(e c + row_bytes, 4 e)  +   min(c, 4) p
-  bytes = the larger, 2 messages (4 with rows). The CPU a piece costs (~1.5 ms, BENCHMARKS.md) is part of
-  the fitted fixed cost per step, measured at the fit's W; it grows with W (a server takes W parts of each
-  piece, and pieces chosen by bandwidth, `worker.piece_size`, shrink as 1 / sqrt(W)), which the model does
-  not count: behind 100mbit it under-predicts ps S=1 at W = 4 by 26% (BENCHMARKS.md). Compression shrinks
-  the push direction.
-  Behind an emulated 100mbit link, one server, W = 2, two 4.2 MB pieces (bench/costmodel_link.py), a step
-  took 12 - 13% longer than this predicts at the link's fitted rate: the directions overlap less than it
-  assumes (BENCHMARKS.md has every ratio).
+  bytes = the larger, 2 messages (4 with rows). The CPU a piece costs (`worker.piece_size.PIECE_CPU_S`) is
+  part of the fitted fixed cost per step, measured at the fit's W; it grows with W (a server takes W parts of
+  each piece, and pieces chosen by bandwidth, `worker.piece_size`, shrink as 1 / sqrt(W)), which the model
+  does not count. Compression shrinks the push direction.
+  With few large pieces the two directions overlap less than this assumes, so it is optimistic there
+  (bench/costmodel_link.py; BENCHMARKS.md, "Behind an emulated link", has every ratio).
 - hybrid: the dense part as allreduce, plus the row pull and the row push through the servers:
   2 max(W / S, 1) row_bytes, 4 more messages.
 - async ps (no barrier): a worker's step is the larger of its own compute + exchange (its link carries
@@ -52,9 +50,9 @@ elements) and W workers:
 Runs that all exchanged the same number of messages m (a `gradsync compare` at one W, unless hybrid or
 tables add exchanges) measure m x latency, not how it grows with the messages: `latency_per_step` turns it into a fixed
 cost per step (`Fit.step_overhead_s`), which a ring's 2 (W-1) messages do not multiply. Behind an emulated
-100mbit link it came out at 36 - 62 ms per message (bench/costmodel_link.py, three sessions), far above
-any network latency: it is software and link-shaping overhead per step, and taken per message it
-over-predicted allreduce at W = 4 by up to 22%, per step it was within 6%.
+link it comes out far above any network latency: it is software and link-shaping overhead per step, and
+predicts better taken per step than per message (bench/costmodel_link.py; BENCHMARKS.md, "Behind an emulated
+link").
 
 Time-sliced runs: W workers (one thread each) that compute at once on a machine of C < W cores take W / C
 times as long (`contention`). A run measured that way says so (`Run.cores`) and the fit divides it out, so

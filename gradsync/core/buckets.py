@@ -148,8 +148,7 @@ class Bucket:
 def compact(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor`, copied when it is a view into a larger storage: torch RPC sends a view's storage from its
     start to the view's end, so the second half of a split parameter's gradient cost the whole gradient's
-    bytes on the link (measured with bench/linkfloor.py: ps S=2 moved 12.8 MB per step, not 6.4 MB, into one
-    server)."""
+    bytes on the link (bench/linkfloor.py; BENCHMARKS.md, "A ps step against its link floor")."""
     return tensor.clone() if tensor.untyped_storage().nbytes() > tensor.nbytes else tensor
 
 

@@ -1,7 +1,7 @@
 """Large CPU tensors on transparent huge pages (Linux), for the fresh buffers the data path fills each step.
 
 A fresh large allocation is a new mapping, and faulting it in 4 KB pages cost
-more than the copy that fills it here (64 MB: 65 ms -> 16 ms). `empty` asks
+more than the copy that fills it (BENCHMARKS.md, "gRPC against torch RPC"). `empty` asks
 the kernel for huge pages (madvise) in the whole 2 MB pages inside a tensor of
 `HUGE_PAGE_MIN_BYTES` or more; elsewhere, or when the kernel declines, the
 tensor simply has plain pages.

@@ -43,8 +43,8 @@ def _register(name: str, fake, mutates_args: tuple[str, ...] = ()):
 
 SMALL = 2**23
 """Elements below which, on CUDA, `scaled_cast` and a two-input `aggregate` run the reference: its few torch
-kernels (about 10 us each) beat one Triton launch (about 50 us) there; the other ops win at every size
-(`bench/cuda_ops.py --sweep` on an H200: the crossover lies between 4M and 16M elements)."""
+kernels beat one Triton launch there; the other ops win at every size (`bench/cuda_ops.py --sweep` on an H200:
+BENCHMARKS.md, "GPU ops: aggregation and compression")."""
 
 
 def _reference_is_faster(name: str, args) -> bool:
@@ -54,9 +54,9 @@ def _reference_is_faster(name: str, args) -> bool:
 
 
 def call(name: str, device: torch.device, *args):
-    """The op `name` on inputs on `device`. Eager, the kernel is called directly: the dispatcher costs 25-100 us a
-    call, more than a whole kernel on inputs of a few MB. Under `torch.compile`, and on devices the op has no
-    kernel for (its error), through the op."""
+    """The op `name` on inputs on `device`. Eager, the kernel is called directly: the dispatcher costs more a call
+    than a whole kernel on inputs of a few MB (BENCHMARKS.md, "GPU ops: aggregation and compression"). Under
+    `torch.compile`, and on devices the op has no kernel for (its error), through the op."""
     if torch.compiler.is_compiling() or device.type not in ("cpu", "cuda"):
         return _OPS[name](*args)
     if device.type == "cpu" or _reference_is_faster(name, args):

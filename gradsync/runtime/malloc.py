@@ -4,10 +4,9 @@ glibc gives a thread that allocates while another thread holds its arena an aren
 8 per core. A rank's RPC, TensorPipe and gloo threads allocate and free each step's tensors (gradients
 received, snapshots, replies, a few hundred KB each on a small model: under glibc's mmap threshold once
 one larger block was freed) in whichever arena they are attached to, and each arena's heap grows to
-the worst mix of those it sees: measured on a parameter server (W = 4, S = 2, 136k parameters), the
-memory in use stayed at 111 MB while the free memory held in the arenas rose from 24 to 44 MB in two
-minutes (`malloc_trim(0)` gave 14 MB of it back: fragmentation, not a leak). With two arenas the free
-memory stays at ~9 MB and the RSS is flat (BENCHMARKS.md, `bench/soak.py`).
+the worst mix of those it sees: on a parameter server the memory in use stays flat while the free memory
+held in the arenas grows (`malloc_trim(0)` gives it back: fragmentation, not a leak). With two arenas the
+RSS is flat (bench/soak.py; BENCHMARKS.md, "Memory under load").
 """
 from __future__ import annotations
 

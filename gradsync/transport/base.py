@@ -48,11 +48,10 @@ def link_rate(servers: int, timed, largest: int = 64 * PROBE_BYTES) -> float:
 IN_FLIGHT_MB = 0.25
 """A worker's unanswered pieces per server, in MB per worker of the job (so 0.5 MB at W = 2, 1 MB at W = 4;
 at least two pieces): a worker ahead of the others waits for their parts of its oldest piece, which keeps W
-workers' pushes into one server link in step, as BytePS's credits do, and a link's queue short. Measured with
-bench/linkfloor.py, 100mbit, issue workload, pieces chosen by bandwidth (ratio to the floor, two runs each;
-BENCHMARKS.md, "The window grows with W"): W = 4 S = 1 1.61-1.70x with 0.25 MB per server, 1.30-1.38x with
-0.5, 1.18-1.21x with 1; W = 2 S = 2 1.30-1.35x / 1.26-1.27x / 1.37x; W = 2 S = 1 1.14-1.18x with all three;
-at 1gbit, reference workload, W = 2, 0.25 and 1 MB the same. Both transports keep it (`window`)."""
+workers' pushes into one server link in step, as BytePS's credits do, and a link's queue short. A fixed window
+per server left a server link idle at W = 4 and overflowed its queue at W = 2 when larger: per worker of the job
+is what measured best at every W (bench/linkfloor.py; BENCHMARKS.md, "The window of unanswered pieces"). Both
+transports keep it (`window`)."""
 
 
 def window(server_buckets: dict[int, list[Bucket]], workers: int) -> int:

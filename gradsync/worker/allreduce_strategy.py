@@ -301,7 +301,7 @@ class AllreduceStrategy(Strategy):
             bad_workers, used = self._sync(joined)
         self.local_nonfinite = False
         # the gradients stay in .grad until the next step, as in a plain PyTorch loop: freeing them at once
-        # measured slower here (the floor in bench/overhead.py keeps them too)
+        # measured slower (BENCHMARKS.md, "Wrapper overhead against plain PyTorch"; the floor there keeps them too)
         for p, u, g in zip(self.trainable, used, averaged):
             p.grad = g if u else None
         live = [p for p in self.trainable if p.grad is not None]

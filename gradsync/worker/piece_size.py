@@ -8,14 +8,14 @@ link before it flows, W p / B), but each costs that CPU (M / (S p) pieces per se
 W p / B + M c / (S p) is least at p = sqrt(M c B / (S W)). A piece smaller than a parameter also costs two
 copies of it a step, so the smallest piece that cuts none is chosen instead when that costs less (on a fast
 link). Behind 100 Mbit/s that is ~0.25 MB for a 6 MB model, at 1 Gbit/s ~1 MB for a 26 MB one, on loopback
-whole parameters (measured: BENCHMARKS.md, "Pieces").
+whole parameters (against fixed sizes: BENCHMARKS.md, "Piece sizes").
 Whether a sync step is a pipeline at all is `pipelined`: over gRPC on one machine it is not (whole steps and
 the largest buckets, unmeasured), as gRPC's pipeline threads cost more CPU than the overlap saves where no
 link is slower than the CPUs. Behind a link it is where it pays (`pipeline_pays`): a whole step's replies
 wait for all its pushes, so its busiest link's bytes cross twice in a row; for a small model that is a few
-milliseconds, less than a pipeline's CPU per piece (the digits example behind 1 Gbit/s: 6-10 ms a step
-whole, 10-20 ms as a pipeline). Worker 0 measures and publishes the plan in the store; every other worker,
-and one that joins later, takes it from there, so that all build the same plan. Each transport measures
+milliseconds, less than a pipeline's CPU per piece (BENCHMARKS.md, "Whole steps or a pipeline"). Worker 0
+measures and publishes the plan in the store; every other worker, and one that joins later, takes it from
+there, so that all build the same plan. Each transport measures
 with its own messages (torch RPC, gRPC's JobProbe: `transport.base.link_rate`); one that cannot gets
 `LARGEST_MB`.
 """
@@ -32,11 +32,11 @@ from gradsync.core.transport_capabilities import Capabilities
 from gradsync.runtime.store import is_loopback
 
 PIECE_CPU_S = 1.5e-3
-"""CPU seconds a piece costs beyond its bytes (bench/overhead.py, reference workload, 1 MB pieces against 25)."""
+"""CPU seconds a piece costs beyond its bytes (loopback, reference workload, pieces of 0.25-25 MB: BENCHMARKS.md,
+"Piece sizes")."""
 SPLIT_S_PER_BYTE = 1.1e-9
 """Seconds per byte of a parameter cut into pieces: a worker copies it twice a step (its gradient's pieces out,
-the values' pieces joined back into fresh memory), 27 ms a step for the reference workload's 25 MB layer
-(py-spy on a worker, loopback, 1 MB pieces: 28% of its time)."""
+the values' pieces joined back into fresh memory; py-spy on a worker, BENCHMARKS.md, "Piece sizes")."""
 LARGEST_MB = 25.0
 """The largest piece: DDP's default bucket, and gradsync's before pieces were chosen."""
 SMALLEST_MB = 0.0625
@@ -67,7 +67,7 @@ def best_piece_mb(sizes: list[int], servers: int, workers: int, bandwidth: float
 def pipelined(config: JobConfig, transport: Capabilities) -> bool:
     """Whether a sync step goes as a pipeline of pieces (the `pipeline` setting): with auto, always over a
     transport that `pipelines_on_one_host`, else only when the job's store is not on loopback (the job spans
-    machines, or an emulated link separates its ranks). BENCHMARKS.md, "gRPC on one machine"."""
+    machines, or an emulated link separates its ranks). BENCHMARKS.md, "gRPC against torch RPC"."""
     if config.pipeline != "auto":
         return config.pipeline == "on"
     return transport.pipelines_on_one_host or not is_loopback(config.master_addr)

@@ -159,8 +159,8 @@ WORTH_SERVING_SHARE = 0.1
 """The share of the model's parameters from which a table left dense is worth a line (here; and compare's note
 on allreduce without `sparse=True`, `AllreduceStrategy.model_sizes`): moving only its touched rows can
 save at most its share of the bytes a step moves (a batch's rows instead of the whole table), so below a tenth
-the gain is smaller than the spread between repeated runs of one job (BENCHMARKS), while the line would repeat
-in every run of a model whose small token embedding has no row optimizer."""
+the gain is smaller than the spread between runs of one job (BENCHMARKS.md, "How these figures are measured"),
+while the line would repeat in every run of a model whose small token embedding has no row optimizer."""
 
 
 def serve_tables(module: nn.Module, tables: str, num_servers: int, metrics, optimizer: OptimizerSpec,
