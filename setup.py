@@ -15,5 +15,6 @@ setup(
         "triton": ["triton>=3.0"],
         "dev": ["pytest", "pytest-timeout", "pytest-xdist", "grpcio-tools>=1.85.1", "triton>=3.0"],
     },
-    entry_points={"console_scripts": ["gradsync = gradsync.cli:main"]},
+    entry_points={"console_scripts": ["gradsync = gradsync.cli:main"],
+                  "pytest11": ["gradsync = gradsync.testing"]},
 )

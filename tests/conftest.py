@@ -53,25 +53,11 @@ def store():
     return host_store(0)
 
 
-JOB_MARGIN_S = 10
-"""How long before the test's hard timeout (pytest-timeout) the `launch` fixture's job is stopped: the job's
-own timeout fails it naming the rank it waited for, and kills every rank, rather than pytest-timeout's stack dump."""
-
-
 @pytest.fixture
-def launch(request):
-    """`gradsync.launch` (its own store port, run directory, and every rank killed when one fails), whose job
-    times out JOB_MARGIN_S before the test's @pytest.mark.timeout unless the test passes `timeout`."""
-    import gradsync
-
-    marker = request.node.get_closest_marker("timeout")
-    limit = float(marker.args[0] if marker and marker.args else request.config.getini("timeout"))
-
-    def run(fn, **kwargs):
-        kwargs.setdefault("timeout", limit - JOB_MARGIN_S)
-        return gradsync.launch(fn, **kwargs)
-
-    return run
+def launch(gradsync_job):
+    """gradsync's own pytest plugin (`gradsync.testing`), as users get it: `gradsync.launch` whose job times out
+    before the test's @pytest.mark.timeout, every rank killed when one fails."""
+    return gradsync_job
 
 
 @pytest.fixture

@@ -41,9 +41,9 @@ def test_the_tiny_model_learns_and_clipping_bites(reference):
 @pytest.mark.job
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy,servers", [("ps", 2), ("allreduce", 0)])
-def test_gradsync_matches_single_process_training_on_the_joint_batch(strategy, servers, reference):
+def test_gradsync_matches_single_process_training_on_the_joint_batch(launch, strategy, servers, reference):
     joint, noise = reference
-    results = gradsync.launch(charlm.train, strategy=strategy, workers=WORKERS, servers=servers,
+    results = launch(charlm.train, strategy=strategy, workers=WORKERS, servers=servers,
                               args=(charlm.TINY,), timeout=280)
     for r in results:
         assert list(r["state"]) == list(joint["state"])
@@ -59,13 +59,13 @@ def test_gradsync_matches_single_process_training_on_the_joint_batch(strategy, s
 
 @pytest.mark.job
 @pytest.mark.timeout(300)
-def test_with_row_tables_hybrid_trains_what_ps_trains(reference):
+def test_with_row_tables_hybrid_trains_what_ps_trains(launch, reference):
     """--row-tables serves both embeddings with RowAdagrad (no single-process form), which hybrid needs:
     hybrid (the rest in DDP) and ps (the rest on the servers) then compute the same steps."""
     joint, noise = reference
     rows = dataclasses.replace(charlm.TINY, row_tables=True)
-    hybrid = gradsync.launch(charlm.train, strategy="hybrid", workers=WORKERS, servers=2, args=(rows,), timeout=280)
-    ps = gradsync.launch(charlm.train, strategy="ps", workers=WORKERS, servers=2, args=(rows,), timeout=280)
+    hybrid = launch(charlm.train, strategy="hybrid", workers=WORKERS, servers=2, args=(rows,), timeout=280)
+    ps = launch(charlm.train, strategy="ps", workers=WORKERS, servers=2, args=(rows,), timeout=280)
     for h, p in zip(hybrid, ps):
         assert max_diff(h["state"], p["state"]) <= noise_bound(noise)
         assert h["norms"] == pytest.approx(p["norms"], rel=1e-5)

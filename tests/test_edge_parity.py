@@ -15,8 +15,8 @@ STRATEGIES = [("allreduce", 0), ("ps", 1), ("ps", 2)]
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("strategy,servers", STRATEGIES)
 @pytest.mark.parametrize("case", list(CASES))
-def test_edge_model_matches_single_process(case, strategy, servers):
-    states = gradsync.launch(train_edge, strategy=strategy, workers=2, servers=servers, args=(case, STEPS),
+def test_edge_model_matches_single_process(launch, case, strategy, servers):
+    states = launch(train_edge, strategy=strategy, workers=2, servers=servers, args=(case, STEPS),
                              step_timeout=30, timeout=100)
     check_parity(case, states, 2, STEPS)
 
@@ -24,10 +24,10 @@ def test_edge_model_matches_single_process(case, strategy, servers):
 @pytest.mark.job
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", ["frozen", "even_steps", "adam_unused", "tied"])
-def test_edge_model_matches_single_process_through_the_grpc_pipeline_in_small_pieces(case):
+def test_edge_model_matches_single_process_through_the_grpc_pipeline_in_small_pieces(launch, case):
     """A sync step as a pipeline of pieces over gRPC (on, as between machines: on one it goes whole by
     default); 256-byte pieces cut every weight of these models."""
-    states = gradsync.launch(train_edge, strategy="ps", workers=2, servers=2, args=(case, STEPS), transport="grpc",
+    states = launch(train_edge, strategy="ps", workers=2, servers=2, args=(case, STEPS), transport="grpc",
                              pipeline="on", bucket_cap_mb=256 / 2**20, step_timeout=30, timeout=100)
     check_parity(case, states, 2, STEPS)
 
@@ -35,8 +35,8 @@ def test_edge_model_matches_single_process_through_the_grpc_pipeline_in_small_pi
 @pytest.mark.job
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("strategy,servers", STRATEGIES)
-def test_branch_on_even_steps_with_one_worker(strategy, servers):
-    states = gradsync.launch(train_edge, strategy=strategy, workers=1, servers=servers, args=("even_steps", STEPS),
+def test_branch_on_even_steps_with_one_worker(launch, strategy, servers):
+    states = launch(train_edge, strategy=strategy, workers=1, servers=servers, args=("even_steps", STEPS),
                              step_timeout=30, timeout=100)
     check_parity("even_steps", states, 1, STEPS)
 
@@ -54,6 +54,6 @@ def test_model_without_trainable_parameters_is_refused_before_any_strategy():
     (step_without_backward, r"no gradients in that context: call dist_autograd.backward"),
     (step_twice, r"already called for this context"),
 ])
-def test_misused_step_is_refused(fn, match, strategy, servers):
+def test_misused_step_is_refused(launch, fn, match, strategy, servers):
     with pytest.raises(gradsync.JobFailed, match=match):
-        gradsync.launch(fn, strategy=strategy, workers=2, servers=servers, step_timeout=20, timeout=80)
+        launch(fn, strategy=strategy, workers=2, servers=servers, step_timeout=20, timeout=80)

@@ -40,12 +40,12 @@ def test_digits_script_reaches_95_percent_under_gradsync_run(tmp_path):
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("strategy,servers", [("ps", 1), ("allreduce", 0)])
-def test_digits_reaches_95_percent_and_int8_compression_is_within_one_point(strategy, servers):
+def test_digits_reaches_95_percent_and_int8_compression_is_within_one_point(launch, strategy, servers):
     _examples_importable()
     from digits import train
 
-    plain = gradsync.launch(train, strategy=strategy, workers=2, servers=servers, timeout=190)[0]
-    int8 = gradsync.launch(train, strategy=strategy, workers=2, servers=servers, compression="int8", timeout=190)[0]
+    plain = launch(train, strategy=strategy, workers=2, servers=servers, timeout=190)[0]
+    int8 = launch(train, strategy=strategy, workers=2, servers=servers, compression="int8", timeout=190)[0]
     assert plain["test_accuracy"] >= 0.95, plain
     assert int8["test_accuracy"] >= plain["test_accuracy"] - 0.01, (int8, plain)
     assert int8["test_accuracy"] >= 0.95
@@ -63,10 +63,10 @@ def test_ctr_script_reaches_the_planted_auc_under_gradsync_run(tmp_path):
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("strategy,servers", [("ps", 2), ("allreduce", 0)])
-def test_ctr_reaches_the_planted_auc(strategy, servers):
+def test_ctr_reaches_the_planted_auc(launch, strategy, servers):
     _examples_importable()
     from ctr import train
 
     args = (CTR_ARGS["fields"], CTR_ARGS["rows"], 8, CTR_ARGS["steps"], 256, 0.1, 20_000)  # ctr.py's defaults
-    summary = gradsync.launch(train, strategy=strategy, workers=2, servers=servers, args=args, timeout=190)[0]
+    summary = launch(train, strategy=strategy, workers=2, servers=servers, args=args, timeout=190)[0]
     assert 0.7 < summary["planted_auc"] and summary["auc"] >= summary["planted_auc"] - 0.02, summary

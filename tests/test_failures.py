@@ -15,9 +15,9 @@ from helpers import REFUSED_SCRIPT, gradsync_run, max_diff
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("strategy,servers", [("ps", 1), ("allreduce", 0)])
 @pytest.mark.parametrize("how", ["raise", "kill"])
-def test_failing_worker_fails_the_job_within_30s(strategy, servers, how, tmp_path):
+def test_failing_worker_fails_the_job_within_30s(launch, strategy, servers, how, tmp_path):
     with pytest.raises(gradsync.JobFailed) as info:
-        gradsync.launch(train_with_fault, strategy=strategy, workers=3, servers=servers,
+        launch(train_with_fault, strategy=strategy, workers=3, servers=servers,
                         args=(Fault(1, 3, how, str(tmp_path)), 50), timeout=80)
     elapsed = time.time() - read_stamp(tmp_path, "fault")
     message = str(info.value)
@@ -32,25 +32,25 @@ def test_failing_worker_fails_the_job_within_30s(strategy, servers, how, tmp_pat
 @pytest.mark.job
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("strategy,servers", [("ps", 1), ("allreduce", 0)])
-def test_workers_with_different_models_are_refused(strategy, servers):
+def test_workers_with_different_models_are_refused(launch, strategy, servers):
     with pytest.raises(gradsync.JobFailed, match=r"worker 1's model differs from worker 0's: param '0.weight'"):
-        gradsync.launch(build_mismatched, strategy=strategy, workers=2, servers=servers, timeout=80)
+        launch(build_mismatched, strategy=strategy, workers=2, servers=servers, timeout=80)
 
 
 @pytest.mark.job
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("strategy,servers", [("ps", 1), ("allreduce", 0)])
-def test_nan_gradient_raises_naming_parameter_and_worker(strategy, servers):
+def test_nan_gradient_raises_naming_parameter_and_worker(launch, strategy, servers):
     with pytest.raises(gradsync.JobFailed,
                        match=r"non-finite gradient .* for parameter '\d\.(weight|bias)' from worker 1"):
-        gradsync.launch(train_with_nan, strategy=strategy, workers=2, servers=servers, args=(6, 2), timeout=100)
+        launch(train_with_nan, strategy=strategy, workers=2, servers=servers, args=(6, 2), timeout=100)
 
 
 @pytest.mark.job
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("strategy,servers", [("ps", 2), ("allreduce", 0)])
-def test_nan_gradient_skip_drops_exactly_that_step(strategy, servers):
-    states = gradsync.launch(
+def test_nan_gradient_skip_drops_exactly_that_step(launch, strategy, servers):
+    states = launch(
         train_with_nan, strategy=strategy, workers=2, servers=servers, args=(6, 2), nonfinite="skip", timeout=100
     )
     assert max_diff(states[0], reference_skipping(6, 2, skip=2)) <= 1e-5
@@ -59,16 +59,16 @@ def test_nan_gradient_skip_drops_exactly_that_step(strategy, servers):
 
 @pytest.mark.job
 @pytest.mark.timeout(120)
-def test_nan_gradient_over_a_compressed_allreduce_names_parameter_and_worker():
+def test_nan_gradient_over_a_compressed_allreduce_names_parameter_and_worker(launch):
     with pytest.raises(gradsync.JobFailed,
                        match=r"non-finite gradient .* for parameter '\d\.(weight|bias)' from worker 1"):
-        gradsync.launch(train_with_nan, strategy="allreduce", workers=2, args=(6, 2), compression="fp16", timeout=100)
+        launch(train_with_nan, strategy="allreduce", workers=2, args=(6, 2), compression="fp16", timeout=100)
 
 
 @pytest.mark.job
 @pytest.mark.timeout(120)
-def test_async_applies_every_push_and_uneven_workers_shut_down():
-    stats = gradsync.launch(train_mlp_stats, strategy="ps", mode="async", workers=3, servers=1, args=(12, 3),
+def test_async_applies_every_push_and_uneven_workers_shut_down(launch):
+    stats = launch(train_mlp_stats, strategy="ps", mode="async", workers=3, servers=1, args=(12, 3),
                             timeout=100)
     # workers 0 and 2 run 12 steps, worker 1 only 3; whoever finishes last has seen every push applied
     last = max(stats, key=lambda s: s["pushes_applied"])
@@ -87,9 +87,9 @@ def test_async_applies_every_push_and_uneven_workers_shut_down():
         (dict(strategy="allreduce", workers=2, mode="async"), "allreduce strategy is synchronous"),
     ],
 )
-def test_bad_settings_are_refused_before_anything_starts(kwargs, match):
+def test_bad_settings_are_refused_before_anything_starts(launch, kwargs, match):
     with pytest.raises(ConfigError, match=match):
-        gradsync.launch(train_mlp_stats, **kwargs)
+        launch(train_mlp_stats, **kwargs)
 
 
 @pytest.mark.job

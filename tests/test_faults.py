@@ -33,10 +33,10 @@ JOBS = [("ps", 1, "sync", "rpc"), ("ps", 1, "async", "rpc"), ("ps", 1, "sync", "
 @pytest.mark.job
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("strategy,servers,mode,transport", JOBS)
-def test_a_stopped_worker_is_named_within_the_step_timeout(strategy, servers, mode, transport, tmp_path):
+def test_a_stopped_worker_is_named_within_the_step_timeout(launch, strategy, servers, mode, transport, tmp_path):
     fault = Fault(1, 3, "stop", str(tmp_path))
     with pytest.raises(gradsync.JobFailed) as info:
-        gradsync.launch(train_then_leave, strategy=strategy, workers=2, servers=servers, mode=mode,
+        launch(train_then_leave, strategy=strategy, workers=2, servers=servers, mode=mode,
                         args=(fault, 6), step_timeout=STEP_TIMEOUT, shutdown_timeout=1.5, timeout=80,
                         transport=transport)
     failed_after = time.time() - read_stamp(tmp_path, "fault")
@@ -51,10 +51,10 @@ def test_a_stopped_worker_is_named_within_the_step_timeout(strategy, servers, mo
 @pytest.mark.job
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("strategy,servers,transport", [("ps", 1, "rpc"), ("ps", 1, "grpc"), ("allreduce", 0, "rpc")])
-def test_uneven_data_fails_at_once_naming_the_worker_that_left(strategy, servers, transport, tmp_path):
+def test_uneven_data_fails_at_once_naming_the_worker_that_left(launch, strategy, servers, transport, tmp_path):
     fault = Fault(1, 9, "leave", str(tmp_path))
     with pytest.raises(gradsync.JobFailed) as info:
-        gradsync.launch(train_with_fault, strategy=strategy, workers=2, servers=servers, args=(fault, 10),
+        launch(train_with_fault, strategy=strategy, workers=2, servers=servers, args=(fault, 10),
                         step_timeout=60, timeout=80, transport=transport)
     assert time.time() - read_stamp(tmp_path, "fault") < 60 / 2  # not after the 60 s step timeout
     message = str(info.value)

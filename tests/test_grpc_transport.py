@@ -42,6 +42,6 @@ def test_async_grpc_job_lets_workers_join_and_leave(launch):
         (dict(strategy="ps", workers=2, servers=1, transport="carrier-pigeon"), "unknown transport"),
     ],
 )
-def test_grpc_transport_refuses_what_it_cannot_carry(settings, match):
+def test_grpc_transport_refuses_what_it_cannot_carry(launch, settings, match):
     with pytest.raises(gradsync.config.ConfigError, match=match):
-        gradsync.launch(train_mlp, args=(1,), **settings)
+        launch(train_mlp, args=(1,), **settings)

@@ -9,9 +9,10 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OPTIONAL = {"triton": ("triton", "triton"), "grpc_tools": ("dev", "grpcio-tools")}
+OPTIONAL = {"triton": ("triton", "triton"), "grpc_tools": ("dev", "grpcio-tools"), "pytest": ("dev", "pytest")}
 """Modules imported lazily -> (the extra that installs them, their distribution): named here, since a machine
-without them has no metadata that says which distribution provides them."""
+without them has no metadata that says which distribution provides them (pytest: only pytest loads
+gradsync.testing, its plugin)."""
 
 BLOCKER = """
 import importlib.abc, sys

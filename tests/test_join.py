@@ -63,8 +63,8 @@ def _check(states, reference, tolerance=1e-5):
     ("allreduce", 0, [(1, 4), (3, 0)], {}),  # rank 0 joins before DDP rebuilds its buckets; a worker with no batch
     ("allreduce", 0, EPOCHS, {"compression": "int8"}),  # a comm hook of all_gathers; int8 is not exact
 ])
-def test_uneven_data_matches_single_process_training_on_the_batches_left(strategy, servers, counts, settings):
-    states = gradsync.launch(train_uneven, strategy=strategy, workers=2, servers=servers, args=("mlp", counts),
+def test_uneven_data_matches_single_process_training_on_the_batches_left(launch, strategy, servers, counts, settings):
+    states = launch(train_uneven, strategy=strategy, workers=2, servers=servers, args=("mlp", counts),
                              step_timeout=20, timeout=100, **settings)
     _check(states, reference_uneven("mlp", counts), 1e-2 if settings.get("compression") else 1e-5)
 
@@ -72,8 +72,8 @@ def test_uneven_data_matches_single_process_training_on_the_batches_left(strateg
 @pytest.mark.job
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("strategy,servers", [("ps", 1), ("allreduce", 0)])
-def test_batchnorm_statistics_are_averaged_over_the_active_workers(strategy, servers):
-    states = gradsync.launch(train_uneven, strategy=strategy, workers=2, servers=servers, args=("bn", EPOCHS),
+def test_batchnorm_statistics_are_averaged_over_the_active_workers(launch, strategy, servers):
+    states = launch(train_uneven, strategy=strategy, workers=2, servers=servers, args=("bn", EPOCHS),
                              step_timeout=20, timeout=100)
     reference = reference_uneven_bn(EPOCHS)
     _check(states, reference)
@@ -82,9 +82,9 @@ def test_batchnorm_statistics_are_averaged_over_the_active_workers(strategy, ser
 
 @pytest.mark.job
 @pytest.mark.timeout(120)
-def test_hybrid_tables_and_dense_layers_average_over_the_active_workers():
+def test_hybrid_tables_and_dense_layers_average_over_the_active_workers(launch):
     counts = [(4, 2)]
-    states = gradsync.launch(train_uneven, strategy="hybrid", workers=2, servers=2, args=("clicks", counts),
+    states = launch(train_uneven, strategy="hybrid", workers=2, servers=2, args=("clicks", counts),
                              step_timeout=20, timeout=100)
     _check(states, reference_uneven("clicks", counts))
 
@@ -92,8 +92,8 @@ def test_hybrid_tables_and_dense_layers_average_over_the_active_workers():
 @pytest.mark.job
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode,settings", [("async", {}), ("ssp", {"staleness": 1})])
-def test_async_and_ssp_finish_with_every_push_applied(mode, settings):
-    results = gradsync.launch(train_uneven, strategy="ps", workers=2, servers=1, mode=mode, args=("mlp", EPOCHS, True),
+def test_async_and_ssp_finish_with_every_push_applied(launch, mode, settings):
+    results = launch(train_uneven, strategy="ps", workers=2, servers=1, mode=mode, args=("mlp", EPOCHS, True),
                               step_timeout=20, timeout=100, **settings)
     (state0, stats), (state1, _) = results
     assert stats["pushes_applied"] == sum(map(sum, EPOCHS))
@@ -102,16 +102,16 @@ def test_async_and_ssp_finish_with_every_push_applied(mode, settings):
 
 @pytest.mark.job
 @pytest.mark.timeout(90)
-def test_a_worker_that_leaves_without_joining_is_named():
+def test_a_worker_that_leaves_without_joining_is_named(launch):
     with pytest.raises(gradsync.JobFailed, match=r"worker1 left the job after 3 steps without joining, and "
                                                  r"worker 0 waits in trainer.join\(\)"):
-        gradsync.launch(join_without_every_worker, strategy="ps", workers=2, servers=1, args=(3,),
+        launch(join_without_every_worker, strategy="ps", workers=2, servers=1, args=(3,),
                         step_timeout=20, timeout=80)
 
 
 @pytest.mark.job
 @pytest.mark.timeout(90)
-def test_join_is_refused_with_checkpoints(tmp_path):
+def test_join_is_refused_with_checkpoints(launch, tmp_path):
     with pytest.raises(gradsync.JobFailed, match=r"checkpoint_every=5 needs every worker at the same step"):
-        gradsync.launch(open_join, strategy="allreduce", workers=1, checkpoint_dir=str(tmp_path),
+        launch(open_join, strategy="allreduce", workers=1, checkpoint_dir=str(tmp_path),
                         checkpoint_every=5, step_timeout=20, timeout=80)

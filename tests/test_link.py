@@ -367,8 +367,8 @@ def test_nothing_is_left_after_a_signal_to_gradsync_run(sig, tmp_path):
 @pytest.mark.job
 @needs_root
 @pytest.mark.timeout(90)
-def test_launch_runs_forked_ranks_in_their_namespaces():
-    states = gradsync.launch(train_mlp, strategy="allreduce", workers=2, args=(4,), link="1gbit", timeout=80)
+def test_launch_runs_forked_ranks_in_their_namespaces(launch):
+    states = launch(train_mlp, strategy="allreduce", workers=2, args=(4,), link="1gbit", timeout=80)
     expected = reference_mlp(4, 2)
     for state in states:
         for name, value in expected.items():

@@ -77,5 +77,5 @@ def arenas_of_a_worker() -> int:
 
 
 @pytest.mark.timeout(60)
-def test_every_rank_limits_its_arenas_when_it_joins_the_job():
-    assert gradsync.launch(arenas_of_a_worker, strategy="ps", workers=1, timeout=50) == [malloc.ARENAS]
+def test_every_rank_limits_its_arenas_when_it_joins_the_job(launch):
+    assert launch(arenas_of_a_worker, strategy="ps", workers=1, timeout=50) == [malloc.ARENAS]

@@ -80,8 +80,8 @@ def test_a_piece_sent_twice_is_refused():
 @pytest.mark.job
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("servers", [1, 2])
-def test_pieces_smaller_than_a_parameter_match_single_process_training(servers):
-    states = gradsync.launch(train_mlp, strategy="ps", workers=2, servers=servers, args=(10,), timeout=170,
+def test_pieces_smaller_than_a_parameter_match_single_process_training(launch, servers):
+    states = launch(train_mlp, strategy="ps", workers=2, servers=servers, args=(10,), timeout=170,
                              bucket_cap_mb=0.001)  # 1 KB pieces: every weight in several
     reference = reference_mlp(10, 2)
     for state in states:
@@ -91,12 +91,12 @@ def test_pieces_smaller_than_a_parameter_match_single_process_training(servers):
 @pytest.mark.job
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", ["frozen", "unused", "one_worker", "adam_unused", "tied"])
-def test_edge_models_with_pieces_smaller_than_a_parameter_match_single_process(case):
+def test_edge_models_with_pieces_smaller_than_a_parameter_match_single_process(launch, case):
     """Frozen and unused parameters, a branch one worker never takes, Adam, tied weights: every piece of a
     parameter without a gradient is still told to its server, which leaves it alone."""
     from edge_models import check_parity, train_edge
 
     steps = 10
-    states = gradsync.launch(train_edge, strategy="ps", workers=2, servers=2, args=(case, steps), step_timeout=30,
+    states = launch(train_edge, strategy="ps", workers=2, servers=2, args=(case, steps), step_timeout=30,
                              timeout=100, bucket_cap_mb=0.0005)  # 512-byte pieces
     check_parity(case, states, 2, steps)

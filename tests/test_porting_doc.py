@@ -163,7 +163,7 @@ def launch_settings(argv: list[str], strategy: str, folder: str) -> dict:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("strategy", ["ps", "allreduce"])
 @pytest.mark.parametrize("name", GRADSYNC_PROGRAMS)
-def test_the_gradsync_program_prints_what_its_ddp_twin_prints(name, strategy, ddp_printed, tmp_path):
+def test_the_gradsync_program_prints_what_its_ddp_twin_prints(launch, name, strategy, ddp_printed, tmp_path):
     program = PROGRAMS[name]
     write_page(str(tmp_path))
     reference = ddp_printed[twin(name)]
@@ -171,7 +171,7 @@ def test_the_gradsync_program_prints_what_its_ddp_twin_prints(name, strategy, dd
     for argv, expected in zip(program["runs"], reference):
         settings, script_args = launch_settings(argv, strategy, str(tmp_path))
         assert settings["workers"] == 2
-        printed = gradsync.launch(run_program, args=(str(tmp_path / name), script_args), timeout=TIMEOUT,
+        printed = launch(run_program, args=(str(tmp_path / name), script_args), timeout=TIMEOUT,
                                   **settings)
         assert printed[1] == "", f"{name}: worker 1 printed {printed[1]!r}: print on worker 0 only"
         problem = difference(printed[0], expected, TOLERANCE.get(name, 0.0))
@@ -211,13 +211,13 @@ def test_the_whole_script_runs_under_torchrun_with_a_server_as_written(ddp_print
 
 @pytest.mark.job
 @pytest.mark.timeout(120)
-def test_a_broken_program_fails_this_test(tmp_path):
+def test_a_broken_program_fails_this_test(launch, tmp_path):
     """What the tests above catch: a misspelt call fails the job with its traceback, a changed number differs."""
     write_page(str(tmp_path))
     path = tmp_path / "clip.py"
     path.write_text(PROGRAMS["clip.py"]["text"].replace("trainer.step(cid)", "trainer.stpe(cid)"))
     with pytest.raises(gradsync.JobFailed, match="stpe"):
-        gradsync.launch(run_program, args=(str(path), []), strategy="ps", workers=2, servers=1, timeout=TIMEOUT)
+        launch(run_program, args=(str(path), []), strategy="ps", workers=2, servers=1, timeout=TIMEOUT)
     assert difference("step 0 loss 1.2345\n", "step 0 loss 1.2345\n", 0.0) is None
     assert difference("step 0 loss 1.2349\n", "step 0 loss 1.2345\n", 0.0) is not None
     assert difference("step 0 norm 1.2345\n", "step 0 loss 1.2345\n", 0.0) is not None

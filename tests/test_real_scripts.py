@@ -64,11 +64,11 @@ def test_loader_workers_of_every_start_method_under_compare_and_a_resumed_snapsh
 
 
 @pytest.mark.timeout(120)
-def test_loader_workers_of_every_start_method_in_a_rank_of_gradsync_launch():
+def test_loader_workers_of_every_start_method_in_a_rank_of_gradsync_launch(launch):
     import gradsync
     from real_loops import loader_batches
 
-    batches = gradsync.launch(loader_batches, strategy="allreduce", workers=1, timeout=110,
+    batches = launch(loader_batches, strategy="allreduce", workers=1, timeout=110,
                               args=((None, "fork", "spawn", "forkserver"),))[0]
     assert len(batches["none"]) == 6
     for name in ("None", "fork", "spawn", "forkserver"):

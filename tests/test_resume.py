@@ -82,7 +82,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_complete_one(da
 
 @pytest.mark.job
 @pytest.mark.timeout(150)
-def test_resume_refuses_a_checkpoint_of_another_strategy_or_model(tmp_path):
+def test_resume_refuses_a_checkpoint_of_another_strategy_or_model(launch, tmp_path):
     directory = str(tmp_path / "checkpoints")
     _launch("ps", 2, "sgd", steps=EVERY, checkpoint_dir=directory, checkpoint_every=EVERY)
     with pytest.raises(gradsync.JobFailed, match=r"written by a job with strategy='ps', and this job has "
@@ -90,7 +90,7 @@ def test_resume_refuses_a_checkpoint_of_another_strategy_or_model(tmp_path):
         _launch("allreduce", 0, "sgd", resume=directory)
     with pytest.raises(gradsync.JobFailed, match=r"holds a different model: '0.weight' is \[\[16, 8\], "
                                                  r"'torch.float32'\] there and \[\[17, 8\], 'torch.float32'\]"):
-        gradsync.launch(build_wider, strategy="ps", workers=2, servers=2, resume=directory, step_timeout=20,
+        launch(build_wider, strategy="ps", workers=2, servers=2, resume=directory, step_timeout=20,
                         timeout=60)
 
 
@@ -185,11 +185,11 @@ def test_a_changed_optimizer_is_one_refusal_on_worker_0_naming_both_classes(stra
 
 @pytest.mark.job
 @pytest.mark.timeout(240)
-def test_a_shard_its_server_cannot_restore_is_one_refusal_on_that_server(tmp_path):
+def test_a_shard_its_server_cannot_restore_is_one_refusal_on_that_server(launch, tmp_path):
     """Tables served by row when written, dense when resumed: the model and optimizer match (worker 0 lets it
     through), and server 0, which restores its shard, refuses it, headlined on that server."""
     directory = str(tmp_path / "checkpoints")
-    gradsync.launch(train_clicks, strategy="ps", workers=2, servers=1, args=(EVERY,), checkpoint_dir=directory,
+    launch(train_clicks, strategy="ps", workers=2, servers=1, args=(EVERY,), checkpoint_dir=directory,
                     checkpoint_every=EVERY, step_timeout=20, timeout=90)
     body = ("gradsync.init()\nimport torch, sparse_models\nmodel = sparse_models.ClickNet()\n"
             "gradsync.Trainer(model, torch.optim.Adam(model.parameters(), lr=0.01), tables='dense')\n"

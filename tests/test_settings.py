@@ -134,12 +134,12 @@ def test_gradsync_run_has_an_option_for_every_job_setting_bucket_cap_mb_included
     assert "(default: GRADSYNC_BUCKET_CAP_MB, else auto)" in run
 
 
-def test_init_and_launch_refuse_a_keyword_that_is_no_setting():
+def test_init_and_launch_refuse_a_keyword_that_is_no_setting(launch):
     def nothing():
         pass
 
     with pytest.raises(TypeError, match="gradsync.launch\\(\\) got an unknown setting 'step_timeuot'"):
-        gradsync.launch(nothing, strategy="ps", workers=1, step_timeuot=5)
+        launch(nothing, strategy="ps", workers=1, step_timeuot=5)
     with pytest.raises(TypeError, match="gradsync.init\\(\\) got an unknown setting 'rank'.*bucket_cap_mb"):
         gradsync.init(strategy="ps", rank=3)
 

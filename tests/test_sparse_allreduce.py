@@ -58,8 +58,8 @@ def reference_adagrad(steps: int, workers: int) -> dict:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("workers", [2, 4])
-def test_sparse_allreduce_sgd_matches_single_process(workers):
-    states = gradsync.launch(train_clicks, strategy="allreduce", workers=workers, args=("sgd", STEPS, True),
+def test_sparse_allreduce_sgd_matches_single_process(launch, workers):
+    states = launch(train_clicks, strategy="allreduce", workers=workers, args=("sgd", STEPS, True),
                              step_timeout=60, timeout=280)
     reference = reference_clicks("sgd", STEPS, workers)
     start = ClickNet().state_dict()
@@ -70,8 +70,8 @@ def test_sparse_allreduce_sgd_matches_single_process(workers):
 
 
 @pytest.mark.timeout(300)
-def test_sparse_allreduce_adagrad_matches_single_process_with_sparse_gradients():
-    results = gradsync.launch(train_sparse_adagrad, strategy="allreduce", workers=2, args=(STEPS,),
+def test_sparse_allreduce_adagrad_matches_single_process_with_sparse_gradients(launch):
+    results = launch(train_sparse_adagrad, strategy="allreduce", workers=2, args=(STEPS,),
                               step_timeout=60, timeout=280)
     reference = reference_adagrad(STEPS, 2)
     for worker, (state, sparse, sent) in enumerate(results):

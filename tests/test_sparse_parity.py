@@ -21,8 +21,8 @@ CASES = [
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("strategy,workers,servers,optimizer", CASES)
-def test_served_tables_match_single_process(strategy, workers, servers, optimizer):
-    states = gradsync.launch(train_clicks, strategy=strategy, workers=workers, servers=servers,
+def test_served_tables_match_single_process(launch, strategy, workers, servers, optimizer):
+    states = launch(train_clicks, strategy=strategy, workers=workers, servers=servers,
                              args=(optimizer, STEPS), step_timeout=60, timeout=140)
     reference = reference_clicks(optimizer, STEPS, workers)
     start = ClickNet().state_dict()
@@ -34,16 +34,16 @@ def test_served_tables_match_single_process(strategy, workers, servers, optimize
 
 
 @pytest.mark.timeout(120)
-def test_sparse_true_embeddings_train_the_same():
-    states = gradsync.launch(train_clicks, strategy="hybrid", workers=2, servers=2, args=("sgd", 5, True),
+def test_sparse_true_embeddings_train_the_same(launch):
+    states = launch(train_clicks, strategy="hybrid", workers=2, servers=2, args=("sgd", 5, True),
                              step_timeout=60, timeout=110)
     assert max_diff(states[0], reference_clicks("sgd", 5, 2)) <= 1e-5
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("strategy", ["ps", "hybrid"])
-def test_meta_tables_are_initialised_on_the_servers_and_counted_async(strategy):
-    (stats, state), _ = gradsync.launch(train_on_meta_tables, strategy=strategy, mode="async", workers=2, servers=2,
+def test_meta_tables_are_initialised_on_the_servers_and_counted_async(launch, strategy):
+    (stats, state), _ = launch(train_on_meta_tables, strategy=strategy, mode="async", workers=2, servers=2,
                                         args=(6,), step_timeout=60, timeout=110)
     for name, rows in (("bag.weight", ROWS_BAG), ("emb.weight", ROWS_EMB)):
         per_server = [stats[s]["tables"][name] for s in (0, 1)]
@@ -60,25 +60,25 @@ def test_meta_tables_are_initialised_on_the_servers_and_counted_async(strategy):
 
 
 @pytest.mark.timeout(90)
-def test_id_out_of_range_names_table_and_id():
+def test_id_out_of_range_names_table_and_id(launch):
     with pytest.raises(gradsync.JobFailed, match=rf"table 'emb.weight' has rows 0..{ROWS_EMB - 1}, but a batch "
                                                   rf"looked up id {ROWS_EMB + 5}"):
-        gradsync.launch(lookup_out_of_range, strategy="ps", workers=2, servers=2, step_timeout=20, timeout=80)
+        launch(lookup_out_of_range, strategy="ps", workers=2, servers=2, step_timeout=20, timeout=80)
 
 
 @pytest.mark.timeout(90)
-def test_table_larger_than_the_servers_memory_is_refused_at_start():
+def test_table_larger_than_the_servers_memory_is_refused_at_start(launch):
     with pytest.raises(gradsync.JobFailed, match=r"table '0.weight' needs \d+\.\d\d GiB on server 0 .* "
                                                   r"use more servers"):
-        gradsync.launch(huge_table, strategy="ps", workers=1, servers=1, step_timeout=20, timeout=80)
+        launch(huge_table, strategy="ps", workers=1, servers=1, step_timeout=20, timeout=80)
 
 
 @pytest.mark.timeout(120)
-def test_tables_dense_serves_no_table_and_trains_them_as_dense_parameters():
+def test_tables_dense_serves_no_table_and_trains_them_as_dense_parameters(launch):
     """README: `tables="dense"` serves none, even where plain SGD would let "auto" serve them."""
     from sparse_models import train_clicks_dense_tables
 
-    results = gradsync.launch(train_clicks_dense_tables, strategy="ps", workers=2, args=(5,), timeout=110)
+    results = launch(train_clicks_dense_tables, strategy="ps", workers=2, args=(5,), timeout=110)
     reference = reference_clicks("sgd", 5, 2)
     for state, sizes in results:
         assert sizes["tables"] == 0  # nothing served: the tables travel in the dense buckets

@@ -85,11 +85,11 @@ def test_a_rank_that_never_reaches_init_is_named_within_the_startup_timeout(flag
 @pytest.mark.job
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("strategy,servers,mode", [("ps", 1, "sync"), ("ps", 1, "async"), ("allreduce", 0, "sync")])
-def test_a_worker_that_never_builds_its_trainer_is_named_not_the_one_that_waited(strategy, servers, mode):
+def test_a_worker_that_never_builds_its_trainer_is_named_not_the_one_that_waited(launch, strategy, servers, mode):
     """Within the startup timeout under every strategy: the step timeout is longer than the job's own timeout (DDP's
     construction, a collective, would wait for the missing worker as long as the step timeout)."""
     with pytest.raises(gradsync.JobFailed) as info:
-        gradsync.launch(train_without_one_trainer, strategy=strategy, workers=2, servers=servers, mode=mode,
+        launch(train_without_one_trainer, strategy=strategy, workers=2, servers=servers, mode=mode,
                         args=(1, 3), startup_timeout=8, step_timeout=120, timeout=100)
     message = str(info.value)
     assert message.startswith(f"rank {servers + 1} (worker1): no gradsync.Trainer built "), message
@@ -108,7 +108,7 @@ print(gradsync.launch(gradsync.worker_rank, strategy="allreduce", workers=1, ser
 
 @pytest.mark.job
 @pytest.mark.timeout(90)
-def test_a_launch_script_without_a_main_guard_is_told_to_add_one(tmp_path):
+def test_a_launch_script_without_a_main_guard_is_told_to_add_one(launch, tmp_path):
     """Each rank imports the script that called gradsync.launch; without the guard it would launch again."""
     script = tmp_path / "unguarded.py"
     script.write_text(_UNGUARDED_LAUNCH)
@@ -134,13 +134,13 @@ def test_a_script_that_never_calls_init_is_told_to(tmp_path):
 
 @pytest.mark.job
 @pytest.mark.timeout(90)
-def test_distributed_sampler_without_arguments_under_ps_names_the_arguments_to_give():
+def test_distributed_sampler_without_arguments_under_ps_names_the_arguments_to_give(launch):
     with pytest.raises(gradsync.JobFailed) as info:
-        gradsync.launch(sample_without_arguments, strategy="ps", workers=2, timeout=80)
+        launch(sample_without_arguments, strategy="ps", workers=2, timeout=80)
     assert "Default process group has not been initialized" in str(info.value)
     assert "DistributedSampler(dataset, num_replicas=gradsync.num_workers(), rank=gradsync.worker_rank())" \
         in str(info.value)
-    halves = gradsync.launch(sample_without_arguments, strategy="allreduce", workers=2, timeout=80)
+    halves = launch(sample_without_arguments, strategy="allreduce", workers=2, timeout=80)
     assert sorted(halves[0] + halves[1]) == list(range(10))  # allreduce has a process group: it works as in DDP
 
 

@@ -22,7 +22,7 @@ def train_with_a_slow_peer(steps: int) -> dict:
 
 
 @pytest.mark.timeout(120)
-def test_allreduce_counts_the_wait_for_a_slow_peer_as_commit_not_compute():
-    fast, _ = gradsync.launch(train_with_a_slow_peer, strategy="allreduce", workers=2, args=(4,), timeout=100)
+def test_allreduce_counts_the_wait_for_a_slow_peer_as_commit_not_compute(launch):
+    fast, _ = launch(train_with_a_slow_peer, strategy="allreduce", workers=2, args=(4,), timeout=100)
     # worker 0 cannot finish its allreduce before worker 1 has slept and computed: causality, not speed
     assert fast["commit_s"] >= PEER_SLEEP_S / 2 > fast["compute_s"], fast

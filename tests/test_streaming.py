@@ -160,10 +160,10 @@ def test_no_sync_and_a_full_window_send_nothing_ahead():
 @pytest.mark.job
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("mode,workers", [("sync", 2), ("async", 1), ("ssp", 1)])
-def test_a_loop_whose_steps_change_shape_ends_where_single_process_training_ends(mode, workers):
+def test_a_loop_whose_steps_change_shape_ends_where_single_process_training_ends(launch, mode, workers):
     """Sync at W = 2 against the joint batch; async and ssp with one worker are sync training, bit for bit."""
     steps = len(PATTERN)
-    results = gradsync.launch(train_shapes, strategy="ps", workers=workers, servers=2, mode=mode, args=(steps,),
+    results = launch(train_shapes, strategy="ps", workers=workers, servers=2, mode=mode, args=(steps,),
                               timeout=180, bucket_cap_mb=0.0002)  # 200-byte pieces, parameters split across them
     reference = reference_shapes(steps, workers)
     taken = [shape for shape in PATTERN if shape != "skip"]

@@ -63,11 +63,11 @@ def _check_pipelined(pieces: list[dict]) -> None:
 @pytest.mark.job
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("bn,transport", [(False, "rpc"), (True, "rpc"), (True, "grpc")])
-def test_a_ps_steps_lanes_carry_its_bytes_in_order_and_pipelined(bn, transport):
+def test_a_ps_steps_lanes_carry_its_bytes_in_order_and_pipelined(launch, bn, transport):
     """Over gRPC the server's events come back in the reply stream (`PieceStamp`), and the pipeline is on as
     between machines (on one machine gRPC sends steps whole by default)."""
     steps, workers, servers = 4, 2, 2
-    results = gradsync.launch(train_with_timeline, strategy="ps", workers=workers, servers=servers,
+    results = launch(train_with_timeline, strategy="ps", workers=workers, servers=servers,
                               args=(steps, bn), timeout=140, bucket_cap_mb=0.0002,  # 200-byte pieces
                               transport=transport, pipeline="on")
     model = make_bn_net() if bn else make_mlp()
@@ -89,10 +89,10 @@ def test_a_ps_steps_lanes_carry_its_bytes_in_order_and_pipelined(bn, transport):
 
 @pytest.mark.job
 @pytest.mark.timeout(200)
-def test_an_allreduce_steps_buckets_carry_its_bytes_in_order_and_change_nothing():
+def test_an_allreduce_steps_buckets_carry_its_bytes_in_order_and_change_nothing(launch):
     steps, workers = 4, 3  # W = 3: the hook the timeline needs must scale by 1 / 3 exactly as DDP's own does
-    results = gradsync.launch(train_with_timeline, strategy="allreduce", workers=workers, args=(steps,), timeout=90)
-    untimed = gradsync.launch(train_with_timeline, strategy="allreduce", workers=workers, args=(steps, False, False),
+    results = launch(train_with_timeline, strategy="allreduce", workers=workers, args=(steps,), timeout=90)
+    untimed = launch(train_with_timeline, strategy="allreduce", workers=workers, args=(steps, False, False),
                               timeout=90)
     elements = sum(p.numel() for p in make_mlp().parameters())
     for (state, records, timeline), (plain, _, nothing) in zip(results, untimed):

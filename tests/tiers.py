@@ -8,7 +8,7 @@ import multiprocessing.util
 import os
 import subprocess
 
-JOB_FIXTURES = {"launch"}
+JOB_FIXTURES = {"launch", "gradsync_job"}
 """Fixtures that start processes: a test using one is marked `job` at collection."""
 
 
