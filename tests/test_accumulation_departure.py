@@ -42,4 +42,4 @@ def accumulate_then_wait_for_the_other_to_leave() -> int:
 @pytest.mark.timeout(120)
 def test_a_worker_finishing_its_last_accumulated_step_is_not_told_the_other_left_early(launch):
     assert launch(accumulate_then_wait_for_the_other_to_leave, strategy="allreduce", workers=2,
-                           step_timeout=10, timeout=110) == [STEPS, STEPS]
+                  step_timeout=10, timeout=110) == [STEPS, STEPS]

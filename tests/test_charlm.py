@@ -44,7 +44,7 @@ def test_the_tiny_model_learns_and_clipping_bites(reference):
 def test_gradsync_matches_single_process_training_on_the_joint_batch(launch, strategy, servers, reference):
     joint, noise = reference
     results = launch(charlm.train, strategy=strategy, workers=WORKERS, servers=servers,
-                              args=(charlm.TINY,), timeout=280)
+                     args=(charlm.TINY,), timeout=280)
     for r in results:
         assert list(r["state"]) == list(joint["state"])
         assert max_diff(r["state"], joint["state"]) <= noise_bound(noise)

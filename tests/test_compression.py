@@ -22,13 +22,13 @@ TOLERANCE = {"fp16": 1e-3, "bf16": 1e-2, "int8": 1e-2}
 def test_compressed_ps_training_tracks_exact_training_and_sends_fewer_bytes(launch):
     reference = reference_mlp(STEPS, 2)
     exact_state, exact = launch(train_mlp_with_metrics, strategy="ps", workers=2, servers=2,
-                                         args=(STEPS,), timeout=120)[0]
+                                args=(STEPS,), timeout=120)[0]
     assert max_diff(exact_state, reference) <= 1e-5
     param_bytes = sum(t.nbytes for t in reference.values())
     assert exact["bytes_sent"] == param_bytes
     for compression, tolerance in TOLERANCE.items():
         state, metrics = launch(train_mlp_with_metrics, strategy="ps", workers=2, servers=2,
-                                         args=(STEPS,), compression=compression, timeout=120)[0]
+                                args=(STEPS,), compression=compression, timeout=120)[0]
         assert 0 < max_diff(state, reference) <= tolerance, compression
         expected = param_bytes // 2 if compression != "int8" else param_bytes // 4  # + one fp32 scale per block
         assert expected <= metrics["bytes_sent"] < expected + param_bytes // 8, (compression, metrics)

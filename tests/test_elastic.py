@@ -32,7 +32,7 @@ STEPS = 8
 def test_a_killed_worker_leaves_the_job_and_the_others_finish(launch, mode, workers, settings, capfd):
     killed = workers - 1  # ssp: without it the bound would hold worker 0 two steps after the kill
     results = launch(train_with_fault, strategy="ps", mode=mode, workers=workers, servers=1,
-                              args=(Fault(killed, 3, "kill"), STEPS), step_timeout=20, timeout=80, **settings)
+                     args=(Fault(killed, 3, "kill"), STEPS), step_timeout=20, timeout=80, **settings)
     assert list(results) == [STEPS] * (workers - 1) + [None]
     (departure,) = results.departures
     assert (departure.worker, departure.rank, departure.step, departure.how) == (killed, killed + 1, 3,
@@ -50,7 +50,7 @@ def test_a_worker_killed_mid_push_leaves_that_push_applied_whole_or_not_at_all_o
     of w moved by exactly the pushes it counts (`Constant`), and the departure says the step every server has."""
     kill_at, size, cap_mb = 3, 8 * 2**16, 0.25  # 0.25 MB pieces: 4 of them on each server
     results = launch(train_until_killed_mid_push, strategy="ps", mode="async", workers=2, servers=2,
-                              args=(kill_at, size, 1), bucket_cap_mb=cap_mb, step_timeout=30, timeout=110)
+                     args=(kill_at, size, 1), bucket_cap_mb=cap_mb, step_timeout=30, timeout=110)
     assert results[1] is None
     (departure,) = results.departures
     assert (departure.worker, departure.step, departure.how) == (1, kill_at, "killed by SIGKILL")
@@ -69,7 +69,7 @@ def test_an_async_job_whose_every_worker_dies_fails_naming_them(launch):
     with pytest.raises(gradsync.JobFailed, match=r"every worker left the job, so it cannot finish: worker0 "
                        r"\(rank 1\) left \(killed by SIGKILL\)") as info:
         launch(train_with_fault, strategy="ps", mode="async", workers=1, servers=1,
-                        args=(Fault(0, 1, "kill"), STEPS), timeout=50)
+               args=(Fault(0, 1, "kill"), STEPS), timeout=50)
     assert info.value.rank == 1
 
 
@@ -78,7 +78,7 @@ def test_an_async_job_whose_every_worker_dies_fails_naming_them(launch):
 def test_a_killed_server_still_fails_an_async_job_naming_it(launch):
     with pytest.raises(gradsync.JobFailed) as info:
         launch(kill_the_server_at, strategy="ps", mode="async", workers=2, servers=1, args=(2, 50),
-                        timeout=50)
+               timeout=50)
     assert str(info.value).startswith("rank 0 (ps0) failed with signal SIGKILL"), str(info.value)
 
 
@@ -89,7 +89,7 @@ def test_a_worker_that_dies_before_registering_fails_the_others_registration_nam
     with pytest.raises(gradsync.JobFailed, match=r"rank 1 \(worker0\) failed with exit code 1:(.|\n)*worker 1 left "
                        r"the job before all 2 workers had registered the model with server 0"):
         launch(die_before_the_trainer, strategy="ps", mode="async", workers=2, servers=1, args=(1,),
-                        timeout=50)
+               timeout=50)
     assert time.monotonic() - start < 30  # not after the 120 s startup_timeout
 
 
@@ -99,7 +99,7 @@ def test_a_killed_worker_still_fails_a_sync_job_fast_naming_it(launch):
     start = time.monotonic()
     with pytest.raises(gradsync.JobFailed) as info:
         launch(train_with_fault, strategy="ps", workers=2, servers=1, args=(Fault(1, 3, "kill"), 50),
-                        timeout=50)
+               timeout=50)
     assert str(info.value).startswith("rank 2 (worker1) failed with signal SIGKILL")
     assert time.monotonic() - start < 30
 
@@ -111,7 +111,7 @@ def test_a_new_worker_joins_a_running_async_job_over_rpc_and_its_pushes_are_appl
     """README: by the run directory, by the store's address, and from any process by gradsync.init's join."""
     steps, joiner_steps = 5, 4
     result = launch(train_while_a_worker_joins, strategy="ps", mode="async", workers=2, servers=1,
-                             args=(steps, joiner_steps, how), step_timeout=30, timeout=110)[0]
+                    args=(steps, joiner_steps, how), step_timeout=30, timeout=110)[0]
     assert result["code"] == 0, result["out"]
     assert "joined as worker 2 of 3" in result["out"], result["out"]
     stats = result["stats"]

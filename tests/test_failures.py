@@ -18,7 +18,7 @@ from helpers import REFUSED_SCRIPT, gradsync_run, max_diff
 def test_failing_worker_fails_the_job_within_30s(launch, strategy, servers, how, tmp_path):
     with pytest.raises(gradsync.JobFailed) as info:
         launch(train_with_fault, strategy=strategy, workers=3, servers=servers,
-                        args=(Fault(1, 3, how, str(tmp_path)), 50), timeout=80)
+               args=(Fault(1, 3, how, str(tmp_path)), 50), timeout=80)
     elapsed = time.time() - read_stamp(tmp_path, "fault")
     message = str(info.value)
     assert f"rank {servers + 1} (worker1)" in message
@@ -69,7 +69,7 @@ def test_nan_gradient_over_a_compressed_allreduce_names_parameter_and_worker(lau
 @pytest.mark.timeout(120)
 def test_async_applies_every_push_and_uneven_workers_shut_down(launch):
     stats = launch(train_mlp_stats, strategy="ps", mode="async", workers=3, servers=1, args=(12, 3),
-                            timeout=100)
+                   timeout=100)
     # workers 0 and 2 run 12 steps, worker 1 only 3; whoever finishes last has seen every push applied
     last = max(stats, key=lambda s: s["pushes_applied"])
     assert last["pushes_applied"] == last["version"] == 27

@@ -37,8 +37,8 @@ def test_a_stopped_worker_is_named_within_the_step_timeout(launch, strategy, ser
     fault = Fault(1, 3, "stop", str(tmp_path))
     with pytest.raises(gradsync.JobFailed) as info:
         launch(train_then_leave, strategy=strategy, workers=2, servers=servers, mode=mode,
-                        args=(fault, 6), step_timeout=STEP_TIMEOUT, shutdown_timeout=1.5, timeout=80,
-                        transport=transport)
+               args=(fault, 6), step_timeout=STEP_TIMEOUT, shutdown_timeout=1.5, timeout=80,
+               transport=transport)
     failed_after = time.time() - read_stamp(tmp_path, "fault")
     headline = str(info.value).splitlines()[0]
     assert headline.startswith(f"rank {servers + 1} (worker1) stopped responding: no heartbeat for "), headline
@@ -55,7 +55,7 @@ def test_uneven_data_fails_at_once_naming_the_worker_that_left(launch, strategy,
     fault = Fault(1, 9, "leave", str(tmp_path))
     with pytest.raises(gradsync.JobFailed) as info:
         launch(train_with_fault, strategy=strategy, workers=2, servers=servers, args=(fault, 10),
-                        step_timeout=60, timeout=80, transport=transport)
+               step_timeout=60, timeout=80, transport=transport)
     assert time.time() - read_stamp(tmp_path, "fault") < 60 / 2  # not after the 60 s step timeout
     message = str(info.value)
     assert message.startswith(f"rank {servers} (worker0) failed with exit code 1"), message

@@ -65,7 +65,7 @@ def _check(states, reference, tolerance=1e-5):
 ])
 def test_uneven_data_matches_single_process_training_on_the_batches_left(launch, strategy, servers, counts, settings):
     states = launch(train_uneven, strategy=strategy, workers=2, servers=servers, args=("mlp", counts),
-                             step_timeout=20, timeout=100, **settings)
+                    step_timeout=20, timeout=100, **settings)
     _check(states, reference_uneven("mlp", counts), 1e-2 if settings.get("compression") else 1e-5)
 
 
@@ -74,7 +74,7 @@ def test_uneven_data_matches_single_process_training_on_the_batches_left(launch,
 @pytest.mark.parametrize("strategy,servers", [("ps", 1), ("allreduce", 0)])
 def test_batchnorm_statistics_are_averaged_over_the_active_workers(launch, strategy, servers):
     states = launch(train_uneven, strategy=strategy, workers=2, servers=servers, args=("bn", EPOCHS),
-                             step_timeout=20, timeout=100)
+                    step_timeout=20, timeout=100)
     reference = reference_uneven_bn(EPOCHS)
     _check(states, reference)
     assert all(s["1.num_batches_tracked"].item() == 9 for s in states)  # 5 + 4 steps, on every worker
@@ -85,7 +85,7 @@ def test_batchnorm_statistics_are_averaged_over_the_active_workers(launch, strat
 def test_hybrid_tables_and_dense_layers_average_over_the_active_workers(launch):
     counts = [(4, 2)]
     states = launch(train_uneven, strategy="hybrid", workers=2, servers=2, args=("clicks", counts),
-                             step_timeout=20, timeout=100)
+                    step_timeout=20, timeout=100)
     _check(states, reference_uneven("clicks", counts))
 
 
@@ -94,7 +94,7 @@ def test_hybrid_tables_and_dense_layers_average_over_the_active_workers(launch):
 @pytest.mark.parametrize("mode,settings", [("async", {}), ("ssp", {"staleness": 1})])
 def test_async_and_ssp_finish_with_every_push_applied(launch, mode, settings):
     results = launch(train_uneven, strategy="ps", workers=2, servers=1, mode=mode, args=("mlp", EPOCHS, True),
-                              step_timeout=20, timeout=100, **settings)
+                     step_timeout=20, timeout=100, **settings)
     (state0, stats), (state1, _) = results
     assert stats["pushes_applied"] == sum(map(sum, EPOCHS))
     assert max_diff(state0, state1) == 0
@@ -106,7 +106,7 @@ def test_a_worker_that_leaves_without_joining_is_named(launch):
     with pytest.raises(gradsync.JobFailed, match=r"worker1 left the job after 3 steps without joining, and "
                                                  r"worker 0 waits in trainer.join\(\)"):
         launch(join_without_every_worker, strategy="ps", workers=2, servers=1, args=(3,),
-                        step_timeout=20, timeout=80)
+               step_timeout=20, timeout=80)
 
 
 @pytest.mark.job
@@ -114,4 +114,4 @@ def test_a_worker_that_leaves_without_joining_is_named(launch):
 def test_join_is_refused_with_checkpoints(launch, tmp_path):
     with pytest.raises(gradsync.JobFailed, match=r"checkpoint_every=5 needs every worker at the same step"):
         launch(open_join, strategy="allreduce", workers=1, checkpoint_dir=str(tmp_path),
-                        checkpoint_every=5, step_timeout=20, timeout=80)
+               checkpoint_every=5, step_timeout=20, timeout=80)

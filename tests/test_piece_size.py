@@ -103,7 +103,7 @@ def _measured(name: str) -> tuple[float, int, float]:
 @pytest.mark.parametrize("name", ["rpc", "grpc"])
 def test_each_transport_measures_a_bandwidth_and_the_plan_follows_it(launch, name):
     (bandwidth, piece, chosen), = launch(_measured, strategy="ps", workers=1, servers=2, timeout=50,
-                                                  args=(name,), transport=name, pipeline="on")
+                                         args=(name,), transport=name, pipeline="on")
     assert 1e6 < bandwidth < 1e12  # loopback: between 1 MB/s and 1 TB/s
     model = 300 * 300 + 300
     # the plan follows the choice: 2 servers share the model; pieces of at most the chosen size

@@ -82,7 +82,7 @@ def test_a_piece_sent_twice_is_refused():
 @pytest.mark.parametrize("servers", [1, 2])
 def test_pieces_smaller_than_a_parameter_match_single_process_training(launch, servers):
     states = launch(train_mlp, strategy="ps", workers=2, servers=servers, args=(10,), timeout=170,
-                             bucket_cap_mb=0.001)  # 1 KB pieces: every weight in several
+                    bucket_cap_mb=0.001)  # 1 KB pieces: every weight in several
     reference = reference_mlp(10, 2)
     for state in states:
         assert max_diff(state, reference) <= 1e-5
@@ -98,5 +98,5 @@ def test_edge_models_with_pieces_smaller_than_a_parameter_match_single_process(l
 
     steps = 10
     states = launch(train_edge, strategy="ps", workers=2, servers=2, args=(case, steps), step_timeout=30,
-                             timeout=100, bucket_cap_mb=0.0005)  # 512-byte pieces
+                    timeout=100, bucket_cap_mb=0.0005)  # 512-byte pieces
     check_parity(case, states, 2, steps)

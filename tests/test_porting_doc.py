@@ -172,7 +172,7 @@ def test_the_gradsync_program_prints_what_its_ddp_twin_prints(launch, name, stra
         settings, script_args = launch_settings(argv, strategy, str(tmp_path))
         assert settings["workers"] == 2
         printed = launch(run_program, args=(str(tmp_path / name), script_args), timeout=TIMEOUT,
-                                  **settings)
+                         **settings)
         assert printed[1] == "", f"{name}: worker 1 printed {printed[1]!r}: print on worker 0 only"
         problem = difference(printed[0], expected, TOLERANCE.get(name, 0.0))
         assert problem is None, f"docs/porting.md:{program['line']}: {name} under {strategy} {problem}"

@@ -37,7 +37,7 @@ def test_a_config_error_in_init_is_one_headline_not_a_signal(tmp_path):
 def test_a_resume_mismatch_is_said_once(launch, tmp_path):
     directory = str(tmp_path / "checkpoints")
     launch(train_resumable, strategy="ps", workers=2, servers=1, args=(5, "sgd"), checkpoint_dir=directory,
-                    checkpoint_every=5, step_timeout=20, timeout=150)
+           checkpoint_every=5, step_timeout=20, timeout=150)
     body = "gradsync.init()\nfaults.train_resumable(5, 'sgd')\ngradsync.shutdown()\n"
     stderr, headline = run_failing_script(tmp_path, body, "--strategy", "allreduce", "--workers", "2", "--resume",
                                           directory)

@@ -45,7 +45,7 @@ def test_adamw_groups_warmup_clipping_and_accumulation_match_single_process(laun
 def test_schedules_and_clipping_reach_every_server_exactly_with_sgd(launch, strategy, servers, mode, workers, schedule):
     """SGD with momentum is exact to float rounding; async and ssp with one worker are sync training."""
     results = launch(train, strategy=strategy, workers=workers, servers=servers, mode=mode,
-                              args=(STEPS, "sgd", schedule, MAX_NORM), timeout=280)
+                     args=(STEPS, "sgd", schedule, MAX_NORM), timeout=280)
     joint = reference(STEPS, workers, "sgd", schedule, MAX_NORM)
     for r in results:
         assert max_diff(r["state"], joint["state"]) <= 1e-5
@@ -61,7 +61,7 @@ def test_a_schedule_without_clipping_matches_single_process_in_pieces_and_in_who
     """The two sync ps steps a job may plan (`worker.piece_size.step_plan`): the options a scheduler changes
     travel with the pieces' head, or with the whole push."""
     results = launch(train, strategy="ps", workers=2, servers=2, pipeline=pipeline,
-                              args=(STEPS, "sgd", "onecycle", None), timeout=280)
+                     args=(STEPS, "sgd", "onecycle", None), timeout=280)
     joint = reference(STEPS, 2, "sgd", "onecycle", None)
     for r in results:
         assert max_diff(r["state"], joint["state"]) <= 1e-5
@@ -78,7 +78,7 @@ def test_optimizer_state_dicts_move_between_single_process_and_gradsync(launch, 
     workers = 2
     first = reference(3, workers, "adamw", None, None)
     middle = launch(train_resumed, strategy=strategy, workers=workers, servers=servers,
-                             args=(3, 3, first, load_before), timeout=280)[0]
+                    args=(3, 3, first, load_before), timeout=280)[0]
     joint = continue_single_process(3, 3, workers, first["state"], first["optimizer"])
     noise = max_diff(joint["state"], reference(6, workers, "adamw", None, None, per_worker=True)["state"])
     assert max_diff(middle["state"], joint["state"]) <= noise_bound(noise)
@@ -96,7 +96,7 @@ def test_hybrid_clips_by_the_norm_of_dense_layers_and_served_rows_together(launc
     clips is the joint one, the servers' averaged rows included (two servers: the norm sums two shards'
     rows; hybrid with one server trains under bfloat16 below)."""
     results = launch(train, strategy="hybrid", workers=2, servers=servers,
-                              args=(STEPS, "plain", "warmup", MAX_NORM, 1, False, False), timeout=280)
+                     args=(STEPS, "plain", "warmup", MAX_NORM, 1, False, False), timeout=280)
     joint = reference(STEPS, 2, "plain", "warmup", MAX_NORM)
     for r in results:
         assert max_diff(r["state"], joint["state"]) <= 1e-5
@@ -114,7 +114,7 @@ def test_grad_scaler_skips_overflowing_steps_everywhere_and_backs_off_like_singl
     and the scale backs off, or grows after good steps, as torch's GradScaler loop does."""
     args = (STEPS, 2.0**16, torch.float16, True)
     results = launch(train_amp, strategy=strategy, workers=2, servers=servers, args=args, timeout=280,
-                              transport=transport)
+                     transport=transport)
     single = reference_amp(STEPS, 2, *args[1:])
     scales = single["scales"]
     assert any(b < a for a, b in zip(scales, scales[1:])) and any(b > a for a, b in zip(scales, scales[1:]))
@@ -159,7 +159,7 @@ def test_a_users_own_optimizer_class_with_groups_runs_on_the_servers(launch):
 @pytest.mark.parametrize("optimizer_kind,served", [("plain", ["emb.weight"]), ("adamw", [])])
 def test_tables_are_served_only_where_a_row_optimizer_applies(launch, optimizer_kind, served):
     result, other = launch(train_tables, strategy="ps", workers=2, servers=2, args=(STEPS, optimizer_kind),
-                                    timeout=280)
+                           timeout=280)
     joint = reference(STEPS, 2, optimizer_kind, "warmup", None)
     noise = max_diff(joint["state"], reference(STEPS, 2, optimizer_kind, "warmup", None, per_worker=True)["state"])
     assert result["tables"] == served
@@ -192,7 +192,7 @@ def test_the_users_optimizer_is_the_trainers_and_a_misplaced_step_says_where_it_
 @pytest.mark.timeout(300)
 def test_schedules_clipping_and_optimizer_state_over_the_grpc_transport(launch):
     results = launch(train, strategy="ps", workers=2, servers=2, transport="grpc",
-                              args=(STEPS, "adamw", "warmup", MAX_NORM), timeout=280)
+                     args=(STEPS, "adamw", "warmup", MAX_NORM), timeout=280)
     joint = reference(STEPS, 2, "adamw", "warmup", MAX_NORM)
     noise = max_diff(joint["state"], reference(STEPS, 2, "adamw", "warmup", MAX_NORM, per_worker=True)["state"])
     for r in results:
@@ -207,7 +207,7 @@ def test_schedules_clipping_and_optimizer_state_over_the_grpc_transport(launch):
 def test_no_sync_accumulates_without_an_exchange_per_backward(launch, strategy, servers):
     joint = reference(3, 2, "sgd", None, None, micro=2)["state"]
     plain, quiet = (launch(train_accumulating, strategy=strategy, workers=2, servers=servers,
-                                    args=(3, no_sync), timeout=280)[0] for no_sync in (False, True))
+                           args=(3, no_sync), timeout=280)[0] for no_sync in (False, True))
     assert max_diff(plain["state"], joint) <= 1e-5 and max_diff(quiet["state"], joint) <= 1e-5
     if strategy == "allreduce":  # one bucket for this small model: one allreduce per backward, or per step
         assert plain["allreduces"] == 6 and quiet["allreduces"] == 3

@@ -69,7 +69,7 @@ def test_loader_workers_of_every_start_method_in_a_rank_of_gradsync_launch(launc
     from real_loops import loader_batches
 
     batches = launch(loader_batches, strategy="allreduce", workers=1, timeout=110,
-                              args=((None, "fork", "spawn", "forkserver"),))[0]
+                     args=((None, "fork", "spawn", "forkserver"),))[0]
     assert len(batches["none"]) == 6
     for name in ("None", "fork", "spawn", "forkserver"):
         assert len(batches[name]) == 6 and all(torch.equal(a, b) for a, b in zip(batches[name], batches["none"]))

@@ -91,7 +91,7 @@ def test_resume_refuses_a_checkpoint_of_another_strategy_or_model(launch, tmp_pa
     with pytest.raises(gradsync.JobFailed, match=r"holds a different model: '0.weight' is \[\[16, 8\], "
                                                  r"'torch.float32'\] there and \[\[17, 8\], 'torch.float32'\]"):
         launch(build_wider, strategy="ps", workers=2, servers=2, resume=directory, step_timeout=20,
-                        timeout=60)
+               timeout=60)
 
 
 def _script(tmp_path) -> str:
@@ -190,7 +190,7 @@ def test_a_shard_its_server_cannot_restore_is_one_refusal_on_that_server(launch,
     through), and server 0, which restores its shard, refuses it, headlined on that server."""
     directory = str(tmp_path / "checkpoints")
     launch(train_clicks, strategy="ps", workers=2, servers=1, args=(EVERY,), checkpoint_dir=directory,
-                    checkpoint_every=EVERY, step_timeout=20, timeout=90)
+           checkpoint_every=EVERY, step_timeout=20, timeout=90)
     body = ("gradsync.init()\nimport torch, sparse_models\nmodel = sparse_models.ClickNet()\n"
             "gradsync.Trainer(model, torch.optim.Adam(model.parameters(), lr=0.01), tables='dense')\n"
             "gradsync.shutdown()\n")

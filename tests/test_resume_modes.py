@@ -79,14 +79,14 @@ def test_an_elastic_async_job_checkpoints_without_a_worker_that_died(launch, tmp
     two workers left, and a job of 3 resumes from step 10 (its worker 0 starts from worker 1's file)."""
     directory = str(tmp_path / "checkpoints")
     done = launch(train_mlp_with_fault, strategy="ps", mode="async", workers=3, servers=1,
-                           args=(12, Fault(0, 3, "kill")), step_timeout=20, timeout=90, checkpoint_dir=directory,
-                           checkpoint_every=EVERY)
+                  args=(12, Fault(0, 3, "kill")), step_timeout=20, timeout=90, checkpoint_dir=directory,
+                  checkpoint_every=EVERY)
     assert [d.worker for d in done.departures] == [0]
     for step in (5, 10):
         with open(os.path.join(directory, f"step-{step:08d}", "MANIFEST.json")) as f:
             assert sorted(json.load(f)["files"]) == ["shard-0.ckpt", "worker-1.ckpt", "worker-2.ckpt"]
     resumed = launch(train_mlp_with_fault, strategy="ps", mode="async", workers=3, servers=1,
-                              args=(14, Fault(-1, -1, "none")), step_timeout=20, timeout=90, resume=directory)
+                     args=(14, Fault(-1, -1, "none")), step_timeout=20, timeout=90, resume=directory)
     assert [first for first, _ in resumed] == [10, 10, 10]
 
 
@@ -95,7 +95,7 @@ def test_an_async_job_checkpoints_without_a_worker_that_finished_first(launch, t
     """Worker 1 leaves after 7 steps (fewer batches): the checkpoint of step 10 holds worker 0 alone."""
     directory = str(tmp_path / "checkpoints")
     launch(train_mlp_with_fault, strategy="ps", mode="async", workers=2, servers=1,
-                    args=(12, Fault(1, 7, "leave")), step_timeout=20, timeout=90, checkpoint_dir=directory,
-                    checkpoint_every=EVERY)
+           args=(12, Fault(1, 7, "leave")), step_timeout=20, timeout=90, checkpoint_dir=directory,
+           checkpoint_every=EVERY)
     with open(os.path.join(directory, "step-00000010", "MANIFEST.json")) as f:
         assert sorted(json.load(f)["files"]) == ["shard-0.ckpt", "worker-0.ckpt"]

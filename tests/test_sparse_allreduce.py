@@ -60,7 +60,7 @@ def reference_adagrad(steps: int, workers: int) -> dict:
 @pytest.mark.parametrize("workers", [2, 4])
 def test_sparse_allreduce_sgd_matches_single_process(launch, workers):
     states = launch(train_clicks, strategy="allreduce", workers=workers, args=("sgd", STEPS, True),
-                             step_timeout=60, timeout=280)
+                    step_timeout=60, timeout=280)
     reference = reference_clicks("sgd", STEPS, workers)
     start = ClickNet().state_dict()
     for state in states:
@@ -72,7 +72,7 @@ def test_sparse_allreduce_sgd_matches_single_process(launch, workers):
 @pytest.mark.timeout(300)
 def test_sparse_allreduce_adagrad_matches_single_process_with_sparse_gradients(launch):
     results = launch(train_sparse_adagrad, strategy="allreduce", workers=2, args=(STEPS,),
-                              step_timeout=60, timeout=280)
+                     step_timeout=60, timeout=280)
     reference = reference_adagrad(STEPS, 2)
     for worker, (state, sparse, sent) in enumerate(results):
         assert max_diff(state, reference) <= 1e-5

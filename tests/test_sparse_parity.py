@@ -23,7 +23,7 @@ CASES = [
 @pytest.mark.parametrize("strategy,workers,servers,optimizer", CASES)
 def test_served_tables_match_single_process(launch, strategy, workers, servers, optimizer):
     states = launch(train_clicks, strategy=strategy, workers=workers, servers=servers,
-                             args=(optimizer, STEPS), step_timeout=60, timeout=140)
+                    args=(optimizer, STEPS), step_timeout=60, timeout=140)
     reference = reference_clicks(optimizer, STEPS, workers)
     start = ClickNet().state_dict()
     for state in states:
@@ -36,7 +36,7 @@ def test_served_tables_match_single_process(launch, strategy, workers, servers, 
 @pytest.mark.timeout(120)
 def test_sparse_true_embeddings_train_the_same(launch):
     states = launch(train_clicks, strategy="hybrid", workers=2, servers=2, args=("sgd", 5, True),
-                             step_timeout=60, timeout=110)
+                    step_timeout=60, timeout=110)
     assert max_diff(states[0], reference_clicks("sgd", 5, 2)) <= 1e-5
 
 
@@ -44,7 +44,7 @@ def test_sparse_true_embeddings_train_the_same(launch):
 @pytest.mark.parametrize("strategy", ["ps", "hybrid"])
 def test_meta_tables_are_initialised_on_the_servers_and_counted_async(launch, strategy):
     (stats, state), _ = launch(train_on_meta_tables, strategy=strategy, mode="async", workers=2, servers=2,
-                                        args=(6,), step_timeout=60, timeout=110)
+                               args=(6,), step_timeout=60, timeout=110)
     for name, rows in (("bag.weight", ROWS_BAG), ("emb.weight", ROWS_EMB)):
         per_server = [stats[s]["tables"][name] for s in (0, 1)]
         assert [t["rows"] for t in per_server] == [math.ceil(rows / 2), rows // 2]

@@ -14,7 +14,7 @@ SLOW_S = 0.3  # seconds each of workers 1 and 2 sleeps before a step: far longer
 @pytest.mark.timeout(120)
 def test_ssp_with_staleness_0_ends_at_the_parameters_of_sync_training(launch):
     results = launch(train_mlp_and_stats, strategy="ps", mode="ssp", workers=2, servers=2, args=(STEPS,),
-                              staleness=0, step_timeout=30, timeout=110)
+                     staleness=0, step_timeout=30, timeout=110)
     reference = reference_mlp(STEPS, 2, momentum=0.0)
     for state, stats in results:
         assert max_diff(state, reference) <= 1e-5
@@ -26,7 +26,7 @@ def test_ssp_never_lets_a_worker_run_more_than_k_steps_ahead(launch):
     """Workers 1 and 2 sleep before each step, so worker 0 would run ahead of them at once: the bound holds it
     exactly K steps ahead (unbounded, it would lead by up to STEPS - 1)."""
     results = launch(train_mlp_and_stats, strategy="ps", mode="ssp", workers=3, servers=1,
-                              args=(STEPS, 0.1, 0.0, SLOW_S), staleness=2, step_timeout=30, timeout=110)
+                     args=(STEPS, 0.1, 0.0, SLOW_S), staleness=2, step_timeout=30, timeout=110)
     stats = results[0][1][0]  # read by worker 0 when it finished: the others may still be pushing
     assert stats["max_lead"] == 2
     assert sum(stats["staleness_histogram"].values()) == stats["pushes_applied"]

@@ -90,7 +90,7 @@ def test_a_worker_that_never_builds_its_trainer_is_named_not_the_one_that_waited
     construction, a collective, would wait for the missing worker as long as the step timeout)."""
     with pytest.raises(gradsync.JobFailed) as info:
         launch(train_without_one_trainer, strategy=strategy, workers=2, servers=servers, mode=mode,
-                        args=(1, 3), startup_timeout=8, step_timeout=120, timeout=100)
+               args=(1, 3), startup_timeout=8, step_timeout=120, timeout=100)
     message = str(info.value)
     assert message.startswith(f"rank {servers + 1} (worker1): no gradsync.Trainer built "), message
     assert f"\nthen rank {servers} (worker0) failed" in message

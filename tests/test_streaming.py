@@ -164,7 +164,7 @@ def test_a_loop_whose_steps_change_shape_ends_where_single_process_training_ends
     """Sync at W = 2 against the joint batch; async and ssp with one worker are sync training, bit for bit."""
     steps = len(PATTERN)
     results = launch(train_shapes, strategy="ps", workers=workers, servers=2, mode=mode, args=(steps,),
-                              timeout=180, bucket_cap_mb=0.0002)  # 200-byte pieces, parameters split across them
+                     timeout=180, bucket_cap_mb=0.0002)  # 200-byte pieces, parameters split across them
     reference = reference_shapes(steps, workers)
     taken = [shape for shape in PATTERN if shape != "skip"]
     for r in results:

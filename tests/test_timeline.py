@@ -68,8 +68,8 @@ def test_a_ps_steps_lanes_carry_its_bytes_in_order_and_pipelined(launch, bn, tra
     between machines (on one machine gRPC sends steps whole by default)."""
     steps, workers, servers = 4, 2, 2
     results = launch(train_with_timeline, strategy="ps", workers=workers, servers=servers,
-                              args=(steps, bn), timeout=140, bucket_cap_mb=0.0002,  # 200-byte pieces
-                              transport=transport, pipeline="on")
+                     args=(steps, bn), timeout=140, bucket_cap_mb=0.0002,  # 200-byte pieces
+                     transport=transport, pipeline="on")
     model = make_bn_net() if bn else make_mlp()
     gradients = FP32 * sum(p.numel() for p in model.parameters())
     buffers = sum(b.nbytes for b in model.buffers())
@@ -93,7 +93,7 @@ def test_an_allreduce_steps_buckets_carry_its_bytes_in_order_and_change_nothing(
     steps, workers = 4, 3  # W = 3: the hook the timeline needs must scale by 1 / 3 exactly as DDP's own does
     results = launch(train_with_timeline, strategy="allreduce", workers=workers, args=(steps,), timeout=90)
     untimed = launch(train_with_timeline, strategy="allreduce", workers=workers, args=(steps, False, False),
-                              timeout=90)
+                     timeout=90)
     elements = sum(p.numel() for p in make_mlp().parameters())
     for (state, records, timeline), (plain, _, nothing) in zip(results, untimed):
         assert not nothing and all(torch.equal(state[k], plain[k]) for k in plain)  # bit for bit
