@@ -104,9 +104,9 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("--copy-limit-mb", type=float, default=500, help="each run works in its own copy of the "
                          "directory compare is started in (not its .git, virtual environments or reports): refuse "
                          "one whose copy would hold more MB than this (default: %(default)s)")
-    compare.add_argument("--strategies", type=_names, default="allreduce,ps,hybrid",
-                         help="comma-separated, of allreduce, ps, hybrid; hybrid runs are skipped when the model has "
-                         "no embedding table to serve (default: %(default)s)")
+    compare.add_argument("--strategies", type=_names, default="allreduce,ps,hybrid,sharded",
+                         help="comma-separated, of allreduce, ps, hybrid, sharded; hybrid and sharded runs are "
+                         "skipped when the model has no embedding table to serve (default: %(default)s)")
     compare.add_argument("--servers", type=_counts, default="1,2",
                          help="comma-separated server counts, for ps and hybrid (default: %(default)s)")
     compare.add_argument("--modes", type=_names, default="sync,async",

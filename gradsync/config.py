@@ -16,6 +16,9 @@ from gradsync.core.job_names import server_name, worker_name
 from gradsync.core.settings import ConfigError
 from gradsync.core.transport_capabilities import capabilities
 
+SERVERLESS = ("allreduce", "sharded")
+"""The strategies whose jobs have no parameter server (and are synchronous): every rank is a worker."""
+
 
 def _concern(name: str):
     """Make the class a kw-only dataclass with the fields of concern `name`, from the settings table."""
@@ -102,8 +105,10 @@ class Training:
                 f"staleness={self.staleness}: it bounds --mode ssp and must be >= 0; pass --mode ssp "
                 "--staleness K, or leave --staleness out"
             )
-        if self.strategy == "allreduce" and self.mode != "sync":
-            raise ConfigError("the allreduce strategy is synchronous: pass --mode sync, or use --strategy ps")
+        if self.strategy in SERVERLESS and self.mode != "sync":
+            raise ConfigError(f"the {self.strategy} strategy is synchronous (every step averages every worker's "
+                              f"gradients), got --mode {self.mode}: pass --mode sync, or use --strategy ps (or "
+                              "hybrid) for async and ssp")
         _positive(self, "training")
 
     @property
@@ -156,9 +161,14 @@ class JobConfig(Checkpointing, Timeouts, Training, Placement):  # fields in the 
                 f"the {self.strategy} strategy needs at least one server, got servers={self.servers}: "
                 "pass --servers 1 (or more), or use --strategy allreduce"
             )
-        if self.strategy == "allreduce" and self.servers != 0:
+        if self.strategy in SERVERLESS and self.servers != 0:
             raise ConfigError(
-                f"the allreduce strategy uses no servers, got servers={self.servers}: pass --servers 0"
+                f"the {self.strategy} strategy uses no servers, got servers={self.servers}: pass --servers 0"
+            )
+        if self.strategy == "sharded" and (self.checkpoint_every or self.resume):
+            raise ConfigError(
+                "the sharded strategy does not write or resume checkpoints yet (each worker holds only its rows of "
+                "the tables): leave out --checkpoint-every and --resume, or use --strategy hybrid"
             )
         self._check_checkpointing()
         self._check_placement()
@@ -205,5 +215,5 @@ def job_keywords(given: dict, call: str) -> dict:
 
 
 def default_servers(strategy: str) -> int:
-    """Parameter servers a job gets when none are asked for: 1 for ps and hybrid, 0 for allreduce."""
-    return 0 if strategy == "allreduce" else 1
+    """Parameter servers a job gets when none are asked for: 1 for ps and hybrid, 0 for allreduce and sharded."""
+    return 0 if strategy in SERVERLESS else 1

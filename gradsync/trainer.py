@@ -43,12 +43,12 @@ class Trainer:
             branch not taken); a parameter no worker used is left alone by the optimizer, as in
             single-process training. Costs a walk of the autograd graph per forward. The ps strategy
             accepts and ignores it: it does not need it.
-        tables: under the ps and hybrid strategies, which `nn.Embedding` / `nn.EmbeddingBag` weights (not tied
-            to another layer) are served row by row from the servers, a worker pulling only the rows its batch
-            looks up: 'auto' (default) those a row optimizer applies to (`table_optimizer`, or the exact
-            row-wise form of their group's optimizer: plain SGD), the others stay dense, said once; 'rows':
-            all of them (refused for a table without a row optimizer); 'dense': none. Allreduce keeps the
-            whole model in DDP.
+        tables: under the ps, hybrid and sharded strategies, which `nn.Embedding` / `nn.EmbeddingBag` weights
+            (not tied to another layer) are served row by row from the servers (sharded: split by row across
+            the workers), a worker pulling only the rows its batch looks up: 'auto' (default) those a row
+            optimizer applies to (`table_optimizer`, or the exact row-wise form of their group's optimizer:
+            plain SGD), the others stay dense, said once; 'rows': all of them (refused for a table without a
+            row optimizer); 'dense': none. Allreduce keeps the whole model in DDP.
         table_optimizer: the row-wise optimizer of the served tables (`gradsync.RowSGD`,
             `gradsync.RowAdagrad`).
         optimizer_kwargs: with an optimizer class: its keyword arguments.
@@ -105,6 +105,11 @@ class Trainer:
 
             self._strategy = HybridStrategy(job, model, optimizer, tables=tables, table_optimizer=table_optimizer,
                                             find_unused_parameters=find_unused_parameters, clipping=clipping)
+        elif job.config.strategy == "sharded":
+            from gradsync.worker.sharded_strategy import ShardedStrategy
+
+            self._strategy = ShardedStrategy(job, model, optimizer, tables=tables, table_optimizer=table_optimizer,
+                                             find_unused_parameters=find_unused_parameters, clipping=clipping)
         else:
             from gradsync.worker.allreduce_strategy import AllreduceStrategy
 

@@ -26,7 +26,7 @@ def test_compare_passes_what_follows_the_script_to_the_script():
     with pytest.raises(ValueError, match="--out=x comes after"):
         cli.parse_args(["compare", "train.py", "--out=x"])
     args = cli.parse_args(["compare", "train.py", "--", "--strategies", "ps"])  # the script's own --strategies
-    assert (args.strategies, args.args) == (["allreduce", "ps", "hybrid"], ["--strategies", "ps"])
+    assert (args.strategies, args.args) == (["allreduce", "ps", "hybrid", "sharded"], ["--strategies", "ps"])
 
 
 def test_compare_refuses_a_report_directory_it_did_not_write_unless_forced(tmp_path, capsys):
@@ -61,8 +61,8 @@ def test_help_shows_every_default_and_no_empty_one():
     run, compare = (" ".join(commands[name].format_help().split()) for name in ("run", "compare"))
     assert "else )" not in run and "(default: GRADSYNC_CHECKPOINT_DIR if set)" in run
     assert "(default: GRADSYNC_CHECKPOINT_EVERY, else 0)" in run
-    for text in ("(default: 2)", "(default: gradsync-report)", "(default: allreduce,ps,hybrid)", "(default: 1,2)",
-                 "(default: sync,async)", "(default: none)", "(default: 600)", "(default: 1)"):
+    for text in ("(default: 2)", "(default: gradsync-report)", "(default: allreduce,ps,hybrid,sharded)",
+                 "(default: 1,2)", "(default: sync,async)", "(default: none)", "(default: 600)", "(default: 1)"):
         assert text in compare, text
 
 

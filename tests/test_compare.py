@@ -22,11 +22,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def test_grid_covers_what_each_strategy_means():
-    names = [c.name for c in grid(["allreduce", "ps", "hybrid"], [1, 2], ["sync", "async"], ["none", "int8"])]
+    names = [c.name for c in grid(["allreduce", "ps", "hybrid", "sharded"], [1, 2], ["sync", "async"],
+                                  ["none", "int8"])]
     assert names == ["allreduce", "allreduce int8",
                      "ps sync S=1", "ps sync S=2", "ps async S=1", "ps async S=2",
                      "ps sync S=1 int8", "ps sync S=2 int8", "ps async S=1 int8", "ps async S=2 int8",
-                     "hybrid S=1", "hybrid S=2", "hybrid S=1 int8", "hybrid S=2 int8"]
+                     "hybrid S=1", "hybrid S=2", "hybrid S=1 int8", "hybrid S=2 int8", "sharded", "sharded int8"]
+    assert Config("sharded", compression="int8").settings() == dict(strategy="sharded", mode="sync", servers=0,
+                                                                     compression="int8")
     assert Config("ps", "async", 2, "fp16").slug == "ps_async_S2_fp16"
     with pytest.raises(ValueError, match="unknown strategy 'dp'"):
         grid(["dp"], [1], ["sync"], ["none"])
@@ -270,7 +273,7 @@ def test_predict_says_plainly_why_it_cannot_fit():
     tables = predict([made_run("allreduce", model={"dense": 10, "tables": 10}),
                       made_run("allreduce", compression="fp16", model={"dense": 10, "tables": 10})],
                      {"workers": 2, "cores": 2})
-    assert "no ps or hybrid run measured the rows" in tables["error"]
+    assert "no ps, hybrid or sharded run measured the rows" in tables["error"]
     assert markdown(no_ps)[-1].startswith("No prediction: the cost model could not be fitted on these runs. ")
     slow = predict([made_run("allreduce"), made_run("ps", 1)],
                    {"workers": 2, "link": "1gbit", "server_link": "100mbit"})
@@ -382,14 +385,16 @@ def test_hybrid_runs_after_one_that_found_no_tables_are_skipped_without_running(
     monkeypatch.setattr(runner, "run", fake_run)
     script = tmp_path / "x.py"
     script.write_text("")
-    _, runs = compare(str(script), [], workers=2, out_dir=str(tmp_path / "out"), strategies=["allreduce", "hybrid"],
-                      servers=[1, 2], modes=["sync"], compressions=["none", "int8"], timeout=10, warmup=1,
-                      command="c", options={})
+    _, runs = compare(str(script), [], workers=2, out_dir=str(tmp_path / "out"),
+                      strategies=["allreduce", "hybrid", "sharded"], servers=[1, 2], modes=["sync"],
+                      compressions=["none", "int8"], timeout=10, warmup=1, command="c", options={})
     assert started == ["allreduce", "allreduce int8", "hybrid S=1"]
     assert [(r["name"], r.get("skipped")) for r in runs][2:] == [("hybrid S=1", "no tables"),
                                                                 ("hybrid S=2", "no tables"),
                                                                 ("hybrid S=1 int8", "no tables"),
-                                                                ("hybrid S=2 int8", "no tables")]
+                                                                ("hybrid S=2 int8", "no tables"),
+                                                                ("sharded", "no tables"),
+                                                                ("sharded int8", "no tables")]
 
 
 def test_the_straggler_goes_to_the_runs_not_into_the_callers_environment(tmp_path, monkeypatch):

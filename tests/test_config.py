@@ -22,6 +22,11 @@ def test_settings_survive_the_trip_through_the_environment():
     assert (again.checkpoint_dir, again.checkpoint_every, again.resume) == ("ckpt", 5, "old")
 
 
+def test_sharded_has_no_servers_unless_asked():
+    config = JobConfig.from_env({"GRADSYNC_STRATEGY": "sharded", "WORLD_SIZE": "4"})
+    assert (config.servers, config.num_workers, config.mode) == (0, 4, "sync")
+
+
 @pytest.mark.parametrize(
     "env,match",
     [
@@ -33,6 +38,10 @@ def test_settings_survive_the_trip_through_the_environment():
         ({"GRADSYNC_COMPRESSION": "zip"}, "unknown compression 'zip'"),
         ({"GRADSYNC_SERVER_DEVICE": "gpu0"}, "server_device 'gpu0' is not a device"),
         ({"GRADSYNC_STRATEGY": "allreduce", "GRADSYNC_SERVERS": "1", "WORLD_SIZE": "3"}, "pass --servers 0"),
+        ({"GRADSYNC_STRATEGY": "sharded", "GRADSYNC_SERVERS": "1", "WORLD_SIZE": "3"}, "the sharded strategy uses "
+                                                                                      "no servers, got servers=1"),
+        ({"GRADSYNC_STRATEGY": "sharded", "GRADSYNC_MODE": "ssp"}, r"the sharded strategy is synchronous .*, got "
+                                                                   "--mode ssp: pass --mode sync"),
         ({"GRADSYNC_CHECKPOINT_EVERY": "5"}, "checkpoint_dir='': pass both --checkpoint-dir DIR and --checkpoint"),
     ],
 )

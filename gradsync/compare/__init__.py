@@ -97,7 +97,7 @@ def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, 
     from gradsync.compare.predict import markdown
     from gradsync.compare.predict import predict as predict_runs
     from gradsync.compare.report import dense_tables, failures, silent, table, uneven, write_report
-    from gradsync.compare.runner import NO_TABLES, WORKDIR, run
+    from gradsync.compare.runner import NO_TABLES, TABLE_STRATEGIES, WORKDIR, run
 
     if checked is not None:
         checked()
@@ -106,8 +106,8 @@ def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, 
     try:
         workdir.snapshot(start, pristine, MARKER)
         for i, config in enumerate(configs):
-            if config.strategy == "hybrid" and any(r.get("skipped") == NO_TABLES for r in runs):
-                # the same script builds the same model: no other hybrid run would find a table either
+            if config.strategy in TABLE_STRATEGIES and any(r.get("skipped") == NO_TABLES for r in runs):
+                # the same script builds the same model: no other hybrid or sharded run would find a table
                 runs.append({"name": config.name, **config.settings(), "workers": workers, "skipped": NO_TABLES})
                 continue
             print(f"[{config.name}] run {i + 1} of {len(configs)}; its ranks' output follows; its working "

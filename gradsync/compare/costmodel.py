@@ -1,4 +1,5 @@
-"""A calibrated cost model of a training step: fit on measured runs, predict allreduce, ps and hybrid at scale.
+"""A calibrated cost model of a training step: fit on measured runs, predict allreduce, ps, hybrid and sharded at
+scale.
 
 Three parameters are fitted (`fit`): compute seconds per sample, seconds per byte on a link, and seconds
 per message (latency). A step is compute followed by communication, with no overlap between the two:
@@ -41,6 +42,12 @@ elements) and W workers:
   (bench/costmodel_link.py; BENCHMARKS.md, "Behind an emulated link", has every ratio).
 - hybrid: the dense part as allreduce, plus the row pull and the row push through the servers:
   2 max(W / S, 1) row_bytes, 4 more messages.
+- sharded (`sharded_tables` tables split by row over the W workers): the dense part as allreduce, plus two
+  all-to-alls per table (ids out and rows back in the forward, row gradients to their owners at the step):
+  a worker's link carries, each way, the share of its rows owned elsewhere, (W-1)/W row_bytes, twice:
+  2 (W-1)/W row_bytes (an owner answers as many rows as it asks for, on average), and 6 more messages per
+  table (each direction sends counts, ids, then rows or gradients, one `all_to_all_single` each). Unlike the
+  all-gather of sparse allreduce, the bytes through a link stay near 2 row_bytes as W grows.
 - async ps (no barrier): a worker's step is the larger of its own compute + exchange (its link carries
   e c + 4 e + 2 row_bytes, 2 or 4 messages) and its share of the servers' link time, max(W / S, 1)
   (4 e + row_bytes): without a barrier one worker's push overlaps another's reply. Throughput per worker.
@@ -69,7 +76,7 @@ import numpy as np
 
 from gradsync.metrics.traffic import FP32, ITEMSIZE, allreduce_bytes, wire_bytes
 
-STRATEGIES = ("allreduce", "ps", "hybrid")
+STRATEGIES = ("allreduce", "ps", "hybrid", "sharded")
 MODES = ("sync", "async")
 PARAMETERS = ("compute per sample", "cost per byte", "latency per message")
 
@@ -81,8 +88,10 @@ class Config:
     as dense parameters and ps / hybrid keep on the servers; `row_bytes`: the rows a ps / hybrid worker
     pulls per step (and pushes back as gradients), or under allreduce with `sparse_tables` the rows (and
     their indices) a worker's batch touches, its part of the all-gather; `sparse_tables`: allreduce only,
-    how many tables have sparse gradients (each its own all-gather); `piece`: sync ps, elements of the
-    largest piece a server applies and answers on its own (0: the whole shard, dense / servers)."""
+    how many tables have sparse gradients (each its own all-gather); `sharded_tables`: sharded only, how many
+    tables are split across the workers (each its own all-to-alls; `row_bytes` then the rows a worker looks
+    up per step); `piece`: sync ps, elements of the largest piece a server applies and answers on its own
+    (0: the whole shard, dense / servers)."""
 
     strategy: str
     batch: int
@@ -94,6 +103,7 @@ class Config:
     compression: str = "none"
     sparse_tables: int = 0
     piece: int = 0
+    sharded_tables: int = 0
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -104,15 +114,21 @@ class Config:
             raise ValueError(f"mode={self.mode!r} is not modelled: use one of {MODES}")
         if self.compression not in ITEMSIZE:
             raise ValueError(f"compression={self.compression!r} is not modelled: use one of {tuple(ITEMSIZE)}")
-        if self.strategy != "allreduce" and self.servers < 1:
+        if self.strategy in ("ps", "hybrid") and self.servers < 1:
             raise ValueError(f"strategy={self.strategy!r} needs servers >= 1, got servers={self.servers}")
         if self.sparse_tables and self.strategy != "allreduce":
             raise ValueError(f"sparse_tables={self.sparse_tables} is an allreduce setting, got strategy="
                              f"{self.strategy!r}: ps and hybrid move rows anyway (row_bytes), leave it 0")
         if self.piece < 0:
             raise ValueError(f"piece={self.piece}: elements of the largest piece, 0 (the whole shard) or more")
-        if self.sparse_tables < 0:
-            raise ValueError(f"sparse_tables={self.sparse_tables}: a count of tables, 0 or more")
+        if self.sharded_tables and self.strategy != "sharded":
+            raise ValueError(f"sharded_tables={self.sharded_tables} is a sharded setting, got strategy="
+                             f"{self.strategy!r}: leave it 0")
+        if self.strategy == "sharded" and self.servers:
+            raise ValueError(f"strategy='sharded' has no servers, got servers={self.servers}: leave it 0")
+        if self.sparse_tables < 0 or self.sharded_tables < 0:
+            raise ValueError(f"sparse_tables={self.sparse_tables}, sharded_tables={self.sharded_tables}: counts of "
+                             "tables, 0 or more")
         if self.mode == "async" and self.strategy != "ps":
             raise ValueError(f"mode='async' is a ps mode, got strategy={self.strategy!r}: use strategy='ps'")
 
@@ -154,6 +170,9 @@ def traffic(config: Config, workers: int) -> tuple[float, int]:
         return dense_bytes + (workers - 1) * config.row_bytes, messages + 3 * (workers - 1) * config.sparse_tables
     if config.strategy == "allreduce":
         return allreduce_bytes(config.dense + config.tables, workers, config.compression)
+    if config.strategy == "sharded":
+        dense_bytes, messages = allreduce_bytes(config.dense, workers, config.compression)
+        return dense_bytes + 2 * (workers - 1) / workers * config.row_bytes, messages + 6 * config.sharded_tables
     if config.strategy == "ps":
         return _ps_pipeline(config, workers), _ps_messages(config)
     dense_bytes, messages = allreduce_bytes(config.dense, workers, config.compression)

@@ -15,7 +15,7 @@ class Config:
 
     @property
     def name(self) -> str:
-        """A short label: 'allreduce', 'ps sync S=2', 'hybrid S=1 int8', ..."""
+        """A short label: 'allreduce', 'ps sync S=2', 'hybrid S=1 int8', 'sharded', ..."""
         parts = [self.strategy]
         if self.strategy == "ps":
             parts.append(self.mode)
@@ -36,19 +36,20 @@ class Config:
 
 
 def grid(strategies: list[str], servers: list[int], modes: list[str], compressions: list[str]) -> list[Config]:
-    """Every combination that means something: allreduce has no servers and one mode; ps takes every mode
-    and server count; hybrid's servers hold only the embedding tables (sync dense layers)."""
+    """Every combination that means something: allreduce and sharded have no servers and one mode; ps takes
+    every mode and server count; hybrid's servers hold only the embedding tables (sync dense layers)."""
     if any(s < 1 for s in servers):
         raise ValueError(f"--servers {servers}: each count must be >= 1 (allreduce runs without servers anyway)")
     configs = []
     for strategy in strategies:
         for compression in compressions:
-            if strategy == "allreduce":
-                configs.append(Config("allreduce", compression=compression))
+            if strategy in ("allreduce", "sharded"):
+                configs.append(Config(strategy, compression=compression))
             elif strategy == "ps":
                 configs += [Config("ps", mode, s, compression) for mode in modes for s in servers]
             elif strategy == "hybrid":
                 configs += [Config("hybrid", "sync", s, compression) for s in servers]
             else:
-                raise ValueError(f"unknown strategy {strategy!r} in --strategies: use allreduce, ps or hybrid")
+                raise ValueError(f"unknown strategy {strategy!r} in --strategies: use allreduce, ps, hybrid or "
+                                 "sharded")
     return configs

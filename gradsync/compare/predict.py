@@ -125,13 +125,12 @@ def _configs(runs: list[dict], workers: int) -> tuple[dict[str, costmodel.Config
     batch = next((r["batch"] for r in done if r.get("batch")), None)
     sizes = {**model, "batch": batch or 1, "batch_logged": batch is not None, "row_bytes": 0}
     if model["tables"]:
-        served = [r for r in done if r["strategy"] != "allreduce"]
+        served = [r for r in done if r["strategy"] in ("ps", "hybrid")] or \
+            [r for r in done if r["strategy"] == "sharded"]
         if not served:
-            raise ValueError("the model has embedding tables, and no ps or hybrid run measured the rows a worker "
-                             "moves per step: add --strategies ps or hybrid")
-        sizes["row_bytes"] = round(statistics.median(max(0.0, r["bytes_received"] - _dense_received(r, model,
-                                                                                                     workers))
-                                                     for r in served))
+            raise ValueError("the model has embedding tables, and no ps, hybrid or sharded run measured the rows a "
+                             "worker moves per step: add --strategies ps, hybrid or sharded")
+        sizes["row_bytes"] = round(statistics.median(_rows_received(r, model, workers) for r in served))
     configs = {}
     for r in done:
         piece = (r.get("model") or {}).get("largest_piece", 0) if r["strategy"] == "ps" else 0  # its own plan's
@@ -143,13 +142,22 @@ def _configs(runs: list[dict], workers: int) -> tuple[dict[str, costmodel.Config
             configs[r["name"]] = dataclasses.replace(config, sparse_tables=sparse, row_bytes=round(rows))
             continue
         configs[r["name"]] = dataclasses.replace(
-            config, tables=model["tables"], row_bytes=0 if r["strategy"] == "allreduce" else sizes["row_bytes"])
+            config, tables=model["tables"], row_bytes=0 if r["strategy"] == "allreduce" else sizes["row_bytes"],
+            sharded_tables=(r.get("model") or {}).get("sharded_tables", 0) if r["strategy"] == "sharded" else 0)
     return configs, sizes
 
 
+def _rows_received(run: dict, model: dict, workers: int) -> float:
+    """Bytes of table rows a ps, hybrid or sharded worker looks up per step, from what it received beyond the
+    dense part: a sharded worker's count holds the rows of its lookups and about as many gradient bytes
+    (rows and their ids) that it receives as an owner, so half of it."""
+    rows = max(0.0, run["bytes_received"] - _dense_received(run, model, workers))
+    return rows / 2 if run["strategy"] == "sharded" else rows
+
+
 def _dense_received(run: dict, model: dict, workers: int) -> float:
-    """Bytes a ps or hybrid worker receives per step for the dense part: the fp32 weights (ps), its share
-    of the ring (hybrid)."""
+    """Bytes a ps, hybrid or sharded worker receives per step for the dense part: the fp32 weights (ps), its
+    share of the ring (hybrid, sharded)."""
     if run["strategy"] == "ps":
         return costmodel.FP32 * model["dense"]
     ring = costmodel.Config("allreduce", 1, model["dense"], compression=run["compression"])

@@ -10,7 +10,7 @@ and its peak resident memory (VmHWM). The first
 `warmup` steps of each worker (first calls, lazy imports, buffers allocated) are
 left out of every per-step figure: the medians, samples/s and CPU per step count
 from the end of the warm-up to the last logged step. A hybrid run whose model has
-no table to serve (`NoTablesToServe`) is skipped, not failed.
+no table to serve (`NoTablesToServe`) is skipped, not failed; so is a sharded run.
 """
 from __future__ import annotations
 
@@ -36,7 +36,9 @@ from gradsync.launcher.supervision import RankProcess
 
 SAMPLE_S = 0.1
 NO_TABLES = "no tables"
-"""A hybrid run's `skipped` reason: the model has no embedding table that hybrid would serve."""
+"""A hybrid or sharded run's `skipped` reason: the model has no embedding table they would serve."""
+TABLE_STRATEGIES = ("hybrid", "sharded")
+"""The strategies that exist for a model's embedding tables (they refuse a model without: `NoTablesToServe`)."""
 WORKDIR = "workdir"
 """A run's working directory in its run folder: a copy of compare's at its start (`compare.workdir`)."""
 FAILURE = "failure.txt"
@@ -146,7 +148,7 @@ def run(config: Config, script: str, script_args: list[str], workers: int, out_d
         straggler: str | None = None, timeline: bool = False, start: str | None = None,
         pristine: str | None = None) -> dict:
     """Run `config` and return its measurements (a failed run also its `error`, `failed_rank` and `failure`
-    file; `skipped`: NO_TABLES for a hybrid run on a model without tables). `warmup`: steps left out of the
+    file; `skipped`: NO_TABLES for a hybrid or sharded run on a model without tables). `warmup`: steps left out of the
     per-step figures; `board_dir`: where the workers also write TensorBoard scalars, one subdirectory per run;
     `network`: `link` and `server_link` of `run_script`; `straggler`: GRADSYNC_STRAGGLER of every rank;
     `timeline`: every rank records the step timeline (GRADSYNC_TIMELINE); `pristine`: the copy of directory

@@ -35,6 +35,16 @@ def nonfinite_error(name: str, worker: int | str) -> GradientError:
     )
 
 
+def bad_id_error(table: str, rows: int, bad: int, worker: int) -> IndexError:
+    """Worker `worker`'s batch looked up id `bad`, outside table `table`'s rows 0..rows-1 (sharded: every worker
+    raises it, having exchanged nothing)."""
+    return IndexError(f"table {table!r} has rows 0..{rows - 1}, but a batch looked up id {bad} on worker {worker}: "
+                      "fix the input ids (nothing was looked up or applied)")
+
+
+_BAD_ID_ON = re.compile(r"table '.*?' has rows 0\.\.\d+, but a batch looked up id -?\d+ on worker (\d+):")
+
+
 _NONFINITE_FROM = re.compile(r"non-finite gradient \(NaN or Inf\) for parameter '.*?' from worker (\d+):")
 
 
@@ -43,8 +53,9 @@ _OUTSIDE_JOIN = re.compile(r"worker (\d+)(?:, worker \d+)* did not enter trainer
 
 def blamed_worker(text: str) -> int | None:
     """The worker a failure's text names as its cause (the sender of a non-finite gradient in
-    `nonfinite_error`, the first worker outside the block in `outside_join_error`), None when it names none."""
-    found = _NONFINITE_FROM.search(text) or _OUTSIDE_JOIN.search(text)
+    `nonfinite_error`, the first worker outside the block in `outside_join_error`, the worker whose batch held
+    a bad id in `bad_id_error`), None when it names none."""
+    found = _NONFINITE_FROM.search(text) or _OUTSIDE_JOIN.search(text) or _BAD_ID_ON.search(text)
     return int(found.group(1)) if found else None
 
 

@@ -100,15 +100,16 @@ STORE_IS_HOSTED = _S("store_is_hosted", "GRADSYNC_STORE_HOSTED", bool, False, "p
                      "rank 0 connects to it", internal=True)
 SERVERS = _S("servers", "GRADSYNC_SERVERS", int, 1, "placement",
              "parameter servers, the first ranks", flag="--servers", shared=True,
-             default_text="1 for ps and hybrid, 0 for allreduce")
+             default_text="1 for ps and hybrid, 0 for allreduce and sharded")
 SERVER_DEVICE = _S("server_device", "GRADSYNC_SERVER_DEVICE", str, "cpu", "placement",
                    "where servers keep their shard and aggregate: cpu, cuda (a server's GPU is its LOCAL_RANK "
                    "modulo the GPUs it sees: a machine's servers spread over its GPUs), cuda:N",
                    flag="--server-device")
 # Training: what a step computes and how gradients travel.
 STRATEGY = _S("strategy", "GRADSYNC_STRATEGY", str, "ps", "training",
-              "ps (parameter server), allreduce (DDP), or hybrid (embedding tables on the servers, the rest DDP)",
-              flag="--strategy", choices=("ps", "allreduce", "hybrid"), shared=True)
+              "ps (parameter server), allreduce (DDP), hybrid (embedding tables on the servers, the rest DDP), or "
+              "sharded (no servers: embedding tables split across the workers by row, over all-to-all; the rest "
+              "DDP)", flag="--strategy", choices=("ps", "allreduce", "hybrid", "sharded"), shared=True)
 MODE = _S("mode", "GRADSYNC_MODE", str, "sync", "training",
           "sync, async or ssp (ps and hybrid): sync averages all workers' gradients each step, async applies "
           "each as it arrives, ssp too but no worker runs more than --staleness steps ahead",
@@ -168,7 +169,7 @@ LOCAL_RANK = _S("local_rank", "LOCAL_RANK", int, 0, "process",
                 "this process's index among its machine's processes (torchrun's; gradsync run sets it to the "
                 "rank): a server's GPU with --server-device cuda", internal=True)
 DEVICE = _S("device", "GRADSYNC_DEVICE", str, "cuda", "process",
-            "the workers' process group (allreduce, hybrid): cuda adds nccl for CUDA tensors beside gloo for "
+            "the workers' process group (allreduce, hybrid, sharded): cuda adds nccl for CUDA tensors beside gloo for "
             "CPU ones when CUDA is available; cpu uses gloo alone", choices=("cuda", "cpu"))
 JOIN = _S("join", "GRADSYNC_JOIN", str, "", "process",
           "a running async ps job's run directory or store HOST:PORT: gradsync.init() joins it as a new worker "

@@ -40,13 +40,13 @@ class Capabilities:
 
 
 CAPABILITIES = {c.name: c for c in (
-    Capabilities("rpc", strategies=("ps", "allreduce", "hybrid"), compression=True, row_tables=True, joining=True,
-                 streams=True, pipelines_on_one_host=True),
+    Capabilities("rpc", strategies=("ps", "allreduce", "hybrid", "sharded"), compression=True, row_tables=True,
+                 joining=True, streams=True, pipelines_on_one_host=True),
     Capabilities("grpc", strategies=("ps",), compression=False, row_tables=False, joining=False,
                  streams=False, pipelines_on_one_host=False),
 )}
 """Every transport by name; the first is the `transport` setting's default and serves everything (allreduce
-runs over it too: its workers start the RPC agent every rank starts)."""
+and sharded run over it too: their workers start the RPC agent every rank starts)."""
 
 
 def capabilities(name: str) -> Capabilities:

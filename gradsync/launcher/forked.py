@@ -33,7 +33,8 @@ import types
 from multiprocessing import forkserver
 
 PRELOADED = ("torch", "torch._dynamo", "gradsync.runtime.start", "gradsync.worker.ps_strategy",
-             "gradsync.worker.allreduce_strategy", "gradsync.worker.hybrid_strategy", "gradsync.ps.server")
+             "gradsync.worker.allreduce_strategy", "gradsync.worker.hybrid_strategy",
+             "gradsync.worker.sharded_strategy", "gradsync.ps.server")
 """What the fork server imports once for every rank it starts (torch imports torch._dynamo at the first
 optimizer step or DDP)."""
 

@@ -66,8 +66,9 @@ def launch(fn, *, strategy: str, workers: int, servers: int | None = None, mode:
     Args:
         fn: a picklable (module-level) function; it runs after `gradsync.init()` (a `gradsync.init()`
             call inside it joins this job, and so does a `gradsync.shutdown()`).
-        strategy: 'ps', 'allreduce' or 'hybrid'; workers: W >= 1; servers: S (>= 1 for ps and hybrid, 0
-            for allreduce; None: 1 for ps and hybrid, 0 for allreduce, as `gradsync run`).
+        strategy: 'ps', 'allreduce', 'hybrid' or 'sharded'; workers: W >= 1; servers: S (>= 1 for ps and
+            hybrid, 0 for allreduce and sharded; None: 1 for ps and hybrid, 0 for allreduce and sharded, as
+            `gradsync run`).
         mode: 'sync', 'async' or 'ssp'.
         timeout: seconds for the whole job (None: no limit).
         link: a tc rate (100mbit, 1gbit...): each rank in its own network namespace behind a link of that

@@ -38,7 +38,7 @@ class StepMetrics:
         self.steps = 0
         self._current = StepRecord()
         self._mark: float | None = None
-        self._inside = 0.0  # pull seconds since the mark (row lookups inside the forward)
+        self._inside = 0.0  # communication seconds since the mark (row lookups in the forward, sharded row exchanges)
 
     def pulled(self, seconds: float, bytes_received: int) -> None:
         """A pull before the forward; marks the start of compute."""
@@ -52,11 +52,19 @@ class StepMetrics:
         self._current.bytes_received += bytes_received
         self._inside += seconds
 
+    def rows_exchanged(self, seconds: float, bytes_sent: int, bytes_received: int) -> None:
+        """An exchange of row gradients before the commit was timed (sharded: the all-to-alls of the step):
+        counted as commit, not compute."""
+        self._current.commit_s += seconds
+        self._current.bytes_sent += bytes_sent
+        self._current.bytes_received += bytes_received
+        self._inside += seconds
+
     def committed(self, started: float, bytes_sent: int, bytes_received: int = 0) -> None:
         now = time.perf_counter()
         if self._mark is not None:
             self._current.compute_s = started - self._mark - self._inside
-        self._current.commit_s = now - started
+        self._current.commit_s += now - started
         self._current.bytes_sent += bytes_sent
         self._current.bytes_received += bytes_received
         self.records.append(self._current)

@@ -40,7 +40,7 @@ def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=
     """Join the job. Every rank must call it.
 
     Args:
-        strategy: 'ps', 'allreduce' or 'hybrid' (default: GRADSYNC_STRATEGY; one of the two is required).
+        strategy: 'ps', 'allreduce', 'hybrid' or 'sharded' (default: GRADSYNC_STRATEGY; one of the two is required).
         mode: 'sync', 'async' or 'ssp' (default: GRADSYNC_MODE, else 'sync'); with 'ssp', pass
             staleness=K (or GRADSYNC_STALENESS).
         servers: number of parameter servers, the first ranks (default: GRADSYNC_SERVERS).
@@ -94,7 +94,7 @@ def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=
     registry.transport(config.transport).rank.start(config, store)
     if server is not None:
         serve(cluster, server)
-    elif config.strategy in ("allreduce", "hybrid"):
+    elif config.strategy in ("allreduce", "hybrid", "sharded"):
         dist.init_process_group(
             process_group_backend(),
             store=dist.PrefixStore(StoreKeys.PROCESS_GROUP, store),
@@ -151,13 +151,13 @@ def _check_launched(strategy: str | None) -> None:
     if "WORLD_SIZE" not in os.environ:
         raise ConfigError(
             "gradsync.init() found no launcher (WORLD_SIZE is not set): start the script with `gradsync run "
-            "--strategy ps --workers 2 SCRIPT` (or --strategy allreduce, hybrid), or with torchrun and "
+            "--strategy ps --workers 2 SCRIPT` (or --strategy allreduce, hybrid, sharded), or with torchrun and "
             "GRADSYNC_STRATEGY set, e.g. `GRADSYNC_STRATEGY=ps torchrun --nproc-per-node 3 SCRIPT` (the first "
             "GRADSYNC_SERVERS ranks, default 1, are the parameter servers)")
     if strategy is None and not settings.STRATEGY.given():
         raise ConfigError(
-            "no strategy: set GRADSYNC_STRATEGY to ps, allreduce or hybrid (under torchrun; with ps and hybrid "
-            "the first GRADSYNC_SERVERS ranks, default 1, are the parameter servers), or pass "
+            "no strategy: set GRADSYNC_STRATEGY to ps, allreduce, hybrid or sharded (under torchrun; with ps and "
+            "hybrid the first GRADSYNC_SERVERS ranks, default 1, are the parameter servers), or pass "
             "gradsync.init(strategy=...)")
 
 

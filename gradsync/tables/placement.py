@@ -52,10 +52,15 @@ def split_ids(ids: torch.Tensor, num_servers: int) -> dict[int, tuple[torch.Tens
     return out
 
 
-def check_ids(name: str, ids: torch.Tensor, rows: int) -> None:
-    """Refuse ids that are not integers in 0..rows-1, naming the table and the first bad id."""
+def check_id_dtype(name: str, ids: torch.Tensor) -> None:
+    """Refuse ids that are not integers, naming the table."""
     if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
         raise TypeError(f"table {name!r} was looked up with {ids.dtype} ids: pass an integer tensor (torch.long)")
+
+
+def check_ids(name: str, ids: torch.Tensor, rows: int) -> None:
+    """Refuse ids that are not integers in 0..rows-1, naming the table and the first bad id."""
+    check_id_dtype(name, ids)
     bad = out_of_range(ids, rows)
     if bad is not None:
         raise IndexError(

@@ -44,8 +44,8 @@ class ServedTables:
             if module.max_norm is not None:
                 raise ValueError(
                     f"embedding table {name!r} has max_norm={module.max_norm}: renormalising rows in the forward "
-                    "writes to the table, which lives on the parameter servers; build it without max_norm, or "
-                    "keep the tables dense with Trainer(..., tables='dense')"
+                    "writes to the table, which lives on the parameter servers (sharded: with its rows' owners); "
+                    "build it without max_norm, or keep the tables dense with Trainer(..., tables='dense')"
                 )
         self.modules = tables
         self.specs = table_specs(tables)
@@ -100,8 +100,7 @@ class ServedTables:
             self.serving = serving
 
     def _lookup(self, name: str, module: nn.Module, input: torch.Tensor, offsets=None, per_sample_weights=None):
-        rows = module.num_embeddings
-        check_ids(name, input, rows)
+        self._check(name, input, module.num_embeddings)
         ids, inverse = torch.unique(input.long(), return_inverse=True)
         start = time.perf_counter()
         values, versions = self._pull(name, ids)
@@ -118,6 +117,14 @@ class ServedTables:
             return F.embedding_bag(inverse, leaf, offsets, None, module.norm_type, module.scale_grad_by_freq,
                                    module.mode, False, per_sample_weights, module.include_last_offset, pad)
         return F.embedding(inverse, leaf, pad, None, module.norm_type, module.scale_grad_by_freq, False)
+
+    def _check(self, name: str, ids: torch.Tensor, rows: int) -> None:
+        """Refuse a lookup's ids before anything is pulled (`placement.check_ids`)."""
+        check_ids(name, ids, rows)
+
+    def _split(self, ids: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Per holder of any of the unique global `ids`: (their positions in `ids`, the ids it is sent)."""
+        return split_ids(ids, self.num_servers)
 
     def _pull(self, name: str, ids: torch.Tensor) -> tuple[torch.Tensor, dict[int, int]]:
         """The rows of the unique global `ids`, in their order, and the version each server answered at."""
@@ -143,7 +150,7 @@ class ServedTables:
                 continue
             pushes = [(lk.ids, grads[lk.leaf]) for lk in mine]
             ids, summed = pushes[0] if len(pushes) == 1 else merge_rows(pushes, 1.0)
-            for s, (positions, local) in split_ids(ids, self.num_servers).items():
+            for s, (positions, local) in self._split(ids).items():
                 version = min(lk.versions[s] for lk in mine if s in lk.versions)  # the oldest rows pulled
                 out[s][name] = RowGrads(version, local, summed if self.num_servers == 1 else summed[positions])
         return out
@@ -163,33 +170,41 @@ the gain is smaller than the spread between runs of one job (BENCHMARKS.md, "How
 while the line would repeat in every run of a model whose small token embedding has no row optimizer."""
 
 
-def serve_tables(module: nn.Module, tables: str, num_servers: int, metrics, optimizer: OptimizerSpec,
-                 table_optimizer, send: bool) -> tuple[ServedTables, dict[int, dict[str, TableSetup]]]:
-    """Take over the tables of `module` that are served row by row, and return them with what registration
-    sends each server of them (only when `send`: worker 0).
+def choose_tables(module: nn.Module, tables: str, optimizer: OptimizerSpec, table_optimizer,
+                  say: bool) -> tuple[dict[str, nn.Module], dict[str, tuple]]:
+    """The tables of `module` trained row by row, by weight name, and each one's (row optimizer, the optimizer
+    group whose schedule its learning rate follows, or None).
 
-    tables='auto' serves a table when a row optimizer applies to it: `table_optimizer`, or the exact row-wise
+    tables='auto' takes a table when a row optimizer applies to it: `table_optimizer`, or the exact row-wise
     form of its group's optimizer (plain SGD, whose learning rate then follows the group's schedule); any
-    other table stays dense, said once where it matters (`WORTH_SERVING_SHARE`). tables='rows' serves every
-    table and refuses one without a row optimizer; tables='dense' serves none.
+    other table stays dense, said once (when `say`) where it matters (`WORTH_SERVING_SHARE`). tables='rows'
+    takes every table and refuses one without a row optimizer; tables='dense' takes none.
     """
     found = find_tables(module) if tables in ("auto", "rows") else {}
     group_of = optimizer.group_of(found)
-    served, rows = {}, {}
+    chosen, rows = {}, {}
     for name, table in found.items():
         options = optimizer.groups[group_of[name]]
         exact = exact_row_optimizer(optimizer.cls, options)
         if table_optimizer is None and exact is None:
             if tables == "rows":
                 raise ValueError(no_row_form(optimizer.cls, options, name))
-            if send and table.weight.numel() >= WORTH_SERVING_SHARE * sum(p.numel() for p in module.parameters()):
+            if say and table.weight.numel() >= WORTH_SERVING_SHARE * sum(p.numel() for p in module.parameters()):
                 print(f"gradsync: embedding table {name!r} {tuple(table.weight.shape)} stays in the dense path "
                       f"(tables='auto'): {optimizer.cls.__name__} has no exact row-wise form; serve it row by row "
                       "with Trainer(..., table_optimizer=gradsync.RowAdagrad(lr=...)) or gradsync.RowSGD",
                       flush=True)
             continue
-        served[name] = table
+        chosen[name] = table
         rows[name] = (table_optimizer, None) if table_optimizer is not None else (exact, group_of[name])
+    return chosen, rows
+
+
+def serve_tables(module: nn.Module, tables: str, num_servers: int, metrics, optimizer: OptimizerSpec,
+                 table_optimizer, send: bool) -> tuple[ServedTables, dict[int, dict[str, TableSetup]]]:
+    """Take over the tables of `module` that are served row by row (`choose_tables`), and return them with
+    what registration sends each server of them (only when `send`: worker 0)."""
+    served, rows = choose_tables(module, tables, optimizer, table_optimizer, say=send)
     tables_served = ServedTables(served, num_servers, metrics)
     setups = tables_served.setups(rows) if send else {s: {} for s in range(num_servers)}
     tables_served.take_over()

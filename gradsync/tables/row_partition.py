@@ -1,0 +1,50 @@
+"""Which worker owns which row of a table under the sharded strategy, and how a batch's ids are sent to their
+owners.
+
+Row `r`'s owner among W workers is `mix64(r) mod W` (`tables.id_hash.mix64`, SplitMix64's finaliser, its
+64 bits read as an unsigned integer): a fixed function of the id, the same in every process and for every
+number of workers, that scatters neighbouring (and popular, low-numbered) ids over the workers. An owner
+stores its rows in ascending id order, so a row's local index is its place among the owner's ids
+(`local_index`). A lookup's unique ids travel to their owners grouped by owner (`ExchangePlan`).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from gradsync.tables.id_hash import mix64
+
+_TWO_64 = 1 << 64
+
+
+def owners(ids: torch.Tensor, workers: int) -> torch.Tensor:
+    """The owner (0 .. workers-1) of each id: `mix64(id)` as an unsigned 64-bit integer, modulo `workers`."""
+    h = mix64(ids.long())
+    # an int64 holding a negative pattern stands for pattern + 2**64: add 2**64 mod W back to its remainder
+    return (torch.remainder(h, workers) + (h < 0).long() * (_TWO_64 % workers)) % workers
+
+
+def owned_rows(rows: int, worker: int, workers: int) -> torch.Tensor:
+    """The ids of the `rows`-row table that `worker` owns, ascending (its local rows 0, 1, ...)."""
+    ids = torch.arange(rows)
+    return ids[owners(ids, workers) == worker]
+
+
+def local_index(owned: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The local indices of `ids` among an owner's `owned` ids (ascending); every id must be owned."""
+    return torch.searchsorted(owned, ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExchangePlan:
+    """A worker's unique ids grouped by owner: `ids[order]` is what travels, `counts[w]` of them to worker w."""
+
+    order: torch.Tensor
+    counts: list[int]
+
+    @classmethod
+    def of(cls, ids: torch.Tensor, workers: int) -> ExchangePlan:
+        owner = owners(ids, workers)
+        order = torch.argsort(owner, stable=True)
+        return cls(order, torch.bincount(owner, minlength=workers).tolist())

@@ -1,0 +1,122 @@
+"""Worker side of the sharded strategy: embedding tables split across the workers by row, the rest in DDP.
+
+The layout TorchRec, HugeCTR and the DLRM reference run: no parameter server; every table that `tables=`
+trains row by row (`served_tables.choose_tables`, the rules of ps and hybrid) is split across the W workers
+(`tables.row_partition`), looked up with all-to-all exchanges of ids and rows in the forward and of row
+gradients at the step (`worker.sharded_tables`), and updated by the rows' owners with the row optimizer; the
+dense layers are `AllreduceStrategy`'s (DDP, clipping, AMP, accumulation, the NaN/Inf checks). Sync only.
+
+A step: the row gradients go to their owners first (each owner now holds its rows' mean over the workers);
+with clipping or a GradScaler every worker gathers the owners' partial norms, and the dense step clips by the
+joint norm of the dense and the table gradients; then each owner applies its rows, times the same
+coefficient, unless the dense step was dropped (a NaN/Inf under nonfinite='skip' or the scaler's). A NaN/Inf
+in some worker's own row gradients raises on every worker before anything is applied (nonfinite='raise'),
+or drops the rows of that step (nonfinite='skip'), as hybrid's servers do.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed.autograd as dist_autograd
+from torch import nn
+
+from gradsync.core.clipping import Clipping
+from gradsync.core.errors import NoTablesToServe, nonfinite_error
+from gradsync.core.optimizer_spec import OptimizerSpec
+from gradsync.worker.allreduce_strategy import AllreduceStrategy
+from gradsync.worker.amp import inverse_scale
+from gradsync.worker.model_state import ordered
+from gradsync.worker.served_tables import choose_tables
+from gradsync.worker.sharded_tables import ShardedTables
+from gradsync.worker.strategy import Strategy
+
+if TYPE_CHECKING:
+    from gradsync.runtime.cluster import Cluster
+
+
+class ShardedStrategy(Strategy):
+    """Tables split by row over all-to-all + DDP. Every worker must construct it (collectives)."""
+
+    def __init__(self, cluster: Cluster, module: nn.Module, optimizer: torch.optim.Optimizer, *,
+                 tables: str = "auto", table_optimizer=None, find_unused_parameters: bool = False,
+                 clipping: Clipping = Clipping()):
+        config = cluster.config
+        self.config = config
+        self.keys = list(module.state_dict().keys())
+        spec = OptimizerSpec.of(optimizer, module)
+        weights = {n: p for n, p in module.named_parameters()}
+        chosen, rows = choose_tables(module, tables, spec, table_optimizer, say=config.worker_rank == 0)
+        if not chosen:
+            raise NoTablesToServe(
+                "the sharded strategy splits embedding tables (nn.Embedding, nn.EmbeddingBag) with a row optimizer "
+                "across the workers, and this model has none it can split (tables='dense', weights tied to other "
+                "layers, or no table_optimizer for an optimizer without an exact row-wise form): use --strategy "
+                "allreduce, or pass Trainer(..., table_optimizer=gradsync.RowAdagrad(lr=...))")
+        self.tables = ShardedTables(chosen, rows, config.worker_rank, config.num_workers, config.step_timeout)
+        values = {t.name: weights[t.name] for t in self.tables.specs}
+        self.tables.take_over()  # before DDP: it averages what is left
+        split = {id(w) for w in values.values()}
+        for group in optimizer.param_groups:  # the owners train the tables: the local optimizer keeps the rest
+            group["params"] = [p for p in group["params"] if id(p) not in split]
+        self.dense = AllreduceStrategy(cluster, module, optimizer, find_unused_parameters=find_unused_parameters,
+                                       clipping=clipping)
+        self.tables.take_rows(values)  # once every worker has built its Trainer (DDP's wait)
+        self.model = self.dense.model
+        self.optimizer = optimizer
+        self.metrics = self.dense.metrics
+        self.tables.metrics = self.metrics
+        self.tables.serving = True
+
+    @property
+    def grad_norm(self) -> float | None:
+        return self.dense.grad_norm
+
+    def step(self, context_id: int, scaler=None) -> None:
+        """Send the row gradients to their owners, step the dense part (with the joint norm under clipping or
+        a GradScaler) and apply the owners' rows."""
+        pushes = self.tables.row_grads(context_id, dist_autograd.get_gradients(context_id))
+        agreeing = scaler is not None or self.dense.clipping.on
+        received, nonfinite = self.tables.exchange_grads(pushes, inverse_scale(scaler))
+        if nonfinite and scaler is None:  # every worker knows it: all raise, or all drop the rows
+            if self.config.nonfinite == "raise":
+                table = next(iter(nonfinite))
+                raise nonfinite_error(table, nonfinite[table])
+            received = {}
+        if agreeing:
+            partials = self.tables.partial_norms(received, self.dense.clipping)
+            self.dense.outside = lambda: partials
+            try:
+                stepped = self.dense.step(context_id, scaler)
+            finally:
+                self.dense.outside = None
+            coefficient = self.dense.coefficient if stepped else None
+        else:
+            coefficient = 1.0 if self.dense.step(context_id) else None
+        self.tables.apply(received if coefficient is not None else {}, coefficient or 1.0, self.optimizer)
+
+    def model_sizes(self, trainable: int) -> dict[str, int]:
+        return self.tables.model_sizes(trainable)
+
+    def no_sync(self):
+        """`Trainer.no_sync`: the dense part's DDP accumulates; the rows travel once per step anyway."""
+        return self.dense.no_sync()
+
+    def join(self):
+        """Refused: a lookup is an exchange with every worker, which a worker out of data cannot answer."""
+        raise NotImplementedError(
+            "trainer.join() is not supported under the sharded strategy: every lookup exchanges ids and rows with "
+            "every worker, so a worker that ran out of data would stall the others; give every worker the same "
+            "number of batches (drop_last, or DistributedSampler), or use --strategy hybrid")
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        with self.tables.own_state():
+            return ordered(self.dense.state_dict(), self.tables.full(), self.keys)
+
+    def local_state(self) -> dict:
+        """Never asked: a sharded job refuses checkpoints (`config.JobConfig`)."""
+        raise NotImplementedError("the sharded strategy writes no checkpoint")
+
+    def load_local_state(self, state: dict) -> None:
+        """Never asked: a sharded job refuses --resume (`config.JobConfig`)."""
+        raise NotImplementedError("the sharded strategy resumes no checkpoint")

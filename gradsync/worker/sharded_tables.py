@@ -1,0 +1,227 @@
+"""Worker side of embedding tables split across the workers by row (the sharded strategy), over all-to-all.
+
+Every worker owns the rows `tables.row_partition` gives it and stores only those, with their row optimizer
+state. A lookup (`ServedTables._lookup`, whose forward this reuses) sends its batch's unique ids to their
+owners and gets their rows back: three `all_to_all_single` exchanges among the workers (how many ids each
+sends each, with a flag for an id out of the table; the ids; the rows), after which the lookup runs on the
+rows as a leaf. At the step each worker sends its summed row gradients to their owners the same way (counts
+with a NaN/Inf flag, ids, gradients); an owner sums what every worker sent, divides by W (DDP's mean) and
+applies the row optimizer. Every exchange is a collective: every worker makes it, for every table, in model
+order, with or without ids (an empty batch sends and receives nothing but counts). So every worker knows of
+an out-of-range id or a NaN/Inf row gradient on any worker and refuses together, before anything moves.
+
+The whole tables (`trainer.state_dict()`, and the user's module's `state_dict()`, as under ps) are gathered
+over torch RPC: each owner answers with its rows once it has applied as many steps as the asking worker,
+so a worker that gathers alone (worker 0 saving the model) gets one consistent step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import zlib
+
+import torch
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+from torch import nn
+
+from gradsync.core.errors import bad_id_error
+from gradsync.core.finite import first_nonfinite
+from gradsync.core.job_names import worker_name
+from gradsync.ps.messages import RowGrads
+from gradsync.tables.placement import check_id_dtype, merge_rows, out_of_range
+from gradsync.tables.row_partition import ExchangePlan, local_index, owned_rows, owners
+from gradsync.worker.served_tables import ServedTables
+
+_HELD: ShardedTables | None = None
+"""This worker's tables, which `_rows_of` answers the other workers' gathers from (torch RPC calls a function
+by its module path)."""
+
+
+@dataclasses.dataclass
+class _Shard:
+    """A worker's rows of one table: their ids (ascending), values and row optimizer state."""
+
+    owned: torch.Tensor
+    values: torch.Tensor
+    state: object
+    optimizer: object
+    group: int | None  # the optimizer group whose learning rate the rows follow (an exact row form), or None
+
+
+def _exchange(send: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
+    """All-to-all of variable-size blocks of rows: `send_counts[w]` rows of `send` to worker w, `recv_counts[w]`
+    rows from it, in worker order. Every worker must call it."""
+    out = send.new_empty((sum(recv_counts), *send.shape[1:]))
+    dist.all_to_all_single(out, send.contiguous(), recv_counts, send_counts)
+    return out
+
+
+def _exchange_counts(counts: list[int], flag: int | None) -> tuple[list[int], list[int], list[int]]:
+    """Tell every worker how many rows it gets from this one, and this worker's `flag` (an int64, or None);
+    returns how many rows this worker gets from each, and the workers that sent a flag with their flags."""
+    meta = torch.tensor([[c, flag is not None, flag or 0] for c in counts], dtype=torch.int64)
+    theirs = _exchange(meta, [1] * len(counts), [1] * len(counts))
+    flagged = theirs[:, 1].nonzero().view(-1).tolist()
+    return theirs[:, 0].tolist(), flagged, [int(theirs[w, 2]) for w in flagged]
+
+
+def _rows_of(table: str, step: int, timeout: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """RPC handler: this worker's rows of `table` (ids, values) once it has applied `step` steps."""
+    return _HELD.rows_of(table, step, timeout)
+
+
+class ShardedTables(ServedTables):
+    """The model's row-wise tables (`served_tables.choose_tables`), split by row across the workers."""
+
+    def __init__(self, tables: dict[str, nn.Module], rows: dict[str, tuple], worker: int, workers: int,
+                 timeout: float):
+        super().__init__(tables, workers, None)
+        self.worker, self.workers, self.timeout = worker, workers, timeout
+        self.rows = rows
+        self.shards: dict[str, _Shard] = {}
+        self.applied = 0  # steps applied to this worker's rows (skipped ones included)
+        self._stepped = threading.Condition()
+
+    def take_rows(self, weights: dict[str, torch.Tensor]) -> None:
+        """Keep this worker's rows of each table of worker 0's `weights` (by table; a collective), with a fresh
+        row optimizer state; this worker then answers the others' gathers."""
+        global _HELD
+        for spec in self.specs:
+            owned = owned_rows(spec.shape[0], self.worker, self.workers)
+            optimizer, group = self.rows[spec.name]
+            values = self._scatter(spec, weights[spec.name], self.modules[spec.name].padding_idx, owned)
+            self.shards[spec.name] = _Shard(owned, values, optimizer.new_state(owned.numel(), spec.shape[1],
+                                                                                spec.dtype), optimizer, group)
+        _HELD = self
+
+    def _scatter(self, spec, weight: torch.Tensor, padding_idx: int | None, owned: torch.Tensor) -> torch.Tensor:
+        """This worker's rows of worker 0's `weight` (a collective); a table built on the meta device is
+        initialised here instead, N(0, 1) as nn.Embedding does (seeded by the table's name and the worker)."""
+        weight = weight.detach()
+        if weight.is_meta:
+            generator = torch.Generator().manual_seed(zlib.crc32(spec.name.encode()) + self.worker)
+            values = torch.randn(owned.numel(), spec.shape[1], generator=generator, dtype=spec.dtype)
+            if padding_idx is not None and bool((owned == padding_idx).any()):
+                values[local_index(owned, torch.tensor([padding_idx]))] = 0
+            return values
+        if self.worker == 0:
+            owner = owners(torch.arange(spec.shape[0]), self.workers)
+            parts = [weight[owner == w] for w in range(self.workers)]
+            send, counts = torch.cat(parts), [p.shape[0] for p in parts]
+        else:
+            send, counts = weight.new_empty((0, spec.shape[1])), [0] * self.workers
+        return _exchange(send, counts, [owned.numel() if w == 0 else 0 for w in range(self.workers)])
+
+    def model_sizes(self, trainable: int) -> dict[str, int]:
+        return {**super().model_sizes(trainable), "sharded_tables": len(self.specs)}
+
+    def _check(self, name: str, ids: torch.Tensor, rows: int) -> None:
+        check_id_dtype(name, ids)  # the range is checked by every worker together, in `_pull`
+
+    def _split(self, ids: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        owner = owners(ids, self.workers)
+        out = {}
+        for w in range(self.workers):
+            where = (owner == w).nonzero().view(-1)
+            if where.numel():
+                out[w] = (where, ids[where])
+        return out
+
+    def _pull(self, name: str, ids: torch.Tensor) -> tuple[torch.Tensor, dict[int, int]]:
+        """The rows of the unique global `ids` from their owners; refuses (on every worker) a lookup in which
+        any worker's batch holds an id outside the table."""
+        rows = self.modules[name].num_embeddings
+        plan = ExchangePlan.of(ids, self.workers)
+        asked_counts, culprits, bad = _exchange_counts(plan.counts, out_of_range(ids, rows))
+        if culprits:
+            raise bad_id_error(name, rows, bad[0], culprits[0])
+        asked = _exchange(ids[plan.order], plan.counts, asked_counts)
+        shard = self.shards[name]
+        answer = shard.values.index_select(0, local_index(shard.owned, asked))
+        values = shard.values.new_empty((ids.numel(), shard.values.shape[1]))
+        values[plan.order] = _exchange(answer, asked_counts, plan.counts)
+        return values, dict.fromkeys(range(self.workers), 0)
+
+    def exchange_grads(self, pushes: dict[int, dict[str, RowGrads]], scale: float
+                       ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, int]]:
+        """Send every worker its rows' gradients of `pushes` (`row_grads`, by owner) times `scale`; returns this
+        owner's rows of each table, (local indices, gradient summed over the workers and divided by W), and
+        by table the first worker whose own row gradients held a NaN/Inf. Every worker must call it."""
+        received, nonfinite = {}, {}
+        started, sent, got = time.perf_counter(), 0, 0
+        for spec in self.specs:
+            dim = spec.shape[1]
+            parts = [pushes[w].get(spec.name) for w in range(self.workers)]
+            ids = torch.cat([p.ids for p in parts if p is not None] or [torch.empty(0, dtype=torch.int64)])
+            grads = torch.cat([p.grads for p in parts if p is not None] or [torch.empty(0, dim, dtype=spec.dtype)])
+            if scale != 1.0:
+                grads = grads * scale
+            counts = [0 if p is None else p.ids.numel() for p in parts]
+            bad = first_nonfinite([grads]) is not None
+            recv_counts, flagged, _ = _exchange_counts(counts, 1 if bad else None)
+            if flagged:
+                nonfinite[spec.name] = flagged[0]
+            their_ids, theirs = _exchange(ids, counts, recv_counts), _exchange(grads, counts, recv_counts)
+            sent, got = sent + ids.nbytes + grads.nbytes, got + their_ids.nbytes + theirs.nbytes
+            unique, mean = merge_rows([(their_ids, theirs)], 1.0 / self.workers)
+            received[spec.name] = (local_index(self.shards[spec.name].owned, unique), mean)
+        self.metrics.rows_exchanged(time.perf_counter() - started, sent, got)
+        return received, nonfinite
+
+    def apply(self, received: dict[str, tuple[torch.Tensor, torch.Tensor]], coefficient: float,
+              optimizer: torch.optim.Optimizer) -> None:
+        """One row optimizer step of each table on this owner's rows of `exchange_grads` times `coefficient`
+        (the learning rate of a table's exact row form follows its group's schedule); `received` {}: a
+        skipped step, which counts all the same."""
+        with self._stepped:
+            for name, (local, grads) in received.items():
+                shard = self.shards[name]
+                if shard.group is not None and optimizer.param_groups[shard.group]["lr"] != shard.optimizer.lr:
+                    shard.optimizer = dataclasses.replace(shard.optimizer,
+                                                          lr=float(optimizer.param_groups[shard.group]["lr"]))
+                if local.numel():
+                    shard.optimizer.step(shard.values, shard.state, local, grads * coefficient
+                                         if coefficient != 1.0 else grads)
+            self.applied += 1
+            self._stepped.notify_all()
+
+    def partial_norms(self, received: dict[str, tuple[torch.Tensor, torch.Tensor]], clipping) -> list[float]:
+        """Every worker's partial norm of its rows' averaged gradients (`Clipping.partial`), in worker order: the
+        tables' part of the step's total norm. Every worker must call it."""
+        mine = torch.tensor([clipping.partial([g for _, g in received.values()])], dtype=torch.float64)
+        every = [torch.empty_like(mine) for _ in range(self.workers)]
+        dist.all_gather(every, mine)
+        return [float(p) for p in every]
+
+    def rows_of(self, table: str, step: int, timeout: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """This worker's rows of `table` (ids, a copy of the values) once it has applied `step` steps."""
+        with self._stepped:
+            if not self._stepped.wait_for(lambda: self.applied >= step, timeout):
+                raise TimeoutError(f"worker {self.worker} was asked for its rows of table {table!r} after step "
+                                   f"{step} and had applied {self.applied} steps after {timeout:.0f} s")
+            shard = self.shards[table]
+            return shard.owned, shard.values.clone()
+
+    def _gathered(self, spec, module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+        if self.serving:
+            state_dict[prefix + "weight"] = self.whole(spec.name)
+
+    def whole(self, table: str) -> torch.Tensor:
+        """The whole table `table`, each owner's rows as it holds them after this worker's last step (torch
+        RPC to every other worker, each bounded by the step timeout)."""
+        spec = next(s for s in self.specs if s.name == table)
+        futures = {w: rpc.rpc_async(worker_name(w), _rows_of, args=(table, self.applied, self.timeout),
+                                    timeout=2 * self.timeout)
+                   for w in range(self.workers) if w != self.worker}
+        out = torch.empty(spec.shape, dtype=spec.dtype)
+        shard = self.shards[table]
+        out[shard.owned] = shard.values
+        for fut in futures.values():
+            ids, values = fut.wait()
+            out[ids] = values
+        return out
+
+    def full(self, named_by_server=None) -> dict[str, torch.Tensor]:
+        return {spec.name: self.whole(spec.name) for spec in self.specs}
