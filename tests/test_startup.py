@@ -39,7 +39,7 @@ def test_a_script_started_without_a_launcher_fails_at_once_saying_how_to_start_i
 def test_torchrun_without_a_strategy_is_refused_naming_GRADSYNC_STRATEGY(monkeypatch):
     monkeypatch.setattr(os, "environ", {**_without_job_environment(), "RANK": "0", "WORLD_SIZE": "2",
                                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"})
-    with pytest.raises(ConfigError, match="no strategy: set GRADSYNC_STRATEGY to ps, allreduce or hybrid"):
+    with pytest.raises(ConfigError, match="no strategy: set GRADSYNC_STRATEGY to ps, allreduce, hybrid or sharded"):
         gradsync.init()
 
 

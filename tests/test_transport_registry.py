@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from gradsync.config import ConfigError, JobConfig
+from gradsync.config import ConfigError, JobConfig, default_servers
 from gradsync.core import settings
 from gradsync.core.transport_capabilities import CAPABILITIES, capabilities
 from gradsync.membership.newcomers import joinable
@@ -26,8 +26,8 @@ STRATEGIES = settings.STRATEGY.choices
 
 
 def _job(strategy: str, name: str, **more) -> JobConfig:
-    """A job of two workers (and one server, unless allreduce) over transport `name`."""
-    servers = 0 if strategy == "allreduce" else 1
+    """A job of two workers (and the strategy's default servers) over transport `name`."""
+    servers = default_servers(strategy)
     return JobConfig(strategy=strategy, servers=servers, world_size=servers + 2, transport=name, **more)
 
 
