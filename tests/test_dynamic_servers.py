@@ -2,6 +2,8 @@
 servers' parts, driven as W workers drive them in a sync step, hold exactly what one `DynamicTable` holds
 after the same steps (ids, rows, counts, waiting ids, counters), whatever the number of servers; ids spread
 by their hash; bad calls change nothing; the worker side refuses bad ids before any call."""
+import dataclasses
+import json
 import random
 
 import pytest
@@ -10,6 +12,7 @@ from torch import nn
 
 import gradsync
 from gradsync.core.errors import GradientError
+from gradsync.proto import gradsync_pb2 as pb
 from gradsync.ps.dynamic_shard import DynamicShard
 from gradsync.ps.messages import DynamicSetup
 from gradsync.tables import global_eviction
@@ -17,6 +20,7 @@ from gradsync.tables.dynamic_table import DynamicTable
 from gradsync.tables.id_hash import keyed, server_of, unit_interval
 from gradsync.tables.placement import merge_rows
 from gradsync.tables.row_init import HashedUniform
+from gradsync.transport.grpc.client import final_status_table
 from gradsync.worker.served_dynamic import ServedDynamic, merged
 
 DIM, WORKERS = 3, 2
@@ -232,3 +236,26 @@ def test_what_a_served_dynamic_table_refuses(kwargs, match):
     model = nn.Sequential(gradsync.DynamicEmbedding(2, capacity=4))
     with pytest.raises((NotImplementedError, ValueError), match=match):
         ServedDynamic(model, 2, kwargs["opt"], kwargs["mode"], checkpoints=kwargs["checkpoints"])
+
+
+def test_status_and_get_stats_show_each_server_part_and_the_whole_table(tmp_path):
+    servers = Servers(2, gradsync.RowAdagrad(lr=0.1), capacity=5, evict="lru", admit_after=2)
+    for step in range(6):
+        sync_step(servers, step, 5)
+    parts = {s: dataclasses.asdict(shard.stats) for s, shard in servers.shards.items()}
+    whole = servers.state()
+    assert sum(p["rows"] for p in parts.values()) == len(whole["ids"]) == 5
+    assert [sum(p[k] for p in parts.values()) for k in ("admitted", "filtered", "evicted")] == \
+        whole["counters"].tolist()
+    assert sum(p["bytes"] for p in parts.values()) == 5 * DIM * 4 + 5 * 4  # rows and one Adagrad sum per row
+    message = pb.TableStats(name="t", **parts[0])  # GetStats carries them
+    assert (message.admitted, message.evicted) == (parts[0]["admitted"], parts[0]["evicted"])
+    stats = {s: {"version": 6, "workers_seen": [0, 1], "pushes_applied": 6, "pushes_rejected": 0, "steps_skipped": 0,
+                 "max_staleness": 0, "staleness_histogram": {}, "bytes_in": 0, "bytes_out": 0, "tables": {"t": p}}
+             for s, p in parts.items()}
+    for s, st in stats.items():
+        (tmp_path / f"stats-{s}.json").write_text(json.dumps(st))
+    lines = final_status_table(str(tmp_path)).splitlines()
+    total = next(line for line in lines if line.startswith("| t | all |")).split(" | ")
+    assert total[2] == "5" and total[-3:] == [str(c) for c in whole["counters"].tolist()[:2]] + \
+        [f"{whole['counters'][2].item()} |"]
