@@ -71,13 +71,6 @@ class Trainer:
                 "the model has no trainable parameters (none with requires_grad=True), so there is nothing "
                 "to train: unfreeze at least one (p.requires_grad_(True)) before building the Trainer"
             )
-        dynamic = [n for n, m in model.named_modules() if isinstance(m, DynamicEmbedding)]
-        if dynamic:
-            raise NotImplementedError(
-                f"{dynamic[0]!r} is a gradsync.DynamicEmbedding, which trains as a local table in a plain process "
-                "(forward, then table.step(row_optimizer)) but not yet inside a job: gradsync.Trainer would leave "
-                "its rows untrained. In a job, use an nn.Embedding of fixed rows (served row by row under ps with "
-                "table_optimizer=gradsync.RowAdagrad(...))")
         if tables not in ("auto", "rows", "dense"):
             raise ValueError(f"tables={tables!r}: expected 'auto' (serve the tables a row optimizer applies to), "
                              "'rows' (serve every table) or 'dense'")
@@ -87,6 +80,13 @@ class Trainer:
         clipping = Clipping(max_grad_norm, grad_norm_type, error_if_nonfinite)
         optimizer = as_optimizer(model, optimizer if optimizer is not None else optimizer_cls, optimizer_kwargs)
         job = self._job = cluster.current()
+        dynamic = [n for n, m in model.named_modules() if isinstance(m, DynamicEmbedding)]
+        if dynamic and job.config.strategy not in ("ps", "hybrid"):
+            raise NotImplementedError(
+                f"{dynamic[0]!r} is a gradsync.DynamicEmbedding, which trains as a local table in a plain process "
+                f"(forward, then table.step(row_optimizer)) and under --strategy ps or hybrid (its rows on the "
+                f"servers), but not yet under --strategy {job.config.strategy}: gradsync.Trainer would leave its "
+                "rows untrained. Run with --strategy ps or hybrid, or use an nn.Embedding of fixed rows")
         if job.config.is_server:
             raise RuntimeError("Trainer is for workers; servers serve inside gradsync.init()")
         job.building_trainer()

@@ -75,20 +75,26 @@ class HealthResponse(_message.Message):
     def __init__(self, shard_id: _Optional[int] = ..., ready: _Optional[bool] = ..., version: _Optional[int] = ..., parameters: _Optional[_Iterable[str]] = ..., buffers: _Optional[_Iterable[str]] = ..., pieces: _Optional[_Iterable[_Union[Piece, _Mapping]]] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., job: _Optional[str] = ...) -> None: ...
 
 class TableStats(_message.Message):
-    __slots__ = ("name", "rows", "bytes", "rows_pulled", "rows_pushed", "max_staleness")
+    __slots__ = ("name", "rows", "bytes", "rows_pulled", "rows_pushed", "max_staleness", "admitted", "filtered", "evicted")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     ROWS_PULLED_FIELD_NUMBER: _ClassVar[int]
     ROWS_PUSHED_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    FILTERED_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
     name: str
     rows: int
     bytes: int
     rows_pulled: int
     rows_pushed: int
     max_staleness: int
-    def __init__(self, name: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., max_staleness: _Optional[int] = ...) -> None: ...
+    admitted: int
+    filtered: int
+    evicted: int
+    def __init__(self, name: _Optional[str] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., max_staleness: _Optional[int] = ..., admitted: _Optional[int] = ..., filtered: _Optional[int] = ..., evicted: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

@@ -11,6 +11,7 @@ import torch
 
 from gradsync.core.buckets import Entry
 from gradsync.ps.shard import ShardState
+from gradsync.ps.table_shard import TableShard
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +50,7 @@ def layout_of(shard: ShardState) -> ShardLayout:
         shard_id=shard.shard_id, version=shard.version, params=list(shard.params), frozen=list(shard.frozen),
         buffers=list(shard.buffers),
         tables={n: TableLayout(tuple(t.spec.shape), t.spec.dtype, t.num_servers, t.rows)
-                for n, t in shard.tables.items()},
+                for n, t in shard.tables.items() if isinstance(t, TableShard)},  # a dynamic table has no rows by index
         pieces=[e for b in shard.buckets for e in b.entries if not e.whole], buckets=len(shard.buckets),
         nbytes=sum(b.nbytes for b in shard.buckets) + sum(b.nbytes for b in shard.buffers.values()),
     )

@@ -47,6 +47,19 @@ class TableSetup:
 
 
 @dataclasses.dataclass(frozen=True)
+class DynamicSetup:
+    """What worker 0 sends every server of one dynamic embedding table (`gradsync.DynamicEmbedding`): the
+    table's settings, its `init` included (pickled: a module-level function or a dataclass such as the default
+    `HashedUniform`), and its row optimizer."""
+
+    settings: dict
+    """The `DynamicTable` keywords: dim, capacity, init, admit_after, admit_probability, evict, ttl_steps,
+    dtype, seed, name."""
+    optimizer: object
+    """The row optimizer (`gradsync.RowSGD`, `gradsync.RowAdagrad`)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class Setup:
     """What worker 0 sends one server at registration; the server builds its shard from it."""
 
@@ -60,8 +73,8 @@ class Setup:
     """The frozen parameters (requires_grad=False) this server keeps, by name (CPU)."""
     optimizer: OptimizerSpec
     """The user's optimizer as data: the server builds its class with its groups over the shard."""
-    tables: dict[str, TableSetup]
-    """The embedding tables served row by row, by name."""
+    tables: dict[str, TableSetup | DynamicSetup]
+    """The embedding tables served row by row, by name (a dynamic table by its module's name)."""
     num_servers: int
     """The job's servers (a table's rows are spread over all of them)."""
 

@@ -26,11 +26,12 @@ from gradsync.ps import reshard, shard_file
 from gradsync.ps.async_rules import AsyncRule, SSPRule
 from gradsync.ps.consistency import ConsistencyRule
 from gradsync.ps.layout import ShardLayout, layout_of
-from gradsync.ps.messages import Committed, Partial, Piece, PipelineHead, Push, Setup, Snapshot
+from gradsync.ps.messages import Committed, DynamicSetup, Partial, Piece, PipelineHead, Push, Setup, Snapshot
 from gradsync.ps.named_grads import push_named
 from gradsync.ps.shard import ShardState
 from gradsync.ps.staging import Staging
 from gradsync.ps.sync_rule import SyncRule
+from gradsync.ps.dynamic_shard import DynamicShard
 from gradsync.ps.table_shard import TableShard
 from gradsync.ps.gradient_codecs import make_wire
 
@@ -118,7 +119,8 @@ class ParameterServer:
     def _build(self, s: Setup) -> ShardState:
         """The shard from worker 0's setup, then, when resuming, its state from the checkpoint folder (written
         by any number of servers: `ps.reshard`)."""
-        tables = {name: TableShard(t.spec, self.shard_id, s.num_servers, t.values, t.optimizer, t.padding_idx, t.group)
+        tables = {name: DynamicShard(name, t, self.shard_id, s.num_servers) if isinstance(t, DynamicSetup)
+                  else TableShard(t.spec, self.shard_id, s.num_servers, t.values, t.optimizer, t.padding_idx, t.group)
                   for name, t in s.tables.items()}
         shard = ShardState(self.shard_id, s.buckets, s.params, s.buffers, s.optimizer, self.device, s.frozen, tables)
         if self.resume_from is not None:
@@ -173,6 +175,43 @@ class ParameterServer:
             buffers = {n: b.to("cpu", copy=True) for n, b in shard.buffers.items()}
             shard.stats.bytes_out += sum(b.nbytes for b in buffers.values())
             return Snapshot(committed.version, [], buffers)
+
+    def dynamic(self, call: str, *args):
+        """A call on this server's dynamic tables (`ps.dynamic_shard`): "lookup" (table, ids, counts, step) ->
+        (version, rows, admitted); "read" (table, ids) -> rows; "end" (step,), "smallest" (step, {table: (rows,
+        waiting)}) and "evict" (step, {table: (ids, waiting ids)}): the end of a step (`tables.global_eviction`),
+        per table; "state" () -> {table: its `DynamicTable.state()`}; "counts" () -> {table: (resident rows,
+        [admitted, filtered, evicted])}."""
+        shard = self._shard()
+        with shard.lock:
+            dynamic = {n: t for n, t in shard.tables.items() if isinstance(t, DynamicShard)}
+            if call in ("lookup", "read"):
+                table = dynamic.get(args[0])
+                if table is None:
+                    raise Refusal(f"server {self.shard_id} holds no dynamic table {args[0]!r} (it holds "
+                                  f"{sorted(dynamic)})")
+                if call == "read":
+                    return table.read(*args[1:])
+                rows, admitted = table.lookup(*args[1:])
+                shard.stats.bytes_out += rows.nbytes
+                return shard.version, rows, admitted
+            if call == "end":
+                return {n: t.end(*args) for n, t in dynamic.items()}
+            if call == "smallest":
+                step, asks = args
+                return {n: dynamic[n].smallest(step, *ask) for n, ask in asks.items()}
+            if call == "evict":
+                step, plan = args
+                for n, (ids, waiting) in plan.items():
+                    dynamic[n].evict(step, ids, waiting)
+                return None
+            if call == "state":
+                return {n: t.table.state() for n, t in dynamic.items()}
+            if call == "counts":
+                return {n: (len(t.table), [t.table.counters[k] for k in ("admitted", "filtered", "evicted")])
+                        for n, t in dynamic.items()}
+            raise Refusal(f"no call {call!r} on dynamic tables: expected lookup, read, end, smallest, evict, "
+                          "state or counts")
 
     def table_rows(self, table: str) -> torch.Tensor:
         """A copy of every row of `table` this server holds, in local order."""
@@ -301,7 +340,7 @@ class ParameterServer:
         shard = self._shard()
         with shard.lock:
             named = shard.named_copies()
-            named.update({n: t.values.clone() for n, t in shard.tables.items()})
+            named.update({n: t.values.clone() for n, t in shard.tables.items() if isinstance(t, TableShard)})
             return shard.version, [f.detach().to("cpu", copy=True) for f in shard.flats], named
 
     def state_dict(self) -> dict[str, torch.Tensor]:

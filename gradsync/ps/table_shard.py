@@ -27,6 +27,9 @@ class TableStats:
     rows_pulled: int = 0
     rows_pushed: int = 0
     max_staleness: int = 0
+    admitted: int = 0  # a dynamic table's rows created, lookups of ids not admitted, rows evicted (`DynamicTable`)
+    filtered: int = 0
+    evicted: int = 0
 
 
 class TableShard:

@@ -57,15 +57,22 @@ class DynamicEmbedding(nn.Module):
                                   ttl_steps=ttl_steps, dtype=dtype, seed=seed, name=name)
         self._recorded: list[tuple[torch.Tensor, torch.Tensor]] = []
         """(slots, leaf rows) of each recording forward since the last step."""
+        self.served = None
+        """Inside a ps or hybrid job (`worker.served_dynamic`): a function answering the resident rows and the
+        counters summed over the servers, which hold the rows; None: the rows are here."""
 
     @property
     def resident_rows(self) -> int:
-        return len(self.table)
+        """Rows resident now in the whole table (inside a ps or hybrid job: summed over the servers)."""
+        return len(self.table) if self.served is None else self.served()["resident_rows"]
 
     @property
     def counters(self) -> dict[str, int]:
-        """admitted: rows created; filtered: lookups of ids not admitted (read as zeros); evicted: rows evicted."""
-        return dict(self.table.counters)
+        """admitted: rows created; filtered: lookups of ids not admitted (read as zeros); evicted: rows evicted
+        (inside a ps or hybrid job: summed over the servers)."""
+        if self.served is None:
+            return dict(self.table.counters)
+        return {k: v for k, v in self.served().items() if k != "resident_rows"}
 
     def extra_repr(self) -> str:
         t = self.table
@@ -74,10 +81,7 @@ class DynamicEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
-        ids = self._checked_ids(ids)
-        if self.mode is None and (offsets is not None or per_sample_weights is not None):
-            raise ValueError(f"{self.table.name}: offsets and per_sample_weights are for mode='sum' or 'mean' "
-                             "(like nn.EmbeddingBag); this table has mode=None (like nn.Embedding)")
+        ids = self.checked_ids(ids, offsets, per_sample_weights)
         recording = self.training and torch.is_grad_enabled()
         slots = self.table.lookup(ids, self.table.step) if recording else self.table.find(ids)
         unique, index = torch.unique(slots, return_inverse=True)
@@ -86,6 +90,11 @@ class DynamicEmbedding(nn.Module):
         if recording:
             rows.requires_grad_()
             self._recorded.append((unique, rows))
+        return self.embed(index, rows, offsets, per_sample_weights)
+
+    def embed(self, index: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor | None,
+              per_sample_weights: torch.Tensor | None) -> torch.Tensor:
+        """The output from each lookup's position `index` in `rows` (ids.shape)."""
         if self.mode is None:
             return F.embedding(index, rows)
         return F.embedding_bag(index, rows, offsets, mode=self.mode, per_sample_weights=per_sample_weights)
@@ -103,7 +112,11 @@ class DynamicEmbedding(nn.Module):
         self._recorded.clear()
         self.table.end_step(self.table.step)
 
-    def _checked_ids(self, ids) -> torch.Tensor:
+    def checked_ids(self, ids, offsets=None, per_sample_weights=None) -> torch.Tensor:
+        """`ids` as int64, refused (naming the table) unless an integer tensor, with offsets only for a bag."""
+        if self.mode is None and (offsets is not None or per_sample_weights is not None):
+            raise ValueError(f"{self.table.name}: offsets and per_sample_weights are for mode='sum' or 'mean' "
+                             "(like nn.EmbeddingBag); this table has mode=None (like nn.Embedding)")
         if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex \
                 or ids.dtype in (torch.bool, torch.uint64):
             got = f"a tensor of dtype {ids.dtype}" if isinstance(ids, torch.Tensor) else f"a {type(ids).__name__}"

@@ -82,11 +82,16 @@ class DynamicTable:
         """Each id's slot, -1 where not resident; reads only (evaluation)."""
         return self.rows.index.find(ids)
 
-    def lookup(self, ids: torch.Tensor, step: int) -> torch.Tensor:
+    def lookup(self, ids: torch.Tensor, step: int, counts: torch.Tensor | None = None) -> torch.Tensor:
         """Each id's slot (same shape as `ids`) at step `step`, counting sightings and lookups and creating the
-        admitted ids' rows; -1 where not admitted. An `init` result of the wrong shape or dtype changes nothing."""
+        admitted ids' rows; -1 where not admitted. With `counts`, `ids` are distinct and id i stands for
+        counts[i] lookups (a worker's batch, told to the server that holds its ids). An `init` result of the
+        wrong shape or dtype changes nothing."""
         self._check_step(step, "lookup")
-        unique, inverse, counts = torch.unique(ids.reshape(-1), return_inverse=True, return_counts=True)
+        if counts is None:
+            unique, inverse, counts = torch.unique(ids.reshape(-1), return_inverse=True, return_counts=True)
+        else:
+            unique, inverse = ids, torch.arange(ids.numel())
         slots = self.find(unique)
         missing = (slots < 0).nonzero().squeeze(1)
         if missing.numel():
@@ -121,21 +126,49 @@ class DynamicTable:
 
     def end_step(self, step: int) -> None:
         """After step `step`'s update: evict by `ttl_steps` and `capacity`, forget waiting ids beyond capacity."""
+        self.expire(step)
+        self.evict_ids(self.smallest_rows(len(self.rows) - self.capacity)[0])
+        self.forget_ids(self.smallest_waiting(len(self.waiting) - self.capacity)[0])
+
+    def expire(self, step: int) -> None:
+        """The local part of ending step `step`: evict by `ttl_steps`; the next step is `step + 1`. The bounds
+        by `capacity` follow (`end_step`, or `tables.global_eviction` over the servers' parts of a table)."""
         self._check_step(step, "end_step")
-        if self.ttl_steps is not None or len(self.rows) > self.capacity:
-            ids, slots = self.rows.resident()
-            last, lookups = self.rows.columns["last_step"][slots], self.rows.columns["lookups"][slots]
-            if self.ttl_steps is not None:
-                fresh = last > step - self.ttl_steps
-                self._evict(slots[~fresh])
-                ids, slots, last, lookups = ids[fresh], slots[fresh], last[fresh], lookups[fresh]
-            keys = [last, ids] if self.evict == "lru" else [lookups, last, ids]
-            self._evict(slots[smallest(keys, len(ids) - self.capacity)])
-        if len(self.waiting) > self.capacity:
-            ids, slots = self.waiting.resident()
-            last = self.waiting.columns["last_step"][slots]
-            self.waiting.drop(slots[smallest([last, ids], len(ids) - self.capacity)])
+        if self.ttl_steps is not None:
+            _, slots = self.rows.resident()
+            self._evict(slots[self.rows.columns["last_step"][slots] <= step - self.ttl_steps])
         self.step = step + 1
+
+    def smallest_rows(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ids of the `count` resident rows that go first by the eviction rule, in that order, and their
+        keys ([count, 2] (last step, id) for "lru"; [count, 3] (lookups, last step, id) for "lfu")."""
+        if count <= 0:
+            return torch.zeros(0, dtype=torch.int64), torch.zeros(0, 2 if self.evict == "lru" else 3,
+                                                                   dtype=torch.int64)
+        ids, slots = self.rows.resident()
+        last, lookups = self.rows.columns["last_step"][slots], self.rows.columns["lookups"][slots]
+        keys = [last, ids] if self.evict == "lru" else [lookups, last, ids]
+        chosen = smallest(keys, count)
+        return ids[chosen], torch.stack([k[chosen] for k in keys], dim=1)
+
+    def smallest_waiting(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The `count` waiting ids forgotten first, in that order, and their keys [count, 2] (last step, id)."""
+        if count <= 0:
+            return torch.zeros(0, dtype=torch.int64), torch.zeros(0, 2, dtype=torch.int64)
+        ids, slots = self.waiting.resident()
+        keys = [self.waiting.columns["last_step"][slots], ids]
+        chosen = smallest(keys, count)
+        return ids[chosen], torch.stack([k[chosen] for k in keys], dim=1)
+
+    def evict_ids(self, ids: torch.Tensor) -> None:
+        """Evict the resident rows of `ids` (counted as evicted)."""
+        slots = self.find(ids)
+        self._evict(slots[slots >= 0])
+
+    def forget_ids(self, ids: torch.Tensor) -> None:
+        """Forget the sightings of the waiting `ids`."""
+        slots = self.waiting.index.find(ids)
+        self.waiting.drop(slots[slots >= 0])
 
     def state(self) -> dict[str, torch.Tensor]:
         """The table as tensors: resident ids ascending with their rows, last steps and lookup counts; waiting

@@ -49,3 +49,13 @@ def keyed(ids: torch.Tensor, *words: int | torch.Tensor) -> torch.Tensor:
 def unit_interval(h: torch.Tensor) -> torch.Tensor:
     """The top 53 bits of each hash as a float64 in [0, 1): exact, the same on every machine."""
     return _shr(h, 11).double() * 2.0 ** -53
+
+
+_SERVER_WORD = 0x736572766572  # b"server": keeps placement apart from the index's buckets and the other streams
+
+
+def server_of(ids: torch.Tensor, num_servers: int) -> torch.Tensor:
+    """The server (0 .. num_servers - 1) that holds each id of a dynamic table: `keyed(id, b"server")`'s top 63
+    bits modulo the servers, so that strided or adversarial ids spread, and the ids a server holds fill its
+    `IdIndex` buckets evenly (those start at `mix64(id)`, a different stream)."""
+    return _shr(keyed(ids, _SERVER_WORD), 1) % num_servers

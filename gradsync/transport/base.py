@@ -139,6 +139,11 @@ class WorkerTransport(ABC):
         A transport with `capabilities.row_tables` implements it."""
         raise NotImplementedError(self.capabilities.rows_refusal())
 
+    def dynamic(self, call: str, args: dict[int, tuple]) -> dict[int, object]:
+        """A call on the servers' dynamic tables (`ParameterServer.dynamic`) with its args per server; returns
+        each server's answer. A transport with `capabilities.row_tables` implements it."""
+        raise NotImplementedError(self.capabilities.rows_refusal())
+
     def table_rows(self, table: str) -> dict[int, torch.Tensor]:
         """Every server's rows of embedding table `table`, in local order. A transport with
         `capabilities.row_tables` implements it."""

@@ -163,6 +163,11 @@ class RpcTransport(WorkerTransport):
     def state(self) -> dict[int, tuple]:
         return self._call(rpc_state, lambda s: (), "state")
 
+    def dynamic(self, call: str, args: dict[int, tuple]) -> dict[int, object]:
+        futures = {s: rpc.rpc_async(server_name(s), rpc_dynamic, args=(call, *a), timeout=self.config.step_timeout)
+                   for s, a in args.items()}
+        return wait_all(futures, f"{call} of dynamic tables", self.config.step_timeout)
+
     def table_rows(self, table: str) -> dict[int, torch.Tensor]:
         return self._call(rpc_table_rows, lambda s: (table,), f"reading table {table!r}")
 
@@ -336,6 +341,11 @@ def rpc_optimizer_state() -> dict:
 @_answering("load of the optimizer state")
 def rpc_load_optimizer_state(state: dict, groups: list) -> None:
     _server().load_optimizer_state(state, groups)
+
+
+@_answering("call on dynamic tables")
+def rpc_dynamic(call: str, *args):
+    return _server().dynamic(call, *args)
 
 
 @_answering("read of a table")

@@ -32,6 +32,7 @@ from gradsync.worker.allreduce_strategy import AllreduceStrategy
 from gradsync.worker.amp import inverse_scale
 from gradsync.worker.model_state import ordered
 from gradsync.worker.strategy import Strategy
+from gradsync.worker.served_dynamic import serve_dynamic
 from gradsync.worker.served_tables import serve_tables
 
 if TYPE_CHECKING:
@@ -56,15 +57,18 @@ class HybridStrategy(Strategy):
         weights = {n: p for n, p in module.named_parameters()}
         self.tables, setups = serve_tables(module, tables, config.servers, None, spec, table_optimizer,
                                            send=worker == 0)
-        if not self.tables.specs:
+        chosen = transport(config.transport)
+        self.dynamic = serve_dynamic(module, chosen.capabilities, config, cluster.resumed is not None,
+                                     table_optimizer, setups if worker == 0 else None)
+        if not self.tables.specs and not self.dynamic.modules:
             raise NoTablesToServe(
                 "the hybrid strategy serves embedding tables (nn.Embedding, nn.EmbeddingBag) from the parameter "
                 "servers, and this model has none that can be served (tables='dense', or weights tied to other "
                 "layers): use --strategy allreduce"
             )
         self.servers = list(range(config.servers))
-        self.transport = transport(config.transport).worker(config, cluster.store, {s: [] for s in self.servers})
-        self.tables.transport = self.transport
+        self.transport = chosen.worker(config, cluster.store, {s: [] for s in self.servers})
+        self.tables.transport = self.dynamic.transport = self.transport
         self.transport.register(ModelSpec((), (), (), self.tables.specs),
                                 {s: Setup.of([], {}, {}, {}, spec, setups[s], config.servers) if worker == 0
                                  else None for s in self.servers})
@@ -76,7 +80,7 @@ class HybridStrategy(Strategy):
         self.model = self.dense.model
         self.optimizer = optimizer
         self._sent = [group_options(g) for g in optimizer.param_groups]  # the options the servers hold
-        self.tables.serving = True
+        self.tables.serving = self.dynamic.serving = True
         self.metrics = self.dense.metrics
         self.tables.metrics = self.metrics
         self._versions = {s: 0 for s in self.servers}
@@ -89,7 +93,10 @@ class HybridStrategy(Strategy):
     def step(self, context_id: int, scaler=None) -> None:
         """Apply the dense optimizer to the averaged gradients and push the row gradients to the servers; with
         clipping or a GradScaler (sync), the rows first, held by the servers until the joint norm is known."""
-        rows = self.tables.row_grads(context_id, dist_autograd.get_gradients(context_id))
+        by_leaf = dist_autograd.get_gradients(context_id)
+        rows = self.tables.row_grads(context_id, by_leaf)
+        for s, per in self.dynamic.row_grads(context_id, by_leaf).items():
+            rows[s].update(per)
         changes = changed_options(self.optimizer.param_groups, self._sent)  # a schedule's, for the rows' lr
         if changes:
             self._sent = [group_options(g) for g in self.optimizer.param_groups]
@@ -114,6 +121,7 @@ class HybridStrategy(Strategy):
             snapshots = self.transport.push(self._versions, {s: Push([], [], {}, rows[s], changes)
                                                              for s in self.servers})
         self._versions = {s: snap.version for s, snap in snapshots.items()}
+        self.dynamic.end_step()
         self.metrics.sent_after_commit(sum(r.nbytes for per in rows.values() for r in per.values()))
 
     def model_sizes(self, trainable: int) -> dict[str, int]:
@@ -141,7 +149,7 @@ class HybridStrategy(Strategy):
     def local_state(self) -> dict:
         """What a checkpoint keeps of this worker: the dense part's model and optimizer state (the servers keep
         the tables and their row optimizer state)."""
-        with self.tables.own_state():
+        with self.tables.own_state(), self.dynamic.own_state():
             return self.dense.local_state()
 
     def load_local_state(self, state: dict) -> None:
@@ -151,6 +159,7 @@ class HybridStrategy(Strategy):
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         named = {s: named for s, (_, _, named) in self.transport.state().items()}
-        with self.tables.own_state():
-            return ordered(self.dense.state_dict(), self.tables.full(named), self.keys)
+        tables = {**self.tables.full(named), **self.dynamic.state()}
+        with self.tables.own_state(), self.dynamic.own_state():
+            return ordered(self.dense.state_dict(), tables, self.keys)
 

@@ -52,6 +52,7 @@ from gradsync.worker.model_state import named_tensors, ordered, to_state_dict
 from gradsync.worker.served_optimizer import ServedState, serve_state
 from gradsync.worker.strategy import Strategy
 from gradsync.worker.streaming import GradientStream, dense, next_seq
+from gradsync.worker.served_dynamic import serve_dynamic
 from gradsync.worker.served_tables import serve_tables
 from gradsync.worker.user_optimizer import StepGuard
 
@@ -111,6 +112,8 @@ class PSStrategy(Strategy):
         self.tables, table_setups = serve_tables(
             module, tables if chosen.capabilities.row_tables else "dense", config.servers, self.metrics, spec,
             table_optimizer, send=self.worker == 0)
+        self.dynamic = serve_dynamic(module, chosen.capabilities, config, cluster.resumed is not None,
+                                     table_optimizer, table_setups if self.worker == 0 else None)
         params, buffers = named_tensors(module)
         self.params, self.buffers = params, buffers  # the user's module's: pointed at the servers' values
         self.spec = ModelSpec.of(params, buffers, self.tables.specs)
@@ -133,7 +136,7 @@ class PSStrategy(Strategy):
         self._stream: tuple[int, GradientStream] | None = None
         self._quiet = False  # inside trainer.no_sync()
         self.joiner = Joiner(cluster.store, cluster.config, cluster.heartbeat, self.servers)
-        self.tables.transport = self.transport
+        self.tables.transport = self.dynamic.transport = self.transport
         self.transport.timeline = self.metrics.timeline  # where the transport records its lanes
         self.frozen = self._register(params, buffers, spec, table_setups)
         self.model = PSModel(module, self)
@@ -149,7 +152,7 @@ class PSStrategy(Strategy):
         self._stepped: int | None = None
         self.grad_norm: float | None = None
         self._next = self._build(self.transport.pull())  # what the next forward runs on, the module points at
-        self.tables.serving = True
+        self.tables.serving = self.dynamic.serving = True
         if self.worker == 0 and loaded is not None:
             optimizer.load_state_dict(loaded)
 
@@ -231,6 +234,8 @@ class PSStrategy(Strategy):
         by_leaf = dist_autograd.get_gradients(context_id)
         grads = {n: dense(by_leaf[leaf]) for n, leaf in pulled.leaves.items() if leaf in by_leaf}
         rows = self.tables.row_grads(context_id, by_leaf)
+        for s, per in self.dynamic.row_grads(context_id, by_leaf).items():
+            rows[s].update(per)
         if not grads and not any(rows.values()):
             raise no_gradients_error(context_id)
         self._last, self._stepped = None, context_id
@@ -293,6 +298,7 @@ class PSStrategy(Strategy):
             fresh = self._finish(fresh, scaler)
         elif scaler is not None:
             record_found_inf(scaler, False)
+        self.dynamic.end_step()
         self._next = self._build(fresh)
         self._stream_next = stream is not None and scaler is None and not stream.resend
         if stream is not None:  # pieces that left and were superseded: bytes on the link all the same
@@ -373,6 +379,6 @@ class PSStrategy(Strategy):
         for _, _, named in states.values():
             values.update(named)
         self._point(values)
-        tables = self.tables.full({s: named for s, (_, _, named) in states.items()})
-        with self.tables.own_state():
+        tables = {**self.tables.full({s: named for s, (_, _, named) in states.items()}), **self.dynamic.state()}
+        with self.tables.own_state(), self.dynamic.own_state():
             return ordered(to_state_dict(self.model.module, values), tables, self.keys)

@@ -439,10 +439,23 @@ def _table(first: dict[int, list[str]], stats: dict[int, dict]) -> str:
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     tables = [(shard, name, t) for shard, s in sorted(stats.items()) for name, t in s["tables"].items()]
     if tables:
-        lines += ["", "| table | shard | rows | MB | rows pulled | rows pushed | max staleness |", "|" + "---|" * 7]
-        lines += [f"| {name} | {shard} | {t['rows']} | {t['bytes'] / 1e6:.1f} | {t['rows_pulled']} | "
-                  f"{t['rows_pushed']} | {t['max_staleness']} |" for shard, name, t in tables]
+        lines += ["", "| table | shard | rows | MB | rows pulled | rows pushed | max staleness | admitted | filtered "
+                  "| evicted |", "|" + "---|" * 10]
+        lines += [_table_row(name, str(shard), t) for shard, name, t in tables]
+        for name in dict.fromkeys(name for _, name, _ in tables):  # a table on several shards: its totals too
+            parts = [t for _, n, t in tables if n == name]
+            if len(parts) > 1:
+                total = {k: sum(t.get(k, 0) for t in parts) for k in parts[0]}
+                total["max_staleness"] = max(t["max_staleness"] for t in parts)
+                lines.append(_table_row(name, "all", total))
     return "\n".join(lines)
+
+
+def _table_row(name: str, shard: str, t: dict) -> str:
+    """One row of the tables' part of the status: a table's counters on `shard` (a dynamic table's admitted,
+    filtered and evicted; 0 for a fixed table)."""
+    return (f"| {name} | {shard} | {t['rows']} | {t['bytes'] / 1e6:.1f} | {t['rows_pulled']} | {t['rows_pushed']} | "
+            f"{t['max_staleness']} | {t.get('admitted', 0)} | {t.get('filtered', 0)} | {t.get('evicted', 0)} |")
 
 
 def pull_to_file(client: Client, path: str) -> dict[int, int]:

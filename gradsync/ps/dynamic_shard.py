@@ -1,0 +1,121 @@
+"""One server's part of a dynamic embedding table (`gradsync.DynamicEmbedding` under ps and hybrid): a
+`DynamicTable` of the ids that `tables.id_hash.server_of` places on this server, its row optimizer and
+counters.
+
+A sync step t, as the workers drive it: each worker's forward looks up its batch's distinct ids here with
+their counts (`lookup`: rows as at the start of step t, admitted ids created with `init`); the push's row
+gradients, averaged over the workers by the consistency rule, go through `check_push` and `apply`; then every
+worker ends the step (`end`, `smallest`, `evict`: `tables.global_eviction`). Those three answer the first
+call of a step and repeat that answer to the other workers' calls of the same step: the first `smallest` of
+step t comes before any `evict` of t and any lookup of t + 1 here (every worker asks every server before it
+evicts, and evicts before its next forward), so every worker sees the same keys and evicts the same ids.
+Callers hold the shard's lock.
+"""
+from __future__ import annotations
+
+import torch
+
+from gradsync.core.errors import GradientError
+from gradsync.ps.messages import DynamicSetup
+from gradsync.ps.table_shard import TableStats
+from gradsync.tables.dynamic_table import DynamicTable
+from gradsync.tables.id_hash import server_of
+
+
+class DynamicShard:
+    """Server `server`'s ids of dynamic table `name`."""
+
+    group = None  # its row optimizer's lr follows no optimizer group (a dynamic table names its own)
+
+    def __init__(self, name: str, setup: DynamicSetup, server: int, num_servers: int):
+        self.name, self.server, self.num_servers = name, server, num_servers
+        self.table = DynamicTable(**setup.settings)
+        self.optimizer = setup.optimizer
+        self._stats = TableStats()
+        self._ended: tuple[int, tuple[int, int]] | None = None  # (step, its answer) of the last `end`
+        self._smallest: tuple[int, dict] | None = None
+        self._evicted = -1
+
+    @property
+    def stats(self) -> TableStats:
+        """The counters, with the rows resident now, their bytes (rows and row optimizer state) and the
+        table's admitted / filtered / evicted."""
+        t = self.table
+        self._stats.rows = len(t)
+        self._stats.bytes = len(t) * t.dim * t.dtype.itemsize + self.optimizer.state_bytes(len(t), t.dim, t.dtype)
+        self._stats.admitted, self._stats.filtered, self._stats.evicted = (
+            t.counters["admitted"], t.counters["filtered"], t.counters["evicted"])
+        return self._stats
+
+    def lookup(self, ids: torch.Tensor, counts: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step `step`'s lookups of the distinct `ids` (each `counts` times): their rows (zeros where not
+        admitted) and which are admitted."""
+        self._check_ids(ids, "a lookup")
+        if not isinstance(counts, torch.Tensor) or counts.dtype != torch.int64 or counts.shape != ids.shape \
+                or (counts.numel() and int(counts.min()) < 1):
+            raise GradientError(f"a lookup of dynamic table {self.name!r} needs an int64 count >= 1 per id")
+        slots = self.table.lookup(ids, step, counts)
+        self._stats.rows_pulled += ids.numel()
+        return self._rows(slots), slots >= 0
+
+    def read(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of `ids` (zeros where not resident), counting nothing: an evaluation forward."""
+        self._check_ids(ids, "a read")
+        return self._rows(self.table.find(ids))
+
+    def _rows(self, slots: torch.Tensor) -> torch.Tensor:
+        rows = self.table.weight[slots.clamp(min=0)]
+        rows[slots < 0] = 0
+        return rows
+
+    def _check_ids(self, ids, what: str, worker: int | str = "a client") -> None:
+        if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1:
+            raise GradientError(f"{worker}: {what} of dynamic table {self.name!r} needs a 1-D int64 tensor of ids")
+        if ids.unique().numel() != ids.numel():
+            raise GradientError(f"{worker}: {what} of dynamic table {self.name!r} repeats ids: send each once")
+        elsewhere = ids[server_of(ids, self.num_servers) != self.server]
+        if elsewhere.numel():
+            raise GradientError(f"{worker}: id {int(elsewhere[0])} of dynamic table {self.name!r} is on server "
+                                f"{int(server_of(elsewhere[:1], self.num_servers))}, not {self.server}")
+
+    def check_push(self, worker: int, ids, grads) -> None:
+        """Validate one worker's row gradients: distinct ids of rows resident here, one row of `dim` each."""
+        self._check_ids(ids, "a push", f"worker {worker}")
+        t = self.table
+        if not isinstance(grads, torch.Tensor) or tuple(grads.shape) != (ids.numel(), t.dim) \
+                or grads.dtype != t.dtype:
+            described = f"{tuple(grads.shape)} {grads.dtype}" if isinstance(grads, torch.Tensor) else type(grads)
+            raise GradientError(f"worker {worker}: row gradients of dynamic table {self.name!r} are {described}, "
+                                f"expected {(ids.numel(), t.dim)} {t.dtype}")
+        absent = ids[t.find(ids) < 0]
+        if absent.numel():
+            raise GradientError(f"worker {worker}: a push of dynamic table {self.name!r} has id {int(absent[0])}, "
+                                "which is not resident: push only the ids its lookups admitted this step")
+
+    def apply(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        """One row optimizer step on the resident `ids` (distinct) with their averaged gradients."""
+        if ids.numel():
+            self.table.apply(self.optimizer, self.table.find(ids), grads)
+            self._stats.rows_pushed += ids.numel()
+
+    def end(self, step: int) -> tuple[int, int]:
+        """End step `step` here (`ttl_steps`); (resident rows, waiting ids) after it, the same to every call."""
+        if self._ended is None or self._ended[0] != step:
+            self.table.expire(step)
+            self._ended = (step, (len(self.table), len(self.table.waiting)))
+        return self._ended[1]
+
+    def smallest(self, step: int, rows: int, waiting: int) -> tuple[torch.Tensor, ...]:
+        """The `rows` rows and `waiting` waiting ids that go first here at the end of step `step`, with their
+        keys: (ids, keys, waiting ids, keys); the first call's answer to every call of the step."""
+        if self._smallest is None or self._smallest[0] != step:
+            self._smallest = (step, self.table.smallest_rows(rows) + self.table.smallest_waiting(waiting))
+        return self._smallest[1]
+
+    def evict(self, step: int, ids: torch.Tensor, waiting: torch.Tensor) -> None:
+        """Evict the rows `ids` and forget the waiting `waiting` for step `step`, once (later calls of the same
+        step change nothing)."""
+        if self._evicted != step:
+            self.table.evict_ids(ids)
+            self.table.forget_ids(waiting)
+            self._evicted = step

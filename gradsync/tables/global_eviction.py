@@ -1,0 +1,58 @@
+"""The end of a step of a dynamic table whose ids are spread over several servers (each a `DynamicTable` of
+its ids), by the single-process rule: the bounds by `capacity` are over the whole table, so the rows a
+server evicts depend on every server's rows.
+
+Each server first ends the step locally (`DynamicTable.expire`: `ttl_steps`, a rule per row) and answers its
+resident rows and waiting ids. When the whole table holds more than `capacity` rows (or waiting ids), the
+`excess` rows that go first overall are among each server's own `excess` first (`DynamicTable.smallest_rows`):
+the caller gathers those with their keys, takes the `excess` smallest keys of all (ids are distinct, so the
+keys are), and tells each server which of its ids to evict. A step under capacity costs the one exchange of
+counts; one over capacity two more (the keys, then the ids).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from gradsync.tables.dynamic_table import smallest
+
+Call = Callable[[str, dict[int, tuple]], dict[int, object]]
+"""`call(what, args by server)`: every server's answer to `what` ("end", "smallest", "evict") with its args."""
+
+
+def end_step(step: int, capacities: dict[str, int], servers: list[int], call: Call) -> dict[str, tuple[int, int]]:
+    """End step `step` of the dynamic tables (`capacities`: each table's capacity) held by `servers`, through
+    `call`: each server's `end(step)` -> {table: (rows, waiting ids)}; `smallest(step, {table: (rows, waiting
+    ids)})` -> {table: (row ids, their keys, waiting ids, their keys)}; `evict(step, {table: (row ids, waiting
+    ids)})`. Returns each table's (rows, waiting ids) over all servers once the step has ended."""
+    counts = call("end", {s: (step,) for s in servers})
+    totals = {t: tuple(sum(counts[s][t][k] for s in servers) for k in (0, 1)) for t in capacities}
+    excess = {t: (totals[t][0] - cap, totals[t][1] - cap) for t, cap in capacities.items()}
+    over = {t: e for t, e in excess.items() if max(e) > 0}
+    if not over:
+        return totals
+    asks = {s: (step, {t: tuple(min(counts[s][t][k], max(e[k], 0)) for k in (0, 1)) for t, e in over.items()})
+            for s in servers}
+    answers = call("smallest", asks)
+    plan: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {s: {} for s in servers}
+    for t, (rows, waiting) in over.items():
+        evicted = first_overall({s: answers[s][t][:2] for s in servers}, rows)
+        forgotten = first_overall({s: answers[s][t][2:] for s in servers}, waiting)
+        for s in servers:
+            plan[s][t] = (evicted[s], forgotten[s])
+    call("evict", {s: (step, plan[s]) for s in servers})
+    return {t: (min(rows, capacities[t]), min(waiting, capacities[t])) for t, (rows, waiting) in totals.items()}
+
+
+def first_overall(parts: dict[int, tuple[torch.Tensor, torch.Tensor]], count: int) -> dict[int, torch.Tensor]:
+    """Of every server's (ids, keys [n, k]), the ids of the `count` smallest keys overall, by server."""
+    servers = list(parts)
+    empty = torch.zeros(0, dtype=torch.int64)
+    if count <= 0:
+        return {s: empty for s in servers}
+    keys = torch.cat([parts[s][1] for s in servers])
+    ids = torch.cat([parts[s][0] for s in servers])
+    owner = torch.cat([torch.full((parts[s][0].numel(),), s, dtype=torch.int64) for s in servers])
+    chosen = smallest(list(keys.unbind(1)), count)
+    return {s: ids[chosen[owner[chosen] == s]] for s in servers}

@@ -1,0 +1,224 @@
+"""Worker side of dynamic embedding tables (`gradsync.DynamicEmbedding`) under ps and hybrid: the rows live on
+the servers, an id on server `tables.id_hash.server_of(id, S)`, each server a `DynamicTable` of its ids
+(`ps.dynamic_shard`).
+
+`ServedDynamic` replaces each such module's forward: a forward that records (training mode, gradients on,
+inside a dist_autograd context) sends each server its ids of the batch, distinct, with their counts, for step
+`step` (rows as at the step's start; admitted ids created there with `init`), and runs the module's
+`embed` on those rows as a leaf; any other forward only reads (zeros where not resident). `row_grads` turns
+the leaves' gradients into each server's push ({table: `RowGrads`} of the admitted ids, occurrences summed);
+the consistency rule averages them over the workers and the row optimizer applies them. After the step's
+push, `end_step` ends the step on every server, with the bounds by `capacity` over the whole table
+(`tables.global_eviction`).
+
+Only sync mode is exact (every lookup of step t before its update, the eviction before step t + 1's lookups);
+async and ssp are refused, as are checkpoints of a dynamic table.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import pickle
+
+import torch
+from torch import nn
+
+from gradsync.core.torch_internals import current_context_id
+from gradsync.ps.messages import DynamicSetup, RowGrads
+from gradsync.tables import global_eviction
+from gradsync.tables.dynamic_embedding import DynamicEmbedding
+from gradsync.tables.id_hash import server_of
+from gradsync.tables.placement import merge_rows
+from gradsync.tables.row_init import checked_init
+from gradsync.tables.row_optim import ROW_OPTIMIZERS
+
+_COUNTERS = ("admitted", "filtered", "evicted")
+
+
+def find_dynamic(module: nn.Module) -> dict[str, DynamicEmbedding]:
+    """The `DynamicEmbedding` modules of `module`, by module name."""
+    return {name or "table": m for name, m in module.named_modules() if isinstance(m, DynamicEmbedding)}
+
+
+def serve_dynamic(module: nn.Module, capabilities, config, resumed: bool, table_optimizer,
+                  setups: dict[int, dict] | None) -> ServedDynamic:
+    """Take over the dynamic tables of `module` for a ps or hybrid job of `config` over a transport of
+    `capabilities`; worker 0 (`setups` given) adds each table's `DynamicSetup` to every server's setups."""
+    served = ServedDynamic(module, config.servers, table_optimizer, config.mode,
+                           bool(config.checkpoint_every) or resumed)
+    if served.modules and not capabilities.row_tables:
+        raise ValueError(f"{next(iter(served.modules))!r} is a gradsync.DynamicEmbedding, whose rows the servers "
+                         f"serve by id: {capabilities.rows_refusal()}")
+    if setups is not None:
+        for name, setup in served.setups().items():
+            for per in setups.values():
+                per[name] = setup
+    served.take_over()
+    return served
+
+
+class _Lookup:
+    """One recording lookup: the distinct ids, which were admitted, their rows (a leaf), each server's version."""
+
+    def __init__(self, table: str, ids: torch.Tensor, admitted: torch.Tensor, leaf: torch.Tensor,
+                 versions: dict[int, int]):
+        self.table, self.ids, self.admitted, self.leaf, self.versions = table, ids, admitted, leaf, versions
+
+
+class ServedDynamic:
+    """The model's dynamic tables, their rows on `num_servers` servers reached through `transport`."""
+
+    def __init__(self, module: nn.Module, num_servers: int, table_optimizer, mode: str, checkpoints: bool):
+        self.modules = find_dynamic(module)
+        self.num_servers = num_servers
+        self.optimizer = table_optimizer
+        self.transport = None  # set by the strategy before the first forward
+        self.serving = False  # set by the strategy once the servers answer: the module's state_dict gathers
+        self.step = 0  # the step the next recording lookup belongs to
+        self._lookups: dict[int, list[_Lookup]] = {}
+        if not self.modules:
+            return
+        name = next(iter(self.modules))
+        if mode != "sync":
+            raise NotImplementedError(
+                f"{name!r} is a gradsync.DynamicEmbedding, whose lookups, updates and evictions are exact only in "
+                f"--mode sync under ps and hybrid (got --mode {mode}): run with --mode sync")
+        if checkpoints:
+            raise NotImplementedError(
+                f"{name!r} is a gradsync.DynamicEmbedding, whose rows a checkpoint does not hold yet: leave out "
+                "--checkpoint-every and --resume, or save trainer.state_dict() (its ids and rows) yourself")
+        if not isinstance(table_optimizer, ROW_OPTIMIZERS):
+            raise ValueError(
+                f"{name!r} is a gradsync.DynamicEmbedding, whose rows the servers train with a row optimizer: pass "
+                f"Trainer(..., table_optimizer=gradsync.RowSGD(lr=...) or gradsync.RowAdagrad(lr=...)), got "
+                f"{table_optimizer!r}")
+
+    def setups(self) -> dict[str, DynamicSetup]:
+        """What registration sends every server of each table (worker 0), its `init` checked here first."""
+        out = {}
+        for name, module in self.modules.items():
+            t = module.table
+            checked_init(t.init, torch.tensor([0, -1]), t.dim, t.dtype, t.name)
+            try:
+                pickle.dumps(t.init)
+            except Exception as e:  # noqa: BLE001 -- any pickling failure: the same advice
+                raise ValueError(f"{t.name} ({name!r}): its init {t.init!r} cannot be sent to the servers ({e}): "
+                                 "pass a module-level function or a dataclass instance") from e
+            settings = dict(dim=t.dim, capacity=t.capacity, init=t.init, admit_after=t.admit_after,
+                            admit_probability=t.admit_probability, evict=t.evict, ttl_steps=t.ttl_steps,
+                            dtype=t.dtype, seed=t.seed, name=f"{t.name} ({name!r})")
+            out[name] = DynamicSetup(settings, self.optimizer)
+        return out
+
+    def take_over(self) -> None:
+        """Route each table's forward through the servers; its `resident_rows`, `counters` and `state_dict()`
+        then read the servers' (once `serving`)."""
+        for name, module in self.modules.items():
+            module.forward = functools.partial(self._forward, name, module)
+            module.served = functools.partial(self.counters, name)
+            module.register_state_dict_post_hook(functools.partial(self._gathered, name))
+
+    def _forward(self, name: str, module: DynamicEmbedding, ids: torch.Tensor, offsets=None,
+                 per_sample_weights=None) -> torch.Tensor:
+        ids = module.checked_ids(ids, offsets, per_sample_weights)
+        unique, index, counts = torch.unique(ids.reshape(-1), return_inverse=True, return_counts=True)
+        context = current_context_id()
+        recording = module.training and torch.is_grad_enabled() and context is not None
+        owner = server_of(unique, self.num_servers)
+        where = {s: (owner == s).nonzero().view(-1) for s in range(self.num_servers)}
+        where = {s: at for s, at in where.items() if at.numel()}
+        rows = torch.zeros(unique.numel(), module.table.dim, dtype=module.table.dtype)
+        if recording:
+            answers = self.transport.dynamic("lookup", {s: (name, unique[at], counts[at], self.step)
+                                                        for s, at in where.items()})
+            admitted = torch.zeros(unique.numel(), dtype=torch.bool)
+            for s, at in where.items():
+                rows[at], admitted[at] = answers[s][1], answers[s][2]
+            rows.requires_grad_()
+            versions = {s: answer[0] for s, answer in answers.items()}
+            self._lookups.setdefault(context, []).append(_Lookup(name, unique, admitted, rows, versions))
+        elif where:
+            answers = self.transport.dynamic("read", {s: (name, unique[at]) for s, at in where.items()})
+            for s, at in where.items():
+                rows[at] = answers[s]
+        return module.embed(index.reshape(ids.shape), rows, offsets, per_sample_weights)
+
+    def row_grads(self, context_id: int, grads: dict[torch.Tensor, torch.Tensor]) -> dict[int, dict[str, RowGrads]]:
+        """The pushes of this context's lookups: per server, {table: `RowGrads`} of its admitted ids (global
+        ids) with their gradients summed over the context's lookups; forgets the context's lookups."""
+        lookups = self._lookups.pop(context_id, [])
+        self._lookups.clear()  # lookups of contexts that were never stepped
+        out: dict[int, dict[str, RowGrads]] = {s: {} for s in range(self.num_servers)}
+        for name in dict.fromkeys(lk.table for lk in lookups):
+            mine = [lk for lk in lookups if lk.table == name and lk.leaf in grads and lk.admitted.any()]
+            if not mine:
+                continue
+            ids, summed = merge_rows([(lk.ids[lk.admitted], grads[lk.leaf][lk.admitted]) for lk in mine], 1.0)
+            owner = server_of(ids, self.num_servers)
+            for s in range(self.num_servers):
+                at = (owner == s).nonzero().view(-1)
+                if at.numel():
+                    version = min(lk.versions[s] for lk in mine if s in lk.versions)
+                    out[s][name] = RowGrads(version, ids[at], summed[at])
+        return out
+
+    def end_step(self) -> None:
+        """After the step's update on every server: end it there (eviction), then the next step's lookups."""
+        if self.modules:
+            capacities = {name: m.table.capacity for name, m in self.modules.items()}
+            global_eviction.end_step(self.step, capacities, list(range(self.num_servers)), self.transport.dynamic)
+        self.step += 1
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Every table's state as its module's `state_dict()` holds it, by key (`<name>.ids`, `<name>.weight`,
+        ...), gathered from the servers: ids ascending, every count summed."""
+        if not self.modules:
+            return {}
+        parts = self.transport.dynamic("state", {s: () for s in range(self.num_servers)})
+        out = {}
+        for name in self.modules:
+            for key, value in merged([parts[s][name] for s in sorted(parts)]).items():
+                out[f"{name}.{key}"] = value
+        return out
+
+    def counters(self, name: str) -> dict[str, int]:
+        """Table `name`'s resident rows and counters, summed over the servers."""
+        counts = self.transport.dynamic("counts", {s: () for s in range(self.num_servers)})
+        total = {k: sum(counts[s][name][1][i] for s in counts) for i, k in enumerate(_COUNTERS)}
+        return {"resident_rows": sum(counts[s][name][0] for s in counts), **total}
+
+    def _gathered(self, name: str, module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+        """State-dict hook of a dynamic table's module: its state as the servers hold it (inside `own_state`:
+        none of its keys, gradsync adds them itself)."""
+        local = [k for k in state_dict if k.startswith(prefix) and "." not in k[len(prefix):]]
+        for key in local:
+            del state_dict[key]
+        if self.serving:
+            for key, value in self.state().items():
+                if key.startswith(name + "."):
+                    state_dict[prefix + key[len(name) + 1:]] = value
+
+    @contextlib.contextmanager
+    def own_state(self):
+        """A block in which gradsync reads the modules' state itself: the hook leaves the tables' keys out."""
+        serving, self.serving = self.serving, False
+        try:
+            yield
+        finally:
+            self.serving = serving
+
+
+def merged(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One table's `DynamicTable.state()` from its servers' (disjoint ids): rows and waiting ids ascending,
+    counters summed, the step the same on every server."""
+    out = {}
+    for ids_key, columns in (("ids", ("weight", "last_step", "lookups")),
+                             ("waiting_ids", ("waiting_sightings", "waiting_last_step"))):
+        ids = torch.cat([p[ids_key] for p in parts])
+        order = torch.argsort(ids)
+        out[ids_key] = ids[order]
+        for column in columns:
+            out[column] = torch.cat([p[column] for p in parts])[order]
+    out["step"] = parts[0]["step"]
+    out["counters"] = sum((p["counters"] for p in parts), torch.zeros_like(parts[0]["counters"]))
+    return out

@@ -1,0 +1,102 @@
+"""A click model with three dynamic tables (one unbounded in effect, one LRU bag and one LFU table with TTL,
+both small and admitting on the second sighting), its training loop on every worker, and single-process
+references: the same model trained on the workers' batches joined (`table.step` per dynamic table), and the
+unbounded table as an nn.Embedding holding init(id) for each id in order of first sight."""
+from __future__ import annotations
+
+import random
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradsync
+from gradsync.tables.row_init import HashedUniform
+from jobs import run_loop
+
+DIM, BATCH, LR = 3, 5, 0.2
+_RNG = random.Random(11)
+IDS = torch.tensor([_RNG.randrange(-2**63, 2**63) for _ in range(24)])
+TABLES = ("big", "lru", "lfu")
+OPTIMIZERS = {"sgd": gradsync.RowSGD(lr=LR), "adagrad": gradsync.RowAdagrad(lr=LR)}
+
+
+class DynNet(nn.Module):
+    def __init__(self, big: nn.Module | None = None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.big = big or gradsync.DynamicEmbedding(DIM, capacity=1000)
+        self.lru = gradsync.DynamicEmbedding(DIM, capacity=6, admit_after=2, evict="lru", mode="sum")
+        self.lfu = gradsync.DynamicEmbedding(DIM, capacity=5, admit_after=2, evict="lfu", ttl_steps=3)
+        self.head = nn.Linear(3 * DIM, 1)
+
+    def forward(self, ids: torch.Tensor, bags: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.cat([self.big(ids), self.lru(bags), self.lfu(other)], 1)).squeeze(1)
+
+
+def dyn_batch(step: int, worker: int) -> tuple[torch.Tensor, ...]:
+    """Worker `worker`'s batch at `step`: (ids (B,), bags (B, 2), other (B,), clicks (B,)), skewed to low ids."""
+    g = torch.Generator().manual_seed(100 * step + worker)
+    skewed = lambda *shape: IDS[(torch.rand(*shape, generator=g) ** 2 * len(IDS)).long()]  # noqa: E731
+    return skewed(BATCH), skewed(BATCH, 2), skewed(BATCH), torch.randint(0, 2, (BATCH,), generator=g).float()
+
+
+def train_dynamic(optimizer: str, steps: int) -> dict:
+    """Train DynNet; returns the trainer's state, the module's own state_dict, each table's resident rows and
+    counters as the module answers them, and the servers' table stats."""
+    model = DynNet()
+    trainer = gradsync.Trainer(model, torch.optim.SGD(model.parameters(), lr=LR),
+                               table_optimizer=OPTIMIZERS[optimizer])
+    run_loop(trainer, steps, data=dyn_batch, loss_fn=F.binary_cross_entropy_with_logits)
+    tables = {n: (getattr(model, n).resident_rows, getattr(model, n).counters) for n in TABLES}
+    stats = {s: st["tables"] for s, st in trainer.server_stats().items()}
+    return {"trainer": trainer.state_dict(), "module": model.state_dict(), "tables": tables, "stats": stats}
+
+
+def _joint(step: int, workers: int) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.cat(t) for t in zip(*(dyn_batch(step, w) for w in range(workers))))
+
+
+def reference_dynamic(optimizer: str, steps: int, workers: int) -> DynNet:
+    """DynNet trained in one process on the workers' batches joined: SGD for the head, `table.step` for
+    each dynamic table."""
+    model = DynNet()
+    opt = torch.optim.SGD(model.head.parameters(), lr=LR)
+    for step in range(steps):
+        *inputs, y = _joint(step, workers)
+        opt.zero_grad()
+        F.binary_cross_entropy_with_logits(model(*inputs), y).backward()
+        opt.step()
+        for name in TABLES:
+            getattr(model, name).step(OPTIMIZERS[optimizer])
+    return model
+
+
+class _FirstSight(nn.Module):
+    """An nn.Embedding holding init(id) for each id of the steps in order of first sight."""
+
+    def __init__(self, steps: int, workers: int):
+        super().__init__()
+        seen = torch.cat([_joint(step, workers)[0] for step in range(steps)]).tolist()
+        self.order = torch.tensor(list(dict.fromkeys(seen)))
+        self.embedding = nn.Embedding.from_pretrained(HashedUniform(DIM)(self.order), freeze=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        position = {i: p for p, i in enumerate(self.order.tolist())}
+        return self.embedding(torch.tensor([position[i] for i in ids.tolist()]))
+
+
+def reference_first_sight(steps: int, workers: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `big` table trained as an nn.Embedding (plain SGD) in one process: (ids ascending, their rows)."""
+    big = _FirstSight(steps, workers)
+    model = DynNet(big)
+    opt = torch.optim.SGD([*model.head.parameters(), big.embedding.weight], lr=LR)
+    for step in range(steps):
+        *inputs, y = _joint(step, workers)
+        opt.zero_grad()
+        F.binary_cross_entropy_with_logits(model(*inputs), y).backward()
+        opt.step()
+        for name in ("lru", "lfu"):
+            getattr(model, name).step(OPTIMIZERS["sgd"])
+    ids, order = big.order.sort()
+    return ids, big.embedding.weight.detach()[order]

@@ -1,0 +1,50 @@
+"""Dynamic tables under ps (S = 1, 2) and hybrid, sync, W = 2: the rows on the servers train as in one process.
+Each job checks the unbounded table against an nn.Embedding holding init(id) in order of first sight (SGD), or
+against the single-process DynamicEmbedding (RowAdagrad); the small LRU and LFU tables, with admission, end
+with the ids the single-process rule keeps, bit for bit, and the same rows; trainer.state_dict(), the module's
+own state_dict, its resident_rows and counters and the servers' stats agree."""
+import pytest
+import torch
+
+import gradsync
+from dynamic_models import TABLES, reference_dynamic, reference_first_sight, train_dynamic
+
+pytestmark = pytest.mark.job
+
+STEPS, WORKERS = 6, 2
+KEYS = ("ids", "weight", "last_step", "lookups", "waiting_ids", "waiting_sightings", "waiting_last_step", "step",
+        "counters")
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("strategy,servers,optimizer", [("ps", 1, "sgd"), ("ps", 2, "adagrad"),
+                                                        ("hybrid", 2, "sgd")])
+def test_dynamic_tables_on_the_servers_train_as_in_one_process(strategy, servers, optimizer):
+    results = gradsync.launch(train_dynamic, strategy=strategy, workers=WORKERS, servers=servers,
+                              args=(optimizer, STEPS), step_timeout=60, timeout=140)
+    reference = reference_dynamic(optimizer, STEPS, WORKERS)
+    expected = reference.state_dict()
+    for result in results:
+        state, module = result["trainer"], result["module"]
+        assert [k for k in state if k.startswith("big.")] == [f"big.{k}" for k in KEYS]
+        for name in TABLES:
+            for key in ("ids", "last_step", "lookups", "waiting_ids", "waiting_sightings", "step", "counters"):
+                assert torch.equal(state[f"{name}.{key}"], expected[f"{name}.{key}"]), (name, key)
+                assert torch.equal(module[f"{name}.{key}"], expected[f"{name}.{key}"]), (name, key)
+            torch.testing.assert_close(state[f"{name}.weight"], expected[f"{name}.weight"], rtol=0, atol=1e-5)
+            assert torch.equal(module[f"{name}.weight"], state[f"{name}.weight"])
+            table = getattr(reference, name)
+            assert result["tables"][name] == (table.resident_rows, table.counters)
+        torch.testing.assert_close(state["head.weight"], expected["head.weight"], rtol=0, atol=1e-5)
+    counters = {n: results[0]["tables"][n][1] for n in TABLES}
+    assert counters["lru"]["evicted"] > 0 and counters["lfu"]["evicted"] > 0 and counters["lru"]["filtered"] > 0
+    assert all(len(expected[f"{n}.ids"]) <= c for n, c in (("lru", 6), ("lfu", 5)))
+    for name in TABLES:  # the servers' stats: resident rows and counters, summed over the servers
+        per = [results[0]["stats"][s][name] for s in range(servers)]
+        assert sum(t["rows"] for t in per) == results[0]["tables"][name][0]
+        assert [sum(t[k] for t in per) for k in ("admitted", "filtered", "evicted")] == \
+            list(counters[name].values())
+    if optimizer == "sgd":
+        ids, rows = reference_first_sight(STEPS, WORKERS)
+        assert torch.equal(results[0]["trainer"]["big.ids"], ids)
+        torch.testing.assert_close(results[0]["trainer"]["big.weight"], rows, rtol=0, atol=1e-5)

@@ -1,0 +1,261 @@
+"""A dynamic table spread over servers (`ps.dynamic_shard`, `tables.global_eviction`), in one process: the
+servers' parts, driven as W workers drive them in a sync step, hold exactly what one `DynamicTable` holds
+after the same steps (ids, rows, counts, waiting ids, counters), whatever the number of servers; ids spread
+by their hash; bad calls change nothing; the worker side refuses bad ids before any call."""
+import dataclasses
+import json
+import random
+
+import pytest
+import torch
+from torch import nn
+
+import gradsync
+from gradsync.core.errors import GradientError
+from gradsync.proto import gradsync_pb2 as pb
+from gradsync.ps.dynamic_shard import DynamicShard
+from gradsync.ps.messages import DynamicSetup
+from gradsync.tables import global_eviction
+from gradsync.tables.dynamic_table import DynamicTable
+from gradsync.tables.id_hash import keyed, server_of, unit_interval
+from gradsync.tables.placement import merge_rows
+from gradsync.tables.row_init import HashedUniform
+from gradsync.transport.grpc.client import final_status_table
+from gradsync.worker.served_dynamic import ServedDynamic, merged
+
+DIM, WORKERS = 3, 2
+_RNG = random.Random(5)
+IDS = [_RNG.randrange(-2**63, 2**63) for _ in range(40)]
+
+
+def settings(**rules) -> dict:
+    return dict(dim=DIM, init=HashedUniform(DIM, seed=3), **rules)
+
+
+def batch(step: int, worker: int) -> torch.Tensor:
+    """Worker `worker`'s ids at `step`: a skewed draw (some ids often, many rarely), with repeats."""
+    g = random.Random(100 * step + worker)
+    return torch.tensor([IDS[min(int(g.expovariate(0.15)), len(IDS) - 1)] for _ in range(7)])
+
+
+def grads_of(ids: torch.Tensor, step: int, worker: int) -> torch.Tensor:
+    """A worker's gradient of each distinct id it looked up: a fixed function of (id, step, worker)."""
+    return unit_interval(keyed(ids.reshape(-1, 1), step, worker, torch.arange(DIM))).float() - 0.5
+
+
+class Servers:
+    """S `DynamicShard`s of one table, called as the transport calls them (`ParameterServer.dynamic`)."""
+
+    def __init__(self, num_servers: int, optimizer, **rules):
+        setup = DynamicSetup(settings(**rules), optimizer)
+        self.shards = {s: DynamicShard("t", setup, s, num_servers) for s in range(num_servers)}
+        self.calls: list[str] = []
+
+    def __call__(self, call: str, args: dict[int, tuple]) -> dict[int, object]:
+        self.calls.append(call)
+        out = {}
+        for s, a in args.items():
+            shard = self.shards[s]
+            if call == "end":
+                out[s] = {"t": shard.end(*a)}
+            elif call == "smallest":
+                out[s] = {"t": shard.smallest(a[0], *a[1]["t"])}
+            else:
+                shard.evict(a[0], *a[1]["t"])
+        return out
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return merged([self.shards[s].table.state() for s in sorted(self.shards)])
+
+
+def sync_step(servers: Servers, step: int, capacity: int) -> None:
+    """One sync step as W workers drive it: each looks up its distinct ids with their counts on their servers,
+    the servers average the admitted ids' gradients over the workers and apply them, then every worker ends
+    the step (the later ones repeat the first one's calls)."""
+    num = len(servers.shards)
+    pushes: dict[int, list] = {s: [] for s in range(num)}
+    for w in range(WORKERS):
+        ids, counts = torch.unique(batch(step, w), return_counts=True)
+        owner = server_of(ids, num)
+        for s in range(num):
+            at = owner == s
+            if at.any():
+                _, admitted = servers.shards[s].lookup(ids[at], counts[at], step)
+                mine = ids[at][admitted]
+                if mine.numel():
+                    pushes[s].append((mine, grads_of(mine, step, w)))
+    for s, per in pushes.items():
+        if per:
+            ids, mean = merge_rows(per, 1.0 / WORKERS)
+            servers.shards[s].check_push(0, ids, mean)
+            servers.shards[s].apply(ids, mean)
+    for _ in range(WORKERS):
+        global_eviction.end_step(step, {"t": capacity}, list(range(num)), servers)
+
+
+def single_step(table: DynamicTable, optimizer, step: int) -> None:
+    """The same step on one table: the joint batch's lookups, the mean of the workers' gradients, end_step."""
+    joint = torch.cat([batch(step, w) for w in range(WORKERS)])
+    slots = table.lookup(joint, step)
+    pushes = []
+    for w in range(WORKERS):
+        ids = torch.unique(batch(step, w))
+        mine = ids[table.find(ids) >= 0]
+        if mine.numel():
+            pushes.append((mine, grads_of(mine, step, w)))
+    if pushes:
+        ids, mean = merge_rows(pushes, 1.0 / WORKERS)
+        table.apply(optimizer, table.find(ids), mean)
+    assert slots.numel() == joint.numel()
+    table.end_step(step)
+
+
+RULES = [
+    dict(capacity=8, evict="lru"),
+    dict(capacity=6, evict="lfu", admit_after=2),
+    dict(capacity=7, evict="lru", admit_after=3, ttl_steps=4),
+    dict(capacity=5, evict="lfu", admit_after=2, admit_probability=0.6),
+    dict(capacity=1000, evict="lru"),
+]
+
+
+@pytest.mark.parametrize("rules", RULES, ids=lambda r: "-".join(f"{k}={v}" for k, v in r.items()))
+@pytest.mark.parametrize("num_servers", [1, 2, 3])
+def test_servers_hold_what_one_table_holds(rules, num_servers):
+    optimizer = gradsync.RowAdagrad(lr=0.1)
+    servers = Servers(num_servers, optimizer, **rules)
+    single = DynamicTable(**settings(**rules))
+    evictions = 0
+    for step in range(14):
+        sync_step(servers, step, rules["capacity"])
+        single_step(single, optimizer, step)
+        got, want = servers.state(), single.state()
+        assert got["ids"].tolist() == want["ids"].tolist(), f"step {step}"
+        assert torch.equal(got["weight"], want["weight"])
+        for key in ("last_step", "lookups", "waiting_ids", "waiting_sightings", "waiting_last_step", "counters"):
+            assert torch.equal(got[key], want[key]), (step, key)
+        assert len(got["ids"]) <= rules["capacity"] and len(got["waiting_ids"]) <= rules["capacity"]
+        evictions = int(want["counters"][2])
+    if rules["capacity"] < len(IDS):
+        assert evictions > 0  # the bound was reached: eviction was exercised
+    # a step under capacity costs the one exchange of counts per worker; one over capacity three
+    assert set(servers.calls) <= {"end", "smallest", "evict"}
+
+
+def test_eviction_is_global_not_per_server():
+    """With the same capacity on each of 2 servers a per-server bound keeps another set than the rule."""
+    optimizer = gradsync.RowSGD(lr=0.1)
+    rules = dict(capacity=6, evict="lru")
+    servers, single = Servers(2, optimizer, **rules), DynamicTable(**settings(**rules))
+    per_server = [DynamicTable(**settings(**rules)) for _ in range(2)]
+    for step in range(10):
+        sync_step(servers, step, 6)
+        single_step(single, optimizer, step)
+        joint = torch.unique(torch.cat([batch(step, w) for w in range(WORKERS)]))
+        for s, table in enumerate(per_server):
+            table.lookup(joint[server_of(joint, 2) == s], step)
+            table.end_step(step)
+    local = sorted(i for t in per_server for i in t.state()["ids"].tolist())
+    assert servers.state()["ids"].tolist() == single.state()["ids"].tolist() != local
+
+
+def test_the_first_answer_of_a_step_is_every_worker_answer():
+    """A worker that ends the step after another has evicted (and looked up the next step) sees the same keys
+    and evicts nothing more."""
+    servers = Servers(2, gradsync.RowSGD(lr=0.1), capacity=3, evict="lru")
+    for step in range(2):
+        sync_step(servers, step, 3)
+    before = servers.state()
+    shard = servers.shards[0]
+    first = shard.smallest(1, 2, 0)
+    shard.lookup(torch.tensor([i for i in IDS if int(server_of(torch.tensor([i]), 2)) == 0][:1]),
+                 torch.tensor([1]), 2)  # the next step's lookup, on a server that has ended step 1
+    assert all(torch.equal(a, b) for a, b in zip(shard.smallest(1, 5, 5), first))
+    shard.evict(1, first[0], first[2])
+    assert servers.state()["counters"][2] == before["counters"][2]  # step 1's eviction was done: nothing more
+
+
+def test_ids_spread_over_servers_by_their_hash():
+    for stride in (1, 2, 4, 2**32):
+        ids = torch.arange(4000) * stride
+        for num in (2, 3, 4):
+            held = torch.bincount(server_of(ids, num), minlength=num)
+            assert held.sum() == 4000 and int(held.min()) > 0.9 * 4000 / num, (stride, num, held.tolist())
+    assert server_of(torch.tensor([-2**63, 2**63 - 1, -1]), 3).tolist() == \
+        server_of(torch.tensor([-2**63, 2**63 - 1, -1]), 3).tolist()  # fixed: no per-process salt
+    assert int(server_of(torch.tensor([-2**63, -1, 2**63 - 1]), 5).min()) >= 0
+
+
+def test_bad_calls_name_the_table_and_change_nothing():
+    servers = Servers(2, gradsync.RowSGD(lr=0.1), capacity=10)
+    sync_step(servers, 0, 10)
+    before = servers.state()
+    shard = servers.shards[0]
+    mine = before["ids"][server_of(before["ids"], 2) == 0]
+    theirs = before["ids"][server_of(before["ids"], 2) == 1]
+    with pytest.raises(GradientError, match=r"dynamic table 't' repeats ids"):
+        shard.lookup(torch.cat([mine[:1], mine[:1]]), torch.tensor([1, 1]), 1)
+    with pytest.raises(GradientError, match=rf"id {int(theirs[0])} of dynamic table 't' is on server 1, not 0"):
+        shard.lookup(theirs[:1], torch.tensor([1]), 1)
+    with pytest.raises(GradientError, match=r"1-D int64"):
+        shard.lookup(torch.tensor([1.5]), torch.tensor([1]), 1)
+    absent = next(i for i in range(10**6) if int(server_of(torch.tensor([i]), 2)) == 0 and i not in IDS)
+    with pytest.raises(GradientError, match=rf"worker 1: a push of dynamic table 't' has id {absent}, which is not "):
+        shard.check_push(1, torch.tensor([mine[0].item(), absent]), torch.zeros(2, DIM))
+    with pytest.raises(GradientError, match=r"row gradients of dynamic table 't' are \(1, 2\)"):
+        shard.check_push(1, mine[:1], torch.zeros(1, 2))
+    after = servers.state()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+class _NoCalls:
+    def dynamic(self, call, args):
+        raise AssertionError(f"{call} reached the servers")
+
+
+@pytest.mark.parametrize("ids,error,match", [
+    (torch.tensor([1.0, 2.0]), TypeError, r"capacity=4\): ids must be an integer tensor"),
+    (torch.tensor([1, 2], dtype=torch.uint64), TypeError, r"ids must be an integer tensor .* two's-complement"),
+])
+def test_a_served_table_refuses_bad_ids_before_any_call(ids, error, match):
+    model = nn.Sequential(gradsync.DynamicEmbedding(2, capacity=4))
+    served = ServedDynamic(model, 2, gradsync.RowSGD(lr=0.1), "sync", checkpoints=False)
+    served.take_over()
+    served.transport = _NoCalls()
+    with pytest.raises(error, match=match):
+        model(ids)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(mode="async", checkpoints=False, opt=gradsync.RowSGD(lr=0.1)), r"'0' is a gradsync.DynamicEmbedding.*"
+                                                                        r"--mode sync under ps and hybrid"),
+    (dict(mode="sync", checkpoints=True, opt=gradsync.RowSGD(lr=0.1)), r"a checkpoint does not hold yet"),
+    (dict(mode="sync", checkpoints=False, opt=None), r"table_optimizer=gradsync.RowSGD"),
+])
+def test_what_a_served_dynamic_table_refuses(kwargs, match):
+    model = nn.Sequential(gradsync.DynamicEmbedding(2, capacity=4))
+    with pytest.raises((NotImplementedError, ValueError), match=match):
+        ServedDynamic(model, 2, kwargs["opt"], kwargs["mode"], checkpoints=kwargs["checkpoints"])
+
+
+def test_status_and_get_stats_show_each_server_part_and_the_whole_table(tmp_path):
+    servers = Servers(2, gradsync.RowAdagrad(lr=0.1), capacity=5, evict="lru", admit_after=2)
+    for step in range(6):
+        sync_step(servers, step, 5)
+    parts = {s: dataclasses.asdict(shard.stats) for s, shard in servers.shards.items()}
+    whole = servers.state()
+    assert sum(p["rows"] for p in parts.values()) == len(whole["ids"]) == 5
+    assert [sum(p[k] for p in parts.values()) for k in ("admitted", "filtered", "evicted")] == \
+        whole["counters"].tolist()
+    assert sum(p["bytes"] for p in parts.values()) == 5 * DIM * 4 + 5 * 4  # rows and one Adagrad sum per row
+    message = pb.TableStats(name="t", **parts[0])  # GetStats carries them
+    assert (message.admitted, message.evicted) == (parts[0]["admitted"], parts[0]["evicted"])
+    stats = {s: {"version": 6, "workers_seen": [0, 1], "pushes_applied": 6, "pushes_rejected": 0, "steps_skipped": 0,
+                 "max_staleness": 0, "staleness_histogram": {}, "bytes_in": 0, "bytes_out": 0, "tables": {"t": p}}
+             for s, p in parts.items()}
+    for s, st in stats.items():
+        (tmp_path / f"stats-{s}.json").write_text(json.dumps(st))
+    lines = final_status_table(str(tmp_path)).splitlines()
+    total = next(line for line in lines if line.startswith("| t | all |")).split(" | ")
+    assert total[2] == "5" and total[-3:] == [str(c) for c in whole["counters"].tolist()[:2]] + \
+        [f"{whole['counters'][2].item()} |"]
