@@ -49,8 +49,9 @@ class Trainer:
             row-wise form of their group's optimizer: plain SGD), the others stay dense, said once; 'rows':
             all of them (refused for a table without a row optimizer); 'dense': none. Allreduce keeps the
             whole model in DDP.
-        table_optimizer: the row-wise optimizer of the served tables (`gradsync.RowSGD`,
-            `gradsync.RowAdagrad`).
+        table_optimizer: the row-wise optimizer of the served tables and of the model's
+            `gradsync.DynamicEmbedding` tables (`gradsync.RowSGD`, `gradsync.RowAdagrad`); required with a
+            DynamicEmbedding, which allreduce keeps as a replica per worker (`worker/replicated_tables.py`).
         optimizer_kwargs: with an optimizer class: its keyword arguments.
 
     Attributes:
@@ -71,13 +72,6 @@ class Trainer:
                 "the model has no trainable parameters (none with requires_grad=True), so there is nothing "
                 "to train: unfreeze at least one (p.requires_grad_(True)) before building the Trainer"
             )
-        dynamic = [n for n, m in model.named_modules() if isinstance(m, DynamicEmbedding)]
-        if dynamic:
-            raise NotImplementedError(
-                f"{dynamic[0]!r} is a gradsync.DynamicEmbedding, which trains as a local table in a plain process "
-                "(forward, then table.step(row_optimizer)) but not yet inside a job: gradsync.Trainer would leave "
-                "its rows untrained. In a job, use an nn.Embedding of fixed rows (served row by row under ps with "
-                "table_optimizer=gradsync.RowAdagrad(...))")
         if tables not in ("auto", "rows", "dense"):
             raise ValueError(f"tables={tables!r}: expected 'auto' (serve the tables a row optimizer applies to), "
                              "'rows' (serve every table) or 'dense'")
@@ -89,6 +83,13 @@ class Trainer:
         job = self._job = cluster.current()
         if job.config.is_server:
             raise RuntimeError("Trainer is for workers; servers serve inside gradsync.init()")
+        dynamic = [n for n, m in model.named_modules() if isinstance(m, DynamicEmbedding)]
+        if dynamic and job.config.strategy != "allreduce":
+            raise NotImplementedError(
+                f"{dynamic[0]!r} is a gradsync.DynamicEmbedding, which trains under --strategy allreduce (a replica "
+                f"per worker) and as a local table in a plain process, but not yet under --strategy "
+                f"{job.config.strategy}: gradsync.Trainer would leave its rows untrained. Use --strategy allreduce, "
+                "or an nn.Embedding of fixed rows (served row by row with table_optimizer=gradsync.RowAdagrad(...))")
         job.building_trainer()
         self._described = checkpoints.describe(model, optimizer)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -109,7 +110,7 @@ class Trainer:
             from gradsync.worker.allreduce_strategy import AllreduceStrategy
 
             self._strategy = AllreduceStrategy(job, model, optimizer, find_unused_parameters=find_unused_parameters,
-                                               clipping=clipping)
+                                               clipping=clipping, table_optimizer=table_optimizer)
         watch_clipping(say=job.config.worker_rank == 0)
         self._commit = slowed(self._strategy.step, job.config.worker_rank)  # the step, or a straggler's
         self._joining = False

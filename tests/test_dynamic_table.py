@@ -342,10 +342,3 @@ def test_bad_ids_and_init_results_are_refused_and_change_nothing():
     with pytest.raises(ValueError, match="offsets and per_sample_weights are for mode='sum'"):
         table(torch.tensor([1, 2]), torch.tensor([0]))
 
-
-def test_a_trainer_refuses_a_dynamic_table_it_cannot_train_yet_naming_it():
-    import gradsync
-
-    model = torch.nn.Sequential(gradsync.DynamicEmbedding(4, capacity=8), torch.nn.Linear(4, 1))
-    with pytest.raises(NotImplementedError, match=r"'0' is a gradsync.DynamicEmbedding.*not yet inside a job"):
-        gradsync.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
