@@ -1,13 +1,13 @@
 """Worker side of the allreduce strategy: DistributedDataParallel inside dist_autograd.
 
-A `gradsync.DynamicEmbedding` is no DDP parameter: every worker keeps a replica of its table, and `step`
-exchanges the step's lookups and row gradients after the dense step (`worker.replicated_tables`).
-
 `trainer.model` is `DDP(module)`; inside a dist_autograd context DDP's bucketed
 allreduce leaves the averaged gradients in the context, and `step(context_id)`
 applies the local optimizer to them. Floating buffers (BatchNorm statistics)
 are averaged over the workers at each step, the same rule the parameter
 servers use, so both strategies compute the same thing.
+
+A `gradsync.DynamicEmbedding` is no DDP parameter: every worker keeps a replica of its table, and `step`
+exchanges the step's lookups and row gradients after the dense step (`worker.replicated_tables`).
 
 NaN/Inf: a hook on each parameter checks this worker's own gradient before
 DDP averages it (one cheap sum, `core.finite`), and `step` checks the
