@@ -43,18 +43,33 @@ def dynamic_batch(step: int, worker: int) -> tuple[torch.Tensor, ...]:
     return users, items, tags, torch.randint(0, 2, (BATCH,), generator=g).float()
 
 
-def train_dynamic(optimizer: str, steps: int):
-    """Train Net under the job's strategy; returns the trainer's state, the user's module's state, the bytes sent
-    at each step, and the error of a forward with float ids and whether the state stayed the same."""
+def active_workers(steps: int, extra: list[int]) -> list[list[int]]:
+    """The workers that train in each step: all of them for `steps` steps, then worker w for `extra[w]` more in
+    a `trainer.join()` block."""
+    return [list(range(len(extra)))] * steps + [[w for w, n in enumerate(extra) if n > t] for t in range(max(extra))]
+
+
+def train_dynamic(optimizer: str, steps: int, extra: list[int]):
+    """Train Net under the job's strategy (`active_workers`); returns the trainer's state, the user's module's
+    state, the bytes sent at each step, and the error of a forward with float ids and whether the state stayed
+    the same."""
     model = Net(gradsync.DynamicEmbedding(DIM, capacity=1000))
     trainer = gradsync.Trainer(model, torch.optim.AdamW(model.parameters(), lr=LR),
                                table_optimizer=TABLE_OPTIMIZERS[optimizer])
     me = gradsync.worker_rank()
-    for step in range(steps):
+
+    def train(step):
         users, items, tags, clicks = dynamic_batch(step, me)
         with dist_autograd.context() as cid:
             dist_autograd.backward(cid, [F.binary_cross_entropy_with_logits(trainer.model(users, items, tags), clicks)])
             trainer.step(cid)
+        return users, items, tags
+
+    for step in range(steps):
+        users, items, tags = train(step)
+    with trainer.join():
+        for step in range(steps, steps + extra[me]):
+            train(step)
     state, sent = trainer.state_dict(), [r.bytes_sent for r in trainer.metrics.records]
     with dist_autograd.context():
         try:
@@ -67,12 +82,13 @@ def train_dynamic(optimizer: str, steps: int):
     return state, trainer.model.module.state_dict(), sent, error, unchanged
 
 
-def reference_dynamic(optimizer: str, steps: int, workers: int):
-    """Single process on the workers' batches joined: users in an nn.Embedding holding init(id) for each id in
-    order of first sight, trained by the row optimizer; the other tables local. Returns the state, the user ids
-    in that order, each step's expected bytes per worker (`replicated_tables.exchange` beside DDP's dense
-    allreduce) and the eviction tables' counters."""
-    batches = [[dynamic_batch(t, w) for w in range(workers)] for t in range(steps)]
+def reference_dynamic(optimizer: str, steps: int, extra: list[int]):
+    """Single process on the active workers' batches joined (`active_workers`): users in an nn.Embedding holding
+    init(id) for each id in order of first sight, trained by the row optimizer; the other tables local. Returns
+    the state, the user ids in that order, the expected bytes per worker of each of the first `steps` steps
+    (`replicated_tables.exchange` beside DDP's dense allreduce) and the eviction tables' counters."""
+    workers = len(extra)
+    batches = [[dynamic_batch(t, w) for w in active] for t, active in enumerate(active_workers(steps, extra))]
     users = list(dict.fromkeys(torch.cat([b[0] for step in batches for b in step]).tolist()))
     position = {i: k for k, i in enumerate(users)}
     table = nn.Embedding(len(users), DIM)
@@ -101,4 +117,4 @@ def reference_dynamic(optimizer: str, steps: int, workers: int):
         rows.step(table.weight.data, row_state, touched, table.weight.grad[touched])
         model.items.step(rows)
         model.tags.step(rows)
-    return model.state_dict(), users, sent, {"items": model.items.counters, "tags": model.tags.counters}
+    return model.state_dict(), users, sent[:steps], {"items": model.items.counters, "tags": model.tags.counters}
