@@ -49,25 +49,28 @@ def active_workers(steps: int, extra: list[int]) -> list[list[int]]:
     return [list(range(len(extra)))] * steps + [[w for w, n in enumerate(extra) if n > t] for t in range(max(extra))]
 
 
-def train_dynamic(optimizer: str, steps: int, extra: list[int]):
-    """Train Net under the job's strategy (`active_workers`); returns the trainer's state, the user's module's
-    state, the bytes sent at each step, and the error of a forward with float ids and whether the state stayed
-    the same."""
+def train_dynamic(optimizer: str, steps: int, extra: list[int], scaled: bool):
+    """Train Net under the job's strategy (`active_workers`; `scaled`: the loss of the steps before the join block
+    scaled by a GradScaler, whose power of two leaves the unscaled gradients exact); returns the trainer's state,
+    the user's module's state, the bytes sent at each step, and the error of a forward with float ids and whether
+    the state stayed the same."""
     model = Net(gradsync.DynamicEmbedding(DIM, capacity=1000))
     trainer = gradsync.Trainer(model, torch.optim.AdamW(model.parameters(), lr=LR),
                                table_optimizer=TABLE_OPTIMIZERS[optimizer])
     me = gradsync.worker_rank()
 
-    def train(step):
+    def train(step, scaler=None):
         users, items, tags, clicks = dynamic_batch(step, me)
         with dist_autograd.context() as cid:
-            dist_autograd.backward(cid, [F.binary_cross_entropy_with_logits(trainer.model(users, items, tags), clicks)])
-            trainer.step(cid)
+            loss = F.binary_cross_entropy_with_logits(trainer.model(users, items, tags), clicks)
+            dist_autograd.backward(cid, [loss if scaler is None else scaler.scale(loss)])
+            trainer.step(cid, scaler=scaler)
         return users, items, tags
 
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if scaled else None
     for step in range(steps):
-        users, items, tags = train(step)
-    with trainer.join():
+        users, items, tags = train(step, scaler)
+    with trainer.join():  # no scaler: a worker that has joined steps unscaled
         for step in range(steps, steps + extra[me]):
             train(step)
     state, sent = trainer.state_dict(), [r.bytes_sent for r in trainer.metrics.records]

@@ -108,11 +108,12 @@ def test_a_trainer_refuses_a_dynamic_table_under_the_strategies_without_it_yet()
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("optimizer, extra", [("adagrad", [2, 0]), ("sgd", [1, 2, 0, 2])])
-def test_allreduce_replicas_match_single_process_training(launch, optimizer, extra):
-    """6 steps of every worker, then each worker's `extra` steps in a join block (the mean over the active ones)."""
+@pytest.mark.parametrize("optimizer, extra, scaled", [("adagrad", [2, 0], False), ("sgd", [1, 2, 0, 2], True)])
+def test_allreduce_replicas_match_single_process_training(launch, optimizer, extra, scaled):
+    """6 steps of every worker, then each worker's `extra` steps in a join block (the mean over the active ones);
+    `scaled`: under a GradScaler (a power of two, so unscaled rows are exact)."""
     steps = 6
-    results = launch(train_dynamic, strategy="allreduce", workers=len(extra), args=(optimizer, steps, extra),
+    results = launch(train_dynamic, strategy="allreduce", workers=len(extra), args=(optimizer, steps, extra, scaled),
                      step_timeout=60)
     reference, users, bytes_per_step, counters = reference_dynamic(optimizer, steps, extra)
     state, own, sent, error, unchanged = results[0]
