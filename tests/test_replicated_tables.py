@@ -11,6 +11,7 @@ import torch
 
 import gradsync
 from dynamic_jobs import reference_dynamic, train_dynamic
+from gradsync.core.errors import GradientError
 from gradsync.runtime import cluster
 from gradsync.tables.dynamic_table import DynamicTable
 from gradsync.tables.row_init import HashedUniform
@@ -83,6 +84,25 @@ def test_replicas_fed_every_workers_lookups_and_gradients_equal_one_table_on_the
                     assert torch.equal(state[key], expected[key]), (seed, key)
                 torch.testing.assert_close(state["weight"], expected["weight"], rtol=0, atol=1e-6)
                 assert torch.equal(state["weight"], layers[0].state_dict()["weight"])  # replicas bit for bit
+
+
+@pytest.mark.parametrize("nonfinite", ["raise", "skip"])
+def test_a_nan_in_one_workers_row_gradients_is_refused_naming_it_or_skipped_on_every_replica(nonfinite):
+    layers = [gradsync.DynamicEmbedding(2, capacity=8) for _ in range(2)]
+    replicas = [ReplicatedTables(torch.nn.ModuleDict({"users": layer}), gradsync.RowSGD(lr=1.0), w, 2, nonfinite)
+                for w, layer in enumerate(layers)]
+    for layer, ids, scale in zip(layers, ([3, 4], [4, 5]), (1.0, float("nan"))):
+        (layer(torch.tensor(ids)).sum() * scale).backward()
+    parts = [replica.lookups(lambda rows: rows.grad) for replica in replicas]
+    for replica, layer in zip(replicas, layers):
+        if nonfinite == "raise":
+            with pytest.raises(GradientError, match=r"'users.weight' from worker 1.*nonfinite='skip'"):
+                replica.apply([[part[0] for part in parts]], 2, 1.0, True)
+            continue
+        replica.apply([[part[0] for part in parts]], 2, 1.0, True)
+        state = layer.state_dict()  # the step's lookups counted, its rows as created
+        assert state["ids"].tolist() == [3, 4, 5] and state["lookups"].tolist() == [1, 2, 1]
+        assert torch.equal(state["weight"], HashedUniform(2)(torch.tensor([3, 4, 5]))) and state["step"] == 1
 
 
 def test_a_dynamic_table_without_a_row_optimizer_is_refused_naming_it():

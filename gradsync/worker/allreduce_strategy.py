@@ -169,7 +169,8 @@ class AllreduceStrategy(Strategy):
     def __init__(self, cluster: Cluster, module: nn.Module, optimizer: torch.optim.Optimizer, *,
                  find_unused_parameters: bool = False, clipping: Clipping = Clipping(), table_optimizer=None):
         config = cluster.config
-        self.replicas = ReplicatedTables(module, table_optimizer, config.worker_rank, config.num_workers)
+        self.replicas = ReplicatedTables(module, table_optimizer, config.worker_rank, config.num_workers,
+                                         config.nonfinite)
         self.cluster = cluster
         self.config = config
         self.worker = config.worker_rank

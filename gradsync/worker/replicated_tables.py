@@ -12,7 +12,8 @@ Every replica then, in the same order and on the same tensors:
      last steps, lookup counts, admitted rows);
   2. sums each id's gradients over the workers (in worker order: the same float sums on every replica), divides
      by the active workers as DDP averages, unscales under a GradScaler and applies the row optimizer (none when
-     the dense step was skipped);
+     the dense step was skipped; a NaN/Inf in a table's row gradients raises, or with nonfinite='skip' leaves
+     that table's rows as they are for the step, after the dense step, as the hybrid strategy's servers do);
   3. ends the step (`DynamicTable.end_step`: eviction).
 
 Cost: the whole table in every worker's memory; per step each worker sends its part (8 bytes per distinct id and
@@ -26,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gradsync.core.errors import nonfinite_error
+from gradsync.core.finite import first_nonfinite
 from gradsync.tables.dynamic_embedding import DynamicEmbedding
 from gradsync.tables.row_optim import ROW_OPTIMIZERS
 
@@ -43,7 +46,7 @@ class Lookups(NamedTuple):
 class ReplicatedTables:
     """The model's dynamic tables, replicated on every worker. Every worker must call `step` at every step."""
 
-    def __init__(self, module: nn.Module, table_optimizer, worker: int, workers: int):
+    def __init__(self, module: nn.Module, table_optimizer, worker: int, workers: int, nonfinite: str = "raise"):
         self.layers = {name: m for name, m in module.named_modules() if isinstance(m, DynamicEmbedding)}
         if self.layers and not isinstance(table_optimizer, ROW_OPTIMIZERS):
             name = next(iter(self.layers))
@@ -52,7 +55,7 @@ class ReplicatedTables:
                              "gradsync.RowSGD(lr=...)) or gradsync.RowAdagrad(lr=...)")
         for name, layer in self.layers.items():
             layer.table.name = f"{name!r} ({layer.table.name})"
-        self.optimizer, self.worker, self.workers = table_optimizer, worker, workers
+        self.optimizer, self.worker, self.workers, self.nonfinite = table_optimizer, worker, workers, nonfinite
 
     def step(self, grads: dict[torch.Tensor, torch.Tensor], active: int, unscale: float, update: bool) -> int:
         """Exchange this step's lookups and row gradients (`grads`: the context's, by leaf tensor), then `apply`.
@@ -74,8 +77,10 @@ class ReplicatedTables:
 
     def apply(self, every: list[list[Lookups]], active: int, unscale: float, update: bool) -> None:
         """Steps 1-3 of the module docstring on every table, from each table's parts of every worker (in worker
-        order): the mean gradient over the `active` workers times `unscale` is applied if `update`."""
-        for layer, parts in zip(self.layers.values(), every):
+        order): the mean gradient over the `active` workers times `unscale` is applied if `update` and it is
+        finite (a NaN/Inf raises, naming the first worker that sent one, or with nonfinite='skip' leaves the
+        table's rows as they are for this step)."""
+        for (name, layer), parts in zip(self.layers.items(), every):
             table, step = layer.table, layer.table.step
             others = [p for w, p in enumerate(parts) if w != self.worker]
             if others:
@@ -83,7 +88,10 @@ class ReplicatedTables:
                 occurrences = torch.zeros_like(ids).index_add_(0, inverse, torch.cat([p.occurrences for p in others]))
                 table.count_lookups(ids, occurrences, step)
             grad_ids, inverse = torch.unique(torch.cat([p.grad_ids for p in parts]), return_inverse=True)
-            if update and grad_ids.numel():
+            blamed = [w for w, p in enumerate(parts) if first_nonfinite([p.grads]) is not None]
+            if blamed and self.nonfinite == "raise":
+                raise nonfinite_error(f"{name}.weight", blamed[0])
+            if update and grad_ids.numel() and not blamed:
                 grads = torch.cat([p.grads for p in parts])
                 summed = grads.new_zeros((grad_ids.numel(), table.dim)).index_add_(0, inverse, grads)
                 table.apply(self.optimizer, table.find(grad_ids), summed.mul_(unscale / active))
