@@ -49,8 +49,10 @@ class Trainer:
             optimizer applies to (`table_optimizer`, or the exact row-wise form of their group's optimizer:
             plain SGD), the others stay dense, said once; 'rows': all of them (refused for a table without a
             row optimizer); 'dense': none. Allreduce keeps the whole model in DDP.
-        table_optimizer: the row-wise optimizer of the served tables (`gradsync.RowSGD`,
-            `gradsync.RowAdagrad`).
+        table_optimizer: the row-wise optimizer of the served tables and of the model's
+            `gradsync.DynamicEmbedding` tables (`gradsync.RowSGD`, `gradsync.RowAdagrad`); required with a
+            DynamicEmbedding, whose rows ps and hybrid keep on the servers and allreduce as a replica per
+            worker (`worker/replicated_tables.py`).
         optimizer_kwargs: with an optimizer class: its keyword arguments.
 
     Attributes:
@@ -80,15 +82,16 @@ class Trainer:
         clipping = Clipping(max_grad_norm, grad_norm_type, error_if_nonfinite)
         optimizer = as_optimizer(model, optimizer if optimizer is not None else optimizer_cls, optimizer_kwargs)
         job = self._job = cluster.current()
-        dynamic = [n for n, m in model.named_modules() if isinstance(m, DynamicEmbedding)]
-        if dynamic and job.config.strategy not in ("ps", "hybrid"):
-            raise NotImplementedError(
-                f"{dynamic[0]!r} is a gradsync.DynamicEmbedding, which trains as a local table in a plain process "
-                f"(forward, then table.step(row_optimizer)) and under --strategy ps or hybrid (its rows on the "
-                f"servers), but not yet under --strategy {job.config.strategy}: gradsync.Trainer would leave its "
-                "rows untrained. Run with --strategy ps or hybrid, or use an nn.Embedding of fixed rows")
         if job.config.is_server:
             raise RuntimeError("Trainer is for workers; servers serve inside gradsync.init()")
+        dynamic = [n for n, m in model.named_modules() if isinstance(m, DynamicEmbedding)]
+        if dynamic and job.config.strategy not in ("ps", "hybrid", "allreduce"):
+            raise NotImplementedError(
+                f"{dynamic[0]!r} is a gradsync.DynamicEmbedding, which trains as a local table in a plain process "
+                f"(forward, then table.step(row_optimizer)), under --strategy ps or hybrid (its rows on the "
+                f"servers) and allreduce (a replica per worker), but not yet under --strategy "
+                f"{job.config.strategy}: gradsync.Trainer would leave its rows untrained. Use one of those, or an "
+                "nn.Embedding of fixed rows")
         job.building_trainer()
         self._described = checkpoints.describe(model, optimizer)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -114,7 +117,7 @@ class Trainer:
             from gradsync.worker.allreduce_strategy import AllreduceStrategy
 
             self._strategy = AllreduceStrategy(job, model, optimizer, find_unused_parameters=find_unused_parameters,
-                                               clipping=clipping)
+                                               clipping=clipping, table_optimizer=table_optimizer)
         watch_clipping(say=job.config.worker_rank == 0)
         self._commit = slowed(self._strategy.step, job.config.worker_rank)  # the step, or a straggler's
         self._joining = False

@@ -13,7 +13,7 @@ Any other forward (eval mode, `torch.no_grad()`) only reads: resident ids' rows,
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,16 @@ MODES = (None, "sum", "mean")
 _STATE_KEYS = ("ids", "weight", "last_step", "lookups", "waiting_ids", "waiting_sightings", "waiting_last_step",
                "step", "counters")
 _REQUIRED_KEYS = ("ids", "weight")
+
+
+class Recorded(NamedTuple):
+    """A step's recording forwards of one table: the distinct `ids` looked up (ascending) and the `occurrences`
+    of each; the distinct resident `slots` looked up and their `grads` (an id's occurrences summed)."""
+
+    ids: torch.Tensor
+    occurrences: torch.Tensor
+    slots: torch.Tensor
+    grads: torch.Tensor
 
 
 class DynamicEmbedding(nn.Module):
@@ -55,8 +65,8 @@ class DynamicEmbedding(nn.Module):
         self.table = DynamicTable(dim, capacity=capacity, init=init or HashedUniform(dim, seed, dtype),
                                   admit_after=admit_after, admit_probability=admit_probability, evict=evict,
                                   ttl_steps=ttl_steps, dtype=dtype, seed=seed, name=name)
-        self._recorded: list[tuple[torch.Tensor, torch.Tensor]] = []
-        """(slots, leaf rows) of each recording forward since the last step."""
+        self._recorded: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        """(ids, distinct slots, their leaf rows) of each recording forward since the last step."""
         self.served = None
         """Inside a ps or hybrid job (`worker.served_dynamic`): a function answering the resident rows and the
         counters summed over the servers, which hold the rows; None: the rows are here."""
@@ -89,7 +99,7 @@ class DynamicEmbedding(nn.Module):
         rows[unique < 0] = 0
         if recording:
             rows.requires_grad_()
-            self._recorded.append((unique, rows))
+            self._recorded.append((ids, unique, rows))
         return self.embed(index, rows, offsets, per_sample_weights)
 
     def embed(self, index: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor | None,
@@ -102,15 +112,27 @@ class DynamicEmbedding(nn.Module):
     def step(self, optimizer) -> None:
         """Apply the row optimizer `optimizer` to the rows looked up since the last step with their gradients,
         then end the step (eviction). Pass the same optimizer every step."""
-        if self._recorded:
-            slots = torch.cat([s for s, _ in self._recorded])
-            grads = torch.cat([r.grad if r.grad is not None else torch.zeros_like(r) for _, r in self._recorded])
-            resident = slots >= 0
-            unique, inverse = torch.unique(slots[resident], return_inverse=True)
-            summed = grads.new_zeros((unique.numel(), self.table.dim)).index_add_(0, inverse, grads[resident])
-            self.table.apply(optimizer, unique, summed)
-        self._recorded.clear()
+        recorded = self.take_recorded()
+        if recorded.slots.numel():
+            self.table.apply(optimizer, recorded.slots, recorded.grads)
         self.table.end_step(self.table.step)
+
+    def take_recorded(self, grad_of: Callable[[torch.Tensor], torch.Tensor | None] = lambda rows: rows.grad
+                      ) -> Recorded:
+        """What the recording forwards since the last step looked up, and their gradients (`grad_of(rows)` of
+        each forward's leaf rows: `.grad`, or a dist_autograd context's); the record starts afresh."""
+        recorded, self._recorded = self._recorded, []
+        if not recorded:
+            none = torch.zeros(0, dtype=torch.int64)
+            return Recorded(none, none, none, torch.zeros(0, self.table.dim, dtype=self.table.dtype))
+        ids, slots, rows = zip(*recorded)
+        distinct, occurrences = torch.unique(torch.cat([i.reshape(-1) for i in ids]), return_counts=True)
+        slots = torch.cat(slots)
+        grads = torch.cat([g if (g := grad_of(r)) is not None else torch.zeros_like(r) for r in rows])
+        resident = slots >= 0
+        unique, inverse = torch.unique(slots[resident], return_inverse=True)
+        summed = grads.new_zeros((unique.numel(), self.table.dim)).index_add_(0, inverse, grads[resident])
+        return Recorded(distinct, occurrences, unique, summed)
 
     def checked_ids(self, ids, offsets=None, per_sample_weights=None) -> torch.Tensor:
         """`ids` as int64, refused (naming the table) unless an integer tensor, with offsets only for a bag."""

@@ -2,7 +2,8 @@
 them after each step), with the admission, creation and eviction rules. Pure tensors in and out, no job: a
 server holds one for its shard of the ids, a process training alone holds the whole table.
 
-A step is `lookup(ids, step)` (any number of times), `apply(optimizer, slots, grads)`, then `end_step(step)`.
+A step is `lookup(ids, step)` or `count_lookups(distinct ids, occurrences, step)` (any number of times),
+`apply(optimizer, slots, grads)`, then `end_step(step)`.
 
 Lookup, for each distinct id of the step's lookups (a sighting is a step in which the id is looked up, once or
 many times, by any worker: so the decision at step t depends only on earlier steps and whether the id is looked
@@ -87,15 +88,20 @@ class DynamicTable:
         admitted ids' rows; -1 where not admitted. With `counts`, `ids` are distinct and id i stands for
         counts[i] lookups (a worker's batch, told to the server that holds its ids). An `init` result of the
         wrong shape or dtype changes nothing."""
+        if counts is not None:
+            return self.count_lookups(ids, counts, step)
+        unique, inverse, counts = torch.unique(ids.reshape(-1), return_inverse=True, return_counts=True)
+        return self.count_lookups(unique, counts, step)[inverse].reshape(ids.shape)
+
+    def count_lookups(self, ids: torch.Tensor, occurrences: torch.Tensor, step: int) -> torch.Tensor:
+        """`lookup` of distinct `ids`, each looked up `occurrences` times at step `step`: their slots, -1 where
+        not admitted. Lookups of one step may come in any number of calls (a replica adds the other workers'
+        lookups to its own), and the table ends the step as after one `lookup` of them all."""
         self._check_step(step, "lookup")
-        if counts is None:
-            unique, inverse, counts = torch.unique(ids.reshape(-1), return_inverse=True, return_counts=True)
-        else:
-            unique, inverse = ids, torch.arange(ids.numel())
-        slots = self.find(unique)
+        slots = self.find(ids)
         missing = (slots < 0).nonzero().squeeze(1)
         if missing.numel():
-            new_ids = unique[missing]
+            new_ids = ids[missing]
             admitted, waiting_slots, sightings = self._admission(new_ids, step)
             created = new_ids[admitted]
             rows = checked_init(self.init, created, self.dim, self.dtype, self.name) if created.numel() else None
@@ -106,9 +112,13 @@ class DynamicTable:
         present = slots >= 0
         seen = slots[present]
         self.rows.columns["last_step"][seen] = step
-        self.rows.columns["lookups"][seen] += counts[present]
-        self.counters["filtered"] += int(counts[~present].sum())
-        return slots[inverse].reshape(ids.shape)
+        self.rows.columns["lookups"][seen] += occurrences[present]
+        self.counters["filtered"] += int(occurrences[~present].sum())
+        return slots
+
+    def ids_at(self, slots: torch.Tensor) -> torch.Tensor:
+        """The ids resident in `slots`."""
+        return self.rows.columns["id"][slots]
 
     def apply(self, optimizer, slots: torch.Tensor, grads: torch.Tensor) -> None:
         """Update the distinct resident `slots` with their `grads` [len(slots), dim] by the row optimizer

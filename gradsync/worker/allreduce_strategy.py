@@ -6,6 +6,9 @@ applies the local optimizer to them. Floating buffers (BatchNorm statistics)
 are averaged over the workers at each step, the same rule the parameter
 servers use, so both strategies compute the same thing.
 
+A `gradsync.DynamicEmbedding` is no DDP parameter: every worker keeps a replica of its table, and `step`
+exchanges the step's lookups and row gradients after the dense step (`worker.replicated_tables`).
+
 NaN/Inf: a hook on each parameter checks this worker's own gradient before
 DDP averages it (one cheap sum, `core.finite`), and `step` checks the
 averaged gradients the same way; every worker sees the same averages, so all
@@ -63,6 +66,7 @@ from gradsync.worker.comm_timing import LastGradient, timed_hook
 from gradsync.worker.ddp_hooks import make_ddp_hook
 from gradsync.metrics.step_metrics import StepMetrics
 from gradsync.worker.model_state import named_tensors, to_state_dict
+from gradsync.worker.replicated_tables import ReplicatedTables
 from gradsync.worker.strategy import Strategy
 from gradsync.worker.served_tables import WORTH_SERVING_SHARE
 from gradsync.worker.user_optimizer import StepGuard
@@ -163,8 +167,14 @@ class AllreduceStrategy(Strategy):
     """DDP + local optimizer. Every worker must construct it (a collective)."""
 
     def __init__(self, cluster: Cluster, module: nn.Module, optimizer: torch.optim.Optimizer, *,
-                 find_unused_parameters: bool = False, clipping: Clipping = Clipping()):
+                 find_unused_parameters: bool = False, clipping: Clipping = Clipping(), table_optimizer=None,
+                 replicate_dynamic: bool = True):
+        """`replicate_dynamic`: keep a replica of every DynamicEmbedding (allreduce); False under hybrid and
+        sharded, whose dense part this is and which hold those rows elsewhere."""
         config = cluster.config
+        self.replicas = ReplicatedTables(module if replicate_dynamic else nn.Module(), table_optimizer,
+                                         config.worker_rank, config.num_workers,
+                                         config.nonfinite)
         self.cluster = cluster
         self.config = config
         self.worker = config.worker_rank
@@ -282,9 +292,11 @@ class AllreduceStrategy(Strategy):
         if not grads:
             raise no_gradients_error(context_id)
         self._last_context = context_id
+        unscale = inverse_scale(scaler)  # the scale the backward ran at: the step updates it
         applied = self._apply([grads.get(p) for p in self.trainable], joined=False, scaler=scaler)
+        replicas_bytes = self.replicas.step(grads, self.active, unscale, applied)
         # the wait for DDP's last buckets after the last gradient is communication: commit, not compute
-        wire, self.rows_bytes = self.dense_bytes + self.rows_bytes, 0
+        wire, self.rows_bytes = self.dense_bytes + self.rows_bytes + replicas_bytes, 0
         self.metrics.committed(start - self.last_gradient.wait_before(start), wire, wire)
         return applied
 
@@ -405,7 +417,8 @@ class AllreduceStrategy(Strategy):
                 self.started += 1  # a step this worker takes part in: it counts, as the others' do
                 self.cluster.steps += 1
                 grads = ddp_join.shadow_buckets(self.ddp)
-                self._apply([grads.get(p) for p in self.trainable], joined=True)
+                applied = self._apply([grads.get(p) for p in self.trainable], joined=True)
+                self.replicas.step({}, self.active, 1.0, applied)
         finally:
             self._shadowing = False
         if self.counters:
@@ -424,4 +437,4 @@ class AllreduceStrategy(Strategy):
     def state_dict(self) -> dict[str, torch.Tensor]:
         params, buffers = named_tensors(self.module)
         values = {n: t.detach().clone() for n, t in {**params, **buffers}.items()}
-        return to_state_dict(self.module, values)
+        return to_state_dict(self.module, {**values, **self.replicas.state()})

@@ -76,7 +76,7 @@ class HybridStrategy(Strategy):
         for group in optimizer.param_groups:  # the servers train the tables: the local optimizer keeps the rest
             group["params"] = [p for p in group["params"] if id(p) not in served]
         self.dense = AllreduceStrategy(cluster, module, optimizer, find_unused_parameters=find_unused_parameters,
-                                       clipping=clipping)
+                                       clipping=clipping, replicate_dynamic=False)
         self.model = self.dense.model
         self.optimizer = optimizer
         self._sent = [group_options(g) for g in optimizer.param_groups]  # the options the servers hold

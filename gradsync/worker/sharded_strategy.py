@@ -60,7 +60,7 @@ class ShardedStrategy(Strategy):
         for group in optimizer.param_groups:  # the owners train the tables: the local optimizer keeps the rest
             group["params"] = [p for p in group["params"] if id(p) not in split]
         self.dense = AllreduceStrategy(cluster, module, optimizer, find_unused_parameters=find_unused_parameters,
-                                       clipping=clipping)
+                                       clipping=clipping, replicate_dynamic=False)
         self.tables.take_rows(values)  # once every worker has built its Trainer (DDP's wait)
         self.model = self.dense.model
         self.optimizer = optimizer

@@ -1,0 +1,141 @@
+"""Dynamic embedding tables under allreduce: every worker holds a full replica of each `gradsync.DynamicEmbedding`
+of the model (its rows are no DDP parameters), kept identical by exchanging each step's lookups and row gradients.
+
+A worker's forward looks its own ids up in its replica (`DynamicTable.lookup`), so it reads the rows as they are
+at the start of the step, an admitted id's new row being `init(id)` on every worker alike. At `trainer.step`,
+after the dense step, the workers all-gather each table's distinct looked-up ids with their occurrences and the
+summed gradients of the resident rows (gloo collectives on the workers' process group, bounded by the step
+timeout: the sizes, then the ids, then the gradients of each dtype, each padded to the largest worker's part).
+Every replica then, in the same order and on the same tensors:
+  1. counts the other workers' lookups (`DynamicTable.count_lookups`): a sighting is a step in which any worker
+     looks an id up, so the replica ends the lookups as one table looking up the joint batch would (sightings,
+     last steps, lookup counts, admitted rows);
+  2. sums each id's gradients over the workers (in worker order: the same float sums on every replica), divides
+     by the active workers as DDP averages, unscales under a GradScaler and applies the row optimizer (none when
+     the dense step was skipped; a NaN/Inf in a table's row gradients raises, or with nonfinite='skip' leaves
+     that table's rows as they are for the step, after the dense step, as the hybrid strategy's servers do);
+  3. ends the step (`DynamicTable.end_step`: eviction).
+
+Cost: the whole table in every worker's memory; per step each worker sends its part (8 bytes per distinct id and
+per occurrence count, 8 + 4 dim bytes per fp32 row gradient, padded to the largest worker's) to the W-1 others.
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gradsync.core.errors import nonfinite_error
+from gradsync.core.finite import first_nonfinite
+from gradsync.tables.dynamic_embedding import DynamicEmbedding
+from gradsync.tables.row_optim import ROW_OPTIMIZERS
+
+
+class Lookups(NamedTuple):
+    """One worker's step of one table: distinct ids looked up with their occurrences, and the ids of its
+    resident rows with their summed gradients."""
+
+    ids: torch.Tensor
+    occurrences: torch.Tensor
+    grad_ids: torch.Tensor
+    grads: torch.Tensor
+
+
+class ReplicatedTables:
+    """The model's dynamic tables, replicated on every worker. Every worker must call `step` at every step."""
+
+    def __init__(self, module: nn.Module, table_optimizer, worker: int, workers: int, nonfinite: str = "raise"):
+        self.layers = {name: m for name, m in module.named_modules() if isinstance(m, DynamicEmbedding)}
+        if self.layers and not isinstance(table_optimizer, ROW_OPTIMIZERS):
+            name = next(iter(self.layers))
+            raise ValueError(f"{name!r} is a gradsync.DynamicEmbedding, whose rows a row optimizer trains, and "
+                             f"table_optimizer={table_optimizer!r}: pass gradsync.Trainer(..., table_optimizer="
+                             "gradsync.RowSGD(lr=...)) or gradsync.RowAdagrad(lr=...)")
+        for name, layer in self.layers.items():
+            layer.table.name = f"{name!r} ({layer.table.name})"
+        self.optimizer, self.worker, self.workers, self.nonfinite = table_optimizer, worker, workers, nonfinite
+
+    def step(self, grads: dict[torch.Tensor, torch.Tensor], active: int, unscale: float, update: bool) -> int:
+        """Exchange this step's lookups and row gradients (`grads`: the context's, by leaf tensor), then `apply`.
+        Returns the bytes this worker sent."""
+        if not self.layers:
+            return 0
+        every, sent = exchange(self.lookups(grads.get), self.workers)
+        self.apply(every, active, unscale, update)
+        return sent
+
+    def lookups(self, grad_of: Callable[[torch.Tensor], torch.Tensor | None]) -> list[Lookups]:
+        """This worker's part of the step, per table (the gradient of a forward's rows is `grad_of(rows)`)."""
+        mine = []
+        for layer in self.layers.values():
+            recorded = layer.take_recorded(grad_of)
+            mine.append(Lookups(recorded.ids, recorded.occurrences, layer.table.ids_at(recorded.slots),
+                                recorded.grads))
+        return mine
+
+    def apply(self, every: list[list[Lookups]], active: int, unscale: float, update: bool) -> None:
+        """Steps 1-3 of the module docstring on every table, from each table's parts of every worker (in worker
+        order): the mean gradient over the `active` workers times `unscale` is applied if `update` and it is
+        finite (a NaN/Inf raises, naming the first worker that sent one, or with nonfinite='skip' leaves the
+        table's rows as they are for this step)."""
+        for (name, layer), parts in zip(self.layers.items(), every):
+            table, step = layer.table, layer.table.step
+            others = [p for w, p in enumerate(parts) if w != self.worker]
+            if others:
+                ids, inverse = torch.unique(torch.cat([p.ids for p in others]), return_inverse=True)
+                occurrences = torch.zeros_like(ids).index_add_(0, inverse, torch.cat([p.occurrences for p in others]))
+                table.count_lookups(ids, occurrences, step)
+            grad_ids, inverse = torch.unique(torch.cat([p.grad_ids for p in parts]), return_inverse=True)
+            blamed = [w for w, p in enumerate(parts) if first_nonfinite([p.grads]) is not None]
+            if blamed and self.nonfinite == "raise":
+                raise nonfinite_error(f"{name}.weight", blamed[0])
+            if update and grad_ids.numel() and not blamed:
+                grads = torch.cat([p.grads for p in parts])
+                summed = grads.new_zeros((grad_ids.numel(), table.dim)).index_add_(0, inverse, grads)
+                table.apply(self.optimizer, table.find(grad_ids), summed.mul_(unscale / active))
+            table.end_step(step)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Every table's state, keyed as in the user's `model.state_dict()` (`<name>.ids`, `<name>.weight`, ...)."""
+        state = {}
+        for name, layer in self.layers.items():
+            state.update(layer.state_dict(prefix=f"{name}." if name else ""))
+        return state
+
+
+def exchange(mine: list[Lookups], workers: int) -> tuple[list[list[Lookups]], int]:
+    """All-gather this worker's `Lookups` of each table: each table's parts of every worker, in worker order, and
+    the bytes this worker sent (to each of the W-1 others). Every worker must reach it, with the same tables."""
+    counts = torch.tensor([[p.ids.numel(), p.grad_ids.numel()] for p in mine])
+    every_count = [c.reshape(-1, 2) for c in gather(counts.reshape(-1), [counts.numel()] * workers)]
+    lengths = [int((2 * c[:, 0] + c[:, 1]).sum()) for c in every_count]
+    ints = gather(torch.cat([torch.cat([p.ids, p.occurrences, p.grad_ids]) for p in mine]), lengths)
+    padded_bytes = 8 * (counts.numel() + max(lengths))  # what this worker sends each other worker
+    floats = {}
+    for dtype in dict.fromkeys(p.grads.dtype for p in mine):
+        tables = [t for t, p in enumerate(mine) if p.grads.dtype == dtype]
+        lengths = [sum(int(c[t, 1]) * mine[t].grads.shape[1] for t in tables) for c in every_count]
+        floats[dtype] = gather(torch.cat([mine[t].grads.reshape(-1) for t in tables]), lengths)
+        padded_bytes += max(lengths) * dtype.itemsize
+    every: list[list[Lookups]] = [[] for _ in mine]
+    for worker, c in enumerate(every_count):
+        at, float_at = 0, dict.fromkeys(floats, 0)
+        for table, (n, k) in enumerate(c.tolist()):
+            flat, dtype, dim = ints[worker], mine[table].grads.dtype, mine[table].grads.shape[1]
+            grads = floats[dtype][worker][float_at[dtype]: float_at[dtype] + k * dim].reshape(k, dim)
+            float_at[dtype] += k * dim
+            every[table].append(Lookups(flat[at: at + n], flat[at + n: at + 2 * n], flat[at + 2 * n: at + 2 * n + k],
+                                        grads))
+            at += 2 * n + k
+    return every, (workers - 1) * padded_bytes
+
+
+def gather(flat: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
+    """Every worker's 1-D `flat`, whose length is `lengths[worker]`, in worker order (one all-gather, each part
+    padded to the longest). Every worker must reach it."""
+    padded = torch.cat([flat, flat.new_zeros(max(lengths) - flat.numel())])
+    parts = [torch.empty_like(padded) for _ in lengths]
+    dist.all_gather(parts, padded)
+    return [part[:n] for part, n in zip(parts, lengths)]
