@@ -33,7 +33,7 @@ __all__ = ["TESTED_TORCH", "TorchChanged", "tree_flatten", "tree_unflatten", "st
            "RPC_JOIN_TOKEN", "rpc_join_token", "RPC_JOIN_DONE", "ddp_shadow_round", "ddp_push_rebuilt_params",
            "forkserver_pid", "short_fork_server_folder", "fork_fork_server", "forget_fork_server", "cpp_log_level",
            "take_over_step", "before_clip_grad_norm", "importing_main_for_a_child",
-           "quiet_resource_tracker"]
+           "quiet_resource_tracker", "sparse_parts"]
 
 
 class TorchChanged(RuntimeError):
@@ -99,6 +99,13 @@ def current_context_id() -> int | None:
         return dist_autograd._current_context()._context_id()
     except RuntimeError:
         return None
+
+
+@_uses("torch:Tensor._values", "torch:Tensor._indices")
+def sparse_parts(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sparse COO tensor's rows and indices as they are stored: the public `values()`/`indices()` refuse an
+    uncoalesced tensor (an embedding's sparse gradient is one), and coalescing would copy it."""
+    return grad._values(), grad._indices()
 
 
 @_uses("torch.distributed.rpc:_set_rpc_timeout")
