@@ -38,6 +38,13 @@ from gradsync.ps.server import ParameterServer
 from gradsync.transport import rpc_group
 from gradsync.transport.base import RankTransport, WorkerTransport, link_rate
 
+_RPC_THREADS = 16
+"""Each rank's pool of RPC threads at least: torch's default."""
+_RPC_THREADS_PER_RANK = 4
+"""And 4 per rank of the job: a server decodes and applies the pieces of every worker on them, each worker
+keeping a window of pieces in flight, so the pool grows with the job rather than queue its pieces behind
+one another."""
+
 
 def start_rpc(config: JobConfig, store: dist.Store) -> None:
     """Join the job's RPC world through the rendezvous store (a dynamic group in elastic jobs: `rpc_group`).
@@ -53,7 +60,8 @@ def start_rpc(config: JobConfig, store: dist.Store) -> None:
     channels = {"_channels": ["basic"]} if settings.LINK.read() else {}
     options = rpc.TensorPipeRpcBackendOptions(
         init_method="gradsync://", rpc_timeout=config.startup_timeout,
-        num_worker_threads=max(16, 4 * config.world_size), _transports=["uv"], **channels,
+        num_worker_threads=max(_RPC_THREADS, _RPC_THREADS_PER_RANK * config.world_size), _transports=["uv"],
+        **channels,
     )
     if config.elastic:
         rpc_group.join(config, store, lambda: rpc.init_rpc(config.name, rank=config.rank, rpc_backend_options=options))
