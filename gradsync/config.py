@@ -3,9 +3,10 @@
 Each concern is a kw-only dataclass (`Placement`, `Training`, `Timeouts`, `Checkpointing`) whose fields are
 the settings of that concern in the settings table (`gradsync.core.settings`, where each says what it means),
 in its order, with its types and defaults (`tests/test_settings.py` checks that they agree); `JobConfig` is
-the four together, with flat attributes. A setting comes from an argument of `gradsync.init`/`launch`, from the environment a
-launcher sets (`GRADSYNC_*`, torchrun's `RANK`/`WORLD_SIZE`/...), or its default; `JobConfig.from_env`
-merges them and `__post_init__` rejects bad values with a message that names the value and the fix.
+the four together, with flat attributes. A setting comes from an argument of `gradsync.init`/`launch`, from
+the environment a launcher sets (`GRADSYNC_*`, torchrun's `RANK`/`WORLD_SIZE`/...), or its default;
+`JobConfig.from_env` merges them and `__post_init__` rejects bad values with a message that names the value
+and the fix.
 """
 from __future__ import annotations
 
