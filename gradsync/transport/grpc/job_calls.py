@@ -28,7 +28,7 @@ from gradsync.config import JobConfig
 from gradsync.core.job_names import StoreKeys
 from gradsync.core import settings
 from gradsync.core.buckets import Bucket, ModelSpec
-from gradsync.metrics.timeline import HEAD, PieceEvents
+from gradsync.metrics.timeline import HEAD, PieceEvents, Timeline
 from gradsync.core.torch_internals import start_dist_autograd
 from gradsync.core.transport_capabilities import capabilities
 from gradsync.proto import gradsync_pb2 as pb
@@ -118,8 +118,9 @@ class GrpcTransport(WorkerTransport):
 
     capabilities = capabilities("grpc")
 
-    def __init__(self, config: JobConfig, store: dist.Store, server_buckets: dict[int, list[Bucket]]):
-        super().__init__(config, store, server_buckets)
+    def __init__(self, config: JobConfig, store: dist.Store, server_buckets: dict[int, list[Bucket]],
+                 timeline: Timeline | None = None):
+        super().__init__(config, store, server_buckets, timeline)
         self.frozen: dict[int, dict[str, torch.Tensor]] = {}
         self.client = _client(config, store)
         snapshot = tensor_codec.message_parser(pb.PullResponse)  # chunks as views of the received bytes
