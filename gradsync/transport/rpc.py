@@ -31,7 +31,8 @@ from gradsync.core import settings
 from gradsync.core.buckets import ModelSpec
 from gradsync.core.futures import failed
 from gradsync.metrics.timeline import HEAD
-from gradsync.core.torch_internals import set_rpc_timeout
+from gradsync.core.errors import Refusal
+from gradsync.core.torch_internals import RPC_TIMEOUT_TEXT, set_rpc_timeout
 from gradsync.core.transport_capabilities import capabilities
 from gradsync.ps.messages import Committed, Partial, Piece, PipelineHead, Push, Setup, Snapshot
 from gradsync.ps.server import ParameterServer
@@ -101,10 +102,18 @@ def wait_all(futures: dict[int, torch.futures.Future], what: str, timeout: float
             error = result
         elapsed = time.monotonic() - start
         peer = server_name(server) if isinstance(server, int) else f"{server_name(server[0])} ({server[1:]})"
-        raise RuntimeError(
+        raise _kind(error)(
             f"{what} on {peer} failed after {elapsed:.1f} s (timeout {timeout:.0f} s): {error}"
         ) from error
     return results
+
+
+def _kind(error: BaseException) -> type[Exception]:
+    """The exception a failed call raises, the type the gRPC transport raises for the same failure: TimeoutError
+    past the call's timeout, ValueError for a call the server refused (`Refusal`), else RuntimeError."""
+    if isinstance(error, Refusal):
+        return ValueError
+    return TimeoutError if RPC_TIMEOUT_TEXT in str(error) else RuntimeError
 
 
 def _timed(server: int, nbytes: int, timeout: float) -> float:
