@@ -1,10 +1,12 @@
 """Typed job configuration: where this process sits, how the job trains, its timeouts and checkpoints.
 
-Each concern is a kw-only dataclass (`Placement`, `Training`, `Timeouts`, `Checkpointing`) whose fields,
-types and defaults are the settings table's (`gradsync.core.settings`); `JobConfig` is the four together,
-with flat attributes. A setting comes from an argument of `gradsync.init`/`launch`, from the environment a
-launcher sets (`GRADSYNC_*`, torchrun's `RANK`/`WORLD_SIZE`/...), or its default; `JobConfig.from_env`
-merges them and `__post_init__` rejects bad values with a message that names the value and the fix.
+Each concern is a kw-only dataclass (`Placement`, `Training`, `Timeouts`, `Checkpointing`) whose fields are
+the settings of that concern in the settings table (`gradsync.core.settings`, where each says what it means),
+in its order, with its types and defaults (`tests/test_settings.py` checks that they agree); `JobConfig` is
+the four together, with flat attributes. A setting comes from an argument of `gradsync.init`/`launch`, from
+the environment a launcher sets (`GRADSYNC_*`, torchrun's `RANK`/`WORLD_SIZE`/...), or its default;
+`JobConfig.from_env` merges them and `__post_init__` rejects bad values with a message that names the value
+and the fix.
 """
 from __future__ import annotations
 
@@ -20,26 +22,23 @@ SERVERLESS = ("allreduce", "sharded")
 """The strategies whose jobs have no parameter server (and are synchronous): every rank is a worker."""
 
 
-def _concern(name: str):
-    """Make the class a kw-only dataclass with the fields of concern `name`, from the settings table."""
-    def build(cls):
-        cls.__annotations__ = {s.name: s.type for s in settings.of(name)}
-        for s in settings.of(name):
-            setattr(cls, s.name, s.default)
-        cls.__doc__ += "".join(f"\n    {s.name}: {s.help}" for s in settings.of(name))
-        return dataclasses.dataclass(kw_only=True)(cls)
-    return build
-
-
 def _positive(config, concern: str) -> None:
     for s in settings.of(concern):
         if s.type is float and getattr(config, s.name) is not None and getattr(config, s.name) <= 0:
             raise ConfigError(f"{s.name} must be > 0, got {getattr(config, s.name)}")
 
 
-@_concern("placement")
+@dataclasses.dataclass(kw_only=True)
 class Placement:
     """Where this process sits in the job: the first `servers` ranks are the parameter servers."""
+
+    rank: int = settings.RANK.default
+    world_size: int = settings.WORLD_SIZE.default
+    master_addr: str = settings.MASTER_ADDR.default
+    master_port: int = settings.MASTER_PORT.default
+    store_is_hosted: bool = settings.STORE_IS_HOSTED.default
+    servers: int = settings.SERVERS.default
+    server_device: str = settings.SERVER_DEVICE.default
 
     def __post_init__(self) -> None:
         self._check_placement()
@@ -87,9 +86,18 @@ class Placement:
         return server_name(rank) if rank < self.servers else worker_name(rank - self.servers)
 
 
-@_concern("training")
+@dataclasses.dataclass(kw_only=True)
 class Training:
     """What a step computes and how gradients travel."""
+
+    strategy: str = settings.STRATEGY.default
+    mode: str = settings.MODE.default
+    staleness: int = settings.STALENESS.default
+    nonfinite: str = settings.NONFINITE.default
+    compression: str = settings.COMPRESSION.default
+    transport: str = settings.TRANSPORT.default
+    bucket_cap_mb: float | None = settings.BUCKET_CAP_MB.default
+    pipeline: str = settings.PIPELINE.default
 
     def __post_init__(self) -> None:
         self._check_training()
@@ -118,9 +126,14 @@ class Training:
         return self.strategy == "ps" and self.mode != "sync"
 
 
-@_concern("timeouts")
+@dataclasses.dataclass(kw_only=True)
 class Timeouts:
     """How long each wait of this rank may take, in seconds."""
+
+    startup_timeout: float = settings.STARTUP_TIMEOUT.default
+    step_timeout: float = settings.STEP_TIMEOUT.default
+    stall_report: float = settings.STALL_REPORT.default
+    shutdown_timeout: float = settings.SHUTDOWN_TIMEOUT.default
 
     def __post_init__(self) -> None:
         self._check_timeouts()
@@ -129,9 +142,14 @@ class Timeouts:
         _positive(self, "timeouts")
 
 
-@_concern("checkpointing")
+@dataclasses.dataclass(kw_only=True)
 class Checkpointing:
     """Checkpoints of the job, and the one it resumes from."""
+
+    checkpoint_dir: str = settings.CHECKPOINT_DIR.default
+    checkpoint_every: int = settings.CHECKPOINT_EVERY.default
+    resume: str = settings.RESUME.default
+    start_over: bool = settings.START_OVER.default
 
     def __post_init__(self) -> None:
         self._check_checkpointing()

@@ -62,7 +62,7 @@ def test_client_with_a_wrong_token_gets_permission_error():
     server = make_server("async", workers=1)
     with served(server) as (endpoint, _):
         with Client(endpoint.address, token="wrong") as client:
-            with pytest.raises(PermissionError, match="Health on shard 0 .* UNAUTHENTICATED"):
+            with pytest.raises(PermissionError, match="Health on ps0 .* UNAUTHENTICATED"):
                 client.health()
             with pytest.raises(PermissionError, match="UNAUTHENTICATED"):
                 client.push({"fc1.bias": torch.ones(16)}, 0, worker=0)
@@ -119,7 +119,7 @@ def test_a_tls_mismatch_says_tls_and_the_fix(tmp_path):
             with Client(address, token=TOKEN, timeout=5, root_cert=root_cert) as client:
                 with pytest.raises(ConnectionError) as refused:
                     client.health()
-            assert re.fullmatch(rf"Health on shard 0 at {address} failed after [\d.]+ s: TLS: {re.escape(why)}",
+            assert re.fullmatch(rf"Health on ps0 at {address} failed after [\d.]+ s: TLS: {re.escape(why)}",
                                 str(refused.value)), (str(refused.value), why)
     finally:
         tls.stop(0.5)
@@ -142,7 +142,7 @@ def test_status_and_pull_reach_a_tls_job_with_its_certificate_from_the_option_or
     try:
         assert cli.main(["status", str(run_dir)]) == 2
         error = capsys.readouterr().err
-        assert error.startswith(f"gradsync: error: Health on shard 0 at {endpoint.address} failed after ") and \
+        assert error.startswith(f"gradsync: error: Health on ps0 at {endpoint.address} failed after ") and \
             error.endswith(" s: TLS: the endpoint serves TLS and this client speaks plain gRPC: give the endpoint's "
                            "certificate: --tls-cert PEM (default GRADSYNC_TLS_CERT), or Client(root_cert=PEM)\n")
         assert cli.main(["status", str(run_dir), "--tls-cert", cert]) == 0

@@ -143,7 +143,7 @@ def test_async_push_applies_at_once_and_records_staleness(grpc_server):
 @pytest.mark.timeout(60)
 def test_sync_push_without_the_other_workers_times_out_naming_the_call(grpc_server):
     server, _, client = grpc_server("sync", workers=2, member=True, timeout=0.5)
-    with pytest.raises(TimeoutError, match=r"Push on shard 0 at 127\.0\.0\.1:\d+ failed after \d+\.\d+ s") as info:
+    with pytest.raises(TimeoutError, match=r"Push on ps0 at 127\.0\.0\.1:\d+ failed after \d+\.\d+ s") as info:
         client.push(_grads(0, server), 0, worker=0)
     # the timeout fired, not something earlier (how much later depends on the machine's load: no upper bound)
     assert float(re.search(r"failed after (\d+\.\d+) s", str(info.value)).group(1)) >= 0.45

@@ -4,6 +4,7 @@ import ast
 import dataclasses
 import pathlib
 import re
+import typing
 
 import pytest
 import torch
@@ -83,13 +84,19 @@ def test_the_docs_table_is_the_generated_one():
         assert f"`{s.env}`" in block
 
 
-def test_job_config_is_the_four_concerns_with_the_tables_defaults():
-    fields = {f.name: f for f in dataclasses.fields(JobConfig)}
-    concerns = [Placement, Training, Timeouts, Checkpointing]
-    assert [{f.name for f in dataclasses.fields(c)} for c in concerns] == \
-        [{s.name for s in settings.of(c)} for c in JOB_CONCERNS]
-    assert set(fields) == {s.name for s in TABLE if s.concern in JOB_CONCERNS}
-    assert all(f.kw_only and f.default == getattr(settings, f.name.upper()).default for f in fields.values())
+def test_job_config_is_the_four_concerns_with_the_tables_names_types_and_defaults():
+    """The fields written out in config.py are the settings table's, concern by concern, in its order."""
+    concerns = {"placement": Placement, "training": Training, "timeouts": Timeouts, "checkpointing": Checkpointing}
+    assert tuple(concerns) == JOB_CONCERNS
+    for concern, cls in concerns.items():
+        hints = typing.get_type_hints(cls)
+        declared = settings.of(concern)
+        assert [f.name for f in dataclasses.fields(cls)] == [s.name for s in declared], concern
+        for f, s in zip(dataclasses.fields(cls), declared):
+            assert f.kw_only and f.default == s.default and type(f.default) is type(s.default), s.name
+            assert hints[f.name] == (s.type if s.default is not None else s.type | None), s.name
+    assert [f.name for f in dataclasses.fields(JobConfig)] == \
+        [s.name for c in JOB_CONCERNS for s in settings.of(c)]
     with pytest.raises(TypeError):
         Timeouts(1.0)
     with pytest.raises(ConfigError, match="step_timeout must be > 0, got 0"):

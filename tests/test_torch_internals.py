@@ -110,6 +110,20 @@ def test_pytree_round_trips_a_nested_output():
     assert back["b"][1][0] == 3 and torch.equal(back["b"][1][1], torch.full((1,), 2.0))
 
 
+def test_sparse_parts_are_an_uncoalesced_gradients_stored_rows_and_indices():
+    """An embedding's sparse gradient is uncoalesced (an id looked up twice is stored twice): public values()
+    refuses it; sparse_parts gives what is stored, the bytes DDP's sparse allreduce moves."""
+    table = torch.nn.Embedding(5, 3, sparse=True)
+    table(torch.tensor([1, 4, 1])).sum().backward()
+    grad = table.weight.grad
+    assert not grad.is_coalesced()
+    with pytest.raises(RuntimeError):
+        grad.values()
+    values, indices = ti.sparse_parts(grad)
+    assert indices.tolist() == [[1, 4, 1]]
+    assert torch.equal(values, torch.ones(3, 3))
+
+
 @pytest.mark.job
 @pytest.mark.timeout(60)
 def test_forkserver_pid_is_the_running_fork_server():

@@ -30,6 +30,7 @@ from gradsync.compare.grid import Config
 from gradsync.core.job_names import server_name, worker_name
 from gradsync.core import settings
 from gradsync.core.errors import JobFailed, NoTablesToServe
+from gradsync.core.waiting import THREAD_STOP_S
 from gradsync.launcher import procfs
 from gradsync.launcher.scripts import run_script
 from gradsync.launcher.supervision import RankProcess
@@ -69,7 +70,7 @@ class Sampler(threading.Thread):
 
     def stop(self) -> None:
         self._finished.set()
-        self.join(timeout=5)
+        self.join(timeout=THREAD_STOP_S)
 
     def started(self, ranks: list[RankProcess]) -> None:
         """The job's rank processes (`run_script`'s `started`)."""

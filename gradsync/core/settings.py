@@ -1,8 +1,9 @@
 """Every setting gradsync reads from the environment, declared once: its variable, type, default, help,
 concern, and the option and keyword that set it.
 
-`gradsync.config` builds `JobConfig` (fields, defaults, checks, `to_env`, `settings_from_env`) from the
-settings of the job concerns; `gradsync.cli` builds `gradsync run`'s options from them; the other modules
+`gradsync.config`'s `JobConfig` has the settings of the job concerns as its fields (written out there,
+checked against this table by tests/test_settings.py), and builds its defaults, checks, `to_env` and
+`settings_from_env` from them; `gradsync.cli` builds `gradsync run`'s options from them; the other modules
 read their variables with `Setting.read`, never `os.environ` (`tests/test_settings.py` checks it). The
 settings tables of docs/architecture.md are `markdown()` (`make docs` rewrites them).
 Internal settings are set by a launcher (gradsync's, or torchrun) for the processes it starts; the user

@@ -30,10 +30,11 @@ TESTED_TORCH = ("2.13", "2.14")
 
 __all__ = ["TESTED_TORCH", "TorchChanged", "tree_flatten", "tree_unflatten", "start_dist_autograd", "current_context_id",
            "set_rpc_timeout", "current_rpc_agent", "rpc_init_count", "RPC_STORE_PREFIX", "RPC_MEMBER_LIST",
-           "RPC_JOIN_TOKEN", "rpc_join_token", "RPC_JOIN_DONE", "ddp_shadow_round", "ddp_push_rebuilt_params",
+           "RPC_JOIN_TOKEN", "rpc_join_token", "RPC_JOIN_DONE", "RPC_TIMEOUT_TEXT", "ddp_shadow_round",
+           "ddp_push_rebuilt_params",
            "forkserver_pid", "short_fork_server_folder", "fork_fork_server", "forget_fork_server", "cpp_log_level",
            "take_over_step", "before_clip_grad_norm", "importing_main_for_a_child",
-           "quiet_resource_tracker"]
+           "quiet_resource_tracker", "sparse_parts"]
 
 
 class TorchChanged(RuntimeError):
@@ -101,6 +102,13 @@ def current_context_id() -> int | None:
         return None
 
 
+@_uses("torch:Tensor._values", "torch:Tensor._indices")
+def sparse_parts(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sparse COO tensor's rows and indices as they are stored: the public `values()`/`indices()` refuse an
+    uncoalesced tensor (an embedding's sparse gradient is one), and coalescing would copy it."""
+    return grad._values(), grad._indices()
+
+
 @_uses("torch.distributed.rpc:_set_rpc_timeout")
 def set_rpc_timeout(seconds: float) -> None:
     """The default timeout of later RPCs (init_rpc takes one for start-up only)."""
@@ -129,6 +137,8 @@ RPC_JOIN_TOKEN = "RpcGroupManagementToken"
 """The store key of the token a rank holds while it joins or leaves the group."""
 RPC_JOIN_DONE = "Done"
 """The value torch's waiters wait for under `rpc_join_token(holder)`."""
+RPC_TIMEOUT_TEXT = "RPC ran for more than set timeout"
+"""How torch's RuntimeError for an RPC past its timeout begins (torch raises no TimeoutError of its own)."""
 
 
 def rpc_join_token(holder: str) -> str:

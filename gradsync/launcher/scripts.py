@@ -19,12 +19,13 @@ import torch.distributed as dist
 from gradsync.core.job_names import StoreKeys
 from gradsync.launcher.script_file import check_script
 from gradsync.core.errors import JobFailed
+from gradsync.core.waiting import wait_until
 from gradsync.core.settings import (EARLY_STDERR, ERROR_FILE, JOIN, JOIN_INDEX_FILE, LAUNCHER_PID, RANK_START, RUN_DIR,
                                     STDERR_FD, Setting)
 from gradsync.launcher import forked, netem
 from gradsync.launcher.local_job import (hold_run_dir, job_config, network_and_store, offer_join, rank_environments,
                                          temporary_run_dir)
-from gradsync.launcher.supervision import POLL_S, RankProcess, kill_all, supervise
+from gradsync.launcher.supervision import RankProcess, kill_all, supervise
 from gradsync.membership import newcomers
 from gradsync.membership.departures import Departure
 from gradsync.membership.liveness import (dying_with_this_process, error_file, parse_gone, parse_left, recorded_error,
@@ -152,11 +153,15 @@ def join_script(target: str, script: str, script_args: list[str], *, workers: in
                        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
                 joiners.append(RankProcess(i, _start(context, i, env, script, script_args, None), group=True))
             running = list(joiners)
-            while running and (deadline is None or time.monotonic() < deadline):
+
+            def all_ended() -> bool:
                 for joiner in [j for j in running if j.exitcode() is not None]:
                     running.remove(joiner)
-                    failures += _joiner_ended(joiner, files, store, f"exited with code {joiner.exitcode()}")
-                time.sleep(POLL_S)
+                    failures.extend(_joiner_ended(joiner, files, store, f"exited with code {joiner.exitcode()}"))
+                return not running
+
+            with contextlib.suppress(TimeoutError):  # the joined workers still running are named below
+                wait_until(all_ended, deadline, "the joined workers to finish")
             for joiner in running:
                 failures += _joiner_ended(joiner, files, store, f"still running after {timeout:.0f} s (--timeout)")
         finally:

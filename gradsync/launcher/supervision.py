@@ -20,15 +20,18 @@ import torch.distributed as dist
 from gradsync.config import JobConfig
 from gradsync.core.job_names import StoreKeys
 from gradsync.core.errors import JobFailed, answered_worker
+from gradsync.core.waiting import POLL_S, wait_until
 from gradsync.launcher import procfs
 from gradsync.membership.departures import Departure, Departures
 from gradsync.membership.liveness import (Watch, error_file, interval, ranks_named, recorded_error,
                                           workers_in_order)
 from gradsync.membership.rank_reports import ask_stacks, early_stderr, early_stderr_file, stack_file
 
-POLL_S = 0.05
 _KILL_GRACE_S = 3.0
 _EXIT_GRACE_S = 10.0  # for a rank that recorded a failure to exit: torch's teardown takes seconds on a busy machine
+_REAP_S = 10.0
+"""How long reaping a rank after SIGKILL may take: the kernel ends it at once, unless it waits in uninterruptible
+I/O (state D), which SIGKILL cannot interrupt; the launcher goes on rather than hang on it."""
 _STATES = {
     "T": "its process is stopped (SIGSTOP, SIGTSTP)",
     "t": "its process is stopped by a debugger",
@@ -70,16 +73,20 @@ def kill_all(ranks: list[RankProcess]) -> None:
     for r in ranks:
         r.kill(signal.SIGTERM)
         r.kill(signal.SIGCONT)
-    deadline = time.monotonic() + _KILL_GRACE_S
-    while any(r.exitcode() is None for r in ranks) and time.monotonic() < deadline:
-        time.sleep(POLL_S)
+    _let_exit(ranks, _KILL_GRACE_S, "the ranks to exit on SIGTERM")
     for r in ranks:
         r.kill(signal.SIGKILL)
     for r in ranks:
         if isinstance(r.proc, subprocess.Popen):
-            r.proc.wait(timeout=10)
+            r.proc.wait(timeout=_REAP_S)
         else:
-            r.proc.join(timeout=10)
+            r.proc.join(timeout=_REAP_S)
+
+
+def _let_exit(ranks: list[RankProcess], seconds: float, what: str) -> None:
+    """Give `ranks` up to `seconds` to exit on their own; the caller reads which did."""
+    with contextlib.suppress(TimeoutError):
+        wait_until(lambda: all(r.exitcode() is not None for r in ranks), time.monotonic() + seconds, what)
 
 
 def _failed(config: JobConfig, rank: int, code: int) -> str:
@@ -110,9 +117,7 @@ def _answered_text(config: JobConfig, ranks: list[RankProcess], run_dir: str, re
     if worker is None or worker >= config.num_workers:
         return ""
     rank = ranks[config.servers + worker]
-    deadline = time.monotonic() + _EXIT_GRACE_S
-    while rank.exitcode() is None and time.monotonic() < deadline:
-        time.sleep(POLL_S)
+    _let_exit([rank], _EXIT_GRACE_S, f"{config.role(rank.rank)} to exit after the failure it caused")
     code, error = rank.exitcode(), recorded_error(run_dir, rank.rank)
     if code in (None, 0) or error is None:
         return ""
@@ -128,9 +133,7 @@ def _before_init_text(config: JobConfig, ranks: list[RankProcess], watch: Watch,
     only where the text does not show the script's own error: gradsync never took the stderr of a rank that
     exited (its traceback is above), or torch.distributed started without gradsync."""
     early = [r for r in ranks if watch.moved[r.rank] is None]
-    deadline = time.monotonic() + _KILL_GRACE_S
-    while any(r.exitcode() is None for r in early) and time.monotonic() < deadline:
-        time.sleep(POLL_S)
+    _let_exit(early, _KILL_GRACE_S, "the ranks that did not reach gradsync.init() to exit")
     failed = [r for r in early if r.exitcode() not in (None, 0)]
     said = {r.rank: (r.exitcode(), early_stderr(early_stderr_file(run_dir, r.rank))) for r in failed}
     groups: dict[tuple[int, str | None], list[int]] = {}
@@ -208,9 +211,7 @@ def _recorded_failure(ranks: list[RankProcess], store: dist.Store) -> tuple[int,
         return None
     head, text = store.get(StoreKeys.FAILED).decode().split(":", 1)
     first = ranks[int(head.split()[1])]
-    deadline = time.monotonic() + _EXIT_GRACE_S
-    while first.exitcode() is None and time.monotonic() < deadline:
-        time.sleep(POLL_S)
+    _let_exit([first], _EXIT_GRACE_S, f"rank {first.rank}, which recorded the job's failure, to exit")
     return (first.rank, text.lstrip()) if first.exitcode() not in (None, 0) else None
 
 
@@ -316,7 +317,8 @@ def supervise(config: JobConfig, ranks: list[RankProcess], run_dir: str, store: 
                 reported = list(watch.places)
                 print(f"gradsync: {_stalled_text(config, stalled)}{_stacks_text(config, ranks, run_dir)}",
                       file=sys.stderr, flush=True)
-            time.sleep(POLL_S)
+            time.sleep(POLL_S)  # its own loop, not wait_until: each look reads heartbeats, departures and stalls,
+            # and its end is either outcome (every rank done, or a JobFailed that names the cause)
     except JobFailed:
         raise
     except BaseException:  # stopped by a signal (Ctrl-C, SIGTERM): where each rank was, before they are killed

@@ -49,9 +49,9 @@ import torch.distributed as dist
 from gradsync.config import JobConfig
 from gradsync.core.job_names import StoreKeys, worker_name
 from gradsync.core import settings
+from gradsync.core.waiting import wait_until
 
 _PR_SET_PDEATHSIG = 1
-_ARRIVAL_POLL_S = 0.05
 
 
 def interval(step_timeout: float) -> float:
@@ -136,19 +136,21 @@ def wait_for_arrivals(store: dist.Store, config: JobConfig) -> None:
         RuntimeError: another rank failed meanwhile.
     """
     keys = [StoreKeys.ALIVE.format(rank) for rank in range(config.world_size)]
-    deadline = time.monotonic() + config.startup_timeout
-    while True:
-        missing = [rank for rank, count in enumerate(store.multi_get(keys)) if int(count) == 0]
-        if not missing:
-            return
+
+    def missing() -> list[int]:
+        return [rank for rank, count in enumerate(store.multi_get(keys)) if int(count) == 0]
+
+    def arrived() -> bool:
+        if not missing():
+            return True
         if store.check([StoreKeys.FAILED]):
             raise RuntimeError(f"another rank failed, stopping: {store.get(StoreKeys.FAILED).decode()[:2000]}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"{ranks_named(config, missing)} did not reach gradsync.init() within startup_timeout "
-                f"({config.startup_timeout:.0f} s), and every rank must call it: is its script stuck before "
-                "gradsync.init(), or was it never started?")
-        time.sleep(_ARRIVAL_POLL_S)
+        return False
+
+    wait_until(arrived, time.monotonic() + config.startup_timeout,
+               lambda: f"{ranks_named(config, missing())} did not reach gradsync.init() within startup_timeout "
+                       f"({config.startup_timeout:.0f} s), and every rank must call it: is its script stuck before "
+                       "gradsync.init(), or was it never started?")
 
 
 def wait_for_every_worker(store: dist.Store, key: str, workers: int, seconds: float,
@@ -159,11 +161,13 @@ def wait_for_every_worker(store: dist.Store, key: str, workers: int, seconds: fl
     Raises:
         Exception: `late(missing, arrived)` when some are not within `seconds`, naming them.
     """
-    deadline = time.monotonic() + seconds
-    while len(arrived := parse_workers(store.get(key))) < workers:
-        if time.monotonic() >= deadline:
-            raise late(sorted(set(range(workers)) - arrived), sorted(arrived))
-        time.sleep(_ARRIVAL_POLL_S)
+    arrived = lambda: parse_workers(store.get(key))  # noqa: E731
+    try:
+        wait_until(lambda: len(arrived()) >= workers, time.monotonic() + seconds, f"every worker in {key}")
+    except TimeoutError:
+        here = arrived()
+        if len(here) < workers:  # (all of them may have arrived since the last look)
+            raise late(sorted(set(range(workers)) - here), sorted(here)) from None
 
 
 class Watch:

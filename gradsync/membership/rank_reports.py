@@ -15,6 +15,7 @@ another rank of the job wrote the same text already, and writes there from then 
 """
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import hashlib
 import os
@@ -26,11 +27,11 @@ import torch.distributed as dist
 
 from gradsync.core.job_names import StoreKeys
 from gradsync.core.settings import EARLY_STDERR, STACK_FILE, STDERR_FD
+from gradsync.core.waiting import wait_until
 
 STACK_SIGNAL = signal.SIGUSR1
 """The signal a launcher sends a rank for its stack."""
 _STACK_WAIT_S = 3.0  # for every asked rank to write its stack: a stopped process never does
-_POLL_S = 0.05
 _stack_file = None  # the open file faulthandler writes this rank's stack to
 
 
@@ -119,14 +120,17 @@ def ask_stacks(ranks: dict[str, tuple[int, str]]) -> dict[str, str | None]:
             continue
         asked[name] = (path, before)
     sizes = {name: before for name, (_, before) in asked.items()}
-    deadline = time.monotonic() + _STACK_WAIT_S
-    while time.monotonic() < deadline:
-        time.sleep(_POLL_S)
+
+    def written() -> bool:
+        """Every asked file grew, and has not grown since the last look."""
+        nonlocal sizes
         now = {name: os.path.getsize(path) for name, (path, _) in asked.items()}
         done = all(now[name] > before and now[name] == sizes[name] for name, (_, before) in asked.items())
         sizes = now
-        if done:
-            break
+        return done
+
+    with contextlib.suppress(TimeoutError):  # a rank that wrote nothing by then is shown as such
+        wait_until(written, time.monotonic() + _STACK_WAIT_S, "the asked ranks' stacks")
     stacks: dict[str, str | None] = {name: None for name in ranks}
     for name, (path, before) in asked.items():
         with open(path, errors="replace") as f:

@@ -15,20 +15,19 @@ from __future__ import annotations
 
 import datetime
 import threading
-import time
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from gradsync.config import JobConfig
 from gradsync.core.job_names import StoreKeys, worker_name
+from gradsync.core.waiting import wait_until
 from gradsync.membership.liveness import Heartbeat, parse_gone, parse_left
 
 if TYPE_CHECKING:
     from gradsync.ps.server import ParameterServer
 
 _LISTEN = datetime.timedelta(hours=1)  # a server's listener waits as long as the job runs; this bounds each wait
-_POLL = 0.01  # seconds between a joined worker's looks at the store
 
 
 class Joiner:
@@ -54,7 +53,10 @@ class Joiner:
         store, config, watch = self.store, self.config, self.heartbeat.watch
         keys = [StoreKeys.JOIN_DONE.format(self.round, s) for s in self.servers]
         waiting = f"worker {config.worker_rank} waits in trainer.join() for the others to run out of data"
-        while not store.check(keys):
+
+        def all_joined() -> bool:
+            if store.check(keys):
+                return True
             if store.check([StoreKeys.FAILED]):
                 raise RuntimeError(f"another rank failed while {waiting}: "
                                    f"{store.get(StoreKeys.FAILED).decode()[:2000]}")
@@ -72,7 +74,9 @@ class Joiner:
             if silent:
                 raise RuntimeError(f"{watch.describe(silent)} (step_timeout {config.step_timeout:.0f} s), and "
                                    f"{waiting}: it is stopped, hung or dead")
-            time.sleep(_POLL)
+            return False
+
+        wait_until(all_joined, None, waiting)  # bounded by the liveness checks: a silent rank raises
         self.round += 1
 
 

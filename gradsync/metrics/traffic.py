@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from gradsync.core.torch_internals import sparse_parts
 from gradsync.cuda_ops import DEFAULT_BLOCK_SIZE
 
 ITEMSIZE = {"none": 4, "fp16": 2, "bf16": 2, "int8": 1}
@@ -29,7 +30,8 @@ def allreduce_bytes(elements: int, workers: int, compression: str) -> tuple[floa
 
 def sparse_bytes(grad: torch.Tensor) -> int:
     """Bytes of a sparse gradient's rows and indices (what DDP's sparse allreduce all-gathers)."""
-    return grad._values().nbytes + grad._indices().nbytes
+    values, indices = sparse_parts(grad)
+    return values.nbytes + indices.nbytes
 
 
 def head_bytes(buffers: dict[str, torch.Tensor], rows: dict) -> int:

@@ -48,6 +48,7 @@ from gradsync.config import ConfigError, JobConfig
 from gradsync.core.job_names import StoreKeys, worker_name
 from gradsync.core.atomic_file import temporaries, write_atomically
 from gradsync.core.optimizer_spec import group_options
+from gradsync.core.waiting import wait_until
 from gradsync.membership.liveness import staying
 from gradsync.ps import shard_file
 
@@ -340,19 +341,16 @@ def _wait(store: dist.Store, config: JobConfig, keys: list[str], workers: list[i
     its steps first); returns the workers whose key is set.
 
     Raises:
-        RuntimeError: naming the workers still missing, and `what` they did not do.
+        TimeoutError: naming the workers still missing, and `what` they did not do.
     """
-    deadline = time.monotonic() + config.step_timeout
-    while True:
+    def missing() -> list[int]:
         here = set(staying(store)) if config.elastic else set(workers)
-        done = [w for w, k in zip(workers, keys) if store.check([k])]
-        missing = [w for w in workers if w not in done and w in here]
-        if not missing:
-            return done
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{', '.join(worker_name(w) for w in missing)} {what} within step_timeout "
-                               f"{config.step_timeout:.0f} s")
-        time.sleep(0.02)
+        return [w for w, k in zip(workers, keys) if w in here and not store.check([k])]
+
+    wait_until(lambda: not missing(), time.monotonic() + config.step_timeout,
+               lambda: f"{', '.join(worker_name(w) for w in missing())} {what} within step_timeout "
+                       f"{config.step_timeout:.0f} s")
+    return [w for w, k in zip(workers, keys) if store.check([k])]
 
 
 def restore(config: JobConfig, strategy, found: Found) -> int:

@@ -2,12 +2,14 @@
 shutdown, bounded; a server's whole job)."""
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 
 import torch.distributed as dist
 
 from gradsync.core.job_names import StoreKeys, worker_name
+from gradsync.core.waiting import wait_until
 from gradsync.membership import newcomers
 from gradsync.membership.liveness import record_gone, staying
 from gradsync.runtime import cluster as job
@@ -24,10 +26,10 @@ def wait_for_workers(cluster: job.Cluster, deadline: float | None) -> list[int]:
             elastic job is recorded gone instead: no launcher of the job watches it.
     """
     config, store, watch = cluster.config, cluster.store, cluster.heartbeat.watch
-    while True:
-        in_job = staying(store)
-        if not in_job or (deadline is not None and time.monotonic() >= deadline):
-            return in_job
+
+    def all_left() -> bool:
+        if not staying(store):
+            return True
         if store.check([StoreKeys.FAILED]):
             raise RuntimeError(f"another rank failed, stopping: {store.get(StoreKeys.FAILED).decode()[:2000]}")
         silent = watch.silent(config.step_timeout) if deadline is None else {}
@@ -36,7 +38,11 @@ def wait_for_workers(cluster: job.Cluster, deadline: float | None) -> list[int]:
         if silent:
             raise RuntimeError(f"{watch.describe(silent)} (step_timeout {config.step_timeout:.0f} s): it is "
                                "stopped, hung or dead, and the job cannot go on without it")
-        time.sleep(0.05)
+        return False
+
+    with contextlib.suppress(TimeoutError):  # the caller names the workers still in the job
+        wait_until(all_left, deadline, "every worker to leave the job")
+    return staying(store)
 
 
 def shutdown() -> None:

@@ -65,12 +65,13 @@ class WorkerTransport(ABC):
     """A worker's calls to every server; each waits (bounded by the job's timeouts) for all servers."""
 
     capabilities: ClassVar[Capabilities]
-    timeline = Timeline(on=False)
-    """Where `push_pieces` records its lanes' events (the worker's `StepMetrics.timeline`, set by the strategy;
-    on when GRADSYNC_TIMELINE is)."""
 
-    def __init__(self, config: JobConfig, store: dist.Store, server_buckets: dict[int, list[Bucket]]):
-        """Args: the job, its rendezvous store, and each server's buckets of the shared plan (by server)."""
+    def __init__(self, config: JobConfig, store: dist.Store, server_buckets: dict[int, list[Bucket]],
+                 timeline: Timeline | None = None):
+        """Args: the job, its rendezvous store, each server's buckets of the shared plan (by server), and where
+        `push_pieces` records its lanes' events (the worker's `StepMetrics.timeline`, on when GRADSYNC_TIMELINE
+        is; None: nowhere)."""
+        self.timeline = Timeline(on=False) if timeline is None else timeline
         self.config = config
         self.store = store
         self.worker = config.worker_rank

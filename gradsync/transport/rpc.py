@@ -31,12 +31,20 @@ from gradsync.core import settings
 from gradsync.core.buckets import ModelSpec
 from gradsync.core.futures import failed
 from gradsync.metrics.timeline import HEAD
-from gradsync.core.torch_internals import set_rpc_timeout
+from gradsync.core.errors import Refusal
+from gradsync.core.torch_internals import RPC_TIMEOUT_TEXT, set_rpc_timeout
 from gradsync.core.transport_capabilities import capabilities
 from gradsync.ps.messages import Committed, Partial, Piece, PipelineHead, Push, Setup, Snapshot
 from gradsync.ps.server import ParameterServer
 from gradsync.transport import rpc_group
 from gradsync.transport.base import RankTransport, WorkerTransport, link_rate
+
+_RPC_THREADS = 16
+"""Each rank's pool of RPC threads at least: torch's default."""
+_RPC_THREADS_PER_RANK = 4
+"""And 4 per rank of the job: a server decodes and applies the pieces of every worker on them, each worker
+keeping a window of pieces in flight, so the pool grows with the job rather than queue its pieces behind
+one another."""
 
 
 def start_rpc(config: JobConfig, store: dist.Store) -> None:
@@ -53,7 +61,8 @@ def start_rpc(config: JobConfig, store: dist.Store) -> None:
     channels = {"_channels": ["basic"]} if settings.LINK.read() else {}
     options = rpc.TensorPipeRpcBackendOptions(
         init_method="gradsync://", rpc_timeout=config.startup_timeout,
-        num_worker_threads=max(16, 4 * config.world_size), _transports=["uv"], **channels,
+        num_worker_threads=max(_RPC_THREADS, _RPC_THREADS_PER_RANK * config.world_size), _transports=["uv"],
+        **channels,
     )
     if config.elastic:
         rpc_group.join(config, store, lambda: rpc.init_rpc(config.name, rank=config.rank, rpc_backend_options=options))
@@ -93,10 +102,18 @@ def wait_all(futures: dict[int, torch.futures.Future], what: str, timeout: float
             error = result
         elapsed = time.monotonic() - start
         peer = server_name(server) if isinstance(server, int) else f"{server_name(server[0])} ({server[1:]})"
-        raise RuntimeError(
+        raise _kind(error)(
             f"{what} on {peer} failed after {elapsed:.1f} s (timeout {timeout:.0f} s): {error}"
         ) from error
     return results
+
+
+def _kind(error: BaseException) -> type[Exception]:
+    """The exception a failed call raises, the type the gRPC transport raises for the same failure: TimeoutError
+    past the call's timeout, ValueError for a call the server refused (`Refusal`), else RuntimeError."""
+    if isinstance(error, Refusal):
+        return ValueError
+    return TimeoutError if RPC_TIMEOUT_TEXT in str(error) else RuntimeError
 
 
 def _timed(server: int, nbytes: int, timeout: float) -> float:

@@ -20,6 +20,7 @@ graceful leave calls every member too. So gradsync runs the group this way:
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import sys
 import time
@@ -30,11 +31,11 @@ import torch.distributed.rpc as rpc
 
 from gradsync.config import JobConfig
 from gradsync.core.job_names import StoreKeys, worker_name
+from gradsync.core.waiting import wait_until
 from gradsync.core.torch_internals import (RPC_JOIN_DONE, RPC_JOIN_TOKEN, RPC_MEMBER_LIST, RPC_STORE_PREFIX,
                                            current_rpc_agent, rpc_init_count, rpc_join_token)
 from gradsync.membership.liveness import parse_gone
 
-_POLL_S = 0.05
 
 
 def join(config: JobConfig, store: dist.Store, init: Callable[[], None]) -> None:
@@ -64,8 +65,9 @@ def leave(config: JobConfig, store: dist.Store, timeout: float) -> None:
     rewrites the list."""
     agent = current_rpc_agent()
     deadline = time.monotonic() + timeout
-    while int(agent.get_metrics()["agent.client_active_calls"]) and time.monotonic() < deadline:
-        time.sleep(_POLL_S)  # e.g. the release of the last autograd context, sent when it closed
+    with contextlib.suppress(TimeoutError):  # e.g. the release of the last autograd context, sent when it closed
+        wait_until(lambda: not int(agent.get_metrics()["agent.client_active_calls"]), deadline,
+                   f"{config.name}'s RPC calls to be answered")
     try:
         if time.monotonic() < deadline:
             torch_store = _torch_store(store, rpc_init_count() - 1)
@@ -112,15 +114,21 @@ class _MembershipLock:
         self.timeout, self.setting = timeout, setting  # seconds to wait for it, and the setting they come from
 
     def __enter__(self):
-        me, deadline = self.config.name, time.monotonic() + self.timeout
-        while (holder := self.store.compare_set(StoreKeys.RPC_MEMBERSHIP, "", me).decode()) != me:
-            if self._gone(holder):
+        me, holder = self.config.name, ""
+
+        def held() -> bool:
+            nonlocal holder
+            holder = self.store.compare_set(StoreKeys.RPC_MEMBERSHIP, "", me).decode()
+            if holder != me and self._gone(holder):
                 self._release_token(holder)
                 self.store.compare_set(StoreKeys.RPC_MEMBERSHIP, holder, "")
-            elif time.monotonic() > deadline:
-                raise RuntimeError(f"{me} waited {self.timeout:.0f} s ({self.setting}) for {holder} to join or leave "
-                                   "the job's RPC group")
-            time.sleep(_POLL_S)
+            return holder == me
+
+        try:
+            wait_until(held, time.monotonic() + self.timeout, "the job's RPC group membership")
+        except TimeoutError:
+            raise RuntimeError(f"{me} waited {self.timeout:.0f} s ({self.setting}) for {holder} to join or leave "
+                               "the job's RPC group") from None
         return self
 
     def __exit__(self, *exc):

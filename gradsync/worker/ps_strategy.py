@@ -23,6 +23,7 @@ out of data (`join`) tells the servers through the store (`gradsync.membership.u
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from typing import TYPE_CHECKING
@@ -60,6 +61,12 @@ if TYPE_CHECKING:  # imports point one way: the start-up code (cluster) builds t
     from gradsync.runtime.cluster import Cluster
 
 
+def _scaled(grads: dict[str, torch.Tensor], rows: dict, factor: float) -> tuple[dict[str, torch.Tensor], dict]:
+    """The dense gradients and row gradients times `factor` (a GradScaler's inverse scale)."""
+    return ({n: g * factor for n, g in grads.items()},
+            {s: {t: r.times(factor) for t, r in per.items()} for s, per in rows.items()})
+
+
 def whole_params(server_buckets: dict[int, list[Bucket]], flats: dict[int, list[torch.Tensor]]
                  ) -> dict[str, torch.Tensor]:
     """Each parameter from its bucket pieces: a view when it is whole in one bucket, else its pieces joined
@@ -78,6 +85,18 @@ class _Pulled:
         self.leaves = leaves
         self.versions = versions
         self.buffer_names = buffer_names
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outgoing:
+    """What one step sends each server: its buckets' encoded payloads and the entries each lacks, its buffers,
+    its rows of each table, and the optimizer options changed since the last step."""
+
+    payloads: dict[int, list]
+    absent: dict[int, list]
+    buffers: dict[int, dict[str, torch.Tensor]]
+    rows: dict
+    changes: dict
 
 
 class PSModel(nn.Module):
@@ -128,7 +147,7 @@ class PSStrategy(Strategy):
         self._order = [(b.server, self.server_buckets[b.server].index(b)) for b in forward_order(self.buckets)]
         self.owner = assign_tensors(self.spec.buffers + self.spec.frozen, config.servers)
         self.wire = make_wire(config.compression)
-        self.transport = chosen.worker(config, cluster.store, self.server_buckets)
+        self.transport = chosen.worker(config, cluster.store, self.server_buckets, self.metrics.timeline)
         # a step's pieces may leave during the backward (worker.streaming): decided per context from the last
         self._streams = (chosen.capabilities.streams and self._pipelined and not clipping.on
                          and not self.wire.stateful)
@@ -136,8 +155,7 @@ class PSStrategy(Strategy):
         self._stream: tuple[int, GradientStream] | None = None
         self._quiet = False  # inside trainer.no_sync()
         self.joiner = Joiner(cluster.store, cluster.config, cluster.heartbeat, self.servers)
-        self.tables.transport = self.dynamic.transport = self.transport
-        self.transport.timeline = self.metrics.timeline  # where the transport records its lanes
+        self.tables.transport = self.dynamic.transport = self.transport  # built after the tables (their specs)
         self.frozen = self._register(params, buffers, spec, table_setups)
         self.model = PSModel(module, self)
         loaded = optimizer.state_dict() if any(optimizer.state.values()) else None  # loaded before the Trainer
@@ -227,10 +245,41 @@ class PSStrategy(Strategy):
         or a GradScaler in sync mode, agree on the step's norm first)."""
         pulled = self._pulled_for(context_id)
         start = time.perf_counter()
-        stream = None
-        if self._stream is not None and self._stream[0] == context_id:
-            stream, self._stream = self._stream[1], None
-        streamed = stream.close() if stream is not None else {}
+        stream, streamed = self._take_stream(context_id)
+        grads, rows = self._gradients(context_id, pulled)
+        self._last, self._stepped = None, context_id
+        unscale = inverse_scale(scaler)
+        if unscale != 1.0:
+            grads, rows = _scaled(grads, rows, unscale)
+        agree = self._agreement(scaler)
+        if agree is None and self._dropped_here(grads, rows, scaler):
+            self.metrics.committed(start, 0, 0)
+            return
+        if agree is not None or unscale != 1.0:  # held or unscaled: what left during the backward is void
+            streamed = {}
+        out = _Outgoing(*self._pack(grads, streamed), rows=rows, changes=self._changed_options(),
+                        buffers={s: {n: pulled.tensors[n].detach() for n in pulled.buffer_names[s]}
+                                 for s in self.servers})
+        sizes = self._sizes(out)
+        seq = next_seq if self._streams else lambda: 0  # numbered where pieces may have left ahead
+        if agree is None and self._pipelined and (self.config.mode == "sync" or self._streams):
+            fresh = self._send_pipelined(pulled, stream, streamed, out, seq, sizes)
+        else:  # one call per server
+            fresh = self.transport.push(pulled.versions, {
+                s: Push(out.payloads[s], out.absent[s], out.buffers[s], out.rows.get(s, {}), out.changes, agree,
+                        seq=seq()) for s in self.servers})
+        self._commit(fresh, agree, scaler, stream, streamed, sum(sizes.values()), start)
+
+    def _take_stream(self, context_id: int) -> tuple[GradientStream | None, dict]:
+        """This context's stream, closed, and the pieces that left during its backward ({(server, bucket):
+        piece}); (None, {}) when none listened to it."""
+        if self._stream is None or self._stream[0] != context_id:
+            return None, {}
+        stream, self._stream = self._stream[1], None
+        return stream, stream.close()
+
+    def _gradients(self, context_id: int, pulled: _Pulled) -> tuple[dict[str, torch.Tensor], dict]:
+        """The context's dense gradients by parameter name, and its tables' row gradients by server."""
         by_leaf = dist_autograd.get_gradients(context_id)
         grads = {n: dense(by_leaf[leaf]) for n, leaf in pulled.leaves.items() if leaf in by_leaf}
         rows = self.tables.row_grads(context_id, by_leaf)
@@ -238,26 +287,31 @@ class PSStrategy(Strategy):
             rows[s].update(per)
         if not grads and not any(rows.values()):
             raise no_gradients_error(context_id)
-        self._last, self._stepped = None, context_id
-        unscale = inverse_scale(scaler)
-        if unscale != 1.0:
-            grads = {n: g * unscale for n, g in grads.items()}
-            rows = {s: {t: r.times(unscale) for t, r in per.items()} for s, per in rows.items()}
-        agree = None
+        return grads, rows
+
+    def _agreement(self, scaler) -> Agreement | None:
+        """In sync mode with clipping or a GradScaler, what the servers agree on before they apply the step
+        (`_finish`); else None."""
         if self.config.mode == "sync" and (self.clipping.on or scaler is not None):
-            agree = Agreement(self.clipping.norm_type, skip_nonfinite=scaler is not None)
-        elif self.clipping.on or scaler is not None:  # async and ssp: each push by its own norm
-            tensors = list(grads.values()) + [r.grads for per in rows.values() for r in per.values()]
-            found_inf = first_nonfinite(tensors) is not None if scaler is not None else False
-            if self.clipping.on and not found_inf:
-                self.grad_norm = self.clipping.clip_local(tensors)
-            if found_inf:  # this worker's push is dropped; the servers never see it (the next forward pulls)
-                record_found_inf(scaler, True)
-                self.metrics.committed(start, 0, 0)
-                return
-        pipelined = agree is None and self._pipelined and (self.config.mode == "sync" or self._streams)
-        if agree is not None or unscale != 1.0:  # held or unscaled: what left during the backward is void
-            streamed = {}
+            return Agreement(self.clipping.norm_type, skip_nonfinite=scaler is not None)
+        return None
+
+    def _dropped_here(self, grads: dict[str, torch.Tensor], rows: dict, scaler) -> bool:
+        """Async and ssp: clip this push by its own norm; True when it holds an inf/NaN under a GradScaler, so
+        the servers never see it (the next forward pulls)."""
+        if not (self.clipping.on or scaler is not None):
+            return False
+        tensors = list(grads.values()) + [r.grads for per in rows.values() for r in per.values()]
+        found_inf = first_nonfinite(tensors) is not None if scaler is not None else False
+        if self.clipping.on and not found_inf:
+            self.grad_norm = self.clipping.clip_local(tensors)
+        if found_inf:
+            record_found_inf(scaler, True)
+        return found_inf
+
+    def _pack(self, grads: dict[str, torch.Tensor], streamed: dict) -> tuple[dict[int, list], dict[int, list]]:
+        """Each server's buckets as encoded payloads, and the entries each lacks (no gradient); a bucket that
+        left during the backward (`streamed`) as it left."""
         payloads, absent = {}, {}
         for s in self.servers:
             payloads[s], absent[s] = [], []
@@ -270,30 +324,41 @@ class PSStrategy(Strategy):
                     payload = self._encode(flat, bucket)
                 payloads[s].append(payload)
                 absent[s].append(missing)
-        buffers = {s: {n: pulled.tensors[n].detach() for n in pulled.buffer_names[s]} for s in self.servers}
-        sizes = {(s, b): self.wire.nbytes(p) for s, per in payloads.items() for b, p in enumerate(per)
+        return payloads, absent
+
+    def _sizes(self, out: _Outgoing) -> dict[tuple[int, int], int]:
+        """Bytes on the wire of each (server, bucket) payload, and of each server's head (`HEAD`)."""
+        sizes = {(s, b): self.wire.nbytes(p) for s, per in out.payloads.items() for b, p in enumerate(per)
                  if p is not None}
-        sizes.update({(s, HEAD): head_bytes(buffers[s], rows.get(s, {})) for s in self.servers})
-        sent = sum(sizes.values())
+        sizes.update({(s, HEAD): head_bytes(out.buffers[s], out.rows.get(s, {})) for s in self.servers})
+        return sizes
+
+    def _changed_options(self) -> dict:
+        """The optimizer groups' options changed since the servers last heard them (an LR schedule's lr)."""
         changes = changed_options(self.optimizer.param_groups, self._sent)
         if changes:
             self._sent = [group_options(g) for g in self.optimizer.param_groups]
-        seq = next_seq if self._streams else lambda: 0  # numbered where pieces may have left ahead
-        if pipelined:  # a pipeline of pieces, each back once applied
-            pieces = [Piece(s, b, payloads[s][b], absent[s][b], seq()) for s, b in self._order
-                      if (s, b) not in streamed]
-            named = {(p.server, p.bucket): p.seq for p in [*streamed.values(), *pieces]}
-            heads = {s: PipelineHead(buffers=buffers[s], rows=rows.get(s, {}), options=changes, pieces=tuple(
-                named[(s, b)] for b in range(len(self.server_buckets[s]))) if self._streams else None)
-                for s in self.servers}
-            self.metrics.timeline.expect(sizes)
-            if stream is not None and stream.pipeline is not None:
-                fresh = stream.pipeline.finish(heads, pieces)
-            else:
-                fresh = self.transport.push_pieces(pulled.versions, heads, pieces)
-        else:
-            fresh = self.transport.push(pulled.versions, {s: Push(payloads[s], absent[s], buffers[s], rows.get(s, {}),
-                                                                  changes, agree, seq=seq()) for s in self.servers})
+        return changes
+
+    def _send_pipelined(self, pulled: _Pulled, stream: GradientStream | None, streamed: dict, out: _Outgoing,
+                        seq, sizes: dict[tuple[int, int], int]) -> dict[int, Snapshot]:
+        """The pieces that did not leave during the backward, in the forward's order, then each server's head
+        (naming the pieces that count when they may have left ahead); each piece back once applied."""
+        pieces = [Piece(s, b, out.payloads[s][b], out.absent[s][b], seq()) for s, b in self._order
+                  if (s, b) not in streamed]
+        named = {(p.server, p.bucket): p.seq for p in [*streamed.values(), *pieces]}
+        heads = {s: PipelineHead(buffers=out.buffers[s], rows=out.rows.get(s, {}), options=out.changes, pieces=tuple(
+            named[(s, b)] for b in range(len(self.server_buckets[s]))) if self._streams else None)
+            for s in self.servers}
+        self.metrics.timeline.expect(sizes)
+        if stream is not None and stream.pipeline is not None:
+            return stream.pipeline.finish(heads, pieces)
+        return self.transport.push_pieces(pulled.versions, heads, pieces)
+
+    def _commit(self, fresh: dict, agree: Agreement | None, scaler, stream: GradientStream | None, streamed: dict,
+                sent: int, start: float) -> None:
+        """The step's end: the agreed step applied (`_finish`), the replies as the next forward's values, whether
+        the next backward streams, the step's bytes, and the user's optimizer stepped (its schedule's count)."""
         if agree is not None:
             fresh = self._finish(fresh, scaler)
         elif scaler is not None:

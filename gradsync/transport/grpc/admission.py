@@ -20,6 +20,8 @@ from typing import Iterator
 
 import grpc
 
+from gradsync.core.waiting import THREAD_STOP_S
+
 JOB_CALLS = frozenset({"JobPull", "JobPush", "JobFinish", "JobOptimizerState", "JobLoadOptimizerState",
                        "JobCheckpoint", "JobProbe"})
 
@@ -33,6 +35,9 @@ class Refused(Exception):
 
 
 MEMBER, OUTSIDE = "member", "outside"
+_MIN_WAKE_S = 0.01
+"""The shortest sleep of the idle-call watcher: a deadline a rounding error away wakes it once more, not in a
+busy loop."""
 
 
 class Credentials:
@@ -104,7 +109,7 @@ class IdleWatch:
         with self._cond:
             self._stopped = True
             self._cond.notify()
-        self._thread.join(5.0)
+        self._thread.join(THREAD_STOP_S)
 
     def _run(self) -> None:
         while True:
@@ -117,7 +122,7 @@ class IdleWatch:
                     del self._waiting[key]
                 if not late:
                     self._wake = min((deadline for deadline, _, _ in self._waiting.values()), default=float("inf"))
-                    self._cond.wait(None if self._wake == float("inf") else max(self._wake - now, 0.01))
+                    self._cond.wait(None if self._wake == float("inf") else max(self._wake - now, _MIN_WAKE_S))
                     continue
             for _, context, details in late:
                 _cancel(context, grpc.StatusCode.DEADLINE_EXCEEDED, details)

@@ -30,6 +30,7 @@ from gradsync.core import settings
 from gradsync.core.atomic_file import write_atomically
 from gradsync.core.buckets import Entry, join_pieces
 from gradsync.core.emulated_network import reachable
+from gradsync.core.job_names import server_name
 from gradsync.tables.placement import check_ids, join_rows, split_ids
 from gradsync.proto import gradsync_pb2 as pb
 from gradsync.proto import gradsync_pb2_grpc as pb_grpc
@@ -129,7 +130,8 @@ class Client:
         """The builtin exception for `call` on `shard` failing with `e`, naming the address and elapsed time
         (since `start`, a `time.monotonic()`), and TLS with its fix when TLS is why (`tls`)."""
         kind = _ERRORS.get(e.code(), RuntimeError)
-        where = f"{call} on shard {shard} at {self.addresses[shard]} failed after {time.monotonic() - start:.2f} s"
+        where = (f"{call} on {server_name(shard)} at {self.addresses[shard]} failed after "
+                 f"{time.monotonic() - start:.2f} s")
         why = tls.mismatch(self.addresses[shard], self.root_cert, min(self.timeout, _TLS_PROBE_S)) \
             if kind is ConnectionError and _MAYBE_TLS.search(e.details() or "") else None
         return kind(f"{where}: TLS: {why}" if why else f"{where}: {e.code().name}: {e.details()}")
@@ -380,7 +382,7 @@ def read_stream(call, what: str, shard: int) -> tuple[pb.PullHeader, dict[tensor
     """`read_pulled` with the whole PullHeader."""
     first = next(call, None)
     if not isinstance(first, pb.PullResponse) or first.WhichOneof("item") != "header":
-        raise RuntimeError(f"{what} on shard {shard}: the stream did not start with a PullHeader")
+        raise RuntimeError(f"{what} on {server_name(shard)}: the stream did not start with a PullHeader")
     return first.header, tensor_codec.decode(_pulled_chunks(call, what, shard))
 
 
@@ -395,7 +397,7 @@ def chunk_of(response) -> tensor_codec.Chunk | None:
 def _pulled_chunks(call, what: str, shard: int):
     for response in call:
         if (chunk := chunk_of(response)) is None:
-            raise RuntimeError(f"{what} on shard {shard}: a second PullHeader in the middle of the stream")
+            raise RuntimeError(f"{what} on {server_name(shard)}: a second PullHeader in the middle of the stream")
         yield chunk
 
 

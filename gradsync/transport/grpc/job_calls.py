@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 
 from gradsync.config import JobConfig
-from gradsync.core.job_names import StoreKeys
+from gradsync.core.job_names import StoreKeys, server_name
 from gradsync.core import settings
 from gradsync.core.buckets import Bucket, ModelSpec
-from gradsync.metrics.timeline import HEAD, PieceEvents
+from gradsync.metrics.timeline import HEAD, PieceEvents, Timeline
 from gradsync.core.torch_internals import start_dist_autograd
 from gradsync.core.transport_capabilities import capabilities
 from gradsync.proto import gradsync_pb2 as pb
@@ -88,14 +88,14 @@ def read_pieces(call, what: str, s: int, arrived=lambda bucket, tensor, stamp: N
                 header = response.header
                 return
             else:
-                raise RuntimeError(f"{what} on ps{s}: a second PullHeader in the reply")
+                raise RuntimeError(f"{what} on {server_name(s)}: a second PullHeader in the reply")
 
     tensors = {}
     for key, tensor in tensor_codec.decode_each(chunks()):
         tensors[key] = tensor
         arrived(key, tensor, stamps.pop(key, None))
     if header is None:
-        raise RuntimeError(f"{what} on ps{s}: the reply ended without its PullHeader")
+        raise RuntimeError(f"{what} on {server_name(s)}: the reply ended without its PullHeader")
     tensors.update(tensor_codec.decode(chunks()))
     return header, tensors
 
@@ -118,8 +118,9 @@ class GrpcTransport(WorkerTransport):
 
     capabilities = capabilities("grpc")
 
-    def __init__(self, config: JobConfig, store: dist.Store, server_buckets: dict[int, list[Bucket]]):
-        super().__init__(config, store, server_buckets)
+    def __init__(self, config: JobConfig, store: dist.Store, server_buckets: dict[int, list[Bucket]],
+                 timeline: Timeline | None = None):
+        super().__init__(config, store, server_buckets, timeline)
         self.frozen: dict[int, dict[str, torch.Tensor]] = {}
         self.client = _client(config, store)
         snapshot = tensor_codec.message_parser(pb.PullResponse)  # chunks as views of the received bytes
@@ -167,7 +168,7 @@ class GrpcTransport(WorkerTransport):
         for s in self.servers:
             answer = take(self.store, StoreKeys.GRPC_REGISTERED.format(s), f"the answer of server {s}")
             if isinstance(answer, str):
-                raise RuntimeError(f"registering the model on ps{s} failed: {answer}")
+                raise RuntimeError(f"registering the model on {server_name(s)} failed: {answer}")
             self.frozen[s] = answer
         return {n: t for part in self.frozen.values() for n, t in part.items()}
 
@@ -216,16 +217,16 @@ class GrpcTransport(WorkerTransport):
             except BaseException as e:  # noqa: BLE001 -- raised below, in the caller's thread
                 replies[s] = e
 
-        readers = [threading.Thread(target=read, args=(s,), name=f"JobPush replies of ps{s}", daemon=True)
-                   for s in self.servers]
+        readers = [threading.Thread(target=read, args=(s,), name=f"JobPush replies of {server_name(s)}",
+                                    daemon=True) for s in self.servers]
         for t in readers:
             t.start()
         for t in readers:  # each reply stream ends by its call's deadline, the step timeout
             t.join(self.config.step_timeout + 5)
         for s in self.servers:
             if not isinstance(replies.get(s), Snapshot):
-                raise replies.get(s) or RuntimeError(f"JobPush on ps{s}: no reply {self.config.step_timeout:g} s "
-                                                     "after the step timeout")
+                raise replies.get(s) or TimeoutError(f"JobPush on {server_name(s)}: no reply "
+                                                     f"{self.config.step_timeout:g} s after the step timeout")
         return replies
 
     def finish(self, versions: dict[int, int], coefficient: float | None) -> dict[int, Snapshot]:
@@ -271,7 +272,8 @@ class GrpcTransport(WorkerTransport):
             if piece.payload is None:  # its reply comes after the stream ends
                 continue
             if not slots.acquire(timeout=self.config.step_timeout):  # raising cancels the call: no short step
-                raise RuntimeError(f"JobPush on ps{s}: no piece answered in {self.config.step_timeout:g} s")
+                raise TimeoutError(f"JobPush on {server_name(s)}: no piece answered in "
+                                   f"{self.config.step_timeout:g} s")
             lanes[(s, piece.bucket)] = self.timeline.lane((s, piece.bucket))
             yield from tensor_codec.encode_messages({piece.bucket: piece.payload}, pb.JobPushRequest)
 
@@ -288,13 +290,14 @@ class GrpcTransport(WorkerTransport):
         buckets = len(self.server_buckets[s])
         if sorted(k for k in tensors if isinstance(k, int)) != list(range(buckets)):
             raise RuntimeError(
-                f"{what} on ps{s}: the snapshot holds buckets {sorted(k for k in tensors if isinstance(k, int))}, "
+                f"{what} on {server_name(s)}: the snapshot holds buckets "
+                f"{sorted(k for k in tensors if isinstance(k, int))}, "
                 f"expected 0..{buckets - 1}: do the worker and the server hold the same bucket plan?"
             )
         return Snapshot(version, [tensors.pop(b) for b in range(buckets)], tensors)
 
     def optimizer_state(self) -> dict[int, dict]:
-        return {s: from_bytes(self._plain("JobOptimizerState", s, b""), f"ps{s}'s optimizer state")
+        return {s: from_bytes(self._plain("JobOptimizerState", s, b""), f"{server_name(s)}'s optimizer state")
                 for s in self.servers}
 
     def load_optimizer_state(self, parts: dict[int, tuple[dict, list]]) -> None:
@@ -313,7 +316,7 @@ class GrpcTransport(WorkerTransport):
             raise self.client.error(method, s, start, e) from None
 
     def checkpoint(self, directory: str) -> dict[int, tuple[str, int]]:
-        return {s: from_bytes(self._plain("JobCheckpoint", s, directory.encode()), f"ps{s}'s checkpoint")
+        return {s: from_bytes(self._plain("JobCheckpoint", s, directory.encode()), f"{server_name(s)}'s checkpoint")
                 for s in self.servers}
 
     def state(self) -> dict[int, tuple]:
