@@ -56,8 +56,8 @@ def _joint(step: int, workers: int) -> tuple[torch.Tensor, ...]:
 def train_bags(optimizer: str, steps: int, max_norm: float | None, bad_at: int | None) -> dict:
     """Train BagNet under the job's strategy; at step `bad_at` worker 1 looks up an id past the Embedding's
     end, which every worker must refuse with one error and nothing applied, and the loop goes on. Returns
-    the trained state (the trainer's and the user's module's), the refusal's text and whether the state was
-    unchanged by it."""
+    the trained state (the trainer's and the user's module's), the refusal's text, whether the state was
+    unchanged by it, and worker 0's evaluation of the next batch, run after the others returned."""
     model = BagNet()
     trainer = gradsync.Trainer(model, torch.optim.AdamW(model.parameters(), lr=LR), max_grad_norm=max_norm,
                                table_optimizer=ROW_OPTIMIZERS[optimizer])
@@ -79,8 +79,12 @@ def train_bags(optimizer: str, steps: int, max_norm: float | None, bad_at: int |
             loss = F.mse_loss(trainer.model(bag, offsets, ids, x), y)
             dist_autograd.backward(cid, [loss])
             trainer.step(cid)
+    evaluated = None
+    if me == 0:  # worker 0 alone, the others done: a forward without gradients needs no collective
+        with torch.no_grad():
+            evaluated = trainer.model(*bag_batch(steps, 0)[:4])
     return dict(state=trainer.state_dict(), module=model.state_dict(), refused=refused, unchanged=unchanged,
-                sizes=trainer._strategy.model_sizes(0))
+                sizes=trainer._strategy.model_sizes(0), evaluated=evaluated)
 
 
 def reference_bags(optimizer: str, steps: int, workers: int, max_norm: float | None) -> dict[str, torch.Tensor]:

@@ -7,7 +7,7 @@ import torch
 
 import gradsync
 from helpers import max_diff
-from sharded_models import ROWS_EMB, BagNet, reference_bags, train_bags
+from sharded_models import ROWS_EMB, BagNet, bag_batch, reference_bags, train_bags
 
 pytestmark = pytest.mark.job  # every test here starts processes
 
@@ -29,6 +29,11 @@ def test_sharded_tables_match_single_process(workers, optimizer, max_norm, toler
                                 f"{ROWS_EMB + 3} on worker 1: fix the input ids (nothing was looked up or applied)")
         assert r["unchanged"]
         assert r["sizes"]["sharded_tables"] == 2
+    trained = BagNet()
+    trained.load_state_dict(reference)
+    with torch.no_grad():
+        expected = trained(*bag_batch(STEPS, 0)[:4])
+    assert (results[0]["evaluated"] - expected).abs().max() <= 10 * tolerance  # evaluation on worker 0 alone
     for key in ("bag.weight", "emb.weight", "mlp.0.weight"):
         assert (results[0]["state"][key] - start[key]).abs().max() > 1e-3  # it trained
     if max_norm is not None:  # the clipping bit: without it the reference lands elsewhere

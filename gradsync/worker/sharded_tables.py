@@ -30,7 +30,7 @@ from gradsync.core.errors import bad_id_error
 from gradsync.core.finite import first_nonfinite
 from gradsync.core.job_names import worker_name
 from gradsync.ps.messages import RowGrads
-from gradsync.tables.placement import check_id_dtype, merge_rows, out_of_range
+from gradsync.tables.placement import check_id_dtype, check_ids, merge_rows, out_of_range
 from gradsync.tables.row_partition import ExchangePlan, local_index, owned_rows, owners
 from gradsync.worker.served_tables import ServedTables
 
@@ -70,6 +70,12 @@ def _exchange_counts(counts: list[int], flag: int | None) -> tuple[list[int], li
 def _rows_of(table: str, step: int, timeout: float) -> tuple[torch.Tensor, torch.Tensor]:
     """RPC handler: this worker's rows of `table` (ids, values) once it has applied `step` steps."""
     return _HELD.rows_of(table, step, timeout)
+
+
+def _rows_at(table: str, ids: torch.Tensor, step: int, timeout: float) -> torch.Tensor:
+    """RPC handler: this worker's rows `ids` of `table` once it has applied `step` steps."""
+    owned, values = _HELD.rows_of(table, step, timeout, ids)
+    return values
 
 
 class ShardedTables(ServedTables):
@@ -131,7 +137,10 @@ class ShardedTables(ServedTables):
 
     def _pull(self, name: str, ids: torch.Tensor) -> tuple[torch.Tensor, dict[int, int]]:
         """The rows of the unique global `ids` from their owners; refuses (on every worker) a lookup in which
-        any worker's batch holds an id outside the table."""
+        any worker's batch holds an id outside the table. A forward without gradients (evaluation, which one
+        worker may run alone, say worker 0 after training) reads them without a collective (`_read`)."""
+        if not torch.is_grad_enabled():
+            return self._read(name, ids), dict.fromkeys(range(self.workers), 0)
         rows = self.modules[name].num_embeddings
         plan = ExchangePlan.of(ids, self.workers)
         asked_counts, culprits, bad = _exchange_counts(plan.counts, out_of_range(ids, rows))
@@ -143,6 +152,22 @@ class ShardedTables(ServedTables):
         values = shard.values.new_empty((ids.numel(), shard.values.shape[1]))
         values[plan.order] = _exchange(answer, asked_counts, plan.counts)
         return values, dict.fromkeys(range(self.workers), 0)
+
+    def _read(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of the unique global `ids`, asked of each owner alone over torch RPC once it has applied
+        this worker's steps (each call bounded by the step timeout); an id outside the table refused here."""
+        check_ids(name, ids, self.modules[name].num_embeddings)
+        owner = owners(ids, self.workers)
+        futures = {w: rpc.rpc_async(worker_name(w), _rows_at, args=(name, ids[owner == w], self.applied,
+                                                                     self.timeout), timeout=2 * self.timeout)
+                   for w in range(self.workers) if w != self.worker and bool((owner == w).any())}
+        shard = self.shards[name]
+        values = shard.values.new_empty((ids.numel(), shard.values.shape[1]))
+        mine = owner == self.worker
+        values[mine] = shard.values.index_select(0, local_index(shard.owned, ids[mine]))
+        for w, fut in futures.items():
+            values[owner == w] = fut.wait()
+        return values
 
     def exchange_grads(self, pushes: dict[int, dict[str, RowGrads]], scale: float
                        ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, int]]:
@@ -195,14 +220,18 @@ class ShardedTables(ServedTables):
         dist.all_gather(every, mine)
         return [float(p) for p in every]
 
-    def rows_of(self, table: str, step: int, timeout: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """This worker's rows of `table` (ids, a copy of the values) once it has applied `step` steps."""
+    def rows_of(self, table: str, step: int, timeout: float, ids: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This worker's rows of `table` (ids, a copy of the values; with `ids`, those of its rows) once it has
+        applied `step` steps."""
         with self._stepped:
             if not self._stepped.wait_for(lambda: self.applied >= step, timeout):
                 raise TimeoutError(f"worker {self.worker} was asked for its rows of table {table!r} after step "
                                    f"{step} and had applied {self.applied} steps after {timeout:.0f} s")
             shard = self.shards[table]
-            return shard.owned, shard.values.clone()
+            if ids is None:
+                return shard.owned, shard.values.clone()
+            return ids, shard.values.index_select(0, local_index(shard.owned, ids))
 
     def _gathered(self, spec, module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
         if self.serving:
