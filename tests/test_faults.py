@@ -80,7 +80,7 @@ def test_shutdown_returns_after_the_heartbeat_thread_has_ended():
     aborts it (SIGABRT, `terminate called without an active exception`; seen on a grpc job behind a link)."""
     config = JobConfig(strategy="ps", servers=1, world_size=2, rank=1, transport="grpc", shutdown_timeout=5.0)
     store, before = host_store(0), set(threading.enumerate())
-    cluster._STATE = cluster.Cluster(config, store, Heartbeat(store, config))
+    cluster.set_running(cluster.Cluster(config, store, Heartbeat(store, config)))
     [beating] = [t for t in threading.enumerate() if t not in before and t.name == "gradsync-heartbeat"]
     gradsync.shutdown()
     assert not beating.is_alive()
