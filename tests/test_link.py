@@ -19,16 +19,10 @@ from gradsync.core.emulated_network import reachable
 from gradsync.launcher.netem import Link, Network
 import jobs
 from jobs import reference_mlp, train_mlp
-from helpers import NOISE, REFUSED_SCRIPT, gradsync_run
+from helpers import NOISE, REFUSED_SCRIPT, gradsync_run, needs_root
 import killed_launcher
 
 TESTS = os.path.dirname(__file__)
-
-
-def needs_root(test):
-    """Marked `root`, and skipped without root or iproute2: an emulated network needs both."""
-    return pytest.mark.root(pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/sbin/ip"),
-                                               reason="an emulated network needs root and iproute2")(test))
 
 
 def _job(stderr: str) -> str:
