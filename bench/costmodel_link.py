@@ -7,9 +7,9 @@ W = 2 runs alone (`gradsync.compare.predict.fitted`, as --predict does) and pred
 separate machines (what --predict reports), for this machine, where the workers' compute is time-sliced on
 its cores (`cores=`), and with the runs' fixed cost taken as a latency per message instead of per step.
 Each run appends a session (when it ran, the load average, every run's measurements) to
-bench/results/costmodel_link.json and prints each session's table; `--refit` analyses the stored sessions
-again with the current model, without running a job. The machine is shared: compare sessions only with
-their load in mind.
+bench/results/costmodel_link.json (or `--out`) and prints each session's table; `--refit` analyses the stored
+sessions again with the current model, without running a job. `--steps N` trains every job N steps instead of
+the link's default. The machine is shared: compare sessions only with their load in mind.
 
     PYTHONPATH=$PWD .venv/bin/python bench/costmodel_link.py [--links 1gbit 100mbit] [--workers 2 3 4]
     PYTHONPATH=$PWD .venv/bin/python bench/costmodel_link.py --refit
@@ -54,11 +54,11 @@ def train(steps: int) -> None:
     gradsync.shutdown()
 
 
-def measure(link: str, workers: int, out: str) -> list[dict]:
-    """The compare's runs (allreduce, ps sync S=1, S=2) at this link and W."""
+def measure(link: str, workers: int, steps: int, out: str) -> list[dict]:
+    """The compare's runs (allreduce, ps sync S=1, S=2) at this link and W, each `steps` steps."""
     from gradsync.compare import compare
 
-    compare(os.path.abspath(__file__), ["--train", str(STEPS.get(link, 10))], workers=workers, out_dir=out,
+    compare(os.path.abspath(__file__), ["--train", str(steps)], workers=workers, out_dir=out,
             strategies=["allreduce", "ps"], servers=[1, 2], modes=["sync"], compressions=["none"], timeout=300,
             warmup=1, link=link, command=f"bench/costmodel_link.py: compare --link {link} --workers {workers}",
             options={"--link": link, "--workers": str(workers)})
@@ -92,13 +92,15 @@ def check(link: str, by_workers: dict[int, list[dict]], cores: int) -> dict:
             "sizes": sizes, "rows": rows}
 
 
-def session(links: list[str], workers: list[int]) -> dict:
-    """Measure every link and W; returns the session as stored (no analysis)."""
+def session(links: list[str], workers: list[int], steps: int | None) -> dict:
+    """Measure every link and W (`steps` per job; None: the link's STEPS); returns the session as stored (no
+    analysis)."""
     started, load = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), os.getloadavg()
     runs = {}
     with tempfile.TemporaryDirectory(prefix="costmodel-link-") as scratch:
         for link in links:
-            runs[link] = {str(w): measure(link, w, os.path.join(scratch, f"{link}-w{w}")) for w in workers}
+            runs[link] = {str(w): measure(link, w, steps or STEPS.get(link, 10), os.path.join(scratch, f"{link}-w{w}"))
+                          for w in workers}
     return {"started": started, "cores": os.cpu_count(), "load_average": {"start": load, "end": os.getloadavg()},
             "runs": runs}
 
@@ -133,6 +135,9 @@ def main() -> int:
     parser.add_argument("--links", nargs="+", default=["1gbit", "100mbit"])
     parser.add_argument("--workers", nargs="+", type=int, default=[2, 3, 4])
     parser.add_argument("--refit", action="store_true", help="analyse the stored sessions again, run nothing")
+    parser.add_argument("--steps", type=int, help="steps per job (default: by link, 12 at 1gbit, 7 at 100mbit)")
+    parser.add_argument("--out", default=RESULTS, help=f"the sessions file read, appended to and written "
+                                                       f"(default: {RESULTS})")
     parser.add_argument("--train", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.train is not None:
@@ -141,22 +146,22 @@ def main() -> int:
     if 2 not in args.workers:
         parser.error("--workers must include 2: the fit is made on W = 2")
     stored = []
-    if os.path.exists(RESULTS):
-        with open(RESULTS) as f:
+    if os.path.exists(args.out):
+        with open(args.out) as f:
             stored = [{k: v for k, v in s.items() if k != "results"} for s in json.load(f)["sessions"]]
     elif args.refit:
-        parser.error(f"--refit: no {RESULTS} to analyse; run the bench first")
+        parser.error(f"--refit: no {args.out} to analyse; run the bench first")
     if not args.refit:
-        stored.append(session(args.links, args.workers))
+        stored.append(session(args.links, args.workers, args.steps))
     sessions = [analysed(s) for s in stored]
     for s in sessions:
         print(f"## session {s['started']} (load average {s['load_average']})\n")
         print("\n\n".join(table(result) for result in s["results"]), "\n", flush=True)
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as f:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
         json.dump({"command": "bench/costmodel_link.py", "model": {"sizes": SIZES, "batch": BATCH}, "steps": STEPS,
                    "sessions": sessions}, f, indent=1)
-    print(f"wrote {RESULTS}")
+    print(f"wrote {args.out}")
     return 0
 
 

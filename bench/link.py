@@ -93,6 +93,7 @@ def main() -> None:
     parser.add_argument("--rates", nargs="+", default=["100mbit", "1gbit", "10gbit"])
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--repeats", type=int, default=3, help="runs of every rate, interleaved; the median is kept")
+    parser.add_argument("--out", default=RESULTS, help=f"where to write the JSON report (default: {RESULTS})")
     parser.add_argument("--receive", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--send", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -108,8 +109,8 @@ def main() -> None:
         rows.append(row)
         print(f"{rate:>8}: {row['achieved_bit_s'] / 1e6:9.1f} Mbit/s achieved (median of {len(runs)}), "
               f"{row['ratio']:.3f} of the configured rate (each run: {ratios})")
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as f:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
         json.dump({"command": shlex.join(["python", "bench/link.py", *sys.argv[1:]]), "nproc": os.cpu_count(),
                    "rows": rows}, f, indent=2)
         f.write("\n")

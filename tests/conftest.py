@@ -1,11 +1,13 @@
 """Shared test setup: tests/ on sys.path (for the helper modules, and for the ranks the tests spawn, which
 import jobs.py and friends by module path), pytest-timeout required, and the fixtures many files use: a store,
-a job launcher inside the test's hard timeout, an in-process gRPC server, single-process reference training; and
+a job launcher inside the test's hard timeout, an in-process gRPC server, single-process reference training,
+imports isolated for the scripts of bench/ run in this process; and
 the tiers (tiers.py): `job` marked on tests using `launch`, and a process started by any test not marked `job` fails
 it."""
 import contextlib
 import functools
 import os
+import pathlib
 import sys
 
 import pytest
@@ -84,3 +86,26 @@ def reference():
     from jobs import reference_mlp
 
     return functools.cache(reference_mlp)
+
+
+@pytest.fixture
+def isolated_imports(monkeypatch):
+    """sys.path as it was before the test, and no module of bench/ or examples/ imported while a script of bench/
+    runs in this process (it finds its neighbours afresh, as in its own process); afterwards the modules of bench/
+    and examples/ that were imported before (another test's `charlm`, whose functions pickle by that module) are
+    back as they were."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    folders = (root / "bench", root / "examples")
+
+    def forget() -> dict:
+        gone = {name: module for name, module in sys.modules.items()
+                if pathlib.Path(getattr(module, "__file__", None) or "/").parent in folders}
+        for name in gone:
+            del sys.modules[name]
+        return gone
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    before = forget()
+    yield
+    forget()
+    sys.modules.update(before)

@@ -1,7 +1,7 @@
-"""What the test files share that is not a fixture: comparing state dicts, running `gradsync run`, telling
-whether a process is gone, processes that take turns on one CPU, a self-signed certificate, what a job must not
-print. Test files import these from here, never from one another (tests/conftest.py puts this folder on
-sys.path, for the tests and for the ranks they spawn)."""
+"""What the test files share that is not a fixture: comparing state dicts, running `gradsync run`, waiting for
+a condition, marking a test that needs root, telling whether a process is gone, processes that take turns on one
+CPU, a self-signed certificate, what a job must not print. Test files import these from here, never from one
+another (tests/conftest.py puts this folder on sys.path, for the tests and for the ranks they spawn)."""
 from __future__ import annotations
 
 import contextlib
@@ -35,6 +35,22 @@ def gradsync_run(*args, timeout=60, env=None) -> subprocess.CompletedProcess:
     """`gradsync run ARGS` in a subprocess (`env`: variables added to this environment)."""
     return subprocess.run([sys.executable, "-m", "gradsync.cli", "run", *args], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def needs_root(test):
+    """Marked `root`, and skipped without root or iproute2: an emulated network needs both."""
+    import pytest
+
+    return pytest.mark.root(pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/sbin/ip"),
+                                               reason="an emulated network needs root and iproute2")(test))
+
+
+def wait_until(condition, what: str, timeout: float = 15.0) -> None:
+    """Poll `condition()` until it holds; fails saying `what` did not happen within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} (waited {timeout:g} s)"
+        time.sleep(0.05)
 
 
 def gone(pid: int) -> bool:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import time
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -17,6 +16,7 @@ from gradsync.core.buckets import Entry, join_pieces
 from gradsync.core.optimizer_spec import join_state
 from gradsync.tables.placement import join_rows
 from gradsync.ps import shard_file
+from helpers import wait_until
 from jobs import batch, make_mlp, run_loop
 from sparse_models import ClickNet, click_batch
 
@@ -31,8 +31,7 @@ def _started(trainer: gradsync.Trainer, out: str | None) -> None:
         start = {"model": trainer.state_dict(), "optimizer": trainer.optimizer.state_dict()}
         torch.save(start, path + ".tmp")
         os.rename(path + ".tmp", path)
-    while not os.path.exists(path):
-        time.sleep(0.02)
+    wait_until(lambda: os.path.exists(path), f"worker 0 did not save {path}", timeout=60)
 
 
 def train_clicks(steps: int, kill_at: int | None = None, out: str | None = None) -> tuple[int, dict]:

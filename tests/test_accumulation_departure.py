@@ -1,6 +1,6 @@
 """Allreduce with gradient accumulation: a worker that finished its steps and left is not taken for one that
 left early by a worker still finishing the same last step (steps count contexts, not micro-batches)."""
-import time
+import threading
 
 import pytest
 import torch
@@ -8,8 +8,6 @@ import torch.distributed.autograd as dist_autograd
 import torch.nn.functional as F
 
 import gradsync
-from gradsync.core.job_names import StoreKeys
-from gradsync.membership.liveness import interval, parse_left
 from gradsync.runtime import cluster
 
 pytestmark = pytest.mark.job  # every test here starts processes
@@ -18,11 +16,13 @@ STEPS, MICRO = 3, 2
 
 
 def accumulate_then_wait_for_the_other_to_leave() -> int:
-    """STEPS steps of MICRO micro-batches; worker 0, after its last backward, waits until worker 1 has left
-    (and two heartbeats more) before its last trainer.step. Returns the steps taken."""
+    """STEPS steps of MICRO micro-batches; worker 0, after its last backward, waits until its heartbeat thread
+    has told the Trainer that worker 1 left (a listener registered after the Trainer's is called after it)
+    before its last trainer.step. Returns the steps taken."""
     torch.manual_seed(0)
     trainer = gradsync.Trainer(torch.nn.Linear(4, 2), torch.optim.SGD, lr=0.1)
-    me, store = gradsync.worker_rank(), cluster.current().store
+    me, told = gradsync.worker_rank(), threading.Event()
+    cluster.current().heartbeat.on_left(lambda worker, steps: worker == 1 and told.set())
     for step in range(STEPS):
         with dist_autograd.context() as cid:
             for micro in range(MICRO):
@@ -30,11 +30,7 @@ def accumulate_then_wait_for_the_other_to_leave() -> int:
                 with trainer.no_sync() if micro < MICRO - 1 else torch.enable_grad():
                     dist_autograd.backward(cid, [F.mse_loss(trainer.model(x), torch.zeros(2, 2))])
             if me == 0 and step == STEPS - 1:
-                deadline = time.monotonic() + 60
-                while 1 not in parse_left(store.get(StoreKeys.LEFT)):
-                    assert time.monotonic() < deadline, "worker 1 never left"
-                    time.sleep(0.05)
-                time.sleep(2 * interval(cluster.current().config.step_timeout) + 0.5)  # its heartbeat saw it
+                assert told.wait(60), "worker 0's heartbeat did not see worker 1 leave within 60 s"
             trainer.step(cid)
     return STEPS
 

@@ -10,31 +10,9 @@ import sys
 import pytest
 
 BENCH = pathlib.Path(__file__).resolve().parent.parent / "bench"
-EXAMPLES = BENCH.parent / "examples"
 SCRIPTS = sorted(p.name for p in BENCH.glob("*.py"))
 LIBRARIES = {"measure.py"}
 """Modules the scripts import, not run: importing them is the check."""
-
-
-@pytest.fixture
-def isolated_imports(monkeypatch):
-    """sys.path as it was before the test, and no module of bench/ or examples/ imported while a script runs (it
-    finds its neighbours afresh, as in its own process); afterwards the modules of bench/ and examples/ that were
-    imported before (another test's `charlm`, whose functions pickle by that module) are back as they were."""
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    before = _forget_bench_modules()
-    yield
-    _forget_bench_modules()
-    sys.modules.update(before)
-
-
-def _forget_bench_modules() -> dict:
-    """Remove the modules of bench/ and examples/ from sys.modules; returns them by name."""
-    gone = {name: module for name, module in sys.modules.items()
-            if pathlib.Path(getattr(module, "__file__", None) or "/").parent in (BENCH, EXAMPLES)}
-    for name in gone:
-        del sys.modules[name]
-    return gone
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

@@ -12,7 +12,7 @@ from elastic_jobs import (GRAD, LR, SIZE, Constant, die_before_the_trainer, kill
                           train_until_killed_mid_push, train_while_a_worker_joins)
 from faults import Fault, train_with_fault
 from gradsync.core import settings
-from gradsync.membership import newcomers
+from gradsync.membership import liveness, newcomers
 from gradsync.config import ConfigError, JobConfig
 from gradsync.core.job_names import StoreKeys
 from gradsync.launcher.scripts import _joiner_ended
@@ -144,7 +144,9 @@ def _store() -> dist.TCPStore:
                          timeout=datetime.timedelta(seconds=5))
 
 
-def test_a_gone_worker_counts_as_left_and_joined_workers_are_watched():
+def test_a_gone_worker_counts_as_left_and_joined_workers_are_watched(monkeypatch):
+    now = [0.0]  # the watch's clock, moved by hand
+    monkeypatch.setattr(liveness.time, "monotonic", lambda: now[0])
     store = _store()
     config = JobConfig(strategy="ps", mode="async", servers=1, world_size=3)
     create_keys(store, config.world_size, config.num_workers)
@@ -156,7 +158,7 @@ def test_a_gone_worker_counts_as_left_and_joined_workers_are_watched():
     assert watch.read(store) == {1: None} and watch.gone == {1: "killed by SIGKILL"}
     assert staying(store) == [0, 2] and len(watch.counts) == 4  # the joiner is watched from now on
     store.add(StoreKeys.ALIVE.format(0), 1)
-    time.sleep(0.2)
+    now[0] += 0.2
     watch.read(store)
     assert sorted(watch.silent(0.1)) == [3]  # worker 1 is gone: not silent; worker 2 has not beaten
 

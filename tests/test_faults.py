@@ -14,6 +14,7 @@ import time
 import pytest
 
 import gradsync
+import killed_launcher
 from faults import Fault, read_stamp, train_then_leave, train_with_fault
 from gradsync.runtime import cluster
 from gradsync.runtime.store import connect_store
@@ -79,7 +80,7 @@ def test_shutdown_returns_after_the_heartbeat_thread_has_ended():
     aborts it (SIGABRT, `terminate called without an active exception`; seen on a grpc job behind a link)."""
     config = JobConfig(strategy="ps", servers=1, world_size=2, rank=1, transport="grpc", shutdown_timeout=5.0)
     store, before = host_store(0), set(threading.enumerate())
-    cluster._STATE = cluster.Cluster(config, store, Heartbeat(store, config))
+    cluster.set_running(cluster.Cluster(config, store, Heartbeat(store, config)))
     [beating] = [t for t in threading.enumerate() if t not in before and t.name == "gradsync-heartbeat"]
     gradsync.shutdown()
     assert not beating.is_alive()
@@ -176,10 +177,9 @@ def test_an_allreduce_worker_training_outside_join_is_explained_not_an_abort(tmp
            "entering it: every worker must train inside `with trainer.join():`" in headline, stderr
 
 
-_FOREVER = """import os, sys, time
+_FOREVER = """import sys
 sys.path.insert(0, {tests!r})
-with open(os.path.join({pids!r}, os.environ["RANK"]), "w") as f:
-    f.write(str(os.getpid()))
+{pid_file}
 import gradsync, faults
 gradsync.init()
 faults.train_with_fault(faults.Fault(0, 2, "mark", {pids!r}), 10**6)
@@ -199,31 +199,24 @@ def test_no_rank_outlives_a_killed_gradsync_run(strategy, servers, workers, sig,
     # that the launcher's multiprocessing folder (pymp-*) is made inside it too
     own_tmp = pathlib.Path(tempfile.mkdtemp(prefix="gs-", dir="/tmp"))
     script = tmp_path / "forever.py"
-    script.write_text(_FOREVER.format(tests=TESTS, pids=str(pids_dir)))
-    stderr = tmp_path / "stderr"  # a file, not a pipe: a surviving rank would hold a pipe open
-    with open(stderr, "w") as out:
-        launcher = subprocess.Popen([sys.executable, "-m", "gradsync.cli", "run", "--strategy", strategy,
-                                     "--workers", str(workers), str(script)], stderr=out, start_new_session=True,
-                                    env={**os.environ, "TMPDIR": str(own_tmp)})
-    pids = []
+    script.write_text(_FOREVER.format(tests=TESTS, pids=str(pids_dir),
+                                      pid_file=killed_launcher.pid_file_code(pids_dir)))
+    stderr = tmp_path / "stderr"
+    command = [sys.executable, "-m", "gradsync.cli", "run", "--strategy", strategy, "--workers", str(workers),
+               str(script)]
     try:
-        deadline = time.monotonic() + 60
-        while not (pids_dir / "fault").exists():  # worker 0 reached step 2: every rank is up
-            assert launcher.poll() is None and time.monotonic() < deadline, "the job did not start"
-            time.sleep(0.1)
-        pids = [int((pids_dir / str(rank)).read_text()) for rank in range(servers + workers)]
-        pids.append(procfs.parent(pids[0]))  # the fork server, which removes a SIGKILLed launcher's pymp-* folder
-        assert len(list(own_tmp.glob("pymp-*"))) == 1
-        launcher.send_signal(sig)
-        launcher.wait(timeout=30)
-        deadline = time.monotonic() + 5
-        while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert [pid for pid in pids if not _gone(pid)] == []
+        with killed_launcher.started(command, stderr, env={**os.environ, "TMPDIR": str(own_tmp)}) as launcher:
+            launcher.wait_for(lambda: (pids_dir / "fault").exists(), "the job did not start")  # worker 0 at step 2
+            ranks = killed_launcher.read_pids(pids_dir, servers + workers)
+            # and the fork server, which removes a SIGKILLed launcher's pymp-* folder
+            launcher.watched = [*ranks, procfs.parent(ranks[0])]
+            assert len(list(own_tmp.glob("pymp-*"))) == 1
+            returncode = launcher.stop(sig)
+            assert launcher.survivors(within=5) == []
         assert list(own_tmp.glob("pymp-*")) == []
         run_dir = _run_dir(stderr.read_text())
         if sig != signal.SIGKILL:  # README: SIGTERM, SIGHUP or Ctrl-C stop every rank, exit 128 + the signal
-            assert launcher.returncode == 128 + sig
+            assert returncode == 128 + sig
             assert f"gradsync: stopped by {sig.name}: every rank was stopped" in stderr.read_text()
         else:  # the launcher could not remove its run directory: the next one does
             assert os.path.exists(run_dir)
@@ -232,11 +225,6 @@ def test_no_rank_outlives_a_killed_gradsync_run(strategy, servers, workers, sig,
                 temporary_run_dir(stack, "gradsync-run-")
         assert not os.path.exists(run_dir)
     finally:
-        for pid in pids:
-            if not _gone(pid):
-                os.kill(pid, signal.SIGKILL)
-        if launcher.poll() is None:
-            launcher.kill()
         shutil.rmtree(own_tmp, ignore_errors=True)
 
 

@@ -14,6 +14,7 @@ from gradsync.transport.grpc.client import Client
 from gradsync.proto import gradsync_pb2 as pb
 from gradsync.ps.messages import Push
 from grpc_harness import MEMBER_TOKEN, TOKEN, each_worker, job_transports, make_server, served
+from helpers import wait_until
 
 OUTSIDE = (("authorization", f"Bearer {TOKEN}"),)
 LR = 0.1
@@ -30,13 +31,6 @@ def _idle_push(channel, release: threading.Event, header: bool):
     return channel.stream_unary(PUSH).future(messages(), timeout=60, metadata=OUTSIDE)
 
 
-def _wait_until(condition, what: str, limit: float = 15.0) -> None:
-    deadline = time.monotonic() + limit
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
-
-
 @pytest.mark.timeout(40)
 def test_idle_outside_pushes_never_stall_the_job_workers():
     workers, steps, idle, slots = 2, 3, 4.0, 8
@@ -49,8 +43,8 @@ def test_idle_outside_pushes_never_stall_the_job_workers():
         # as many idle pushes as the endpoint had handler threads before, and more: the first `slots` hold every
         # outside slot (counted once admitted), the others are refused at once
         idle_pushes = [_idle_push(channel, release, header=False) for _ in range(slots + 4)]
-        _wait_until(lambda: member.stats()[0]["calls"].get("Push", 0) == slots, "the idle pushes were not admitted")
-        _wait_until(lambda: sum(f.done() for f in idle_pushes) == 4, "the pushes past the slots were not refused")
+        wait_until(lambda: member.stats()[0]["calls"].get("Push", 0) == slots, "the idle pushes were not admitted")
+        wait_until(lambda: sum(f.done() for f in idle_pushes) == 4, "the pushes past the slots were not refused")
         refused = [f for f in idle_pushes if f.done()]
         assert all(f.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for f in refused), [f.code() for f in refused]
         assert f"already runs {slots} calls from outside the job" in refused[0].details()
@@ -84,7 +78,7 @@ def test_idle_outside_pushes_never_stall_the_job_workers():
 
         # the idle streams end at the idle limit, and the outside slots are free again
         admitted = [f for f in idle_pushes if f not in refused]
-        _wait_until(lambda: all(f.done() for f in admitted), "the idle pushes were never cancelled", 3 * idle + 10)
+        wait_until(lambda: all(f.done() for f in admitted), "the idle pushes were never cancelled", 3 * idle + 10)
         assert all(f.code() == grpc.StatusCode.DEADLINE_EXCEEDED for f in admitted), [f.code() for f in admitted]
         assert f"sent nothing for {idle:g} s" in admitted[0].details()
         assert outside.health()[0]["ready"]
@@ -168,7 +162,7 @@ def test_an_outside_pull_left_unread_gives_its_slot_back_at_the_idle_limit():
             except RuntimeError:
                 return False
 
-        _wait_until(served_again, "the unread pull kept its slot", 3 * idle + 10)
+        wait_until(served_again, "the unread pull kept its slot", 3 * idle + 10)
         with pytest.raises(grpc.RpcError) as info:
             for _ in pull:
                 pass

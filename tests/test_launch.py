@@ -2,16 +2,14 @@
 ranks that die with the process that called it."""
 import os
 import signal
-import subprocess
 import sys
-import time
 
 import pytest
 
 import gradsync
-from gradsync.launcher import procfs
 from jobs import environment_value, init_then_train, reference_mlp
 from helpers import max_diff
+import killed_launcher
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -58,26 +56,14 @@ def test_no_rank_outlives_the_process_that_called_launch(tmp_path):
     (under load it did, while the ranks trained on without a store): they watch the caller itself."""
     pids_dir = tmp_path / "pids"
     pids_dir.mkdir()
-    caller = subprocess.Popen([sys.executable, "-c", _CALLER.format(tests=TESTS, pids=str(pids_dir))],
-                              stderr=subprocess.DEVNULL, start_new_session=True)
-    pids = []
-    try:
-        deadline = time.monotonic() + 120
-        while not (pids_dir / "ranks").exists():  # worker 0 trained 2 steps: every rank is up
-            assert caller.poll() is None and time.monotonic() < deadline, "the job did not start"
-            time.sleep(0.1)
-        pids = [int(p) for p in (pids_dir / "ranks").read_text().split()]
-        assert len(pids) == 3  # ps0, worker0, worker1
-        caller.kill()
-        caller.wait(timeout=10)
-        deadline = time.monotonic() + 10
-        while [p for p in pids if procfs.state(p) not in (None, "Z")] and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert [p for p in pids if procfs.state(p) not in (None, "Z")] == []
-    finally:
-        for pid in pids:
-            if procfs.state(pid) not in (None, "Z"):
-                os.kill(pid, signal.SIGKILL)
+    caller = [sys.executable, "-c", _CALLER.format(tests=TESTS, pids=str(pids_dir))]
+    with killed_launcher.started(caller, tmp_path / "stderr") as launcher:
+        # worker 0 trained 2 steps: every rank is up
+        launcher.wait_for(lambda: (pids_dir / "ranks").exists(), "the job did not start", timeout=120)
+        launcher.watched = [int(p) for p in (pids_dir / "ranks").read_text().split()]
+        assert len(launcher.watched) == 3  # ps0, worker0, worker1
+        launcher.stop(signal.SIGKILL, timeout=10)
+        assert launcher.survivors(within=10) == []
 
 
 @pytest.mark.job

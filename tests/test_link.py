@@ -7,7 +7,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -20,15 +19,10 @@ from gradsync.core.emulated_network import reachable
 from gradsync.launcher.netem import Link, Network
 import jobs
 from jobs import reference_mlp, train_mlp
-from helpers import NOISE, REFUSED_SCRIPT, gradsync_run
+from helpers import NOISE, REFUSED_SCRIPT, gradsync_run, needs_root
+import killed_launcher
 
 TESTS = os.path.dirname(__file__)
-
-
-def needs_root(test):
-    """Marked `root`, and skipped without root or iproute2: an emulated network needs both."""
-    return pytest.mark.root(pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/sbin/ip"),
-                                               reason="an emulated network needs root and iproute2")(test))
 
 
 def _job(stderr: str) -> str:
@@ -342,22 +336,14 @@ def test_nothing_is_left_after_a_signal_to_gradsync_run(sig, tmp_path):
     script.write_text(_JOB.format(tests=TESTS, body=f"open({str(tmp_path / 'up')!r}, 'w').close()\n"
                                   "jobs.train_mlp(10**6)"))
     stderr = tmp_path / "stderr"
-    with open(stderr, "w") as out:
-        launcher = subprocess.Popen([sys.executable, "-m", "gradsync.cli", "run", "--link", "1gbit", "--strategy",
-                                     "ps", "--workers", "1", str(script)], stderr=out, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "up").exists():
-            assert launcher.poll() is None and time.monotonic() < deadline, stderr.read_text()
-            time.sleep(0.1)
+    command = [sys.executable, "-m", "gradsync.cli", "run", "--link", "1gbit", "--strategy", "ps", "--workers", "1",
+               str(script)]
+    with killed_launcher.started(command, stderr) as launcher:
+        launcher.wait_for(lambda: (tmp_path / "up").exists(), "the job did not start")
         job = _job(stderr.read_text())
         ours = [ns for ns in netem.leftovers() if ns.startswith(job)]
         assert len(ours) == 3  # the hub, the server's and the worker's namespaces
-        launcher.send_signal(sig)
-        assert launcher.wait(timeout=30) == (128 + sig if sig == signal.SIGTERM else -sig)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
+        assert launcher.stop(sig) == (128 + sig if sig == signal.SIGTERM else -sig)
     if sig == signal.SIGKILL:
         assert set(ours) <= set(netem.leftovers())
         assert set(ours) <= set(netem.remove_abandoned())

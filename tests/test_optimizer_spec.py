@@ -43,7 +43,9 @@ def test_keyword_arguments_beside_an_instance_are_refused():
 def test_a_frozen_parameter_may_stay_out_of_the_optimizer():
     model = net()
     model[0].weight.requires_grad_(False)
-    as_optimizer(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1), {})
+    mine = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    assert as_optimizer(model, mine, {}) is mine
+    assert OptimizerSpec.of(mine, model).names == (("0.bias", "1.weight", "1.bias", "2.weight", "2.bias"),)
 
 
 class NeedsExtra(torch.optim.SGD):

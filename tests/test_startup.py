@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -14,7 +13,8 @@ from faults import sample_without_arguments, train_without_one_trainer
 from gradsync.config import ConfigError, JobConfig
 from gradsync.core.job_names import StoreKeys
 from gradsync.membership.liveness import create_keys, wait_for_arrivals
-from helpers import TESTS, gone as _gone, gradsync_run
+from helpers import TESTS, gradsync_run
+import killed_launcher
 
 ROOT = os.path.dirname(TESTS)
 STARTUP_TIMEOUT = 8  # from each rank's start: forked from the launcher's fork server, the ranks that do arrive
@@ -144,9 +144,8 @@ def test_distributed_sampler_without_arguments_under_ps_names_the_arguments_to_g
     assert sorted(halves[0] + halves[1]) == list(range(10))  # allreduce has a process group: it works as in DDP
 
 
-_FOREVER_BEFORE_INIT = """import os, time
-with open(os.path.join({pids!r}, os.environ["RANK"]), "w") as f:
-    f.write(str(os.getpid()))
+_FOREVER_BEFORE_INIT = """import time
+{pid_file}
 time.sleep(3600)
 """
 
@@ -157,26 +156,10 @@ def test_a_rank_that_never_calls_init_dies_with_a_killed_launcher(tmp_path):
     pids_dir = tmp_path / "pids"
     pids_dir.mkdir()
     script = tmp_path / "forever.py"
-    script.write_text(_FOREVER_BEFORE_INIT.format(pids=str(pids_dir)))
-    launcher = subprocess.Popen([sys.executable, "-m", "gradsync.cli", "run", "--strategy", "ps", "--workers", "2",
-                                 str(script)], stderr=subprocess.DEVNULL, start_new_session=True)
-    pids = []
-    try:
-        deadline = time.monotonic() + 60
-        while len(os.listdir(pids_dir)) < 3:
-            assert launcher.poll() is None and time.monotonic() < deadline, "the ranks did not start"
-            time.sleep(0.1)
-        time.sleep(0.2)  # each pid file is complete
-        pids = [int((pids_dir / str(rank)).read_text()) for rank in range(3)]
-        launcher.send_signal(signal.SIGKILL)
-        launcher.wait(timeout=30)
-        deadline = time.monotonic() + 5
-        while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert [pid for pid in pids if not _gone(pid)] == []
-    finally:
-        for pid in pids:
-            if not _gone(pid):
-                os.kill(pid, signal.SIGKILL)
-        if launcher.poll() is None:
-            launcher.kill()
+    script.write_text(_FOREVER_BEFORE_INIT.format(pid_file=killed_launcher.pid_file_code(pids_dir)))
+    command = [sys.executable, "-m", "gradsync.cli", "run", "--strategy", "ps", "--workers", "2", str(script)]
+    with killed_launcher.started(command, tmp_path / "stderr") as launcher:
+        launcher.wait_for(lambda: all((pids_dir / str(rank)).exists() for rank in range(3)), "the ranks did not start")
+        launcher.watched = killed_launcher.read_pids(pids_dir, 3)
+        launcher.stop(signal.SIGKILL)
+        assert launcher.survivors(within=5) == []
