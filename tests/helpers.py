@@ -45,12 +45,11 @@ def needs_root(test):
                                                reason="an emulated network needs root and iproute2")(test))
 
 
-def wait_until(condition, what: str, timeout: float = 15.0) -> None:
-    """Poll `condition()` until it holds; fails saying `what` did not happen within `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} (waited {timeout:g} s)"
-        time.sleep(0.05)
+def wait_until(condition, what: str, timeout: float = 15.0):
+    """gradsync's own poll loop (`core.waiting.wait_until`) with a timeout in seconds from now."""
+    from gradsync.core import waiting
+
+    return waiting.wait_until(condition, time.monotonic() + timeout, what)
 
 
 def gone(pid: int) -> bool:
