@@ -1,4 +1,5 @@
-"""Dynamic tables under ps (S = 1, 2) and hybrid, sync, W = 2: the rows on the servers train as in one process.
+"""Dynamic tables under ps (S = 1, 2) and hybrid, sync, W = 2: the rows on the servers train as in one process,
+through a `trainer.join()` block (worker 1 takes more steps in it) and a step after it.
 Each job checks the unbounded table against an nn.Embedding holding init(id) in order of first sight (SGD), or
 against the single-process DynamicEmbedding (RowAdagrad); the small LRU and LFU tables, with admission, end
 with the ids the single-process rule keeps, bit for bit, and the same rows; trainer.state_dict(), the module's
@@ -11,7 +12,7 @@ from dynamic_models import TABLES, reference_dynamic, reference_first_sight, tra
 
 pytestmark = pytest.mark.job
 
-STEPS, WORKERS = 6, 2
+STEPS, EXTRA = 5, [1, 3]  # the steps every worker takes, then each one's in the join block
 KEYS = ("ids", "weight", "last_step", "lookups", "waiting_ids", "waiting_sightings", "waiting_last_step", "step",
         "counters")
 
@@ -20,9 +21,9 @@ KEYS = ("ids", "weight", "last_step", "lookups", "waiting_ids", "waiting_sightin
 @pytest.mark.parametrize("strategy,servers,optimizer", [("ps", 1, "sgd"), ("ps", 2, "adagrad"),
                                                         ("hybrid", 2, "sgd")])
 def test_dynamic_tables_on_the_servers_train_as_in_one_process(strategy, servers, optimizer):
-    results = gradsync.launch(train_dynamic, strategy=strategy, workers=WORKERS, servers=servers,
-                              args=(optimizer, STEPS), step_timeout=60, timeout=140)
-    reference = reference_dynamic(optimizer, STEPS, WORKERS)
+    results = gradsync.launch(train_dynamic, strategy=strategy, workers=len(EXTRA), servers=servers,
+                              args=(optimizer, STEPS, EXTRA), step_timeout=60, timeout=140)
+    reference = reference_dynamic(optimizer, STEPS, EXTRA)
     expected = reference.state_dict()
     for result in results:
         state, module = result["trainer"], result["module"]
@@ -45,6 +46,6 @@ def test_dynamic_tables_on_the_servers_train_as_in_one_process(strategy, servers
         assert [sum(t[k] for t in per) for k in ("admitted", "filtered", "evicted")] == \
             list(counters[name].values())
     if optimizer == "sgd":
-        ids, rows = reference_first_sight(STEPS, WORKERS)
+        ids, rows = reference_first_sight(STEPS, EXTRA)
         assert torch.equal(results[0]["trainer"]["big.ids"], ids)
         torch.testing.assert_close(results[0]["trainer"]["big.weight"], rows, rtol=0, atol=1e-5)

@@ -181,7 +181,7 @@ class ParameterServer:
         (version, rows, admitted); "read" (table, ids) -> rows; "end" (step,), "smallest" (step, {table: (rows,
         waiting)}) and "evict" (step, {table: (ids, waiting ids)}): the end of a step (`tables.global_eviction`),
         per table; "state" () -> {table: its `DynamicTable.state()`}; "counts" () -> {table: (resident rows,
-        [admitted, filtered, evicted])}."""
+        [admitted, filtered, evicted])}; "step" () -> {table: the step its next lookups belong to}."""
         shard = self._shard()
         with shard.lock:
             dynamic = {n: t for n, t in shard.tables.items() if isinstance(t, DynamicShard)}
@@ -207,11 +207,13 @@ class ParameterServer:
                 return None
             if call == "state":
                 return {n: t.table.state() for n, t in dynamic.items()}
+            if call == "step":
+                return {n: t.table.step for n, t in dynamic.items()}
             if call == "counts":
                 return {n: (len(t.table), [t.table.counters[k] for k in ("admitted", "filtered", "evicted")])
                         for n, t in dynamic.items()}
             raise Refusal(f"no call {call!r} on dynamic tables: expected lookup, read, end, smallest, evict, "
-                          "state or counts")
+                          "state, counts or step")
 
     def table_rows(self, table: str) -> torch.Tensor:
         """A copy of every row of `table` this server holds, in local order."""

@@ -140,10 +140,11 @@ class HybridStrategy(Strategy):
     @contextlib.contextmanager
     def join(self):
         """`Trainer.join`: allreduce's join for the dense layers, the servers told before it answers the others'
-        dense steps; then the servers' versions, for the next push."""
+        dense steps; then the servers' versions, for the next push, and the step of their dynamic tables."""
         with self.dense.join(self.joiner.announce):
             yield
         self.joiner.wait()
+        self.dynamic.resync()
         self._versions = {s: snap.version for s, snap in self.transport.pull().items()}
 
     def local_state(self) -> dict:

@@ -409,10 +409,12 @@ class PSStrategy(Strategy):
     @contextlib.contextmanager
     def join(self):
         """`Trainer.join`: on leaving the block, tell the servers and wait for every worker to join; the next
-        forward pulls (the replies this worker holds are from before the others' last steps)."""
+        forward pulls (the replies this worker holds are from before the others' last steps), and the dynamic
+        tables' lookups go on at the step the servers are at."""
         yield
         self.joiner.announce()
         self.joiner.wait()
+        self.dynamic.resync()
         self._last = None
         self._next = self._build(self.transport.pull())
 

@@ -9,7 +9,8 @@ inside a dist_autograd context) sends each server its ids of the batch, distinct
 the leaves' gradients into each server's push ({table: `RowGrads`} of the admitted ids, occurrences summed);
 the consistency rule averages them over the workers and the row optimizer applies them. After the step's
 push, `end_step` ends the step on every server, with the bounds by `capacity` over the whole table
-(`tables.global_eviction`).
+(`tables.global_eviction`). A worker that took fewer steps (`trainer.join()`) takes the servers' step
+(`resync`).
 
 Only sync mode is exact (every lookup of step t before its update, the eviction before step t + 1's lookups);
 async and ssp are refused, as are checkpoints of a dynamic table.
@@ -168,6 +169,13 @@ class ServedDynamic:
             capacities = {name: m.table.capacity for name, m in self.modules.items()}
             global_eviction.end_step(self.step, capacities, list(range(self.num_servers)), self.transport.dynamic)
         self.step += 1
+
+    def resync(self) -> None:
+        """Take the step the servers' tables are at: after a `trainer.join()` block, in which a worker that ran
+        out of data took fewer steps than the others, and after a resume."""
+        if self.modules:
+            steps = self.transport.dynamic("step", {s: () for s in range(self.num_servers)})
+            self.step = max(step for per in steps.values() for step in per.values())
 
     def state(self) -> dict[str, torch.Tensor]:
         """Every table's state as its module's `state_dict()` holds it, by key (`<name>.ids`, `<name>.weight`,
