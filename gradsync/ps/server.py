@@ -11,6 +11,7 @@ wire format), handed to the consistency rule.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import traceback
 from collections.abc import Callable
@@ -40,10 +41,11 @@ class ParameterServer:
     """State of one server process; methods are thread-safe."""
 
     def __init__(self, shard_id: int, num_workers: int, mode: str, nonfinite: str, compression: str = "none",
-                 device: str = "cpu", staleness: int = 0, resume_from: tuple[str, int] | None = None,
+                 device: str = "cpu", staleness: int = 0, resume_from: tuple[str, int, str | None] | None = None,
                  on_failure: Callable[[str], None] | None = None):
         self.shard_id = shard_id
-        self.resume_from = resume_from  # (checkpoint folder, the number of servers that wrote it)
+        self.resume_from = resume_from  # (checkpoint folder, the number of servers that wrote it, its full base)
+        self._last_full: str | None = None  # the folder of the last full checkpoint written (deltas go onto it)
         self.on_failure = on_failure  # told this server's own failure (`fail`), before any worker is
         self.failed = False  # whether this server has failed (`fail`): it stops
         self._failing = threading.Lock()
@@ -351,9 +353,17 @@ class ParameterServer:
         with shard.lock:
             return shard.state_dict()
 
-    def checkpoint(self, directory: str) -> tuple[str, int]:
-        """Write this shard's state into `directory` (`ps.shard_file`); returns (path, version)."""
-        return shard_file.save(self._shard(), directory)
+    def checkpoint(self, directory: str, base: str | None = None) -> tuple[str, int]:
+        """Write this shard's state into `directory` (`ps.shard_file`); returns (path, version). `base`: the
+        folder of the last full checkpoint this server wrote, onto which its dynamic tables' delta goes."""
+        if base is not None and (self._last_full is None
+                                 or os.path.abspath(base) != os.path.abspath(self._last_full)):
+            raise ValueError(f"server {self.shard_id} was asked for a delta checkpoint onto {base}, and its last full "
+                             f"checkpoint is {self._last_full or 'none'}: write a full one first")
+        path, version = shard_file.save(self._shard(), directory, full=base is None)
+        if base is None:
+            self._last_full = directory
+        return path, version
 
     def stats(self) -> dict:
         """This server's counters (version, pushes applied/rejected, staleness, bytes)."""
