@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import torch
+import torch.distributed.autograd as dist_autograd
 import torch.nn.functional as F
 from torch import nn
 
@@ -115,3 +116,18 @@ def reference_first_sight(steps: int, extra: list[int]) -> tuple[torch.Tensor, t
             getattr(model, name).step(OPTIMIZERS["sgd"])
     ids, order = big.order.sort()
     return ids, big.embedding.weight.detach()[order]
+
+
+def train_resumable(steps: int, optimizer: str = "adagrad") -> dict:
+    """Train DynNet from `trainer.start_step` (a resume's) to `steps`; returns that step, the trainer's state as
+    it starts (lookups of the other worker's first step may be in it already) and at the end."""
+    model = DynNet()
+    trainer = gradsync.Trainer(model, torch.optim.SGD(model.parameters(), lr=LR),
+                               table_optimizer=OPTIMIZERS[optimizer])
+    out = {"first": trainer.start_step, "start": trainer.state_dict()}
+    for step in range(trainer.start_step, steps):
+        *inputs, clicks = dyn_batch(step, gradsync.worker_rank())
+        with dist_autograd.context() as cid:
+            dist_autograd.backward(cid, [F.binary_cross_entropy_with_logits(trainer.model(*inputs), clicks)])
+            trainer.step(cid)
+    return {**out, "end": trainer.state_dict()}

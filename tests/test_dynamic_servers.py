@@ -265,20 +265,21 @@ def whole(servers: Servers) -> dict[str, torch.Tensor]:
     return rehomed([servers.shards[s].checkpoint(True) for s in sorted(servers.shards)], 0, 1)
 
 
-@pytest.mark.parametrize("optimizer,rules", [
-    (gradsync.RowAdagrad(lr=0.1), dict(capacity=6, evict="lfu", admit_after=2, ttl_steps=4)),
-    (gradsync.RowSGD(lr=0.1, momentum=0.9), dict(capacity=12, evict="lru", admit_after=3)),
-], ids=["adagrad-lfu-ttl", "momentum-lru"])
-def test_a_full_and_a_delta_checkpoint_restore_onto_any_number_of_servers(optimizer, rules):
+@pytest.mark.parametrize("optimizer,rules,full_at", [
+    (gradsync.RowAdagrad(lr=0.1), dict(capacity=6, evict="lfu", admit_after=2, ttl_steps=4), 4),
+    (gradsync.RowSGD(lr=0.1, momentum=0.9), dict(capacity=12, evict="lru", admit_after=3), 4),
+    (gradsync.RowAdagrad(lr=0.1), dict(capacity=12, evict="lru", admit_after=3), 0),  # full: no row yet
+], ids=["adagrad-lfu-ttl", "momentum-lru", "adagrad-full-before-any-row"])
+def test_a_full_and_a_delta_checkpoint_restore_onto_any_number_of_servers(optimizer, rules, full_at):
     """Full at step 4, a delta at step 9 (rows created, looked up, updated, evicted, ids waiting and forgotten
     meanwhile):
     put together and re-homed onto 1, 2 or 3 servers they hold what the servers that wrote them hold, optimizer
     state included, and the next steps make the same decisions bit for bit."""
     servers = Servers(2, optimizer, **rules)
-    for step in range(5):
+    for step in range(full_at + 1):
         sync_step(servers, step, rules["capacity"])
     full = [servers.shards[s].checkpoint(True) for s in range(2)]
-    for step in range(5, 10):
+    for step in range(full_at + 1, 10):
         sync_step(servers, step, rules["capacity"], update=step < 7)  # steps 7-9 look ids up, update no row
     delta = [servers.shards[s].checkpoint(False) for s in range(2)]
     parts = [{**with_delta(f, d), "server": d["server"], "num_servers": 2} for f, d in zip(full, delta)]

@@ -32,6 +32,7 @@ class DynamicShard:
         self.name, self.server, self.num_servers = name, server, num_servers
         self.table = DynamicTable(**setup.settings)
         self.optimizer = setup.optimizer
+        self.table.train_with(self.optimizer)  # its state in every checkpoint, from the first
         self._stats = TableStats()
         self._ended: tuple[int, tuple[int, int]] | None = None  # (step, its answer) of the last `end`
         self._smallest: tuple[int, dict] | None = None

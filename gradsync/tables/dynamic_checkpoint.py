@@ -23,7 +23,7 @@ def with_delta(full: dict, delta: dict) -> dict:
     out = {"step": delta["step"], "counters": delta["counters"]}
     for ids_key, columns, removed_key in GROUPS:
         kept = ~torch.isin(full[ids_key], torch.cat([delta[removed_key], delta[ids_key]]))
-        _sorted_into(out, ids_key, [c for c in columns if c in full],
+        _sorted_into(out, ids_key, [c for c in columns if c in delta],
                      [{k: full[k][kept] for k in (ids_key, *columns) if k in full}, delta])
     return out
 

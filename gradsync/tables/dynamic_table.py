@@ -130,6 +130,13 @@ class DynamicTable:
     def apply(self, optimizer, slots: torch.Tensor, grads: torch.Tensor) -> None:
         """Update the distinct resident `slots` with their `grads` [len(slots), dim] by the row optimizer
         (gradsync.RowSGD or RowAdagrad); its per-slot state starts fresh with each row."""
+        self.train_with(optimizer)
+        self.rows.mark(slots)
+        optimizer.step(self.weight, self.optimizer_state, slots, grads.to(self.dtype))
+
+    def train_with(self, optimizer) -> None:
+        """Make `optimizer` (gradsync.RowSGD or RowAdagrad) the table's row optimizer, with fresh state for every
+        row, unless it is already (refused when it has another)."""
         if not isinstance(optimizer, ROW_OPTIMIZERS):
             raise TypeError(f"{self.name}: a dynamic table is trained by a row optimizer, got "
                             f"{type(optimizer).__name__}; pass gradsync.RowSGD(lr=...) or gradsync.RowAdagrad(lr=...)")
@@ -139,8 +146,6 @@ class DynamicTable:
         elif optimizer != self.optimizer:
             raise ValueError(f"{self.name}: trained by {self.optimizer!r}, now given {optimizer!r}; pass the same "
                              "row optimizer every step (its per-row state belongs to the first)")
-        self.rows.mark(slots)
-        optimizer.step(self.weight, self.optimizer_state, slots, grads.to(self.dtype))
 
     def end_step(self, step: int) -> None:
         """After step `step`'s update: evict by `ttl_steps` and `capacity`, forget waiting ids beyond capacity."""
