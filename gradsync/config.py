@@ -148,6 +148,7 @@ class Checkpointing:
 
     checkpoint_dir: str = settings.CHECKPOINT_DIR.default
     checkpoint_every: int = settings.CHECKPOINT_EVERY.default
+    checkpoint_full_every: int = settings.CHECKPOINT_FULL_EVERY.default
     resume: str = settings.RESUME.default
     start_over: bool = settings.START_OVER.default
 
@@ -160,6 +161,9 @@ class Checkpointing:
                 f"checkpoint_every={self.checkpoint_every}, checkpoint_dir={self.checkpoint_dir!r}: pass both "
                 "--checkpoint-dir DIR and --checkpoint-every N (N >= 1), or neither"
             )
+        if self.checkpoint_full_every < 1:
+            raise ConfigError(f"checkpoint_full_every={self.checkpoint_full_every}: pass --checkpoint-full-every N "
+                              "with N >= 1 (1: every checkpoint is full)")
         if self.start_over and (self.resume or not self.checkpoint_dir):
             raise ConfigError(
                 f"start_over with resume={self.resume!r}, checkpoint_dir={self.checkpoint_dir!r}: --start-over "

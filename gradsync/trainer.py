@@ -168,7 +168,7 @@ class Trainer:
         every = self._job.config.checkpoint_every
         if every and self._job.steps % every == 0:
             checkpoints.save(self._job.store, self._job.config, self._job.run, self._job.steps, self._strategy,
-                        self._described)
+                             self._described, self.start_step)
 
     def no_sync(self):
         """A block whose backward passes only accumulate, as DDP's `no_sync()`: wrap every micro-batch of a

@@ -1,12 +1,14 @@
 """A click model with three dynamic tables (one unbounded in effect, one LRU bag and one LFU table with TTL,
-both small and admitting on the second sighting), its training loop on every worker, and single-process
-references: the same model trained on the workers' batches joined (`table.step` per dynamic table), and the
-unbounded table as an nn.Embedding holding init(id) for each id in order of first sight."""
+both small and admitting on the second sighting), its training loop on every worker (with a `trainer.join()`
+block, workers running out of data at different steps), and single-process references: the same model
+trained on the active workers' batches joined (`table.step` per dynamic table), and the unbounded table as an
+nn.Embedding holding init(id) for each id in order of first sight."""
 from __future__ import annotations
 
 import random
 
 import torch
+import torch.distributed.autograd as dist_autograd
 import torch.nn.functional as F
 from torch import nn
 
@@ -41,29 +43,43 @@ def dyn_batch(step: int, worker: int) -> tuple[torch.Tensor, ...]:
     return skewed(BATCH), skewed(BATCH, 2), skewed(BATCH), torch.randint(0, 2, (BATCH,), generator=g).float()
 
 
-def train_dynamic(optimizer: str, steps: int) -> dict:
-    """Train DynNet; returns the trainer's state, the module's own state_dict, each table's resident rows and
-    counters as the module answers them, and the servers' table stats."""
+def schedule(steps: int, extra: list[int]) -> list[list[int]]:
+    """The workers that train in each step: all of them for `steps` steps, then worker w for `extra[w]` more
+    in a `trainer.join()` block, then all of them for one step after it."""
+    workers = list(range(len(extra)))
+    return [workers] * steps + [[w for w, n in enumerate(extra) if n > t] for t in range(max(extra))] + [workers]
+
+
+def train_dynamic(optimizer: str, steps: int, extra: list[int]) -> dict:
+    """Train DynNet by `schedule` (the step after the join block looks its ids up at the step the servers are
+    at, on the worker that joined first too); returns the trainer's state, the module's own state_dict, each
+    table's resident rows and counters as the module answers them, and the servers' table stats."""
     model = DynNet()
     trainer = gradsync.Trainer(model, torch.optim.SGD(model.parameters(), lr=LR),
                                table_optimizer=OPTIMIZERS[optimizer])
+    me = gradsync.worker_rank()
     run_loop(trainer, steps, data=dyn_batch, loss_fn=F.binary_cross_entropy_with_logits)
+    with trainer.join():
+        run_loop(trainer, extra[me], data=lambda t, w: dyn_batch(steps + t, w),
+                 loss_fn=F.binary_cross_entropy_with_logits)
+    last = steps + max(extra)
+    run_loop(trainer, 1, data=lambda t, w: dyn_batch(last, w), loss_fn=F.binary_cross_entropy_with_logits)
     tables = {n: (getattr(model, n).resident_rows, getattr(model, n).counters) for n in TABLES}
     stats = {s: st["tables"] for s, st in trainer.server_stats().items()}
     return {"trainer": trainer.state_dict(), "module": model.state_dict(), "tables": tables, "stats": stats}
 
 
-def _joint(step: int, workers: int) -> tuple[torch.Tensor, ...]:
-    return tuple(torch.cat(t) for t in zip(*(dyn_batch(step, w) for w in range(workers))))
+def _joint(step: int, active: list[int]) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.cat(t) for t in zip(*(dyn_batch(step, w) for w in active)))
 
 
-def reference_dynamic(optimizer: str, steps: int, workers: int) -> DynNet:
-    """DynNet trained in one process on the workers' batches joined: SGD for the head, `table.step` for
-    each dynamic table."""
+def reference_dynamic(optimizer: str, steps: int, extra: list[int]) -> DynNet:
+    """DynNet trained in one process on the active workers' batches joined (`schedule`): SGD for the head,
+    `table.step` for each dynamic table."""
     model = DynNet()
     opt = torch.optim.SGD(model.head.parameters(), lr=LR)
-    for step in range(steps):
-        *inputs, y = _joint(step, workers)
+    for step, active in enumerate(schedule(steps, extra)):
+        *inputs, y = _joint(step, active)
         opt.zero_grad()
         F.binary_cross_entropy_with_logits(model(*inputs), y).backward()
         opt.step()
@@ -75,10 +91,9 @@ def reference_dynamic(optimizer: str, steps: int, workers: int) -> DynNet:
 class _FirstSight(nn.Module):
     """An nn.Embedding holding init(id) for each id of the steps in order of first sight."""
 
-    def __init__(self, steps: int, workers: int):
+    def __init__(self, batches: list[torch.Tensor]):
         super().__init__()
-        seen = torch.cat([_joint(step, workers)[0] for step in range(steps)]).tolist()
-        self.order = torch.tensor(list(dict.fromkeys(seen)))
+        self.order = torch.tensor(list(dict.fromkeys(torch.cat(batches).tolist())))
         self.embedding = nn.Embedding.from_pretrained(HashedUniform(DIM)(self.order), freeze=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -86,13 +101,14 @@ class _FirstSight(nn.Module):
         return self.embedding(torch.tensor([position[i] for i in ids.tolist()]))
 
 
-def reference_first_sight(steps: int, workers: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The `big` table trained as an nn.Embedding (plain SGD) in one process: (ids ascending, their rows)."""
-    big = _FirstSight(steps, workers)
+def reference_first_sight(steps: int, extra: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `big` table trained as an nn.Embedding (plain SGD) in one process by `schedule`: (ids ascending,
+    their rows)."""
+    joint = [_joint(step, active) for step, active in enumerate(schedule(steps, extra))]
+    big = _FirstSight([j[0] for j in joint])
     model = DynNet(big)
     opt = torch.optim.SGD([*model.head.parameters(), big.embedding.weight], lr=LR)
-    for step in range(steps):
-        *inputs, y = _joint(step, workers)
+    for *inputs, y in joint:
         opt.zero_grad()
         F.binary_cross_entropy_with_logits(model(*inputs), y).backward()
         opt.step()
@@ -100,3 +116,18 @@ def reference_first_sight(steps: int, workers: int) -> tuple[torch.Tensor, torch
             getattr(model, name).step(OPTIMIZERS["sgd"])
     ids, order = big.order.sort()
     return ids, big.embedding.weight.detach()[order]
+
+
+def train_resumable(steps: int, optimizer: str = "adagrad") -> dict:
+    """Train DynNet from `trainer.start_step` (a resume's) to `steps`; returns that step, the trainer's state as
+    it starts (lookups of the other worker's first step may be in it already) and at the end."""
+    model = DynNet()
+    trainer = gradsync.Trainer(model, torch.optim.SGD(model.parameters(), lr=LR),
+                               table_optimizer=OPTIMIZERS[optimizer])
+    out = {"first": trainer.start_step, "start": trainer.state_dict()}
+    for step in range(trainer.start_step, steps):
+        *inputs, clicks = dyn_batch(step, gradsync.worker_rank())
+        with dist_autograd.context() as cid:
+            dist_autograd.backward(cid, [F.binary_cross_entropy_with_logits(trainer.model(*inputs), clicks)])
+            trainer.step(cid)
+    return {**out, "end": trainer.state_dict()}

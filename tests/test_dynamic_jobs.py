@@ -1,17 +1,21 @@
-"""Dynamic tables under ps (S = 1, 2) and hybrid, sync, W = 2: the rows on the servers train as in one process.
+"""Dynamic tables under ps (S = 1, 2) and hybrid, sync, W = 2: the rows on the servers train as in one process,
+through a `trainer.join()` block (worker 1 takes more steps in it) and a step after it.
 Each job checks the unbounded table against an nn.Embedding holding init(id) in order of first sight (SGD), or
 against the single-process DynamicEmbedding (RowAdagrad); the small LRU and LFU tables, with admission, end
 with the ids the single-process rule keeps, bit for bit, and the same rows; trainer.state_dict(), the module's
 own state_dict, its resident_rows and counters and the servers' stats agree."""
+import json
+import shutil
+
 import pytest
 import torch
 
 import gradsync
-from dynamic_models import TABLES, reference_dynamic, reference_first_sight, train_dynamic
+from dynamic_models import TABLES, reference_dynamic, reference_first_sight, train_dynamic, train_resumable
 
 pytestmark = pytest.mark.job
 
-STEPS, WORKERS = 6, 2
+STEPS, EXTRA = 5, [1, 3]  # the steps every worker takes, then each one's in the join block
 KEYS = ("ids", "weight", "last_step", "lookups", "waiting_ids", "waiting_sightings", "waiting_last_step", "step",
         "counters")
 
@@ -20,9 +24,9 @@ KEYS = ("ids", "weight", "last_step", "lookups", "waiting_ids", "waiting_sightin
 @pytest.mark.parametrize("strategy,servers,optimizer", [("ps", 1, "sgd"), ("ps", 2, "adagrad"),
                                                         ("hybrid", 2, "sgd")])
 def test_dynamic_tables_on_the_servers_train_as_in_one_process(strategy, servers, optimizer):
-    results = gradsync.launch(train_dynamic, strategy=strategy, workers=WORKERS, servers=servers,
-                              args=(optimizer, STEPS), step_timeout=60, timeout=140)
-    reference = reference_dynamic(optimizer, STEPS, WORKERS)
+    results = gradsync.launch(train_dynamic, strategy=strategy, workers=len(EXTRA), servers=servers,
+                              args=(optimizer, STEPS, EXTRA), step_timeout=60, timeout=140)
+    reference = reference_dynamic(optimizer, STEPS, EXTRA)
     expected = reference.state_dict()
     for result in results:
         state, module = result["trainer"], result["module"]
@@ -45,6 +49,31 @@ def test_dynamic_tables_on_the_servers_train_as_in_one_process(strategy, servers
         assert [sum(t[k] for t in per) for k in ("admitted", "filtered", "evicted")] == \
             list(counters[name].values())
     if optimizer == "sgd":
-        ids, rows = reference_first_sight(STEPS, WORKERS)
+        ids, rows = reference_first_sight(STEPS, EXTRA)
         assert torch.equal(results[0]["trainer"]["big.ids"], ids)
         torch.testing.assert_close(results[0]["trainer"]["big.weight"], rows, rtol=0, atol=1e-5)
+
+
+@pytest.mark.timeout(200)
+def test_full_and_delta_checkpoints_resume_onto_1_and_3_servers_bit_for_bit(tmp_path):
+    """ps, 2 servers, RowAdagrad, a checkpoint every 2 steps, every 3rd full: steps 2 and 8 full, 4, 6 and 10
+    deltas. Resumed from step 6 (a delta onto step 2, whose small tables had no row yet) with 1 server and with
+    3, a job ends where the uninterrupted one ended, bit for bit: every row, the admission and eviction state
+    (and so the row optimizer's state, which the rows' last 4 steps depend on)."""
+    written = tmp_path / "written"
+    first = gradsync.launch(train_resumable, strategy="ps", workers=2, servers=2, args=(10,), step_timeout=60,
+                            timeout=140, checkpoint_dir=str(written), checkpoint_every=2, checkpoint_full_every=3)
+    bases = {step: json.loads((written / f"step-{step:08d}" / "MANIFEST.json").read_text()).get("base")
+             for step in (2, 4, 6, 8, 10)}
+    assert bases == {2: None, 4: "step-00000002", 6: "step-00000002", 8: None, 10: "step-00000008"}
+    kept = tmp_path / "until-6"
+    for step in (2, 4, 6):
+        shutil.copytree(written / f"step-{step:08d}", kept / f"step-{step:08d}")
+    for servers in (1, 3):
+        for result in gradsync.launch(train_resumable, strategy="ps", workers=2, servers=servers, args=(10,),
+                                      step_timeout=60, timeout=140, resume=str(kept)):
+            assert result["first"] == 6 and all(result["start"][f"{n}.step"] == 6 for n in TABLES)
+            assert list(result["end"]) == list(first[0]["end"])
+            for key, value in first[0]["end"].items():
+                assert torch.equal(result["end"][key], value), (servers, key)
+            assert result["end"]["lru.counters"][2] > result["start"]["lru.counters"][2]  # evictions after 6

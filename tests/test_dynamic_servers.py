@@ -21,7 +21,8 @@ from gradsync.tables.id_hash import keyed, server_of, unit_interval
 from gradsync.tables.placement import merge_rows
 from gradsync.tables.row_init import HashedUniform
 from gradsync.transport.grpc.client import final_status_table
-from gradsync.worker.served_dynamic import ServedDynamic, merged
+from gradsync.tables.dynamic_checkpoint import rehomed, with_delta
+from gradsync.worker.served_dynamic import ServedDynamic
 
 DIM, WORKERS = 3, 2
 _RNG = random.Random(5)
@@ -65,13 +66,13 @@ class Servers:
         return out
 
     def state(self) -> dict[str, torch.Tensor]:
-        return merged([self.shards[s].table.state() for s in sorted(self.shards)])
+        return rehomed([self.shards[s].table.state() for s in sorted(self.shards)], 0, 1)
 
 
-def sync_step(servers: Servers, step: int, capacity: int) -> None:
+def sync_step(servers: Servers, step: int, capacity: int, update: bool = True) -> None:
     """One sync step as W workers drive it: each looks up its distinct ids with their counts on their servers,
-    the servers average the admitted ids' gradients over the workers and apply them, then every worker ends
-    the step (the later ones repeat the first one's calls)."""
+    the servers average the admitted ids' gradients over the workers and apply them (not with `update`
+    False: a step skipped), then every worker ends the step (the later ones repeat the first one's calls)."""
     num = len(servers.shards)
     pushes: dict[int, list] = {s: [] for s in range(num)}
     for w in range(WORKERS):
@@ -85,7 +86,7 @@ def sync_step(servers: Servers, step: int, capacity: int) -> None:
                 if mine.numel():
                     pushes[s].append((mine, grads_of(mine, step, w)))
     for s, per in pushes.items():
-        if per:
+        if per and update:
             ids, mean = merge_rows(per, 1.0 / WORKERS)
             servers.shards[s].check_push(0, ids, mean)
             servers.shards[s].apply(ids, mean)
@@ -219,23 +220,21 @@ class _NoCalls:
 ])
 def test_a_served_table_refuses_bad_ids_before_any_call(ids, error, match):
     model = nn.Sequential(gradsync.DynamicEmbedding(2, capacity=4))
-    served = ServedDynamic(model, 2, gradsync.RowSGD(lr=0.1), "sync", checkpoints=False)
+    served = ServedDynamic(model, 2, gradsync.RowSGD(lr=0.1), "sync")
     served.take_over()
     served.transport = _NoCalls()
     with pytest.raises(error, match=match):
         model(ids)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(mode="async", checkpoints=False, opt=gradsync.RowSGD(lr=0.1)), r"'0' is a gradsync.DynamicEmbedding.*"
-                                                                        r"--mode sync under ps and hybrid"),
-    (dict(mode="sync", checkpoints=True, opt=gradsync.RowSGD(lr=0.1)), r"a checkpoint does not hold yet"),
-    (dict(mode="sync", checkpoints=False, opt=None), r"table_optimizer=gradsync.RowSGD"),
+@pytest.mark.parametrize("mode,opt,match", [
+    ("async", gradsync.RowSGD(lr=0.1), r"'0' is a gradsync.DynamicEmbedding.*--mode sync under ps and hybrid"),
+    ("sync", None, r"table_optimizer=gradsync.RowSGD"),
 ])
-def test_what_a_served_dynamic_table_refuses(kwargs, match):
+def test_what_a_served_dynamic_table_refuses(mode, opt, match):
     model = nn.Sequential(gradsync.DynamicEmbedding(2, capacity=4))
     with pytest.raises((NotImplementedError, ValueError), match=match):
-        ServedDynamic(model, 2, kwargs["opt"], kwargs["mode"], checkpoints=kwargs["checkpoints"])
+        ServedDynamic(model, 2, opt, mode)
 
 
 def test_status_and_get_stats_show_each_server_part_and_the_whole_table(tmp_path):
@@ -259,3 +258,46 @@ def test_status_and_get_stats_show_each_server_part_and_the_whole_table(tmp_path
     total = next(line for line in lines if line.startswith("| t | all |")).split(" | ")
     assert total[2] == "5" and total[-3:] == [str(c) for c in whole["counters"].tolist()[:2]] + \
         [f"{whole['counters'][2].item()} |"]
+
+
+def whole(servers: Servers) -> dict[str, torch.Tensor]:
+    """The whole table with its row optimizer state, from a full checkpoint of every server."""
+    return rehomed([servers.shards[s].checkpoint(True) for s in sorted(servers.shards)], 0, 1)
+
+
+@pytest.mark.parametrize("optimizer,rules,full_at", [
+    (gradsync.RowAdagrad(lr=0.1), dict(capacity=6, evict="lfu", admit_after=2, ttl_steps=4), 4),
+    (gradsync.RowSGD(lr=0.1, momentum=0.9), dict(capacity=12, evict="lru", admit_after=3), 4),
+    (gradsync.RowAdagrad(lr=0.1), dict(capacity=12, evict="lru", admit_after=3), 0),  # full: no row yet
+], ids=["adagrad-lfu-ttl", "momentum-lru", "adagrad-full-before-any-row"])
+def test_a_full_and_a_delta_checkpoint_restore_onto_any_number_of_servers(optimizer, rules, full_at):
+    """Full at step 4, a delta at step 9 (rows created, looked up, updated, evicted, ids waiting and forgotten
+    meanwhile):
+    put together and re-homed onto 1, 2 or 3 servers they hold what the servers that wrote them hold, optimizer
+    state included, and the next steps make the same decisions bit for bit."""
+    servers = Servers(2, optimizer, **rules)
+    for step in range(full_at + 1):
+        sync_step(servers, step, rules["capacity"])
+    full = [servers.shards[s].checkpoint(True) for s in range(2)]
+    for step in range(full_at + 1, 10):
+        sync_step(servers, step, rules["capacity"], update=step < 7)  # steps 7-9 look ids up, update no row
+    delta = [servers.shards[s].checkpoint(False) for s in range(2)]
+    parts = [{**with_delta(f, d), "server": d["server"], "num_servers": 2} for f, d in zip(full, delta)]
+    expected = []  # the uninterrupted servers' table before each of steps 10 .. 14, and after them
+    for step in range(10, 16):
+        expected.append(whole(servers))
+        if step < 15:
+            sync_step(servers, step, rules["capacity"])
+    for num in (1, 2, 3):
+        restored = Servers(num, optimizer, **rules)
+        for shard in restored.shards.values():
+            shard.restore(parts)
+        for step, want in zip(range(10, 16), expected):
+            got = whole(restored)
+            assert list(got) == list(want) and "optimizer" in got, (num, step)
+            for key in want:
+                assert torch.equal(got[key], want[key]), (num, step, key)
+            assert len(got["optimizer"]) == len(got["ids"])
+            if step < 15:
+                sync_step(restored, step, rules["capacity"])
+    assert int(expected[0]["counters"][2]) > int(full[0]["counters"][2] + full[1]["counters"][2])  # evicted between

@@ -356,3 +356,38 @@ def test_a_trainer_refuses_a_dynamic_table_it_cannot_train_yet_naming_it(strateg
     with pytest.raises(NotImplementedError, match=rf"'0' is a gradsync.DynamicEmbedding.*under --strategy ps or "
                                                   rf"hybrid .* allreduce .* but not yet under --strategy {strategy}"):
         gradsync.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+@pytest.mark.parametrize("optimizer,state_bytes", [(gradsync.RowAdagrad(lr=0.1), 4),
+                                                   (gradsync.RowSGD(lr=0.1, momentum=0.9), 16 * 4)],
+                         ids=["adagrad", "momentum"])
+def test_a_delta_checkpoint_is_within_1_1x_of_its_changed_rows(optimizer, state_bytes):
+    """4000 rows of dim 16, a full checkpoint, then a step that updates 800 of them and admits 200 new ids
+    (evicting 200): the delta holds those 1000 rows and the 200 ids evicted; its bytes as saved (torch.save, as
+    in a shard file: about 4 KB for its dozen tensors) are within 1.1x of 1000 rows x (id, row, row optimizer
+    state, last step, lookup count) plus 8 bytes per evicted id."""
+    import io
+
+    dim, g = 16, torch.Generator().manual_seed(3)
+    table = gradsync.DynamicEmbedding(dim, capacity=4000).table
+    ids = torch.randint(-2**63, 2**63 - 1, (4200,), generator=g).unique()[:4200]
+    table.lookup(ids[:4000], 0)
+    table.apply(optimizer, table.find(ids[:4000]), torch.randn(4000, dim, generator=g))
+    table.end_step(0)
+    full = table.checkpoint(True)
+    table.lookup(torch.cat([ids[:800], ids[4000:]]), 1)
+    table.apply(optimizer, table.find(ids[:800]), torch.randn(800, dim, generator=g))
+    table.end_step(1)
+    delta = table.checkpoint(False)
+    assert torch.equal(delta["ids"], torch.cat([ids[:800], ids[4000:]]).sort().values)
+    assert len(delta["removed"]) == 200 and len(full["ids"]) == 4000
+    row_bytes = 8 + dim * 4 + state_bytes + 8 + 8
+    changed = 1000 * row_bytes + 200 * 8
+
+    def saved(part) -> int:
+        buffer = io.BytesIO()
+        torch.save(part, buffer)
+        return len(buffer.getvalue())
+
+    assert changed <= saved(delta) <= 1.1 * changed
+    assert saved(full) >= 4000 * row_bytes > 3.5 * saved(delta)

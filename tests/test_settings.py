@@ -110,7 +110,7 @@ def test_job_config_is_the_four_concerns_with_the_tables_names_types_and_default
 def test_every_job_setting_travels_through_the_environment():
     sync = JobConfig(strategy="ps", servers=2, world_size=4, server_device="cuda:1", nonfinite="skip",
                      bucket_cap_mb=4.5, startup_timeout=5.0, step_timeout=6.0, shutdown_timeout=7.0, stall_report=8.0,
-                     checkpoint_dir="c", checkpoint_every=3, resume="r")
+                     checkpoint_dir="c", checkpoint_every=3, checkpoint_full_every=4, resume="r")
     ssp = JobConfig(strategy="ps", mode="ssp", staleness=2, compression="int8", world_size=2)
     grpc = JobConfig(transport="grpc", world_size=2, pipeline="on")
     allreduce = JobConfig(strategy="allreduce", servers=0, world_size=2, checkpoint_dir="c", checkpoint_every=1,

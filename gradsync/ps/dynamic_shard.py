@@ -18,6 +18,7 @@ import torch
 from gradsync.core.errors import GradientError
 from gradsync.ps.messages import DynamicSetup
 from gradsync.ps.table_shard import TableStats
+from gradsync.tables.dynamic_checkpoint import rehomed
 from gradsync.tables.dynamic_table import DynamicTable
 from gradsync.tables.id_hash import server_of
 
@@ -31,6 +32,7 @@ class DynamicShard:
         self.name, self.server, self.num_servers = name, server, num_servers
         self.table = DynamicTable(**setup.settings)
         self.optimizer = setup.optimizer
+        self.table.train_with(self.optimizer)  # its state in every checkpoint, from the first
         self._stats = TableStats()
         self._ended: tuple[int, tuple[int, int]] | None = None  # (step, its answer) of the last `end`
         self._smallest: tuple[int, dict] | None = None
@@ -111,6 +113,26 @@ class DynamicShard:
         if self._smallest is None or self._smallest[0] != step:
             self._smallest = (step, self.table.smallest_rows(rows) + self.table.smallest_waiting(waiting))
         return self._smallest[1]
+
+    def checkpoint(self, full: bool = True) -> dict:
+        """The table's checkpoint part (`DynamicTable.checkpoint`: full, or a delta since the last full one)
+        with the server and number of servers holding it."""
+        return {**self.table.checkpoint(full), "server": self.server, "num_servers": self.num_servers}
+
+    def restore(self, parts: list[dict]) -> None:
+        """Take this server's ids of the table, with their rows, row optimizer state and admission and eviction
+        state, from the checkpoint parts of every server that held it (`complete`), in any order."""
+        if parts[0]["num_servers"] == self.num_servers:
+            state = next(p for p in parts if p["server"] == self.server)
+        else:
+            state = rehomed(sorted(parts, key=lambda p: p["server"]), self.server, self.num_servers)
+        self.table.load(state, self.optimizer)
+
+    def complete(self, parts: list[dict]) -> bool:
+        """Whether `parts` hold all of this server's ids: every old server's part, or with the same number of
+        servers this server's own."""
+        return bool(parts) and (len(parts) == parts[0]["num_servers"] or (
+            parts[0]["num_servers"] == self.num_servers and any(p["server"] == self.server for p in parts)))
 
     def evict(self, step: int, ids: torch.Tensor, waiting: torch.Tensor) -> None:
         """Evict the rows `ids` and forget the waiting `waiting` for step `step`, once (later calls of the same

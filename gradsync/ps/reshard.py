@@ -7,7 +7,9 @@ differently, or not at all, in the new plan) over the span the new entries
 cover, never more, and cut again by the new entries; the optimizer's elementwise state (momentum, Adam's moments) moves
 with its elements and the rest (a step count) is taken as it is; buffers and
 frozen parameters go to the server that now owns them; table rows move to
-their new home, row `r` on server `r % S'`, with their row optimizer state.
+their new home, row `r` on server `r % S'`, with their row optimizer state; a dynamic table's ids (with their
+rows, row optimizer state and admission and eviction state) to server `server_of(id, S')`, a delta checkpoint's
+put onto its full one first (`tables.dynamic_checkpoint`).
 Reading stops once the shard is complete, so with the same layout a server
 reads its own file alone (one saved shard in memory at a time). Values are copied, never recomputed: the restored
 state equals the saved one bit for bit.
@@ -21,13 +23,31 @@ import torch
 
 from gradsync.core.buckets import Entry
 from gradsync.ps import shard_file
+from gradsync.ps.dynamic_shard import DynamicShard
 from gradsync.ps.shard import ShardState
+from gradsync.tables.dynamic_checkpoint import with_delta
 
 
-def restore_folder(shard: ShardState, folder: str, servers: int) -> None:
-    """Restore `shard` from the checkpoint folder `folder`, written by a job with `servers` servers."""
+def restore_folder(shard: ShardState, folder: str, servers: int, base: str | None = None) -> None:
+    """Restore `shard` from the checkpoint folder `folder`, written by a job with `servers` servers; a delta
+    checkpoint's dynamic tables onto those of the full checkpoint in folder `base` (written by the same job)."""
     order = sorted(range(servers), key=lambda k: k != shard.shard_id)  # its own file first
-    restore(shard, (shard_file.load(os.path.join(folder, f"shard-{k}.ckpt")) for k in order), where=folder)
+
+    def state(k: int) -> dict:
+        loaded = shard_file.load(os.path.join(folder, f"shard-{k}.ckpt"))
+        deltas = [n for n, t in loaded["tables"].items() if "removed" in t]
+        if deltas and base is None:
+            raise ValueError(f"{folder} holds a delta of dynamic table {deltas[0]!r} and names no full checkpoint "
+                             "to put it onto: resume from the folder of a full checkpoint")
+        if deltas:
+            full = shard_file.load(os.path.join(base, f"shard-{k}.ckpt"))["tables"]
+            for n in deltas:
+                delta = loaded["tables"][n]
+                loaded["tables"][n] = {**with_delta(full[n], delta), "server": delta["server"],
+                                       "num_servers": delta["num_servers"]}
+        return loaded
+
+    restore(shard, (state(k) for k in order), where=folder)
 
 
 def restore(shard: ShardState, states: Iterable[dict], where: str = "the checkpoint") -> None:
@@ -53,6 +73,8 @@ def restore(shard: ShardState, states: Iterable[dict], where: str = "the checkpo
                 shard.params[e.key].copy_(plan.cut(plan.values[e.name], e))
         for name, value in plan.named.items():
             (shard.buffers if name in shard.buffers else shard.frozen)[name].copy_(value)
+        for name, parts in plan.dynamic.items():
+            shard.tables[name].restore(parts)
         if shard.optimizer is not None:
             shard.load_optimizer_state(dict(plan.optimizer_state()), plan.groups)
         shard.stats.version = plan.version
@@ -62,7 +84,7 @@ def restore(shard: ShardState, states: Iterable[dict], where: str = "the checkpo
 class _Gathered:
     """What one shard needs, gathered from saved shards: per parameter the element span its entries cover
     (flat) with the optimizer's elementwise state over it, buffers and frozen parameters by name, table rows
-    (taken into the shard's tables as they come)."""
+    (taken into the shard's tables as they come), each dynamic table's parts."""
 
     def __init__(self, shard: ShardState):
         self.shard = shard
@@ -77,7 +99,8 @@ class _Gathered:
         self.other_state: dict[str, dict] = {}  # by parameter: the rest of its state (a step count), as saved
         self.kept: dict[str, dict] = {}  # by parameter: the state of a parameter saved whole, as saved
         self.named: dict[str, torch.Tensor] = {}
-        self.rows = {n: 0 for n in shard.tables}
+        self.rows = {n: 0 for n, t in shard.tables.items() if not isinstance(t, DynamicShard)}
+        self.dynamic = {n: [] for n, t in shard.tables.items() if isinstance(t, DynamicShard)}
         self.groups: list[dict] = []
         self.version = 0
 
@@ -107,8 +130,10 @@ class _Gathered:
                 if name in self.shard.buffers or name in self.shard.frozen:
                     self.named[name] = value
         for name, saved in state["tables"].items():
-            if name in self.shard.tables:
+            if name in self.rows and "values" in saved:
                 self.rows[name] += self.shard.tables[name].take(saved)
+            elif name in self.dynamic and "ids" in saved:
+                self.dynamic[name].append(saved)
 
     def _copy(self, into: dict, key: str, value: torch.Tensor, old: Entry) -> None:
         """Copy the elements of `value` (old's elements of its parameter) that fall in the parameter's span
@@ -127,7 +152,8 @@ class _Gathered:
     def complete(self) -> bool:
         wanted = set(self.shard.buffers) | set(self.shard.frozen)
         return (all(self.filled[n] == self.needed[n] for n in self.span) and wanted <= set(self.named)
-                and all(self.rows[n] == t.rows for n, t in self.shard.tables.items()))
+                and all(self.rows[n] == self.shard.tables[n].rows for n in self.rows)
+                and all(self.shard.tables[n].complete(parts) for n, parts in self.dynamic.items()))
 
     def check(self, where: str) -> None:
         for name, needed in self.needed.items():
@@ -136,10 +162,14 @@ class _Gathered:
                                      f"that server {self.shard.shard_id} needs")
         for name in sorted((set(self.shard.buffers) | set(self.shard.frozen)) - set(self.named)):
             self._missing(where, f"holds no tensor {name!r}")
-        for name, table in self.shard.tables.items():
-            if self.rows[name] != table.rows:
-                self._missing(where, f"holds {self.rows[name]} of the {table.rows} rows of embedding table {name!r} "
-                                     f"that server {self.shard.shard_id} needs (served row by row here)")
+        for name, rows in self.rows.items():
+            if rows != self.shard.tables[name].rows:
+                self._missing(where, f"holds {rows} of the {self.shard.tables[name].rows} rows of embedding table "
+                                     f"{name!r} that server {self.shard.shard_id} needs (served row by row here)")
+        for name, parts in self.dynamic.items():
+            if not self.shard.tables[name].complete(parts):
+                self._missing(where, f"holds {len(parts)} servers' parts of dynamic table {name!r}, not every part "
+                                     f"that server {self.shard.shard_id} needs")
 
     def _missing(self, where: str, what: str) -> None:
         raise ValueError(f"{where} {what}: it was written by another model, or with its embedding tables served "

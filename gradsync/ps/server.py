@@ -11,6 +11,7 @@ wire format), handed to the consistency rule.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import traceback
 from collections.abc import Callable
@@ -40,10 +41,11 @@ class ParameterServer:
     """State of one server process; methods are thread-safe."""
 
     def __init__(self, shard_id: int, num_workers: int, mode: str, nonfinite: str, compression: str = "none",
-                 device: str = "cpu", staleness: int = 0, resume_from: tuple[str, int] | None = None,
+                 device: str = "cpu", staleness: int = 0, resume_from: tuple[str, int, str | None] | None = None,
                  on_failure: Callable[[str], None] | None = None):
         self.shard_id = shard_id
-        self.resume_from = resume_from  # (checkpoint folder, the number of servers that wrote it)
+        self.resume_from = resume_from  # (checkpoint folder, the number of servers that wrote it, its full base)
+        self._last_full: str | None = None  # the folder of the last full checkpoint written (deltas go onto it)
         self.on_failure = on_failure  # told this server's own failure (`fail`), before any worker is
         self.failed = False  # whether this server has failed (`fail`): it stops
         self._failing = threading.Lock()
@@ -181,7 +183,7 @@ class ParameterServer:
         (version, rows, admitted); "read" (table, ids) -> rows; "end" (step,), "smallest" (step, {table: (rows,
         waiting)}) and "evict" (step, {table: (ids, waiting ids)}): the end of a step (`tables.global_eviction`),
         per table; "state" () -> {table: its `DynamicTable.state()`}; "counts" () -> {table: (resident rows,
-        [admitted, filtered, evicted])}."""
+        [admitted, filtered, evicted])}; "step" () -> {table: the step its next lookups belong to}."""
         shard = self._shard()
         with shard.lock:
             dynamic = {n: t for n, t in shard.tables.items() if isinstance(t, DynamicShard)}
@@ -207,11 +209,13 @@ class ParameterServer:
                 return None
             if call == "state":
                 return {n: t.table.state() for n, t in dynamic.items()}
+            if call == "step":
+                return {n: t.table.step for n, t in dynamic.items()}
             if call == "counts":
                 return {n: (len(t.table), [t.table.counters[k] for k in ("admitted", "filtered", "evicted")])
                         for n, t in dynamic.items()}
             raise Refusal(f"no call {call!r} on dynamic tables: expected lookup, read, end, smallest, evict, "
-                          "state or counts")
+                          "state, counts or step")
 
     def table_rows(self, table: str) -> torch.Tensor:
         """A copy of every row of `table` this server holds, in local order."""
@@ -349,9 +353,17 @@ class ParameterServer:
         with shard.lock:
             return shard.state_dict()
 
-    def checkpoint(self, directory: str) -> tuple[str, int]:
-        """Write this shard's state into `directory` (`ps.shard_file`); returns (path, version)."""
-        return shard_file.save(self._shard(), directory)
+    def checkpoint(self, directory: str, base: str | None = None) -> tuple[str, int]:
+        """Write this shard's state into `directory` (`ps.shard_file`); returns (path, version). `base`: the
+        folder of the last full checkpoint this server wrote, onto which its dynamic tables' delta goes."""
+        if base is not None and (self._last_full is None
+                                 or os.path.abspath(base) != os.path.abspath(self._last_full)):
+            raise ValueError(f"server {self.shard_id} was asked for a delta checkpoint onto {base}, and its last full "
+                             f"checkpoint is {self._last_full or 'none'}: write a full one first")
+        path, version = shard_file.save(self._shard(), directory, full=base is None)
+        if base is None:
+            self._last_full = directory
+        return path, version
 
     def stats(self) -> dict:
         """This server's counters (version, pushes applied/rejected, staleness, bytes)."""

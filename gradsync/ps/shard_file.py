@@ -1,5 +1,5 @@
 """Atomic, verified checkpoints of one shard: parameters, buffers, optimizer state, embedding table rows
-with their row optimizer state, and version.
+with their row optimizer state, dynamic tables (whole, or a delta since the last full checkpoint), and version.
 
 A shard's state names everything, so that any other layout can take it back
 (`ps.reshard`): its entries (parameter, shape, element range), the values and
@@ -22,15 +22,18 @@ import os
 import torch
 
 from gradsync.core.atomic_file import write_atomically
+from gradsync.ps.dynamic_shard import DynamicShard
 from gradsync.ps.shard import ShardState
 
 MAGIC = b"GRADSYNC-CHECKPOINT-1\n"
 _DIGEST = 32
 
 
-def capture(shard: ShardState) -> dict:
+def capture(shard: ShardState, full: bool = True) -> dict:
     """CPU copies of the shard's state at one version (takes `shard.lock`): entries as (name, shape, start,
-    numel), the optimizer's state by entry key with its groups' options (`ShardState.optimizer_state`)."""
+    numel), the optimizer's state by entry key with its groups' options (`ShardState.optimizer_state`);
+    dynamic tables whole, or with `full` False only what changed since their last full checkpoint
+    (`DynamicTable.checkpoint`)."""
     with shard.lock:
         return {
             "shard_id": shard.shard_id,
@@ -40,17 +43,18 @@ def capture(shard: ShardState) -> dict:
             "buffers": {n: b.to("cpu", copy=True) for n, b in shard.buffers.items()},
             "frozen": {n: t.clone() for n, t in shard.frozen.items()},
             "optimizer": shard.optimizer_state(),
-            "tables": {n: t.checkpoint() for n, t in shard.tables.items()},
+            "tables": {n: t.checkpoint(full) if isinstance(t, DynamicShard) else t.checkpoint()
+                       for n, t in shard.tables.items()},
         }
 
 
-def save(shard: ShardState, directory: str) -> tuple[str, int]:
-    """Write the shard's current state to `directory/shard-<id>.ckpt` atomically.
+def save(shard: ShardState, directory: str, full: bool = True) -> tuple[str, int]:
+    """Write the shard's current state (`capture`) to `directory/shard-<id>.ckpt` atomically.
 
     Returns:
         The file's path and the version it holds.
     """
-    state = capture(shard)
+    state = capture(shard, full)
     return write(os.path.join(directory, f"shard-{shard.shard_id}.ckpt"), state), state["version"]
 
 

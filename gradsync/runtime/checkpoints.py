@@ -17,6 +17,13 @@ pushes (each worker's first N) and the checkpoint is one consistent cut:
 
 Every file is written atomically with its SHA-256.
 
+Dynamic tables on the servers (ps, hybrid) with --checkpoint-full-every N: of the checkpoints a job writes,
+the first and every N-th after it are full; each one between is a delta (`DynamicTable.checkpoint`): its
+shards hold the dynamic tables' rows changed or evicted since that full checkpoint (everything else whole),
+and its manifest names the full one's folder as its `base`, which must be complete for the delta to be.
+Lookups change those tables, so every worker waits until the servers have written their shards, in sync
+mode too.
+
 A checkpoint folder belongs to one run: a fresh job (no --resume) makes a run id, every manifest records it,
 and a resume continues it. Rank 0 decides for the job what it continues or starts (`open_run`) and publishes
 it in the store, so every refusal is one failure on the rank that decided it: a fresh job refuses a
@@ -88,6 +95,21 @@ def describe(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
             "optimizer": {"class": f"{cls.__module__}.{cls.__qualname__}",
                           "groups": [{"sizes": [p.numel() for p in g["params"]], "keys": sorted(group_options(g))}
                                      for g in optimizer.param_groups]}}
+
+
+def base_of(found: Found) -> str | None:
+    """The folder of the full checkpoint that `found`, a delta, goes onto; None for a full one."""
+    base = found.manifest.get("base")
+    return base and os.path.join(os.path.dirname(os.path.normpath(found.path)), base)
+
+
+def full_base(config: JobConfig, step: int, start: int) -> int | None:
+    """The step of the full checkpoint onto which the checkpoint of `step` is a delta, in a job that started at
+    step `start`; None: it is full (the job's first, and every `checkpoint_full_every`-th after it)."""
+    every, full_every = config.checkpoint_every, config.checkpoint_full_every
+    first = (start // every + 1) * every
+    base = first + (step - first) // (every * full_every) * every * full_every
+    return None if base == step else base
 
 
 def open_run(config: JobConfig, store: dist.Store) -> tuple[str, Found | None]:
@@ -255,6 +277,8 @@ def latest_complete(directory: str) -> Found:
                                  f"{manifest['servers']} servers and {len(written)} workers needs")
             for file, digest in manifest["files"].items():
                 shard_file.verify(os.path.join(path, file), digest)
+            if "base" in manifest:
+                _check_base(path, manifest)
         except (OSError, ValueError, KeyError) as e:
             skipped.append(f"{path}: {e}")
             continue
@@ -262,6 +286,24 @@ def latest_complete(directory: str) -> Found:
     raise FileNotFoundError(f"no complete checkpoint in {directory!r} (a step-N folder with {MANIFEST} and intact "
                             "files, every one listed)" + "".join(f"\n  {reason}" for reason in skipped)
                             + "\nstart without --resume")
+
+
+def _check_base(path: str, manifest: dict) -> None:
+    """Refuse a delta checkpoint (in `path`) whose full checkpoint is not there whole, of the same run.
+
+    Raises:
+        OSError, ValueError, KeyError: naming what is wrong with the base.
+    """
+    base = os.path.join(os.path.dirname(os.path.normpath(path)), manifest["base"])
+    try:
+        _, _, full = _manifest(base)
+        if full["run"] != manifest["run"] or "base" in full or full["servers"] != manifest["servers"]:
+            raise ValueError("it is not a full checkpoint of the same run and servers")
+        for file, digest in full["files"].items():
+            shard_file.verify(os.path.join(base, file), digest)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"it is a delta onto the full checkpoint {manifest['base']}, which is not usable: {e}") \
+            from None
 
 
 def check(found: Found, described: dict) -> None:
@@ -291,14 +333,16 @@ def check(found: Found, described: dict) -> None:
                                  f"group {i} {built[what]}: {fix}")
 
 
-def save(store: dist.Store, config: JobConfig, run: str, step: int, strategy, described: dict) -> None:
+def save(store: dist.Store, config: JobConfig, run: str, step: int, strategy, described: dict,
+         start: int = 0) -> None:
     """Write this worker's part of the checkpoint of `step` of `run` (its model and optimizer `described`); the
     coordinator (worker 0, or in an elastic job the
     lowest of the job's first workers still in it) has the servers write their shards and writes the manifest.
     Every worker of the job must call it after the same step (workers that joined a running job take no
     part; in an elastic job, neither do workers that have left it). In async and ssp jobs the workers wait
     until the servers have written their shards, so that every shard holds the same pushes: each worker's
-    first `step`."""
+    first `step`; so do the workers of a job whose servers hold dynamic tables. `start`: the step the job
+    started at (`full_base`)."""
     me = config.worker_rank
     if me >= config.num_workers:
         return
@@ -308,7 +352,8 @@ def save(store: dist.Store, config: JobConfig, run: str, step: int, strategy, de
                  **strategy.local_state())
     shard_file.write(os.path.join(path, worker_file(me)), state)
     store.set(StoreKeys.CHECKPOINT.format(step, me), "1")
-    held = config.mode != "sync" and config.servers > 0  # the others' pushes would go on meanwhile
+    # the others' pushes, or their lookups of dynamic tables, would go on meanwhile
+    held = config.servers > 0 and (config.mode != "sync" or strategy.servers_hold_dynamic)
     while (coordinator := _coordinator(store, config)) != me:
         if not held or _wait(store, config, [StoreKeys.CHECKPOINT.format(step, "shards")], [coordinator],
                              f"did not have the servers write their shards of the checkpoint of step {step} in "
@@ -318,11 +363,14 @@ def save(store: dist.Store, config: JobConfig, run: str, step: int, strategy, de
     written = _wait(store, config, [StoreKeys.CHECKPOINT.format(step, w) for w in range(config.num_workers)],
                     list(range(config.num_workers)),
                     f"did not write its state of the checkpoint of step {step} in {path}")
-    shards = strategy.checkpoint_servers(path)
+    base = full_base(config, step, start) if strategy.servers_hold_dynamic else None
+    base = base and os.path.basename(step_dir(config.checkpoint_dir, base))
+    shards = strategy.checkpoint_servers(path, base and os.path.join(config.checkpoint_dir, base))
     paths = [p for p, _ in shards.values()] + [os.path.join(path, worker_file(w)) for w in written]
     files = {os.path.basename(p): shard_file.stored_digest(p) for p in paths}
     manifest = dict(run=run, step=step, strategy=config.strategy, mode=config.mode, servers=config.servers,
-                    workers=config.num_workers, written=written, **described, files=files)
+                    workers=config.num_workers, written=written, **described, files=files,
+                    **({"base": base} if base else {}))
     write_atomically(os.path.join(path, MANIFEST), json.dumps(manifest, indent=1).encode())
     if held:
         store.set(StoreKeys.CHECKPOINT.format(step, "shards"), "1")

@@ -15,6 +15,7 @@ import traceback
 from gradsync.core.atomic_file import write_atomically
 from gradsync.membership import uneven_data
 from gradsync.ps.server import ParameterServer
+from gradsync.runtime import checkpoints
 from gradsync.runtime.cluster import Cluster
 from gradsync.runtime.failures import record_failure, say_failure
 from gradsync.runtime.leaving import wait_for_workers
@@ -31,9 +32,10 @@ def install_server(cluster: Cluster) -> ParameterServer:
     def fail(text: str) -> None:
         say_failure(record_failure(cluster, config.rank, text))
 
+    resume_from = (resumed.path, resumed.manifest["servers"], checkpoints.base_of(resumed)) if resumed else None
     server = ParameterServer(
         config.rank, config.num_workers, config.mode, config.nonfinite, config.compression, config.server_device,
-        config.staleness, (resumed.path, resumed.manifest["servers"]) if resumed else None, fail,
+        config.staleness, resume_from, fail,
     )
     transport(config.transport).rank.install(server)
     return server

@@ -28,8 +28,14 @@ End of step, after the update:
      is admitted again by the same rule as a new id, with `init(id)` and fresh optimizer state.
 So rows and waiting ids each exceed `capacity` only within a step, by that step's new ids.
 
-Memory: per slot the row, its id, last step and lookup count (24 bytes) and the row optimizer's state; per
-waiting id 24 bytes; each id index 17 bytes per bucket, 2 to 4 buckets per id.
+Checkpoints (`checkpoint`): a full one holds every resident id with its row, last step, lookup count and row
+optimizer state, and every waiting id with its sightings and last step; a delta only the rows and waiting ids
+changed (looked up, created, updated) since the last full one, with the ids that left since then, and both
+restore exactly (`tables.dynamic_checkpoint`, `load`).
+
+Memory: per slot the row, its id, last step and lookup count (24 bytes), a changed flag (1 byte) and the row
+optimizer's state; per waiting id 25 bytes; per id of the last full checkpoint 8 bytes; each id index 17 bytes
+per bucket, 2 to 4 buckets per id.
 """
 from __future__ import annotations
 
@@ -111,6 +117,7 @@ class DynamicTable:
                 slots[missing[admitted]] = self._create(created, rows)
         present = slots >= 0
         seen = slots[present]
+        self.rows.mark(seen)
         self.rows.columns["last_step"][seen] = step
         self.rows.columns["lookups"][seen] += occurrences[present]
         self.counters["filtered"] += int(occurrences[~present].sum())
@@ -123,6 +130,13 @@ class DynamicTable:
     def apply(self, optimizer, slots: torch.Tensor, grads: torch.Tensor) -> None:
         """Update the distinct resident `slots` with their `grads` [len(slots), dim] by the row optimizer
         (gradsync.RowSGD or RowAdagrad); its per-slot state starts fresh with each row."""
+        self.train_with(optimizer)
+        self.rows.mark(slots)
+        optimizer.step(self.weight, self.optimizer_state, slots, grads.to(self.dtype))
+
+    def train_with(self, optimizer) -> None:
+        """Make `optimizer` (gradsync.RowSGD or RowAdagrad) the table's row optimizer, with fresh state for every
+        row, unless it is already (refused when it has another)."""
         if not isinstance(optimizer, ROW_OPTIMIZERS):
             raise TypeError(f"{self.name}: a dynamic table is trained by a row optimizer, got "
                             f"{type(optimizer).__name__}; pass gradsync.RowSGD(lr=...) or gradsync.RowAdagrad(lr=...)")
@@ -132,7 +146,6 @@ class DynamicTable:
         elif optimizer != self.optimizer:
             raise ValueError(f"{self.name}: trained by {self.optimizer!r}, now given {optimizer!r}; pass the same "
                              "row optimizer every step (its per-row state belongs to the first)")
-        optimizer.step(self.weight, self.optimizer_state, slots, grads.to(self.dtype))
 
     def end_step(self, step: int) -> None:
         """After step `step`'s update: evict by `ttl_steps` and `capacity`, forget waiting ids beyond capacity."""
@@ -183,8 +196,31 @@ class DynamicTable:
     def state(self) -> dict[str, torch.Tensor]:
         """The table as tensors: resident ids ascending with their rows, last steps and lookup counts; waiting
         ids ascending with their sightings and last steps; the next step; the counters."""
-        ids, slots = _ascending(*self.rows.resident())
-        waiting, waiting_slots = _ascending(*self.waiting.resident())
+        return self._state(self.rows.resident(), self.waiting.resident())
+
+    def checkpoint(self, full: bool = True) -> dict[str, torch.Tensor]:
+        """`state()` with each row's optimizer state (`optimizer`: [rows] RowAdagrad's sums, [rows, dim]
+        RowSGD's momentum, zeros where a row has none yet; absent without state); it becomes the base of the
+        next deltas. `full` False: a delta, which holds only the rows and waiting ids changed since the last
+        full checkpoint, and in `removed` and `waiting_removed` the ids held then and not now."""
+        rows, removed = self.rows.since_full(full)
+        waiting, waiting_removed = self.waiting.since_full(full)
+        out = self._state(rows, waiting)
+        if not full:
+            out.update(removed=removed, waiting_removed=waiting_removed)
+        slots, state = _ascending(*rows)[1], self.optimizer_state
+        if isinstance(state, torch.Tensor):
+            out["optimizer"] = state[slots].clone()
+        elif isinstance(state, LazyRows):
+            held = state.slot[slots].long()
+            out["optimizer"] = state.data.new_zeros(slots.numel(), self.dim)
+            out["optimizer"][held >= 0] = state.data[held[held >= 0]]
+        return out
+
+    def _state(self, rows: tuple[torch.Tensor, torch.Tensor], waiting: tuple[torch.Tensor, torch.Tensor]):
+        """`state()` of the rows and waiting ids given as (ids, slots)."""
+        ids, slots = _ascending(*rows)
+        waiting, waiting_slots = _ascending(*waiting)
         return {
             "ids": ids, "weight": self.weight[slots].clone(),
             "last_step": self.rows.columns["last_step"][slots].clone(),
@@ -196,9 +232,10 @@ class DynamicTable:
             "counters": torch.tensor([self.counters[k] for k in ("admitted", "filtered", "evicted")]),
         }
 
-    def load(self, state: dict[str, torch.Tensor]) -> None:
+    def load(self, state: dict[str, torch.Tensor], optimizer=None) -> None:
         """Replace everything by `state` (the keys of `state()`; only `ids` and `weight` are required: rows
-        then count as looked up in the step before `step`, zero lookups). Optimizer state starts fresh."""
+        then count as looked up in the step before `step`, zero lookups). The row optimizer's state starts
+        fresh, or with `optimizer` (the table's row optimizer) from `state["optimizer"]` (`checkpoint`)."""
         ids, weight = state["ids"], state["weight"]
         if ids.dtype != torch.int64 or ids.dim() != 1 or ids.unique().numel() != ids.numel():
             raise ValueError(f"{self.name}: state 'ids' must be distinct int64 ids in a 1-D tensor, got "
@@ -218,7 +255,14 @@ class DynamicTable:
             waiting = self.waiting.add(state["waiting_ids"])
             self.waiting.columns["sightings"][waiting] = state["waiting_sightings"]
             self.waiting.columns["last_step"][waiting] = state["waiting_last_step"]
+        self.optimizer = optimizer or self.optimizer
         self.optimizer_state = None if self.optimizer is None else self._new_state(self.rows.slots)
+        saved = state.get("optimizer") if optimizer is not None else None
+        if isinstance(self.optimizer_state, torch.Tensor) and saved is not None:
+            self.optimizer_state[slots] = saved
+        elif isinstance(self.optimizer_state, LazyRows) and saved is not None:
+            held = self.optimizer_state.slots(slots)  # may grow `data`: index it after
+            self.optimizer_state.data[held] = saved
 
     def _check_step(self, step: int, call: str) -> None:
         if step < self.step:
@@ -247,6 +291,7 @@ class DynamicTable:
         new = slots < 0
         slots = slots.clone()
         slots[new] = self.waiting.add(ids[new])
+        self.waiting.mark(slots)
         self.waiting.columns["sightings"][slots] = sightings
         self.waiting.columns["last_step"][slots] = step
 
@@ -317,6 +362,8 @@ class _IdColumns:
     def __init__(self, **columns: tuple[tuple[int, ...], torch.dtype]):
         self.index = IdIndex()
         columns["id"] = ((), torch.int64)
+        columns["changed"] = ((), torch.bool)  # since the last full checkpoint
+        self.base = torch.zeros(0, dtype=torch.int64)  # the ids held at the last full checkpoint
         self.slots = 64
         self.columns = {name: torch.zeros((self.slots,) + shape, dtype=dtype)
                         for name, (shape, dtype) in columns.items()}
@@ -339,7 +386,12 @@ class _IdColumns:
             self.slots = grown
         self.index.insert(ids, reused)
         self.columns["id"][reused] = ids
+        self.columns["changed"][reused] = True
         return reused
+
+    def mark(self, slots: torch.Tensor) -> None:
+        """The ids in `slots` changed: the next delta checkpoint holds them."""
+        self.columns["changed"][slots] = True
 
     def drop(self, slots: torch.Tensor) -> None:
         """Forget the ids in `slots`; the slots are free for the next ids."""
@@ -349,6 +401,17 @@ class _IdColumns:
     def resident(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The ids held and their slots."""
         return self.index.items()
+
+    def since_full(self, full: bool) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """For a checkpoint: (ids, slots) of every id held (`full`; it becomes the base of the next deltas),
+        or of those changed since the last full one, and the ids of that one no longer held."""
+        ids, slots = self.resident()
+        if full:
+            self.base, _ = ids.sort()
+            self.columns["changed"].zero_()
+            return (ids, slots), ids[:0]
+        changed = self.columns["changed"][slots]
+        return (ids[changed], slots[changed]), self.base[~torch.isin(self.base, ids)]
 
 
 def _check_settings(name: str, *, dim, capacity, admit_after, admit_probability, evict, ttl_steps, dtype) -> None:

@@ -128,8 +128,9 @@ class WorkerTransport(ABC):
         """Every server's counters."""
 
     @abstractmethod
-    def checkpoint(self, directory: str) -> dict[int, tuple[str, int]]:
-        """Every server writes its shard into `directory` (on its machine): (path, version) by server."""
+    def checkpoint(self, directory: str, base: str | None = None) -> dict[int, tuple[str, int]]:
+        """Every server writes its shard into `directory` (on its machine): (path, version) by server; with
+        `base`, the folder of their last full checkpoint, their dynamic tables as a delta onto it."""
 
     @abstractmethod
     def close(self) -> None:

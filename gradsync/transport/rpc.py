@@ -191,8 +191,8 @@ class RpcTransport(WorkerTransport):
     def stats(self) -> dict[int, dict]:
         return self._call(rpc_stats, lambda s: (), "stats")
 
-    def checkpoint(self, directory: str) -> dict[int, tuple[str, int]]:
-        return self._call(rpc_checkpoint, lambda s: (directory,), "checkpoint")
+    def checkpoint(self, directory: str, base: str | None = None) -> dict[int, tuple[str, int]]:
+        return self._call(rpc_checkpoint, lambda s: (directory, base), "checkpoint")
 
     def close(self) -> None:
         """Nothing to release: RPC stops with the job."""
@@ -376,8 +376,8 @@ def rpc_state() -> tuple:
 
 
 @_answering("checkpoint")
-def rpc_checkpoint(directory: str) -> tuple[str, int]:
-    return _server().checkpoint(directory)
+def rpc_checkpoint(directory: str, base: str | None) -> tuple[str, int]:
+    return _server().checkpoint(directory, base)
 
 
 @_answering("read of the counters")

@@ -58,7 +58,7 @@ class HybridStrategy(Strategy):
         self.tables, setups = serve_tables(module, tables, config.servers, None, spec, table_optimizer,
                                            send=worker == 0)
         chosen = transport(config.transport)
-        self.dynamic = serve_dynamic(module, chosen.capabilities, config, cluster.resumed is not None,
+        self.dynamic = serve_dynamic(module, chosen.capabilities, config,
                                      table_optimizer, setups if worker == 0 else None)
         if not self.tables.specs and not self.dynamic.modules:
             raise NoTablesToServe(
@@ -130,8 +130,12 @@ class HybridStrategy(Strategy):
     def server_stats(self) -> dict[int, dict]:
         return self.transport.stats()
 
-    def checkpoint_servers(self, directory: str) -> dict[int, tuple[str, int]]:
-        return self.transport.checkpoint(directory)
+    def checkpoint_servers(self, directory: str, base: str | None = None) -> dict[int, tuple[str, int]]:
+        return self.transport.checkpoint(directory, base)
+
+    @property
+    def servers_hold_dynamic(self) -> bool:
+        return bool(self.dynamic.modules)
 
     def no_sync(self):
         """`Trainer.no_sync`: the dense part's DDP accumulates; rows travel once per step anyway."""
@@ -140,10 +144,11 @@ class HybridStrategy(Strategy):
     @contextlib.contextmanager
     def join(self):
         """`Trainer.join`: allreduce's join for the dense layers, the servers told before it answers the others'
-        dense steps; then the servers' versions, for the next push."""
+        dense steps; then the servers' versions, for the next push, and the step of their dynamic tables."""
         with self.dense.join(self.joiner.announce):
             yield
         self.joiner.wait()
+        self.dynamic.resync()
         self._versions = {s: snap.version for s, snap in self.transport.pull().items()}
 
     def local_state(self) -> dict:
@@ -153,8 +158,10 @@ class HybridStrategy(Strategy):
             return self.dense.local_state()
 
     def load_local_state(self, state: dict) -> None:
-        """Take back `local_state()`; the next push goes at the versions the restored servers hold."""
-        self.dense.load_local_state(state)
+        """Take back `local_state()` (the dynamic tables' local keys, which it leaves out, as they are); the next
+        push goes at the versions the restored servers hold, the next lookups at their step."""
+        self.dense.load_local_state({**state, "model": {**self.dynamic.local_keys(), **state["model"]}})
+        self.dynamic.resync()
         self._versions = {s: snap.version for s, snap in self.transport.pull().items()}
 
     def state_dict(self) -> dict[str, torch.Tensor]:

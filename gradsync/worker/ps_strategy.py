@@ -131,7 +131,7 @@ class PSStrategy(Strategy):
         self.tables, table_setups = serve_tables(
             module, tables if chosen.capabilities.row_tables else "dense", config.servers, self.metrics, spec,
             table_optimizer, send=self.worker == 0)
-        self.dynamic = serve_dynamic(module, chosen.capabilities, config, cluster.resumed is not None,
+        self.dynamic = serve_dynamic(module, chosen.capabilities, config,
                                      table_optimizer, table_setups if self.worker == 0 else None)
         params, buffers = named_tensors(module)
         self.params, self.buffers = params, buffers  # the user's module's: pointed at the servers' values
@@ -393,8 +393,12 @@ class PSStrategy(Strategy):
     def server_stats(self) -> dict[int, dict]:
         return self.transport.stats()
 
-    def checkpoint_servers(self, directory: str) -> dict[int, tuple[str, int]]:
-        return self.transport.checkpoint(directory)
+    def checkpoint_servers(self, directory: str, base: str | None = None) -> dict[int, tuple[str, int]]:
+        return self.transport.checkpoint(directory, base)
+
+    @property
+    def servers_hold_dynamic(self) -> bool:
+        return bool(self.dynamic.modules)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -409,10 +413,12 @@ class PSStrategy(Strategy):
     @contextlib.contextmanager
     def join(self):
         """`Trainer.join`: on leaving the block, tell the servers and wait for every worker to join; the next
-        forward pulls (the replies this worker holds are from before the others' last steps)."""
+        forward pulls (the replies this worker holds are from before the others' last steps), and the dynamic
+        tables' lookups go on at the step the servers are at."""
         yield
         self.joiner.announce()
         self.joiner.wait()
+        self.dynamic.resync()
         self._last = None
         self._next = self._build(self.transport.pull())
 
@@ -436,6 +442,7 @@ class PSStrategy(Strategy):
         options (a schedule's lr), which the next push sends every server (tables whose rows follow a group)."""
         for group, options in zip(self.optimizer.param_groups, state["groups"]):
             group.update(options)
+        self.dynamic.resync()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         states = self.transport.state()

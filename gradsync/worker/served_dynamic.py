@@ -9,10 +9,11 @@ inside a dist_autograd context) sends each server its ids of the batch, distinct
 the leaves' gradients into each server's push ({table: `RowGrads`} of the admitted ids, occurrences summed);
 the consistency rule averages them over the workers and the row optimizer applies them. After the step's
 push, `end_step` ends the step on every server, with the bounds by `capacity` over the whole table
-(`tables.global_eviction`).
+(`tables.global_eviction`). A worker that took fewer steps (`trainer.join()`) takes the servers' step
+(`resync`).
 
 Only sync mode is exact (every lookup of step t before its update, the eviction before step t + 1's lookups);
-async and ssp are refused, as are checkpoints of a dynamic table.
+async and ssp are refused. A job checkpoint holds the servers' tables (`ps.shard_file`, `ps.reshard`).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from torch import nn
 from gradsync.core.torch_internals import current_context_id
 from gradsync.ps.messages import DynamicSetup, RowGrads
 from gradsync.tables import global_eviction
+from gradsync.tables.dynamic_checkpoint import rehomed
 from gradsync.tables.dynamic_embedding import DynamicEmbedding
 from gradsync.tables.id_hash import server_of
 from gradsync.tables.placement import merge_rows
@@ -40,12 +42,11 @@ def find_dynamic(module: nn.Module) -> dict[str, DynamicEmbedding]:
     return {name or "table": m for name, m in module.named_modules() if isinstance(m, DynamicEmbedding)}
 
 
-def serve_dynamic(module: nn.Module, capabilities, config, resumed: bool, table_optimizer,
+def serve_dynamic(module: nn.Module, capabilities, config, table_optimizer,
                   setups: dict[int, dict] | None) -> ServedDynamic:
     """Take over the dynamic tables of `module` for a ps or hybrid job of `config` over a transport of
     `capabilities`; worker 0 (`setups` given) adds each table's `DynamicSetup` to every server's setups."""
-    served = ServedDynamic(module, config.servers, table_optimizer, config.mode,
-                           bool(config.checkpoint_every) or resumed)
+    served = ServedDynamic(module, config.servers, table_optimizer, config.mode)
     if served.modules and not capabilities.row_tables:
         raise ValueError(f"{next(iter(served.modules))!r} is a gradsync.DynamicEmbedding, whose rows the servers "
                          f"serve by id: {capabilities.rows_refusal()}")
@@ -68,7 +69,7 @@ class _Lookup:
 class ServedDynamic:
     """The model's dynamic tables, their rows on `num_servers` servers reached through `transport`."""
 
-    def __init__(self, module: nn.Module, num_servers: int, table_optimizer, mode: str, checkpoints: bool):
+    def __init__(self, module: nn.Module, num_servers: int, table_optimizer, mode: str):
         self.modules = find_dynamic(module)
         self.num_servers = num_servers
         self.optimizer = table_optimizer
@@ -83,10 +84,6 @@ class ServedDynamic:
             raise NotImplementedError(
                 f"{name!r} is a gradsync.DynamicEmbedding, whose lookups, updates and evictions are exact only in "
                 f"--mode sync under ps and hybrid (got --mode {mode}): run with --mode sync")
-        if checkpoints:
-            raise NotImplementedError(
-                f"{name!r} is a gradsync.DynamicEmbedding, whose rows a checkpoint does not hold yet: leave out "
-                "--checkpoint-every and --resume, or save trainer.state_dict() (its ids and rows) yourself")
         if not isinstance(table_optimizer, ROW_OPTIMIZERS):
             raise ValueError(
                 f"{name!r} is a gradsync.DynamicEmbedding, whose rows the servers train with a row optimizer: pass "
@@ -169,6 +166,17 @@ class ServedDynamic:
             global_eviction.end_step(self.step, capacities, list(range(self.num_servers)), self.transport.dynamic)
         self.step += 1
 
+    def resync(self) -> None:
+        """Take the step the servers' tables are at: after a `trainer.join()` block, in which a worker that ran
+        out of data took fewer steps than the others, and after a resume."""
+        if self.modules:
+            steps = self.transport.dynamic("step", {s: () for s in range(self.num_servers)})
+            self.step = max(step for per in steps.values() for step in per.values())
+
+    def local_keys(self) -> dict[str, torch.Tensor]:
+        """The modules' own (unused) tables' state by key, which `own_state` leaves out of a state_dict."""
+        return {f"{name}.{k}": v for name, m in self.modules.items() for k, v in m.table.state().items()}
+
     def state(self) -> dict[str, torch.Tensor]:
         """Every table's state as its module's `state_dict()` holds it, by key (`<name>.ids`, `<name>.weight`,
         ...), gathered from the servers: ids ascending, every count summed."""
@@ -177,7 +185,7 @@ class ServedDynamic:
         parts = self.transport.dynamic("state", {s: () for s in range(self.num_servers)})
         out = {}
         for name in self.modules:
-            for key, value in merged([parts[s][name] for s in sorted(parts)]).items():
+            for key, value in rehomed([parts[s][name] for s in sorted(parts)], 0, 1).items():
                 out[f"{name}.{key}"] = value
         return out
 
@@ -207,18 +215,3 @@ class ServedDynamic:
         finally:
             self.serving = serving
 
-
-def merged(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """One table's `DynamicTable.state()` from its servers' (disjoint ids): rows and waiting ids ascending,
-    counters summed, the step the same on every server."""
-    out = {}
-    for ids_key, columns in (("ids", ("weight", "last_step", "lookups")),
-                             ("waiting_ids", ("waiting_sightings", "waiting_last_step"))):
-        ids = torch.cat([p[ids_key] for p in parts])
-        order = torch.argsort(ids)
-        out[ids_key] = ids[order]
-        for column in columns:
-            out[column] = torch.cat([p[column] for p in parts])[order]
-    out["step"] = parts[0]["step"]
-    out["counters"] = sum((p["counters"] for p in parts), torch.zeros_like(parts[0]["counters"]))
-    return out

@@ -62,7 +62,14 @@ class Strategy(ABC):
         """Every parameter server's counters by server index; {} without servers."""
         return {}
 
-    def checkpoint_servers(self, directory: str) -> dict[int, tuple[str, int]]:
+    def checkpoint_servers(self, directory: str, base: str | None = None) -> dict[int, tuple[str, int]]:
         """Every parameter server writes its shard into `directory`: (path, version) by server; {} without
-        servers (a job checkpoint, `gradsync.runtime.checkpoints`)."""
+        servers (a job checkpoint, `gradsync.runtime.checkpoints`). `base`: the folder of the last full
+        checkpoint, onto which the servers' dynamic tables go as a delta."""
         return {}
+
+    @property
+    def servers_hold_dynamic(self) -> bool:
+        """Whether the parameter servers hold dynamic tables, whose lookups change them (a checkpoint holds the
+        workers until it is written; it may be a delta)."""
+        return False

@@ -315,9 +315,9 @@ class GrpcTransport(WorkerTransport):
         except grpc.RpcError as e:
             raise self.client.error(method, s, start, e) from None
 
-    def checkpoint(self, directory: str) -> dict[int, tuple[str, int]]:
-        return {s: from_bytes(self._plain("JobCheckpoint", s, directory.encode()), f"{server_name(s)}'s checkpoint")
-                for s in self.servers}
+    def checkpoint(self, directory: str, base: str | None = None) -> dict[int, tuple[str, int]]:
+        return {s: from_bytes(self._plain("JobCheckpoint", s, to_bytes((directory, base))),
+                              f"{server_name(s)}'s checkpoint") for s in self.servers}
 
     def state(self) -> dict[int, tuple]:
         return {s: (snap.version, snap.flats, {**snap.buffers, **{n: t.clone() for n, t in self.frozen[s].items()}})

@@ -347,7 +347,8 @@ class Servicer:
     def job_checkpoint(self, request, context) -> pb.PlainData:
         request = _parsed(request)
         self._layout()
-        return pb.PlainData(data=to_bytes(self.server.checkpoint(request.data.decode())))
+        directory, base = from_bytes(request.data, "JobCheckpoint's folders")
+        return pb.PlainData(data=to_bytes(self.server.checkpoint(directory, base)))
 
     def job_probe(self, request, context) -> pb.PlainData:
         """Nothing back: the worker times the request's bytes (`GrpcTransport.bandwidth`); no model needed."""
