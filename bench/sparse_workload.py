@@ -21,7 +21,11 @@ from ctr import PLANTED_BIAS, ClickLog, CTRModel  # noqa: E402
 DIM, BATCH, LR = 32, 512, 0.05
 BATCHES = 4  # distinct batches per worker, cycled
 IDS = ("zipf", "flat")
-TOLERANCE = 1e-5  # parity with single-process training, SGD and both Adagrads (float rounding)
+TOLERANCE = {"sgd": 1e-5, "adagrad": 1e-3}
+"""Parity with single-process training, max |difference| of any parameter after 5 steps: SGD's float rounding;
+Adagrad divides each gradient by its own running norm, so an element whose gradient nearly cancels carries
+rounding into its step (sparse allreduce with torch's Adagrad: 8.0e-5 with Zipf ids, in one hidden unit's
+weights; 4.9e-5 flat), while a wrong update moves a parameter by about lr = 0.05 a step."""
 
 
 class FlatClickLog(ClickLog):

@@ -175,6 +175,8 @@ def _check(rank: int, workers: int, job: dict) -> float:
 
 
 def _measure(rank: int, workers: int, job: dict) -> dict:
+    import torchrec.distributed  # noqa: F401  (its libraries loaded before the baseline: they are not the model)
+
     fields, rows = job["fields"], job["rows"]
     before_model = memory("self", "VmRSS")
     batches = worker_batches(fields, rows // fields, job["ids"], rank, workers)
