@@ -11,7 +11,7 @@ import pytest
 
 BENCH = pathlib.Path(__file__).resolve().parent.parent / "bench"
 SCRIPTS = sorted(p.name for p in BENCH.glob("*.py"))
-LIBRARIES = {"measure.py"}
+LIBRARIES = {"measure.py", "sparse_workload.py", "torchrec_baseline.py"}
 """Modules the scripts import, not run: importing them is the check."""
 
 
