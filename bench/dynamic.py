@@ -1,6 +1,7 @@
 """Dynamic tables on the hot path: memory, speed and quality of `gradsync.DynamicEmbedding`, with TorchRec's
 managed-collision tables beside it. `--parts` picks which run; each writes its figures into one JSON (`--out`,
-rewritten after every part) with its PASS/FAIL against the targets of the issue that asked for it.
+rewritten after every part; by default bench/results/dynamic_<parts>.json) with its PASS/FAIL against the
+targets of the issue that asked for it.
 
 The id stream of `memory` and `speed`: each worker's step looks up `--batch` ids, ranks drawn Zipf(`--zipf`)
 over the positive integers (numpy's sampler, seeded by step and worker) hashed to 64-bit ids (`mix64`: any
@@ -8,17 +9,20 @@ int64). The job: `gradsync.launch`, ps (and hybrid) with S = `--servers`, W = `-
 process; the model is one table of dim `--dim` and a linear head (BCE against the id's low bit); rows trained
 by RowAdagrad, the head by Adagrad.
 
-- `memory`: `--lookups` ids in all through a DynamicEmbedding of `--capacity` rows under ps. Worker 0, at every
-  step: the resident rows of the whole table after its forward (before the step's eviction) and after the
-  step, and the ids the step admitted (new ids); at every `--sample-every` steps each server's VmRSS (/proc;
-  the servers are the job's ranks that are not workers) and its resident rows. Targets: at every step
-  resident <= capacity + that step's new ids (and <= capacity after it); every server's RSS <= 1.5 x
-  (capacity x bytes per row + its RSS in the empty job), bytes per row = the row + the row optimizer's state +
-  the index (id, last step and lookup count: 24 bytes; the id index at most 4 buckets of 17 bytes); the empty
-  job is the same job with a table of `--empty-capacity` rows for `--empty-steps` steps, run first (its RSS:
-  the median over its second half). Flat: each server's largest / smallest RSS sample over the second half
-  of the stream <= 1.05. Also each server's RSS over its own share (its resident rows x bytes per row + its
-  empty RSS), the stricter reading.
+- `memory`: `--lookups` ids in all through a DynamicEmbedding of `--capacity` rows under ps. Worker 0 looks at
+  the whole table (resident rows and rows admitted, summed over the servers) twice a step: after its forward,
+  before its push, and after its step. The other worker may be up to a step ahead, so the bound a look checks
+  is resident <= capacity + the ids admitted since worker 0's previous look in the middle of a step (that
+  step's and this one's new ids), which holds at every look exactly when every step's eviction brings the
+  table back to capacity; the largest excess over capacity and the new ids it stood against are recorded.
+  Every `--sample-every` steps each server's VmRSS (/proc; the servers are the job's ranks that are not
+  workers) and its resident rows. Target: every server's RSS (the largest sample) <= 1.5 x (capacity x bytes
+  per row + its RSS in the empty job), bytes per row = the row + the row optimizer's state + the index (id,
+  last step and lookup count: 24 bytes; the id index at most 4 buckets of 17 bytes). The empty job is the same
+  job with a table of `--empty-capacity` rows for `--empty-steps` steps, run first (its RSS: the median over
+  its second half). Flat: each server's largest / smallest RSS sample over the second half of the stream
+  <= 1.05. Also each server's RSS over its own share (the most rows it held x bytes per row + its empty RSS),
+  the stricter reading, and its VmHWM.
 - `speed`: the same job, DynamicEmbedding against a fixed nn.Embedding of `--capacity` rows fed
   `id mod capacity`, under ps and hybrid (`--strategies`), `--repeats` times interleaved (the order reversed on
   every other repeat). The dynamic table first trains `fill` steps (computed here: until the stream has shown
@@ -39,8 +43,8 @@ by RowAdagrad, the head by Adagrad.
   takes it (`mc_embedding_modules.evict` does nothing there): its AUC is what a one-process user gets.
 
     PYTHONPATH=$PWD .venv/bin/python bench/dynamic.py --parts memory speed quality
-        [--lookups 100000000] [--capacity 1000000] [--batch 8192] [--repeats 3] [--out bench/results/dynamic.json]
-    PYTHONPATH=$PWD /work/tmp/trvenv/bin/python bench/dynamic.py --parts quality torchrec  # a venv with torchrec
+        [--lookups 100000000] [--capacity 1000000] [--batch 8192] [--repeats 3] [--out FILE]
+    PYTHONPATH=$PWD VENV/bin/python bench/dynamic.py --parts quality torchrec  # VENV: bench/requirements-torchrec.txt
 """
 from __future__ import annotations
 
@@ -297,11 +301,13 @@ def run_speed(args) -> dict:
                   f"{1e6 * r['server_cpu_s_per_id']:.2f} CPU-us per id", flush=True)
     out = dict(fill_steps=fill, configs={}, ratios={})
     for name, reps in runs.items():
-        out["configs"][name] = dict(steps_per_s=statistics.median(1 / r["step_s"] for r in reps),
-                                    server_cpu_us_per_id=1e6 * statistics.median(r["server_cpu_s_per_id"] for r in reps),
-                                    resident_rows=reps[-1]["resident_rows"], repeats=reps)
+        out["configs"][name] = dict(
+            steps_per_s=statistics.median(1 / r["step_s"] for r in reps),
+            server_cpu_us_per_id=1e6 * statistics.median(r["server_cpu_s_per_id"] for r in reps),
+            resident_rows=reps[-1]["resident_rows"], repeats=reps)
     for strategy in args.strategies:
-        ratio = out["configs"][f"{strategy} dynamic"]["steps_per_s"] / out["configs"][f"{strategy} fixed"]["steps_per_s"]
+        steps_per_s = {table: out["configs"][f"{strategy} {table}"]["steps_per_s"] for table in ("dynamic", "fixed")}
+        ratio = steps_per_s["dynamic"] / steps_per_s["fixed"]
         out["ratios"][strategy] = dict(dynamic_over_fixed=ratio, result="PASS" if ratio >= SPEED_BOUND else "FAIL")
     return out
 
@@ -443,8 +449,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tr-rows", type=int, default=10**5, help="torchrec: rows of the throughput tables")
     parser.add_argument("--tr-batches", type=int, default=200)
     parser.add_argument("--job-timeout", type=float, default=3 * 3600)
-    parser.add_argument("--out", default=os.path.join(HERE, "results", "dynamic.json"))
+    parser.add_argument("--out", help="default: bench/results/dynamic_<parts>.json, the parts joined by _")
     args = parser.parse_args(argv)
+    args.out = args.out or os.path.join(HERE, "results", f"dynamic_{'_'.join(args.parts)}.json")
     result = dict(command="bench/dynamic.py " + " ".join(sys.argv[1:] if argv is None else argv),
                   date=datetime.datetime.now().isoformat(timespec="seconds"), machine=machine(os.getloadavg()),
                   settings=vars(args))
@@ -468,12 +475,14 @@ def summary(result: dict) -> str:
     if "memory" in result:
         m = result["memory"]
         rows = m["rows_bound"]
-        lines.append(f"memory: resident <= capacity + the step's new ids at every step: {rows['result']} "
-                     f"(max excess {rows['max_excess']}, that step's new ids {rows['new_ids_at_max_excess']})")
+        lines.append(f"memory: resident <= capacity + the new ids of the steps in flight at every look: "
+                     f"{rows['result']} (max excess {rows['max_excess']}, against {rows['new_ids_at_max_excess']} "
+                     f"new ids)")
         for i, s in enumerate(m["servers"]):
-            lines.append(f"memory: server {i}: RSS {s['max_rss'] / 2**20:.0f} MB / expected {s['expected'] / 2**20:.0f} "
-                         f"MB = {s['rss_vs_expected']:.2f}x (bound {RSS_BOUND}x): {s['rss']}; second half max/min "
-                         f"{s['second_half_max_over_min']:.3f} (bound {FLAT_BOUND}): {s['flat']}")
+            lines.append(f"memory: server {i}: RSS {s['max_rss'] / 2**20:.0f} MB / expected "
+                         f"{s['expected'] / 2**20:.0f} MB = {s['rss_vs_expected']:.2f}x (bound {RSS_BOUND}x): "
+                         f"{s['rss']}; second half max/min {s['second_half_max_over_min']:.3f} "
+                         f"(bound {FLAT_BOUND}): {s['flat']}")
     if "speed" in result:
         for strategy, r in result["speed"]["ratios"].items():
             cpu = result["speed"]["configs"][f"{strategy} dynamic"]["server_cpu_us_per_id"]

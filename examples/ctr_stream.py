@@ -18,8 +18,14 @@ row); `--table unbounded` is a DynamicEmbedding that never evicts. Tables train 
     gradsync run --strategy allreduce --workers 2 examples/ctr_stream.py
     gradsync compare --workers 2 --servers 1 examples/ctr_stream.py
 
-Without a job (`python examples/ctr_stream.py`: no WORLD_SIZE in the environment) it trains in this process: a DynamicEmbedding is then a local
-table, stepped by `table.step(row_optimizer)`.
+Without a job (`python examples/ctr_stream.py`: no WORLD_SIZE in the environment) it trains in this process: a
+DynamicEmbedding is then a local table, stepped by `table.step(row_optimizer)`.
+
+The defaults (300 steps of 1024 samples, lr 0.2, 20 new ids at the head every 50 steps) are where the model
+learns within a minute: AUC about 0.69 against the teacher's 0.84 with `--compare-tables`, LRU and LFU at half
+the distinct ids within 0.003 of unbounded and 0.015 above hashed (bench/dynamic.py `--parts quality`). The gap
+to the teacher is the drift: the hottest ids are the newest, seen a few dozen times each. With 200 new ids every
+20 steps (10x the drift) the model reaches about 0.59 at lr 0.05 and 0.61 at lr 0.2 (300 steps of 512).
 """
 import argparse
 import os
