@@ -443,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--empty-steps", type=int, default=300)
     parser.add_argument("--strategies", nargs="+", choices=["ps", "hybrid"], default=["ps", "hybrid"])
     parser.add_argument("--steps", type=int, default=100, help="speed: timed steps per job")
-    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=10, help="speed: untimed steps before the timed ones, >= 1")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--stream-args", default="", help="quality and torchrec: arguments of examples/ctr_stream.py")
     parser.add_argument("--tr-rows", type=int, default=10**5, help="torchrec: rows of the throughput tables")
@@ -451,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--job-timeout", type=float, default=3 * 3600)
     parser.add_argument("--out", help="default: bench/results/dynamic_<parts>.json, the parts joined by _")
     args = parser.parse_args(argv)
+    if args.warmup < 1:
+        parser.error(f"--warmup {args.warmup}: pass 1 or more (worker 0 finds the servers' pids after a first step)")
     args.out = args.out or os.path.join(HERE, "results", f"dynamic_{'_'.join(args.parts)}.json")
     result = dict(command="bench/dynamic.py " + " ".join(sys.argv[1:] if argv is None else argv),
                   date=datetime.datetime.now().isoformat(timespec="seconds"), machine=machine(os.getloadavg()),
