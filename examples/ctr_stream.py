@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradsync
+from ctr import auc  # examples/ctr.py, beside this script
 
 TEACHER_DIM = 4
 TEACHER_SCALE = 0.9
@@ -124,15 +125,6 @@ class ClickModel(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.mlp(torch.cat([t(ids[:, f]) for f, t in enumerate(self.tables)], 1)).squeeze(1)
-
-
-def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
-    """Area under the ROC curve (Mann-Whitney: the chance a random click outscores a random non-click)."""
-    ranks = torch.empty_like(scores, dtype=torch.float64)
-    ranks[scores.argsort()] = torch.arange(1, len(scores) + 1, dtype=torch.float64)
-    positives = labels.bool()
-    n_pos, n_neg = int(positives.sum()), int((~positives).sum())
-    return float((ranks[positives].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
 
 
 class LocalStep:

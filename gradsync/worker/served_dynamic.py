@@ -17,7 +17,6 @@ async and ssp are refused. A job checkpoint holds the servers' tables (`ps.shard
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import pickle
 
@@ -33,6 +32,7 @@ from gradsync.tables.id_hash import server_of
 from gradsync.tables.placement import merge_rows
 from gradsync.tables.row_init import checked_init
 from gradsync.tables.row_optim import ROW_OPTIMIZERS
+from gradsync.worker.served_tables import not_serving
 
 _COUNTERS = ("admitted", "filtered", "evicted")
 
@@ -206,12 +206,7 @@ class ServedDynamic:
                 if key.startswith(name + "."):
                     state_dict[prefix + key[len(name) + 1:]] = value
 
-    @contextlib.contextmanager
     def own_state(self):
         """A block in which gradsync reads the modules' state itself: the hook leaves the tables' keys out."""
-        serving, self.serving = self.serving, False
-        try:
-            yield
-        finally:
-            self.serving = serving
+        return not_serving(self)
 

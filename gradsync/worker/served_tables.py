@@ -90,14 +90,9 @@ class ServedTables:
             parts = self.transport.table_rows(spec.name)
             state_dict[prefix + "weight"] = join_rows(parts, spec.shape, self.num_servers)
 
-    @contextlib.contextmanager
     def own_state(self):
         """A block in which gradsync reads the module's state itself: the hook gathers nothing."""
-        serving, self.serving = self.serving, False
-        try:
-            yield
-        finally:
-            self.serving = serving
+        return not_serving(self)
 
     def _lookup(self, name: str, module: nn.Module, input: torch.Tensor, offsets=None, per_sample_weights=None):
         self._check(name, input, module.num_embeddings)
@@ -209,3 +204,14 @@ def serve_tables(module: nn.Module, tables: str, num_servers: int, metrics, opti
     setups = tables_served.setups(rows) if send else {s: {} for s in range(num_servers)}
     tables_served.take_over()
     return tables_served, setups
+
+
+@contextlib.contextmanager
+def not_serving(holder):
+    """A block in which `holder` (served tables of either kind) has `serving` off: its state-dict hooks gather
+    nothing from the servers while gradsync reads the modules' state itself."""
+    serving, holder.serving = holder.serving, False
+    try:
+        yield
+    finally:
+        holder.serving = serving
