@@ -106,3 +106,36 @@ def reference_bags(optimizer: str, steps: int, workers: int, max_norm: float | N
                     g = g / (a[rows].sqrt() + ROW_OPTIMIZERS["adagrad"].eps).unsqueeze(1)
                 table[rows] -= ROW_LR * g
     return model.state_dict()
+
+
+GLOBAL_BATCH = 12
+"""Samples of a step of `train_resumed`: divisible by 2, 3 and 4, so every number of workers trains on equal
+parts of the same global batch (the mean of their mean losses is the global mean)."""
+
+
+def global_batch_part(step: int, worker: int, workers: int) -> tuple[torch.Tensor, ...]:
+    """Worker `worker`'s part of step `step`'s global batch (bag ids, offsets, ids, dense, targets): the same
+    samples, split in `workers` equal runs, whatever the number of workers."""
+    g = torch.Generator().manual_seed(step)
+    sizes = torch.randint(0, 4, (GLOBAL_BATCH,), generator=g)
+    bag = torch.randint(0, ROWS_BAG, (int(sizes.sum()),), generator=g)
+    ids = torch.randint(0, ROWS_EMB, (GLOBAL_BATCH,), generator=g)
+    x, y = torch.randn(GLOBAL_BATCH, DENSE, generator=g), torch.randn(GLOBAL_BATCH, generator=g)
+    lo, hi = worker * GLOBAL_BATCH // workers, (worker + 1) * GLOBAL_BATCH // workers
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)])
+    return bag[starts[lo]:starts[hi]], starts[lo:hi] - starts[lo], ids[lo:hi], x[lo:hi], y[lo:hi]
+
+
+def train_resumed(steps: int) -> tuple[int, dict[str, torch.Tensor]]:
+    """Train BagNet (dense AdamW, tables under RowSGD with momentum: state per row) from `trainer.start_step`
+    (a resumed job's step) to `steps` on `global_batch_part`; returns the start step and the trained state."""
+    model = BagNet()
+    trainer = gradsync.Trainer(model, torch.optim.AdamW(model.parameters(), lr=LR),
+                               table_optimizer=gradsync.RowSGD(lr=ROW_LR, momentum=0.9))
+    for step in range(trainer.start_step, steps):
+        bag, offsets, ids, x, y = global_batch_part(step, gradsync.worker_rank(), gradsync.num_workers())
+        with dist_autograd.context() as cid:
+            loss = F.mse_loss(trainer.model(bag, offsets, ids, x), y)
+            dist_autograd.backward(cid, [loss])
+            trainer.step(cid)
+    return trainer.start_step, trainer.state_dict()

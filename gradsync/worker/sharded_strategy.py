@@ -15,6 +15,7 @@ or drops the rows of that step (nonfinite='skip'), as hybrid's servers do.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -114,9 +115,17 @@ class ShardedStrategy(Strategy):
             return ordered(self.dense.state_dict(), self.tables.full(), self.keys)
 
     def local_state(self) -> dict:
-        """Never asked: a sharded job refuses checkpoints (`config.JobConfig`)."""
-        raise NotImplementedError("the sharded strategy writes no checkpoint")
+        """What a checkpoint keeps of this worker: the dense part's model and optimizer state, and its rows of
+        every table with their row optimizer state."""
+        with self.tables.own_state():
+            return {**self.dense.local_state(), "rows": self.tables.checkpoint()}
 
     def load_local_state(self, state: dict) -> None:
-        """Never asked: a sharded job refuses --resume (`config.JobConfig`)."""
-        raise NotImplementedError("the sharded strategy resumes no checkpoint")
+        """Take back the dense part of `local_state()` (the rows come with `load_rows`)."""
+        self.dense.load_local_state(state)
+        self.tables.applied = state["step"]
+
+    def load_rows(self, saved: Iterable[dict], where: str) -> None:
+        """Take this worker's rows from the checkpoint's worker files `saved` (`ShardedTables.restore`: by the
+        row partition of this job's workers, whatever number of workers wrote them)."""
+        self.tables.restore((state["rows"] for state in saved), where)

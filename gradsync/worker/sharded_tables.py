@@ -20,6 +20,7 @@ import dataclasses
 import threading
 import time
 import zlib
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,7 @@ from gradsync.core.finite import first_nonfinite
 from gradsync.core.job_names import worker_name
 from gradsync.ps.messages import RowGrads
 from gradsync.tables.placement import check_id_dtype, merge_rows, out_of_range
+from gradsync.tables.row_optim import saved_state, take_saved_state
 from gradsync.tables.row_partition import ExchangePlan, local_index, owned_rows, owners
 from gradsync.worker.served_tables import ServedTables
 
@@ -194,6 +196,37 @@ class ShardedTables(ServedTables):
         every = [torch.empty_like(mine) for _ in range(self.workers)]
         dist.all_gather(every, mine)
         return [float(p) for p in every]
+
+    def checkpoint(self) -> dict[str, dict]:
+        """Copies of this worker's rows of each table (ids, values) and of their row optimizer state."""
+        return {name: {"ids": shard.owned.clone(), "values": shard.values.clone(), "state": saved_state(shard.state)}
+                for name, shard in self.shards.items()}
+
+    def restore(self, saved: Iterable[dict[str, dict]], where: str) -> None:
+        """Take this worker's rows of each table, with their row optimizer state, from the `checkpoint()`s of
+        the workers of a checkpoint (`saved`, this worker's own first: with as many workers as wrote it, its
+        own file holds them all, and no other is read), written by any number of workers.
+
+        Raises:
+            ValueError: `saved` lacks some of this worker's rows, naming the table.
+        """
+        taken = dict.fromkeys(self.shards, 0)
+        for tables in saved:
+            for name, rows in tables.items():
+                if (shard := self.shards.get(name)) is None:
+                    continue
+                mine = (owners(rows["ids"], self.workers) == self.worker).nonzero().view(-1)
+                local = local_index(shard.owned, rows["ids"][mine])
+                shard.values[local] = rows["values"][mine]
+                take_saved_state(shard.state, local, rows["state"], mine)
+                taken[name] += mine.numel()
+            if all(taken[name] == shard.owned.numel() for name, shard in self.shards.items()):
+                return
+        name = next(n for n, shard in self.shards.items() if taken[n] != shard.owned.numel())
+        raise ValueError(f"{where} holds {taken[name]} of the {self.shards[name].owned.numel()} rows of table "
+                         f"{name!r} that worker {self.worker} owns: it was written by another model, or with its "
+                         "tables split another way (Trainer(tables=...)); resume with the model and settings that "
+                         "wrote it, or start without --resume")
 
     def rows_of(self, table: str, step: int, timeout: float) -> tuple[torch.Tensor, torch.Tensor]:
         """This worker's rows of `table` (ids, a copy of the values) once it has applied `step` steps."""
