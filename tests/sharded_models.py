@@ -3,12 +3,16 @@ loop under the sharded strategy, and the single-process reference on the joint b
 layers, the row optimizer written out on the rows the joint batch looked up, clipping by the joint norm)."""
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.nn.functional as F
 from torch import nn
 
 import gradsync
+from gradsync.core import settings
 
 ROWS_BAG, ROWS_EMB, DIM, DENSE, BATCH = 37, 23, 4, 3, 4
 LR, ROW_LR = 0.01, 0.1
@@ -54,10 +58,11 @@ def _joint(step: int, workers: int) -> tuple[torch.Tensor, ...]:
 
 
 def train_bags(optimizer: str, steps: int, max_norm: float | None, bad_at: int | None) -> dict:
-    """Train BagNet under the job's strategy; at step `bad_at` worker 1 looks up an id past the Embedding's
-    end, which every worker must refuse with one error and nothing applied, and the loop goes on. Returns
-    the trained state (the trainer's and the user's module's), the refusal's text and whether the state was
-    unchanged by it."""
+    """Train BagNet under the job's strategy, the step timeline on; at step `bad_at` worker 1 looks up an id past
+    the Embedding's end, which every worker must refuse with one error and nothing applied, and the loop goes
+    on. Returns the trained state (the trainer's and the user's module's), the refusal's text, whether the
+    state was unchanged by it, and each step's record and timeline."""
+    os.environ[settings.TIMELINE.env] = "1"  # this rank's own environment: it ends with the job
     model = BagNet()
     trainer = gradsync.Trainer(model, torch.optim.AdamW(model.parameters(), lr=LR), max_grad_norm=max_norm,
                                table_optimizer=ROW_OPTIMIZERS[optimizer])
@@ -80,7 +85,8 @@ def train_bags(optimizer: str, steps: int, max_norm: float | None, bad_at: int |
             dist_autograd.backward(cid, [loss])
             trainer.step(cid)
     return dict(state=trainer.state_dict(), module=model.state_dict(), refused=refused, unchanged=unchanged,
-                sizes=trainer._strategy.model_sizes(0))
+                sizes=trainer._strategy.model_sizes(0), timeline=list(trainer.metrics.timeline.steps),
+                records=[dataclasses.asdict(r) for r in trainer.metrics.records])
 
 
 def reference_bags(optimizer: str, steps: int, workers: int, max_norm: float | None) -> dict[str, torch.Tensor]:

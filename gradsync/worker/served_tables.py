@@ -102,9 +102,7 @@ class ServedTables:
     def _lookup(self, name: str, module: nn.Module, input: torch.Tensor, offsets=None, per_sample_weights=None):
         self._check(name, input, module.num_embeddings)
         ids, inverse = torch.unique(input.long(), return_inverse=True)
-        start = time.perf_counter()
         values, versions = self._pull(name, ids)
-        self.metrics.rows_pulled(time.perf_counter() - start, values.nbytes)
         context = current_context_id()
         leaf = values.requires_grad_(torch.is_grad_enabled())
         if context is not None and leaf.requires_grad:
@@ -127,16 +125,21 @@ class ServedTables:
         return split_ids(ids, self.num_servers)
 
     def _pull(self, name: str, ids: torch.Tensor) -> tuple[torch.Tensor, dict[int, int]]:
-        """The rows of the unique global `ids`, in their order, and the version each server answered at."""
+        """The rows of the unique global `ids`, in their order, and the version each server answered at (the
+        time and bytes in the step's metrics, as pull)."""
+        start = time.perf_counter()
         where = split_ids(ids, self.num_servers)
         answers = self.transport.pull_rows(name, {s: local for s, (_, local) in where.items()})
         if self.num_servers == 1 and answers:
             version, values = answers[0]
-            return values, {0: version}
-        values = torch.empty(ids.numel(), self.modules[name].embedding_dim, dtype=self.dtypes[name])
-        for s, (positions, _) in where.items():
-            values[positions] = answers[s][1]
-        return values, {s: v for s, (v, _) in answers.items()}
+            versions = {0: version}
+        else:
+            values = torch.empty(ids.numel(), self.modules[name].embedding_dim, dtype=self.dtypes[name])
+            for s, (positions, _) in where.items():
+                values[positions] = answers[s][1]
+            versions = {s: v for s, (v, _) in answers.items()}
+        self.metrics.rows_pulled(time.perf_counter() - start, values.nbytes)
+        return values, versions
 
     def row_grads(self, context_id: int, grads: dict[torch.Tensor, torch.Tensor]) -> dict[int, dict[str, RowGrads]]:
         """The pushes of this context's lookups: per server, {table: `RowGrads`}; forgets the context's

@@ -17,6 +17,7 @@ so a worker that gathers alone (worker 0 saving the model) gets one consistent s
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
 import zlib
@@ -58,15 +59,6 @@ def _exchange(send: torch.Tensor, send_counts: list[int], recv_counts: list[int]
     out = send.new_empty((sum(recv_counts), *send.shape[1:]))
     dist.all_to_all_single(out, send.contiguous(), recv_counts, send_counts)
     return out
-
-
-def _exchange_counts(counts: list[int], flag: int | None) -> tuple[list[int], list[int], list[int]]:
-    """Tell every worker how many rows it gets from this one, and this worker's `flag` (an int64, or None);
-    returns how many rows this worker gets from each, and the workers that sent a flag with their flags."""
-    meta = torch.tensor([[c, flag is not None, flag or 0] for c in counts], dtype=torch.int64)
-    theirs = _exchange(meta, [1] * len(counts), [1] * len(counts))
-    flagged = theirs[:, 1].nonzero().view(-1).tolist()
-    return theirs[:, 0].tolist(), flagged, [int(theirs[w, 2]) for w in flagged]
 
 
 def _rows_of(table: str, step: int, timeout: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,6 +108,30 @@ class ShardedTables(ServedTables):
             send, counts = weight.new_empty((0, spec.shape[1])), [0] * self.workers
         return _exchange(send, counts, [owned.numel() if w == 0 else 0 for w in range(self.workers)])
 
+    def _all_to_all(self, what: str, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]
+                    ) -> torch.Tensor:
+        """`_exchange`, counted in the step's metrics as exchange time and the bytes that went to and came from
+        the other workers (a worker's block to itself stays in memory), and recorded as the lane
+        `what` of the step timeline."""
+        left, started = time.time(), time.perf_counter()
+        out = _exchange(send, send_counts, recv_counts)
+        row = send.element_size() * math.prod(send.shape[1:])
+        sent = row * (sum(send_counts) - send_counts[self.worker])
+        got = row * (sum(recv_counts) - recv_counts[self.worker])
+        self.metrics.exchanged(time.perf_counter() - started, sent, got)
+        self.metrics.timeline.all_to_all(what, sent, got, left)
+        return out
+
+    def _exchange_counts(self, table: str, counts: list[int], flag: int | None
+                         ) -> tuple[list[int], list[int], list[int]]:
+        """Tell every worker how many rows of `table` it gets from this one, and this worker's `flag` (an int64,
+        or None); returns how many rows this worker gets from each, and the workers that sent a flag with their
+        flags."""
+        meta = torch.tensor([[c, flag is not None, flag or 0] for c in counts], dtype=torch.int64)
+        theirs = self._all_to_all(f"{table} counts", meta, [1] * len(counts), [1] * len(counts))
+        flagged = theirs[:, 1].nonzero().view(-1).tolist()
+        return theirs[:, 0].tolist(), flagged, [int(theirs[w, 2]) for w in flagged]
+
     def model_sizes(self, trainable: int) -> dict[str, int]:
         return {**super().model_sizes(trainable), "sharded_tables": len(self.specs)}
 
@@ -136,14 +152,14 @@ class ShardedTables(ServedTables):
         any worker's batch holds an id outside the table."""
         rows = self.modules[name].num_embeddings
         plan = ExchangePlan.of(ids, self.workers)
-        asked_counts, culprits, bad = _exchange_counts(plan.counts, out_of_range(ids, rows))
+        asked_counts, culprits, bad = self._exchange_counts(name, plan.counts, out_of_range(ids, rows))
         if culprits:
             raise bad_id_error(name, rows, bad[0], culprits[0])
-        asked = _exchange(ids[plan.order], plan.counts, asked_counts)
+        asked = self._all_to_all(f"{name} ids", ids[plan.order], plan.counts, asked_counts)
         shard = self.shards[name]
         answer = shard.values.index_select(0, local_index(shard.owned, asked))
         values = shard.values.new_empty((ids.numel(), shard.values.shape[1]))
-        values[plan.order] = _exchange(answer, asked_counts, plan.counts)
+        values[plan.order] = self._all_to_all(f"{name} rows", answer, asked_counts, plan.counts)
         return values, dict.fromkeys(range(self.workers), 0)
 
     def exchange_grads(self, pushes: dict[int, dict[str, RowGrads]], scale: float
@@ -152,7 +168,6 @@ class ShardedTables(ServedTables):
         owner's rows of each table, (local indices, gradient summed over the workers and divided by W), and
         by table the first worker whose own row gradients held a NaN/Inf. Every worker must call it."""
         received, nonfinite = {}, {}
-        started, sent, got = time.perf_counter(), 0, 0
         for spec in self.specs:
             dim = spec.shape[1]
             parts = [pushes[w].get(spec.name) for w in range(self.workers)]
@@ -162,14 +177,13 @@ class ShardedTables(ServedTables):
                 grads = grads * scale
             counts = [0 if p is None else p.ids.numel() for p in parts]
             bad = first_nonfinite([grads]) is not None
-            recv_counts, flagged, _ = _exchange_counts(counts, 1 if bad else None)
+            recv_counts, flagged, _ = self._exchange_counts(f"{spec.name} grad", counts, 1 if bad else None)
             if flagged:
                 nonfinite[spec.name] = flagged[0]
-            their_ids, theirs = _exchange(ids, counts, recv_counts), _exchange(grads, counts, recv_counts)
-            sent, got = sent + ids.nbytes + grads.nbytes, got + their_ids.nbytes + theirs.nbytes
+            their_ids = self._all_to_all(f"{spec.name} grad ids", ids, counts, recv_counts)
+            theirs = self._all_to_all(f"{spec.name} grads", grads, counts, recv_counts)
             unique, mean = merge_rows([(their_ids, theirs)], 1.0 / self.workers)
             received[spec.name] = (local_index(self.shards[spec.name].owned, unique), mean)
-        self.metrics.rows_exchanged(time.perf_counter() - started, sent, got)
         return received, nonfinite
 
     def apply(self, received: dict[str, tuple[torch.Tensor, torch.Tensor]], coefficient: float,
