@@ -20,18 +20,17 @@ INT64, FP32 = 8, 4
 def _exchanges(step: int, me: int, workers: int) -> list[tuple[str, int, int]]:
     """Worker `me`'s all-to-alls of `step` (lane, bytes to the other workers, bytes from them), from the
     batches: per table the counts, then the ids of its batch that other workers own and their rows back; at
-    the step the counts, those ids and their gradients."""
+    the step one exchange of flags, then per table the gradients of those rows (no ids: the forward's route)."""
     batches = [bag_batch(step, w) for w in range(workers)]
-    forward, backward = [], []
-    meta = 3 * INT64 * (workers - 1)
+    meta = 4 * INT64 * (workers - 1)
+    forward, backward = [], [("a2a grad flags", meta, meta)]
     for name, at in (("bag.weight", 0), ("emb.weight", 2)):
         unique = [b[at].unique() for b in batches]
         out = int((owners(unique[me], workers) != me).sum())
         into = sum(int((owners(unique[w], workers) == me).sum()) for w in range(workers) if w != me)
         forward += [(f"a2a {name} counts", meta, meta), (f"a2a {name} ids", INT64 * out, INT64 * into),
                     (f"a2a {name} rows", DIM * FP32 * into, DIM * FP32 * out)]
-        backward += [(f"a2a {name} grad counts", meta, meta), (f"a2a {name} grad ids", INT64 * out, INT64 * into),
-                     (f"a2a {name} grads", DIM * FP32 * out, DIM * FP32 * into)]
+        backward.append((f"a2a {name} grads", DIM * FP32 * out, DIM * FP32 * into))
     return forward + backward
 
 

@@ -27,13 +27,14 @@ from gradsync.ps.messages import RowGrads, TableSetup
 
 
 class _Lookup:
-    """One table lookup of a forward: the unique global ids, their rows (a leaf), each server's version."""
+    """One table lookup of a forward: the unique global ids, their rows (a leaf), and what `_pull` answered
+    beside the rows (each server's version; sharded: the route the ids took)."""
 
-    def __init__(self, table: str, ids: torch.Tensor, leaf: torch.Tensor, versions: dict[int, int]):
+    def __init__(self, table: str, ids: torch.Tensor, leaf: torch.Tensor, pulled):
         self.table = table
         self.ids = ids
         self.leaf = leaf
-        self.versions = versions
+        self.pulled = pulled
 
 
 class ServedTables:
@@ -102,11 +103,11 @@ class ServedTables:
     def _lookup(self, name: str, module: nn.Module, input: torch.Tensor, offsets=None, per_sample_weights=None):
         self._check(name, input, module.num_embeddings)
         ids, inverse = torch.unique(input.long(), return_inverse=True)
-        values, versions = self._pull(name, ids)
+        values, pulled = self._pull(name, ids)
         context = current_context_id()
         leaf = values.requires_grad_(torch.is_grad_enabled())
         if context is not None and leaf.requires_grad:
-            self._lookups.setdefault(context, []).append(_Lookup(name, ids, leaf, versions))
+            self._lookups.setdefault(context, []).append(_Lookup(name, ids, leaf, pulled))
         pad = None
         if module.padding_idx is not None:
             at = torch.searchsorted(ids, module.padding_idx)
@@ -154,7 +155,7 @@ class ServedTables:
             pushes = [(lk.ids, grads[lk.leaf]) for lk in mine]
             ids, summed = pushes[0] if len(pushes) == 1 else merge_rows(pushes, 1.0)
             for s, (positions, local) in self._split(ids).items():
-                version = min(lk.versions[s] for lk in mine if s in lk.versions)  # the oldest rows pulled
+                version = min(lk.pulled[s] for lk in mine if s in lk.pulled)  # the oldest rows pulled
                 out[s][name] = RowGrads(version, local, summed if self.num_servers == 1 else summed[positions])
         return out
 

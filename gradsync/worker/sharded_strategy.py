@@ -76,9 +76,9 @@ class ShardedStrategy(Strategy):
     def step(self, context_id: int, scaler=None) -> None:
         """Send the row gradients to their owners, step the dense part (with the joint norm under clipping or
         a GradScaler) and apply the owners' rows."""
-        pushes = self.tables.row_grads(context_id, dist_autograd.get_gradients(context_id))
         agreeing = scaler is not None or self.dense.clipping.on
-        received, nonfinite = self.tables.exchange_grads(pushes, inverse_scale(scaler))
+        received, nonfinite = self.tables.exchange_grads(context_id, dist_autograd.get_gradients(context_id),
+                                                         inverse_scale(scaler))
         if nonfinite and scaler is None:  # every worker knows it: all raise, or all drop the rows
             if self.config.nonfinite == "raise":
                 table = next(iter(nonfinite))

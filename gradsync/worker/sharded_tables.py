@@ -4,11 +4,16 @@ Every worker owns the rows `tables.row_partition` gives it and stores only those
 state. A lookup (`ServedTables._lookup`, whose forward this reuses) sends its batch's unique ids to their
 owners and gets their rows back: three `all_to_all_single` exchanges among the workers (how many ids each
 sends each, with a flag for an id out of the table; the ids; the rows), after which the lookup runs on the
-rows as a leaf. At the step each worker sends its summed row gradients to their owners the same way (counts
-with a NaN/Inf flag, ids, gradients); an owner sums what every worker sent, divides by W (DDP's mean) and
-applies the row optimizer. Every exchange is a collective: every worker makes it, for every table, in model
-order, with or without ids (an empty batch sends and receives nothing but counts). So every worker knows of
-an out-of-range id or a NaN/Inf row gradient on any worker and refuses together, before anything moves.
+rows as a leaf. The lookup keeps the route its ids took (`_Route`: the plan, and on the owner the local rows
+each worker asked for), so at the step each worker sends its rows' gradients back along it, with no ids and
+no counts: one exchange of flags for the whole step (a NaN/Inf in some worker's row gradients, how many
+lookups it made), then the gradients of each lookup; an owner sums what every worker sent, divides by W
+(DDP's mean) and applies the row optimizer. Every exchange is a collective: every worker makes it, for every
+table, in model order, with or without ids (an empty batch sends and receives nothing but counts). So every
+worker knows of an out-of-range id or a NaN/Inf row gradient on any worker and refuses together, before
+anything moves. The counts and flags exchanges carry the exchange each worker is at (a table's lookup, the
+step): a worker whose forward skipped a table, or looked up another, makes every worker raise at once,
+naming the table, where it would otherwise pair unrelated exchanges.
 
 The whole tables (`trainer.state_dict()`, and the user's module's `state_dict()`, as under ps) are gathered
 over torch RPC: each owner answers with its rows once it has applied as many steps as the asking worker,
@@ -31,11 +36,13 @@ from torch import nn
 from gradsync.core.errors import bad_id_error
 from gradsync.core.finite import first_nonfinite
 from gradsync.core.job_names import worker_name
-from gradsync.ps.messages import RowGrads
 from gradsync.tables.placement import check_id_dtype, merge_rows, out_of_range
 from gradsync.tables.row_optim import saved_state, take_saved_state
 from gradsync.tables.row_partition import ExchangePlan, local_index, owned_rows, owners
 from gradsync.worker.served_tables import ServedTables
+
+_STEP = -1
+"""The tag of the step's exchange of flags (`ShardedTables._meta`); a lookup's is its table's index."""
 
 _HELD: ShardedTables | None = None
 """This worker's tables, which `_rows_of` answers the other workers' gathers from (torch RPC calls a function
@@ -51,6 +58,16 @@ class _Shard:
     state: object
     optimizer: object
     group: int | None  # the optimizer group whose learning rate the rows follow (an exact row form), or None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Route:
+    """Where a lookup's unique ids went, which its gradients take back at the step: this worker's `plan`,
+    how many ids each worker asked this one for (`asked_counts`) and their local rows here (`asked`)."""
+
+    plan: ExchangePlan
+    asked_counts: list[int]
+    asked: torch.Tensor
 
 
 def _exchange(send: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
@@ -74,6 +91,7 @@ class ShardedTables(ServedTables):
         super().__init__(tables, workers, None)
         self.worker, self.workers, self.timeout = worker, workers, timeout
         self.rows = rows
+        self._index = {spec.name: i for i, spec in enumerate(self.specs)}
         self.shards: dict[str, _Shard] = {}
         self.applied = 0  # steps applied to this worker's rows (skipped ones included)
         self._stepped = threading.Condition()
@@ -122,15 +140,29 @@ class ShardedTables(ServedTables):
         self.metrics.timeline.all_to_all(what, sent, got, left)
         return out
 
-    def _exchange_counts(self, table: str, counts: list[int], flag: int | None
-                         ) -> tuple[list[int], list[int], list[int]]:
-        """Tell every worker how many rows of `table` it gets from this one, and this worker's `flag` (an int64,
-        or None); returns how many rows this worker gets from each, and the workers that sent a flag with their
-        flags."""
-        meta = torch.tensor([[c, flag is not None, flag or 0] for c in counts], dtype=torch.int64)
-        theirs = self._all_to_all(f"{table} counts", meta, [1] * len(counts), [1] * len(counts))
-        flagged = theirs[:, 1].nonzero().view(-1).tolist()
-        return theirs[:, 0].tolist(), flagged, [int(theirs[w, 2]) for w in flagged]
+    def _meta(self, at: int, rows: list[list[int]]) -> torch.Tensor:
+        """Send worker w the three ints `rows[w]` and get each worker's for this one, tagged with
+        the exchange each worker is at (`at`: a table's index for its lookup, `_STEP` for the step's); every
+        worker must call it, and all at the same exchange.
+
+        Raises:
+            RuntimeError: another worker is at another exchange (a forward that skipped a table, or looked
+                one up where this worker did not), naming both and the fix; that worker raises it too.
+        """
+        meta = torch.tensor([[at, *r] for r in rows], dtype=torch.int64)
+        lane = "grad flags" if at == _STEP else f"{self.specs[at].name} counts"
+        theirs = self._all_to_all(lane, meta, [1] * self.workers, [1] * self.workers)
+        if (other := (theirs[:, 0] != at).nonzero().view(-1)).numel():
+            w = int(other[0])
+            raise RuntimeError(
+                f"worker {self.worker} is at {self._tag(at)} and worker {w} at {self._tag(int(theirs[w, 0]))}: "
+                "every worker must look up every sharded table in every forward, in the same order (each lookup "
+                "is an exchange with every worker); call a table with an empty batch where a worker has no ids "
+                "for it (nothing was looked up or applied)")
+        return theirs[:, 1:]
+
+    def _tag(self, at: int) -> str:
+        return "trainer.step" if at == _STEP else f"a lookup of table {self.specs[at].name!r}"
 
     def model_sizes(self, trainable: int) -> dict[str, int]:
         return {**super().model_sizes(trainable), "sharded_tables": len(self.specs)}
@@ -138,53 +170,55 @@ class ShardedTables(ServedTables):
     def _check(self, name: str, ids: torch.Tensor, rows: int) -> None:
         check_id_dtype(name, ids)  # the range is checked by every worker together, in `_pull`
 
-    def _split(self, ids: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        owner = owners(ids, self.workers)
-        out = {}
-        for w in range(self.workers):
-            where = (owner == w).nonzero().view(-1)
-            if where.numel():
-                out[w] = (where, ids[where])
-        return out
-
-    def _pull(self, name: str, ids: torch.Tensor) -> tuple[torch.Tensor, dict[int, int]]:
-        """The rows of the unique global `ids` from their owners; refuses (on every worker) a lookup in which
-        any worker's batch holds an id outside the table."""
+    def _pull(self, name: str, ids: torch.Tensor) -> tuple[torch.Tensor, _Route]:
+        """The rows of the unique global `ids` from their owners, and their `_Route`; refuses (on every worker)
+        a lookup in which any worker's batch holds an id outside the table."""
         rows = self.modules[name].num_embeddings
         plan = ExchangePlan.of(ids, self.workers)
-        asked_counts, culprits, bad = self._exchange_counts(name, plan.counts, out_of_range(ids, rows))
-        if culprits:
-            raise bad_id_error(name, rows, bad[0], culprits[0])
+        bad = out_of_range(ids, rows)
+        theirs = self._meta(self._index[name], [[c, bad is not None, bad or 0] for c in plan.counts])
+        if (culprits := theirs[:, 1].nonzero().view(-1)).numel():
+            raise bad_id_error(name, rows, int(theirs[culprits[0], 2]), int(culprits[0]))
+        asked_counts = theirs[:, 0].tolist()
         asked = self._all_to_all(f"{name} ids", ids[plan.order], plan.counts, asked_counts)
         shard = self.shards[name]
-        answer = shard.values.index_select(0, local_index(shard.owned, asked))
+        local = local_index(shard.owned, asked)
         values = shard.values.new_empty((ids.numel(), shard.values.shape[1]))
-        values[plan.order] = self._all_to_all(f"{name} rows", answer, asked_counts, plan.counts)
-        return values, dict.fromkeys(range(self.workers), 0)
+        values[plan.order] = self._all_to_all(f"{name} rows", shard.values.index_select(0, local), asked_counts,
+                                              plan.counts)
+        return values, _Route(plan, asked_counts, local)
 
-    def exchange_grads(self, pushes: dict[int, dict[str, RowGrads]], scale: float
+    def exchange_grads(self, context_id: int, grads: dict[torch.Tensor, torch.Tensor], scale: float
                        ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, int]]:
-        """Send every worker its rows' gradients of `pushes` (`row_grads`, by owner) times `scale`; returns this
-        owner's rows of each table, (local indices, gradient summed over the workers and divided by W), and
-        by table the first worker whose own row gradients held a NaN/Inf. Every worker must call it."""
-        received, nonfinite = {}, {}
-        for spec in self.specs:
-            dim = spec.shape[1]
-            parts = [pushes[w].get(spec.name) for w in range(self.workers)]
-            ids = torch.cat([p.ids for p in parts if p is not None] or [torch.empty(0, dtype=torch.int64)])
-            grads = torch.cat([p.grads for p in parts if p is not None] or [torch.empty(0, dim, dtype=spec.dtype)])
-            if scale != 1.0:
-                grads = grads * scale
-            counts = [0 if p is None else p.ids.numel() for p in parts]
-            bad = first_nonfinite([grads]) is not None
-            recv_counts, flagged, _ = self._exchange_counts(f"{spec.name} grad", counts, 1 if bad else None)
-            if flagged:
-                nonfinite[spec.name] = flagged[0]
-            their_ids = self._all_to_all(f"{spec.name} grad ids", ids, counts, recv_counts)
-            theirs = self._all_to_all(f"{spec.name} grads", grads, counts, recv_counts)
-            unique, mean = merge_rows([(their_ids, theirs)], 1.0 / self.workers)
-            received[spec.name] = (local_index(self.shards[spec.name].owned, unique), mean)
-        return received, nonfinite
+        """Send the owners the gradients of this context's lookups (`grads`, dist_autograd's) times `scale`,
+        back the routes their ids took (`_Route`): one exchange of flags for the step, then the gradients of
+        each lookup. Returns this owner's rows of each table, (local indices, gradient summed over the workers
+        and divided by W), and where some worker's own row gradients held a NaN/Inf, {the table looked up
+        first among those: the first such worker}. Every worker must call it; forgets the context's lookups."""
+        lookups = self._lookups.pop(context_id, [])
+        self._lookups.clear()  # lookups of contexts that were never stepped
+        sending = []
+        for lk in lookups:
+            g = grads.get(lk.leaf)
+            g = lk.leaf.new_zeros(lk.leaf.shape) if g is None else g * scale if scale != 1.0 else g
+            sending.append(g[lk.pulled.plan.order])
+        bad = next((i for i, g in enumerate(sending) if first_nonfinite([g]) is not None), None)
+        theirs = self._meta(_STEP, [[len(lookups), bad is not None, bad or 0]] * self.workers)
+        if (other := (theirs[:, 0] != len(lookups)).nonzero().view(-1)).numel():
+            w = int(other[0])
+            raise RuntimeError(f"worker {w} looked up {int(theirs[w, 0])} sharded tables in this step and worker "
+                               f"{self.worker} {len(lookups)}: every worker must look up every sharded table in "
+                               "every forward (nothing was applied)")
+        nonfinite = {}
+        if (flagged := theirs[:, 1].nonzero().view(-1)).numel():
+            first = int(theirs[flagged, 2].min())
+            nonfinite[lookups[first].table] = int(flagged[theirs[flagged, 2] == first][0])
+        parts: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # by table: (local rows, their gradients)
+        for lk, g in zip(lookups, sending):
+            route = lk.pulled
+            got = self._all_to_all(f"{lk.table} grads", g, route.plan.counts, route.asked_counts)
+            parts.setdefault(lk.table, []).append((route.asked, got))
+        return {name: merge_rows(got, 1.0 / self.workers) for name, got in parts.items() if got}, nonfinite
 
     def apply(self, received: dict[str, tuple[torch.Tensor, torch.Tensor]], coefficient: float,
               optimizer: torch.optim.Optimizer) -> None:
