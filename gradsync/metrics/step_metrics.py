@@ -45,7 +45,8 @@ class StepMetrics:
         self.steps = 0
         self._current = StepRecord()
         self._mark: float | None = None
-        self._inside = 0.0  # communication seconds since the mark (row lookups in the forward, sharded exchanges)
+        self._inside = 0.0  # communication seconds since the mark (row lookups in the forward)
+        self._exchanges: list[tuple[float, float]] = []  # (began, seconds) of this step's all-to-alls
 
     def pulled(self, seconds: float, bytes_received: int) -> None:
         """A pull before the forward; marks the start of compute."""
@@ -60,24 +61,28 @@ class StepMetrics:
         self._inside += seconds
 
     def exchanged(self, seconds: float, bytes_sent: int, bytes_received: int) -> None:
-        """An all-to-all exchange among the workers before the commit was timed (sharded: a lookup's in the
-        forward, the row gradients' at the step): counted as exchange, not compute."""
+        """An all-to-all exchange among the workers that just ended (sharded: a lookup's in the forward, the
+        row gradients' at the step): counted as exchange, neither compute nor commit."""
         self._current.exchange_s += seconds
         self._current.bytes_sent += bytes_sent
         self._current.bytes_received += bytes_received
-        self._inside += seconds
+        self._exchanges.append((time.perf_counter() - seconds, seconds))
 
     def committed(self, started: float, bytes_sent: int, bytes_received: int = 0) -> None:
+        """The step's commit, timed from `started` (its last gradient) to now: compute is from the mark to
+        `started`, less the pulls and exchanges in between; commit less the exchanges after `started`."""
         now = time.perf_counter()
+        after = sum(s for began, s in self._exchanges if began >= started)
         if self._mark is not None:
-            self._current.compute_s = started - self._mark - self._inside
-        self._current.commit_s += now - started
+            during = sum(s for began, s in self._exchanges if self._mark <= began < started)
+            self._current.compute_s = started - self._mark - self._inside - during
+        self._current.commit_s += now - started - after
         self._current.bytes_sent += bytes_sent
         self._current.bytes_received += bytes_received
         self.records.append(self._current)
         self.steps += 1
         self.timeline.committed(self.steps)
-        self._current, self._mark, self._inside = StepRecord(), None, 0.0
+        self._current, self._mark, self._inside, self._exchanges = StepRecord(), None, 0.0, []
 
     def last(self) -> StepRecord | None:
         """The newest step's record; None before the first step."""

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 from torch import nn
 
@@ -63,6 +64,7 @@ class ShardedStrategy(Strategy):
         self.dense = AllreduceStrategy(cluster, module, optimizer, find_unused_parameters=find_unused_parameters,
                                        clipping=clipping, replicate_dynamic=False)
         self.tables.take_rows(values)  # once every worker has built its Trainer (DDP's wait)
+        dist.barrier()  # every worker answers gathers before any asks (tables on the meta device exchange nothing)
         self.model = self.dense.model
         self.optimizer = optimizer
         self.metrics = self.dense.metrics
