@@ -22,7 +22,8 @@ ROW_OPTIMIZERS = {"adagrad": gradsync.RowAdagrad(lr=ROW_LR)}
 
 
 class BagNet(nn.Module):
-    """`meta`: the Embedding on the meta device. A forward given no bag ids skips the EmbeddingBag (zeros)."""
+    """`meta`: the Embedding on the meta device. A forward given no bag ids (no ids) skips the EmbeddingBag (the
+    Embedding): zeros instead."""
 
     def __init__(self, meta: bool = False):
         super().__init__()
@@ -32,8 +33,9 @@ class BagNet(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(2 * DIM + DENSE, 8), nn.Tanh(), nn.Linear(8, 1))
 
     def forward(self, bag_ids, offsets, ids, dense):
-        bags = self.bag(bag_ids, offsets) if bag_ids is not None else dense.new_zeros(len(ids), DIM)
-        return self.mlp(torch.cat([bags, self.emb(ids), dense], 1)).squeeze(1)
+        bags = self.bag(bag_ids, offsets) if bag_ids is not None else dense.new_zeros(len(dense), DIM)
+        rows = self.emb(ids) if ids is not None else dense.new_zeros(len(dense), DIM)
+        return self.mlp(torch.cat([bags, rows, dense], 1)).squeeze(1)
 
 
 def bag_batch(step: int, worker: int) -> tuple[torch.Tensor, ...]:
@@ -71,7 +73,7 @@ class Case:
     it and halves its scale. `accumulate_at`: that step is two half-batches, the first inside
     `trainer.no_sync()`. `meta`: the Embedding is built on the meta device (its owners initialise it).
     At `bad_at`, before the step, worker 1 looks up an id past the Embedding's end, then skips the
-    EmbeddingBag: each is refused by every worker at once, nothing applied."""
+    EmbeddingBag, then the Embedding: each is refused by every worker at once, nothing applied."""
 
     optimizer: str
     max_norm: float | None = None
@@ -102,14 +104,15 @@ def _halves(bag, offsets, ids, x, y) -> list[tuple[torch.Tensor, ...]]:
 
 
 def _refusals(trainer, batch: tuple[torch.Tensor, ...], me: int) -> tuple[list[str], bool]:
-    """Worker 1 looks up an id past the Embedding's end, then skips the EmbeddingBag; returns what each
-    attempt raised here and whether the state is unchanged."""
+    """Worker 1 looks up an id past the Embedding's end, then skips the EmbeddingBag, then the Embedding (the
+    last table looked up); returns what each attempt raised here and whether the state is unchanged."""
     bag, offsets, ids, x, _ = batch
     before, refused = trainer.state_dict(), []
     wrong = ids.clone()
     if me == 1:
         wrong[1] = ROWS_EMB + 3
-    for args in ((bag, offsets, wrong, x), (None if me == 1 else bag, offsets, ids, x)):
+    for args in ((bag, offsets, wrong, x), (None if me == 1 else bag, offsets, ids, x),
+                 (bag, offsets, None if me == 1 else ids, x)):
         try:
             with dist_autograd.context():
                 trainer.model(*args)

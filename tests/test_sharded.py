@@ -21,8 +21,9 @@ INT64, FP32 = 8, 4
 
 def _exchanges(step: int, me: int, workers: int) -> list[tuple[str, int, int]]:
     """Worker `me`'s all-to-alls of `step` (lane, bytes to the other workers, bytes from them), from the
-    batches: per table the counts, then the ids of its batch that other workers own and their rows back; at
-    the step one exchange of flags, then per table the gradients of those rows (no ids: the forward's route)."""
+    batches: per table the counts, then the ids of its batch that other workers own and their rows back; the
+    forward's end; at the step one exchange of flags, then per table the gradients of those rows (no ids:
+    the forward's route)."""
     batches = [bag_batch(step, w) for w in range(workers)]
     meta = 4 * INT64 * (workers - 1)
     forward, backward = [], [("a2a grad flags", meta, meta)]
@@ -33,22 +34,27 @@ def _exchanges(step: int, me: int, workers: int) -> list[tuple[str, int, int]]:
         forward += [(f"a2a {name} counts", meta, meta), (f"a2a {name} ids", INT64 * out, INT64 * into),
                     (f"a2a {name} rows", DIM * FP32 * into, DIM * FP32 * out)]
         backward.append((f"a2a {name} grads", DIM * FP32 * out, DIM * FP32 * into))
-    return forward + backward
+    return forward + [("a2a forward end", meta, meta)] + backward
 
 
 CASES = [(2, Case("sgd", skip_at=4)), (4, Case("adagrad", max_norm=0.5, accumulate_at=4, meta=True))]
 
 
 def _refusals(me: int) -> list[str]:
-    """What worker `me` raises at `Case.bad_at`: the id out of the Embedding, then worker 1's forward that
-    skips the EmbeddingBag (it is at the Embedding's lookup, every other worker at the EmbeddingBag's)."""
-    at = {w: f"a lookup of table '{'emb' if w == 1 else 'bag'}.weight'" for w in (0, 1, me)}
+    """What worker `me` raises at `Case.bad_at`: the id out of the Embedding; worker 1's forward that skips the
+    EmbeddingBag (it is at the Embedding's lookup, every other worker at the EmbeddingBag's); worker 1's
+    forward that skips the Embedding (it is at the forward's end, the others at the Embedding's lookup)."""
     other = 0 if me == 1 else 1
-    return [f"table 'emb.weight' has rows 0..{ROWS_EMB - 1}, but a batch looked up id {ROWS_EMB + 3} on worker 1: "
-            "fix the input ids (nothing was looked up or applied)",
-            f"worker {me} is at {at[me]} and worker {other} at {at[other]}: every worker must look up every sharded "
-            "table in every forward, in the same order (each lookup is an exchange with every worker); call a table "
-            "with an empty batch where a worker has no ids for it (nothing was looked up or applied)"]
+    out = [f"table 'emb.weight' has rows 0..{ROWS_EMB - 1}, but a batch looked up id {ROWS_EMB + 3} on worker 1: "
+           "fix the input ids (nothing was looked up or applied)"]
+    for skipper, others in (("a lookup of table 'emb.weight'", "a lookup of table 'bag.weight'"),
+                            ("the end of a forward", "a lookup of table 'emb.weight'")):
+        at = {w: skipper if w == 1 else others for w in (me, other)}
+        out.append(f"worker {me} is at {at[me]} and worker {other} at {at[other]}: every worker must look up every "
+                   "sharded table in every forward, in the same order (each lookup is an exchange with every "
+                   "worker); call a table with an empty batch where a worker has no ids for it (nothing was looked "
+                   "up or applied)")
+    return out
 
 
 @pytest.mark.timeout(150)

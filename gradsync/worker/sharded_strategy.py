@@ -64,12 +64,19 @@ class ShardedStrategy(Strategy):
         self.dense = AllreduceStrategy(cluster, module, optimizer, find_unused_parameters=find_unused_parameters,
                                        clipping=clipping, replicate_dynamic=False)
         self.tables.take_rows(values)  # once every worker has built its Trainer (DDP's wait)
+        module.register_forward_hook(self._forward_ended)
         dist.barrier()  # every worker answers gathers before any asks (tables on the meta device exchange nothing)
         self.model = self.dense.model
         self.optimizer = optimizer
         self.metrics = self.dense.metrics
         self.tables.metrics = self.metrics
         self.tables.serving = True
+
+    def _forward_ended(self, module: nn.Module, inputs, output) -> None:
+        """Forward hook of the user's module: every worker agrees that its forward is over
+        (`ShardedTables.forward_ended`), when it looked its tables up for a step (with gradients)."""
+        if torch.is_grad_enabled():
+            self.tables.forward_ended()
 
     @property
     def grad_norm(self) -> float | None:

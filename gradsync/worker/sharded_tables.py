@@ -12,8 +12,9 @@ lookups it made), then the gradients of each lookup; an owner sums what every wo
 table, in model order, with or without ids (an empty batch sends and receives nothing but counts). So every
 worker knows of an out-of-range id or a NaN/Inf row gradient on any worker and refuses together, before
 anything moves. The counts and flags exchanges carry the exchange each worker is at (a table's lookup, the
-step): a worker whose forward skipped a table, or looked up another, makes every worker raise at once,
-naming the table, where it would otherwise pair unrelated exchanges.
+end of a forward, which every forward with gradients ends with, the step): a worker whose forward skipped a
+table, or looked up another, makes every worker raise at once, naming the table, where it would otherwise
+pair unrelated exchanges.
 
 The whole tables (`trainer.state_dict()`, and the user's module's `state_dict()`, as under ps) are gathered
 over torch RPC: each owner answers with its rows once it has applied as many steps as the asking worker,
@@ -41,8 +42,9 @@ from gradsync.tables.row_optim import saved_state, take_saved_state
 from gradsync.tables.row_partition import ExchangePlan, local_index, owned_rows, owners
 from gradsync.worker.served_tables import ServedTables
 
-_STEP = -1
-"""The tag of the step's exchange of flags (`ShardedTables._meta`); a lookup's is its table's index."""
+_STEP, _FORWARD_END = -1, -2
+"""The tags of the step's exchange of flags and of a forward's end (`ShardedTables._meta`); a lookup's is its
+table's index."""
 
 _HELD: ShardedTables | None = None
 """This worker's tables, which `_rows_of` answers the other workers' gathers from (torch RPC calls a function
@@ -150,7 +152,7 @@ class ShardedTables(ServedTables):
                 one up where this worker did not), naming both and the fix; that worker raises it too.
         """
         meta = torch.tensor([[at, *r] for r in rows], dtype=torch.int64)
-        lane = "grad flags" if at == _STEP else f"{self.specs[at].name} counts"
+        lane = {_STEP: "grad flags", _FORWARD_END: "forward end"}.get(at) or f"{self.specs[at].name} counts"
         theirs = self._all_to_all(lane, meta, [1] * self.workers, [1] * self.workers)
         if (other := (theirs[:, 0] != at).nonzero().view(-1)).numel():
             w = int(other[0])
@@ -162,7 +164,16 @@ class ShardedTables(ServedTables):
         return theirs[:, 1:]
 
     def _tag(self, at: int) -> str:
-        return "trainer.step" if at == _STEP else f"a lookup of table {self.specs[at].name!r}"
+        """The exchange tagged `at`, in words."""
+        return {_STEP: "trainer.step", _FORWARD_END: "the end of a forward"}.get(at) or \
+            f"a lookup of table {self.specs[at].name!r}"
+
+    def forward_ended(self) -> None:
+        """Tell every worker that this one's forward is over (a collective at the end of every forward with
+        gradients): a worker whose forward skipped a table the others look up last raises here, at once,
+        with them, where it would otherwise meet them only at DDP's allreduce, a mismatch gloo reports after
+        the process group's timeout."""
+        self._meta(_FORWARD_END, [[0, 0, 0]] * self.workers)
 
     def model_sizes(self, trainable: int) -> dict[str, int]:
         return {**super().model_sizes(trainable), "sharded_tables": len(self.specs)}
