@@ -187,11 +187,6 @@ class JobConfig(Checkpointing, Timeouts, Training, Placement):  # fields in the 
             raise ConfigError(
                 f"the {self.strategy} strategy uses no servers, got servers={self.servers}: pass --servers 0"
             )
-        if self.strategy == "sharded" and (self.checkpoint_every or self.resume):
-            raise ConfigError(
-                "the sharded strategy does not write or resume checkpoints yet (each worker holds only its rows of "
-                "the tables): leave out --checkpoint-every and --resume, or use --strategy hybrid"
-            )
         self._check_checkpointing()
         self._check_placement()
         self._check_timeouts()

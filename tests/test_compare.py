@@ -416,6 +416,36 @@ def test_the_straggler_goes_to_the_runs_not_into_the_callers_environment(tmp_pat
     assert STRAGGLER.env not in os.environ
 
 
+class _Idle:
+    """A sampler that saw no process: no memory, no CPU."""
+
+    def peak_mb(self, role: str) -> float:
+        return 0.0
+
+    def cpu_between(self, start: float, end: float) -> float:
+        return 0.0
+
+    def wait_between(self, start: float, end: float) -> float:
+        return 0.0
+
+
+def test_a_sharded_runs_all_to_all_time_is_its_own_column_and_part_of_the_step():
+    from gradsync.compare.report import table
+    from gradsync.compare.runner import measure
+
+    parts = [(0.0, 9.0, 9.0, 9.0), (0.0, 0.002, 0.010, 0.001), (0.0, 0.004, 0.012, 0.002), (0.0, 0.003, 0.020, 0.005)]
+    log = [{"step": s + 1, "t": float(s), "wall": float(s), "loss": 1.0,
+            "record": dict(zip(("pull_s", "exchange_s", "compute_s", "commit_s"), p), bytes_sent=0, bytes_received=0)}
+           for s, p in enumerate(parts)]  # the first step is the warm-up
+    run = {"name": "sharded", **measure([log], _Idle(), 1)}
+    assert run["exchange_s"] == pytest.approx(0.003) and run["compute_s"] == pytest.approx(0.012)
+    assert run["step_s"] == pytest.approx(0.003 + 0.012 + 0.002)  # pull + all-to-all + compute + commit
+    assert run["timeline"] is None
+    header, _, row = table([run]).split("\n")
+    cells = dict(zip(header.split(" | "), row.split(" | ")))
+    assert cells["all-to-all ms"] == "3.00" and cells["compute ms"] == "12.00" and cells["step ms"] == "17.00"
+
+
 def test_throughput_leaves_the_warm_up_steps_out():
     from gradsync.compare.runner import samples_per_s
 

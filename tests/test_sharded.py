@@ -1,40 +1,100 @@
 """The sharded strategy matches single-process training on the joint batch (an EmbeddingBag with offsets and
 an Embedding under row optimizers, dense layers under AdamW), on uneven batches (a worker with no id of some
 owner, one with no bag id at all); the trainer's and the user's module's state_dict hold the whole tables; an
-id out of a table is refused by every worker with one error and nothing applied."""
+id out of a table is refused by every worker with one error and nothing applied. Each all-to-all is a lane of
+the step timeline carrying the bytes the batches imply, and its time is the step's exchange, not its pull."""
+import dataclasses
+
 import pytest
 import torch
 
 import gradsync
-from helpers import max_diff
-from sharded_models import ROWS_EMB, BagNet, bag_batch, reference_bags, train_bags
+from gradsync.tables.row_partition import owners
+from helpers import check_timeline_order, max_diff
+from sharded_models import DIM, ROWS_EMB, BagNet, Case, bag_batch, reference_bags, train_bags
 
 pytestmark = pytest.mark.job  # every test here starts processes
 
-STEPS, BAD_AT = 6, 3
+STEPS = 6
+INT64, FP32 = 8, 4
+
+
+def _exchanges(step: int, me: int, workers: int) -> list[tuple[str, int, int]]:
+    """Worker `me`'s all-to-alls of `step` (lane, bytes to the other workers, bytes from them), from the
+    batches: per table the counts, then the ids of its batch that other workers own and their rows back; the
+    forward's end; at the step one exchange of flags, then per table the gradients of those rows (no ids:
+    the forward's route)."""
+    batches = [bag_batch(step, w) for w in range(workers)]
+    meta = 4 * INT64 * (workers - 1)
+    forward, backward = [], [("a2a grad flags", meta, meta)]
+    for name, at in (("bag.weight", 0), ("emb.weight", 2)):
+        unique = [b[at].unique() for b in batches]
+        out = int((owners(unique[me], workers) != me).sum())
+        into = sum(int((owners(unique[w], workers) == me).sum()) for w in range(workers) if w != me)
+        forward += [(f"a2a {name} counts", meta, meta), (f"a2a {name} ids", INT64 * out, INT64 * into),
+                    (f"a2a {name} rows", DIM * FP32 * into, DIM * FP32 * out)]
+        backward.append((f"a2a {name} grads", DIM * FP32 * out, DIM * FP32 * into))
+    return forward + [("a2a forward end", meta, meta)] + backward
+
+
+CASES = [(2, Case("sgd", skip_at=4)), (4, Case("adagrad", max_norm=0.5, accumulate_at=4, meta=True))]
+
+
+def _refusals(me: int) -> list[str]:
+    """What worker `me` raises at `Case.bad_at`: the id out of the Embedding; worker 1's forward that skips the
+    EmbeddingBag (it is at the Embedding's lookup, every other worker at the EmbeddingBag's); worker 1's
+    forward that skips the Embedding (it is at the forward's end, the others at the Embedding's lookup)."""
+    other = 0 if me == 1 else 1
+    out = [f"table 'emb.weight' has rows 0..{ROWS_EMB - 1}, but a batch looked up id {ROWS_EMB + 3} on worker 1: "
+           "fix the input ids (nothing was looked up or applied)"]
+    for skipper, others in (("a lookup of table 'emb.weight'", "a lookup of table 'bag.weight'"),
+                            ("the end of a forward", "a lookup of table 'emb.weight'")):
+        at = {w: skipper if w == 1 else others for w in (me, other)}
+        out.append(f"worker {me} is at {at[me]} and worker {other} at {at[other]}: every worker must look up every "
+                   "sharded table in every forward, in the same order (each lookup is an exchange with every "
+                   "worker); call a table with an empty batch where a worker has no ids for it (nothing was looked "
+                   "up or applied)")
+    return out
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("workers,optimizer,max_norm,tolerance", [(2, "sgd", None, 1e-5), (4, "adagrad", 0.5, 1e-5)])
-def test_sharded_tables_match_single_process(workers, optimizer, max_norm, tolerance):
-    results = gradsync.launch(train_bags, strategy="sharded", workers=workers,
-                              args=(optimizer, STEPS, max_norm, BAD_AT), step_timeout=60, timeout=140)
-    reference = reference_bags(optimizer, STEPS, workers, max_norm)
-    start = BagNet().state_dict()
-    for r in results:
+@pytest.mark.parametrize("workers,case", CASES)
+def test_sharded_tables_match_single_process(workers, case):
+    results = gradsync.launch(train_bags, strategy="sharded", workers=workers, args=(case, STEPS), step_timeout=60,
+                              timeout=140)
+    initial = results[0]["initial"]
+    reference = reference_bags(case, STEPS, workers, initial)
+    for me, r in enumerate(results):
+        for record, timed in zip(r["records"], r["timeline"]):
+            step, pieces = timed["step"] - 1, timed["pieces"]
+            lanes = [(p["lane"], p["bytes_sent"], p["bytes_received"]) for p in pieces if p["exchange"]]
+            if step == case.accumulate_at:  # two half-batches: two lookups of each table, the gradients of each
+                assert [lane for lane, _, _ in lanes].count("a2a bag.weight grads") == 2
+            elif step != case.bad_at:  # the refused lookups' exchanges count in that step too
+                assert lanes == _exchanges(step, me, workers)
+            assert sum(p["bytes_sent"] for p in pieces) == record["bytes_sent"]  # with DDP's bucket lanes
+            assert sum(p["bytes_received"] for p in pieces) == record["bytes_received"]
+            assert record["pull_s"] == 0 < record["exchange_s"]  # its own column: neither pull nor compute
+            check_timeline_order(pieces)
+        assert all(torch.equal(r["initial"][k], v) for k, v in initial.items())
         assert list(r["state"]) == list(reference) == list(r["module"])  # keyed as model.state_dict()
-        assert max_diff(r["state"], reference) <= tolerance
-        assert max_diff(r["module"], reference) <= tolerance  # the user's module gathers the whole tables
-        assert r["refused"] == (f"table 'emb.weight' has rows 0..{ROWS_EMB - 1}, but a batch looked up id "
-                                f"{ROWS_EMB + 3} on worker 1: fix the input ids (nothing was looked up or applied)")
+        assert max_diff(r["state"], reference) <= 1e-5
+        assert max_diff(r["module"], reference) <= 1e-5  # the user's module gathers the whole tables
+        assert r["refused"] == _refusals(me)
         assert r["unchanged"]
         assert r["sizes"]["sharded_tables"] == 2
+        if case.skip_at is not None:  # the scaler skipped the step of worker 1's Inf and halved its scale
+            assert r["scales"] == [16.0] * case.skip_at + [8.0] * (STEPS - case.skip_at)
     trained = BagNet()
     trained.load_state_dict(reference)
     with torch.no_grad():
         expected = trained(*bag_batch(STEPS, 0)[:4])
-    assert (results[0]["evaluated"] - expected).abs().max() <= 10 * tolerance  # evaluation on worker 0 alone
+    assert (results[0]["evaluated"] - expected).abs().max() <= 1e-4  # evaluation on worker 0 alone
     for key in ("bag.weight", "emb.weight", "mlp.0.weight"):
-        assert (results[0]["state"][key] - start[key]).abs().max() > 1e-3  # it trained
-    if max_norm is not None:  # the clipping bit: without it the reference lands elsewhere
-        assert max_diff(reference_bags(optimizer, STEPS, workers, None), reference) > 1e-3
+        assert (results[0]["state"][key] - initial[key]).abs().max() > 1e-3  # it trained
+    if case.meta:  # the owners initialised the Embedding N(0, 1), as nn.Embedding does
+        emb = initial["emb.weight"]
+        assert emb.isfinite().all() and 0.5 < emb.std() < 1.5 and not torch.equal(emb, BagNet().emb.weight)
+    for other in (dataclasses.replace(case, max_norm=None), dataclasses.replace(case, skip_at=None)):
+        if other != case:  # the clipping and the skipped step matter: without them the reference lands elsewhere
+            assert max_diff(reference_bags(other, STEPS, workers, initial), reference) > 1e-3

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 import gradsync
+from gradsync.metrics import step_metrics
+from gradsync.metrics.step_metrics import StepMetrics
 from gradsync.metrics.timeline import HEAD, Timeline
 from gradsync.ps.sync_rule import SyncRule
 from gradsync.ps.messages import Piece, PipelineHead
@@ -23,6 +25,25 @@ def test_off_the_timeline_calls_straight_through_and_keeps_nothing():
     assert timeline.exchanged(0, 100, lambda: fut) is fut
     timeline.committed(1)
     assert not timeline.steps
+
+
+def test_a_sharded_steps_all_to_alls_are_exchange_time_neither_compute_nor_commit(monkeypatch):
+    """On a clock the test sets: the forward's exchange (1 s) comes out of compute, the step's (2 s, after
+    the last gradient, where the commit is timed from) out of commit; the parts add up to the step."""
+    clock = [0.0]
+    monkeypatch.setattr(step_metrics.time, "perf_counter", lambda: clock[0])
+    metrics = StepMetrics()
+    metrics.pulled(0.0, 0)  # the forward begins at 0
+    clock[0] = 2.0
+    metrics.exchanged(1.0, 10, 20)  # a lookup's all-to-all, 1 s to 2 s
+    clock[0] = 8.0
+    metrics.exchanged(2.0, 30, 40)  # the step's, 6 s to 8 s, after the last gradient at 5 s
+    clock[0] = 10.0
+    metrics.committed(5.0, 100, 100)
+    record = metrics.last()
+    assert (record.pull_s, record.exchange_s, record.compute_s, record.commit_s) == (0.0, 3.0, 4.0, 3.0)
+    assert record.total_s == 10.0 and (record.bytes_sent, record.bytes_received) == (140, 160)
+    assert metrics.summary(skip=0)["exchange_s"] == 3.0
 
 
 def test_a_server_applies_each_piece_before_the_next_ones_parts_are_all_in():

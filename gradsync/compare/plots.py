@@ -10,6 +10,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 from gradsync.compare.report import warmup_text  # noqa: E402
+from gradsync.metrics.step_metrics import STEP_PARTS  # noqa: E402
 
 
 def write_plots(runs: list[dict], out_dir: str, warmup: int) -> list[str]:
@@ -27,7 +28,7 @@ def write_plots(runs: list[dict], out_dir: str, warmup: int) -> list[str]:
     names = [r["name"] for r in done]
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(done)), 4.5))
     bottom = [0.0] * len(done)
-    for part in ("pull_s", "compute_s", "commit_s"):
+    for part in STEP_PARTS:
         heights = [1000 * r[part] for r in done]
         ax.bar(names, heights, bottom=bottom, label=part.removesuffix("_s"))
         bottom = [b + h for b, h in zip(bottom, heights)]

@@ -13,8 +13,10 @@ COLUMNS = (  # (heading, key, format, what it is)
     ("accuracy", "accuracy", "{:.3f}", "the last `acc` worker 0 logged"),
     ("samples/s", "samples_per_s", "{:.0f}", "the `samples` every worker logged per second after its warm-up, "
      "summed over the workers"),
-    ("step ms", "step_s", "ms", "pull + compute + commit"),
+    ("step ms", "step_s", "ms", "pull + all-to-all + compute + commit"),
     ("pull ms", "pull_s", "ms", "fetching parameters or embedding rows from the servers (none under allreduce)"),
+    ("all-to-all ms", "exchange_s", "ms", "the sharded strategy's all-to-all exchanges among the workers: the ids "
+     "and rows of each lookup in the forward, the row gradients at the step (none under the other strategies)"),
     ("compute ms", "compute_s", "ms", "the forward and backward on the worker (under allreduce with the part of "
      "DDP's allreduce that overlaps the backward)"),
     ("commit ms", "commit_s", "ms", "from the last gradient to the next step's parameters: the gradient exchange "

@@ -34,6 +34,7 @@ from gradsync.core.waiting import THREAD_STOP_S
 from gradsync.launcher import procfs
 from gradsync.launcher.scripts import run_script
 from gradsync.launcher.supervision import RankProcess
+from gradsync.metrics.step_metrics import STEP_PARTS
 
 SAMPLE_S = 0.1
 NO_TABLES = "no tables"
@@ -228,10 +229,8 @@ def measure(logs: list[list[dict]], sampler: Sampler, warmup: int) -> dict:
         "curve": losses,
         "final_loss": statistics.fmean(l for _, _, l in losses[-max(1, len(losses) // 10):]) if losses else None,
         "accuracy": next((line["acc"] for line in reversed(lines) if "acc" in line), None),
-        "step_s": median("pull_s") + median("compute_s") + median("commit_s"),
-        "pull_s": median("pull_s"),
-        "compute_s": median("compute_s"),
-        "commit_s": median("commit_s"),
+        "step_s": sum(median(part) for part in STEP_PARTS),
+        **{part: median(part) for part in STEP_PARTS},
         "bytes_per_step": median("bytes_sent") + median("bytes_received"),
         "bytes_sent": median("bytes_sent"),
         "bytes_received": median("bytes_received"),
@@ -256,7 +255,7 @@ def median_timeline(steps: list[dict]) -> dict | None:
     """The timeline (`metrics.timeline`: {"step", "pieces"}) of the step of median time among `steps` (worker 0's
     after the warm-up, merged lines) that have one; None when none has (GRADSYNC_TIMELINE off)."""
     timed = sorted((s for s in steps if "timeline" in s),
-                   key=lambda s: sum(s["record"][part] for part in ("pull_s", "compute_s", "commit_s")))
+                   key=lambda s: sum(s["record"][part] for part in STEP_PARTS))
     return timed[len(timed) // 2]["timeline"] if timed else None
 
 

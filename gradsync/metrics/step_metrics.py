@@ -11,9 +11,12 @@ from gradsync.metrics.timeline import Timeline
 
 @dataclasses.dataclass
 class StepRecord:
-    """One training step: seconds spent in each phase and bytes on the wire."""
+    """One training step: seconds spent in each phase and bytes on the wire. `exchange_s`: the sharded
+    strategy's all-to-all exchanges among the workers (lookups in the forward, row gradients at the step),
+    neither compute nor commit."""
 
     pull_s: float = 0.0
+    exchange_s: float = 0.0
     compute_s: float = 0.0
     commit_s: float = 0.0
     bytes_sent: int = 0
@@ -21,7 +24,11 @@ class StepRecord:
 
     @property
     def total_s(self) -> float:
-        return self.pull_s + self.compute_s + self.commit_s
+        return sum(getattr(self, part) for part in STEP_PARTS)
+
+
+STEP_PARTS = ("pull_s", "exchange_s", "compute_s", "commit_s")
+"""The phases a step's time is split in, in the order they come (a step's seconds are their sum)."""
 
 
 KEPT = 10_000
@@ -38,7 +45,8 @@ class StepMetrics:
         self.steps = 0
         self._current = StepRecord()
         self._mark: float | None = None
-        self._inside = 0.0  # communication seconds since the mark (row lookups in the forward, sharded row exchanges)
+        self._inside = 0.0  # communication seconds since the mark (row lookups in the forward)
+        self._exchanges: list[tuple[float, float]] = []  # (began, seconds) of this step's all-to-alls
 
     def pulled(self, seconds: float, bytes_received: int) -> None:
         """A pull before the forward; marks the start of compute."""
@@ -52,25 +60,29 @@ class StepMetrics:
         self._current.bytes_received += bytes_received
         self._inside += seconds
 
-    def rows_exchanged(self, seconds: float, bytes_sent: int, bytes_received: int) -> None:
-        """An exchange of row gradients before the commit was timed (sharded: the all-to-alls of the step):
-        counted as commit, not compute."""
-        self._current.commit_s += seconds
+    def exchanged(self, seconds: float, bytes_sent: int, bytes_received: int) -> None:
+        """An all-to-all exchange among the workers that just ended (sharded: a lookup's in the forward, the
+        row gradients' at the step): counted as exchange, neither compute nor commit."""
+        self._current.exchange_s += seconds
         self._current.bytes_sent += bytes_sent
         self._current.bytes_received += bytes_received
-        self._inside += seconds
+        self._exchanges.append((time.perf_counter() - seconds, seconds))
 
     def committed(self, started: float, bytes_sent: int, bytes_received: int = 0) -> None:
+        """The step's commit, timed from `started` (its last gradient) to now: compute is from the mark to
+        `started`, less the pulls and exchanges in between; commit less the exchanges after `started`."""
         now = time.perf_counter()
+        after = sum(s for began, s in self._exchanges if began >= started)
         if self._mark is not None:
-            self._current.compute_s = started - self._mark - self._inside
-        self._current.commit_s += now - started
+            during = sum(s for began, s in self._exchanges if self._mark <= began < started)
+            self._current.compute_s = started - self._mark - self._inside - during
+        self._current.commit_s += now - started - after
         self._current.bytes_sent += bytes_sent
         self._current.bytes_received += bytes_received
         self.records.append(self._current)
         self.steps += 1
         self.timeline.committed(self.steps)
-        self._current, self._mark, self._inside = StepRecord(), None, 0.0
+        self._current, self._mark, self._inside, self._exchanges = StepRecord(), None, 0.0, []
 
     def last(self) -> StepRecord | None:
         """The newest step's record; None before the first step."""
@@ -90,9 +102,7 @@ class StepMetrics:
         return {
             "steps": self.steps,
             "step_s": med(lambda r: r.total_s),
-            "pull_s": med(lambda r: r.pull_s),
-            "compute_s": med(lambda r: r.compute_s),
-            "commit_s": med(lambda r: r.commit_s),
+            **{part: med(lambda r, part=part: getattr(r, part)) for part in STEP_PARTS},
             "bytes_sent": med(lambda r: r.bytes_sent),
             "bytes_received": med(lambda r: r.bytes_received),
         }

@@ -4,8 +4,10 @@ worker, reached and was applied on its server, and came back.
 A worker's `Timeline` records one `PieceEvents` per lane and step: under ps each piece (a server's bucket) of
 a step over torch RPC (sync, async, ssp; pieces that left during the backward included), and each server's
 header push (buffers and rows, no gradient);
-under allreduce each bucket DDP exchanges. `left` and `back` are taken on the worker; `arrived` (every
-worker's part of the piece is in) and `applied` (the optimizer stepped on it) on the server, by its
+under allreduce each bucket DDP exchanges; under sharded also each all-to-all among the workers (a lookup's
+counts, ids and rows in the forward, the row gradients at the step: `Timeline.all_to_all`, its `left` and
+`back` around the call, its bytes those to and from the other workers). `left` and `back` are taken on the
+worker; `arrived` (every worker's part of the piece is in) and `applied` (the optimizer stepped on it) on the server, by its
 `PieceStamps`, and sent back in the piece's reply (`Stamped`). Every time is wall-clock seconds
 (`time.time()`): ranks on one machine, or in network namespaces on it, share that clock, so the worker's
 and the server's events are on one axis; across machines the clocks' skew (NTP: milliseconds) shifts
@@ -47,6 +49,7 @@ class PieceEvents:
     arrived: float | None = None
     applied: float | None = None
     back: float | None = None
+    exchange: str | None = None  # sharded: what an all-to-all among the workers carried ('emb.weight rows')
 
     def returned(self, nbytes: float, arrived: float | None = None, applied: float | None = None) -> None:
         """Its reply is in, now: the reply's bytes and the server's events."""
@@ -54,7 +57,9 @@ class PieceEvents:
 
     @property
     def lane(self) -> str:
-        """'s0 b3', 's0 head', or 'bucket 3' (allreduce)."""
+        """'s0 b3', 's0 head', 'bucket 3' (allreduce), or 'a2a emb.weight rows' (sharded)."""
+        if self.exchange is not None:
+            return f"a2a {self.exchange}"
         if self.server is None:
             return f"bucket {self.bucket}"
         return f"s{self.server} " + ("head" if self.bucket is HEAD else f"b{self.bucket}")
@@ -136,6 +141,13 @@ class Timeline:
         events = PieceEvents(None, bucket, nbytes, time.time(), nbytes)
         self._current.append(events)
         return self._track(events, call, args, {})
+
+    def all_to_all(self, what: str, bytes_sent: float, bytes_received: float, left: float) -> None:
+        """An all-to-all among the workers that began at `left` (wall clock) and is over now: its lane `what`,
+        the bytes it sent to and got from the other workers. Off: nothing."""
+        if self.on:
+            self._current.append(PieceEvents(None, None, bytes_sent, left, bytes_received, back=time.time(),
+                                             exchange=what))
 
     def _track(self, events: PieceEvents, call, args, kwargs):
         """`call`'s future, whose reply completes `events` (already among the step's)."""

@@ -14,7 +14,7 @@ import torch
 
 from gradsync.core.buckets import TensorSpec
 from gradsync.core.errors import GradientError
-from gradsync.tables.row_optim import LazyRows
+from gradsync.tables.row_optim import saved_state, take_saved_state
 from gradsync.tables.placement import out_of_range, rows_on
 
 
@@ -100,8 +100,7 @@ class TableShard:
 
     def checkpoint(self) -> dict:
         """Copies of the rows and the row optimizer's state, with the server and number of servers holding them."""
-        state = self.state.tensors() if isinstance(self.state, LazyRows) else self.state
-        return {"values": self.values.clone(), "state": None if state is None else _copied(state),
+        return {"values": self.values.clone(), "state": saved_state(self.state),
                 "server": self.server, "num_servers": self.num_servers}
 
     def take(self, saved: dict) -> int:
@@ -112,14 +111,7 @@ class TableShard:
         mine = (rows % self.num_servers == self.server).nonzero().view(-1)
         local = rows[mine] // self.num_servers
         self.values[local] = saved["values"][mine]
-        if isinstance(self.state, LazyRows):
-            slots = saved["state"]["slot"][mine].long()
-            stepped = slots >= 0  # rows with momentum: their slots here are allocated in row order
-            if stepped.any():
-                fresh = self.state.slots(local[stepped])  # may grow `data`: index it after
-                self.state.data[fresh] = saved["state"]["data"][slots[stepped]]
-        elif self.state is not None:
-            self.state[local] = saved["state"][mine]
+        take_saved_state(self.state, local, saved["state"], mine)
         return mine.numel()
 
     def set_lr(self, lr: float) -> None:
@@ -156,8 +148,3 @@ def available_memory() -> int | None:
     except OSError:
         return None
     return None
-
-
-
-def _copied(state):
-    return {k: v.clone() for k, v in state.items()} if isinstance(state, dict) else state.clone()

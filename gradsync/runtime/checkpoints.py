@@ -10,8 +10,9 @@ workers wait until the shards are written, so every shard holds the same
 pushes (each worker's first N) and the checkpoint is one consistent cut:
 
     DIR/step-00000010/shard-<s>.ckpt   each server's shard
-    DIR/step-00000010/worker-<w>.ckpt  step, torch and Python RNG states, and (allreduce, hybrid) the model's
-                                       and optimizer's local state
+    DIR/step-00000010/worker-<w>.ckpt  step, torch and Python RNG states, and (allreduce, hybrid, sharded)
+                                       the model's and optimizer's local state; sharded: the worker's rows
+                                       of every table and their row optimizer state
     DIR/step-00000010/MANIFEST.json    step, strategy, mode, servers, workers, the model's tensors, and the
                                        files above with their SHA-256
 
@@ -33,13 +34,15 @@ whose manifest exists, names the step its folder's name says, lists every file t
 server's shard, the state of each worker that wrote one), and whose files all verify and are the ones it names
 (an older one when the newest is torn, altered, renamed, edited, unfinished or half rewritten by a later job;
 the reason for each folder skipped), with any number of servers and workers (the servers re-split the shards:
-`ps.reshard`), and refuses one written by a job of another strategy; worker 0 refuses one of another model or
-optimizer (`check`). Temporary files that a writer which died left in step folders are removed on opening.
+`ps.reshard`; under sharded the workers re-home the rows by the row partition, `Strategy.load_rows`), and
+refuses one written by a job of another strategy; worker 0 refuses one of another model or optimizer (`check`).
+Temporary files that a writer which died left in step folders are removed on opening.
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import itertools
 import json
 import os
 import random
@@ -404,16 +407,20 @@ def _wait(store: dist.Store, config: JobConfig, keys: list[str], workers: list[i
 def restore(config: JobConfig, strategy, found: Found) -> int:
     """Load this worker's state of `found` (step, RNG states, the strategy's local state); returns the step.
     A worker beyond the checkpoint's workers, or whose file it lacks, takes the file of the lowest worker that
-    wrote one (its model and optimizer under allreduce and hybrid, which every worker holds alike) and keeps
-    its own RNG states."""
+    wrote one (its model and optimizer under allreduce, hybrid and sharded, which every worker holds alike) and
+    keeps its own RNG states. Under sharded each worker then takes its rows from that file and, when another
+    number of workers wrote the checkpoint, from the other workers' files (`Strategy.load_rows`)."""
     me = config.worker_rank
     mine = me < found.manifest["workers"] and worker_file(me) in found.manifest["files"]
-    first = min(found.manifest.get("written", [0]))  # worker 0, unless it had left an elastic job
-    state = shard_file.load(os.path.join(found.path, worker_file(me if mine else first)))
+    written = found.manifest.get("written", list(range(found.manifest["workers"])))
+    source = me if mine else min(written)  # worker 0, unless it had left an elastic job
+    state = shard_file.load(os.path.join(found.path, worker_file(source)))
     if mine:
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
         if state["cuda_rng"]:
             torch.cuda.set_rng_state_all(state["cuda_rng"])
     strategy.load_local_state(state)
+    others = (shard_file.load(os.path.join(found.path, worker_file(w))) for w in written if w != source)
+    strategy.load_rows(itertools.chain([state], others), found.path)
     return state["step"]

@@ -118,6 +118,27 @@ class RowAdagrad:
 ROW_OPTIMIZERS = (RowSGD, RowAdagrad)
 
 
+def saved_state(state: LazyRows | torch.Tensor | None) -> dict[str, torch.Tensor] | torch.Tensor | None:
+    """A copy of a row optimizer's `new_state` for a checkpoint: tensors only (`take_saved_state` reads it)."""
+    if isinstance(state, LazyRows):
+        return state.tensors()
+    return None if state is None else state.clone()
+
+
+def take_saved_state(state: LazyRows | torch.Tensor | None, local: torch.Tensor, saved, picked: torch.Tensor) -> None:
+    """Put the saved state (`saved_state`) of the saved rows `picked` into `state` at the local rows `local`:
+    an accumulator per row (RowAdagrad) is copied, momentum rows (RowSGD) get slots here, in the order of
+    `local`, for the rows that had one."""
+    if isinstance(state, LazyRows):
+        slots = saved["slot"][picked].long()
+        stepped = slots >= 0
+        if stepped.any():
+            fresh = state.slots(local[stepped])  # may grow `data`: index it after
+            state.data[fresh] = saved["data"][slots[stepped]]
+    elif state is not None:
+        state[local] = saved[picked]
+
+
 def _check(optimizer, **values: float) -> None:
     for name, value in values.items():
         if not isinstance(value, (int, float)) or value < 0 or (name == "lr" and value == 0):

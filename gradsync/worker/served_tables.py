@@ -27,13 +27,14 @@ from gradsync.ps.messages import RowGrads, TableSetup
 
 
 class _Lookup:
-    """One table lookup of a forward: the unique global ids, their rows (a leaf), each server's version."""
+    """One table lookup of a forward: the unique global ids, their rows (a leaf), and what `_pull` answered
+    beside the rows (each server's version; sharded: the route the ids took)."""
 
-    def __init__(self, table: str, ids: torch.Tensor, leaf: torch.Tensor, versions: dict[int, int]):
+    def __init__(self, table: str, ids: torch.Tensor, leaf: torch.Tensor, pulled):
         self.table = table
         self.ids = ids
         self.leaf = leaf
-        self.versions = versions
+        self.pulled = pulled
 
 
 class ServedTables:
@@ -97,13 +98,11 @@ class ServedTables:
     def _lookup(self, name: str, module: nn.Module, input: torch.Tensor, offsets=None, per_sample_weights=None):
         self._check(name, input, module.num_embeddings)
         ids, inverse = torch.unique(input.long(), return_inverse=True)
-        start = time.perf_counter()
-        values, versions = self._pull(name, ids)
-        self.metrics.rows_pulled(time.perf_counter() - start, values.nbytes)
+        values, pulled = self._pull(name, ids)
         context = current_context_id()
         leaf = values.requires_grad_(torch.is_grad_enabled())
         if context is not None and leaf.requires_grad:
-            self._lookups.setdefault(context, []).append(_Lookup(name, ids, leaf, versions))
+            self._lookups.setdefault(context, []).append(_Lookup(name, ids, leaf, pulled))
         pad = None
         if module.padding_idx is not None:
             at = torch.searchsorted(ids, module.padding_idx)
@@ -122,16 +121,21 @@ class ServedTables:
         return split_ids(ids, self.num_servers)
 
     def _pull(self, name: str, ids: torch.Tensor) -> tuple[torch.Tensor, dict[int, int]]:
-        """The rows of the unique global `ids`, in their order, and the version each server answered at."""
+        """The rows of the unique global `ids`, in their order, and the version each server answered at (the
+        time and bytes in the step's metrics, as pull)."""
+        start = time.perf_counter()
         where = split_ids(ids, self.num_servers)
         answers = self.transport.pull_rows(name, {s: local for s, (_, local) in where.items()})
         if self.num_servers == 1 and answers:
             version, values = answers[0]
-            return values, {0: version}
-        values = torch.empty(ids.numel(), self.modules[name].embedding_dim, dtype=self.dtypes[name])
-        for s, (positions, _) in where.items():
-            values[positions] = answers[s][1]
-        return values, {s: v for s, (v, _) in answers.items()}
+            versions = {0: version}
+        else:
+            values = torch.empty(ids.numel(), self.modules[name].embedding_dim, dtype=self.dtypes[name])
+            for s, (positions, _) in where.items():
+                values[positions] = answers[s][1]
+            versions = {s: v for s, (v, _) in answers.items()}
+        self.metrics.rows_pulled(time.perf_counter() - start, values.nbytes)
+        return values, versions
 
     def row_grads(self, context_id: int, grads: dict[torch.Tensor, torch.Tensor]) -> dict[int, dict[str, RowGrads]]:
         """The pushes of this context's lookups: per server, {table: `RowGrads`}; forgets the context's
@@ -146,7 +150,7 @@ class ServedTables:
             pushes = [(lk.ids, grads[lk.leaf]) for lk in mine]
             ids, summed = pushes[0] if len(pushes) == 1 else merge_rows(pushes, 1.0)
             for s, (positions, local) in self._split(ids).items():
-                version = min(lk.versions[s] for lk in mine if s in lk.versions)  # the oldest rows pulled
+                version = min(lk.pulled[s] for lk in mine if s in lk.pulled)  # the oldest rows pulled
                 out[s][name] = RowGrads(version, local, summed if self.num_servers == 1 else summed[positions])
         return out
 

@@ -15,9 +15,11 @@ or drops the rows of that step (nonfinite='skip'), as hybrid's servers do.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 from torch import nn
 
@@ -62,11 +64,19 @@ class ShardedStrategy(Strategy):
         self.dense = AllreduceStrategy(cluster, module, optimizer, find_unused_parameters=find_unused_parameters,
                                        clipping=clipping, replicate_dynamic=False)
         self.tables.take_rows(values)  # once every worker has built its Trainer (DDP's wait)
+        module.register_forward_hook(self._forward_ended)
+        dist.barrier()  # every worker answers gathers before any asks (tables on the meta device exchange nothing)
         self.model = self.dense.model
         self.optimizer = optimizer
         self.metrics = self.dense.metrics
         self.tables.metrics = self.metrics
         self.tables.serving = True
+
+    def _forward_ended(self, module: nn.Module, inputs, output) -> None:
+        """Forward hook of the user's module: every worker agrees that its forward is over
+        (`ShardedTables.forward_ended`), when it looked its tables up for a step (with gradients)."""
+        if torch.is_grad_enabled():
+            self.tables.forward_ended()
 
     @property
     def grad_norm(self) -> float | None:
@@ -75,9 +85,9 @@ class ShardedStrategy(Strategy):
     def step(self, context_id: int, scaler=None) -> None:
         """Send the row gradients to their owners, step the dense part (with the joint norm under clipping or
         a GradScaler) and apply the owners' rows."""
-        pushes = self.tables.row_grads(context_id, dist_autograd.get_gradients(context_id))
         agreeing = scaler is not None or self.dense.clipping.on
-        received, nonfinite = self.tables.exchange_grads(pushes, inverse_scale(scaler))
+        received, nonfinite = self.tables.exchange_grads(context_id, dist_autograd.get_gradients(context_id),
+                                                         inverse_scale(scaler))
         if nonfinite and scaler is None:  # every worker knows it: all raise, or all drop the rows
             if self.config.nonfinite == "raise":
                 table = next(iter(nonfinite))
@@ -114,9 +124,17 @@ class ShardedStrategy(Strategy):
             return ordered(self.dense.state_dict(), self.tables.full(), self.keys)
 
     def local_state(self) -> dict:
-        """Never asked: a sharded job refuses checkpoints (`config.JobConfig`)."""
-        raise NotImplementedError("the sharded strategy writes no checkpoint")
+        """What a checkpoint keeps of this worker: the dense part's model and optimizer state, and its rows of
+        every table with their row optimizer state."""
+        with self.tables.own_state():
+            return {**self.dense.local_state(), "rows": self.tables.checkpoint()}
 
     def load_local_state(self, state: dict) -> None:
-        """Never asked: a sharded job refuses --resume (`config.JobConfig`)."""
-        raise NotImplementedError("the sharded strategy resumes no checkpoint")
+        """Take back the dense part of `local_state()` (the rows come with `load_rows`)."""
+        self.dense.load_local_state(state)
+        self.tables.applied = state["step"]
+
+    def load_rows(self, saved: Iterable[dict], where: str) -> None:
+        """Take this worker's rows from the checkpoint's worker files `saved` (`ShardedTables.restore`: by the
+        row partition of this job's workers, whatever number of workers wrote them)."""
+        self.tables.restore((state["rows"] for state in saved), where)

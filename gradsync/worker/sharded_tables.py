@@ -4,11 +4,17 @@ Every worker owns the rows `tables.row_partition` gives it and stores only those
 state. A lookup (`ServedTables._lookup`, whose forward this reuses) sends its batch's unique ids to their
 owners and gets their rows back: three `all_to_all_single` exchanges among the workers (how many ids each
 sends each, with a flag for an id out of the table; the ids; the rows), after which the lookup runs on the
-rows as a leaf. At the step each worker sends its summed row gradients to their owners the same way (counts
-with a NaN/Inf flag, ids, gradients); an owner sums what every worker sent, divides by W (DDP's mean) and
-applies the row optimizer. Every exchange is a collective: every worker makes it, for every table, in model
-order, with or without ids (an empty batch sends and receives nothing but counts). So every worker knows of
-an out-of-range id or a NaN/Inf row gradient on any worker and refuses together, before anything moves.
+rows as a leaf. The lookup keeps the route its ids took (`_Route`: the plan, and on the owner the local rows
+each worker asked for), so at the step each worker sends its rows' gradients back along it, with no ids and
+no counts: one exchange of flags for the whole step (a NaN/Inf in some worker's row gradients, how many
+lookups it made), then the gradients of each lookup; an owner sums what every worker sent, divides by W
+(DDP's mean) and applies the row optimizer. Every exchange is a collective: every worker makes it, for every
+table, in model order, with or without ids (an empty batch sends and receives nothing but counts). So every
+worker knows of an out-of-range id or a NaN/Inf row gradient on any worker and refuses together, before
+anything moves. The counts and flags exchanges carry the exchange each worker is at (a table's lookup, the
+end of a forward, which every forward with gradients ends with, the step): a worker whose forward skipped a
+table, or looked up another, makes every worker raise at once, naming the table, where it would otherwise
+pair unrelated exchanges.
 
 The whole tables (`trainer.state_dict()`, and the user's module's `state_dict()`, as under ps) are gathered
 over torch RPC: each owner answers with its rows once it has applied as many steps as the asking worker,
@@ -17,9 +23,11 @@ so a worker that gathers alone (worker 0 saving the model) gets one consistent s
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
 import zlib
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -29,10 +37,14 @@ from torch import nn
 from gradsync.core.errors import bad_id_error
 from gradsync.core.finite import first_nonfinite
 from gradsync.core.job_names import worker_name
-from gradsync.ps.messages import RowGrads
 from gradsync.tables.placement import check_id_dtype, check_ids, merge_rows, out_of_range
+from gradsync.tables.row_optim import saved_state, take_saved_state
 from gradsync.tables.row_partition import ExchangePlan, local_index, owned_rows, owners
 from gradsync.worker.served_tables import ServedTables
+
+_STEP, _FORWARD_END = -1, -2
+"""The tags of the step's exchange of flags and of a forward's end (`ShardedTables._meta`); a lookup's is its
+table's index."""
 
 _HELD: ShardedTables | None = None
 """This worker's tables, which `_rows_of` answers the other workers' gathers from (torch RPC calls a function
@@ -50,21 +62,22 @@ class _Shard:
     group: int | None  # the optimizer group whose learning rate the rows follow (an exact row form), or None
 
 
+@dataclasses.dataclass(frozen=True)
+class _Route:
+    """Where a lookup's unique ids went, which its gradients take back at the step: this worker's `plan`,
+    how many ids each worker asked this one for (`asked_counts`) and their local rows here (`asked`)."""
+
+    plan: ExchangePlan
+    asked_counts: list[int]
+    asked: torch.Tensor
+
+
 def _exchange(send: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
     """All-to-all of variable-size blocks of rows: `send_counts[w]` rows of `send` to worker w, `recv_counts[w]`
     rows from it, in worker order. Every worker must call it."""
     out = send.new_empty((sum(recv_counts), *send.shape[1:]))
     dist.all_to_all_single(out, send.contiguous(), recv_counts, send_counts)
     return out
-
-
-def _exchange_counts(counts: list[int], flag: int | None) -> tuple[list[int], list[int], list[int]]:
-    """Tell every worker how many rows it gets from this one, and this worker's `flag` (an int64, or None);
-    returns how many rows this worker gets from each, and the workers that sent a flag with their flags."""
-    meta = torch.tensor([[c, flag is not None, flag or 0] for c in counts], dtype=torch.int64)
-    theirs = _exchange(meta, [1] * len(counts), [1] * len(counts))
-    flagged = theirs[:, 1].nonzero().view(-1).tolist()
-    return theirs[:, 0].tolist(), flagged, [int(theirs[w, 2]) for w in flagged]
 
 
 def _rows_of(table: str, step: int, timeout: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,8 +87,7 @@ def _rows_of(table: str, step: int, timeout: float) -> tuple[torch.Tensor, torch
 
 def _rows_at(table: str, ids: torch.Tensor, step: int, timeout: float) -> torch.Tensor:
     """RPC handler: this worker's rows `ids` of `table` once it has applied `step` steps."""
-    owned, values = _HELD.rows_of(table, step, timeout, ids)
-    return values
+    return _HELD.rows_of(table, step, timeout, ids)[1]
 
 
 class ShardedTables(ServedTables):
@@ -86,6 +98,7 @@ class ShardedTables(ServedTables):
         super().__init__(tables, workers, None)
         self.worker, self.workers, self.timeout = worker, workers, timeout
         self.rows = rows
+        self._index = {spec.name: i for i, spec in enumerate(self.specs)}
         self.shards: dict[str, _Shard] = {}
         self.applied = 0  # steps applied to this worker's rows (skipped ones included)
         self._stepped = threading.Condition()
@@ -120,38 +133,80 @@ class ShardedTables(ServedTables):
             send, counts = weight.new_empty((0, spec.shape[1])), [0] * self.workers
         return _exchange(send, counts, [owned.numel() if w == 0 else 0 for w in range(self.workers)])
 
+    def _all_to_all(self, what: str, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]
+                    ) -> torch.Tensor:
+        """`_exchange`, counted in the step's metrics as exchange time and the bytes that went to and came from
+        the other workers (a worker's block to itself stays in memory), and recorded as the lane
+        `what` of the step timeline."""
+        left, started = time.time(), time.perf_counter()
+        out = _exchange(send, send_counts, recv_counts)
+        row = send.element_size() * math.prod(send.shape[1:])
+        sent = row * (sum(send_counts) - send_counts[self.worker])
+        got = row * (sum(recv_counts) - recv_counts[self.worker])
+        self.metrics.exchanged(time.perf_counter() - started, sent, got)
+        self.metrics.timeline.all_to_all(what, sent, got, left)
+        return out
+
+    def _meta(self, at: int, rows: list[list[int]]) -> torch.Tensor:
+        """Send worker w the three ints `rows[w]` and get each worker's for this one, tagged with
+        the exchange each worker is at (`at`: a table's index for its lookup, `_STEP` for the step's); every
+        worker must call it, and all at the same exchange.
+
+        Raises:
+            RuntimeError: another worker is at another exchange (a forward that skipped a table, or looked
+                one up where this worker did not), naming both and the fix; that worker raises it too.
+        """
+        meta = torch.tensor([[at, *r] for r in rows], dtype=torch.int64)
+        lane = {_STEP: "grad flags", _FORWARD_END: "forward end"}.get(at) or f"{self.specs[at].name} counts"
+        theirs = self._all_to_all(lane, meta, [1] * self.workers, [1] * self.workers)
+        if (other := (theirs[:, 0] != at).nonzero().view(-1)).numel():
+            w = int(other[0])
+            raise RuntimeError(
+                f"worker {self.worker} is at {self._tag(at)} and worker {w} at {self._tag(int(theirs[w, 0]))}: "
+                "every worker must look up every sharded table in every forward, in the same order (each lookup "
+                "is an exchange with every worker); call a table with an empty batch where a worker has no ids "
+                "for it (nothing was looked up or applied)")
+        return theirs[:, 1:]
+
+    def _tag(self, at: int) -> str:
+        """The exchange tagged `at`, in words."""
+        return {_STEP: "trainer.step", _FORWARD_END: "the end of a forward"}.get(at) or \
+            f"a lookup of table {self.specs[at].name!r}"
+
+    def forward_ended(self) -> None:
+        """Tell every worker that this one's forward is over (a collective at the end of every forward with
+        gradients): a worker whose forward skipped a table the others look up last raises here, at once,
+        with them, where it would otherwise meet them only at DDP's allreduce, a mismatch gloo reports after
+        the process group's timeout."""
+        self._meta(_FORWARD_END, [[0, 0, 0]] * self.workers)
+
     def model_sizes(self, trainable: int) -> dict[str, int]:
         return {**super().model_sizes(trainable), "sharded_tables": len(self.specs)}
 
     def _check(self, name: str, ids: torch.Tensor, rows: int) -> None:
         check_id_dtype(name, ids)  # the range is checked by every worker together, in `_pull`
 
-    def _split(self, ids: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        owner = owners(ids, self.workers)
-        out = {}
-        for w in range(self.workers):
-            where = (owner == w).nonzero().view(-1)
-            if where.numel():
-                out[w] = (where, ids[where])
-        return out
-
-    def _pull(self, name: str, ids: torch.Tensor) -> tuple[torch.Tensor, dict[int, int]]:
-        """The rows of the unique global `ids` from their owners; refuses (on every worker) a lookup in which
-        any worker's batch holds an id outside the table. A forward without gradients (evaluation, which one
-        worker may run alone, say worker 0 after training) reads them without a collective (`_read`)."""
+    def _pull(self, name: str, ids: torch.Tensor) -> tuple[torch.Tensor, _Route | None]:
+        """The rows of the unique global `ids` from their owners, and their `_Route`; refuses (on every worker)
+        a lookup in which any worker's batch holds an id outside the table. A forward without gradients
+        (evaluation, which one worker may run alone, say worker 0 after training) reads them without a
+        collective (`_read`) and has no route."""
         if not torch.is_grad_enabled():
-            return self._read(name, ids), dict.fromkeys(range(self.workers), 0)
+            return self._read(name, ids), None
         rows = self.modules[name].num_embeddings
         plan = ExchangePlan.of(ids, self.workers)
-        asked_counts, culprits, bad = _exchange_counts(plan.counts, out_of_range(ids, rows))
-        if culprits:
-            raise bad_id_error(name, rows, bad[0], culprits[0])
-        asked = _exchange(ids[plan.order], plan.counts, asked_counts)
+        bad = out_of_range(ids, rows)
+        theirs = self._meta(self._index[name], [[c, bad is not None, bad or 0] for c in plan.counts])
+        if (culprits := theirs[:, 1].nonzero().view(-1)).numel():
+            raise bad_id_error(name, rows, int(theirs[culprits[0], 2]), int(culprits[0]))
+        asked_counts = theirs[:, 0].tolist()
+        asked = self._all_to_all(f"{name} ids", ids[plan.order], plan.counts, asked_counts)
         shard = self.shards[name]
-        answer = shard.values.index_select(0, local_index(shard.owned, asked))
+        local = local_index(shard.owned, asked)
         values = shard.values.new_empty((ids.numel(), shard.values.shape[1]))
-        values[plan.order] = _exchange(answer, asked_counts, plan.counts)
-        return values, dict.fromkeys(range(self.workers), 0)
+        values[plan.order] = self._all_to_all(f"{name} rows", shard.values.index_select(0, local), asked_counts,
+                                              plan.counts)
+        return values, _Route(plan, asked_counts, local)
 
     def _read(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         """The rows of the unique global `ids`, asked of each owner alone over torch RPC once it has applied
@@ -169,31 +224,37 @@ class ShardedTables(ServedTables):
             values[owner == w] = fut.wait()
         return values
 
-    def exchange_grads(self, pushes: dict[int, dict[str, RowGrads]], scale: float
+    def exchange_grads(self, context_id: int, grads: dict[torch.Tensor, torch.Tensor], scale: float
                        ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, int]]:
-        """Send every worker its rows' gradients of `pushes` (`row_grads`, by owner) times `scale`; returns this
-        owner's rows of each table, (local indices, gradient summed over the workers and divided by W), and
-        by table the first worker whose own row gradients held a NaN/Inf. Every worker must call it."""
-        received, nonfinite = {}, {}
-        started, sent, got = time.perf_counter(), 0, 0
-        for spec in self.specs:
-            dim = spec.shape[1]
-            parts = [pushes[w].get(spec.name) for w in range(self.workers)]
-            ids = torch.cat([p.ids for p in parts if p is not None] or [torch.empty(0, dtype=torch.int64)])
-            grads = torch.cat([p.grads for p in parts if p is not None] or [torch.empty(0, dim, dtype=spec.dtype)])
-            if scale != 1.0:
-                grads = grads * scale
-            counts = [0 if p is None else p.ids.numel() for p in parts]
-            bad = first_nonfinite([grads]) is not None
-            recv_counts, flagged, _ = _exchange_counts(counts, 1 if bad else None)
-            if flagged:
-                nonfinite[spec.name] = flagged[0]
-            their_ids, theirs = _exchange(ids, counts, recv_counts), _exchange(grads, counts, recv_counts)
-            sent, got = sent + ids.nbytes + grads.nbytes, got + their_ids.nbytes + theirs.nbytes
-            unique, mean = merge_rows([(their_ids, theirs)], 1.0 / self.workers)
-            received[spec.name] = (local_index(self.shards[spec.name].owned, unique), mean)
-        self.metrics.rows_exchanged(time.perf_counter() - started, sent, got)
-        return received, nonfinite
+        """Send the owners the gradients of this context's lookups (`grads`, dist_autograd's) times `scale`,
+        back the routes their ids took (`_Route`): one exchange of flags for the step, then the gradients of
+        each lookup. Returns this owner's rows of each table, (local indices, gradient summed over the workers
+        and divided by W), and where some worker's own row gradients held a NaN/Inf, {the table looked up
+        first among those: the first such worker}. Every worker must call it; forgets the context's lookups."""
+        lookups = self._lookups.pop(context_id, [])
+        self._lookups.clear()  # lookups of contexts that were never stepped
+        sending = []
+        for lk in lookups:
+            g = grads.get(lk.leaf)
+            g = lk.leaf.new_zeros(lk.leaf.shape) if g is None else g * scale if scale != 1.0 else g
+            sending.append(g[lk.pulled.plan.order])
+        bad = next((i for i, g in enumerate(sending) if first_nonfinite([g]) is not None), None)
+        theirs = self._meta(_STEP, [[len(lookups), bad is not None, bad or 0]] * self.workers)
+        if (other := (theirs[:, 0] != len(lookups)).nonzero().view(-1)).numel():
+            w = int(other[0])
+            raise RuntimeError(f"worker {w} looked up {int(theirs[w, 0])} sharded tables in this step and worker "
+                               f"{self.worker} {len(lookups)}: every worker must look up every sharded table in "
+                               "every forward (nothing was applied)")
+        nonfinite = {}
+        if (flagged := theirs[:, 1].nonzero().view(-1)).numel():
+            first = int(theirs[flagged, 2].min())
+            nonfinite[lookups[first].table] = int(flagged[theirs[flagged, 2] == first][0])
+        parts: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # by table: (local rows, their gradients)
+        for lk, g in zip(lookups, sending):
+            route = lk.pulled
+            got = self._all_to_all(f"{lk.table} grads", g, route.plan.counts, route.asked_counts)
+            parts.setdefault(lk.table, []).append((route.asked, got))
+        return {name: merge_rows(got, 1.0 / self.workers) for name, got in parts.items() if got}, nonfinite
 
     def apply(self, received: dict[str, tuple[torch.Tensor, torch.Tensor]], coefficient: float,
               optimizer: torch.optim.Optimizer) -> None:
@@ -219,6 +280,37 @@ class ShardedTables(ServedTables):
         every = [torch.empty_like(mine) for _ in range(self.workers)]
         dist.all_gather(every, mine)
         return [float(p) for p in every]
+
+    def checkpoint(self) -> dict[str, dict]:
+        """Copies of this worker's rows of each table (ids, values) and of their row optimizer state."""
+        return {name: {"ids": shard.owned.clone(), "values": shard.values.clone(), "state": saved_state(shard.state)}
+                for name, shard in self.shards.items()}
+
+    def restore(self, saved: Iterable[dict[str, dict]], where: str) -> None:
+        """Take this worker's rows of each table, with their row optimizer state, from the `checkpoint()`s of
+        the workers of a checkpoint (`saved`, this worker's own first: with as many workers as wrote it, its
+        own file holds them all, and no other is read), written by any number of workers.
+
+        Raises:
+            ValueError: `saved` lacks some of this worker's rows, naming the table.
+        """
+        taken = dict.fromkeys(self.shards, 0)
+        for tables in saved:
+            for name, rows in tables.items():
+                if (shard := self.shards.get(name)) is None:
+                    continue
+                mine = (owners(rows["ids"], self.workers) == self.worker).nonzero().view(-1)
+                local = local_index(shard.owned, rows["ids"][mine])
+                shard.values[local] = rows["values"][mine]
+                take_saved_state(shard.state, local, rows["state"], mine)
+                taken[name] += mine.numel()
+            if all(taken[name] == shard.owned.numel() for name, shard in self.shards.items()):
+                return
+        name = next(n for n, shard in self.shards.items() if taken[n] != shard.owned.numel())
+        raise ValueError(f"{where} holds {taken[name]} of the {self.shards[name].owned.numel()} rows of table "
+                         f"{name!r} that worker {self.worker} owns: it was written by another model, or with its "
+                         "tables split another way (Trainer(tables=...)); resume with the model and settings that "
+                         "wrote it, or start without --resume")
 
     def rows_of(self, table: str, step: int, timeout: float, ids: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:

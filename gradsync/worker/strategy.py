@@ -1,12 +1,13 @@
-"""What `gradsync.Trainer` asks of a worker-side strategy, whichever the job runs (ps, allreduce, hybrid).
+"""What `gradsync.Trainer` asks of a worker-side strategy, whichever the job runs (ps, allreduce, hybrid, sharded).
 
 Every strategy implements `Strategy`; the Trainer (and a job checkpoint,
-`gradsync.runtime.checkpoints`, with `local_state` / `load_local_state`) calls these
+`gradsync.runtime.checkpoints`, with `local_state` / `load_local_state` / `load_rows`) calls these
 and nothing else, so it never asks which strategy it holds.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from contextlib import AbstractContextManager
 
 import torch
@@ -57,6 +58,11 @@ class Strategy(ABC):
     @abstractmethod
     def load_local_state(self, state: dict) -> None:
         """Take back `local_state()` from a checkpoint."""
+
+    def load_rows(self, saved: Iterable[dict], where: str) -> None:
+        """Take the table rows this worker holds from the worker files of a checkpoint (`saved`, loaded as they
+        are read, this worker's own first; `where` names the checkpoint): nothing, unless the workers hold
+        the tables' rows (sharded)."""
 
     def server_stats(self) -> dict[int, dict]:
         """Every parameter server's counters by server index; {} without servers."""

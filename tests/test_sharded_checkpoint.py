@@ -1,0 +1,122 @@
+"""Checkpoints of the sharded strategy: each worker saves its rows with their row optimizer state, and a resume
+re-homes them by the row partition of the resuming job's workers (in one process: W = 2 -> 3, 4 -> 2, 3 -> 3,
+exact rows and state); a job resumed from step K onto the same W ends bit for bit where the uninterrupted run
+ends, onto another W to float noise; a sharded checkpoint under another strategy is refused naming both."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from torch import nn
+
+import gradsync
+from gradsync.config import ConfigError, JobConfig
+from gradsync.ps import shard_file
+from gradsync.runtime import checkpoints
+from gradsync.worker.sharded_tables import ShardedTables
+from helpers import max_diff
+from sharded_models import BagNet, train_resumed
+
+ROWS, DIM = 50, 3
+OPTIMIZERS = {"acc": gradsync.RowAdagrad(lr=0.1), "momentum": gradsync.RowSGD(lr=0.1, momentum=0.9)}
+
+
+def _tables(worker: int, workers: int) -> ShardedTables:
+    """Worker `worker`'s rows of one table per row optimizer, built on the meta device (no collective)."""
+    modules = {f"{name}.weight": nn.Embedding(ROWS, DIM, device="meta") for name in OPTIMIZERS}
+    tables = ShardedTables(modules, {f"{n}.weight": (o, None) for n, o in OPTIMIZERS.items()}, worker, workers, 1.0)
+    tables.take_rows({name: module.weight for name, module in modules.items()})
+    return tables
+
+
+def _trained(worker: int, workers: int) -> ShardedTables:
+    """A writer whose row r holds r + the column, after one row optimizer step on the even rows it owns
+    (gradient: r / 10 in every column): state for some rows, none for the others."""
+    tables = _tables(worker, workers)
+    for shard in tables.shards.values():
+        shard.values[:] = shard.owned.unsqueeze(1).float() + torch.arange(DIM)
+        local = (shard.owned % 2 == 0).nonzero().view(-1)
+        grads = shard.owned[local].unsqueeze(1).float().expand(-1, DIM) / 10
+        shard.optimizer.step(shard.values, shard.state, local, grads)
+    return tables
+
+
+def _whole(tables: list[ShardedTables]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per table, (values, the row optimizer's state of each row) of the whole table; a row without momentum
+    state reads NaN."""
+    out = {}
+    for name in tables[0].shards:
+        values, state = torch.empty(ROWS, DIM), torch.full((ROWS, DIM), float("nan"))
+        for t in tables:
+            shard = t.shards[name]
+            values[shard.owned] = shard.values
+            if isinstance(shard.state, torch.Tensor):
+                state[shard.owned] = shard.state.unsqueeze(1).expand(-1, DIM)
+            else:
+                has = shard.state.slot >= 0
+                state[shard.owned[has]] = shard.state.data[shard.state.slot[has].long()]
+        out[name] = (values, state)
+    return out
+
+
+@pytest.mark.parametrize("written,resumed", [(2, 3), (4, 2), (3, 3)])
+def test_a_resume_rehomes_every_row_with_its_state_by_the_new_partition(written, resumed):
+    writers = [_trained(w, written) for w in range(written)]
+    files = [t.checkpoint() for t in writers]
+    readers = []
+    for w in range(resumed):
+        reader, read = _tables(w, resumed), []
+        own = w if w < written else 0
+        order = [own, *(k for k in range(written) if k != own)]
+        reader.restore((read.append(k) or files[k] for k in order), "the checkpoint")
+        if written == resumed:
+            assert read == [own]  # the same W: its own file alone
+        readers.append(reader)
+    for name, (values, state) in _whole(writers).items():
+        got_values, got_state = _whole(readers)[name]
+        assert torch.equal(got_values, values)
+        assert torch.equal(got_state.isnan(), state.isnan())
+        assert torch.equal(got_state.nan_to_num(), state.nan_to_num())
+        if name == "momentum.weight":  # momentum for the rows stepped alone
+            assert torch.equal(~state.isnan().any(1), torch.arange(ROWS) % 2 == 0)
+
+
+def test_a_checkpoint_missing_rows_is_refused_naming_the_table():
+    files = [_trained(w, 2).checkpoint() for w in range(2)]
+    with pytest.raises(ValueError, match=r"^the checkpoint holds \d+ of the \d+ rows of table 'acc.weight' that "
+                                         r"worker 0 owns: it was written by another model"):
+        _tables(0, 3).restore(iter(files[:1]), "the checkpoint")
+
+
+def test_a_sharded_checkpoint_resumed_under_another_strategy_is_refused_naming_both(tmp_path):
+    path = checkpoints.step_dir(str(tmp_path), 4)
+    files = {name: shard_file.stored_digest(shard_file.write(os.path.join(path, name), {"step": 4}))
+             for name in checkpoints.needed_files(0, [0, 1])}
+    with open(os.path.join(path, checkpoints.MANIFEST), "w") as f:
+        json.dump(dict(run="run-a", step=4, strategy="sharded", servers=0, workers=2, written=[0, 1], model={},
+                       files=files), f)
+    with pytest.raises(ConfigError, match=r"written by a job with strategy='sharded', and this job has "
+                                          r"strategy='allreduce': resume with --strategy sharded"):
+        checkpoints.decide(JobConfig(strategy="allreduce", servers=0, world_size=2, resume=str(tmp_path)))
+
+
+@pytest.mark.job
+@pytest.mark.timeout(200)
+def test_a_sharded_job_resumed_from_step_k_ends_where_the_uninterrupted_run_ends(tmp_path):
+    steps, every = 4, 2
+    directory = str(tmp_path / "checkpoints")
+    job = dict(step_timeout=60, timeout=120)
+    (start, uninterrupted), _ = gradsync.launch(train_resumed, strategy="sharded", workers=2, args=(steps,),
+                                                checkpoint_dir=directory, checkpoint_every=every, **job)
+    assert start == 0 and max_diff(uninterrupted, BagNet().state_dict()) > 1e-2
+    shutil.rmtree(checkpoints.step_dir(directory, steps))  # resume from step `every`
+    for workers in (2, 3):
+        results = gradsync.launch(train_resumed, strategy="sharded", workers=workers, args=(steps,),
+                                  resume=directory, **job)
+        for start, state in results:
+            assert start == every
+            if workers == 2:
+                assert all(torch.equal(state[k], uninterrupted[k]) for k in uninterrupted)  # bit for bit
+            else:  # other sums of the workers' gradients: float noise
+                assert max_diff(state, uninterrupted) <= 1e-5
