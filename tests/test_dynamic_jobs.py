@@ -115,7 +115,7 @@ def test_async_servers_bound_their_share_and_keep_weights_and_optimizer_state_on
             assert whole["optimizer"].shape == whole["ids"].shape
             updated = (whole["weight"] != getattr(model, name).table.init(whole["ids"])).any(1)
             assert torch.equal(updated, whole["optimizer"] > 0), (folder, name)
-            assert updated.any(), (folder, name)
+            assert updated.any() or name == "lfu", (folder, name)  # lfu: TTL 3 server steps leaves 0-2 rows
     final = rehomed([part["lru"] for part in _tables_of(written / "step-00000008")], 0, 1)
     assert final["counters"][2] > 0 and rehomed([p["lfu"] for p in _tables_of(kept / "step-00000008")], 0, 1)[
         "counters"][2] > 0  # evictions, in both jobs
