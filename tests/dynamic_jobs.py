@@ -121,3 +121,20 @@ def reference_dynamic(optimizer: str, steps: int, extra: list[int]):
         model.items.step(rows)
         model.tags.step(rows)
     return model.state_dict(), users, sent[:steps], {"items": model.items.counters, "tags": model.tags.counters}
+
+
+def train_resumable(steps: int) -> dict:
+    """Train Net (users unbounded, every table by RowAdagrad) from `trainer.start_step` (a resume's) to `steps`;
+    returns that step, every table's checkpoint part as the job starts (rows, row optimizer state, admission
+    and eviction state) and the trainer's state at the end."""
+    model = Net(gradsync.DynamicEmbedding(DIM, capacity=1000))
+    trainer = gradsync.Trainer(model, torch.optim.AdamW(model.parameters(), lr=LR),
+                               table_optimizer=TABLE_OPTIMIZERS["adagrad"])
+    start = {name: getattr(model, name).table.checkpoint() for name in ("users", "items", "tags")}
+    for step in range(trainer.start_step, steps):
+        users, items, tags, clicks = dynamic_batch(step, gradsync.worker_rank())
+        with dist_autograd.context() as cid:
+            loss = F.binary_cross_entropy_with_logits(trainer.model(users, items, tags), clicks)
+            dist_autograd.backward(cid, [loss])
+            trainer.step(cid)
+    return {"first": trainer.start_step, "start": start, "end": trainer.state_dict()}

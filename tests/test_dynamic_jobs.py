@@ -3,7 +3,8 @@ through a `trainer.join()` block (worker 1 takes more steps in it) and a step af
 Each job checks the unbounded table against an nn.Embedding holding init(id) in order of first sight (SGD), or
 against the single-process DynamicEmbedding (RowAdagrad); the small LRU and LFU tables, with admission, end
 with the ids the single-process rule keeps, bit for bit, and the same rows; trainer.state_dict(), the module's
-own state_dict, its resident_rows and counters and the servers' stats agree."""
+own state_dict, its resident_rows and counters and the servers' stats agree. Checkpoints, full and delta,
+resume onto other numbers of servers bit for bit; under async each server bounds its share of the table."""
 import json
 import shutil
 
@@ -11,7 +12,9 @@ import pytest
 import torch
 
 import gradsync
-from dynamic_models import TABLES, reference_dynamic, reference_first_sight, train_dynamic, train_resumable
+from dynamic_models import TABLES, DynNet, reference_dynamic, reference_first_sight, train_dynamic, train_resumable
+from gradsync.ps import shard_file
+from gradsync.tables.dynamic_checkpoint import rehomed
 
 pytestmark = pytest.mark.job
 
@@ -77,3 +80,43 @@ def test_full_and_delta_checkpoints_resume_onto_1_and_3_servers_bit_for_bit(tmp_
             for key, value in first[0]["end"].items():
                 assert torch.equal(result["end"][key], value), (servers, key)
             assert result["end"]["lru.counters"][2] > result["start"]["lru.counters"][2]  # evictions after 6
+
+
+def _tables_of(folder) -> list[dict[str, dict]]:
+    """Each server's checkpoint parts of the dynamic tables in a step folder, in server order."""
+    servers = json.loads((folder / "MANIFEST.json").read_text())["servers"]
+    return [shard_file.load(str(folder / f"shard-{s}.ckpt"))["tables"] for s in range(servers)]
+
+
+@pytest.mark.timeout(200)
+def test_async_servers_bound_their_share_and_keep_weights_and_optimizer_state_on_the_same_ids(tmp_path):
+    """ps --mode async, 2 servers, W = 2, RowAdagrad, 8 steps, a checkpoint every 4; resumed from step 4 on 1
+    server. In each checkpoint every server holds at most its share of each table's capacity (lru 6: 3 + 3;
+    lfu 5: 3 + 2; 1 server: all of it), one Adagrad sum per row, and a row differs from init(id) exactly where
+    its sum grew: a sum lost or misplaced (fresh after the restore, say) would show as a row updated before
+    and not since with no sum."""
+    written, kept = tmp_path / "written", tmp_path / "until-4"
+    gradsync.launch(train_resumable, strategy="ps", mode="async", workers=2, servers=2, args=(8,), step_timeout=60,
+                    timeout=140, checkpoint_dir=str(written), checkpoint_every=4)
+    shutil.copytree(written / "step-00000004", kept / "step-00000004")
+    resumed = gradsync.launch(train_resumable, strategy="ps", mode="async", workers=2, servers=1, args=(8,),
+                              step_timeout=60, timeout=140, resume=str(kept), checkpoint_dir=str(kept),
+                              checkpoint_every=4)
+    model = DynNet()
+    capacities = {name: getattr(model, name).table.capacity for name in TABLES}
+    for folder, shares in ((written / "step-00000004", {"lru": [3, 3], "lfu": [3, 2]}),
+                           (written / "step-00000008", {"lru": [3, 3], "lfu": [3, 2]}),
+                           (kept / "step-00000008", {"lru": [6], "lfu": [5]})):
+        parts = _tables_of(folder)
+        for name in TABLES:
+            for server, part in enumerate(parts):
+                assert part[name]["ids"].numel() <= shares.get(name, [capacities[name]] * 2)[server], (folder, name)
+            whole = rehomed([part[name] for part in parts], 0, 1)
+            assert whole["optimizer"].shape == whole["ids"].shape
+            updated = (whole["weight"] != getattr(model, name).table.init(whole["ids"])).any(1)
+            assert torch.equal(updated, whole["optimizer"] > 0), (folder, name)
+            assert updated.any() or name == "lfu", (folder, name)  # lfu: TTL 3 server steps leaves 0-2 rows
+    final = rehomed([part["lru"] for part in _tables_of(written / "step-00000008")], 0, 1)
+    assert final["counters"][2] > 0 and rehomed([p["lfu"] for p in _tables_of(kept / "step-00000008")], 0, 1)[
+        "counters"][2] > 0  # evictions, in both jobs
+    assert all(result["first"] == 4 for result in resumed)

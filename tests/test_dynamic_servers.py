@@ -1,7 +1,8 @@
 """A dynamic table spread over servers (`ps.dynamic_shard`, `tables.global_eviction`), in one process: the
 servers' parts, driven as W workers drive them in a sync step, hold exactly what one `DynamicTable` holds
 after the same steps (ids, rows, counts, waiting ids, counters), whatever the number of servers; ids spread
-by their hash; bad calls change nothing; the worker side refuses bad ids before any call."""
+by their hash; bad calls change nothing; the worker side refuses bad ids before any call. Async: each server
+steps its part alone, over its share of capacity, and a stale push never reaches a row created again.""" 
 import dataclasses
 import json
 import random
@@ -227,14 +228,17 @@ def test_a_served_table_refuses_bad_ids_before_any_call(ids, error, match):
         model(ids)
 
 
-@pytest.mark.parametrize("mode,opt,match", [
-    ("async", gradsync.RowSGD(lr=0.1), r"'0' is a gradsync.DynamicEmbedding.*--mode sync under ps and hybrid"),
-    ("sync", None, r"table_optimizer=gradsync.RowSGD"),
+@pytest.mark.parametrize("mode,capacity,opt,match", [
+    ("ssp", 2, gradsync.RowSGD(lr=0.1), r"'0' is a gradsync.DynamicEmbedding of capacity=2, which --mode ssp "
+                                        r"splits among the 3 servers.*pass capacity >= 3"),
+    ("sync", 4, None, r"table_optimizer=gradsync.RowSGD"),
 ])
-def test_what_a_served_dynamic_table_refuses(mode, opt, match):
-    model = nn.Sequential(gradsync.DynamicEmbedding(2, capacity=4))
-    with pytest.raises((NotImplementedError, ValueError), match=match):
-        ServedDynamic(model, 2, opt, mode)
+def test_what_a_served_dynamic_table_refuses(mode, capacity, opt, match):
+    model = nn.Sequential(gradsync.DynamicEmbedding(2, capacity=capacity))
+    with pytest.raises(ValueError, match=match):
+        ServedDynamic(model, 3, opt, mode)
+    ServedDynamic(model, 3, gradsync.RowSGD(lr=0.1), "sync")  # sync bounds the whole table: any capacity
+    ServedDynamic(model, 2, gradsync.RowSGD(lr=0.1), mode)
 
 
 def test_status_and_get_stats_show_each_server_part_and_the_whole_table(tmp_path):
@@ -301,3 +305,92 @@ def test_a_full_and_a_delta_checkpoint_restore_onto_any_number_of_servers(optimi
             if step < 15:
                 sync_step(restored, step, rules["capacity"])
     assert int(expected[0]["counters"][2]) > int(full[0]["counters"][2] + full[1]["counters"][2])  # evicted between
+
+
+class AsyncServers:
+    """S `DynamicShard`s of one table stepping alone (async, ssp), each with its version, driven as the server
+    drives them: `lookup` at the server's version, `push` through `held_since`, the update and `end_alone`."""
+
+    def __init__(self, num_servers: int, optimizer, **rules):
+        setup = DynamicSetup(settings(**rules), optimizer)
+        self.shards = {s: DynamicShard("t", setup, s, num_servers, alone=True) for s in range(num_servers)}
+        self.versions = dict.fromkeys(self.shards, 0)
+
+    def lookup(self, ids: torch.Tensor) -> dict[int, tuple[int, torch.Tensor]]:
+        """One worker's lookup of its batch: per server, (version, ids admitted)."""
+        ids, counts = torch.unique(ids, return_counts=True)
+        owner, out = server_of(ids, len(self.shards)), {}
+        for s, shard in self.shards.items():
+            at = owner == s
+            _, admitted = shard.lookup(ids[at], counts[at], -1, self.versions[s])  # a worker's step: ignored
+            out[s] = (self.versions[s], ids[at][admitted])
+        return out
+
+    def push(self, looked_up: dict[int, tuple[int, torch.Tensor]], grads) -> None:
+        """The worker's push to every server: `grads(ids)` for the ids it looked up there."""
+        for s, (version, ids) in looked_up.items():
+            shard = self.shards[s]
+            shard.check_push(0, ids, grads(ids))
+            shard.apply(*shard.held_since(version, ids, grads(ids)))
+            shard.end_alone()
+            self.versions[s] += 1
+
+
+def test_async_servers_bound_their_share_and_keep_weights_and_optimizer_state_on_the_same_ids():
+    """Random interleavings of 3 workers' lookups and pushes (RowAdagrad): after every push each server holds
+    at most its share of capacity (7 = 3 + 2 + 2), between pushes at most that plus the ids created since; a
+    row differs from init(id) exactly where its Adagrad sum grew, after every event; the checkpoints restore
+    the same ids and Adagrad sums onto 1, 2 and 3 servers."""
+    optimizer, init = gradsync.RowAdagrad(lr=0.5), HashedUniform(DIM, seed=3)
+    for rules in (dict(evict="lru"), dict(evict="lfu", admit_after=2, ttl_steps=3)):
+        servers = AsyncServers(3, optimizer, capacity=7, **rules)
+        assert [shard.table.capacity for shard in servers.shards.values()] == [3, 2, 2]
+        rng, pending, seen = random.Random(1), {}, set()
+        created_before = {s: 0 for s in servers.shards}  # rows created before the server's last push
+        for event in range(60):
+            worker = rng.randrange(3)
+            if worker in pending:
+                servers.push(pending.pop(worker), lambda ids: grads_of(ids, event, worker))
+                assert all(len(shard.table) <= shard.table.capacity for shard in servers.shards.values())
+                created_before = {s: shard.table.counters["admitted"] for s, shard in servers.shards.items()}
+            else:
+                pending[worker] = servers.lookup(batch(event, worker))
+            for s, shard in servers.shards.items():
+                created = shard.table.counters["admitted"] - created_before[s]
+                assert len(shard.table) <= shard.table.capacity + created
+            whole = rehomed([shard.checkpoint() for shard in servers.shards.values()], 0, 1)
+            updated = (whole["weight"] != init(whole["ids"])).any(1)
+            assert torch.equal(updated, whole["optimizer"] > 0)
+            seen.update(updated.tolist())
+        assert seen == {False, True}  # rows not updated yet, and updated ones
+        evicted = sum(shard.table.counters["evicted"] for shard in servers.shards.values())
+        assert evicted > 0
+        parts = [shard.checkpoint() for shard in servers.shards.values()]
+        for num_servers in (1, 2, 3):
+            restored = AsyncServers(num_servers, optimizer, capacity=7, **rules)
+            for shard in restored.shards.values():
+                shard.restore(parts)
+            merged = rehomed([shard.checkpoint() for shard in restored.shards.values()], 0, 1)
+            assert torch.equal(merged["ids"], rehomed(parts, 0, 1)["ids"])
+            assert torch.equal(merged["optimizer"], rehomed(parts, 0, 1)["optimizer"])
+
+
+def test_an_evicted_id_looked_up_again_starts_fresh_and_a_stale_push_leaves_it_so():
+    """One server, capacity 1: worker 0 looks x up, worker 1 looks y up and pushes, which evicts x (the
+    smaller key); worker 2 looks x up: init(x) with a fresh Adagrad sum; worker 0's push, computed on the old
+    row, reaches neither that row nor its state (and worker 1's stale push of the evicted y changes nothing)."""
+    optimizer, init = gradsync.RowAdagrad(lr=0.5), HashedUniform(DIM, seed=3)
+    servers = AsyncServers(1, optimizer, capacity=1)
+    x, y = torch.tensor([-5]), torch.tensor([9])
+    first = servers.lookup(x)
+    servers.push(servers.lookup(y), lambda ids: torch.ones(ids.numel(), DIM))
+    table = servers.shards[0].table
+    assert table.state()["ids"].tolist() == [9] and table.counters["evicted"] == 1
+    again = servers.lookup(x)
+    servers.push(first, lambda ids: torch.ones(ids.numel(), DIM))  # ends the step: y, last looked up before, goes
+    state = servers.shards[0].checkpoint()
+    assert state["ids"].tolist() == [-5] and torch.equal(state["weight"], init(x))
+    assert state["optimizer"].tolist() == [0.0]
+    servers.push(again, lambda ids: torch.ones(ids.numel(), DIM))  # its own lookup's push: applied
+    state = servers.shards[0].checkpoint()
+    assert not torch.equal(state["weight"], init(x)) and state["optimizer"].tolist() == [1.0]

@@ -2,14 +2,17 @@
 its own part of every step and fed every worker's lookups and row gradients, end every step exactly as one table
 stepped on the joint batch (`DynamicTable.count_lookups`, `ReplicatedTables.apply`); the Trainer's refusals. In
 jobs (W = 2 and 4): parity with nn.Embedding and the user's AdamW beside it, every replica identical and equal to
-the single-process tables with eviction and admission, the state_dict keys, the bytes, bad ids."""
+the single-process tables with eviction and admission, the state_dict keys, the bytes, bad ids; a checkpoint
+resumed bit for bit."""
 import random
+import shutil
 
 import pytest
 import torch
 
 import gradsync
-from dynamic_jobs import reference_dynamic, train_dynamic
+from dynamic_jobs import reference_dynamic, train_dynamic, train_resumable
+from gradsync.ps import shard_file
 from gradsync.core.errors import GradientError
 from gradsync.tables.dynamic_table import DynamicTable
 from gradsync.tables.row_init import HashedUniform
@@ -144,3 +147,32 @@ def test_allreduce_replicas_match_single_process_training(launch, optimizer, ext
     assert counters["tags"]["evicted"] > 0 and counters["tags"]["filtered"] > 0
     assert "'users' (DynamicEmbedding(dim=4, capacity=1000)): ids must be an integer tensor" in error
     assert unchanged
+
+
+@pytest.mark.timeout(240)
+def test_a_checkpoint_of_the_replicas_resumes_bit_for_bit_on_as_many_workers_and_restores_on_more(launch, tmp_path):
+    """RowAdagrad, W = 2, a checkpoint every 2 steps of 8. Resumed from step 4 with W = 2, a job ends where the
+    uninterrupted one ended, bit for bit (the rows' Adagrad sums came back: fresh ones would update them
+    otherwise); with W = 3, every worker starts from worker 0's tables of step 4, row optimizer state
+    included, and the replicas stay identical."""
+    written = tmp_path / "written"
+    first = launch(train_resumable, strategy="allreduce", workers=2, args=(8,), step_timeout=60,
+                   checkpoint_dir=str(written), checkpoint_every=2)
+    kept = tmp_path / "until-4"
+    shutil.copytree(written / "step-00000004", kept / "step-00000004")
+    saved = shard_file.load(str(kept / "step-00000004" / "worker-0.ckpt"))
+    assert not any(k.startswith(("users.", "items.", "tags.")) for k in saved["model"])  # once, under "tables"
+    assert saved["tables"]["users"]["optimizer"].shape == saved["tables"]["users"]["ids"].shape
+    for workers in (2, 3):
+        resumed = launch(train_resumable, strategy="allreduce", workers=workers, args=(8,), step_timeout=60,
+                         resume=str(kept))
+        for result in resumed:
+            assert result["first"] == 4
+            for name, part in saved["tables"].items():
+                assert list(result["start"][name]) == list(part)
+                for key, value in part.items():
+                    assert torch.equal(result["start"][name][key], value), (workers, name, key)
+            assert list(result["end"]) == list(first[0]["end"])
+            for key, value in (first if workers == 2 else resumed)[0]["end"].items():
+                assert torch.equal(result["end"][key], value), (workers, key)
+    assert saved["tables"]["tags"]["counters"][2] < first[0]["end"]["tags.counters"][2]  # evictions after step 4

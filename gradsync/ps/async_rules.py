@@ -1,6 +1,7 @@
 """The async rules: each worker's push is applied as it arrives.
 
-`AsyncRule` applies each worker's gradient as it arrives and tracks staleness;
+`AsyncRule` applies each worker's gradient as it arrives and tracks staleness, and ends a step of the
+server's dynamic tables after each push it applies (`ps.dynamic_shard`, `alone`);
 `SSPRule` does too (scaled by 1/W) but holds a worker's reply while it is more
 than `staleness` steps ahead of the slowest worker.
 """
@@ -14,6 +15,7 @@ from gradsync.core.finite import first_nonfinite
 from gradsync.core.futures import failed, resolved
 from gradsync.ps.averaging import blame, blame_rows, row_staleness, scaled, skipped_entries
 from gradsync.ps.consistency import ConsistencyRule, answer
+from gradsync.ps.dynamic_shard import DynamicShard
 from gradsync.ps.messages import Committed, Push, Snapshot
 from gradsync.ps.shard import ShardState
 from gradsync.ps.gradient_codecs import PLAIN
@@ -37,7 +39,11 @@ class AsyncRule(ConsistencyRule):
         shard, rows = self.shard, push.rows
         decoded = [None if g is None else scaled(wire.decode(g, b.dtype), self.scale)
                    for g, b in zip(checked, shard.buckets)]
+        dynamic = [t for t in shard.tables.values() if isinstance(t, DynamicShard)]
         merged = {name: (r.ids, scaled(r.grads, self.scale)) for name, r in rows.items()}
+        for name, r in rows.items():
+            if isinstance(table := shard.tables[name], DynamicShard):
+                merged[name] = table.held_since(r.version, *merged[name])
         error = None
         if first_nonfinite([g for g in decoded if g is not None]) is not None:
             error = next((e for b, g in enumerate(decoded)
@@ -52,6 +58,8 @@ class AsyncRule(ConsistencyRule):
         row_staleness(shard, rows)
         shard.set_options(push.options)
         shard.apply(decoded, skipped_entries(shard, [(checked, push.absent)]), buffers, merged)
+        for table in dynamic:  # a step of theirs per push applied (`ps.dynamic_shard`)
+            table.end_alone()
         shard.stats.pushes_by_worker[worker] = shard.stats.pushes_by_worker.get(worker, 0) + 1
         return resolved(Committed(shard.version)), []
 

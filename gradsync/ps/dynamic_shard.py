@@ -10,6 +10,14 @@ call of a step and repeat that answer to the other workers' calls of the same st
 step t comes before any `evict` of t and any lookup of t + 1 here (every worker asks every server before it
 evicts, and evicts before its next forward), so every worker sees the same keys and evicts the same ids.
 Callers hold the shard's lock.
+
+Async and ssp (`alone`): a server steps its part of the table by itself, as no step spans the servers. Its step
+counts the pushes it applied: each lookup belongs to the step the server is at (the worker's step is ignored),
+and after each push it applies the consistency rule ends the step (`end_alone`: `DynamicTable.end_step`, the
+rule of the single-process table over this server's ids, bounded by its share of `capacity`:
+`capacity // S`, one more on the first `capacity % S` servers, so the whole table holds at most `capacity`).
+A push's row gradient goes only to a row resident since the push's lookups (`held_since`): a row evicted
+meanwhile, or evicted and created again (fresh), gets none of it (the version of each row's creation: 8 bytes a slot).
 """
 from __future__ import annotations
 
@@ -28,9 +36,15 @@ class DynamicShard:
 
     group = None  # its row optimizer's lr follows no optimizer group (a dynamic table names its own)
 
-    def __init__(self, name: str, setup: DynamicSetup, server: int, num_servers: int):
-        self.name, self.server, self.num_servers = name, server, num_servers
-        self.table = DynamicTable(**setup.settings)
+    def __init__(self, name: str, setup: DynamicSetup, server: int, num_servers: int, alone: bool = False):
+        """`alone`: async and ssp, the server ends its steps itself (module docstring)."""
+        self.name, self.server, self.num_servers, self.alone = name, server, num_servers, alone
+        settings = dict(setup.settings)
+        if alone:
+            capacity = settings["capacity"]
+            settings["capacity"] = capacity // num_servers + (server < capacity % num_servers)
+        self.table = DynamicTable(**settings)
+        self._created = torch.full((self.table.rows.slots,), -1)  # alone: by slot, the version of its row's creation
         self.optimizer = setup.optimizer
         self.table.train_with(self.optimizer)  # its state in every checkpoint, from the first
         self._stats = TableStats()
@@ -49,14 +63,23 @@ class DynamicShard:
             t.counters["admitted"], t.counters["filtered"], t.counters["evicted"])
         return self._stats
 
-    def lookup(self, ids: torch.Tensor, counts: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Step `step`'s lookups of the distinct `ids` (each `counts` times): their rows (zeros where not
-        admitted) and which are admitted."""
+    def lookup(self, ids: torch.Tensor, counts: torch.Tensor, step: int, version: int = 0
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step `step`'s lookups (`alone`: the server's step) of the distinct `ids` (each `counts` times), at the
+        shard's `version`: their rows (zeros where not admitted) and which are admitted."""
         self._check_ids(ids, "a lookup")
         if not isinstance(counts, torch.Tensor) or counts.dtype != torch.int64 or counts.shape != ids.shape \
                 or (counts.numel() and int(counts.min()) < 1):
             raise GradientError(f"a lookup of dynamic table {self.name!r} needs an int64 count >= 1 per id")
-        slots = self.table.lookup(ids, step, counts)
+        if not self.alone:
+            slots = self.table.lookup(ids, step, counts)
+        else:
+            absent = self.table.find(ids) < 0
+            slots = self.table.lookup(ids, self.table.step, counts)
+            grown = self.table.rows.slots - self._created.numel()
+            if grown > 0:
+                self._created = torch.cat([self._created, self._created.new_full((grown,), -1)])
+            self._created[slots[absent & (slots >= 0)]] = version
         self._stats.rows_pulled += ids.numel()
         return self._rows(slots), slots >= 0
 
@@ -90,7 +113,7 @@ class DynamicShard:
             raise GradientError(f"worker {worker}: row gradients of dynamic table {self.name!r} are {described}, "
                                 f"expected {(ids.numel(), t.dim)} {t.dtype}")
         absent = ids[t.find(ids) < 0]
-        if absent.numel():
+        if absent.numel() and not self.alone:  # alone: evicted since the lookup (`held_since`)
             raise GradientError(f"worker {worker}: a push of dynamic table {self.name!r} has id {int(absent[0])}, "
                                 "which is not resident: push only the ids its lookups admitted this step")
 
@@ -99,6 +122,17 @@ class DynamicShard:
         if ids.numel():
             self.table.apply(self.optimizer, self.table.find(ids), grads)
             self._stats.rows_pushed += ids.numel()
+
+    def held_since(self, version: int, ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Alone: of a push's row gradients from lookups at `version` on, those of rows resident since then
+        (not evicted, nor created again after an eviction, meanwhile)."""
+        slots = self.table.find(ids)
+        held = (slots >= 0) & (self._created[slots.clamp(min=0)] <= version)
+        return ids[held], grads[held]
+
+    def end_alone(self) -> None:
+        """Alone: end the server's step after a push it applied (eviction over its share of `capacity`)."""
+        self.table.end_step(self.table.step)
 
     def end(self, step: int) -> tuple[int, int]:
         """End step `step` here (`ttl_steps`); (resident rows, waiting ids) after it, the same to every call."""
@@ -127,6 +161,7 @@ class DynamicShard:
         else:
             state = rehomed(sorted(parts, key=lambda p: p["server"]), self.server, self.num_servers)
         self.table.load(state, self.optimizer)
+        self._created = torch.full((self.table.rows.slots,), -1)  # every row created before any lookup to come
 
     def complete(self, parts: list[dict]) -> bool:
         """Whether `parts` hold all of this server's ids: every old server's part, or with the same number of

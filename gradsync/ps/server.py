@@ -121,7 +121,8 @@ class ParameterServer:
     def _build(self, s: Setup) -> ShardState:
         """The shard from worker 0's setup, then, when resuming, its state from the checkpoint folder (written
         by any number of servers: `ps.reshard`)."""
-        tables = {name: DynamicShard(name, t, self.shard_id, s.num_servers) if isinstance(t, DynamicSetup)
+        tables = {name: DynamicShard(name, t, self.shard_id, s.num_servers, alone=self.mode != "sync")
+                  if isinstance(t, DynamicSetup)
                   else TableShard(t.spec, self.shard_id, s.num_servers, t.values, t.optimizer, t.padding_idx, t.group)
                   for name, t in s.tables.items()}
         shard = ShardState(self.shard_id, s.buckets, s.params, s.buffers, s.optimizer, self.device, s.frozen, tables)
@@ -194,7 +195,7 @@ class ParameterServer:
                                   f"{sorted(dynamic)})")
                 if call == "read":
                     return table.read(*args[1:])
-                rows, admitted = table.lookup(*args[1:])
+                rows, admitted = table.lookup(*args[1:], shard.version)
                 shard.stats.bytes_out += rows.nbytes
                 return shard.version, rows, admitted
             if call == "end":

@@ -23,8 +23,9 @@ from gradsync.tables.dynamic_table import DynamicTable
 from gradsync.tables.row_init import HashedUniform
 
 MODES = (None, "sum", "mean")
-_STATE_KEYS = ("ids", "weight", "last_step", "lookups", "waiting_ids", "waiting_sightings", "waiting_last_step",
-               "step", "counters")
+STATE_KEYS = ("ids", "weight", "last_step", "lookups", "waiting_ids", "waiting_sightings", "waiting_last_step",
+              "step", "counters")
+"""A DynamicEmbedding's keys in its module's state_dict (each behind the module's prefix)."""
 _REQUIRED_KEYS = ("ids", "weight")
 
 
@@ -155,12 +156,12 @@ class DynamicEmbedding(nn.Module):
                               error_msgs):
         mine = {k[len(prefix):]: v for k, v in state_dict.items()
                 if k.startswith(prefix) and "." not in k[len(prefix):]}
-        unexpected_keys.extend(prefix + k for k in mine if k not in _STATE_KEYS)
+        unexpected_keys.extend(prefix + k for k in mine if k not in STATE_KEYS)
         absent = [prefix + k for k in _REQUIRED_KEYS if k not in mine]
         missing_keys.extend(absent)
         if not absent:
             try:
-                self.table.load({k: v for k, v in mine.items() if k in _STATE_KEYS})
+                self.table.load({k: v for k, v in mine.items() if k in STATE_KEYS})
             except ValueError as e:
                 error_msgs.append(str(e))
             self._recorded.clear()

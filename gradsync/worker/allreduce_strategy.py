@@ -425,12 +425,16 @@ class AllreduceStrategy(Strategy):
             ddp_join.broadcast_from_last(self.counters, last, device)
 
     def local_state(self) -> dict:
-        """What a checkpoint keeps of this worker: the model's and the optimizer's state."""
-        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+        """What a checkpoint keeps of this worker: the model's and the optimizer's state; the dynamic tables'
+        replicas under "tables", with their row optimizer state (`ReplicatedTables.checkpoint`), not in "model"."""
+        replicated = self.replicas.keys()
+        model = {k: v for k, v in self.module.state_dict().items() if k not in replicated}
+        return {"model": model, "optimizer": self.optimizer.state_dict(), "tables": self.replicas.checkpoint()}
 
     def load_local_state(self, state: dict) -> None:
         """Take back `local_state()` of a checkpoint taken after step `state["step"]`."""
-        self.module.load_state_dict(state["model"])
+        self.module.load_state_dict({**self.replicas.state(), **state["model"]})  # the replicas' keys as they are
+        self.replicas.restore(state.get("tables", {}))
         self.optimizer.load_state_dict(state["optimizer"])
         self.started = state["step"]
 

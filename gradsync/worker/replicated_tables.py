@@ -16,6 +16,10 @@ Every replica then, in the same order and on the same tensors:
      that table's rows as they are for the step, after the dense step, as the hybrid strategy's servers do);
   3. ends the step (`DynamicTable.end_step`: eviction).
 
+A job checkpoint (`--checkpoint-every`) holds each table's `DynamicTable.checkpoint`: its rows with their row
+optimizer state and the admission and eviction state, so a resumed job (any number of workers: every replica is
+the same) makes the same decisions and updates as an uninterrupted one.
+
 Cost: the whole table in every worker's memory; per step each worker sends its part (8 bytes per distinct id and
 per occurrence count, 8 + 4 dim bytes per fp32 row gradient, padded to the largest worker's) to the W-1 others.
 """
@@ -29,7 +33,7 @@ from torch import nn
 
 from gradsync.core.errors import nonfinite_error
 from gradsync.core.finite import first_nonfinite
-from gradsync.tables.dynamic_embedding import DynamicEmbedding
+from gradsync.tables.dynamic_embedding import STATE_KEYS, DynamicEmbedding
 from gradsync.tables.row_optim import ROW_OPTIMIZERS
 
 
@@ -55,6 +59,7 @@ class ReplicatedTables:
                              "gradsync.RowSGD(lr=...)) or gradsync.RowAdagrad(lr=...)")
         for name, layer in self.layers.items():
             layer.table.name = f"{name!r} ({layer.table.name})"
+            layer.table.train_with(table_optimizer)  # its state in every checkpoint, from the first
         self.optimizer, self.worker, self.workers, self.nonfinite = table_optimizer, worker, workers, nonfinite
 
     def step(self, grads: dict[torch.Tensor, torch.Tensor], active: int, unscale: float, update: bool) -> int:
@@ -103,6 +108,20 @@ class ReplicatedTables:
         for name, layer in self.layers.items():
             state.update(layer.state_dict(prefix=f"{name}." if name else ""))
         return state
+
+    def keys(self) -> set[str]:
+        """The keys of `state()`."""
+        return {f"{name}.{key}" if name else key for name in self.layers for key in STATE_KEYS}
+
+    def checkpoint(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Every table's full checkpoint part (`DynamicTable.checkpoint`: rows, row optimizer state, admission and
+        eviction state, step, counters) by the module's name."""
+        return {name: layer.table.checkpoint() for name, layer in self.layers.items()}
+
+    def restore(self, parts: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Take back `checkpoint()`'s tables, each with its row optimizer state."""
+        for name, part in parts.items():
+            self.layers[name].table.load(part, self.optimizer)
 
 
 def exchange(mine: list[Lookups], workers: int) -> tuple[list[list[Lookups]], int]:

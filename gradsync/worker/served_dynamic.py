@@ -12,8 +12,9 @@ push, `end_step` ends the step on every server, with the bounds by `capacity` ov
 (`tables.global_eviction`). A worker that took fewer steps (`trainer.join()`) takes the servers' step
 (`resync`).
 
-Only sync mode is exact (every lookup of step t before its update, the eviction before step t + 1's lookups);
-async and ssp are refused. A job checkpoint holds the servers' tables (`ps.shard_file`, `ps.reshard`).
+In async and ssp mode no step spans the servers: each server steps its part of the table by itself, after each
+push it applies, over its share of `capacity` (`ps.dynamic_shard`), and `end_step` only counts. A job
+checkpoint holds the servers' tables (`ps.shard_file`, `ps.reshard`).
 """
 from __future__ import annotations
 
@@ -75,15 +76,18 @@ class ServedDynamic:
         self.optimizer = table_optimizer
         self.transport = None  # set by the strategy before the first forward
         self.serving = False  # set by the strategy once the servers answer: the module's state_dict gathers
-        self.step = 0  # the step the next recording lookup belongs to
+        self.step = 0  # the step the next recording lookup belongs to (sync)
+        self.mode = mode
         self._lookups: dict[int, list[_Lookup]] = {}
         if not self.modules:
             return
         name = next(iter(self.modules))
-        if mode != "sync":
-            raise NotImplementedError(
-                f"{name!r} is a gradsync.DynamicEmbedding, whose lookups, updates and evictions are exact only in "
-                f"--mode sync under ps and hybrid (got --mode {mode}): run with --mode sync")
+        small = [n for n, m in self.modules.items() if m.table.capacity < num_servers]
+        if mode != "sync" and small:
+            raise ValueError(
+                f"{small[0]!r} is a gradsync.DynamicEmbedding of capacity={self.modules[small[0]].table.capacity}, "
+                f"which --mode {mode} splits among the {num_servers} servers (each bounds its own ids): pass "
+                f"capacity >= {num_servers}, fewer servers, or --mode sync")
         if not isinstance(table_optimizer, ROW_OPTIMIZERS):
             raise ValueError(
                 f"{name!r} is a gradsync.DynamicEmbedding, whose rows the servers train with a row optimizer: pass "
@@ -160,8 +164,9 @@ class ServedDynamic:
         return out
 
     def end_step(self) -> None:
-        """After the step's update on every server: end it there (eviction), then the next step's lookups."""
-        if self.modules:
+        """After the step's update on every server: end it there (eviction; async and ssp: the servers did), then
+        the next step's lookups."""
+        if self.modules and self.mode == "sync":
             capacities = {name: m.table.capacity for name, m in self.modules.items()}
             global_eviction.end_step(self.step, capacities, list(range(self.num_servers)), self.transport.dynamic)
         self.step += 1
