@@ -229,12 +229,17 @@ class AllreduceStrategy(Strategy):
     def _forward(self, *args, **kwargs):
         self.metrics.pulled(0.0, 0)  # marks the start of the step
         context = current_context_id() if torch.is_grad_enabled() else None
+        before = self.started, self._begun
         if context is not None:
             if context != self._begun:  # the step's first forward (micro-batches share its context)
                 self.started, self._begun = self.started + 1, context
             if self.joining:
                 self.active = ddp_join.count_active(True, self.trainable[0].device)
-        out = self.ddp(*args, **kwargs)
+        try:
+            out = self.ddp(*args, **kwargs)
+        except Exception:  # refused before the step began (bad ids): no peer waits on it (`_peer_left`)
+            self.started, self._begun = before
+            raise
         if self.find_unused and torch.is_grad_enabled():
             out = self._tie_unused(out)
         return out
