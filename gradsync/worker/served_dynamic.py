@@ -1,6 +1,6 @@
 """Worker side of dynamic embedding tables (`gradsync.DynamicEmbedding`) under ps and hybrid: the rows live on
 the servers, an id on server `tables.id_hash.server_of(id, S)`, each server a `DynamicTable` of its ids
-(`ps.dynamic_shard`).
+(`ps.dynamic_shard`). Under sharded the workers are its servers (`worker.sharded_dynamic`).
 
 `ServedDynamic` replaces each such module's forward: a forward that records (training mode, gradients on,
 inside a dist_autograd context) sends each server its ids of the batch, distinct, with their counts, for step
@@ -97,12 +97,12 @@ class ServedDynamic:
         for name, module in self.modules.items():
             t = module.table
             checked_init(t.init, torch.tensor([0, -1]), t.dim, t.dtype, t.name)
-            try:
-                if sent:
+            if sent:
+                try:
                     pickle.dumps(t.init)
-            except Exception as e:  # noqa: BLE001 -- any pickling failure: the same advice
-                raise ValueError(f"{t.name} ({name!r}): its init {t.init!r} cannot be sent to the servers ({e}): "
-                                 "pass a module-level function or a dataclass instance") from e
+                except Exception as e:  # noqa: BLE001 -- any pickling failure: the same advice
+                    raise ValueError(f"{t.name} ({name!r}): its init {t.init!r} cannot be sent to the servers "
+                                     f"({e}): pass a module-level function or a dataclass instance") from e
             settings = dict(dim=t.dim, capacity=t.capacity, init=t.init, admit_after=t.admit_after,
                             admit_probability=t.admit_probability, evict=t.evict, ttl_steps=t.ttl_steps,
                             dtype=t.dtype, seed=t.seed, name=f"{t.name} ({name!r})")
