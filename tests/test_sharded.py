@@ -2,7 +2,8 @@
 an Embedding under row optimizers, dense layers under AdamW), on uneven batches (a worker with no id of some
 owner, one with no bag id at all); the trainer's and the user's module's state_dict hold the whole tables; an
 id out of a table is refused by every worker with one error and nothing applied. Each all-to-all is a lane of
-the step timeline carrying the bytes the batches imply, and its time is the step's exchange, not its pull."""
+the step timeline carrying the bytes the batches imply, and its time is the step's exchange, not its pull.
+Dynamic tables split over the workers by the id hash train as the single-process DynamicEmbedding does."""
 import dataclasses
 
 import pytest
