@@ -16,9 +16,9 @@ end of a forward, which every forward with gradients ends with, the step): a wor
 table, or looked up another, makes every worker raise at once, naming the table, where it would otherwise
 pair unrelated exchanges.
 
-A dynamic table's lookups (`worker.sharded_dynamic`) go along the same `route`, tagged like a table's, with
-ids and their counts for ids and the owner's `DynamicShard` answering; their gradients come back with the
-fixed tables' at the step, keyed by id.
+A dynamic table's lookups (`worker.sharded_dynamic`) go along the same `route`, tagged like a table's: (id,
+count) rows out, which the owner's `DynamicShard` answers; their gradients come back with the fixed tables' at
+the step, keyed by id.
 
 The whole tables (`trainer.state_dict()`, and the user's module's `state_dict()`, as under ps) are gathered
 over torch RPC: each owner answers with its rows once it has applied as many steps as the asking worker,
