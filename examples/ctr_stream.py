@@ -16,6 +16,7 @@ row); `--table unbounded` is a DynamicEmbedding that never evicts. Tables train 
     gradsync run --strategy ps --workers 2 --servers 2 examples/ctr_stream.py
     gradsync run --strategy hybrid --workers 2 --servers 1 examples/ctr_stream.py
     gradsync run --strategy allreduce --workers 2 examples/ctr_stream.py
+    gradsync run --strategy sharded --workers 2 examples/ctr_stream.py
     gradsync compare --workers 2 --servers 1 examples/ctr_stream.py
 
 Without a job (`python examples/ctr_stream.py`: no WORLD_SIZE in the environment) it trains in this process: a

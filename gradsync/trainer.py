@@ -11,7 +11,6 @@ from gradsync.metrics import scalars
 from gradsync.metrics.straggler import slowed
 from gradsync.config import ConfigError
 from gradsync.core.clipping import Clipping
-from gradsync.tables.dynamic_embedding import DynamicEmbedding
 from gradsync.core.optimizer_spec import as_optimizer
 from gradsync.tables.row_optim import ROW_OPTIMIZERS
 from gradsync.core.errors import outside_context_error
@@ -51,8 +50,9 @@ class Trainer:
             row optimizer); 'dense': none. Allreduce keeps the whole model in DDP.
         table_optimizer: the row-wise optimizer of the served tables and of the model's
             `gradsync.DynamicEmbedding` tables (`gradsync.RowSGD`, `gradsync.RowAdagrad`); required with a
-            DynamicEmbedding, whose rows ps and hybrid keep on the servers and allreduce as a replica per
-            worker (`worker/replicated_tables.py`).
+            DynamicEmbedding, whose rows ps and hybrid keep on the servers, allreduce as a replica per
+            worker (`worker/replicated_tables.py`) and sharded split over the workers by id
+            (`worker/sharded_dynamic.py`).
         optimizer_kwargs: with an optimizer class: its keyword arguments.
 
     Attributes:
@@ -84,14 +84,6 @@ class Trainer:
         job = self._job = cluster.current()
         if job.config.is_server:
             raise RuntimeError("Trainer is for workers; servers serve inside gradsync.init()")
-        dynamic = [n for n, m in model.named_modules() if isinstance(m, DynamicEmbedding)]
-        if dynamic and job.config.strategy not in ("ps", "hybrid", "allreduce"):
-            raise NotImplementedError(
-                f"{dynamic[0]!r} is a gradsync.DynamicEmbedding, which trains as a local table in a plain process "
-                f"(forward, then table.step(row_optimizer)), under --strategy ps or hybrid (its rows on the "
-                f"servers) and allreduce (a replica per worker), but not yet under --strategy "
-                f"{job.config.strategy}: gradsync.Trainer would leave its rows untrained. Use one of those, or an "
-                "nn.Embedding of fixed rows")
         job.building_trainer()
         self._described = checkpoints.describe(model, optimizer)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -1,6 +1,6 @@
 """A click model with three dynamic tables (one unbounded in effect, one LRU bag and one LFU table with TTL,
 both small and admitting on the second sighting), its training loop on every worker (with a `trainer.join()`
-block, workers running out of data at different steps), and single-process references: the same model
+block, workers running out of data at different steps; sharded: without), and single-process references: the same model
 trained on the active workers' batches joined (`table.step` per dynamic table), and the unbounded table as an
 nn.Embedding holding init(id) for each id in order of first sight."""
 from __future__ import annotations
@@ -67,6 +67,23 @@ def train_dynamic(optimizer: str, steps: int, extra: list[int]) -> dict:
     tables = {n: (getattr(model, n).resident_rows, getattr(model, n).counters) for n in TABLES}
     stats = {s: st["tables"] for s, st in trainer.server_stats().items()}
     return {"trainer": trainer.state_dict(), "module": model.state_dict(), "tables": tables, "stats": stats}
+
+
+def train_sharded(optimizer: str, steps: int) -> dict:
+    """Train DynNet for `steps` steps on every worker (no join block: the sharded strategy refuses it); returns
+    the trainer's state, the module's own state_dict, each table's resident rows and counters as the module
+    answers them, and on worker 0 an evaluation forward (no gradients) of worker 1's batch of step `steps`, which
+    it runs alone."""
+    model = DynNet()
+    trainer = gradsync.Trainer(model, torch.optim.SGD(model.parameters(), lr=LR),
+                               table_optimizer=OPTIMIZERS[optimizer])
+    run_loop(trainer, steps, data=dyn_batch, loss_fn=F.binary_cross_entropy_with_logits)
+    tables = {n: (getattr(model, n).resident_rows, getattr(model, n).counters) for n in TABLES}
+    out = {"trainer": trainer.state_dict(), "module": model.state_dict(), "tables": tables}
+    if gradsync.worker_rank() == 0:
+        with torch.no_grad():
+            out["evaluated"] = trainer.model(*dyn_batch(steps, 1)[:3])
+    return out
 
 
 def _joint(step: int, active: list[int]) -> tuple[torch.Tensor, ...]:

@@ -343,19 +343,49 @@ def test_bad_ids_and_init_results_are_refused_and_change_nothing():
         table(torch.tensor([1, 2]), torch.tensor([0]))
 
 
-@pytest.mark.parametrize("strategy", ["sharded"])
-def test_a_trainer_refuses_a_dynamic_table_it_cannot_train_yet_naming_it(strategy, monkeypatch):
+def test_a_sharded_owner_looks_up_every_workers_ids_at_once_and_updates_only_the_admitted():
+    """The owner's side under sharded, in one process: the (id, count) rows several workers sent, an id sent by
+    two of them counting one sighting and their lookups summed, give the rows and state of one lookup of the
+    joint batch; of the step's gradients only the admitted ids' are kept."""
+    import gradsync
+    from gradsync.worker.sharded_dynamic import ShardedDynamic
+
+    model = torch.nn.Sequential(gradsync.DynamicEmbedding(3, capacity=8, admit_after=2, evict="lfu"))
+    owner = ShardedDynamic(model, gradsync.RowSGD(lr=0.1), "sync", 0, 1, 10.0)
+    reference = gradsync.DynamicEmbedding(3, capacity=8, admit_after=2, evict="lfu").table
+    first = torch.tensor([[5, 1], [-7, 2], [9, 1]])  # step 0: worker 0's (id, count) rows, then worker 1's
+    asked = torch.cat([first, torch.tensor([[-7, 3], [11, 1]])])
+    for step, sent in enumerate([asked, torch.tensor([[5, 2], [-7, 1], [9, 1], [12, 1], [9, 4]])]):
+        owner.step = step
+        keys, rows = owner._look_up("0", sent)
+        reference.lookup(sent[:, 0].repeat_interleave(sent[:, 1]), step)  # the joint batch, each occurrence
+        slots = reference.find(sent[:, 0])
+        expected = torch.where((slots >= 0)[:, None], reference.weight[slots.clamp(min=0)], 0.0)
+        assert torch.equal(keys, sent[:, 0]) and torch.equal(rows, expected)
+        owner.parts["0"].end(step)
+        reference.expire(step)
+    state, expected = owner.parts["0"].table.state(), reference.state()
+    assert all(torch.equal(state[k], v) for k, v in expected.items())
+    assert state["ids"].tolist() == [-7, 5, 9] and state["lookups"].tolist() == [1, 2, 5]
+    grads = torch.ones(4, 3)
+    kept = owner.admitted({"0": (torch.tensor([-7, 5, 11, 12]), grads)})["0"]
+    assert kept[0].tolist() == [-7, 5] and torch.equal(kept[1], grads[:2])
+
+
+@pytest.mark.parametrize("checkpoints", [dict(checkpoint_every=2, resume=""), dict(checkpoint_every=0, resume="r")])
+def test_sharded_refuses_checkpoints_of_a_dynamic_table_naming_it(checkpoints):
     import types
 
     import gradsync
-    from gradsync.runtime import cluster
+    from gradsync.worker.sharded_strategy import ShardedStrategy
 
-    job = types.SimpleNamespace(config=types.SimpleNamespace(strategy=strategy, is_server=False))
-    monkeypatch.setattr(cluster, "current", lambda: job)
+    config = types.SimpleNamespace(worker_rank=0, num_workers=2, step_timeout=10.0, mode="sync", **checkpoints)
     model = torch.nn.Sequential(gradsync.DynamicEmbedding(4, capacity=8), torch.nn.Linear(4, 1))
-    with pytest.raises(NotImplementedError, match=rf"'0' is a gradsync.DynamicEmbedding.*under --strategy ps or "
-                                                  rf"hybrid .* allreduce .* but not yet under --strategy {strategy}"):
-        gradsync.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(NotImplementedError, match=r"'0' is a gradsync.DynamicEmbedding, whose checkpoints the "
+                                                  r"sharded strategy does not write yet: run without "
+                                                  r"--checkpoint-every/--resume"):
+        ShardedStrategy(types.SimpleNamespace(config=config), model, torch.optim.SGD(model.parameters(), lr=0.1),
+                        table_optimizer=gradsync.RowSGD(lr=0.1))
 
 
 @pytest.mark.parametrize("optimizer,state_bytes", [(gradsync.RowAdagrad(lr=0.1), 4),

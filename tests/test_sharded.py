@@ -2,7 +2,8 @@
 an Embedding under row optimizers, dense layers under AdamW), on uneven batches (a worker with no id of some
 owner, one with no bag id at all); the trainer's and the user's module's state_dict hold the whole tables; an
 id out of a table is refused by every worker with one error and nothing applied. Each all-to-all is a lane of
-the step timeline carrying the bytes the batches imply, and its time is the step's exchange, not its pull."""
+the step timeline carrying the bytes the batches imply, and its time is the step's exchange, not its pull.
+Dynamic tables split over the workers by the id hash train as the single-process DynamicEmbedding does."""
 import dataclasses
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 import gradsync
 from gradsync.tables.row_partition import owners
 from helpers import check_timeline_order, max_diff
+from dynamic_models import TABLES, dyn_batch, reference_dynamic, reference_first_sight, train_sharded
 from sharded_models import DIM, ROWS_EMB, BagNet, Case, bag_batch, reference_bags, train_bags
 
 pytestmark = pytest.mark.job  # every test here starts processes
@@ -98,3 +100,38 @@ def test_sharded_tables_match_single_process(workers, case):
     for other in (dataclasses.replace(case, max_norm=None), dataclasses.replace(case, skip_at=None)):
         if other != case:  # the clipping and the skipped step matter: without them the reference lands elsewhere
             assert max_diff(reference_bags(other, STEPS, workers, initial), reference) > 1e-3
+
+
+DYNAMIC_STEPS, DYNAMIC_WORKERS = 8, 3
+
+
+@pytest.mark.timeout(150)
+def test_dynamic_tables_split_over_the_workers_train_as_in_one_process():
+    """DynNet (an unbounded table, an LRU bag of 6 rows and an LFU table of 5 with TTL, both admitting at the
+    second sighting) under sharded, W = 3, RowSGD: every worker's trainer.state_dict() and module state_dict()
+    hold the single-process tables' resident ids, admission and eviction state bit for bit and their rows to
+    1e-6; resident_rows and the counters are the whole table's; worker 0's evaluation alone reads the owners."""
+
+    results = gradsync.launch(train_sharded, strategy="sharded", workers=DYNAMIC_WORKERS, servers=0,
+                              args=("sgd", DYNAMIC_STEPS), step_timeout=60, timeout=140)
+    no_join = [0] * DYNAMIC_WORKERS  # every worker in every step: the steps before the join block and one after
+    reference = reference_dynamic("sgd", DYNAMIC_STEPS - 1, no_join)
+    expected = reference.state_dict()
+    for result in results:
+        for state in (result["trainer"], result["module"]):
+            assert list(state) == list(expected)
+            for key, value in expected.items():
+                if value.is_floating_point():  # rows and the head
+                    torch.testing.assert_close(state[key], value, rtol=0, atol=1e-6)
+                else:
+                    assert torch.equal(state[key], value), key
+        for name in TABLES:
+            table = getattr(reference, name)
+            assert result["tables"][name] == (table.resident_rows, table.counters)
+    counters = {n: results[0]["tables"][n][1] for n in TABLES}
+    assert counters["lru"]["evicted"] > 0 and counters["lfu"]["evicted"] > 0 and counters["lru"]["filtered"] > 0
+    ids, rows = reference_first_sight(DYNAMIC_STEPS - 1, no_join)
+    assert torch.equal(results[0]["trainer"]["big.ids"], ids)
+    torch.testing.assert_close(results[0]["trainer"]["big.weight"], rows, rtol=0, atol=1e-6)
+    with torch.no_grad():
+        evaluated = reference(*dyn_batch(DYNAMIC_STEPS, 1)[:3])

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from gradsync.core.errors import GradientError
+from gradsync.core.errors import GradientError, Refusal
 from gradsync.ps.messages import DynamicSetup
 from gradsync.ps.table_shard import TableStats
 from gradsync.tables.dynamic_checkpoint import rehomed
@@ -176,3 +176,39 @@ class DynamicShard:
             self.table.evict_ids(ids)
             self.table.forget_ids(waiting)
             self._evicted = step
+
+
+def held(tables: dict[str, DynamicShard], name: str, holder: str) -> DynamicShard:
+    """`holder`'s part of dynamic table `name` (of its `tables`), refused when it holds none."""
+    if name not in tables:
+        raise Refusal(f"{holder} holds no dynamic table {name!r} (it holds {sorted(tables)})")
+    return tables[name]
+
+
+def answer(tables: dict[str, DynamicShard], call: str, args: tuple, holder: str):
+    """`holder`'s answer to a call on its parts of dynamic tables (`tables`, by name) other than a lookup:
+    "read" (table, ids) -> rows; "end" (step,), "smallest" (step, {table: (rows, waiting)}) and "evict" (step,
+    {table: (ids, waiting ids)}): the end of a step (`tables.global_eviction`), per table; "state" () -> {table:
+    its `DynamicTable.state()`}; "counts" () -> {table: (resident rows, [admitted, filtered, evicted])}; "step"
+    () -> {table: the step its next lookups belong to}."""
+    if call == "read":
+        return held(tables, args[0], holder).read(*args[1:])
+    if call == "end":
+        return {n: t.end(*args) for n, t in tables.items()}
+    if call == "smallest":
+        step, asks = args
+        return {n: tables[n].smallest(step, *ask) for n, ask in asks.items()}
+    if call == "evict":
+        step, plan = args
+        for n, (ids, waiting) in plan.items():
+            tables[n].evict(step, ids, waiting)
+        return None
+    if call == "state":
+        return {n: t.table.state() for n, t in tables.items()}
+    if call == "step":
+        return {n: t.table.step for n, t in tables.items()}
+    if call == "counts":
+        return {n: (len(t.table), [t.table.counters[k] for k in ("admitted", "filtered", "evicted")])
+                for n, t in tables.items()}
+    raise Refusal(f"no call {call!r} on dynamic tables: expected lookup, read, end, smallest, evict, state, counts "
+                  "or step")

@@ -32,7 +32,7 @@ from gradsync.ps.named_grads import push_named
 from gradsync.ps.shard import ShardState
 from gradsync.ps.staging import Staging
 from gradsync.ps.sync_rule import SyncRule
-from gradsync.ps.dynamic_shard import DynamicShard
+from gradsync.ps.dynamic_shard import DynamicShard, answer, held
 from gradsync.ps.table_shard import TableShard
 from gradsync.ps.gradient_codecs import make_wire
 
@@ -181,42 +181,15 @@ class ParameterServer:
 
     def dynamic(self, call: str, *args):
         """A call on this server's dynamic tables (`ps.dynamic_shard`): "lookup" (table, ids, counts, step) ->
-        (version, rows, admitted); "read" (table, ids) -> rows; "end" (step,), "smallest" (step, {table: (rows,
-        waiting)}) and "evict" (step, {table: (ids, waiting ids)}): the end of a step (`tables.global_eviction`),
-        per table; "state" () -> {table: its `DynamicTable.state()`}; "counts" () -> {table: (resident rows,
-        [admitted, filtered, evicted])}; "step" () -> {table: the step its next lookups belong to}."""
+        (version, rows, admitted); any other is `dynamic_shard.answer`'s."""
         shard = self._shard()
         with shard.lock:
             dynamic = {n: t for n, t in shard.tables.items() if isinstance(t, DynamicShard)}
-            if call in ("lookup", "read"):
-                table = dynamic.get(args[0])
-                if table is None:
-                    raise Refusal(f"server {self.shard_id} holds no dynamic table {args[0]!r} (it holds "
-                                  f"{sorted(dynamic)})")
-                if call == "read":
-                    return table.read(*args[1:])
-                rows, admitted = table.lookup(*args[1:], shard.version)
-                shard.stats.bytes_out += rows.nbytes
-                return shard.version, rows, admitted
-            if call == "end":
-                return {n: t.end(*args) for n, t in dynamic.items()}
-            if call == "smallest":
-                step, asks = args
-                return {n: dynamic[n].smallest(step, *ask) for n, ask in asks.items()}
-            if call == "evict":
-                step, plan = args
-                for n, (ids, waiting) in plan.items():
-                    dynamic[n].evict(step, ids, waiting)
-                return None
-            if call == "state":
-                return {n: t.table.state() for n, t in dynamic.items()}
-            if call == "step":
-                return {n: t.table.step for n, t in dynamic.items()}
-            if call == "counts":
-                return {n: (len(t.table), [t.table.counters[k] for k in ("admitted", "filtered", "evicted")])
-                        for n, t in dynamic.items()}
-            raise Refusal(f"no call {call!r} on dynamic tables: expected lookup, read, end, smallest, evict, "
-                          "state, counts or step")
+            if call != "lookup":
+                return answer(dynamic, call, args, f"server {self.shard_id}")
+            rows, admitted = held(dynamic, args[0], f"server {self.shard_id}").lookup(*args[1:], shard.version)
+            shard.stats.bytes_out += rows.nbytes
+            return shard.version, rows, admitted
 
     def table_rows(self, table: str) -> torch.Tensor:
         """A copy of every row of `table` this server holds, in local order."""

@@ -45,6 +45,10 @@ class ExchangePlan:
 
     @classmethod
     def of(cls, ids: torch.Tensor, workers: int) -> ExchangePlan:
-        owner = owners(ids, workers)
+        return cls.placed(owners(ids, workers), workers)
+
+    @classmethod
+    def placed(cls, owner: torch.Tensor, workers: int) -> ExchangePlan:
+        """The plan of ids whose owners are `owner` (a dynamic table's: `tables.id_hash.server_of`)."""
         order = torch.argsort(owner, stable=True)
         return cls(order, torch.bincount(owner, minlength=workers).tolist())

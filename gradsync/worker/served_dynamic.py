@@ -1,6 +1,6 @@
 """Worker side of dynamic embedding tables (`gradsync.DynamicEmbedding`) under ps and hybrid: the rows live on
 the servers, an id on server `tables.id_hash.server_of(id, S)`, each server a `DynamicTable` of its ids
-(`ps.dynamic_shard`).
+(`ps.dynamic_shard`). Under sharded the workers are its servers (`worker.sharded_dynamic`).
 
 `ServedDynamic` replaces each such module's forward: a forward that records (training mode, gradients on,
 inside a dist_autograd context) sends each server its ids of the batch, distinct, with their counts, for step
@@ -90,21 +90,23 @@ class ServedDynamic:
                 f"capacity >= {num_servers}, fewer servers, or --mode sync")
         if not isinstance(table_optimizer, ROW_OPTIMIZERS):
             raise ValueError(
-                f"{name!r} is a gradsync.DynamicEmbedding, whose rows the servers train with a row optimizer: pass "
+                f"{name!r} is a gradsync.DynamicEmbedding, whose rows a row optimizer trains: pass "
                 f"Trainer(..., table_optimizer=gradsync.RowSGD(lr=...) or gradsync.RowAdagrad(lr=...)), got "
                 f"{table_optimizer!r}")
 
-    def setups(self) -> dict[str, DynamicSetup]:
-        """What registration sends every server of each table (worker 0), its `init` checked here first."""
+    def setups(self, sent: bool = True) -> dict[str, DynamicSetup]:
+        """What registration sends every server of each table (worker 0; not `sent`: what a worker that holds
+        its part itself builds it from), its `init` checked here first."""
         out = {}
         for name, module in self.modules.items():
             t = module.table
             checked_init(t.init, torch.tensor([0, -1]), t.dim, t.dtype, t.name)
-            try:
-                pickle.dumps(t.init)
-            except Exception as e:  # noqa: BLE001 -- any pickling failure: the same advice
-                raise ValueError(f"{t.name} ({name!r}): its init {t.init!r} cannot be sent to the servers ({e}): "
-                                 "pass a module-level function or a dataclass instance") from e
+            if sent:
+                try:
+                    pickle.dumps(t.init)
+                except Exception as e:  # noqa: BLE001 -- any pickling failure: the same advice
+                    raise ValueError(f"{t.name} ({name!r}): its init {t.init!r} cannot be sent to the servers "
+                                     f"({e}): pass a module-level function or a dataclass instance") from e
             settings = dict(dim=t.dim, capacity=t.capacity, init=t.init, admit_after=t.admit_after,
                             admit_probability=t.admit_probability, evict=t.evict, ttl_steps=t.ttl_steps,
                             dtype=t.dtype, seed=t.seed, name=f"{t.name} ({name!r})")
@@ -124,25 +126,47 @@ class ServedDynamic:
         ids = module.checked_ids(ids, offsets, per_sample_weights)
         unique, index, counts = torch.unique(ids.reshape(-1), return_inverse=True, return_counts=True)
         context = current_context_id()
-        recording = module.training and torch.is_grad_enabled() and context is not None
-        owner = server_of(unique, self.num_servers)
+        if module.training and torch.is_grad_enabled() and context is not None:
+            rows = self._record(context, name, unique, counts)
+        else:
+            rows = self._read(name, unique)
+        return module.embed(index.reshape(ids.shape), rows, offsets, per_sample_weights)
+
+    def _where(self, ids: torch.Tensor) -> dict[int, torch.Tensor]:
+        """The positions in `ids` of each server's ids, for the servers that hold any."""
+        owner = server_of(ids, self.num_servers)
         where = {s: (owner == s).nonzero().view(-1) for s in range(self.num_servers)}
-        where = {s: at for s, at in where.items() if at.numel()}
-        rows = torch.zeros(unique.numel(), module.table.dim, dtype=module.table.dtype)
-        if recording:
-            answers = self.transport.dynamic("lookup", {s: (name, unique[at], counts[at], self.step)
-                                                        for s, at in where.items()})
-            admitted = torch.zeros(unique.numel(), dtype=torch.bool)
-            for s, at in where.items():
-                rows[at], admitted[at] = answers[s][1], answers[s][2]
-            rows.requires_grad_()
-            versions = {s: answer[0] for s, answer in answers.items()}
-            self._lookups.setdefault(context, []).append(_Lookup(name, unique, admitted, rows, versions))
-        elif where:
-            answers = self.transport.dynamic("read", {s: (name, unique[at]) for s, at in where.items()})
+        return {s: at for s, at in where.items() if at.numel()}
+
+    def _zeros(self, name: str, count: int) -> torch.Tensor:
+        table = self.modules[name].table
+        return torch.zeros(count, table.dim, dtype=table.dtype)
+
+    def _record(self, context: int, name: str, ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The step's lookups of the distinct `ids` (each `counts` times) in context `context`: their rows as a
+        leaf that requires grad (zeros where not admitted), kept for the step's push."""
+        where = self._where(ids)
+        rows = self._zeros(name, ids.numel())
+        answers = self.transport.dynamic("lookup", {s: (name, ids[at], counts[at], self.step)
+                                                    for s, at in where.items()})
+        admitted = torch.zeros(ids.numel(), dtype=torch.bool)
+        for s, at in where.items():
+            rows[at], admitted[at] = answers[s][1], answers[s][2]
+        rows.requires_grad_()
+        versions = {s: answer[0] for s, answer in answers.items()}
+        self._lookups.setdefault(context, []).append(_Lookup(name, ids, admitted, rows, versions))
+        return rows
+
+    def _read(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of the distinct `ids` (zeros where not resident), counting nothing: any forward that does not
+        record (evaluation)."""
+        where = self._where(ids)
+        rows = self._zeros(name, ids.numel())
+        if where:
+            answers = self.transport.dynamic("read", {s: (name, ids[at]) for s, at in where.items()})
             for s, at in where.items():
                 rows[at] = answers[s]
-        return module.embed(index.reshape(ids.shape), rows, offsets, per_sample_weights)
+        return rows
 
     def row_grads(self, context_id: int, grads: dict[torch.Tensor, torch.Tensor]) -> dict[int, dict[str, RowGrads]]:
         """The pushes of this context's lookups: per server, {table: `RowGrads`} of its admitted ids (global
@@ -207,9 +231,9 @@ class ServedDynamic:
         for key in local:
             del state_dict[key]
         if self.serving:
-            for key, value in self.state().items():
-                if key.startswith(name + "."):
-                    state_dict[prefix + key[len(name) + 1:]] = value
+            state = self.state()
+            for key in local:  # in the module's own order
+                state_dict[key] = state[f"{name}.{key[len(prefix):]}"]
 
     def own_state(self):
         """A block in which gradsync reads the modules' state itself: the hook leaves the tables' keys out."""

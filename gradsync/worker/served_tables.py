@@ -102,7 +102,7 @@ class ServedTables:
         context = current_context_id()
         leaf = values.requires_grad_(torch.is_grad_enabled())
         if context is not None and leaf.requires_grad:
-            self._lookups.setdefault(context, []).append(_Lookup(name, ids, leaf, pulled))
+            self.record(context, name, ids, leaf, pulled)
         pad = None
         if module.padding_idx is not None:
             at = torch.searchsorted(ids, module.padding_idx)
@@ -111,6 +111,10 @@ class ServedTables:
             return F.embedding_bag(inverse, leaf, offsets, None, module.norm_type, module.scale_grad_by_freq,
                                    module.mode, False, per_sample_weights, module.include_last_offset, pad)
         return F.embedding(inverse, leaf, pad, None, module.norm_type, module.scale_grad_by_freq, False)
+
+    def record(self, context: int, name: str, ids: torch.Tensor, leaf: torch.Tensor, pulled) -> None:
+        """Keep a lookup of table `name` in dist_autograd context `context`, whose step sends its gradients."""
+        self._lookups.setdefault(context, []).append(_Lookup(name, ids, leaf, pulled))
 
     def _check(self, name: str, ids: torch.Tensor, rows: int) -> None:
         """Refuse a lookup's ids before anything is pulled (`placement.check_ids`)."""

@@ -30,6 +30,7 @@ from gradsync.worker.allreduce_strategy import AllreduceStrategy
 from gradsync.worker.amp import inverse_scale
 from gradsync.worker.model_state import ordered
 from gradsync.worker.served_tables import choose_tables
+from gradsync.worker.sharded_dynamic import ShardedDynamic
 from gradsync.worker.sharded_tables import ShardedTables
 from gradsync.worker.strategy import Strategy
 
@@ -49,15 +50,26 @@ class ShardedStrategy(Strategy):
         spec = OptimizerSpec.of(optimizer, module)
         weights = {n: p for n, p in module.named_parameters()}
         chosen, rows = choose_tables(module, tables, spec, table_optimizer, say=config.worker_rank == 0)
-        if not chosen:
+        self.dynamic = ShardedDynamic(module, table_optimizer, config.mode, config.worker_rank, config.num_workers,
+                                      config.step_timeout)
+        if not chosen and not self.dynamic.modules:
             raise NoTablesToServe(
-                "the sharded strategy splits embedding tables (nn.Embedding, nn.EmbeddingBag) with a row optimizer "
-                "across the workers, and this model has none it can split (tables='dense', weights tied to other "
-                "layers, or no table_optimizer for an optimizer without an exact row-wise form): use --strategy "
-                "allreduce, or pass Trainer(..., table_optimizer=gradsync.RowAdagrad(lr=...))")
-        self.tables = ShardedTables(chosen, rows, config.worker_rank, config.num_workers, config.step_timeout)
+                "the sharded strategy splits embedding tables (nn.Embedding, nn.EmbeddingBag with a row optimizer, "
+                "gradsync.DynamicEmbedding) across the workers, and this model has none it can split "
+                "(tables='dense', weights tied to other layers, or no table_optimizer for an optimizer without an "
+                "exact row-wise form): use --strategy allreduce, or pass "
+                "Trainer(..., table_optimizer=gradsync.RowAdagrad(lr=...))")
+        if self.dynamic.modules and (config.checkpoint_every or config.resume):
+            raise NotImplementedError(
+                f"{next(iter(self.dynamic.modules))!r} is a gradsync.DynamicEmbedding, whose checkpoints the sharded "
+                "strategy does not write yet: run without --checkpoint-every/--resume, or with --strategy ps or "
+                "hybrid, which checkpoint dynamic tables")
+        self.tables = ShardedTables(chosen, rows, config.worker_rank, config.num_workers, config.step_timeout,
+                                    dynamic=self.dynamic.modules)
+        self.dynamic.tables = self.tables
         values = {t.name: weights[t.name] for t in self.tables.specs}
         self.tables.take_over()  # before DDP: it averages what is left
+        self.dynamic.take_over()
         split = {id(w) for w in values.values()}
         for group in optimizer.param_groups:  # the owners train the tables: the local optimizer keeps the rest
             group["params"] = [p for p in group["params"] if id(p) not in split]
@@ -70,7 +82,7 @@ class ShardedStrategy(Strategy):
         self.optimizer = optimizer
         self.metrics = self.dense.metrics
         self.tables.metrics = self.metrics
-        self.tables.serving = True
+        self.tables.serving = self.dynamic.serving = True
 
     def _forward_ended(self, module: nn.Module, inputs, output) -> None:
         """Forward hook of the user's module: every worker agrees that its forward is over
@@ -93,6 +105,8 @@ class ShardedStrategy(Strategy):
                 table = next(iter(nonfinite))
                 raise nonfinite_error(table, nonfinite[table])
             received = {}
+        dynamic = self.dynamic.admitted({n: r for n, r in received.items() if n in self.dynamic.modules})
+        received = {**{n: r for n, r in received.items() if n not in dynamic}, **dynamic}
         if agreeing:
             partials = self.tables.partial_norms(received, self.dense.clipping)
             self.dense.outside = lambda: partials
@@ -103,7 +117,11 @@ class ShardedStrategy(Strategy):
             coefficient = self.dense.coefficient if stepped else None
         else:
             coefficient = 1.0 if self.dense.step(context_id) else None
-        self.tables.apply(received if coefficient is not None else {}, coefficient or 1.0, self.optimizer)
+        fixed = {n: r for n, r in received.items() if n not in dynamic}
+        self.tables.apply(fixed if coefficient is not None else {}, coefficient or 1.0, self.optimizer)
+        if coefficient is not None:
+            self.dynamic.apply(dynamic, coefficient)
+        self.dynamic.end_step()
 
     def model_sizes(self, trainable: int) -> dict[str, int]:
         return self.tables.model_sizes(trainable)
@@ -120,8 +138,9 @@ class ShardedStrategy(Strategy):
             "number of batches (drop_last, or DistributedSampler), or use --strategy hybrid")
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        with self.tables.own_state():
-            return ordered(self.dense.state_dict(), self.tables.full(), self.keys)
+        tables = {**self.tables.full(), **self.dynamic.state()}
+        with self.tables.own_state(), self.dynamic.own_state():
+            return ordered(self.dense.state_dict(), tables, self.keys)
 
     def local_state(self) -> dict:
         """What a checkpoint keeps of this worker: the dense part's model and optimizer state, and its rows of

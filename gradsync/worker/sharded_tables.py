@@ -16,6 +16,10 @@ end of a forward, which every forward with gradients ends with, the step): a wor
 table, or looked up another, makes every worker raise at once, naming the table, where it would otherwise
 pair unrelated exchanges.
 
+A dynamic table's lookups (`worker.sharded_dynamic`) go along the same `route`, tagged like a table's: (id,
+count) rows out, which the owner's `DynamicShard` answers; their gradients come back with the fixed tables' at
+the step, keyed by id.
+
 The whole tables (`trainer.state_dict()`, and the user's module's `state_dict()`, as under ps) are gathered
 over torch RPC: each owner answers with its rows once it has applied as many steps as the asking worker,
 so a worker that gathers alone (worker 0 saving the model) gets one consistent step.
@@ -27,7 +31,7 @@ import math
 import threading
 import time
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -65,7 +69,8 @@ class _Shard:
 @dataclasses.dataclass(frozen=True)
 class _Route:
     """Where a lookup's unique ids went, which its gradients take back at the step: this worker's `plan`,
-    how many ids each worker asked this one for (`asked_counts`) and their local rows here (`asked`)."""
+    how many ids each worker asked this one for (`asked_counts`) and their rows' keys here (`asked`: local rows
+    of a fixed table, ids of a dynamic one)."""
 
     plan: ExchangePlan
     asked_counts: list[int]
@@ -94,11 +99,14 @@ class ShardedTables(ServedTables):
     """The model's row-wise tables (`served_tables.choose_tables`), split by row across the workers."""
 
     def __init__(self, tables: dict[str, nn.Module], rows: dict[str, tuple], worker: int, workers: int,
-                 timeout: float):
+                 timeout: float, dynamic: Iterable[str] = ()):
+        """`dynamic`: the names of the model's dynamic tables, whose lookups go along `route` too
+        (`worker.sharded_dynamic`)."""
         super().__init__(tables, workers, None)
         self.worker, self.workers, self.timeout = worker, workers, timeout
         self.rows = rows
-        self._index = {spec.name: i for i, spec in enumerate(self.specs)}
+        self.looked_up = [spec.name for spec in self.specs] + list(dynamic)  # by exchange tag
+        self._index = {name: i for i, name in enumerate(self.looked_up)}
         self.shards: dict[str, _Shard] = {}
         self.applied = 0  # steps applied to this worker's rows (skipped ones included)
         self._stepped = threading.Condition()
@@ -157,7 +165,7 @@ class ShardedTables(ServedTables):
                 one up where this worker did not), naming both and the fix; that worker raises it too.
         """
         meta = torch.tensor([[at, *r] for r in rows], dtype=torch.int64)
-        lane = {_STEP: "grad flags", _FORWARD_END: "forward end"}.get(at) or f"{self.specs[at].name} counts"
+        lane = {_STEP: "grad flags", _FORWARD_END: "forward end"}.get(at) or f"{self.looked_up[at]} counts"
         theirs = self._all_to_all(lane, meta, [1] * self.workers, [1] * self.workers)
         if (other := (theirs[:, 0] != at).nonzero().view(-1)).numel():
             w = int(other[0])
@@ -171,7 +179,7 @@ class ShardedTables(ServedTables):
     def _tag(self, at: int) -> str:
         """The exchange tagged `at`, in words."""
         return {_STEP: "trainer.step", _FORWARD_END: "the end of a forward"}.get(at) or \
-            f"a lookup of table {self.specs[at].name!r}"
+            f"a lookup of table {self.looked_up[at]!r}"
 
     def forward_ended(self) -> None:
         """Tell every worker that this one's forward is over (a collective at the end of every forward with
@@ -193,20 +201,31 @@ class ShardedTables(ServedTables):
         collective (`_read`) and has no route."""
         if not torch.is_grad_enabled():
             return self._read(name, ids), None
-        rows = self.modules[name].num_embeddings
         plan = ExchangePlan.of(ids, self.workers)
-        bad = out_of_range(ids, rows)
+        shard = self.shards[name]
+
+        def answer(asked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            local = local_index(shard.owned, asked)
+            return local, shard.values.index_select(0, local)
+
+        return self.route(name, ids[plan.order], plan, answer, out_of_range(ids, self.modules[name].num_embeddings))
+
+    def route(self, name: str, sent: torch.Tensor, plan: ExchangePlan,
+              answer: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]], bad: int | None = None
+              ) -> tuple[torch.Tensor, _Route]:
+        """A lookup of table `name` (a collective): `sent` (a row per unique id, grouped by owner as `plan`
+        says) goes to the owners, each owner's `answer(what it was sent)` -> (the rows' keys there, their
+        values) comes back; returns the values in the order of `plan`'s ids and the `_Route` the gradients take
+        back to those keys. `bad`: an id of this worker's batch outside the table, refused on every worker."""
         theirs = self._meta(self._index[name], [[c, bad is not None, bad or 0] for c in plan.counts])
         if (culprits := theirs[:, 1].nonzero().view(-1)).numel():
-            raise bad_id_error(name, rows, int(theirs[culprits[0], 2]), int(culprits[0]))
+            raise bad_id_error(name, self.modules[name].num_embeddings, int(theirs[culprits[0], 2]),
+                               int(culprits[0]))
         asked_counts = theirs[:, 0].tolist()
-        asked = self._all_to_all(f"{name} ids", ids[plan.order], plan.counts, asked_counts)
-        shard = self.shards[name]
-        local = local_index(shard.owned, asked)
-        values = shard.values.new_empty((ids.numel(), shard.values.shape[1]))
-        values[plan.order] = self._all_to_all(f"{name} rows", shard.values.index_select(0, local), asked_counts,
-                                              plan.counts)
-        return values, _Route(plan, asked_counts, local)
+        keys, rows = answer(self._all_to_all(f"{name} ids", sent, plan.counts, asked_counts))
+        values = rows.new_empty((plan.order.numel(), *rows.shape[1:]))
+        values[plan.order] = self._all_to_all(f"{name} rows", rows, asked_counts, plan.counts)
+        return values, _Route(plan, asked_counts, keys)
 
     def _read(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         """The rows of the unique global `ids`, asked of each owner alone over torch RPC once it has applied

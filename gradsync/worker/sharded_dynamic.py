@@ -1,0 +1,129 @@
+"""Dynamic embedding tables (`gradsync.DynamicEmbedding`) under the sharded strategy: no servers; worker w owns
+the ids `tables.id_hash.server_of(id, W)` gives it (the hash ps places ids on servers by) and holds them in a
+`ps.dynamic_shard.DynamicShard`, the part a server would hold.
+
+`ShardedDynamic` is `ServedDynamic` with the workers as the servers. A recording forward (training mode,
+gradients on, inside a dist_autograd context) sends each owner its batch's distinct ids with their counts along
+a `ShardedTables.route` (all-to-all, tagged like a fixed table's lookup, so a worker that skips a table fails on
+every worker); the owner looks the ids every worker sent up at once (`DynamicShard.lookup`: admission, rows
+created with `init`) and answers their rows (zeros where not admitted). The step's gradients go back along the
+route with the fixed tables' (`ShardedTables.exchange_grads`: the owner sums them over the workers and divides
+by W); `apply` keeps the resident ids (those admitted) and applies the row optimizer. `end_step` then ends the
+step as ps does (`tables.global_eviction`: `ttl_steps` locally, the bounds by `capacity` over the whole table),
+its calls answered by this worker's part and an all-gather of every worker's answer.
+
+Any other forward (evaluation, which one worker may run alone) reads the rows over torch RPC from each owner's
+`find`, creating nothing; `trainer.state_dict()`, the module's `state_dict()`, `resident_rows` and the counters
+gather the parts the same way, each owner answering once it has ended as many steps as the asking worker.
+Checkpoints of these tables are not written yet: a job that would write or resume one is refused.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+from torch import nn
+
+from gradsync.core.job_names import worker_name
+from gradsync.ps.dynamic_shard import DynamicShard, answer
+from gradsync.tables.id_hash import server_of
+from gradsync.tables.row_partition import ExchangePlan
+from gradsync.worker.served_dynamic import ServedDynamic
+from gradsync.worker.sharded_tables import ShardedTables
+
+_GATHERED = ("end", "smallest")
+"""The calls of a step's end that every worker makes together: answered by an all-gather."""
+
+_HELD: ShardedDynamic | None = None
+"""This worker's parts, which `_answer_of` answers the other workers' reads from (torch RPC calls a function by
+its module path)."""
+
+
+def _answer_of(call: str, args: tuple, step: int, timeout: float):
+    """RPC handler: this worker's answer to `call` once it has ended `step` steps."""
+    return _HELD.answer(call, args, step, timeout)
+
+
+class ShardedDynamic(ServedDynamic):
+    """The model's dynamic tables, worker `worker` of `workers` holding its ids of each; lookups along `tables`'
+    routes. Every worker must construct it, look its tables up and end every step."""
+
+    def __init__(self, module: nn.Module, table_optimizer, mode: str, worker: int, workers: int, timeout: float):
+        super().__init__(module, workers, table_optimizer, mode)
+        self.worker, self.timeout = worker, timeout
+        self.parts = {name: DynamicShard(name, setup, worker, workers)
+                      for name, setup in self.setups(sent=False).items()}
+        self.tables: ShardedTables | None = None  # set by the strategy before the first forward: the routes
+        self.transport = self  # `ServedDynamic`'s calls on the servers are calls on the workers' parts here
+        self._ended = threading.Condition()
+
+    def take_over(self) -> None:
+        global _HELD
+        super().take_over()
+        _HELD = self
+
+    def _record(self, context: int, name: str, ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        plan = ExchangePlan.placed(server_of(ids, self.num_servers), self.num_servers)
+        sent = torch.stack([ids, counts], 1)[plan.order]
+        rows, route = self.tables.route(name, sent, plan, functools.partial(self._look_up, name))
+        rows.requires_grad_()
+        self.tables.record(context, name, ids, rows, route)
+        return rows
+
+    def _look_up(self, name: str, asked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The owner's side of a lookup: every worker's (id, count) rows `asked` (an id asked by several
+        workers counts once as a sighting, their counts summed) -> (the ids, their rows)."""
+        ids, inverse = torch.unique(asked[:, 0], return_inverse=True)
+        counts = torch.zeros_like(ids).index_add_(0, inverse, asked[:, 1])
+        rows, _ = self.parts[name].lookup(ids, counts, self.step)
+        return asked[:, 0], rows[inverse]
+
+    def admitted(self, received: dict[str, tuple[torch.Tensor, torch.Tensor]]
+                 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Of `ShardedTables.exchange_grads`' rows of the dynamic tables (ids, gradients), those of the ids
+        admitted this step (resident here; the others read zeros and get no update)."""
+        out = {}
+        for name, (ids, grads) in received.items():
+            resident = self.parts[name].table.find(ids) >= 0
+            out[name] = (ids[resident], grads[resident])
+        return out
+
+    def apply(self, received: dict[str, tuple[torch.Tensor, torch.Tensor]], coefficient: float) -> None:
+        """One row optimizer step on this owner's admitted rows of `admitted`, times `coefficient`."""
+        for name, (ids, grads) in received.items():
+            self.parts[name].apply(ids, grads * coefficient if coefficient != 1.0 else grads)
+
+    def end_step(self) -> None:
+        """End the step on every worker's part (a collective): `ServedDynamic.end_step`, with the workers'
+        answers gathered."""
+        super().end_step()
+        with self._ended:
+            self._ended.notify_all()
+
+    def dynamic(self, call: str, args: dict[int, tuple]) -> dict[int, object]:
+        """Every worker's answer to `call` with its args (`ServedDynamic`'s transport): "end" and "smallest" by
+        an all-gather of every worker's answer (a collective); "evict" on this worker's part alone; the
+        others this worker's part and the others' over torch RPC (bounded by the step timeout)."""
+        if call == "evict":
+            return {self.worker: answer(self.parts, call, args[self.worker], f"worker {self.worker}")}
+        if call in _GATHERED:
+            every = [None] * self.num_servers
+            dist.all_gather_object(every, answer(self.parts, call, args[self.worker], f"worker {self.worker}"))
+            return dict(enumerate(every))
+        futures = {w: rpc.rpc_async(worker_name(w), _answer_of, args=(call, a, self.step, self.timeout),
+                                    timeout=2 * self.timeout)
+                   for w, a in args.items() if w != self.worker}
+        out = {self.worker: answer(self.parts, call, args[self.worker], f"worker {self.worker}")} \
+            if self.worker in args else {}
+        return {**out, **{w: fut.wait() for w, fut in futures.items()}}
+
+    def answer(self, call: str, args: tuple, step: int, timeout: float):
+        """This worker's answer to `call` (a read, "state" or "counts") once it has ended `step` steps."""
+        with self._ended:
+            if not self._ended.wait_for(lambda: self.step >= step, timeout):
+                raise TimeoutError(f"worker {self.worker} was asked for its dynamic tables after step {step} and had "
+                                   f"ended {self.step} steps after {timeout:.0f} s")
+            return answer(self.parts, call, args, f"worker {self.worker}")
