@@ -82,7 +82,7 @@ class HybridStrategy(Strategy):
         self._sent = [group_options(g) for g in optimizer.param_groups]  # the options the servers hold
         self.tables.serving = self.dynamic.serving = True
         self.metrics = self.dense.metrics
-        self.tables.metrics = self.metrics
+        self.tables.metrics = self.dynamic.metrics = self.metrics  # lookups count as pull, not compute
         self._versions = {s: 0 for s in self.servers}
         self.joiner = Joiner(cluster.store, cluster.config, cluster.heartbeat, self.servers)
 

@@ -156,6 +156,7 @@ class PSStrategy(Strategy):
         self._quiet = False  # inside trainer.no_sync()
         self.joiner = Joiner(cluster.store, cluster.config, cluster.heartbeat, self.servers)
         self.tables.transport = self.dynamic.transport = self.transport  # built after the tables (their specs)
+        self.dynamic.metrics = self.metrics  # its lookups count as pull, not compute
         self.frozen = self._register(params, buffers, spec, table_setups)
         self.model = PSModel(module, self)
         loaded = optimizer.state_dict() if any(optimizer.state.values()) else None  # loaded before the Trainer

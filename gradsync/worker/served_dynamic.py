@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import pickle
+import time
 
 import torch
 from torch import nn
@@ -75,6 +76,7 @@ class ServedDynamic:
         self.num_servers = num_servers
         self.optimizer = table_optimizer
         self.transport = None  # set by the strategy before the first forward
+        self.metrics = None  # the strategy's StepMetrics, set with the transport: lookups count as pull
         self.serving = False  # set by the strategy once the servers answer: the module's state_dict gathers
         self.step = 0  # the step the next recording lookup belongs to (sync)
         self.mode = mode
@@ -147,8 +149,11 @@ class ServedDynamic:
         leaf that requires grad (zeros where not admitted), kept for the step's push."""
         where = self._where(ids)
         rows = self._zeros(name, ids.numel())
+        start = time.perf_counter()
         answers = self.transport.dynamic("lookup", {s: (name, ids[at], counts[at], self.step)
                                                     for s, at in where.items()})
+        if self.metrics is not None:
+            self.metrics.rows_pulled(time.perf_counter() - start, rows.nbytes)
         admitted = torch.zeros(ids.numel(), dtype=torch.bool)
         for s, at in where.items():
             rows[at], admitted[at] = answers[s][1], answers[s][2]
