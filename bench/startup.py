@@ -65,8 +65,8 @@ ddp = DDP(model)
 opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
 F.cross_entropy(ddp(x), y).backward()
 opt.step()
+print(FINISHED, flush=True)  # the work is done: torch's known abort comes in the teardown, destroy included
 dist.destroy_process_group()
-print(FINISHED, flush=True)
 """
 
 
