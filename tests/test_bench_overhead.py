@@ -1,4 +1,5 @@
-"""Smoke test of bench/overhead.py: tiny models, one repeat, three configurations; the JSON has every figure."""
+"""Smoke test of bench/overhead.py: tiny models, one repeat, gradsync's ps against the naive one it is measured
+against; the JSON has every figure."""
 import json
 import os
 import subprocess
@@ -9,7 +10,7 @@ import pytest
 pytestmark = pytest.mark.job  # every test here starts processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = ["ddp_context", "gradsync_ps_sync_s1", "naive_ps"]
+CONFIGS = ["gradsync_ps_sync_s1", "naive_ps"]
 
 
 @pytest.mark.timeout(240)
@@ -30,7 +31,7 @@ def test_overhead_bench_writes_step_times_and_cpu(tmp_path):
         assert row["median_ms"] > 0 and row["cpu_s_per_step"] > 0, (config, row)
         assert row["busy_poll_cpu_s_per_step"] >= 0 and row["threads"], (config, row)
         assert row["runqueue_wait_s_per_step"] >= 0 and set(run["threads_waited"]) == set(run["threads"]), run
-        assert run["processes"] == (2 if config == "ddp_context" else 3), (config, run["processes"])
+        assert run["processes"] == 3, (config, run["processes"])
         assert len(run["step_times_s"]) == 3
     assert summary["gradsync_ps_sync_s1"]["ratios"]["naive_ps"]["per_repeat"]
     assert result["runs"]["reference"]["gradsync_ps_sync_s1"][0]["metrics"]["step_s"] > 0
