@@ -1,9 +1,13 @@
 """Checks `gradsync compare --predict`'s cost model under emulated links: fit on W = 2, predict W = 3 and 4.
 
-For each link rate, `gradsync compare --link RATE` runs allreduce, ps sync S=1 and ps sync S=2 at W = 2, 3
-and 4 (this file is also the training script: a 2.1M-parameter MLP, 1024 -> 1024 -> 1024 -> 10, batch 32,
-SGD, so 8.4 MB of fp32 gradients per step and 100mbit is dominated by the link). The model is fitted on the
-W = 2 runs alone (`gradsync.compare.predict.fitted`, as --predict does) and predicts W = 3 and 4: for
+For each link rate, `gradsync compare --link RATE` runs a workload's strategies at W = 2, 3 and 4:
+- `--workload mlp` (the default): allreduce, ps sync S=1 and ps sync S=2; this file is also the training
+  script: a 2.1M-parameter MLP, 1024 -> 1024 -> 1024 -> 10, batch 32, SGD, so 8.4 MB of fp32 gradients per
+  step and 100mbit is dominated by the link;
+- `--workload tables`: allreduce with sparse table gradients, ps sync S=1 and sharded, on examples/ctr.py
+  (`TABLES_ARGS`: 4 tables of 10^5 rows of 32, Zipf ids, batch 512 per worker, row-wise Adagrad), where the
+  tables' rows are what crosses the link.
+The model is fitted on the W = 2 runs alone (`gradsync.compare.predict.fitted`, as --predict does) and predicts W = 3 and 4: for
 separate machines (what --predict reports), for this machine, where the workers' compute is time-sliced on
 its cores (`cores=`), and with the runs' fixed cost taken as a latency per message instead of per step.
 Each run appends a session (when it ran, the load average, every run's measurements) to
@@ -12,6 +16,7 @@ sessions again with the current model, without running a job. `--steps N` trains
 the link's default. The machine is shared: compare sessions only with their load in mind.
 
     PYTHONPATH=$PWD .venv/bin/python bench/costmodel_link.py [--links 1gbit 100mbit] [--workers 2 3 4]
+                                                             [--workload mlp|tables]
     PYTHONPATH=$PWD .venv/bin/python bench/costmodel_link.py --refit
 
 Needs root and iproute2 (--link). 8 to 15 minutes on a 2-core machine, by its load.
@@ -25,8 +30,12 @@ import sys
 import tempfile
 import time
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "costmodel_link.json")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "bench", "results", "costmodel_link.json")
 SIZES, BATCH = (1024, 1024, 1024, 10), 32
+TABLES_ARGS = ["--fields", "4", "--rows", "100000", "--dim", "32", "--batch-size", "512", "--test-size", "1000",
+               "--sparse-grad"]
+"""examples/ctr.py's arguments in the tables workload (`--steps` is added per link)."""
 STEPS = {"1gbit": 12, "100mbit": 7}
 
 
@@ -54,13 +63,19 @@ def train(steps: int) -> None:
     gradsync.shutdown()
 
 
-def measure(link: str, workers: int, steps: int, out: str) -> list[dict]:
-    """The compare's runs (allreduce, ps sync S=1, S=2) at this link and W, each `steps` steps."""
+def measure(workload: str, link: str, workers: int, steps: int, out: str) -> list[dict]:
+    """The compare's runs of `workload` (module docstring) at this link and W, each `steps` steps."""
     from gradsync.compare import compare
 
-    compare(os.path.abspath(__file__), ["--train", str(steps)], workers=workers, out_dir=out,
-            strategies=["allreduce", "ps"], servers=[1, 2], modes=["sync"], compressions=["none"], timeout=300,
-            warmup=1, link=link, command=f"bench/costmodel_link.py: compare --link {link} --workers {workers}",
+    if workload == "tables":
+        script, args = os.path.join(ROOT, "examples", "ctr.py"), [*TABLES_ARGS, "--steps", str(steps)]
+        strategies, servers = ["allreduce", "ps", "sharded"], [1]
+    else:
+        script, args = os.path.abspath(__file__), ["--train", str(steps)]
+        strategies, servers = ["allreduce", "ps"], [1, 2]
+    compare(script, args, workers=workers, out_dir=out, strategies=strategies, servers=servers, modes=["sync"],
+            compressions=["none"], timeout=300, warmup=1, link=link,
+            command=f"bench/costmodel_link.py: compare --link {link} --workers {workers} ({workload})",
             options={"--link": link, "--workers": str(workers)})
     with open(os.path.join(out, "report.json")) as f:
         return [{k: v for k, v in r.items() if k != "curve"} for r in json.load(f)["runs"]]
@@ -92,16 +107,16 @@ def check(link: str, by_workers: dict[int, list[dict]], cores: int) -> dict:
             "sizes": sizes, "rows": rows}
 
 
-def session(links: list[str], workers: list[int], steps: int | None) -> dict:
-    """Measure every link and W (`steps` per job; None: the link's STEPS); returns the session as stored (no
-    analysis)."""
+def session(workload: str, links: list[str], workers: list[int], steps: int | None) -> dict:
+    """Measure `workload` at every link and W (`steps` per job; None: the link's STEPS); returns the session as
+    stored (no analysis)."""
     started, load = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), os.getloadavg()
     runs = {}
     with tempfile.TemporaryDirectory(prefix="costmodel-link-") as scratch:
         for link in links:
-            runs[link] = {str(w): measure(link, w, steps or STEPS.get(link, 10), os.path.join(scratch, f"{link}-w{w}"))
-                          for w in workers}
-    return {"started": started, "cores": os.cpu_count(), "load_average": {"start": load, "end": os.getloadavg()},
+            runs[link] = {str(w): measure(workload, link, w, steps or STEPS.get(link, 10),
+                                          os.path.join(scratch, f"{link}-w{w}")) for w in workers}
+    return {"started": started, "workload": workload, "cores": os.cpu_count(), "load_average": {"start": load, "end": os.getloadavg()},
             "runs": runs}
 
 
@@ -135,6 +150,8 @@ def main() -> int:
     parser.add_argument("--links", nargs="+", default=["1gbit", "100mbit"])
     parser.add_argument("--workers", nargs="+", type=int, default=[2, 3, 4])
     parser.add_argument("--refit", action="store_true", help="analyse the stored sessions again, run nothing")
+    parser.add_argument("--workload", choices=["mlp", "tables"], default="mlp",
+                        help="the MLP of this file, or examples/ctr.py's tables (module docstring)")
     parser.add_argument("--steps", type=int, help="steps per job (default: by link, 12 at 1gbit, 7 at 100mbit)")
     parser.add_argument("--out", default=RESULTS, help=f"the sessions file read, appended to and written "
                                                        f"(default: {RESULTS})")
@@ -152,14 +169,15 @@ def main() -> int:
     elif args.refit:
         parser.error(f"--refit: no {args.out} to analyse; run the bench first")
     if not args.refit:
-        stored.append(session(args.links, args.workers, args.steps))
+        stored.append(session(args.workload, args.links, args.workers, args.steps))
     sessions = [analysed(s) for s in stored]
     for s in sessions:
-        print(f"## session {s['started']} (load average {s['load_average']})\n")
+        print(f"## session {s['started']}, {s.get('workload', 'mlp')} (load average {s['load_average']})\n")
         print("\n\n".join(table(result) for result in s["results"]), "\n", flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"command": "bench/costmodel_link.py", "model": {"sizes": SIZES, "batch": BATCH}, "steps": STEPS,
+        json.dump({"command": "bench/costmodel_link.py", "model": {"sizes": SIZES, "batch": BATCH},
+                   "tables_args": TABLES_ARGS, "steps": STEPS,
                    "sessions": sessions}, f, indent=1)
     print(f"wrote {args.out}")
     return 0

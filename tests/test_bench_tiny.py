@@ -176,15 +176,16 @@ def test_linkfloor_sets_each_step_against_its_links_floor(tmp_path):
 @pytest.mark.timeout(150)
 def test_costmodel_link_fits_a_session_of_its_own(tmp_path):
     out = tmp_path / "costmodel_link.json"
-    printed = _run("costmodel_link.py", "--links", "1gbit", "--workers", "2", "--steps", "3", "--out", str(out),
-                   timeout=140)
+    printed = _run("costmodel_link.py", "--workload", "tables", "--links", "1gbit", "--workers", "2", "--steps", "3",
+                   "--out", str(out), timeout=140)
     [session] = json.loads(out.read_text())["sessions"]
     [analysis] = session["results"]
     assert analysis["link"] == "1gbit"
     assert _positive(analysis["fit"]["compute_s_per_sample"], analysis["fit"]["s_per_byte"]), analysis["fit"]
     rows = analysis["rows"]
+    assert session["workload"] == "tables"
     assert [(r["workers"], r["name"], r["steps"]) for r in rows] == [
-        (2, "allreduce", 3), (2, "ps sync S=1", 3), (2, "ps sync S=2", 3)], rows
+        (2, "allreduce", 3), (2, "ps sync S=1", 3), (2, "sharded", 3)], rows
     for r in rows:
         assert _positive(r["measured_s"], r["predicted_s"], r["predicted_here_s"], r["predicted_per_message_s"],
                          r["bytes_per_step"]), r
