@@ -24,19 +24,20 @@ INT64, FP32 = 8, 4
 def _exchanges(step: int, me: int, workers: int) -> list[tuple[str, int, int]]:
     """Worker `me`'s all-to-alls of `step` (lane, bytes to the other workers, bytes from them), from the
     batches: per table the counts, then the ids of its batch that other workers own and their rows back; the
-    forward's end; at the step one exchange of flags, then per table the gradients of those rows (no ids:
-    the forward's route)."""
+    forward's end; at the step one exchange of flags, then one of every table's gradients of those rows (no
+    ids: the forward's route)."""
     batches = [bag_batch(step, w) for w in range(workers)]
     meta = 4 * INT64 * (workers - 1)
-    forward, backward = [], [("a2a grad flags", meta, meta)]
+    forward, grads_out, grads_in = [], 0, 0
     for name, at in (("bag.weight", 0), ("emb.weight", 2)):
         unique = [b[at].unique() for b in batches]
         out = int((owners(unique[me], workers) != me).sum())
         into = sum(int((owners(unique[w], workers) == me).sum()) for w in range(workers) if w != me)
         forward += [(f"a2a {name} counts", meta, meta), (f"a2a {name} ids", INT64 * out, INT64 * into),
                     (f"a2a {name} rows", DIM * FP32 * into, DIM * FP32 * out)]
-        backward.append((f"a2a {name} grads", DIM * FP32 * out, DIM * FP32 * into))
-    return forward + [("a2a forward end", meta, meta)] + backward
+        grads_out, grads_in = grads_out + DIM * FP32 * out, grads_in + DIM * FP32 * into
+    return forward + [("a2a forward end", meta, meta), ("a2a grad flags", meta, meta),
+                      ("a2a row grads", grads_out, grads_in)]
 
 
 CASES = [(2, Case("sgd", skip_at=4)), (4, Case("adagrad", max_norm=0.5, accumulate_at=4, meta=True))]
@@ -70,8 +71,9 @@ def test_sharded_tables_match_single_process(workers, case):
         for record, timed in zip(r["records"], r["timeline"]):
             step, pieces = timed["step"] - 1, timed["pieces"]
             lanes = [(p["lane"], p["bytes_sent"], p["bytes_received"]) for p in pieces if p["exchange"]]
-            if step == case.accumulate_at:  # two half-batches: two lookups of each table, the gradients of each
-                assert [lane for lane, _, _ in lanes].count("a2a bag.weight grads") == 2
+            if step == case.accumulate_at:  # two half-batches: two lookups of each table, their gradients at once
+                assert [lane for lane, _, _ in lanes].count("a2a bag.weight ids") == 2
+                assert [lane for lane, _, _ in lanes].count("a2a row grads") == 1
             elif step != case.bad_at:  # the refused lookups' exchanges count in that step too
                 assert lanes == _exchanges(step, me, workers)
             assert sum(p["bytes_sent"] for p in pieces) == record["bytes_sent"]  # with DDP's bucket lanes

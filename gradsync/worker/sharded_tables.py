@@ -269,11 +269,29 @@ class ShardedTables(ServedTables):
             first = int(theirs[flagged, 2].min())
             nonfinite[lookups[first].table] = int(flagged[theirs[flagged, 2] == first][0])
         parts: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # by table: (local rows, their gradients)
-        for lk, g in zip(lookups, sending):
-            route = lk.pulled
-            got = self._all_to_all(f"{lk.table} grads", g, route.plan.counts, route.asked_counts)
-            parts.setdefault(lk.table, []).append((route.asked, got))
+        for lk, got in zip(lookups, self._grads_home(lookups, sending)):
+            parts.setdefault(lk.table, []).append((lk.pulled.asked, got))
         return {name: merge_rows(got, 1.0 / self.workers) for name, got in parts.items() if got}, nonfinite
+
+    def _grads_home(self, lookups: list, sending: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One all-to-all of every lookup's row gradients (`sending`, grouped by owner as its plan says), as
+        bytes: worker w gets each lookup's block for it, in lookup order. Returns, per lookup, the rows every
+        worker sent this owner for it, in worker order (`_Route.asked`'s order)."""
+        if not lookups:
+            return []
+        row_bytes = [g.element_size() * math.prod(g.shape[1:]) for g in sending]
+        blocks = [g.reshape(-1).view(torch.uint8).split([c * n for c in lk.pulled.plan.counts])
+                  for lk, g, n in zip(lookups, sending, row_bytes)]
+        send = torch.cat([b[w] for w in range(self.workers) for b in blocks])
+        asked = [[c * n for c in lk.pulled.asked_counts] for lk, n in zip(lookups, row_bytes)]
+        got = self._all_to_all("row grads", send, [sum(b[w].numel() for b in blocks) for w in range(self.workers)],
+                               [sum(a[w] for a in asked) for w in range(self.workers)])
+        chunks = got.split([a[w] for w in range(self.workers) for a in asked])  # by worker, then lookup
+        out = []
+        for i, g in enumerate(sending):
+            rows = torch.cat([chunks[w * len(lookups) + i] for w in range(self.workers)])
+            out.append(rows.view(g.dtype).view(-1, *g.shape[1:]))
+        return out
 
     def apply(self, received: dict[str, tuple[torch.Tensor, torch.Tensor]], coefficient: float,
               optimizer: torch.optim.Optimizer) -> None:
