@@ -50,6 +50,14 @@ _STEP, _FORWARD_END = -1, -2
 """The tags of the step's exchange of flags and of a forward's end (`ShardedTables._meta`); a lookup's is its
 table's index."""
 
+_HEADER = 5
+"""The int64s ahead of the ids in a tagged exchange's block for each worker (`ShardedTables._meta`): the tag,
+three of the exchange's own, the sender's largest block of ids for any worker."""
+
+ID_CAPACITY = 4096
+"""The most id elements (int64) a tagged exchange carries per worker: beyond it, a lookup's ids that do not
+fit always take a second exchange, rather than every tagged exchange padding to a rare large batch."""
+
 _HELD: ShardedTables | None = None
 """This worker's tables, which `_rows_of` answers the other workers' gathers from (torch RPC calls a function
 by its module path)."""
@@ -109,6 +117,7 @@ class ShardedTables(ServedTables):
         self._index = {name: i for i, name in enumerate(self.looked_up)}
         self.shards: dict[str, _Shard] = {}
         self.applied = 0  # steps applied to this worker's rows (skipped ones included)
+        self.capacity = 0  # id elements per worker in every tagged exchange (`_meta`): the same on every worker
         self._stepped = threading.Condition()
 
     def take_rows(self, weights: dict[str, torch.Tensor]) -> None:
@@ -155,18 +164,29 @@ class ShardedTables(ServedTables):
         self.metrics.timeline.all_to_all(what, sent, got, left)
         return out
 
-    def _meta(self, at: int, rows: list[list[int]]) -> torch.Tensor:
-        """Send worker w the three ints `rows[w]` and get each worker's for this one, tagged with
-        the exchange each worker is at (`at`: a table's index for its lookup, `_STEP` for the step's); every
-        worker must call it, and all at the same exchange.
+    def _meta(self, at: int, rows: list[list[int]], lane: str, blocks: tuple[torch.Tensor, ...] = ()
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Send worker w the three ints `rows[w]` and the first `capacity` elements of `blocks[w]` (a lookup's
+        ids for it; none for the other exchanges), tagged with the exchange each worker is at (`at`: a table's
+        index for its lookup, `_STEP`, `_FORWARD_END`), as lane `lane`; every worker must call it, and all at
+        the same exchange. Returns each worker's ints for this one with its largest block for any worker (W x 4)
+        and the ids it sent this one (W x the capacity before the call, zero-padded). The capacity then grows to
+        the largest block of any worker (at most `ID_CAPACITY`), the same on every worker.
 
         Raises:
             RuntimeError: another worker is at another exchange (a forward that skipped a table, or looked
                 one up where this worker did not), naming both and the fix; that worker raises it too.
         """
-        meta = torch.tensor([[at, *r] for r in rows], dtype=torch.int64)
-        lane = {_STEP: "grad flags", _FORWARD_END: "forward end"}.get(at) or f"{self.looked_up[at]} counts"
+        capacity = self.capacity
+        meta = torch.zeros(self.workers, _HEADER + capacity, dtype=torch.int64)
+        meta[:, 0] = at
+        meta[:, 1:4] = torch.tensor(rows, dtype=torch.int64)
+        meta[:, 4] = max((block.numel() for block in blocks), default=0)
+        for w, block in enumerate(blocks):
+            head = block[:capacity]
+            meta[w, _HEADER:_HEADER + head.numel()] = head
         theirs = self._all_to_all(lane, meta, [1] * self.workers, [1] * self.workers)
+        self.capacity = max(capacity, min(ID_CAPACITY, int(theirs[:, 4].max())))
         if (other := (theirs[:, 0] != at).nonzero().view(-1)).numel():
             w = int(other[0])
             raise RuntimeError(
@@ -174,7 +194,7 @@ class ShardedTables(ServedTables):
                 "every worker must look up every sharded table in every forward, in the same order (each lookup "
                 "is an exchange with every worker); call a table with an empty batch where a worker has no ids "
                 "for it (nothing was looked up or applied)")
-        return theirs[:, 1:]
+        return theirs[:, 1:_HEADER], theirs[:, _HEADER:]
 
     def _tag(self, at: int) -> str:
         """The exchange tagged `at`, in words."""
@@ -186,7 +206,7 @@ class ShardedTables(ServedTables):
         gradients): a worker whose forward skipped a table the others look up last raises here, at once,
         with them, where it would otherwise meet them only at DDP's allreduce, a mismatch gloo reports after
         the process group's timeout."""
-        self._meta(_FORWARD_END, [[0, 0, 0]] * self.workers)
+        self._meta(_FORWARD_END, [[0, 0, 0]] * self.workers, "forward end")
 
     def model_sizes(self, trainable: int) -> dict[str, int]:
         return {**super().model_sizes(trainable), "sharded_tables": len(self.specs)}
@@ -217,12 +237,23 @@ class ShardedTables(ServedTables):
         says) goes to the owners, each owner's `answer(what it was sent)` -> (the rows' keys there, their
         values) comes back; returns the values in the order of `plan`'s ids and the `_Route` the gradients take
         back to those keys. `bad`: an id of this worker's batch outside the table, refused on every worker."""
-        theirs = self._meta(self._index[name], [[c, bad is not None, bad or 0] for c in plan.counts])
+        width = math.prod(sent.shape[1:])  # int64 elements per id (a dynamic table's: the id and its count)
+        blocks = sent.reshape(-1).split([c * width for c in plan.counts])
+        capacity = self.capacity
+        theirs, heads = self._meta(self._index[name], [[b.numel(), bad is not None, bad or 0] for b in blocks],
+                                   f"{name} ids", blocks)
         if (culprits := theirs[:, 1].nonzero().view(-1)).numel():
             raise bad_id_error(name, self.modules[name].num_embeddings, int(theirs[culprits[0], 2]),
                                int(culprits[0]))
-        asked_counts = theirs[:, 0].tolist()
-        keys, rows = answer(self._all_to_all(f"{name} ids", sent, plan.counts, asked_counts))
+        elements = theirs[:, 0].tolist()
+        parts = [heads[w, :min(n, capacity)] for w, n in enumerate(elements)]
+        if int(theirs[:, 3].max()) > capacity:  # some worker's block did not fit: the rest of every block
+            rest = [max(0, n - capacity) for n in elements]
+            more = self._all_to_all(f"{name} more ids", torch.cat([b[capacity:] for b in blocks]),
+                                    [max(0, b.numel() - capacity) for b in blocks], rest)
+            parts = [torch.cat(pair) for pair in zip(parts, more.split(rest))]
+        asked_counts = [n // width for n in elements]
+        keys, rows = answer(torch.cat(parts).view(-1, *sent.shape[1:]))
         values = rows.new_empty((plan.order.numel(), *rows.shape[1:]))
         values[plan.order] = self._all_to_all(f"{name} rows", rows, asked_counts, plan.counts)
         return values, _Route(plan, asked_counts, keys)
@@ -258,7 +289,7 @@ class ShardedTables(ServedTables):
             g = lk.leaf.new_zeros(lk.leaf.shape) if g is None else g * scale if scale != 1.0 else g
             sending.append(g[lk.pulled.plan.order])
         bad = next((i for i, g in enumerate(sending) if first_nonfinite([g]) is not None), None)
-        theirs = self._meta(_STEP, [[len(lookups), bad is not None, bad or 0]] * self.workers)
+        theirs, _ = self._meta(_STEP, [[len(lookups), bad is not None, bad or 0]] * self.workers, "grad flags")
         if (other := (theirs[:, 0] != len(lookups)).nonzero().view(-1)).numel():
             w = int(other[0])
             raise RuntimeError(f"worker {w} looked up {int(theirs[w, 0])} sharded tables in this step and worker "
