@@ -2,19 +2,24 @@
 
 Every worker owns the rows `tables.row_partition` gives it and stores only those, with their row optimizer
 state. A lookup (`ServedTables._lookup`, whose forward this reuses) sends its batch's unique ids to their
-owners and gets their rows back: three `all_to_all_single` exchanges among the workers (how many ids each
-sends each, with a flag for an id out of the table; the ids; the rows), after which the lookup runs on the
-rows as a leaf. The lookup keeps the route its ids took (`_Route`: the plan, and on the owner the local rows
-each worker asked for), so at the step each worker sends its rows' gradients back along it, with no ids and
-no counts: one exchange of flags for the whole step (a NaN/Inf in some worker's row gradients, how many
-lookups it made), then the gradients of each lookup; an owner sums what every worker sent, divides by W
-(DDP's mean) and applies the row optimizer. Every exchange is a collective: every worker makes it, for every
-table, in model order, with or without ids (an empty batch sends and receives nothing but counts). So every
-worker knows of an out-of-range id or a NaN/Inf row gradient on any worker and refuses together, before
-anything moves. The counts and flags exchanges carry the exchange each worker is at (a table's lookup, the
-end of a forward, which every forward with gradients ends with, the step): a worker whose forward skipped a
-table, or looked up another, makes every worker raise at once, naming the table, where it would otherwise
-pair unrelated exchanges.
+owners and gets their rows back: two `all_to_all_single` exchanges among the workers (how many ids each sends
+each, with a flag for an id out of the table, and the first ids of each block; the rows), after which the
+lookup runs on the rows as a leaf. The first is tagged and of one size for every worker: each block carries
+up to `capacity` ids, zero-padded, which every worker grows alike to the largest block any worker has sent
+(at most `ID_CAPACITY`); when some worker's block did not fit, one more exchange carries the rest of every
+block (a job's first lookups, a batch larger than any before). The lookup keeps the route its ids took
+(`_Route`: the plan, and on the owner the local rows each worker asked for), so at the step each worker sends
+its rows' gradients back along it, with no ids and no counts: one exchange of flags for the whole step (a
+NaN/Inf in some worker's row gradients, how many lookups it made), then one of the gradients of every lookup
+(as bytes: tables may differ in dim and dtype); an owner sums what every worker sent, divides by W (DDP's
+mean) and applies the row optimizer. Every exchange is a collective: every worker makes it, for every table,
+in model order, with or without ids (an empty batch sends and receives only the tagged exchange). So every worker
+knows of an out-of-range id or a NaN/Inf row gradient on any worker and refuses together, before anything
+is looked up or applied. The tagged exchanges (a table's lookup, the end of a forward, which every forward
+with gradients ends with, the step's flags) carry the exchange each worker is at: a worker whose forward
+skipped a table, or looked up another, makes every worker raise at once, naming the table, where it would
+otherwise pair unrelated exchanges (they are of one size, so such a pair still completes). With 4 tables a
+step makes 11 exchanges (2 per lookup, the forward's end, the flags, the gradients) besides DDP's allreduce.
 
 A dynamic table's lookups (`worker.sharded_dynamic`) go along the same `route`, tagged like a table's: (id,
 count) rows out, which the owner's `DynamicShard` answers; their gradients come back with the fixed tables' at
