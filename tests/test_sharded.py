@@ -11,6 +11,8 @@ import torch
 
 import gradsync
 from gradsync.tables.row_partition import owners
+from gradsync.worker import sharded_tables
+from gradsync.worker.sharded_tables import ID_CAPACITY
 from helpers import check_timeline_order, max_diff
 from dynamic_models import TABLES, dyn_batch, reference_dynamic, reference_first_sight, train_sharded
 from sharded_models import DIM, ROWS_EMB, BagNet, Case, bag_batch, reference_bags, train_bags
@@ -19,24 +21,57 @@ pytestmark = pytest.mark.job  # every test here starts processes
 
 STEPS = 6
 INT64, FP32 = 8, 4
+HEADER = 5  # int64s ahead of the ids in a tagged exchange's block: the tag, 3 ints, the sender's largest block
 
 
-def _exchanges(step: int, me: int, workers: int) -> list[tuple[str, int, int]]:
-    """Worker `me`'s all-to-alls of `step` (lane, bytes to the other workers, bytes from them), from the
-    batches: per table the counts, then the ids of its batch that other workers own and their rows back; the
-    forward's end; at the step one exchange of flags, then per table the gradients of those rows (no ids:
-    the forward's route)."""
+def _exchanges(step: int, me: int, workers: int, capacity: int, most: int) -> tuple[list[tuple[str, int, int]], int]:
+    """Worker `me`'s all-to-alls of `step` (lane, bytes to the other workers, bytes from them) from the
+    batches, when its tagged exchanges carry `capacity` ids per worker at first (each 5 int64s and the
+    capacity to each other worker; it grows to at most `most`), and the capacity after them. Per table the counts with the first ids of
+    each block (the ids of its batch a worker sends an owner), the rest of every block when some worker's did
+    not fit (the capacity then grows to the largest block), and the rows back; the forward's end; at the step
+    the flags, then one exchange of every table's gradients of those rows (no ids: the forward's route)."""
     batches = [bag_batch(step, w) for w in range(workers)]
-    meta = 4 * INT64 * (workers - 1)
-    forward, backward = [], [("a2a grad flags", meta, meta)]
+    others = [w for w in range(workers) if w != me]
+    lanes, grads_out, grads_in = [], 0, 0
     for name, at in (("bag.weight", 0), ("emb.weight", 2)):
-        unique = [b[at].unique() for b in batches]
-        out = int((owners(unique[me], workers) != me).sum())
-        into = sum(int((owners(unique[w], workers) == me).sum()) for w in range(workers) if w != me)
-        forward += [(f"a2a {name} counts", meta, meta), (f"a2a {name} ids", INT64 * out, INT64 * into),
-                    (f"a2a {name} rows", DIM * FP32 * into, DIM * FP32 * out)]
-        backward.append((f"a2a {name} grads", DIM * FP32 * out, DIM * FP32 * into))
-    return forward + [("a2a forward end", meta, meta)] + backward
+        blocks = [torch.bincount(owners(b[at].unique(), workers), minlength=workers).tolist() for b in batches]
+        tagged = INT64 * (HEADER + capacity) * (workers - 1)
+        lanes.append((f"a2a {name} ids", tagged, tagged))
+        if (largest := max(max(b) for b in blocks)) > capacity:
+            lanes.append((f"a2a {name} more ids", INT64 * sum(max(0, blocks[me][w] - capacity) for w in others),
+                          INT64 * sum(max(0, blocks[w][me] - capacity) for w in others)))
+            capacity = max(capacity, min(largest, most))
+        out, into = sum(blocks[me][w] for w in others), sum(blocks[w][me] for w in others)
+        lanes.append((f"a2a {name} rows", DIM * FP32 * into, DIM * FP32 * out))
+        grads_out, grads_in = grads_out + DIM * FP32 * out, grads_in + DIM * FP32 * into
+    tagged = INT64 * (HEADER + capacity) * (workers - 1)
+    return lanes + [("a2a forward end", tagged, tagged), ("a2a grad flags", tagged, tagged),
+                    ("a2a row grads", grads_out, grads_in)], capacity
+
+
+def _check_lanes(result: dict, case: Case, me: int, workers: int, most: int) -> None:
+    """Worker `me`'s timeline and records of `train_bags`: each step's all-to-alls as `_exchanges` says (the
+    capacity carried from the step before; after a step with refusals or two half-batches, read off its first
+    lane), their bytes the record's, their time exchange."""
+    capacity = 0  # the job's first tagged exchange carries no ids
+    for record, timed in zip(result["records"], result["timeline"]):
+        step, pieces = timed["step"] - 1, timed["pieces"]
+        lanes = [(p["lane"], p["bytes_sent"], p["bytes_received"]) for p in pieces if p["exchange"]]
+        if step == case.accumulate_at:  # two half-batches: two lookups of each table, their gradients at once
+            assert [lane for lane, _, _ in lanes].count("a2a bag.weight ids") == 2
+            assert [lane for lane, _, _ in lanes].count("a2a row grads") == 1
+            capacity = None
+        elif step == case.bad_at:  # the refused lookups' exchanges count in that step too
+            capacity = None
+        else:  # after a step not checked here, the capacity its first exchange carried
+            start = lanes[0][1] // (INT64 * (workers - 1)) - HEADER if capacity is None else capacity
+            expected, capacity = _exchanges(step, me, workers, start, most)
+            assert lanes == expected
+        assert sum(p["bytes_sent"] for p in pieces) == record["bytes_sent"]  # with DDP's bucket lanes
+        assert sum(p["bytes_received"] for p in pieces) == record["bytes_received"]
+        assert record["pull_s"] == 0 < record["exchange_s"]  # its own column: neither pull nor compute
+        check_timeline_order(pieces)
 
 
 CASES = [(2, Case("sgd", skip_at=4)), (4, Case("adagrad", max_norm=0.5, accumulate_at=4, meta=True))]
@@ -67,17 +102,7 @@ def test_sharded_tables_match_single_process(workers, case):
     initial = results[0]["initial"]
     reference = reference_bags(case, STEPS, workers, initial)
     for me, r in enumerate(results):
-        for record, timed in zip(r["records"], r["timeline"]):
-            step, pieces = timed["step"] - 1, timed["pieces"]
-            lanes = [(p["lane"], p["bytes_sent"], p["bytes_received"]) for p in pieces if p["exchange"]]
-            if step == case.accumulate_at:  # two half-batches: two lookups of each table, the gradients of each
-                assert [lane for lane, _, _ in lanes].count("a2a bag.weight grads") == 2
-            elif step != case.bad_at:  # the refused lookups' exchanges count in that step too
-                assert lanes == _exchanges(step, me, workers)
-            assert sum(p["bytes_sent"] for p in pieces) == record["bytes_sent"]  # with DDP's bucket lanes
-            assert sum(p["bytes_received"] for p in pieces) == record["bytes_received"]
-            assert record["pull_s"] == 0 < record["exchange_s"]  # its own column: neither pull nor compute
-            check_timeline_order(pieces)
+        _check_lanes(r, case, me, workers, ID_CAPACITY)
         assert all(torch.equal(r["initial"][k], v) for k, v in initial.items())
         assert list(r["state"]) == list(reference) == list(r["module"])  # keyed as model.state_dict()
         assert max_diff(r["state"], reference) <= 1e-5
@@ -100,6 +125,30 @@ def test_sharded_tables_match_single_process(workers, case):
     for other in (dataclasses.replace(case, max_norm=None), dataclasses.replace(case, skip_at=None)):
         if other != case:  # the clipping and the skipped step matter: without them the reference lands elsewhere
             assert max_diff(reference_bags(other, STEPS, workers, initial), reference) > 1e-3
+
+
+CAPPED = 2
+
+
+def _train_capped(case: Case, steps: int) -> dict:
+    """`train_bags` with at most CAPPED ids per worker in a tagged exchange (most lookups' blocks are larger)."""
+    sharded_tables.ID_CAPACITY = CAPPED  # this rank's own module: it ends with the job
+    return train_bags(case, steps)
+
+
+@pytest.mark.timeout(150)
+def test_ids_that_do_not_fit_the_tagged_exchange_take_a_second_one():
+    """With the tagged exchanges capped at CAPPED ids per worker, a block larger than that sends its first ids
+    there and the rest in a second exchange of every block's rest, every step: the same training (to 1e-5),
+    the lanes and bytes the batches imply."""
+    case = Case("sgd")
+    results = gradsync.launch(_train_capped, strategy="sharded", workers=2, args=(case, STEPS), step_timeout=60,
+                              timeout=140)
+    reference = reference_bags(case, STEPS, 2, results[0]["initial"])
+    for me, r in enumerate(results):
+        _check_lanes(r, case, me, 2, CAPPED)
+        assert max_diff(r["state"], reference) <= 1e-5
+    assert "a2a emb.weight more ids" in [p["lane"] for p in results[0]["timeline"][-1]["pieces"]]
 
 
 DYNAMIC_STEPS, DYNAMIC_WORKERS = 8, 3

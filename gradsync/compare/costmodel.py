@@ -45,9 +45,10 @@ elements) and W workers:
 - sharded (`sharded_tables` tables split by row over the W workers): the dense part as allreduce, plus two
   all-to-alls per table (ids out and rows back in the forward, row gradients to their owners at the step):
   a worker's link carries, each way, the share of its rows owned elsewhere, (W-1)/W row_bytes, twice:
-  2 (W-1)/W row_bytes (an owner answers as many rows as it asks for, on average), and 4 more messages per
-  table (the forward's counts, ids and rows, one `all_to_all_single` each; the gradients back along the
-  forward's route) plus two per step (the end of the forward; the step's flags, for every table at once).
+  2 (W-1)/W row_bytes (an owner answers as many rows as it asks for, on average), and 2 more messages per
+  table (the forward's ids with their counts and its rows, one `all_to_all_single` each; a third, the ids
+  that did not fit, only until the capacity settles: not modelled) plus three per step (the end of the
+  forward; the step's flags; the gradients of every table, back along the forward's routes).
   Unlike the
   all-gather of sparse allreduce, the bytes through a link stay near 2 row_bytes as W grows.
 - async ps (no barrier): a worker's step is the larger of its own compute + exchange (its link carries
@@ -174,7 +175,7 @@ def traffic(config: Config, workers: int) -> tuple[float, int]:
         return allreduce_bytes(config.dense + config.tables, workers, config.compression)
     if config.strategy == "sharded":
         dense_bytes, messages = allreduce_bytes(config.dense, workers, config.compression)
-        return dense_bytes + 2 * (workers - 1) / workers * config.row_bytes, messages + 4 * config.sharded_tables + 2
+        return dense_bytes + 2 * (workers - 1) / workers * config.row_bytes, messages + 2 * config.sharded_tables + 3
     if config.strategy == "ps":
         return _ps_pipeline(config, workers), _ps_messages(config)
     dense_bytes, messages = allreduce_bytes(config.dense, workers, config.compression)

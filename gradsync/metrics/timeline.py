@@ -5,7 +5,7 @@ A worker's `Timeline` records one `PieceEvents` per lane and step: under ps each
 a step over torch RPC (sync, async, ssp; pieces that left during the backward included), and each server's
 header push (buffers and rows, no gradient);
 under allreduce each bucket DDP exchanges; under sharded also each all-to-all among the workers (a lookup's
-counts, ids and rows in the forward, the row gradients at the step: `Timeline.all_to_all`, its `left` and
+ids with their counts and its rows in the forward, the row gradients at the step: `Timeline.all_to_all`, its `left` and
 `back` around the call, its bytes those to and from the other workers). `left` and `back` are taken on the
 worker; `arrived` (every worker's part of the piece is in) and `applied` (the optimizer stepped on it) on the server, by its
 `PieceStamps`, and sent back in the piece's reply (`Stamped`). Every time is wall-clock seconds

@@ -2,19 +2,24 @@
 
 Every worker owns the rows `tables.row_partition` gives it and stores only those, with their row optimizer
 state. A lookup (`ServedTables._lookup`, whose forward this reuses) sends its batch's unique ids to their
-owners and gets their rows back: three `all_to_all_single` exchanges among the workers (how many ids each
-sends each, with a flag for an id out of the table; the ids; the rows), after which the lookup runs on the
-rows as a leaf. The lookup keeps the route its ids took (`_Route`: the plan, and on the owner the local rows
-each worker asked for), so at the step each worker sends its rows' gradients back along it, with no ids and
-no counts: one exchange of flags for the whole step (a NaN/Inf in some worker's row gradients, how many
-lookups it made), then the gradients of each lookup; an owner sums what every worker sent, divides by W
-(DDP's mean) and applies the row optimizer. Every exchange is a collective: every worker makes it, for every
-table, in model order, with or without ids (an empty batch sends and receives nothing but counts). So every
-worker knows of an out-of-range id or a NaN/Inf row gradient on any worker and refuses together, before
-anything moves. The counts and flags exchanges carry the exchange each worker is at (a table's lookup, the
-end of a forward, which every forward with gradients ends with, the step): a worker whose forward skipped a
-table, or looked up another, makes every worker raise at once, naming the table, where it would otherwise
-pair unrelated exchanges.
+owners and gets their rows back: two `all_to_all_single` exchanges among the workers (how many ids each sends
+each, with a flag for an id out of the table, and the first ids of each block; the rows), after which the
+lookup runs on the rows as a leaf. The first is tagged and of one size for every worker: each block carries
+up to `capacity` ids, zero-padded, which every worker grows alike to the largest block any worker has sent
+(at most `ID_CAPACITY`); when some worker's block did not fit, one more exchange carries the rest of every
+block (a job's first lookups, a batch larger than any before). The lookup keeps the route its ids took
+(`_Route`: the plan, and on the owner the local rows each worker asked for), so at the step each worker sends
+its rows' gradients back along it, with no ids and no counts: one exchange of flags for the whole step (a
+NaN/Inf in some worker's row gradients, how many lookups it made), then one of the gradients of every lookup
+(as bytes: tables may differ in dim and dtype); an owner sums what every worker sent, divides by W (DDP's
+mean) and applies the row optimizer. Every exchange is a collective: every worker makes it, for every table,
+in model order, with or without ids (an empty batch sends and receives only the tagged exchange). So every worker
+knows of an out-of-range id or a NaN/Inf row gradient on any worker and refuses together, before anything
+is looked up or applied. The tagged exchanges (a table's lookup, the end of a forward, which every forward
+with gradients ends with, the step's flags) carry the exchange each worker is at: a worker whose forward
+skipped a table, or looked up another, makes every worker raise at once, naming the table, where it would
+otherwise pair unrelated exchanges (they are of one size, so such a pair still completes). With 4 tables a
+step makes 11 exchanges (2 per lookup, the forward's end, the flags, the gradients) besides DDP's allreduce.
 
 A dynamic table's lookups (`worker.sharded_dynamic`) go along the same `route`, tagged like a table's: (id,
 count) rows out, which the owner's `DynamicShard` answers; their gradients come back with the fixed tables' at
@@ -49,6 +54,14 @@ from gradsync.worker.served_tables import ServedTables
 _STEP, _FORWARD_END = -1, -2
 """The tags of the step's exchange of flags and of a forward's end (`ShardedTables._meta`); a lookup's is its
 table's index."""
+
+_HEADER = 5
+"""The int64s ahead of the ids in a tagged exchange's block for each worker (`ShardedTables._meta`): the tag,
+three of the exchange's own, the sender's largest block of ids for any worker."""
+
+ID_CAPACITY = 4096
+"""The most id elements (int64) a tagged exchange carries per worker: beyond it, a lookup's ids that do not
+fit always take a second exchange, rather than every tagged exchange padding to a rare large batch."""
 
 _HELD: ShardedTables | None = None
 """This worker's tables, which `_rows_of` answers the other workers' gathers from (torch RPC calls a function
@@ -109,6 +122,7 @@ class ShardedTables(ServedTables):
         self._index = {name: i for i, name in enumerate(self.looked_up)}
         self.shards: dict[str, _Shard] = {}
         self.applied = 0  # steps applied to this worker's rows (skipped ones included)
+        self.capacity = 0  # id elements per worker in every tagged exchange (`_meta`): the same on every worker
         self._stepped = threading.Condition()
 
     def take_rows(self, weights: dict[str, torch.Tensor]) -> None:
@@ -155,18 +169,29 @@ class ShardedTables(ServedTables):
         self.metrics.timeline.all_to_all(what, sent, got, left)
         return out
 
-    def _meta(self, at: int, rows: list[list[int]]) -> torch.Tensor:
-        """Send worker w the three ints `rows[w]` and get each worker's for this one, tagged with
-        the exchange each worker is at (`at`: a table's index for its lookup, `_STEP` for the step's); every
-        worker must call it, and all at the same exchange.
+    def _meta(self, at: int, rows: list[list[int]], lane: str, blocks: tuple[torch.Tensor, ...] = ()
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Send worker w the three ints `rows[w]` and the first `capacity` elements of `blocks[w]` (a lookup's
+        ids for it; none for the other exchanges), tagged with the exchange each worker is at (`at`: a table's
+        index for its lookup, `_STEP`, `_FORWARD_END`), as lane `lane`; every worker must call it, and all at
+        the same exchange. Returns each worker's ints for this one with its largest block for any worker (W x 4)
+        and the ids it sent this one (W x the capacity before the call, zero-padded). The capacity then grows to
+        the largest block of any worker (at most `ID_CAPACITY`), the same on every worker.
 
         Raises:
             RuntimeError: another worker is at another exchange (a forward that skipped a table, or looked
                 one up where this worker did not), naming both and the fix; that worker raises it too.
         """
-        meta = torch.tensor([[at, *r] for r in rows], dtype=torch.int64)
-        lane = {_STEP: "grad flags", _FORWARD_END: "forward end"}.get(at) or f"{self.looked_up[at]} counts"
+        capacity = self.capacity
+        meta = torch.zeros(self.workers, _HEADER + capacity, dtype=torch.int64)
+        meta[:, 0] = at
+        meta[:, 1:4] = torch.tensor(rows, dtype=torch.int64)
+        meta[:, 4] = max((block.numel() for block in blocks), default=0)
+        for w, block in enumerate(blocks):
+            head = block[:capacity]
+            meta[w, _HEADER:_HEADER + head.numel()] = head
         theirs = self._all_to_all(lane, meta, [1] * self.workers, [1] * self.workers)
+        self.capacity = max(capacity, min(ID_CAPACITY, int(theirs[:, 4].max())))
         if (other := (theirs[:, 0] != at).nonzero().view(-1)).numel():
             w = int(other[0])
             raise RuntimeError(
@@ -174,7 +199,7 @@ class ShardedTables(ServedTables):
                 "every worker must look up every sharded table in every forward, in the same order (each lookup "
                 "is an exchange with every worker); call a table with an empty batch where a worker has no ids "
                 "for it (nothing was looked up or applied)")
-        return theirs[:, 1:]
+        return theirs[:, 1:_HEADER], theirs[:, _HEADER:]
 
     def _tag(self, at: int) -> str:
         """The exchange tagged `at`, in words."""
@@ -186,7 +211,7 @@ class ShardedTables(ServedTables):
         gradients): a worker whose forward skipped a table the others look up last raises here, at once,
         with them, where it would otherwise meet them only at DDP's allreduce, a mismatch gloo reports after
         the process group's timeout."""
-        self._meta(_FORWARD_END, [[0, 0, 0]] * self.workers)
+        self._meta(_FORWARD_END, [[0, 0, 0]] * self.workers, "forward end")
 
     def model_sizes(self, trainable: int) -> dict[str, int]:
         return {**super().model_sizes(trainable), "sharded_tables": len(self.specs)}
@@ -217,12 +242,23 @@ class ShardedTables(ServedTables):
         says) goes to the owners, each owner's `answer(what it was sent)` -> (the rows' keys there, their
         values) comes back; returns the values in the order of `plan`'s ids and the `_Route` the gradients take
         back to those keys. `bad`: an id of this worker's batch outside the table, refused on every worker."""
-        theirs = self._meta(self._index[name], [[c, bad is not None, bad or 0] for c in plan.counts])
+        width = math.prod(sent.shape[1:])  # int64 elements per id (a dynamic table's: the id and its count)
+        blocks = sent.reshape(-1).split([c * width for c in plan.counts])
+        capacity = self.capacity
+        theirs, heads = self._meta(self._index[name], [[b.numel(), bad is not None, bad or 0] for b in blocks],
+                                   f"{name} ids", blocks)
         if (culprits := theirs[:, 1].nonzero().view(-1)).numel():
             raise bad_id_error(name, self.modules[name].num_embeddings, int(theirs[culprits[0], 2]),
                                int(culprits[0]))
-        asked_counts = theirs[:, 0].tolist()
-        keys, rows = answer(self._all_to_all(f"{name} ids", sent, plan.counts, asked_counts))
+        elements = theirs[:, 0].tolist()
+        parts = [heads[w, :min(n, capacity)] for w, n in enumerate(elements)]
+        if int(theirs[:, 3].max()) > capacity:  # some worker's block did not fit: the rest of every block
+            rest = [max(0, n - capacity) for n in elements]
+            more = self._all_to_all(f"{name} more ids", torch.cat([b[capacity:] for b in blocks]),
+                                    [max(0, b.numel() - capacity) for b in blocks], rest)
+            parts = [torch.cat(pair) for pair in zip(parts, more.split(rest))]
+        asked_counts = [n // width for n in elements]
+        keys, rows = answer(torch.cat(parts).view(-1, *sent.shape[1:]))
         values = rows.new_empty((plan.order.numel(), *rows.shape[1:]))
         values[plan.order] = self._all_to_all(f"{name} rows", rows, asked_counts, plan.counts)
         return values, _Route(plan, asked_counts, keys)
@@ -258,7 +294,7 @@ class ShardedTables(ServedTables):
             g = lk.leaf.new_zeros(lk.leaf.shape) if g is None else g * scale if scale != 1.0 else g
             sending.append(g[lk.pulled.plan.order])
         bad = next((i for i, g in enumerate(sending) if first_nonfinite([g]) is not None), None)
-        theirs = self._meta(_STEP, [[len(lookups), bad is not None, bad or 0]] * self.workers)
+        theirs, _ = self._meta(_STEP, [[len(lookups), bad is not None, bad or 0]] * self.workers, "grad flags")
         if (other := (theirs[:, 0] != len(lookups)).nonzero().view(-1)).numel():
             w = int(other[0])
             raise RuntimeError(f"worker {w} looked up {int(theirs[w, 0])} sharded tables in this step and worker "
@@ -269,11 +305,29 @@ class ShardedTables(ServedTables):
             first = int(theirs[flagged, 2].min())
             nonfinite[lookups[first].table] = int(flagged[theirs[flagged, 2] == first][0])
         parts: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # by table: (local rows, their gradients)
-        for lk, g in zip(lookups, sending):
-            route = lk.pulled
-            got = self._all_to_all(f"{lk.table} grads", g, route.plan.counts, route.asked_counts)
-            parts.setdefault(lk.table, []).append((route.asked, got))
+        for lk, got in zip(lookups, self._grads_home(lookups, sending)):
+            parts.setdefault(lk.table, []).append((lk.pulled.asked, got))
         return {name: merge_rows(got, 1.0 / self.workers) for name, got in parts.items() if got}, nonfinite
+
+    def _grads_home(self, lookups: list, sending: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One all-to-all of every lookup's row gradients (`sending`, grouped by owner as its plan says), as
+        bytes: worker w gets each lookup's block for it, in lookup order. Returns, per lookup, the rows every
+        worker sent this owner for it, in worker order (`_Route.asked`'s order)."""
+        if not lookups:
+            return []
+        row_bytes = [g.element_size() * math.prod(g.shape[1:]) for g in sending]
+        blocks = [g.reshape(-1).view(torch.uint8).split([c * n for c in lk.pulled.plan.counts])
+                  for lk, g, n in zip(lookups, sending, row_bytes)]
+        send = torch.cat([b[w] for w in range(self.workers) for b in blocks])
+        asked = [[c * n for c in lk.pulled.asked_counts] for lk, n in zip(lookups, row_bytes)]
+        got = self._all_to_all("row grads", send, [sum(b[w].numel() for b in blocks) for w in range(self.workers)],
+                               [sum(a[w] for a in asked) for w in range(self.workers)])
+        chunks = got.split([a[w] for w in range(self.workers) for a in asked])  # by worker, then lookup
+        out = []
+        for i, g in enumerate(sending):
+            rows = torch.cat([chunks[w * len(lookups) + i] for w in range(self.workers)])
+            out.append(rows.view(g.dtype).view(-1, *g.shape[1:]))
+        return out
 
     def apply(self, received: dict[str, tuple[torch.Tensor, torch.Tensor]], coefficient: float,
               optimizer: torch.optim.Optimizer) -> None:
