@@ -40,7 +40,8 @@ sent + received: per worker (worker 0) and through the busiest link (the process
 ps and hybrid: gradsync's counters (ps's server link carries every worker's bytes; hybrid's carries their row
 bytes, their counters less the MLP's ring); allreduce-dense: a ring's 2 (W - 1) / W of every gradient byte;
 allreduce-sparse: the ring allgather of the rows each worker's batch touched, 8 + 4 x 32 bytes per row and
-table, counted from the batches, plus the MLP's ring; sharded: counted from the batches (`sharded_bytes`);
+table, counted from the batches, plus the MLP's ring; sharded: gradsync's counters (each worker's link carries
+its own: the all-to-alls' bytes to and from the other workers, their padding included, and the MLP's ring);
 TorchRec: not counted. Each cell is the median over repeats; "vs sparse allreduce" is sparse allreduce's
 median divided by the configuration's median, both from the same run (above 1: faster than sparse allreduce;
 the same for CPU-seconds). Beside each sharded row, the cost model's prediction (gradsync.compare.costmodel,
@@ -77,7 +78,6 @@ import torch.nn.functional as F
 import gradsync
 from gradsync.compare import costmodel
 from gradsync.launcher.procfs import memory
-from gradsync.tables.row_partition import owners
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -91,7 +91,6 @@ TORCHREC = ("torchrec-tw", "torchrec-rw")
 ROW_WISE = ("ps", "hybrid", "sharded", *TORCHREC)  # tables trained by a row optimizer, built on the meta device
 BASELINE = "allreduce-sparse"
 ROW_WIRE = 8 + 4 * DIM  # one row of a sparse gradient on the wire: its int64 index and its fp32 values
-COUNTS_WIRE = 3 * 8  # a sharded exchange's counts to one peer: count, flag, value (int64)
 GB = 2**30
 
 
@@ -168,28 +167,7 @@ def allreduce_bytes(config: str, rows: int, fields: int, touched: list[float]) -
     return ring_bytes(dense_elements(fields), workers) + received + sent
 
 
-def sharded_bytes(every: list[list[torch.Tensor]], workers: int, dense: int) -> list[float]:
-    """Bytes each worker sends + receives per step under sharded, from `every[w]`: worker w's ids (B, fields) of
-    each measured step. Per table and unique id of a worker's batch owned by another worker, on both their
-    links: the id out and its row back in the lookup (8 + 4 x 32 bytes), the id and its row gradient to the
-    owner at the step (8 + 4 x 32); the counts to each peer in both exchanges (3 int64 each way); the MLP's
-    ring allreduce. Means over the steps."""
-    moved = [0.0] * workers
-    steps = len(every[0])
-    for step in range(steps):
-        for w in range(workers):
-            for field in range(every[w][step].shape[1]):
-                asked = torch.bincount(owners(every[w][step][:, field].unique(), workers), minlength=workers)
-                for owner in range(workers):
-                    if owner != w:
-                        moved[w] += 2 * ROW_WIRE * int(asked[owner])
-                        moved[owner] += 2 * ROW_WIRE * int(asked[owner])
-                moved[w] += 2 * 2 * (workers - 1) * COUNTS_WIRE
-    return [m / steps + ring_bytes(dense, workers) for m in moved]
-
-
-def link_bytes(config: str, results: list[dict], rows: int, fields: int, ids: str, steps: range
-               ) -> tuple[float, float] | tuple[None, None]:
+def link_bytes(config: str, results: list[dict], rows: int, fields: int) -> tuple[float, float] | tuple[None, None]:
     """(bytes worker 0 sends + receives per step, the same through the busiest link) of a finished job (module
     docstring); (None, None) for TorchRec."""
     workers = len(results)
@@ -197,10 +175,7 @@ def link_bytes(config: str, results: list[dict], rows: int, fields: int, ids: st
         moved = allreduce_bytes(config, rows, fields, [r["touched_rows"] for r in results])
         return moved, moved
     if config == "sharded":
-        every = [[b for b, _ in worker_batches(fields, rows // fields, ids, w, workers)] for w in range(workers)]
-        moved = sharded_bytes([[every[w][i % BATCHES] for i in steps] for w in range(workers)], workers,
-                              dense_elements(fields))
-        return moved[0], max(moved)
+        return results[0]["counted_bytes"], max(r["counted_bytes"] for r in results)
     if config == "ps":
         return results[0]["counted_bytes"], sum(r["counted_bytes"] for r in results)
     if config == "hybrid":
@@ -246,7 +221,7 @@ def run(config: str, rows: int, fields: int, workers: int, steps: int, warmup: i
     worker_pids = {r["pid"] for r in results}
     rss = {int(pid): value for pid, value in first["rss"].items()}
     server_rss = [v for pid, v in rss.items() if pid not in worker_pids]
-    moved, busiest = link_bytes(config, results, rows, fields, ids, range(warmup, warmup + steps))
+    moved, busiest = link_bytes(config, results, rows, fields)
     return dict(step_s=first["step_s"], bytes_per_step=moved, busiest_link_bytes_per_step=busiest,
                 cpu_s_per_step=first["cpu_s_per_step"],
                 worker_peak_rss=max(v for pid, v in rss.items() if pid in worker_pids),
