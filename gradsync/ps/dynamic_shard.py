@@ -96,9 +96,8 @@ class DynamicShard:
         return self._rows(self.table.find(ids))
 
     def _rows(self, slots: torch.Tensor) -> torch.Tensor:
-        rows = self.table.weight[slots.clamp(min=0)]
-        rows[slots < 0] = 0
-        return rows
+        rows = self.table.weight.index_select(0, slots.clamp(min=0))
+        return rows.masked_fill_((slots < 0).unsqueeze(1), 0)
 
     def _check_ids(self, ids, what: str, worker: int | str = "a client") -> None:
         if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1:

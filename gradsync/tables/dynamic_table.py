@@ -116,11 +116,11 @@ class DynamicTable:
                 self.waiting.drop(waiting_slots[admitted & (waiting_slots >= 0)])
                 slots[missing[admitted]] = self._create(created, rows)
         present = slots >= 0
-        seen = slots[present]
+        seen = slots.masked_select(present)
         self.rows.mark(seen)
-        self.rows.columns["last_step"][seen] = step
-        self.rows.columns["lookups"][seen] += occurrences[present]
-        self.counters["filtered"] += int(occurrences[~present].sum())
+        self.rows.columns["last_step"].index_fill_(0, seen, step)
+        self.rows.columns["lookups"].index_add_(0, seen, occurrences.masked_select(present))
+        self.counters["filtered"] += int(occurrences.masked_select(~present).sum())
         return slots
 
     def ids_at(self, slots: torch.Tensor) -> torch.Tensor:
@@ -392,7 +392,7 @@ class _IdColumns:
 
     def mark(self, slots: torch.Tensor) -> None:
         """The ids in `slots` changed: the next delta checkpoint holds them."""
-        self.columns["changed"][slots] = True
+        self.columns["changed"].index_fill_(0, slots, True)
 
     def drop(self, slots: torch.Tensor) -> None:
         """Forget the ids in `slots`; the slots are free for the next ids."""
