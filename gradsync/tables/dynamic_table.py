@@ -296,8 +296,8 @@ class DynamicTable:
 
     def _create(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         slots = self.rows.add(ids)
-        self.rows.columns["weight"][slots] = rows
-        self.rows.columns["lookups"][slots] = 0
+        self.rows.columns["weight"].index_copy_(0, slots, rows)
+        self.rows.columns["lookups"].index_fill_(0, slots, 0)
         if self.optimizer is not None:
             self._fresh_state(slots)
         self.counters["admitted"] += ids.numel()
