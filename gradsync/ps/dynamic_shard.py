@@ -209,11 +209,11 @@ def held(tables: dict[str, DynamicShard], name: str, holder: str) -> DynamicShar
 
 
 def answer(tables: dict[str, DynamicShard], call: str, args: tuple, holder: str):
-    """`holder`'s answer to a call on its parts of dynamic tables (`tables`, by name) other than a lookup:
-    "read" (table, ids) -> rows; "end" (step,) -> {table: `DynamicShard.end`'s answer}, "smallest" (step,
-    {table: (rows, waiting)}) and "evict" (step, {table: (ids, waiting ids)}): the end of a step
-    (`tables.global_eviction`), per table; "state" () -> {table: its `DynamicTable.state()`}; "counts" () -> {table: (resident rows, [admitted, filtered, evicted])}; "step"
-    () -> {table: the step its next lookups belong to}."""
+    """`holder`'s answer to a call on its parts of dynamic tables (`tables`, by name) other than a lookup: "read"
+    (table, ids) -> rows; "end" (step,) -> {table: `DynamicShard.end`'s answer}, "smallest" (step, {table: (rows,
+    waiting)}) and "evict" (step, {table: (ids, waiting ids)}): the end of a step (`tables.global_eviction`), per
+    table; "state" () -> {table: its `DynamicTable.state()`}; "counts" () -> {table: (resident rows, [admitted,
+    filtered, evicted])}; "step" () -> {table: the step its next lookups belong to}."""
     if call == "read":
         return held(tables, args[0], holder).read(*args[1:])
     if call == "end":

@@ -4,10 +4,10 @@ vectorised over a batch of ids (no Python object per id).
 Buckets are three arrays (`keys` int64, `values` int64, `state` int8: empty, full or a tombstone left by a
 removal); an id starts at `mix64(id) & (buckets - 1)` and probes linearly. A batch moves through the table
 together: each round compares every still-unresolved id with its next `WINDOW` buckets at once and advances
-the rest by that many, so a batch costs (longest probe / `WINDOW`) rounds of tensor operations. Removal leaves a tombstone. When an insert would
-fill more than `MAX_LOAD` of the buckets (ids and tombstones), the table is rebuilt without tombstones at the
-size where its ids fill at most half of that: a rebuild is paid for by as many inserts as the table then
-holds. Every int64 is a valid id, -2**63 and 2**63-1 included.
+the rest by that many, so a batch costs (longest probe / `WINDOW`) rounds of tensor operations. Removal leaves
+a tombstone. When an insert would fill more than `MAX_LOAD` of the buckets (ids and tombstones), the table is
+rebuilt without tombstones at the size where its ids fill at most half of that: a rebuild is paid for by as
+many inserts as the table then holds. Every int64 is a valid id, -2**63 and 2**63-1 included.
 """
 from __future__ import annotations
 
