@@ -14,6 +14,7 @@ from torch import nn
 import gradsync
 from gradsync.core.errors import GradientError
 from gradsync.proto import gradsync_pb2 as pb
+from gradsync.ps import dynamic_shard
 from gradsync.ps.dynamic_shard import DynamicShard
 from gradsync.ps.messages import DynamicSetup
 from gradsync.tables import global_eviction
@@ -140,8 +141,29 @@ def test_servers_hold_what_one_table_holds(rules, num_servers):
         evictions = int(want["counters"][2])
     if rules["capacity"] < len(IDS):
         assert evictions > 0  # the bound was reached: eviction was exercised
-    # a step under capacity costs the one exchange of counts per worker; one over capacity three
-    assert set(servers.calls) <= {"end", "smallest", "evict"}
+    # a step under capacity costs the one exchange of counts per worker; one over capacity two, three where the
+    # candidates fell short; a server that holds the whole table evicts by itself in the first
+    assert set(servers.calls) <= ({"end"} if num_servers == 1 else {"end", "smallest", "evict"})
+
+
+@pytest.mark.parametrize("rules", RULES[:2], ids=lambda r: "-".join(f"{k}={v}" for k, v in r.items()))
+@pytest.mark.parametrize("num_servers", [2, 3])
+def test_few_candidates_choose_what_the_rule_chooses(rules, num_servers, monkeypatch):
+    """With as few candidates from `end` as each server expects to lose (and one), some steps' choice is
+    decided by them and others ask for each server's own first (`smallest`): both keep the rule's ids."""
+    monkeypatch.setattr(dynamic_shard, "CANDIDATE_SHARE", 1.0)
+    monkeypatch.setattr(dynamic_shard, "CANDIDATE_MARGIN", 1)
+    optimizer = gradsync.RowAdagrad(lr=0.1)
+    servers = Servers(num_servers, optimizer, **rules)
+    single = DynamicTable(**settings(**rules))
+    for step in range(14):
+        sync_step(servers, step, rules["capacity"])
+        single_step(single, optimizer, step)
+        got, want = servers.state(), single.state()
+        for key in ("ids", "weight", "last_step", "lookups", "waiting_ids", "waiting_sightings", "counters"):
+            assert torch.equal(got[key], want[key]), (step, key)
+    asked, evicted = servers.calls.count("smallest"), servers.calls.count("evict")
+    assert 0 < asked < evicted  # decided by the candidates at some steps' ends, asked at others
 
 
 def test_eviction_is_global_not_per_server():

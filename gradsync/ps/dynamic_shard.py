@@ -5,11 +5,14 @@ counters.
 A sync step t, as the workers drive it: each worker's forward looks up its batch's distinct ids here with
 their counts (`lookup`: rows as at the start of step t, admitted ids created with `init`); the push's row
 gradients, averaged over the workers by the consistency rule, go through `check_push` and `apply`; then every
-worker ends the step (`end`, `smallest`, `evict`: `tables.global_eviction`). Those three answer the first
-call of a step and repeat that answer to the other workers' calls of the same step: the first `smallest` of
-step t comes before any `evict` of t and any lookup of t + 1 here (every worker asks every server before it
-evicts, and evicts before its next forward), so every worker sees the same keys and evicts the same ids.
-Callers hold the shard's lock.
+worker ends the step (`end`, then where the table is over capacity `evict`, and `smallest` where `end`'s
+candidates fell short: `tables.global_eviction`). `end` answers the rows and waiting ids held with the first
+candidates for eviction here, as many as this server expects to lose: `CANDIDATE_SHARE` x the larger of its
+excess over its share of capacity and what it lost at the last step's end, plus `CANDIDATE_MARGIN`; a server
+that holds the whole table evicts by itself there. Those three answer the first call of a step and repeat that
+answer to the other workers' calls of the same step: the first `end` and `smallest` of step t come before any
+`evict` of t and any lookup of t + 1 here (every worker asks every server before it evicts, and evicts before
+its next forward), so every worker sees the same keys and evicts the same ids. Callers hold the shard's lock.
 
 Async and ssp (`alone`): a server steps its part of the table by itself, as no step spans the servers. Its step
 counts the pushes it applied: each lookup belongs to the step the server is at (the worker's step is ignored),
@@ -29,6 +32,9 @@ from gradsync.ps.table_shard import TableStats
 from gradsync.tables.dynamic_checkpoint import rehomed
 from gradsync.tables.dynamic_table import DynamicTable
 from gradsync.tables.id_hash import server_of
+
+CANDIDATE_SHARE, CANDIDATE_MARGIN = 1.25, 64
+"""How many eviction candidates `end` sends, beyond what it expects to lose (module docstring)."""
 
 
 class DynamicShard:
@@ -51,6 +57,7 @@ class DynamicShard:
         self._ended: tuple[int, tuple[int, int]] | None = None  # (step, its answer) of the last `end`
         self._smallest: tuple[int, dict] | None = None
         self._evicted = -1
+        self._lost = (0, 0)  # the rows evicted and waiting ids forgotten at the last step's end
 
     @property
     def stats(self) -> TableStats:
@@ -89,9 +96,8 @@ class DynamicShard:
         return self._rows(self.table.find(ids))
 
     def _rows(self, slots: torch.Tensor) -> torch.Tensor:
-        rows = self.table.weight[slots.clamp(min=0)]
-        rows[slots < 0] = 0
-        return rows
+        rows = self.table.weight.index_select(0, slots.clamp(min=0))
+        return rows.masked_fill_((slots < 0).unsqueeze(1), 0)
 
     def _check_ids(self, ids, what: str, worker: int | str = "a client") -> None:
         if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1:
@@ -134,12 +140,27 @@ class DynamicShard:
         """Alone: end the server's step after a push it applied (eviction over its share of `capacity`)."""
         self.table.end_step(self.table.step)
 
-    def end(self, step: int) -> tuple[int, int]:
-        """End step `step` here (`ttl_steps`); (resident rows, waiting ids) after it, the same to every call."""
+    def end(self, step: int) -> tuple:
+        """End step `step` here (`ttl_steps`; one server: the bounds by capacity too); (resident rows, waiting
+        ids, the first candidate rows to evict with their keys, the first waiting ids with theirs) after it,
+        the same to every call."""
         if self._ended is None or self._ended[0] != step:
-            self.table.expire(step)
-            self._ended = (step, (len(self.table), len(self.table.waiting)))
+            t = self.table
+            t.expire(step)
+            if self.num_servers == 1:
+                self.evict(step, t.smallest_rows(len(t) - t.capacity)[0],
+                           t.smallest_waiting(len(t.waiting) - t.capacity)[0])
+            rows, waiting = len(t), len(t.waiting)
+            self._ended = (step, (rows, waiting, *t.smallest_rows(self._candidates(rows, self._lost[0])),
+                                  *t.smallest_waiting(self._candidates(waiting, self._lost[1]))))
         return self._ended[1]
+
+    def _candidates(self, held: int, lost: int) -> int:
+        """How many of its `held` rows (or waiting ids) `end` sends as candidates for eviction."""
+        share = -(-self.table.capacity // self.num_servers)
+        if held <= share and not lost:
+            return 0
+        return min(held, int(CANDIDATE_SHARE * max(held - share, lost)) + CANDIDATE_MARGIN)
 
     def smallest(self, step: int, rows: int, waiting: int) -> tuple[torch.Tensor, ...]:
         """The `rows` rows and `waiting` waiting ids that go first here at the end of step `step`, with their
@@ -173,9 +194,11 @@ class DynamicShard:
         """Evict the rows `ids` and forget the waiting `waiting` for step `step`, once (later calls of the same
         step change nothing)."""
         if self._evicted != step:
+            evicted = self.table.counters["evicted"]
             self.table.evict_ids(ids)
             self.table.forget_ids(waiting)
             self._evicted = step
+            self._lost = (self.table.counters["evicted"] - evicted, int(waiting.numel()))
 
 
 def held(tables: dict[str, DynamicShard], name: str, holder: str) -> DynamicShard:
@@ -186,11 +209,11 @@ def held(tables: dict[str, DynamicShard], name: str, holder: str) -> DynamicShar
 
 
 def answer(tables: dict[str, DynamicShard], call: str, args: tuple, holder: str):
-    """`holder`'s answer to a call on its parts of dynamic tables (`tables`, by name) other than a lookup:
-    "read" (table, ids) -> rows; "end" (step,), "smallest" (step, {table: (rows, waiting)}) and "evict" (step,
-    {table: (ids, waiting ids)}): the end of a step (`tables.global_eviction`), per table; "state" () -> {table:
-    its `DynamicTable.state()`}; "counts" () -> {table: (resident rows, [admitted, filtered, evicted])}; "step"
-    () -> {table: the step its next lookups belong to}."""
+    """`holder`'s answer to a call on its parts of dynamic tables (`tables`, by name) other than a lookup: "read"
+    (table, ids) -> rows; "end" (step,) -> {table: `DynamicShard.end`'s answer}, "smallest" (step, {table: (rows,
+    waiting)}) and "evict" (step, {table: (ids, waiting ids)}): the end of a step (`tables.global_eviction`), per
+    table; "state" () -> {table: its `DynamicTable.state()`}; "counts" () -> {table: (resident rows, [admitted,
+    filtered, evicted])}; "step" () -> {table: the step its next lookups belong to}."""
     if call == "read":
         return held(tables, args[0], holder).read(*args[1:])
     if call == "end":

@@ -33,8 +33,8 @@ optimizer state, and every waiting id with its sightings and last step; a delta 
 changed (looked up, created, updated) since the last full one, with the ids that left since then, and both
 restore exactly (`tables.dynamic_checkpoint`, `load`).
 
-Memory: per slot the row, its id, last step and lookup count (24 bytes), a changed flag (1 byte) and the row
-optimizer's state; per waiting id 25 bytes; per id of the last full checkpoint 8 bytes; each id index 17 bytes
+Memory: per slot the row, its id, last step and lookup count (24 bytes), changed and held flags (2 bytes) and
+the row optimizer's state; per waiting id 26 bytes; per id of the last full checkpoint 8 bytes; each id index 17 bytes
 per bucket, 2 to 4 buckets per id.
 """
 from __future__ import annotations
@@ -116,11 +116,11 @@ class DynamicTable:
                 self.waiting.drop(waiting_slots[admitted & (waiting_slots >= 0)])
                 slots[missing[admitted]] = self._create(created, rows)
         present = slots >= 0
-        seen = slots[present]
+        seen = slots.masked_select(present)
         self.rows.mark(seen)
-        self.rows.columns["last_step"][seen] = step
-        self.rows.columns["lookups"][seen] += occurrences[present]
-        self.counters["filtered"] += int(occurrences[~present].sum())
+        self.rows.columns["last_step"].index_fill_(0, seen, step)
+        self.rows.columns["lookups"].index_add_(0, seen, occurrences.masked_select(present))
+        self.counters["filtered"] += int(occurrences.masked_select(~present).sum())
         return slots
 
     def ids_at(self, slots: torch.Tensor) -> torch.Tensor:
@@ -163,8 +163,8 @@ class DynamicTable:
         self.step = step + 1
 
     def smallest_rows(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ids of the `count` resident rows that go first by the eviction rule, in that order, and their
-        keys ([count, 2] (last step, id) for "lru"; [count, 3] (lookups, last step, id) for "lfu")."""
+        """The ids of the `count` resident rows that go first by the eviction rule (in no particular order) and
+        their keys ([count, 2] (last step, id) for "lru"; [count, 3] (lookups, last step, id) for "lfu")."""
         if count <= 0:
             return torch.zeros(0, dtype=torch.int64), torch.zeros(0, 2 if self.evict == "lru" else 3,
                                                                    dtype=torch.int64)
@@ -175,7 +175,8 @@ class DynamicTable:
         return ids[chosen], torch.stack([k[chosen] for k in keys], dim=1)
 
     def smallest_waiting(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The `count` waiting ids forgotten first, in that order, and their keys [count, 2] (last step, id)."""
+        """The `count` waiting ids forgotten first (in no particular order) and their keys [count, 2] (last step,
+        id)."""
         if count <= 0:
             return torch.zeros(0, dtype=torch.int64), torch.zeros(0, 2, dtype=torch.int64)
         ids, slots = self.waiting.resident()
@@ -185,13 +186,11 @@ class DynamicTable:
 
     def evict_ids(self, ids: torch.Tensor) -> None:
         """Evict the resident rows of `ids` (counted as evicted)."""
-        slots = self.find(ids)
-        self._evict(slots[slots >= 0])
+        self.counters["evicted"] += self.rows.drop_ids(ids)
 
     def forget_ids(self, ids: torch.Tensor) -> None:
         """Forget the sightings of the waiting `ids`."""
-        slots = self.waiting.index.find(ids)
-        self.waiting.drop(slots[slots >= 0])
+        self.waiting.drop_ids(ids)
 
     def state(self) -> dict[str, torch.Tensor]:
         """The table as tensors: resident ids ascending with their rows, last steps and lookup counts; waiting
@@ -297,8 +296,8 @@ class DynamicTable:
 
     def _create(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         slots = self.rows.add(ids)
-        self.rows.columns["weight"][slots] = rows
-        self.rows.columns["lookups"][slots] = 0
+        self.rows.columns["weight"].index_copy_(0, slots, rows)
+        self.rows.columns["lookups"].index_fill_(0, slots, 0)
         if self.optimizer is not None:
             self._fresh_state(slots)
         self.counters["admitted"] += ids.numel()
@@ -334,20 +333,20 @@ def _state_slots(state) -> int:
 
 
 def smallest(keys: list[torch.Tensor], count: int) -> torch.Tensor:
-    """Positions of the `count` lexicographically smallest rows of the columns `keys` (the last key unique),
-    in that order: a partial selection on the first key, then a full sort of its ties only."""
-    if count <= 0:
-        return torch.zeros(0, dtype=torch.int64)
-    first = keys[0]
-    if count < first.numel():
-        threshold = first.kthvalue(count).values
-        candidates = (first <= threshold).nonzero().squeeze(1)
-    else:
-        candidates = torch.arange(first.numel())
-    order = torch.arange(candidates.numel())
-    for key in reversed(keys):
-        order = order[torch.sort(key[candidates][order], stable=True).indices]
-    return candidates[order[:count]]
+    """Positions of the `count` lexicographically smallest rows of the columns `keys` (the last key unique), in
+    no particular order: a partial selection (`kthvalue`) key by key, each on the ties of the one before."""
+    candidates = torch.arange(keys[0].numel())
+    chosen = []
+    for key in keys:
+        values = key[candidates]
+        if count <= 0 or count >= values.numel():
+            break
+        threshold = values.kthvalue(count).values
+        below = candidates[values < threshold]
+        chosen.append(below)
+        count -= below.numel()
+        candidates = candidates[values == threshold]
+    return torch.cat(chosen + [candidates[:max(count, 0)]])
 
 
 def _ascending(ids: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -363,6 +362,7 @@ class _IdColumns:
         self.index = IdIndex()
         columns["id"] = ((), torch.int64)
         columns["changed"] = ((), torch.bool)  # since the last full checkpoint
+        columns["held"] = ((), torch.bool)  # the slot holds an id
         self.base = torch.zeros(0, dtype=torch.int64)  # the ids held at the last full checkpoint
         self.slots = 64
         self.columns = {name: torch.zeros((self.slots,) + shape, dtype=dtype)
@@ -387,20 +387,32 @@ class _IdColumns:
         self.index.insert(ids, reused)
         self.columns["id"][reused] = ids
         self.columns["changed"][reused] = True
+        self.columns["held"][reused] = True
         return reused
 
     def mark(self, slots: torch.Tensor) -> None:
         """The ids in `slots` changed: the next delta checkpoint holds them."""
-        self.columns["changed"][slots] = True
+        self.columns["changed"].index_fill_(0, slots, True)
 
     def drop(self, slots: torch.Tensor) -> None:
         """Forget the ids in `slots`; the slots are free for the next ids."""
         self.index.remove(self.columns["id"][slots])
+        self._free(slots)
+
+    def drop_ids(self, ids: torch.Tensor) -> int:
+        """Forget those of `ids` held (one probe of the index); how many were."""
+        slots = self.index.remove(ids)
+        self._free(slots)
+        return slots.numel()
+
+    def _free(self, slots: torch.Tensor) -> None:
+        self.columns["held"][slots] = False
         self.free = torch.cat([self.free, slots])
 
     def resident(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ids held and their slots."""
-        return self.index.items()
+        """The ids held and their slots, in slot order."""
+        slots = self.columns["held"].nonzero().squeeze(1)
+        return self.columns["id"][slots], slots
 
     def since_full(self, full: bool) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
         """For a checkpoint: (ids, slots) of every id held (`full`; it becomes the base of the next deltas),

@@ -3,11 +3,15 @@ its ids), by the single-process rule: the bounds by `capacity` are over the whol
 server evicts depend on every server's rows.
 
 Each server first ends the step locally (`DynamicTable.expire`: `ttl_steps`, a rule per row) and answers its
-resident rows and waiting ids. When the whole table holds more than `capacity` rows (or waiting ids), the
-`excess` rows that go first overall are among each server's own `excess` first (`DynamicTable.smallest_rows`):
-the caller gathers those with their keys, takes the `excess` smallest keys of all (ids are distinct, so the
-keys are), and tells each server which of its ids to evict. A step under capacity costs the one exchange of
-counts; one over capacity two more (the keys, then the ids).
+resident rows and waiting ids with its first candidates for eviction: the rows and waiting ids that go first
+there (`DynamicTable.smallest_rows`), as many as it expects to lose (`ps.dynamic_shard`). When the whole table
+holds more than `capacity` rows (or waiting ids), the `excess` rows that go first overall are among each
+server's own `excess` first: the caller takes the `excess` smallest keys of the candidates (ids are distinct,
+so the keys are) and tells each server which of its ids to evict. That choice is the rule's whenever no
+server that sent only part of its rows has every one of them chosen (its others have larger keys); otherwise
+the caller asks each server for its own `excess` first (`smallest`) and chooses among those. A step under
+capacity costs the one exchange of counts; one over capacity one more (the ids), two where the candidates
+fell short. A server that holds the whole table (S = 1) evicts by itself in the first.
 """
 from __future__ import annotations
 
@@ -23,36 +27,61 @@ Call = Callable[[str, dict[int, tuple]], dict[int, object]]
 
 def end_step(step: int, capacities: dict[str, int], servers: list[int], call: Call) -> dict[str, tuple[int, int]]:
     """End step `step` of the dynamic tables (`capacities`: each table's capacity) held by `servers`, through
-    `call`: each server's `end(step)` -> {table: (rows, waiting ids)}; `smallest(step, {table: (rows, waiting
-    ids)})` -> {table: (row ids, their keys, waiting ids, their keys)}; `evict(step, {table: (row ids, waiting
-    ids)})`. Returns each table's (rows, waiting ids) over all servers once the step has ended."""
-    counts = call("end", {s: (step,) for s in servers})
-    totals = {t: tuple(sum(counts[s][t][k] for s in servers) for k in (0, 1)) for t in capacities}
+    `call`: each server's `end(step)` -> {table: (rows, waiting ids, candidate row ids, their keys, candidate
+    waiting ids, their keys)}; where the candidates fall short, `smallest(step, {table: (rows, waiting ids)})`
+    -> {table: (row ids, their keys, waiting ids, their keys)}; `evict(step, {table: (row ids, waiting ids)})`.
+    Returns each table's (rows, waiting ids) over all servers once the step has ended."""
+    ended = call("end", {s: (step,) for s in servers})
+    totals = {t: tuple(sum(ended[s][t][k] for s in servers) for k in (0, 1)) for t in capacities}
     excess = {t: (totals[t][0] - cap, totals[t][1] - cap) for t, cap in capacities.items()}
     over = {t: e for t, e in excess.items() if max(e) > 0}
     if not over:
         return totals
-    asks = {s: (step, {t: tuple(min(counts[s][t][k], max(e[k], 0)) for k in (0, 1)) for t, e in over.items()})
-            for s in servers}
-    answers = call("smallest", asks)
-    plan: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {s: {} for s in servers}
+    plan = {s: {} for s in servers}
     for t, (rows, waiting) in over.items():
-        evicted = first_overall({s: answers[s][t][:2] for s in servers}, rows)
-        forgotten = first_overall({s: answers[s][t][2:] for s in servers}, waiting)
+        evicted = first_overall({s: (ended[s][t][2:4], ended[s][t][0]) for s in servers}, rows)
+        forgotten = first_overall({s: (ended[s][t][4:6], ended[s][t][1]) for s in servers}, waiting)
+        if evicted is None or forgotten is None:
+            plan = _asked(step, {t: e for t, e in over.items()}, ended, servers, call)
+            break
         for s in servers:
             plan[s][t] = (evicted[s], forgotten[s])
     call("evict", {s: (step, plan[s]) for s in servers})
     return {t: (min(rows, capacities[t]), min(waiting, capacities[t])) for t, (rows, waiting) in totals.items()}
 
 
-def first_overall(parts: dict[int, tuple[torch.Tensor, torch.Tensor]], count: int) -> dict[int, torch.Tensor]:
-    """Of every server's (ids, keys [n, k]), the ids of the `count` smallest keys overall, by server."""
+def _asked(step: int, over: dict[str, tuple[int, int]], ended: dict, servers: list[int], call: Call) -> dict:
+    """The eviction plan by server from each server's own `excess` first (`smallest`), every one of them
+    held by the chooser: the rule's choice whatever the candidates were."""
+    asks = {s: (step, {t: tuple(min(ended[s][t][k], max(e[k], 0)) for k in (0, 1)) for t, e in over.items()})
+            for s in servers}
+    answers = call("smallest", asks)
+    plan: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {s: {} for s in servers}
+    for t, (rows, waiting) in over.items():
+        evicted = first_overall({s: (answers[s][t][:2], asks[s][1][t][0]) for s in servers}, rows)
+        forgotten = first_overall({s: (answers[s][t][2:], asks[s][1][t][1]) for s in servers}, waiting)
+        for s in servers:
+            plan[s][t] = (evicted[s], forgotten[s])
+    return plan
+
+
+def first_overall(parts: dict[int, tuple[tuple[torch.Tensor, torch.Tensor], int]], count: int
+                  ) -> dict[int, torch.Tensor] | None:
+    """Of every server's ((ids, keys [n, k]) of its n first, of `held` it holds), the ids of the `count`
+    smallest keys overall, by server; None when that is not decided: a server that sent fewer than it holds
+    has every one it sent among them (one it did not send might be too)."""
     servers = list(parts)
     empty = torch.zeros(0, dtype=torch.int64)
     if count <= 0:
         return {s: empty for s in servers}
-    keys = torch.cat([parts[s][1] for s in servers])
-    ids = torch.cat([parts[s][0] for s in servers])
-    owner = torch.cat([torch.full((parts[s][0].numel(),), s, dtype=torch.int64) for s in servers])
+    keys = torch.cat([parts[s][0][1] for s in servers])
+    ids = torch.cat([parts[s][0][0] for s in servers])
+    owner = torch.cat([torch.full((parts[s][0][0].numel(),), s, dtype=torch.int64) for s in servers])
     chosen = smallest(list(keys.unbind(1)), count)
-    return {s: ids[chosen[owner[chosen] == s]] for s in servers}
+    if chosen.numel() < count:
+        return None
+    out = {s: ids[chosen[owner[chosen] == s]] for s in servers}
+    sent = {s: parts[s][0][0].numel() for s in servers}
+    if any(sent[s] < parts[s][1] and out[s].numel() == sent[s] for s in servers):
+        return None
+    return out

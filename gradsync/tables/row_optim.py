@@ -76,14 +76,14 @@ class RowSGD:
     @torch.no_grad()
     def step(self, values: torch.Tensor, state: LazyRows | None, ids: torch.Tensor, grads: torch.Tensor) -> None:
         """Update the unique local rows `ids` of `values` with their gradients `grads`."""
-        w = values[ids]
+        w = values.index_select(0, ids)
         g = grads if not self.weight_decay else grads.add(w, alpha=self.weight_decay)
         if state is not None:
             slots = state.slots(ids)
             buf = state.data[slots].mul_(self.momentum).add_(g)
             state.data[slots] = buf
             g = g.add(buf, alpha=self.momentum) if self.nesterov else buf
-        values[ids] = w.add_(g, alpha=-self.lr)
+        values.index_copy_(0, ids, w.add_(g, alpha=-self.lr))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,11 +108,11 @@ class RowAdagrad:
 
     @torch.no_grad()
     def step(self, values: torch.Tensor, state: torch.Tensor, ids: torch.Tensor, grads: torch.Tensor) -> None:
-        w = values[ids]
+        w = values.index_select(0, ids)
         g = grads if not self.weight_decay else grads.add(w, alpha=self.weight_decay)
-        acc = state[ids].add_(g.float().pow(2).mean(1))
-        state[ids] = acc
-        values[ids] = w.sub_(g * (self.lr / (acc.sqrt() + self.eps)).to(w.dtype).unsqueeze(1))
+        acc = state.index_select(0, ids).add_(g.float().pow(2).mean(1))
+        state.index_copy_(0, ids, acc)
+        values.index_copy_(0, ids, w.sub_(g * (self.lr / (acc.sqrt() + self.eps)).to(w.dtype).unsqueeze(1)))
 
 
 ROW_OPTIMIZERS = (RowSGD, RowAdagrad)
