@@ -53,7 +53,8 @@ def schedule(steps: int, extra: list[int]) -> list[list[int]]:
 def train_dynamic(optimizer: str, steps: int, extra: list[int]) -> dict:
     """Train DynNet by `schedule` (the step after the join block looks its ids up at the step the servers are
     at, on the worker that joined first too); returns the trainer's state, the module's own state_dict, each
-    table's resident rows and counters as the module answers them, and the servers' table stats."""
+    table's resident rows and counters as the module answers them, the servers' table stats and each step's pull
+    seconds."""
     model = DynNet()
     trainer = gradsync.Trainer(model, torch.optim.SGD(model.parameters(), lr=LR),
                                table_optimizer=OPTIMIZERS[optimizer])
@@ -66,7 +67,8 @@ def train_dynamic(optimizer: str, steps: int, extra: list[int]) -> dict:
     run_loop(trainer, 1, data=lambda t, w: dyn_batch(last, w), loss_fn=F.binary_cross_entropy_with_logits)
     tables = {n: (getattr(model, n).resident_rows, getattr(model, n).counters) for n in TABLES}
     stats = {s: st["tables"] for s, st in trainer.server_stats().items()}
-    return {"trainer": trainer.state_dict(), "module": model.state_dict(), "tables": tables, "stats": stats}
+    return {"trainer": trainer.state_dict(), "module": model.state_dict(), "tables": tables, "stats": stats,
+            "pull_s": [r.pull_s for r in trainer.metrics.records]}
 
 
 def train_sharded(optimizer: str, steps: int) -> dict:

@@ -4,7 +4,8 @@ Each job checks the unbounded table against an nn.Embedding holding init(id) in 
 against the single-process DynamicEmbedding (RowAdagrad); the small LRU and LFU tables, with admission, end
 with the ids the single-process rule keeps, bit for bit, and the same rows; trainer.state_dict(), the module's
 own state_dict, its resident_rows and counters and the servers' stats agree. Checkpoints, full and delta,
-resume onto other numbers of servers bit for bit; under async each server bounds its share of the table."""
+resume onto other numbers of servers bit for bit; under async each server bounds its share of the table. A
+dynamic table's lookups count as pull (hybrid pulls nothing else), never as compute."""
 import json
 import shutil
 
@@ -51,6 +52,8 @@ def test_dynamic_tables_on_the_servers_train_as_in_one_process(strategy, servers
         assert sum(t["rows"] for t in per) == results[0]["tables"][name][0]
         assert [sum(t[k] for t in per) for k in ("admitted", "filtered", "evicted")] == \
             list(counters[name].values())
+    if strategy == "hybrid":
+        assert all(pulled > 0 for pulled in results[0]["pull_s"]), results[0]["pull_s"]
     if optimizer == "sgd":
         ids, rows = reference_first_sight(STEPS, EXTRA)
         assert torch.equal(results[0]["trainer"]["big.ids"], ids)
