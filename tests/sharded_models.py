@@ -211,10 +211,25 @@ def global_batch_part(step: int, worker: int, workers: int) -> tuple[torch.Tenso
     return bag[starts[lo]:starts[hi]], starts[lo:hi] - starts[lo], ids[lo:hi], x[lo:hi], y[lo:hi]
 
 
+class SeenNet(BagNet):
+    """BagNet whose Embedding's ids mod 12, as 64-bit ids, also look up a dynamic table `seen` (4 rows, LRU,
+    admitted at the second sighting: on `global_batch_part`, ids admitted, filtered and evicted at steps 3 and 4),
+    each sample's row summed into its prediction."""
+
+    HASHED = torch.tensor([0x5DEECE66D * (r + 1) ** 3 - 2**62 for r in range(12)])
+
+    def __init__(self):
+        super().__init__()
+        self.seen = gradsync.DynamicEmbedding(DIM, capacity=4, admit_after=2, evict="lru")
+
+    def forward(self, bag_ids, offsets, ids, dense):
+        return super().forward(bag_ids, offsets, ids, dense) + self.seen(self.HASHED[ids % 12]).sum(1)
+
+
 def train_resumed(steps: int) -> tuple[int, dict[str, torch.Tensor]]:
-    """Train BagNet (dense AdamW, tables under RowSGD with momentum: state per row) from `trainer.start_step`
+    """Train SeenNet (dense AdamW, tables under RowSGD with momentum: state per row) from `trainer.start_step`
     (a resumed job's step) to `steps` on `global_batch_part`; returns the start step and the trained state."""
-    model = BagNet()
+    model = SeenNet()
     trainer = gradsync.Trainer(model, torch.optim.AdamW(model.parameters(), lr=LR),
                                table_optimizer=gradsync.RowSGD(lr=ROW_LR, momentum=0.9))
     for step in range(trainer.start_step, steps):

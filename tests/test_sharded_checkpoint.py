@@ -1,7 +1,8 @@
 """Checkpoints of the sharded strategy: each worker saves its rows with their row optimizer state, and a resume
 re-homes them by the row partition of the resuming job's workers (in one process: W = 2 -> 3, 4 -> 2, 3 -> 3,
-exact rows and state); a job resumed from step K onto the same W ends bit for bit where the uninterrupted run
-ends, onto another W to float noise; a sharded checkpoint under another strategy is refused naming both."""
+exact rows and state); a job with a dynamic table too, resumed from step K onto the same W, ends bit for bit
+where the uninterrupted run ends, onto another W with the dynamic table's decisions bit for bit and its values to
+float noise; a sharded checkpoint under another strategy is refused naming both."""
 import json
 import os
 import shutil
@@ -16,7 +17,7 @@ from gradsync.ps import shard_file
 from gradsync.runtime import checkpoints
 from gradsync.worker.sharded_tables import ShardedTables
 from helpers import max_diff
-from sharded_models import BagNet, train_resumed
+from sharded_models import SeenNet, train_resumed
 
 ROWS, DIM = 50, 3
 OPTIMIZERS = {"acc": gradsync.RowAdagrad(lr=0.1), "momentum": gradsync.RowSGD(lr=0.1, momentum=0.9)}
@@ -104,19 +105,34 @@ def test_a_sharded_checkpoint_resumed_under_another_strategy_is_refused_naming_b
 @pytest.mark.job
 @pytest.mark.timeout(200)
 def test_a_sharded_job_resumed_from_step_k_ends_where_the_uninterrupted_run_ends(tmp_path):
+    """SeenNet: fixed tables and a dynamic one (4 rows of 12 ids, LRU, admitted at the second sighting), W = 2,
+    checkpoints after steps 2 and 4 of 4; resumed from step 2. Onto W = 2 every value ends bit for bit where
+    the uninterrupted run's does; onto W = 3 the dynamic table's decisions (resident and waiting ids, last steps,
+    lookups, sightings, step, counters: the same global batch, so the same ones) bit for bit, every value to
+    float noise (other sums of the workers' gradients)."""
     steps, every = 4, 2
     directory = str(tmp_path / "checkpoints")
     job = dict(step_timeout=60, timeout=120)
     (start, uninterrupted), _ = gradsync.launch(train_resumed, strategy="sharded", workers=2, args=(steps,),
                                                 checkpoint_dir=directory, checkpoint_every=every, **job)
-    assert start == 0 and max_diff(uninterrupted, BagNet().state_dict()) > 1e-2
+    fixed = {k: v for k, v in uninterrupted.items() if not k.startswith("seen.")}
+    assert start == 0 and max_diff(fixed, {k: v for k, v in SeenNet().state_dict().items() if k in fixed}) > 1e-2
+    parts = [shard_file.load(os.path.join(checkpoints.step_dir(directory, every), f"worker-{w}.ckpt"))["dynamic"]
+             for w in range(2)]
+    assert [p["seen"]["num_servers"] for p in parts] == [2, 2]
+    kept = sum(p["seen"]["counters"] for p in parts)
+    ended = uninterrupted["seen.counters"]
+    assert (kept < ended).all() and kept[0] > 0  # rows admitted before it; admitted, filtered, evicted after
+    assert uninterrupted["seen.ids"].numel() == 4 and uninterrupted["seen.waiting_ids"].numel() > 0
     shutil.rmtree(checkpoints.step_dir(directory, steps))  # resume from step `every`
+    decisions = [k for k in uninterrupted if k.startswith("seen.") and k != "seen.weight"]
     for workers in (2, 3):
         results = gradsync.launch(train_resumed, strategy="sharded", workers=workers, args=(steps,),
                                   resume=directory, **job)
         for start, state in results:
-            assert start == every
+            assert start == every and list(state) == list(uninterrupted)
             if workers == 2:
                 assert all(torch.equal(state[k], uninterrupted[k]) for k in uninterrupted)  # bit for bit
             else:  # other sums of the workers' gradients: float noise
+                assert all(torch.equal(state[k], uninterrupted[k]) for k in decisions)
                 assert max_diff(state, uninterrupted) <= 1e-5

@@ -15,12 +15,16 @@ its calls answered by this worker's part and an all-gather of every worker's ans
 Any other forward (evaluation, which one worker may run alone) reads the rows over torch RPC from each owner's
 `find`, creating nothing; `trainer.state_dict()`, the module's `state_dict()`, `resident_rows` and the counters
 gather the parts the same way, each owner answering once it has ended as many steps as the asking worker.
-Checkpoints of these tables are not written yet: a job that would write or resume one is refused.
+
+A job checkpoint holds each worker's parts in its own file, in the form a server writes them
+(`DynamicShard.checkpoint`, always full); a resume takes each worker's ids from its own file alone with as many
+workers as wrote it, else from every writer's, re-homed by `server_of(id, W')` (`DynamicShard.restore`).
 """
 from __future__ import annotations
 
 import functools
 import threading
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -95,6 +99,40 @@ class ShardedDynamic(ServedDynamic):
         """One row optimizer step on this owner's admitted rows of `admitted`, times `coefficient`."""
         for name, (ids, grads) in received.items():
             self.parts[name].apply(ids, grads * coefficient if coefficient != 1.0 else grads)
+
+    def checkpoint(self) -> dict[str, dict]:
+        """This worker's part of each table, as a server writes it (`DynamicShard.checkpoint`: full)."""
+        return {name: part.checkpoint() for name, part in self.parts.items()}
+
+    def restore(self, saved: Iterable[dict[str, dict]], where: str) -> None:
+        """Take this worker's ids of each table, with their rows, row optimizer state and admission and eviction
+        state, from the `checkpoint()`s of the workers of a checkpoint (`saved`, this worker's own first: with
+        as many workers as wrote it, its own part alone is read), written by any number of workers; the next
+        lookups then belong to the step the checkpoint was taken after.
+
+        Raises:
+            ValueError: `saved` lacks some worker's part of a table, naming the table.
+        """
+        if not self.parts:
+            return
+        parts: dict[str, list[dict]] = {name: [] for name in self.parts}
+        for tables in saved:
+            for name, part in tables.items():
+                if name in parts:
+                    parts[name].append(part)
+            if all(self.parts[n].complete(p) for n, p in parts.items()):
+                break
+        else:
+            name = next(n for n, p in parts.items() if not self.parts[n].complete(p))
+            raise ValueError(f"{where} holds {len(parts[name])} workers' parts of dynamic table {name!r}, not every "
+                             f"part worker {self.worker} takes its ids from: it was written by another model, or "
+                             "by a job that checkpointed no dynamic table; resume with the model that wrote it, or "
+                             "start without --resume")
+        with self._ended:
+            for name, part in self.parts.items():
+                part.restore(parts[name])
+            self.step = max(part.table.step for part in self.parts.values())
+            self._ended.notify_all()
 
     def end_step(self) -> None:
         """End the step on every worker's part (a collective): `ServedDynamic.end_step`, with the workers'
