@@ -15,6 +15,8 @@ import gradsync
 from gradsync.config import ConfigError, JobConfig
 from gradsync.ps import shard_file
 from gradsync.runtime import checkpoints
+from gradsync.tables.id_hash import server_of
+from gradsync.worker.sharded_dynamic import ShardedDynamic
 from gradsync.worker.sharded_tables import ShardedTables
 from helpers import max_diff
 from sharded_models import SeenNet, train_resumed
@@ -88,6 +90,41 @@ def test_a_checkpoint_missing_rows_is_refused_naming_the_table():
     with pytest.raises(ValueError, match=r"^the checkpoint holds \d+ of the \d+ rows of table 'acc.weight' that "
                                          r"worker 0 owns: it was written by another model"):
         _tables(0, 3).restore(iter(files[:1]), "the checkpoint")
+
+
+def _dynamic(worker: int, workers: int, ids: torch.Tensor | None = None) -> ShardedDynamic:
+    """Worker `worker`'s part of a dynamic table '0'; with `ids`, holding its ids of them (row: id / 2^60) at
+    step 7 (no collective)."""
+    model = nn.Sequential(gradsync.DynamicEmbedding(DIM, capacity=100))
+    dynamic = ShardedDynamic(model, gradsync.RowAdagrad(lr=0.1), "sync", worker, workers, 1.0)
+    if ids is not None:
+        mine = ids[server_of(ids, workers) == worker]
+        dynamic.parts["0"].table.load({"ids": mine, "weight": mine.unsqueeze(1).expand(-1, DIM) / 2**60, "step": 7})
+    return dynamic
+
+
+@pytest.mark.parametrize("written,resumed", [(2, 3), (3, 2), (2, 2)])
+def test_a_resume_rehomes_every_dynamic_id_by_the_id_hash(written, resumed):
+    ids = torch.tensor([0x5DEECE66D * (i + 1) ** 3 - 2**62 for i in range(40)])
+    files = [_dynamic(w, written, ids).checkpoint() for w in range(written)]
+    for w in range(resumed):
+        reader, read = _dynamic(w, resumed), []
+        own = w if w < written else 0
+        order = [own, *(k for k in range(written) if k != own)]
+        reader.restore((read.append(k) or files[k] for k in order), "the checkpoint")
+        state = reader.parts["0"].table.state()
+        mine = ids[server_of(ids, resumed) == w].sort().values
+        assert torch.equal(state["ids"], mine) and reader.step == 7
+        assert torch.equal(state["weight"], mine.unsqueeze(1).expand(-1, DIM) / 2**60)
+        if written == resumed:
+            assert read == [own]  # the same W: its own file alone
+
+
+def test_a_checkpoint_missing_a_dynamic_part_is_refused_naming_the_table():
+    files = [_dynamic(w, 2, torch.arange(10)).checkpoint() for w in range(2)]
+    with pytest.raises(ValueError, match=r"^the checkpoint holds 1 workers' parts of dynamic table '0', not every "
+                                         r"part worker 0 takes its ids from"):
+        _dynamic(0, 3).restore(iter(files[:1]), "the checkpoint")
 
 
 def test_a_sharded_checkpoint_resumed_under_another_strategy_is_refused_naming_both(tmp_path):
