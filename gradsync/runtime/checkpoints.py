@@ -12,7 +12,8 @@ pushes (each worker's first N) and the checkpoint is one consistent cut:
     DIR/step-00000010/shard-<s>.ckpt   each server's shard
     DIR/step-00000010/worker-<w>.ckpt  step, torch and Python RNG states, and (allreduce, hybrid, sharded)
                                        the model's and optimizer's local state; sharded: the worker's rows
-                                       of every table and their row optimizer state
+                                       of every table and their row optimizer state, and its part of every
+                                       dynamic table (as a server writes it)
     DIR/step-00000010/MANIFEST.json    step, strategy, mode, servers, workers, the model's tensors, and the
                                        files above with their SHA-256
 
