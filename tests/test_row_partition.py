@@ -16,8 +16,8 @@ def splitmix64_finaliser(x: int) -> int:
 
 
 @pytest.mark.parametrize("workers", [1, 2, 3, 4, 7])
-def test_every_row_is_owned_once_by_the_owner_its_hash_names(workers):
-    rows = 1000
+@pytest.mark.parametrize("rows", [1000, (1 << 16) + 3])  # the second crosses owned_rows' chunk of ids
+def test_every_row_is_owned_once_by_the_owner_its_hash_names(workers, rows):
     parts = [owned_rows(rows, w, workers) for w in range(workers)]
     assert torch.equal(torch.cat(parts).sort().values, torch.arange(rows))  # every row once
     for w, part in enumerate(parts):

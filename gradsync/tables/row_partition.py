@@ -16,6 +16,8 @@ import torch
 from gradsync.tables.id_hash import mix64
 
 _TWO_64 = 1 << 64
+_CHUNK = 1 << 16
+"""Ids hashed at a time by `owned_rows`: its temporaries stay a few hundred KB, whatever the table."""
 
 
 def owners(ids: torch.Tensor, workers: int) -> torch.Tensor:
@@ -26,9 +28,13 @@ def owners(ids: torch.Tensor, workers: int) -> torch.Tensor:
 
 
 def owned_rows(rows: int, worker: int, workers: int) -> torch.Tensor:
-    """The ids of the `rows`-row table that `worker` owns, ascending (its local rows 0, 1, ...)."""
-    ids = torch.arange(rows)
-    return ids[owners(ids, workers) == worker]
+    """The ids of the `rows`-row table that `worker` owns, ascending (its local rows 0, 1, ...); hashed a chunk
+    at a time, so that building a large table's shard holds no table-sized temporaries."""
+    parts = []
+    for start in range(0, rows, _CHUNK):
+        ids = torch.arange(start, min(start + _CHUNK, rows))
+        parts.append(ids[owners(ids, workers) == worker])
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
 
 
 def local_index(owned: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
