@@ -232,6 +232,36 @@ def test_bad_calls_name_the_table_and_change_nothing():
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+def test_a_push_updates_the_rows_a_probe_finds_whether_or_not_its_lookups_found_them():
+    """A sync push finds its rows where the step's lookups found them, the rows of other ids (looked up at an
+    earlier step) by a probe; a lookup from before an eviction is not trusted."""
+    lr = 0.5
+    shard = DynamicShard("t", DynamicSetup(settings(capacity=100), gradsync.RowSGD(lr=lr)), 0, 1)
+    shard.lookup(torch.tensor([3, 11, 20]), torch.ones(3, dtype=torch.int64), 0)
+    shard.end(0)
+    for ids in ([2, 7], [4, 9, 10], [30, 8, 5]):  # the last one not ascending: its ids' slots by a probe
+        shard.lookup(torch.tensor(ids), torch.ones(len(ids), dtype=torch.int64), 1)
+    pushed = torch.tensor([2, 3, 4, 5, 7, 9, 11])
+    probed = shard.table.find(pushed)
+    before = shard.table.weight.clone()
+    grads = torch.arange(7 * DIM, dtype=torch.float32).view(7, DIM)
+    shard.check_push(0, pushed, grads)
+    shard.apply(pushed, grads)
+    expected = before.clone()
+    expected[probed] -= lr * grads
+    assert torch.equal(shard.table.weight, expected)
+    shard.apply(torch.tensor([5, 9]), grads[:2])  # fewer ids than a lookup: searched in it
+    expected[probed[[3, 5]]] -= lr * grads[:2]
+    assert torch.equal(shard.table.weight, expected)
+    shard.evict(1, torch.tensor([9]), torch.zeros(0, dtype=torch.int64))  # 9's slot is free: no push may reach it
+    with pytest.raises(GradientError, match=r"has id 9, which is not resident"):
+        shard.check_push(0, torch.tensor([4, 9]), torch.zeros(2, DIM))
+    shard.lookup(torch.tensor([12, 13]), torch.ones(2, dtype=torch.int64), 2)  # 13 takes 9's slot
+    assert int(shard.table.find(torch.tensor([13]))) == int(probed[5])
+    with pytest.raises(GradientError, match=r"has id 9, which is not resident"):
+        shard.check_push(0, torch.tensor([4, 9]), torch.zeros(2, DIM))
+
+
 class _NoCalls:
     def dynamic(self, call, args):
         raise AssertionError(f"{call} reached the servers")
