@@ -13,6 +13,8 @@ that holds the whole table evicts by itself there. Those three answer the first 
 answer to the other workers' calls of the same step: the first `end` and `smallest` of step t come before any
 `evict` of t and any lookup of t + 1 here (every worker asks every server before it evicts, and evicts before
 its next forward), so every worker sees the same keys and evicts the same ids. Callers hold the shard's lock.
+The server ends the step itself once every worker's push of it is in, and each push's reply carries `end`'s
+answer (`step_end`): a worker calls `end` only where a reply lacks it (a step dropped).
 
 A sync step's push (`check_push`, `apply`) finds its rows where the step's lookups found them (`_found`: each
 lookup's admitted ids with their slots), without probing the id index again: no row leaves its slot between a
@@ -245,6 +247,18 @@ def held(tables: dict[str, DynamicShard], name: str, holder: str) -> DynamicShar
     if name not in tables:
         raise Refusal(f"{holder} holds no dynamic table {name!r} (it holds {sorted(tables)})")
     return tables[name]
+
+
+def step_end(tables: dict) -> tuple[int, dict] | None:
+    """Sync, once every worker's push of the step is in (applied or skipped): (the step the dynamic tables among
+    `tables` are at, `end`'s answer to it by table), which the push's reply carries to every worker in place of
+    its `end` call; None without such tables (or under async and ssp: `alone`)."""
+    dynamic = {n: t for n, t in tables.items() if isinstance(t, DynamicShard) and not t.alone}
+    steps = {t.table.step for t in dynamic.values()}
+    if len(steps) != 1:
+        return None
+    step = steps.pop()
+    return step, {n: t.end(step) for n, t in dynamic.items()}
 
 
 def answer(tables: dict[str, DynamicShard], call: str, args: tuple, holder: str):
