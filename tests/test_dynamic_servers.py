@@ -71,7 +71,7 @@ class Servers:
         return rehomed([self.shards[s].table.state() for s in sorted(self.shards)], 0, 1)
 
 
-def sync_step(servers: Servers, step: int, capacity: int, update: bool = True) -> None:
+def sync_step(servers: Servers, step: int, capacity: int, update: bool = True, ends: bool = True) -> None:
     """One sync step as W workers drive it: each looks up its distinct ids with their counts on their servers,
     the servers average the admitted ids' gradients over the workers and apply them (not with `update`
     False: a step skipped), then every worker ends the step (the later ones repeat the first one's calls)."""
@@ -92,7 +92,7 @@ def sync_step(servers: Servers, step: int, capacity: int, update: bool = True) -
             ids, mean = merge_rows(per, 1.0 / WORKERS)
             servers.shards[s].check_push(0, ids, mean)
             servers.shards[s].apply(ids, mean)
-    for _ in range(WORKERS):
+    for _ in range(WORKERS if ends else 0):
         global_eviction.end_step(step, {"t": capacity}, list(range(num)), servers)
 
 
@@ -230,6 +230,79 @@ def test_bad_calls_name_the_table_and_change_nothing():
         shard.check_push(1, mine[:1], torch.zeros(1, 2))
     after = servers.state()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_push_updates_the_rows_a_probe_finds_whether_or_not_its_lookups_found_them():
+    """A sync push finds its rows where the step's lookups found them, the rows of other ids (looked up at an
+    earlier step) by a probe; a lookup from before an eviction is not trusted."""
+    lr = 0.5
+    shard = DynamicShard("t", DynamicSetup(settings(capacity=100), gradsync.RowSGD(lr=lr)), 0, 1)
+    shard.lookup(torch.tensor([3, 11, 20]), torch.ones(3, dtype=torch.int64), 0)
+    shard.end(0)
+    for ids in ([2, 7], [4, 9, 10], [30, 8, 5]):  # the last one not ascending: its ids' slots by a probe
+        shard.lookup(torch.tensor(ids), torch.ones(len(ids), dtype=torch.int64), 1)
+    pushed = torch.tensor([2, 3, 4, 5, 7, 9, 11])
+    probed = shard.table.find(pushed)
+    before = shard.table.weight.clone()
+    grads = torch.arange(7 * DIM, dtype=torch.float32).view(7, DIM)
+    shard.check_push(0, pushed, grads)
+    shard.apply(pushed, grads)
+    expected = before.clone()
+    expected[probed] -= lr * grads
+    assert torch.equal(shard.table.weight, expected)
+    shard.apply(torch.tensor([5, 9]), grads[:2])  # fewer ids than a lookup: searched in it
+    expected[probed[[3, 5]]] -= lr * grads[:2]
+    assert torch.equal(shard.table.weight, expected)
+    shard.evict(1, torch.tensor([9]), torch.zeros(0, dtype=torch.int64))  # 9's slot is free: no push may reach it
+    with pytest.raises(GradientError, match=r"has id 9, which is not resident"):
+        shard.check_push(0, torch.tensor([4, 9]), torch.zeros(2, DIM))
+    shard.lookup(torch.tensor([12, 13]), torch.ones(2, dtype=torch.int64), 2)  # 13 takes 9's slot
+    assert int(shard.table.find(torch.tensor([13]))) == int(probed[5])
+    with pytest.raises(GradientError, match=r"has id 9, which is not resident"):
+        shard.check_push(0, torch.tensor([4, 9]), torch.zeros(2, DIM))
+
+
+def test_a_sync_push_reply_ends_the_step_and_the_workers_call_no_end():
+    """Once every worker's push of a step is in, the server ends the step on its dynamic tables (a single server
+    evicts there too) and the push's reply carries `end`'s answer; a worker given every server's answer for its
+    step calls only `evict`, one given none or another step's calls `end` too: the tables as after calling it."""
+    from gradsync.core.optimizer_spec import OptimizerSpec
+    from gradsync.ps.messages import Push, RowGrads, Snapshot
+    from gradsync.ps.shard import ShardState
+    from gradsync.ps.sync_rule import SyncRule
+
+    rules, optimizer = dict(capacity=4, evict="lru"), gradsync.RowSGD(lr=0.1)
+    shard = DynamicShard("t", DynamicSetup(settings(**rules), optimizer), 0, 1)
+    reference = Servers(1, optimizer, **rules)
+    rule = SyncRule(ShardState(0, [], {}, {}, OptimizerSpec.one_group(torch.optim.SGD, {"lr": 1.0}),
+                               tables={"t": shard}), num_workers=WORKERS, nonfinite="raise")
+    for step in range(3):
+        replies = []
+        for w in range(WORKERS):
+            ids, counts = torch.unique(batch(step, w), return_counts=True)
+            _, admitted = shard.lookup(ids, counts, step)
+            replies.append(rule.commit(w, step, Push([], [], {}, {"t": RowGrads(
+                step, ids[admitted], grads_of(ids[admitted], step, w))})))
+        sync_step(reference, step, rules["capacity"])
+        answers = [r.wait().ended for r in replies]
+        assert answers[0][0] == answers[1][0] == step and shard.table.step == step + 1
+        assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+                   for a, b in zip(answers[0][1]["t"], reference.shards[0].end(step)))
+        assert all(torch.equal(v, reference.shards[0].table.state()[k]) for k, v in shard.table.state().items())
+
+    model = nn.ModuleDict({"t": gradsync.DynamicEmbedding(DIM, capacity=3, evict="lru")})
+    for carried, calls in [(0, ["evict"]), (None, ["end", "evict"]), (5, ["end", "evict"])]:
+        servers, reference = Servers(2, optimizer, capacity=3, evict="lru"), Servers(2, optimizer, capacity=3,
+                                                                                     evict="lru")
+        sync_step(servers, 0, 3, ends=False)
+        sync_step(reference, 0, 3)
+        served = ServedDynamic(model, 2, optimizer, "sync")
+        served.transport = dataclasses.make_dataclass("Transport", ["dynamic"])(servers)
+        ended = {s: dynamic_shard.step_end({"t": shard}) for s, shard in servers.shards.items()}
+        served.end_step({s: Snapshot(1, [], {}, None if carried is None else (carried, e[1]))
+                         for s, e in ended.items()})
+        assert servers.calls == calls and served.step == 1
+        assert all(torch.equal(v, reference.state()[k]) for k, v in servers.state().items())
 
 
 class _NoCalls:

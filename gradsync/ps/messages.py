@@ -24,6 +24,8 @@ class Snapshot(NamedTuple):
     version: int
     flats: list[torch.Tensor]
     buffers: dict[str, torch.Tensor]
+    ended: tuple[int, dict] | None = None
+    """A sync push's reply: `Committed.ended`."""
 
     @property
     def nbytes(self) -> int:
@@ -199,3 +201,6 @@ class Committed:
     """ssp: the snapshot the worker goes on from, taken when the rule released it; None: the shard's own."""
     partial: Partial | None = None
     """A held sync step: this server's part of its norm (the workers then `finish` it)."""
+    ended: tuple[int, dict] | None = None
+    """Sync, the step applied or skipped: (step, the server's dynamic tables' `end` answer to it, by table), so
+    that no worker calls `end` (`ps.dynamic_shard.step_end`); None without dynamic tables."""

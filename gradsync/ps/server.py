@@ -166,18 +166,19 @@ class ParameterServer:
     def reply(self, committed: Committed, whole: bool = True) -> Snapshot | Partial:
         """What a push's reply carries, from what its future resolved to: this server's part of a held step's
         norm (`Partial`), the snapshot the rule released the worker at (ssp), else the current snapshot, or,
-        when its buckets came back as pieces (`whole` False), the snapshot's version and buffers alone."""
+        when its buckets came back as pieces (`whole` False), the snapshot's version and buffers alone; with the
+        step's end on its dynamic tables (`Committed.ended`)."""
         if committed.partial is not None:
             return committed.partial
         if committed.snapshot is not None:
             return committed.snapshot
         if whole:
-            return self.pull()
+            return self.pull()._replace(ended=committed.ended)
         shard = self._shard()
         with shard.lock:
             buffers = {n: b.to("cpu", copy=True) for n, b in shard.buffers.items()}
             shard.stats.bytes_out += sum(b.nbytes for b in buffers.values())
-            return Snapshot(committed.version, [], buffers)
+            return Snapshot(committed.version, [], buffers, committed.ended)
 
     def dynamic(self, call: str, *args):
         """A call on this server's dynamic tables (`ps.dynamic_shard`): "lookup" (table, ids, counts, step) ->
@@ -366,7 +367,7 @@ class ParameterServer:
         """(version, the tensors `names` by name: parameters or their pieces, buffers, frozen parameters, every
         row of a table; no names: all of them). Raises KeyError for a name this server does not hold."""
         shard = self._shard()
-        version, flats, buffers = self.pull()
+        version, flats, buffers = self.pull()[:3]
         tensors: dict[str, torch.Tensor] = {}
         for bucket, flat in zip(shard.buckets, flats):
             tensors.update(bucket.views(flat))

@@ -27,6 +27,7 @@ from gradsync.core.futures import failed, resolved
 from gradsync.metrics.timeline import PieceStamps
 from gradsync.ps.averaging import blame, blame_rows, check_version, mean, mean_buffers, mean_rows, merged_options
 from gradsync.ps.consistency import ConsistencyRule, answer
+from gradsync.ps.dynamic_shard import step_end
 from gradsync.ps.messages import Agreement, Committed, Partial, Piece, Push
 from gradsync.ps.piece_numbers import PieceNumbers
 from gradsync.ps.shard import ShardState
@@ -56,6 +57,7 @@ class _Held(NamedTuple):
     options: dict
     workers: set  # the workers that pushed it
     finished: dict  # worker -> the coefficient it asked for (None: skip)
+    ended: tuple | None = None  # once applied or skipped: `Committed.ended`
 
 
 class _Part(NamedTuple):
@@ -208,11 +210,12 @@ class SyncRule(ConsistencyRule):
                     scale = lambda g: g if g is None or coefficient == 1.0 else g * coefficient  # noqa: E731
                     shard.apply([scale(m) for m in held.means], held.skipped, held.buffers,
                                 {n: (ids, scale(g)) for n, (ids, g) in held.rows.items()})
+                held = held._replace(ended=step_end(shard.tables))
                 self._held, self._finishing = None, held
             held.finished[worker] = coefficient
             if len(held.finished) == len(held.workers):
                 self._finishing = None
-            return resolved(Committed(held.version + (coefficient is not None)))
+            return resolved(Committed(held.version + (coefficient is not None), ended=held.ended))
 
     def worker_joined(self, worker: int) -> None:
         """`worker` has no more data this round (it left its `trainer.join()` block): later steps average over
@@ -322,7 +325,7 @@ class SyncRule(ConsistencyRule):
             else:
                 shard.apply(means, skipped, buffers, rows)
                 self.stamps.applied(range(len(shard.buckets)))
-            value = Committed(shard.version)
+            value = Committed(shard.version, ended=step_end(shard.tables))
             if early:  # the step's pieces are answered; pieces left by a worker that pushed no step are void
                 answers = [(p.fut, None, None) for parts in self._parts for w, p in parts.items()
                            if p.fut is not None and w not in self._pending]

@@ -11,7 +11,8 @@ so the keys are) and tells each server which of its ids to evict. That choice is
 server that sent only part of its rows has every one of them chosen (its others have larger keys); otherwise
 the caller asks each server for its own `excess` first (`smallest`) and chooses among those. A step under
 capacity costs the one exchange of counts; one over capacity one more (the ids), two where the candidates
-fell short. A server that holds the whole table (S = 1) evicts by itself in the first.
+fell short; under ps the sync push's replies bring the counts (`ps.dynamic_shard.step_end`), so a step costs
+no call under capacity, one over it. A server that holds the whole table (S = 1) evicts by itself in the first.
 """
 from __future__ import annotations
 
@@ -25,13 +26,16 @@ Call = Callable[[str, dict[int, tuple]], dict[int, object]]
 """`call(what, args by server)`: every server's answer to `what` ("end", "smallest", "evict") with its args."""
 
 
-def end_step(step: int, capacities: dict[str, int], servers: list[int], call: Call) -> dict[str, tuple[int, int]]:
+def end_step(step: int, capacities: dict[str, int], servers: list[int], call: Call, ended: dict | None = None
+             ) -> dict[str, tuple[int, int]]:
     """End step `step` of the dynamic tables (`capacities`: each table's capacity) held by `servers`, through
     `call`: each server's `end(step)` -> {table: (rows, waiting ids, candidate row ids, their keys, candidate
-    waiting ids, their keys)}; where the candidates fall short, `smallest(step, {table: (rows, waiting ids)})`
-    -> {table: (row ids, their keys, waiting ids, their keys)}; `evict(step, {table: (row ids, waiting ids)})`.
-    Returns each table's (rows, waiting ids) over all servers once the step has ended."""
-    ended = call("end", {s: (step,) for s in servers})
+    waiting ids, their keys)} (`ended`: those answers by server, already had with the push's replies);
+    where the candidates fall short, `smallest(step, {table: (rows, waiting ids)})` -> {table: (row ids, their
+    keys, waiting ids, their keys)}; `evict(step, {table: (row ids, waiting ids)})`. Returns each table's
+    (rows, waiting ids) over all servers once the step has ended."""
+    if ended is None:
+        ended = call("end", {s: (step,) for s in servers})
     totals = {t: tuple(sum(ended[s][t][k] for s in servers) for k in (0, 1)) for t in capacities}
     excess = {t: (totals[t][0] - cap, totals[t][1] - cap) for t, cap in capacities.items()}
     over = {t: e for t, e in excess.items() if max(e) > 0}

@@ -121,7 +121,7 @@ class HybridStrategy(Strategy):
             snapshots = self.transport.push(self._versions, {s: Push([], [], {}, rows[s], changes)
                                                              for s in self.servers})
         self._versions = {s: snap.version for s, snap in snapshots.items()}
-        self.dynamic.end_step()
+        self.dynamic.end_step(snapshots)
         self.metrics.sent_after_commit(sum(r.nbytes for per in rows.values() for r in per.values()))
 
     def model_sizes(self, trainable: int) -> dict[str, int]:

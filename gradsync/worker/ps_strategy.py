@@ -364,7 +364,7 @@ class PSStrategy(Strategy):
             fresh = self._finish(fresh, scaler)
         elif scaler is not None:
             record_found_inf(scaler, False)
-        self.dynamic.end_step()
+        self.dynamic.end_step(fresh)
         self._next = self._build(fresh)
         self._stream_next = stream is not None and scaler is None and not stream.resend
         if stream is not None:  # pieces that left and were superseded: bytes on the link all the same

@@ -9,8 +9,8 @@ inside a dist_autograd context) sends each server its ids of the batch, distinct
 the leaves' gradients into each server's push ({table: `RowGrads`} of the admitted ids, occurrences summed);
 the consistency rule averages them over the workers and the row optimizer applies them. After the step's
 push, `end_step` ends the step on every server, with the bounds by `capacity` over the whole table
-(`tables.global_eviction`). A worker that took fewer steps (`trainer.join()`) takes the servers' step
-(`resync`).
+(`tables.global_eviction`; the push's replies bring each server's `end` answer). A worker that took fewer
+steps (`trainer.join()`) takes the servers' step (`resync`).
 
 In async and ssp mode no step spans the servers: each server steps its part of the table by itself, after each
 push it applies, over its share of `capacity` (`ps.dynamic_shard`), and `end_step` only counts. A job
@@ -192,12 +192,18 @@ class ServedDynamic:
                     out[s][name] = RowGrads(version, ids[at], summed[at])
         return out
 
-    def end_step(self) -> None:
+    def end_step(self, replies: dict | None = None) -> None:
         """After the step's update on every server: end it there (eviction; async and ssp: the servers did), then
-        the next step's lookups."""
+        the next step's lookups. `replies`: each server's reply to the step's push (`Snapshot`), whose `ended`
+        (this step's) saves the `end` calls."""
         if self.modules and self.mode == "sync":
             capacities = {name: m.table.capacity for name, m in self.modules.items()}
-            global_eviction.end_step(self.step, capacities, list(range(self.num_servers)), self.transport.dynamic)
+            servers = list(range(self.num_servers))
+            carried = [(replies or {}).get(s) for s in servers]
+            ended = ({s: c.ended[1] for s, c in zip(servers, carried)}
+                     if all(c is not None and c.ended is not None and c.ended[0] == self.step for c in carried)
+                     else None)
+            global_eviction.end_step(self.step, capacities, servers, self.transport.dynamic, ended)
         self.step += 1
 
     def resync(self) -> None:
