@@ -52,7 +52,9 @@ A configuration is skipped where its processes would not fit `--memory-gb` (esti
 copies of the tables per worker, allreduce-sparse 2 with Adagrad and 1 with SGD, the server or the owners
 together 1 plus the row state; 0.75 GB per process besides, 1 GB for TorchRec's), and allreduce-dense beyond
 `--dense-max-rows` rows or outside `--dense-workers` (its step grows linearly with R: 12 s per step at 10^7
-rows, W = 2, in the run before). Runs with more processes than cores are marked time-sliced.
+rows, W = 2, in the run before). Runs with more processes than cores are marked time-sliced. A repeat of a
+gradsync configuration that fails is left out of its cell's medians and listed in the cell (`failed_repeats`);
+the grid goes on, and the bench exits 1 after writing its file.
 
     .venv/bin/python bench/sparse.py [--rows 100000 1000000 10000000 30000000] [--workers 2 4 8]
         [--configs allreduce-sparse allreduce-dense ps hybrid sharded torchrec-tw torchrec-rw] [--ids zipf]
@@ -425,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     parity = {} if args.no_check else check(args.configs, args.optimizer, args.ids, args.timeout)
     runs: dict = {}
+    failed: dict = {}  # (rows, workers, config): each failed repeat's `failure`, of gradsync's configurations
     for repeat in range(args.repeats):
         for rows in args.rows:
             for workers in args.workers:
@@ -437,16 +440,23 @@ def main(argv: list[str] | None = None) -> int:
                         result = run(config, rows, args.fields, workers, args.steps, args.warmup, args.optimizer,
                                      args.ids, args.timeout)
                     except Exception as e:
-                        if config not in TORCHREC:
-                            raise
-                        runs[(rows, workers, config)] = {"skipped": failure(e)}
+                        if config in TORCHREC:
+                            runs[(rows, workers, config)] = {"skipped": failure(e)}
+                            continue
+                        failed.setdefault((rows, workers, config), []).append(failure(e))
+                        print(f"[{time.perf_counter() - started:.0f}s] repeat {repeat} R={rows:.0e} W={workers} "
+                              f"{config}: FAILED, {failure(e)}", flush=True)
                         continue
                     print(f"[{time.perf_counter() - started:.0f}s] repeat {repeat} R={rows:.0e} W={workers} "
                           f"{config}: {1000 * result['step_s']:.1f} ms/step, job {result['job_s']:.0f} s",
                           flush=True)
                     runs.setdefault((rows, workers, config), []).append(result)
+    for key, failures in failed.items():  # a repeat that failed is kept out of the medians, and said
+        runs[key] = runs[key] if key in runs else {"skipped": f"failed in every repeat: {failures[0]}"}
     cores = os.cpu_count()
     summary = summarize(runs, cores)
+    for row in summary:
+        row["failed_repeats"] = failed.get((row["rows"], row["workers"], row["config"]), [])
     predict(summary, args.fields, cores)
     print(table(summary, args.optimizer))
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
@@ -457,7 +467,9 @@ def main(argv: list[str] | None = None) -> int:
                        torch=torch.__version__, fields=args.fields, dim=DIM, batch=BATCH, lr=LR, ids=args.ids,
                        optimizer=args.optimizer, parity_check=parity, wall_s=time.perf_counter() - started,
                        results=summary, table=table(summary, args.optimizer)), f, indent=1)
-    return 0
+    for (rows, workers, config), failures in failed.items():
+        print(f"FAILED: R={rows:.0e} W={workers} {config}, {len(failures)} of {args.repeats} repeats: {failures[0]}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
