@@ -46,7 +46,7 @@ def end_step(step: int, capacities: dict[str, int], servers: list[int], call: Ca
         evicted = first_overall({s: (ended[s][t][2:4], ended[s][t][0]) for s in servers}, rows)
         forgotten = first_overall({s: (ended[s][t][4:6], ended[s][t][1]) for s in servers}, waiting)
         if evicted is None or forgotten is None:
-            plan = _asked(step, {t: e for t, e in over.items()}, ended, servers, call)
+            plan = _asked(step, over, ended, servers, call)
             break
         for s in servers:
             plan[s][t] = (evicted[s], forgotten[s])

@@ -95,7 +95,8 @@ class IdIndex:
             open_ = self._at(self.state, window) != _FULL
             first = open_.to(torch.int8).argmax(1, keepdim=True)
             free = open_.gather(1, first).squeeze(1).nonzero().squeeze(1)
-            at, who = window.gather(1, first).squeeze(1).index_select(0, free), pending.index_select(0, free)
+            tried = window.gather(1, first).squeeze(1).index_select(0, free)  # each free one's open bucket
+            at, who = tried, pending.index_select(0, free)
             wanted = ids.index_select(0, who)
             self.keys.index_copy_(0, at, wanted)
             won = self.keys.index_select(0, at) == wanted
@@ -105,7 +106,7 @@ class IdIndex:
             self.state.index_fill_(0, at, _FULL)
             self.count += who.numel()
             next_pos = pos + WINDOW  # no open bucket in the window: the next one
-            next_pos[free] = window.gather(1, first).squeeze(1).index_select(0, free) + 1  # lost it: on from the next
+            next_pos[free] = tried + 1  # lost it: on from the next
             left = torch.ones_like(pending, dtype=torch.bool)
             left[free[won]] = False
             pending, pos = pending.masked_select(left), next_pos.masked_select(left) & mask
