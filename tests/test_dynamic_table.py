@@ -9,7 +9,9 @@ from torch import nn
 
 import gradsync
 from gradsync.tables.id_hash import keyed, mix64, unit_interval
+from gradsync.tables.dynamic_table import DynamicTable
 from gradsync.tables.id_index import IdIndex
+from gradsync.tables.recency_log import MIN_ROOM
 from gradsync.tables.row_init import HashedUniform
 
 LOW, HIGH = -2**63, 2**63 - 1
@@ -158,6 +160,39 @@ def test_admission_and_eviction_follow_the_documented_rule(rule):
             assert state["waiting_ids"].tolist() == sorted(reference.waiting)
             assert state["waiting_sightings"].tolist() == [reference.waiting[i][0] for i in sorted(reference.waiting)]
             assert table.counters == reference.counters
+
+
+@pytest.mark.parametrize("evict", ["lru", "lfu"])
+def test_a_long_stream_keeps_what_the_rule_keeps_and_the_recency_log_stays_small(evict):
+    """LRU candidates, ttl and forgotten waiting ids come from the recency log (tables/recency_log.py): over a
+    stream long enough to compact it many times, with slots freed and reused, the table keeps what the plain
+    rule keeps, each step's candidates are the rule's first, and the log holds about two entries per id."""
+    rule = dict(evict=evict, ttl_steps=25, admit_after=2, admit_probability=None)
+    table = DynamicTable(2, capacity=150, init=HashedUniform(2), seed=0, **rule)
+    reference = ReferenceTable(2, 150, seed=0, lr=0.0, **rule)
+    g = torch.Generator().manual_seed(3)
+    for t in range(80):
+        ids = torch.randint(0, 600, (200,), generator=g) * 7919 - 10**6
+        table.lookup(ids, t)
+        reference.step(t, ids.tolist(), [0.0] * ids.numel())
+        state = table.state()
+        for count in (1, 40, len(table) - 1):
+            candidates, keys = table.smallest_rows(count)
+            order = (sorted(zip(state["last_step"].tolist(), state["ids"].tolist())) if evict == "lru" else
+                     sorted(zip(state["lookups"].tolist(), state["last_step"].tolist(), state["ids"].tolist())))
+            assert sorted(map(tuple, keys.tolist())) == order[:count]
+            assert keys[:, -1].tolist() == candidates.tolist()
+        waiting, keys = table.smallest_waiting(30)
+        assert sorted(map(tuple, keys.tolist())) == sorted(zip(state["waiting_last_step"].tolist(),
+                                                              state["waiting_ids"].tolist()))[:30]
+        table.end_step(t)
+        state = table.state()
+        assert state["ids"].tolist() == sorted(reference.rows), t
+        assert state["lookups"].tolist() == [reference.rows[i][2] for i in sorted(reference.rows)]
+        assert state["waiting_ids"].tolist() == sorted(reference.waiting)
+        assert table.counters == reference.counters
+        for columns in (table.rows, table.waiting):
+            assert len(columns.log) <= max(MIN_ROOM, 2 * (len(columns) + 200)), t
 
 
 def test_rows_exceed_capacity_only_within_a_step_by_its_new_ids():

@@ -35,7 +35,8 @@ restore exactly (`tables.dynamic_checkpoint`, `load`).
 
 Memory: per slot the row, its id, last step and lookup count (24 bytes), changed and held flags (2 bytes) and
 the row optimizer's state; per waiting id 26 bytes; per id of the last full checkpoint 8 bytes; each id index 17 bytes
-per bucket, 2 to 4 buckets per id.
+per bucket, 2 to 4 buckets per id; each recency log (`tables.recency_log`: the ids by last step, which LRU
+eviction, `ttl_steps` and forgetting waiting ids read instead of every id) 12 bytes an entry, up to 2 per id.
 """
 from __future__ import annotations
 
@@ -45,11 +46,13 @@ import torch
 
 from gradsync.tables.id_hash import keyed, unit_interval
 from gradsync.tables.id_index import IdIndex
+from gradsync.tables.recency_log import RecencyLog
 from gradsync.tables.row_init import checked_init
 from gradsync.tables.row_optim import ROW_OPTIMIZERS, LazyRows
 
 EVICTION_RULES = ("lru", "lfu")
 _ADMIT_WORD = 0x61646D6974  # b"admit"
+_NEVER = -(1 << 62)  # an arriving id's last step, until it is looked up (sighted)
 
 
 class DynamicTable:
@@ -72,9 +75,8 @@ class DynamicTable:
 
     def reset(self) -> None:
         """Empty: no rows, no waiting ids, step 0, counters 0, fresh optimizer state."""
-        self.rows = _IdColumns(weight=((self.dim,), self.dtype), last_step=((), torch.int64),
-                               lookups=((), torch.int64))
-        self.waiting = _IdColumns(sightings=((), torch.int64), last_step=((), torch.int64))
+        self.rows = _IdColumns(weight=((self.dim,), self.dtype), lookups=((), torch.int64))
+        self.waiting = _IdColumns(sightings=((), torch.int64))
         self.step = 0
         self.counters = {"admitted": 0, "filtered": 0, "evicted": 0}
         self.moves += 1
@@ -121,7 +123,7 @@ class DynamicTable:
         present = slots >= 0
         seen = slots.masked_select(present)
         self.rows.mark(seen)
-        self.rows.columns["last_step"].index_fill_(0, seen, step)
+        self.rows.touch(seen, step)
         self.rows.columns["lookups"].index_add_(0, seen, occurrences.masked_select(present))
         self.counters["filtered"] += int(occurrences.masked_select(~present).sum())
         return slots
@@ -161,8 +163,7 @@ class DynamicTable:
         by `capacity` follow (`end_step`, or `tables.global_eviction` over the servers' parts of a table)."""
         self._check_step(step, "end_step")
         if self.ttl_steps is not None:
-            _, slots = self.rows.resident()
-            self._evict(slots[self.rows.columns["last_step"][slots] <= step - self.ttl_steps])
+            self._evict(self.rows.log.pop_until(step - self.ttl_steps))
         self.step = step + 1
 
     def smallest_rows(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,9 +172,10 @@ class DynamicTable:
         if count <= 0:
             return torch.zeros(0, dtype=torch.int64), torch.zeros(0, 2 if self.evict == "lru" else 3,
                                                                    dtype=torch.int64)
+        if self.evict == "lru":
+            return self.rows.oldest(count)
         ids, slots = self.rows.resident()
-        last, lookups = self.rows.columns["last_step"][slots], self.rows.columns["lookups"][slots]
-        keys = [last, ids] if self.evict == "lru" else [lookups, last, ids]
+        keys = [self.rows.columns["lookups"][slots], self.rows.columns["last_step"][slots], ids]
         chosen = smallest(keys, count)
         return ids[chosen], torch.stack([k[chosen] for k in keys], dim=1)
 
@@ -182,10 +184,7 @@ class DynamicTable:
         id)."""
         if count <= 0:
             return torch.zeros(0, dtype=torch.int64), torch.zeros(0, 2, dtype=torch.int64)
-        ids, slots = self.waiting.resident()
-        keys = [self.waiting.columns["last_step"][slots], ids]
-        chosen = smallest(keys, count)
-        return ids[chosen], torch.stack([k[chosen] for k in keys], dim=1)
+        return self.waiting.oldest(count)
 
     def evict_ids(self, ids: torch.Tensor) -> None:
         """Evict the resident rows of `ids` (counted as evicted)."""
@@ -258,6 +257,8 @@ class DynamicTable:
             waiting = self.waiting.add(state["waiting_ids"])
             self.waiting.columns["sightings"][waiting] = state["waiting_sightings"]
             self.waiting.columns["last_step"][waiting] = state["waiting_last_step"]
+        self.rows.log.rebuild()
+        self.waiting.log.rebuild()
         self.optimizer = optimizer or self.optimizer
         self.optimizer_state = None if self.optimizer is None else self._new_state(self.rows.slots)
         saved = state.get("optimizer") if optimizer is not None else None
@@ -296,7 +297,7 @@ class DynamicTable:
         slots[new] = self.waiting.add(ids[new])
         self.waiting.mark(slots)
         self.waiting.columns["sightings"][slots] = sightings
-        self.waiting.columns["last_step"][slots] = step
+        self.waiting.touch(slots, step)
 
     def _create(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         slots = self.rows.add(ids)
@@ -368,11 +369,13 @@ class _IdColumns:
         columns["id"] = ((), torch.int64)
         columns["changed"] = ((), torch.bool)  # since the last full checkpoint
         columns["held"] = ((), torch.bool)  # the slot holds an id
+        columns["last_step"] = ((), torch.int64)  # the step its id was last looked up (sighted), `_NEVER` on arrival
         self.base = torch.zeros(0, dtype=torch.int64)  # the ids held at the last full checkpoint
         self.slots = 64
         self.columns = {name: torch.zeros((self.slots,) + shape, dtype=dtype)
                         for name, (shape, dtype) in columns.items()}
         self.free = torch.arange(self.slots - 1, -1, -1)
+        self.log = RecencyLog(self.columns)
 
     def __len__(self) -> int:
         return len(self.index)
@@ -393,7 +396,21 @@ class _IdColumns:
         self.columns["id"][reused] = ids
         self.columns["changed"][reused] = True
         self.columns["held"][reused] = True
+        self.columns["last_step"][reused] = _NEVER
         return reused
+
+    def touch(self, slots: torch.Tensor, step: int) -> None:
+        """The ids in the distinct `slots` were looked up (sighted) at `step`: their last step, in the log once a
+        step."""
+        last = self.columns["last_step"]
+        self.log.append(slots[last.index_select(0, slots) != step], step)
+        last.index_fill_(0, slots, step)
+
+    def oldest(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ids of the `count` first by (last step, id), in no particular order, and their keys [count, 2]."""
+        slots, steps = self.log.oldest(count)
+        ids = self.columns["id"][slots]
+        return ids, torch.stack([steps, ids], dim=1)
 
     def mark(self, slots: torch.Tensor) -> None:
         """The ids in `slots` changed: the next delta checkpoint holds them."""

@@ -1,0 +1,113 @@
+"""RecencyLog: the slots of a table's ids in the order of the step at which each was last looked up (or, for
+waiting ids, sighted), oldest first, so that LRU eviction, `ttl_steps` and forgetting waiting ids cost what
+they touch, not a pass over every id held.
+
+The log is a list of entries (slot, step) in step order: `append` adds one for each slot whose last step has
+just become `step` (once per step). An entry stands for its id while the slot still holds an id whose last
+step is the entry's step; otherwise it is stale (the id was looked up again at a later step, or left its
+slot) and a scan drops the stale entries it passes. When the log runs out of room the stale entries go all at
+once and the room doubles over what is left, so the log holds about two entries per id at most and an append
+costs O(1) amortised. Memory: 12 bytes an entry (int32 slot, int64 step).
+"""
+from __future__ import annotations
+
+import torch
+
+MIN_ROOM = 1024
+"""Entries the log has room for at least."""
+
+
+class RecencyLog:
+    """The ids held in `columns` (an `_IdColumns`'s, read each time: they are replaced when they grow; `held`
+    and `last_step` by slot) by last step."""
+
+    def __init__(self, columns: dict[str, torch.Tensor]):
+        self.columns = columns
+        self.slots = torch.zeros(MIN_ROOM, dtype=torch.int32)
+        self.steps = torch.zeros(MIN_ROOM, dtype=torch.int64)
+        self.head = self.tail = 0
+
+    def __len__(self) -> int:
+        """Entries, stale ones included."""
+        return self.tail - self.head
+
+    def append(self, slots: torch.Tensor, step: int) -> None:
+        """Entries for the distinct `slots`, whose last step has just become `step` (no earlier than any
+        entry's)."""
+        if self.tail + slots.numel() > self.slots.numel():
+            self._compact(slots.numel())
+        end = self.tail + slots.numel()
+        self.slots[self.tail:end] = slots
+        self.steps[self.tail:end] = step
+        self.tail = end
+
+    def rebuild(self) -> None:
+        """Entries for every id held, from the columns (after a load wrote them directly)."""
+        slots = self.columns["held"].nonzero().squeeze(1)
+        steps = self.columns["last_step"][slots]
+        order = torch.argsort(steps, stable=True)
+        self.head = self.tail = 0
+        self.slots = torch.zeros(max(MIN_ROOM, 2 * slots.numel()), dtype=torch.int32)
+        self.steps = torch.zeros(self.slots.numel(), dtype=torch.int64)
+        self.tail = slots.numel()
+        self.slots[:self.tail] = slots[order]
+        self.steps[:self.tail] = steps[order]
+
+    def oldest(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slots of the `count` ids first by (last step, id) (every id held, when fewer), in no particular
+        order, with their last steps. The stale entries before the last one read are dropped."""
+        none = torch.zeros(0, dtype=torch.int64)
+        if count <= 0:
+            return none, none
+        found, steps, total, pos, chunk = [none], [none], 0, self.head, max(2 * count, MIN_ROOM)
+        threshold = None  # the last step of the count-th id, once read: read on to that step's last entry
+        while pos < self.tail and (threshold is None or int(self.steps[pos]) <= threshold):
+            end = min(pos + chunk, self.tail)
+            slots, at = self._live(pos, end)
+            found.append(slots)
+            steps.append(at)
+            total += slots.numel()
+            pos, chunk = end, 2 * chunk
+            if threshold is None and total >= count:
+                threshold = int(torch.cat(steps)[count - 1])
+        slots, at = torch.cat(found), torch.cat(steps)
+        self._keep(pos, slots, at)
+        if total <= count:
+            return slots, at
+        before = at < threshold
+        tied = slots[at == threshold]
+        ids = self.columns["id"][tied]
+        first = torch.topk(ids, count - int(before.sum()), largest=False, sorted=False).indices
+        chosen = torch.cat([slots[before], tied[first]])
+        return chosen, torch.cat([at[before], at.new_full((first.numel(),), threshold)])
+
+    def pop_until(self, step: int) -> torch.Tensor:
+        """The slots of the ids whose last step is `step` or earlier, taken out of the log: the caller lets them
+        go."""
+        end = self.head + int(torch.searchsorted(self.steps[self.head:self.tail], step, right=True))
+        slots, _ = self._live(self.head, end)
+        self.head = end
+        return slots
+
+    def _live(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slots and steps of the entries from `start` to `end` that stand for their ids (int64)."""
+        slots, steps = self.slots[start:end].long(), self.steps[start:end]
+        live = self.columns["held"][slots] & (self.columns["last_step"][slots] == steps)
+        return slots[live], steps[live]
+
+    def _keep(self, end: int, slots: torch.Tensor, steps: torch.Tensor) -> None:
+        """The entries before `end` become `slots` with `steps` (their live ones, in order)."""
+        self.head = end - slots.numel()
+        self.slots[self.head:end] = slots
+        self.steps[self.head:end] = steps
+
+    def _compact(self, extra: int) -> None:
+        """Drop the stale entries; room for `extra` more and as many again as are left."""
+        slots, steps = self._live(self.head, self.tail)
+        room = max(MIN_ROOM, 2 * (slots.numel() + extra))
+        if room > self.slots.numel() or 4 * room < self.slots.numel():
+            self.slots = torch.zeros(room, dtype=torch.int32)
+            self.steps = torch.zeros(room, dtype=torch.int64)
+        self.head, self.tail = 0, slots.numel()
+        self.slots[:self.tail] = slots
+        self.steps[:self.tail] = steps
