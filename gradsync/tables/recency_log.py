@@ -59,17 +59,20 @@ class RecencyLog:
         none = torch.zeros(0, dtype=torch.int64)
         if count <= 0:
             return none, none
-        found, steps, total, pos, chunk = [none], [none], 0, self.head, max(2 * count, MIN_ROOM)
-        threshold = None  # the last step of the count-th id, once read: read on to that step's last entry
-        while pos < self.tail and (threshold is None or int(self.steps[pos]) <= threshold):
-            end = min(pos + chunk, self.tail)
+        found, steps, total, pos = [none], [none], 0, self.head
+        while pos < self.tail and total < count:
+            end = min(pos + count - total + MIN_ROOM, self.tail)
             slots, at = self._live(pos, end)
             found.append(slots)
             steps.append(at)
-            total += slots.numel()
-            pos, chunk = end, 2 * chunk
-            if threshold is None and total >= count:
-                threshold = int(torch.cat(steps)[count - 1])
+            total, pos = total + slots.numel(), end
+        threshold = int(torch.cat(steps)[count - 1]) if total >= count else None  # the count-th id's last step
+        if threshold is not None:  # and the rest of that step's entries
+            end = pos + int(torch.searchsorted(self.steps[pos:self.tail], threshold, right=True))
+            slots, at = self._live(pos, end)
+            found.append(slots)
+            steps.append(at)
+            total, pos = total + slots.numel(), end
         slots, at = torch.cat(found), torch.cat(steps)
         self._keep(pos, slots, at)
         if total <= count:
