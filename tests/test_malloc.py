@@ -1,5 +1,7 @@
-"""gradsync.runtime.malloc: a rank keeps two malloc arenas however many of its threads allocate (glibc), so its heap
-stops growing under load (bench/soak.py measures the memory; these tests count arenas, not bytes)."""
+"""gradsync.core.malloc: a rank keeps two malloc arenas however many of its threads allocate (glibc), so its heap
+stops growing under load (bench/soak.py measures the memory; these tests count arenas, not bytes); a process
+holding a dynamic table maps its large blocks (bench/dynamic.py measures the memory; these tests count
+mappings)."""
 import ctypes
 import os
 import platform
@@ -11,7 +13,7 @@ import threading
 import pytest
 
 import gradsync
-from gradsync.runtime import malloc
+from gradsync.core import malloc
 
 pytestmark = [pytest.mark.job,  # every test here starts processes
               pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc arenas are glibc's")]
@@ -56,7 +58,7 @@ def _count_arenas() -> int:
 
 
 def _arenas_in_fresh_process(limit: bool, env: dict | None = None) -> tuple[bool, int]:
-    code = ("import test_malloc; from gradsync.runtime import malloc; "
+    code = ("import test_malloc; from gradsync.core import malloc; "
             f"print({'malloc.limit_arenas()' if limit else 'False'}, test_malloc.arenas_in_use())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True,
                          cwd=os.path.dirname(__file__), env={**os.environ, **(env or {})}).stdout.split()
@@ -74,6 +76,35 @@ def test_a_users_malloc_arena_max_is_left_alone():
 
 def arenas_of_a_worker() -> int:
     return arenas_in_use()
+
+
+def _mapped_after_a_larger_block_was_freed(fix: bool, env: dict | None = None) -> tuple[bool, bool]:
+    """In a fresh process: whether a 2 MB block is a mapping of its own after an 8 MB one was freed (glibc raises
+    its threshold then, unless it is fixed)."""
+    code = ("import ctypes; from gradsync.core import malloc\n"
+            "class Info(ctypes.Structure): _fields_ = [(n, ctypes.c_size_t) for n in 'abcdefghij']\n"
+            "libc = ctypes.CDLL(None); libc.mallinfo2.restype = Info\n"
+            f"fixed = {'malloc.fix_mmap_threshold()' if fix else 'False'}\n"
+            "big = bytearray(8 << 20); del big\n"
+            "before = libc.mallinfo2().d; block = bytearray(2 << 20)\n"
+            "print(fixed, libc.mallinfo2().d > before)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True,
+                         env={**os.environ, **(env or {})}).stdout.split()
+    return out[0] == "True", out[1] == "True"
+
+
+def test_a_fixed_mmap_threshold_maps_large_blocks_after_glibc_would_have_raised_it():
+    assert _mapped_after_a_larger_block_was_freed(fix=False) == (False, False)
+    assert _mapped_after_a_larger_block_was_freed(fix=True) == (True, True)
+    assert _mapped_after_a_larger_block_was_freed(fix=True, env={"MALLOC_MMAP_THRESHOLD_": "65536"}) == (False, True)
+
+
+def test_a_process_holding_a_dynamic_table_fixes_its_mmap_threshold():
+    code = ("import gradsync; from gradsync.core import malloc; from unittest import mock\n"
+            "with mock.patch.object(malloc, 'fix_mmap_threshold') as fix: gradsync.DynamicEmbedding(4, capacity=8)\n"
+            "print(fix.call_count)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert int(out.stdout) >= 1
 
 
 @pytest.mark.timeout(60)

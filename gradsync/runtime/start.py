@@ -21,14 +21,14 @@ import torch.distributed as dist
 
 from gradsync.config import ConfigError, JobConfig, job_keywords
 from gradsync.core.job_names import StoreKeys
-from gradsync.core import settings
+from gradsync.core import malloc, settings
 from gradsync.core.errors import init_in_a_child_error
 from gradsync.core.torch_internals import importing_main_for_a_child
 from gradsync.membership import newcomers
 from gradsync.membership.liveness import Heartbeat, die_with_launcher, wait_for_arrivals
 from gradsync.membership.rank_reports import register_stack_file, release_early_stderr
+from gradsync.runtime import checkpoints
 from gradsync.runtime import cluster as job
-from gradsync.runtime import checkpoints, malloc
 from gradsync.runtime.failures import report_failures
 from gradsync.runtime.serving import install_server, serve
 from gradsync.runtime.store import connect_store, use_loopback_interfaces
