@@ -36,7 +36,8 @@ restore exactly (`tables.dynamic_checkpoint`, `load`).
 Memory: per slot the row, its id, last step and lookup count (24 bytes), changed and held flags (2 bytes) and
 the row optimizer's state; per waiting id 26 bytes; per id of the last full checkpoint 8 bytes; each id index 17 bytes
 per bucket, 2 to 4 buckets per id; each recency log (`tables.recency_log`: the ids by last step, which LRU
-eviction, `ttl_steps` and forgetting waiting ids read instead of every id) 12 bytes an entry, up to 2 per id.
+eviction, `ttl_steps` and forgetting waiting ids read instead of every id) 12 bytes an entry, up to 2 per id,
+and under LFU up to 2 more in the logs by lookup count.
 A process holding a table fixes glibc's mmap threshold (`core.malloc.fix_mmap_threshold`), so that its RSS follows
 the rows it holds.
 """
@@ -54,6 +55,9 @@ from gradsync.tables.row_init import checked_init
 from gradsync.tables.row_optim import ROW_OPTIMIZERS, LazyRows
 
 EVICTION_RULES = ("lru", "lfu")
+LFU_LOGS = 16
+"""LFU: the lookup counts 1 .. LFU_LOGS each have a recency log, from which eviction takes the rows looked up
+least; where it must go beyond them it ranks every row."""
 _ADMIT_WORD = 0x61646D6974  # b"admit"
 _NEVER = -(1 << 62)  # an arriving id's last step, until it is looked up (sighted)
 
@@ -81,6 +85,8 @@ class DynamicTable:
         """Empty: no rows, no waiting ids, step 0, counters 0, fresh optimizer state."""
         self.rows = _IdColumns(weight=((self.dim,), self.dtype), lookups=((), torch.int64))
         self.waiting = _IdColumns(sightings=((), torch.int64))
+        self.by_lookups = ([RecencyLog(self.rows.columns, n) for n in range(1, LFU_LOGS + 1)]
+                           if self.evict == "lfu" else [])
         self.step = 0
         self.counters = {"admitted": 0, "filtered": 0, "evicted": 0}
         self.moves += 1
@@ -129,6 +135,8 @@ class DynamicTable:
         self.rows.mark(seen)
         self.rows.touch(seen, step)
         self.rows.columns["lookups"].index_add_(0, seen, occurrences.masked_select(present))
+        if self.by_lookups:
+            self._log_lookups(seen, step)
         self.counters["filtered"] += int(occurrences.masked_select(~present).sum())
         return slots
 
@@ -178,7 +186,15 @@ class DynamicTable:
                                                                    dtype=torch.int64)
         if self.evict == "lru":
             return self.rows.oldest(count)
-        ids, slots = self.rows.resident()
+        found, left = [], count
+        for log in self.by_lookups:
+            slots, steps = log.oldest(left)
+            found.append(torch.stack([torch.full_like(steps, log.lookups), steps, self.rows.columns["id"][slots]], 1))
+            left -= slots.numel()
+            if not left:
+                keys = torch.cat(found)
+                return keys[:, 2].clone(), keys
+        ids, slots = self.rows.resident()  # rows looked up more than LFU_LOGS times among them: rank every row
         keys = [self.rows.columns["lookups"][slots], self.rows.columns["last_step"][slots], ids]
         chosen = smallest(keys, count)
         return ids[chosen], torch.stack([k[chosen] for k in keys], dim=1)
@@ -261,8 +277,8 @@ class DynamicTable:
             waiting = self.waiting.add(state["waiting_ids"])
             self.waiting.columns["sightings"][waiting] = state["waiting_sightings"]
             self.waiting.columns["last_step"][waiting] = state["waiting_last_step"]
-        self.rows.log.rebuild()
-        self.waiting.log.rebuild()
+        for log in [self.rows.log, self.waiting.log, *self.by_lookups]:
+            log.rebuild()
         self.optimizer = optimizer or self.optimizer
         self.optimizer_state = None if self.optimizer is None else self._new_state(self.rows.slots)
         saved = state.get("optimizer") if optimizer is not None else None
@@ -293,6 +309,18 @@ class DynamicTable:
             draw = unit_interval(keyed(ids, self.seed, _ADMIT_WORD, sightings))
             admitted &= draw < self.admit_probability
         return admitted, waiting_slots, sightings
+
+    def _log_lookups(self, slots: torch.Tensor, step: int) -> None:
+        """LFU: the distinct `slots`, just looked up at `step`, into the log of their lookup count (up to
+        LFU_LOGS)."""
+        counts = self.rows.columns["lookups"][slots]
+        low = (counts >= 1) & (counts <= LFU_LOGS)
+        counts, slots = counts[low], slots[low]
+        order = torch.argsort(counts)
+        sizes = torch.bincount(counts, minlength=LFU_LOGS + 1).tolist()
+        for log, part in zip(self.by_lookups, slots[order].split(sizes[1:])):
+            if part.numel():
+                log.append(part, step)
 
     def _wait(self, ids: torch.Tensor, slots: torch.Tensor, sightings: torch.Tensor, step: int) -> None:
         """Remember not-admitted ids' sightings (new ones get a slot in `waiting`)."""

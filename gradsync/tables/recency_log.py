@@ -1,6 +1,6 @@
 """RecencyLog: the slots of a table's ids in the order of the step at which each was last looked up (or, for
-waiting ids, sighted), oldest first, so that LRU eviction, `ttl_steps` and forgetting waiting ids cost what
-they touch, not a pass over every id held.
+waiting ids, sighted), oldest first, so that LRU eviction, `ttl_steps`, forgetting waiting ids and LFU eviction
+among the ids looked up a few times (a log for each count) cost what they touch, not a pass over every id held.
 
 The log is a list of entries (slot, step) in step order: `append` adds one for each slot whose last step has
 just become `step` (once per step). An entry stands for its id while the slot still holds an id whose last
@@ -19,10 +19,11 @@ MIN_ROOM = 1024
 
 class RecencyLog:
     """The ids held in `columns` (an `_IdColumns`'s, read each time: they are replaced when they grow; `held`
-    and `last_step` by slot) by last step."""
+    and `last_step` by slot) by last step; with `lookups` = n, only the ids looked up n times (by the column
+    `lookups`): LFU's ranks, one log for each of the first few counts."""
 
-    def __init__(self, columns: dict[str, torch.Tensor]):
-        self.columns = columns
+    def __init__(self, columns: dict[str, torch.Tensor], lookups: int | None = None):
+        self.columns, self.lookups = columns, lookups
         self.slots = torch.zeros(MIN_ROOM, dtype=torch.int32)
         self.steps = torch.zeros(MIN_ROOM, dtype=torch.int64)
         self.head = self.tail = 0
@@ -43,7 +44,10 @@ class RecencyLog:
 
     def rebuild(self) -> None:
         """Entries for every id held, from the columns (after a load wrote them directly)."""
-        slots = self.columns["held"].nonzero().squeeze(1)
+        held = self.columns["held"]
+        if self.lookups is not None:
+            held = held & (self.columns["lookups"] == self.lookups)
+        slots = held.nonzero().squeeze(1)
         steps = self.columns["last_step"][slots]
         order = torch.argsort(steps, stable=True)
         self.head = self.tail = 0
@@ -96,6 +100,8 @@ class RecencyLog:
         """The slots and steps of the entries from `start` to `end` that stand for their ids (int64)."""
         slots, steps = self.slots[start:end].long(), self.steps[start:end]
         live = self.columns["held"][slots] & (self.columns["last_step"][slots] == steps)
+        if self.lookups is not None:
+            live &= self.columns["lookups"][slots] == self.lookups
         return slots[live], steps[live]
 
     def _keep(self, end: int, slots: torch.Tensor, steps: torch.Tensor) -> None:
