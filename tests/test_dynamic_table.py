@@ -407,22 +407,6 @@ def test_a_sharded_owner_looks_up_every_workers_ids_at_once_and_updates_only_the
     assert kept[0].tolist() == [-7, 5] and torch.equal(kept[1], grads[:2])
 
 
-def test_sharded_refuses_delta_checkpoints_of_a_dynamic_table_naming_it():
-    import types
-
-    import gradsync
-    from gradsync.worker.sharded_strategy import ShardedStrategy
-
-    config = types.SimpleNamespace(worker_rank=0, num_workers=2, step_timeout=10.0, mode="sync", checkpoint_every=2,
-                                   checkpoint_full_every=3, resume="")
-    model = torch.nn.Sequential(gradsync.DynamicEmbedding(4, capacity=8), torch.nn.Linear(4, 1))
-    with pytest.raises(NotImplementedError, match=r"^checkpoint_full_every=3: '0' is a gradsync.DynamicEmbedding, "
-                                                  r"which the sharded strategy writes whole in every checkpoint .*"
-                                                  r"run without --checkpoint-full-every, or with --strategy ps"):
-        ShardedStrategy(types.SimpleNamespace(config=config), model, torch.optim.SGD(model.parameters(), lr=0.1),
-                        table_optimizer=gradsync.RowSGD(lr=0.1))
-
-
 @pytest.mark.parametrize("optimizer,state_bytes", [(gradsync.RowAdagrad(lr=0.1), 4),
                                                    (gradsync.RowSGD(lr=0.1, momentum=0.9), 16 * 4)],
                          ids=["adagrad", "momentum"])

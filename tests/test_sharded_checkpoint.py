@@ -1,8 +1,9 @@
 """Checkpoints of the sharded strategy: each worker saves its rows with their row optimizer state, and a resume
 re-homes them by the row partition of the resuming job's workers (in one process: W = 2 -> 3, 4 -> 2, 3 -> 3,
-exact rows and state); a job with a dynamic table too, resumed from step K onto the same W, ends bit for bit
-where the uninterrupted run ends, onto another W with the dynamic table's decisions bit for bit and its values to
-float noise; a sharded checkpoint under another strategy is refused naming both."""
+exact rows and state); a dynamic table's delta goes onto its full checkpoint; a job with a dynamic table too,
+resumed from step K (a delta) onto the same W, ends bit for bit where the uninterrupted run ends, onto another
+W with the dynamic table's decisions bit for bit and its values to float noise; a sharded checkpoint under
+another strategy is refused naming both."""
 import json
 import os
 import shutil
@@ -120,6 +121,43 @@ def test_a_resume_rehomes_every_dynamic_id_by_the_id_hash(written, resumed):
             assert read == [own]  # the same W: its own file alone
 
 
+@pytest.mark.parametrize("written,resumed", [(2, 2), (2, 3)])
+def test_a_delta_goes_onto_its_full_checkpoint_at_a_resume(written, resumed):
+    """Each worker writes its full part, then its table changes (ids evicted, ids created, rows updated) and it
+    writes a delta: resumed from the deltas, each worker holds exactly its ids of the changed table with their
+    rows, state and counters (onto the same W: its writer's checkpoint, bit for bit); deltas with no full
+    checkpoint to go onto are refused."""
+    ids = torch.tensor([0x5DEECE66D * (i + 1) ** 3 - 2**62 for i in range(40)])
+    new = torch.tensor([0xB * (i + 1) ** 5 + 2**61 for i in range(12)])
+    writers = [_dynamic(w, written, ids) for w in range(written)]
+    fulls = [d.checkpoint() for d in writers]
+    for w, d in enumerate(writers):
+        part = d.parts["0"]
+        part.table.evict_ids(ids[:10])
+        created = new[server_of(new, written) == w].sort().values
+        part.lookup(created, torch.ones_like(created), 7)
+        updated = torch.cat([ids[10:20][server_of(ids[10:20], written) == w], created]).sort().values
+        part.apply(updated, updated.unsqueeze(1).expand(-1, DIM).float() / 2**62)
+    deltas = [d.checkpoint(full=False) for d in writers]
+    assert all("removed" in p["0"] for p in deltas)
+    states = [d.parts["0"].table.checkpoint() for d in writers]
+    whole = {k: torch.cat([s[k] for s in states]) for k in ("ids", "weight", "optimizer", "lookups", "last_step")}
+    for w in range(resumed):
+        reader = _dynamic(w, resumed)
+        own = w if w < written else 0
+        reader.restore((deltas[k] for k in [own, *(k for k in range(written) if k != own)]), "the checkpoint",
+                       full=lambda k: fulls[k])
+        got = reader.parts["0"].table.checkpoint()
+        if written == resumed:
+            assert all(torch.equal(got[k], states[w][k]) for k in states[w])
+        mine = server_of(whole["ids"], resumed) == w
+        order = torch.argsort(whole["ids"][mine])
+        assert all(torch.equal(got[k], v[mine][order]) for k, v in whole.items())
+    with pytest.raises(ValueError, match=r"^the checkpoint holds a delta of dynamic table '0' and names no full "
+                                         r"checkpoint to put it onto"):
+        _dynamic(0, written).restore(iter(deltas), "the checkpoint")
+
+
 def test_a_checkpoint_missing_a_dynamic_part_is_refused_naming_the_table():
     files = [_dynamic(w, 2, torch.arange(10)).checkpoint() for w in range(2)]
     with pytest.raises(ValueError, match=r"^the checkpoint holds 1 workers' parts of dynamic table '0', not every "
@@ -143,31 +181,36 @@ def test_a_sharded_checkpoint_resumed_under_another_strategy_is_refused_naming_b
 @pytest.mark.timeout(200)
 def test_a_sharded_job_resumed_from_step_k_ends_where_the_uninterrupted_run_ends(tmp_path):
     """SeenNet: fixed tables and a dynamic one (4 rows of 12 ids, LRU, admitted at the second sighting), W = 2,
-    checkpoints after steps 2 and 4 of 4; resumed from step 2. Onto W = 2 every value ends bit for bit where
-    the uninterrupted run's does; onto W = 3 the dynamic table's decisions (resident and waiting ids, last steps,
-    lookups, sightings, step, counters: the same global batch, so the same ones) bit for bit, every value to
-    float noise (other sums of the workers' gradients)."""
-    steps, every = 4, 2
+    a checkpoint after each of 4 steps, every second one full (`checkpoint_full_every=2`); resumed from step 2,
+    a delta onto step 1. Onto W = 2 every value ends bit for bit where the uninterrupted run's does; onto W = 3
+    the dynamic table's decisions (resident and waiting ids, last steps, lookups, sightings, step, counters: the
+    same global batch, so the same ones) bit for bit, every value to float noise (other sums of the workers'
+    gradients)."""
+    steps, resumed_at = 4, 2
     directory = str(tmp_path / "checkpoints")
     job = dict(step_timeout=60, timeout=120)
     (start, uninterrupted), _ = gradsync.launch(train_resumed, strategy="sharded", workers=2, args=(steps,),
-                                                checkpoint_dir=directory, checkpoint_every=every, **job)
+                                                checkpoint_dir=directory, checkpoint_every=1, checkpoint_full_every=2,
+                                                **job)
     fixed = {k: v for k, v in uninterrupted.items() if not k.startswith("seen.")}
     assert start == 0 and max_diff(fixed, {k: v for k, v in SeenNet().state_dict().items() if k in fixed}) > 1e-2
-    parts = [shard_file.load(os.path.join(checkpoints.step_dir(directory, every), f"worker-{w}.ckpt"))["dynamic"]
-             for w in range(2)]
-    assert [p["seen"]["num_servers"] for p in parts] == [2, 2]
+    folder = checkpoints.step_dir(directory, resumed_at)
+    with open(os.path.join(folder, checkpoints.MANIFEST)) as f:
+        assert json.load(f)["base"] == os.path.basename(checkpoints.step_dir(directory, 1))
+    parts = [shard_file.load(os.path.join(folder, f"worker-{w}.ckpt"))["dynamic"] for w in range(2)]
+    assert [p["seen"]["num_servers"] for p in parts] == [2, 2] and all("removed" in p["seen"] for p in parts)
     kept = sum(p["seen"]["counters"] for p in parts)
     ended = uninterrupted["seen.counters"]
     assert (kept < ended).all() and kept[0] > 0  # rows admitted before it; admitted, filtered, evicted after
     assert uninterrupted["seen.ids"].numel() == 4 and uninterrupted["seen.waiting_ids"].numel() > 0
-    shutil.rmtree(checkpoints.step_dir(directory, steps))  # resume from step `every`
+    for step in range(resumed_at + 1, steps + 1):  # resume from step `resumed_at`
+        shutil.rmtree(checkpoints.step_dir(directory, step))
     decisions = [k for k in uninterrupted if k.startswith("seen.") and k != "seen.weight"]
     for workers in (2, 3):
         results = gradsync.launch(train_resumed, strategy="sharded", workers=workers, args=(steps,),
                                   resume=directory, **job)
         for start, state in results:
-            assert start == every and list(state) == list(uninterrupted)
+            assert start == resumed_at and list(state) == list(uninterrupted)
             if workers == 2:
                 assert all(torch.equal(state[k], uninterrupted[k]) for k in uninterrupted)  # bit for bit
             else:  # other sums of the workers' gradients: float noise

@@ -161,8 +161,8 @@ CHECKPOINT_EVERY = _S("checkpoint_every", "GRADSYNC_CHECKPOINT_EVERY", int, 0, "
                       "steps between checkpoints (every strategy and mode)", flag="--checkpoint-every", shared=True)
 CHECKPOINT_FULL_EVERY = _S("checkpoint_full_every", "GRADSYNC_CHECKPOINT_FULL_EVERY", int, 1, "checkpointing",
                            "every N-th checkpoint holds the whole of each dynamic table (gradsync.DynamicEmbedding "
-                           "under ps and hybrid); the ones between only its rows changed or evicted since that "
-                           "full one (1: every checkpoint is full; sharded writes dynamic tables whole and refuses N > 1)",
+                           "under ps, hybrid and sharded); the ones between only its rows changed or evicted since "
+                           "that full one (1: every checkpoint is full; allreduce's replicas are always whole)",
                            flag="--checkpoint-full-every", shared=True)
 RESUME = _S("resume", "GRADSYNC_RESUME", str, "", "checkpointing",
             "restart from the newest complete checkpoint in this directory (any --servers/--workers)",

@@ -19,12 +19,12 @@ pushes (each worker's first N) and the checkpoint is one consistent cut:
 
 Every file is written atomically with its SHA-256.
 
-Dynamic tables on the servers (ps, hybrid) with --checkpoint-full-every N: of the checkpoints a job writes,
-the first and every N-th after it are full; each one between is a delta (`DynamicTable.checkpoint`): its
-shards hold the dynamic tables' rows changed or evicted since that full checkpoint (everything else whole),
-and its manifest names the full one's folder as its `base`, which must be complete for the delta to be.
-Lookups change those tables, so every worker waits until the servers have written their shards, in sync
-mode too.
+Dynamic tables on the servers (ps, hybrid) or on the workers (sharded) with --checkpoint-full-every N: of the
+checkpoints a job writes, the first and every N-th after it are full; each one between is a delta
+(`DynamicTable.checkpoint`): its shards (sharded: its worker files) hold the dynamic tables' rows changed or
+evicted since that full checkpoint (everything else whole), and its manifest names the full one's folder as its
+`base`, which must be complete for the delta to be. Lookups change tables on the servers, so every worker waits
+until the servers have written their shards, in sync mode too.
 
 A checkpoint folder belongs to one run: a fresh job (no --resume) makes a run id, every manifest records it,
 and a resume continues it. Rank 0 decides for the job what it continues or starts (`open_run`) and publishes
@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import itertools
 import json
 import os
@@ -351,9 +352,10 @@ def save(store: dist.Store, config: JobConfig, run: str, step: int, strategy, de
     if me >= config.num_workers:
         return
     path = step_dir(config.checkpoint_dir, step)
+    base = full_base(config, step, start) if strategy.writes_deltas else None
     state = dict(step=step, torch_rng=torch.get_rng_state(), python_rng=random.getstate(),
                  cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-                 **strategy.local_state())
+                 **strategy.local_state(delta=base is not None))
     shard_file.write(os.path.join(path, worker_file(me)), state)
     store.set(StoreKeys.CHECKPOINT.format(step, me), "1")
     # the others' pushes, or their lookups of dynamic tables, would go on meanwhile
@@ -367,7 +369,6 @@ def save(store: dist.Store, config: JobConfig, run: str, step: int, strategy, de
     written = _wait(store, config, [StoreKeys.CHECKPOINT.format(step, w) for w in range(config.num_workers)],
                     list(range(config.num_workers)),
                     f"did not write its state of the checkpoint of step {step} in {path}")
-    base = full_base(config, step, start) if strategy.servers_hold_dynamic else None
     base = base and os.path.basename(step_dir(config.checkpoint_dir, base))
     shards = strategy.checkpoint_servers(path, base and os.path.join(config.checkpoint_dir, base))
     paths = [p for p, _ in shards.values()] + [os.path.join(path, worker_file(w)) for w in written]
@@ -423,5 +424,7 @@ def restore(config: JobConfig, strategy, found: Found) -> int:
             torch.cuda.set_rng_state_all(state["cuda_rng"])
     strategy.load_local_state(state)
     others = (shard_file.load(os.path.join(found.path, worker_file(w))) for w in written if w != source)
-    strategy.load_rows(itertools.chain([state], others), found.path)
+    base = base_of(found)
+    full = base and functools.cache(lambda w: shard_file.load(os.path.join(base, worker_file(w))))
+    strategy.load_rows(itertools.chain([state], others), found.path, full)
     return state["step"]

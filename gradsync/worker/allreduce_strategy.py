@@ -429,7 +429,7 @@ class AllreduceStrategy(Strategy):
         if self.counters:
             ddp_join.broadcast_from_last(self.counters, last, device)
 
-    def local_state(self) -> dict:
+    def local_state(self, delta: bool = False) -> dict:
         """What a checkpoint keeps of this worker: the model's and the optimizer's state; the dynamic tables'
         replicas under "tables", with their row optimizer state (`ReplicatedTables.checkpoint`), not in "model"."""
         replicated = self.replicas.keys()

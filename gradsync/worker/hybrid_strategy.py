@@ -151,7 +151,7 @@ class HybridStrategy(Strategy):
         self.dynamic.resync()
         self._versions = {s: snap.version for s, snap in self.transport.pull().items()}
 
-    def local_state(self) -> dict:
+    def local_state(self, delta: bool = False) -> dict:
         """What a checkpoint keeps of this worker: the dense part's model and optimizer state (the servers keep
         the tables and their row optimizer state)."""
         with self.tables.own_state(), self.dynamic.own_state():

@@ -433,7 +433,7 @@ class PSStrategy(Strategy):
             "the same dist_autograd.context() before trainer.step(context_id)"
         )
 
-    def local_state(self) -> dict:
+    def local_state(self, delta: bool = False) -> dict:
         """What a checkpoint keeps of this worker beyond its step and RNG: its optimizer groups' options (the
         servers hold the model and the optimizer's state)."""
         return {"groups": [group_options(g) for g in self.optimizer.param_groups]}

@@ -17,14 +17,15 @@ Any other forward (evaluation, which one worker may run alone) reads the rows ov
 gather the parts the same way, each owner answering once it has ended as many steps as the asking worker.
 
 A job checkpoint holds each worker's parts in its own file, in the form a server writes them
-(`DynamicShard.checkpoint`, always full); a resume takes each worker's ids from its own file alone with as many
-workers as wrote it, else from every writer's, re-homed by `server_of(id, W')` (`DynamicShard.restore`).
+(`DynamicShard.checkpoint`: full, or between full ones with `checkpoint_full_every` a delta, put back onto the
+same worker's part of the full one at a resume); a resume takes each worker's ids from its own file alone with
+as many workers as wrote it, else from every writer's, re-homed by `server_of(id, W')` (`DynamicShard.restore`).
 """
 from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,7 @@ from torch import nn
 
 from gradsync.core.job_names import worker_name
 from gradsync.ps.dynamic_shard import DynamicShard, answer
+from gradsync.tables.dynamic_checkpoint import with_delta
 from gradsync.tables.id_hash import server_of
 from gradsync.tables.row_partition import ExchangePlan
 from gradsync.worker.served_dynamic import ServedDynamic
@@ -44,6 +46,17 @@ _GATHERED = ("end", "smallest")
 _HELD: ShardedDynamic | None = None
 """This worker's parts, which `_answer_of` answers the other workers' reads from (torch RPC calls a function by
 its module path)."""
+
+
+def _whole(name: str, part: dict, where: str, full: Callable[[int], dict[str, dict]] | None) -> dict:
+    """A worker's checkpoint part of dynamic table `name`: as saved, or a delta put onto its full one."""
+    if "removed" not in part:
+        return part
+    if full is None:
+        raise ValueError(f"{where} holds a delta of dynamic table {name!r} and names no full checkpoint to put it "
+                         "onto: resume from the folder of a full checkpoint")
+    return {**with_delta(full(part["server"])[name], part), "server": part["server"],
+            "num_servers": part["num_servers"]}
 
 
 def _answer_of(call: str, args: tuple, step: int, timeout: float):
@@ -100,18 +113,22 @@ class ShardedDynamic(ServedDynamic):
         for name, (ids, grads) in received.items():
             self.parts[name].apply(ids, grads * coefficient if coefficient != 1.0 else grads)
 
-    def checkpoint(self) -> dict[str, dict]:
-        """This worker's part of each table, as a server writes it (`DynamicShard.checkpoint`: full)."""
-        return {name: part.checkpoint() for name, part in self.parts.items()}
+    def checkpoint(self, full: bool = True) -> dict[str, dict]:
+        """This worker's part of each table, as a server writes it (`DynamicShard.checkpoint`: full, or a delta
+        since the last full one)."""
+        return {name: part.checkpoint(full) for name, part in self.parts.items()}
 
-    def restore(self, saved: Iterable[dict[str, dict]], where: str) -> None:
+    def restore(self, saved: Iterable[dict[str, dict]], where: str,
+                full: Callable[[int], dict[str, dict]] | None = None) -> None:
         """Take this worker's ids of each table, with their rows, row optimizer state and admission and eviction
         state, from the `checkpoint()`s of the workers of a checkpoint (`saved`, this worker's own first: with
         as many workers as wrote it, its own part alone is read), written by any number of workers; the next
-        lookups then belong to the step the checkpoint was taken after.
+        lookups then belong to the step the checkpoint was taken after. A delta part goes onto worker k's part
+        of the full checkpoint, `full(k)`.
 
         Raises:
-            ValueError: `saved` lacks some worker's part of a table, naming the table.
+            ValueError: `saved` lacks some worker's part of a table, naming the table; or holds a delta with
+                no full checkpoint to put it onto.
         """
         if not self.parts:
             return
@@ -119,7 +136,7 @@ class ShardedDynamic(ServedDynamic):
         for tables in saved:
             for name, part in tables.items():
                 if name in parts:
-                    parts[name].append(part)
+                    parts[name].append(_whole(name, part, where, full))
             if all(self.parts[n].complete(p) for n, p in parts.items()):
                 break
         else:

@@ -16,7 +16,7 @@ or drops the rows of that step (nonfinite='skip'), as hybrid's servers do.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -60,12 +60,6 @@ class ShardedStrategy(Strategy):
                 "(tables='dense', weights tied to other layers, or no table_optimizer for an optimizer without an "
                 "exact row-wise form): use --strategy allreduce, or pass "
                 "Trainer(..., table_optimizer=gradsync.RowAdagrad(lr=...))")
-        if self.dynamic.modules and config.checkpoint_full_every > 1:
-            raise NotImplementedError(
-                f"checkpoint_full_every={config.checkpoint_full_every}: {next(iter(self.dynamic.modules))!r} is a "
-                "gradsync.DynamicEmbedding, which the sharded strategy writes whole in every checkpoint (delta "
-                "checkpoints are the servers', under ps and hybrid): run without --checkpoint-full-every, or with "
-                "--strategy ps or hybrid")
         self.tables = ShardedTables(chosen, rows, config.worker_rank, config.num_workers, config.step_timeout,
                                     dynamic=self.dynamic.modules)
         self.dynamic.tables = self.tables
@@ -144,11 +138,17 @@ class ShardedStrategy(Strategy):
         with self.tables.own_state(), self.dynamic.own_state():
             return ordered(self.dense.state_dict(), tables, self.keys)
 
-    def local_state(self) -> dict:
+    @property
+    def writes_deltas(self) -> bool:
+        return bool(self.dynamic.modules)
+
+    def local_state(self, delta: bool = False) -> dict:
         """What a checkpoint keeps of this worker: the dense part's model and optimizer state, its rows of
-        every table with their row optimizer state, and its part of every dynamic table."""
+        every table with their row optimizer state, and its part of every dynamic table (`delta`: what changed
+        in it since the last full checkpoint)."""
         with self.tables.own_state(), self.dynamic.own_state():
-            return {**self.dense.local_state(), "rows": self.tables.checkpoint(), "dynamic": self.dynamic.checkpoint()}
+            return {**self.dense.local_state(), "rows": self.tables.checkpoint(),
+                    "dynamic": self.dynamic.checkpoint(full=not delta)}
 
     def load_local_state(self, state: dict) -> None:
         """Take back the dense part of `local_state()` (the dynamic tables' local keys, which it leaves out, as
@@ -156,11 +156,13 @@ class ShardedStrategy(Strategy):
         self.dense.load_local_state({**state, "model": {**self.dynamic.local_keys(), **state["model"]}})
         self.tables.applied = state["step"]
 
-    def load_rows(self, saved: Iterable[dict], where: str) -> None:
+    def load_rows(self, saved: Iterable[dict], where: str, full: Callable[[int], dict] | None = None) -> None:
         """Take this worker's rows and ids from the checkpoint's worker files `saved` (`ShardedTables.restore`,
         `ShardedDynamic.restore`: by the row partition and the id hash of this job's workers, whatever number of
-        workers wrote them), reading each file once, and no more of them than those need."""
+        workers wrote them; a delta's dynamic parts onto those of worker files `full(k)`), reading each file
+        once, and no more of them than those need."""
         read: list[dict] = []
         files = (read.append(state) or state for state in saved)
         self.tables.restore((state["rows"] for state in files), where)
-        self.dynamic.restore((state.get("dynamic", {}) for state in itertools.chain(read, files)), where)
+        base = full and (lambda k: full(k).get("dynamic", {}))
+        self.dynamic.restore((state.get("dynamic", {}) for state in itertools.chain(read, files)), where, base)

@@ -7,7 +7,7 @@ and nothing else, so it never asks which strategy it holds.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 
 import torch
@@ -52,17 +52,19 @@ class Strategy(ABC):
         """The full current model state, keyed exactly as the user's `model.state_dict()`."""
 
     @abstractmethod
-    def local_state(self) -> dict:
-        """What a job checkpoint keeps of this worker beyond its step and RNG."""
+    def local_state(self, delta: bool = False) -> dict:
+        """What a job checkpoint keeps of this worker beyond its step and RNG. `delta`: the checkpoint is a
+        delta onto the last full one (`checkpoint_full_every`, where `writes_deltas`)."""
 
     @abstractmethod
     def load_local_state(self, state: dict) -> None:
         """Take back `local_state()` from a checkpoint."""
 
-    def load_rows(self, saved: Iterable[dict], where: str) -> None:
+    def load_rows(self, saved: Iterable[dict], where: str, full: Callable[[int], dict] | None = None) -> None:
         """Take the table rows this worker holds from the worker files of a checkpoint (`saved`, loaded as they
-        are read, this worker's own first; `where` names the checkpoint): nothing, unless the workers hold
-        the tables' rows (sharded)."""
+        are read, this worker's own first; `where` names the checkpoint; `full(k)`: of a delta checkpoint,
+        worker k's file of the full one it goes onto): nothing, unless the workers hold the tables' rows
+        (sharded)."""
 
     def server_stats(self) -> dict[int, dict]:
         """Every parameter server's counters by server index; {} without servers."""
@@ -77,5 +79,11 @@ class Strategy(ABC):
     @property
     def servers_hold_dynamic(self) -> bool:
         """Whether the parameter servers hold dynamic tables, whose lookups change them (a checkpoint holds the
-        workers until it is written; it may be a delta)."""
+        workers until it is written)."""
         return False
+
+    @property
+    def writes_deltas(self) -> bool:
+        """Whether a checkpoint between full ones (`checkpoint_full_every`) is a delta: dynamic tables on the
+        servers, or on the workers (sharded)."""
+        return self.servers_hold_dynamic
