@@ -3,7 +3,7 @@ its own part of every step and fed every worker's lookups and row gradients, end
 stepped on the joint batch (`DynamicTable.count_lookups`, `ReplicatedTables.apply`); the Trainer's refusals. In
 jobs (W = 2 and 4): parity with nn.Embedding and the user's AdamW beside it, every replica identical and equal to
 the single-process tables with eviction and admission, the state_dict keys, the bytes, bad ids; a checkpoint
-resumed bit for bit."""
+(a delta onto a full one) resumed bit for bit; a delta with no full one refused."""
 import random
 import shutil
 
@@ -14,6 +14,7 @@ import gradsync
 from dynamic_jobs import reference_dynamic, train_dynamic, train_resumable
 from gradsync.ps import shard_file
 from gradsync.core.errors import GradientError
+from gradsync.tables.dynamic_checkpoint import with_delta
 from gradsync.tables.dynamic_table import DynamicTable
 from gradsync.tables.row_init import HashedUniform
 from gradsync.worker.replicated_tables import ReplicatedTables
@@ -116,6 +117,24 @@ def test_a_dynamic_table_without_a_row_optimizer_is_refused_naming_it():
     assert model["users"].take_recorded().ids.numel() == 0 and model["users"].resident_rows == 0
 
 
+def test_a_delta_of_the_replicas_goes_onto_its_full_checkpoint_or_is_refused():
+    def replicas():
+        model = torch.nn.ModuleDict({"users": gradsync.DynamicEmbedding(2, capacity=4)})
+        return model, ReplicatedTables(model, gradsync.RowSGD(lr=0.1), 0, 2)
+
+    model, written = replicas()
+    model["users"].table.lookup(torch.tensor([3, 5, 7]), 0)
+    full = written.checkpoint()
+    model["users"].table.lookup(torch.tensor([9, -1]), 1)
+    model["users"].table.evict_ids(torch.tensor([5]))
+    delta = written.checkpoint(full=False)
+    _, reader = replicas()
+    with pytest.raises(ValueError, match=r"^the checkpoint holds a delta of dynamic table 'users' and names no full"):
+        reader.restore(delta, None, "the checkpoint")
+    reader.restore(delta, full, "the checkpoint")
+    assert reader.layers["users"].table.state()["ids"].tolist() == [-1, 3, 7, 9]
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("optimizer, extra, scaled", [("adagrad", [2, 0], False), ("sgd", [1, 2, 0, 2], True)])
 def test_allreduce_replicas_match_single_process_training(launch, optimizer, extra, scaled):
@@ -151,28 +170,32 @@ def test_allreduce_replicas_match_single_process_training(launch, optimizer, ext
 
 @pytest.mark.timeout(240)
 def test_a_checkpoint_of_the_replicas_resumes_bit_for_bit_on_as_many_workers_and_restores_on_more(launch, tmp_path):
-    """RowAdagrad, W = 2, a checkpoint every 2 steps of 8. Resumed from step 4 with W = 2, a job ends where the
-    uninterrupted one ended, bit for bit (the rows' Adagrad sums came back: fresh ones would update them
-    otherwise); with W = 3, every worker starts from worker 0's tables of step 4, row optimizer state
-    included, and the replicas stay identical."""
+    """RowAdagrad, W = 2, a checkpoint every 2 steps of 8, every second one full (`checkpoint_full_every=2`).
+    Resumed from step 4, a delta onto step 2, with W = 2, a job ends where the uninterrupted one ended, bit for
+    bit (the rows' Adagrad sums came back: fresh ones would update them otherwise); with W = 3, every worker
+    starts from worker 0's tables of step 4 (its delta onto its full part), row optimizer state included, and the
+    replicas stay identical."""
     written = tmp_path / "written"
     first = launch(train_resumable, strategy="allreduce", workers=2, args=(8,), step_timeout=60,
-                   checkpoint_dir=str(written), checkpoint_every=2)
+                   checkpoint_dir=str(written), checkpoint_every=2, checkpoint_full_every=2)
     kept = tmp_path / "until-4"
-    shutil.copytree(written / "step-00000004", kept / "step-00000004")
+    for step in ("step-00000002", "step-00000004"):
+        shutil.copytree(written / step, kept / step)
     saved = shard_file.load(str(kept / "step-00000004" / "worker-0.ckpt"))
+    full = shard_file.load(str(kept / "step-00000002" / "worker-0.ckpt"))
     assert not any(k.startswith(("users.", "items.", "tags.")) for k in saved["model"])  # once, under "tables"
-    assert saved["tables"]["users"]["optimizer"].shape == saved["tables"]["users"]["ids"].shape
+    assert all("removed" in part for part in saved["tables"].values())
+    tables = {name: with_delta(full["tables"][name], part) for name, part in saved["tables"].items()}
+    assert tables["users"]["optimizer"].shape == tables["users"]["ids"].shape
     for workers in (2, 3):
         resumed = launch(train_resumable, strategy="allreduce", workers=workers, args=(8,), step_timeout=60,
                          resume=str(kept))
         for result in resumed:
             assert result["first"] == 4
-            for name, part in saved["tables"].items():
-                assert list(result["start"][name]) == list(part)
+            for name, part in tables.items():
                 for key, value in part.items():
                     assert torch.equal(result["start"][name][key], value), (workers, name, key)
             assert list(result["end"]) == list(first[0]["end"])
             for key, value in (first if workers == 2 else resumed)[0]["end"].items():
                 assert torch.equal(result["end"][key], value), (workers, key)
-    assert saved["tables"]["tags"]["counters"][2] < first[0]["end"]["tags.counters"][2]  # evictions after step 4
+    assert tables["tags"]["counters"][2] < first[0]["end"]["tags.counters"][2]  # evictions after step 4

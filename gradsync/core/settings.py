@@ -160,9 +160,9 @@ CHECKPOINT_DIR = _S("checkpoint_dir", "GRADSYNC_CHECKPOINT_DIR", str, "", "check
 CHECKPOINT_EVERY = _S("checkpoint_every", "GRADSYNC_CHECKPOINT_EVERY", int, 0, "checkpointing",
                       "steps between checkpoints (every strategy and mode)", flag="--checkpoint-every", shared=True)
 CHECKPOINT_FULL_EVERY = _S("checkpoint_full_every", "GRADSYNC_CHECKPOINT_FULL_EVERY", int, 1, "checkpointing",
-                           "every N-th checkpoint holds the whole of each dynamic table (gradsync.DynamicEmbedding "
-                           "under ps, hybrid and sharded); the ones between only its rows changed or evicted since "
-                           "that full one (1: every checkpoint is full; allreduce's replicas are always whole)",
+                           "every N-th checkpoint holds the whole of each dynamic table (gradsync.DynamicEmbedding, "
+                           "every strategy); the ones between only its rows changed or evicted since that full one "
+                           "(1: every checkpoint is full)",
                            flag="--checkpoint-full-every", shared=True)
 RESUME = _S("resume", "GRADSYNC_RESUME", str, "", "checkpointing",
             "restart from the newest complete checkpoint in this directory (any --servers/--workers)",

@@ -19,8 +19,8 @@ pushes (each worker's first N) and the checkpoint is one consistent cut:
 
 Every file is written atomically with its SHA-256.
 
-Dynamic tables on the servers (ps, hybrid) or on the workers (sharded) with --checkpoint-full-every N: of the
-checkpoints a job writes, the first and every N-th after it are full; each one between is a delta
+Dynamic tables on the servers (ps, hybrid) or on the workers (sharded, allreduce's replicas) with
+--checkpoint-full-every N: of the checkpoints a job writes, the first and every N-th after it are full; each one between is a delta
 (`DynamicTable.checkpoint`): its shards (sharded: its worker files) hold the dynamic tables' rows changed or
 evicted since that full checkpoint (everything else whole), and its manifest names the full one's folder as its
 `base`, which must be complete for the delta to be. Lookups change tables on the servers, so every worker waits
@@ -411,7 +411,8 @@ def restore(config: JobConfig, strategy, found: Found) -> int:
     A worker beyond the checkpoint's workers, or whose file it lacks, takes the file of the lowest worker that
     wrote one (its model and optimizer under allreduce, hybrid and sharded, which every worker holds alike) and
     keeps its own RNG states. Under sharded each worker then takes its rows from that file and, when another
-    number of workers wrote the checkpoint, from the other workers' files (`Strategy.load_rows`)."""
+    number of workers wrote the checkpoint, from the other workers' files; under allreduce its dynamic tables'
+    replicas from that file (`Strategy.load_rows`); a delta's onto the full checkpoint its manifest names."""
     me = config.worker_rank
     mine = me < found.manifest["workers"] and worker_file(me) in found.manifest["files"]
     written = found.manifest.get("written", list(range(found.manifest["workers"])))
@@ -425,6 +426,6 @@ def restore(config: JobConfig, strategy, found: Found) -> int:
     strategy.load_local_state(state)
     others = (shard_file.load(os.path.join(found.path, worker_file(w))) for w in written if w != source)
     base = base_of(found)
-    full = base and functools.cache(lambda w: shard_file.load(os.path.join(base, worker_file(w))))
+    full = base and functools.cache(lambda w=source: shard_file.load(os.path.join(base, worker_file(w))))
     strategy.load_rows(itertools.chain([state], others), found.path, full)
     return state["step"]

@@ -41,7 +41,7 @@ import contextlib
 import inspect
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -429,19 +429,30 @@ class AllreduceStrategy(Strategy):
         if self.counters:
             ddp_join.broadcast_from_last(self.counters, last, device)
 
+    @property
+    def writes_deltas(self) -> bool:
+        return bool(self.replicas.layers)
+
     def local_state(self, delta: bool = False) -> dict:
         """What a checkpoint keeps of this worker: the model's and the optimizer's state; the dynamic tables'
-        replicas under "tables", with their row optimizer state (`ReplicatedTables.checkpoint`), not in "model"."""
+        replicas under "tables", with their row optimizer state (`ReplicatedTables.checkpoint`; `delta`: what
+        changed since the last full checkpoint), not in "model"."""
         replicated = self.replicas.keys()
         model = {k: v for k, v in self.module.state_dict().items() if k not in replicated}
-        return {"model": model, "optimizer": self.optimizer.state_dict(), "tables": self.replicas.checkpoint()}
+        return {"model": model, "optimizer": self.optimizer.state_dict(),
+                "tables": self.replicas.checkpoint(full=not delta)}
 
     def load_local_state(self, state: dict) -> None:
-        """Take back `local_state()` of a checkpoint taken after step `state["step"]`."""
+        """Take back `local_state()` of a checkpoint taken after step `state["step"]` (the replicas come with
+        `load_rows`)."""
         self.module.load_state_dict({**self.replicas.state(), **state["model"]})  # the replicas' keys as they are
-        self.replicas.restore(state.get("tables", {}))
         self.optimizer.load_state_dict(state["optimizer"])
         self.started = state["step"]
+
+    def load_rows(self, saved: Iterable[dict], where: str, full: Callable[[int], dict] | None = None) -> None:
+        """The replicas of the worker file this worker restores from (the first of `saved`); a delta's onto that
+        worker's replicas in the full checkpoint (`full()`)."""
+        self.replicas.restore(next(iter(saved)).get("tables", {}), full and full().get("tables", {}), where)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         params, buffers = named_tensors(self.module)

@@ -33,6 +33,7 @@ from torch import nn
 
 from gradsync.core.errors import nonfinite_error
 from gradsync.core.finite import first_nonfinite
+from gradsync.tables.dynamic_checkpoint import with_delta
 from gradsync.tables.dynamic_embedding import STATE_KEYS, DynamicEmbedding
 from gradsync.tables.row_optim import ROW_OPTIMIZERS
 
@@ -113,14 +114,21 @@ class ReplicatedTables:
         """The keys of `state()`."""
         return {f"{name}.{key}" if name else key for name in self.layers for key in STATE_KEYS}
 
-    def checkpoint(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Every table's full checkpoint part (`DynamicTable.checkpoint`: rows, row optimizer state, admission and
-        eviction state, step, counters) by the module's name."""
-        return {name: layer.table.checkpoint() for name, layer in self.layers.items()}
+    def checkpoint(self, full: bool = True) -> dict[str, dict[str, torch.Tensor]]:
+        """Every table's checkpoint part (`DynamicTable.checkpoint`: rows, row optimizer state, admission and
+        eviction state, step, counters; not `full`: what changed since the last full one) by the module's name."""
+        return {name: layer.table.checkpoint(full) for name, layer in self.layers.items()}
 
-    def restore(self, parts: dict[str, dict[str, torch.Tensor]]) -> None:
-        """Take back `checkpoint()`'s tables, each with its row optimizer state."""
+    def restore(self, parts: dict[str, dict[str, torch.Tensor]], full: dict[str, dict[str, torch.Tensor]] | None,
+                where: str) -> None:
+        """Take back `checkpoint()`'s tables, each with its row optimizer state; a delta onto the same table's
+        part of `full` (the full checkpoint it goes onto, None when there is none: refused, naming `where`)."""
         for name, part in parts.items():
+            if "removed" in part:
+                if full is None:
+                    raise ValueError(f"{where} holds a delta of dynamic table {name!r} and names no full checkpoint "
+                                     "to put it onto: resume from the folder of a full checkpoint")
+                part = with_delta(full[name], part)
             self.layers[name].table.load(part, self.optimizer)
 
 

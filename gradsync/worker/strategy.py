@@ -62,9 +62,9 @@ class Strategy(ABC):
 
     def load_rows(self, saved: Iterable[dict], where: str, full: Callable[[int], dict] | None = None) -> None:
         """Take the table rows this worker holds from the worker files of a checkpoint (`saved`, loaded as they
-        are read, this worker's own first; `where` names the checkpoint; `full(k)`: of a delta checkpoint,
-        worker k's file of the full one it goes onto): nothing, unless the workers hold the tables' rows
-        (sharded)."""
+        are read, the one it restores from first; `where` names the checkpoint; `full(k)`: of a delta
+        checkpoint, worker k's file of the full one it goes onto, `full()` that of the file it restores from):
+        nothing, unless the workers hold the tables' rows (sharded, allreduce's dynamic replicas)."""
 
     def server_stats(self) -> dict[int, dict]:
         """Every parameter server's counters by server index; {} without servers."""
@@ -85,5 +85,5 @@ class Strategy(ABC):
     @property
     def writes_deltas(self) -> bool:
         """Whether a checkpoint between full ones (`checkpoint_full_every`) is a delta: dynamic tables on the
-        servers, or on the workers (sharded)."""
+        servers, or on the workers (sharded, allreduce's replicas)."""
         return self.servers_hold_dynamic
