@@ -5,6 +5,8 @@ trained on the active workers' batches joined (`table.step` per dynamic table), 
 nn.Embedding holding init(id) for each id in order of first sight."""
 from __future__ import annotations
 
+import dataclasses
+import os
 import random
 
 import torch
@@ -13,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradsync
+from gradsync.core import settings
 from gradsync.tables.row_init import HashedUniform
 from jobs import run_loop
 
@@ -74,14 +77,17 @@ def train_dynamic(optimizer: str, steps: int, extra: list[int]) -> dict:
 def train_sharded(optimizer: str, steps: int) -> dict:
     """Train DynNet for `steps` steps on every worker (no join block: the sharded strategy refuses it); returns
     the trainer's state, the module's own state_dict, each table's resident rows and counters as the module
-    answers them, and on worker 0 an evaluation forward (no gradients) of worker 1's batch of step `steps`, which
+    answers them, each step's record and timeline, and on worker 0 an evaluation forward (no gradients) of worker 1's batch of step `steps`, which
     it runs alone."""
+    os.environ[settings.TIMELINE.env] = "1"  # this rank's own environment: it ends with the job
     model = DynNet()
     trainer = gradsync.Trainer(model, torch.optim.SGD(model.parameters(), lr=LR),
                                table_optimizer=OPTIMIZERS[optimizer])
     run_loop(trainer, steps, data=dyn_batch, loss_fn=F.binary_cross_entropy_with_logits)
     tables = {n: (getattr(model, n).resident_rows, getattr(model, n).counters) for n in TABLES}
-    out = {"trainer": trainer.state_dict(), "module": model.state_dict(), "tables": tables}
+    out = {"trainer": trainer.state_dict(), "module": model.state_dict(), "tables": tables,
+           "timeline": list(trainer.metrics.timeline.steps),
+           "records": [dataclasses.asdict(r) for r in trainer.metrics.records]}
     if gradsync.worker_rank() == 0:
         with torch.no_grad():
             out["evaluated"] = trainer.model(*dyn_batch(steps, 1)[:3])

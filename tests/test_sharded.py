@@ -179,6 +179,13 @@ def test_dynamic_tables_split_over_the_workers_train_as_in_one_process():
             assert result["tables"][name] == (table.resident_rows, table.counters)
     counters = {n: results[0]["tables"][n][1] for n in TABLES}
     assert counters["lru"]["evicted"] > 0 and counters["lfu"]["evicted"] > 0 and counters["lru"]["filtered"] > 0
+    for result in results:  # each step's end, after its commit, in that step's exchange and lanes
+        for record, timed in zip(result["records"], result["timeline"]):
+            ends = [p for p in timed["pieces"] if p["lane"] == "all-gather end"]
+            assert len(ends) == 1 and ends[0]["bytes_sent"] == ends[0]["bytes_received"] > 0
+            assert sum(p["bytes_sent"] for p in timed["pieces"]) == record["bytes_sent"]
+            assert sum(p["bytes_received"] for p in timed["pieces"]) == record["bytes_received"]
+            assert ends[0]["back"] >= ends[0]["left"]
     ids, rows = reference_first_sight(DYNAMIC_STEPS - 1, no_join)
     assert torch.equal(results[0]["trainer"]["big.ids"], ids)
     torch.testing.assert_close(results[0]["trainer"]["big.weight"], rows, rtol=0, atol=1e-6)

@@ -84,6 +84,19 @@ class StepMetrics:
         self.timeline.committed(self.steps)
         self._current, self._mark, self._inside, self._exchanges = StepRecord(), None, 0.0, []
 
+    def gathered_after_commit(self, what: str, seconds: float, bytes_sent: int, bytes_received: int,
+                              left: float) -> None:
+        """An all-gather among the workers that began at `left` (wall clock) after the newest step's commit and
+        is over now (sharded: the end of a dynamic table's step): counted in that step as exchange, its lane
+        'all-gather `what`' in that step's timeline."""
+        if not self.records:
+            return
+        record = self.records[-1]
+        record.exchange_s += seconds
+        record.bytes_sent += bytes_sent
+        record.bytes_received += bytes_received
+        self.timeline.gathered_after(what, bytes_sent, bytes_received, left)
+
     def last(self) -> StepRecord | None:
         """The newest step's record; None before the first step."""
         return self.records[-1] if self.records else None

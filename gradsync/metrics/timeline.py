@@ -49,7 +49,7 @@ class PieceEvents:
     arrived: float | None = None
     applied: float | None = None
     back: float | None = None
-    exchange: str | None = None  # sharded: what an all-to-all among the workers carried ('emb.weight rows')
+    exchange: str | None = None  # sharded: a collective among the workers and what it carried ('a2a emb.weight rows')
 
     def returned(self, nbytes: float, arrived: float | None = None, applied: float | None = None) -> None:
         """Its reply is in, now: the reply's bytes and the server's events."""
@@ -57,9 +57,9 @@ class PieceEvents:
 
     @property
     def lane(self) -> str:
-        """'s0 b3', 's0 head', 'bucket 3' (allreduce), or 'a2a emb.weight rows' (sharded)."""
+        """'s0 b3', 's0 head', 'bucket 3' (allreduce), or 'a2a emb.weight rows', 'all-gather end' (sharded)."""
         if self.exchange is not None:
-            return f"a2a {self.exchange}"
+            return self.exchange
         if self.server is None:
             return f"bucket {self.bucket}"
         return f"s{self.server} " + ("head" if self.bucket is HEAD else f"b{self.bucket}")
@@ -147,7 +147,15 @@ class Timeline:
         the bytes it sent to and got from the other workers. Off: nothing."""
         if self.on:
             self._current.append(PieceEvents(None, None, bytes_sent, left, bytes_received, back=time.time(),
-                                             exchange=what))
+                                             exchange=f"a2a {what}"))
+
+    def gathered_after(self, what: str, bytes_sent: float, bytes_received: float, left: float) -> None:
+        """An all-gather among the workers that began at `left` after the newest step was kept (`committed`)
+        and is over now: its lane 'all-gather `what`' in that step's lanes. Off: nothing."""
+        if self.on and self.steps:
+            events = PieceEvents(None, None, bytes_sent, left, bytes_received, back=time.time(),
+                                 exchange=f"all-gather {what}")
+            self.steps[-1]["pieces"].append(dataclasses.asdict(events) | {"lane": events.lane})
 
     def _track(self, events: PieceEvents, call, args, kwargs):
         """`call`'s future, whose reply completes `events` (already among the step's)."""

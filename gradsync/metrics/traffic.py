@@ -2,6 +2,8 @@
 (`gradsync.compare.costmodel`) both use."""
 from __future__ import annotations
 
+import pickle
+
 import torch
 
 from gradsync.core.torch_internals import sparse_parts
@@ -38,3 +40,10 @@ def head_bytes(buffers: dict[str, torch.Tensor], rows: dict) -> int:
     """Bytes of a ps push's part that is not a bucket: its buffers, and its rows of each table ({name:
     `ps.messages.RowGrads`})."""
     return sum(b.nbytes for b in buffers.values()) + sum(r.nbytes for r in rows.values())
+
+
+def object_gather_bytes(objects: list) -> int:
+    """Bytes each rank sends, and receives, in `torch.distributed.all_gather_object` of `objects` (one per rank):
+    each object's size (8 bytes), then every object pickled and padded to the largest, from each other rank."""
+    largest = max(len(pickle.dumps(o)) for o in objects)
+    return (len(objects) - 1) * (8 + largest)

@@ -10,7 +10,8 @@ created with `init`) and answers their rows (zeros where not admitted). The step
 route with the fixed tables' (`ShardedTables.exchange_grads`: the owner sums them over the workers and divides
 by W); `apply` keeps the resident ids (those admitted) and applies the row optimizer. `end_step` then ends the
 step as ps does (`tables.global_eviction`: `ttl_steps` locally, the bounds by `capacity` over the whole table),
-its calls answered by this worker's part and an all-gather of every worker's answer.
+its calls answered by this worker's part and an all-gather of every worker's answer (after the step's commit,
+counted in that step's metrics as exchange, with its own lane in the timeline).
 
 Any other forward (evaluation, which one worker may run alone) reads the rows over torch RPC from each owner's
 `find`, creating nothing; `trainer.state_dict()`, the module's `state_dict()`, `resident_rows` and the counters
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from collections.abc import Callable, Iterable
 
 import torch
@@ -33,6 +35,7 @@ import torch.distributed.rpc as rpc
 from torch import nn
 
 from gradsync.core.job_names import worker_name
+from gradsync.metrics.traffic import object_gather_bytes
 from gradsync.ps.dynamic_shard import DynamicShard, answer
 from gradsync.tables.dynamic_checkpoint import with_delta
 from gradsync.tables.id_hash import server_of
@@ -165,8 +168,13 @@ class ShardedDynamic(ServedDynamic):
         if call == "evict":
             return {self.worker: answer(self.parts, call, args[self.worker], f"worker {self.worker}")}
         if call in _GATHERED:
+            mine = answer(self.parts, call, args[self.worker], f"worker {self.worker}")
             every = [None] * self.num_servers
-            dist.all_gather_object(every, answer(self.parts, call, args[self.worker], f"worker {self.worker}"))
+            left, started = time.time(), time.perf_counter()
+            dist.all_gather_object(every, mine)
+            if self.metrics is not None:  # after the step's commit: counted in that step
+                wire = object_gather_bytes(every)
+                self.metrics.gathered_after_commit(call, time.perf_counter() - started, wire, wire, left)
             return dict(enumerate(every))
         futures = {w: rpc.rpc_async(worker_name(w), _answer_of, args=(call, a, self.step, self.timeout),
                                     timeout=2 * self.timeout)

@@ -77,7 +77,7 @@ class ShardedStrategy(Strategy):
         self.model = self.dense.model
         self.optimizer = optimizer
         self.metrics = self.dense.metrics
-        self.tables.metrics = self.metrics
+        self.tables.metrics = self.dynamic.metrics = self.metrics
         self.tables.serving = self.dynamic.serving = True
 
     def _forward_ended(self, module: nn.Module, inputs, output) -> None:
