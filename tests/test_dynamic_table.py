@@ -195,6 +195,17 @@ def test_a_long_stream_keeps_what_the_rule_keeps_and_the_recency_log_stays_small
             assert len(columns.log) <= max(MIN_ROOM, 2 * (len(columns) + 200)), t
 
 
+def test_lfu_evicts_rows_loaded_without_their_lookup_counts_first():
+    """Rows loaded from ids and weights alone count zero lookups: LFU takes them first, by (last step, id)."""
+    table = DynamicTable(2, capacity=3, init=HashedUniform(2), evict="lfu")
+    table.load({"ids": torch.tensor([40, 10, 30]), "weight": torch.zeros(3, 2), "step": 5})
+    table.lookup(torch.tensor([10, 7, 7]), 5)
+    ids, keys = table.smallest_rows(3)
+    assert sorted(map(tuple, keys.tolist())) == [(0, 4, 30), (0, 4, 40), (1, 5, 10)]
+    table.end_step(5)
+    assert table.state()["ids"].tolist() == [7, 10, 40]
+
+
 def test_rows_exceed_capacity_only_within_a_step_by_its_new_ids():
     table = gradsync.DynamicEmbedding(2, capacity=10)
     g = torch.Generator().manual_seed(1)

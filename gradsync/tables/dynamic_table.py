@@ -56,8 +56,8 @@ from gradsync.tables.row_optim import ROW_OPTIMIZERS, LazyRows
 
 EVICTION_RULES = ("lru", "lfu")
 LFU_LOGS = 16
-"""LFU: the lookup counts 1 .. LFU_LOGS each have a recency log, from which eviction takes the rows looked up
-least; where it must go beyond them it ranks every row."""
+"""LFU: the lookup counts 0 .. LFU_LOGS each have a recency log, from which eviction takes the rows looked up
+least (0: rows loaded without their counts); where it must go beyond them it ranks every row."""
 _ADMIT_WORD = 0x61646D6974  # b"admit"
 _NEVER = -(1 << 62)  # an arriving id's last step, until it is looked up (sighted)
 
@@ -85,7 +85,7 @@ class DynamicTable:
         """Empty: no rows, no waiting ids, step 0, counters 0, fresh optimizer state."""
         self.rows = _IdColumns(weight=((self.dim,), self.dtype), lookups=((), torch.int64))
         self.waiting = _IdColumns(sightings=((), torch.int64))
-        self.by_lookups = ([RecencyLog(self.rows.columns, n) for n in range(1, LFU_LOGS + 1)]
+        self.by_lookups = ([RecencyLog(self.rows.columns, n) for n in range(LFU_LOGS + 1)]
                            if self.evict == "lfu" else [])
         self.step = 0
         self.counters = {"admitted": 0, "filtered": 0, "evicted": 0}
@@ -314,11 +314,11 @@ class DynamicTable:
         """LFU: the distinct `slots`, just looked up at `step`, into the log of their lookup count (up to
         LFU_LOGS)."""
         counts = self.rows.columns["lookups"][slots]
-        low = (counts >= 1) & (counts <= LFU_LOGS)
+        low = counts <= LFU_LOGS
         counts, slots = counts[low], slots[low]
         order = torch.argsort(counts)
         sizes = torch.bincount(counts, minlength=LFU_LOGS + 1).tolist()
-        for log, part in zip(self.by_lookups, slots[order].split(sizes[1:])):
+        for log, part in zip(self.by_lookups, slots[order].split(sizes)):
             if part.numel():
                 log.append(part, step)
 
