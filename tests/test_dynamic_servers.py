@@ -12,11 +12,15 @@ import torch
 from torch import nn
 
 import gradsync
+from gradsync.core import malloc
+from gradsync.core.buckets import ModelSpec
 from gradsync.core.errors import GradientError
+from gradsync.core.optimizer_spec import OptimizerSpec
 from gradsync.proto import gradsync_pb2 as pb
 from gradsync.ps import dynamic_shard
 from gradsync.ps.dynamic_shard import DynamicShard
-from gradsync.ps.messages import DynamicSetup
+from gradsync.ps.messages import DynamicSetup, Setup
+from gradsync.ps.server import ParameterServer
 from gradsync.tables import global_eviction
 from gradsync.tables.dynamic_table import DynamicTable
 from gradsync.tables.id_hash import keyed, server_of, unit_interval
@@ -489,3 +493,19 @@ def test_an_evicted_id_looked_up_again_starts_fresh_and_a_stale_push_leaves_it_s
     servers.push(again, lambda ids: torch.ones(ids.numel(), DIM))  # its own lookup's push: applied
     state = servers.shards[0].checkpoint()
     assert not torch.equal(state["weight"], init(x)) and state["optimizer"].tolist() == [1.0]
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_a_server_fixes_its_mmap_threshold_only_when_it_holds_a_dynamic_table(dynamic, monkeypatch):
+    """Its RSS then follows the rows it holds (core/malloc.py); a server without one, like every worker, keeps
+    glibc's own threshold."""
+    fixed = []
+    monkeypatch.setattr(malloc, "fix_mmap_threshold", lambda: fixed.append(True))
+    tables = {"t": DynamicSetup(settings(capacity=8), gradsync.RowSGD(lr=0.1))} if dynamic else {}
+    setup = Setup.of([], {}, {}, {}, OptimizerSpec.one_group(torch.optim.SGD, {"lr": 0.1}), tables)
+    server = ParameterServer(0, 1, "sync", "raise")
+    server.register(0, ModelSpec.of({}, {}), setup).wait()
+    assert server.ready.is_set() and fixed == ([True] if dynamic else [])
+    gradsync.DynamicEmbedding(4, capacity=8)  # a worker's module: no change
+    assert fixed == ([True] if dynamic else [])
+

@@ -1,4 +1,4 @@
-"""glibc malloc settings: a long-running rank keeps a few arenas, so its heap stops growing under load; a process
+"""glibc malloc settings: a long-running rank keeps a few arenas, so its heap stops growing under load; a server
 holding a dynamic table gives its large blocks back when it frees them, so its RSS follows what it holds.
 
 glibc gives a thread that allocates while another thread holds its arena an arena of its own, up to
@@ -14,7 +14,8 @@ raises the threshold (up to 32 MB) each time it frees such a block: after that, 
 size (its id index, its recency log, rebuilt from time to time) come from the heap and are kept there when
 freed, and the RSS of a server holding the table steps up and down by tens of MB with no change in what it
 holds (bench/dynamic.py, memory: 1.13-1.23x over the second half of a stream). A fixed threshold keeps it
-within 1% there.
+within 1.5% there. Only such servers fix it: above the threshold every block is a fresh mapping, faulted in
+page by page, which a process computing the user's model (a worker) would pay on its large temporaries.
 """
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ ARENAS = 2
 """Arenas a rank keeps (glibc's default: 8 per core)."""
 
 MMAP_THRESHOLD = 1 << 20
-"""The fixed mmap threshold of a process holding a dynamic table: a step's blocks (a batch's ids and rows) stay
-below it, a table's above."""
+"""The fixed mmap threshold of a server holding a dynamic table: a step's blocks (a batch's ids and rows) stay
+below it, a table's (its index, its recency log, its columns) above. At 4 MB the same stream's RSS still
+stepped by 5-10%."""
 
 _M_MMAP_THRESHOLD, _M_ARENA_MAX = -3, -8  # mallopt parameters, <malloc.h>
 

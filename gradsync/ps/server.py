@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from gradsync.core import settings
+from gradsync.core import malloc, settings
 from gradsync.core.buckets import ModelSpec
 from gradsync.core.errors import (GradientError, Refusal, failed_answering, model_mismatch_error,
                                   server_failure_error)
@@ -121,6 +121,8 @@ class ParameterServer:
     def _build(self, s: Setup) -> ShardState:
         """The shard from worker 0's setup, then, when resuming, its state from the checkpoint folder (written
         by any number of servers: `ps.reshard`)."""
+        if any(isinstance(t, DynamicSetup) for t in s.tables.values()):
+            malloc.fix_mmap_threshold()  # its RSS follows the rows it holds (core/malloc.py)
         tables = {name: DynamicShard(name, t, self.shard_id, s.num_servers, alone=self.mode != "sync")
                   if isinstance(t, DynamicSetup)
                   else TableShard(t.spec, self.shard_id, s.num_servers, t.values, t.optimizer, t.padding_idx, t.group)

@@ -38,8 +38,6 @@ the row optimizer's state; per waiting id 26 bytes; per id of the last full chec
 per bucket, 2 to 4 buckets per id; each recency log (`tables.recency_log`: the ids by last step, which LRU
 eviction, `ttl_steps` and forgetting waiting ids read instead of every id) 12 bytes an entry, up to 2 per id,
 and under LFU up to 2 more in the logs by lookup count.
-A process holding a table fixes glibc's mmap threshold (`core.malloc.fix_mmap_threshold`), so that its RSS follows
-the rows it holds.
 """
 from __future__ import annotations
 
@@ -47,7 +45,6 @@ from typing import Callable
 
 import torch
 
-from gradsync.core import malloc
 from gradsync.tables.id_hash import keyed, unit_interval
 from gradsync.tables.id_index import IdIndex
 from gradsync.tables.recency_log import RecencyLog
@@ -71,7 +68,6 @@ class DynamicTable:
                  name: str = "dynamic table"):
         _check_settings(name, dim=dim, capacity=capacity, admit_after=admit_after,
                         admit_probability=admit_probability, evict=evict, ttl_steps=ttl_steps, dtype=dtype)
-        malloc.fix_mmap_threshold()  # the process's RSS follows the rows it holds (core/malloc.py)
         self.dim, self.capacity, self.init, self.dtype, self.seed, self.name = dim, capacity, init, dtype, seed, name
         self.admit_after, self.admit_probability = admit_after, admit_probability
         self.evict, self.ttl_steps = evict, ttl_steps
