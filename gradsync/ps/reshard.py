@@ -16,6 +16,7 @@ state equals the saved one bit for bit.
 """
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable, Iterator
 
@@ -25,7 +26,7 @@ from gradsync.core.buckets import Entry
 from gradsync.ps import shard_file
 from gradsync.ps.dynamic_shard import DynamicShard
 from gradsync.ps.shard import ShardState
-from gradsync.tables.dynamic_checkpoint import with_delta
+from gradsync.tables.dynamic_checkpoint import whole
 
 
 def restore_folder(shard: ShardState, folder: str, servers: int, base: str | None = None) -> None:
@@ -35,16 +36,9 @@ def restore_folder(shard: ShardState, folder: str, servers: int, base: str | Non
 
     def state(k: int) -> dict:
         loaded = shard_file.load(os.path.join(folder, f"shard-{k}.ckpt"))
-        deltas = [n for n, t in loaded["tables"].items() if "removed" in t]
-        if deltas and base is None:
-            raise ValueError(f"{folder} holds a delta of dynamic table {deltas[0]!r} and names no full checkpoint "
-                             "to put it onto: resume from the folder of a full checkpoint")
-        if deltas:
-            full = shard_file.load(os.path.join(base, f"shard-{k}.ckpt"))["tables"]
-            for n in deltas:
-                delta = loaded["tables"][n]
-                loaded["tables"][n] = {**with_delta(full[n], delta), "server": delta["server"],
-                                       "num_servers": delta["num_servers"]}
+        full = base and functools.cache(lambda: shard_file.load(os.path.join(base, f"shard-{k}.ckpt"))["tables"])
+        for n in [n for n, t in loaded["tables"].items() if "removed" in t]:
+            loaded["tables"][n] = whole(n, loaded["tables"][n], full and (lambda n=n: full()[n]), folder)
         return loaded
 
     restore(shard, (state(k) for k in order), where=folder)

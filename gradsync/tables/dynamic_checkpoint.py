@@ -8,6 +8,8 @@ Rows and their optimizer state are taken and dropped together, so both always ho
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from gradsync.tables.id_hash import server_of
@@ -26,6 +28,21 @@ def with_delta(full: dict, delta: dict) -> dict:
         _sorted_into(out, ids_key, [c for c in columns if c in delta],
                      [{k: full[k][kept] for k in (ids_key, *columns) if k in full}, delta])
     return out
+
+
+def whole(name: str, part: dict, full: Callable[[], dict] | None, where: str) -> dict:
+    """A checkpoint part of dynamic table `name` as a whole: `part` when it is full; a delta put onto `full()`, the
+    table's part of the full checkpoint it goes onto (with the delta's server and number of servers, if any).
+
+    Raises:
+        ValueError: a delta and no full checkpoint (`full` None), naming `where` and the table.
+    """
+    if "removed" not in part:
+        return part
+    if full is None:
+        raise ValueError(f"{where} holds a delta of dynamic table {name!r} and names no full checkpoint to put it "
+                         "onto: resume from the folder of a full checkpoint")
+    return {**with_delta(full(), part), **{k: part[k] for k in ("server", "num_servers") if k in part}}
 
 
 def rehomed(parts: list[dict], server: int, num_servers: int) -> dict:

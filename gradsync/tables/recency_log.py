@@ -50,12 +50,7 @@ class RecencyLog:
         slots = held.nonzero().squeeze(1)
         steps = self.columns["last_step"][slots]
         order = torch.argsort(steps, stable=True)
-        self.head = self.tail = 0
-        self.slots = torch.zeros(max(MIN_ROOM, 2 * slots.numel()), dtype=torch.int32)
-        self.steps = torch.zeros(self.slots.numel(), dtype=torch.int64)
-        self.tail = slots.numel()
-        self.slots[:self.tail] = slots[order]
-        self.steps[:self.tail] = steps[order]
+        self._refill(slots[order], steps[order])
 
     def oldest(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The slots of the `count` ids first by (last step, id) (every id held, when fewer), in no particular
@@ -112,7 +107,11 @@ class RecencyLog:
 
     def _compact(self, extra: int) -> None:
         """Drop the stale entries; room for `extra` more and as many again as are left."""
-        slots, steps = self._live(self.head, self.tail)
+        self._refill(*self._live(self.head, self.tail), extra)
+
+    def _refill(self, slots: torch.Tensor, steps: torch.Tensor, extra: int = 0) -> None:
+        """The log becomes the entries `slots` with `steps` (in step order), with room for `extra` more and as
+        many again as it holds."""
         room = max(MIN_ROOM, 2 * (slots.numel() + extra))
         if room > self.slots.numel() or 4 * room < self.slots.numel():
             self.slots = torch.zeros(room, dtype=torch.int32)

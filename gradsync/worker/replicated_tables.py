@@ -33,7 +33,7 @@ from torch import nn
 
 from gradsync.core.errors import nonfinite_error
 from gradsync.core.finite import first_nonfinite
-from gradsync.tables.dynamic_checkpoint import with_delta
+from gradsync.tables.dynamic_checkpoint import whole
 from gradsync.tables.dynamic_embedding import STATE_KEYS, DynamicEmbedding
 from gradsync.tables.row_optim import ROW_OPTIMIZERS
 
@@ -124,12 +124,7 @@ class ReplicatedTables:
         """Take back `checkpoint()`'s tables, each with its row optimizer state; a delta onto the same table's
         part of `full` (the full checkpoint it goes onto, None when there is none: refused, naming `where`)."""
         for name, part in parts.items():
-            if "removed" in part:
-                if full is None:
-                    raise ValueError(f"{where} holds a delta of dynamic table {name!r} and names no full checkpoint "
-                                     "to put it onto: resume from the folder of a full checkpoint")
-                part = with_delta(full[name], part)
-            self.layers[name].table.load(part, self.optimizer)
+            self.layers[name].table.load(whole(name, part, full and (lambda n=name: full[n]), where), self.optimizer)
 
 
 def exchange(mine: list[Lookups], workers: int) -> tuple[list[list[Lookups]], int]:

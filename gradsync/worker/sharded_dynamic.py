@@ -37,7 +37,7 @@ from torch import nn
 from gradsync.core.job_names import worker_name
 from gradsync.metrics.traffic import object_gather_bytes
 from gradsync.ps.dynamic_shard import DynamicShard, answer
-from gradsync.tables.dynamic_checkpoint import with_delta
+from gradsync.tables.dynamic_checkpoint import whole
 from gradsync.tables.id_hash import server_of
 from gradsync.tables.row_partition import ExchangePlan
 from gradsync.worker.served_dynamic import ServedDynamic
@@ -49,17 +49,6 @@ _GATHERED = ("end", "smallest")
 _HELD: ShardedDynamic | None = None
 """This worker's parts, which `_answer_of` answers the other workers' reads from (torch RPC calls a function by
 its module path)."""
-
-
-def _whole(name: str, part: dict, where: str, full: Callable[[int], dict[str, dict]] | None) -> dict:
-    """A worker's checkpoint part of dynamic table `name`: as saved, or a delta put onto its full one."""
-    if "removed" not in part:
-        return part
-    if full is None:
-        raise ValueError(f"{where} holds a delta of dynamic table {name!r} and names no full checkpoint to put it "
-                         "onto: resume from the folder of a full checkpoint")
-    return {**with_delta(full(part["server"])[name], part), "server": part["server"],
-            "num_servers": part["num_servers"]}
 
 
 def _answer_of(call: str, args: tuple, step: int, timeout: float):
@@ -139,7 +128,8 @@ class ShardedDynamic(ServedDynamic):
         for tables in saved:
             for name, part in tables.items():
                 if name in parts:
-                    parts[name].append(_whole(name, part, where, full))
+                    onto = full and (lambda k=part["server"], n=name: full(k)[n])  # the writer's full part
+                    parts[name].append(whole(name, part, onto, where))
             if all(self.parts[n].complete(p) for n, p in parts.items()):
                 break
         else:
