@@ -4,14 +4,15 @@ sharded tables, and TorchRec's own sharded tables as the outside baseline.
 The model and data are examples/ctr.py's: 4 fields (`--fields`), one `nn.Embedding` of R / 4 rows x 32 per
 field (R = all rows, fp32), an MLP (128 -> 64 -> 1), batch 512 per worker, one thread per process; `--ids zipf`
 (exponent 1.5, the default) or `flat` (uniform over each table's rows: ~5x the distinct rows per batch;
-bench/sparse_workload.py). Seven configurations, each one job (loopback):
+bench/sparse_workload.py). Eight configurations, each one job (loopback):
 
 - `allreduce-sparse`: the tables built with `nn.Embedding(..., sparse=True)`, what a DDP user with large
   tables runs: DDP exchanges each table's gradient as a sparse tensor (gloo: an allgather of every worker's
   touched rows, index and row), and the optimizer (torch's Adagrad or SGD, both take sparse gradients)
   updates only the rows touched. Every worker holds every table (and Adagrad's dense sums).
 - `allreduce-dense`: the same tables with dense gradients: DDP averages every row of every table each step.
-- `ps` (S = 1): tables and MLP on the server; `hybrid` (S = 1): tables on the server, MLP in DDP.
+- `ps` (S = 1), `ps-s2` (S = 2, each server holding the rows whose id hashes to it): tables and MLP on the
+  servers; `hybrid` (S = 1): tables on the server, MLP in DDP.
 - `sharded`: each table split by row over the W workers (all-to-alls of ids, rows and row gradients), the
   MLP in DDP, no server.
 - `torchrec-tw`, `torchrec-rw`: TorchRec's DistributedModelParallel over an EmbeddingBagCollection, a
@@ -37,9 +38,9 @@ so that load from other jobs on the machine falls on all of them alike. Per job:
 time (after `--warmup` steps), CPU-seconds per step of all processes (/proc, over worker 0's measured
 steps), the peak resident memory (VmHWM) of the largest worker and of the largest server, and bytes per step,
 sent + received: per worker (worker 0) and through the busiest link (the process whose link carries most).
-ps and hybrid: gradsync's counters (ps's server link carries every worker's bytes; hybrid's carries their row
-bytes, their counters less the MLP's ring); allreduce-dense: a ring's 2 (W - 1) / W of every gradient byte;
-allreduce-sparse: the ring allgather of the rows each worker's batch touched, 8 + 4 x 32 bytes per row and
+ps and hybrid: gradsync's counters (ps's server link carries every worker's bytes, 1 / S of them with S servers;
+hybrid's carries their row bytes, their counters less the MLP's ring); allreduce-dense: a ring's 2 (W - 1) / W
+of every gradient byte; allreduce-sparse: the ring allgather of the rows each worker's batch touched, 8 + 4 x 32 bytes per row and
 table, counted from the batches, plus the MLP's ring; sharded: gradsync's counters (each worker's link carries
 its own: the all-to-alls' bytes to and from the other workers, their padding included, and the MLP's ring);
 TorchRec: not counted. Each cell is the median over repeats; "vs sparse allreduce" is sparse allreduce's
@@ -57,7 +58,7 @@ gradsync configuration that fails is left out of its cell's medians and listed i
 the grid goes on, and the bench exits 1 after writing its file.
 
     .venv/bin/python bench/sparse.py [--rows 100000 1000000 10000000 30000000] [--workers 2 4 8]
-        [--configs allreduce-sparse allreduce-dense ps hybrid sharded torchrec-tw torchrec-rw] [--ids zipf]
+        [--configs allreduce-sparse allreduce-dense ps ps-s2 hybrid sharded torchrec-tw torchrec-rw] [--ids zipf]
         [--optimizer adagrad] [--steps 10] [--warmup 2] [--repeats 3] [--memory-gb 16]
         [--out bench/results/sparse_tables_zipf.json]
 """
@@ -87,10 +88,10 @@ from measure import cpu_per_step, cpu_snapshot, job_pids  # noqa: E402
 from sparse_workload import (BATCH, BATCHES, DIM, IDS, LR, TOLERANCE, CTRModel, optimizers,  # noqa: E402
                              reference, worker_batches)
 
-CONFIGS = {"allreduce-sparse": 0, "allreduce-dense": 0, "ps": 1, "hybrid": 1, "sharded": 0, "torchrec-tw": 0,
-           "torchrec-rw": 0}  # -> servers
+CONFIGS = {"allreduce-sparse": 0, "allreduce-dense": 0, "ps": 1, "ps-s2": 2, "hybrid": 1, "sharded": 0,
+           "torchrec-tw": 0, "torchrec-rw": 0}  # -> servers
 TORCHREC = ("torchrec-tw", "torchrec-rw")
-ROW_WISE = ("ps", "hybrid", "sharded", *TORCHREC)  # tables trained by a row optimizer, built on the meta device
+ROW_WISE = ("ps", "ps-s2", "hybrid", "sharded", *TORCHREC)  # tables trained by a row optimizer, built on the meta device
 BASELINE = "allreduce-sparse"
 ROW_WIRE = 8 + 4 * DIM  # one row of a sparse gradient on the wire: its int64 index and its fp32 values
 GB = 2**30
@@ -178,8 +179,8 @@ def link_bytes(config: str, results: list[dict], rows: int, fields: int) -> tupl
         return moved, moved
     if config == "sharded":
         return results[0]["counted_bytes"], max(r["counted_bytes"] for r in results)
-    if config == "ps":
-        return results[0]["counted_bytes"], sum(r["counted_bytes"] for r in results)
+    if strategy(config) == "ps":  # the rows spread over the servers by the id hash: evenly
+        return results[0]["counted_bytes"], sum(r["counted_bytes"] for r in results) / CONFIGS[config]
     if config == "hybrid":
         ring = ring_bytes(dense_elements(fields), workers)
         server = sum(max(0.0, r["counted_bytes"] - ring) for r in results)
@@ -200,11 +201,16 @@ def memory_needed(config: str, rows: int, workers: int, optimizer: str) -> float
         return workers * GB + table + row_state
     if config == "sharded":  # each owner also keeps its rows' ids
         return workers * 0.75 * GB + table + row_state + 8 * rows
-    return workers * 0.75 * GB + CONFIGS[config] * (table + row_state + 0.75 * GB)
+    return workers * 0.75 * GB + table + row_state + CONFIGS[config] * 0.75 * GB
+
+
+def strategy(config: str) -> str:
+    """The gradsync strategy of a configuration ("ps-s2": ps)."""
+    return config.split("-")[0]
 
 
 def launch(fn, config: str, workers: int, args: tuple, timeout: float) -> list:
-    return gradsync.launch(fn, strategy=config.split("-")[0], workers=workers, servers=CONFIGS[config], args=args,
+    return gradsync.launch(fn, strategy=strategy(config), workers=workers, servers=CONFIGS[config], args=args,
                            timeout=timeout, step_timeout=timeout / 3, startup_timeout=timeout / 3)
 
 
@@ -300,7 +306,7 @@ def costmodel_config(row: dict, fields: int) -> costmodel.Config:
         return costmodel.Config("allreduce", BATCH, dense, sparse_tables=fields, row_bytes=row_bytes)
     if config == "sharded":
         return costmodel.Config("sharded", BATCH, dense, row_bytes=row_bytes, sharded_tables=fields)
-    return costmodel.Config(config, BATCH, dense, row_bytes=row_bytes, servers=CONFIGS[config])
+    return costmodel.Config(strategy(config), BATCH, dense, row_bytes=row_bytes, servers=CONFIGS[config])
 
 
 def predict(rows_out: list[dict], fields: int, cores: int) -> None:
@@ -353,7 +359,7 @@ def ratios(row: dict, base: dict) -> None:
 
 
 LABEL = {"allreduce-sparse": "allreduce, sparse grads", "allreduce-dense": "allreduce, dense grads",
-         "ps": "ps S=1", "hybrid": "hybrid S=1", "sharded": "sharded", "torchrec-tw": "TorchRec table-wise",
+         "ps": "ps S=1", "ps-s2": "ps S=2", "hybrid": "hybrid S=1", "sharded": "sharded", "torchrec-tw": "TorchRec table-wise",
          "torchrec-rw": "TorchRec row-wise"}
 COLUMNS = 12
 

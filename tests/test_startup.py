@@ -94,6 +94,7 @@ def test_a_worker_that_never_builds_its_trainer_is_named_not_the_one_that_waited
     message = str(info.value)
     assert message.startswith(f"rank {servers + 1} (worker1): no gradsync.Trainer built "), message
     assert f"\nthen rank {servers} (worker0) failed" in message
+    assert message.count("no gradsync.Trainer built") == 1, message  # the waiting rank's hint says it too
 
 
 _DDP_SCRIPT = """import torch.distributed as dist

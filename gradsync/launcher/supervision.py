@@ -23,7 +23,7 @@ from gradsync.core.errors import JobFailed, answered_worker
 from gradsync.core.waiting import POLL_S, wait_until
 from gradsync.launcher import procfs
 from gradsync.membership.departures import Departure, Departures
-from gradsync.membership.liveness import (Watch, error_file, interval, ranks_named, recorded_error,
+from gradsync.membership.liveness import (NO_TRAINER, Watch, error_file, interval, ranks_named, recorded_error,
                                           workers_in_order)
 from gradsync.membership.rank_reports import ask_stacks, early_stderr, early_stderr_file, stack_file
 
@@ -256,7 +256,8 @@ def _root_cause(config: JobConfig, ranks: list[RankProcess], watch: Watch, store
         return JobFailed(f"{_absent_text(config, absent)}\nthen {follower_text}", absent[0].rank)
     late = watch.without_trainer(min(config.startup_timeout, config.step_timeout) / 2)
     late = [w for w in late if ranks[config.servers + w].exitcode() in (None, 0)]
-    if late:
+    if late:  # the follower's own hint says the same: the headline says it once
+        follower_text = "\n".join(line for line in follower_text.split("\n") if NO_TRAINER not in line)
         return JobFailed(f"{watch.describe_without_trainer(late)}\nthen {follower_text}", config.servers + late[0])
     silent = watch.silent(config.step_timeout / 2)
     suspects = [r for r in ranks if r.rank != follower and r.rank not in departed

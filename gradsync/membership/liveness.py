@@ -170,6 +170,10 @@ def wait_for_every_worker(store: dist.Store, key: str, workers: int, seconds: fl
             raise late(sorted(set(range(workers)) - here), sorted(here)) from None
 
 
+NO_TRAINER = "no gradsync.Trainer built"
+"""What `Watch.describe_without_trainer` says of a worker, in the launcher's headline and a rank's hint."""
+
+
 class Watch:
     """When each rank's heartbeat counter last moved, by this process's clock, and which workers left."""
 
@@ -255,8 +259,8 @@ class Watch:
 
     def describe_without_trainer(self, workers: list[int]) -> str:
         first = min(self.trainers, key=self.trainers.get)
-        return (f"{ranks_named(self.config, [self.config.servers + w for w in workers])}: no gradsync.Trainer "
-                f"built {self.read_at - self.trainers[first]:.0f} s after {worker_name(first)} began to build "
+        return (f"{ranks_named(self.config, [self.config.servers + w for w in workers])}: {NO_TRAINER} "
+                f"{self.read_at - self.trainers[first]:.0f} s after {worker_name(first)} began to build "
                 "its own, and every worker must build one (the others wait for it)")
 
     def describe(self, silent: dict[int, float]) -> str:
