@@ -6,6 +6,7 @@ import pytest
 
 from gradsync.compare.costmodel import (Config, Fit, Run, confidence, contention, crossover, fit, latency_per_step,
                                 link_crossover, table_crossover, traffic, verdict, wire_bytes)
+from gradsync.tables.row_partition import LOOKUPS_PER_EXCHANGE
 
 TRUE = Fit(compute_s_per_sample=1e-3, s_per_byte=1e-8, latency_s=1e-4, runs=(), residuals=())
 SYNTHETIC = {  # (config, W): (bytes through the busiest link, messages), worked out by hand below
@@ -163,9 +164,11 @@ def test_fit_refuses_async_mixed_links_and_nothing():
 def test_sharded_is_the_dense_ring_and_two_all_to_alls_of_the_rows_not_growing_with_w():
     # 1000 dense elements, 2 tables split across the workers, 500 bytes of rows looked up per worker and step
     sharded = Config("sharded", 1, dense=1000, tables=4 * 10**6, row_bytes=500, sharded_tables=2)
-    assert traffic(sharded, 4) == (2 * 3 / 4 * 4000 + 2 * 3 / 4 * 500, 6 + 2 * 2 + 3)
-    assert traffic(sharded, 8) == (2 * 7 / 8 * 4000 + 2 * 7 / 8 * 500, 14 + 2 * 2 + 3)
-    assert traffic(sharded, 1) == (0, 2 * 2 + 3)  # one worker owns every row: nothing crosses a link
+    assert traffic(sharded, 4) == (2 * 3 / 4 * 4000 + 2 * 3 / 4 * 500, 6 + 2 + 3)  # both lookups in one exchange
+    assert traffic(sharded, 8) == (2 * 7 / 8 * 4000 + 2 * 7 / 8 * 500, 14 + 2 + 3)
+    assert traffic(sharded, 1) == (0, 2 + 3)  # one worker owns every row: nothing crosses a link
+    many = dataclasses.replace(sharded, sharded_tables=LOOKUPS_PER_EXCHANGE + 1)  # two exchanges of lookups
+    assert traffic(many, 4)[1] == 6 + 2 * 2 + 3
     rows_only = dataclasses.replace(sharded, dense=0)
     sparse = Config("allreduce", 1, dense=0, tables=4 * 10**6, row_bytes=500, sparse_tables=2)
     assert [traffic(rows_only, w)[0] for w in (2, 4, 8)] == [500, 750, 875]  # below 2 x 500 at any W

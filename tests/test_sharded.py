@@ -12,7 +12,7 @@ import torch
 import gradsync
 from gradsync.tables.row_partition import owners
 from gradsync.worker import sharded_tables
-from gradsync.worker.sharded_tables import ID_CAPACITY
+from gradsync.worker.sharded_tables import HEADER, ID_CAPACITY
 from helpers import check_timeline_order, max_diff
 from dynamic_models import TABLES, dyn_batch, reference_dynamic, reference_first_sight, train_sharded
 from sharded_models import DIM, ROWS_EMB, BagNet, Case, bag_batch, reference_bags, train_bags
@@ -21,33 +21,36 @@ pytestmark = pytest.mark.job  # every test here starts processes
 
 STEPS = 6
 INT64, FP32 = 8, 4
-HEADER = 5  # int64s ahead of the ids in a tagged exchange's block: the tag, 3 ints, the sender's largest block
+BOTH = "bag.weight+emb.weight"  # a forward's two lookups, fetched together
 
 
 def _exchanges(step: int, me: int, workers: int, capacity: int, most: int) -> tuple[list[tuple[str, int, int]], int]:
     """Worker `me`'s all-to-alls of `step` (lane, bytes to the other workers, bytes from them) from the
-    batches, when its tagged exchanges carry `capacity` ids per worker at first (each 5 int64s and the
-    capacity to each other worker; it grows to at most `most`), and the capacity after them. Per table the counts with the first ids of
-    each block (the ids of its batch a worker sends an owner), the rest of every block when some worker's did
-    not fit (the capacity then grows to the largest block), and the rows back; the forward's end; at the step
+    batches, when its tagged exchanges carry `capacity` ids per worker at first (each HEADER int64s and the
+    capacity to each other worker; it grows to at most `most`), and the capacity after them. Both tables'
+    lookups wait until the forward uses one, then go together: the counts with the first ids of each block
+    (every lookup's ids a worker sends an owner), the rest of every block when some worker's did not fit (the
+    capacity then grows to the largest block), and every lookup's rows back; the forward's end; at the step
     the flags, then one exchange of every table's gradients of those rows (no ids: the forward's route)."""
     batches = [bag_batch(step, w) for w in range(workers)]
     others = [w for w in range(workers) if w != me]
-    lanes, grads_out, grads_in = [], 0, 0
-    for name, at in (("bag.weight", 0), ("emb.weight", 2)):
-        blocks = [torch.bincount(owners(b[at].unique(), workers), minlength=workers).tolist() for b in batches]
-        tagged = INT64 * (HEADER + capacity) * (workers - 1)
-        lanes.append((f"a2a {name} ids", tagged, tagged))
-        if (largest := max(max(b) for b in blocks)) > capacity:
-            lanes.append((f"a2a {name} more ids", INT64 * sum(max(0, blocks[me][w] - capacity) for w in others),
-                          INT64 * sum(max(0, blocks[w][me] - capacity) for w in others)))
-            capacity = max(capacity, min(largest, most))
-        out, into = sum(blocks[me][w] for w in others), sum(blocks[w][me] for w in others)
-        lanes.append((f"a2a {name} rows", DIM * FP32 * into, DIM * FP32 * out))
-        grads_out, grads_in = grads_out + DIM * FP32 * out, grads_in + DIM * FP32 * into
+    blocks = [[0] * workers for _ in range(workers)]  # blocks[v][w]: id elements worker v sends owner w
+    rows_out = rows_in = 0
+    for at in (0, 2):  # the EmbeddingBag's ids, the Embedding's
+        owned = [torch.bincount(owners(b[at].unique(), workers), minlength=workers).tolist() for b in batches]
+        blocks = [[blocks[v][w] + owned[v][w] for w in range(workers)] for v in range(workers)]
+        rows_out += DIM * FP32 * sum(owned[w][me] for w in others)
+        rows_in += DIM * FP32 * sum(owned[me][w] for w in others)
+    tagged = INT64 * (HEADER + capacity) * (workers - 1)
+    lanes = [(f"a2a {BOTH} ids", tagged, tagged)]
+    if (largest := max(max(b) for b in blocks)) > capacity:
+        lanes.append((f"a2a {BOTH} more ids", INT64 * sum(max(0, blocks[me][w] - capacity) for w in others),
+                      INT64 * sum(max(0, blocks[w][me] - capacity) for w in others)))
+        capacity = max(capacity, min(largest, most))
+    lanes.append((f"a2a {BOTH} rows", rows_out, rows_in))
     tagged = INT64 * (HEADER + capacity) * (workers - 1)
     return lanes + [("a2a forward end", tagged, tagged), ("a2a grad flags", tagged, tagged),
-                    ("a2a row grads", grads_out, grads_in)], capacity
+                    ("a2a row grads", rows_in, rows_out)], capacity
 
 
 def _check_lanes(result: dict, case: Case, me: int, workers: int, most: int) -> None:
@@ -59,7 +62,7 @@ def _check_lanes(result: dict, case: Case, me: int, workers: int, most: int) -> 
         step, pieces = timed["step"] - 1, timed["pieces"]
         lanes = [(p["lane"], p["bytes_sent"], p["bytes_received"]) for p in pieces if p["exchange"]]
         if step == case.accumulate_at:  # two half-batches: two lookups of each table, their gradients at once
-            assert [lane for lane, _, _ in lanes].count("a2a bag.weight ids") == 2
+            assert [lane for lane, _, _ in lanes].count(f"a2a {BOTH} ids") == 2
             assert [lane for lane, _, _ in lanes].count("a2a row grads") == 1
             capacity = None
         elif step == case.bad_at:  # the refused lookups' exchanges count in that step too
@@ -79,14 +82,13 @@ CASES = [(2, Case("sgd", skip_at=4)), (4, Case("adagrad", max_norm=0.5, accumula
 
 def _refusals(me: int) -> list[str]:
     """What worker `me` raises at `Case.bad_at`: the id out of the Embedding; worker 1's forward that skips the
-    EmbeddingBag (it is at the Embedding's lookup, every other worker at the EmbeddingBag's); worker 1's
-    forward that skips the Embedding (it is at the forward's end, the others at the Embedding's lookup)."""
+    EmbeddingBag (it fetches the Embedding's lookup, every other worker both); worker 1's forward that skips the
+    Embedding (it fetches the EmbeddingBag's lookup, every other worker both)."""
     other = 0 if me == 1 else 1
     out = [f"table 'emb.weight' has rows 0..{ROWS_EMB - 1}, but a batch looked up id {ROWS_EMB + 3} on worker 1: "
            "fix the input ids (nothing was looked up or applied)"]
-    for skipper, others in (("a lookup of table 'emb.weight'", "a lookup of table 'bag.weight'"),
-                            ("the end of a forward", "a lookup of table 'emb.weight'")):
-        at = {w: skipper if w == 1 else others for w in (me, other)}
+    for skipper in ("a lookup of table 'emb.weight'", "a lookup of table 'bag.weight'"):
+        at = {w: skipper if w == 1 else "a lookup of tables 'bag.weight', 'emb.weight'" for w in (me, other)}
         out.append(f"worker {me} is at {at[me]} and worker {other} at {at[other]}: every worker must look up every "
                    "sharded table in every forward, in the same order (each lookup is an exchange with every "
                    "worker); call a table with an empty batch where a worker has no ids for it (nothing was looked "
@@ -148,7 +150,7 @@ def test_ids_that_do_not_fit_the_tagged_exchange_take_a_second_one():
     for me, r in enumerate(results):
         _check_lanes(r, case, me, 2, CAPPED)
         assert max_diff(r["state"], reference) <= 1e-5
-    assert "a2a emb.weight more ids" in [p["lane"] for p in results[0]["timeline"][-1]["pieces"]]
+    assert f"a2a {BOTH} more ids" in [p["lane"] for p in results[0]["timeline"][-1]["pieces"]]
 
 
 DYNAMIC_STEPS, DYNAMIC_WORKERS = 8, 3

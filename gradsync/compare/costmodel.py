@@ -42,13 +42,15 @@ elements) and W workers:
   (bench/costmodel_link.py; BENCHMARKS.md, "Behind an emulated link", has every ratio).
 - hybrid: the dense part as allreduce, plus the row pull and the row push through the servers:
   2 max(W / S, 1) row_bytes, 4 more messages.
-- sharded (`sharded_tables` tables split by row over the W workers): the dense part as allreduce, plus two
-  all-to-alls per table (ids out and rows back in the forward, row gradients to their owners at the step):
-  a worker's link carries, each way, the share of its rows owned elsewhere, (W-1)/W row_bytes, twice:
+- sharded (`sharded_tables` tables split by row over the W workers): the dense part as allreduce, plus the
+  rows' all-to-alls (ids out and rows back in the forward, row gradients to their owners at the step): a
+  worker's link carries, each way, the share of its rows owned elsewhere, (W-1)/W row_bytes, twice:
   2 (W-1)/W row_bytes (an owner answers as many rows as it asks for, on average), and 2 more messages per
-  table (the forward's ids with their counts and its rows, one `all_to_all_single` each; a third, the ids
-  that did not fit, only until the capacity settles: not modelled) plus three per step (the end of the
-  forward; the step's flags; the gradients of every table, back along the forward's routes).
+  `LOOKUPS_PER_EXCHANGE` tables (a forward's lookups used together travel together: their ids with their
+  counts, one `all_to_all_single`, and their rows, another; a third, the ids that did not fit, only until the
+  capacity settles: not modelled; a model that uses each table's result before the next lookup pays 2 per
+  table) plus three per step (the end of the forward; the step's flags; the gradients of every table, back
+  along the forward's routes).
   Unlike the
   all-gather of sparse allreduce, the bytes through a link stay near 2 row_bytes as W grows.
 - async ps (no barrier): a worker's step is the larger of its own compute + exchange (its link carries
@@ -78,6 +80,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from gradsync.metrics.traffic import FP32, ITEMSIZE, allreduce_bytes, wire_bytes
+from gradsync.tables.row_partition import LOOKUPS_PER_EXCHANGE
 
 STRATEGIES = ("allreduce", "ps", "hybrid", "sharded")
 MODES = ("sync", "async")
@@ -175,7 +178,8 @@ def traffic(config: Config, workers: int) -> tuple[float, int]:
         return allreduce_bytes(config.dense + config.tables, workers, config.compression)
     if config.strategy == "sharded":
         dense_bytes, messages = allreduce_bytes(config.dense, workers, config.compression)
-        return dense_bytes + 2 * (workers - 1) / workers * config.row_bytes, messages + 2 * config.sharded_tables + 3
+        exchanges = -(-config.sharded_tables // LOOKUPS_PER_EXCHANGE)  # a forward's lookups, used together
+        return dense_bytes + 2 * (workers - 1) / workers * config.row_bytes, messages + 2 * exchanges + 3
     if config.strategy == "ps":
         return _ps_pipeline(config, workers), _ps_messages(config)
     dense_bytes, messages = allreduce_bytes(config.dense, workers, config.compression)

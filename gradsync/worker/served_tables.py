@@ -37,6 +37,18 @@ class _Lookup:
         self.pulled = pulled
 
 
+def output_shape(module: nn.Module, input: torch.Tensor, offsets=None) -> torch.Size:
+    """The shape of `module`'s forward (an `nn.Embedding` or `nn.EmbeddingBag`) of `input` with `offsets`."""
+    if not isinstance(module, nn.EmbeddingBag):
+        return torch.Size((*input.shape, module.embedding_dim))
+    if input.dim() == 2 and offsets is None:
+        return torch.Size((input.shape[0], module.embedding_dim))
+    if input.dim() != 1 or offsets is None:
+        raise ValueError(f"an EmbeddingBag takes a 2-D input without offsets or a 1-D input with offsets, got a "
+                         f"{input.dim()}-D input {'with' if offsets is not None else 'without'} offsets")
+    return torch.Size((offsets.numel() - int(module.include_last_offset), module.embedding_dim))
+
+
 class ServedTables:
     """The model's row-wise tables (`tables.placement.find_tables`), looked up through `transport`."""
 
@@ -103,6 +115,12 @@ class ServedTables:
         leaf = values.requires_grad_(torch.is_grad_enabled())
         if context is not None and leaf.requires_grad:
             self.record(context, name, ids, leaf, pulled)
+        return self._embed(module, ids, inverse, leaf, offsets, per_sample_weights)
+
+    @staticmethod
+    def _embed(module: nn.Module, ids: torch.Tensor, inverse: torch.Tensor, leaf: torch.Tensor, offsets=None,
+               per_sample_weights=None) -> torch.Tensor:
+        """`module`'s forward on the rows `leaf` of its unique `ids`, the input being `ids[inverse]`."""
         pad = None
         if module.padding_idx is not None:
             at = torch.searchsorted(ids, module.padding_idx)

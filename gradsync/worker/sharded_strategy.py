@@ -30,6 +30,7 @@ from gradsync.core.optimizer_spec import OptimizerSpec
 from gradsync.worker.allreduce_strategy import AllreduceStrategy
 from gradsync.worker.amp import inverse_scale
 from gradsync.worker.model_state import ordered
+from gradsync.worker.pending_rows import resolved
 from gradsync.worker.served_tables import choose_tables
 from gradsync.worker.sharded_dynamic import ShardedDynamic
 from gradsync.worker.sharded_tables import ShardedTables
@@ -80,11 +81,14 @@ class ShardedStrategy(Strategy):
         self.tables.metrics = self.dynamic.metrics = self.metrics
         self.tables.serving = self.dynamic.serving = True
 
-    def _forward_ended(self, module: nn.Module, inputs, output) -> None:
+    def _forward_ended(self, module: nn.Module, inputs, output):
         """Forward hook of the user's module: every worker agrees that its forward is over
-        (`ShardedTables.forward_ended`), when it looked its tables up for a step (with gradients)."""
+        (`ShardedTables.forward_ended`), when it looked its tables up for a step (with gradients); a lookup's
+        result in the output is made real (`PendingRows`)."""
         if torch.is_grad_enabled():
             self.tables.forward_ended()
+            return resolved(output)
+        return None
 
     @property
     def grad_norm(self) -> float | None:

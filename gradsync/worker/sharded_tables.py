@@ -1,29 +1,34 @@
 """Worker side of embedding tables split across the workers by row (the sharded strategy), over all-to-all.
 
 Every worker owns the rows `tables.row_partition` gives it and stores only those, with their row optimizer
-state. A lookup (`ServedTables._lookup`, whose forward this reuses) sends its batch's unique ids to their
-owners and gets their rows back: two `all_to_all_single` exchanges among the workers (how many ids each sends
-each, with a flag for an id out of the table, and the first ids of each block; the rows), after which the
-lookup runs on the rows as a leaf. The first is tagged and of one size for every worker: each block carries
-up to `capacity` ids, zero-padded, which every worker grows alike to the largest block any worker has sent
-(at most `ID_CAPACITY`); when some worker's block did not fit, one more exchange carries the rest of every
-block (a job's first lookups, a batch larger than any before). The lookup keeps the route its ids took
-(`_Route`: the plan, and on the owner the local rows each worker asked for), so at the step each worker sends
-its rows' gradients back along it, with no ids and no counts: one exchange of flags for the whole step (a
-NaN/Inf in some worker's row gradients, how many lookups it made), then one of the gradients of every lookup
-(as bytes: tables may differ in dim and dtype); an owner sums what every worker sent, divides by W (DDP's
-mean) and applies the row optimizer. Every exchange is a collective: every worker makes it, for every table,
-in model order, with or without ids (an empty batch sends and receives only the tagged exchange). So every worker
-knows of an out-of-range id or a NaN/Inf row gradient on any worker and refuses together, before anything
-is looked up or applied. The tagged exchanges (a table's lookup, the end of a forward, which every forward
-with gradients ends with, the step's flags) carry the exchange each worker is at: a worker whose forward
-skipped a table, or looked up another, makes every worker raise at once, naming the table, where it would
-otherwise pair unrelated exchanges (they are of one size, so such a pair still completes). With 4 tables a
-step makes 11 exchanges (2 per lookup, the forward's end, the flags, the gradients) besides DDP's allreduce.
+state. A lookup with gradients returns at once a `PendingRows` (worker.pending_rows) and waits with the
+forward's other lookups until one of them is used (or `BATCH` wait, or the forward ends): then every waiting
+lookup sends its batch's unique ids to their owners and gets their rows back together, in two
+`all_to_all_single` exchanges among the workers (how many ids each lookup sends each worker, with a flag for
+an id out of its table, and the first ids of each block; every lookup's rows, as bytes: tables may differ in
+dim and dtype), after which each lookup runs (`ServedTables._embed`) on its rows as a leaf. So a forward of
+T tables used together makes 2 exchanges, not 2T, as TorchRec's collection modules do, with the user's model
+unchanged. The first exchange is tagged and of one size for every worker: each block carries up to
+`capacity` ids, zero-padded, which every worker grows alike to the largest block any worker has sent (at most
+`ID_CAPACITY`); when some worker's block did not fit, one more exchange carries the rest of every block (a
+job's first lookups, a batch larger than any before). Each lookup keeps the route its ids took (`_Route`: the
+plan, and on the owner the local rows each worker asked for), so at the step each worker sends its rows'
+gradients back along it, with no ids and no counts: one exchange of flags for the whole step (a NaN/Inf in
+some worker's row gradients, how many lookups it made), then one of the gradients of every lookup; an owner
+sums what every worker sent, divides by W (DDP's mean) and applies the row optimizer. Every exchange is a
+collective: every worker makes it, in model order, with or without ids (an empty batch sends and receives
+only the tagged exchange). So every worker knows of an out-of-range id or a NaN/Inf row gradient on any
+worker and refuses together, before anything is looked up or applied. The tagged exchanges (a batch of
+lookups, the end of a forward, which every forward with gradients ends with, the step's flags) carry the
+exchange each worker is at (a batch's: its tables in order): a worker whose forward skipped a table, or
+looked up another, makes every worker raise at once, naming the tables, where it would otherwise pair
+unrelated exchanges (they are of one size, so such a pair still completes). With 4 tables used together a
+step makes 5 exchanges (the lookups' 2, the forward's end, the flags, the gradients) besides DDP's allreduce;
+TorchRec's table-wise plan makes 5 too.
 
-A dynamic table's lookups (`worker.sharded_dynamic`) go along the same `route`, tagged like a table's: (id,
-count) rows out, which the owner's `DynamicShard` answers; their gradients come back with the fixed tables' at
-the step, keyed by id.
+A dynamic table's lookups (`worker.sharded_dynamic`) go at once (after the waiting ones) along `route`, tagged
+like a table's: (id, count) rows out, which the owner's `DynamicShard` answers; their gradients come back with
+the fixed tables' at the step, keyed by id.
 
 The whole tables (`trainer.state_dict()`, and the user's module's `state_dict()`, as under ps) are gathered
 over torch RPC: each owner answers with its rows once it has applied as many steps as the asking worker,
@@ -48,16 +53,19 @@ from gradsync.core.finite import first_nonfinite
 from gradsync.core.job_names import worker_name
 from gradsync.tables.placement import check_id_dtype, check_ids, merge_rows, out_of_range
 from gradsync.tables.row_optim import saved_state, take_saved_state
-from gradsync.tables.row_partition import ExchangePlan, local_index, owned_rows, owners
-from gradsync.worker.served_tables import ServedTables
+from gradsync.tables.row_partition import LOOKUPS_PER_EXCHANGE as BATCH, ExchangePlan, local_index, owned_rows, owners
+from gradsync.core.torch_internals import current_context_id
+from gradsync.worker.pending_rows import PendingRows, resolved
+from gradsync.worker.served_tables import ServedTables, output_shape
 
-_STEP, _FORWARD_END = -1, -2
+_STEP, _FORWARD_END, _NONE = -1, -2, -3
 """The tags of the step's exchange of flags and of a forward's end (`ShardedTables._meta`); a lookup's is its
-table's index."""
+table's index; `_NONE` pads a block's list of tags."""
 
-_HEADER = 5
-"""The int64s ahead of the ids in a tagged exchange's block for each worker (`ShardedTables._meta`): the tag,
-three of the exchange's own, the sender's largest block of ids for any worker."""
+HEADER = 2 * BATCH + 5
+"""The int64s ahead of the ids in a tagged exchange's block for each worker (`ShardedTables._meta`): how many
+tags, the tags (`BATCH`, padded), an int per tag (a lookup's id elements for this worker), a flag with two ints
+(a bad id: the id and its lookup; a NaN/Inf gradient: its lookup), the sender's largest block for any worker."""
 
 ID_CAPACITY = 4096
 """The most id elements (int64) a tagged exchange carries per worker: beyond it, a lookup's ids that do not
@@ -88,6 +96,34 @@ class _Route:
     plan: ExchangePlan
     asked_counts: list[int]
     asked: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ask:
+    """A lookup of table `name` to make: `sent` (a row per unique id, grouped by owner as `plan` says), the
+    owner's `answer` (what it was sent -> the rows' keys there, their values), an id of this worker's batch
+    outside the table (`bad`), refused on every worker."""
+
+    name: str
+    sent: torch.Tensor
+    plan: ExchangePlan
+    answer: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    bad: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Waiting:
+    """A lookup with gradients whose rows are not fetched yet: its `_Ask`, what its result is computed from
+    once they are (the module, the unique ids, each input's place among them, the bag's offsets and
+    per-sample weights), the dist_autograd context it was made in, and the `PendingRows` it returned."""
+
+    ask: _Ask
+    module: nn.Module
+    ids: torch.Tensor
+    inverse: torch.Tensor
+    bag: tuple
+    context: int | None
+    pending: PendingRows
 
 
 def _exchange(send: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
@@ -123,6 +159,7 @@ class ShardedTables(ServedTables):
         self.shards: dict[str, _Shard] = {}
         self.applied = 0  # steps applied to this worker's rows (skipped ones included)
         self.capacity = 0  # id elements per worker in every tagged exchange (`_meta`): the same on every worker
+        self._waiting: list[_Waiting] = []  # lookups whose rows are not fetched yet (`flush`), in model order
         self._stepped = threading.Condition()
 
     def take_rows(self, weights: dict[str, torch.Tensor]) -> None:
@@ -169,63 +206,72 @@ class ShardedTables(ServedTables):
         self.metrics.timeline.all_to_all(what, sent, got, left)
         return out
 
-    def _meta(self, at: int, rows: list[list[int]], lane: str, blocks: tuple[torch.Tensor, ...] = ()
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Send worker w the three ints `rows[w]` and the first `capacity` elements of `blocks[w]` (a lookup's
-        ids for it; none for the other exchanges), tagged with the exchange each worker is at (`at`: a table's
-        index for its lookup, `_STEP`, `_FORWARD_END`), as lane `lane`; every worker must call it, and all at
-        the same exchange. Returns each worker's ints for this one with its largest block for any worker (W x 4)
-        and the ids it sent this one (W x the capacity before the call, zero-padded). The capacity then grows to
+    def _meta(self, tags: list[int], ints: list[list[int]], flag: tuple[int, int, int], lane: str,
+              blocks: tuple[torch.Tensor, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Send worker w the ints `ints[w]` (one per tag), `flag` (set, value, index) and the first `capacity`
+        elements of `blocks[w]` (a batch of lookups' ids for it; none for the other exchanges), tagged with the
+        exchange each worker is at (`tags`: the tables of a batch of lookups, in order; [`_STEP`];
+        [`_FORWARD_END`]), as lane `lane`; every worker must call it, and all at the same exchange. Returns each
+        worker's ints for this one (W x `BATCH`), its flag with its largest block for any worker (W x 4), and
+        the ids it sent this one (W x the capacity before the call, zero-padded). The capacity then grows to
         the largest block of any worker (at most `ID_CAPACITY`), the same on every worker.
 
         Raises:
             RuntimeError: another worker is at another exchange (a forward that skipped a table, or looked
                 one up where this worker did not), naming both and the fix; that worker raises it too.
         """
-        capacity = self.capacity
-        meta = torch.zeros(self.workers, _HEADER + capacity, dtype=torch.int64)
-        meta[:, 0] = at
-        meta[:, 1:4] = torch.tensor(rows, dtype=torch.int64)
-        meta[:, 4] = max((block.numel() for block in blocks), default=0)
+        capacity, flags = self.capacity, 1 + 2 * BATCH
+        meta = torch.zeros(self.workers, HEADER + capacity, dtype=torch.int64)
+        meta[:, 0] = len(tags)
+        meta[:, 1:1 + BATCH] = torch.tensor(tags + [_NONE] * (BATCH - len(tags)))
+        meta[:, 1 + BATCH:1 + BATCH + len(tags)] = torch.tensor(ints, dtype=torch.int64).view(self.workers, -1)
+        meta[:, flags:flags + 3] = torch.tensor(flag)
+        meta[:, flags + 3] = max((block.numel() for block in blocks), default=0)
         for w, block in enumerate(blocks):
             head = block[:capacity]
-            meta[w, _HEADER:_HEADER + head.numel()] = head
+            meta[w, HEADER:HEADER + head.numel()] = head
         theirs = self._all_to_all(lane, meta, [1] * self.workers, [1] * self.workers)
-        self.capacity = max(capacity, min(ID_CAPACITY, int(theirs[:, 4].max())))
-        if (other := (theirs[:, 0] != at).nonzero().view(-1)).numel():
+        self.capacity = max(capacity, min(ID_CAPACITY, int(theirs[:, flags + 3].max())))
+        if (other := (theirs[:, :1 + BATCH] != meta[0, :1 + BATCH]).any(1).nonzero().view(-1)).numel():
             w = int(other[0])
             raise RuntimeError(
-                f"worker {self.worker} is at {self._tag(at)} and worker {w} at {self._tag(int(theirs[w, 0]))}: "
-                "every worker must look up every sharded table in every forward, in the same order (each lookup "
-                "is an exchange with every worker); call a table with an empty batch where a worker has no ids "
-                "for it (nothing was looked up or applied)")
-        return theirs[:, 1:_HEADER], theirs[:, _HEADER:]
+                f"worker {self.worker} is at {self._tag(tags)} and worker {w} at "
+                f"{self._tag(theirs[w, 1:1 + int(theirs[w, 0])].tolist())}: every worker must look up every "
+                "sharded table in every forward, in the same order (each lookup is an exchange with every worker); "
+                "call a table with an empty batch where a worker has no ids for it (nothing was looked up or "
+                "applied)")
+        return theirs[:, 1 + BATCH:1 + 2 * BATCH], theirs[:, flags:flags + 4], theirs[:, HEADER:]
 
-    def _tag(self, at: int) -> str:
-        """The exchange tagged `at`, in words."""
-        return {_STEP: "trainer.step", _FORWARD_END: "the end of a forward"}.get(at) or \
-            f"a lookup of table {self.looked_up[at]!r}"
+    def _tag(self, tags: list[int]) -> str:
+        """The exchange tagged `tags`, in words."""
+        if tags in ([_STEP], [_FORWARD_END]):
+            return {_STEP: "trainer.step", _FORWARD_END: "the end of a forward"}[tags[0]]
+        names = ", ".join(repr(self.looked_up[at]) for at in tags)
+        return f"a lookup of table{'s' if len(tags) > 1 else ''} {names}"
 
     def forward_ended(self) -> None:
         """Tell every worker that this one's forward is over (a collective at the end of every forward with
-        gradients): a worker whose forward skipped a table the others look up last raises here, at once,
-        with them, where it would otherwise meet them only at DDP's allreduce, a mismatch gloo reports after
-        the process group's timeout."""
-        self._meta(_FORWARD_END, [[0, 0, 0]] * self.workers, "forward end")
+        gradients), once its waiting lookups are fetched: a worker whose forward skipped a table the others
+        look up last raises here, at once, with them, where it would otherwise meet them only at DDP's
+        allreduce, a mismatch gloo reports after the process group's timeout."""
+        self.flush()
+        self._meta([_FORWARD_END], [[0]] * self.workers, (0, 0, 0), "forward end")
 
     def model_sizes(self, trainable: int) -> dict[str, int]:
         return {**super().model_sizes(trainable), "sharded_tables": len(self.specs)}
 
     def _check(self, name: str, ids: torch.Tensor, rows: int) -> None:
-        check_id_dtype(name, ids)  # the range is checked by every worker together, in `_pull`
+        check_id_dtype(name, ids)  # the range is checked by every worker together, in `flush`
 
-    def _pull(self, name: str, ids: torch.Tensor) -> tuple[torch.Tensor, _Route | None]:
-        """The rows of the unique global `ids` from their owners, and their `_Route`; refuses (on every worker)
-        a lookup in which any worker's batch holds an id outside the table. A forward without gradients
-        (evaluation, which one worker may run alone, say worker 0 after training) reads them without a
-        collective (`_read`) and has no route."""
+    def _lookup(self, name: str, module: nn.Module, input: torch.Tensor, offsets=None, per_sample_weights=None):
+        """A lookup with gradients waits with the forward's others (`PendingRows`) until one of them is used;
+        any other reads its rows at once (`ServedTables._lookup`, `_read`)."""
         if not torch.is_grad_enabled():
-            return self._read(name, ids), None
+            return super()._lookup(name, module, input, offsets, per_sample_weights)
+        self._check(name, input, module.num_embeddings)
+        if len(self._waiting) == BATCH:
+            self.flush()
+        ids, inverse = torch.unique(input.long(), return_inverse=True)
         plan = ExchangePlan.of(ids, self.workers)
         shard = self.shards[name]
 
@@ -233,35 +279,83 @@ class ShardedTables(ServedTables):
             local = local_index(shard.owned, asked)
             return local, shard.values.index_select(0, local)
 
-        return self.route(name, ids[plan.order], plan, answer, out_of_range(ids, self.modules[name].num_embeddings))
+        pending = PendingRows(output_shape(module, input, offsets), self.dtypes[name], self.flush)
+        ask = _Ask(name, ids[plan.order], plan, answer, out_of_range(ids, module.num_embeddings))
+        self._waiting.append(_Waiting(ask, module, ids, inverse, resolved((offsets, per_sample_weights)),
+                                      current_context_id(), pending))
+        return pending
+
+    def _pull(self, name: str, ids: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """A lookup without gradients (evaluation, which one worker may run alone, say worker 0 after
+        training): the rows read without a collective (`_read`), with no route."""
+        return self._read(name, ids), None
+
+    def flush(self) -> None:
+        """Fetch the rows of every waiting lookup (`_lookup`) in one exchange of ids and one of rows, and make
+        each lookup's result real (recorded, like any lookup, for the step to send its gradients)."""
+        waiting, self._waiting = self._waiting, []
+        if not waiting:
+            return
+        for w, (values, route) in zip(waiting, self._route_all([w.ask for w in waiting])):
+            leaf = values.requires_grad_()
+            if w.context is not None:
+                self.record(w.context, w.ask.name, w.ids, leaf, route)
+            with torch.enable_grad():  # made with gradients, whatever the mode of the use that fetches it
+                w.pending.resolve(self._embed(w.module, w.ids, w.inverse, leaf, *w.bag))
 
     def route(self, name: str, sent: torch.Tensor, plan: ExchangePlan,
-              answer: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]], bad: int | None = None
-              ) -> tuple[torch.Tensor, _Route]:
-        """A lookup of table `name` (a collective): `sent` (a row per unique id, grouped by owner as `plan`
-        says) goes to the owners, each owner's `answer(what it was sent)` -> (the rows' keys there, their
-        values) comes back; returns the values in the order of `plan`'s ids and the `_Route` the gradients take
-        back to those keys. `bad`: an id of this worker's batch outside the table, refused on every worker."""
-        width = math.prod(sent.shape[1:])  # int64 elements per id (a dynamic table's: the id and its count)
-        blocks = sent.reshape(-1).split([c * width for c in plan.counts])
-        capacity = self.capacity
-        theirs, heads = self._meta(self._index[name], [[b.numel(), bad is not None, bad or 0] for b in blocks],
-                                   f"{name} ids", blocks)
-        if (culprits := theirs[:, 1].nonzero().view(-1)).numel():
-            raise bad_id_error(name, self.modules[name].num_embeddings, int(theirs[culprits[0], 2]),
-                               int(culprits[0]))
-        elements = theirs[:, 0].tolist()
+              answer: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, _Route]:
+        """A lookup of table `name` at once (a collective; the waiting lookups are fetched first): `sent` (a row
+        per unique id, grouped by owner as `plan` says) goes to the owners, each owner's `answer(what it was
+        sent)` -> (the rows' keys there, their values) comes back; returns the values in the order of `plan`'s
+        ids and the `_Route` the gradients take back to those keys."""
+        self.flush()
+        return self._route_all([_Ask(name, sent, plan, answer)])[0]
+
+    def _route_all(self, asks: list[_Ask]) -> list[tuple[torch.Tensor, _Route]]:
+        """A batch of lookups (`_Ask`s, at most `BATCH`) in one tagged exchange of every lookup's ids, one
+        exchange of the rest of any block that did not fit, and one of every lookup's rows (as bytes: tables
+        may differ in dim and dtype); per lookup, its values in the order of its plan's ids and its `_Route`.
+        Refuses, on every worker, a batch in which any worker's lookup holds an id outside its table."""
+        widths = [math.prod(a.sent.shape[1:]) for a in asks]  # int64 elements per id (a dynamic table's: 2)
+        blocks = [a.sent.reshape(-1).split([c * n for c in a.plan.counts]) for a, n in zip(asks, widths)]
+        to = [torch.cat([b[w] for b in blocks]) for w in range(self.workers)]  # every lookup's ids for worker w
+        bad = next(((i, a.bad) for i, a in enumerate(asks) if a.bad is not None), None)
+        capacity, names = self.capacity, "+".join(a.name for a in asks)
+        counts, flags, heads = self._meta([self._index[a.name] for a in asks],
+                                          [[b[w].numel() for b in blocks] for w in range(self.workers)],
+                                          (1, bad[1], bad[0]) if bad else (0, 0, 0), f"{names} ids", tuple(to))
+        if (culprits := flags[:, 0].nonzero().view(-1)).numel():
+            w = int(culprits[0])
+            table = asks[int(flags[w, 2])].name
+            raise bad_id_error(table, self.modules[table].num_embeddings, int(flags[w, 1]), w)
+        elements = counts[:, :len(asks)].sum(1).tolist()
         parts = [heads[w, :min(n, capacity)] for w, n in enumerate(elements)]
-        if int(theirs[:, 3].max()) > capacity:  # some worker's block did not fit: the rest of every block
+        if int(flags[:, 3].max()) > capacity:  # some worker's block did not fit: the rest of every block
             rest = [max(0, n - capacity) for n in elements]
-            more = self._all_to_all(f"{name} more ids", torch.cat([b[capacity:] for b in blocks]),
-                                    [max(0, b.numel() - capacity) for b in blocks], rest)
+            more = self._all_to_all(f"{names} more ids", torch.cat([b[capacity:] for b in to]),
+                                    [max(0, b.numel() - capacity) for b in to], rest)
             parts = [torch.cat(pair) for pair in zip(parts, more.split(rest))]
-        asked_counts = [n // width for n in elements]
-        keys, rows = answer(torch.cat(parts).view(-1, *sent.shape[1:]))
-        values = rows.new_empty((plan.order.numel(), *rows.shape[1:]))
-        values[plan.order] = self._all_to_all(f"{name} rows", rows, asked_counts, plan.counts)
-        return values, _Route(plan, asked_counts, keys)
+        asked = [part.split(counts[w, :len(asks)].tolist()) for w, part in enumerate(parts)]  # by worker, lookup
+        answers = []
+        for i, (a, n) in enumerate(zip(asks, widths)):
+            keys, rows = a.answer(torch.cat([asked[w][i] for w in range(self.workers)]).view(-1, *a.sent.shape[1:]))
+            answers.append(([int(counts[w, i]) // n for w in range(self.workers)], keys, rows))
+        row_bytes = [rows.element_size() * math.prod(rows.shape[1:]) for _, _, rows in answers]
+        sending = [rows.reshape(-1).view(torch.uint8).split([c * size for c in asked_counts])
+                   for (asked_counts, _, rows), size in zip(answers, row_bytes)]
+        back = [[a.plan.counts[w] * size for a, size in zip(asks, row_bytes)] for w in range(self.workers)]
+        got = self._all_to_all(f"{names} rows", torch.cat([s[w] for w in range(self.workers) for s in sending]),
+                               [sum(s[w].numel() for s in sending) for w in range(self.workers)],
+                               [sum(sizes) for sizes in back])
+        chunks = got.split([size for sizes in back for size in sizes])  # by owner, then lookup
+        out = []
+        for i, (a, (asked_counts, keys, rows)) in enumerate(zip(asks, answers)):
+            values = rows.new_empty((a.plan.order.numel(), *rows.shape[1:]))
+            mine = torch.cat([chunks[w * len(asks) + i] for w in range(self.workers)])
+            values[a.plan.order] = mine.view(rows.dtype).view(-1, *rows.shape[1:])
+            out.append((values, _Route(a.plan, asked_counts, keys)))
+        return out
 
     def _read(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         """The rows of the unique global `ids`, asked of each owner alone over torch RPC once it has applied
@@ -286,6 +380,7 @@ class ShardedTables(ServedTables):
         each lookup. Returns this owner's rows of each table, (local indices, gradient summed over the workers
         and divided by W), and where some worker's own row gradients held a NaN/Inf, {the table looked up
         first among those: the first such worker}. Every worker must call it; forgets the context's lookups."""
+        self.flush()  # lookups whose results were never used (none of the forward's: its end fetched them)
         lookups = self._lookups.pop(context_id, [])
         self._lookups.clear()  # lookups of contexts that were never stepped
         sending = []
@@ -294,16 +389,17 @@ class ShardedTables(ServedTables):
             g = lk.leaf.new_zeros(lk.leaf.shape) if g is None else g * scale if scale != 1.0 else g
             sending.append(g[lk.pulled.plan.order])
         bad = next((i for i, g in enumerate(sending) if first_nonfinite([g]) is not None), None)
-        theirs, _ = self._meta(_STEP, [[len(lookups), bad is not None, bad or 0]] * self.workers, "grad flags")
-        if (other := (theirs[:, 0] != len(lookups)).nonzero().view(-1)).numel():
+        made, flags, _ = self._meta([_STEP], [[len(lookups)]] * self.workers,
+                                    (bad is not None, 0, bad or 0), "grad flags")
+        if (other := (made[:, 0] != len(lookups)).nonzero().view(-1)).numel():
             w = int(other[0])
-            raise RuntimeError(f"worker {w} looked up {int(theirs[w, 0])} sharded tables in this step and worker "
+            raise RuntimeError(f"worker {w} looked up {int(made[w, 0])} sharded tables in this step and worker "
                                f"{self.worker} {len(lookups)}: every worker must look up every sharded table in "
                                "every forward (nothing was applied)")
         nonfinite = {}
-        if (flagged := theirs[:, 1].nonzero().view(-1)).numel():
-            first = int(theirs[flagged, 2].min())
-            nonfinite[lookups[first].table] = int(flagged[theirs[flagged, 2] == first][0])
+        if (flagged := flags[:, 0].nonzero().view(-1)).numel():
+            first = int(flags[flagged, 2].min())
+            nonfinite[lookups[first].table] = int(flagged[flags[flagged, 2] == first][0])
         parts: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # by table: (local rows, their gradients)
         for lk, got in zip(lookups, self._grads_home(lookups, sending)):
             parts.setdefault(lk.table, []).append((lk.pulled.asked, got))

@@ -1,0 +1,78 @@
+"""PendingRows: what a sharded table's lookup returns while its rows are still with their owners.
+
+A lookup under the sharded strategy is an exchange with every worker. Made one table at a time, a forward of
+T tables makes 2T exchanges; TorchRec makes two for all its tables, because its collection module sees every
+table's ids at once. A user's model calls its tables one by one, so instead each lookup returns a
+`PendingRows`, a tensor of the lookup's shape and dtype with no data, and the lookups wait together. The first
+use of any of them (any torch function or Tensor method, through `__torch_function__`) fetches every waiting
+lookup's rows in one exchange of ids and one of rows (`flush`), and the use then runs on the real result, a
+plain tensor in the autograd graph like any lookup's. Reading its shape, dtype or device fetches nothing.
+
+A path that reaches the tensor's data without passing through torch's Python API (a C++ extension handed it
+directly) raises, naming the operation: it never reads rows that have not arrived.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.utils import _pytree as pytree
+
+_METADATA = {torch.Tensor.shape.__get__, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.ndim.__get__,
+             torch.Tensor.dtype.__get__, torch.Tensor.device.__get__, torch.Tensor.__len__, torch.Tensor.numel}
+"""What a pending lookup answers from its own shape, fetching nothing."""
+
+
+class PendingRows(torch.Tensor):
+    """A lookup's result of `shape` and `dtype` that `flush()` (fetching every waiting lookup's rows) makes
+    real (`resolve`)."""
+
+    @staticmethod
+    def __new__(cls, shape: torch.Size, dtype: torch.dtype, flush: Callable[[], None]):
+        out = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device="cpu")
+        out._flush, out._value = flush, None
+        return out
+
+    def __init__(self, shape: torch.Size, dtype: torch.dtype, flush: Callable[[], None]):
+        super().__init__()
+
+    def resolve(self, value: torch.Tensor) -> None:
+        """Become `value` (the lookup's result): every later use of this tensor is a use of it."""
+        self._value = value
+
+    def value(self) -> torch.Tensor:
+        """The real result, fetched with every waiting lookup's if it has not arrived yet.
+
+        Raises:
+            RuntimeError: the exchange that was to fetch it was refused (a bad id, workers out of step): the
+                forward that made this lookup failed, and its result does not exist.
+        """
+        if self._value is None:
+            self._flush()
+        if self._value is None:
+            raise RuntimeError("gradsync: the rows of this sharded table lookup never arrived: the exchange that "
+                               "fetched them was refused (see the error its forward raised); run the forward again")
+        return self._value
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        args, kwargs = pytree.tree_map_only(PendingRows, PendingRows.value, (args, kwargs))
+        return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError(f"gradsync: {func} was given the result of a sharded table lookup below torch's Python "
+                           "API, before its rows arrived; pass it through a torch function first (e.g. "
+                           "torch.as_tensor(rows) * 1), and report the call that did this to gradsync")
+
+
+def resolved(tree):
+    """`tree` (a module's output: tensors in tuples, lists, dicts) with every pending lookup made real; `tree`
+    itself where it holds none."""
+    if not any(isinstance(leaf, PendingRows) for leaf in pytree.tree_leaves(tree)):
+        return tree
+    return pytree.tree_map_only(PendingRows, PendingRows.value, tree)
