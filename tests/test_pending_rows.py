@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from gradsync.worker.pending_rows import PendingRows, resolved
+from gradsync.worker.served_tables import output_shape
 
 
 class _Lookups:
@@ -69,3 +70,13 @@ def test_below_the_python_api_it_raises_rather_than_read_missing_rows():
     pending = PendingRows(torch.Size((1, 2)), torch.float32, lambda: None)
     with torch._C.DisableTorchFunctionSubclass(), pytest.raises(RuntimeError, match="before its rows arrived"):
         torch.add(pending, 1)
+
+
+def test_a_pending_lookup_has_the_shape_its_module_would_return():
+    emb, bag = torch.nn.Embedding(10, 3), torch.nn.EmbeddingBag(10, 3)
+    last = torch.nn.EmbeddingBag(10, 3, include_last_offset=True)
+    ids, flat, offsets = torch.tensor([[1, 2], [3, 4]]), torch.tensor([1, 2, 3]), torch.tensor([0, 1])
+    for module, args in [(emb, (ids,)), (emb, (flat,)), (bag, (ids,)), (bag, (flat, offsets)), (last, (flat, offsets))]:
+        assert output_shape(module, *args) == module(*args).shape
+    with pytest.raises(ValueError, match="a 1-D input with offsets, got a 1-D input without offsets"):
+        output_shape(bag, flat)

@@ -21,39 +21,45 @@ pytestmark = pytest.mark.job  # every test here starts processes
 
 STEPS = 6
 INT64, FP32 = 8, 4
-BOTH = "bag.weight+emb.weight"  # a forward's two lookups, fetched together
+LOOKUPS = (("bag.weight", 0), ("emb.weight", 2))  # BagNet's lookups in model order, each's ids in `bag_batch`
 
 
-def _exchanges(step: int, me: int, workers: int, capacity: int, most: int) -> tuple[list[tuple[str, int, int]], int]:
+def _exchanges(step: int, me: int, workers: int, capacity: int, most: int, batch: int
+               ) -> tuple[list[tuple[str, int, int]], int]:
     """Worker `me`'s all-to-alls of `step` (lane, bytes to the other workers, bytes from them) from the
     batches, when its tagged exchanges carry `capacity` ids per worker at first (each HEADER int64s and the
-    capacity to each other worker; it grows to at most `most`), and the capacity after them. Both tables'
-    lookups wait until the forward uses one, then go together: the counts with the first ids of each block
+    capacity to each other worker; it grows to at most `most`), and the capacity after them. The forward's
+    lookups wait until it uses one, then go `batch` at a time: the counts with the first ids of each block
     (every lookup's ids a worker sends an owner), the rest of every block when some worker's did not fit (the
     capacity then grows to the largest block), and every lookup's rows back; the forward's end; at the step
     the flags, then one exchange of every table's gradients of those rows (no ids: the forward's route)."""
     batches = [bag_batch(step, w) for w in range(workers)]
     others = [w for w in range(workers) if w != me]
-    blocks = [[0] * workers for _ in range(workers)]  # blocks[v][w]: id elements worker v sends owner w
-    rows_out = rows_in = 0
-    for at in (0, 2):  # the EmbeddingBag's ids, the Embedding's
-        owned = [torch.bincount(owners(b[at].unique(), workers), minlength=workers).tolist() for b in batches]
-        blocks = [[blocks[v][w] + owned[v][w] for w in range(workers)] for v in range(workers)]
-        rows_out += DIM * FP32 * sum(owned[w][me] for w in others)
-        rows_in += DIM * FP32 * sum(owned[me][w] for w in others)
-    tagged = INT64 * (HEADER + capacity) * (workers - 1)
-    lanes = [(f"a2a {BOTH} ids", tagged, tagged)]
-    if (largest := max(max(b) for b in blocks)) > capacity:
-        lanes.append((f"a2a {BOTH} more ids", INT64 * sum(max(0, blocks[me][w] - capacity) for w in others),
-                      INT64 * sum(max(0, blocks[w][me] - capacity) for w in others)))
-        capacity = max(capacity, min(largest, most))
-    lanes.append((f"a2a {BOTH} rows", rows_out, rows_in))
+    lanes, grads_out, grads_in = [], 0, 0
+    for first in range(0, len(LOOKUPS), batch):
+        group = LOOKUPS[first:first + batch]
+        blocks = [[0] * workers for _ in range(workers)]  # blocks[v][w]: id elements worker v sends owner w
+        rows_out = rows_in = 0
+        for _, at in group:
+            owned = [torch.bincount(owners(b[at].unique(), workers), minlength=workers).tolist() for b in batches]
+            blocks = [[blocks[v][w] + owned[v][w] for w in range(workers)] for v in range(workers)]
+            rows_out += DIM * FP32 * sum(owned[w][me] for w in others)
+            rows_in += DIM * FP32 * sum(owned[me][w] for w in others)
+        names = "+".join(name for name, _ in group)
+        tagged = INT64 * (HEADER + capacity) * (workers - 1)
+        lanes.append((f"a2a {names} ids", tagged, tagged))
+        if (largest := max(max(b) for b in blocks)) > capacity:
+            lanes.append((f"a2a {names} more ids", INT64 * sum(max(0, blocks[me][w] - capacity) for w in others),
+                          INT64 * sum(max(0, blocks[w][me] - capacity) for w in others)))
+            capacity = max(capacity, min(largest, most))
+        lanes.append((f"a2a {names} rows", rows_out, rows_in))
+        grads_out, grads_in = grads_out + rows_in, grads_in + rows_out
     tagged = INT64 * (HEADER + capacity) * (workers - 1)
     return lanes + [("a2a forward end", tagged, tagged), ("a2a grad flags", tagged, tagged),
-                    ("a2a row grads", rows_in, rows_out)], capacity
+                    ("a2a row grads", grads_out, grads_in)], capacity
 
 
-def _check_lanes(result: dict, case: Case, me: int, workers: int, most: int) -> None:
+def _check_lanes(result: dict, case: Case, me: int, workers: int, most: int, batch: int = 2) -> None:
     """Worker `me`'s timeline and records of `train_bags`: each step's all-to-alls as `_exchanges` says (the
     capacity carried from the step before; after a step with refusals or two half-batches, read off its first
     lane), their bytes the record's, their time exchange."""
@@ -62,14 +68,14 @@ def _check_lanes(result: dict, case: Case, me: int, workers: int, most: int) -> 
         step, pieces = timed["step"] - 1, timed["pieces"]
         lanes = [(p["lane"], p["bytes_sent"], p["bytes_received"]) for p in pieces if p["exchange"]]
         if step == case.accumulate_at:  # two half-batches: two lookups of each table, their gradients at once
-            assert [lane for lane, _, _ in lanes].count(f"a2a {BOTH} ids") == 2
+            assert [lane for lane, _, _ in lanes].count("a2a bag.weight+emb.weight ids") == 2
             assert [lane for lane, _, _ in lanes].count("a2a row grads") == 1
             capacity = None
         elif step == case.bad_at:  # the refused lookups' exchanges count in that step too
             capacity = None
         else:  # after a step not checked here, the capacity its first exchange carried
             start = lanes[0][1] // (INT64 * (workers - 1)) - HEADER if capacity is None else capacity
-            expected, capacity = _exchanges(step, me, workers, start, most)
+            expected, capacity = _exchanges(step, me, workers, start, most, batch)
             assert lanes == expected
         assert sum(p["bytes_sent"] for p in pieces) == record["bytes_sent"]  # with DDP's bucket lanes
         assert sum(p["bytes_received"] for p in pieces) == record["bytes_received"]
@@ -133,24 +139,26 @@ CAPPED = 2
 
 
 def _train_capped(case: Case, steps: int) -> dict:
-    """`train_bags` with at most CAPPED ids per worker in a tagged exchange (most lookups' blocks are larger)."""
+    """`train_bags` with at most CAPPED ids per worker in a tagged exchange (most lookups' blocks are larger)
+    and one lookup per exchange (the first flushed alone when the second is made)."""
     sharded_tables.ID_CAPACITY = CAPPED  # this rank's own module: it ends with the job
+    sharded_tables.BATCH = 1
     return train_bags(case, steps)
 
 
 @pytest.mark.timeout(150)
 def test_ids_that_do_not_fit_the_tagged_exchange_take_a_second_one():
     """With the tagged exchanges capped at CAPPED ids per worker, a block larger than that sends its first ids
-    there and the rest in a second exchange of every block's rest, every step: the same training (to 1e-5),
-    the lanes and bytes the batches imply."""
+    there and the rest in a second exchange of every block's rest, every step; with one lookup per exchange,
+    each table's lookup travels alone: the same training (to 1e-5), the lanes and bytes the batches imply."""
     case = Case("sgd")
     results = gradsync.launch(_train_capped, strategy="sharded", workers=2, args=(case, STEPS), step_timeout=60,
                               timeout=140)
     reference = reference_bags(case, STEPS, 2, results[0]["initial"])
     for me, r in enumerate(results):
-        _check_lanes(r, case, me, 2, CAPPED)
+        _check_lanes(r, case, me, 2, CAPPED, batch=1)
         assert max_diff(r["state"], reference) <= 1e-5
-    assert f"a2a {BOTH} more ids" in [p["lane"] for p in results[0]["timeline"][-1]["pieces"]]
+    assert "a2a emb.weight more ids" in [p["lane"] for p in results[0]["timeline"][-1]["pieces"]]
 
 
 DYNAMIC_STEPS, DYNAMIC_WORKERS = 8, 3
