@@ -51,10 +51,10 @@ from torch import nn
 from gradsync.core.errors import bad_id_error
 from gradsync.core.finite import first_nonfinite
 from gradsync.core.job_names import worker_name
+from gradsync.core.torch_internals import current_context_id
 from gradsync.tables.placement import check_id_dtype, check_ids, merge_rows, out_of_range
 from gradsync.tables.row_optim import saved_state, take_saved_state
 from gradsync.tables.row_partition import LOOKUPS_PER_EXCHANGE as BATCH, ExchangePlan, local_index, owned_rows, owners
-from gradsync.core.torch_internals import current_context_id
 from gradsync.worker.pending_rows import PendingRows, resolved
 from gradsync.worker.served_tables import ServedTables, output_shape
 
