@@ -135,11 +135,15 @@ class FakeTransport:
     """Serves rows of whole tables held here, as S servers would (row r on server r % S)."""
 
     def __init__(self, tables: dict[str, torch.Tensor], servers: int):
-        self.tables, self.servers, self.calls = tables, servers, 0
+        self.tables, self.servers, self.calls, self.batches = tables, servers, 0, []
 
     def pull_rows(self, table, ids):
         self.calls += len(ids)
         return {s: (7, self.tables[table][local * self.servers + s].clone()) for s, local in ids.items()}
+
+    def pull_rows_many(self, lookups):
+        self.batches.append([table for table, _ in lookups])
+        return [self.pull_rows(table, ids) for table, ids in lookups]
 
 
 def lookups(emb: nn.Module, bag: nn.Module) -> torch.Tensor:
@@ -178,6 +182,12 @@ def test_lookups_match_the_dense_modules_and_sum_duplicate_rows(servers):
         assert torch.allclose(got, module.weight.grad)
     # ids 1 2 4 8
     assert pushes[0]["emb"].grads.shape[0] + (pushes[1]["emb"].grads.shape[0] if servers == 2 else 0) == 4
+    assert served.transport.batches == [["emb"], ["emb"], ["bag"]]  # each lookup used before the next
+    with dist_autograd.context() as cid:  # lookups used together are pulled together
+        together = torch.cat([emb(torch.tensor([1, 2])), bag(torch.tensor([0, 5]), torch.tensor([0]))])
+        assert served.transport.batches[3:] == [["emb", "bag"]]
+        assert torch.equal(together, torch.cat([reference[0](torch.tensor([1, 2])),
+                                                reference[1](torch.tensor([0, 5]), torch.tensor([0]))]))
 
 
 def table_shard(optimizer=RowSGD(lr=1.0)) -> ShardState:

@@ -141,6 +141,12 @@ class WorkerTransport(ABC):
         A transport with `capabilities.row_tables` implements it."""
         raise NotImplementedError(self.capabilities.rows_refusal())
 
+    def pull_rows_many(self, lookups: list[tuple[str, dict[int, torch.Tensor]]]
+                       ) -> list[dict[int, tuple[int, torch.Tensor]]]:
+        """`pull_rows` of several lookups (table, its unique local row ids per server), in order: a call per
+        lookup here; a transport may make one call per server for them all."""
+        return [self.pull_rows(table, ids) for table, ids in lookups]
+
     def dynamic(self, call: str, args: dict[int, tuple]) -> dict[int, object]:
         """A call on the servers' dynamic tables (`ParameterServer.dynamic`) with its args per server; returns
         each server's answer. A transport with `capabilities.row_tables` implements it."""

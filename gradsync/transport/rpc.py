@@ -153,6 +153,23 @@ class RpcTransport(WorkerTransport):
                                     timeout=self.config.step_timeout) for s, local in ids.items()}
         return wait_all(futures, f"pulling rows of table {table!r}", self.config.step_timeout)
 
+    def pull_rows_many(self, lookups: list[tuple[str, dict[int, torch.Tensor]]]
+                       ) -> list[dict[int, tuple[int, torch.Tensor]]]:
+        """One call per server for every lookup it holds rows of."""
+        asked: dict[int, list[tuple[int, str, torch.Tensor]]] = {}
+        for i, (table, ids) in enumerate(lookups):
+            for s, local in ids.items():
+                asked.setdefault(s, []).append((i, table, local))
+        futures = {s: rpc.rpc_async(server_name(s), rpc_pull_rows_many, args=([(t, ids) for _, t, ids in items],),
+                                    timeout=self.config.step_timeout) for s, items in asked.items()}
+        tables = ", ".join(repr(t) for t in dict.fromkeys(t for t, _ in lookups))
+        answers = wait_all(futures, f"pulling rows of tables {tables}", self.config.step_timeout)
+        out: list[dict[int, tuple[int, torch.Tensor]]] = [{} for _ in lookups]
+        for s, items in asked.items():
+            for (i, _, _), answer in zip(items, answers[s]):
+                out[i][s] = answer
+        return out
+
     def push(self, versions: dict[int, int], pushes: dict[int, Push]) -> dict[int, Snapshot | Partial]:
         return self._call(rpc_push, lambda s: (self.worker, versions[s], pushes[s]), "push")
 
@@ -314,6 +331,11 @@ def rpc_pull() -> Snapshot:
 @_answering("pull of rows")
 def rpc_pull_rows(table: str, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
     return _server().pull_rows(table, ids)
+
+
+@_answering("pull of rows")
+def rpc_pull_rows_many(lookups: list[tuple[str, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
+    return [_server().pull_rows(table, ids) for table, ids in lookups]
 
 
 def _replied(server: ParameterServer, fut: torch.futures.Future, worker: int, call: str, whole: bool = True

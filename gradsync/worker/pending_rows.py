@@ -1,12 +1,14 @@
-"""PendingRows: what a sharded table's lookup returns while its rows are still with their owners.
+"""PendingRows: what a served table's lookup returns while its rows are still on the servers (ps, hybrid) or
+with their owners (sharded).
 
-A lookup under the sharded strategy is an exchange with every worker. Made one table at a time, a forward of
-T tables makes 2T exchanges; TorchRec makes two for all its tables, because its collection module sees every
-table's ids at once. A user's model calls its tables one by one, so instead each lookup returns a
-`PendingRows`, a tensor of the lookup's shape and dtype with no data, and the lookups wait together. The first
-use of any of them (any torch function or Tensor method, through `__torch_function__`) fetches every waiting
-lookup's rows in one exchange of ids and one of rows (`flush`), and the use then runs on the real result, a
-plain tensor in the autograd graph like any lookup's. Reading its shape, dtype or device fetches nothing.
+A lookup is a round trip: a call to each server holding its rows, or under sharded an exchange with every
+worker. Made one table at a time, a forward of T tables makes T round trips (sharded: 2T exchanges); TorchRec
+makes two exchanges for all its tables, because its collection module sees every table's ids at once. A
+user's model calls its tables one by one, so instead each lookup returns a `PendingRows`, a tensor of the
+lookup's shape and dtype with no data, and the lookups wait together. The first use of any of them (any torch
+function or Tensor method, through `__torch_function__`) fetches every waiting lookup's rows at once (`flush`:
+one call per server; sharded, one exchange of ids and one of rows), and the use then runs on the real result,
+a plain tensor in the autograd graph like any lookup's. Reading its shape, dtype or device fetches nothing.
 
 A path that reaches the tensor's data without passing through torch's Python API (a C++ extension handed it
 directly) raises, naming the operation: it never reads rows that have not arrived.

@@ -2,16 +2,20 @@
 
 `ServedTables` takes each table's weight out of the user's module (worker 0
 first hands its values to the servers, row `r` to server `r % S`) and
-replaces the module's forward: the lookup pulls the batch's unique ids (one
-call per server holding any), runs `F.embedding` / `F.embedding_bag` on those
-rows as a leaf tensor, and remembers the leaf. `row_grads` turns the leaves'
-gradients of a dist_autograd context into each server's push: unique local
-ids and their summed gradients per table. A worker never holds more of a
-table than the rows its batches pulled.
+replaces the module's forward. A lookup with gradients returns at once a
+`PendingRows` (worker.pending_rows) and waits with the forward's other lookups
+until one of them is used: then their batches' unique ids are pulled together
+(one call per server holding any, for every waiting lookup), and each runs
+`F.embedding` / `F.embedding_bag` on its rows as a leaf tensor, remembered
+for the step. `row_grads` turns the leaves' gradients of a dist_autograd
+context into each server's push: unique local ids and their summed gradients
+per table. A worker never holds more of a table than the rows its batches
+pulled.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import time
 
@@ -23,6 +27,8 @@ from gradsync.core.optimizer_spec import OptimizerSpec
 from gradsync.tables.row_optim import exact_row_optimizer, no_row_form
 from gradsync.tables.placement import check_ids, find_tables, join_rows, merge_rows, split_ids, table_specs
 from gradsync.core.torch_internals import current_context_id
+from gradsync.tables.row_partition import LOOKUPS_PER_EXCHANGE
+from gradsync.worker.pending_rows import PendingRows, resolved
 from gradsync.ps.messages import RowGrads, TableSetup
 
 
@@ -49,6 +55,21 @@ def output_shape(module: nn.Module, input: torch.Tensor, offsets=None) -> torch.
     return torch.Size((offsets.numel() - int(module.include_last_offset), module.embedding_dim))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Waiting:
+    """A lookup with gradients whose rows are not fetched yet: its table, what its result is computed from once
+    they are (the module, the unique ids, each input's place among them, the bag's offsets and per-sample
+    weights), the dist_autograd context it was made in, and the `PendingRows` it returned."""
+
+    table: str
+    module: nn.Module
+    ids: torch.Tensor
+    inverse: torch.Tensor
+    bag: tuple
+    context: int | None
+    pending: PendingRows
+
+
 class ServedTables:
     """The model's row-wise tables (`tables.placement.find_tables`), looked up through `transport`."""
 
@@ -68,6 +89,7 @@ class ServedTables:
         self.transport = None  # set by the strategy before the first forward
         self.serving = False  # set by the strategy once the servers answer: the module's state_dict gathers
         self._lookups: dict[int, list[_Lookup]] = {}
+        self._waiting: list[_Waiting] = []  # lookups whose rows are not fetched yet (`flush`), in model order
 
     def model_sizes(self, trainable: int) -> dict[str, int]:
         """What `gradsync compare --predict` models of `trainable` elements: dense, and in served tables."""
@@ -108,14 +130,42 @@ class ServedTables:
         return not_serving(self)
 
     def _lookup(self, name: str, module: nn.Module, input: torch.Tensor, offsets=None, per_sample_weights=None):
+        """A lookup with gradients waits with the forward's others until one of them is used (`PendingRows`,
+        `flush`: their rows fetched together); any other reads its rows at once."""
         self._check(name, input, module.num_embeddings)
         ids, inverse = torch.unique(input.long(), return_inverse=True)
-        values, pulled = self._pull(name, ids)
-        context = current_context_id()
-        leaf = values.requires_grad_(torch.is_grad_enabled())
-        if context is not None and leaf.requires_grad:
-            self.record(context, name, ids, leaf, pulled)
-        return self._embed(module, ids, inverse, leaf, offsets, per_sample_weights)
+        if not torch.is_grad_enabled():
+            values, _ = self._pull(name, ids)
+            return self._embed(module, ids, inverse, values, offsets, per_sample_weights)
+        if len(self._waiting) == LOOKUPS_PER_EXCHANGE:
+            self.flush()
+        pending = PendingRows(output_shape(module, input, offsets), self.dtypes[name], self.flush)
+        self._waiting.append(_Waiting(name, module, ids, inverse, resolved((offsets, per_sample_weights)),
+                                      current_context_id(), pending))
+        return pending
+
+    def flush(self) -> None:
+        """Fetch the rows of every waiting lookup (`_fetch`) and make each lookup's result real, its rows a leaf
+        recorded for the step to send its gradients."""
+        waiting, self._waiting = self._waiting, []
+        if not waiting:
+            return
+        for w, (values, pulled) in zip(waiting, self._fetch(waiting)):
+            leaf = values.requires_grad_()
+            if w.context is not None:
+                self.record(w.context, w.table, w.ids, leaf, pulled)
+            with torch.enable_grad():  # made with gradients, whatever the mode of the use that fetches it
+                w.pending.resolve(self._embed(w.module, w.ids, w.inverse, leaf, *w.bag))
+
+    def forward_ended(self, module: nn.Module, inputs, output):
+        """Forward hook of the user's module: the lookups still waiting are fetched, and their results in its
+        output made real (DDP and the caller see plain tensors)."""
+        self.flush()
+        return resolved(output)
+
+    def _fetch(self, waiting: list[_Waiting]) -> list[tuple[torch.Tensor, dict[int, int]]]:
+        """The rows of waiting lookups, in one call per server for them all (`_pull_all`)."""
+        return self._pull_all([(w.table, w.ids) for w in waiting])
 
     @staticmethod
     def _embed(module: nn.Module, ids: torch.Tensor, inverse: torch.Tensor, leaf: torch.Tensor, offsets=None,
@@ -143,25 +193,33 @@ class ServedTables:
         return split_ids(ids, self.num_servers)
 
     def _pull(self, name: str, ids: torch.Tensor) -> tuple[torch.Tensor, dict[int, int]]:
-        """The rows of the unique global `ids`, in their order, and the version each server answered at (the
-        time and bytes in the step's metrics, as pull)."""
+        """The rows of the unique global `ids` of table `name`, in their order, and the version each server
+        answered at."""
+        return self._pull_all([(name, ids)])[0]
+
+    def _pull_all(self, lookups: list[tuple[str, torch.Tensor]]) -> list[tuple[torch.Tensor, dict[int, int]]]:
+        """Per lookup (table, its unique global ids): its rows, in the ids' order, and the version each server
+        answered at; one call per server for them all (the time and bytes in the step's metrics, as pull)."""
         start = time.perf_counter()
-        where = split_ids(ids, self.num_servers)
-        answers = self.transport.pull_rows(name, {s: local for s, (_, local) in where.items()})
-        if self.num_servers == 1 and answers:
-            version, values = answers[0]
-            versions = {0: version}
-        else:
-            values = torch.empty(ids.numel(), self.modules[name].embedding_dim, dtype=self.dtypes[name])
-            for s, (positions, _) in where.items():
-                values[positions] = answers[s][1]
-            versions = {s: v for s, (v, _) in answers.items()}
-        self.metrics.rows_pulled(time.perf_counter() - start, values.nbytes)
-        return values, versions
+        wheres = [split_ids(ids, self.num_servers) for _, ids in lookups]
+        answers = self.transport.pull_rows_many([(name, {s: local for s, (_, local) in where.items()})
+                                                 for (name, _), where in zip(lookups, wheres)])
+        out = []
+        for (name, ids), where, answer in zip(lookups, wheres, answers):
+            if self.num_servers == 1 and answer:
+                values = answer[0][1]
+            else:
+                values = torch.empty(ids.numel(), self.modules[name].embedding_dim, dtype=self.dtypes[name])
+                for s, (positions, _) in where.items():
+                    values[positions] = answer[s][1]
+            out.append((values, {s: version for s, (version, _) in answer.items()}))
+        self.metrics.rows_pulled(time.perf_counter() - start, sum(values.nbytes for values, _ in out))
+        return out
 
     def row_grads(self, context_id: int, grads: dict[torch.Tensor, torch.Tensor]) -> dict[int, dict[str, RowGrads]]:
         """The pushes of this context's lookups: per server, {table: `RowGrads`}; forgets the context's
         lookups."""
+        self.flush()  # lookups whose results were never used
         lookups = self._lookups.pop(context_id, [])
         self._lookups.clear()  # lookups of contexts that were never stepped
         out: dict[int, dict[str, RowGrads]] = {s: {} for s in range(self.num_servers)}
@@ -229,6 +287,8 @@ def serve_tables(module: nn.Module, tables: str, num_servers: int, metrics, opti
     tables_served = ServedTables(served, num_servers, metrics)
     setups = tables_served.setups(rows) if send else {s: {} for s in range(num_servers)}
     tables_served.take_over()
+    if served:
+        module.register_forward_hook(tables_served.forward_ended)
     return tables_served, setups
 
 

@@ -30,7 +30,6 @@ from gradsync.core.optimizer_spec import OptimizerSpec
 from gradsync.worker.allreduce_strategy import AllreduceStrategy
 from gradsync.worker.amp import inverse_scale
 from gradsync.worker.model_state import ordered
-from gradsync.worker.pending_rows import resolved
 from gradsync.worker.served_tables import choose_tables
 from gradsync.worker.sharded_dynamic import ShardedDynamic
 from gradsync.worker.sharded_tables import ShardedTables
@@ -73,22 +72,13 @@ class ShardedStrategy(Strategy):
         self.dense = AllreduceStrategy(cluster, module, optimizer, find_unused_parameters=find_unused_parameters,
                                        clipping=clipping, replicate_dynamic=False)
         self.tables.take_rows(values)  # once every worker has built its Trainer (DDP's wait)
-        module.register_forward_hook(self._forward_ended)
+        module.register_forward_hook(self.tables.forward_ended)
         dist.barrier()  # every worker answers gathers before any asks (tables on the meta device exchange nothing)
         self.model = self.dense.model
         self.optimizer = optimizer
         self.metrics = self.dense.metrics
         self.tables.metrics = self.dynamic.metrics = self.metrics
         self.tables.serving = self.dynamic.serving = True
-
-    def _forward_ended(self, module: nn.Module, inputs, output):
-        """Forward hook of the user's module: every worker agrees that its forward is over
-        (`ShardedTables.forward_ended`), when it looked its tables up for a step (with gradients); a lookup's
-        result in the output is made real (`PendingRows`)."""
-        if torch.is_grad_enabled():
-            self.tables.forward_ended()
-            return resolved(output)
-        return None
 
     @property
     def grad_norm(self) -> float | None:

@@ -37,6 +37,7 @@ so a worker that gathers alone (worker 0 saving the model) gets one consistent s
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import threading
 import time
@@ -51,12 +52,11 @@ from torch import nn
 from gradsync.core.errors import bad_id_error
 from gradsync.core.finite import first_nonfinite
 from gradsync.core.job_names import worker_name
-from gradsync.core.torch_internals import current_context_id
 from gradsync.tables.placement import check_id_dtype, check_ids, merge_rows, out_of_range
 from gradsync.tables.row_optim import saved_state, take_saved_state
 from gradsync.tables.row_partition import LOOKUPS_PER_EXCHANGE as BATCH, ExchangePlan, local_index, owned_rows, owners
-from gradsync.worker.pending_rows import PendingRows, resolved
-from gradsync.worker.served_tables import ServedTables, output_shape
+from gradsync.worker.pending_rows import resolved
+from gradsync.worker.served_tables import ServedTables
 
 _STEP, _FORWARD_END, _NONE = -1, -2, -3
 """The tags of the step's exchange of flags and of a forward's end (`ShardedTables._meta`); a lookup's is its
@@ -111,27 +111,18 @@ class _Ask:
     bad: int | None = None
 
 
-@dataclasses.dataclass(frozen=True)
-class _Waiting:
-    """A lookup with gradients whose rows are not fetched yet: its `_Ask`, what its result is computed from
-    once they are (the module, the unique ids, each input's place among them, the bag's offsets and
-    per-sample weights), the dist_autograd context it was made in, and the `PendingRows` it returned."""
-
-    ask: _Ask
-    module: nn.Module
-    ids: torch.Tensor
-    inverse: torch.Tensor
-    bag: tuple
-    context: int | None
-    pending: PendingRows
-
-
 def _exchange(send: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
     """All-to-all of variable-size blocks of rows: `send_counts[w]` rows of `send` to worker w, `recv_counts[w]`
     rows from it, in worker order. Every worker must call it."""
     out = send.new_empty((sum(recv_counts), *send.shape[1:]))
     dist.all_to_all_single(out, send.contiguous(), recv_counts, send_counts)
     return out
+
+
+def _answer(shard: _Shard, asked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An owner's side of a lookup of a fixed table: the local rows of the ids `asked` and their values."""
+    local = local_index(shard.owned, asked)
+    return local, shard.values.index_select(0, local)
 
 
 def _rows_of(table: str, step: int, timeout: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,7 +150,6 @@ class ShardedTables(ServedTables):
         self.shards: dict[str, _Shard] = {}
         self.applied = 0  # steps applied to this worker's rows (skipped ones included)
         self.capacity = 0  # id elements per worker in every tagged exchange (`_meta`): the same on every worker
-        self._waiting: list[_Waiting] = []  # lookups whose rows are not fetched yet (`flush`), in model order
         self._stepped = threading.Condition()
 
     def take_rows(self, weights: dict[str, torch.Tensor]) -> None:
@@ -249,13 +239,17 @@ class ShardedTables(ServedTables):
         names = ", ".join(repr(self.looked_up[at]) for at in tags)
         return f"a lookup of table{'s' if len(tags) > 1 else ''} {names}"
 
-    def forward_ended(self) -> None:
-        """Tell every worker that this one's forward is over (a collective at the end of every forward with
-        gradients), once its waiting lookups are fetched: a worker whose forward skipped a table the others
-        look up last raises here, at once, with them, where it would otherwise meet them only at DDP's
-        allreduce, a mismatch gloo reports after the process group's timeout."""
+    def forward_ended(self, module: nn.Module, inputs, output):
+        """Forward hook of the user's module: after a forward with gradients, its waiting lookups fetched, every
+        worker agrees that its forward is over (a collective), and the lookups' results in the output are made
+        real. A worker whose forward skipped a table the others look up last raises here, at once, with them,
+        where it would otherwise meet them only at DDP's allreduce, a mismatch gloo reports after the process
+        group's timeout."""
+        if not torch.is_grad_enabled():
+            return None
         self.flush()
         self._meta([_FORWARD_END], [[0]] * self.workers, (0, 0, 0), "forward end")
+        return resolved(output)
 
     def model_sizes(self, trainable: int) -> dict[str, int]:
         return {**super().model_sizes(trainable), "sharded_tables": len(self.specs)}
@@ -263,45 +257,19 @@ class ShardedTables(ServedTables):
     def _check(self, name: str, ids: torch.Tensor, rows: int) -> None:
         check_id_dtype(name, ids)  # the range is checked by every worker together, in `flush`
 
-    def _lookup(self, name: str, module: nn.Module, input: torch.Tensor, offsets=None, per_sample_weights=None):
-        """A lookup with gradients waits with the forward's others (`PendingRows`) until one of them is used;
-        any other reads its rows at once (`ServedTables._lookup`, `_read`)."""
-        if not torch.is_grad_enabled():
-            return super()._lookup(name, module, input, offsets, per_sample_weights)
-        self._check(name, input, module.num_embeddings)
-        if len(self._waiting) == BATCH:
-            self.flush()
-        ids, inverse = torch.unique(input.long(), return_inverse=True)
-        plan = ExchangePlan.of(ids, self.workers)
-        shard = self.shards[name]
-
-        def answer(asked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            local = local_index(shard.owned, asked)
-            return local, shard.values.index_select(0, local)
-
-        pending = PendingRows(output_shape(module, input, offsets), self.dtypes[name], self.flush)
-        ask = _Ask(name, ids[plan.order], plan, answer, out_of_range(ids, module.num_embeddings))
-        self._waiting.append(_Waiting(ask, module, ids, inverse, resolved((offsets, per_sample_weights)),
-                                      current_context_id(), pending))
-        return pending
-
     def _pull(self, name: str, ids: torch.Tensor) -> tuple[torch.Tensor, None]:
         """A lookup without gradients (evaluation, which one worker may run alone, say worker 0 after
         training): the rows read without a collective (`_read`), with no route."""
         return self._read(name, ids), None
 
-    def flush(self) -> None:
-        """Fetch the rows of every waiting lookup (`_lookup`) in one exchange of ids and one of rows, and make
-        each lookup's result real (recorded, like any lookup, for the step to send its gradients)."""
-        waiting, self._waiting = self._waiting, []
-        if not waiting:
-            return
-        for w, (values, route) in zip(waiting, self._route_all([w.ask for w in waiting])):
-            leaf = values.requires_grad_()
-            if w.context is not None:
-                self.record(w.context, w.ask.name, w.ids, leaf, route)
-            with torch.enable_grad():  # made with gradients, whatever the mode of the use that fetches it
-                w.pending.resolve(self._embed(w.module, w.ids, w.inverse, leaf, *w.bag))
+    def _fetch(self, waiting) -> list[tuple[torch.Tensor, _Route]]:
+        """The rows of waiting lookups from their owners, together (`_route_all`: a collective)."""
+        asks = []
+        for w in waiting:
+            plan = ExchangePlan.of(w.ids, self.workers)
+            asks.append(_Ask(w.table, w.ids[plan.order], plan, functools.partial(_answer, self.shards[w.table]),
+                             out_of_range(w.ids, self.modules[w.table].num_embeddings)))
+        return self._route_all(asks)
 
     def route(self, name: str, sent: torch.Tensor, plan: ExchangePlan,
               answer: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, _Route]:
