@@ -309,19 +309,12 @@ class ShardedTables(ServedTables):
         for i, (a, n) in enumerate(zip(asks, widths)):
             keys, rows = a.answer(torch.cat([asked[w][i] for w in range(self.workers)]).view(-1, *a.sent.shape[1:]))
             answers.append(([int(counts[w, i]) // n for w in range(self.workers)], keys, rows))
-        row_bytes = [rows.element_size() * math.prod(rows.shape[1:]) for _, _, rows in answers]
-        sending = [rows.reshape(-1).view(torch.uint8).split([c * size for c in asked_counts])
-                   for (asked_counts, _, rows), size in zip(answers, row_bytes)]
-        back = [[a.plan.counts[w] * size for a, size in zip(asks, row_bytes)] for w in range(self.workers)]
-        got = self._all_to_all(f"{names} rows", torch.cat([s[w] for w in range(self.workers) for s in sending]),
-                               [sum(s[w].numel() for s in sending) for w in range(self.workers)],
-                               [sum(sizes) for sizes in back])
-        chunks = got.split([size for sizes in back for size in sizes])  # by owner, then lookup
+        got = self._rows_exchange(f"{names} rows", [rows for _, _, rows in answers],
+                                  [asked_counts for asked_counts, _, _ in answers], [a.plan.counts for a in asks])
         out = []
-        for i, (a, (asked_counts, keys, rows)) in enumerate(zip(asks, answers)):
+        for a, (asked_counts, keys, rows), mine in zip(asks, answers, got):
             values = rows.new_empty((a.plan.order.numel(), *rows.shape[1:]))
-            mine = torch.cat([chunks[w * len(asks) + i] for w in range(self.workers)])
-            values[a.plan.order] = mine.view(rows.dtype).view(-1, *rows.shape[1:])
+            values[a.plan.order] = mine
             out.append((values, _Route(a.plan, asked_counts, keys)))
         return out
 
@@ -369,28 +362,31 @@ class ShardedTables(ServedTables):
             first = int(flags[flagged, 2].min())
             nonfinite[lookups[first].table] = int(flagged[flags[flagged, 2] == first][0])
         parts: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # by table: (local rows, their gradients)
-        for lk, got in zip(lookups, self._grads_home(lookups, sending)):
+        home = self._rows_exchange("row grads", sending, [lk.pulled.plan.counts for lk in lookups],
+                                   [lk.pulled.asked_counts for lk in lookups])  # each in `_Route.asked`'s order
+        for lk, got in zip(lookups, home):
             parts.setdefault(lk.table, []).append((lk.pulled.asked, got))
         return {name: merge_rows(got, 1.0 / self.workers) for name, got in parts.items() if got}, nonfinite
 
-    def _grads_home(self, lookups: list, sending: list[torch.Tensor]) -> list[torch.Tensor]:
-        """One all-to-all of every lookup's row gradients (`sending`, grouped by owner as its plan says), as
-        bytes: worker w gets each lookup's block for it, in lookup order. Returns, per lookup, the rows every
-        worker sent this owner for it, in worker order (`_Route.asked`'s order)."""
-        if not lookups:
+    def _rows_exchange(self, lane: str, sending: list[torch.Tensor], send_counts: list[list[int]],
+                       recv_counts: list[list[int]]) -> list[torch.Tensor]:
+        """One all-to-all of several lookups' rows, as bytes (tables may differ in dim and dtype), lane `lane`:
+        `send_counts[i][w]` rows of `sending[i]` (grouped by worker) go to worker w, `recv_counts[i][w]` come
+        from it. Returns, per lookup, the rows received, in worker order, of `sending[i]`'s dtype and row shape."""
+        if not sending:
             return []
-        row_bytes = [g.element_size() * math.prod(g.shape[1:]) for g in sending]
-        blocks = [g.reshape(-1).view(torch.uint8).split([c * n for c in lk.pulled.plan.counts])
-                  for lk, g, n in zip(lookups, sending, row_bytes)]
-        send = torch.cat([b[w] for w in range(self.workers) for b in blocks])
-        asked = [[c * n for c in lk.pulled.asked_counts] for lk, n in zip(lookups, row_bytes)]
-        got = self._all_to_all("row grads", send, [sum(b[w].numel() for b in blocks) for w in range(self.workers)],
-                               [sum(a[w] for a in asked) for w in range(self.workers)])
-        chunks = got.split([a[w] for w in range(self.workers) for a in asked])  # by worker, then lookup
+        row_bytes = [t.element_size() * math.prod(t.shape[1:]) for t in sending]
+        blocks = [t.reshape(-1).view(torch.uint8).split([c * n for c in counts])
+                  for t, counts, n in zip(sending, send_counts, row_bytes)]
+        back = [[c * n for c in counts] for counts, n in zip(recv_counts, row_bytes)]
+        got = self._all_to_all(lane, torch.cat([b[w] for w in range(self.workers) for b in blocks]),
+                               [sum(b[w].numel() for b in blocks) for w in range(self.workers)],
+                               [sum(b[w] for b in back) for w in range(self.workers)])
+        chunks = got.split([b[w] for w in range(self.workers) for b in back])  # by worker, then lookup
         out = []
-        for i, g in enumerate(sending):
-            rows = torch.cat([chunks[w * len(lookups) + i] for w in range(self.workers)])
-            out.append(rows.view(g.dtype).view(-1, *g.shape[1:]))
+        for i, t in enumerate(sending):
+            rows = torch.cat([chunks[w * len(sending) + i] for w in range(self.workers)])
+            out.append(rows.view(t.dtype).view(-1, *t.shape[1:]))
         return out
 
     def apply(self, received: dict[str, tuple[torch.Tensor, torch.Tensor]], coefficient: float,
