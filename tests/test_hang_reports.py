@@ -40,9 +40,9 @@ def _said_once_each(report: str) -> None:
 def test_a_job_out_of_time_shows_each_ranks_stack_once(tmp_path):
     script = tmp_path / "stuck.py"
     script.write_text(_STUCK)
-    done = gradsync_run("--strategy", "ps", "--workers", "2", "--timeout", "20", str(script), timeout=140)
+    done = gradsync_run("--strategy", "ps", "--workers", "2", "--timeout", "12", str(script), timeout=140)
     assert done.returncode == 1, done.stderr
-    report = done.stderr[done.stderr.index("gradsync: job timed out after 20 s; still running: ps0, worker0, "
+    report = done.stderr[done.stderr.index("gradsync: job timed out after 12 s; still running: ps0, worker0, "
                                            "worker1\n"):]
     _said_once_each(report)
 
@@ -91,7 +91,7 @@ stuck_before_init()
 def test_a_job_hung_before_init_shows_where_and_what_its_ranks_wrote_once(tmp_path):
     script = tmp_path / "stuck.py"
     script.write_text(_STUCK_BEFORE_INIT)
-    done = gradsync_run("--strategy", "allreduce", "--workers", "2", "--timeout", "15", str(script), timeout=110)
+    done = gradsync_run("--strategy", "allreduce", "--workers", "2", "--timeout", "8", str(script), timeout=110)
     assert done.returncode == 1, done.stderr
     assert done.stderr.count(" in stuck_before_init\n") == 2, done.stderr  # each forked rank's stack
     assert done.stderr.count("loading the data set") == 1, done.stderr

@@ -1,14 +1,16 @@
-"""A fixed 64-bit hash of int64 ids, vectorised in torch: where an id sits in an `IdIndex`, whether a sighting
+"""A fixed 64-bit hash of int64 ids, over tensors: where an id sits in an `IdIndex`, whether a sighting
 admits it, and the default initial row of a dynamic table all derive from it.
 
-`mix64` is SplitMix64's finaliser (Steele, Lea, Flood 2014) on the id's two's-complement bits, computed with
-wrapping int64 arithmetic and logical shifts; `keyed(ids, *words)` folds further words in, one `mix64` each.
+`mix64` is SplitMix64's finaliser (Steele, Lea, Flood 2014) on the id's two's-complement bits (compiled, beside
+the id index's loops); `keyed(ids, *words)` folds further words in, one `mix64` each.
 Being a fixed function of the id (no per-process salt), it gives the same answer in every process, under every
 strategy and arrival order.
 """
 from __future__ import annotations
 
 import torch
+
+from gradsync.tables import _id_index
 
 _MASK = (1 << 64) - 1
 
@@ -19,22 +21,18 @@ def _signed(value: int) -> int:
     return value - (1 << 64) if value >> 63 else value
 
 
-_GOLDEN = _signed(0x9E3779B97F4A7C15)
-_M1 = _signed(0xBF58476D1CE4E5B9)
-_M2 = _signed(0x94D049BB133111EB)
-
-
 def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
     """Logical right shift of int64 bit patterns (torch's `>>` on int64 keeps the sign)."""
     return (x >> bits) & ((1 << (64 - bits)) - 1)
 
 
 def mix64(x: torch.Tensor) -> torch.Tensor:
-    """SplitMix64 of each int64 value: a bijection of the 64-bit patterns that scatters neighbouring ids."""
-    z = x + _GOLDEN
-    z = (z ^ _shr(z, 30)) * _M1
-    z = (z ^ _shr(z, 27)) * _M2
-    return z ^ _shr(z, 31)
+    """SplitMix64 of each int64 value (any shape): a bijection of the 64-bit patterns that scatters neighbouring
+    ids. Compiled with the id index (`tables/id_index.c`), which places ids by the same function."""
+    src = x.to("cpu", torch.int64).contiguous()
+    out = torch.empty_like(src)
+    _id_index.mix64(src.numpy(), out.numpy())
+    return out.to(x.device)
 
 
 def keyed(ids: torch.Tensor, *words: int | torch.Tensor) -> torch.Tensor:
