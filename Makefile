@@ -10,7 +10,7 @@ PIP_FLAGS := $(if $(wildcard $(WHEELS)),--find-links $(WHEELS),)
 
 .PHONY: run test test-fast test-torch-next proto docs bench clean
 
-$(VENV)/.installed: requirements.txt setup.py pyproject.toml gradsync/tables/id_index.c
+$(VENV)/.installed: requirements.txt setup.py pyproject.toml gradsync/tables/table_loops.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(PIP_FLAGS) -r requirements.txt
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .

@@ -9,7 +9,7 @@ setup(
     packages=find_packages(include=["gradsync", "gradsync.*"]),
     package_data={"gradsync.proto": ["*.proto", "*.pyi"]},
     # the id index's loops (a dynamic table's hot path), plain C against Python's own headers
-    ext_modules=[Extension("gradsync.tables._id_index", ["gradsync/tables/id_index.c"], extra_compile_args=["-O3"])],
+    ext_modules=[Extension("gradsync.tables._table_loops", ["gradsync/tables/table_loops.c"], extra_compile_args=["-O3"])],
     python_requires=">=3.10",
     # matplotlib and tqdm: `gradsync compare` (its plots and progress bars); `import gradsync` loads neither
     install_requires=["torch>=2.13", "numpy", "grpcio>=1.85.1", "protobuf>=7.35,<8", "matplotlib>=3.5", "tqdm>=4.60"],

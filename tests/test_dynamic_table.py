@@ -10,7 +10,7 @@ from torch import nn
 import gradsync
 from gradsync.tables.id_hash import keyed, mix64, unit_interval
 from gradsync.tables.dynamic_table import DynamicTable
-from gradsync.tables import _id_index
+from gradsync.tables import _table_loops
 from gradsync.tables.id_index import IdIndex
 from gradsync.tables.recency_log import MIN_ROOM
 from gradsync.tables.row_init import HashedUniform
@@ -61,7 +61,7 @@ def test_default_init_is_the_documented_function_of_the_id():
     assert not torch.equal(rows, HashedUniform(3, seed=12)(torch.tensor(ids)))
 
 
-def test_id_index_matches_a_dict_through_inserts_removals_and_rebuilds():
+def test_table_loops_matches_a_dict_through_inserts_removals_and_rebuilds():
     index, reference = IdIndex(), {}
     g = torch.Generator().manual_seed(0)
     for _ in range(150):
@@ -82,16 +82,16 @@ def test_id_index_matches_a_dict_through_inserts_removals_and_rebuilds():
     assert index.tombstones > 0 and index.keys.numel() > 64  # it grew and carries removals
 
 
-def test_id_index_loops_refuse_arrays_that_do_not_fit_together():
+def test_table_loops_loops_refuse_arrays_that_do_not_fit_together():
     index = IdIndex()
     arrays = (index.keys.numpy(), index.values.numpy(), index.state.numpy())
     ids = torch.arange(4)
     with pytest.raises(ValueError, match="ids and out must be int64 arrays of one length"):
-        _id_index.find(*arrays, ids.numpy(), torch.empty(3, dtype=torch.int64).numpy())
+        _table_loops.find(*arrays, ids.numpy(), torch.empty(3, dtype=torch.int64).numpy())
     with pytest.raises(ValueError, match="a power of two"):
-        _id_index.find(arrays[0][:48], *arrays[1:], ids.numpy(), torch.empty(4, dtype=torch.int64).numpy())
+        _table_loops.find(arrays[0][:48], *arrays[1:], ids.numpy(), torch.empty(4, dtype=torch.int64).numpy())
     with pytest.raises(ValueError, match="ids and values must be int64 arrays of one length"):
-        _id_index.insert(*arrays, ids.numpy(), ids[:2].numpy())
+        _table_loops.insert(*arrays, ids.numpy(), ids[:2].numpy())
     assert len(index) == 0 and index.find(ids).tolist() == [-1] * 4
 
 

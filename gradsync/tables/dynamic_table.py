@@ -45,6 +45,7 @@ from typing import Callable
 
 import torch
 
+from gradsync.tables import _table_loops
 from gradsync.tables.id_hash import keyed, unit_interval
 from gradsync.tables.id_index import IdIndex
 from gradsync.tables.recency_log import RecencyLog
@@ -128,7 +129,6 @@ class DynamicTable:
                 slots[missing[admitted]] = self._create(created, rows)
         present = slots >= 0
         seen = slots.masked_select(present)
-        self.rows.mark(seen)
         self.rows.touch(seen, step)
         self.rows.columns["lookups"].index_add_(0, seen, occurrences.masked_select(present))
         if self.by_lookups:
@@ -323,7 +323,6 @@ class DynamicTable:
         new = slots < 0
         slots = slots.clone()
         slots[new] = self.waiting.add(ids[new])
-        self.waiting.mark(slots)
         self.waiting.columns["sightings"][slots] = sightings
         self.waiting.touch(slots, step)
 
@@ -428,11 +427,13 @@ class _IdColumns:
         return reused
 
     def touch(self, slots: torch.Tensor, step: int) -> None:
-        """The ids in the distinct `slots` were looked up (sighted) at `step`: their last step, in the log once a
-        step."""
-        last = self.columns["last_step"]
-        self.log.append(slots[last.index_select(0, slots) != step], step)
-        last.index_fill_(0, slots, step)
+        """The ids in the distinct `slots` were looked up (sighted) at `step`: changed (`mark`), their last step
+        `step`, in the log once a step."""
+        slots = slots.contiguous()
+        fresh = torch.empty_like(slots)
+        count = _table_loops.touch(self.columns["last_step"].numpy(), self.columns["changed"].numpy(),
+                                   slots.numpy(), step, fresh.numpy())
+        self.log.append(fresh[:count], step)
 
     def oldest(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The ids of the `count` first by (last step, id), in no particular order, and their keys [count, 2]."""

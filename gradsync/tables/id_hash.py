@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from gradsync.tables import _id_index
+from gradsync.tables import _table_loops
 
 _MASK = (1 << 64) - 1
 
@@ -28,10 +28,10 @@ def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 def mix64(x: torch.Tensor) -> torch.Tensor:
     """SplitMix64 of each int64 value (any shape): a bijection of the 64-bit patterns that scatters neighbouring
-    ids. Compiled with the id index (`tables/id_index.c`), which places ids by the same function."""
+    ids. Compiled with the id index (`tables/table_loops.c`), which places ids by the same function."""
     src = x.to("cpu", torch.int64).contiguous()
     out = torch.empty_like(src)
-    _id_index.mix64(src.numpy(), out.numpy())
+    _table_loops.mix64(src.numpy(), out.numpy())
     return out.to(x.device)
 
 

@@ -1,5 +1,5 @@
 """IdIndex: int64 id -> row slot, an open-addressing hash table held in torch tensors, its loops compiled
-(`tables/id_index.c`, built with the package): no Python object per id, a few nanoseconds an id.
+(`tables/table_loops.c`, built with the package): no Python object per id, a few nanoseconds an id.
 
 Buckets are three arrays (`keys` int64, `values` int64, `state` int8: empty, full or a tombstone left by a
 removal); an id starts at `mix64(id) & (buckets - 1)` and probes linearly. Removal leaves a tombstone. When an
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from gradsync.tables import _id_index
+from gradsync.tables import _table_loops
 
 _FULL = 1
 MAX_LOAD = 0.5
@@ -43,7 +43,7 @@ class IdIndex:
         """The value of each id (any shape, int64): -1 where the id is absent."""
         flat = _ids(ids)
         out = torch.empty_like(flat)
-        _id_index.find(*self._arrays, flat.numpy(), out.numpy())
+        _table_loops.find(*self._arrays, flat.numpy(), out.numpy())
         return out.reshape(ids.shape)
 
     def insert(self, ids: torch.Tensor, values: torch.Tensor) -> None:
@@ -55,14 +55,14 @@ class IdIndex:
         self._place(_ids(ids), _ids(values))
 
     def _place(self, ids: torch.Tensor, values: torch.Tensor) -> None:
-        self.tombstones -= _id_index.insert(*self._arrays, ids.numpy(), values.numpy())
+        self.tombstones -= _table_loops.insert(*self._arrays, ids.numpy(), values.numpy())
         self.count += ids.numel()
 
     def remove(self, ids: torch.Tensor) -> torch.Tensor:
         """Drop present ids (absent ones are ignored); the values they held."""
         flat = _ids(ids)
         out = torch.empty_like(flat)
-        removed = _id_index.remove(*self._arrays, flat.numpy(), out.numpy())
+        removed = _table_loops.remove(*self._arrays, flat.numpy(), out.numpy())
         self.count -= removed
         self.tombstones += removed
         return out[:removed]

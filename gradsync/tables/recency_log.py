@@ -11,7 +11,12 @@ costs O(1) amortised. Memory: 12 bytes an entry (int32 slot, int64 step).
 """
 from __future__ import annotations
 
+import numpy
 import torch
+
+from gradsync.tables import _table_loops
+
+_NO_COUNTS = numpy.zeros(0, dtype=numpy.int64)
 
 MIN_ROOM = 1024
 """Entries the log has room for at least."""
@@ -93,11 +98,13 @@ class RecencyLog:
 
     def _live(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The slots and steps of the entries from `start` to `end` that stand for their ids (int64)."""
-        slots, steps = self.slots[start:end].long(), self.steps[start:end]
-        live = self.columns["held"][slots] & (self.columns["last_step"][slots] == steps)
-        if self.lookups is not None:
-            live &= self.columns["lookups"][slots] == self.lookups
-        return slots[live], steps[live]
+        slots = torch.empty(end - start, dtype=torch.int64)
+        steps = torch.empty(end - start, dtype=torch.int64)
+        c = self.columns
+        kept = _table_loops.live(self.slots[start:end].numpy(), self.steps[start:end].numpy(), c["held"].numpy(),
+                                 c["last_step"].numpy(), c["lookups"].numpy() if "lookups" in c else _NO_COUNTS,
+                                 -1 if self.lookups is None else self.lookups, slots.numpy(), steps.numpy())
+        return slots[:kept], steps[:kept]
 
     def _keep(self, end: int, slots: torch.Tensor, steps: torch.Tensor) -> None:
         """The entries before `end` become `slots` with `steps` (their live ones, in order)."""

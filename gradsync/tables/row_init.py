@@ -7,7 +7,8 @@ from typing import Callable
 
 import torch
 
-from gradsync.tables.id_hash import keyed, unit_interval
+from gradsync.tables import _table_loops
+from gradsync.tables.id_hash import _signed
 
 _INIT_WORD = 0x696E6974  # b"init": keeps the init stream apart from the admission stream of the same seed
 
@@ -15,7 +16,8 @@ _INIT_WORD = 0x696E6974  # b"init": keeps the init stream apart from the admissi
 @dataclasses.dataclass(frozen=True)
 class HashedUniform:
     """gradsync's default init: element j of id's row is `(2 u - 1) / sqrt(dim)`, u in [0, 1) the
-    `unit_interval` of `keyed(id, seed, b"init", j)`; computed in float64, then cast to `dtype`.
+    `unit_interval` of `keyed(id, seed, b"init", j)` (tables/id_hash.py); computed in float64 (compiled:
+    tables/table_loops.c), then cast to `dtype`.
     A dataclass, so that it pickles by value to the processes that create rows."""
 
     dim: int
@@ -23,8 +25,10 @@ class HashedUniform:
     dtype: torch.dtype = torch.float32
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        u = unit_interval(keyed(ids.reshape(-1, 1), self.seed, _INIT_WORD, torch.arange(self.dim)))
-        return ((2 * u - 1) / self.dim ** 0.5).to(self.dtype)
+        flat = ids.reshape(-1).to("cpu", torch.int64).contiguous()
+        rows = torch.empty(flat.numel(), self.dim, dtype=torch.float64)
+        _table_loops.hashed_uniform(flat.numpy(), _signed(self.seed), _INIT_WORD, self.dim ** 0.5, rows.numpy())
+        return rows.to(self.dtype)
 
 
 def checked_init(init: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tensor, dim: int,

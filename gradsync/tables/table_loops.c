@@ -1,7 +1,12 @@
-/* gradsync.tables._id_index: the loops of `IdIndex` (tables/id_index.py) and `mix64` (tables/id_hash.py),
- * compiled: an id costs a few nanoseconds here against tens in batched tensor operations.
+/* gradsync.tables._table_loops: a dynamic table's loops over ids, compiled (an id costs a few nanoseconds here
+ * against tens to hundreds in a chain of batched tensor operations): `mix64` (tables/id_hash.py), the default
+ * initial rows (`HashedUniform`, tables/row_init.py), the id index's probes (`IdIndex`, tables/id_index.py) and
+ * the recency log's scans (tables/recency_log.py, `_IdColumns.touch` in tables/dynamic_table.py).
  *
- * The index is three arrays of `buckets` entries (a power of two): keys (int64), values (int64) and state
+ * Every function takes its arrays as writable or read-only buffers (numpy views of torch tensors), checks
+ * their lengths against each other, and runs without the GIL.
+ *
+ * The id index is three arrays of `buckets` entries (a power of two): keys (int64), values (int64) and state
  * (uint8: 0 empty, 1 full, 2 a tombstone left by a removal). An id starts at mix64(id) & (buckets - 1) and
  * probes linearly; the caller keeps ids and tombstones under half the buckets, so every probe ends at an empty
  * bucket. Every function takes its arrays as writable or read-only buffers (numpy views of torch tensors),
@@ -170,14 +175,134 @@ fail:
     return NULL;
 }
 
+
+/* hashed_uniform(ids, seed, word, denominator, out): row i of out ([len(ids), dim] float64) is
+ * (2 u - 1) / denominator, u the top 53 bits of mix64(h ^ j) / 2^53, h = mix64(mix64(mix64(id) ^ seed) ^ word):
+ * `keyed(id, seed, word, j)` of tables/id_hash.py, computed as its tensor form would be. */
+static PyObject *hashed_uniform(PyObject *self, PyObject *args) {
+    Py_buffer ids = {0}, out = {0};
+    Py_buffer *views[] = {&ids, &out};
+    long long seed, word;
+    double denominator;
+    if (!PyArg_ParseTuple(args, "y*LLdw*", &ids, &seed, &word, &denominator, &out)) goto fail;
+    Py_ssize_t n = ids.len / 8;
+    if (ids.len % 8 || (n && (out.len % (8 * n) || out.len == 0))) {
+        PyErr_SetString(PyExc_ValueError, "hashed_uniform: int64 ids and a float64 row of dim per id");
+        goto fail;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    const uint64_t *id = ids.buf;
+    double *row = out.buf;
+    Py_ssize_t dim = n ? out.len / (8 * n) : 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t h = mix64(mix64(mix64(id[i]) ^ (uint64_t)seed) ^ (uint64_t)word);
+        for (Py_ssize_t j = 0; j < dim; j++) {
+            double u = (double)(mix64(h ^ (uint64_t)j) >> 11) * 0x1p-53;
+            row[i * dim + j] = (2 * u - 1) / denominator;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    release(views, 2);
+    Py_RETURN_NONE;
+fail:
+    release(views, 2);
+    return NULL;
+}
+
+/* touch(last_step, changed, slots, step, out): the ids in the distinct `slots` were looked up at `step`: each
+ * slot's `changed` flag set, and the slots whose last step was not yet `step` written to the front of out (their
+ * recency log entries) before their last step becomes `step`; returns how many. */
+static PyObject *touch(PyObject *self, PyObject *args) {
+    Py_buffer last = {0}, changed = {0}, slots = {0}, out = {0};
+    Py_buffer *views[] = {&last, &changed, &slots, &out};
+    long long step;
+    Py_ssize_t fresh = 0, bad = 0;
+    if (!PyArg_ParseTuple(args, "w*w*y*Lw*", &last, &changed, &slots, &step, &out)) goto fail;
+    if (last.len != 8 * changed.len || slots.len != out.len || slots.len % 8) {
+        PyErr_SetString(PyExc_ValueError, "touch: int64 last steps and a flag per slot; int64 slots and out");
+        goto fail;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    int64_t *last_step = last.buf, *result = out.buf;
+    uint8_t *flag = changed.buf;
+    const int64_t *slot = slots.buf;
+    Py_ssize_t n = slots.len / 8, columns = changed.len;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t s = slot[i];
+        if (s < 0 || s >= columns) { bad = 1; break; }
+        flag[s] = 1;
+        if (last_step[s] != step) {
+            result[fresh++] = s;
+            last_step[s] = step;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (bad) {
+        PyErr_SetString(PyExc_IndexError, "touch: a slot beyond the columns");
+        goto fail;
+    }
+    release(views, 4);
+    return PyLong_FromSsize_t(fresh);
+fail:
+    release(views, 4);
+    return NULL;
+}
+
+/* live(log_slots, log_steps, held, last_step, lookups, wanted, out_slots, out_steps): of the recency log's
+ * entries (int32 slot, int64 step), those that stand for their ids (the slot holds an id whose last step is the
+ * entry's, and with wanted >= 0 whose lookup count is `wanted`: `lookups` may be empty otherwise), in order,
+ * to the front of out; returns how many. */
+static PyObject *live(PyObject *self, PyObject *args) {
+    Py_buffer log_slots = {0}, log_steps = {0}, held = {0}, last = {0}, lookups = {0}, out_slots = {0},
+              out_steps = {0};
+    Py_buffer *views[] = {&log_slots, &log_steps, &held, &last, &lookups, &out_slots, &out_steps};
+    long long wanted;
+    Py_ssize_t kept = 0, bad = 0;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*Lw*w*", &log_slots, &log_steps, &held, &last, &lookups, &wanted,
+                          &out_slots, &out_steps)) goto fail;
+    Py_ssize_t n = log_steps.len / 8, columns = held.len;
+    if (log_slots.len != 4 * n || last.len != 8 * columns || (wanted >= 0 && lookups.len != 8 * columns)
+            || out_slots.len < 8 * n || out_steps.len < 8 * n) {
+        PyErr_SetString(PyExc_ValueError, "live: int32 slots and int64 steps of the log; a flag, an int64 last step "
+                        "and lookup count per slot; int64 outputs as long as the log");
+        goto fail;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    const int32_t *slot = log_slots.buf;
+    const int64_t *step = log_steps.buf, *last_step = last.buf, *count = lookups.buf;
+    const uint8_t *holds = held.buf;
+    int64_t *kept_slot = out_slots.buf, *kept_step = out_steps.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t s = slot[i];
+        if (s < 0 || s >= columns) { bad = 1; break; }
+        if (holds[s] && last_step[s] == step[i] && (wanted < 0 || count[s] == wanted)) {
+            kept_slot[kept] = s;
+            kept_step[kept++] = step[i];
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (bad) {
+        PyErr_SetString(PyExc_IndexError, "live: a log entry beyond the columns");
+        goto fail;
+    }
+    release(views, 7);
+    return PyLong_FromSsize_t(kept);
+fail:
+    release(views, 7);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"find", find, METH_VARARGS, "find(keys, values, state, ids, out): each id's value, -1 where absent"},
     {"insert", insert, METH_VARARGS, "insert(keys, values, state, ids, values): add absent ids; tombstones reused"},
     {"remove", remove_ids, METH_VARARGS, "remove(keys, values, state, ids, out): drop ids; how many were present"},
     {"mix64", mix64_all, METH_VARARGS, "mix64(src, dst): SplitMix64's finaliser of each int64"},
+    {"hashed_uniform", hashed_uniform, METH_VARARGS, "hashed_uniform(ids, seed, word, denominator, out): init rows"},
+    {"touch", touch, METH_VARARGS, "touch(last_step, changed, slots, step, out): looked up; the log's new slots"},
+    {"live", live, METH_VARARGS, "live(log slots, log steps, held, last_step, lookups, wanted, out slots, out steps)"},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_id_index", "IdIndex's loops, compiled.", -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_table_loops", "A dynamic table's loops over ids, compiled.", -1, methods};
 
-PyMODINIT_FUNC PyInit__id_index(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__table_loops(void) { return PyModule_Create(&module); }
