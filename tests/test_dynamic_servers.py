@@ -237,8 +237,8 @@ def test_bad_calls_name_the_table_and_change_nothing():
 
 
 def test_a_push_updates_the_rows_a_probe_finds_whether_or_not_its_lookups_found_them():
-    """A sync push finds its rows where the step's lookups found them, the rows of other ids (looked up at an
-    earlier step) by a probe; a lookup from before an eviction is not trusted."""
+    """A sync push updates the rows its ids hold now, whichever lookup of the step (or an earlier step) found
+    them; an id evicted since its lookup is refused, also once another id took its slot."""
     lr = 0.5
     shard = DynamicShard("t", DynamicSetup(settings(capacity=100), gradsync.RowSGD(lr=lr)), 0, 1)
     shard.lookup(torch.tensor([3, 11, 20]), torch.ones(3, dtype=torch.int64), 0)

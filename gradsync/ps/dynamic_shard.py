@@ -16,10 +16,7 @@ its next forward), so every worker sees the same keys and evicts the same ids. C
 The server ends the step itself once every worker's push of it is in, and each push's reply carries `end`'s
 answer (`step_end`): a worker calls `end` only where a reply lacks it (a step dropped).
 
-A sync step's push (`check_push`, `apply`) finds its rows where the step's lookups found them (`_found`: each
-lookup's admitted ids with their slots), without probing the id index again: no row leaves its slot between a
-step's lookups and its push (`DynamicTable.moves`, checked). Ids no lookup of the step found (looked up at an
-earlier step, or before an eviction) are probed.
+A push (`check_push`, `apply`) finds its rows by a probe of the id index (compiled: tens of nanoseconds an id).
 
 Async and ssp (`alone`): a server steps its part of the table by itself, as no step spans the servers. Its step
 counts the pushes it applied: each lookup belongs to the step the server is at (the worker's step is ignored),
@@ -65,8 +62,6 @@ class DynamicShard:
         self._smallest: tuple[int, dict] | None = None
         self._evicted = -1
         self._lost = (0, 0)  # the rows evicted and waiting ids forgotten at the last step's end
-        self._found: list[tuple[torch.Tensor, torch.Tensor]] = []  # sync: the step's lookups (module docstring)
-        self._found_at = (-1, -1)  # (step, `DynamicTable.moves`) of `_found`
 
     @property
     def stats(self) -> TableStats:
@@ -89,7 +84,6 @@ class DynamicShard:
             raise GradientError(f"a lookup of dynamic table {self.name!r} needs an int64 count >= 1 per id")
         if not self.alone:
             slots = self.table.lookup(ids, step, counts)
-            self._record(ids, slots, step)
         else:
             absent = self.table.find(ids) < 0
             slots = self.table.lookup(ids, self.table.step, counts)
@@ -99,37 +93,6 @@ class DynamicShard:
             self._created[slots[absent & (slots >= 0)]] = version
         self._stats.rows_pulled += ids.numel()
         return self._rows(slots), slots >= 0
-
-    def _record(self, ids: torch.Tensor, slots: torch.Tensor, step: int) -> None:
-        """Keep a sync lookup's admitted ids with their slots."""
-        if self._found_at != (step, self.table.moves):
-            self._found, self._found_at = [], (step, self.table.moves)
-        kept = slots >= 0
-        self._found.append((ids[kept], slots[kept]))
-
-    def _slots(self, ids: torch.Tensor) -> torch.Tensor:
-        """Each of the distinct `ids`'s slot, -1 where not resident: where the step's lookups found it, else by
-        a probe of the id index. A binary search, of the smaller of `ids` and a lookup's ids in the other (both
-        ascending as a worker sends them; any order only finds fewer), costs the step's lookups once."""
-        if self._found_at[1] != self.table.moves or not self._found or not ids.numel():
-            return self.table.find(ids)
-        for looked_up, slots in self._found:  # a push of one lookup's rows: that lookup's slots
-            if looked_up.numel() == ids.numel() and torch.equal(looked_up, ids):
-                return slots
-        out = torch.full_like(ids, -1)
-        for looked_up, slots in self._found:
-            if looked_up.numel() <= ids.numel():
-                at = torch.searchsorted(ids, looked_up).clamp_(max=ids.numel() - 1)
-                hit = ids[at] == looked_up
-                out[at[hit]] = slots[hit]
-            else:
-                at = torch.searchsorted(looked_up, ids).clamp_(max=looked_up.numel() - 1)
-                hit = looked_up[at] == ids
-                out[hit] = slots[at[hit]]
-        missing = (out < 0).nonzero().squeeze(1)
-        if missing.numel():
-            out[missing] = self.table.find(ids[missing])
-        return out
 
     def read(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows of `ids` (zeros where not resident), counting nothing: an evaluation forward."""
@@ -159,7 +122,7 @@ class DynamicShard:
             described = f"{tuple(grads.shape)} {grads.dtype}" if isinstance(grads, torch.Tensor) else type(grads)
             raise GradientError(f"worker {worker}: row gradients of dynamic table {self.name!r} are {described}, "
                                 f"expected {(ids.numel(), t.dim)} {t.dtype}")
-        absent = ids[self._slots(ids) < 0]
+        absent = ids[self.table.find(ids) < 0]
         if absent.numel() and not self.alone:  # alone: evicted since the lookup (`held_since`)
             raise GradientError(f"worker {worker}: a push of dynamic table {self.name!r} has id {int(absent[0])}, "
                                 "which is not resident: push only the ids its lookups admitted this step")
@@ -167,7 +130,7 @@ class DynamicShard:
     def apply(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
         """One row optimizer step on the resident `ids` (distinct) with their averaged gradients."""
         if ids.numel():
-            self.table.apply(self.optimizer, self._slots(ids), grads)
+            self.table.apply(self.optimizer, self.table.find(ids), grads)
             self._stats.rows_pushed += ids.numel()
 
     def held_since(self, version: int, ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -74,8 +74,6 @@ class DynamicTable:
         self.evict, self.ttl_steps = evict, ttl_steps
         self.optimizer = None
         self.optimizer_state = None
-        self.moves = 0
-        """How many times rows left their slots (evictions, `reset`): a slot found stays its id's while it holds."""
         self.reset()
 
     def reset(self) -> None:
@@ -86,7 +84,6 @@ class DynamicTable:
                            if self.evict == "lfu" else [])
         self.step = 0
         self.counters = {"admitted": 0, "filtered": 0, "evicted": 0}
-        self.moves += 1
         self.optimizer_state = None if self.optimizer is None else self._new_state(self.rows.slots)
 
     @property
@@ -205,7 +202,6 @@ class DynamicTable:
     def evict_ids(self, ids: torch.Tensor) -> None:
         """Evict the resident rows of `ids` (counted as evicted)."""
         self.counters["evicted"] += self.rows.drop_ids(ids)
-        self.moves += 1
 
     def forget_ids(self, ids: torch.Tensor) -> None:
         """Forget the sightings of the waiting `ids`."""
@@ -338,7 +334,6 @@ class DynamicTable:
     def _evict(self, slots: torch.Tensor) -> None:
         self.rows.drop(slots)
         self.counters["evicted"] += slots.numel()
-        self.moves += 1
 
     def _new_state(self, slots: int):
         return self.optimizer.new_state(slots, self.dim, self.dtype)

@@ -1,11 +1,11 @@
 """IdIndex: int64 id -> row slot, an open-addressing hash table held in torch tensors, its loops compiled
-(`tables/table_loops.c`, built with the package): no Python object per id, a few nanoseconds an id.
+(`tables/table_loops.c`, built with the package): no Python object per id, tens of nanoseconds an id.
 
-Buckets are three arrays (`keys` int64, `values` int64, `state` int8: empty, full or a tombstone left by a
-removal); an id starts at `mix64(id) & (buckets - 1)` and probes linearly. Removal leaves a tombstone. When an
-insert would fill more than `MAX_LOAD` of the buckets (ids and tombstones), the table is rebuilt without
-tombstones at the size where its ids fill at most half of that: a rebuild is paid for by as many inserts as the
-table then holds. Every int64 is a valid id, -2**63 and 2**63-1 included.
+Buckets are three arrays (`keys` int64, `values` int64, `state` int8: empty or full); an id starts at
+`mix64(id) & (buckets - 1)` and probes linearly. A removal moves back the ids after it along their probes, so
+removals leave nothing behind and the index grows only with the ids it holds: when an insert would fill more
+than `MAX_LOAD` of the buckets, the table is rebuilt at the size where its ids fill at most half of that (2 to 4
+buckets an id). Every int64 is a valid id, -2**63 and 2**63-1 included.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from gradsync.tables import _table_loops
 
 _FULL = 1
 MAX_LOAD = 0.5
-"""The most of its buckets the index fills (ids and tombstones) before it is rebuilt."""
+"""The most of its buckets the index fills before it is rebuilt larger."""
 
 
 class IdIndex:
@@ -30,7 +30,6 @@ class IdIndex:
         self.state = torch.zeros(buckets, dtype=torch.int8)
         self._arrays = (self.keys.numpy(), self.values.numpy(), self.state.numpy())
         self.count = 0
-        self.tombstones = 0
 
     def __len__(self) -> int:
         return self.count
@@ -50,12 +49,12 @@ class IdIndex:
         """Add distinct ids that are absent, with their values."""
         if not ids.numel():
             return
-        if (self.count + self.tombstones + ids.numel()) > MAX_LOAD * self.keys.numel():
+        if self.count + ids.numel() > MAX_LOAD * self.keys.numel():
             self._rebuild(self.count + ids.numel())
         self._place(_ids(ids), _ids(values))
 
     def _place(self, ids: torch.Tensor, values: torch.Tensor) -> None:
-        self.tombstones -= _table_loops.insert(*self._arrays, ids.numpy(), values.numpy())
+        _table_loops.insert(*self._arrays, ids.numpy(), values.numpy())
         self.count += ids.numel()
 
     def remove(self, ids: torch.Tensor) -> torch.Tensor:
@@ -64,7 +63,6 @@ class IdIndex:
         out = torch.empty_like(flat)
         removed = _table_loops.remove(*self._arrays, flat.numpy(), out.numpy())
         self.count -= removed
-        self.tombstones += removed
         return out[:removed]
 
     def items(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,5 +1,5 @@
-/* gradsync.tables._table_loops: a dynamic table's loops over ids, compiled (an id costs a few nanoseconds here
- * against tens to hundreds in a chain of batched tensor operations): `mix64` (tables/id_hash.py), the default
+/* gradsync.tables._table_loops: a dynamic table's loops over ids, compiled (tens of nanoseconds an id
+ * where a chain of batched tensor operations costs several times that): `mix64` (tables/id_hash.py), the default
  * initial rows (`HashedUniform`, tables/row_init.py), the id index's probes (`IdIndex`, tables/id_index.py) and
  * the recency log's scans (tables/recency_log.py, `_IdColumns.touch` in tables/dynamic_table.py).
  *
@@ -7,16 +7,16 @@
  * their lengths against each other, and runs without the GIL.
  *
  * The id index is three arrays of `buckets` entries (a power of two): keys (int64), values (int64) and state
- * (uint8: 0 empty, 1 full, 2 a tombstone left by a removal). An id starts at mix64(id) & (buckets - 1) and
- * probes linearly; the caller keeps ids and tombstones under half the buckets, so every probe ends at an empty
- * bucket. Every function takes its arrays as writable or read-only buffers (numpy views of torch tensors),
- * checks their lengths against each other, and runs without the GIL.
+ * (uint8: 0 empty, 1 full). An id starts at mix64(id) & (buckets - 1) and probes linearly; the caller keeps the
+ * ids under half the buckets, so every probe ends at an empty bucket. A removal shifts back the ids after it on
+ * their probes (Knuth's algorithm R for linear probing), so no bucket is left marked deleted and a probe never
+ * walks past removed ids.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 
-enum { EMPTY = 0, FULL = 1, TOMBSTONE = 2 };
+enum { EMPTY = 0, FULL = 1 };
 
 /* SplitMix64's finaliser (Steele, Lea, Flood 2014): a bijection of the 64-bit patterns. */
 static inline uint64_t mix64(uint64_t z) {
@@ -54,7 +54,7 @@ static inline int64_t bucket_of(const Table *t, int64_t id) {
     for (;;) {
         uint8_t s = state[pos];
         if (s == EMPTY) return -1;
-        if (s == FULL && keys[pos] == id) return (int64_t)pos;
+        if (keys[pos] == id) return (int64_t)pos;
         pos = (pos + 1) & t->mask;
     }
 }
@@ -86,13 +86,12 @@ fail:
     return NULL;
 }
 
-/* insert(keys, values, state, ids, new_values): each of the distinct absent ids into the first bucket along its
- * probe that is not full; returns how many of those were tombstones. */
+/* insert(keys, values, state, ids, new_values): each of the distinct absent ids into the first empty bucket along
+ * its probe. */
 static PyObject *insert(PyObject *self, PyObject *args) {
     Table t = {0};
     Py_buffer ids = {0}, vals = {0};
     Py_buffer *views[] = {&t.keys, &t.values, &t.state, &ids, &vals};
-    Py_ssize_t reused = 0;
     if (!PyArg_ParseTuple(args, "w*w*w*y*y*", &t.keys, &t.values, &t.state, &ids, &vals)) goto fail;
     if (!table_ok(&t)) goto fail;
     if (ids.len != vals.len || ids.len % 8) {
@@ -107,43 +106,53 @@ static PyObject *insert(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         uint64_t pos = mix64((uint64_t)id[i]) & t.mask;
         while (state[pos] == FULL) pos = (pos + 1) & t.mask;
-        reused += state[pos] == TOMBSTONE;
         keys[pos] = id[i];
         values[pos] = value[i];
         state[pos] = FULL;
     }
     Py_END_ALLOW_THREADS
     release(views, 5);
-    return PyLong_FromSsize_t(reused);
+    Py_RETURN_NONE;
 fail:
     release(views, 5);
     return NULL;
 }
 
-/* remove(keys, values, state, ids, out): each present id's bucket becomes a tombstone and its value goes to the
- * front of out, in the order of ids; returns how many were present. */
+/* remove(keys, values, state, ids, out): each present id leaves the index and its value goes to the front of
+ * out, in the order of ids; returns how many were present. The ids after it on the run of full buckets move
+ * back into the hole where their probe passes it. */
 static PyObject *remove_ids(PyObject *self, PyObject *args) {
     Table t = {0};
     Py_buffer ids = {0}, out = {0};
     Py_buffer *views[] = {&t.keys, &t.values, &t.state, &ids, &out};
     Py_ssize_t removed = 0;
-    if (!PyArg_ParseTuple(args, "y*y*w*y*w*", &t.keys, &t.values, &t.state, &ids, &out)) goto fail;
+    if (!PyArg_ParseTuple(args, "w*w*w*y*w*", &t.keys, &t.values, &t.state, &ids, &out)) goto fail;
     if (!table_ok(&t)) goto fail;
     if (ids.len != out.len || ids.len % 8) {
         PyErr_SetString(PyExc_ValueError, "remove: ids and out must be int64 arrays of one length");
         goto fail;
     }
     Py_BEGIN_ALLOW_THREADS
-    const int64_t *id = ids.buf, *values = t.values.buf;
+    const int64_t *id = ids.buf;
+    int64_t *keys = t.keys.buf, *values = t.values.buf, *result = out.buf;
     uint8_t *state = t.state.buf;
-    int64_t *result = out.buf;
     Py_ssize_t n = ids.len / 8;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t at = bucket_of(&t, id[i]);
-        if (at >= 0) {
-            state[at] = TOMBSTONE;
-            result[removed++] = values[at];
+        if (at < 0) continue;
+        result[removed++] = values[at];
+        uint64_t hole = (uint64_t)at, pos = hole;
+        for (;;) {
+            pos = (pos + 1) & t.mask;
+            if (state[pos] == EMPTY) break;
+            uint64_t home = mix64((uint64_t)keys[pos]) & t.mask;
+            if (((pos - home) & t.mask) >= ((pos - hole) & t.mask)) {  /* its probe passes the hole */
+                keys[hole] = keys[pos];
+                values[hole] = values[pos];
+                hole = pos;
+            }
         }
+        state[hole] = EMPTY;
     }
     Py_END_ALLOW_THREADS
     release(views, 5);
@@ -294,7 +303,7 @@ fail:
 
 static PyMethodDef methods[] = {
     {"find", find, METH_VARARGS, "find(keys, values, state, ids, out): each id's value, -1 where absent"},
-    {"insert", insert, METH_VARARGS, "insert(keys, values, state, ids, values): add absent ids; tombstones reused"},
+    {"insert", insert, METH_VARARGS, "insert(keys, values, state, ids, values): add distinct absent ids"},
     {"remove", remove_ids, METH_VARARGS, "remove(keys, values, state, ids, out): drop ids; how many were present"},
     {"mix64", mix64_all, METH_VARARGS, "mix64(src, dst): SplitMix64's finaliser of each int64"},
     {"hashed_uniform", hashed_uniform, METH_VARARGS, "hashed_uniform(ids, seed, word, denominator, out): init rows"},
