@@ -258,6 +258,9 @@ def test_a_push_updates_the_rows_a_probe_finds_whether_or_not_its_lookups_found_
     expected[probed[[3, 5]]] -= lr * grads[:2]
     assert torch.equal(shard.table.weight, expected)
     shard.evict(1, torch.tensor([9]), torch.zeros(0, dtype=torch.int64))  # 9's slot is free: no push may reach it
+    shard.evict(0, torch.tensor([4]), torch.zeros(0, dtype=torch.int64))  # an earlier step's, late: nothing
+    shard.evict(1, torch.tensor([4]), torch.zeros(0, dtype=torch.int64))  # the same step's again: nothing
+    assert int(shard.table.find(torch.tensor([4]))) >= 0
     with pytest.raises(GradientError, match=r"has id 9, which is not resident"):
         shard.check_push(0, torch.tensor([4, 9]), torch.zeros(2, DIM))
     shard.lookup(torch.tensor([12, 13]), torch.ones(2, dtype=torch.int64), 2)  # 13 takes 9's slot
@@ -305,8 +308,47 @@ def test_a_sync_push_reply_ends_the_step_and_the_workers_call_no_end():
         ended = {s: dynamic_shard.step_end({"t": shard}) for s, shard in servers.shards.items()}
         served.end_step({s: Snapshot(1, [], {}, None if carried is None else (carried, e[1]))
                          for s, e in ended.items()})
-        assert servers.calls == calls and served.step == 1
+        assert servers.calls == calls[:-1] and served.step == 1  # the evictions wait for the next call
+        served.send_evictions()
+        assert servers.calls == calls
         assert all(torch.equal(v, reference.state()[k]) for k, v in servers.state().items())
+
+
+class _Recording:
+    """A transport that answers lookups with zero rows, every id admitted, and keeps each call's args."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, dict]] = []
+
+    def dynamic(self, call, args):
+        self.calls.append((call, args))
+        if call == "lookup":
+            return {s: (0, torch.zeros(a[1].numel(), DIM), torch.ones(a[1].numel(), dtype=torch.bool))
+                    for s, a in args.items()}
+        return {s: {"t": (0, [0, 0, 0])} if call == "counts" else None for s in args}
+
+
+def test_a_steps_evictions_go_with_the_next_lookups_to_every_server_or_before_any_other_call():
+    """Sync, S = 3: the evictions `end_step` decides wait; the next recording lookup carries each server's (an
+    empty lookup to the server holding none of the batch's ids), once; a counters call sends them first."""
+    model = nn.ModuleDict({"t": gradsync.DynamicEmbedding(DIM, capacity=3, evict="lru")})
+    served = ServedDynamic(model, 3, gradsync.RowSGD(lr=0.1), "sync")
+    served.transport = transport = _Recording()
+    plan = {s: (0, {"t": (torch.tensor([s]), torch.zeros(0, dtype=torch.int64))}) for s in range(3)}
+    served._end_call("evict", plan)
+    assert transport.calls == []
+    ids = torch.tensor([i for i in range(100) if int(server_of(torch.tensor([i]), 3)) != 2][:6])
+    served._record(1, "t", ids, torch.ones(6, dtype=torch.int64))
+    (call, args), = transport.calls
+    assert call == "lookup" and sorted(args) == [0, 1, 2] and args[2][1].numel() == 0
+    assert all(args[s][4] is plan[s] and args[s][3] == 0 for s in range(3))
+    served._record(1, "t", ids, torch.ones(6, dtype=torch.int64))
+    assert sorted(transport.calls[1][1]) == [0, 1] and all(a[4] is None for a in transport.calls[1][1].values())
+    served._end_call("evict", plan)
+    served.counters("t")
+    assert [c for c, _ in transport.calls[2:]] == ["evict", "counts"] and transport.calls[2][1] == plan
+    served.counters("t")
+    assert [c for c, _ in transport.calls[4:]] == ["counts"]
 
 
 class _NoCalls:

@@ -195,9 +195,10 @@ class DynamicShard:
             parts[0]["num_servers"] == self.num_servers and any(p["server"] == self.server for p in parts)))
 
     def evict(self, step: int, ids: torch.Tensor, waiting: torch.Tensor) -> None:
-        """Evict the rows `ids` and forget the waiting `waiting` for step `step`, once (later calls of the same
-        step change nothing)."""
-        if self._evicted != step:
+        """Evict the rows `ids` and forget the waiting `waiting` for step `step`, once: later calls of the same
+        step, and late ones of an earlier step (a worker that left `trainer.join()` sends its last step's when it
+        next calls), change nothing."""
+        if step > self._evicted:
             evicted = self.table.counters["evicted"]
             self.table.evict_ids(ids)
             self.table.forget_ids(waiting)

@@ -128,9 +128,11 @@ class HybridStrategy(Strategy):
         return self.tables.model_sizes(trainable)
 
     def server_stats(self) -> dict[int, dict]:
+        self.dynamic.send_evictions()
         return self.transport.stats()
 
     def checkpoint_servers(self, directory: str, base: str | None = None) -> dict[int, tuple[str, int]]:
+        self.dynamic.send_evictions()
         return self.transport.checkpoint(directory, base)
 
     @property
@@ -144,12 +146,17 @@ class HybridStrategy(Strategy):
     @contextlib.contextmanager
     def join(self):
         """`Trainer.join`: allreduce's join for the dense layers, the servers told before it answers the others'
-        dense steps; then the servers' versions, for the next push, and the step of their dynamic tables."""
-        with self.dense.join(self.joiner.announce):
+        dense steps (with the dynamic tables' last evictions: a worker that joined earlier looks up next without
+        them); then the servers' versions, for the next push, and the step of their dynamic tables."""
+        with self.dense.join(self._announce):
             yield
         self.joiner.wait()
         self.dynamic.resync()
         self._versions = {s: snap.version for s, snap in self.transport.pull().items()}
+
+    def _announce(self) -> None:
+        self.dynamic.send_evictions()
+        self.joiner.announce()
 
     def local_state(self, delta: bool = False) -> dict:
         """What a checkpoint keeps of this worker: the dense part's model and optimizer state (the servers keep

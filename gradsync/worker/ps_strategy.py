@@ -392,9 +392,11 @@ class PSStrategy(Strategy):
         return {**self.tables.model_sizes(trainable), "largest_piece": max((b.numel for b in self.buckets), default=0)}
 
     def server_stats(self) -> dict[int, dict]:
+        self.dynamic.send_evictions()
         return self.transport.stats()
 
     def checkpoint_servers(self, directory: str, base: str | None = None) -> dict[int, tuple[str, int]]:
+        self.dynamic.send_evictions()
         return self.transport.checkpoint(directory, base)
 
     @property
@@ -415,8 +417,10 @@ class PSStrategy(Strategy):
     def join(self):
         """`Trainer.join`: on leaving the block, tell the servers and wait for every worker to join; the next
         forward pulls (the replies this worker holds are from before the others' last steps), and the dynamic
-        tables' lookups go on at the step the servers are at."""
+        tables' lookups go on at the step the servers are at (their last step's evictions sent before this worker
+        says it joined: a worker that joined earlier looks up next without them)."""
         yield
+        self.dynamic.send_evictions()
         self.joiner.announce()
         self.joiner.wait()
         self.dynamic.resync()

@@ -9,8 +9,12 @@ inside a dist_autograd context) sends each server its ids of the batch, distinct
 the leaves' gradients into each server's push ({table: `RowGrads`} of the admitted ids, occurrences summed);
 the consistency rule averages them over the workers and the row optimizer applies them. After the step's
 push, `end_step` ends the step on every server, with the bounds by `capacity` over the whole table
-(`tables.global_eviction`; the push's replies bring each server's `end` answer). A worker that took fewer
-steps (`trainer.join()`) takes the servers' step (`resync`).
+(`tables.global_eviction`; the push's replies bring each server's `end` answer). The evictions it decides
+travel with the next step's first lookups, to every server (those holding none of the batch's ids get an
+empty lookup), which apply them before looking up: a round trip saved a step. Any other call on the servers
+sends them first (`send_evictions`: reads, state, counters, stats, checkpoints, the next push), so every
+reader, and the next step's end, finds the step ended. A worker that took fewer steps (`trainer.join()`)
+takes the servers' step (`resync`).
 
 In async and ssp mode no step spans the servers: each server steps its part of the table by itself, after each
 push it applies, over its share of `capacity` (`ps.dynamic_shard`), and `end_step` only counts. A job
@@ -81,6 +85,7 @@ class ServedDynamic:
         self.step = 0  # the step the next recording lookup belongs to (sync)
         self.mode = mode
         self._lookups: dict[int, list[_Lookup]] = {}
+        self._evictions: dict[int, tuple] = {}  # the last step's evictions by server, not sent yet (`_end_call`)
         if not self.modules:
             return
         name = next(iter(self.modules))
@@ -150,8 +155,10 @@ class ServedDynamic:
         where = self._where(ids)
         rows = self._zeros(name, ids.numel())
         start = time.perf_counter()
-        answers = self.transport.dynamic("lookup", {s: (name, ids[at], counts[at], self.step)
-                                                    for s, at in where.items()})
+        evictions, self._evictions = self._evictions, {}
+        asked = {s: (name, ids[at], counts[at], self.step, evictions.pop(s, None)) for s, at in where.items()}
+        asked.update({s: (name, ids[:0], counts[:0], self.step, e) for s, e in evictions.items()})
+        answers = self.transport.dynamic("lookup", asked)
         if self.metrics is not None:
             self.metrics.rows_pulled(time.perf_counter() - start, rows.nbytes)
         admitted = torch.zeros(ids.numel(), dtype=torch.bool)
@@ -168,7 +175,7 @@ class ServedDynamic:
         where = self._where(ids)
         rows = self._zeros(name, ids.numel())
         if where:
-            answers = self.transport.dynamic("read", {s: (name, ids[at]) for s, at in where.items()})
+            answers = self._call("read", {s: (name, ids[at]) for s, at in where.items()})
             for s, at in where.items():
                 rows[at] = answers[s]
         return rows
@@ -176,6 +183,7 @@ class ServedDynamic:
     def row_grads(self, context_id: int, grads: dict[torch.Tensor, torch.Tensor]) -> dict[int, dict[str, RowGrads]]:
         """The pushes of this context's lookups: per server, {table: `RowGrads`} of its admitted ids (global
         ids) with their gradients summed over the context's lookups; forgets the context's lookups."""
+        self.send_evictions()  # before the push: the step's end on a server comes after the last one's evictions
         lookups = self._lookups.pop(context_id, [])
         self._lookups.clear()  # lookups of contexts that were never stepped
         out: dict[int, dict[str, RowGrads]] = {s: {} for s in range(self.num_servers)}
@@ -203,14 +211,33 @@ class ServedDynamic:
             ended = ({s: c.ended[1] for s, c in zip(servers, carried)}
                      if all(c is not None and c.ended is not None and c.ended[0] == self.step for c in carried)
                      else None)
-            global_eviction.end_step(self.step, capacities, servers, self.transport.dynamic, ended)
+            global_eviction.end_step(self.step, capacities, servers, self._end_call, ended)
         self.step += 1
+
+    def _end_call(self, call: str, args: dict[int, tuple]) -> dict[int, object]:
+        """The calls that end a step: an eviction waits to go with the next step's first lookups (module
+        docstring), the others go now."""
+        if call != "evict":
+            return self._call(call, args)
+        self._evictions = dict(args)
+        return dict.fromkeys(args)
+
+    def send_evictions(self) -> None:
+        """Send the last step's evictions where they still wait (before any call on the servers but a lookup)."""
+        if self._evictions:
+            evictions, self._evictions = self._evictions, {}
+            self.transport.dynamic("evict", evictions)
+
+    def _call(self, call: str, args: dict[int, tuple]) -> dict[int, object]:
+        """A call on the servers' dynamic tables other than a lookup, the last step's evictions sent first."""
+        self.send_evictions()
+        return self.transport.dynamic(call, args)
 
     def resync(self) -> None:
         """Take the step the servers' tables are at: after a `trainer.join()` block, in which a worker that ran
         out of data took fewer steps than the others, and after a resume."""
         if self.modules:
-            steps = self.transport.dynamic("step", {s: () for s in range(self.num_servers)})
+            steps = self._call("step", {s: () for s in range(self.num_servers)})
             self.step = max(step for per in steps.values() for step in per.values())
 
     def local_keys(self) -> dict[str, torch.Tensor]:
@@ -222,7 +249,7 @@ class ServedDynamic:
         ...), gathered from the servers: ids ascending, every count summed."""
         if not self.modules:
             return {}
-        parts = self.transport.dynamic("state", {s: () for s in range(self.num_servers)})
+        parts = self._call("state", {s: () for s in range(self.num_servers)})
         out = {}
         for name in self.modules:
             for key, value in rehomed([parts[s][name] for s in sorted(parts)], 0, 1).items():
@@ -231,7 +258,7 @@ class ServedDynamic:
 
     def counters(self, name: str) -> dict[str, int]:
         """Table `name`'s resident rows and counters, summed over the servers."""
-        counts = self.transport.dynamic("counts", {s: () for s in range(self.num_servers)})
+        counts = self._call("counts", {s: () for s in range(self.num_servers)})
         total = {k: sum(counts[s][name][1][i] for s in counts) for i, k in enumerate(_COUNTERS)}
         return {"resident_rows": sum(counts[s][name][0] for s in counts), **total}
 

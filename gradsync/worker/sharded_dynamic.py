@@ -151,6 +151,10 @@ class ShardedDynamic(ServedDynamic):
         with self._ended:
             self._ended.notify_all()
 
+    def _end_call(self, call: str, args: dict[int, tuple]) -> dict[int, object]:
+        """The calls that end a step, all now (an eviction is this worker's own part)."""
+        return self.dynamic(call, args)
+
     def dynamic(self, call: str, args: dict[int, tuple]) -> dict[int, object]:
         """Every worker's answer to `call` with its args (`ServedDynamic`'s transport): "end" and "smallest" by
         an all-gather of every worker's answer (a collective); "evict" on this worker's part alone; the
