@@ -36,14 +36,30 @@ static void release(Py_buffer *views[], int count) {
         if (views[i]->obj) PyBuffer_Release(views[i]);
 }
 
-static int table_ok(Table *t) {
+/* A call's end: its buffers released, `result` returned (a new reference, or NULL with an error set). */
+static PyObject *released(Py_buffer *views[], int count, PyObject *result) {
+    release(views, count);
+    return result;
+}
+
+/* Parses an index call's arguments (keys, values, state, ids, other) by `format` and checks them: the index's
+ * arrays, and ids and `other` (named `what` in the error) int64 arrays of one length. 0 with an error set and
+ * every buffer released where they are not. */
+static int index_call(PyObject *args, const char *format, const char *call, const char *what, Table *t,
+                      Py_buffer *ids, Py_buffer *other) {
+    Py_buffer *views[] = {&t->keys, &t->values, &t->state, ids, other};
+    if (!PyArg_ParseTuple(args, format, &t->keys, &t->values, &t->state, ids, other)) return 0;
     Py_ssize_t buckets = t->state.len;
-    if (t->keys.len != 8 * buckets || t->values.len != 8 * buckets || buckets == 0 || (buckets & (buckets - 1))) {
+    if (t->keys.len != 8 * buckets || t->values.len != 8 * buckets || buckets == 0 || (buckets & (buckets - 1)))
         PyErr_SetString(PyExc_ValueError, "index arrays: keys and values int64, state uint8, a power of two each");
-        return 0;
+    else if (ids->len != other->len || ids->len % 8)
+        PyErr_Format(PyExc_ValueError, "%s: ids and %s must be int64 arrays of one length", call, what);
+    else {
+        t->mask = (uint64_t)buckets - 1;
+        return 1;
     }
-    t->mask = (uint64_t)buckets - 1;
-    return 1;
+    release(views, 5);
+    return 0;
 }
 
 /* The bucket holding `id`, or -1. */
@@ -64,12 +80,7 @@ static PyObject *find(PyObject *self, PyObject *args) {
     Table t = {0};
     Py_buffer ids = {0}, out = {0};
     Py_buffer *views[] = {&t.keys, &t.values, &t.state, &ids, &out};
-    if (!PyArg_ParseTuple(args, "y*y*y*y*w*", &t.keys, &t.values, &t.state, &ids, &out)) goto fail;
-    if (!table_ok(&t)) goto fail;
-    if (ids.len != out.len || ids.len % 8) {
-        PyErr_SetString(PyExc_ValueError, "find: ids and out must be int64 arrays of one length");
-        goto fail;
-    }
+    if (!index_call(args, "y*y*y*y*w*", "find", "out", &t, &ids, &out)) return NULL;
     Py_BEGIN_ALLOW_THREADS
     const int64_t *id = ids.buf, *values = t.values.buf;
     int64_t *result = out.buf;
@@ -79,11 +90,7 @@ static PyObject *find(PyObject *self, PyObject *args) {
         result[i] = at < 0 ? -1 : values[at];
     }
     Py_END_ALLOW_THREADS
-    release(views, 5);
-    Py_RETURN_NONE;
-fail:
-    release(views, 5);
-    return NULL;
+    return released(views, 5, Py_NewRef(Py_None));
 }
 
 /* insert(keys, values, state, ids, new_values): each of the distinct absent ids into the first empty bucket along
@@ -92,12 +99,7 @@ static PyObject *insert(PyObject *self, PyObject *args) {
     Table t = {0};
     Py_buffer ids = {0}, vals = {0};
     Py_buffer *views[] = {&t.keys, &t.values, &t.state, &ids, &vals};
-    if (!PyArg_ParseTuple(args, "w*w*w*y*y*", &t.keys, &t.values, &t.state, &ids, &vals)) goto fail;
-    if (!table_ok(&t)) goto fail;
-    if (ids.len != vals.len || ids.len % 8) {
-        PyErr_SetString(PyExc_ValueError, "insert: ids and values must be int64 arrays of one length");
-        goto fail;
-    }
+    if (!index_call(args, "w*w*w*y*y*", "insert", "values", &t, &ids, &vals)) return NULL;
     Py_BEGIN_ALLOW_THREADS
     int64_t *keys = t.keys.buf, *values = t.values.buf;
     uint8_t *state = t.state.buf;
@@ -111,11 +113,7 @@ static PyObject *insert(PyObject *self, PyObject *args) {
         state[pos] = FULL;
     }
     Py_END_ALLOW_THREADS
-    release(views, 5);
-    Py_RETURN_NONE;
-fail:
-    release(views, 5);
-    return NULL;
+    return released(views, 5, Py_NewRef(Py_None));
 }
 
 /* remove(keys, values, state, ids, out): each present id leaves the index and its value goes to the front of
@@ -126,12 +124,7 @@ static PyObject *remove_ids(PyObject *self, PyObject *args) {
     Py_buffer ids = {0}, out = {0};
     Py_buffer *views[] = {&t.keys, &t.values, &t.state, &ids, &out};
     Py_ssize_t removed = 0;
-    if (!PyArg_ParseTuple(args, "w*w*w*y*w*", &t.keys, &t.values, &t.state, &ids, &out)) goto fail;
-    if (!table_ok(&t)) goto fail;
-    if (ids.len != out.len || ids.len % 8) {
-        PyErr_SetString(PyExc_ValueError, "remove: ids and out must be int64 arrays of one length");
-        goto fail;
-    }
+    if (!index_call(args, "w*w*w*y*w*", "remove", "out", &t, &ids, &out)) return NULL;
     Py_BEGIN_ALLOW_THREADS
     const int64_t *id = ids.buf;
     int64_t *keys = t.keys.buf, *values = t.values.buf, *result = out.buf;
@@ -155,11 +148,7 @@ static PyObject *remove_ids(PyObject *self, PyObject *args) {
         state[hole] = EMPTY;
     }
     Py_END_ALLOW_THREADS
-    release(views, 5);
-    return PyLong_FromSsize_t(removed);
-fail:
-    release(views, 5);
-    return NULL;
+    return released(views, 5, PyLong_FromSsize_t(removed));
 }
 
 /* mix64(src, dst): dst[i] = mix64(src[i]), int64 bit patterns. */
@@ -177,13 +166,10 @@ static PyObject *mix64_all(PyObject *self, PyObject *args) {
     Py_ssize_t n = src.len / 8;
     for (Py_ssize_t i = 0; i < n; i++) result[i] = mix64(in[i]);
     Py_END_ALLOW_THREADS
-    release(views, 2);
-    Py_RETURN_NONE;
+    return released(views, 2, Py_NewRef(Py_None));
 fail:
-    release(views, 2);
-    return NULL;
+    return released(views, 2, NULL);
 }
-
 
 /* hashed_uniform(ids, seed, word, denominator, out): row i of out ([len(ids), dim] float64) is
  * (2 u - 1) / denominator, u the top 53 bits of mix64(h ^ j) / 2^53, h = mix64(mix64(mix64(id) ^ seed) ^ word):
@@ -211,11 +197,9 @@ static PyObject *hashed_uniform(PyObject *self, PyObject *args) {
         }
     }
     Py_END_ALLOW_THREADS
-    release(views, 2);
-    Py_RETURN_NONE;
+    return released(views, 2, Py_NewRef(Py_None));
 fail:
-    release(views, 2);
-    return NULL;
+    return released(views, 2, NULL);
 }
 
 /* touch(last_step, changed, slots, step, out): the ids in the distinct `slots` were looked up at `step`: each
@@ -250,11 +234,9 @@ static PyObject *touch(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_IndexError, "touch: a slot beyond the columns");
         goto fail;
     }
-    release(views, 4);
-    return PyLong_FromSsize_t(fresh);
+    return released(views, 4, PyLong_FromSsize_t(fresh));
 fail:
-    release(views, 4);
-    return NULL;
+    return released(views, 4, NULL);
 }
 
 /* live(log_slots, log_steps, held, last_step, lookups, wanted, out_slots, out_steps): of the recency log's
@@ -294,11 +276,9 @@ static PyObject *live(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_IndexError, "live: a log entry beyond the columns");
         goto fail;
     }
-    release(views, 7);
-    return PyLong_FromSsize_t(kept);
+    return released(views, 7, PyLong_FromSsize_t(kept));
 fail:
-    release(views, 7);
-    return NULL;
+    return released(views, 7, NULL);
 }
 
 static PyMethodDef methods[] = {
