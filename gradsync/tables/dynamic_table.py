@@ -120,9 +120,11 @@ class DynamicTable:
             admitted, waiting_slots, sightings = self._admission(new_ids, step)
             created = new_ids[admitted]
             rows = checked_init(self.init, created, self.dim, self.dtype, self.name) if created.numel() else None
-            self._wait(new_ids[~admitted], waiting_slots[~admitted], sightings[~admitted], step)
+            if created.numel() < new_ids.numel():
+                self._wait(new_ids[~admitted], waiting_slots[~admitted], sightings[~admitted], step)
             if rows is not None:
-                self.waiting.drop(waiting_slots[admitted & (waiting_slots >= 0)])
+                if len(self.waiting):
+                    self.waiting.drop(waiting_slots[admitted & (waiting_slots >= 0)])
                 slots[missing[admitted]] = self._create(created, rows)
         present = slots >= 0
         seen = slots.masked_select(present)
@@ -415,10 +417,10 @@ class _IdColumns:
             reused = torch.cat([reused, torch.arange(self.slots, self.slots + extra)])
             self.slots = grown
         self.index.insert(ids, reused)
-        self.columns["id"][reused] = ids
-        self.columns["changed"][reused] = True
-        self.columns["held"][reused] = True
-        self.columns["last_step"][reused] = _NEVER
+        self.columns["id"].index_copy_(0, reused, ids)
+        self.columns["changed"].index_fill_(0, reused, True)
+        self.columns["held"].index_fill_(0, reused, True)
+        self.columns["last_step"].index_fill_(0, reused, _NEVER)
         return reused
 
     def touch(self, slots: torch.Tensor, step: int) -> None:
