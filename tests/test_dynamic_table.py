@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import gradsync
-from gradsync.tables.id_hash import keyed, mix64, unit_interval
+from gradsync.tables.id_hash import keyed, mix64, server_of, unit_interval
 from gradsync.tables.dynamic_table import DynamicTable
 from gradsync.tables import _table_loops
 from gradsync.tables.id_index import IdIndex
@@ -49,6 +49,9 @@ def test_mix64_is_splitmix64_on_every_bit_pattern():
     assert got == [signed(py_mix64(v & MASK)) for v in values]
     words = keyed(torch.tensor(values), 7, torch.tensor(3)).tolist()
     assert words == [signed(py_keyed(v, 7, 3)) for v in values]
+    for servers in (1, 2, 3, 7):  # keyed(id, b"server")'s top 63 bits modulo the servers
+        assert server_of(torch.tensor(values), servers).tolist() == \
+            [(py_keyed(v, 0x736572766572) >> 1) % servers for v in values]
 
 
 def test_default_init_is_the_documented_function_of_the_id():

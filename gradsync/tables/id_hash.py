@@ -55,5 +55,8 @@ _SERVER_WORD = 0x736572766572  # b"server": keeps placement apart from the index
 def server_of(ids: torch.Tensor, num_servers: int) -> torch.Tensor:
     """The server (0 .. num_servers - 1) that holds each id of a dynamic table: `keyed(id, b"server")`'s top 63
     bits modulo the servers, so that strided or adversarial ids spread, and the ids a server holds fill its
-    `IdIndex` buckets evenly (those start at `mix64(id)`, a different stream)."""
-    return _shr(keyed(ids, _SERVER_WORD), 1) % num_servers
+    `IdIndex` buckets evenly (those start at `mix64(id)`, a different stream). Compiled, as `mix64`."""
+    src = ids.to("cpu", torch.int64).contiguous()
+    out = torch.empty_like(src)
+    _table_loops.server_of(src.numpy(), _SERVER_WORD, num_servers, out.numpy())
+    return out.to(ids.device)

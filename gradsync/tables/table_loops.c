@@ -1,7 +1,8 @@
-/* gradsync.tables._table_loops: a dynamic table's loops over ids, compiled (tens of nanoseconds an id
- * where a chain of batched tensor operations costs several times that): `mix64` (tables/id_hash.py), the default
- * initial rows (`HashedUniform`, tables/row_init.py), the id index's probes (`IdIndex`, tables/id_index.py) and
- * the recency log's scans (tables/recency_log.py, `_IdColumns.touch` in tables/dynamic_table.py).
+/* gradsync.tables._table_loops: a dynamic table's loops over ids, compiled (tens of nanoseconds an id where a
+ * chain of batched tensor operations costs several times that): `mix64` and `server_of` (tables/id_hash.py), the
+ * default initial rows (`HashedUniform`, tables/row_init.py), the id index's probes (`IdIndex`,
+ * tables/id_index.py) and the recency log's scans (tables/recency_log.py, `_IdColumns.touch` in
+ * tables/dynamic_table.py).
  *
  * Every function takes its arrays as writable or read-only buffers (numpy views of torch tensors), checks
  * their lengths against each other, and runs without the GIL.
@@ -171,6 +172,29 @@ fail:
     return released(views, 2, NULL);
 }
 
+/* server_of(ids, word, servers, out): out[i] = (mix64(mix64(ids[i]) ^ word) >> 1) % servers, the server of each id
+ * (`server_of` of tables/id_hash.py: `keyed(id, word)`'s top 63 bits modulo the servers). */
+static PyObject *server_of(PyObject *self, PyObject *args) {
+    Py_buffer ids = {0}, out = {0};
+    Py_buffer *views[] = {&ids, &out};
+    long long word, servers;
+    if (!PyArg_ParseTuple(args, "y*LLw*", &ids, &word, &servers, &out)) goto fail;
+    if (ids.len != out.len || ids.len % 8 || servers < 1) {
+        PyErr_SetString(PyExc_ValueError, "server_of: int64 ids and out of one length, servers >= 1");
+        goto fail;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    const uint64_t *id = ids.buf;
+    int64_t *result = out.buf;
+    Py_ssize_t n = ids.len / 8;
+    for (Py_ssize_t i = 0; i < n; i++)
+        result[i] = (int64_t)((mix64(mix64(id[i]) ^ (uint64_t)word) >> 1) % (uint64_t)servers);
+    Py_END_ALLOW_THREADS
+    return released(views, 2, Py_NewRef(Py_None));
+fail:
+    return released(views, 2, NULL);
+}
+
 /* hashed_uniform(ids, seed, word, denominator, out): row i of out ([len(ids), dim] float64) is
  * (2 u - 1) / denominator, u the top 53 bits of mix64(h ^ j) / 2^53, h = mix64(mix64(mix64(id) ^ seed) ^ word):
  * `keyed(id, seed, word, j)` of tables/id_hash.py, computed as its tensor form would be. */
@@ -286,6 +310,7 @@ static PyMethodDef methods[] = {
     {"insert", insert, METH_VARARGS, "insert(keys, values, state, ids, values): add distinct absent ids"},
     {"remove", remove_ids, METH_VARARGS, "remove(keys, values, state, ids, out): drop ids; how many were present"},
     {"mix64", mix64_all, METH_VARARGS, "mix64(src, dst): SplitMix64's finaliser of each int64"},
+    {"server_of", server_of, METH_VARARGS, "server_of(ids, word, servers, out): the server of each id"},
     {"hashed_uniform", hashed_uniform, METH_VARARGS, "hashed_uniform(ids, seed, word, denominator, out): init rows"},
     {"touch", touch, METH_VARARGS, "touch(last_step, changed, slots, step, out): looked up; the log's new slots"},
     {"live", live, METH_VARARGS, "live(log slots, log steps, held, last_step, lookups, wanted, out slots, out steps)"},

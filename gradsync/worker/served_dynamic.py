@@ -163,7 +163,8 @@ class ServedDynamic:
             self.metrics.rows_pulled(time.perf_counter() - start, rows.nbytes)
         admitted = torch.zeros(ids.numel(), dtype=torch.bool)
         for s, at in where.items():
-            rows[at], admitted[at] = answers[s][1], answers[s][2]
+            rows.index_copy_(0, at, answers[s][1])
+            admitted.index_copy_(0, at, answers[s][2])
         rows.requires_grad_()
         versions = {s: answer[0] for s, answer in answers.items()}
         self._lookups.setdefault(context, []).append(_Lookup(name, ids, admitted, rows, versions))
