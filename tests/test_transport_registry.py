@@ -50,7 +50,7 @@ def test_every_transport_implements_both_sides(name):
     found = registry.transport(name)
     assert issubclass(found.worker, WorkerTransport) and not inspect.isabstract(found.worker)
     assert isinstance(found.rank, RankTransport) and not inspect.isabstract(type(found.rank))
-    own_row_calls = [found.worker.pull_rows is not WorkerTransport.pull_rows,
+    own_row_calls = [found.worker.pull_rows_many is not WorkerTransport.pull_rows_many,
                      found.worker.table_rows is not WorkerTransport.table_rows]
     assert own_row_calls == [found.capabilities.row_tables] * 2
 
@@ -106,7 +106,7 @@ def test_row_tables_are_refused_by_a_transport_without_them(name):
     assert str(info.value) == capabilities(name).rows_refusal()
     worker = registry.transport(name).worker
     unbuilt = worker.__new__(worker)  # the row calls need no connection to refuse
-    for call in (lambda: unbuilt.pull_rows("0", {}), lambda: unbuilt.table_rows("0")):
+    for call in (lambda: unbuilt.pull_rows_many([("0", {})]), lambda: unbuilt.table_rows("0")):
         with pytest.raises(NotImplementedError, match="^" + re.escape(capabilities(name).rows_refusal()) + "$"):
             call()
 

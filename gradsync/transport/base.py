@@ -136,16 +136,12 @@ class WorkerTransport(ABC):
     def close(self) -> None:
         """Release what the transport holds (connections); the job's shutdown stops the servers."""
 
-    def pull_rows(self, table: str, ids: dict[int, torch.Tensor]) -> dict[int, tuple[int, torch.Tensor]]:
-        """Rows of an embedding table: per server, its unique local row ids; returns per server (version, rows).
-        A transport with `capabilities.row_tables` implements it."""
-        raise NotImplementedError(self.capabilities.rows_refusal())
-
     def pull_rows_many(self, lookups: list[tuple[str, dict[int, torch.Tensor]]]
                        ) -> list[dict[int, tuple[int, torch.Tensor]]]:
-        """`pull_rows` of several lookups (table, its unique local row ids per server), in order: a call per
-        lookup here; a transport may make one call per server for them all."""
-        return [self.pull_rows(table, ids) for table, ids in lookups]
+        """Rows of embedding tables for a forward's waiting lookups, each (table, its unique local row ids per
+        server); returns for each lookup, in order, per server (version, rows). A transport with
+        `capabilities.row_tables` implements it."""
+        raise NotImplementedError(self.capabilities.rows_refusal())
 
     def dynamic(self, call: str, args: dict[int, tuple]) -> dict[int, object]:
         """A call on the servers' dynamic tables (`ParameterServer.dynamic`) with its args per server; returns

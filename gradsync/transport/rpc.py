@@ -148,11 +148,6 @@ class RpcTransport(WorkerTransport):
     def pull(self) -> dict[int, Snapshot]:
         return self._call(rpc_pull, lambda s: (), "pull")
 
-    def pull_rows(self, table: str, ids: dict[int, torch.Tensor]) -> dict[int, tuple[int, torch.Tensor]]:
-        futures = {s: rpc.rpc_async(server_name(s), rpc_pull_rows, args=(table, local),
-                                    timeout=self.config.step_timeout) for s, local in ids.items()}
-        return wait_all(futures, f"pulling rows of table {table!r}", self.config.step_timeout)
-
     def pull_rows_many(self, lookups: list[tuple[str, dict[int, torch.Tensor]]]
                        ) -> list[dict[int, tuple[int, torch.Tensor]]]:
         """One call per server for every lookup it holds rows of."""
@@ -326,11 +321,6 @@ def rpc_probe(payload: torch.Tensor) -> int:
 @_answering("pull")
 def rpc_pull() -> Snapshot:
     return _server().pull()
-
-
-@_answering("pull of rows")
-def rpc_pull_rows(table: str, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
-    return _server().pull_rows(table, ids)
 
 
 @_answering("pull of rows")
