@@ -5,6 +5,7 @@ by their hash; bad calls change nothing; the worker side refuses bad ids before 
 steps its part alone, over its share of capacity, and a stale push never reaches a row created again.""" 
 import dataclasses
 import json
+import math
 import random
 
 import pytest
@@ -28,6 +29,7 @@ from gradsync.tables.placement import merge_rows
 from gradsync.tables.row_init import HashedUniform
 from gradsync.transport.grpc.client import final_status_table
 from gradsync.tables.dynamic_checkpoint import rehomed, with_delta
+from gradsync.worker import served_dynamic
 from gradsync.worker.served_dynamic import ServedDynamic
 
 DIM, WORKERS = 3, 2
@@ -315,7 +317,8 @@ def test_a_sync_push_reply_ends_the_step_and_the_workers_call_no_end():
 
 
 class _Recording:
-    """A transport that answers lookups with zero rows, every id admitted, and keeps each call's args."""
+    """A transport that answers lookups with rows of their ids (the id in every element), every id admitted, and
+    keeps each call's args."""
 
     def __init__(self):
         self.calls: list[tuple[str, dict]] = []
@@ -323,32 +326,53 @@ class _Recording:
     def dynamic(self, call, args):
         self.calls.append((call, args))
         if call == "lookup":
-            return {s: (0, torch.zeros(a[1].numel(), DIM), torch.ones(a[1].numel(), dtype=torch.bool))
+            return {s: (0, [(ids.float().unsqueeze(1).expand(-1, DIM).clone(), ids >= 0) for _, ids, _ in a[0]])
                     for s, a in args.items()}
         return {s: {"t": (0, [0, 0, 0])} if call == "counts" else None for s in args}
 
 
-def test_a_steps_evictions_go_with_the_next_lookups_to_every_server_or_before_any_other_call():
-    """Sync, S = 3: the evictions `end_step` decides wait; the next recording lookup carries each server's (an
-    empty lookup to the server holding none of the batch's ids), once; a counters call sends them first."""
-    model = nn.ModuleDict({"t": gradsync.DynamicEmbedding(DIM, capacity=3, evict="lru")})
+def _waiting(model, name, ids):
+    unique, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+    return served_dynamic._Waiting(name, model[name], unique, counts, inverse, (None, None), 1, None)
+
+
+def test_a_forwards_lookups_and_the_last_steps_evictions_go_to_every_server_in_one_call():
+    """Sync, S = 3: the evictions `end_step` decides wait; the forward's lookups wait until one is used, then
+    go in one call per server with each server's evictions (an empty list of lookups to the server holding none
+    of the batch's ids); each result is its table's forward on the rows answered; a counters call sends waiting
+    evictions first."""
+    model = nn.ModuleDict({"t": gradsync.DynamicEmbedding(DIM, capacity=3),
+                           "u": gradsync.DynamicEmbedding(DIM, capacity=3, mode="sum")})
     served = ServedDynamic(model, 3, gradsync.RowSGD(lr=0.1), "sync")
     served.transport = transport = _Recording()
     plan = {s: (0, {"t": (torch.tensor([s]), torch.zeros(0, dtype=torch.int64))}) for s in range(3)}
     served._end_call("evict", plan)
-    assert transport.calls == []
     ids = torch.tensor([i for i in range(100) if int(server_of(torch.tensor([i]), 3)) != 2][:6])
-    served._record(1, "t", ids, torch.ones(6, dtype=torch.int64))
+    first = served._recording(_waiting(model, "t", ids))
+    bags = served._recording(_waiting(model, "u", ids.view(2, 3)))
+    assert transport.calls == [] and first.shape == (6, DIM) and bags.shape == (2, DIM)
+    torch.testing.assert_close(first * 1, ids.float().unsqueeze(1).expand(-1, DIM))
     (call, args), = transport.calls
-    assert call == "lookup" and sorted(args) == [0, 1, 2] and args[2][1].numel() == 0
-    assert all(args[s][4] is plan[s] and args[s][3] == 0 for s in range(3))
-    served._record(1, "t", ids, torch.ones(6, dtype=torch.int64))
-    assert sorted(transport.calls[1][1]) == [0, 1] and all(a[4] is None for a in transport.calls[1][1].values())
+    assert call == "lookup" and sorted(args) == [0, 1, 2] and args[2] == ([], 0, plan[2])
+    assert all([name for name, _, _ in args[s][0]] == ["t", "u"] and args[s][2] is plan[s] for s in (0, 1))
+    torch.testing.assert_close(bags * 1, ids.view(2, 3).float().sum(1, keepdim=True).expand(-1, DIM))
+    assert len(served._lookups[1]) == 2 and all(lk.leaf.requires_grad for lk in served._lookups[1])
+    served._recording(_waiting(model, "t", ids)).sum()
+    assert sorted(transport.calls[1][1]) == [0, 1] and all(a[2] is None for a in transport.calls[1][1].values())
     served._end_call("evict", plan)
     served.counters("t")
     assert [c for c, _ in transport.calls[2:]] == ["evict", "counts"] and transport.calls[2][1] == plan
     served.counters("t")
     assert [c for c, _ in transport.calls[4:]] == ["counts"]
+
+
+@pytest.mark.parametrize("mode,shape,offsets", [(None, (2, 3), None), (None, (5,), None), ("sum", (2, 3), None),
+                                                ("mean", (6,), [0, 2, 2])])
+def test_a_pending_dynamic_lookup_has_the_shape_of_the_tables_forward(mode, shape, offsets):
+    table = gradsync.DynamicEmbedding(DIM, capacity=8, mode=mode)
+    ids = torch.arange(6)[:math.prod(shape)].view(shape)
+    offsets = None if offsets is None else torch.tensor(offsets)
+    assert table.output_shape(ids, offsets) == table(ids, offsets).shape
 
 
 class _NoCalls:

@@ -183,20 +183,21 @@ class ParameterServer:
             return Snapshot(committed.version, [], buffers, committed.ended)
 
     def dynamic(self, call: str, *args):
-        """A call on this server's dynamic tables (`ps.dynamic_shard`): "lookup" (table, ids, counts, step,
-        evictions) -> (version, rows, admitted), the last step's `evictions` ((step, plan) of an "evict" call, or
-        None) applied first; any other is `dynamic_shard.answer`'s."""
+        """A call on this server's dynamic tables (`ps.dynamic_shard`): "lookup" ([(table, ids, counts), ...],
+        step, evictions) -> (version, [(rows, admitted) of each]), the last step's `evictions` ((step, plan) of an
+        "evict" call, or None) applied first; any other is `dynamic_shard.answer`'s."""
         shard = self._shard()
         with shard.lock:
             dynamic = {n: t for n, t in shard.tables.items() if isinstance(t, DynamicShard)}
             if call != "lookup":
                 return answer(dynamic, call, args, f"server {self.shard_id}")
-            name, ids, counts, step, evictions = args
+            lookups, step, evictions = args
             if evictions is not None:
                 answer(dynamic, "evict", evictions, f"server {self.shard_id}")
-            rows, admitted = held(dynamic, name, f"server {self.shard_id}").lookup(ids, counts, step, shard.version)
-            shard.stats.bytes_out += rows.nbytes
-            return shard.version, rows, admitted
+            found = [held(dynamic, name, f"server {self.shard_id}").lookup(ids, counts, step, shard.version)
+                     for name, ids, counts in lookups]
+            shard.stats.bytes_out += sum(rows.nbytes for rows, _ in found)
+            return shard.version, found
 
     def table_rows(self, table: str) -> torch.Tensor:
         """A copy of every row of `table` this server holds, in local order."""

@@ -135,6 +135,12 @@ class DynamicEmbedding(nn.Module):
         summed = grads.new_zeros((unique.numel(), self.table.dim)).index_add_(0, inverse, grads[resident])
         return Recorded(distinct, occurrences, unique, summed)
 
+    def output_shape(self, ids: torch.Tensor, offsets: torch.Tensor | None) -> torch.Size:
+        """The shape of `embed`'s output for the (checked) `ids` and `offsets`, computing nothing."""
+        if self.mode is None:
+            return torch.Size((*ids.shape, self.table.dim))
+        return torch.Size((ids.shape[0] if offsets is None else offsets.numel(), self.table.dim))
+
     def checked_ids(self, ids, offsets=None, per_sample_weights=None) -> torch.Tensor:
         """`ids` as int64, refused (naming the table) unless an integer tensor, with offsets only for a bag."""
         if self.mode is None and (offsets is not None or per_sample_weights is not None):

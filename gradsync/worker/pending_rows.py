@@ -52,8 +52,8 @@ class PendingRows(torch.Tensor):
         if self._value is None:
             self._flush()
         if self._value is None:
-            raise RuntimeError("gradsync: the rows of this sharded table lookup never arrived: the exchange that "
-                               "fetched them was refused (see the error its forward raised); run the forward again")
+            raise RuntimeError("gradsync: the rows of this table lookup never arrived: the call or exchange that "
+                               "fetched them failed (see the error its forward raised); run the forward again")
         return self._value
 
     @classmethod
@@ -67,7 +67,7 @@ class PendingRows(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise RuntimeError(f"gradsync: {func} was given the result of a sharded table lookup below torch's Python "
+        raise RuntimeError(f"gradsync: {func} was given the result of a served table lookup below torch's Python "
                            "API, before its rows arrived; pass it through a torch function first (e.g. "
                            "torch.as_tensor(rows) * 1), and report the call that did this to gradsync")
 

@@ -3,15 +3,16 @@ the servers, an id on server `tables.id_hash.server_of(id, S)`, each server a `D
 (`ps.dynamic_shard`). Under sharded the workers are its servers (`worker.sharded_dynamic`).
 
 `ServedDynamic` replaces each such module's forward: a forward that records (training mode, gradients on,
-inside a dist_autograd context) sends each server its ids of the batch, distinct, with their counts, for step
-`step` (rows as at the step's start; admitted ids created there with `init`), and runs the module's
-`embed` on those rows as a leaf; any other forward only reads (zeros where not resident). `row_grads` turns
-the leaves' gradients into each server's push ({table: `RowGrads`} of the admitted ids, occurrences summed);
-the consistency rule averages them over the workers and the row optimizer applies them. After the step's
-push, `end_step` ends the step on every server, with the bounds by `capacity` over the whole table
-(`tables.global_eviction`; the push's replies bring each server's `end` answer). The evictions it decides
+inside a dist_autograd context) returns a `PendingRows` at once, and the first use of any waiting lookup (or
+the user's forward's end) sends each server, in one call, its ids of every waiting lookup, distinct, with their
+counts, for step `step` (rows as at the step's start; admitted ids created there with `init`); each lookup then
+runs the module's `embed` on its rows as a leaf. Any other forward only reads (zeros where not resident).
+`row_grads` turns the leaves' gradients into each server's push ({table: `RowGrads`} of the admitted ids,
+occurrences summed); the consistency rule averages them over the workers and the row optimizer applies them.
+After the step's push, `end_step` ends the step on every server, with the bounds by `capacity` over the whole
+table (`tables.global_eviction`; the push's replies bring each server's `end` answer). The evictions it decides
 travel with the next step's first lookups, to every server (those holding none of the batch's ids get an
-empty lookup), which apply them before looking up: a round trip saved a step. Any other call on the servers
+empty list of lookups), which apply them before looking up: a round trip saved a step. Any other call on the servers
 sends them first (`send_evictions`: reads, state, counters, stats, checkpoints, the next push), so every
 reader, and the next step's end, finds the step ended. A worker that took fewer steps (`trainer.join()`)
 takes the servers' step (`resync`).
@@ -22,6 +23,7 @@ checkpoint holds the servers' tables (`ps.shard_file`, `ps.reshard`).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import pickle
 import time
@@ -38,6 +40,8 @@ from gradsync.tables.id_hash import server_of
 from gradsync.tables.placement import merge_rows
 from gradsync.tables.row_init import checked_init
 from gradsync.tables.row_optim import ROW_OPTIMIZERS
+from gradsync.tables.row_partition import LOOKUPS_PER_EXCHANGE
+from gradsync.worker.pending_rows import PendingRows, resolved
 from gradsync.worker.served_tables import not_serving
 
 _COUNTERS = ("admitted", "filtered", "evicted")
@@ -61,7 +65,25 @@ def serve_dynamic(module: nn.Module, capabilities, config, table_optimizer,
             for per in setups.values():
                 per[name] = setup
     served.take_over()
+    if served.modules:
+        module.register_forward_hook(served.forward_ended)
     return served
+
+
+@dataclasses.dataclass(frozen=True)
+class _Waiting:
+    """A recording lookup whose rows are not fetched yet: its table and module, the distinct ids with their
+    counts, each input's place among them, the bag's offsets and per-sample weights, the dist_autograd context
+    it was made in, and the `PendingRows` it returned."""
+
+    table: str
+    module: DynamicEmbedding
+    ids: torch.Tensor
+    counts: torch.Tensor
+    inverse: torch.Tensor
+    bag: tuple
+    context: int
+    pending: PendingRows | None
 
 
 class _Lookup:
@@ -86,6 +108,7 @@ class ServedDynamic:
         self.mode = mode
         self._lookups: dict[int, list[_Lookup]] = {}
         self._evictions: dict[int, tuple] = {}  # the last step's evictions by server, not sent yet (`_end_call`)
+        self._waiting: list[_Waiting] = []  # recording lookups whose rows are not fetched yet (`flush`)
         if not self.modules:
             return
         name = next(iter(self.modules))
@@ -134,10 +157,34 @@ class ServedDynamic:
         unique, index, counts = torch.unique(ids.reshape(-1), return_inverse=True, return_counts=True)
         context = current_context_id()
         if module.training and torch.is_grad_enabled() and context is not None:
-            rows = self._record(context, name, unique, counts)
-        else:
-            rows = self._read(name, unique)
-        return module.embed(index.reshape(ids.shape), rows, offsets, per_sample_weights)
+            return self._recording(_Waiting(name, module, unique, counts, index.reshape(ids.shape),
+                                            resolved((offsets, per_sample_weights)), context, None))
+        return module.embed(index.reshape(ids.shape), self._read(name, unique), offsets, per_sample_weights)
+
+    def _recording(self, lookup: _Waiting) -> torch.Tensor:
+        """A recording lookup's result: pending until one of the forward's lookups is used (`flush`)."""
+        if len(self._waiting) == LOOKUPS_PER_EXCHANGE:
+            self.flush()
+        pending = PendingRows(lookup.module.output_shape(lookup.inverse, lookup.bag[0]), lookup.module.table.dtype,
+                              self.flush)
+        self._waiting.append(dataclasses.replace(lookup, pending=pending))
+        return pending
+
+    def flush(self) -> None:
+        """Look up every waiting lookup's ids (`_record_all`: one call per server) and make each one's result
+        real, its rows a leaf kept for the step's push."""
+        waiting, self._waiting = self._waiting, []
+        if not waiting:
+            return
+        for w, rows in zip(waiting, self._record_all(waiting)):
+            with torch.enable_grad():  # made with gradients, whatever the mode of the use that fetches it
+                w.pending.resolve(w.module.embed(w.inverse, rows, *w.bag))
+
+    def forward_ended(self, module: nn.Module, inputs, output):
+        """Forward hook of the user's module: the lookups still waiting are fetched, and their results in its
+        output made real."""
+        self.flush()
+        return resolved(output)
 
     def _where(self, ids: torch.Tensor) -> dict[int, torch.Tensor]:
         """The positions in `ids` of each server's ids, for the servers that hold any."""
@@ -149,26 +196,35 @@ class ServedDynamic:
         table = self.modules[name].table
         return torch.zeros(count, table.dim, dtype=table.dtype)
 
-    def _record(self, context: int, name: str, ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """The step's lookups of the distinct `ids` (each `counts` times) in context `context`: their rows as a
-        leaf that requires grad (zeros where not admitted), kept for the step's push."""
-        where = self._where(ids)
-        rows = self._zeros(name, ids.numel())
+    def _record_all(self, waiting: list[_Waiting]) -> list[torch.Tensor]:
+        """The step's lookups of the waiting lookups' distinct ids (each `counts` times), one call per server
+        for them all (the last step's evictions with it): each lookup's rows as a leaf that requires grad
+        (zeros where not admitted), kept for the step's push."""
         start = time.perf_counter()
+        wheres = [self._where(w.ids) for w in waiting]
+        asked: dict[int, list] = {s: [] for s in self._evictions}
+        for w, where in zip(waiting, wheres):
+            for s, at in where.items():
+                asked.setdefault(s, []).append((w.table, w.ids[at], w.counts[at]))
         evictions, self._evictions = self._evictions, {}
-        asked = {s: (name, ids[at], counts[at], self.step, evictions.pop(s, None)) for s, at in where.items()}
-        asked.update({s: (name, ids[:0], counts[:0], self.step, e) for s, e in evictions.items()})
-        answers = self.transport.dynamic("lookup", asked)
+        answers = self.transport.dynamic("lookup", {s: (lookups, self.step, evictions.get(s))
+                                                    for s, lookups in asked.items()})
+        out, taken = [], {s: 0 for s in asked}
+        for w, where in zip(waiting, wheres):
+            rows = self._zeros(w.table, w.ids.numel())
+            admitted = torch.zeros(w.ids.numel(), dtype=torch.bool)
+            for s, at in where.items():
+                got, admits = answers[s][1][taken[s]]
+                taken[s] += 1
+                rows.index_copy_(0, at, got)
+                admitted.index_copy_(0, at, admits)
+            rows.requires_grad_()
+            versions = {s: answers[s][0] for s in where}
+            self._lookups.setdefault(w.context, []).append(_Lookup(w.table, w.ids, admitted, rows, versions))
+            out.append(rows)
         if self.metrics is not None:
-            self.metrics.rows_pulled(time.perf_counter() - start, rows.nbytes)
-        admitted = torch.zeros(ids.numel(), dtype=torch.bool)
-        for s, at in where.items():
-            rows.index_copy_(0, at, answers[s][1])
-            admitted.index_copy_(0, at, answers[s][2])
-        rows.requires_grad_()
-        versions = {s: answer[0] for s, answer in answers.items()}
-        self._lookups.setdefault(context, []).append(_Lookup(name, ids, admitted, rows, versions))
-        return rows
+            self.metrics.rows_pulled(time.perf_counter() - start, sum(rows.nbytes for rows in out))
+        return out
 
     def _read(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         """The rows of the distinct `ids` (zeros where not resident), counting nothing: any forward that does not
@@ -184,6 +240,7 @@ class ServedDynamic:
     def row_grads(self, context_id: int, grads: dict[torch.Tensor, torch.Tensor]) -> dict[int, dict[str, RowGrads]]:
         """The pushes of this context's lookups: per server, {table: `RowGrads`} of its admitted ids (global
         ids) with their gradients summed over the context's lookups; forgets the context's lookups."""
+        self.flush()  # a lookup whose result was never used still counts in this step
         self.send_evictions()  # before the push: the step's end on a server comes after the last one's evictions
         lookups = self._lookups.pop(context_id, [])
         self._lookups.clear()  # lookups of contexts that were never stepped

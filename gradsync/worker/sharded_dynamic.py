@@ -74,6 +74,12 @@ class ShardedDynamic(ServedDynamic):
         super().take_over()
         _HELD = self
 
+    def _recording(self, lookup) -> torch.Tensor:
+        """A recording lookup, at once along `tables`' routes (which fetch the fixed tables' waiting lookups
+        first)."""
+        rows = self._record(lookup.context, lookup.table, lookup.ids, lookup.counts)
+        return lookup.module.embed(lookup.inverse, rows, *lookup.bag)
+
     def _record(self, context: int, name: str, ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         plan = ExchangePlan.placed(server_of(ids, self.num_servers), self.num_servers)
         sent = torch.stack([ids, counts], 1)[plan.order]
