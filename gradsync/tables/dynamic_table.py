@@ -33,8 +33,8 @@ optimizer state, and every waiting id with its sightings and last step; a delta 
 changed (looked up, created, updated) since the last full one, with the ids that left since then, and both
 restore exactly (`tables.dynamic_checkpoint`, `load`).
 
-Memory: per slot the row, its id, last step and lookup count (24 bytes), changed and held flags (2 bytes) and
-the row optimizer's state; per waiting id 26 bytes; per id of the last full checkpoint 8 bytes; each id index 17 bytes
+Memory: per slot the row, its id, last step and lookup count (24 bytes), changed and held flags (2 bytes), its
+place in the stack of free slots (8 bytes) and the row optimizer's state; per waiting id 26 bytes; per id of the last full checkpoint 8 bytes; each id index 17 bytes
 per bucket, 2 to 4 buckets per id; each recency log (`tables.recency_log`: the ids by last step, which LRU
 eviction, `ttl_steps` and forgetting waiting ids read instead of every id) 12 bytes an entry, up to 2 per id,
 and under LFU up to 2 more in the logs by lookup count.
@@ -398,7 +398,8 @@ class _IdColumns:
         self.slots = 64
         self.columns = {name: torch.zeros((self.slots,) + shape, dtype=dtype)
                         for name, (shape, dtype) in columns.items()}
-        self.free = torch.arange(self.slots - 1, -1, -1)
+        self.free = torch.arange(self.slots - 1, -1, -1)  # a stack of the free slots: the next ones at the top,
+        self.free_top = self.slots  # `free[:free_top]`; room for every slot, so freeing never copies it
         self.log = RecencyLog(self.columns)
 
     def __len__(self) -> int:
@@ -406,14 +407,17 @@ class _IdColumns:
 
     def add(self, ids: torch.Tensor) -> torch.Tensor:
         """Slots for distinct ids not held yet: freed slots first, then new ones."""
-        reused = self.free[max(0, self.free.numel() - ids.numel()):]
-        self.free = self.free[: self.free.numel() - reused.numel()]
-        extra = ids.numel() - reused.numel()
+        taken = min(ids.numel(), self.free_top)
+        reused = self.free[self.free_top - taken:self.free_top].clone()
+        self.free_top -= taken
+        extra = ids.numel() - taken
         if extra:
             grown = max(self.slots + extra, 2 * self.slots)
             for name, column in self.columns.items():
                 self.columns[name] = torch.cat([column, column.new_zeros((grown - self.slots,) + column.shape[1:])])
-            self.free = torch.arange(grown - 1, self.slots + extra - 1, -1)
+            self.free = torch.empty(grown, dtype=torch.int64)
+            self.free_top = grown - self.slots - extra
+            torch.arange(grown - 1, self.slots + extra - 1, -1, out=self.free[:self.free_top])
             reused = torch.cat([reused, torch.arange(self.slots, self.slots + extra)])
             self.slots = grown
         self.index.insert(ids, reused)
@@ -454,8 +458,9 @@ class _IdColumns:
         return slots.numel()
 
     def _free(self, slots: torch.Tensor) -> None:
-        self.columns["held"][slots] = False
-        self.free = torch.cat([self.free, slots])
+        self.columns["held"].index_fill_(0, slots, False)
+        self.free[self.free_top:self.free_top + slots.numel()] = slots
+        self.free_top += slots.numel()
 
     def resident(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The ids held and their slots, in slot order."""
