@@ -333,7 +333,7 @@ class _Recording:
 
 def _waiting(model, name, ids):
     unique, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
-    return served_dynamic._Waiting(name, model[name], unique, counts, inverse, (None, None), 1, None)
+    return served_dynamic._Waiting(name, model[name], unique, counts, inverse, (None, None), 1)
 
 
 def test_a_forwards_lookups_and_the_last_steps_evictions_go_to_every_server_in_one_call():

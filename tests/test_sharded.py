@@ -11,7 +11,7 @@ import torch
 
 import gradsync
 from gradsync.tables.row_partition import owners
-from gradsync.worker import served_tables, sharded_tables
+from gradsync.worker import pending_rows, sharded_tables
 from gradsync.worker.sharded_tables import HEADER, ID_CAPACITY
 from helpers import check_timeline_order, max_diff
 from dynamic_models import TABLES, dyn_batch, reference_dynamic, reference_first_sight, train_sharded
@@ -142,7 +142,7 @@ def _train_capped(case: Case, steps: int) -> dict:
     """`train_bags` with at most CAPPED ids per worker in a tagged exchange (most lookups' blocks are larger)
     and one lookup per exchange (the first flushed alone when the second is made)."""
     sharded_tables.ID_CAPACITY = CAPPED  # this rank's own module: it ends with the job
-    served_tables.LOOKUPS_PER_EXCHANGE = 1
+    pending_rows.LOOKUPS_PER_EXCHANGE = 1
     return train_bags(case, steps)
 
 

@@ -12,6 +12,9 @@ a plain tensor in the autograd graph like any lookup's. Reading its shape, dtype
 
 A path that reaches the tensor's data without passing through torch's Python API (a C++ extension handed it
 directly) raises, naming the operation: it never reads rows that have not arrived.
+
+`WaitingLookups` keeps a forward's waiting lookups for their owner (fixed tables, dynamic tables): at most
+`LOOKUPS_PER_EXCHANGE` wait, and `flush` has the owner turn them all into results at once.
 """
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ from collections.abc import Callable
 
 import torch
 from torch.utils import _pytree as pytree
+
+from gradsync.tables.row_partition import LOOKUPS_PER_EXCHANGE
 
 _METADATA = {torch.Tensor.shape.__get__, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.ndim.__get__,
              torch.Tensor.dtype.__get__, torch.Tensor.device.__get__, torch.Tensor.__len__, torch.Tensor.numel}
@@ -78,3 +83,31 @@ def resolved(tree):
     if not any(isinstance(leaf, PendingRows) for leaf in pytree.tree_leaves(tree)):
         return tree
     return pytree.tree_map_only(PendingRows, PendingRows.value, tree)
+
+
+class WaitingLookups:
+    """A forward's lookups waiting for their rows, in model order, each with the `PendingRows` it returned;
+    `results(lookups)` (the owner's: fetch every lookup's rows, keep what the step needs) makes them real."""
+
+    def __init__(self, results: Callable[[list], list[torch.Tensor]]):
+        self._results = results
+        self._waiting: list[tuple[object, PendingRows]] = []
+
+    def add(self, lookup, shape: torch.Size, dtype: torch.dtype) -> PendingRows:
+        """`lookup`'s result, pending; the ones already waiting are fetched first when `LOOKUPS_PER_EXCHANGE`
+        wait."""
+        if len(self._waiting) == LOOKUPS_PER_EXCHANGE:
+            self.flush()
+        pending = PendingRows(shape, dtype, self.flush)
+        self._waiting.append((lookup, pending))
+        return pending
+
+    def flush(self) -> None:
+        """Every waiting lookup's result made real, with gradients whatever the mode of the use that asks."""
+        waiting, self._waiting = self._waiting, []
+        if not waiting:
+            return
+        with torch.enable_grad():
+            results = self._results([lookup for lookup, _ in waiting])
+        for (_, pending), result in zip(waiting, results):
+            pending.resolve(result)

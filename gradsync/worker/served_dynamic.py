@@ -40,8 +40,7 @@ from gradsync.tables.id_hash import server_of
 from gradsync.tables.placement import merge_rows
 from gradsync.tables.row_init import checked_init
 from gradsync.tables.row_optim import ROW_OPTIMIZERS
-from gradsync.tables.row_partition import LOOKUPS_PER_EXCHANGE
-from gradsync.worker.pending_rows import PendingRows, resolved
+from gradsync.worker.pending_rows import WaitingLookups, resolved
 from gradsync.worker.served_tables import not_serving
 
 _COUNTERS = ("admitted", "filtered", "evicted")
@@ -73,8 +72,8 @@ def serve_dynamic(module: nn.Module, capabilities, config, table_optimizer,
 @dataclasses.dataclass(frozen=True)
 class _Waiting:
     """A recording lookup whose rows are not fetched yet: its table and module, the distinct ids with their
-    counts, each input's place among them, the bag's offsets and per-sample weights, the dist_autograd context
-    it was made in, and the `PendingRows` it returned."""
+    counts, each input's place among them, the bag's offsets and per-sample weights, and the dist_autograd
+    context it was made in."""
 
     table: str
     module: DynamicEmbedding
@@ -83,7 +82,6 @@ class _Waiting:
     inverse: torch.Tensor
     bag: tuple
     context: int
-    pending: PendingRows | None
 
 
 class _Lookup:
@@ -108,7 +106,7 @@ class ServedDynamic:
         self.mode = mode
         self._lookups: dict[int, list[_Lookup]] = {}
         self._evictions: dict[int, tuple] = {}  # the last step's evictions by server, not sent yet (`_end_call`)
-        self._waiting: list[_Waiting] = []  # recording lookups whose rows are not fetched yet (`flush`)
+        self._waiting = WaitingLookups(self._results)  # recording lookups whose rows are not fetched yet (`flush`)
         if not self.modules:
             return
         name = next(iter(self.modules))
@@ -158,27 +156,22 @@ class ServedDynamic:
         context = current_context_id()
         if module.training and torch.is_grad_enabled() and context is not None:
             return self._recording(_Waiting(name, module, unique, counts, index.reshape(ids.shape),
-                                            resolved((offsets, per_sample_weights)), context, None))
+                                            resolved((offsets, per_sample_weights)), context))
         return module.embed(index.reshape(ids.shape), self._read(name, unique), offsets, per_sample_weights)
 
     def _recording(self, lookup: _Waiting) -> torch.Tensor:
         """A recording lookup's result: pending until one of the forward's lookups is used (`flush`)."""
-        if len(self._waiting) == LOOKUPS_PER_EXCHANGE:
-            self.flush()
-        pending = PendingRows(lookup.module.output_shape(lookup.inverse, lookup.bag[0]), lookup.module.table.dtype,
-                              self.flush)
-        self._waiting.append(dataclasses.replace(lookup, pending=pending))
-        return pending
+        return self._waiting.add(lookup, lookup.module.output_shape(lookup.inverse, lookup.bag[0]),
+                                 lookup.module.table.dtype)
 
     def flush(self) -> None:
-        """Look up every waiting lookup's ids (`_record_all`: one call per server) and make each one's result
-        real, its rows a leaf kept for the step's push."""
-        waiting, self._waiting = self._waiting, []
-        if not waiting:
-            return
-        for w, rows in zip(waiting, self._record_all(waiting)):
-            with torch.enable_grad():  # made with gradients, whatever the mode of the use that fetches it
-                w.pending.resolve(w.module.embed(w.inverse, rows, *w.bag))
+        """Look up every waiting lookup's ids and make each one's result real (`_results`)."""
+        self._waiting.flush()
+
+    def _results(self, waiting: list[_Waiting]) -> list[torch.Tensor]:
+        """The waiting lookups' results, looked up together (`_record_all`: one call per server), each lookup's
+        rows a leaf kept for the step's push."""
+        return [w.module.embed(w.inverse, rows, *w.bag) for w, rows in zip(waiting, self._record_all(waiting))]
 
     def forward_ended(self, module: nn.Module, inputs, output):
         """Forward hook of the user's module: the lookups still waiting are fetched, and their results in its

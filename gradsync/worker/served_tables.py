@@ -27,8 +27,7 @@ from gradsync.core.optimizer_spec import OptimizerSpec
 from gradsync.tables.row_optim import exact_row_optimizer, no_row_form
 from gradsync.tables.placement import check_ids, find_tables, join_rows, merge_rows, split_ids, table_specs
 from gradsync.core.torch_internals import current_context_id
-from gradsync.tables.row_partition import LOOKUPS_PER_EXCHANGE
-from gradsync.worker.pending_rows import PendingRows, resolved
+from gradsync.worker.pending_rows import WaitingLookups, resolved
 from gradsync.ps.messages import RowGrads, TableSetup
 
 
@@ -59,7 +58,7 @@ def output_shape(module: nn.Module, input: torch.Tensor, offsets=None) -> torch.
 class _Waiting:
     """A lookup with gradients whose rows are not fetched yet: its table, what its result is computed from once
     they are (the module, the unique ids, each input's place among them, the bag's offsets and per-sample
-    weights), the dist_autograd context it was made in, and the `PendingRows` it returned."""
+    weights) and the dist_autograd context it was made in."""
 
     table: str
     module: nn.Module
@@ -67,7 +66,6 @@ class _Waiting:
     inverse: torch.Tensor
     bag: tuple
     context: int | None
-    pending: PendingRows
 
 
 class ServedTables:
@@ -89,7 +87,7 @@ class ServedTables:
         self.transport = None  # set by the strategy before the first forward
         self.serving = False  # set by the strategy once the servers answer: the module's state_dict gathers
         self._lookups: dict[int, list[_Lookup]] = {}
-        self._waiting: list[_Waiting] = []  # lookups whose rows are not fetched yet (`flush`), in model order
+        self._waiting = WaitingLookups(self._results)  # lookups whose rows are not fetched yet (`flush`)
 
     def model_sizes(self, trainable: int) -> dict[str, int]:
         """What `gradsync compare --predict` models of `trainable` elements: dense, and in served tables."""
@@ -137,25 +135,23 @@ class ServedTables:
         if not torch.is_grad_enabled():
             values, _ = self._pull(name, ids)
             return self._embed(module, ids, inverse, values, offsets, per_sample_weights)
-        if len(self._waiting) == LOOKUPS_PER_EXCHANGE:
-            self.flush()
-        pending = PendingRows(output_shape(module, input, offsets), self.dtypes[name], self.flush)
-        self._waiting.append(_Waiting(name, module, ids, inverse, resolved((offsets, per_sample_weights)),
-                                      current_context_id(), pending))
-        return pending
+        waiting = _Waiting(name, module, ids, inverse, resolved((offsets, per_sample_weights)), current_context_id())
+        return self._waiting.add(waiting, output_shape(module, input, offsets), self.dtypes[name])
 
     def flush(self) -> None:
-        """Fetch the rows of every waiting lookup (`_fetch`) and make each lookup's result real, its rows a leaf
+        """Fetch the rows of every waiting lookup and make each lookup's result real (`_results`)."""
+        self._waiting.flush()
+
+    def _results(self, waiting: list[_Waiting]) -> list[torch.Tensor]:
+        """The waiting lookups' results, their rows fetched together (`_fetch`), each lookup's rows a leaf
         recorded for the step to send its gradients."""
-        waiting, self._waiting = self._waiting, []
-        if not waiting:
-            return
+        out = []
         for w, (values, pulled) in zip(waiting, self._fetch(waiting)):
             leaf = values.requires_grad_()
             if w.context is not None:
                 self.record(w.context, w.table, w.ids, leaf, pulled)
-            with torch.enable_grad():  # made with gradients, whatever the mode of the use that fetches it
-                w.pending.resolve(self._embed(w.module, w.ids, w.inverse, leaf, *w.bag))
+            out.append(self._embed(w.module, w.ids, w.inverse, leaf, *w.bag))
+        return out
 
     def forward_ended(self, module: nn.Module, inputs, output):
         """Forward hook of the user's module: the lookups still waiting are fetched, and their results in its
