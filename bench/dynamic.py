@@ -18,7 +18,7 @@ by RowAdagrad, the head by Adagrad.
   Every `--sample-every` steps each server's VmRSS (/proc; the servers are the job's ranks that are not
   workers) and its resident rows. Target: every server's RSS (the largest sample) <= 1.5 x (capacity x bytes
   per row + its RSS in the empty job), bytes per row = the row + the row optimizer's state + the index (id,
-  last step and lookup count: 24 bytes; the id index at most 4 buckets of 17 bytes; the recency log at most
+  last step and lookup count: 24 bytes; the id index at most 4 buckets of 16 bytes; the recency log at most
   2 entries of 12 bytes). The empty job is the same job with a table of `--empty-capacity` rows for
   `--empty-steps` steps, run first (its RSS: the median over its second half). Flat: each server's largest / smallest RSS sample over the second half of the stream
   <= 1.05. Also each server's RSS over its own share (the most rows it held x bytes per row + its empty RSS),
@@ -80,8 +80,8 @@ PARTS = ("memory", "speed", "quality", "torchrec")
 LR = 0.05
 SLOT_BYTES = 24
 """Per resident row besides its values and optimizer state: its id, last step and lookup count (int64 each)."""
-INDEX_BYTES = 4 * 17 + 2 * 12
-"""The id index per id at most: 4 buckets of 17 bytes (key, value, state), `tables/id_index.py`; and 2 entries of
+INDEX_BYTES = 4 * 16 + 2 * 12
+"""The id index per id at most: 4 buckets of 16 bytes (id, value), `tables/id_index.py`; and 2 entries of
 12 bytes in the recency log (slot, step), `tables/recency_log.py`."""
 RSS_BOUND, FLAT_BOUND, SPEED_BOUND, AUC_WITHIN, TORCHREC_AUC_MARGIN, THROUGHPUT_BOUND = 1.5, 1.05, 0.7, 0.005, 0.002, 2
 FILL_MARGIN = 1.1

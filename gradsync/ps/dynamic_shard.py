@@ -35,7 +35,7 @@ from gradsync.ps.messages import DynamicSetup
 from gradsync.ps.table_shard import TableStats
 from gradsync.tables.dynamic_checkpoint import rehomed
 from gradsync.tables.dynamic_table import DynamicTable
-from gradsync.tables.id_hash import server_of
+from gradsync.tables.id_hash import misplaced, server_of
 
 CANDIDATE_SHARE, CANDIDATE_MARGIN = 1.25, 64
 """How many eviction candidates `end` sends, beyond what it expects to lose (module docstring)."""
@@ -101,17 +101,18 @@ class DynamicShard:
 
     def _rows(self, slots: torch.Tensor) -> torch.Tensor:
         rows = self.table.weight.index_select(0, slots.clamp(min=0))
-        return rows.masked_fill_((slots < 0).unsqueeze(1), 0)
+        absent = (slots < 0).nonzero().squeeze(1)
+        return rows.index_fill_(0, absent, 0) if absent.numel() else rows
 
     def _check_ids(self, ids, what: str, worker: int | str = "a client") -> None:
         if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1:
             raise GradientError(f"{worker}: {what} of dynamic table {self.name!r} needs a 1-D int64 tensor of ids")
-        if not bool((ids[1:] > ids[:-1]).all()) and ids.unique().numel() != ids.numel():  # ascending: distinct
+        unordered, elsewhere = misplaced(ids, self.num_servers, self.server)
+        if unordered >= 0 and ids.unique().numel() != ids.numel():  # ascending: distinct
             raise GradientError(f"{worker}: {what} of dynamic table {self.name!r} repeats ids: send each once")
-        elsewhere = ids[server_of(ids, self.num_servers) != self.server]
-        if elsewhere.numel():
-            raise GradientError(f"{worker}: id {int(elsewhere[0])} of dynamic table {self.name!r} is on server "
-                                f"{int(server_of(elsewhere[:1], self.num_servers))}, not {self.server}")
+        if elsewhere >= 0:
+            raise GradientError(f"{worker}: id {int(ids[elsewhere])} of dynamic table {self.name!r} is on server "
+                                f"{int(server_of(ids[elsewhere:elsewhere + 1], self.num_servers))}, not {self.server}")
 
     def check_push(self, worker: int, ids, grads) -> None:
         """Validate one worker's row gradients: distinct ids of rows resident here, one row of `dim` each."""

@@ -34,8 +34,8 @@ changed (looked up, created, updated) since the last full one, with the ids that
 restore exactly (`tables.dynamic_checkpoint`, `load`).
 
 Memory: per slot the row, its id, last step and lookup count (24 bytes), changed and held flags (2 bytes), its
-place in the stack of free slots (8 bytes) and the row optimizer's state; per waiting id 26 bytes; per id of the last full checkpoint 8 bytes; each id index 17 bytes
-per bucket, 2 to 4 buckets per id; each recency log (`tables.recency_log`: the ids by last step, which LRU
+place in the stack of free slots (8 bytes) and the row optimizer's state; per waiting id 26 bytes; per id of
+the last full checkpoint 8 bytes; each id index 16 bytes per bucket, 2 to 4 buckets per id; each recency log (`tables.recency_log`: the ids by last step, which LRU
 eviction, `ttl_steps` and forgetting waiting ids read instead of every id) 12 bytes an entry, up to 2 per id,
 and under LFU up to 2 more in the logs by lookup count.
 """
@@ -58,6 +58,7 @@ LFU_LOGS = 16
 least (0: rows loaded without their counts); where it must go beyond them it ranks every row."""
 _ADMIT_WORD = 0x61646D6974  # b"admit"
 _NEVER = -(1 << 62)  # an arriving id's last step, until it is looked up (sighted)
+_NONE = torch.zeros(0, dtype=torch.int64).numpy()  # an absent array of the compiled loops
 
 
 class DynamicTable:
@@ -115,7 +116,11 @@ class DynamicTable:
         self._check_step(step, "lookup")
         slots = self.find(ids)
         missing = (slots < 0).nonzero().squeeze(1)
-        if missing.numel():
+        if missing.numel() and self.admit_after == 1 and self.admit_probability is None:  # all admitted
+            new_ids = ids[missing]
+            rows = checked_init(self.init, new_ids, self.dim, self.dtype, self.name)
+            slots[missing] = self._create(new_ids, rows)
+        elif missing.numel():
             new_ids = ids[missing]
             admitted, waiting_slots, sightings = self._admission(new_ids, step)
             created = new_ids[admitted]
@@ -126,13 +131,9 @@ class DynamicTable:
                 if len(self.waiting):
                     self.waiting.drop(waiting_slots[admitted & (waiting_slots >= 0)])
                 slots[missing[admitted]] = self._create(created, rows)
-        present = slots >= 0
-        seen = slots.masked_select(present)
-        self.rows.touch(seen, step)
-        self.rows.columns["lookups"].index_add_(0, seen, occurrences.masked_select(present))
+        self.counters["filtered"] += self.rows.touch(slots, step, occurrences)
         if self.by_lookups:
-            self._log_lookups(seen, step)
-        self.counters["filtered"] += int(occurrences.masked_select(~present).sum())
+            self._log_lookups(slots[slots >= 0], step)
         return slots
 
     def ids_at(self, slots: torch.Tensor) -> torch.Tensor:
@@ -183,8 +184,8 @@ class DynamicTable:
             return self.rows.oldest(count)
         found, left = [], count
         for log in self.by_lookups:
-            slots, steps = log.oldest(left)
-            found.append(torch.stack([torch.full_like(steps, log.lookups), steps, self.rows.columns["id"][slots]], 1))
+            slots, steps, ids = log.oldest(left)
+            found.append(torch.stack([torch.full_like(steps, log.lookups), steps, ids], 1))
             left -= slots.numel()
             if not left:
                 keys = torch.cat(found)
@@ -291,8 +292,6 @@ class DynamicTable:
         """For distinct ids not resident, looked up at `step`: which are admitted, the slot of each in `waiting`
         (-1: not waiting) and its sightings counting this step (a later lookup in the same step finds the step
         counted and the same decision)."""
-        if self.admit_after == 1 and self.admit_probability is None:
-            return torch.ones_like(ids, dtype=torch.bool), torch.full_like(ids, -1), torch.ones_like(ids)
         waiting_slots = self.waiting.index.find(ids)
         held, at = waiting_slots >= 0, waiting_slots.clamp(min=0)
         before = torch.where(held, self.waiting.columns["sightings"][at], 0)
@@ -406,40 +405,47 @@ class _IdColumns:
         return len(self.index)
 
     def add(self, ids: torch.Tensor) -> torch.Tensor:
-        """Slots for distinct ids not held yet: freed slots first, then new ones."""
-        taken = min(ids.numel(), self.free_top)
-        reused = self.free[self.free_top - taken:self.free_top].clone()
-        self.free_top -= taken
-        extra = ids.numel() - taken
-        if extra:
-            grown = max(self.slots + extra, 2 * self.slots)
-            for name, column in self.columns.items():
-                self.columns[name] = torch.cat([column, column.new_zeros((grown - self.slots,) + column.shape[1:])])
-            self.free = torch.empty(grown, dtype=torch.int64)
-            self.free_top = grown - self.slots - extra
-            torch.arange(grown - 1, self.slots + extra - 1, -1, out=self.free[:self.free_top])
-            reused = torch.cat([reused, torch.arange(self.slots, self.slots + extra)])
-            self.slots = grown
-        self.index.insert(ids, reused)
-        self.columns["id"].index_copy_(0, reused, ids)
-        self.columns["changed"].index_fill_(0, reused, True)
-        self.columns["held"].index_fill_(0, reused, True)
-        self.columns["last_step"].index_fill_(0, reused, _NEVER)
-        return reused
+        """Slots for distinct ids not held yet (from the top of the stack of free slots, which grows with the
+        columns when it runs short)."""
+        ids = ids.contiguous()
+        if ids.numel() > self.free_top:
+            self._grow(ids.numel() - self.free_top)
+        slots = torch.empty_like(ids)
+        c = self.columns
+        self.free_top = _table_loops.claim(self.free.numpy(), self.free_top, ids.numpy(), c["id"].numpy(),
+                                           c["changed"].numpy(), c["held"].numpy(), c["last_step"].numpy(), _NEVER,
+                                           slots.numpy())
+        self.index.insert(ids, slots)
+        return slots
 
-    def touch(self, slots: torch.Tensor, step: int) -> None:
-        """The ids in the distinct `slots` were looked up (sighted) at `step`: changed (`mark`), their last step
-        `step`, in the log once a step."""
+    def _grow(self, extra: int) -> None:
+        """At least `extra` more slots (twice as many at least), free: below the free ones on the stack, so
+        that freed slots are taken first."""
+        grown = max(self.slots + extra, 2 * self.slots)
+        for name, column in self.columns.items():
+            self.columns[name] = torch.cat([column, column.new_zeros((grown - self.slots,) + column.shape[1:])])
+        free = torch.empty(grown, dtype=torch.int64)
+        torch.arange(grown - 1, self.slots - 1, -1, out=free[:grown - self.slots])
+        free[grown - self.slots:grown - self.slots + self.free_top] = self.free[:self.free_top]
+        self.free, self.free_top, self.slots = free, grown - self.slots + self.free_top, grown
+
+    def touch(self, slots: torch.Tensor, step: int, counts: torch.Tensor | None = None) -> int:
+        """The ids in the distinct `slots` (-1: none, skipped) were looked up (sighted) at `step`: changed
+        (`mark`), their last step `step`, in the log once a step; with `counts`, each slot's count added to the
+        column `lookups`. Returns the counts of the skipped summed."""
         slots = slots.contiguous()
         fresh = torch.empty_like(slots)
-        count = _table_loops.touch(self.columns["last_step"].numpy(), self.columns["changed"].numpy(),
-                                   slots.numpy(), step, fresh.numpy())
-        self.log.append(fresh[:count], step)
+        counted = counts is not None
+        fresh_count, skipped = _table_loops.touch(
+            self.columns["last_step"].numpy(), self.columns["changed"].numpy(),
+            self.columns["lookups"].numpy() if counted else _NONE, slots.numpy(),
+            counts.contiguous().numpy() if counted else _NONE, step, fresh.numpy())
+        self.log.append(fresh[:fresh_count], step)
+        return skipped
 
     def oldest(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The ids of the `count` first by (last step, id), in no particular order, and their keys [count, 2]."""
-        slots, steps = self.log.oldest(count)
-        ids = self.columns["id"][slots]
+        _, steps, ids = self.log.oldest(count)
         return ids, torch.stack([steps, ids], dim=1)
 
     def mark(self, slots: torch.Tensor) -> None:

@@ -60,3 +60,9 @@ def server_of(ids: torch.Tensor, num_servers: int) -> torch.Tensor:
     out = torch.empty_like(src)
     _table_loops.server_of(src.numpy(), _SERVER_WORD, num_servers, out.numpy())
     return out.to(ids.device)
+
+
+def misplaced(ids: torch.Tensor, num_servers: int, server: int) -> tuple[int, int]:
+    """For the ids sent to `server` (1-D int64): the position of the first that is not above the one before it,
+    and of the first that `server_of` places on another server; -1 where none. One compiled pass."""
+    return _table_loops.placement(ids.contiguous().numpy(), _SERVER_WORD, num_servers, server)

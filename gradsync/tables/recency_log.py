@@ -57,36 +57,19 @@ class RecencyLog:
         order = torch.argsort(steps, stable=True)
         self._refill(slots[order], steps[order])
 
-    def oldest(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def oldest(self, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The slots of the `count` ids first by (last step, id) (every id held, when fewer), in no particular
-        order, with their last steps. The stale entries before the last one read are dropped."""
-        none = torch.zeros(0, dtype=torch.int64)
+        order, with their last steps and ids. The stale entries before the last one read are dropped (compiled:
+        one pass, the count-th's step's ids ordered by a selection)."""
         if count <= 0:
-            return none, none
-        found, steps, total, pos = [none], [none], 0, self.head
-        while pos < self.tail and total < count:
-            end = min(pos + count - total + MIN_ROOM, self.tail)
-            slots, at = self._live(pos, end)
-            found.append(slots)
-            steps.append(at)
-            total, pos = total + slots.numel(), end
-        threshold = int(torch.cat(steps)[count - 1]) if total >= count else None  # the count-th id's last step
-        if threshold is not None:  # and the rest of that step's entries
-            end = pos + int(torch.searchsorted(self.steps[pos:self.tail], threshold, right=True))
-            slots, at = self._live(pos, end)
-            found.append(slots)
-            steps.append(at)
-            total, pos = total + slots.numel(), end
-        slots, at = torch.cat(found), torch.cat(steps)
-        self._keep(pos, slots, at)
-        if total <= count:
-            return slots, at
-        before = at < threshold
-        tied = slots[at == threshold]
-        ids = self.columns["id"][tied]
-        first = torch.topk(ids, count - int(before.sum()), largest=False, sorted=False).indices
-        chosen = torch.cat([slots[before], tied[first]])
-        return chosen, torch.cat([at[before], at.new_full((first.numel(),), threshold)])
+            return (torch.zeros(0, dtype=torch.int64),) * 3
+        out = torch.empty(3, count, dtype=torch.int64)
+        c = self.columns
+        chosen, self.head = _table_loops.oldest(
+            self.slots.numpy(), self.steps.numpy(), self.head, self.tail, c["held"].numpy(), c["last_step"].numpy(),
+            c["lookups"].numpy() if "lookups" in c else _NO_COUNTS, -1 if self.lookups is None else self.lookups,
+            c["id"].numpy(), count, *out.numpy())
+        return tuple(out[:, :chosen])
 
     def pop_until(self, step: int) -> torch.Tensor:
         """The slots of the ids whose last step is `step` or earlier, taken out of the log: the caller lets them
@@ -105,12 +88,6 @@ class RecencyLog:
                                  c["last_step"].numpy(), c["lookups"].numpy() if "lookups" in c else _NO_COUNTS,
                                  -1 if self.lookups is None else self.lookups, slots.numpy(), steps.numpy())
         return slots[:kept], steps[:kept]
-
-    def _keep(self, end: int, slots: torch.Tensor, steps: torch.Tensor) -> None:
-        """The entries before `end` become `slots` with `steps` (their live ones, in order)."""
-        self.head = end - slots.numel()
-        self.slots[self.head:end] = slots
-        self.steps[self.head:end] = steps
 
     def _compact(self, extra: int) -> None:
         """Drop the stale entries; room for `extra` more and as many again as are left."""

@@ -17,7 +17,7 @@ _INIT_WORD = 0x696E6974  # b"init": keeps the init stream apart from the admissi
 class HashedUniform:
     """gradsync's default init: element j of id's row is `(2 u - 1) / sqrt(dim)`, u in [0, 1) the
     `unit_interval` of `keyed(id, seed, b"init", j)` (tables/id_hash.py); computed in float64 (compiled:
-    tables/table_loops.c), then cast to `dtype`.
+    tables/table_loops.c), then rounded to `dtype` (float32 in the same loop).
     A dataclass, so that it pickles by value to the processes that create rows."""
 
     dim: int
@@ -26,8 +26,10 @@ class HashedUniform:
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1).to("cpu", torch.int64).contiguous()
-        rows = torch.empty(flat.numel(), self.dim, dtype=torch.float64)
-        _table_loops.hashed_uniform(flat.numpy(), _signed(self.seed), _INIT_WORD, self.dim ** 0.5, rows.numpy())
+        direct = self.dtype in (torch.float32, torch.float64)  # written as they are, else cast from float64
+        rows = torch.empty(flat.numel(), self.dim, dtype=self.dtype if direct else torch.float64)
+        _table_loops.hashed_uniform(flat.numpy(), _signed(self.seed), _INIT_WORD, self.dim ** 0.5,
+                                    rows.dtype == torch.float64, rows.numpy())
         return rows.to(self.dtype)
 
 

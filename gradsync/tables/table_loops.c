@@ -7,17 +7,16 @@
  * Every function takes its arrays as writable or read-only buffers (numpy views of torch tensors), checks
  * their lengths against each other, and runs without the GIL.
  *
- * The id index is three arrays of `buckets` entries (a power of two): keys (int64), values (int64) and state
- * (uint8: 0 empty, 1 full). An id starts at mix64(id) & (buckets - 1) and probes linearly; the caller keeps the
- * ids under half the buckets, so every probe ends at an empty bucket. A removal shifts back the ids after it on
- * their probes (Knuth's algorithm R for linear probing), so no bucket is left marked deleted and a probe never
- * walks past removed ids.
+ * The id index is one array of `buckets` pairs (a power of two) of int64: (id, value), the value -1 in an empty
+ * bucket (values are >= 0), so that a probe reads one cache line. An id starts at mix64(id) & (buckets - 1) and
+ * probes linearly; the caller keeps the ids under half the buckets, so every probe ends at an empty bucket. A
+ * removal shifts back the ids after it on their probes (Knuth's algorithm R for linear probing), so no bucket
+ * is left marked deleted and a probe never walks past removed ids.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
-
-enum { EMPTY = 0, FULL = 1 };
+#include <string.h>
 
 /* SplitMix64's finaliser (Steele, Lea, Flood 2014): a bijection of the 64-bit patterns. */
 static inline uint64_t mix64(uint64_t z) {
@@ -28,7 +27,12 @@ static inline uint64_t mix64(uint64_t z) {
 }
 
 typedef struct {
-    Py_buffer keys, values, state;
+    int64_t id, value;  /* value -1: empty */
+} Bucket;
+
+typedef struct {
+    Py_buffer view;
+    Bucket *bucket;
     uint64_t mask;
 } Table;
 
@@ -43,113 +47,114 @@ static PyObject *released(Py_buffer *views[], int count, PyObject *result) {
     return result;
 }
 
-/* Parses an index call's arguments (keys, values, state, ids, other) by `format` and checks them: the index's
- * arrays, and ids and `other` (named `what` in the error) int64 arrays of one length. 0 with an error set and
- * every buffer released where they are not. */
+/* Parses an index call's arguments (buckets, ids, other) by `format` and checks them: the index's buckets,
+ * and ids and `other` (named `what` in the error) int64 arrays of one length. 0 with an error set and every
+ * buffer released where they are not. */
 static int index_call(PyObject *args, const char *format, const char *call, const char *what, Table *t,
                       Py_buffer *ids, Py_buffer *other) {
-    Py_buffer *views[] = {&t->keys, &t->values, &t->state, ids, other};
-    if (!PyArg_ParseTuple(args, format, &t->keys, &t->values, &t->state, ids, other)) return 0;
-    Py_ssize_t buckets = t->state.len;
-    if (t->keys.len != 8 * buckets || t->values.len != 8 * buckets || buckets == 0 || (buckets & (buckets - 1)))
-        PyErr_SetString(PyExc_ValueError, "index arrays: keys and values int64, state uint8, a power of two each");
+    Py_buffer *views[] = {&t->view, ids, other};
+    if (!PyArg_ParseTuple(args, format, &t->view, ids, other)) return 0;
+    Py_ssize_t buckets = t->view.len / (Py_ssize_t)sizeof(Bucket);
+    if (t->view.len % sizeof(Bucket) || buckets == 0 || (buckets & (buckets - 1)))
+        PyErr_SetString(PyExc_ValueError, "index buckets: int64 (id, value) pairs, a power of two of them");
     else if (ids->len != other->len || ids->len % 8)
         PyErr_Format(PyExc_ValueError, "%s: ids and %s must be int64 arrays of one length", call, what);
     else {
+        t->bucket = t->view.buf;
         t->mask = (uint64_t)buckets - 1;
         return 1;
     }
-    release(views, 5);
+    release(views, 3);
     return 0;
 }
 
 /* The bucket holding `id`, or -1. */
 static inline int64_t bucket_of(const Table *t, int64_t id) {
-    const int64_t *keys = t->keys.buf;
-    const uint8_t *state = t->state.buf;
     uint64_t pos = mix64((uint64_t)id) & t->mask;
     for (;;) {
-        uint8_t s = state[pos];
-        if (s == EMPTY) return -1;
-        if (keys[pos] == id) return (int64_t)pos;
+        const Bucket *b = &t->bucket[pos];
+        if (b->value < 0) return -1;
+        if (b->id == id) return (int64_t)pos;
         pos = (pos + 1) & t->mask;
     }
 }
 
-/* find(keys, values, state, ids, out): out[i] = the value of ids[i], -1 where absent. */
+/* find(buckets, ids, out): out[i] = the value of ids[i], -1 where absent. */
 static PyObject *find(PyObject *self, PyObject *args) {
     Table t = {0};
     Py_buffer ids = {0}, out = {0};
-    Py_buffer *views[] = {&t.keys, &t.values, &t.state, &ids, &out};
-    if (!index_call(args, "y*y*y*y*w*", "find", "out", &t, &ids, &out)) return NULL;
+    Py_buffer *views[] = {&t.view, &ids, &out};
+    if (!index_call(args, "y*y*w*", "find", "out", &t, &ids, &out)) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    const int64_t *id = ids.buf, *values = t.values.buf;
+    const int64_t *id = ids.buf;
     int64_t *result = out.buf;
     Py_ssize_t n = ids.len / 8;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t at = bucket_of(&t, id[i]);
-        result[i] = at < 0 ? -1 : values[at];
+        result[i] = at < 0 ? -1 : t.bucket[at].value;
     }
     Py_END_ALLOW_THREADS
-    return released(views, 5, Py_NewRef(Py_None));
+    return released(views, 3, Py_NewRef(Py_None));
 }
 
-/* insert(keys, values, state, ids, new_values): each of the distinct absent ids into the first empty bucket along
- * its probe. */
+/* insert(buckets, ids, values): each of the distinct absent ids, with its value, into the first empty bucket
+ * along its probe; nothing where a value is negative. */
 static PyObject *insert(PyObject *self, PyObject *args) {
     Table t = {0};
     Py_buffer ids = {0}, vals = {0};
-    Py_buffer *views[] = {&t.keys, &t.values, &t.state, &ids, &vals};
-    if (!index_call(args, "w*w*w*y*y*", "insert", "values", &t, &ids, &vals)) return NULL;
+    Py_buffer *views[] = {&t.view, &ids, &vals};
+    Py_ssize_t bad = 0;
+    if (!index_call(args, "w*y*y*", "insert", "values", &t, &ids, &vals)) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    int64_t *keys = t.keys.buf, *values = t.values.buf;
-    uint8_t *state = t.state.buf;
     const int64_t *id = ids.buf, *value = vals.buf;
     Py_ssize_t n = ids.len / 8;
-    for (Py_ssize_t i = 0; i < n; i++) {
+    for (Py_ssize_t i = 0; i < n && !bad; i++) bad = value[i] < 0;
+    for (Py_ssize_t i = 0; i < n && !bad; i++) {
         uint64_t pos = mix64((uint64_t)id[i]) & t.mask;
-        while (state[pos] == FULL) pos = (pos + 1) & t.mask;
-        keys[pos] = id[i];
-        values[pos] = value[i];
-        state[pos] = FULL;
+        while (t.bucket[pos].value >= 0) pos = (pos + 1) & t.mask;
+        t.bucket[pos].id = id[i];
+        t.bucket[pos].value = value[i];
     }
     Py_END_ALLOW_THREADS
-    return released(views, 5, Py_NewRef(Py_None));
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "insert: values must be >= 0");
+        return released(views, 3, NULL);
+    }
+    return released(views, 3, Py_NewRef(Py_None));
 }
 
-/* remove(keys, values, state, ids, out): each present id leaves the index and its value goes to the front of
- * out, in the order of ids; returns how many were present. The ids after it on the run of full buckets move
- * back into the hole where their probe passes it. */
+/* remove(buckets, ids, out): each present id leaves the index and its value goes to the front of out, in the
+ * order of ids; returns how many were present. The ids after it on the run of full buckets move back into the
+ * hole where their probe passes it. */
 static PyObject *remove_ids(PyObject *self, PyObject *args) {
     Table t = {0};
     Py_buffer ids = {0}, out = {0};
-    Py_buffer *views[] = {&t.keys, &t.values, &t.state, &ids, &out};
+    Py_buffer *views[] = {&t.view, &ids, &out};
     Py_ssize_t removed = 0;
-    if (!index_call(args, "w*w*w*y*w*", "remove", "out", &t, &ids, &out)) return NULL;
+    if (!index_call(args, "w*y*w*", "remove", "out", &t, &ids, &out)) return NULL;
     Py_BEGIN_ALLOW_THREADS
     const int64_t *id = ids.buf;
-    int64_t *keys = t.keys.buf, *values = t.values.buf, *result = out.buf;
-    uint8_t *state = t.state.buf;
+    int64_t *result = out.buf;
+    Bucket *bucket = t.bucket;
     Py_ssize_t n = ids.len / 8;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t at = bucket_of(&t, id[i]);
         if (at < 0) continue;
-        result[removed++] = values[at];
+        result[removed++] = bucket[at].value;
         uint64_t hole = (uint64_t)at, pos = hole;
         for (;;) {
             pos = (pos + 1) & t.mask;
-            if (state[pos] == EMPTY) break;
-            uint64_t home = mix64((uint64_t)keys[pos]) & t.mask;
+            if (bucket[pos].value < 0) break;
+            uint64_t home = mix64((uint64_t)bucket[pos].id) & t.mask;
             if (((pos - home) & t.mask) >= ((pos - hole) & t.mask)) {  /* its probe passes the hole */
-                keys[hole] = keys[pos];
-                values[hole] = values[pos];
+                bucket[hole] = bucket[pos];
                 hole = pos;
             }
         }
-        state[hole] = EMPTY;
+        bucket[hole].value = -1;
     }
     Py_END_ALLOW_THREADS
-    return released(views, 5, PyLong_FromSsize_t(removed));
+    return released(views, 3, PyLong_FromSsize_t(removed));
 }
 
 /* mix64(src, dst): dst[i] = mix64(src[i]), int64 bit patterns. */
@@ -195,29 +200,59 @@ fail:
     return released(views, 2, NULL);
 }
 
-/* hashed_uniform(ids, seed, word, denominator, out): row i of out ([len(ids), dim] float64) is
- * (2 u - 1) / denominator, u the top 53 bits of mix64(h ^ j) / 2^53, h = mix64(mix64(mix64(id) ^ seed) ^ word):
- * `keyed(id, seed, word, j)` of tables/id_hash.py, computed as its tensor form would be. */
+/* placement(ids, word, servers, server): for a server's ids, (the position of the first id not above the one
+ * before it, the position of the first that `server_of` with `word` places on another server), -1 where none. */
+static PyObject *placement(PyObject *self, PyObject *args) {
+    Py_buffer ids = {0};
+    Py_buffer *views[] = {&ids};
+    long long word, servers, server;
+    Py_ssize_t unordered = -1, elsewhere = -1;
+    if (!PyArg_ParseTuple(args, "y*LLL", &ids, &word, &servers, &server)) goto fail;
+    if (ids.len % 8 || servers < 1) {
+        PyErr_SetString(PyExc_ValueError, "placement: int64 ids, servers >= 1");
+        goto fail;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    const int64_t *id = ids.buf;
+    Py_ssize_t n = ids.len / 8;
+    for (Py_ssize_t i = 0; i < n && (unordered < 0 || elsewhere < 0); i++) {
+        if (unordered < 0 && i && id[i] <= id[i - 1]) unordered = i;
+        if (elsewhere < 0 && (long long)((mix64(mix64((uint64_t)id[i]) ^ (uint64_t)word) >> 1) % (uint64_t)servers)
+                != server) elsewhere = i;
+    }
+    Py_END_ALLOW_THREADS
+    return released(views, 1, Py_BuildValue("nn", unordered, elsewhere));
+fail:
+    return released(views, 1, NULL);
+}
+
+/* hashed_uniform(ids, seed, word, denominator, wide, out): row i of out ([len(ids), dim], float64 where `wide`,
+ * else float32: the float64 value rounded to nearest, as a cast) is (2 u - 1) / denominator, u the top 53 bits
+ * of mix64(h ^ j) / 2^53, h = mix64(mix64(mix64(id) ^ seed) ^ word): `keyed(id, seed, word, j)` of
+ * tables/id_hash.py, computed as its tensor form would be. */
 static PyObject *hashed_uniform(PyObject *self, PyObject *args) {
     Py_buffer ids = {0}, out = {0};
     Py_buffer *views[] = {&ids, &out};
     long long seed, word;
     double denominator;
-    if (!PyArg_ParseTuple(args, "y*LLdw*", &ids, &seed, &word, &denominator, &out)) goto fail;
-    Py_ssize_t n = ids.len / 8;
-    if (ids.len % 8 || (n && (out.len % (8 * n) || out.len == 0))) {
-        PyErr_SetString(PyExc_ValueError, "hashed_uniform: int64 ids and a float64 row of dim per id");
+    int wide;
+    if (!PyArg_ParseTuple(args, "y*LLdpw*", &ids, &seed, &word, &denominator, &wide, &out)) goto fail;
+    Py_ssize_t n = ids.len / 8, size = wide ? 8 : 4;
+    if (ids.len % 8 || (n && (out.len % (size * n) || out.len == 0))) {
+        PyErr_SetString(PyExc_ValueError, "hashed_uniform: int64 ids and a float row of dim per id");
         goto fail;
     }
     Py_BEGIN_ALLOW_THREADS
     const uint64_t *id = ids.buf;
-    double *row = out.buf;
-    Py_ssize_t dim = n ? out.len / (8 * n) : 0;
+    double *wide_row = out.buf;
+    float *row = out.buf;
+    Py_ssize_t dim = n ? out.len / (size * n) : 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         uint64_t h = mix64(mix64(mix64(id[i]) ^ (uint64_t)seed) ^ (uint64_t)word);
         for (Py_ssize_t j = 0; j < dim; j++) {
-            double u = (double)(mix64(h ^ (uint64_t)j) >> 11) * 0x1p-53;
-            row[i * dim + j] = (2 * u - 1) / denominator;
+            double u = (double)(mix64(h ^ (uint64_t)j) >> 11) * 0x1p-53, value = (2 * u - 1) / denominator;
+            if (wide) wide_row[i * dim + j] = value;
+            else row[i * dim + j] = (float)value;
         }
     }
     Py_END_ALLOW_THREADS
@@ -226,28 +261,39 @@ fail:
     return released(views, 2, NULL);
 }
 
-/* touch(last_step, changed, slots, step, out): the ids in the distinct `slots` were looked up at `step`: each
- * slot's `changed` flag set, and the slots whose last step was not yet `step` written to the front of out (their
- * recency log entries) before their last step becomes `step`; returns how many. */
+/* touch(last_step, changed, lookups, slots, counts, step, out): the ids in the distinct `slots` were looked up
+ * at `step` (a slot of -1: an id not admitted, skipped): each slot's `changed` flag set, its lookup count grown by
+ * its count (`lookups` empty: nothing counted, and `counts` empty too), and the slots whose last step was not
+ * yet `step` written to the front of out (their recency log entries) before their last step becomes `step`;
+ * returns (how many were written, the counts of the skipped ids summed). */
 static PyObject *touch(PyObject *self, PyObject *args) {
-    Py_buffer last = {0}, changed = {0}, slots = {0}, out = {0};
-    Py_buffer *views[] = {&last, &changed, &slots, &out};
-    long long step;
+    Py_buffer last = {0}, changed = {0}, lookups = {0}, slots = {0}, counts = {0}, out = {0};
+    Py_buffer *views[] = {&last, &changed, &lookups, &slots, &counts, &out};
+    long long step, skipped = 0;
     Py_ssize_t fresh = 0, bad = 0;
-    if (!PyArg_ParseTuple(args, "w*w*y*Lw*", &last, &changed, &slots, &step, &out)) goto fail;
-    if (last.len != 8 * changed.len || slots.len != out.len || slots.len % 8) {
-        PyErr_SetString(PyExc_ValueError, "touch: int64 last steps and a flag per slot; int64 slots and out");
+    if (!PyArg_ParseTuple(args, "w*w*w*y*y*Lw*", &last, &changed, &lookups, &slots, &counts, &step, &out))
+        goto fail;
+    int counting = lookups.len != 0;
+    if (last.len != 8 * changed.len || slots.len != out.len || slots.len % 8
+            || (counting && (counts.len != slots.len || lookups.len != last.len)) || (!counting && counts.len)) {
+        PyErr_SetString(PyExc_ValueError, "touch: int64 last steps and a flag per slot (and lookup counts, or none); "
+                        "int64 slots, out and counts (or none) of one length");
         goto fail;
     }
     Py_BEGIN_ALLOW_THREADS
-    int64_t *last_step = last.buf, *result = out.buf;
+    int64_t *last_step = last.buf, *looked = lookups.buf, *result = out.buf;
+    const int64_t *slot = slots.buf, *count = counts.buf;
     uint8_t *flag = changed.buf;
-    const int64_t *slot = slots.buf;
     Py_ssize_t n = slots.len / 8, columns = changed.len;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t s = slot[i];
+        if (s == -1) {
+            if (counting) skipped += count[i];
+            continue;
+        }
         if (s < 0 || s >= columns) { bad = 1; break; }
         flag[s] = 1;
+        if (counting) looked[s] += count[i];
         if (last_step[s] != step) {
             result[fresh++] = s;
             last_step[s] = step;
@@ -258,9 +304,49 @@ static PyObject *touch(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_IndexError, "touch: a slot beyond the columns");
         goto fail;
     }
-    return released(views, 4, PyLong_FromSsize_t(fresh));
+    return released(views, 6, Py_BuildValue("nL", fresh, skipped));
 fail:
-    return released(views, 4, NULL);
+    return released(views, 6, NULL);
+}
+
+/* claim(free, free_top, ids, id, changed, held, last_step, arrival, out): slots for the distinct `ids`, the top
+ * len(ids) of the stack of free slots `free[:free_top]` (which must hold enough) in stack order, each holding its id,
+ * changed, held, its last step `arrival`; the slots to out; returns the new top. */
+static PyObject *claim(PyObject *self, PyObject *args) {
+    Py_buffer free_slots = {0}, ids = {0}, id_col = {0}, changed = {0}, held = {0}, last = {0}, out = {0};
+    Py_buffer *views[] = {&free_slots, &ids, &id_col, &changed, &held, &last, &out};
+    Py_ssize_t top, bad = 0;
+    long long arrival;
+    if (!PyArg_ParseTuple(args, "y*ny*w*w*w*w*Lw*", &free_slots, &top, &ids, &id_col, &changed, &held, &last,
+                          &arrival, &out)) goto fail;
+    Py_ssize_t n = ids.len / 8, columns = changed.len;
+    if (ids.len % 8 || out.len != ids.len || id_col.len != 8 * columns || held.len != columns
+            || last.len != 8 * columns || top < n || 8 * top > free_slots.len) {
+        PyErr_SetString(PyExc_ValueError, "claim: int64 ids and out of one length, no more than the free slots; an "
+                        "int64 id and last step and two flags per slot");
+        goto fail;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    const int64_t *free_slot = free_slots.buf, *id = ids.buf;
+    int64_t *ids_held = id_col.buf, *last_step = last.buf, *result = out.buf;
+    uint8_t *flag = changed.buf, *holds = held.buf;
+    top -= n;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t s = free_slot[top + i];
+        if (s < 0 || s >= columns) { bad = 1; break; }
+        result[i] = s;
+        ids_held[s] = id[i];
+        flag[s] = holds[s] = 1;
+        last_step[s] = arrival;
+    }
+    Py_END_ALLOW_THREADS
+    if (bad) {
+        PyErr_SetString(PyExc_IndexError, "claim: a free slot beyond the columns");
+        goto fail;
+    }
+    return released(views, 7, PyLong_FromSsize_t(top));
+fail:
+    return released(views, 7, NULL);
 }
 
 /* live(log_slots, log_steps, held, last_step, lookups, wanted, out_slots, out_steps): of the recency log's
@@ -305,15 +391,106 @@ fail:
     return released(views, 7, NULL);
 }
 
+/* Rearranges slot[0..n) so that the k whose ids (id[slot]) are smallest come first (ids distinct; Hoare's
+ * selection). */
+static void select_smallest(int32_t *slot, Py_ssize_t n, Py_ssize_t k, const int64_t *id) {
+    Py_ssize_t lo = 0, hi = n - 1, target = k - 1;
+    while (lo < hi) {
+        int64_t pivot = id[slot[lo + (hi - lo) / 2]];
+        Py_ssize_t i = lo, j = hi;
+        while (i <= j) {
+            while (id[slot[i]] < pivot) i++;
+            while (id[slot[j]] > pivot) j--;
+            if (i <= j) {
+                int32_t swap = slot[i];
+                slot[i++] = slot[j];
+                slot[j--] = swap;
+            }
+        }
+        if (target <= j) hi = j;
+        else if (target >= i) lo = i;
+        else break;
+    }
+}
+
+/* oldest(log_slots, log_steps, head, tail, held, last_step, lookups, wanted, ids, count, out_slots, out_steps,
+ * out_ids): the `count` ids first by (last step, id) among the log's entries from head to tail that stand for
+ * their ids (`live`'s rule), or all of them when fewer, with their slots and last steps, to the front of the
+ * outs (`count` long); returns (how many, the log's new head). The log keeps, in place, its live entries up to
+ * the last one of the count-th's step (the stale ones among them dropped: the head moves forward), that step's
+ * entries ordered so that the chosen come first. */
+static PyObject *oldest(PyObject *self, PyObject *args) {
+    Py_buffer log_slots = {0}, log_steps = {0}, held = {0}, last = {0}, lookups = {0}, ids = {0}, out_slots = {0},
+              out_steps = {0}, out_ids = {0};
+    Py_buffer *views[] = {&log_slots, &log_steps, &held, &last, &lookups, &ids, &out_slots, &out_steps, &out_ids};
+    Py_ssize_t head, tail, count, bad = 0, chosen = 0, found = 0;
+    long long wanted;
+    if (!PyArg_ParseTuple(args, "w*w*nny*y*y*Ly*nw*w*w*", &log_slots, &log_steps, &head, &tail, &held, &last,
+                          &lookups, &wanted, &ids, &count, &out_slots, &out_steps, &out_ids)) goto fail;
+    Py_ssize_t columns = held.len;
+    if (log_slots.len * 2 != log_steps.len || head < 0 || head > tail || 4 * tail > log_slots.len || count < 1
+            || last.len != 8 * columns || ids.len != 8 * columns || (wanted >= 0 && lookups.len != 8 * columns)
+            || out_slots.len != 8 * count || out_steps.len != 8 * count || out_ids.len != 8 * count) {
+        PyErr_SetString(PyExc_ValueError, "oldest: int32 slots and int64 steps of the log, head <= tail within it; a "
+                        "flag, an int64 last step, id and lookup count per slot; int64 outputs of count >= 1");
+        goto fail;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    int32_t *slot = log_slots.buf;
+    int64_t *step = log_steps.buf, *kept_slot = out_slots.buf, *kept_step = out_steps.buf, *kept_id = out_ids.buf;
+    const int64_t *last_step = last.buf, *count_of = lookups.buf, *id = ids.buf;
+    const uint8_t *holds = held.buf;
+    Py_ssize_t write = head, read = head, before = 0;
+    int64_t threshold = 0;
+    for (; read < tail; read++) {  /* the live entries, moved down over the stale ones */
+        int32_t s = slot[read];
+        if (found >= count && step[read] != threshold) break;
+        if (s < 0 || s >= columns) { bad = 1; break; }
+        if (holds[s] && last_step[s] == step[read] && (wanted < 0 || count_of[s] == wanted)) {
+            if (found < count && (found == 0 || step[read] != threshold)) before = found;
+            slot[write] = s;
+            step[write++] = step[read];
+            threshold = step[read];
+            found++;
+        }
+    }
+    if (!bad) {
+        Py_ssize_t start = read - found;  /* the live entries end where the scan stopped */
+        memmove(slot + start, slot + head, (size_t)found * sizeof *slot);
+        memmove(step + start, step + head, (size_t)found * sizeof *step);
+        head = start;
+        chosen = found < count ? found : count;
+        if (found > count)  /* the count-th's step: its smallest ids first */
+            select_smallest(slot + start + before, found - before, count - before, id);
+        for (Py_ssize_t i = 0; i < chosen; i++) {
+            kept_slot[i] = slot[start + i];
+            kept_step[i] = step[start + i];
+            kept_id[i] = id[slot[start + i]];
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (bad) {
+        PyErr_SetString(PyExc_IndexError, "oldest: a log entry beyond the columns");
+        goto fail;
+    }
+    return released(views, 9, Py_BuildValue("nn", chosen, head));
+fail:
+    return released(views, 9, NULL);
+}
+
 static PyMethodDef methods[] = {
-    {"find", find, METH_VARARGS, "find(keys, values, state, ids, out): each id's value, -1 where absent"},
-    {"insert", insert, METH_VARARGS, "insert(keys, values, state, ids, values): add distinct absent ids"},
-    {"remove", remove_ids, METH_VARARGS, "remove(keys, values, state, ids, out): drop ids; how many were present"},
+    {"find", find, METH_VARARGS, "find(buckets, ids, out): each id's value, -1 where absent"},
+    {"insert", insert, METH_VARARGS, "insert(buckets, ids, values): add distinct absent ids"},
+    {"remove", remove_ids, METH_VARARGS, "remove(buckets, ids, out): drop ids; how many were present"},
     {"mix64", mix64_all, METH_VARARGS, "mix64(src, dst): SplitMix64's finaliser of each int64"},
     {"server_of", server_of, METH_VARARGS, "server_of(ids, word, servers, out): the server of each id"},
-    {"hashed_uniform", hashed_uniform, METH_VARARGS, "hashed_uniform(ids, seed, word, denominator, out): init rows"},
-    {"touch", touch, METH_VARARGS, "touch(last_step, changed, slots, step, out): looked up; the log's new slots"},
+    {"placement", placement, METH_VARARGS, "placement(ids, word, servers, server): first unordered, first elsewhere"},
+    {"hashed_uniform", hashed_uniform, METH_VARARGS, "hashed_uniform(ids, seed, word, denominator, wide, out): init rows"},
+    {"touch", touch, METH_VARARGS, "touch(last_step, changed, lookups, slots, counts, step, out): looked up"},
+    {"claim", claim, METH_VARARGS, "claim(free, free_top, ids, id, changed, held, last_step, arrival, out): slots"},
     {"live", live, METH_VARARGS, "live(log slots, log steps, held, last_step, lookups, wanted, out slots, out steps)"},
+    {"oldest", oldest, METH_VARARGS, "oldest(log slots, log steps, head, tail, held, last_step, lookups, wanted, "
+     "ids, count, out slots, out steps, out ids): the first count by (last step, id)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -85,11 +85,13 @@ class _Waiting:
 
 
 class _Lookup:
-    """One recording lookup: the distinct ids, which were admitted, their rows (a leaf), each server's version."""
+    """One recording lookup: the distinct ids, which were admitted, their rows (a leaf), each server's version
+    and the positions of its ids."""
 
     def __init__(self, table: str, ids: torch.Tensor, admitted: torch.Tensor, leaf: torch.Tensor,
-                 versions: dict[int, int]):
+                 versions: dict[int, int], where: dict[int, torch.Tensor]):
         self.table, self.ids, self.admitted, self.leaf, self.versions = table, ids, admitted, leaf, versions
+        self.where = where
 
 
 class ServedDynamic:
@@ -213,7 +215,7 @@ class ServedDynamic:
                 admitted.index_copy_(0, at, admits)
             rows.requires_grad_()
             versions = {s: answers[s][0] for s in where}
-            self._lookups.setdefault(w.context, []).append(_Lookup(w.table, w.ids, admitted, rows, versions))
+            self._lookups.setdefault(w.context, []).append(_Lookup(w.table, w.ids, admitted, rows, versions, where))
             out.append(rows)
         if self.metrics is not None:
             self.metrics.rows_pulled(time.perf_counter() - start, sum(rows.nbytes for rows in out))
@@ -239,16 +241,21 @@ class ServedDynamic:
         self._lookups.clear()  # lookups of contexts that were never stepped
         out: dict[int, dict[str, RowGrads]] = {s: {} for s in range(self.num_servers)}
         for name in dict.fromkeys(lk.table for lk in lookups):
-            mine = [lk for lk in lookups if lk.table == name and lk.leaf in grads and lk.admitted.any()]
+            mine = [lk for lk in lookups if lk.table == name and lk.leaf in grads]
+            if len(mine) == 1:  # its ids distinct already, each server's where the lookup found them
+                lk = mine[0]
+                for s, at in lk.where.items():
+                    at = at[lk.admitted[at]]
+                    if at.numel():
+                        out[s][name] = RowGrads(lk.versions[s], lk.ids[at], grads[lk.leaf][at])
+                continue
+            mine = [lk for lk in mine if lk.admitted.any()]
             if not mine:
                 continue
             ids, summed = merge_rows([(lk.ids[lk.admitted], grads[lk.leaf][lk.admitted]) for lk in mine], 1.0)
-            owner = server_of(ids, self.num_servers)
-            for s in range(self.num_servers):
-                at = (owner == s).nonzero().view(-1)
-                if at.numel():
-                    version = min(lk.versions[s] for lk in mine if s in lk.versions)
-                    out[s][name] = RowGrads(version, ids[at], summed[at])
+            for s, at in self._where(ids).items():
+                version = min(lk.versions[s] for lk in mine if s in lk.versions)
+                out[s][name] = RowGrads(version, ids[at], summed[at])
         return out
 
     def end_step(self, replies: dict | None = None) -> None:
