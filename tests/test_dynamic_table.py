@@ -64,6 +64,10 @@ def test_default_init_is_the_documented_function_of_the_id():
                        torch.tensor(expected, dtype=torch.float64))
     assert rows.abs().max() <= 1 / 3 ** 0.5
     assert not torch.equal(rows, HashedUniform(3, seed=12)(torch.tensor(ids)))
+    weight, slots = torch.zeros(8, 3), torch.tensor([6, 0, 3, 7, 2])  # a table's rows, written in place
+    assert HashedUniform(3, seed=11).writes(weight) and not HashedUniform(4, seed=11).writes(weight)
+    HashedUniform(3, seed=11).write(torch.tensor(ids), weight, slots)
+    assert torch.equal(weight[slots], rows) and not weight[[1, 4, 5]].any()
 
 
 def test_id_index_matches_a_dict_through_inserts_removals_and_rebuilds():
@@ -101,6 +105,25 @@ def test_id_index_removals_move_back_the_ids_whose_probes_pass_them():
             assert index.remove(crowded[i:i + 1]).tolist() == [left.pop(int(crowded[i]))]
             assert index.find(crowded).tolist() == [left.get(k, -1) for k in crowded.tolist()]
         assert len(index) == 0 and bool((index.buckets[:, 1] == -1).all())
+
+
+def test_the_recency_log_orders_a_segment_by_step_then_id_merging_its_runs():
+    """`order` sorts the entries from start to end by (step, id of the slot), leaving the others alone: runs
+    appended in id order (as lookups append them), a shuffled segment, one already in order, one entry."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randperm(1000, generator=g) * 7919 - 10**6  # the id in each slot
+    for runs in (1, 2, 3, 17, 400):
+        slots = torch.randperm(1000, generator=g)[:400].to(torch.int32)
+        steps = torch.sort(torch.randint(0, 4, (400,), generator=g)).values
+        parts = [torch.sort(ids[part.long()]).indices for part in slots.chunk(runs)]  # each run in id order
+        slots = torch.cat([part[order] for part, order in zip(slots.chunk(runs), parts)])
+        if runs == 400:
+            steps = torch.randint(0, 4, (400,), generator=g)
+        log_slots, log_steps = torch.cat([slots, slots[:5]]), torch.cat([steps, steps[:5]])
+        _table_loops.order(log_slots.numpy(), log_steps.numpy(), 3, 400, ids.numpy())
+        expected = sorted(zip(steps[3:].tolist(), ids[slots[3:].long()].tolist()))
+        assert list(zip(log_steps[3:400].tolist(), ids[log_slots[3:400].long()].tolist())) == expected
+        assert torch.equal(log_slots[:3], slots[:3]) and torch.equal(log_slots[400:], slots[:5])
 
 
 def test_compiled_loops_refuse_arrays_that_do_not_fit_together():

@@ -49,7 +49,7 @@ from gradsync.tables import _table_loops
 from gradsync.tables.id_hash import keyed, unit_interval
 from gradsync.tables.id_index import IdIndex
 from gradsync.tables.recency_log import RecencyLog
-from gradsync.tables.row_init import checked_init
+from gradsync.tables.row_init import HashedUniform, checked_init
 from gradsync.tables.row_optim import ROW_OPTIMIZERS, LazyRows
 
 EVICTION_RULES = ("lru", "lfu")
@@ -118,16 +118,15 @@ class DynamicTable:
         missing = (slots < 0).nonzero().squeeze(1)
         if missing.numel() and self.admit_after == 1 and self.admit_probability is None:  # all admitted
             new_ids = ids[missing]
-            rows = checked_init(self.init, new_ids, self.dim, self.dtype, self.name)
-            slots[missing] = self._create(new_ids, rows)
+            slots[missing] = self._create(new_ids, self._initial_rows(new_ids))
         elif missing.numel():
             new_ids = ids[missing]
             admitted, waiting_slots, sightings = self._admission(new_ids, step)
             created = new_ids[admitted]
-            rows = checked_init(self.init, created, self.dim, self.dtype, self.name) if created.numel() else None
+            rows = self._initial_rows(created)
             if created.numel() < new_ids.numel():
                 self._wait(new_ids[~admitted], waiting_slots[~admitted], sightings[~admitted], step)
-            if rows is not None:
+            if created.numel():
                 if len(self.waiting):
                     self.waiting.drop(waiting_slots[admitted & (waiting_slots >= 0)])
                 slots[missing[admitted]] = self._create(created, rows)
@@ -323,10 +322,20 @@ class DynamicTable:
         self.waiting.columns["sightings"][slots] = sightings
         self.waiting.touch(slots, step)
 
-    def _create(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def _initial_rows(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """`init(ids)`, checked (before anything changes); None where the init writes them into the rows
+        itself (the default's `HashedUniform.write`)."""
+        if isinstance(self.init, HashedUniform) and self.init.writes(self.weight):
+            return None
+        return checked_init(self.init, ids, self.dim, self.dtype, self.name) if ids.numel() else None
+
+    def _create(self, ids: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """Rows for the distinct `ids`, with `rows` (None: written by the init) and fresh optimizer state."""
         slots = self.rows.add(ids)
-        self.rows.columns["weight"].index_copy_(0, slots, rows)
-        self.rows.columns["lookups"].index_fill_(0, slots, 0)
+        if rows is None:
+            self.init.write(ids, self.rows.columns["weight"], slots)
+        else:
+            self.rows.columns["weight"].index_copy_(0, slots, rows)
         if self.optimizer is not None:
             self._fresh_state(slots)
         self.counters["admitted"] += ids.numel()
@@ -406,7 +415,7 @@ class _IdColumns:
 
     def add(self, ids: torch.Tensor) -> torch.Tensor:
         """Slots for distinct ids not held yet (from the top of the stack of free slots, which grows with the
-        columns when it runs short)."""
+        columns when it runs short), their lookup counts 0."""
         ids = ids.contiguous()
         if ids.numel() > self.free_top:
             self._grow(ids.numel() - self.free_top)
@@ -414,7 +423,7 @@ class _IdColumns:
         c = self.columns
         self.free_top = _table_loops.claim(self.free.numpy(), self.free_top, ids.numpy(), c["id"].numpy(),
                                            c["changed"].numpy(), c["held"].numpy(), c["last_step"].numpy(), _NEVER,
-                                           slots.numpy())
+                                           c["lookups"].numpy() if "lookups" in c else _NONE, slots.numpy())
         self.index.insert(ids, slots)
         return slots
 

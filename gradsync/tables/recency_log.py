@@ -5,7 +5,9 @@ among the ids looked up a few times (a log for each count) cost what they touch,
 The log is a list of entries (slot, step) in step order: `append` adds one for each slot whose last step has
 just become `step` (once per step). An entry stands for its id while the slot still holds an id whose last
 step is the entry's step; otherwise it is stale (the id was looked up again at a later step, or left its
-slot) and a scan drops the stale entries it passes. When the log runs out of room the stale entries go all at
+slot) and a scan drops the stale entries it passes. Before a scan for the first ids, the entries appended
+since the last one are ordered by (step, id) (compiled: a merge of the runs the lookups appended in id order),
+so the first live entries are the first ids by the eviction rule's key. When the log runs out of room the stale entries go all at
 once and the room doubles over what is left, so the log holds about two entries per id at most and an append
 costs O(1) amortised. Memory: 12 bytes an entry (int32 slot, int64 step).
 """
@@ -32,6 +34,7 @@ class RecencyLog:
         self.slots = torch.zeros(MIN_ROOM, dtype=torch.int32)
         self.steps = torch.zeros(MIN_ROOM, dtype=torch.int64)
         self.head = self.tail = 0
+        self.ordered = 0  # the entries before it are in (step, id) order
 
     def __len__(self) -> int:
         """Entries, stale ones included."""
@@ -53,16 +56,17 @@ class RecencyLog:
         if self.lookups is not None:
             held = held & (self.columns["lookups"] == self.lookups)
         slots = held.nonzero().squeeze(1)
+        slots = slots[torch.argsort(self.columns["id"][slots])]
         steps = self.columns["last_step"][slots]
         order = torch.argsort(steps, stable=True)
         self._refill(slots[order], steps[order])
 
     def oldest(self, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The slots of the `count` ids first by (last step, id) (every id held, when fewer), in no particular
-        order, with their last steps and ids. The stale entries before the last one read are dropped (compiled:
-        one pass, the count-th's step's ids ordered by a selection)."""
+        """The slots of the `count` ids first by (last step, id) (every id held, when fewer), in that order,
+        with their last steps and ids. The stale entries before the last one read are dropped (compiled)."""
         if count <= 0:
             return (torch.zeros(0, dtype=torch.int64),) * 3
+        self._order()
         out = torch.empty(3, count, dtype=torch.int64)
         c = self.columns
         chosen, self.head = _table_loops.oldest(
@@ -77,7 +81,18 @@ class RecencyLog:
         end = self.head + int(torch.searchsorted(self.steps[self.head:self.tail], step, right=True))
         slots, _ = self._live(self.head, end)
         self.head = end
+        self.ordered = max(self.ordered, end)
         return slots
+
+    def _order(self) -> None:
+        """Order the entries appended since the last time by (step, id), with the earlier ones of their first
+        step."""
+        if self.ordered >= self.tail:
+            return
+        first = self.steps[self.ordered:self.ordered + 1]
+        start = self.head + int(torch.searchsorted(self.steps[self.head:self.ordered], first))
+        _table_loops.order(self.slots.numpy(), self.steps.numpy(), start, self.tail, self.columns["id"].numpy())
+        self.ordered = self.tail
 
     def _live(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The slots and steps of the entries from `start` to `end` that stand for their ids (int64)."""
@@ -91,15 +106,17 @@ class RecencyLog:
 
     def _compact(self, extra: int) -> None:
         """Drop the stale entries; room for `extra` more and as many again as are left."""
+        self._order()
         self._refill(*self._live(self.head, self.tail), extra)
 
     def _refill(self, slots: torch.Tensor, steps: torch.Tensor, extra: int = 0) -> None:
-        """The log becomes the entries `slots` with `steps` (in step order), with room for `extra` more and as
-        many again as it holds."""
+        """The log becomes the entries `slots` with `steps` (in (step, id) order), with room for `extra` more
+        and as many again as it holds."""
         room = max(MIN_ROOM, 2 * (slots.numel() + extra))
         if room > self.slots.numel() or 4 * room < self.slots.numel():
             self.slots = torch.zeros(room, dtype=torch.int32)
             self.steps = torch.zeros(room, dtype=torch.int64)
         self.head, self.tail = 0, slots.numel()
+        self.ordered = self.tail
         self.slots[:self.tail] = slots
         self.steps[:self.tail] = steps

@@ -28,9 +28,22 @@ class HashedUniform:
         flat = ids.reshape(-1).to("cpu", torch.int64).contiguous()
         direct = self.dtype in (torch.float32, torch.float64)  # written as they are, else cast from float64
         rows = torch.empty(flat.numel(), self.dim, dtype=self.dtype if direct else torch.float64)
-        _table_loops.hashed_uniform(flat.numpy(), _signed(self.seed), _INIT_WORD, self.dim ** 0.5,
-                                    rows.dtype == torch.float64, rows.numpy())
+        self._write(flat, torch.arange(flat.numel()), rows)
         return rows.to(self.dtype)
+
+    def writes(self, weight: torch.Tensor) -> bool:
+        """Whether `write` can write this init's rows into `weight` (rows of its dim and dtype, float32 or
+        float64, contiguous)."""
+        return (weight.dim() == 2 and weight.shape[1] == self.dim and weight.dtype == self.dtype
+                and self.dtype in (torch.float32, torch.float64) and weight.is_contiguous())
+
+    def write(self, ids: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write the rows of `ids` into `weight` at `slots` directly (`writes(weight)`)."""
+        self._write(ids.contiguous(), slots.contiguous(), weight)
+
+    def _write(self, ids: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        _table_loops.hashed_uniform(ids.numpy(), slots.numpy(), _signed(self.seed), _INIT_WORD, self.dim ** 0.5,
+                                    rows.dtype == torch.float64, self.dim, rows.numpy())
 
 
 def checked_init(init: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tensor, dim: int,

@@ -226,39 +226,46 @@ fail:
     return released(views, 1, NULL);
 }
 
-/* hashed_uniform(ids, seed, word, denominator, wide, out): row i of out ([len(ids), dim], float64 where `wide`,
- * else float32: the float64 value rounded to nearest, as a cast) is (2 u - 1) / denominator, u the top 53 bits
- * of mix64(h ^ j) / 2^53, h = mix64(mix64(mix64(id) ^ seed) ^ word): `keyed(id, seed, word, j)` of
- * tables/id_hash.py, computed as its tensor form would be. */
+/* hashed_uniform(ids, slots, seed, word, denominator, wide, out): row slots[i] of out ([rows, dim], float64
+ * where `wide`, else float32: the float64 value rounded to nearest, as a cast) becomes the row of ids[i]: element
+ * j is (2 u - 1) / denominator, u the top 53 bits of mix64(h ^ j) / 2^53, h = mix64(mix64(mix64(id) ^ seed) ^
+ * word): `keyed(id, seed, word, j)` of tables/id_hash.py, computed as its tensor form would be. */
 static PyObject *hashed_uniform(PyObject *self, PyObject *args) {
-    Py_buffer ids = {0}, out = {0};
-    Py_buffer *views[] = {&ids, &out};
+    Py_buffer ids = {0}, slots = {0}, out = {0};
+    Py_buffer *views[] = {&ids, &slots, &out};
     long long seed, word;
     double denominator;
     int wide;
-    if (!PyArg_ParseTuple(args, "y*LLdpw*", &ids, &seed, &word, &denominator, &wide, &out)) goto fail;
-    Py_ssize_t n = ids.len / 8, size = wide ? 8 : 4;
-    if (ids.len % 8 || (n && (out.len % (size * n) || out.len == 0))) {
-        PyErr_SetString(PyExc_ValueError, "hashed_uniform: int64 ids and a float row of dim per id");
+    Py_ssize_t dim, bad = 0;
+    if (!PyArg_ParseTuple(args, "y*y*LLdpnw*", &ids, &slots, &seed, &word, &denominator, &wide, &dim, &out))
+        goto fail;
+    Py_ssize_t n = ids.len / 8, size = wide ? 8 : 4, rows = dim > 0 ? out.len / (size * dim) : 0;
+    if (ids.len % 8 || slots.len != ids.len || dim < 1 || out.len % (size * dim)) {
+        PyErr_SetString(PyExc_ValueError, "hashed_uniform: int64 ids and slots of one length; rows of dim floats");
         goto fail;
     }
     Py_BEGIN_ALLOW_THREADS
     const uint64_t *id = ids.buf;
-    double *wide_row = out.buf;
-    float *row = out.buf;
-    Py_ssize_t dim = n ? out.len / (size * n) : 0;
+    const int64_t *slot = slots.buf;
     for (Py_ssize_t i = 0; i < n; i++) {
+        if (slot[i] < 0 || slot[i] >= rows) { bad = 1; break; }
         uint64_t h = mix64(mix64(mix64(id[i]) ^ (uint64_t)seed) ^ (uint64_t)word);
+        double *wide_row = (double *)out.buf + slot[i] * dim;
+        float *row = (float *)out.buf + slot[i] * dim;
         for (Py_ssize_t j = 0; j < dim; j++) {
             double u = (double)(mix64(h ^ (uint64_t)j) >> 11) * 0x1p-53, value = (2 * u - 1) / denominator;
-            if (wide) wide_row[i * dim + j] = value;
-            else row[i * dim + j] = (float)value;
+            if (wide) wide_row[j] = value;
+            else row[j] = (float)value;
         }
     }
     Py_END_ALLOW_THREADS
-    return released(views, 2, Py_NewRef(Py_None));
+    if (bad) {
+        PyErr_SetString(PyExc_IndexError, "hashed_uniform: a slot beyond the rows");
+        goto fail;
+    }
+    return released(views, 3, Py_NewRef(Py_None));
 fail:
-    return released(views, 2, NULL);
+    return released(views, 3, NULL);
 }
 
 /* touch(last_step, changed, lookups, slots, counts, step, out): the ids in the distinct `slots` were looked up
@@ -309,26 +316,29 @@ fail:
     return released(views, 6, NULL);
 }
 
-/* claim(free, free_top, ids, id, changed, held, last_step, arrival, out): slots for the distinct `ids`, the top
- * len(ids) of the stack of free slots `free[:free_top]` (which must hold enough) in stack order, each holding its id,
- * changed, held, its last step `arrival`; the slots to out; returns the new top. */
+/* claim(free, free_top, ids, id, changed, held, last_step, arrival, zeroed, out): slots for the distinct `ids`,
+ * the top len(ids) of the stack of free slots `free[:free_top]` (which must hold enough) in stack order, each
+ * holding its id, changed, held, its last step `arrival` and 0 in `zeroed` (an int64 column, or empty: none);
+ * the slots to out; returns the new top. */
 static PyObject *claim(PyObject *self, PyObject *args) {
-    Py_buffer free_slots = {0}, ids = {0}, id_col = {0}, changed = {0}, held = {0}, last = {0}, out = {0};
-    Py_buffer *views[] = {&free_slots, &ids, &id_col, &changed, &held, &last, &out};
+    Py_buffer free_slots = {0}, ids = {0}, id_col = {0}, changed = {0}, held = {0}, last = {0}, zeroed = {0},
+              out = {0};
+    Py_buffer *views[] = {&free_slots, &ids, &id_col, &changed, &held, &last, &zeroed, &out};
     Py_ssize_t top, bad = 0;
     long long arrival;
-    if (!PyArg_ParseTuple(args, "y*ny*w*w*w*w*Lw*", &free_slots, &top, &ids, &id_col, &changed, &held, &last,
-                          &arrival, &out)) goto fail;
+    if (!PyArg_ParseTuple(args, "y*ny*w*w*w*w*Lw*w*", &free_slots, &top, &ids, &id_col, &changed, &held, &last,
+                          &arrival, &zeroed, &out)) goto fail;
     Py_ssize_t n = ids.len / 8, columns = changed.len;
     if (ids.len % 8 || out.len != ids.len || id_col.len != 8 * columns || held.len != columns
-            || last.len != 8 * columns || top < n || 8 * top > free_slots.len) {
+            || last.len != 8 * columns || (zeroed.len && zeroed.len != 8 * columns) || top < n
+            || 8 * top > free_slots.len) {
         PyErr_SetString(PyExc_ValueError, "claim: int64 ids and out of one length, no more than the free slots; an "
-                        "int64 id and last step and two flags per slot");
+                        "int64 id, last step (and zeroed value, or none) and two flags per slot");
         goto fail;
     }
     Py_BEGIN_ALLOW_THREADS
     const int64_t *free_slot = free_slots.buf, *id = ids.buf;
-    int64_t *ids_held = id_col.buf, *last_step = last.buf, *result = out.buf;
+    int64_t *ids_held = id_col.buf, *last_step = last.buf, *zero = zeroed.buf, *result = out.buf;
     uint8_t *flag = changed.buf, *holds = held.buf;
     top -= n;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -338,15 +348,16 @@ static PyObject *claim(PyObject *self, PyObject *args) {
         ids_held[s] = id[i];
         flag[s] = holds[s] = 1;
         last_step[s] = arrival;
+        if (zeroed.len) zero[s] = 0;
     }
     Py_END_ALLOW_THREADS
     if (bad) {
         PyErr_SetString(PyExc_IndexError, "claim: a free slot beyond the columns");
         goto fail;
     }
-    return released(views, 7, PyLong_FromSsize_t(top));
+    return released(views, 8, PyLong_FromSsize_t(top));
 fail:
-    return released(views, 7, NULL);
+    return released(views, 8, NULL);
 }
 
 /* live(log_slots, log_steps, held, last_step, lookups, wanted, out_slots, out_steps): of the recency log's
@@ -391,39 +402,103 @@ fail:
     return released(views, 7, NULL);
 }
 
-/* Rearranges slot[0..n) so that the k whose ids (id[slot]) are smallest come first (ids distinct; Hoare's
- * selection). */
-static void select_smallest(int32_t *slot, Py_ssize_t n, Py_ssize_t k, const int64_t *id) {
-    Py_ssize_t lo = 0, hi = n - 1, target = k - 1;
-    while (lo < hi) {
-        int64_t pivot = id[slot[lo + (hi - lo) / 2]];
-        Py_ssize_t i = lo, j = hi;
-        while (i <= j) {
-            while (id[slot[i]] < pivot) i++;
-            while (id[slot[j]] > pivot) j--;
-            if (i <= j) {
-                int32_t swap = slot[i];
-                slot[i++] = slot[j];
-                slot[j--] = swap;
-            }
-        }
-        if (target <= j) hi = j;
-        else if (target >= i) lo = i;
-        else break;
+/* Whether log entry (step a, slot of id ia) goes before (step b, id ib): by step, then id. */
+static inline int goes_before(int64_t a, int64_t ia, int64_t b, int64_t ib) {
+    return a < b || (a == b && ia < ib);
+}
+
+/* order(log_slots, log_steps, start, end, ids): the log's entries from start to end sorted by (step, id of
+ * the slot) (ids by slot), stably; a merge of the runs already in order, so a step's entries appended by a
+ * few lookups in id order cost a pass or two. */
+static PyObject *order(PyObject *self, PyObject *args) {
+    Py_buffer log_slots = {0}, log_steps = {0}, ids = {0};
+    Py_buffer *views[] = {&log_slots, &log_steps, &ids};
+    Py_ssize_t start, end, bad = 0;
+    if (!PyArg_ParseTuple(args, "w*w*nny*", &log_slots, &log_steps, &start, &end, &ids)) goto fail;
+    Py_ssize_t columns = ids.len / 8, n = end - start;
+    if (log_slots.len * 2 != log_steps.len || start < 0 || start > end || 4 * end > log_slots.len || ids.len % 8) {
+        PyErr_SetString(PyExc_ValueError, "order: int32 slots and int64 steps of the log, start <= end within it; "
+                        "an int64 id per slot");
+        goto fail;
     }
+    int32_t *slot = (int32_t *)log_slots.buf + start, *spare_slot = NULL;
+    int64_t *step = (int64_t *)log_steps.buf + start, *spare_step = NULL;
+    const int64_t *id = ids.buf;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (slot[i] < 0 || slot[i] >= columns) { bad = 1; break; }
+    if (bad) {
+        PyErr_SetString(PyExc_IndexError, "order: a log entry beyond the columns");
+        goto fail;
+    }
+    Py_ssize_t sorted = 1;
+    while (sorted < n && !goes_before(step[sorted], id[slot[sorted]], step[sorted - 1], id[slot[sorted - 1]]))
+        sorted++;
+    if (sorted >= n) return released(views, 3, Py_NewRef(Py_None));
+    {
+        spare_slot = PyMem_RawMalloc((size_t)n * sizeof *spare_slot);
+        spare_step = PyMem_RawMalloc((size_t)n * sizeof *spare_step);
+        if (!spare_slot || !spare_step) {
+            PyMem_RawFree(spare_slot);
+            PyMem_RawFree(spare_step);
+            PyErr_NoMemory();
+            goto fail;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    int32_t *from_slot = slot, *to_slot = spare_slot;
+    int64_t *from_step = step, *to_step = spare_step;
+    for (;;) {  /* each pass merges pairs of consecutive runs in order */
+        Py_ssize_t runs = 0, i = 0;
+        while (i < n) {
+            Py_ssize_t mid = i + 1;
+            while (mid < n && !goes_before(from_step[mid], id[from_slot[mid]], from_step[mid - 1],
+                                           id[from_slot[mid - 1]])) mid++;
+            Py_ssize_t stop = mid + 1;
+            while (stop < n && !goes_before(from_step[stop], id[from_slot[stop]], from_step[stop - 1],
+                                            id[from_slot[stop - 1]])) stop++;
+            if (mid >= n) stop = n;
+            Py_ssize_t a = i, b = mid, k = i;
+            while (a < mid && b < stop) {
+                if (goes_before(from_step[b], id[from_slot[b]], from_step[a], id[from_slot[a]])) {
+                    to_slot[k] = from_slot[b];
+                    to_step[k++] = from_step[b++];
+                } else {
+                    to_slot[k] = from_slot[a];
+                    to_step[k++] = from_step[a++];
+                }
+            }
+            for (; a < mid; a++, k++) { to_slot[k] = from_slot[a]; to_step[k] = from_step[a]; }
+            for (; b < stop; b++, k++) { to_slot[k] = from_slot[b]; to_step[k] = from_step[b]; }
+            runs++;
+            i = stop;
+        }
+        int32_t *swap_slot = from_slot;
+        int64_t *swap_step = from_step;
+        from_slot = to_slot, from_step = to_step, to_slot = swap_slot, to_step = swap_step;
+        if (runs <= 1) break;
+    }
+    if (from_slot != slot) {
+        memcpy(slot, from_slot, (size_t)n * sizeof *slot);
+        memcpy(step, from_step, (size_t)n * sizeof *step);
+    }
+    Py_END_ALLOW_THREADS
+    PyMem_RawFree(spare_slot);
+    PyMem_RawFree(spare_step);
+    return released(views, 3, Py_NewRef(Py_None));
+fail:
+    return released(views, 3, NULL);
 }
 
 /* oldest(log_slots, log_steps, head, tail, held, last_step, lookups, wanted, ids, count, out_slots, out_steps,
- * out_ids): the `count` ids first by (last step, id) among the log's entries from head to tail that stand for
- * their ids (`live`'s rule), or all of them when fewer, with their slots and last steps, to the front of the
- * outs (`count` long); returns (how many, the log's new head). The log keeps, in place, its live entries up to
- * the last one of the count-th's step (the stale ones among them dropped: the head moves forward), that step's
- * entries ordered so that the chosen come first. */
+ * out_ids): of the log's entries from head to tail, in (step, id) order (`order`), the first `count` that stand
+ * for their ids (`live`'s rule), or all of them when fewer, with their slots, last steps and ids, in that order,
+ * to the front of the outs (`count` long); returns (how many, the log's new head). The stale entries before the
+ * last one read leave the log (its head moves forward over them). */
 static PyObject *oldest(PyObject *self, PyObject *args) {
     Py_buffer log_slots = {0}, log_steps = {0}, held = {0}, last = {0}, lookups = {0}, ids = {0}, out_slots = {0},
               out_steps = {0}, out_ids = {0};
     Py_buffer *views[] = {&log_slots, &log_steps, &held, &last, &lookups, &ids, &out_slots, &out_steps, &out_ids};
-    Py_ssize_t head, tail, count, bad = 0, chosen = 0, found = 0;
+    Py_ssize_t head, tail, count, bad = 0, found = 0;
     long long wanted;
     if (!PyArg_ParseTuple(args, "w*w*nny*y*y*Ly*nw*w*w*", &log_slots, &log_steps, &head, &tail, &held, &last,
                           &lookups, &wanted, &ids, &count, &out_slots, &out_steps, &out_ids)) goto fail;
@@ -440,32 +515,21 @@ static PyObject *oldest(PyObject *self, PyObject *args) {
     int64_t *step = log_steps.buf, *kept_slot = out_slots.buf, *kept_step = out_steps.buf, *kept_id = out_ids.buf;
     const int64_t *last_step = last.buf, *count_of = lookups.buf, *id = ids.buf;
     const uint8_t *holds = held.buf;
-    Py_ssize_t write = head, read = head, before = 0;
-    int64_t threshold = 0;
-    for (; read < tail; read++) {  /* the live entries, moved down over the stale ones */
+    Py_ssize_t read = head;
+    for (; read < tail && found < count; read++) {
         int32_t s = slot[read];
-        if (found >= count && step[read] != threshold) break;
         if (s < 0 || s >= columns) { bad = 1; break; }
         if (holds[s] && last_step[s] == step[read] && (wanted < 0 || count_of[s] == wanted)) {
-            if (found < count && (found == 0 || step[read] != threshold)) before = found;
-            slot[write] = s;
-            step[write++] = step[read];
-            threshold = step[read];
-            found++;
+            kept_slot[found] = s;
+            kept_step[found] = step[read];
+            kept_id[found++] = id[s];
         }
     }
-    if (!bad) {
-        Py_ssize_t start = read - found;  /* the live entries end where the scan stopped */
-        memmove(slot + start, slot + head, (size_t)found * sizeof *slot);
-        memmove(step + start, step + head, (size_t)found * sizeof *step);
-        head = start;
-        chosen = found < count ? found : count;
-        if (found > count)  /* the count-th's step: its smallest ids first */
-            select_smallest(slot + start + before, found - before, count - before, id);
-        for (Py_ssize_t i = 0; i < chosen; i++) {
-            kept_slot[i] = slot[start + i];
-            kept_step[i] = step[start + i];
-            kept_id[i] = id[slot[start + i]];
+    if (!bad) {  /* the live entries read stay, just before the first entry not read */
+        head = read - found;
+        for (Py_ssize_t i = 0; i < found; i++) {
+            slot[head + i] = (int32_t)kept_slot[i];
+            step[head + i] = kept_step[i];
         }
     }
     Py_END_ALLOW_THREADS
@@ -473,7 +537,7 @@ static PyObject *oldest(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_IndexError, "oldest: a log entry beyond the columns");
         goto fail;
     }
-    return released(views, 9, Py_BuildValue("nn", chosen, head));
+    return released(views, 9, Py_BuildValue("nn", found, head));
 fail:
     return released(views, 9, NULL);
 }
@@ -485,12 +549,13 @@ static PyMethodDef methods[] = {
     {"mix64", mix64_all, METH_VARARGS, "mix64(src, dst): SplitMix64's finaliser of each int64"},
     {"server_of", server_of, METH_VARARGS, "server_of(ids, word, servers, out): the server of each id"},
     {"placement", placement, METH_VARARGS, "placement(ids, word, servers, server): first unordered, first elsewhere"},
-    {"hashed_uniform", hashed_uniform, METH_VARARGS, "hashed_uniform(ids, seed, word, denominator, wide, out): init rows"},
+    {"hashed_uniform", hashed_uniform, METH_VARARGS, "hashed_uniform(ids, slots, seed, word, denominator, wide, dim, out): init rows"},
     {"touch", touch, METH_VARARGS, "touch(last_step, changed, lookups, slots, counts, step, out): looked up"},
-    {"claim", claim, METH_VARARGS, "claim(free, free_top, ids, id, changed, held, last_step, arrival, out): slots"},
+    {"claim", claim, METH_VARARGS, "claim(free, free_top, ids, id, changed, held, last_step, arrival, zeroed, out): slots"},
     {"live", live, METH_VARARGS, "live(log slots, log steps, held, last_step, lookups, wanted, out slots, out steps)"},
     {"oldest", oldest, METH_VARARGS, "oldest(log slots, log steps, head, tail, held, last_step, lookups, wanted, "
      "ids, count, out slots, out steps, out ids): the first count by (last step, id)"},
+    {"order", order, METH_VARARGS, "order(log slots, log steps, start, end, ids): sort entries by (step, id)"},
     {NULL, NULL, 0, NULL},
 };
 
