@@ -35,7 +35,7 @@ def test_dynamic_bench_writes_every_part(tmp_path):
     assert rows["max_excess"] > 0  # the stream overfills the table within steps
     counters = memory["counters"]
     assert counters["admitted"] - counters["evicted"] == CAPACITY and counters["filtered"] == 0, counters
-    assert memory["bytes_per_row"] == {"row": 64, "optimizer": 4, "index": 116}
+    assert memory["bytes_per_row"] == {"row": 64, "optimizer": 4, "index": 112}
     assert len(memory["servers"]) == 2 and all(s["max_rss"] > 0 and s["empty_rss"] > 0 for s in memory["servers"])
     assert [s["step"] for s in memory["samples"]] == list(range(0, steps, 5)) + [steps - 1]
     assert memory["rss_result"] in ("PASS", "FAIL") and memory["flat_result"] in ("PASS", "FAIL")
