@@ -45,6 +45,7 @@ from typing import Callable
 
 import torch
 
+from gradsync.core import huge_pages
 from gradsync.tables import _table_loops
 from gradsync.tables.id_hash import keyed, unit_interval
 from gradsync.tables.id_index import IdIndex
@@ -432,8 +433,10 @@ class _IdColumns:
         that freed slots are taken first."""
         grown = max(self.slots + extra, 2 * self.slots)
         for name, column in self.columns.items():
-            self.columns[name] = torch.cat([column, column.new_zeros((grown - self.slots,) + column.shape[1:])])
-        free = torch.empty(grown, dtype=torch.int64)
+            self.columns[name] = huge_pages.empty((grown,) + column.shape[1:], column.dtype)
+            self.columns[name][:self.slots] = column
+            self.columns[name][self.slots:] = 0
+        free = huge_pages.empty((grown,), torch.int64)
         torch.arange(grown - 1, self.slots - 1, -1, out=free[:grown - self.slots])
         free[grown - self.slots:grown - self.slots + self.free_top] = self.free[:self.free_top]
         self.free, self.free_top, self.slots = free, grown - self.slots + self.free_top, grown

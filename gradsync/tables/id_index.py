@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from gradsync.core import huge_pages
 from gradsync.tables import _table_loops
 
 MAX_LOAD = 0.5
@@ -25,7 +26,7 @@ class IdIndex:
         self._allocate(_buckets_for(expected))
 
     def _allocate(self, buckets: int) -> None:
-        self.buckets = torch.full((buckets, 2), -1, dtype=torch.int64)
+        self.buckets = huge_pages.empty((buckets, 2), torch.int64).fill_(-1)
         self._buckets = self.buckets.numpy()
         self.count = 0
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy
 import torch
 
+from gradsync.core import huge_pages
 from gradsync.tables import _table_loops
 
 _NO_COUNTS = numpy.zeros(0, dtype=numpy.int64)
@@ -114,8 +115,8 @@ class RecencyLog:
         and as many again as it holds."""
         room = max(MIN_ROOM, 2 * (slots.numel() + extra))
         if room > self.slots.numel() or 4 * room < self.slots.numel():
-            self.slots = torch.zeros(room, dtype=torch.int32)
-            self.steps = torch.zeros(room, dtype=torch.int64)
+            self.slots = huge_pages.empty((room,), torch.int32)
+            self.steps = huge_pages.empty((room,), torch.int64)
         self.head, self.tail = 0, slots.numel()
         self.ordered = self.tail
         self.slots[:self.tail] = slots
