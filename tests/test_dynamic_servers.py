@@ -238,6 +238,33 @@ def test_bad_calls_name_the_table_and_change_nothing():
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+@pytest.mark.parametrize("keys", [2, 3])
+def test_the_first_overall_are_each_servers_first_by_key_as_sorting_them_all_would_choose(keys):
+    """`first_overall` over 3 servers' candidates in key order (many ties in the first keys, ids distinct):
+    the `count` smallest keys of all, by server, for every count; undecided (None) where a server that sent
+    only part of what it holds has all of it chosen."""
+    g = torch.Generator().manual_seed(keys)
+    ids = torch.randperm(300, generator=g) - 150
+    parts, flat = {}, []
+    for s, chunk in enumerate(ids.split([90, 110, 100])):
+        first = torch.randint(0, 3, (chunk.numel(), keys - 1), generator=g)
+        rows = sorted(zip(*first.t().tolist(), chunk.tolist()))
+        key = torch.tensor(rows)
+        parts[s] = ((key[:, -1].clone(), key), chunk.numel())
+        flat += [(row, s) for row in rows]
+    flat.sort()
+    for count in (0, 1, 2, 57, 150, 299, 300):
+        chosen = global_eviction.first_overall(parts, count)
+        assert {s: chosen[s].tolist() for s in parts} == {
+            s: [row[-1] for row, owner in flat[:count] if owner == s] for s in parts}, count
+    assert global_eviction.first_overall(parts, 301) is None
+    partial = {**parts, 0: (parts[0][0], 200)}  # server 0 holds more than it sent
+    everything_of_0 = sum(1 for _, owner in flat if owner == 0)
+    last_of_0 = max(i for i, (_, owner) in enumerate(flat) if owner == 0)
+    assert global_eviction.first_overall(partial, last_of_0 + 1) is None
+    assert global_eviction.first_overall(partial, last_of_0)[0].numel() == everything_of_0 - 1
+
+
 def test_a_push_updates_the_rows_a_probe_finds_whether_or_not_its_lookups_found_them():
     """A sync push updates the rows its ids hold now, whichever lookup of the step (or an earlier step) found
     them; an id evicted since its lookup is refused, also once another id took its slot."""

@@ -34,10 +34,10 @@ changed (looked up, created, updated) since the last full one, with the ids that
 restore exactly (`tables.dynamic_checkpoint`, `load`).
 
 Memory: per slot the row, its id, last step and lookup count (24 bytes), changed and held flags (2 bytes), its
-place in the stack of free slots (8 bytes) and the row optimizer's state; per waiting id 26 bytes; per id of
-the last full checkpoint 8 bytes; each id index 16 bytes per bucket, 2 to 4 buckets per id; each recency log (`tables.recency_log`: the ids by last step, which LRU
-eviction, `ttl_steps` and forgetting waiting ids read instead of every id) 12 bytes an entry, up to 2 per id,
-and under LFU up to 2 more in the logs by lookup count.
+place in the stack of free slots (8 bytes) and the row optimizer's state; per waiting id 26 bytes; per id of the
+last full checkpoint 8 bytes; each id index 16 bytes per bucket, 2 to 4 buckets per id; each recency log
+(`tables.recency_log`: the ids by last step, which LRU eviction, `ttl_steps` and forgetting waiting ids read
+instead of every id) 12 bytes an entry, up to 2 per id, and under LFU up to 2 more in the logs by lookup count.
 """
 from __future__ import annotations
 
@@ -175,8 +175,8 @@ class DynamicTable:
         self.step = step + 1
 
     def smallest_rows(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ids of the `count` resident rows that go first by the eviction rule (in no particular order) and
-        their keys ([count, 2] (last step, id) for "lru"; [count, 3] (lookups, last step, id) for "lfu")."""
+        """The ids of the `count` resident rows that go first by the eviction rule, in that order, and their
+        keys ([count, 2] (last step, id) for "lru"; [count, 3] (lookups, last step, id) for "lfu")."""
         if count <= 0:
             return torch.zeros(0, dtype=torch.int64), torch.zeros(0, 2 if self.evict == "lru" else 3,
                                                                    dtype=torch.int64)
@@ -193,11 +193,12 @@ class DynamicTable:
         ids, slots = self.rows.resident()  # rows looked up more than LFU_LOGS times among them: rank every row
         keys = [self.rows.columns["lookups"][slots], self.rows.columns["last_step"][slots], ids]
         chosen = smallest(keys, count)
+        for key in reversed(keys):  # in key order: sorted by each key, the first last (stable)
+            chosen = chosen[torch.argsort(key[chosen], stable=True)]
         return ids[chosen], torch.stack([k[chosen] for k in keys], dim=1)
 
     def smallest_waiting(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The `count` waiting ids forgotten first (in no particular order) and their keys [count, 2] (last step,
-        id)."""
+        """The `count` waiting ids forgotten first, in that order, and their keys [count, 2] (last step, id)."""
         if count <= 0:
             return torch.zeros(0, dtype=torch.int64), torch.zeros(0, 2, dtype=torch.int64)
         return self.waiting.oldest(count)
@@ -456,7 +457,7 @@ class _IdColumns:
         return skipped
 
     def oldest(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ids of the `count` first by (last step, id), in no particular order, and their keys [count, 2]."""
+        """The ids of the `count` first by (last step, id), in that order, and their keys [count, 2]."""
         _, steps, ids = self.log.oldest(count)
         return ids, torch.stack([steps, ids], dim=1)
 

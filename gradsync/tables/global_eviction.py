@@ -20,7 +20,6 @@ from typing import Callable
 
 import torch
 
-from gradsync.tables.dynamic_table import smallest
 
 Call = Callable[[str, dict[int, tuple]], dict[int, object]]
 """`call(what, args by server)`: every server's answer to `what` ("end", "smallest", "evict") with its args."""
@@ -71,21 +70,36 @@ def _asked(step: int, over: dict[str, tuple[int, int]], ended: dict, servers: li
 
 def first_overall(parts: dict[int, tuple[tuple[torch.Tensor, torch.Tensor], int]], count: int
                   ) -> dict[int, torch.Tensor] | None:
-    """Of every server's ((ids, keys [n, k]) of its n first, of `held` it holds), the ids of the `count`
-    smallest keys overall, by server; None when that is not decided: a server that sent fewer than it holds
-    has every one it sent among them (one it did not send might be too)."""
+    """Of every server's ((ids, keys [n, k]) of its n first, in key order, of `held` it holds), the ids of the
+    `count` smallest keys overall, by server (a prefix of each server's); None when that is not decided: a server
+    that sent fewer than it holds has every one it sent among them (one it did not send might be too).
+    A selection key by key over the servers' runs of equal keys so far (`kthvalue` of their values, then where
+    the threshold falls in each run: `searchsorted`), so a server's part is never gathered."""
     servers = list(parts)
-    empty = torch.zeros(0, dtype=torch.int64)
-    if count <= 0:
-        return {s: empty for s in servers}
-    keys = torch.cat([parts[s][0][1] for s in servers])
-    ids = torch.cat([parts[s][0][0] for s in servers])
-    owner = torch.cat([torch.full((parts[s][0][0].numel(),), s, dtype=torch.int64) for s in servers])
-    chosen = smallest(list(keys.unbind(1)), count)
-    if chosen.numel() < count:
-        return None
-    out = {s: ids[chosen[owner[chosen] == s]] for s in servers}
     sent = {s: parts[s][0][0].numel() for s in servers}
-    if any(sent[s] < parts[s][1] and out[s].numel() == sent[s] for s in servers):
+    if count <= 0:
+        return {s: parts[s][0][0][:0] for s in servers}
+    if sum(sent.values()) < count:
+        return None
+    columns = {s: parts[s][0][1].t().contiguous() for s in servers}  # a server's keys, key by key
+    start, end = dict.fromkeys(servers, 0), dict(sent)  # each server's run of keys equal so far
+    left = count  # still to take beyond each server's `start`
+    for k in range(columns[servers[0]].shape[0]):
+        runs = {s: columns[s][k, start[s]:end[s]] for s in servers}
+        values = torch.cat(list(runs.values()))
+        if left == 0 or left >= values.numel():
+            break
+        threshold = values.kthvalue(left).values
+        for s, run in runs.items():
+            below = int(torch.searchsorted(run, threshold))
+            end[s] = start[s] + int(torch.searchsorted(run, threshold, right=True))
+            start[s] += below
+            left -= below
+    for s in servers:  # the rest of the runs of equal keys, in server order
+        taken = min(left, end[s] - start[s])
+        start[s] += taken
+        left -= taken
+    out = {s: parts[s][0][0][:start[s]].clone() for s in servers}
+    if any(sent[s] < parts[s][1] and start[s] == sent[s] for s in servers):
         return None
     return out

@@ -2,14 +2,14 @@
 waiting ids, sighted), oldest first, so that LRU eviction, `ttl_steps`, forgetting waiting ids and LFU eviction
 among the ids looked up a few times (a log for each count) cost what they touch, not a pass over every id held.
 
-The log is a list of entries (slot, step) in step order: `append` adds one for each slot whose last step has
-just become `step` (once per step). An entry stands for its id while the slot still holds an id whose last
-step is the entry's step; otherwise it is stale (the id was looked up again at a later step, or left its
-slot) and a scan drops the stale entries it passes. Before a scan for the first ids, the entries appended
-since the last one are ordered by (step, id) (compiled: a merge of the runs the lookups appended in id order),
-so the first live entries are the first ids by the eviction rule's key. When the log runs out of room the stale entries go all at
-once and the room doubles over what is left, so the log holds about two entries per id at most and an append
-costs O(1) amortised. Memory: 12 bytes an entry (int32 slot, int64 step).
+The log is a list of entries (slot, step) in step order: `append` adds one for each slot whose last step has just
+become `step` (once per step). An entry stands for its id while the slot still holds an id whose last step is the
+entry's step; otherwise it is stale (the id was looked up again at a later step, or left its slot) and a scan
+drops the stale entries it passes. Before a scan for the first ids, the entries appended since the last one are
+ordered by (step, id) (compiled: a merge of the runs the lookups appended in id order), so the first live entries
+are the first ids by the eviction rule's key. When the log runs out of room the stale entries go all at once and
+the room doubles over what is left, so the log holds about two entries per id at most and an append costs O(1)
+amortised. Memory: 12 bytes an entry (int32 slot, int64 step).
 """
 from __future__ import annotations
 
