@@ -10,9 +10,13 @@ dict-based table would):
     into a table holding every id (dim `--dim`), then the same batches again, resident.
 Each figure is ids per second, the median of `--repeats` runs; "vs dict" is the index's median over the
 dict's, both from the same run. One thread (torch.set_num_threads(1)), as a server's shard would run.
+Pages: the index of every id probed by batches of 4,096 of its ids, each batch after 64 MB written elsewhere
+(a server's cache, taken by the other processes of a job), its buckets on 2 MB pages (`core/huge_pages.py`, as
+the index allocates them) against the same buckets on 4 KB pages, alternated: ns per id, median of
+`--page-batches` batches.
 
     .venv/bin/python bench/dynamic_index.py [--ids 1000000] [--batch 4096 65536] [--dim 16] [--repeats 3]
-        [--out bench/results/dynamic_index.json]
+        [--page-batches 200] [--out bench/results/dynamic_index.json]
 """
 from __future__ import annotations
 
@@ -106,12 +110,40 @@ def measure(ids: torch.Tensor, shuffled: torch.Tensor, size: int, args) -> dict:
             "index_bytes_per_id": index.nbytes / len(index), "seconds": runs}
 
 
+def pages(ids: torch.Tensor, count: int) -> dict:
+    """Cold probes of the index with its buckets on 2 MB pages and on 4 KB pages (module docstring)."""
+    index = IdIndex()
+    index.insert(ids, torch.arange(ids.numel()))
+    huge, small = index.buckets, torch.full_like(index.buckets, -1).copy_(index.buckets)
+    elsewhere = torch.zeros(64 * 2**20 // 8, dtype=torch.int64)
+    g = torch.Generator().manual_seed(1)
+    runs: dict[str, list[float]] = {"huge": [], "small": []}
+    for _ in range(count):
+        batch = ids[torch.randint(0, ids.numel(), (4096,), generator=g)]
+        for name, buckets in (("huge", huge), ("small", small)):
+            index.buckets, index._buckets = buckets, buckets.numpy()
+            elsewhere.add_(1)
+            runs[name].append(timed(index.find, batch) / batch.numel())
+    ns = {name: 1e9 * statistics.median(v) for name, v in runs.items()}
+    return {"probe_ns_per_id": ns, "huge_over_small_speed": ns["small"] / ns["huge"],
+            "buckets": huge.shape[0], "huge_pages_mode": _thp_mode()}
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().strip()
+    except OSError:
+        return "none"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ids", type=int, default=10**6)
     parser.add_argument("--batch", type=int, nargs="+", default=[4096, 65536])
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--page-batches", type=int, default=200)
     parser.add_argument("--out", default="bench/results/dynamic_index.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -122,12 +154,14 @@ def main() -> None:
     result = {
         "what": "id index (IdIndex) and DynamicTable.lookup against a Python dict, ids per second, one thread",
         "command": "bench/dynamic_index.py " + " ".join(
-            f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(args).items()),
+            f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+            for k, v in vars(args).items()),
         "date": datetime.date.today().isoformat(), "machine": platform.node(), "cpus": os.cpu_count(),
         "torch": torch.__version__, "ids": ids.numel(), "dim": args.dim, "batches": {},
     }
     for size in args.batch:
         result["batches"][size] = measure(ids, shuffled, size, args)
+    result["pages"] = pages(ids, args.page_batches)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
@@ -135,6 +169,9 @@ def main() -> None:
         print(f"batch {size}: " + ", ".join(f"{k} {v / 1e6:.2f}" for k, v in figures["ids_per_second"].items())
               + f" M ids/s; insert {figures['insert_vs_dict']:.2f}x the dict, lookup "
               f"{figures['lookup_vs_dict']:.2f}x; index {figures['index_bytes_per_id']:.1f} bytes per id")
+    probe = result["pages"]["probe_ns_per_id"]
+    print(f"cold probes: {probe['huge']:.1f} ns per id on 2 MB pages, {probe['small']:.1f} on 4 KB pages "
+          f"({result['pages']['huge_over_small_speed']:.2f}x)")
     print(f"-> {args.out}")
 
 

@@ -90,7 +90,7 @@ def test_dynamic_index_reports_ids_per_second_for_each_batch(isolated_imports, m
     out, threads = tmp_path / "dynamic_index.json", torch.get_num_threads()
     try:
         printed = _run_here(monkeypatch, "dynamic_index.py", "--ids", "2000", "--batch", "500", "2000", "--dim", "4",
-                            "--repeats", "1", "--out", str(out))
+                            "--repeats", "1", "--page-batches", "2", "--out", str(out))
     finally:
         torch.set_num_threads(threads)  # the bench runs on one thread
     result = json.loads(out.read_text())
@@ -103,6 +103,9 @@ def test_dynamic_index_reports_ids_per_second_for_each_batch(isolated_imports, m
         assert figures["insert_vs_dict"] == figures["ids_per_second"]["index_insert"] / \
             figures["ids_per_second"]["dict_insert"]
     assert printed.count("M ids/s") == 2
+    pages = result["pages"]
+    assert _positive(*pages["probe_ns_per_id"].values()) and pages["buckets"] >= 4000, pages
+    assert pages["huge_over_small_speed"] == pages["probe_ns_per_id"]["small"] / pages["probe_ns_per_id"]["huge"]
 
 
 @pytest.mark.job

@@ -1,6 +1,6 @@
 """Large tensors backed by 2 MB pages where the kernel allows: a dynamic table's id index, columns and recency
-log are tens of MB read at random, and with 4 KB pages nearly every probe misses the TLB too (a probe of an
-index of 2^21 buckets: 52 -> 38 ns, bench/...). Linux's transparent huge pages in `madvise` or `always` mode;
+logs are tens of MB read at random, and on 4 KB pages nearly every probe misses the TLB too (cold probes of an
+index: bench/dynamic_index.py, "pages"). Linux's transparent huge pages in `madvise` or `always` mode;
 elsewhere, or where the kernel refuses, a plain tensor."""
 from __future__ import annotations
 
