@@ -172,7 +172,7 @@ class AllreduceStrategy(Strategy):
         """`replicate_dynamic`: keep a replica of every DynamicEmbedding (allreduce); False under hybrid and
         sharded, whose dense part this is and which hold those rows elsewhere."""
         config = cluster.config
-        self.replicas = ReplicatedTables(module if replicate_dynamic else nn.Module(), table_optimizer,
+        self.replicas = ReplicatedTables(module if replicate_dynamic else None, table_optimizer,
                                          config.worker_rank, config.num_workers,
                                          config.nonfinite)
         self.cluster = cluster

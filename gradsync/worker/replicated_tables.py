@@ -51,8 +51,11 @@ class Lookups(NamedTuple):
 class ReplicatedTables:
     """The model's dynamic tables, replicated on every worker. Every worker must call `step` at every step."""
 
-    def __init__(self, module: nn.Module, table_optimizer, worker: int, workers: int, nonfinite: str = "raise"):
-        self.layers = {name: m for name, m in module.named_modules() if isinstance(m, DynamicEmbedding)}
+    def __init__(self, module: nn.Module | None, table_optimizer, worker: int, workers: int,
+                 nonfinite: str = "raise"):
+        """The dynamic tables of `module` (None: none, the rows are held elsewhere)."""
+        modules = module.named_modules() if module is not None else ()
+        self.layers = {name: m for name, m in modules if isinstance(m, DynamicEmbedding)}
         if self.layers and not isinstance(table_optimizer, ROW_OPTIMIZERS):
             name = next(iter(self.layers))
             raise ValueError(f"{name!r} is a gradsync.DynamicEmbedding, whose rows a row optimizer trains, and "
