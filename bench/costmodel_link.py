@@ -128,8 +128,10 @@ def analysed(stored: dict) -> dict:
 
 def table(result: dict) -> str:
     fitted = result["fit"]
+    rate = (f"{8 / fitted['s_per_byte'] / 1e9:.3g} Gbit/s effective" if fitted["s_per_byte"] > 0 else
+            "no time per byte fitted (the bytes' time within the runs' noise)")
     lines = [f"{result['link']}: fit on W = 2: {1e6 * fitted['compute_s_per_sample']:.3g} us per sample, "
-             f"{8 / fitted['s_per_byte'] / 1e9:.3g} Gbit/s effective, {1e3 * fitted['step_overhead_s']:.3g} ms "
+             f"{rate}, {1e3 * fitted['step_overhead_s']:.3g} ms "
              f"fixed per step ({1e3 * fitted['latency_per_message_s']:.3g} ms per message if taken per message)",
              "", "| link | W | run | measured ms | predicted ms | ratio | this machine's cores: predicted ms "
              "| ratio | latency per message: predicted ms | ratio |", "|---|---|---|---|---|---|---|---|---|---|"]

@@ -184,7 +184,10 @@ def test_costmodel_link_fits_a_session_of_its_own(tmp_path):
     [session] = json.loads(out.read_text())["sessions"]
     [analysis] = session["results"]
     assert analysis["link"] == "1gbit"
-    assert _positive(analysis["fit"]["compute_s_per_sample"], analysis["fit"]["s_per_byte"]), analysis["fit"]
+    fit = analysis["fit"]
+    assert _positive(fit["compute_s_per_sample"]), fit
+    # three steps a run: the bytes' time may fall within the noise, and the fit then pins it at zero
+    assert fit["s_per_byte"] > 0 or (fit["s_per_byte"] == 0 and "cost per byte" in fit["pinned_at_zero"]), fit
     rows = analysis["rows"]
     assert session["workload"] == "tables"
     assert [(r["workers"], r["name"], r["steps"]) for r in rows] == [
