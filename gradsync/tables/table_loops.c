@@ -177,8 +177,13 @@ fail:
     return released(views, 2, NULL);
 }
 
-/* server_of(ids, word, servers, out): out[i] = (mix64(mix64(ids[i]) ^ word) >> 1) % servers, the server of each id
- * (`server_of` of tables/id_hash.py: `keyed(id, word)`'s top 63 bits modulo the servers). */
+/* The server of `id`: (mix64(mix64(id) ^ word) >> 1) % servers (`server_of` of tables/id_hash.py:
+ * `keyed(id, word)`'s top 63 bits modulo the servers). */
+static inline int64_t server_of_id(int64_t id, long long word, long long servers) {
+    return (int64_t)((mix64(mix64((uint64_t)id) ^ (uint64_t)word) >> 1) % (uint64_t)servers);
+}
+
+/* server_of(ids, word, servers, out): out[i] = the server of ids[i] (`server_of_id`). */
 static PyObject *server_of(PyObject *self, PyObject *args) {
     Py_buffer ids = {0}, out = {0};
     Py_buffer *views[] = {&ids, &out};
@@ -189,11 +194,10 @@ static PyObject *server_of(PyObject *self, PyObject *args) {
         goto fail;
     }
     Py_BEGIN_ALLOW_THREADS
-    const uint64_t *id = ids.buf;
+    const int64_t *id = ids.buf;
     int64_t *result = out.buf;
     Py_ssize_t n = ids.len / 8;
-    for (Py_ssize_t i = 0; i < n; i++)
-        result[i] = (int64_t)((mix64(mix64(id[i]) ^ (uint64_t)word) >> 1) % (uint64_t)servers);
+    for (Py_ssize_t i = 0; i < n; i++) result[i] = server_of_id(id[i], word, servers);
     Py_END_ALLOW_THREADS
     return released(views, 2, Py_NewRef(Py_None));
 fail:
@@ -217,8 +221,7 @@ static PyObject *placement(PyObject *self, PyObject *args) {
     Py_ssize_t n = ids.len / 8;
     for (Py_ssize_t i = 0; i < n && (unordered < 0 || elsewhere < 0); i++) {
         if (unordered < 0 && i && id[i] <= id[i - 1]) unordered = i;
-        if (elsewhere < 0 && (long long)((mix64(mix64((uint64_t)id[i]) ^ (uint64_t)word) >> 1) % (uint64_t)servers)
-                != server) elsewhere = i;
+        if (elsewhere < 0 && server_of_id(id[i], word, servers) != server) elsewhere = i;
     }
     Py_END_ALLOW_THREADS
     return released(views, 1, Py_BuildValue("nn", unordered, elsewhere));
@@ -360,6 +363,13 @@ fail:
     return released(views, 8, NULL);
 }
 
+/* Whether a recency log entry (slot s, step) stands for its id: the slot holds an id whose last step is the
+ * entry's, and with wanted >= 0 whose lookup count is `wanted`. */
+static inline int stands_for(int32_t s, int64_t step, const uint8_t *holds, const int64_t *last_step,
+                             const int64_t *count, long long wanted) {
+    return holds[s] && last_step[s] == step && (wanted < 0 || count[s] == wanted);
+}
+
 /* live(log_slots, log_steps, held, last_step, lookups, wanted, out_slots, out_steps): of the recency log's
  * entries (int32 slot, int64 step), those that stand for their ids (the slot holds an id whose last step is the
  * entry's, and with wanted >= 0 whose lookup count is `wanted`: `lookups` may be empty otherwise), in order,
@@ -387,7 +397,7 @@ static PyObject *live(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         int32_t s = slot[i];
         if (s < 0 || s >= columns) { bad = 1; break; }
-        if (holds[s] && last_step[s] == step[i] && (wanted < 0 || count[s] == wanted)) {
+        if (stands_for(s, step[i], holds, last_step, count, wanted)) {
             kept_slot[kept] = s;
             kept_step[kept++] = step[i];
         }
@@ -519,7 +529,7 @@ static PyObject *oldest(PyObject *self, PyObject *args) {
     for (; read < tail && found < count; read++) {
         int32_t s = slot[read];
         if (s < 0 || s >= columns) { bad = 1; break; }
-        if (holds[s] && last_step[s] == step[read] && (wanted < 0 || count_of[s] == wanted)) {
+        if (stands_for(s, step[read], holds, last_step, count_of, wanted)) {
             kept_slot[found] = s;
             kept_step[found] = step[read];
             kept_id[found++] = id[s];
