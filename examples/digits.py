@@ -1,8 +1,8 @@
 """Train a digit classifier (8x8 handwritten digits, shipped in examples/data) with gradsync.
 
-Run it with either strategy; the loop is the same:
+Run it with either strategy and any number of workers; the loop is the same:
     gradsync run --strategy ps --workers 2 --servers 1 examples/digits.py
-    gradsync run --strategy allreduce --workers 2 examples/digits.py
+    gradsync run --strategy allreduce --workers 3 examples/digits.py
 """
 import argparse
 import gzip
@@ -38,12 +38,17 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
 
 
-def train(epochs: int = 10, batch_size: int = 32, lr: float = 0.05) -> dict:
-    """The training loop every worker runs; returns this worker's summary."""
+def train(epochs: int = 10, batch_size: int = 64, lr: float = 0.05) -> dict:
+    """The training loop every worker runs; returns this worker's summary. `batch_size`: a step's joint batch,
+    split among the workers, so that the training is much the same at any number of them."""
     me, workers = gradsync.worker_rank(), gradsync.num_workers()
     x_train, y_train, x_test, y_test = load_digits()
-    mine = torch.arange(me, len(y_train), workers)  # this worker's share of the training set
-    steps_per_epoch = len(mine) // batch_size
+    # every worker gets the same number of samples, so the same number of steps (a sync step waits for every
+    # worker); the remainder is left out, as DistributedSampler(drop_last=True) does
+    share = len(y_train) // workers
+    mine = torch.arange(me, share * workers, workers)  # this worker's share of the training set
+    batch_size //= workers  # this worker's part of each step's batch
+    steps_per_epoch = share // batch_size
     model = make_model()
     trainer = gradsync.Trainer(model, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9))
     bar = Progress(epochs * steps_per_epoch, f"worker {me}", enabled=me == 0)

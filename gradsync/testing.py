@@ -5,8 +5,9 @@ gradsync only when a test asks for its fixture. `gradsync_job(fn, strategy=..., 
 `fn(*args)` on every worker of a local job (`gradsync.launch`, the same keywords) and returns the workers'
 results in worker order. When a rank fails, every rank is killed and the test fails with `JobFailed`: the rank
 that caused it, named, and its traceback. The job has a hard timeout: the test's `@pytest.mark.timeout`
-(pytest-timeout) less `MARGIN_S`, else the `gradsync_timeout` ini option; a job stopped by it names the rank
-it waited for and shows every rank's Python stack.
+(pytest-timeout; without it the plugin registers the mark, and only the job's timeout applies) less
+`MARGIN_S`, else the `gradsync_timeout` ini option; a job stopped by it names the rank it waited for and shows
+every rank's Python stack.
 
     def test_my_training_matches_one_process(gradsync_job):
         ps = gradsync_job(train, strategy="ps", workers=2, servers=1)
@@ -27,6 +28,14 @@ DEFAULT_TIMEOUT_S = "300"
 def pytest_addoption(parser):
     parser.addini("gradsync_timeout", "seconds a gradsync_job may take when its test has no timeout mark",
                   default=DEFAULT_TIMEOUT_S)
+
+
+def pytest_configure(config):
+    """Without pytest-timeout, register its `timeout` mark, which the job's timeout reads: a test file that
+    marks its gradsync_job tests gets no unknown-mark warning (nor an error under --strict-markers)."""
+    if not config.pluginmanager.hasplugin("timeout"):
+        config.addinivalue_line("markers", "timeout(seconds): the seconds the test's gradsync_job jobs may take, "
+                                "less a margin (enforced on the test itself only with pytest-timeout)")
 
 
 def job_timeout(item) -> float:

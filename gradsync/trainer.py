@@ -227,3 +227,9 @@ class Trainer:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full current model state, keyed exactly as `model.state_dict()`."""
         return self._strategy.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True):
+        """The inverse of `state_dict()` (or of a single-process `model.state_dict()`): the values go where they
+        are trained (servers, tables' owners, replicas), as the user's `model.load_state_dict(state)` does.
+        Every worker loads the same state, as under DDP."""
+        return self._strategy.model.module.load_state_dict(state, strict=strict)

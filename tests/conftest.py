@@ -23,6 +23,9 @@ def pytest_configure(config):
     if not config.pluginmanager.hasplugin("timeout"):
         raise pytest.UsageError("the test suite needs the pytest-timeout plugin loaded: its multi-process tests "
                                 "rely on @pytest.mark.timeout never to hang (pip install -r requirements.txt)")
+    # matplotlib builds its font cache on first import by running fc-list: here, before any test, rather than
+    # inside a test of the tier that starts no process (a fresh machine has no cache)
+    from matplotlib import font_manager  # noqa: F401
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by the marks

@@ -57,6 +57,35 @@ def test_a_log_line_cut_short_is_left_out(tmp_path):
     assert read_log(log) == [{"step": 1, "loss": 0.5}] and read_log(tmp_path / "none.jsonl") == []
 
 
+def test_every_committed_step_gets_its_whole_line_whether_or_not_the_script_logs(tmp_path, monkeypatch):
+    from gradsync.compare.runner import measure
+    from gradsync.metrics import scalars
+    from gradsync.metrics.step_metrics import StepMetrics
+
+    monkeypatch.setenv("GRADSYNC_LOG_DIR", str(tmp_path))
+    monkeypatch.setattr(scalars, "CURRENT", scalars.WorkerLog(worker=1))
+    metrics = StepMetrics()
+    scalars.watch(metrics, {"dense": 10, "tables": 0})
+    for step in range(1, 4):
+        metrics.pulled(0.0, 100)
+        metrics.committed(time.perf_counter(), 40)
+        metrics.sent_after_commit(2)  # what hybrid sends after the dense step's commit counts in that step
+        if step == 2:
+            gradsync.log(loss=0.5)
+    written = read_log(tmp_path / "worker-1.jsonl")
+    # a step's line waits until the step is whole: the next commit or the script's next gradsync.log
+    assert [line.get("step", "model") for line in written] == ["model", 1, 2, 2]
+    scalars.flush()  # leaving the job (cluster.set_running(None)) or failing
+    lines = read_log(tmp_path / "worker-1.jsonl")
+    assert [line.get("step", "model") for line in lines] == ["model", 1, 2, 2, 3]
+    steps = [line for line in lines if "record" in line]
+    assert [(r["record"]["bytes_sent"], r["record"]["bytes_received"]) for r in steps] == [(42, 100)] * 3
+    assert lines[3] == {"t": lines[3]["t"], "wall": lines[3]["wall"], "step": 2, "loss": 0.5}
+    run = measure([lines], _Idle(), 1)
+    assert run["steps"] == 3 and run["logged"] == ["loss"] and run["bytes_per_step"] == 142
+    assert run["curve"] == [(lines[3]["t"], 2, 0.5)] and run["first_step"] == 2 and run["samples_per_s"] is None
+
+
 def _compare(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "gradsync.cli", "compare", *args], capture_output=True, text=True,
                           timeout=230, env=env)
@@ -90,7 +119,7 @@ def test_compare_report_numbers_come_from_the_runs(tmp_path):
         assert run["steps"] == len(losses) == 10 and run["warmup_steps"] == 1
         assert run["final_loss"] == pytest.approx(statistics.fmean(losses[-1:]))  # the last tenth of 10 losses
         assert run["accuracy"] == 0.5  # worker 0's last acc
-        records = [line["record"] for line in log if "loss" in line][1:]  # the first step is warm-up
+        records = [line["record"] for line in log if "record" in line][1:]  # the first step is warm-up
         assert run["commit_s"] == pytest.approx(statistics.median(r["commit_s"] for r in records))
         assert run["bytes_per_step"] > 0 and run["worker_peak_mb"] > 100
         # measured over the same steps, or NaN where the ranks ended within a sampling interval of the last step
@@ -144,16 +173,33 @@ def test_compare_report_numbers_come_from_the_runs(tmp_path):
 
 @pytest.mark.job
 @pytest.mark.timeout(240)
-def test_compare_exits_non_zero_when_a_run_fails_and_warns_when_the_script_logs_nothing(tmp_path):
+def test_compare_measures_a_script_that_never_logs_and_exits_non_zero_when_a_run_fails(tmp_path):
     out = tmp_path / "report"
     done = _compare("--out", str(out), "--strategies", "allreduce,ps", "--servers", "1", "--modes", "sync",
                     os.path.join(HERE, "compare_script.py"), "--quiet", "--fail-under", "ps")
     assert done.returncode == 1, done.stderr[-3000:]
     assert "gradsync: 1 of 2 runs failed (ps sync S=1): their errors are in " in done.stderr
-    warning = "the script logged nothing in allreduce, so the report has no loss, speed or step split for them"
-    assert warning in done.stderr and "No artists with labels" not in done.stderr
+    runs = {r["name"]: r for r in json.loads((out / "report.json").read_text())["runs"]}
+    # no gradsync.log call: the step figures still come from the Trainer's own step records
+    quiet = runs["allreduce"]
+    assert quiet["logged"] == [] and quiet["steps"] == 10 and quiet["worker_steps"] == [10, 10]
+    assert quiet["step_s"] > 0 and quiet["compute_s"] > 0 and quiet["bytes_per_step"] > 0
+    assert quiet["first_step"] == 1 and quiet["model"]["dense"] == 484 and quiet["worker_peak_mb"] > 100
+    assert quiet["curve"] == [] and quiet["final_loss"] is None and quiet["samples_per_s"] is None
+    cpu = quiet["cpu_s_per_step"]  # over the Trainer's steps; NaN where the ranks ended within a sampling interval
+    assert cpu > 0 or math.isnan(cpu), cpu
+    log = read_log(out / "runs" / "allreduce" / "worker-0.jsonl")
+    assert [line["step"] for line in log if "record" in line] == list(range(1, 11))
+    assert sorted(p.name for p in out.glob("*.png")) == ["bytes.png", "step_time.png"]  # no loss to draw
+    warning = ("the script logs no loss, samples or acc with gradsync.log, so the report has no final loss and "
+               "loss.png, samples/s or accuracy (its step times, bytes, CPU and memory come from the Trainer "
+               "itself): call gradsync.log(loss=loss.item(), samples=len(x)) once per step in the training loop "
+               "and gradsync.log(acc=accuracy) once after training")
+    assert done.stderr.count(warning) == 1 and "No artists with labels" not in done.stderr
     md = (out / "report.md").read_text()
-    assert f"Warning: {warning}" in md and "| ps sync S=1 | failed: RuntimeError: compare_script.py fails" in md
+    assert md.count("the script logs no") == 1 and f"Warning: {warning}." in md
+    assert "| ps sync S=1 | failed: RuntimeError: compare_script.py fails" in md
+    assert "Fastest step: allreduce" in md and "![step_time.png]" in md
 
 
 # A job whose runs a known cost model made: 32 samples per step at 1 ms each, 100 MB/s, 1 ms per message,
@@ -332,41 +378,53 @@ def test_report_explains_every_column_and_the_warm_up_under_the_table(tmp_path):
     assert "No run logged a step to compare." in text  # a skipped run has none
 
 
-def _finished(name: str, logged: bool) -> dict:
-    return {"name": name, "logged": logged, "steps": 0, "warmup_steps": 1, "warmup_t": None, "curve": [],
-            "final_loss": None, "step_s": float("nan"), "pull_s": 0.0, "compute_s": 0.0, "commit_s": 0.0,
-            "bytes_per_step": 0.0}
+def _finished(name: str, logged=("loss", "samples", "acc")) -> dict:
+    return {"name": name, "logged": list(logged), "steps": 0, "warmup_steps": 1, "warmup_t": None, "curve": [],
+            "final_loss": None, "step_s": float("nan"), "pull_s": 0.0, "exchange_s": 0.0, "compute_s": 0.0,
+            "commit_s": 0.0, "bytes_per_step": 0.0}
 
 
-def test_a_script_that_logs_nothing_gets_a_warning_and_plots_without_matplotlib_warnings(tmp_path):
+def test_the_report_says_once_what_the_script_never_logs_and_plots_what_there_is(tmp_path):
     import warnings
 
     from gradsync.compare.plots import write_plots
-    from gradsync.compare.report import silent, write_report
+    from gradsync.compare.report import missing, write_report
 
-    failed = {**_finished("x", False), "error": "E: y", "failure": "runs/x/failure.txt", "worker_steps": [0, 0]}
-    runs = [_finished("allreduce", False), _finished("ps sync S=1", False), failed]
-    assert silent(runs).startswith("the script logged nothing in allreduce, ps sync S=1, so the report has no loss")
-    assert "call gradsync.log(loss=loss.item(), samples=len(x)) once per step" in silent(runs)
-    assert silent([_finished("allreduce", True)]) is None
-    with warnings.catch_warnings():
+    measured = {**_finished("allreduce", ()), "steps": 9, "step_s": 0.003, "compute_s": 0.002, "commit_s": 0.001,
+                "bytes_per_step": 2048.0}  # the Trainer's step figures, no gradsync.log call
+    failed = {**_finished("x", ()), "error": "E: y", "failure": "runs/x/failure.txt", "worker_steps": [0, 0]}
+    runs = [measured, _finished("ps sync S=1", ()), failed]
+    assert missing(runs) == (
+        "the script logs no loss, samples or acc with gradsync.log, so the report has no final loss and loss.png, "
+        "samples/s or accuracy (its step times, bytes, CPU and memory come from the Trainer itself): call "
+        "gradsync.log(loss=loss.item(), samples=len(x)) once per step in the training loop and "
+        "gradsync.log(acc=accuracy) once after training")
+    # what some run logged is not missing (a run that logged fewer steps is `uneven`'s); a failed run counts for none
+    assert missing([measured, _finished("ps sync S=1", ("loss",)), failed]) == (
+        "the script logs no samples or acc with gradsync.log, so the report has no samples/s or accuracy: call "
+        "gradsync.log(samples=len(x)) once per step in the training loop and gradsync.log(acc=accuracy) once "
+        "after training")
+    assert missing([_finished("allreduce"), failed]) is None and missing([failed]) is None
+    with warnings.catch_warnings():  # (what a run with steps draws: the compare job tests)
         warnings.simplefilter("error")  # matplotlib's "No artists with labels found" is a warning
-        assert write_plots(runs, str(tmp_path), 1) == write_plots([], str(tmp_path), 1) == []  # nothing to draw
+        assert write_plots([_finished("ps sync S=1", ()), failed], str(tmp_path), 1) == []  # no step, no loss
     assert not list(tmp_path.glob("*.png"))
     _, md = write_report(META, runs, [], str(tmp_path))
-    assert f"Warning: {silent(runs)}." in open(md).read()
+    text = open(md).read()
+    assert text.count("the script logs no") == 1 and f"Warning: {missing(runs)}." in text
+    assert "Fastest step: allreduce (3.00 ms, median of worker 0)." in text
 
 
 def test_allreduce_averaging_tables_densely_gets_a_note_naming_sparse_gradients(tmp_path):
     from gradsync.compare.report import dense_tables, write_report
 
-    dense = {**_finished("allreduce", True), "strategy": "allreduce",
+    dense = {**_finished("allreduce"), "strategy": "allreduce",
              "model": {"dense": 10, "tables": 0, "sparse_tables": 0, "dense_tables": 2}}
     sparse = {**dense, "model": {**dense["model"], "dense_tables": 0, "sparse_tables": 2}}
-    note = dense_tables([dense, _finished("ps sync S=1", True)])
+    note = dense_tables([dense, _finished("ps sync S=1")])
     assert note.startswith("allreduce averaged 2 embedding table(s) with dense gradients")
     assert "nn.Embedding(..., sparse=True)" in note and "SGD, Adagrad, SparseAdam" in note
-    assert dense_tables([sparse]) is None and dense_tables([_finished("allreduce", True)]) is None
+    assert dense_tables([sparse]) is None and dense_tables([_finished("allreduce")]) is None
     _, md = write_report(META, [dense], [], str(tmp_path))
     assert f"Note: {note}." in open(md).read()
 
@@ -380,7 +438,7 @@ def test_hybrid_runs_after_one_that_found_no_tables_are_skipped_without_running(
         started.append(config.name)
         if config.strategy == "hybrid":
             return {"name": config.name, **config.settings(), "skipped": runner.NO_TABLES}
-        return {**_finished(config.name, True), **config.settings()}
+        return {**_finished(config.name), **config.settings()}
 
     monkeypatch.setattr(runner, "run", fake_run)
     script = tmp_path / "x.py"
@@ -405,7 +463,7 @@ def test_the_straggler_goes_to_the_runs_not_into_the_callers_environment(tmp_pat
 
     def fake_run(config, *args, straggler=None, **kwargs):
         given.append(straggler)
-        return {**_finished(config.name, True), **config.settings()}
+        return {**_finished(config.name), **config.settings()}
 
     monkeypatch.setattr(runner, "run", fake_run)
     script = tmp_path / "x.py"
@@ -654,13 +712,13 @@ def test_the_copy_of_the_working_directory_leaves_out_vcs_venvs_and_reports_and_
 
 
 def test_a_run_that_logged_fewer_steps_or_resumed_is_flagged(tmp_path):
-    from gradsync.compare.report import silent, uneven, write_report
+    from gradsync.compare.report import missing, uneven, write_report
 
-    full = {**_finished("allreduce", True), "steps": 9, "first_step": 0}
-    fewer = {**_finished("ps sync S=1", True), "steps": 6, "first_step": 0}
-    resumed = {**_finished("ps async S=1", True), "steps": 9, "first_step": 3}
-    nothing = _finished("hybrid S=1", False)
-    failed = {**_finished("x", True), "error": "E: y", "steps": 1, "first_step": 7, "failure": "f", "worker_steps": [1]}
+    full = {**_finished("allreduce"), "steps": 9, "first_step": 0}
+    fewer = {**_finished("ps sync S=1"), "steps": 6, "first_step": 0}
+    resumed = {**_finished("ps async S=1"), "steps": 9, "first_step": 3}
+    nothing = _finished("hybrid S=1", ())
+    failed = {**_finished("x"), "error": "E: y", "steps": 1, "first_step": 7, "failure": "f", "worker_steps": [1]}
     assert uneven([full, {**fewer, "steps": 9}, failed]) == []
     flags = uneven([full, fewer, resumed, nothing, failed])
     assert flags == [
@@ -674,7 +732,7 @@ def test_a_run_that_logged_fewer_steps_or_resumed_is_flagged(tmp_path):
     # steps counted by gradsync (from 1): every run that resumed from the same snapshot is flagged
     assert [f.split(":")[0] for f in uneven([{**full, "first_step": 4}, {**resumed, "first_step": 4}])] == [
         "allreduce resumed", "ps async S=1 resumed"]
-    assert silent([full, nothing]) is None  # the script calls gradsync.log: the run that logged nothing is flagged
+    assert missing([full, nothing]) is None  # the script calls gradsync.log: the run that logged nothing is flagged
     _, md = write_report(META, [full, fewer], [], str(tmp_path))
     assert f"Warning: {flags[0]}.\n" in open(md).read()
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import gradsync
+from gradsync.worker.plain_module import Attachments
 from gradsync.core import malloc
 from gradsync.core.buckets import ModelSpec
 from gradsync.core.errors import GradientError
@@ -414,7 +415,7 @@ class _NoCalls:
 def test_a_served_table_refuses_bad_ids_before_any_call(ids, error, match):
     model = nn.Sequential(gradsync.DynamicEmbedding(2, capacity=4))
     served = ServedDynamic(model, 2, gradsync.RowSGD(lr=0.1), "sync")
-    served.take_over()
+    served.take_over(Attachments())
     served.transport = _NoCalls()
     with pytest.raises(error, match=match):
         model(ids)

@@ -32,8 +32,9 @@ def _examples_importable() -> None:
 
 
 @pytest.mark.timeout(200)
-def test_digits_script_reaches_95_percent_under_gradsync_run(tmp_path):
-    printed = _run(["--strategy", "ps", "--workers", "2"], "digits.py", [], tmp_path)
+def test_digits_script_reaches_95_percent_under_gradsync_run_at_three_workers(tmp_path):
+    # 1,438 training samples do not split evenly in 3: each worker takes 479, the same number of steps
+    printed = _run(["--strategy", "ps", "--workers", "3"], "digits.py", [], tmp_path)
     accuracy = float(re.search(r"test accuracy ([\d.]+)", printed).group(1))
     assert accuracy >= 0.95, printed
 

@@ -8,6 +8,7 @@ import torch.distributed.autograd as dist_autograd
 from torch import nn
 
 import gradsync
+from gradsync.worker.plain_module import Attachments
 from gradsync.core.optimizer_spec import OptimizerSpec
 from gradsync.core.buckets import TensorSpec
 from gradsync.core.errors import GradientError
@@ -161,7 +162,7 @@ def test_lookups_match_the_dense_modules_and_sum_duplicate_rows(servers):
     expected.backward()
     served = ServedTables({"emb": emb, "bag": bag}, servers, StepMetrics())
     served.transport = FakeTransport({"emb": emb.weight.detach().clone(), "bag": bag.weight.detach().clone()}, servers)
-    served.take_over()
+    served.take_over(Attachments())
     assert emb.weight is None and not list(emb.parameters())  # the worker holds no table
     try:
         dist_autograd._init(0)
@@ -307,6 +308,59 @@ def test_pull_rows_over_grpc_refuses_misrouted_ids_unknown_tables_and_a_wrong_ta
         assert client.stats()[0]["tables"]["t"]["rows_pulled"] == 0  # nothing was read
 
 
+ROW_FIX = ("Fix: give the tables a row optimizer, Trainer(..., table_optimizer=gradsync.RowSGD(lr=..., "
+           "momentum=...)) or gradsync.RowAdagrad(lr=...); or use --strategy allreduce")
+
+
+def test_hybrid_and_sharded_refuse_a_model_without_a_table_to_serve_naming_why_and_the_fix_once(capsys):
+    from types import SimpleNamespace
+
+    from gradsync.core.errors import NoTablesToServe
+    from gradsync.worker.hybrid_strategy import HybridStrategy
+    from gradsync.worker.sharded_strategy import ShardedStrategy
+
+    model = nn.Sequential(nn.Embedding(400, 8), nn.Linear(8, 300))  # the table: over a tenth of the model
+    momentum = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    cluster = SimpleNamespace(config=SimpleNamespace(worker_rank=0, mode="sync", servers=1, transport="rpc"))
+    why = f"every table of this model stays dense: '0.weight' (400, 8) trains with SGD(momentum=0.9), which has " \
+          f"no exact row-wise form. {ROW_FIX}"
+    with pytest.raises(NoTablesToServe) as hybrid:
+        HybridStrategy(cluster, model, momentum)
+    assert str(hybrid.value) == f"the hybrid strategy serves embedding tables from the parameter servers, and {why}"
+    with pytest.raises(NoTablesToServe) as sharded:
+        ShardedStrategy(cluster, model, momentum)
+    assert str(sharded.value) == f"the sharded strategy splits embedding tables across the workers, and {why}"
+    assert capsys.readouterr().out == ""  # said in the refusal only, not also in worker 0's line on a dense table
+    assert isinstance(model[0].weight, nn.Parameter) and momentum.param_groups[0]["params"][0] is model[0].weight
+
+
+def test_why_every_table_stays_dense_names_each_table_and_each_cause():
+    from gradsync.worker.served_tables import why_dense
+
+    mixed = Mixed()
+    spec = OptimizerSpec.of(torch.optim.SGD(mixed.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4), mixed)
+    assert why_dense(mixed, "auto", spec, None) == (
+        "every table of this model stays dense: 'served.weight' (10, 3) trains with SGD(momentum=0.9, "
+        "weight_decay=0.0001), which has no exact row-wise form; 'bag.weight' (7, 3) trains with SGD(momentum=0.9, "
+        "weight_decay=0.0001), which has no exact row-wise form; 'frozen.weight' (5, 3) is frozen "
+        "(requires_grad=False): nothing trains it; 'tied.weight' (6, 3) is tied to 'out.weight', which trains it in "
+        f"the dense path. {ROW_FIX}")
+    adam = OptimizerSpec.of(torch.optim.Adam(mixed.parameters()), mixed)
+    assert "'served.weight' (10, 3) trains with Adam, which has no exact row-wise form" in why_dense(
+        mixed, "auto", adam, None)
+    assert why_dense(mixed, "auto", spec, RowSGD(lr=0.1)) is None  # served and bag get the row optimizer
+    plain = OptimizerSpec.of(torch.optim.SGD(mixed.parameters(), lr=0.1), mixed)
+    assert why_dense(mixed, "auto", plain, None) is None  # plain SGD is exact row by row
+    assert why_dense(mixed, "dense", plain, None) == (
+        "tables='dense' keeps every table of this model dense ('served.weight' (10, 3), 'bag.weight' (7, 3), "
+        "'frozen.weight' (5, 3), 'tied.weight' (6, 3)). Fix: build the Trainer with tables='auto' (the default); "
+        "or use --strategy allreduce")
+    linear = nn.Linear(3, 3)
+    assert why_dense(linear, "auto", OptimizerSpec.of(torch.optim.SGD(linear.parameters(), lr=0.1), linear),
+                     None) == ("this model has no embedding table (nn.Embedding, nn.EmbeddingBag, "
+                               "gradsync.DynamicEmbedding): use --strategy allreduce")
+
+
 @pytest.mark.parametrize("rows,said", [(400, True), (20, False)])
 def test_a_table_left_dense_is_named_only_when_it_is_a_tenth_of_the_model_or_more(capsys, rows, said):
     from gradsync.worker.served_tables import WORTH_SERVING_SHARE, serve_tables
@@ -315,7 +369,7 @@ def test_a_table_left_dense_is_named_only_when_it_is_a_tenth_of_the_model_or_mor
     share = rows * 8 / sum(p.numel() for p in model.parameters())
     assert (share >= WORTH_SERVING_SHARE) == said  # 400 rows: 54% of the model; 20 rows: 6%
     spec = OptimizerSpec.of(torch.optim.AdamW(model.parameters()), model)
-    tables, _ = serve_tables(model, "auto", 1, None, spec, None, send=True)
+    tables, _ = serve_tables(model, "auto", 1, None, spec, None, send=True, attached=Attachments())
     assert not tables.specs  # AdamW has no exact row-wise form: the table stays dense either way
     out = capsys.readouterr().out
     assert out.count("embedding table '0.weight'") == (1 if said else 0)

@@ -42,11 +42,15 @@ def _guide_example() -> str:
 def test_the_guides_example_passes_and_a_failing_rank_is_named_with_its_traceback(tmp_path):
     (tmp_path / "test_training.py").write_text(_guide_example())
     (tmp_path / "test_failing.py").write_text(FAILING)
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf",
+    # without pytest-timeout (-p no:timeout) the plugin registers the `timeout` mark both files use: no unknown-mark
+    # warning, which -W turns into an error (as --strict-markers would the mark itself)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:timeout", "-rf",
+                          "--strict-markers", "-W", "error::pytest.PytestUnknownMarkWarning",
                           "test_training.py", "test_failing.py"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=220)
     out = run.stdout + run.stderr
     assert re.search(r"\b1 failed\b", out) and re.search(r"\b2 passed\b", out), out
+    assert "warning" not in out.lower(), out
     assert "JobFailed: rank 1 (worker1) failed" in out and "ValueError: worker one's own error" in out, out
     assert "test_failing.py::test_a_failing_rank_is_named" in out, out
 
@@ -61,3 +65,13 @@ def test_a_job_times_out_before_its_test():
     assert testing.job_timeout(_item(120)) == 120 - testing.MARGIN_S
     assert testing.job_timeout(_item(5)) == testing.MARGIN_S  # never below the margin
     assert testing.job_timeout(_item(None, ini="45")) == 45.0
+
+
+def test_the_timeout_mark_is_registered_only_where_pytest_timeout_does_not_register_it():
+    for installed in (True, False):
+        lines = []
+        config = types.SimpleNamespace(pluginmanager=types.SimpleNamespace(hasplugin=lambda name: installed and name == "timeout"),
+                                       addinivalue_line=lambda name, line: lines.append((name, line)))
+        testing.pytest_configure(config)
+        assert [(name, line.split(":")[0]) for name, line in lines] == ([] if installed else
+                                                                        [("markers", "timeout(seconds)")])

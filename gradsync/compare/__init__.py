@@ -96,7 +96,7 @@ def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, 
     from gradsync.compare.plots import write_plots
     from gradsync.compare.predict import markdown
     from gradsync.compare.predict import predict as predict_runs
-    from gradsync.compare.report import dense_tables, failures, silent, table, uneven, write_report
+    from gradsync.compare.report import dense_tables, failures, missing, table, uneven, write_report
     from gradsync.compare.runner import NO_TABLES, TABLE_STRATEGIES, WORKDIR, run
 
     if checked is not None:
@@ -124,8 +124,8 @@ def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, 
             bar.close()
     finally:
         shutil.rmtree(pristine, ignore_errors=True)
-    if quiet := silent(runs):
-        print(f"gradsync compare: warning: {quiet}", file=sys.stderr)
+    if lacking := missing(runs):
+        print(f"gradsync compare: warning: {lacking}", file=sys.stderr)
     for flag in uneven(runs):
         print(f"gradsync compare: warning: {flag}", file=sys.stderr)
     for line in failures(runs, _shown(out_dir)):

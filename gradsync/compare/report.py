@@ -67,21 +67,40 @@ def warmup_text(warmup: int) -> str:
 def legend(warmup: int) -> list[str]:
     """What every column of the table is, as a markdown list."""
     return [f"Medians per step of worker 0 after its warm-up: {warmup_text(warmup)} of every worker (first calls, "
-            "lazy imports) is left out of every per-step column.", "",
+            "lazy imports) is left out of every per-step column. The step columns come from the Trainer's record of "
+            "each step; loss, accuracy and samples from what the script passes to gradsync.log.", "",
             "- run: the strategy, the ps mode, S = the servers, the compression; \"skipped: no tables\": a hybrid "
             "run on a model with no embedding table that hybrid would serve",
             *[f"- {heading}: {meaning}" for heading, _, _, meaning in COLUMNS]]
 
 
-def silent(runs: list[dict]) -> str | None:
-    """The warning for finished runs whose script never called gradsync.log; None when every one logged, or when
-    another run logged (the script does call it: `uneven` says that a run logged fewer steps)."""
+PER_STEP, AT_THE_END = "once per step in the training loop", "once after training"
+LOGGED = (  # (the name the script passes to gradsync.log, what the report shows of it, the call, when)
+    ("loss", "final loss and loss.png", "loss=loss.item()", PER_STEP),
+    ("samples", "samples/s", "samples=len(x)", PER_STEP),
+    ("acc", "accuracy", "acc=accuracy", AT_THE_END),
+)
+
+
+def missing(runs: list[dict]) -> str | None:
+    """What the report lacks because the script logs it in no finished run (`LOGGED`), why, and the calls that
+    give it; None when it lacks none (a run that took fewer steps than another is `uneven`'s)."""
     finished = [r for r in runs if "error" not in r and "skipped" not in r]
-    names = [r["name"] for r in finished if not r["logged"]]
-    if not names or any(r["logged"] for r in finished):
+    logged = {name for r in finished for name in r["logged"]}
+    lacking = [entry for entry in LOGGED if entry[0] not in logged]
+    if not finished or not lacking:
         return None
-    return (f"the script logged nothing in {', '.join(names)}, so the report has no loss, speed or step split "
-            "for them: call gradsync.log(loss=loss.item(), samples=len(x)) once per step in the training loop")
+    calls = [f"gradsync.log({', '.join(call for _, _, call, w in lacking if w == when)}) {when}"
+             for when in (PER_STEP, AT_THE_END) if any(w == when for *_, w in lacking)]
+    measured = "" if logged else " (its step times, bytes, CPU and memory come from the Trainer itself)"
+    return (f"the script logs no {_either(name for name, *_ in lacking)} with gradsync.log, so the report has no "
+            f"{_either(shown for _, shown, *_ in lacking)}{measured}: call {' and '.join(calls)}")
+
+
+def _either(words) -> str:
+    """'a', 'a or b', 'a, b or c'."""
+    *rest, last = words
+    return f"{', '.join(rest)} or {last}" if rest else last
 
 
 def uneven(runs: list[dict]) -> list[str]:
@@ -154,7 +173,7 @@ def write_report(meta: dict, runs: list[dict], plots: list[str], out_dir: str,
     json_path, md_path = os.path.join(out_dir, "report.json"), os.path.join(out_dir, "report.md")
     with open(json_path, "w") as f:
         json.dump({**meta, "runs": runs, **({"prediction": prediction} if prediction else {})}, f, indent=1)
-    quiet, dense, flags, failed = silent(runs), dense_tables(runs), uneven(runs), failures(runs)
+    lacking, dense, flags, failed = missing(runs), dense_tables(runs), uneven(runs), failures(runs)
     lines = [
         f"# gradsync compare: {meta['command']}",
         "",
@@ -167,7 +186,7 @@ def write_report(meta: dict, runs: list[dict], plots: list[str], out_dir: str,
         "",
         *legend(meta["warmup_steps"]),
         "",
-        *([f"Warning: {quiet}.", ""] if quiet else []),
+        *([f"Warning: {lacking}.", ""] if lacking else []),
         *[line for flag in flags for line in (f"Warning: {flag}.", "")],
         *([f"Note: {dense}.", ""] if dense else []),
         summary(runs),

@@ -1,7 +1,9 @@
-"""Run one configuration of `gradsync compare` and measure it: the script's own log, plus CPU and memory.
+"""Run one configuration of `gradsync compare` and measure it: the workers' step lines and the script's own
+log, plus CPU and memory.
 
 The job runs as `gradsync run` would (`scripts.run_script`) with GRADSYNC_LOG_DIR
-set in its ranks, so each worker's `gradsync.log` lines land in the run's directory, and its ranks
+set in its ranks, so each worker's lines (`metrics.scalars`: the Trainer's line per step, the script's
+`gradsync.log` calls) land in the run's directory, and its ranks
 start in the run's own copy of the working directory (`compare.workdir`). A failed run is measured
 too, up to its failure, which goes to `FAILURE` in the run's directory.
 A sampler thread reads /proc every `SAMPLE_S` for every rank (`run_script` says
@@ -9,7 +11,7 @@ which they are): how long its threads ran on a CPU and waited for one (schedstat
 and its peak resident memory (VmHWM). The first
 `warmup` steps of each worker (first calls, lazy imports, buffers allocated) are
 left out of every per-step figure: the medians, samples/s and CPU per step count
-from the end of the warm-up to the last logged step. A hybrid run whose model has
+from the end of the warm-up to the last step. A hybrid run whose model has
 no table to serve (`NoTablesToServe`) is skipped, not failed; so is a sharded run.
 """
 from __future__ import annotations
@@ -209,21 +211,23 @@ def role(rank: int, servers: int) -> str:
 
 def measure(logs: list[list[dict]], sampler: Sampler, warmup: int) -> dict:
     """Per-run metrics from the workers' logs (worker 0's for the curves and step split) and the sampler,
-    leaving each worker's first `warmup` steps out of the per-step figures; `logged`: whether worker 0 called
-    `gradsync.log` at all. `batch` (worker 0's median `samples` per step, None when the script logs none) and
-    `model` (the Trainer's trainable elements, dense and in tables) are what `compare --predict` fits on.
-    `worker_steps`: the steps each worker logged; `first_step`: worker 0's first (None: it logged none)."""
+    leaving each worker's first `warmup` steps out of the per-step figures. The step figures come from the
+    Trainer's step lines, whether or not the script calls `gradsync.log`; loss, accuracy and samples from what
+    it logged (`logged`: the names worker 0 logged, [] when it never called it). `batch` (worker 0's median
+    `samples` per step, None when the script logs none) and `model` (the Trainer's trainable elements, dense
+    and in tables) are what `compare --predict` fits on. `worker_steps`: the steps each worker committed;
+    `first_step`: worker 0's first logged loss's step, else its first committed step (None: neither)."""
     lines = logs[0]
-    trained = _steps(lines)
+    trained, scalars = _steps(lines), _scalars(lines)
     records = [line["record"] for line in trained[warmup:]]
-    losses = [(line["t"], line["step"], line["loss"]) for line in lines if "loss" in line]
+    losses = [(line["t"], line["step"], line["loss"]) for line in scalars if "loss" in line]
     median = lambda key: statistics.median(r[key] for r in records) if records else float("nan")  # noqa: E731
-    samples = [line["samples"] for line in trained if "samples" in line]
+    samples = [line["samples"] for line in scalars if "samples" in line]
     out = {
-        "logged": any("step" in line for line in lines),
+        "logged": sorted({name for line in scalars for name in line} - {"t", "wall", "step"}),
         "steps": len(trained),
         "worker_steps": [len(_steps(log)) for log in logs],
-        "first_step": min((line["step"] for line in trained), default=None),
+        "first_step": losses[0][1] if losses else trained[0]["step"] if trained else None,
         "warmup_steps": warmup,
         "warmup_t": trained[warmup - 1]["t"] if len(trained) >= warmup else None,
         "curve": losses,
@@ -238,7 +242,7 @@ def measure(logs: list[list[dict]], sampler: Sampler, warmup: int) -> dict:
         "model": next((line["model"] for line in lines if "model" in line), None),
         "worker_peak_mb": sampler.peak_mb("worker"),
         "server_peak_mb": sampler.peak_mb("server"),
-        "samples_per_s": samples_per_s([_steps(log) for log in logs], warmup),
+        "samples_per_s": samples_per_s([_scalars(log) for log in logs], warmup),
         "timeline": median_timeline(trained[warmup:]),
     }
     if len(trained) > warmup:
@@ -260,18 +264,23 @@ def median_timeline(steps: list[dict]) -> dict | None:
 
 
 def _steps(lines: list[dict]) -> list[dict]:
-    """A worker's lines of each step it committed, merged (the first line's time and record), in order."""
+    """A worker's step lines: the Trainer's line of each step it committed, in order."""
+    return [line for line in lines if "record" in line]
+
+
+def _scalars(lines: list[dict]) -> list[dict]:
+    """A worker's `gradsync.log` lines, those of one step merged (the first line's time), in order."""
     steps: dict[int, dict] = {}
     for line in lines:
-        if "record" in line:
+        if "step" in line and "record" not in line:
             steps[line["step"]] = {**line, **steps.get(line["step"], {})}
     return list(steps.values())
 
 
 def samples_per_s(steps: list[list[dict]], warmup: int) -> float | None:
-    """Samples per second of all workers together after the warm-up: each worker's samples of its steps after
-    the first `warmup`, over its own time from the end of its warm-up to its last step, summed over the
-    workers. None when a worker logs no samples or has no step after its warm-up."""
+    """Samples per second of all workers together after the warm-up: each worker's logged samples of its steps
+    (`_scalars`) after the first `warmup`, over its own time from the end of its warm-up to its last step, summed
+    over the workers. None when a worker logs no samples or has no step after its warm-up."""
     total = 0.0
     for lines in steps:
         after = lines[warmup:]

@@ -1,12 +1,14 @@
-"""`gradsync.log`: a training script's per-step scalars (loss, accuracy, ...) for `gradsync compare`.
+"""The JSON lines `gradsync compare` reads: the Trainer's step records, and `gradsync.log`'s scalars.
 
-A worker calls `gradsync.log(loss=loss.item())` once per step (and, say,
-`gradsync.log(acc=accuracy)` at the end). When the job runs under `gradsync
-compare` (which sets GRADSYNC_LOG_DIR), each call appends one JSON line to
-`worker-<i>.jsonl` there: the seconds since the worker's Trainer was built, the
-wall-clock time, the step, the values, the Trainer's last step record (pull, compute and commit
-seconds, bytes sent and received), and with GRADSYNC_TIMELINE that step's timeline. The Trainer's first
-line names the model's trainable elements, dense and in embedding tables (for `gradsync compare --predict`).
+When the job runs under `gradsync compare` (which sets GRADSYNC_LOG_DIR), each worker appends to
+`worker-<i>.jsonl` there: first the model's trainable elements, dense and in embedding tables (the Trainer's
+line, for `gradsync compare --predict`); then a line per step the Trainer committed, whether or not the script
+calls `gradsync.log`: the seconds since the Trainer was built and the wall-clock time of the commit, the step,
+the step's record (pull, exchange, compute and commit seconds, bytes sent and received) and with
+GRADSYNC_TIMELINE its timeline. A step's line is written once the step is whole (some strategies add to its
+record after the commit): at the next step's commit, at the script's next `gradsync.log`, or when the worker
+leaves the job or fails. A worker calls `gradsync.log(loss=loss.item(), samples=len(x))` once per step (and,
+say, `gradsync.log(acc=accuracy)` at the end): each call appends a line of its own with the step and the values.
 With GRADSYNC_TENSORBOARD_DIR (`compare --log-dir`) the values also go to a TensorBoard events file there.
 Without either it does nothing.
 """
@@ -26,28 +28,51 @@ from gradsync.metrics.step_metrics import StepMetrics
 
 @dataclasses.dataclass
 class WorkerLog:
-    """What `gradsync.log` writes with: the worker's step metrics (`watch`), the time its lines count from, and
-    the files it writes to (opened on first use)."""
+    """What the worker's lines are written with: the Trainer's step metrics (`watch`), the time its lines count
+    from, the newest step's line until it is written (`pending`), and the files (opened on first use)."""
 
     metrics: StepMetrics | None = None
     worker: int | None = None
     """This process's worker index, set when it enters a job (`runtime.cluster.set_running`)."""
     started: float = dataclasses.field(default_factory=time.monotonic)
+    pending: dict | None = None
+    """The newest committed step's line; its record and timeline are read when it is written (`flush`)."""
     file: TextIO | None = None
     board: EventWriter | None = None
 
 
 CURRENT = WorkerLog()
-"""The one holder of this process's `gradsync.log` state (a process is one worker, with one Trainer, which
-calls `watch`)."""
+"""The one holder of this process's log state (a process is one worker, with one Trainer, which calls
+`watch`)."""
 
 
 def watch(metrics: StepMetrics, elements: dict[str, int]) -> None:
-    """Called by `Trainer`: its step records (`metrics`) go with each logged line, and times count from now.
-    `elements` ({'dense': ..., 'tables': ...}) is logged once, as {"model": elements}."""
+    """Called by `Trainer`: under `gradsync compare` each step `metrics` commits gets its line, and times count
+    from now. `elements` ({'dense': ..., 'tables': ...}) is logged once, as {"model": elements}."""
+    flush()  # an earlier Trainer's last step
     CURRENT.metrics, CURRENT.started = metrics, time.monotonic()
     if directory := LOG_DIR.read():
         _write(directory, {"t": 0.0, "wall": time.time(), "model": elements})
+        metrics.on_commit = _committed
+
+
+def _committed() -> None:
+    """A step was committed: the step before it is whole, so its line goes out; this one's waits (its record and
+    timeline are the objects the strategy may still add to)."""
+    flush()
+    metrics = CURRENT.metrics
+    CURRENT.pending = {"t": time.monotonic() - CURRENT.started, "wall": time.time(), "step": metrics.steps,
+                       "record": metrics.last()}
+    if metrics.timeline.on:
+        CURRENT.pending["timeline"] = metrics.timeline.steps[-1]
+
+
+def flush() -> None:
+    """Write the newest step's line, if it is not written yet (at the next commit, at `log`, and when the worker
+    leaves the job or fails)."""
+    line, CURRENT.pending = CURRENT.pending, None
+    if line is not None:
+        _write(LOG_DIR.read(), {**line, "record": dataclasses.asdict(line["record"])})
 
 
 def log(step: int | None = None, **values: float) -> None:
@@ -67,17 +92,12 @@ def log(step: int | None = None, **values: float) -> None:
     if not directory and not board:
         return
     metrics = CURRENT.metrics
-    last = metrics.last() if metrics is not None else None
     step = (metrics.steps if metrics is not None else 0) if step is None else step
     if board:
         _writer(board).scalars(step, values)
     if directory:
-        line = {"t": time.monotonic() - CURRENT.started, "wall": time.time(), "step": step, **values}
-        if last is not None:
-            line["record"] = dataclasses.asdict(last)
-        if metrics is not None and metrics.timeline.steps:
-            line["timeline"] = metrics.timeline.steps[-1]
-        _write(directory, line)
+        flush()
+        _write(directory, {"t": time.monotonic() - CURRENT.started, "wall": time.time(), "step": step, **values})
 
 
 def _write(directory: str, line: dict) -> None:

@@ -5,6 +5,7 @@ import collections
 import dataclasses
 import statistics
 import time
+from collections.abc import Callable
 
 from gradsync.metrics.timeline import Timeline
 
@@ -37,12 +38,14 @@ KEPT = 10_000
 
 class StepMetrics:
     """Collects a `StepRecord` per step: pull (in the forward), compute (until step), commit (step). Keeps the
-    newest `KEPT`; `steps` counts them all. `timeline`: each step's pieces (`metrics.timeline`), when on."""
+    newest `KEPT`; `steps` counts them all. `timeline`: each step's pieces (`metrics.timeline`), when on.
+    `on_commit`: called after each step's record is kept (`metrics.scalars` writes the step lines compare reads)."""
 
     def __init__(self):
         self.records: collections.deque[StepRecord] = collections.deque(maxlen=KEPT)
         self.timeline = Timeline()  # per piece, when GRADSYNC_TIMELINE is on
         self.steps = 0
+        self.on_commit: Callable[[], None] | None = None
         self._current = StepRecord()
         self._mark: float | None = None
         self._inside = 0.0  # communication seconds since the mark (row lookups in the forward)
@@ -83,6 +86,8 @@ class StepMetrics:
         self.steps += 1
         self.timeline.committed(self.steps)
         self._current, self._mark, self._inside, self._exchanges = StepRecord(), None, 0.0, []
+        if self.on_commit is not None:
+            self.on_commit()
 
     def gathered_after_commit(self, what: str, seconds: float, bytes_sent: int, bytes_received: int,
                               left: float) -> None:

@@ -91,6 +91,11 @@ class ParameterServerStub:
                 request_serializer=gradsync_dot_proto_dot_gradsync__pb2.PlainData.SerializeToString,
                 response_deserializer=gradsync_dot_proto_dot_gradsync__pb2.PlainData.FromString,
                 _registered_method=True)
+        self.JobLoadValues = channel.unary_unary(
+                '/gradsync.ParameterServer/JobLoadValues',
+                request_serializer=gradsync_dot_proto_dot_gradsync__pb2.PlainData.SerializeToString,
+                response_deserializer=gradsync_dot_proto_dot_gradsync__pb2.PlainData.FromString,
+                _registered_method=True)
         self.JobCheckpoint = channel.unary_unary(
                 '/gradsync.ParameterServer/JobCheckpoint',
                 request_serializer=gradsync_dot_proto_dot_gradsync__pb2.PlainData.SerializeToString,
@@ -187,6 +192,14 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def JobLoadValues(self, request, context):
+        """Job members: a worker's model.load_state_dict, (load number, the shard's bucket tensors, its buffers and
+        frozen parameters by name); each load number is taken once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def JobCheckpoint(self, request, context):
         """Job members: write the shard's state into a job checkpoint's folder, given as the request's data
         (a path on the server's machine, UTF-8); the reply's data is (path, version).
@@ -258,6 +271,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
             ),
             'JobLoadOptimizerState': grpc.unary_unary_rpc_method_handler(
                     servicer.JobLoadOptimizerState,
+                    request_deserializer=gradsync_dot_proto_dot_gradsync__pb2.PlainData.FromString,
+                    response_serializer=gradsync_dot_proto_dot_gradsync__pb2.PlainData.SerializeToString,
+            ),
+            'JobLoadValues': grpc.unary_unary_rpc_method_handler(
+                    servicer.JobLoadValues,
                     request_deserializer=gradsync_dot_proto_dot_gradsync__pb2.PlainData.FromString,
                     response_serializer=gradsync_dot_proto_dot_gradsync__pb2.PlainData.SerializeToString,
             ),
@@ -569,6 +587,33 @@ class ParameterServer:
             request,
             target,
             '/gradsync.ParameterServer/JobLoadOptimizerState',
+            gradsync_dot_proto_dot_gradsync__pb2.PlainData.SerializeToString,
+            gradsync_dot_proto_dot_gradsync__pb2.PlainData.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JobLoadValues(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradsync.ParameterServer/JobLoadValues',
             gradsync_dot_proto_dot_gradsync__pb2.PlainData.SerializeToString,
             gradsync_dot_proto_dot_gradsync__pb2.PlainData.FromString,
             options,

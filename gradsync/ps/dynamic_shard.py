@@ -62,6 +62,7 @@ class DynamicShard:
         self._smallest: tuple[int, dict] | None = None
         self._evicted = -1
         self._lost = (0, 0)  # the rows evicted and waiting ids forgotten at the last step's end
+        self._loads = 0  # the number of the last worker's module load taken (`load`)
 
     @property
     def stats(self) -> TableStats:
@@ -189,6 +190,17 @@ class DynamicShard:
         self.table.load(state, self.optimizer)
         self._created = torch.full((self.table.rows.slots,), -1)  # every row created before any lookup to come
 
+    def load(self, number: int, state: dict) -> None:
+        """A worker's `load_state_dict` of the whole table (`state`, its module's state-dict form): this server's
+        ids of it, fresh row optimizer state (as a `DynamicEmbedding` in one process). Taken once per `number`:
+        every worker sends the same load, and a later one must not undo the lookups made since."""
+        if number > self._loads:
+            self._loads = number
+            self.table.load(rehomed([state], self.server, self.num_servers))
+            self._created = torch.full((self.table.rows.slots,), -1)
+            self._ended = self._smallest = None  # the steps to come may repeat the steps of these answers
+            self._evicted, self._lost = self.table.step - 1, (0, 0)
+
     def complete(self, parts: list[dict]) -> bool:
         """Whether `parts` hold all of this server's ids: every old server's part, or with the same number of
         servers this server's own."""
@@ -230,7 +242,8 @@ def answer(tables: dict[str, DynamicShard], call: str, args: tuple, holder: str)
     """`holder`'s answer to a call on its parts of dynamic tables (`tables`, by name) other than a lookup: "read"
     (table, ids) -> rows; "end" (step,) -> {table: `DynamicShard.end`'s answer}, "smallest" (step, {table: (rows,
     waiting)}) and "evict" (step, {table: (ids, waiting ids)}): the end of a step (`tables.global_eviction`), per
-    table; "state" () -> {table: its `DynamicTable.state()`}; "counts" () -> {table: (resident rows, [admitted,
+    table; "state" () -> {table: its `DynamicTable.state()`}; "load" (number, {table: a module's state}): a worker's
+    `load_state_dict`, once per number; "counts" () -> {table: (resident rows, [admitted,
     filtered, evicted])}; "step" () -> {table: the step its next lookups belong to}."""
     if call == "read":
         return held(tables, args[0], holder).read(*args[1:])
@@ -246,10 +259,15 @@ def answer(tables: dict[str, DynamicShard], call: str, args: tuple, holder: str)
         return None
     if call == "state":
         return {n: t.table.state() for n, t in tables.items()}
+    if call == "load":
+        number, states = args
+        for n, state in states.items():
+            held(tables, n, holder).load(number, state)
+        return None
     if call == "step":
         return {n: t.table.step for n, t in tables.items()}
     if call == "counts":
         return {n: (len(t.table), [t.table.counters[k] for k in ("admitted", "filtered", "evicted")])
                 for n, t in tables.items()}
-    raise Refusal(f"no call {call!r} on dynamic tables: expected lookup, read, end, smallest, evict, state, counts "
-                  "or step")
+    raise Refusal(f"no call {call!r} on dynamic tables: expected lookup, read, end, smallest, evict, state, load, "
+                  "counts or step")

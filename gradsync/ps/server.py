@@ -63,6 +63,7 @@ class ParameterServer:
         self._reference: ModelSpec | None = None  # worker 0's model, which a worker that joins must match
         self._refusal: Exception | None = None  # why registrations fail: a worker left before all registered
         self._setup: Setup | None = None
+        self._loads = 0  # the number of the last worker's module load taken (`load_values`)
         self.ready = threading.Event()
 
     def register(self, worker: int, spec: ModelSpec, setup: Setup | None) -> torch.futures.Future:
@@ -295,6 +296,30 @@ class ParameterServer:
             except (ValueError, KeyError, TypeError) as e:
                 raise Refusal(f"the optimizer state does not fit server {self.shard_id}'s optimizer: "
                               f"{type(e).__name__}: {e}") from e
+            shard.restored()
+
+    def load_values(self, number: int, flats: list[torch.Tensor], named: dict[str, torch.Tensor]) -> None:
+        """A worker's `model.load_state_dict(...)`: this shard's buckets (`flats`, as `state()` answers them) and,
+        by name, its buffers, frozen parameters and rows of served tables take the loaded values; the optimizer's
+        state stays (as a `torch.optim` optimizer's does over a loaded module). Taken once per `number`: every
+        worker sends the same load, and a later copy must not undo a step applied since (async).
+
+        Raises:
+            Refusal: a value does not fit this shard (nothing is changed).
+        """
+        shard = self._shard()
+        with shard.lock:
+            if number <= self._loads:
+                return
+            tables = {n: t.values for n, t in shard.tables.items() if isinstance(t, TableShard)}
+            targets = {**shard.buffers, **shard.frozen, **tables}
+            pairs = list(zip(shard.flats, flats)) + [(targets.get(n), v) for n, v in named.items()]
+            if len(flats) != len(shard.flats) or any(t is None or t.shape != v.shape for t, v in pairs):
+                raise Refusal(f"server {self.shard_id} holds {len(shard.flats)} buckets and "
+                              f"{sorted(targets)}: a load of {len(flats)} buckets and {sorted(named)} does not fit")
+            for target, value in pairs:
+                target.copy_(value)
+            self._loads = number
             shard.restored()
 
     def worker_left(self, worker: int, steps: int | None) -> None:

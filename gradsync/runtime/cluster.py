@@ -25,6 +25,7 @@ class Cluster:
         self.steps = 0  # steps this worker has committed (Trainer.step; allreduce: and answered after joining)
         self.resumed: checkpoints.Found | None = None  # the checkpoint this job resumes from (--resume)
         self.run = ""  # the run this job's checkpoints belong to ('' without --checkpoint-dir or --resume)
+        self.leaving: list = []  # what a worker's shutdown calls first, the job still up (the modules made plain)
 
     def building_trainer(self) -> None:
         """Note in the store that this worker builds its Trainer, so that a worker that never does is named
@@ -38,8 +39,10 @@ def running() -> Cluster | None:
 
 
 def set_running(cluster: Cluster | None) -> None:
-    """Enter the job (`cluster`) or leave it (None)."""
+    """Enter the job (`cluster`) or leave it (None: the worker's last step line is written first)."""
     global _STATE
+    if cluster is None:
+        scalars.flush()
     _STATE = cluster
     scalars.CURRENT.worker = None if cluster is None or cluster.config.is_server else cluster.config.worker_rank
 

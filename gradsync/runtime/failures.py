@@ -5,6 +5,7 @@ Under a launcher a rank prints nothing itself (the launcher's headline shows the
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -13,6 +14,7 @@ import traceback
 from gradsync.core.job_names import StoreKeys
 from gradsync.core import settings
 from gradsync.core.errors import blamed_worker
+from gradsync.metrics import scalars
 from gradsync.runtime.cluster import Cluster
 
 
@@ -24,6 +26,8 @@ def report_failures(cluster: Cluster | None) -> None:
     not a traceback per rank."""
 
     def hook(kind, value, tb):
+        with contextlib.suppress(OSError):  # the last step's line (compare measures a failed run up to its failure)
+            scalars.flush()  # before the record, on which the launcher stops the ranks
         rank = cluster.config.rank if cluster is not None else int(os.environ.get("RANK", "0"))
         text = record_failure(cluster, rank, "".join(traceback.format_exception(kind, value, tb)))
         say_failure(text)

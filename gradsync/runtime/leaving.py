@@ -61,6 +61,12 @@ def shutdown() -> None:
     job.set_running(None)
     config = cluster.config
     deadline = time.monotonic() + config.shutdown_timeout
+    for leave in cluster.leaving:  # while the servers (sharded: the other workers) still answer
+        try:
+            leave()
+        except Exception as e:  # noqa: BLE001 -- any failure: said, and the worker leaves all the same
+            print(f"gradsync: worker {config.worker_rank} could not gather its model's tables at shutdown, and "
+                  f"its module keeps them served ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
     cluster.store.append(StoreKeys.LEFT, f"{config.worker_rank}:{cluster.steps},")
     newcomers.note_left(config.worker_rank)
     others = None  # the workers still in the job (None: not waited for)

@@ -146,14 +146,30 @@ def _check(optimizer, **values: float) -> None:
                              f"{'> 0' if name == 'lr' else '>= 0'}")
 
 
+ROW_NEUTRAL_SGD = ("lr", "initial_lr", "foreach", "fused", "differentiable")
+"""The torch.optim.SGD options that keep it exact row by row; any other set (momentum, weight decay, nesterov,
+dampening, maximize) moves rows a batch does not touch or changes the rule."""
+
+
+def _inexact_sgd(options: dict) -> dict:
+    """The options set in an SGD group that keep it from an exact row-wise form."""
+    return {k: v for k, v in options.items() if k not in ROW_NEUTRAL_SGD and v}
+
+
 def exact_row_optimizer(optimizer_cls: type, options: dict) -> RowSGD | None:
     """The row optimizer that computes what `optimizer_cls` with these group `options` computes on a table,
     when there is one: plain SGD (no momentum, no weight decay) is exact row by row; None for the rest."""
-    plain = {k: v for k, v in options.items()
-             if k not in ("lr", "initial_lr", "foreach", "fused", "differentiable", "maximize")}
-    if optimizer_cls is torch.optim.SGD and not options.get("maximize") and not any(plain.values()):
+    if optimizer_cls is torch.optim.SGD and not _inexact_sgd(options):
         return RowSGD(lr=float(options["lr"]))
     return None
+
+
+def inexact_part(optimizer_cls: type, options: dict) -> str:
+    """What keeps `optimizer_cls` with these group `options` from an exact row-wise form, as code: SGD with the
+    options that do ('SGD(momentum=0.9)'), or the class ('AdamW')."""
+    if optimizer_cls is torch.optim.SGD:
+        return f"SGD({', '.join(f'{k}={v!r}' for k, v in _inexact_sgd(options).items())})"
+    return optimizer_cls.__name__
 
 
 def no_row_form(optimizer_cls: type, options: dict, table: str) -> str:

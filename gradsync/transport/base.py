@@ -120,6 +120,12 @@ class WorkerTransport(ABC):
         """Give every server its (state by entry key, group options)."""
 
     @abstractmethod
+    def load_values(self, number: int, parts: dict[int, tuple[list[torch.Tensor], dict[str, torch.Tensor]]]
+                    ) -> None:
+        """Give every server its values of a worker's `model.load_state_dict(...)`, the load's `number`:
+        (bucket tensors, buffers, frozen parameters and table rows by name) (`ParameterServer.load_values`)."""
+
+    @abstractmethod
     def state(self) -> dict[int, tuple[int, list[torch.Tensor], dict[str, torch.Tensor]]]:
         """Every server's (version, bucket tensors, buffers and frozen parameters by name)."""
 

@@ -189,6 +189,10 @@ class RpcTransport(WorkerTransport):
     def load_optimizer_state(self, parts: dict[int, tuple[dict, list]]) -> None:
         self._call(rpc_load_optimizer_state, lambda s: parts[s], "loading the optimizer state")
 
+    def load_values(self, number: int, parts: dict[int, tuple[list[torch.Tensor], dict[str, torch.Tensor]]]
+                    ) -> None:
+        self._call(rpc_load_values, lambda s: (number, *parts[s]), "loading the model's values")
+
     def state(self) -> dict[int, tuple]:
         return self._call(rpc_state, lambda s: (), "state")
 
@@ -370,6 +374,11 @@ def rpc_optimizer_state() -> dict:
 @_answering("load of the optimizer state")
 def rpc_load_optimizer_state(state: dict, groups: list) -> None:
     _server().load_optimizer_state(state, groups)
+
+
+@_answering("load of the model's values")
+def rpc_load_values(number: int, flats: list, named: dict) -> None:
+    _server().load_values(number, flats, named)
 
 
 @_answering("call on dynamic tables")

@@ -32,8 +32,9 @@ from gradsync.worker.allreduce_strategy import AllreduceStrategy
 from gradsync.worker.amp import inverse_scale
 from gradsync.worker.model_state import ordered
 from gradsync.worker.strategy import Strategy
-from gradsync.worker.served_dynamic import serve_dynamic
-from gradsync.worker.served_tables import serve_tables
+from gradsync.worker.served_dynamic import find_dynamic, serve_dynamic
+from gradsync.worker.served_tables import serve_tables, why_dense
+from gradsync.worker.plain_module import Attachments
 
 if TYPE_CHECKING:
     from gradsync.runtime.cluster import Cluster
@@ -55,17 +56,16 @@ class HybridStrategy(Strategy):
         self.keys = list(module.state_dict().keys())
         spec = OptimizerSpec.of(optimizer, module)
         weights = {n: p for n, p in module.named_parameters()}
+        dense = why_dense(module, tables, spec, table_optimizer)
+        if dense is not None and not find_dynamic(module):  # before any table is taken over or said
+            raise NoTablesToServe(f"the hybrid strategy serves embedding tables from the parameter servers, and "
+                                  f"{dense}")
+        self.attached = Attachments()  # what the module's own copies, saves and loads see (`plain_module`)
         self.tables, setups = serve_tables(module, tables, config.servers, None, spec, table_optimizer,
-                                           send=worker == 0)
+                                           send=worker == 0, attached=self.attached)
         chosen = transport(config.transport)
-        self.dynamic = serve_dynamic(module, chosen.capabilities, config,
-                                     table_optimizer, setups if worker == 0 else None)
-        if not self.tables.specs and not self.dynamic.modules:
-            raise NoTablesToServe(
-                "the hybrid strategy serves embedding tables (nn.Embedding, nn.EmbeddingBag) from the parameter "
-                "servers, and this model has none that can be served (tables='dense', or weights tied to other "
-                "layers): use --strategy allreduce"
-            )
+        self.dynamic = serve_dynamic(module, chosen.capabilities, config, table_optimizer,
+                                     setups if worker == 0 else None, self.attached)
         self.servers = list(range(config.servers))
         self.transport = chosen.worker(config, cluster.store, {s: [] for s in self.servers})
         self.tables.transport = self.dynamic.transport = self.transport
@@ -85,6 +85,22 @@ class HybridStrategy(Strategy):
         self.tables.metrics = self.dynamic.metrics = self.metrics  # lookups count as pull, not compute
         self._versions = {s: 0 for s in self.servers}
         self.joiner = Joiner(cluster.store, cluster.config, cluster.heartbeat, self.servers)
+        self.loads = 0  # the table loads sent to the servers (`_commit_load`)
+        self.attached.on_load(module.modules(), (self.tables, self.dynamic), self._commit_load, self._discard_load)
+        cluster.leaving.append(self.attached.detach)
+
+    def _commit_load(self) -> None:
+        """After the module's `load_state_dict` succeeded (DDP's dense layers loaded in place): the tables it
+        loaded go to the servers (numbered: each server takes a load once), the dynamic ones too."""
+        if self.tables.loaded:
+            self.loads += 1
+            self.transport.load_values(self.loads, {s: ([], self.tables.loaded_rows(s)) for s in self.servers})
+            self.tables.loaded.clear()
+        self.dynamic.commit_load()
+
+    def _discard_load(self) -> None:
+        self.tables.loaded.clear()
+        self.dynamic.discard_load()
 
     @property
     def grad_norm(self) -> float | None:
@@ -167,7 +183,8 @@ class HybridStrategy(Strategy):
     def load_local_state(self, state: dict) -> None:
         """Take back `local_state()` (the dynamic tables' local keys, which it leaves out, as they are); the next
         push goes at the versions the restored servers hold, the next lookups at their step."""
-        self.dense.load_local_state({**state, "model": {**self.dynamic.local_keys(), **state["model"]}})
+        with self.tables.own_state(), self.dynamic.own_state():
+            self.dense.load_local_state({**state, "model": {**self.dynamic.local_keys(), **state["model"]}})
         self.dynamic.resync()
         self._versions = {s: snap.version for s, snap in self.transport.pull().items()}
 

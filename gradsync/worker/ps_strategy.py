@@ -50,6 +50,7 @@ from gradsync.worker.amp import inverse_scale, record_found_inf
 from gradsync.metrics.step_metrics import StepMetrics
 from gradsync.worker.piece_size import pipelined, step_plan
 from gradsync.worker.model_state import named_tensors, ordered, to_state_dict
+from gradsync.worker.plain_module import Attachments
 from gradsync.worker.served_optimizer import ServedState, serve_state
 from gradsync.worker.strategy import Strategy
 from gradsync.worker.streaming import GradientStream, dense, next_seq
@@ -128,11 +129,12 @@ class PSStrategy(Strategy):
         chosen = transport(config.transport)
         if tables == "rows" and not chosen.capabilities.row_tables:
             raise ValueError(chosen.capabilities.rows_refusal())
+        self.attached = Attachments()  # what the module's own copies, saves and loads see (`plain_module`)
         self.tables, table_setups = serve_tables(
             module, tables if chosen.capabilities.row_tables else "dense", config.servers, self.metrics, spec,
-            table_optimizer, send=self.worker == 0)
-        self.dynamic = serve_dynamic(module, chosen.capabilities, config,
-                                     table_optimizer, table_setups if self.worker == 0 else None)
+            table_optimizer, send=self.worker == 0, attached=self.attached)
+        self.dynamic = serve_dynamic(module, chosen.capabilities, config, table_optimizer,
+                                     table_setups if self.worker == 0 else None, self.attached)
         params, buffers = named_tensors(module)
         self.params, self.buffers = params, buffers  # the user's module's: pointed at the servers' values
         self.spec = ModelSpec.of(params, buffers, self.tables.specs)
@@ -172,6 +174,9 @@ class PSStrategy(Strategy):
         self.grad_norm: float | None = None
         self._next = self._build(self.transport.pull())  # what the next forward runs on, the module points at
         self.tables.serving = self.dynamic.serving = True
+        self.loads = 0  # the module loads sent to the servers (`_commit_load`)
+        self.attached.on_load(module.modules(), (self.tables, self.dynamic), self._commit_load, self._discard_load)
+        cluster.leaving.append(self.attached.detach)
         if self.worker == 0 and loaded is not None:
             optimizer.load_state_dict(loaded)
 
@@ -184,6 +189,29 @@ class PSStrategy(Strategy):
                 setups[s] = Setup.of(self.server_buckets[s], params, mine(buffers), mine(frozen), spec,
                                      table_setups[s], self.config.servers)
         return self.transport.register(self.spec, setups)
+
+    def _commit_load(self) -> None:
+        """After the module's `load_state_dict` succeeded: its values go to the servers (each its buckets, buffers,
+        frozen parameters and table rows; the load numbered, so that each server takes it once however many
+        workers send it), its dynamic tables too, and the next forward runs on what the servers then hold."""
+        self.params, self.buffers = named_tensors(self.model.module)  # new objects after load_state_dict(assign=)
+        values = {n: t.detach() for n, t in {**self.params, **self.buffers}.items()}
+        self.frozen = {n: values[n] for n in self.frozen}
+        self.loads += 1
+        self.transport.load_values(self.loads, {
+            s: ([b.flatten(values) for b in self.server_buckets[s]],
+                {**{n: values[n] for n, owner in self.owner.items() if owner == s}, **self.tables.loaded_rows(s)})
+            for s in self.servers})
+        self.tables.loaded.clear()
+        self.dynamic.commit_load()
+        self._last, self._next = None, self._build(self.transport.pull())
+
+    def _discard_load(self) -> None:
+        """After a `load_state_dict` that raised: nothing goes to the servers, and the module shows their values
+        again (torch had loaded some keys)."""
+        self.tables.loaded.clear()
+        self.dynamic.discard_load()
+        self._last, self._next = None, self._build(self.transport.pull())
 
     def pulled(self, context_id: int | None) -> _Pulled:
         """The tensors a forward runs on: once per context (a second forward in it reuses them), from the
@@ -452,10 +480,9 @@ class PSStrategy(Strategy):
     def state_dict(self) -> dict[str, torch.Tensor]:
         states = self.transport.state()
         values = whole_params(self.server_buckets, {s: st[1] for s, st in states.items()})
-        values = {n: t.clone() for n, t in values.items()}
         for _, _, named in states.values():
             values.update(named)
-        self._point(values)
+        self._point({n: t.clone() for n, t in values.items()})  # the module's own: the state returned is the caller's
         tables = {**self.tables.full({s: named for s, (_, _, named) in states.items()}), **self.dynamic.state()}
         with self.tables.own_state(), self.dynamic.own_state():
             return ordered(to_state_dict(self.model.module, values), tables, self.keys)

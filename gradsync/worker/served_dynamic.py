@@ -23,6 +23,7 @@ checkpoint holds the servers' tables (`ps.shard_file`, `ps.reshard`).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import pickle
@@ -41,6 +42,7 @@ from gradsync.tables.placement import merge_rows
 from gradsync.tables.row_init import checked_init
 from gradsync.tables.row_optim import ROW_OPTIMIZERS
 from gradsync.worker.pending_rows import WaitingLookups, resolved
+from gradsync.worker.plain_module import Attachments, check_gatherable
 from gradsync.worker.served_tables import not_serving
 
 _COUNTERS = ("admitted", "filtered", "evicted")
@@ -52,9 +54,10 @@ def find_dynamic(module: nn.Module) -> dict[str, DynamicEmbedding]:
 
 
 def serve_dynamic(module: nn.Module, capabilities, config, table_optimizer,
-                  setups: dict[int, dict] | None) -> ServedDynamic:
+                  setups: dict[int, dict] | None, attached: Attachments) -> ServedDynamic:
     """Take over the dynamic tables of `module` for a ps or hybrid job of `config` over a transport of
-    `capabilities`; worker 0 (`setups` given) adds each table's `DynamicSetup` to every server's setups."""
+    `capabilities`, changing the modules through `attached`; worker 0 (`setups` given) adds each table's
+    `DynamicSetup` to every server's setups."""
     served = ServedDynamic(module, config.servers, table_optimizer, config.mode)
     if served.modules and not capabilities.row_tables:
         raise ValueError(f"{next(iter(served.modules))!r} is a gradsync.DynamicEmbedding, whose rows the servers "
@@ -63,9 +66,9 @@ def serve_dynamic(module: nn.Module, capabilities, config, table_optimizer,
         for name, setup in served.setups().items():
             for per in setups.values():
                 per[name] = setup
-    served.take_over()
+    served.take_over(attached)
     if served.modules:
-        module.register_forward_hook(served.forward_ended)
+        attached.hook(module, module.register_forward_hook(served.forward_ended))
     return served
 
 
@@ -105,6 +108,8 @@ class ServedDynamic:
         self.metrics = None  # the strategy's StepMetrics, set with the transport: lookups count as pull
         self.serving = False  # set by the strategy once the servers answer: the module's state_dict gathers
         self.step = 0  # the step the next recording lookup belongs to (sync)
+        self.loaded: set[str] = set()  # the tables a module's load_state_dict loaded, not sent yet
+        self.loads = 0  # the module loads sent (`commit_load`)
         self.mode = mode
         self._lookups: dict[int, list[_Lookup]] = {}
         self._evictions: dict[int, tuple] = {}  # the last step's evictions by server, not sent yet (`_end_call`)
@@ -143,13 +148,51 @@ class ServedDynamic:
             out[name] = DynamicSetup(settings, self.optimizer)
         return out
 
-    def take_over(self) -> None:
-        """Route each table's forward through the servers; its `resident_rows`, `counters` and `state_dict()`
-        then read the servers' (once `serving`)."""
+    def take_over(self, attached: Attachments) -> None:
+        """Route each table's forward through the servers, every change made through `attached`: its
+        `resident_rows`, `counters` and `state_dict()` then read the servers' (once `serving`), a
+        `load_state_dict` goes to them (`commit_load`), and a copy of the module holds every row (`_plain`)."""
         for name, module in self.modules.items():
-            module.forward = functools.partial(self._forward, name, module)
-            module.served = functools.partial(self.counters, name)
-            module.register_state_dict_post_hook(functools.partial(self._gathered, name))
+            attached.set(module, "forward", functools.partial(self._forward, name, module))
+            attached.set(module, "served", functools.partial(self.counters, name))
+            attached.hook(module, module.register_state_dict_post_hook(functools.partial(self._gathered, name)))
+            attached.hook(module, module.register_load_state_dict_post_hook(functools.partial(self._loading, name)))
+            attached.plain(module, functools.partial(self._plain, name))
+
+    def _plain(self, name: str, module: DynamicEmbedding) -> dict:
+        """A dynamic table's module as an ordinary one: a local table holding every row the servers hold, as a
+        `DynamicEmbedding` outside a job has."""
+        check_gatherable(name, (module.table.capacity, module.table.dim), module.table.dtype)
+        table = copy.deepcopy(module.table)
+        prefix = f"{name}."
+        table.load({k[len(prefix):]: v for k, v in self.state().items() if k.startswith(prefix)})
+        return {"table": table, "served": None}
+
+    def _loading(self, name: str, module: DynamicEmbedding, incompatible) -> None:
+        """Load-state-dict post-hook of a dynamic table's module, which loaded the state into its own (unused)
+        table, checking it: `commit_load` sends it to the servers once the whole load succeeded."""
+        if self.serving:
+            self.loaded.add(name)
+
+    def commit_load(self) -> None:
+        """After a module's `load_state_dict` succeeded: the dynamic tables it loaded go to their servers (each
+        keeps its ids; the load numbered, so the servers take it once however many workers send it), and the
+        next lookups go at the step the loaded state names; the modules' own tables are emptied again."""
+        if self.loaded:
+            self.loads += 1
+            states = {name: self.modules[name].table.state() for name in self.loaded}
+            self.discard_load()
+            self._load(self.loads, states)
+
+    def _load(self, number: int, states: dict[str, dict]) -> None:
+        self._call("load", {s: (number, states) for s in range(self.num_servers)})
+        self.resync()
+
+    def discard_load(self) -> None:
+        """Forget what a module's load took: its own (unused) tables emptied again."""
+        for name in self.loaded:
+            self.modules[name].table.reset()
+        self.loaded.clear()
 
     def _forward(self, name: str, module: DynamicEmbedding, ids: torch.Tensor, offsets=None,
                  per_sample_weights=None) -> torch.Tensor:

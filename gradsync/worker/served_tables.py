@@ -24,10 +24,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradsync.core.optimizer_spec import OptimizerSpec
-from gradsync.tables.row_optim import exact_row_optimizer, no_row_form
-from gradsync.tables.placement import check_ids, find_tables, join_rows, merge_rows, split_ids, table_specs
+from gradsync.tables.row_optim import exact_row_optimizer, inexact_part, no_row_form
+from gradsync.tables.placement import (TABLE_MODULES, check_ids, find_tables, join_rows, merge_rows, split_ids,
+                                       table_specs)
 from gradsync.core.torch_internals import current_context_id
 from gradsync.worker.pending_rows import WaitingLookups, resolved
+from gradsync.worker.plain_module import Attachments, check_gatherable
 from gradsync.ps.messages import RowGrads, TableSetup
 
 
@@ -86,6 +88,7 @@ class ServedTables:
         self.metrics = metrics
         self.transport = None  # set by the strategy before the first forward
         self.serving = False  # set by the strategy once the servers answer: the module's state_dict gathers
+        self.loaded: dict[str, torch.Tensor] = {}  # the whole weights a module's load_state_dict took, by table
         self._lookups: dict[int, list[_Lookup]] = {}
         self._waiting = WaitingLookups(self._results)  # lookups whose rows are not fetched yet (`flush`)
 
@@ -107,21 +110,57 @@ class ServedTables:
                 out[s][spec.name] = TableSetup(spec, values, module.padding_idx, *rows[spec.name])
         return out
 
-    def take_over(self) -> None:
-        """Remove each table's weight from its module (freeing it) and route its forward through the servers;
-        the module's `state_dict()` then gathers the table from the servers (once `serving`)."""
+    def take_over(self, attached: Attachments) -> None:
+        """Remove each table's weight from its module (freeing it) and route its forward through the servers,
+        every change made through `attached`: the module's `state_dict()` then gathers the table from the servers
+        (once `serving`), a `load_state_dict` takes its weight for them (`loading`), and a copy of the module
+        holds its whole weight (`plain_module`)."""
         for spec in self.specs:
             module = self.modules[spec.name]
             module.weight = None
-            module.forward = functools.partial(self._lookup, spec.name, module)
-            module.register_state_dict_post_hook(functools.partial(self._gathered, spec))
+            attached.set(module, "forward", functools.partial(self._lookup, spec.name, module))
+            attached.hook(module, module.register_state_dict_post_hook(functools.partial(self._gathered, spec)))
+            attached.hook(module, module.register_load_state_dict_pre_hook(functools.partial(self._loading, spec)))
+            attached.plain(module, functools.partial(self._plain, spec))
+
+    def whole(self, table: str) -> torch.Tensor:
+        """The whole table `table`, as the servers hold it now."""
+        spec = next(s for s in self.specs if s.name == table)
+        check_gatherable(table, spec.shape, spec.dtype)
+        return join_rows(self.transport.table_rows(table), spec.shape, self.num_servers)
+
+    def _plain(self, spec, module: nn.Module) -> dict:
+        """A served table's module as an ordinary one: its whole weight back among its parameters."""
+        return {"_parameters": {**module._parameters, "weight": nn.Parameter(self.whole(spec.name))}}
 
     def _gathered(self, spec, module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
         """State-dict hook of a served table's module: the whole table, as the servers hold it now, so that
         the user's `model.state_dict()` (and `torch.save` of it) has every key."""
         if self.serving:
-            parts = self.transport.table_rows(spec.name)
-            state_dict[prefix + "weight"] = join_rows(parts, spec.shape, self.num_servers)
+            state_dict[prefix + "weight"] = self.whole(spec.name)
+
+    def _loading(self, spec, module: nn.Module, state_dict: dict, prefix: str, local_metadata, strict,
+                 missing: list, unexpected, errors: list) -> None:
+        """Load-state-dict pre-hook of a served table's module: its weight taken out of the state dict (a copy in
+        `loaded`, which the strategy sends where the rows are trained once the whole load succeeded), checked
+        as torch checks a parameter."""
+        key = prefix + "weight"
+        if not self.serving:
+            return
+        if key not in state_dict:
+            missing.append(key)
+            return
+        value = state_dict.pop(key)
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != spec.shape:
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            errors.append(f"size mismatch for {key}: copying a param with shape {shape} from checkpoint, the "
+                          f"shape in current model is {torch.Size(spec.shape)}.")
+            return
+        self.loaded[spec.name] = value.detach().to("cpu", spec.dtype, copy=True)
+
+    def loaded_rows(self, server: int) -> dict[str, torch.Tensor]:
+        """Server `server`'s rows of each table a load took (`loaded`), by table."""
+        return {name: weight[server::self.num_servers].contiguous() for name, weight in self.loaded.items()}
 
     def own_state(self):
         """A block in which gradsync reads the module's state itself: the hook gathers nothing."""
@@ -266,25 +305,65 @@ def choose_tables(module: nn.Module, tables: str, optimizer: OptimizerSpec, tabl
                 raise ValueError(no_row_form(optimizer.cls, options, name))
             if say and table.weight.numel() >= WORTH_SERVING_SHARE * sum(p.numel() for p in module.parameters()):
                 print(f"gradsync: embedding table {name!r} {tuple(table.weight.shape)} stays in the dense path "
-                      f"(tables='auto'): {optimizer.cls.__name__} has no exact row-wise form; serve it row by row "
-                      "with Trainer(..., table_optimizer=gradsync.RowAdagrad(lr=...)) or gradsync.RowSGD",
-                      flush=True)
+                      f"(tables='auto'): {inexact_part(optimizer.cls, options)} has no exact row-wise form; serve "
+                      f"it row by row with {ROW_OPTIMIZER_FIX}", flush=True)
             continue
         chosen[name] = table
         rows[name] = (table_optimizer, None) if table_optimizer is not None else (exact, group_of[name])
     return chosen, rows
 
 
+ROW_OPTIMIZER_FIX = ("Trainer(..., table_optimizer=gradsync.RowSGD(lr=..., momentum=...)) or "
+                     "gradsync.RowAdagrad(lr=...)")
+
+
+def why_dense(module: nn.Module, tables: str, optimizer: OptimizerSpec, table_optimizer) -> str | None:
+    """None when `choose_tables` takes a table of `module`; else the end of the refusal of a strategy that needs
+    one (hybrid, sharded; the caller checks for a `DynamicEmbedding`): each embedding table and why it stays
+    dense (tables='dense', frozen, tied to another layer, its optimizer without an exact row-wise form), then
+    the fixes."""
+    if choose_tables(module, tables, optimizer, table_optimizer, say=False)[0]:
+        return None
+    found = {f"{path}.weight" if path else "weight": m for path, m in module.named_modules()
+             if isinstance(m, TABLE_MODULES)}
+    if not found:
+        return ("this model has no embedding table (nn.Embedding, nn.EmbeddingBag, gradsync.DynamicEmbedding): use "
+                "--strategy allreduce")
+    shown = {name: f"{name!r} {tuple(table.weight.shape)}" for name, table in found.items()}
+    if tables == "dense":
+        return (f"tables='dense' keeps every table of this model dense ({', '.join(shown.values())}). Fix: build "
+                "the Trainer with tables='auto' (the default); or use --strategy allreduce")
+    users: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        users.setdefault(id(p), []).append(name)
+    reasons, fixes = [], []
+    for name, table in found.items():
+        tied = [other for other in users[id(table.weight)] if other != name]
+        if not table.weight.requires_grad:
+            reasons.append(f"{shown[name]} is frozen (requires_grad=False): nothing trains it")
+        elif tied:
+            reasons.append(f"{shown[name]} is tied to {', '.join(map(repr, tied))}, which trains it in the dense path")
+        else:
+            options = optimizer.groups[optimizer.group_of([name])[name]]
+            reasons.append(f"{shown[name]} trains with {inexact_part(optimizer.cls, options)}, which has no exact "
+                           "row-wise form")
+            fixes = [f"give the tables a row optimizer, {ROW_OPTIMIZER_FIX}"]
+    fix = "; or ".join([*fixes, "use --strategy allreduce"])
+    return f"every table of this model stays dense: {'; '.join(reasons)}. Fix: {fix}"
+
+
 def serve_tables(module: nn.Module, tables: str, num_servers: int, metrics, optimizer: OptimizerSpec,
-                 table_optimizer, send: bool) -> tuple[ServedTables, dict[int, dict[str, TableSetup]]]:
-    """Take over the tables of `module` that are served row by row (`choose_tables`), and return them with
-    what registration sends each server of them (only when `send`: worker 0)."""
+                 table_optimizer, send: bool, attached: Attachments
+                 ) -> tuple[ServedTables, dict[int, dict[str, TableSetup]]]:
+    """Take over the tables of `module` that are served row by row (`choose_tables`), changing the modules
+    through `attached`, and return them with what registration sends each server of them (only when `send`:
+    worker 0)."""
     served, rows = choose_tables(module, tables, optimizer, table_optimizer, say=send)
     tables_served = ServedTables(served, num_servers, metrics)
     setups = tables_served.setups(rows) if send else {s: {} for s in range(num_servers)}
-    tables_served.take_over()
+    tables_served.take_over(attached)
     if served:
-        module.register_forward_hook(tables_served.forward_ended)
+        attached.hook(module, module.register_forward_hook(tables_served.forward_ended))
     return tables_served, setups
 
 

@@ -69,10 +69,18 @@ class ShardedDynamic(ServedDynamic):
         self.transport = self  # `ServedDynamic`'s calls on the servers are calls on the workers' parts here
         self._ended = threading.Condition()
 
-    def take_over(self) -> None:
+    def take_over(self, attached) -> None:
         global _HELD
-        super().take_over()
+        super().take_over(attached)
         _HELD = self
+
+    def _load(self, number: int, states: dict[str, dict]) -> None:
+        """This worker's ids of each loaded table, from the state itself (every worker loads the same), and the
+        step that state names."""
+        answer(self.parts, "load", (number, states), f"worker {self.worker}")
+        with self._ended:
+            self.step = max(part.table.step for part in self.parts.values())
+            self._ended.notify_all()
 
     def _recording(self, lookup) -> torch.Tensor:
         """A recording lookup, at once along `tables`' routes (which fetch the fixed tables' waiting lookups

@@ -30,7 +30,9 @@ from gradsync.core.optimizer_spec import OptimizerSpec
 from gradsync.worker.allreduce_strategy import AllreduceStrategy
 from gradsync.worker.amp import inverse_scale
 from gradsync.worker.model_state import ordered
-from gradsync.worker.served_tables import choose_tables
+from gradsync.worker.plain_module import Attachments
+from gradsync.worker.served_dynamic import find_dynamic
+from gradsync.worker.served_tables import choose_tables, why_dense
 from gradsync.worker.sharded_dynamic import ShardedDynamic
 from gradsync.worker.sharded_tables import ShardedTables
 from gradsync.worker.strategy import Strategy
@@ -50,29 +52,28 @@ class ShardedStrategy(Strategy):
         self.keys = list(module.state_dict().keys())
         spec = OptimizerSpec.of(optimizer, module)
         weights = {n: p for n, p in module.named_parameters()}
+        dense = why_dense(module, tables, spec, table_optimizer)
+        if dense is not None and not find_dynamic(module):  # before any table is taken over or said
+            raise NoTablesToServe(f"the sharded strategy splits embedding tables across the workers, and {dense}")
         chosen, rows = choose_tables(module, tables, spec, table_optimizer, say=config.worker_rank == 0)
         self.dynamic = ShardedDynamic(module, table_optimizer, config.mode, config.worker_rank, config.num_workers,
                                       config.step_timeout)
-        if not chosen and not self.dynamic.modules:
-            raise NoTablesToServe(
-                "the sharded strategy splits embedding tables (nn.Embedding, nn.EmbeddingBag with a row optimizer, "
-                "gradsync.DynamicEmbedding) across the workers, and this model has none it can split "
-                "(tables='dense', weights tied to other layers, or no table_optimizer for an optimizer without an "
-                "exact row-wise form): use --strategy allreduce, or pass "
-                "Trainer(..., table_optimizer=gradsync.RowAdagrad(lr=...))")
         self.tables = ShardedTables(chosen, rows, config.worker_rank, config.num_workers, config.step_timeout,
                                     dynamic=self.dynamic.modules)
         self.dynamic.tables = self.tables
         values = {t.name: weights[t.name] for t in self.tables.specs}
-        self.tables.take_over()  # before DDP: it averages what is left
-        self.dynamic.take_over()
+        self.attached = Attachments()  # what the module's own copies, saves and loads see (`plain_module`)
+        self.tables.take_over(self.attached)  # before DDP: it averages what is left
+        self.dynamic.take_over(self.attached)
         split = {id(w) for w in values.values()}
         for group in optimizer.param_groups:  # the owners train the tables: the local optimizer keeps the rest
             group["params"] = [p for p in group["params"] if id(p) not in split]
         self.dense = AllreduceStrategy(cluster, module, optimizer, find_unused_parameters=find_unused_parameters,
                                        clipping=clipping, replicate_dynamic=False)
         self.tables.take_rows(values)  # once every worker has built its Trainer (DDP's wait)
-        module.register_forward_hook(self.tables.forward_ended)
+        self.attached.hook(module, module.register_forward_hook(self.tables.forward_ended))
+        self.attached.on_load(module.modules(), (self.tables, self.dynamic), self._commit_load, self._discard_load)
+        cluster.leaving.append(self.attached.detach)
         dist.barrier()  # every worker answers gathers before any asks (tables on the meta device exchange nothing)
         self.model = self.dense.model
         self.optimizer = optimizer
@@ -113,6 +114,14 @@ class ShardedStrategy(Strategy):
             self.dynamic.apply(dynamic, coefficient)
         self.dynamic.end_step()
 
+    def _commit_load(self) -> None:
+        self.tables.commit_load()
+        self.dynamic.commit_load()
+
+    def _discard_load(self) -> None:
+        self.tables.loaded.clear()
+        self.dynamic.discard_load()
+
     def model_sizes(self, trainable: int) -> dict[str, int]:
         return self.tables.model_sizes(trainable)
 
@@ -147,7 +156,8 @@ class ShardedStrategy(Strategy):
     def load_local_state(self, state: dict) -> None:
         """Take back the dense part of `local_state()` (the dynamic tables' local keys, which it leaves out, as
         they are; the rows come with `load_rows`)."""
-        self.dense.load_local_state({**state, "model": {**self.dynamic.local_keys(), **state["model"]}})
+        with self.tables.own_state(), self.dynamic.own_state():
+            self.dense.load_local_state({**state, "model": {**self.dynamic.local_keys(), **state["model"]}})
         self.tables.applied = state["step"]
 
     def load_rows(self, saved: Iterable[dict], where: str, full: Callable[[int], dict] | None = None) -> None:

@@ -56,6 +56,7 @@ from gradsync.tables.placement import check_id_dtype, check_ids, merge_rows, out
 from gradsync.tables.row_optim import saved_state, take_saved_state
 from gradsync.tables.row_partition import LOOKUPS_PER_EXCHANGE as BATCH, ExchangePlan, local_index, owned_rows, owners
 from gradsync.worker.pending_rows import resolved
+from gradsync.worker.plain_module import check_gatherable
 from gradsync.worker.served_tables import ServedTables
 
 _STEP, _FORWARD_END, _NONE = -1, -2, -3
@@ -445,6 +446,15 @@ class ShardedTables(ServedTables):
                          "tables split another way (Trainer(tables=...)); resume with the model and settings that "
                          "wrote it, or start without --resume")
 
+    def commit_load(self) -> None:
+        """After a module's `load_state_dict` succeeded: this worker's rows of each table it loaded (every worker
+        loads the same state; the row optimizer's state stays, as torch's optimizer's does)."""
+        with self._stepped:  # not while another worker reads them (`rows_of`)
+            for name, weight in self.loaded.items():
+                shard = self.shards[name]
+                shard.values.copy_(weight[shard.owned])
+        self.loaded.clear()
+
     def rows_of(self, table: str, step: int, timeout: float, ids: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """This worker's rows of `table` (ids, a copy of the values; with `ids`, those of its rows) once it has
@@ -458,14 +468,11 @@ class ShardedTables(ServedTables):
                 return shard.owned, shard.values.clone()
             return ids, shard.values.index_select(0, local_index(shard.owned, ids))
 
-    def _gathered(self, spec, module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
-        if self.serving:
-            state_dict[prefix + "weight"] = self.whole(spec.name)
-
     def whole(self, table: str) -> torch.Tensor:
         """The whole table `table`, each owner's rows as it holds them after this worker's last step (torch
         RPC to every other worker, each bounded by the step timeout)."""
         spec = next(s for s in self.specs if s.name == table)
+        check_gatherable(table, spec.shape, spec.dtype)
         futures = {w: rpc.rpc_async(worker_name(w), _rows_of, args=(table, self.applied, self.timeout),
                                     timeout=2 * self.timeout)
                    for w in range(self.workers) if w != self.worker}

@@ -23,7 +23,7 @@ import grpc
 from gradsync.core.waiting import THREAD_STOP_S
 
 JOB_CALLS = frozenset({"JobPull", "JobPush", "JobFinish", "JobOptimizerState", "JobLoadOptimizerState",
-                       "JobCheckpoint", "JobProbe"})
+                       "JobLoadValues", "JobCheckpoint", "JobProbe"})
 
 
 class Refused(Exception):

@@ -304,6 +304,12 @@ class GrpcTransport(WorkerTransport):
         for s in self.servers:
             self._plain("JobLoadOptimizerState", s, to_bytes(parts[s]))
 
+    def load_values(self, number: int, parts: dict[int, tuple[list[torch.Tensor], dict[str, torch.Tensor]]]
+                    ) -> None:
+        for s in self.servers:
+            self._plain("JobLoadValues", s, to_bytes((number, *parts[s])))
+            self.frozen[s].update({n: v.clone() for n, v in parts[s][1].items() if n in self.frozen[s]})
+
     def _plain(self, method: str, s: int, data: bytes) -> bytes:
         """One unary job call whose request and reply are `PlainData`."""
         start = time.monotonic()

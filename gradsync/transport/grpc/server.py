@@ -65,6 +65,7 @@ def _handlers(servicer: Servicer, admission: Admission) -> grpc.GenericRpcHandle
         "JobOptimizerState": (unary, servicer.job_optimizer_state, pb.PlainData, pb.PlainData.SerializeToString),
         "JobLoadOptimizerState": (unary, servicer.job_load_optimizer_state, pb.PlainData,
                                   pb.PlainData.SerializeToString),
+        "JobLoadValues": (unary, servicer.job_load_values, pb.PlainData, pb.PlainData.SerializeToString),
         "JobCheckpoint": (unary, servicer.job_checkpoint, pb.PlainData, pb.PlainData.SerializeToString),
         "JobProbe": (unary, servicer.job_probe, pb.PlainData, pb.PlainData.SerializeToString),
     }

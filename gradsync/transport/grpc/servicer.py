@@ -344,6 +344,15 @@ class Servicer:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"JobLoadOptimizerState: {e}") from e
         return pb.PlainData()
 
+    def job_load_values(self, request, context) -> pb.PlainData:
+        request = _parsed(request)
+        self._layout()
+        try:
+            self.server.load_values(*from_bytes(request.data, "JobLoadValues' data"))
+        except (ValueError, KeyError, TypeError) as e:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"JobLoadValues: {e}") from e
+        return pb.PlainData()
+
     def job_checkpoint(self, request, context) -> pb.PlainData:
         request = _parsed(request)
         self._layout()

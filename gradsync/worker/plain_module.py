@@ -1,0 +1,143 @@
+"""The user's module stays an ordinary PyTorch module while gradsync serves parts of it elsewhere.
+
+A strategy that keeps a model's tables away from its module (ps and hybrid: on the servers; sharded: split over
+the workers) changes the module in place: a table's weight leaves it, its forward is routed, hooks gather and
+load its state. Every such change goes through one `Attachments`, which lists them, so that
+
+- `torch.save(module)`, `pickle.dumps` and `copy.deepcopy(module)` see an ordinary module: each changed module
+  reduces to its own class and state without gradsync's attributes and hooks, a table holding its whole rows as
+  they are then (`plain`'s `whole`, gathered from where they are trained);
+- `module.load_state_dict(...)` (of the model or of any of its modules) takes the values to where they are
+  trained once torch has loaded every key without an error (`on_load`), and changes nothing there when it
+  raised; every worker loads alike, as under DDP, and a worker's load reaches the servers at once;
+- `detach()` (at `gradsync.shutdown`) makes the module itself ordinary again, holding the final values.
+"""
+from __future__ import annotations
+
+import copyreg
+import functools
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+_HOOKS = ("_hooks", "_hooks_with_kwargs", "_hooks_always_called")
+"""How the names of an `nn.Module`'s hook dicts end (`_forward_hooks`, `_state_dict_hooks`, ...), each keyed by
+its hooks' handle ids."""
+
+Whole = Callable[[nn.Module], dict]
+"""A changed module's plain state: what its `__dict__` takes beside its own (a table's `_parameters` with its whole
+weight, a dynamic table's local table holding every row)."""
+
+
+class _Changed:
+    """What gradsync changed of one module: the instance attributes it set, the hooks it registered, its plain
+    state (`Whole`)."""
+
+    def __init__(self):
+        self.attributes: set[str] = set()
+        self.hooks: list[RemovableHandle] = []
+        self.whole: Whole | None = None
+
+
+class Attachments:
+    """Every change gradsync made to the modules of one model (module docstring)."""
+
+    def __init__(self):
+        self._changed: dict[int, tuple[nn.Module, _Changed]] = {}
+
+    def _of(self, module: nn.Module) -> _Changed:
+        if id(module) not in self._changed:
+            changed = _Changed()
+            self._changed[id(module)] = (module, changed)
+            object.__setattr__(module, "__reduce_ex__", functools.partial(_reduce, module, changed))
+            changed.attributes.add("__reduce_ex__")
+        return self._changed[id(module)][1]
+
+    def set(self, module: nn.Module, name: str, value) -> None:
+        """Set instance attribute `name` of `module` (its `forward`, say) to `value`."""
+        self._of(module).attributes.add(name)
+        object.__setattr__(module, name, value)
+
+    def hook(self, module: nn.Module, handle: RemovableHandle) -> None:
+        """Keep the handle of a hook registered on `module`: a copy or a detached module has none of it."""
+        self._of(module).hooks.append(handle)
+
+    def plain(self, module: nn.Module, whole: Whole) -> None:
+        """`module`'s plain state is its own updated by `whole(module)`."""
+        self._of(module).whole = whole
+
+    def on_load(self, modules, pending: tuple, commit: Callable[[], None], discard: Callable[[], None]) -> None:
+        """Each of `modules`' `load_state_dict(...)` is torch's, then `commit()` (the loaded values go where they
+        are trained) when torch loaded every key without an error, else `discard()`; `pending`: the holders whose
+        `loaded` keeps what a load took for `commit`, emptied before each load."""
+        for module in modules:
+            self.set(module, "load_state_dict", functools.partial(_load, module, pending, commit, discard))
+
+    def detach(self) -> None:
+        """Make every changed module ordinary: its plain state, none of gradsync's attributes and hooks."""
+        for module, changed in self._changed.values():
+            state = _plain_state(module, changed)
+            for handle in changed.hooks:
+                handle.remove()
+            for name in changed.attributes:
+                module.__dict__.pop(name, None)
+            module.__dict__.update(state)
+        self._changed.clear()
+
+
+def _load(module: nn.Module, pending: tuple, commit: Callable[[], None], discard: Callable[[], None],
+          state_dict, strict: bool = True, assign: bool = False):
+    """`module.load_state_dict` (`Attachments.on_load`)."""
+    for holder in pending:
+        holder.loaded.clear()
+    try:
+        result = type(module).load_state_dict(module, state_dict, strict=strict, assign=assign)
+    except BaseException:
+        discard()
+        raise
+    commit()
+    return result
+
+
+def check_gatherable(table: str, shape: tuple, dtype: torch.dtype) -> None:
+    """Refuse to gather table `table` whole into this process when it is larger than the memory available here,
+    saying what to do instead."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    available = _available_bytes()
+    if available is not None and nbytes > available:
+        raise MemoryError(
+            f"table {table!r} ({' x '.join(map(str, shape))} {dtype}, {nbytes / 2**30:.1f} GiB) is larger than the "
+            f"memory available to this process ({available / 2**30:.1f} GiB), so it cannot be gathered whole into "
+            "the module (torch.save(model), copy.deepcopy(model), model.state_dict()): write a job checkpoint "
+            "instead (--checkpoint-dir: each server, or each worker under sharded, writes its own rows)")
+
+
+def _available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo, or None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            line = next(line for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+    return int(line.split()[1]) * 1024
+
+
+def _plain_state(module: nn.Module, changed: _Changed) -> dict:
+    """`module.__dict__` without gradsync's attributes and hooks, updated by its plain state."""
+    state = {k: v for k, v in module.__dict__.items() if k not in changed.attributes}
+    ours = {handle.id for handle in changed.hooks}  # a hook's id is unique among every module's hooks
+    for key, value in state.items():
+        if key.endswith(_HOOKS) and isinstance(value, dict) and not ours.isdisjoint(value):
+            state[key] = type(value)((k, h) for k, h in value.items() if k not in ours)
+    if changed.whole is not None:
+        state.update(changed.whole(module))
+    return state
+
+
+def _reduce(module: nn.Module, changed: _Changed, protocol: int):
+    """`module.__reduce_ex__`: an ordinary module of its class, with its plain state (no gradsync object inside,
+    and nothing of gradsync needed to load it)."""
+    return copyreg.__newobj__, (type(module),), _plain_state(module, changed)
