@@ -1,6 +1,7 @@
 """A training script in the shape of pytorch/examples' trainers, for `gradsync compare` tests: at start it resumes
-from snapshot.pt in its working directory when it finds one, and worker 0 saves snapshot.pt there after every
-epoch. 3 epochs of 3 SGD steps of the jobs.py MLP, each step logged with its global step (from 0); each epoch
+from snapshot.pt (the epoch) and model.pt (the whole module, `torch.save(model)`, loaded back into the running job
+with `trainer.load_state_dict` on every worker) in its working directory when it finds them, and worker 0 saves
+both there after every epoch. 3 epochs of 3 SGD steps of the jobs.py MLP, each step logged with its global step (from 0); each epoch
 appends a line to the file that `--notes` names (a relative path: the working directory's).
 
 `--epochs-under STRATEGY:N`: N epochs under that strategy (a run that logs fewer steps); `--fail-after K`: worker 1
@@ -18,7 +19,7 @@ import gradsync  # noqa: E402
 from jobs import batch, make_mlp  # noqa: E402
 
 EPOCHS, STEPS = 3, 3
-SNAPSHOT = "snapshot.pt"
+SNAPSHOT, MODEL = "snapshot.pt", "model.pt"
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
@@ -31,8 +32,11 @@ if __name__ == "__main__":
     under, _, fewer = args.epochs_under.partition(":")
     epochs = int(fewer) if under == strategy else EPOCHS
     me = gradsync.worker_rank()
-    trainer = gradsync.Trainer(make_mlp(), torch.optim.SGD, lr=0.1)
+    model = make_mlp()
+    trainer = gradsync.Trainer(model, torch.optim.SGD, lr=0.1)
     first = torch.load(SNAPSHOT)["epoch"] + 1 if os.path.exists(SNAPSHOT) else 0
+    if first:
+        trainer.load_state_dict(torch.load(MODEL, weights_only=False).state_dict())
     for epoch in range(first, epochs):
         for i in range(STEPS):
             step = epoch * STEPS + i
@@ -46,6 +50,7 @@ if __name__ == "__main__":
                 raise RuntimeError(f"snapshot_script.py fails after {args.fail_after} steps on purpose")
         if me == 0:
             torch.save({"epoch": epoch}, SNAPSHOT)
+            torch.save(model, MODEL)
             with open(args.notes, "a") as f:
                 f.write(f"{strategy} epoch {epoch}\n")
             print(f"snapshot_script.py: {strategy} saved epoch {epoch}", file=sys.stderr, flush=True)

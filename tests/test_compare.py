@@ -632,6 +632,8 @@ def test_compare_runs_each_run_in_its_own_copy_of_the_working_directory(tmp_path
                                ("ps_sync_S1", 1, "ps epoch 0\nps epoch 1\n")):
         workdir = os.path.join(project, "report", "runs", slug, "workdir")
         assert torch.load(os.path.join(workdir, "snapshot.pt")) == {"epoch": last}
+        model = torch.load(os.path.join(workdir, "model.pt"), weights_only=False)  # the whole module, plain
+        assert type(model) is torch.nn.Sequential and not any(vars(m).get("load_state_dict") for m in model.modules())
         assert open(os.path.join(workdir, "notes.txt")).read() == "before\n" + epochs  # its own lines only
         assert open(os.path.join(workdir, "jobs.py")).read() == before["jobs.py"].decode()
     # the working directory is as it was, beside the report; the copy the runs started from is gone
@@ -647,6 +649,16 @@ def test_compare_runs_each_run_in_its_own_copy_of_the_working_directory(tmp_path
                 for i, (name, slug) in enumerate((("allreduce", "allreduce"), ("ps sync S=1", "ps_sync_S1")), 1)]
     said = [done.stderr.index(f"snapshot_script.py: {s} saved epoch 0") for s in ("allreduce", "ps")]
     assert headings[0] < said[0] < headings[1] < said[1]
+    # the ps run, 2 epochs of 3, resumed from its snapshot and whole module: it ends where allreduce's 3 ended
+    ps_dir, allreduce_dir = (os.path.join(project, "report", "runs", slug, "workdir") for slug in ("ps_sync_S1",
+                                                                                                    "allreduce"))
+    resumed = subprocess.run([sys.executable, "-m", "gradsync.cli", "run", "--strategy", "ps", "--workers", "2",
+                              "--servers", "1", "snapshot_script.py"], capture_output=True, text=True, timeout=60,
+                             cwd=ps_dir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert open(os.path.join(ps_dir, "notes.txt")).read().endswith("ps epoch 1\nps epoch 2\n")
+    ends = [torch.load(os.path.join(d, "model.pt"), weights_only=False).state_dict() for d in (ps_dir, allreduce_dir)]
+    torch.testing.assert_close(*ends, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.job
