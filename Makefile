@@ -21,10 +21,9 @@ run: $(VENV)/.installed
 		$(if $(filter 0,$(shell id -u)),--link $(LINK),) examples/digits.py
 
 # two pytest workers, a test file each at a time: on 2 cores the suite is CPU-bound (each `gradsync run` job imports
-# torch and torch._dynamo once, in its launcher, which forks the ranks' fork server: ~6 CPU-s a job); -n 3 gained
-# too little for the load it adds to the tests that time out a rank on purpose. From fresh clones on this machine:
-# 9:06, 9:21, 9:09 (10:13 to 11:23 before the launcher forked its fork server); the longest files first showed
-# no gain, so the files run in alphabetical order
+# torch and torch._dynamo once, in its launcher, which forks the ranks' fork server); -n 3 gains too little for the
+# load it adds to the tests that time out a rank on purpose, and the files run in alphabetical order (the longest
+# first gains nothing). The suite's time: docs/architecture.md, under the test tiers
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 --dist loadfile
 

@@ -65,7 +65,7 @@ def train(steps: int) -> None:
 
 def measure(workload: str, link: str, workers: int, steps: int, out: str) -> list[dict]:
     """The compare's runs of `workload` (module docstring) at this link and W, each `steps` steps."""
-    from gradsync.compare import compare
+    from gradsync.compare import CompareOptions, compare
 
     if workload == "tables":
         script, args = os.path.join(ROOT, "examples", "ctr.py"), [*TABLES_ARGS, "--steps", str(steps)]
@@ -73,10 +73,10 @@ def measure(workload: str, link: str, workers: int, steps: int, out: str) -> lis
     else:
         script, args = os.path.abspath(__file__), ["--train", str(steps)]
         strategies, servers = ["allreduce", "ps"], [1, 2]
-    compare(script, args, workers=workers, out_dir=out, strategies=strategies, servers=servers, modes=["sync"],
-            compressions=["none"], timeout=300, warmup=1, link=link,
-            command=f"bench/costmodel_link.py: compare --link {link} --workers {workers} ({workload})",
-            options={"--link": link, "--workers": str(workers)})
+    compare(CompareOptions(script=script, script_args=args, workers=workers, out_dir=out, strategies=strategies,
+                           servers=servers, modes=["sync"], compressions=["none"], timeout=300, warmup=1, link=link,
+                           command=f"bench/costmodel_link.py: compare --link {link} --workers {workers} ({workload})",
+                           flag_values={"--link": link, "--workers": str(workers)}))
     with open(os.path.join(out, "report.json")) as f:
         return [{k: v for k, v in r.items() if k != "curve"} for r in json.load(f)["runs"]]
 

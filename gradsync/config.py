@@ -16,10 +16,8 @@ import os
 from gradsync.core import settings
 from gradsync.core.job_names import server_name, worker_name
 from gradsync.core.settings import ConfigError
+from gradsync.core.strategies import STRATEGIES, traits
 from gradsync.core.transport_capabilities import capabilities
-
-SERVERLESS = ("allreduce", "sharded")
-"""The strategies whose jobs have no parameter server (and are synchronous): every rank is a worker."""
 
 
 def _positive(config, concern: str) -> None:
@@ -113,7 +111,7 @@ class Training:
                 f"staleness={self.staleness}: it bounds --mode ssp and must be >= 0; pass --mode ssp "
                 "--staleness K, or leave --staleness out"
             )
-        if self.strategy in SERVERLESS and self.mode != "sync":
+        if self.mode not in traits(self.strategy).modes:  # allreduce and sharded: sync only
             raise ConfigError(f"the {self.strategy} strategy is synchronous (every step averages every worker's "
                               f"gradients), got --mode {self.mode}: pass --mode sync, or use --strategy ps (or "
                               "hybrid) for async and ssp")
@@ -123,7 +121,7 @@ class Training:
     def elastic(self) -> bool:
         """An async or ssp ps job: a worker that dies or leaves does not stop it, and (async, over torch RPC)
         a new worker may join it while it runs (docs/guide.md, "Elastic async workers")."""
-        return self.strategy == "ps" and self.mode != "sync"
+        return not traits(self.strategy).process_group and self.mode != "sync"
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -178,12 +176,13 @@ class JobConfig(Checkpointing, Timeouts, Training, Placement):  # fields in the 
 
     def __post_init__(self) -> None:
         self._check_training()
-        if self.strategy in ("ps", "hybrid") and self.servers < 1:
+        strategy = traits(self.strategy)
+        if strategy.servers and self.servers < 1:
             raise ConfigError(
                 f"the {self.strategy} strategy needs at least one server, got servers={self.servers}: "
                 "pass --servers 1 (or more), or use --strategy allreduce"
             )
-        if self.strategy in SERVERLESS and self.servers != 0:
+        if not strategy.servers and self.servers != 0:
             raise ConfigError(
                 f"the {self.strategy} strategy uses no servers, got servers={self.servers}: pass --servers 0"
             )
@@ -232,5 +231,6 @@ def job_keywords(given: dict, call: str) -> dict:
 
 
 def default_servers(strategy: str) -> int:
-    """Parameter servers a job gets when none are asked for: 1 for ps and hybrid, 0 for allreduce and sharded."""
-    return 0 if strategy in SERVERLESS else 1
+    """Parameter servers a job gets when none are asked for: 1 for a strategy with servers (ps, hybrid), 0 for one
+    without (allreduce, sharded); 1 for a name that is no strategy, which the job's checks then refuse."""
+    return 0 if strategy in STRATEGIES and not STRATEGIES[strategy].servers else 1

@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from gradsync.metrics import scalars
-from gradsync.metrics.straggler import slowed
 from gradsync.config import ConfigError
 from gradsync.core.clipping import Clipping
 from gradsync.core.optimizer_spec import as_optimizer
@@ -16,6 +15,7 @@ from gradsync.tables.row_optim import ROW_OPTIMIZERS
 from gradsync.core.errors import outside_context_error
 from gradsync.core.torch_internals import current_context_id
 from gradsync.runtime import checkpoints, cluster
+from gradsync.runtime.straggler import straggler_of
 from gradsync.worker.user_optimizer import watch_clipping
 
 if TYPE_CHECKING:  # the strategy's module is imported when the job's strategy is known
@@ -90,28 +90,15 @@ class Trainer:
         if job.resumed is not None and job.config.worker_rank == 0:  # one worker decides: one failure
             checkpoints.check(job.resumed, self._described)
         self._strategy: Strategy
-        if job.config.strategy == "ps":
-            from gradsync.worker.ps_strategy import PSStrategy
+        from gradsync.core.strategies import traits
 
-            self._strategy = PSStrategy(job, model, optimizer, tables=tables, table_optimizer=table_optimizer,
-                                        clipping=clipping)
-        elif job.config.strategy == "hybrid":
-            from gradsync.worker.hybrid_strategy import HybridStrategy
-
-            self._strategy = HybridStrategy(job, model, optimizer, tables=tables, table_optimizer=table_optimizer,
-                                            find_unused_parameters=find_unused_parameters, clipping=clipping)
-        elif job.config.strategy == "sharded":
-            from gradsync.worker.sharded_strategy import ShardedStrategy
-
-            self._strategy = ShardedStrategy(job, model, optimizer, tables=tables, table_optimizer=table_optimizer,
-                                             find_unused_parameters=find_unused_parameters, clipping=clipping)
-        else:
-            from gradsync.worker.allreduce_strategy import AllreduceStrategy
-
-            self._strategy = AllreduceStrategy(job, model, optimizer, find_unused_parameters=find_unused_parameters,
-                                               clipping=clipping, table_optimizer=table_optimizer)
+        strategy = traits(job.config.strategy)  # its class's module is imported now, the others' never
+        given = dict(tables=tables, table_optimizer=table_optimizer, find_unused_parameters=find_unused_parameters,
+                     clipping=clipping)
+        self._strategy = strategy.load()(job, model, optimizer, **{k: given[k] for k in strategy.keywords})
         watch_clipping(say=job.config.worker_rank == 0)
-        self._commit = slowed(self._strategy.step, job.config.worker_rank)  # the step, or a straggler's
+        straggler = straggler_of(job.config.worker_rank)  # compare --straggler naming this worker, else None
+        self._commit = self._strategy.step if straggler is None else straggler.slowed(self._strategy.step)
         self._joining = False
         scalars.watch(self._strategy.metrics, self._strategy.model_sizes(trainable))
         self.start_step = 0

@@ -1,6 +1,7 @@
 """BENCHMARKS.md as a reference: it opens with its table of current figures, each row naming a result file that
-exists and a command that runs as written; every result file it cites exists and none is named after a sitting;
-every `BENCHMARKS.md, "Section"` cited from the code and the docs names one of its headings."""
+exists and a command that runs as written; every result file it cites exists, every file of bench/results is
+cited, and each is named by what it measures (no sitting, date, re-run letter or commit hash); every
+`BENCHMARKS.md, "Section"` cited from the code and the docs names one of its headings."""
 import glob
 import os
 import re
@@ -14,6 +15,7 @@ BENCHMARKS = open(os.path.join(ROOT, "BENCHMARKS.md")).read()
 RESULTS = os.path.join(ROOT, "bench", "results")
 CURRENT_COLUMNS = ["What is measured", "Figure", "Command", "Result", "Measured"]
 SITTING_WORDS = ("session", "sitting", "before", "after", "_main", "_old", "_new")
+WHEN = re.compile(r"\d{4}-\d{2}-\d{2}|(?<![0-9a-z])[0-9a-f]{7,40}(?![0-9a-z])")  # a date (and its letter), a hash
 CITE = re.compile(r'BENCHMARKS\.md,\s+"([^"]+)"')
 LINK = re.compile(r"\[[^\]]*\]\([^)]*BENCHMARKS\.md#[^)]+\)")  # its anchor: test_readme_commands
 CITING = sorted(glob.glob(os.path.join(ROOT, "gradsync", "**", "*.py"), recursive=True)
@@ -47,6 +49,12 @@ def current_figures(text: str) -> tuple[str, list[list[str]]]:
             break
         rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
     return heading.lstrip("# "), [rows[0]] + rows[2:]
+
+
+def misnamed(names: list[str]) -> list[str]:
+    """The result files among `names` named after when or from what they ran (a sitting, a date with or without a
+    re-run letter, a commit hash) rather than by what they measure."""
+    return [n for n in names if any(word in n.lower() for word in SITTING_WORDS) or WHEN.search(n.lower())]
 
 
 def command_problems(command: str) -> list[str]:
@@ -108,9 +116,9 @@ def test_every_cited_result_exists():
     assert [f for f in cited if not os.path.exists(os.path.join(RESULTS, f))] == []
 
 
-def test_results_and_the_page_are_named_by_what_and_when():
-    named = [f for f in os.listdir(RESULTS) if any(word in f.lower() for word in SITTING_WORDS)]
-    assert named == []
+def test_results_are_named_by_what_they_measure_and_each_is_cited():
+    assert misnamed(os.listdir(RESULTS)) == []
+    assert sorted(set(os.listdir(RESULTS)) - set(cited_results(BENCHMARKS))) == []
     assert [w for w in ("session", "sitting", "kept for the record") if w in BENCHMARKS.lower()] == []
 
 
@@ -121,6 +129,9 @@ def test_every_cited_section_is_a_heading(path):
 
 def test_the_checks_catch_each_broken_rule():
     assert expand("a_{x,y}_{1,2}.json") == ["a_x_1.json", "a_x_2.json", "a_y_1.json", "a_y_2.json"]
+    assert misnamed(["dynamic_speed_1e5.json", "dynamic_speed_1e5_2026-11-28i.json", "overhead_ab_054bc4a_1.json",
+                     "linkfloor_session_3.json", "cuda_ops-nvidia-h200-k8-256mb.json"]) == [
+        "dynamic_speed_1e5_2026-11-28i.json", "overhead_ab_054bc4a_1.json", "linkfloor_session_3.json"]
     page = BENCHMARKS.replace("bench/results/overhead.json", "bench/results/overhead_gone.json", 1)
     assert table_problems(page) == ["'10M-parameter MLP, W = 4, S = 2: ps sync / gradsync allreduce, step and CPU "
                                     "per step': overhead_gone.json does not exist"]

@@ -104,7 +104,7 @@ def test_run_keeps_every_option_it_had_and_adds_bucket_cap_mb_pipeline_start_ove
 @pytest.mark.job
 def test_help_a_bad_flag_and_a_missing_script_answer_without_importing_torch(tmp_path):
     """`gradsync --help`, each command's, a refused flag, a script that does not exist and compare's refused
-    arguments answer in a fraction of a second: torch (3 s to import on a small machine) loads only once a job
+    arguments answer in a fraction of a second: torch (seconds to import) loads only once a job
     is to run."""
     foreign = tmp_path / "theirs"
     foreign.mkdir()

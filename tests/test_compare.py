@@ -327,7 +327,7 @@ def test_predict_says_plainly_why_it_cannot_fit():
 
 
 def test_straggler_sleeps_factor_minus_one_times_its_compute(monkeypatch):
-    from gradsync.metrics import straggler
+    from gradsync.runtime import straggler
 
     monkeypatch.setenv(STRAGGLER.env, "1:3.0")
     slept, clock = [], iter([10.0, 10.5, 11.0, 12.0, 12.5])  # built, commit at +0.5 s, ended, next 1 s later, ended
@@ -338,14 +338,16 @@ def test_straggler_sleeps_factor_minus_one_times_its_compute(monkeypatch):
     def commit(context_id, scaler):
         commits.append((context_id, scaler))
 
-    slow = straggler.slowed(commit, 1)
+    slow = straggler.straggler_of(1).slowed(commit)
     slow(7, None)
     slow(8, None)
     assert slept == [pytest.approx(1.0), pytest.approx(2.0)]  # (3 - 1) x 0.5 s, then (3 - 1) x 1 s
     assert commits == [(7, None), (8, None)]
-    assert straggler.slowed(commit, 0) is commit  # another worker commits as it would without the setting
+    assert straggler.straggler_of(0) is None  # another worker commits through the strategy's step itself
+    monkeypatch.setenv(STRAGGLER.env, "1:1.0")
+    assert straggler.straggler_of(1) is None  # a factor of 1 slows nothing
     monkeypatch.delenv(STRAGGLER.env)
-    assert straggler.slowed(commit, 1) is commit
+    assert straggler.straggler_of(1) is None
     for bad in ("1", "x:2", "1:0.5", "-1:2"):
         with pytest.raises(ValueError, match="straggler"):
             straggler.parse(bad)
@@ -430,7 +432,7 @@ def test_allreduce_averaging_tables_densely_gets_a_note_naming_sparse_gradients(
 
 
 def test_hybrid_runs_after_one_that_found_no_tables_are_skipped_without_running(tmp_path, monkeypatch):
-    from gradsync.compare import compare, runner
+    from gradsync.compare import CompareOptions, compare, runner
 
     started = []
 
@@ -443,9 +445,9 @@ def test_hybrid_runs_after_one_that_found_no_tables_are_skipped_without_running(
     monkeypatch.setattr(runner, "run", fake_run)
     script = tmp_path / "x.py"
     script.write_text("")
-    _, runs = compare(str(script), [], workers=2, out_dir=str(tmp_path / "out"),
-                      strategies=["allreduce", "hybrid", "sharded"], servers=[1, 2], modes=["sync"],
-                      compressions=["none", "int8"], timeout=10, warmup=1, command="c", options={})
+    _, runs = compare(CompareOptions(script=str(script), workers=2, out_dir=str(tmp_path / "out"),
+                                     strategies=["allreduce", "hybrid", "sharded"], servers=[1, 2], modes=["sync"],
+                                     compressions=["none", "int8"], timeout=10, warmup=1, command="c"))
     assert started == ["allreduce", "allreduce int8", "hybrid S=1"]
     assert [(r["name"], r.get("skipped")) for r in runs][2:] == [("hybrid S=1", "no tables"),
                                                                 ("hybrid S=2", "no tables"),
@@ -456,7 +458,7 @@ def test_hybrid_runs_after_one_that_found_no_tables_are_skipped_without_running(
 
 
 def test_the_straggler_goes_to_the_runs_not_into_the_callers_environment(tmp_path, monkeypatch):
-    from gradsync.compare import compare, runner
+    from gradsync.compare import CompareOptions, compare, runner
 
     monkeypatch.delenv(STRAGGLER.env, raising=False)
     given = []
@@ -468,8 +470,9 @@ def test_the_straggler_goes_to_the_runs_not_into_the_callers_environment(tmp_pat
     monkeypatch.setattr(runner, "run", fake_run)
     script = tmp_path / "x.py"
     script.write_text("")
-    compare(str(script), [], workers=2, out_dir=str(tmp_path / "out"), strategies=["allreduce", "ps"], servers=[1],
-            modes=["sync"], compressions=["none"], timeout=10, warmup=1, straggler="1:2.0", command="c", options={})
+    compare(CompareOptions(script=str(script), workers=2, out_dir=str(tmp_path / "out"), strategies=["allreduce", "ps"],
+                           servers=[1], modes=["sync"], compressions=["none"], timeout=10, warmup=1, straggler="1:2.0",
+                           command="c"))
     assert given == ["1:2.0", "1:2.0"]
     assert STRAGGLER.env not in os.environ
 

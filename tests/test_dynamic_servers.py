@@ -21,14 +21,15 @@ from gradsync.core.optimizer_spec import OptimizerSpec
 from gradsync.proto import gradsync_pb2 as pb
 from gradsync.ps import dynamic_shard
 from gradsync.ps.dynamic_shard import DynamicShard
-from gradsync.ps.messages import DynamicSetup, Setup
+from gradsync.ps.messages import (DynamicSetup, EndStep, Evict, FirstToGo, Lookups, Setup, TableCall,
+                                   TablesCounts)
 from gradsync.ps.server import ParameterServer
 from gradsync.tables import global_eviction
 from gradsync.tables.dynamic_table import DynamicTable
 from gradsync.tables.id_hash import keyed, server_of, unit_interval
 from gradsync.tables.placement import merge_rows
 from gradsync.tables.row_init import HashedUniform
-from gradsync.transport.grpc.client import final_status_table
+from gradsync.cli.job_status import final_status_table
 from gradsync.tables.dynamic_checkpoint import rehomed, with_delta
 from gradsync.worker import served_dynamic
 from gradsync.worker.served_dynamic import ServedDynamic
@@ -54,25 +55,26 @@ def grads_of(ids: torch.Tensor, step: int, worker: int) -> torch.Tensor:
 
 
 class Servers:
-    """S `DynamicShard`s of one table, called as the transport calls them (`ParameterServer.dynamic`)."""
+    """S `DynamicShard`s of one table, called as a transport calls them (`ParameterServer.table_call`), and as
+    `global_eviction.Holders`; `calls`: the name of each call's message."""
 
     def __init__(self, num_servers: int, optimizer, **rules):
         setup = DynamicSetup(settings(**rules), optimizer)
         self.shards = {s: DynamicShard("t", setup, s, num_servers) for s in range(num_servers)}
         self.calls: list[str] = []
 
-    def __call__(self, call: str, args: dict[int, tuple]) -> dict[int, object]:
-        self.calls.append(call)
-        out = {}
-        for s, a in args.items():
-            shard = self.shards[s]
-            if call == "end":
-                out[s] = {"t": shard.end(*a)}
-            elif call == "smallest":
-                out[s] = {"t": shard.smallest(a[0], *a[1]["t"])}
-            else:
-                shard.evict(a[0], *a[1]["t"])
-        return out
+    def table_calls(self, calls: dict[int, TableCall]) -> dict[int, object]:
+        self.calls.append(type(next(iter(calls.values()))).__name__)
+        return {s: dynamic_shard.respond({"t": self.shards[s]}, call, f"server {s}") for s, call in calls.items()}
+
+    def end(self, step: int) -> dict[int, dict]:
+        return self.table_calls({s: EndStep(step) for s in self.shards})
+
+    def first_to_go(self, step: int, counts: dict) -> dict[int, dict]:
+        return self.table_calls({s: FirstToGo(step, c) for s, c in counts.items()})
+
+    def evict(self, step: int, plans: dict) -> None:
+        self.table_calls({s: Evict(step, plan) for s, plan in plans.items()})
 
     def state(self) -> dict[str, torch.Tensor]:
         return rehomed([self.shards[s].table.state() for s in sorted(self.shards)], 0, 1)
@@ -150,7 +152,7 @@ def test_servers_hold_what_one_table_holds(rules, num_servers):
         assert evictions > 0  # the bound was reached: eviction was exercised
     # a step under capacity costs the one exchange of counts per worker; one over capacity two, three where the
     # candidates fell short; a server that holds the whole table evicts by itself in the first
-    assert set(servers.calls) <= ({"end"} if num_servers == 1 else {"end", "smallest", "evict"})
+    assert set(servers.calls) <= ({"EndStep"} if num_servers == 1 else {"EndStep", "FirstToGo", "Evict"})
 
 
 @pytest.mark.parametrize("rules", RULES[:2], ids=lambda r: "-".join(f"{k}={v}" for k, v in r.items()))
@@ -169,7 +171,7 @@ def test_few_candidates_choose_what_the_rule_chooses(rules, num_servers, monkeyp
         got, want = servers.state(), single.state()
         for key in ("ids", "weight", "last_step", "lookups", "waiting_ids", "waiting_sightings", "counters"):
             assert torch.equal(got[key], want[key]), (step, key)
-    asked, evicted = servers.calls.count("smallest"), servers.calls.count("evict")
+    asked, evicted = servers.calls.count("FirstToGo"), servers.calls.count("Evict")
     assert 0 < asked < evicted  # decided by the candidates at some steps' ends, asked at others
 
 
@@ -328,13 +330,13 @@ def test_a_sync_push_reply_ends_the_step_and_the_workers_call_no_end():
         assert all(torch.equal(v, reference.shards[0].table.state()[k]) for k, v in shard.table.state().items())
 
     model = nn.ModuleDict({"t": gradsync.DynamicEmbedding(DIM, capacity=3, evict="lru")})
-    for carried, calls in [(0, ["evict"]), (None, ["end", "evict"]), (5, ["end", "evict"])]:
+    for carried, calls in [(0, ["Evict"]), (None, ["EndStep", "Evict"]), (5, ["EndStep", "Evict"])]:
         servers, reference = Servers(2, optimizer, capacity=3, evict="lru"), Servers(2, optimizer, capacity=3,
                                                                                      evict="lru")
         sync_step(servers, 0, 3, ends=False)
         sync_step(reference, 0, 3)
         served = ServedDynamic(model, 2, optimizer, "sync")
-        served.transport = dataclasses.make_dataclass("Transport", ["dynamic"])(servers)
+        served.transport = servers
         ended = {s: dynamic_shard.step_end({"t": shard}) for s, shard in servers.shards.items()}
         served.end_step({s: Snapshot(1, [], {}, None if carried is None else (carried, e[1]))
                          for s, e in ended.items()})
@@ -349,14 +351,13 @@ class _Recording:
     keeps each call's args."""
 
     def __init__(self):
-        self.calls: list[tuple[str, dict]] = []
+        self.calls: list[dict[int, TableCall]] = []
 
-    def dynamic(self, call, args):
-        self.calls.append((call, args))
-        if call == "lookup":
-            return {s: (0, [(ids.float().unsqueeze(1).expand(-1, DIM).clone(), ids >= 0) for _, ids, _ in a[0]])
-                    for s, a in args.items()}
-        return {s: {"t": (0, [0, 0, 0])} if call == "counts" else None for s in args}
+    def table_calls(self, calls: dict[int, TableCall]) -> dict[int, object]:
+        self.calls.append(calls)
+        return {s: (0, [(ids.float().unsqueeze(1).expand(-1, DIM).clone(), ids >= 0) for _, ids, _ in c.lookups])
+                if isinstance(c, Lookups) else {"t": (0, [0, 0, 0])} if isinstance(c, TablesCounts) else None
+                for s, c in calls.items()}
 
 
 def _waiting(model, name, ids):
@@ -373,25 +374,27 @@ def test_a_forwards_lookups_and_the_last_steps_evictions_go_to_every_server_in_o
                            "u": gradsync.DynamicEmbedding(DIM, capacity=3, mode="sum")})
     served = ServedDynamic(model, 3, gradsync.RowSGD(lr=0.1), "sync")
     served.transport = transport = _Recording()
-    plan = {s: (0, {"t": (torch.tensor([s]), torch.zeros(0, dtype=torch.int64))}) for s in range(3)}
-    served._end_call("evict", plan)
+    plan = {s: {"t": (torch.tensor([s]), torch.zeros(0, dtype=torch.int64))} for s in range(3)}
+    served.evict(0, plan)
     ids = torch.tensor([i for i in range(100) if int(server_of(torch.tensor([i]), 3)) != 2][:6])
     first = served._recording(_waiting(model, "t", ids))
     bags = served._recording(_waiting(model, "u", ids.view(2, 3)))
     assert transport.calls == [] and first.shape == (6, DIM) and bags.shape == (2, DIM)
     torch.testing.assert_close(first * 1, ids.float().unsqueeze(1).expand(-1, DIM))
-    (call, args), = transport.calls
-    assert call == "lookup" and sorted(args) == [0, 1, 2] and args[2] == ([], 0, plan[2])
-    assert all([name for name, _, _ in args[s][0]] == ["t", "u"] and args[s][2] is plan[s] for s in (0, 1))
+    (calls,) = transport.calls
+    assert sorted(calls) == [0, 1, 2] and calls[2] == Lookups((), 0, Evict(0, plan[2]))
+    assert all([name for name, _, _ in calls[s].lookups] == ["t", "u"] and calls[s].evictions == Evict(0, plan[s])
+               for s in (0, 1))
     torch.testing.assert_close(bags * 1, ids.view(2, 3).float().sum(1, keepdim=True).expand(-1, DIM))
     assert len(served._lookups[1]) == 2 and all(lk.leaf.requires_grad for lk in served._lookups[1])
     served._recording(_waiting(model, "t", ids)).sum()
-    assert sorted(transport.calls[1][1]) == [0, 1] and all(a[2] is None for a in transport.calls[1][1].values())
-    served._end_call("evict", plan)
+    assert sorted(transport.calls[1]) == [0, 1] and all(c.evictions is None for c in transport.calls[1].values())
+    served.evict(0, plan)
     served.counters("t")
-    assert [c for c, _ in transport.calls[2:]] == ["evict", "counts"] and transport.calls[2][1] == plan
+    kinds = [{type(c).__name__ for c in calls.values()} for calls in transport.calls[2:]]
+    assert kinds == [{"Evict"}, {"TablesCounts"}] and transport.calls[2] == {s: Evict(0, p) for s, p in plan.items()}
     served.counters("t")
-    assert [c for c, _ in transport.calls[4:]] == ["counts"]
+    assert [{type(c).__name__ for c in calls.values()} for calls in transport.calls[4:]] == [{"TablesCounts"}]
 
 
 @pytest.mark.parametrize("mode,shape,offsets", [(None, (2, 3), None), (None, (5,), None), ("sum", (2, 3), None),
@@ -404,8 +407,8 @@ def test_a_pending_dynamic_lookup_has_the_shape_of_the_tables_forward(mode, shap
 
 
 class _NoCalls:
-    def dynamic(self, call, args):
-        raise AssertionError(f"{call} reached the servers")
+    def table_calls(self, calls):
+        raise AssertionError(f"{calls} reached the servers")
 
 
 @pytest.mark.parametrize("ids,error,match", [
@@ -502,7 +505,7 @@ def test_a_full_and_a_delta_checkpoint_restore_onto_any_number_of_servers(optimi
 
 class AsyncServers:
     """S `DynamicShard`s of one table stepping alone (async, ssp), each with its version, driven as the server
-    drives them: `lookup` at the server's version, `push` through `held_since`, the update and `end_alone`."""
+    drives them: `lookup` at the server's version, `push` through `current`, the update and `pushed_alone`."""
 
     def __init__(self, num_servers: int, optimizer, **rules):
         setup = DynamicSetup(settings(**rules), optimizer)
@@ -524,8 +527,8 @@ class AsyncServers:
         for s, (version, ids) in looked_up.items():
             shard = self.shards[s]
             shard.check_push(0, ids, grads(ids))
-            shard.apply(*shard.held_since(version, ids, grads(ids)))
-            shard.end_alone()
+            shard.apply(*shard.current(version, ids, grads(ids)))
+            shard.pushed_alone()
             self.versions[s] += 1
 
 

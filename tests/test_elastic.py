@@ -12,13 +12,14 @@ from elastic_jobs import (GRAD, LR, SIZE, Constant, die_before_the_trainer, kill
                           train_until_killed_mid_push, train_while_a_worker_joins)
 from faults import Fault, train_with_fault
 from gradsync.core import settings
-from gradsync.membership import liveness, newcomers
+from gradsync.membership import heartbeat, newcomers
 from gradsync.config import ConfigError, JobConfig
 from gradsync.core.job_names import StoreKeys
 from gradsync.launcher.scripts import _joiner_ended
 from gradsync.launcher.supervision import RankProcess
 from gradsync.core.buckets import ModelSpec, by_server, plan_buckets
-from gradsync.membership.liveness import Watch, create_keys, record_gone, staying
+from gradsync.membership.heartbeat import Watch
+from gradsync.membership.member_keys import create_keys, record_gone, staying
 from gradsync.transport.grpc.endpoint_files import job_id
 from grpc_harness import make_server, model_state, served
 from helpers import gradsync_run
@@ -146,7 +147,7 @@ def _store() -> dist.TCPStore:
 
 def test_a_gone_worker_counts_as_left_and_joined_workers_are_watched(monkeypatch):
     now = [0.0]  # the watch's clock, moved by hand
-    monkeypatch.setattr(liveness.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(heartbeat.time, "monotonic", lambda: now[0])
     store = _store()
     config = JobConfig(strategy="ps", mode="async", servers=1, world_size=3)
     create_keys(store, config.world_size, config.num_workers)

@@ -21,7 +21,7 @@ from gradsync.runtime.store import connect_store
 from gradsync.config import JobConfig
 from gradsync.launcher import procfs
 from gradsync.launcher.local_job import host_store, temporary_run_dir
-from gradsync.membership.liveness import Heartbeat
+from gradsync.membership.heartbeat import Heartbeat
 from helpers import TESTS, gone as _gone, gradsync_run, run_failing_script
 
 STEP_TIMEOUT = 4.0

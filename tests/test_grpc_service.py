@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from gradsync.core.optimizer_spec import OptimizerSpec
-from gradsync.transport.grpc.client import Client, pull_to_file, status_table
+from gradsync.cli.job_status import pull_to_file, status_table
+from gradsync.transport.grpc.client import Client
 from gradsync.core.job_names import StoreKeys
 from gradsync.core.buckets import ModelSpec, TensorSpec
 from gradsync.transport.grpc.endpoint_files import write_endpoints

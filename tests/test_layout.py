@@ -13,7 +13,8 @@ PACKAGE = pathlib.Path(gradsync.__file__).parent
 LAYERS = ["cuda_ops", "core", "tables", "metrics", "config", "ps", "proto", "membership", "transport", "runtime", "worker",
           "launcher", "compare", "trainer", "client", "cli", "__init__", "testing"]
 """Lowest first: a part may import the parts before it, never one after it."""
-TOP_LEVEL = {"__init__.py", "trainer.py", "config.py", "cli.py", "client.py", "testing.py"}
+TOP_LEVEL = {"__init__.py", "trainer.py", "config.py", "client.py", "testing.py"}
+"""The top level's modules; the command line is the package `cli/` (its main and what status and pull print)."""
 
 
 def _modules() -> dict[str, pathlib.Path]:

@@ -12,7 +12,8 @@ import gradsync
 from faults import sample_without_arguments, train_without_one_trainer
 from gradsync.config import ConfigError, JobConfig
 from gradsync.core.job_names import StoreKeys
-from gradsync.membership.liveness import create_keys, wait_for_arrivals
+from gradsync.membership.arrivals import wait_for_arrivals
+from gradsync.membership.member_keys import create_keys
 from helpers import TESTS, gradsync_run
 import killed_launcher
 

@@ -1,10 +1,10 @@
 """`gradsync compare SCRIPT`: the user's own training script under a grid of paradigms, side by side.
 
-`grid` names the configurations, `runner` runs each (the same script, seeds and
-data order; the script reports its scalars with `gradsync.log`), in a working directory of its own that
-`workdir` copies from the one compare started in, and measures it
-from outside (CPU and peak memory of every process), `report` writes
-report.json and report.md, `plots` the PNG charts (timeline.png too with --timeline), `predict` (--predict)
+`compare(options)` runs what a `CompareOptions` asks for (`options`; the command line builds it from its flags):
+`grid` names the configurations, `runner` runs each (the same script, seeds and data order; the script reports
+its scalars with `gradsync.log`), in a working directory of its own that `workdir` copies from the one compare
+started in, and measures it from outside (CPU and peak memory of every process), `report` writes report.json and
+report.md, `plots` the PNG charts (timeline.png too with --timeline), `predict` (--predict)
 fits the cost model on the runs and writes the verdict that ends the report.
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ import sys
 import time
 from typing import Callable
 
+from gradsync.compare.options import CompareOptions
 
 MARKER = ".gradsync-compare"
 """The file `compare` writes into its report directory: a later compare moves such a directory aside."""
@@ -45,29 +46,13 @@ def prepare_out_dir(out_dir: str, force: bool = False) -> str | None:
     return moved
 
 
-def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, strategies: list[str],
-            servers: list[int], modes: list[str], compressions: list[str], timeout: float, warmup: int,
-            straggler: str | None = None, log_dir: str | None = None, link: str | None = None,
-            server_link: str | None = None, predict: bool = False, force: bool = False, timeline: bool = False,
-            copy_limit_mb: float = 500, command: str, options: dict,
-            checked: Callable[[], None] | None = None) -> tuple[str, list[dict]]:
-    """Run the grid and write the report; returns report.md's path (relative when under the working directory)
-    and the runs (a failed one has `error`, a skipped one `skipped`). `warmup`: each worker's first steps, left
-    out of the per-step figures.
-    `straggler` ('W:F'): worker W's compute takes F times as long in every run (`gradsync.metrics.straggler`).
-    `log_dir`: TensorBoard scalars too, one subdirectory per run. `link`: every run over an emulated network
-    of this rate (`gradsync.launcher.netem`); `server_link`: the parameter servers behind links of this rate instead
-    (a slow server link). `predict`: fit the cost model on the sync runs, predict each paradigm up to
-    W = 1024 and end the report with a verdict (`compare.predict`). `force`: write into a directory that
-    compare did not write (`prepare_out_dir`). `copy_limit_mb`: the most the copy of the working directory each
-    run starts from may hold (`workdir`). `timeline`: every
-    run records each step's timeline (`gradsync.metrics.timeline`); a run's median step goes into its result and
-    timeline.png. `command` and `options`: the command line as typed and
-    every option's value, for the report's header. `checked`: called once every argument is checked, before
-    the first run (the command line starts its ranks' fork server there)."""
+def compare(options: CompareOptions, *, checked: Callable[[], None] | None = None) -> tuple[str, list[dict]]:
+    """Run the grid `options` names and write the report; returns report.md's path (relative when under the
+    working directory) and the runs (a failed one has `error`, a skipped one `skipped`). `checked`: called once
+    every option is checked, before the first run (the command line starts its ranks' fork server there)."""
     from gradsync.compare import workdir
     from gradsync.compare.grid import grid
-    from gradsync.metrics.straggler import parse as parse_straggler
+    from gradsync.runtime.straggler import parse as parse_straggler
     from gradsync.launcher.script_file import check_script
 
     try:
@@ -77,20 +62,21 @@ def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, 
         raise ImportError(f"gradsync compare needs {e.name}, which is not installed in {sys.prefix}: "
                           "pip install matplotlib tqdm (both are dependencies of gradsync, left out by an "
                           "install with --no-deps)") from e
-    if warmup < 1:
-        raise ValueError(f"--warmup-steps {warmup}: at least the first step is warm-up (lazy imports, first "
+    if options.warmup < 1:
+        raise ValueError(f"--warmup-steps {options.warmup}: at least the first step is warm-up (lazy imports, first "
                          "calls): pass 1 or more")
-    check_script(script)
-    configs = grid(strategies, servers, modes, compressions)
-    if straggler is not None:
-        parse_straggler(straggler)
-    start, out_dir = os.getcwd(), os.path.abspath(out_dir)  # the ranks' working directories are elsewhere
-    log_dir = None if log_dir is None else os.path.abspath(log_dir)
+    check_script(options.script)
+    configs = grid(list(options.strategies), list(options.servers), list(options.modes),
+                   list(options.compressions))
+    if options.straggler is not None:
+        parse_straggler(options.straggler)
+    start, out_dir = os.getcwd(), os.path.abspath(options.out_dir)  # the ranks' working directories are elsewhere
+    log_dir = None if options.log_dir is None else os.path.abspath(options.log_dir)
     if os.path.commonpath([start, out_dir]) == out_dir:
         raise ValueError(f"--out {out_dir} holds the working directory {start}, which every run gets a copy of: "
                          "choose an --out inside the working directory or beside it")
-    workdir.check_size(start, MARKER, copy_limit_mb)
-    if moved := prepare_out_dir(out_dir, force):
+    workdir.check_size(start, MARKER, options.copy_limit_mb)
+    if moved := prepare_out_dir(out_dir, options.force):
         print(f"gradsync compare: the earlier report in {_shown(out_dir)} is now in {_shown(moved)}", file=sys.stderr)
     # every argument is checked: now the imports that take seconds (torch)
     from gradsync.compare.plots import write_plots
@@ -108,7 +94,8 @@ def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, 
         for i, config in enumerate(configs):
             if config.strategy in TABLE_STRATEGIES and any(r.get("skipped") == NO_TABLES for r in runs):
                 # the same script builds the same model: no other hybrid or sharded run would find a table
-                runs.append({"name": config.name, **config.settings(), "workers": workers, "skipped": NO_TABLES})
+                runs.append({"name": config.name, **config.settings(), "workers": options.workers,
+                             "skipped": NO_TABLES})
                 continue
             print(f"[{config.name}] run {i + 1} of {len(configs)}; its ranks' output follows; its working "
                   f"directory: {_shown(os.path.join(out_dir, 'runs', config.slug, WORKDIR))}", file=sys.stderr,
@@ -118,9 +105,10 @@ def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, 
             def progress(steps: int, bar=bar) -> None:
                 bar.update(steps - bar.n)
 
-            runs.append(run(config, script, script_args, workers, out_dir, timeout, warmup, progress, log_dir,
-                            dict(link=link, server_link=server_link), straggler=straggler, timeline=timeline,
-                            start=start, pristine=pristine))
+            runs.append(run(config, options.script, list(options.script_args), options.workers, out_dir,
+                            options.timeout, options.warmup, progress, log_dir,
+                            dict(link=options.link, server_link=options.server_link), straggler=options.straggler,
+                            timeline=options.timeline, start=start, pristine=pristine))
             bar.close()
     finally:
         shutil.rmtree(pristine, ignore_errors=True)
@@ -132,12 +120,12 @@ def compare(script: str, script_args: list[str], *, workers: int, out_dir: str, 
         print(f"gradsync compare: failed run {line.removeprefix('- ')}", file=sys.stderr)
     if dense := dense_tables(runs):
         print(f"gradsync compare: note: {dense}", file=sys.stderr)
-    plots = write_plots(runs, out_dir, warmup)
-    meta = {"command": command, "options": options,
-            "workers": workers, "warmup_steps": warmup, "straggler": straggler, "link": link,
-            "server_link": server_link, "cores": os.cpu_count(),
-            "most_processes": max(workers + c.servers for c in configs)}
-    prediction = predict_runs(runs, meta) if predict else None
+    plots = write_plots(runs, out_dir, options.warmup)
+    meta = {"command": options.command, "options": dict(options.flag_values),
+            "workers": options.workers, "warmup_steps": options.warmup, "straggler": options.straggler,
+            "link": options.link, "server_link": options.server_link, "cores": os.cpu_count(),
+            "most_processes": max(options.workers + c.servers for c in configs)}
+    prediction = predict_runs(runs, meta) if options.predict else None
     _, md_path = write_report(meta, runs, plots, out_dir, prediction)
     print(table(runs))
     if prediction:

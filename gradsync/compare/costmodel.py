@@ -30,7 +30,7 @@ elements) and W workers:
   link at its own rate, and a step is bounded by its busiest link and direction, plus what cannot
   overlap: the first piece's pushes before any reply, and the last piece's replies after every push (one
   piece, the largest: `piece` elements, p; without it the whole shard, e / S, is one piece and a step is
-  push then reply, as before the pipeline). A server's link carries W / S of the workers' bytes, and W
+  push then reply, a whole step). A server's link carries W / S of the workers' bytes, and W
   parts of each of its pieces; a worker's link its own:
       server: W / S (row_bytes + max(e c + row_bytes, 4 e)) + W min(c, 4) p
       worker:         row_bytes + max(e c + row_bytes, 4 e)  +   min(c, 4) p
@@ -79,10 +79,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from gradsync.core.strategies import STRATEGIES, Dense, Tables, traits
 from gradsync.metrics.traffic import FP32, ITEMSIZE, allreduce_bytes, wire_bytes
 from gradsync.tables.row_partition import LOOKUPS_PER_EXCHANGE
 
-STRATEGIES = ("allreduce", "ps", "hybrid", "sharded")
 MODES = ("sync", "async")
 PARAMETERS = ("compute per sample", "cost per byte", "latency per message")
 
@@ -113,29 +113,30 @@ class Config:
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy={self.strategy!r} is not modelled: use one of {STRATEGIES}")
+            raise ValueError(f"strategy={self.strategy!r} is not modelled: use one of {tuple(STRATEGIES)}")
+        strategy = traits(self.strategy)
         if self.mode == "ssp":
             raise ValueError("mode='ssp' is not modelled: predict its bounds with mode='sync' and mode='async'")
         if self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r} is not modelled: use one of {MODES}")
         if self.compression not in ITEMSIZE:
             raise ValueError(f"compression={self.compression!r} is not modelled: use one of {tuple(ITEMSIZE)}")
-        if self.strategy in ("ps", "hybrid") and self.servers < 1:
+        if strategy.servers and self.servers < 1:
             raise ValueError(f"strategy={self.strategy!r} needs servers >= 1, got servers={self.servers}")
-        if self.sparse_tables and self.strategy != "allreduce":
+        if self.sparse_tables and strategy.tables is not Tables.REPLICATED:
             raise ValueError(f"sparse_tables={self.sparse_tables} is an allreduce setting, got strategy="
                              f"{self.strategy!r}: ps and hybrid move rows anyway (row_bytes), leave it 0")
         if self.piece < 0:
             raise ValueError(f"piece={self.piece}: elements of the largest piece, 0 (the whole shard) or more")
-        if self.sharded_tables and self.strategy != "sharded":
+        if self.sharded_tables and strategy.tables is not Tables.SHARDED:
             raise ValueError(f"sharded_tables={self.sharded_tables} is a sharded setting, got strategy="
                              f"{self.strategy!r}: leave it 0")
-        if self.strategy == "sharded" and self.servers:
-            raise ValueError(f"strategy='sharded' has no servers, got servers={self.servers}: leave it 0")
+        if strategy.tables is Tables.SHARDED and self.servers:  # (allreduce's formula leaves servers out)
+            raise ValueError(f"strategy={self.strategy!r} has no servers, got servers={self.servers}: leave it 0")
         if self.sparse_tables < 0 or self.sharded_tables < 0:
             raise ValueError(f"sparse_tables={self.sparse_tables}, sharded_tables={self.sharded_tables}: counts of "
                              "tables, 0 or more")
-        if self.mode == "async" and self.strategy != "ps":
+        if self.mode == "async" and strategy.dense is not Dense.SERVERS:
             raise ValueError(f"mode='async' is a ps mode, got strategy={self.strategy!r}: use strategy='ps'")
 
 
@@ -171,16 +172,17 @@ def traffic(config: Config, workers: int) -> tuple[float, int]:
     if workers < 1:
         raise ValueError(f"workers={workers}: need at least 1")
     share = max(workers / config.servers, 1) if config.servers else 0
-    if config.strategy == "allreduce" and config.sparse_tables:
+    strategy = traits(config.strategy)
+    if strategy.tables is Tables.REPLICATED and config.sparse_tables:
         dense_bytes, messages = allreduce_bytes(config.dense, workers, config.compression)
         return dense_bytes + (workers - 1) * config.row_bytes, messages + 3 * (workers - 1) * config.sparse_tables
-    if config.strategy == "allreduce":
+    if strategy.tables is Tables.REPLICATED:
         return allreduce_bytes(config.dense + config.tables, workers, config.compression)
-    if config.strategy == "sharded":
+    if strategy.tables is Tables.SHARDED:
         dense_bytes, messages = allreduce_bytes(config.dense, workers, config.compression)
         exchanges = -(-config.sharded_tables // LOOKUPS_PER_EXCHANGE)  # a forward's lookups, used together
         return dense_bytes + 2 * (workers - 1) / workers * config.row_bytes, messages + 2 * exchanges + 3
-    if config.strategy == "ps":
+    if strategy.dense is Dense.SERVERS:
         return _ps_pipeline(config, workers), _ps_messages(config)
     dense_bytes, messages = allreduce_bytes(config.dense, workers, config.compression)
     return dense_bytes + 2 * share * config.row_bytes, messages + 4

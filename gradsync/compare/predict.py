@@ -28,6 +28,7 @@ import dataclasses
 import statistics
 
 from gradsync.compare import costmodel
+from gradsync.core.strategies import STRATEGIES, Dense, Tables, traits
 from gradsync.launcher.netem import Link
 
 MAX_WORKERS = 1024
@@ -75,6 +76,21 @@ def predict(runs: list[dict], meta: dict) -> dict:
     return out
 
 
+_RING = next(t.name for t in STRATEGIES.values() if not t.servers and t.tables is Tables.REPLICATED)
+"""The strategy whose every parameter goes round the ring (allreduce): a run's dense part under DDP."""
+
+
+def _tables(run: dict) -> Tables:
+    """Where the strategy of `run` (a report.json run) trains the tables."""
+    return traits(run["strategy"]).tables
+
+
+def _dense_on_servers(run: dict) -> bool:
+    """Whether the strategy of `run` trains the dense layers on the servers (ps): its compute split is the
+    worker's compute alone, and its pieces are its own plan's."""
+    return traits(run["strategy"]).dense is Dense.SERVERS
+
+
 def fitted(runs: list[dict], workers: int, cores: int | None
            ) -> tuple[costmodel.Fit, dict[str, costmodel.Config], dict, costmodel.Fit]:
     """The fit on a compare's finished sync runs (report.json's "runs", all at W = `workers` on a machine of
@@ -84,7 +100,7 @@ def fitted(runs: list[dict], workers: int, cores: int | None
     saying why not."""
     configs, sizes = _configs(runs, workers)
     measured = [costmodel.Run(configs[r["name"]], workers, r["step_s"], cores=cores,
-                              compute_s=r["compute_s"] if r["strategy"] == "ps" else None)
+                              compute_s=r["compute_s"] if _dense_on_servers(r) else None)
                 for r in runs if r["name"] in configs]
     try:
         per_message = costmodel.fit(measured)
@@ -117,7 +133,7 @@ def _configs(runs: list[dict], workers: int) -> tuple[dict[str, costmodel.Config
                          "the verdict compares paradigms, so it needs at least 2, e.g. --strategies allreduce,ps "
                          "--modes sync")
     # the servers know what they serve: a ps or hybrid run's sizes, else any run's
-    model = next((r["model"] for r in sorted(done, key=lambda r: r["strategy"] == "allreduce") if r.get("model")),
+    model = next((r["model"] for r in sorted(done, key=lambda r: _tables(r) is Tables.REPLICATED) if r.get("model")),
                  None)
     if model is None:
         raise ValueError("the runs logged no model sizes (the Trainer logs them under gradsync compare): "
@@ -125,15 +141,15 @@ def _configs(runs: list[dict], workers: int) -> tuple[dict[str, costmodel.Config
     batch = next((r["batch"] for r in done if r.get("batch")), None)
     sizes = {**model, "batch": batch or 1, "batch_logged": batch is not None, "row_bytes": 0}
     if model["tables"]:
-        served = [r for r in done if r["strategy"] in ("ps", "hybrid")] or \
-            [r for r in done if r["strategy"] == "sharded"]
+        served = [r for r in done if _tables(r) is Tables.SERVED] or \
+            [r for r in done if _tables(r) is Tables.SHARDED]
         if not served:
             raise ValueError("the model has embedding tables, and no ps, hybrid or sharded run measured the rows a "
                              "worker moves per step: add --strategies ps, hybrid or sharded")
         sizes["row_bytes"] = round(statistics.median(_rows_received(r, model, workers) for r in served))
     configs = {}
     for r in done:
-        piece = (r.get("model") or {}).get("largest_piece", 0) if r["strategy"] == "ps" else 0  # its own plan's
+        piece = (r.get("model") or {}).get("largest_piece", 0) if _dense_on_servers(r) else 0  # its own plan's
         config = costmodel.Config(r["strategy"], sizes["batch"], model["dense"], servers=r["servers"],
                                   compression=r["compression"], piece=piece)
         sparse = (r.get("model") or {}).get("sparse_tables", 0)
@@ -142,8 +158,8 @@ def _configs(runs: list[dict], workers: int) -> tuple[dict[str, costmodel.Config
             configs[r["name"]] = dataclasses.replace(config, sparse_tables=sparse, row_bytes=round(rows))
             continue
         configs[r["name"]] = dataclasses.replace(
-            config, tables=model["tables"], row_bytes=0 if r["strategy"] == "allreduce" else sizes["row_bytes"],
-            sharded_tables=(r.get("model") or {}).get("sharded_tables", 0) if r["strategy"] == "sharded" else 0)
+            config, tables=model["tables"], row_bytes=0 if _tables(r) is Tables.REPLICATED else sizes["row_bytes"],
+            sharded_tables=(r.get("model") or {}).get("sharded_tables", 0) if _tables(r) is Tables.SHARDED else 0)
     return configs, sizes
 
 
@@ -152,15 +168,15 @@ def _rows_received(run: dict, model: dict, workers: int) -> float:
     dense part: a sharded worker's count holds the rows of its lookups and about as many gradient bytes
     (rows and their ids) that it receives as an owner, so half of it."""
     rows = max(0.0, run["bytes_received"] - _dense_received(run, model, workers))
-    return rows / 2 if run["strategy"] == "sharded" else rows
+    return rows / 2 if _tables(run) is Tables.SHARDED else rows
 
 
 def _dense_received(run: dict, model: dict, workers: int) -> float:
     """Bytes a ps, hybrid or sharded worker receives per step for the dense part: the fp32 weights (ps), its
     share of the ring (hybrid, sharded)."""
-    if run["strategy"] == "ps":
+    if _dense_on_servers(run):
         return costmodel.FP32 * model["dense"]
-    ring = costmodel.Config("allreduce", 1, model["dense"], compression=run["compression"])
+    ring = costmodel.Config(_RING, 1, model["dense"], compression=run["compression"])
     return costmodel.traffic(ring, workers)[0]
 
 

@@ -6,6 +6,7 @@ import math
 import os
 
 from gradsync.compare.predict import markdown
+from gradsync.core.strategies import STRATEGIES, Tables
 
 COLUMNS = (  # (heading, key, format, what it is)
     ("final loss", "final_loss", "{:.4f}", "the mean of the last tenth of worker 0's logged losses (at least its "
@@ -140,8 +141,9 @@ def failures(runs: list[dict], out_dir: str = "") -> list[str]:
 def dense_tables(runs: list[dict]) -> str | None:
     """The note for allreduce runs that averaged embedding tables densely (every row, every step), which is
     not allreduce at its best; None when no run did."""
-    count = max(((r.get("model") or {}).get("dense_tables", 0) for r in runs if r.get("strategy") == "allreduce"),
-                default=0)
+    replicated = [r for r in runs if r.get("strategy") in STRATEGIES
+                  and STRATEGIES[r["strategy"]].tables is Tables.REPLICATED]
+    count = max(((r.get("model") or {}).get("dense_tables", 0) for r in replicated), default=0)
     if not count:
         return None
     return (f"allreduce averaged {count} embedding table(s) with dense gradients, every row at every step; "

@@ -32,6 +32,7 @@ from gradsync.compare.grid import Config
 from gradsync.core.job_names import server_name, worker_name
 from gradsync.core import settings
 from gradsync.core.errors import JobFailed, NoTablesToServe
+from gradsync.core.strategies import names
 from gradsync.core.waiting import THREAD_STOP_S
 from gradsync.launcher import procfs
 from gradsync.launcher.scripts import run_script
@@ -41,7 +42,7 @@ from gradsync.metrics.step_metrics import STEP_PARTS
 SAMPLE_S = 0.1
 NO_TABLES = "no tables"
 """A hybrid or sharded run's `skipped` reason: the model has no embedding table they would serve."""
-TABLE_STRATEGIES = ("hybrid", "sharded")
+TABLE_STRATEGIES = names(lambda t: t.needs_tables)
 """The strategies that exist for a model's embedding tables (they refuse a model without: `NoTablesToServe`)."""
 WORKDIR = "workdir"
 """A run's working directory in its run folder: a copy of compare's at its start (`compare.workdir`)."""

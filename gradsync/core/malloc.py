@@ -13,8 +13,8 @@ glibc also serves a block of its mmap threshold or more from a mapping of its ow
 raises the threshold (up to 32 MB) each time it frees such a block: after that, blocks of a dynamic table's
 size (its id index, its recency log, rebuilt from time to time) come from the heap and are kept there when
 freed, and the RSS of a server holding the table steps up and down by tens of MB with no change in what it
-holds (bench/dynamic.py, memory: 1.13-1.23x over the second half of a stream). A fixed threshold keeps it
-within 1.5% there. Only such servers fix it: above the threshold every block is a fresh mapping, faulted in
+holds; a fixed threshold keeps it flat (bench/dynamic.py, memory; BENCHMARKS.md, "Dynamic tables: memory, speed
+and quality"). Only such servers fix it: above the threshold every block is a fresh mapping, faulted in
 page by page, which a process computing the user's model (a worker) would pay on its large temporaries.
 """
 from __future__ import annotations
@@ -27,8 +27,8 @@ ARENAS = 2
 
 MMAP_THRESHOLD = 1 << 20
 """The fixed mmap threshold of a server holding a dynamic table: a step's blocks (a batch's ids and rows) stay
-below it, a table's (its index, its recency log, its columns) above. At 4 MB the same stream's RSS still
-stepped by 5-10%."""
+below it, a table's (its index, its recency log, its columns) above (1 MB against 4 MB: BENCHMARKS.md,
+"Dynamic tables: memory, speed and quality")."""
 
 _M_MMAP_THRESHOLD, _M_ARENA_MAX = -3, -8  # mallopt parameters, <malloc.h>
 

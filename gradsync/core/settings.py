@@ -15,6 +15,7 @@ import dataclasses
 import os
 import re
 
+from gradsync.core.strategies import STRATEGIES, described, listed, names
 from gradsync.core.transport_capabilities import CAPABILITIES
 
 JOB_CONCERNS = ("placement", "training", "timeouts", "checkpointing")
@@ -101,19 +102,18 @@ STORE_IS_HOSTED = _S("store_is_hosted", "GRADSYNC_STORE_HOSTED", bool, False, "p
                      "rank 0 connects to it", internal=True)
 SERVERS = _S("servers", "GRADSYNC_SERVERS", int, 1, "placement",
              "parameter servers, the first ranks", flag="--servers", shared=True,
-             default_text="1 for ps and hybrid, 0 for allreduce and sharded")
+             default_text=f"1 for {listed(names(lambda t: t.servers))}, "
+                          f"0 for {listed(names(lambda t: not t.servers))}")
 SERVER_DEVICE = _S("server_device", "GRADSYNC_SERVER_DEVICE", str, "cpu", "placement",
                    "where servers keep their shard and aggregate: cpu, cuda (a server's GPU is its LOCAL_RANK "
                    "modulo the GPUs it sees: a machine's servers spread over its GPUs), cuda:N",
                    flag="--server-device")
 # Training: what a step computes and how gradients travel.
-STRATEGY = _S("strategy", "GRADSYNC_STRATEGY", str, "ps", "training",
-              "ps (parameter server), allreduce (DDP), hybrid (embedding tables on the servers, the rest DDP), or "
-              "sharded (no servers: embedding tables split across the workers by row, over all-to-all; the rest "
-              "DDP)", flag="--strategy", choices=("ps", "allreduce", "hybrid", "sharded"), shared=True)
+STRATEGY = _S("strategy", "GRADSYNC_STRATEGY", str, next(iter(STRATEGIES)), "training", described(),
+              flag="--strategy", choices=tuple(STRATEGIES), shared=True)
 MODE = _S("mode", "GRADSYNC_MODE", str, "sync", "training",
-          "sync, async or ssp (ps and hybrid): sync averages all workers' gradients each step, async applies "
-          "each as it arrives, ssp too but no worker runs more than --staleness steps ahead",
+          f"sync, async or ssp ({listed(names(lambda t: len(t.modes) > 1))}): sync averages all workers' gradients "
+          "each step, async applies each as it arrives, ssp too but no worker runs more than --staleness steps ahead",
           flag="--mode", choices=("sync", "async", "ssp"), shared=True)
 STALENESS = _S("staleness", "GRADSYNC_STALENESS", int, 0, "training",
                "with --mode ssp: steps a worker may run ahead of the slowest", flag="--staleness", shared=True)
@@ -186,7 +186,8 @@ RUN_DIR = _S("run_dir", "GRADSYNC_RUN_DIR", str, "", "process",
                           "when a gRPC endpoint needs one)")
 RANK_START = _S("rank_start", "GRADSYNC_RANK_START", str, "fork", "process",
                 "how gradsync run starts its ranks: fork, from a fork server that imported torch once (a rank starts "
-                "in a fraction of a second, not ~4 CPU-s); exec, each a new `python SCRIPT` process, as torchrun "
+                "in a fraction of a second, without importing torch again); exec, each a new `python SCRIPT` "
+                "process, as torchrun "
                 "does (for a script that sets, before importing torch, variables torch reads only then)",
                 choices=("fork", "exec"))
 # gRPC endpoints of the servers (the world outside the job, and --transport grpc).

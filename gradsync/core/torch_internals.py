@@ -191,11 +191,11 @@ def short_fork_server_folder() -> None:
        "multiprocessing.util:is_abstract_socket_namespace")
 def fork_fork_server() -> None:
     """Start multiprocessing's fork server as a fork of this process, which has imported what its children need,
-    rather than as a new interpreter that imports it all again (what `forkserver.ensure_running` does: ~5 CPU-s
-    with torch). The same server (`forkserver.main`) and the same state in this process afterwards; it must hold
-    no thread but the main one (import-time native pools excepted, as in any fork server); once this process has
-    died, however, the server removes this process's multiprocessing folder (`util.get_temp_dir`, which holds its
-    socket), which a SIGKILLed process leaves. Nothing public starts a fork server from a fork."""
+    rather than as a new interpreter that imports it all again (what `forkserver.ensure_running` does). The same
+    server (`forkserver.main`) and the same state in this process afterwards; it must hold no thread but the main
+    one (import-time native pools excepted, as in any fork server); once this process has died, however, the
+    server removes this process's multiprocessing folder (`util.get_temp_dir`, which holds its socket), which a
+    SIGKILLed process leaves. Nothing public starts a fork server from a fork."""
     server = multiprocessing.forkserver._forkserver
     with server._lock:
         if server._forkserver_pid is not None:

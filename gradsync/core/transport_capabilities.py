@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 
+from gradsync.core.strategies import names
+
 
 @dataclasses.dataclass(frozen=True)
 class Capabilities:
     """One transport's declared capabilities."""
 
     name: str  # the `transport` setting's value
-    strategies: tuple[str, ...]  # the strategies it serves
+    strategies: tuple[str, ...]  # the strategies it serves (`core/strategies.py`'s names)
     compression: bool  # gradients compressed on the wire (--compression other than none)
     row_tables: bool  # embedding tables served row by row (Trainer(tables='rows'), the hybrid strategy)
     joining: bool  # workers joining a running async job
@@ -40,13 +42,14 @@ class Capabilities:
 
 
 CAPABILITIES = {c.name: c for c in (
-    Capabilities("rpc", strategies=("ps", "allreduce", "hybrid", "sharded"), compression=True, row_tables=True,
+    Capabilities("rpc", strategies=names(), compression=True, row_tables=True,
                  joining=True, streams=True, pipelines_on_one_host=True),
-    Capabilities("grpc", strategies=("ps",), compression=False, row_tables=False, joining=False,
-                 streams=False, pipelines_on_one_host=False),
+    # the gRPC job calls carry a worker's calls to the servers only: the strategies whose workers need nothing else
+    Capabilities("grpc", strategies=names(lambda t: t.servers and not t.process_group), compression=False,
+                 row_tables=False, joining=False, streams=False, pipelines_on_one_host=False),
 )}
-"""Every transport by name; the first is the `transport` setting's default and serves everything (allreduce
-and sharded run over it too: their workers start the RPC agent every rank starts)."""
+"""Every transport by name; the first is the `transport` setting's default and serves every strategy (those
+without servers run over it too: their workers start the RPC agent every rank starts)."""
 
 
 def capabilities(name: str) -> Capabilities:

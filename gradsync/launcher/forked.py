@@ -1,8 +1,8 @@
 """Ranks forked from a fork server that imported torch and gradsync once, rather than started as new processes.
 
-A rank started as `python SCRIPT` spends ~2.5 CPU-s importing torch and ~2 s more importing torch._dynamo (at
-its first optimizer step or DDP). A launcher starts one fork server (multiprocessing's) with `PRELOADED`
-imported (the command line forks it from itself once it imported them) and forks its ranks from it:
+A rank started as `python SCRIPT` spends seconds of CPU importing torch, and more importing torch._dynamo (at
+its first optimizer step or DDP: BENCHMARKS.md, "Starting a job"). A launcher starts one fork server
+(multiprocessing's) with `PRELOADED` imported (the command line forks it from itself once it imported them) and forks its ranks from it:
 `gradsync.launch`'s always, `gradsync run`'s unless GRADSYNC_RANK_START is exec. A forked rank first becomes
 what a new process would be (`become_rank`): the rank's environment and no other, dying with the launcher (as
 the fork server does), multiprocessing with no start method and no fork server chosen (`forget_fork_server`: so
@@ -44,8 +44,8 @@ def rank_starter(from_here: bool = False) -> tuple[multiprocessing.context.BaseC
     process and shared by its jobs), and the pid of the ranks' parent (the fork server).
 
     from_here: import `PRELOADED` in this process and fork the fork server from it, rather than start a new
-    interpreter that imports them (the command line, which needs torch itself, saves one import of torch: ~2.5
-    CPU-s a job). Only for a process that was `single_threaded()` before it imported torch and has run no torch
+    interpreter that imports them (the command line, which needs torch itself, saves one import of torch a
+    job). Only for a process that was `single_threaded()` before it imported torch and has run no torch
     operation since (a fork of a thread's locks, or of an OpenMP pool that ran, can hang the ranks); it still
     falls back to a new interpreter if a Python thread runs now."""
     from gradsync.core.torch_internals import (fork_fork_server, forkserver_pid, quiet_resource_tracker,
@@ -79,7 +79,7 @@ def become_rank(env: dict[str, str], namespace: str | None) -> None:
 
     from gradsync.core.torch_internals import forget_fork_server
     from gradsync.launcher import netem, torch_logs
-    from gradsync.membership.liveness import die_with_launcher
+    from gradsync.membership.launcher_death import die_with_launcher
     from gradsync.membership.rank_reports import start_launched_rank
 
     os.environ.clear()

@@ -25,8 +25,8 @@ from gradsync.core.settings import (EARLY_STDERR, ERROR_FILE, LAUNCHER_PID, LOCA
 from gradsync.launcher import netem, torch_logs
 from gradsync.launcher.leases import Lease, abandoned, holder
 from gradsync.membership import newcomers
-from gradsync.membership.liveness import create_keys, error_file
-from gradsync.membership.rank_reports import early_stderr_file, stack_file
+from gradsync.membership.member_keys import create_keys
+from gradsync.membership.rank_reports import early_stderr_file, error_file, stack_file
 from gradsync.transport.grpc.endpoint_files import job_id, new_token
 from gradsync.runtime import store as rendezvous
 

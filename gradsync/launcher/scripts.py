@@ -28,8 +28,9 @@ from gradsync.launcher.local_job import (hold_run_dir, job_config, network_and_s
 from gradsync.launcher.supervision import RankProcess, kill_all, supervise
 from gradsync.membership import newcomers
 from gradsync.membership.departures import Departure
-from gradsync.membership.liveness import (dying_with_this_process, error_file, parse_gone, parse_left, recorded_error,
-                                          record_gone)
+from gradsync.membership.launcher_death import dying_with_this_process
+from gradsync.membership.member_keys import parse_gone, parse_left, record_gone
+from gradsync.membership.rank_reports import error_file, recorded_error
 
 _JOIN_STORE_TIMEOUT_S = 30.0
 

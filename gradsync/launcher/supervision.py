@@ -1,6 +1,6 @@
 """Supervision of a local job's rank processes: watch them until they finish, explain a failure, kill them.
 
-`supervise` watches exit codes and every rank's heartbeat (`liveness`); when a rank fails or falls silent
+`supervise` watches exit codes and every rank's heartbeat (`membership.heartbeat`); when a rank fails or falls silent
 for step_timeout, the launcher kills every rank (`kill_all`) and raises `JobFailed`, naming the rank that
 caused it (`_root_cause`: one killed by a signal, then one that is stopped or silent, then the first to
 record a failure) with its traceback. In an elastic job (async or ssp ps) a worker that dies is a departure,
@@ -23,9 +23,10 @@ from gradsync.core.errors import JobFailed, answered_worker
 from gradsync.core.waiting import POLL_S, wait_until
 from gradsync.launcher import procfs
 from gradsync.membership.departures import Departure, Departures
-from gradsync.membership.liveness import (NO_TRAINER, Watch, error_file, interval, ranks_named, recorded_error,
-                                          workers_in_order)
-from gradsync.membership.rank_reports import ask_stacks, early_stderr, early_stderr_file, stack_file
+from gradsync.membership.heartbeat import NO_TRAINER, Watch, interval
+from gradsync.membership.member_keys import ranks_named, workers_in_order
+from gradsync.membership.rank_reports import (ask_stacks, early_stderr, early_stderr_file, error_file, recorded_error,
+                                              stack_file)
 
 _KILL_GRACE_S = 3.0
 _EXIT_GRACE_S = 10.0  # for a rank that recorded a failure to exit: torch's teardown takes seconds on a busy machine

@@ -2,7 +2,7 @@
 
 In an async or ssp ps job a worker rank that was killed by a signal, or exited without calling
 gradsync.shutdown() and without recording an exception, has departed: the launcher records it gone in the
-store (`liveness.record_gone`), so that the servers stop expecting it (an ssp bound no longer waits for it)
+store (`member_keys.record_gone`), so that the servers stop expecting it (an ssp bound no longer waits for it)
 and no rank calls it silent, says so on stderr, and lets the others finish. An exception in a worker is a
 bug in the script and fails the job, as in sync mode; so do a server's death and the departure of every
 worker. When the job has ended, the servers' final counters (`stats-<shard>.json` in the run directory)
@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from gradsync.config import JobConfig
 from gradsync.core.job_names import StoreKeys
-from gradsync.membership.liveness import error_file, parse_gone, parse_left, record_gone
+from gradsync.membership.member_keys import parse_gone, parse_left, record_gone
+from gradsync.membership.rank_reports import error_file
 
 
 @dataclasses.dataclass

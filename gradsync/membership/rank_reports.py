@@ -1,5 +1,5 @@
-"""What a rank that gradsync's launcher started leaves for the launcher to show: its Python stack when asked, and
-what it wrote to stderr before `gradsync.init()`.
+"""What a rank that gradsync's launcher started leaves for the launcher to show: its failure (`error_file`, which
+`runtime.failures` writes), its Python stack when asked, and what it wrote to stderr before `gradsync.init()`.
 
 Stacks: a rank registers faulthandler for `STACK_SIGNAL` on its STACK_FILE (`register_stack_file`): a forked rank
 at its start (`launcher.forked.become_rank`), one started as a new process in `gradsync.init()`. faulthandler
@@ -33,6 +33,21 @@ STACK_SIGNAL = signal.SIGUSR1
 """The signal a launcher sends a rank for its stack."""
 _STACK_WAIT_S = 3.0  # for every asked rank to write its stack: a stopped process never does
 _stack_file = None  # the open file faulthandler writes this rank's stack to
+
+
+def error_file(directory: str, index: int) -> str:
+    """Where rank `index` of a launched job (or joining worker `index`) records its failure for its launcher
+    (GRADSYNC_ERROR_FILE): `directory` is the job's run directory (a joiner's: its launcher's files)."""
+    return os.path.join(directory, f"error-{index}.txt")
+
+
+def recorded_error(directory: str, index: int) -> str | None:
+    """The failure rank `index` recorded in its `error_file`; None when it recorded none."""
+    path = error_file(directory, index)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return f.read()
 
 
 def stack_file(run_dir: str, rank: int) -> str:

@@ -22,7 +22,8 @@ import torch.distributed as dist
 from gradsync.config import JobConfig
 from gradsync.core.job_names import StoreKeys, worker_name
 from gradsync.core.waiting import wait_until
-from gradsync.membership.liveness import Heartbeat, parse_gone, parse_left
+from gradsync.membership.heartbeat import Heartbeat
+from gradsync.membership.member_keys import parse_gone, parse_left
 
 if TYPE_CHECKING:
     from gradsync.ps.server import ParameterServer

@@ -15,7 +15,6 @@ from gradsync.core.finite import first_nonfinite
 from gradsync.core.futures import failed, resolved
 from gradsync.ps.averaging import blame, blame_rows, row_staleness, scaled, skipped_entries
 from gradsync.ps.consistency import ConsistencyRule, answer
-from gradsync.ps.dynamic_shard import DynamicShard
 from gradsync.ps.messages import Committed, Push, Snapshot
 from gradsync.ps.shard import ShardState
 from gradsync.ps.gradient_codecs import PLAIN
@@ -39,11 +38,8 @@ class AsyncRule(ConsistencyRule):
         shard, rows = self.shard, push.rows
         decoded = [None if g is None else scaled(wire.decode(g, b.dtype), self.scale)
                    for g, b in zip(checked, shard.buckets)]
-        dynamic = [t for t in shard.tables.values() if isinstance(t, DynamicShard)]
-        merged = {name: (r.ids, scaled(r.grads, self.scale)) for name, r in rows.items()}
-        for name, r in rows.items():
-            if isinstance(table := shard.tables[name], DynamicShard):
-                merged[name] = table.held_since(r.version, *merged[name])
+        merged = {name: shard.tables[name].current(r.version, r.ids, scaled(r.grads, self.scale))
+                  for name, r in rows.items()}
         error = None
         if first_nonfinite([g for g in decoded if g is not None]) is not None:
             error = next((e for b, g in enumerate(decoded)
@@ -58,8 +54,8 @@ class AsyncRule(ConsistencyRule):
         row_staleness(shard, rows)
         shard.set_options(push.options)
         shard.apply(decoded, skipped_entries(shard, [(checked, push.absent)]), buffers, merged)
-        for table in dynamic:  # a step of theirs per push applied (`ps.dynamic_shard`)
-            table.end_alone()
+        for table in shard.tables.values():  # a dynamic table's own step per push applied (`ps.dynamic_shard`)
+            table.pushed_alone()
         shard.stats.pushes_by_worker[worker] = shard.stats.pushes_by_worker.get(worker, 0) + 1
         return resolved(Committed(shard.version)), []
 

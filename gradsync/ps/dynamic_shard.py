@@ -20,10 +20,10 @@ A push (`check_push`, `apply`) finds its rows by a probe of the id index (compil
 
 Async and ssp (`alone`): a server steps its part of the table by itself, as no step spans the servers. Its step
 counts the pushes it applied: each lookup belongs to the step the server is at (the worker's step is ignored),
-and after each push it applies the consistency rule ends the step (`end_alone`: `DynamicTable.end_step`, the
+and after each push it applies the consistency rule ends the step (`pushed_alone`: `DynamicTable.end_step`, the
 rule of the single-process table over this server's ids, bounded by its share of `capacity`:
 `capacity // S`, one more on the first `capacity % S` servers, so the whole table holds at most `capacity`).
-A push's row gradient goes only to a row resident since the push's lookups (`held_since`): a row evicted
+A push's row gradient goes only to a row resident since the push's lookups (`current`): a row evicted
 meanwhile, or evicted and created again (fresh), gets none of it (the version of each row's creation: 8 bytes a slot).
 """
 from __future__ import annotations
@@ -31,7 +31,9 @@ from __future__ import annotations
 import torch
 
 from gradsync.core.errors import GradientError, Refusal
-from gradsync.ps.messages import DynamicSetup
+from gradsync.ps.messages import (DynamicSetup, EndStep, Evict, FirstToGo, LoadTables, Lookups, ReadRows, TableCall,
+                                   TablesCounts, TablesState, TablesStep)
+from gradsync.ps.server_table import ServerTable
 from gradsync.ps.table_shard import TableStats
 from gradsync.tables.dynamic_checkpoint import rehomed
 from gradsync.tables.dynamic_table import DynamicTable
@@ -41,10 +43,10 @@ CANDIDATE_SHARE, CANDIDATE_MARGIN = 1.25, 64
 """How many eviction candidates `end` sends, beyond what it expects to lose (module docstring)."""
 
 
-class DynamicShard:
+class DynamicShard(ServerTable):
     """Server `server`'s ids of dynamic table `name`."""
 
-    group = None  # its row optimizer's lr follows no optimizer group (a dynamic table names its own)
+    answers_calls = True
 
     def __init__(self, name: str, setup: DynamicSetup, server: int, num_servers: int, alone: bool = False):
         """`alone`: async and ssp, the server ends its steps itself (module docstring)."""
@@ -63,6 +65,7 @@ class DynamicShard:
         self._evicted = -1
         self._lost = (0, 0)  # the rows evicted and waiting ids forgotten at the last step's end
         self._loads = 0  # the number of the last worker's module load taken (`load`)
+        self._taken: list[dict] = []  # checkpoint parts taken (`take`), restored once complete
 
     @property
     def stats(self) -> TableStats:
@@ -125,7 +128,7 @@ class DynamicShard:
             raise GradientError(f"worker {worker}: row gradients of dynamic table {self.name!r} are {described}, "
                                 f"expected {(ids.numel(), t.dim)} {t.dtype}")
         absent = ids[self.table.find(ids) < 0]
-        if absent.numel() and not self.alone:  # alone: evicted since the lookup (`held_since`)
+        if absent.numel() and not self.alone:  # alone: evicted since the lookup (`current`)
             raise GradientError(f"worker {worker}: a push of dynamic table {self.name!r} has id {int(absent[0])}, "
                                 "which is not resident: push only the ids its lookups admitted this step")
 
@@ -135,16 +138,20 @@ class DynamicShard:
             self.table.apply(self.optimizer, self.table.find(ids), grads)
             self._stats.rows_pushed += ids.numel()
 
-    def held_since(self, version: int, ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def current(self, version: int, ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Alone: of a push's row gradients from lookups at `version` on, those of rows resident since then
         (not evicted, nor created again after an eviction, meanwhile)."""
         slots = self.table.find(ids)
         held = (slots >= 0) & (self._created[slots.clamp(min=0)] <= version)
         return ids[held], grads[held]
 
-    def end_alone(self) -> None:
+    def pushed_alone(self) -> None:
         """Alone: end the server's step after a push it applied (eviction over its share of `capacity`)."""
-        self.table.end_step(self.table.step)
+        if self.alone:
+            self.table.end_step(self.table.step)
+
+    def next_end(self) -> int | None:
+        return None if self.alone else self.table.step
 
     def end(self, step: int) -> tuple:
         """End step `step` here (`ttl_steps`; one server: the bounds by capacity too); (resident rows, waiting
@@ -201,7 +208,22 @@ class DynamicShard:
             self._ended = self._smallest = None  # the steps to come may repeat the steps of these answers
             self._evicted, self._lost = self.table.step - 1, (0, 0)
 
-    def complete(self, parts: list[dict]) -> bool:
+    def take(self, saved: dict) -> None:
+        if "ids" in saved:  # a fixed table's part holds none
+            self._taken.append(saved)
+
+    def complete(self) -> bool:
+        return self.holds_all(self._taken)
+
+    def missing(self) -> str:
+        return (f"{len(self._taken)} servers' parts of dynamic table {self.name!r}, not every part that server "
+                f"{self.server} needs")
+
+    def restored(self) -> None:
+        self.restore(self._taken)
+        self._taken = []
+
+    def holds_all(self, parts: list[dict]) -> bool:
         """Whether `parts` hold all of this server's ids: every old server's part, or with the same number of
         servers this server's own."""
         return bool(parts) and (len(parts) == parts[0]["num_servers"] or (
@@ -226,48 +248,46 @@ def held(tables: dict[str, DynamicShard], name: str, holder: str) -> DynamicShar
     return tables[name]
 
 
-def step_end(tables: dict) -> tuple[int, dict] | None:
-    """Sync, once every worker's push of the step is in (applied or skipped): (the step the dynamic tables among
-    `tables` are at, `end`'s answer to it by table), which the push's reply carries to every worker in place of
-    its `end` call; None without such tables (or under async and ssp: `alone`)."""
-    dynamic = {n: t for n, t in tables.items() if isinstance(t, DynamicShard) and not t.alone}
-    steps = {t.table.step for t in dynamic.values()}
+def step_end(tables: dict[str, ServerTable]) -> tuple[int, dict] | None:
+    """Sync, once every worker's push of the step is in (applied or skipped): (the step the tables that end steps
+    among `tables` are at, `end`'s answer to it by table), which the push's reply carries to every worker in
+    place of its `end` call; None without such tables (or under async and ssp: `alone`)."""
+    ending = {n: t for n, t in tables.items() if t.next_end() is not None}
+    steps = {t.next_end() for t in ending.values()}
     if len(steps) != 1:
         return None
     step = steps.pop()
-    return step, {n: t.end(step) for n, t in dynamic.items()}
+    return step, {n: t.end(step) for n, t in ending.items()}
 
 
-def answer(tables: dict[str, DynamicShard], call: str, args: tuple, holder: str):
-    """`holder`'s answer to a call on its parts of dynamic tables (`tables`, by name) other than a lookup: "read"
-    (table, ids) -> rows; "end" (step,) -> {table: `DynamicShard.end`'s answer}, "smallest" (step, {table: (rows,
-    waiting)}) and "evict" (step, {table: (ids, waiting ids)}): the end of a step (`tables.global_eviction`), per
-    table; "state" () -> {table: its `DynamicTable.state()`}; "load" (number, {table: a module's state}): a worker's
-    `load_state_dict`, once per number; "counts" () -> {table: (resident rows, [admitted,
-    filtered, evicted])}; "step" () -> {table: the step its next lookups belong to}."""
-    if call == "read":
-        return held(tables, args[0], holder).read(*args[1:])
-    if call == "end":
-        return {n: t.end(*args) for n, t in tables.items()}
-    if call == "smallest":
-        step, asks = args
-        return {n: tables[n].smallest(step, *ask) for n, ask in asks.items()}
-    if call == "evict":
-        step, plan = args
-        for n, (ids, waiting) in plan.items():
-            tables[n].evict(step, ids, waiting)
-        return None
-    if call == "state":
-        return {n: t.table.state() for n, t in tables.items()}
-    if call == "load":
-        number, states = args
-        for n, state in states.items():
-            held(tables, n, holder).load(number, state)
-        return None
-    if call == "step":
-        return {n: t.table.step for n, t in tables.items()}
-    if call == "counts":
-        return {n: (len(t.table), [t.table.counters[k] for k in ("admitted", "filtered", "evicted")])
-                for n, t in tables.items()}
-    raise Refusal(f"no call {call!r} on dynamic tables: expected lookup, read, end, smallest, evict, state, load, "
-                  "counts or step")
+def respond(tables: dict[str, DynamicShard], call: TableCall, holder: str, version: int = 0):
+    """`holder`'s answer to `call` on its parts of dynamic tables (`tables`, by name; `version`: the holder's, which
+    a lookup answers with): each `TableCall` says what it answers."""
+    match call:
+        case Lookups(lookups, step, evictions):
+            if evictions is not None:
+                respond(tables, evictions, holder)
+            return version, [held(tables, name, holder).lookup(ids, counts, step, version)
+                             for name, ids, counts in lookups]
+        case ReadRows(table, ids):
+            return held(tables, table, holder).read(ids)
+        case EndStep(step):
+            return {n: t.end(step) for n, t in tables.items()}
+        case FirstToGo(step, counts):
+            return {n: held(tables, n, holder).smallest(step, *ask) for n, ask in counts.items()}
+        case Evict(step, plan):
+            for n, (ids, waiting) in plan.items():
+                held(tables, n, holder).evict(step, ids, waiting)
+            return None
+        case LoadTables(number, states):
+            for n, state in states.items():
+                held(tables, n, holder).load(number, state)
+            return None
+        case TablesState():
+            return {n: t.table.state() for n, t in tables.items()}
+        case TablesStep():
+            return {n: t.table.step for n, t in tables.items()}
+        case TablesCounts():
+            return {n: (len(t.table), [t.table.counters[k] for k in ("admitted", "filtered", "evicted")])
+                    for n, t in tables.items()}
+    raise Refusal(f"{holder} got {call!r}, which is no call on dynamic tables (ps.messages.TableCall)")

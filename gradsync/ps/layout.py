@@ -10,8 +10,6 @@ import dataclasses
 import torch
 
 from gradsync.core.buckets import Entry
-from gradsync.ps.shard import ShardState
-from gradsync.ps.table_shard import TableShard
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,15 +40,3 @@ class ShardLayout:
     def names(self) -> list[str]:
         """Every name a pull may ask for."""
         return self.params + self.buffers + self.frozen + list(self.tables)
-
-
-def layout_of(shard: ShardState) -> ShardLayout:
-    """The layout of a `ShardState` (call with its lock held)."""
-    return ShardLayout(
-        shard_id=shard.shard_id, version=shard.version, params=list(shard.params), frozen=list(shard.frozen),
-        buffers=list(shard.buffers),
-        tables={n: TableLayout(tuple(t.spec.shape), t.spec.dtype, t.num_servers, t.rows)
-                for n, t in shard.tables.items() if isinstance(t, TableShard)},  # a dynamic table has no rows by index
-        pieces=[e for b in shard.buckets for e in b.entries if not e.whole], buckets=len(shard.buckets),
-        nbytes=sum(b.nbytes for b in shard.buckets) + sum(b.nbytes for b in shard.buffers.values()),
-    )

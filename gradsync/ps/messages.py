@@ -1,5 +1,6 @@
 """The messages between a worker and a parameter server: a worker's setup, a push (or a pipeline's head), a
-piece, what a consistency rule resolves to, and the snapshot a server answers with.
+piece, what a consistency rule resolves to, the snapshot a server answers with, and the calls on dynamic tables
+(`TableCall`).
 
 Each is a small frozen dataclass. torch RPC pickles them as they are; the
 gRPC transport converts them to its protobuf messages and back at its
@@ -204,3 +205,75 @@ class Committed:
     ended: tuple[int, dict] | None = None
     """Sync, the step applied or skipped: (step, the server's dynamic tables' `end` answer to it, by table), so
     that no worker calls `end` (`ps.dynamic_shard.step_end`); None without dynamic tables."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Evict:
+    """The end of step `step` decided over the whole table (`tables.global_eviction`): by table, (the row ids to
+    evict, the waiting ids to forget) of this holder. Taken once per step."""
+
+    step: int
+    plan: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Lookups:
+    """Step `step`'s lookups of dynamic tables: (table, distinct ids, their counts) each; rows as at the step's
+    start, admitted ids created with `init`. `evictions`: the last step's `Evict`, applied first (it travels with
+    the next step's first lookups). Answered with (version, [(rows, admitted) of each lookup])."""
+
+    lookups: tuple[tuple[str, torch.Tensor, torch.Tensor], ...]
+    step: int
+    evictions: Evict | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadRows:
+    """The rows of `ids` of table `table` (zeros where not resident), counting nothing: an evaluation forward."""
+
+    table: str
+    ids: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class EndStep:
+    """End step `step` here (`ttl_steps`; one holder: the capacity bounds too): by table, (resident rows, waiting
+    ids, the first candidate rows to evict with their keys, the first waiting ids with theirs)."""
+
+    step: int
+
+
+@dataclasses.dataclass(frozen=True)
+class FirstToGo:
+    """Of step `step`'s end, by table, the (rows, waiting ids) that go first here: their ids with their keys."""
+
+    step: int
+    counts: dict[str, tuple[int, int]]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadTables:
+    """A worker's `load_state_dict` of whole dynamic tables (by table, its module's state-dict form): each holder
+    keeps its ids of them, once per `number`."""
+
+    number: int
+    states: dict[str, dict]
+
+
+@dataclasses.dataclass(frozen=True)
+class TablesState:
+    """By table, the holder's `DynamicTable.state()`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TablesCounts:
+    """By table, (resident rows, [admitted, filtered, evicted])."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TablesStep:
+    """By table, the step its next lookups belong to."""
+
+
+TableCall = Lookups | ReadRows | EndStep | FirstToGo | Evict | LoadTables | TablesState | TablesCounts | TablesStep
+"""A call on a holder's parts of dynamic tables (a server's, or a worker's under sharded)."""

@@ -24,7 +24,6 @@ import torch
 
 from gradsync.core.buckets import Entry
 from gradsync.ps import shard_file
-from gradsync.ps.dynamic_shard import DynamicShard
 from gradsync.ps.shard import ShardState
 from gradsync.tables.dynamic_checkpoint import whole
 
@@ -67,8 +66,8 @@ def restore(shard: ShardState, states: Iterable[dict], where: str = "the checkpo
                 shard.params[e.key].copy_(plan.cut(plan.values[e.name], e))
         for name, value in plan.named.items():
             (shard.buffers if name in shard.buffers else shard.frozen)[name].copy_(value)
-        for name, parts in plan.dynamic.items():
-            shard.tables[name].restore(parts)
+        for table in shard.tables.values():
+            table.restored()
         if shard.optimizer is not None:
             shard.load_optimizer_state(dict(plan.optimizer_state()), plan.groups)
         shard.stats.version = plan.version
@@ -93,8 +92,6 @@ class _Gathered:
         self.other_state: dict[str, dict] = {}  # by parameter: the rest of its state (a step count), as saved
         self.kept: dict[str, dict] = {}  # by parameter: the state of a parameter saved whole, as saved
         self.named: dict[str, torch.Tensor] = {}
-        self.rows = {n: 0 for n, t in shard.tables.items() if not isinstance(t, DynamicShard)}
-        self.dynamic = {n: [] for n, t in shard.tables.items() if isinstance(t, DynamicShard)}
         self.groups: list[dict] = []
         self.version = 0
 
@@ -124,10 +121,8 @@ class _Gathered:
                 if name in self.shard.buffers or name in self.shard.frozen:
                     self.named[name] = value
         for name, saved in state["tables"].items():
-            if name in self.rows and "values" in saved:
-                self.rows[name] += self.shard.tables[name].take(saved)
-            elif name in self.dynamic and "ids" in saved:
-                self.dynamic[name].append(saved)
+            if name in self.shard.tables:
+                self.shard.tables[name].take(saved)
 
     def _copy(self, into: dict, key: str, value: torch.Tensor, old: Entry) -> None:
         """Copy the elements of `value` (old's elements of its parameter) that fall in the parameter's span
@@ -146,8 +141,7 @@ class _Gathered:
     def complete(self) -> bool:
         wanted = set(self.shard.buffers) | set(self.shard.frozen)
         return (all(self.filled[n] == self.needed[n] for n in self.span) and wanted <= set(self.named)
-                and all(self.rows[n] == self.shard.tables[n].rows for n in self.rows)
-                and all(self.shard.tables[n].complete(parts) for n, parts in self.dynamic.items()))
+                and all(t.complete() for t in self.shard.tables.values()))
 
     def check(self, where: str) -> None:
         for name, needed in self.needed.items():
@@ -156,14 +150,9 @@ class _Gathered:
                                      f"that server {self.shard.shard_id} needs")
         for name in sorted((set(self.shard.buffers) | set(self.shard.frozen)) - set(self.named)):
             self._missing(where, f"holds no tensor {name!r}")
-        for name, rows in self.rows.items():
-            if rows != self.shard.tables[name].rows:
-                self._missing(where, f"holds {rows} of the {self.shard.tables[name].rows} rows of embedding table "
-                                     f"{name!r} that server {self.shard.shard_id} needs (served row by row here)")
-        for name, parts in self.dynamic.items():
-            if not self.shard.tables[name].complete(parts):
-                self._missing(where, f"holds {len(parts)} servers' parts of dynamic table {name!r}, not every part "
-                                     f"that server {self.shard.shard_id} needs")
+        for table in self.shard.tables.values():
+            if not table.complete():
+                self._missing(where, f"holds {table.missing()}")
 
     def _missing(self, where: str, what: str) -> None:
         raise ValueError(f"{where} {what}: it was written by another model, or with its embedding tables served "

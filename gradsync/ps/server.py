@@ -26,13 +26,14 @@ from gradsync.core.futures import failed, resolved
 from gradsync.ps import reshard, shard_file
 from gradsync.ps.async_rules import AsyncRule, SSPRule
 from gradsync.ps.consistency import ConsistencyRule
-from gradsync.ps.layout import ShardLayout, layout_of
-from gradsync.ps.messages import Committed, DynamicSetup, Partial, Piece, PipelineHead, Push, Setup, Snapshot
+from gradsync.ps.layout import ShardLayout
+from gradsync.ps.messages import (Committed, DynamicSetup, Lookups, Partial, Piece, PipelineHead, Push, Setup, Snapshot,
+                                   TableCall, TableSetup)
 from gradsync.ps.named_grads import push_named
 from gradsync.ps.shard import ShardState
 from gradsync.ps.staging import Staging
 from gradsync.ps.sync_rule import SyncRule
-from gradsync.ps.dynamic_shard import DynamicShard, answer, held
+from gradsync.ps.dynamic_shard import DynamicShard, respond
 from gradsync.ps.table_shard import TableShard
 from gradsync.ps.gradient_codecs import make_wire
 
@@ -122,12 +123,10 @@ class ParameterServer:
     def _build(self, s: Setup) -> ShardState:
         """The shard from worker 0's setup, then, when resuming, its state from the checkpoint folder (written
         by any number of servers: `ps.reshard`)."""
-        if any(isinstance(t, DynamicSetup) for t in s.tables.values()):
-            malloc.fix_mmap_threshold()  # its RSS follows the rows it holds (core/malloc.py)
-        tables = {name: DynamicShard(name, t, self.shard_id, s.num_servers, alone=self.mode != "sync")
-                  if isinstance(t, DynamicSetup)
-                  else TableShard(t.spec, self.shard_id, s.num_servers, t.values, t.optimizer, t.padding_idx, t.group)
+        tables = {name: _TABLES[type(t)](name, t, self.shard_id, s.num_servers, self.mode != "sync")
                   for name, t in s.tables.items()}
+        if any(t.answers_calls for t in tables.values()):
+            malloc.fix_mmap_threshold()  # its RSS follows the rows it holds (core/malloc.py)
         shard = ShardState(self.shard_id, s.buckets, s.params, s.buffers, s.optimizer, self.device, s.frozen, tables)
         if self.resume_from is not None:
             try:
@@ -183,28 +182,22 @@ class ParameterServer:
             shard.stats.bytes_out += sum(b.nbytes for b in buffers.values())
             return Snapshot(committed.version, [], buffers, committed.ended)
 
-    def dynamic(self, call: str, *args):
-        """A call on this server's dynamic tables (`ps.dynamic_shard`): "lookup" ([(table, ids, counts), ...],
-        step, evictions) -> (version, [(rows, admitted) of each]), the last step's `evictions` ((step, plan) of an
-        "evict" call, or None) applied first; any other is `dynamic_shard.answer`'s."""
+    def table_call(self, call: TableCall):
+        """A call on this server's dynamic tables (`ps.dynamic_shard.respond`; a lookup answers with the shard's
+        version and counts its rows' bytes)."""
         shard = self._shard()
         with shard.lock:
-            dynamic = {n: t for n, t in shard.tables.items() if isinstance(t, DynamicShard)}
-            if call != "lookup":
-                return answer(dynamic, call, args, f"server {self.shard_id}")
-            lookups, step, evictions = args
-            if evictions is not None:
-                answer(dynamic, "evict", evictions, f"server {self.shard_id}")
-            found = [held(dynamic, name, f"server {self.shard_id}").lookup(ids, counts, step, shard.version)
-                     for name, ids, counts in lookups]
-            shard.stats.bytes_out += sum(rows.nbytes for rows, _ in found)
-            return shard.version, found
+            dynamic = {n: t for n, t in shard.tables.items() if t.answers_calls}
+            answer = respond(dynamic, call, f"server {self.shard_id}", shard.version)
+            if isinstance(call, Lookups):
+                shard.stats.bytes_out += sum(rows.nbytes for rows, _ in answer[1])
+            return answer
 
     def table_rows(self, table: str) -> torch.Tensor:
         """A copy of every row of `table` this server holds, in local order."""
         shard = self._shard()
         with shard.lock:
-            return shard.tables[table].values.clone()
+            return shard.tables[table].indexed_rows().clone()
 
     def push(self, worker: int, pulled_version: int, push: Push, wire=None) -> torch.futures.Future:
         """One worker's step (`Push`) computed at `pulled_version`, its payloads in `wire`'s format (default:
@@ -311,7 +304,7 @@ class ParameterServer:
         with shard.lock:
             if number <= self._loads:
                 return
-            tables = {n: t.values for n, t in shard.tables.items() if isinstance(t, TableShard)}
+            tables = {n: rows for n, t in shard.tables.items() if (rows := t.indexed_rows()) is not None}
             targets = {**shard.buffers, **shard.frozen, **tables}
             pairs = list(zip(shard.flats, flats)) + [(targets.get(n), v) for n, v in named.items()]
             if len(flats) != len(shard.flats) or any(t is None or t.shape != v.shape for t, v in pairs):
@@ -351,7 +344,7 @@ class ParameterServer:
         shard = self._shard()
         with shard.lock:
             named = shard.named_copies()
-            named.update({n: t.values.clone() for n, t in shard.tables.items() if isinstance(t, TableShard)})
+            named.update({n: rows.clone() for n, t in shard.tables.items() if (rows := t.indexed_rows()) is not None})
             return shard.version, [f.detach().to("cpu", copy=True) for f in shard.flats], named
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -393,7 +386,7 @@ class ParameterServer:
         version."""
         shard = self._shard()
         with shard.lock:
-            return layout_of(shard)
+            return shard.layout()
 
     def pull_named(self, names: list[str]) -> tuple[int, dict[str, torch.Tensor]]:
         """(version, the tensors `names` by name: parameters or their pieces, buffers, frozen parameters, every
@@ -454,6 +447,15 @@ class ParameterServer:
         if self.shard is None:
             raise RuntimeError(f"server {self.shard_id} has no model yet: every worker must create the Trainer")
         return self.shard
+
+
+_TABLES = {
+    TableSetup: lambda name, t, server, servers, alone: TableShard(t.spec, server, servers, t.values, t.optimizer,
+                                                                   t.padding_idx, t.group),
+    DynamicSetup: lambda name, t, server, servers, alone: DynamicShard(name, t, server, servers, alone=alone),
+}
+"""A server's part of a table, built from the table's setup (`ps.server_table.ServerTable`): (name, setup, this
+server, the number of servers, alone: async or ssp)."""
 
 
 def _usable_device(device: str) -> torch.device:

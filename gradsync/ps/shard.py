@@ -22,8 +22,9 @@ from gradsync.core.buckets import Bucket
 from gradsync.core.errors import GradientError
 from gradsync.core.futures import failed
 from gradsync.core.optimizer_spec import OptimizerSpec, apply_options, load_by_name, state_by_name
+from gradsync.ps.layout import ShardLayout
 from gradsync.ps.messages import Snapshot
-from gradsync.ps.table_shard import TableShard
+from gradsync.ps.server_table import ServerTable
 
 
 @dataclasses.dataclass
@@ -55,7 +56,7 @@ class ShardState:
         optimizer: OptimizerSpec,
         device: torch.device | str = "cpu",
         frozen: dict[str, torch.Tensor] | None = None,
-        tables: dict[str, TableShard] | None = None,
+        tables: dict[str, ServerTable] | None = None,
     ):
         self.shard_id = shard_id
         self.buckets = list(buckets)
@@ -233,6 +234,16 @@ class ShardState:
         out = {n: b.to("cpu", copy=True) for n, b in self.buffers.items()}
         out.update({n: t.clone() for n, t in self.frozen.items()})
         return out
+
+    def layout(self) -> ShardLayout:
+        """What the shard holds as plain data (its endpoint's). Call with `lock` held."""
+        return ShardLayout(
+            shard_id=self.shard_id, version=self.version, params=list(self.params), frozen=list(self.frozen),
+            buffers=list(self.buffers),
+            tables={n: layout for n, t in self.tables.items() if (layout := t.layout()) is not None},
+            pieces=[e for b in self.buckets for e in b.entries if not e.whole], buckets=len(self.buckets),
+            nbytes=sum(b.nbytes for b in self.buckets) + sum(b.nbytes for b in self.buffers.values()),
+        )
 
     def restored(self) -> None:
         """Forget the published snapshot after a checkpoint was loaded into the shard. Call with `lock` held."""

@@ -22,7 +22,6 @@ import os
 import torch
 
 from gradsync.core.atomic_file import write_atomically
-from gradsync.ps.dynamic_shard import DynamicShard
 from gradsync.ps.shard import ShardState
 
 MAGIC = b"GRADSYNC-CHECKPOINT-1\n"
@@ -43,8 +42,7 @@ def capture(shard: ShardState, full: bool = True) -> dict:
             "buffers": {n: b.to("cpu", copy=True) for n, b in shard.buffers.items()},
             "frozen": {n: t.clone() for n, t in shard.frozen.items()},
             "optimizer": shard.optimizer_state(),
-            "tables": {n: t.checkpoint(full) if isinstance(t, DynamicShard) else t.checkpoint()
-                       for n, t in shard.tables.items()},
+            "tables": {n: t.checkpoint(full) for n, t in shard.tables.items()},
         }
 
 

@@ -14,6 +14,8 @@ import torch
 
 from gradsync.core.buckets import TensorSpec
 from gradsync.core.errors import GradientError
+from gradsync.ps.layout import TableLayout
+from gradsync.ps.server_table import ServerTable
 from gradsync.tables.row_optim import saved_state, take_saved_state
 from gradsync.tables.placement import out_of_range, rows_on
 
@@ -32,7 +34,7 @@ class TableStats:
     evicted: int = 0
 
 
-class TableShard:
+class TableShard(ServerTable):
     """Rows `server`, `server + S`, ... of table `spec`, with their row optimizer (whose lr follows optimizer
     group `group`'s schedule, when it is the exact row-wise form of that group's optimizer)."""
 
@@ -55,12 +57,23 @@ class TableShard:
                              f"expected {(self.rows, dim)} {spec.dtype}")
         self.values = values.contiguous()
         self.state = optimizer.new_state(self.rows, dim, spec.dtype)
-        self.stats = TableStats(rows=self.rows, bytes=self.values.nbytes)
+        self._stats = TableStats(rows=self.rows, bytes=self.values.nbytes)
+        self._taken = 0  # rows taken from checkpoint parts (`take`)
+
+    @property
+    def stats(self) -> TableStats:
+        return self._stats
+
+    def layout(self) -> TableLayout:
+        return TableLayout(tuple(self.spec.shape), self.spec.dtype, self.num_servers, self.rows)
+
+    def indexed_rows(self) -> torch.Tensor:
+        return self.values
 
     def pull(self, ids: torch.Tensor) -> torch.Tensor:
         """A copy of the local rows `ids`."""
         self.check_ids(ids, "pull")
-        self.stats.rows_pulled += ids.numel()
+        self._stats.rows_pulled += ids.numel()
         return self.values.index_select(0, ids)
 
     def check_ids(self, ids, what: str, worker: int | str = "a client") -> None:
@@ -98,21 +111,31 @@ class TableShard:
             raise GradientError(f"worker {worker}: a push of table {self.spec.name!r} repeats row ids: sum "
                                 "the gradients of each row first")
 
-    def checkpoint(self) -> dict:
-        """Copies of the rows and the row optimizer's state, with the server and number of servers holding them."""
+    def checkpoint(self, full: bool = True) -> dict:
+        """Copies of the rows and the row optimizer's state, with the server and number of servers holding them
+        (whole, `full` or not: a fixed table keeps no track of what changed)."""
         return {"values": self.values.clone(), "state": saved_state(self.state),
                 "server": self.server, "num_servers": self.num_servers}
 
-    def take(self, saved: dict) -> int:
+    def take(self, saved: dict) -> None:
         """Take the rows of a `checkpoint()` of this table (written by any server of any number of servers)
-        that this server holds, with their row optimizer state; returns how many it took."""
+        that this server holds, with their row optimizer state (a dynamic table's part holds none)."""
+        if "values" not in saved:
+            return
         held = saved["values"].shape[0]
         rows = saved["server"] + torch.arange(held) * saved["num_servers"]  # global ids, in the saved order
         mine = (rows % self.num_servers == self.server).nonzero().view(-1)
         local = rows[mine] // self.num_servers
         self.values[local] = saved["values"][mine]
         take_saved_state(self.state, local, saved["state"], mine)
-        return mine.numel()
+        self._taken += mine.numel()
+
+    def complete(self) -> bool:
+        return self._taken == self.rows
+
+    def missing(self) -> str:
+        return (f"{self._taken} of the {self.rows} rows of embedding table {self.spec.name!r} that server "
+                f"{self.server} needs (served row by row here)")
 
     def set_lr(self, lr: float) -> None:
         """A schedule set the learning rate of this table's group."""
@@ -122,7 +145,7 @@ class TableShard:
         """One row optimizer step on the unique local rows `ids`."""
         if ids.numel():
             self.optimizer.step(self.values, self.state, ids, grads)
-            self.stats.rows_pushed += ids.numel()
+            self._stats.rows_pushed += ids.numel()
 
 
 def check_fits(spec: TensorSpec, rows: int, optimizer, server: int) -> None:

@@ -61,7 +61,7 @@ from gradsync.core.job_names import StoreKeys, worker_name
 from gradsync.core.atomic_file import temporaries, write_atomically
 from gradsync.core.optimizer_spec import group_options
 from gradsync.core.waiting import wait_until
-from gradsync.membership.liveness import staying
+from gradsync.membership.member_keys import staying
 from gradsync.ps import shard_file
 
 MANIFEST = "MANIFEST.json"

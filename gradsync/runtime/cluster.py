@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from gradsync.config import JobConfig
 from gradsync.core.job_names import StoreKeys
-from gradsync.membership.liveness import Heartbeat
+from gradsync.membership.heartbeat import Heartbeat
 from gradsync.metrics import scalars
 from gradsync.runtime import checkpoints
 
@@ -29,7 +29,7 @@ class Cluster:
 
     def building_trainer(self) -> None:
         """Note in the store that this worker builds its Trainer, so that a worker that never does is named
-        (`liveness.Watch.without_trainer`) rather than one that waited for it."""
+        (`heartbeat.Watch.without_trainer`) rather than one that waited for it."""
         self.store.append(StoreKeys.TRAINERS, f"{self.config.worker_rank},")
 
 

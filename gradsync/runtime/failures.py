@@ -14,6 +14,7 @@ import traceback
 from gradsync.core.job_names import StoreKeys
 from gradsync.core import settings
 from gradsync.core.errors import blamed_worker
+from gradsync.core.strategies import traits
 from gradsync.metrics import scalars
 from gradsync.runtime.cluster import Cluster
 
@@ -58,7 +59,7 @@ def record_failure(cluster: Cluster | None, rank: int, text: str) -> str:
     their Trainer: the likely cause. A failure whose text blames a worker (`blamed_worker`: its non-finite
     gradient) is recorded in the store under that worker's rank, so the launcher's headline names it. Returns
     the text saved."""
-    if cluster is not None and cluster.config.strategy == "ps" and _NO_PROCESS_GROUP in text:
+    if cluster is not None and not traits(cluster.config.strategy).process_group and _NO_PROCESS_GROUP in text:
         text += _SAMPLER_HINT
     if cluster is not None:
         config, watch = cluster.config, cluster.heartbeat.watch

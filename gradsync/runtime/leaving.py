@@ -11,7 +11,7 @@ import torch.distributed as dist
 from gradsync.core.job_names import StoreKeys, worker_name
 from gradsync.core.waiting import wait_until
 from gradsync.membership import newcomers
-from gradsync.membership.liveness import record_gone, staying
+from gradsync.membership.member_keys import record_gone, staying
 from gradsync.runtime import cluster as job
 from gradsync.transport.registry import transport
 

@@ -2,7 +2,7 @@
 
 A launched rank reads the job's settings (arguments, then the launcher's
 environment), connects to the rendezvous store, starts its heartbeat
-(`liveness`) and the job's transport on every rank and, for the allreduce and
+(`membership.heartbeat`) and the job's transport on every rank and, for the allreduce and
 hybrid strategies, a gloo/nccl process group among the workers; a server then
 serves until every worker has left (`runtime.serving`) and exits the process.
 A process can join a running async job as a new worker (`newcomers`), and a
@@ -22,10 +22,14 @@ import torch.distributed as dist
 from gradsync.config import ConfigError, JobConfig, job_keywords
 from gradsync.core.job_names import StoreKeys
 from gradsync.core import malloc, settings
+from gradsync.core.settings import ERROR_FILE, JOIN  # by name in init, whose **settings are its keywords
 from gradsync.core.errors import init_in_a_child_error
+from gradsync.core.strategies import traits
 from gradsync.core.torch_internals import importing_main_for_a_child
 from gradsync.membership import newcomers
-from gradsync.membership.liveness import Heartbeat, die_with_launcher, wait_for_arrivals
+from gradsync.membership.arrivals import wait_for_arrivals
+from gradsync.membership.heartbeat import Heartbeat
+from gradsync.membership.launcher_death import die_with_launcher
 from gradsync.membership.rank_reports import register_stack_file, release_early_stderr
 from gradsync.runtime import checkpoints
 from gradsync.runtime import cluster as job
@@ -36,7 +40,7 @@ from gradsync.transport import registry
 
 
 def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=None, transport=None,
-         join=None, **timeouts) -> None:
+         join=None, **settings) -> None:
     """Join the job. Every rank must call it.
 
     Args:
@@ -49,7 +53,7 @@ def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=
         transport: 'rpc' (torch RPC) or 'grpc' (ps only: pulls and pushes over gRPC, no TensorPipe).
         join: a running async ps job's run directory, or its store's HOST:PORT (default: GRADSYNC_JOIN): join
             it as a new worker, with the job's settings (README, "Elastic async workers").
-        timeouts: the other job settings: startup_timeout, step_timeout, shutdown_timeout (seconds);
+        settings: the other job settings: startup_timeout, step_timeout, shutdown_timeout (seconds);
             staleness (steps, mode 'ssp'); server_device, bucket_cap_mb; checkpoint_dir and checkpoint_every
             (steps), resume (a checkpoint directory), start_over (a new run in a checkpoint_dir holding another
             run's step folders, removed first): see README, "Checkpoint and resume", and the settings
@@ -64,8 +68,8 @@ def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=
     if importing_main_for_a_child():
         raise init_in_a_child_error()
     asked = dict(strategy=strategy, mode=mode, servers=servers, nonfinite=nonfinite, compression=compression,
-                 transport=transport, **job_keywords(timeouts, "gradsync.init"))
-    join = join or settings.JOIN.read()
+                 transport=transport, **job_keywords(settings, "gradsync.init"))
+    join = join or JOIN.read()
     if join and job.running() is None:
         job.set_running(_join_running(join, asked))
         return
@@ -73,7 +77,7 @@ def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=
         _join_launched(job.running().config, JobConfig.from_env(**asked))
         return
     _check_launched(strategy)
-    if settings.ERROR_FILE.given():  # under gradsync's launcher, which shows it
+    if ERROR_FILE.given():  # under gradsync's launcher, which shows it
         report_failures(None)
     config = JobConfig.from_env(**asked)
     die_with_launcher()
@@ -94,7 +98,7 @@ def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=
     registry.transport(config.transport).rank.start(config, store)
     if server is not None:
         serve(cluster, server)
-    elif config.strategy in ("allreduce", "hybrid", "sharded"):
+    elif traits(config.strategy).process_group:
         dist.init_process_group(
             process_group_backend(),
             store=dist.PrefixStore(StoreKeys.PROCESS_GROUP, store),

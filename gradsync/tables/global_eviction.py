@@ -16,25 +16,34 @@ no call under capacity, one over it. A server that holds the whole table (S = 1)
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Protocol
 
 import torch
 
 
-Call = Callable[[str, dict[int, tuple]], dict[int, object]]
-"""`call(what, args by server)`: every server's answer to `what` ("end", "smallest", "evict") with its args."""
+class Holders(Protocol):
+    """The holders of a dynamic table's parts (servers, or workers under sharded), asked together."""
+
+    def end(self, step: int) -> dict[int, dict]:
+        """Every holder's end of step `step`: by table, (rows, waiting ids, candidate row ids, their keys,
+        candidate waiting ids, their keys)."""
+
+    def first_to_go(self, step: int, counts: dict[int, dict[str, tuple[int, int]]]) -> dict[int, dict]:
+        """Of each holder asked, by table, its first (rows, waiting ids) `counts` to go: (row ids, their keys,
+        waiting ids, their keys)."""
+
+    def evict(self, step: int, plans: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        """Each holder evicts, by table, (its row ids, its waiting ids) of `plans`."""
 
 
-def end_step(step: int, capacities: dict[str, int], servers: list[int], call: Call, ended: dict | None = None
-             ) -> dict[str, tuple[int, int]]:
+def end_step(step: int, capacities: dict[str, int], servers: list[int], holders: Holders,
+             ended: dict | None = None) -> dict[str, tuple[int, int]]:
     """End step `step` of the dynamic tables (`capacities`: each table's capacity) held by `servers`, through
-    `call`: each server's `end(step)` -> {table: (rows, waiting ids, candidate row ids, their keys, candidate
-    waiting ids, their keys)} (`ended`: those answers by server, already had with the push's replies);
-    where the candidates fall short, `smallest(step, {table: (rows, waiting ids)})` -> {table: (row ids, their
-    keys, waiting ids, their keys)}; `evict(step, {table: (row ids, waiting ids)})`. Returns each table's
-    (rows, waiting ids) over all servers once the step has ended."""
+    `holders`: each one's `end` (`ended`: those answers by server, already had with the push's replies); where
+    the candidates fall short, `first_to_go`; then `evict`. Returns each table's (rows, waiting ids) over all
+    servers once the step has ended."""
     if ended is None:
-        ended = call("end", {s: (step,) for s in servers})
+        ended = holders.end(step)
     totals = {t: tuple(sum(ended[s][t][k] for s in servers) for k in (0, 1)) for t in capacities}
     excess = {t: (totals[t][0] - cap, totals[t][1] - cap) for t, cap in capacities.items()}
     over = {t: e for t, e in excess.items() if max(e) > 0}
@@ -45,24 +54,24 @@ def end_step(step: int, capacities: dict[str, int], servers: list[int], call: Ca
         evicted = first_overall({s: (ended[s][t][2:4], ended[s][t][0]) for s in servers}, rows)
         forgotten = first_overall({s: (ended[s][t][4:6], ended[s][t][1]) for s in servers}, waiting)
         if evicted is None or forgotten is None:
-            plan = _asked(step, over, ended, servers, call)
+            plan = _asked(step, over, ended, servers, holders)
             break
         for s in servers:
             plan[s][t] = (evicted[s], forgotten[s])
-    call("evict", {s: (step, plan[s]) for s in servers})
+    holders.evict(step, plan)
     return {t: (min(rows, capacities[t]), min(waiting, capacities[t])) for t, (rows, waiting) in totals.items()}
 
 
-def _asked(step: int, over: dict[str, tuple[int, int]], ended: dict, servers: list[int], call: Call) -> dict:
-    """The eviction plan by server from each server's own `excess` first (`smallest`), every one of them
+def _asked(step: int, over: dict[str, tuple[int, int]], ended: dict, servers: list[int], holders: Holders) -> dict:
+    """The eviction plan by server from each server's own `excess` first (`first_to_go`), every one of them
     held by the chooser: the rule's choice whatever the candidates were."""
-    asks = {s: (step, {t: tuple(min(ended[s][t][k], max(e[k], 0)) for k in (0, 1)) for t, e in over.items()})
-            for s in servers}
-    answers = call("smallest", asks)
+    counts = {s: {t: tuple(min(ended[s][t][k], max(e[k], 0)) for k in (0, 1)) for t, e in over.items()}
+              for s in servers}
+    answers = holders.first_to_go(step, counts)
     plan: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {s: {} for s in servers}
     for t, (rows, waiting) in over.items():
-        evicted = first_overall({s: (answers[s][t][:2], asks[s][1][t][0]) for s in servers}, rows)
-        forgotten = first_overall({s: (answers[s][t][2:], asks[s][1][t][1]) for s in servers}, waiting)
+        evicted = first_overall({s: (answers[s][t][:2], counts[s][t][0]) for s in servers}, rows)
+        forgotten = first_overall({s: (answers[s][t][2:], counts[s][t][1]) for s in servers}, waiting)
         for s in servers:
             plan[s][t] = (evicted[s], forgotten[s])
     return plan

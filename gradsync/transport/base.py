@@ -19,7 +19,7 @@ from gradsync.config import JobConfig
 from gradsync.core.buckets import Bucket, ModelSpec
 from gradsync.metrics.timeline import Timeline
 from gradsync.core.transport_capabilities import Capabilities
-from gradsync.ps.messages import Partial, Piece, Push, Setup, Snapshot
+from gradsync.ps.messages import Partial, Piece, Push, Setup, Snapshot, TableCall
 from gradsync.ps.server import ParameterServer
 
 
@@ -149,9 +149,9 @@ class WorkerTransport(ABC):
         `capabilities.row_tables` implements it."""
         raise NotImplementedError(self.capabilities.rows_refusal())
 
-    def dynamic(self, call: str, args: dict[int, tuple]) -> dict[int, object]:
-        """A call on the servers' dynamic tables (`ParameterServer.dynamic`) with its args per server; returns
-        each server's answer. A transport with `capabilities.row_tables` implements it."""
+    def table_calls(self, calls: dict[int, TableCall]) -> dict[int, object]:
+        """A call on the dynamic tables of each server named (`ParameterServer.table_call`); returns each one's
+        answer. A transport with `capabilities.row_tables` implements it."""
         raise NotImplementedError(self.capabilities.rows_refusal())
 
     def table_rows(self, table: str) -> dict[int, torch.Tensor]:

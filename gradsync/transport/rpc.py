@@ -34,7 +34,7 @@ from gradsync.metrics.timeline import HEAD
 from gradsync.core.errors import Refusal
 from gradsync.core.torch_internals import RPC_TIMEOUT_TEXT, set_rpc_timeout
 from gradsync.core.transport_capabilities import capabilities
-from gradsync.ps.messages import Committed, Partial, Piece, PipelineHead, Push, Setup, Snapshot
+from gradsync.ps.messages import Committed, Partial, Piece, PipelineHead, Push, Setup, Snapshot, TableCall
 from gradsync.ps.server import ParameterServer
 from gradsync.transport import rpc_group
 from gradsync.transport.base import RankTransport, WorkerTransport, link_rate
@@ -196,10 +196,11 @@ class RpcTransport(WorkerTransport):
     def state(self) -> dict[int, tuple]:
         return self._call(rpc_state, lambda s: (), "state")
 
-    def dynamic(self, call: str, args: dict[int, tuple]) -> dict[int, object]:
-        futures = {s: rpc.rpc_async(server_name(s), rpc_dynamic, args=(call, *a), timeout=self.config.step_timeout)
-                   for s, a in args.items()}
-        return wait_all(futures, f"{call} of dynamic tables", self.config.step_timeout)
+    def table_calls(self, calls: dict[int, TableCall]) -> dict[int, object]:
+        futures = {s: rpc.rpc_async(server_name(s), rpc_table_call, args=(call,), timeout=self.config.step_timeout)
+                   for s, call in calls.items()}
+        what = ", ".join(sorted({type(c).__name__ for c in calls.values()}))
+        return wait_all(futures, f"{what} on dynamic tables", self.config.step_timeout)
 
     def table_rows(self, table: str) -> dict[int, torch.Tensor]:
         return self._call(rpc_table_rows, lambda s: (table,), f"reading table {table!r}")
@@ -382,8 +383,8 @@ def rpc_load_values(number: int, flats: list, named: dict) -> None:
 
 
 @_answering("call on dynamic tables")
-def rpc_dynamic(call: str, *args):
-    return _server().dynamic(call, *args)
+def rpc_table_call(call: TableCall):
+    return _server().table_call(call)
 
 
 @_answering("read of a table")

@@ -34,7 +34,7 @@ from gradsync.core.job_names import StoreKeys, worker_name
 from gradsync.core.waiting import wait_until
 from gradsync.core.torch_internals import (RPC_JOIN_DONE, RPC_JOIN_TOKEN, RPC_MEMBER_LIST, RPC_STORE_PREFIX,
                                            current_rpc_agent, rpc_init_count, rpc_join_token)
-from gradsync.membership.liveness import parse_gone
+from gradsync.membership.member_keys import parse_gone
 
 
 

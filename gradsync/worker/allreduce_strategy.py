@@ -58,7 +58,7 @@ from gradsync.core.errors import (left_early_error, model_mismatch_error, no_gra
 from gradsync.core.finite import first_nonfinite
 from gradsync.metrics.traffic import allreduce_bytes, sparse_bytes
 from gradsync.core.torch_internals import current_context_id, tree_flatten, tree_unflatten
-from gradsync.membership.liveness import wait_for_every_worker
+from gradsync.membership.arrivals import wait_for_every_worker
 from gradsync.runtime.failures import exit_now
 from gradsync.worker import ddp_join
 from gradsync.worker.amp import inverse_scale, record_found_inf
@@ -212,8 +212,6 @@ class AllreduceStrategy(Strategy):
         self.steps = StepGuard(optimizer)
         self.clipping = clipping
         self.grad_norm: float | None = None
-        self.outside: Callable[[], list[float]] | None = None  # hybrid: the servers' partial norms of the step
-        self.coefficient: float | None = None  # hybrid: what the servers multiply the rows by (None: skip)
         sparse = _sparse_weights(module)
         dense = sum(p.numel() for p in self.trainable if id(p) not in sparse)
         self.dense_bytes = int(allreduce_bytes(dense, config.num_workers, config.compression)[0])
@@ -290,6 +288,14 @@ class AllreduceStrategy(Strategy):
         and clipped, as a single-process loop does). Every worker must call it, once per context, after
         `dist_autograd.backward` in that context. Returns False when the step was dropped for a NaN/Inf
         (nonfinite='skip', or an inf/NaN under the scaler), the same on every worker."""
+        return self.dense_step(context_id, scaler) is not None
+
+    def dense_step(self, context_id: int, scaler=None, outside: list[float] | None = None) -> float | None:
+        """`step` as the dense part of a strategy whose tables are held elsewhere (hybrid, sharded): `outside`,
+        the tables' partial norms of the step's averaged rows, which the total norm adds to this part's under
+        clipping or a GradScaler (None: the tables' rows are not clipped with the dense layers). Returns the
+        coefficient the dense gradients were multiplied by, which the tables' rows take too (1.0 without
+        `outside`), or None when the step was dropped, the same on every worker."""
         if context_id == self._last_context:
             raise step_twice_error(context_id)
         start = time.perf_counter()
@@ -298,17 +304,19 @@ class AllreduceStrategy(Strategy):
             raise no_gradients_error(context_id)
         self._last_context = context_id
         unscale = inverse_scale(scaler)  # the scale the backward ran at: the step updates it
-        applied = self._apply([grads.get(p) for p in self.trainable], joined=False, scaler=scaler)
-        replicas_bytes = self.replicas.step(grads, self.active, unscale, applied)
+        coefficient = self._apply([grads.get(p) for p in self.trainable], joined=False, scaler=scaler,
+                                  outside=outside)
+        replicas_bytes = self.replicas.step(grads, self.active, unscale, coefficient is not None)
         # the wait for DDP's last buckets after the last gradient is communication: commit, not compute
         wire, self.rows_bytes = self.dense_bytes + self.rows_bytes + replicas_bytes, 0
         self.metrics.committed(start - self.last_gradient.wait_before(start), wire, wire)
-        return applied
+        return coefficient
 
-    def _apply(self, averaged: list[torch.Tensor | None], joined: bool, scaler=None) -> bool:
+    def _apply(self, averaged: list[torch.Tensor | None], joined: bool, scaler=None,
+               outside: list[float] | None = None) -> float | None:
         """The rest of a step, the same on every worker, active or `joined`: the step's small collective,
         then the optimizer on the averaged gradients, rescaled to the mean over the active workers, unscaled
-        by `scaler` and clipped."""
+        by `scaler` and clipped (`dense_step`'s `outside` and answer)."""
         if self.active != self.config.num_workers:
             scale = self.config.num_workers / self.active
             averaged = [None if g is None else g * scale for g in averaged]
@@ -323,39 +331,38 @@ class AllreduceStrategy(Strategy):
             p.grad = g if u else None
         live = [p for p in self.trainable if p.grad is not None]
         with self.steps.open():  # the user's optimizer steps here only (`user_optimizer`)
-            if scaler is not None and self.outside is None:  # an inf/NaN is the scaler's: it skips and backs off
+            if scaler is not None and outside is None:  # an inf/NaN is the scaler's: it skips and backs off
                 scaler.unscale_(self.optimizer)
                 stepped = first_nonfinite([p.grad for p in live]) is None
                 self._clip(live)
                 scaler.step(self.optimizer)
                 scaler.update()
-                return stepped
+                return 1.0 if stepped else None
             bad = first_nonfinite([p.grad for p in live]) if suspect and scaler is None else None
             if bad is None:
-                if self.outside is not None and (scaler is not None or self.clipping.on):
-                    return self._agreed(live, scaler)
+                if outside is not None and (scaler is not None or self.clipping.on):
+                    return self._agreed(live, scaler, outside)
                 self._clip(live)
                 self.optimizer.step()
             if bad is not None and self.config.nonfinite == "raise":
                 raise nonfinite_error(self.names[live[bad]], bad_workers[0] if bad_workers else "unknown")
-            return bad is None
+            return 1.0 if bad is None else None
 
-    def _agreed(self, live: list[torch.Tensor], scaler) -> bool:
-        """The hybrid strategy's step with clipping or a GradScaler: the total norm adds the servers' partial
-        norms of the averaged rows (`outside`) to this dense part's, the dense gradients are clipped by the
-        joint coefficient (kept in `coefficient` for the servers; None: skipped on an inf/NaN)."""
+    def _agreed(self, live: list[torch.Tensor], scaler, outside: list[float]) -> float | None:
+        """The step of a dense part with clipping or a GradScaler: the total norm adds the tables' partial norms
+        of the averaged rows (`outside`) to this dense part's, and the dense gradients are clipped by the joint
+        coefficient, which it returns for the rows (None: skipped on an inf/NaN)."""
         grads = [p.grad for p in live]
         unscale = inverse_scale(scaler)
         if unscale != 1.0:
             for g in grads:
                 g.mul_(unscale)
-        total = self.clipping.total([self.clipping.partial(grads), *self.outside()])
+        total = self.clipping.total([self.clipping.partial(grads), *outside])
         finite = math.isfinite(total)
         coefficient = 1.0
         if self.clipping.on:
             self.grad_norm = total
             coefficient = self.clipping.coefficient(total)
-        self.coefficient = coefficient if finite else None
         if finite:
             if coefficient < 1.0:
                 for g in grads:
@@ -363,7 +370,7 @@ class AllreduceStrategy(Strategy):
             self.optimizer.step()
         if scaler is not None:
             record_found_inf(scaler, not finite)
-        return finite
+        return coefficient if finite else None
 
     def no_sync(self):
         """`Trainer.no_sync`: DDP's own."""
@@ -422,7 +429,7 @@ class AllreduceStrategy(Strategy):
                 self.started += 1  # a step this worker takes part in: it counts, as the others' do
                 self.cluster.steps += 1
                 grads = ddp_join.shadow_buckets(self.ddp)
-                applied = self._apply([grads.get(p) for p in self.trainable], joined=True)
+                applied = self._apply([grads.get(p) for p in self.trainable], joined=True) is not None
                 self.replicas.step({}, self.active, 1.0, applied)
         finally:
             self._shadowing = False

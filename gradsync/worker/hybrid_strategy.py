@@ -124,13 +124,8 @@ class HybridStrategy(Strategy):
             agree = Agreement(self.dense.clipping.norm_type, scaler is not None)
             partials = self.transport.push(self._versions, {s: Push([], [], {}, rows[s], changes, agree)
                                                             for s in self.servers})
-            self.dense.outside = lambda: [partials[s].value for s in self.servers]
-            try:
-                stepped = self.dense.step(context_id, scaler)
-            finally:
-                self.dense.outside = None
-            snapshots = self.transport.finish({s: p.version for s, p in partials.items()},
-                                              self.dense.coefficient if stepped else None)
+            coefficient = self.dense.dense_step(context_id, scaler, [partials[s].value for s in self.servers])
+            snapshots = self.transport.finish({s: p.version for s, p in partials.items()}, coefficient)
         else:
             if not self.dense.step(context_id):  # a NaN/Inf step dropped by nonfinite='skip': drop its rows too
                 rows = {s: {} for s in self.servers}

@@ -7,8 +7,7 @@ piece while the next are still coming (the pipeline waits for about W pieces' wo
 link before it flows, W p / B), but each costs that CPU (M / (S p) pieces per server): the step's overhead
 W p / B + M c / (S p) is least at p = sqrt(M c B / (S W)). A piece smaller than a parameter also costs two
 copies of it a step, so the smallest piece that cuts none is chosen instead when that costs less (on a fast
-link). Behind 100 Mbit/s that is ~0.25 MB for a 6 MB model, at 1 Gbit/s ~1 MB for a 26 MB one, on loopback
-whole parameters (against fixed sizes: BENCHMARKS.md, "Piece sizes").
+link). The sizes it chooses, and how they fare against fixed ones: BENCHMARKS.md, "Piece sizes".
 Whether a sync step is a pipeline at all is `pipelined`: over gRPC on one machine it is not (whole steps and
 the largest buckets, unmeasured), as gRPC's pipeline threads cost more CPU than the overlap saves where no
 link is slower than the CPUs. Behind a link it is where it pays (`pipeline_pays`): a whole step's replies

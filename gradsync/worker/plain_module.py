@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from gradsync.ps.table_shard import available_memory
+
 _HOOKS = ("_hooks", "_hooks_with_kwargs", "_hooks_always_called")
 """How the names of an `nn.Module`'s hook dicts end (`_forward_hooks`, `_state_dict_hooks`, ...), each keyed by
 its hooks' handle ids."""
@@ -106,23 +108,13 @@ def check_gatherable(table: str, shape: tuple, dtype: torch.dtype) -> None:
     """Refuse to gather table `table` whole into this process when it is larger than the memory available here,
     saying what to do instead."""
     nbytes = math.prod(shape) * dtype.itemsize
-    available = _available_bytes()
+    available = available_memory()
     if available is not None and nbytes > available:
         raise MemoryError(
             f"table {table!r} ({' x '.join(map(str, shape))} {dtype}, {nbytes / 2**30:.1f} GiB) is larger than the "
             f"memory available to this process ({available / 2**30:.1f} GiB), so it cannot be gathered whole into "
             "the module (torch.save(model), copy.deepcopy(model), model.state_dict()): write a job checkpoint "
             "instead (--checkpoint-dir: each server, or each worker under sharded, writes its own rows)")
-
-
-def _available_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo, or None where there is none."""
-    try:
-        with open("/proc/meminfo") as f:
-            line = next(line for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return None
-    return int(line.split()[1]) * 1024
 
 
 def _plain_state(module: nn.Module, changed: _Changed) -> dict:

@@ -33,7 +33,8 @@ import torch
 from torch import nn
 
 from gradsync.core.torch_internals import current_context_id
-from gradsync.ps.messages import DynamicSetup, RowGrads
+from gradsync.ps.messages import (DynamicSetup, EndStep, Evict, FirstToGo, LoadTables, Lookups, ReadRows, RowGrads,
+                                   TableCall, TablesCounts, TablesState, TablesStep)
 from gradsync.tables import global_eviction
 from gradsync.tables.dynamic_checkpoint import rehomed
 from gradsync.tables.dynamic_embedding import DynamicEmbedding
@@ -112,7 +113,7 @@ class ServedDynamic:
         self.loads = 0  # the module loads sent (`commit_load`)
         self.mode = mode
         self._lookups: dict[int, list[_Lookup]] = {}
-        self._evictions: dict[int, tuple] = {}  # the last step's evictions by server, not sent yet (`_end_call`)
+        self._evictions: dict[int, Evict] = {}  # the last step's evictions by server, not sent yet (`evict`)
         self._waiting = WaitingLookups(self._results)  # recording lookups whose rows are not fetched yet (`flush`)
         if not self.modules:
             return
@@ -185,7 +186,7 @@ class ServedDynamic:
             self._load(self.loads, states)
 
     def _load(self, number: int, states: dict[str, dict]) -> None:
-        self._call("load", {s: (number, states) for s in range(self.num_servers)})
+        self._call({s: LoadTables(number, states) for s in range(self.num_servers)})
         self.resync()
 
     def discard_load(self) -> None:
@@ -245,8 +246,8 @@ class ServedDynamic:
             for s, at in where.items():
                 asked.setdefault(s, []).append((w.table, w.ids[at], w.counts[at]))
         evictions, self._evictions = self._evictions, {}
-        answers = self.transport.dynamic("lookup", {s: (lookups, self.step, evictions.get(s))
-                                                    for s, lookups in asked.items()})
+        answers = self.transport.table_calls({s: Lookups(tuple(lookups), self.step, evictions.get(s))
+                                              for s, lookups in asked.items()})
         out, taken = [], {s: 0 for s in asked}
         for w, where in zip(waiting, wheres):
             rows = self._zeros(w.table, w.ids.numel())
@@ -270,7 +271,7 @@ class ServedDynamic:
         where = self._where(ids)
         rows = self._zeros(name, ids.numel())
         if where:
-            answers = self._call("read", {s: (name, ids[at]) for s, at in where.items()})
+            answers = self._call({s: ReadRows(name, ids[at]) for s, at in where.items()})
             for s, at in where.items():
                 rows[at] = answers[s]
         return rows
@@ -312,33 +313,36 @@ class ServedDynamic:
             ended = ({s: c.ended[1] for s, c in zip(servers, carried)}
                      if all(c is not None and c.ended is not None and c.ended[0] == self.step for c in carried)
                      else None)
-            global_eviction.end_step(self.step, capacities, servers, self._end_call, ended)
+            global_eviction.end_step(self.step, capacities, servers, self, ended)
         self.step += 1
 
-    def _end_call(self, call: str, args: dict[int, tuple]) -> dict[int, object]:
-        """The calls that end a step: an eviction waits to go with the next step's first lookups (module
-        docstring), the others go now."""
-        if call != "evict":
-            return self._call(call, args)
-        self._evictions = dict(args)
-        return dict.fromkeys(args)
+    def end(self, step: int) -> dict[int, dict]:
+        """Every server's end of step `step` (`global_eviction.Holders`)."""
+        return self._call({s: EndStep(step) for s in range(self.num_servers)})
+
+    def first_to_go(self, step: int, counts: dict[int, dict[str, tuple[int, int]]]) -> dict[int, dict]:
+        return self._call({s: FirstToGo(step, c) for s, c in counts.items()})
+
+    def evict(self, step: int, plans: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        """The evictions of step `step`'s end wait to go with the next step's first lookups (module docstring)."""
+        self._evictions = {s: Evict(step, plan) for s, plan in plans.items()}
 
     def send_evictions(self) -> None:
         """Send the last step's evictions where they still wait (before any call on the servers but a lookup)."""
         if self._evictions:
             evictions, self._evictions = self._evictions, {}
-            self.transport.dynamic("evict", evictions)
+            self.transport.table_calls(evictions)
 
-    def _call(self, call: str, args: dict[int, tuple]) -> dict[int, object]:
-        """A call on the servers' dynamic tables other than a lookup, the last step's evictions sent first."""
+    def _call(self, calls: dict[int, TableCall]) -> dict[int, object]:
+        """Calls on the servers' dynamic tables other than a lookup, the last step's evictions sent first."""
         self.send_evictions()
-        return self.transport.dynamic(call, args)
+        return self.transport.table_calls(calls)
 
     def resync(self) -> None:
         """Take the step the servers' tables are at: after a `trainer.join()` block, in which a worker that ran
         out of data took fewer steps than the others, and after a resume."""
         if self.modules:
-            steps = self._call("step", {s: () for s in range(self.num_servers)})
+            steps = self._call({s: TablesStep() for s in range(self.num_servers)})
             self.step = max(step for per in steps.values() for step in per.values())
 
     def local_keys(self) -> dict[str, torch.Tensor]:
@@ -350,7 +354,7 @@ class ServedDynamic:
         ...), gathered from the servers: ids ascending, every count summed."""
         if not self.modules:
             return {}
-        parts = self._call("state", {s: () for s in range(self.num_servers)})
+        parts = self._call({s: TablesState() for s in range(self.num_servers)})
         out = {}
         for name in self.modules:
             for key, value in rehomed([parts[s][name] for s in sorted(parts)], 0, 1).items():
@@ -359,7 +363,7 @@ class ServedDynamic:
 
     def counters(self, name: str) -> dict[str, int]:
         """Table `name`'s resident rows and counters, summed over the servers."""
-        counts = self._call("counts", {s: () for s in range(self.num_servers)})
+        counts = self._call({s: TablesCounts() for s in range(self.num_servers)})
         total = {k: sum(counts[s][name][1][i] for s in counts) for i, k in enumerate(_COUNTERS)}
         return {"resident_rows": sum(counts[s][name][0] for s in counts), **total}
 

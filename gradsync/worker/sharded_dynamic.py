@@ -36,24 +36,25 @@ from torch import nn
 
 from gradsync.core.job_names import worker_name
 from gradsync.metrics.traffic import object_gather_bytes
-from gradsync.ps.dynamic_shard import DynamicShard, answer
+from gradsync.ps.dynamic_shard import DynamicShard, respond
+from gradsync.ps.messages import EndStep, Evict, FirstToGo, LoadTables, TableCall
 from gradsync.tables.dynamic_checkpoint import whole
 from gradsync.tables.id_hash import server_of
 from gradsync.tables.row_partition import ExchangePlan
 from gradsync.worker.served_dynamic import ServedDynamic
 from gradsync.worker.sharded_tables import ShardedTables
 
-_GATHERED = ("end", "smallest")
-"""The calls of a step's end that every worker makes together: answered by an all-gather."""
+_GATHERED = {EndStep: "end", FirstToGo: "smallest"}
+"""The calls of a step's end that every worker makes together, answered by an all-gather: its timeline lane."""
 
 _HELD: ShardedDynamic | None = None
 """This worker's parts, which `_answer_of` answers the other workers' reads from (torch RPC calls a function by
 its module path)."""
 
 
-def _answer_of(call: str, args: tuple, step: int, timeout: float):
+def _answer_of(call: TableCall, step: int, timeout: float):
     """RPC handler: this worker's answer to `call` once it has ended `step` steps."""
-    return _HELD.answer(call, args, step, timeout)
+    return _HELD.answered_after(call, step, timeout)
 
 
 class ShardedDynamic(ServedDynamic):
@@ -66,7 +67,7 @@ class ShardedDynamic(ServedDynamic):
         self.parts = {name: DynamicShard(name, setup, worker, workers)
                       for name, setup in self.setups(sent=False).items()}
         self.tables: ShardedTables | None = None  # set by the strategy before the first forward: the routes
-        self.transport = self  # `ServedDynamic`'s calls on the servers are calls on the workers' parts here
+        self.transport = WorkerParts(self)  # `ServedDynamic`'s calls on the servers go to the workers' parts
         self._ended = threading.Condition()
 
     def take_over(self, attached) -> None:
@@ -77,7 +78,7 @@ class ShardedDynamic(ServedDynamic):
     def _load(self, number: int, states: dict[str, dict]) -> None:
         """This worker's ids of each loaded table, from the state itself (every worker loads the same), and the
         step that state names."""
-        answer(self.parts, "load", (number, states), f"worker {self.worker}")
+        self.respond(LoadTables(number, states))
         with self._ended:
             self.step = max(part.table.step for part in self.parts.values())
             self._ended.notify_all()
@@ -144,10 +145,10 @@ class ShardedDynamic(ServedDynamic):
                 if name in parts:
                     onto = full and (lambda k=part["server"], n=name: full(k)[n])  # the writer's full part
                     parts[name].append(whole(name, part, onto, where))
-            if all(self.parts[n].complete(p) for n, p in parts.items()):
+            if all(self.parts[n].holds_all(p) for n, p in parts.items()):
                 break
         else:
-            name = next(n for n, p in parts.items() if not self.parts[n].complete(p))
+            name = next(n for n, p in parts.items() if not self.parts[n].holds_all(p))
             raise ValueError(f"{where} holds {len(parts[name])} workers' parts of dynamic table {name!r}, not every "
                              f"part worker {self.worker} takes its ids from: it was written by another model, or "
                              "by a job that checkpointed no dynamic table; resume with the model that wrote it, or "
@@ -165,36 +166,44 @@ class ShardedDynamic(ServedDynamic):
         with self._ended:
             self._ended.notify_all()
 
-    def _end_call(self, call: str, args: dict[int, tuple]) -> dict[int, object]:
-        """The calls that end a step, all now (an eviction is this worker's own part)."""
-        return self.dynamic(call, args)
+    def evict(self, step: int, plans: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        """This worker's evictions of step `step`'s end, now (each worker evicts its own part)."""
+        self.respond(Evict(step, plans[self.worker]))
 
-    def dynamic(self, call: str, args: dict[int, tuple]) -> dict[int, object]:
-        """Every worker's answer to `call` with its args (`ServedDynamic`'s transport): "end" and "smallest" by
-        an all-gather of every worker's answer (a collective); "evict" on this worker's part alone; the
-        others this worker's part and the others' over torch RPC (bounded by the step timeout)."""
-        if call == "evict":
-            return {self.worker: answer(self.parts, call, args[self.worker], f"worker {self.worker}")}
-        if call in _GATHERED:
-            mine = answer(self.parts, call, args[self.worker], f"worker {self.worker}")
-            every = [None] * self.num_servers
-            left, started = time.time(), time.perf_counter()
-            dist.all_gather_object(every, mine)
-            if self.metrics is not None:  # after the step's commit: counted in that step
-                wire = object_gather_bytes(every)
-                self.metrics.gathered_after_commit(call, time.perf_counter() - started, wire, wire, left)
-            return dict(enumerate(every))
-        futures = {w: rpc.rpc_async(worker_name(w), _answer_of, args=(call, a, self.step, self.timeout),
-                                    timeout=2 * self.timeout)
-                   for w, a in args.items() if w != self.worker}
-        out = {self.worker: answer(self.parts, call, args[self.worker], f"worker {self.worker}")} \
-            if self.worker in args else {}
-        return {**out, **{w: fut.wait() for w, fut in futures.items()}}
+    def respond(self, call: TableCall):
+        """This worker's part's answer to `call`."""
+        return respond(self.parts, call, f"worker {self.worker}")
 
-    def answer(self, call: str, args: tuple, step: int, timeout: float):
-        """This worker's answer to `call` (a read, "state" or "counts") once it has ended `step` steps."""
+    def answered_after(self, call: TableCall, step: int, timeout: float):
+        """This worker's answer to `call` (a read, the state, the counts) once it has ended `step` steps."""
         with self._ended:
             if not self._ended.wait_for(lambda: self.step >= step, timeout):
                 raise TimeoutError(f"worker {self.worker} was asked for its dynamic tables after step {step} and had "
                                    f"ended {self.step} steps after {timeout:.0f} s")
-            return answer(self.parts, call, args, f"worker {self.worker}")
+            return self.respond(call)
+
+
+class WorkerParts:
+    """`ShardedDynamic`'s transport (as a parameter server's is `ServedDynamic`'s): the calls on every worker's
+    part, a step's end (`EndStep`, `FirstToGo`) by an all-gather of every worker's answer (a collective), any
+    other call answered by this worker's part and the others' over torch RPC (each once it has ended as many
+    steps as this worker, bounded by the step timeout)."""
+
+    def __init__(self, holder: ShardedDynamic):
+        self.holder = holder
+
+    def table_calls(self, calls: dict[int, TableCall]) -> dict[int, object]:
+        h = self.holder
+        if type(calls.get(h.worker)) in _GATHERED:
+            every = [None] * h.num_servers
+            left, started = time.time(), time.perf_counter()
+            dist.all_gather_object(every, h.respond(calls[h.worker]))
+            if h.metrics is not None:  # after the step's commit: counted in that step
+                wire = object_gather_bytes(every)
+                h.metrics.gathered_after_commit(_GATHERED[type(calls[h.worker])], time.perf_counter() - started,
+                                                wire, wire, left)
+            return dict(enumerate(every))
+        futures = {w: rpc.rpc_async(worker_name(w), _answer_of, args=(call, h.step, h.timeout), timeout=2 * h.timeout)
+                   for w, call in calls.items() if w != h.worker}
+        out = {h.worker: h.respond(calls[h.worker])} if h.worker in calls else {}
+        return {**out, **{w: fut.wait() for w, fut in futures.items()}}

@@ -100,14 +100,9 @@ class ShardedStrategy(Strategy):
         received = {**{n: r for n, r in received.items() if n not in dynamic}, **dynamic}
         if agreeing:
             partials = self.tables.partial_norms(received, self.dense.clipping)
-            self.dense.outside = lambda: partials
-            try:
-                stepped = self.dense.step(context_id, scaler)
-            finally:
-                self.dense.outside = None
-            coefficient = self.dense.coefficient if stepped else None
+            coefficient = self.dense.dense_step(context_id, scaler, partials)
         else:
-            coefficient = 1.0 if self.dense.step(context_id) else None
+            coefficient = self.dense.dense_step(context_id)
         fixed = {n: r for n, r in received.items() if n not in dynamic}
         self.tables.apply(fixed if coefficient is not None else {}, coefficient or 1.0, self.optimizer)
         if coefficient is not None:

@@ -4,7 +4,7 @@ A `GradientStream` hooks the trainable leaves one forward ran on. When the backw
 gradient of every entry of a bucket, that bucket's piece is packed from the context, encoded and handed to
 the step's `Pipeline` at the next leaf's hook (when its server's window has room, else with the step), the
 way DDP's reducer starts a bucket's allreduce once it is ready. A bucket whose entries did not all get a
-gradient (an unused branch) travels with the step, from the context's gradients, as before.
+gradient (an unused branch) travels with the step, from the context's gradients.
 
 Every piece is numbered (`Piece.seq`), and the step's head names the piece of each bucket that counts, so
 a guess that turns out wrong costs bytes, never correctness: a second backward into the same context

@@ -1,4 +1,4 @@
-"""A gRPC client for a run's parameter servers, and the `gradsync status` / `gradsync pull` commands.
+"""The outside world's gRPC client of a run's parameter servers: `gradsync.client.Client`.
 
 `Client` talks to every shard of a run (addresses and token from the run
 directory's `grpc-<shard>.json` files, or one address and a token). Pulls
@@ -12,13 +12,11 @@ token does not allow; ConnectionError: server unreachable, another job's server
 (`read_endpoints`' job id, checked at the first call), or TLS on one side only
 or another certificate (`tls`); RuntimeError: anything else, such as
 RESOURCE_EXHAUSTED when the endpoint already serves as many outside calls as it
-takes at once).
+takes at once). The job's own workers call through a Client's channels too (`job_calls`); the command line's
+`gradsync status` and `gradsync pull` print and save what it answers (`gradsync.cli.job_status`).
 """
 from __future__ import annotations
 
-import glob
-import io
-import json
 import os
 import re
 import time
@@ -27,7 +25,6 @@ import grpc
 import torch
 
 from gradsync.core import settings
-from gradsync.core.atomic_file import write_atomically
 from gradsync.core.buckets import Entry, join_pieces
 from gradsync.core.emulated_network import reachable
 from gradsync.core.job_names import server_name
@@ -36,6 +33,7 @@ from gradsync.proto import gradsync_pb2 as pb
 from gradsync.proto import gradsync_pb2_grpc as pb_grpc
 from gradsync.proto import tensor_codec
 from gradsync.transport.grpc.endpoint_files import read_endpoints
+from gradsync.transport.grpc.reply_streams import read_pulled
 from gradsync.transport.grpc import tls
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
@@ -369,105 +367,3 @@ def split_pieces(grads: dict[str, torch.Tensor], pieces: list[Entry]) -> dict[st
     out = {n: g for n, g in grads.items() if n not in {p.name for p in pieces}}
     out.update({p.key: p.piece(grads[p.name]) for p in pieces if p.name in grads})
     return out
-
-
-def read_pulled(call, what: str, shard: int) -> tuple[int, dict[tensor_codec.Key, torch.Tensor]]:
-    """The version in the PullHeader that opens a stream of `PullResponse`s (Pull, JobPull, JobPush), and
-    the tensors that follow it. Raises grpc.RpcError when the call fails, RuntimeError on a malformed stream."""
-    header, tensors = read_stream(call, what, shard)
-    return header.version, tensors
-
-
-def read_stream(call, what: str, shard: int) -> tuple[pb.PullHeader, dict[tensor_codec.Key, torch.Tensor]]:
-    """`read_pulled` with the whole PullHeader."""
-    first = next(call, None)
-    if not isinstance(first, pb.PullResponse) or first.WhichOneof("item") != "header":
-        raise RuntimeError(f"{what} on {server_name(shard)}: the stream did not start with a PullHeader")
-    return first.header, tensor_codec.decode(_pulled_chunks(call, what, shard))
-
-
-def chunk_of(response) -> tensor_codec.Chunk | None:
-    """The tensor chunk a reply stream's item carries (a `PullResponse`, or a bare Chunk from a server in this
-    process), None for another item (a header, a stamp)."""
-    if isinstance(response, tensor_codec.Chunk):
-        return response
-    return response.chunk if response.WhichOneof("item") == "chunk" else None
-
-
-def _pulled_chunks(call, what: str, shard: int):
-    for response in call:
-        if (chunk := chunk_of(response)) is None:
-            raise RuntimeError(f"{what} on {server_name(shard)}: a second PullHeader in the middle of the stream")
-        yield chunk
-
-
-def status_table(client: Client) -> str:
-    """`gradsync status RUN_DIR`: one row per shard, as a markdown table, then one row per shard of each
-    embedding table."""
-    health = client.health()
-    stats = client.stats() if all(h["ready"] for h in health.values()) else {}  # GetStats needs a ready shard
-    return _table({shard: [client.addresses[shard], "yes" if h["ready"] else "no", str(h["version"])]
-                   for shard, h in sorted(health.items())}, stats)
-
-
-def final_status_table(run_dir: str) -> str | None:
-    """`gradsync status RUN_DIR` of a job that has ended: `status_table` from the servers' final counters
-    (`stats-<shard>.json`, which they write as they stop); None while they have not."""
-    stats = {}
-    for path in glob.glob(os.path.join(run_dir, "stats-*.json")):
-        with open(path) as f:
-            stats[int(re.search(r"stats-(\d+)\.json$", path).group(1))] = json.load(f)
-    if not stats:
-        return None
-    table = _table({shard: ["-", "ended", str(s["version"])] for shard, s in sorted(stats.items())}, stats)
-    return f"the job has ended; its servers' final counters:\n\n{table}"
-
-
-def _table(first: dict[int, list[str]], stats: dict[int, dict]) -> str:
-    """The status table: per shard its `first` cells (address, ready, version) and its `stats`, if any."""
-    header = ["shard", "address", "ready", "version", "workers seen", "pushes applied", "pushes rejected",
-              "steps skipped", "max staleness", "staleness: pushes", "MB in", "MB out"]
-    rows = []
-    for shard, cells in first.items():
-        s = stats.get(shard)
-        rows.append([str(shard), *cells] + (
-            [",".join(map(str, s["workers_seen"])), str(s["pushes_applied"]), str(s["pushes_rejected"]),
-             str(s["steps_skipped"]), str(s["max_staleness"]),
-             " ".join(f"{k}:{v}" for k, v in sorted(s["staleness_histogram"].items())) or "-",
-             f"{s['bytes_in'] / 1e6:.1f}", f"{s['bytes_out'] / 1e6:.1f}"]
-            if s else ["-"] * 8
-        ))
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    tables = [(shard, name, t) for shard, s in sorted(stats.items()) for name, t in s["tables"].items()]
-    if tables:
-        lines += ["", "| table | shard | rows | MB | rows pulled | rows pushed | max staleness | admitted | filtered "
-                  "| evicted |", "|" + "---|" * 10]
-        lines += [_table_row(name, str(shard), t) for shard, name, t in tables]
-        for name in dict.fromkeys(name for _, name, _ in tables):  # a table on several shards: its totals too
-            parts = [t for _, n, t in tables if n == name]
-            if len(parts) > 1:
-                total = {k: sum(t.get(k, 0) for t in parts) for k in parts[0]}
-                total["max_staleness"] = max(t["max_staleness"] for t in parts)
-                lines.append(_table_row(name, "all", total))
-    return "\n".join(lines)
-
-
-def _table_row(name: str, shard: str, t: dict) -> str:
-    """One row of the tables' part of the status: a table's counters on `shard` (a dynamic table's admitted,
-    filtered and evicted; 0 for a fixed table)."""
-    return (f"| {name} | {shard} | {t['rows']} | {t['bytes'] / 1e6:.1f} | {t['rows_pulled']} | {t['rows_pushed']} | "
-            f"{t['max_staleness']} | {t.get('admitted', 0)} | {t.get('filtered', 0)} | {t.get('evicted', 0)} |")
-
-
-def pull_to_file(client: Client, path: str) -> dict[int, int]:
-    """`gradsync pull RUN_DIR out.pt`: save the run's state dict with `torch.save`, atomically.
-
-    Returns:
-        The version of each shard's part of the saved state.
-    """
-    state, versions = client.pull_versioned()
-    payload = io.BytesIO()
-    torch.save(state, payload)
-    write_atomically(path, payload.getvalue())
-    return versions

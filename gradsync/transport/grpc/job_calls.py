@@ -37,7 +37,8 @@ from gradsync.transport.grpc.servicer import SERVICE
 from gradsync.transport.grpc.plain_data import from_bytes, plain_setup, put, setup_from_plain, take, to_bytes
 from gradsync.ps.messages import Partial, Piece, Push, Setup, Snapshot
 from gradsync.ps.server import ParameterServer
-from gradsync.transport.grpc.client import Client, chunk_of, read_stream
+from gradsync.transport.grpc.client import Client
+from gradsync.transport.grpc.reply_streams import chunk_of, read_stream
 from gradsync.transport.base import PROBE_BYTES, RankTransport, WorkerTransport, link_rate
 from gradsync.transport.grpc.endpoint import worker_token
 
