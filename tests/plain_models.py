@@ -1,9 +1,9 @@
-"""A model with a fixed table, a dynamic table and a dense head, and one job that checks the user's module stays an
-ordinary PyTorch module under the job's strategy: `torch.save` + `torch.load` and `copy.deepcopy` give plain
-modules holding the trained values (whole tables included) that train on in one process; `model.state_dict()`
-round-trips through `model.load_state_dict`; a single-process state loaded into the running job goes where it
-is trained, and training again from it ends bit for bit where the first run ended; a bad load changes nothing;
-after `gradsync.shutdown()` the module itself is plain."""
+"""A model with a fixed table, an LSTM, a dynamic table and a dense head, and one job that checks the user's
+module stays an ordinary PyTorch module under the job's strategy: `torch.save` + `torch.load` and
+`copy.deepcopy` give plain modules holding the trained values (whole tables included) that train on in one
+process; `model.state_dict()` round-trips through `model.load_state_dict`; a single-process state loaded into
+the running job goes where it is trained, and training again from it ends bit for bit where the first run
+ended; a bad load changes nothing; after `gradsync.shutdown()` the module itself is plain."""
 from __future__ import annotations
 
 import copy
@@ -25,11 +25,13 @@ class TableNet(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.emb = nn.Embedding(ROWS, DIM)
+        self.rnn = nn.LSTM(DIM, DIM, batch_first=True)  # its class pickles its own state (`__getstate__`)
         self.tags = gradsync.DynamicEmbedding(DIM, capacity=6, mode="sum")
         self.head = nn.Linear(2 * DIM, 3)
 
     def forward(self, ids: torch.Tensor, tags: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.cat([self.emb(ids).mean(1), self.tags(tags)], 1))
+        sequence, _ = self.rnn(self.emb(ids))
+        return self.head(torch.cat([sequence.mean(1), self.tags(tags)], 1))
 
 
 def table_batch(step: int, worker: int) -> tuple[torch.Tensor, ...]:
@@ -97,7 +99,8 @@ def plain_copies(module: nn.Module) -> dict:
 def plain_module_job() -> dict:
     """The module checks (module docstring) on a worker; every worker loads alike, as under DDP."""
     model = TableNet()
-    trainer = gradsync.Trainer(model, torch.optim.SGD(model.parameters(), lr=LR), table_optimizer=gradsync.RowSGD(lr=LR))
+    trainer = gradsync.Trainer(model, torch.optim.SGD(model.parameters(), lr=LR),
+                               table_optimizer=gradsync.RowSGD(lr=LR))
     _train(trainer, STEPS)
     out = {"trained": trainer.state_dict(), "module_state": {k: v.clone() for k, v in model.state_dict().items()},
            **plain_copies(model)}

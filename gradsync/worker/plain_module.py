@@ -118,8 +118,9 @@ def check_gatherable(table: str, shape: tuple, dtype: torch.dtype) -> None:
 
 
 def _plain_state(module: nn.Module, changed: _Changed) -> dict:
-    """`module.__dict__` without gradsync's attributes and hooks, updated by its plain state."""
-    state = {k: v for k, v in module.__dict__.items() if k not in changed.attributes}
+    """The state `module`'s class pickles (its `__getstate__`: an LSTM's leaves out its weights' weakrefs) without
+    gradsync's attributes and hooks, updated by its plain state."""
+    state = {k: v for k, v in type(module).__getstate__(module).items() if k not in changed.attributes}
     ours = {handle.id for handle in changed.hooks}  # a hook's id is unique among every module's hooks
     for key, value in state.items():
         if key.endswith(_HOOKS) and isinstance(value, dict) and not ours.isdisjoint(value):
