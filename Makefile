@@ -8,7 +8,7 @@ WHEELS ?= /opt/wheels
 LINK ?= 1gbit
 PIP_FLAGS := $(if $(wildcard $(WHEELS)),--find-links $(WHEELS),)
 
-.PHONY: run test test-fast test-torch-next proto docs bench clean
+.PHONY: run test test-fast lint test-torch-next proto docs bench clean
 
 $(VENV)/.installed: requirements.txt setup.py pyproject.toml gradsync/tables/table_loops.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,13 @@ test: $(VENV)/.installed
 # tables, plans), the tier to run after each change; tests/conftest.py fails a test not marked `job` that starts one
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 -m "not job"
+
+# ruff's lint and format check and mypy over the package (pinned in requirements.txt, configured in pyproject.toml):
+# seconds, and what .ci/run runs before the tests; `.venv/bin/ruff format gradsync` applies the format
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check gradsync
+	$(VENV)/bin/ruff format --check gradsync
+	$(VENV)/bin/mypy
 
 # the suite on torch 2.14.1, the newest torch this machine's package index offers: a CUDA build from the index (several
 # GB, with the triton it pairs with), so a venv of its own and never in CI

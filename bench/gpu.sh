@@ -25,11 +25,12 @@ print(torch.cuda.get_device_name(), torch.cuda.get_device_capability())" 2>&1 | 
 gpu=$(python3 -c "import re, torch; print(re.sub('[^a-z0-9]+', '-', torch.cuda.get_device_name().lower()).strip('-'))")
 
 echo "== CUDA tests"
-timeout 300 python3 -m pytest -q -p timeout -rs tests/test_cuda_ops.py tests/test_cuda_ops_kernels.py \
-    tests/test_cuda_ops_compile.py tests/test_consistency.py tests/test_compression.py 2>&1 | tee "$logs/cuda_tests.log"
+timeout 300 python3 -m pytest -q -p timeout -rs tests/cuda_ops/test_cuda_ops.py \
+    tests/cuda_ops/test_cuda_ops_kernels.py tests/cuda_ops/test_cuda_ops_compile.py tests/ps/test_consistency.py \
+    tests/ps/test_compression.py 2>&1 | tee "$logs/cuda_tests.log"
 
 echo "== parity with the servers' shards on the GPU"
-GRADSYNC_SERVER_DEVICE=cuda timeout 240 python3 -m pytest -q -p timeout -n 4 tests/test_parity.py \
+GRADSYNC_SERVER_DEVICE=cuda timeout 240 python3 -m pytest -q -p timeout -n 4 tests/worker/test_parity.py \
     2>&1 | tee "$logs/server_on_gpu.log"
 
 echo "== bench/cuda_ops.py"

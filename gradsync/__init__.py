@@ -1,4 +1,5 @@
 """gradsync: data-parallel PyTorch training with a parameter server or allreduce behind one API."""
+
 import importlib
 
 _HOMES = {

@@ -2,12 +2,13 @@
 
 Each concern is a kw-only dataclass (`Placement`, `Training`, `Timeouts`, `Checkpointing`) whose fields are
 the settings of that concern in the settings table (`gradsync.core.settings`, where each says what it means),
-in its order, with its types and defaults (`tests/test_settings.py` checks that they agree); `JobConfig` is
+in its order, with its types and defaults (`tests/core/test_settings.py` checks that they agree); `JobConfig` is
 the four together, with flat attributes. A setting comes from an argument of `gradsync.init`/`launch`, from
 the environment a launcher sets (`GRADSYNC_*`, torchrun's `RANK`/`WORLD_SIZE`/...), or its default;
 `JobConfig.from_env` merges them and `__post_init__` rejects bad values with a message that names the value
 and the fix.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -112,9 +113,11 @@ class Training:
                 "--staleness K, or leave --staleness out"
             )
         if self.mode not in traits(self.strategy).modes:  # allreduce and sharded: sync only
-            raise ConfigError(f"the {self.strategy} strategy is synchronous (every step averages every worker's "
-                              f"gradients), got --mode {self.mode}: pass --mode sync, or use --strategy ps (or "
-                              "hybrid) for async and ssp")
+            raise ConfigError(
+                f"the {self.strategy} strategy is synchronous (every step averages every worker's "
+                f"gradients), got --mode {self.mode}: pass --mode sync, or use --strategy ps (or "
+                "hybrid) for async and ssp"
+            )
         _positive(self, "training")
 
     @property
@@ -160,8 +163,10 @@ class Checkpointing:
                 "--checkpoint-dir DIR and --checkpoint-every N (N >= 1), or neither"
             )
         if self.checkpoint_full_every < 1:
-            raise ConfigError(f"checkpoint_full_every={self.checkpoint_full_every}: pass --checkpoint-full-every N "
-                              "with N >= 1 (1: every checkpoint is full)")
+            raise ConfigError(
+                f"checkpoint_full_every={self.checkpoint_full_every}: pass --checkpoint-full-every N "
+                "with N >= 1 (1: every checkpoint is full)"
+            )
         if self.start_over and (self.resume or not self.checkpoint_dir):
             raise ConfigError(
                 f"start_over with resume={self.resume!r}, checkpoint_dir={self.checkpoint_dir!r}: --start-over "
@@ -191,7 +196,7 @@ class JobConfig(Checkpointing, Timeouts, Training, Placement):  # fields in the 
         self._check_timeouts()
 
     @classmethod
-    def from_env(cls, environ=None, **overrides) -> "JobConfig":
+    def from_env(cls, environ=None, **overrides) -> JobConfig:
         """Build the config from a launcher's environment; non-None `overrides` win."""
         env = os.environ if environ is None else environ
         values = settings_from_env(env, overrides.get("strategy"))
@@ -205,8 +210,9 @@ class JobConfig(Checkpointing, Timeouts, Training, Placement):  # fields in the 
 
     def to_env(self) -> dict[str, str]:
         """The GRADSYNC_* variables that reproduce this job's settings in a child process."""
-        return {s.env: s.text(getattr(self, s.name)) for s in settings.JOB_SETTINGS
-                if getattr(self, s.name) is not None}
+        return {
+            s.env: s.text(getattr(self, s.name)) for s in settings.JOB_SETTINGS if getattr(self, s.name) is not None
+        }
 
 
 def settings_from_env(env, strategy: str | None = None) -> dict:
@@ -225,8 +231,10 @@ def job_keywords(given: dict, call: str) -> dict:
     names = [s.name for s in settings.JOB_SETTINGS]
     unknown = [k for k in given if k not in names]
     if unknown:
-        raise TypeError(f"{call}() got an unknown setting {unknown[0]!r}: the settings are {', '.join(names)} "
-                        "(docs/architecture.md, Settings)")
+        raise TypeError(
+            f"{call}() got an unknown setting {unknown[0]!r}: the settings are {', '.join(names)} "
+            "(docs/architecture.md, Settings)"
+        )
     return given
 
 

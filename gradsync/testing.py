@@ -14,6 +14,7 @@ every rank's Python stack.
         allreduce = gradsync_job(train, strategy="allreduce", workers=2)
         ...
 """
+
 from __future__ import annotations
 
 import pytest
@@ -26,16 +27,22 @@ DEFAULT_TIMEOUT_S = "300"
 
 
 def pytest_addoption(parser):
-    parser.addini("gradsync_timeout", "seconds a gradsync_job may take when its test has no timeout mark",
-                  default=DEFAULT_TIMEOUT_S)
+    parser.addini(
+        "gradsync_timeout",
+        "seconds a gradsync_job may take when its test has no timeout mark",
+        default=DEFAULT_TIMEOUT_S,
+    )
 
 
 def pytest_configure(config):
     """Without pytest-timeout, register its `timeout` mark, which the job's timeout reads: a test file that
     marks its gradsync_job tests gets no unknown-mark warning (nor an error under --strict-markers)."""
     if not config.pluginmanager.hasplugin("timeout"):
-        config.addinivalue_line("markers", "timeout(seconds): the seconds the test's gradsync_job jobs may take, "
-                                "less a margin (enforced on the test itself only with pytest-timeout)")
+        config.addinivalue_line(
+            "markers",
+            "timeout(seconds): the seconds the test's gradsync_job jobs may take, "
+            "less a margin (enforced on the test itself only with pytest-timeout)",
+        )
 
 
 def job_timeout(item) -> float:

@@ -1,21 +1,22 @@
 """Trainer: the one object a training loop uses, whichever strategy the job runs."""
+
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 
-from gradsync.metrics import scalars
 from gradsync.config import ConfigError
 from gradsync.core.clipping import Clipping
-from gradsync.core.optimizer_spec import as_optimizer
-from gradsync.tables.row_optim import ROW_OPTIMIZERS
 from gradsync.core.errors import outside_context_error
+from gradsync.core.optimizer_spec import as_optimizer
 from gradsync.core.torch_internals import current_context_id
+from gradsync.metrics import scalars
 from gradsync.runtime import checkpoints, cluster
 from gradsync.runtime.straggler import straggler_of
+from gradsync.tables.row_optim import ROW_OPTIMIZERS
 from gradsync.worker.user_optimizer import watch_clipping
 
 if TYPE_CHECKING:  # the strategy's module is imported when the job's strategy is known
@@ -62,10 +63,20 @@ class Trainer:
     Uneven data (workers with different numbers of batches): train inside `with trainer.join():` (see `join`).
     """
 
-    def __init__(self, model: nn.Module, optimizer=None, *, max_grad_norm: float | None = None,
-                 grad_norm_type: float = 2.0, error_if_nonfinite: bool = False,
-                 find_unused_parameters: bool = False, tables: str = "auto", table_optimizer=None,
-                 optimizer_cls=None, **optimizer_kwargs):
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer=None,
+        *,
+        max_grad_norm: float | None = None,
+        grad_norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        find_unused_parameters: bool = False,
+        tables: str = "auto",
+        table_optimizer=None,
+        optimizer_cls=None,
+        **optimizer_kwargs,
+    ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Trainer needs a torch.nn.Module, got {type(model).__name__}")
         if not any(p.requires_grad for p in model.parameters()):
@@ -74,11 +85,14 @@ class Trainer:
                 "to train: unfreeze at least one (p.requires_grad_(True)) before building the Trainer"
             )
         if tables not in ("auto", "rows", "dense"):
-            raise ValueError(f"tables={tables!r}: expected 'auto' (serve the tables a row optimizer applies to), "
-                             "'rows' (serve every table) or 'dense'")
+            raise ValueError(
+                f"tables={tables!r}: expected 'auto' (serve the tables a row optimizer applies to), "
+                "'rows' (serve every table) or 'dense'"
+            )
         if table_optimizer is not None and not isinstance(table_optimizer, ROW_OPTIMIZERS):
-            raise TypeError(f"table_optimizer must be gradsync.RowSGD(...) or gradsync.RowAdagrad(...), "
-                            f"got {table_optimizer!r}")
+            raise TypeError(
+                f"table_optimizer must be gradsync.RowSGD(...) or gradsync.RowAdagrad(...), got {table_optimizer!r}"
+            )
         clipping = Clipping(max_grad_norm, grad_norm_type, error_if_nonfinite)
         optimizer = as_optimizer(model, optimizer if optimizer is not None else optimizer_cls, optimizer_kwargs)
         job = self._job = cluster.current()
@@ -93,8 +107,12 @@ class Trainer:
         from gradsync.core.strategies import traits
 
         strategy = traits(job.config.strategy)  # its class's module is imported now, the others' never
-        given = dict(tables=tables, table_optimizer=table_optimizer, find_unused_parameters=find_unused_parameters,
-                     clipping=clipping)
+        given = dict(
+            tables=tables,
+            table_optimizer=table_optimizer,
+            find_unused_parameters=find_unused_parameters,
+            clipping=clipping,
+        )
         self._strategy = strategy.load()(job, model, optimizer, **{k: given[k] for k in strategy.keywords})
         watch_clipping(say=job.config.worker_rank == 0)
         straggler = straggler_of(job.config.worker_rank)  # compare --straggler naming this worker, else None
@@ -146,8 +164,15 @@ class Trainer:
         self._job.steps += 1
         every = self._job.config.checkpoint_every
         if every and self._job.steps % every == 0:
-            checkpoints.save(self._job.store, self._job.config, self._job.run, self._job.steps, self._strategy,
-                             self._described, self.start_step)
+            checkpoints.save(
+                self._job.store,
+                self._job.config,
+                self._job.run,
+                self._job.steps,
+                self._strategy,
+                self._described,
+                self.start_step,
+            )
 
     def no_sync(self):
         """A block whose backward passes only accumulate, as DDP's `no_sync()`: wrap every micro-batch of a
@@ -195,7 +220,8 @@ class Trainer:
             raise ConfigError(
                 f"trainer.join() lets workers take different numbers of steps, and checkpoint_every="
                 f"{config.checkpoint_every} needs every worker at the same step: leave out --checkpoint-every, "
-                "or give every worker the same number of batches and train without trainer.join()")
+                "or give every worker the same number of batches and train without trainer.join()"
+            )
         if self._joining:
             raise RuntimeError("trainer.join() is already open: leave that block before opening another")
         self._joining = True
@@ -219,4 +245,5 @@ class Trainer:
         """The inverse of `state_dict()` (or of a single-process `model.state_dict()`): the values go where they
         are trained (servers, tables' owners, replicas), as the user's `model.load_state_dict(state)` does.
         Every worker loads the same state, as under DDP."""
-        return self._strategy.model.module.load_state_dict(state, strict=strict)
+        module = cast(nn.Module, self._strategy.model.module)  # the user's module under every strategy
+        return module.load_state_dict(state, strict=strict)

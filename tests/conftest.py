@@ -1,8 +1,9 @@
-"""Shared test setup: tests/ on sys.path (for the helper modules, and for the ranks the tests spawn, which
-import jobs.py and friends by module path), pytest-timeout required, and the fixtures many files use: a store,
-a job launcher inside the test's hard timeout, an in-process gRPC server, single-process reference training,
-imports isolated for the scripts of bench/ run in this process; and
-the tiers (tiers.py): `job` marked on tests using `launch`, and a process started by any test not marked `job` fails
+"""Shared test setup, for the test files of every folder below: tests/support/ on sys.path (the helper modules
+and test models, imported by module name, `from jobs import make_mlp`, by the tests and by the ranks they spawn,
+which unpickle jobs.py's and its neighbours' functions by module path), pytest-timeout required, and the fixtures
+many files use: a store, a job launcher inside the test's hard timeout, an in-process gRPC server, single-process
+reference training, imports isolated for the scripts of bench/ run in this process; and the tiers
+(support/tiers.py): `job` marked on tests using `launch`, and a process started by any test not marked `job` fails
 it."""
 import contextlib
 import functools
@@ -12,7 +13,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
 
 import tiers  # noqa: E402
 

@@ -1,4 +1,5 @@
 """`python -m gradsync.cli`: the `gradsync` command."""
+
 import sys
 
 from gradsync.cli import main

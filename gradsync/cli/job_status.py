@@ -1,6 +1,7 @@
 """What `gradsync status RUN_DIR` prints and `gradsync pull RUN_DIR OUT` writes: a running job's shards as markdown
 tables (from a `Client`'s health and stats, or an ended job's final counters in its run directory), and the run's
 state dict saved with `torch.save`."""
+
 from __future__ import annotations
 
 import glob
@@ -20,8 +21,13 @@ def status_table(client: Client) -> str:
     embedding table."""
     health = client.health()
     stats = client.stats() if all(h["ready"] for h in health.values()) else {}  # GetStats needs a ready shard
-    return _table({shard: [client.addresses[shard], "yes" if h["ready"] else "no", str(h["version"])]
-                   for shard, h in sorted(health.items())}, stats)
+    return _table(
+        {
+            shard: [client.addresses[shard], "yes" if h["ready"] else "no", str(h["version"])]
+            for shard, h in sorted(health.items())
+        },
+        stats,
+    )
 
 
 def final_status_table(run_dir: str) -> str | None:
@@ -30,7 +36,9 @@ def final_status_table(run_dir: str) -> str | None:
     stats = {}
     for path in glob.glob(os.path.join(run_dir, "stats-*.json")):
         with open(path) as f:
-            stats[int(re.search(r"stats-(\d+)\.json$", path).group(1))] = json.load(f)
+            shard = re.search(r"stats-(\d+)\.json$", path)
+            assert shard is not None  # what the pattern above lists
+            stats[int(shard.group(1))] = json.load(f)
     if not stats:
         return None
     table = _table({shard: ["-", "ended", str(s["version"])] for shard, s in sorted(stats.items())}, stats)
@@ -39,24 +47,49 @@ def final_status_table(run_dir: str) -> str | None:
 
 def _table(first: dict[int, list[str]], stats: dict[int, dict]) -> str:
     """The status table: per shard its `first` cells (address, ready, version) and its `stats`, if any."""
-    header = ["shard", "address", "ready", "version", "workers seen", "pushes applied", "pushes rejected",
-              "steps skipped", "max staleness", "staleness: pushes", "MB in", "MB out"]
+    header = [
+        "shard",
+        "address",
+        "ready",
+        "version",
+        "workers seen",
+        "pushes applied",
+        "pushes rejected",
+        "steps skipped",
+        "max staleness",
+        "staleness: pushes",
+        "MB in",
+        "MB out",
+    ]
     rows = []
     for shard, cells in first.items():
         s = stats.get(shard)
-        rows.append([str(shard), *cells] + (
-            [",".join(map(str, s["workers_seen"])), str(s["pushes_applied"]), str(s["pushes_rejected"]),
-             str(s["steps_skipped"]), str(s["max_staleness"]),
-             " ".join(f"{k}:{v}" for k, v in sorted(s["staleness_histogram"].items())) or "-",
-             f"{s['bytes_in'] / 1e6:.1f}", f"{s['bytes_out'] / 1e6:.1f}"]
-            if s else ["-"] * 8
-        ))
+        rows.append(
+            [str(shard), *cells]
+            + (
+                [
+                    ",".join(map(str, s["workers_seen"])),
+                    str(s["pushes_applied"]),
+                    str(s["pushes_rejected"]),
+                    str(s["steps_skipped"]),
+                    str(s["max_staleness"]),
+                    " ".join(f"{k}:{v}" for k, v in sorted(s["staleness_histogram"].items())) or "-",
+                    f"{s['bytes_in'] / 1e6:.1f}",
+                    f"{s['bytes_out'] / 1e6:.1f}",
+                ]
+                if s
+                else ["-"] * 8
+            )
+        )
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     tables = [(shard, name, t) for shard, s in sorted(stats.items()) for name, t in s["tables"].items()]
     if tables:
-        lines += ["", "| table | shard | rows | MB | rows pulled | rows pushed | max staleness | admitted | filtered "
-                  "| evicted |", "|" + "---|" * 10]
+        lines += [
+            "",
+            "| table | shard | rows | MB | rows pulled | rows pushed | max staleness | admitted | filtered | evicted |",
+            "|" + "---|" * 10,
+        ]
         lines += [_table_row(name, str(shard), t) for shard, name, t in tables]
         for name in dict.fromkeys(name for _, name, _ in tables):  # a table on several shards: its totals too
             parts = [t for _, n, t in tables if n == name]
@@ -70,8 +103,10 @@ def _table(first: dict[int, list[str]], stats: dict[int, dict]) -> str:
 def _table_row(name: str, shard: str, t: dict) -> str:
     """One row of the tables' part of the status: a table's counters on `shard` (a dynamic table's admitted,
     filtered and evicted; 0 for a fixed table)."""
-    return (f"| {name} | {shard} | {t['rows']} | {t['bytes'] / 1e6:.1f} | {t['rows_pulled']} | {t['rows_pushed']} | "
-            f"{t['max_staleness']} | {t.get('admitted', 0)} | {t.get('filtered', 0)} | {t.get('evicted', 0)} |")
+    return (
+        f"| {name} | {shard} | {t['rows']} | {t['bytes'] / 1e6:.1f} | {t['rows_pulled']} | {t['rows_pushed']} | "
+        f"{t['max_staleness']} | {t.get('admitted', 0)} | {t.get('filtered', 0)} | {t.get('evicted', 0)} |"
+    )
 
 
 def pull_to_file(client: Client, path: str) -> dict[int, int]:

@@ -71,6 +71,7 @@ times as long (`contention`). A run measured that way says so (`Run.cores`) and 
 the fitted compute is a worker's own; `Fit.step_s(..., cores=C)` predicts such a machine again, without
 `cores` a machine per worker.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -124,18 +125,22 @@ class Config:
         if strategy.servers and self.servers < 1:
             raise ValueError(f"strategy={self.strategy!r} needs servers >= 1, got servers={self.servers}")
         if self.sparse_tables and strategy.tables is not Tables.REPLICATED:
-            raise ValueError(f"sparse_tables={self.sparse_tables} is an allreduce setting, got strategy="
-                             f"{self.strategy!r}: ps and hybrid move rows anyway (row_bytes), leave it 0")
+            raise ValueError(
+                f"sparse_tables={self.sparse_tables} is an allreduce setting, got strategy="
+                f"{self.strategy!r}: ps and hybrid move rows anyway (row_bytes), leave it 0"
+            )
         if self.piece < 0:
             raise ValueError(f"piece={self.piece}: elements of the largest piece, 0 (the whole shard) or more")
         if self.sharded_tables and strategy.tables is not Tables.SHARDED:
-            raise ValueError(f"sharded_tables={self.sharded_tables} is a sharded setting, got strategy="
-                             f"{self.strategy!r}: leave it 0")
+            raise ValueError(
+                f"sharded_tables={self.sharded_tables} is a sharded setting, got strategy={self.strategy!r}: leave it 0"
+            )
         if strategy.tables is Tables.SHARDED and self.servers:  # (allreduce's formula leaves servers out)
             raise ValueError(f"strategy={self.strategy!r} has no servers, got servers={self.servers}: leave it 0")
         if self.sparse_tables < 0 or self.sharded_tables < 0:
-            raise ValueError(f"sparse_tables={self.sparse_tables}, sharded_tables={self.sharded_tables}: counts of "
-                             "tables, 0 or more")
+            raise ValueError(
+                f"sparse_tables={self.sparse_tables}, sharded_tables={self.sharded_tables}: counts of tables, 0 or more"
+            )
         if self.mode == "async" and strategy.dense is not Dense.SERVERS:
             raise ValueError(f"mode='async' is a ps mode, got strategy={self.strategy!r}: use strategy='ps'")
 
@@ -157,8 +162,10 @@ class Run:
 
     def __post_init__(self):
         if self.workers < 1 or not self.step_s > 0:
-            raise ValueError(f"a run needs workers >= 1 and step_s > 0, got workers={self.workers}, "
-                             f"step_s={self.step_s}: pass the measured median step seconds")
+            raise ValueError(
+                f"a run needs workers >= 1 and step_s > 0, got workers={self.workers}, "
+                f"step_s={self.step_s}: pass the measured median step seconds"
+            )
 
 
 def contention(workers: int, cores: int | None) -> float:
@@ -191,8 +198,9 @@ def traffic(config: Config, workers: int) -> tuple[float, int]:
 def _ps_pipeline(config: Config, workers: int) -> float:
     """Bytes through the busiest link and direction of a pipelined sync ps step, with what cannot overlap (the
     module docstring's formula)."""
-    busiest = config.row_bytes + max(wire_bytes(config.dense, config.compression) + config.row_bytes,
-                                     FP32 * config.dense)
+    busiest = config.row_bytes + max(
+        wire_bytes(config.dense, config.compression) + config.row_bytes, FP32 * config.dense
+    )
     piece = config.piece or -(-config.dense // config.servers)
     alone = min(wire_bytes(piece, config.compression), FP32 * piece)
     return max(workers / config.servers * busiest + workers * alone, busiest + alone)
@@ -231,8 +239,12 @@ class Fit:
         s_per_byte = self.s_per_byte if link is None else 1 / link
         compute = self.compute_s_per_sample * config.batch * contention(workers, cores)
         if config.mode == "async":
-            own = (compute + s_per_byte * _ps_exchange(config) + self.latency_s * _ps_messages(config)
-                   + self.step_overhead_s)
+            own = (
+                compute
+                + s_per_byte * _ps_exchange(config)
+                + self.latency_s * _ps_messages(config)
+                + self.step_overhead_s
+            )
             share = max(workers / config.servers, 1)
             return max(own, s_per_byte * share * (FP32 * config.dense + config.row_bytes))
         nbytes, messages = traffic(config, workers)
@@ -249,8 +261,10 @@ def fit(runs: list[Run]) -> Fit:
     if not runs:
         raise ValueError("no runs to fit: measure at least 3 sync runs")
     if any(r.config.mode != "sync" for r in runs):
-        raise ValueError("fit takes sync runs only (async is a max, not linear): leave the async runs out "
-                         "and predict them from the fit")
+        raise ValueError(
+            "fit takes sync runs only (async is a max, not linear): leave the async runs out "
+            "and predict them from the fit"
+        )
     links = {r.link for r in runs}
     if len(links) > 1:
         raise ValueError(f"runs on links {sorted(links, key=str)}: fit the runs of one link at a time")
@@ -270,11 +284,13 @@ def fit(runs: list[Run]) -> Fit:
         raise ValueError(
             "these runs cannot separate compute per sample, cost per byte and latency per message "
             f"(strategy, W, link bytes seen: {seen}): add runs that vary the batch, the bytes (model size "
-            "or strategy) and the messages (W, or allreduce next to ps) independently")
+            "or strategy) and the messages (W, or allreduce next to ps) independently"
+        )
     params = _nonnegative_lstsq(weighted / scale, np.ones(len(measured))) / scale
     residuals = tuple(float(np.dot(params, step)) / r.step_s - 1 for step, r in zip(steps, runs))
     pinned = tuple(name for name, value in zip(PARAMETERS, params) if value == 0)
-    return Fit(*map(float, params), runs=tuple(runs), residuals=residuals, pinned=pinned)
+    compute, per_byte, latency = map(float, params)  # in `PARAMETERS` order
+    return Fit(compute, per_byte, latency, runs=tuple(runs), residuals=residuals, pinned=pinned)
 
 
 def _nonnegative_lstsq(design: np.ndarray, target: np.ndarray) -> np.ndarray:
@@ -289,6 +305,7 @@ def _nonnegative_lstsq(design: np.ndarray, target: np.ndarray) -> np.ndarray:
         cost = float(np.sum((design @ params - target) ** 2))
         if np.all(params >= 0) and cost < best_cost:
             best, best_cost = params, cost
+    assert best is not None  # each parameter alone fits the positive costs with a positive value
     return best
 
 
@@ -298,16 +315,20 @@ def latency_per_step(fit: Fit) -> Fit:
     message counts differ (then the latency was measured per message)."""
     counts = {traffic(r.config, r.workers)[1] for r in fit.runs}
     if len(counts) != 1:
-        raise ValueError(f"the fitted runs exchanged {sorted(counts)} messages per step: their latency is "
-                         "measured per message, keep it there")
+        raise ValueError(
+            f"the fitted runs exchanged {sorted(counts)} messages per step: their latency is "
+            "measured per message, keep it there"
+        )
     fixed = fit.step_overhead_s + fit.latency_s * counts.pop()
     return dataclasses.replace(fit, latency_s=0.0, step_overhead_s=fixed)
 
 
-def crossover(fit: Fit, first: Config, second: Config, link: float | None = None,
-              max_workers: int = 1024, min_workers: int = 2) -> int | None:
+def crossover(
+    fit: Fit, first: Config, second: Config, link: float | None = None, max_workers: int = 1024, min_workers: int = 2
+) -> int | None:
     """The smallest W in min_workers + 1..max_workers where the faster of the two (in samples/s) is not the
     one faster at W = min_workers; None if the same one leads throughout."""
+
     def ahead(w: int) -> bool:
         return fit.throughput(first, w, link) > fit.throughput(second, w, link)
 
@@ -332,12 +353,14 @@ def link_crossover(fit: Fit, first: Config, second: Config, workers: int) -> flo
     return 1 / s_per_byte if s_per_byte > 0 else None
 
 
-def table_crossover(fit: Fit, first: Config, second: Config, workers: int, link: float | None = None,
-                    max_elements: int = 10**12) -> int | None:
+def table_crossover(
+    fit: Fit, first: Config, second: Config, workers: int, link: float | None = None, max_elements: int = 10**12
+) -> int | None:
     """The smallest embedding table size (elements, given to both configs) where the faster of the two is
     not the one faster without tables; None if the same one leads up to `max_elements`. Step time is
     linear in the table size (allreduce moves every row, ps and hybrid only the rows looked up), so there
     is at most one crossing: found by bisection."""
+
     def ahead(elements: int) -> bool:
         one, two = (dataclasses.replace(c, tables=elements) for c in (first, second))
         return fit.throughput(one, workers, link) > fit.throughput(two, workers, link)
@@ -361,27 +384,41 @@ def confidence(fit: Fit, doubts: Sequence[tuple[str, str]] = ()) -> str:
     outside the fit, such as how the runs were made."""
     measurements = len(fit.runs) + sum(1 for r in fit.runs if r.compute_s)
     if measurements <= 3:
-        reasons = [("low", f"the fit is exactly determined by {measurements} measurements ({len(fit.runs)} runs' "
-                           f"step times, {measurements - len(fit.runs)} compute splits), so there is no residual "
-                           "to judge it by")]
+        reasons = [
+            (
+                "low",
+                f"the fit is exactly determined by {measurements} measurements ({len(fit.runs)} runs' "
+                f"step times, {measurements - len(fit.runs)} compute splits), so there is no residual "
+                "to judge it by",
+            )
+        ]
     else:
         worst = fit.max_rel_error
         grade = "high" if worst < 0.1 else "moderate" if worst < 0.3 else "low"
-        reasons = [(grade, f"the model reproduces its {len(fit.runs)} fitted runs within {worst:.0%} (max "
-                           "relative error)")]
+        reasons = [
+            (grade, f"the model reproduces its {len(fit.runs)} fitted runs within {worst:.0%} (max relative error)")
+        ]
     values = (fit.compute_s_per_sample, fit.s_per_byte, fit.latency_s)
     negative = [name for name, value in zip(PARAMETERS, values) if value < 0]
     if negative:
-        reasons.append(("low", f"the fitted {' and '.join(negative)} came out negative, so the model does not "
-                               "describe these runs"))
+        reasons.append(
+            ("low", f"the fitted {' and '.join(negative)} came out negative, so the model does not describe these runs")
+        )
     if fit.pinned:
-        reasons.append(("moderate", f"the fit held the {' and '.join(fit.pinned)} at zero (a negative value "
-                                    "fitted these runs better), so the model describes them only roughly"))
+        reasons.append(
+            (
+                "moderate",
+                f"the fit held the {' and '.join(fit.pinned)} at zero (a negative value "
+                "fitted these runs better), so the model describes them only roughly",
+            )
+        )
     reasons += doubts
     grade = min((g for g, _ in reasons), key=GRADES.index)
     workers = sorted({r.workers for r in fit.runs})
-    return (f"Confidence is {grade}: {'; '.join(why for _, why in reasons)}. Fitted at W = "
-            f"{', '.join(map(str, workers))}; anything else is an extrapolation.")
+    return (
+        f"Confidence is {grade}: {'; '.join(why for _, why in reasons)}. Fitted at W = "
+        f"{', '.join(map(str, workers))}; anything else is an extrapolation."
+    )
 
 
 def verdict(fit: Fit, configs: dict[str, Config], workers: int, link: float | None = None) -> str:
@@ -389,10 +426,12 @@ def verdict(fit: Fit, configs: dict[str, Config], workers: int, link: float | No
     if len(configs) < 2:
         raise ValueError(f"verdict compares paradigms: got {len(configs)} config(s), give at least 2")
     speed = {name: fit.throughput(c, workers, link) for name, c in configs.items()}
-    winner, runner = sorted(speed, key=speed.get, reverse=True)[:2]
+    winner, runner = sorted(speed, key=speed.__getitem__, reverse=True)[:2]
     where = "the measured link" if link is None else f"a link of {8 * link / 1e9:g} Gbit/s"
-    text = (f"At W = {workers} on {where}, {winner} wins: {speed[winner]:,.0f} samples/s, "
-            f"{speed[winner] / speed[runner]:.2f}x {runner}. ")
+    text = (
+        f"At W = {workers} on {where}, {winner} wins: {speed[winner]:,.0f} samples/s, "
+        f"{speed[winner] / speed[runner]:.2f}x {runner}. "
+    )
     w = crossover(fit, configs[winner], configs[runner], link)
     if w is None:
         text += f"It stays ahead of {runner} at every W from 2 to 1024. "

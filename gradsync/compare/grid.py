@@ -1,4 +1,5 @@
 """The configurations `gradsync compare` runs: strategy x mode x servers x compression."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,8 +53,7 @@ def grid(strategies: list[str], servers: list[int], modes: list[str], compressio
     for strategy in strategies:
         for compression in compressions:
             if strategy not in STRATEGIES:
-                raise ValueError(f"unknown strategy {strategy!r} in --strategies: use allreduce, ps, hybrid or "
-                                 "sharded")
+                raise ValueError(f"unknown strategy {strategy!r} in --strategies: use allreduce, ps, hybrid or sharded")
             if not STRATEGIES[strategy].servers:
                 configs.append(Config(strategy, compression=compression))
             elif _runs_every_mode(strategy):

@@ -1,9 +1,10 @@
 """CompareOptions: what one `gradsync compare` is asked to do, as one frozen value (the command line builds it
 from its flags: `gradsync.cli.compare_options`)."""
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from collections.abc import Mapping
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,4 +1,5 @@
 """The PNG charts of a `gradsync compare` report (matplotlib, no display needed)."""
+
 from __future__ import annotations
 
 import os
@@ -54,20 +55,23 @@ def _losses(curves: list[dict], out_dir: str, warmup: int) -> str:
         label = f"{r['name']} (failed)" if "error" in r else r["name"]
         t, step, loss = zip(*r["curve"])
         warm = r["warmup_t"] or 0.0
-        after = [(s - warm, l) for s, l in zip(t, loss) if s >= warm]
+        after = [(s - warm, v) for s, v in zip(t, loss) if s >= warm]
         if after:
             by_time.plot(*zip(*after), label=label)
         by_step.plot(step, loss, label=label)
-    by_time.set(xlabel=f"seconds after the warm-up ({warmup_text(warmup)})", ylabel="loss (worker 0)",
-                title="loss against time")
+    by_time.set(
+        xlabel=f"seconds after the warm-up ({warmup_text(warmup)})", ylabel="loss (worker 0)", title="loss against time"
+    )
     by_step.set(xlabel="step", ylabel="loss (worker 0)", title="loss against step")
     by_step.legend(fontsize="small")
     return _save(fig, out_dir, "loss.png")
 
 
-SERVED = (("push, and the other workers' parts", "left", "arrived", "tab:blue"),
-          ("apply", "arrived", "applied", "tab:orange"),
-          ("reply", "applied", "back", "tab:green"))
+SERVED = (
+    ("push, and the other workers' parts", "left", "arrived", "tab:blue"),
+    ("apply", "arrived", "applied", "tab:orange"),
+    ("reply", "applied", "back", "tab:green"),
+)
 """A ps piece's bars: (label, from event, to event, colour)."""
 EXCHANGED = (("exchange (allreduce bucket, ps header)", "left", "back", "tab:gray"),)
 """The bar of a lane without server events."""
@@ -77,21 +81,32 @@ def _timeline(timed: list[dict], out_dir: str) -> str:
     """timeline.png: for each run (each with a timeline with lanes), its median step, a lane per piece or
     bucket, bars from when it left to when it came back, in ms from the step's first departure."""
     lanes = [len(r["timeline"]["pieces"]) for r in timed]
-    fig, axes = plt.subplots(len(timed), 1, figsize=(13, 1.5 + 0.25 * sum(lanes) + 0.8 * len(timed)),
-                             squeeze=False, gridspec_kw={"height_ratios": lanes})
+    fig, axes = plt.subplots(
+        len(timed),
+        1,
+        figsize=(13, 1.5 + 0.25 * sum(lanes) + 0.8 * len(timed)),
+        squeeze=False,
+        gridspec_kw={"height_ratios": lanes},
+    )
     for ax, r in zip(axes[:, 0], timed):
         pieces = r["timeline"]["pieces"]
         start = min(p["left"] for p in pieces)
         for y, p in enumerate(pieces):
-            for label, begin, end, colour in SERVED if p["arrived"] is not None else EXCHANGED:
+            for _label, begin, end, colour in SERVED if p["arrived"] is not None else EXCHANGED:
                 if p[begin] is not None and p[end] is not None:
                     ax.barh(y, 1000 * (p[end] - p[begin]), left=1000 * (p[begin] - start), color=colour)
         ax.set_yticks(range(len(pieces)), [p["lane"] for p in pieces], fontsize="small")
         ax.invert_yaxis()
-        ax.set(title=f"{r['name']}: step {r['timeline']['step']} (median time)",
-               xlabel="ms from the step's first departure (worker 0)")
-    axes[0, 0].legend(handles=[Patch(color=colour, label=label) for label, _, _, colour in SERVED + EXCHANGED],
-                      loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
+        ax.set(
+            title=f"{r['name']}: step {r['timeline']['step']} (median time)",
+            xlabel="ms from the step's first departure (worker 0)",
+        )
+    axes[0, 0].legend(
+        handles=[Patch(color=colour, label=label) for label, _, _, colour in SERVED + EXCHANGED],
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1),
+        fontsize="small",
+    )
     return _save(fig, out_dir, "timeline.png")
 
 

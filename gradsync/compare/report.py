@@ -1,4 +1,5 @@
 """report.json (every metric of every run) and report.md (the side-by-side table) of `gradsync compare`."""
+
 from __future__ import annotations
 
 import json
@@ -9,30 +10,68 @@ from gradsync.compare.predict import markdown
 from gradsync.core.strategies import STRATEGIES, Tables
 
 COLUMNS = (  # (heading, key, format, what it is)
-    ("final loss", "final_loss", "{:.4f}", "the mean of the last tenth of worker 0's logged losses (at least its "
-     "last one): a smoothed end point, so it differs from the last loss a script prints"),
+    (
+        "final loss",
+        "final_loss",
+        "{:.4f}",
+        "the mean of the last tenth of worker 0's logged losses (at least its "
+        "last one): a smoothed end point, so it differs from the last loss a script prints",
+    ),
     ("accuracy", "accuracy", "{:.3f}", "the last `acc` worker 0 logged"),
-    ("samples/s", "samples_per_s", "{:.0f}", "the `samples` every worker logged per second after its warm-up, "
-     "summed over the workers"),
+    (
+        "samples/s",
+        "samples_per_s",
+        "{:.0f}",
+        "the `samples` every worker logged per second after its warm-up, summed over the workers",
+    ),
     ("step ms", "step_s", "ms", "pull + all-to-all + compute + commit"),
     ("pull ms", "pull_s", "ms", "fetching parameters or embedding rows from the servers (none under allreduce)"),
-    ("all-to-all ms", "exchange_s", "ms", "the sharded strategy's all-to-all exchanges among the workers: the ids "
-     "and rows of each lookup in the forward, the row gradients at the step (none under the other strategies)"),
-    ("compute ms", "compute_s", "ms", "the forward and backward on the worker (under allreduce with the part of "
-     "DDP's allreduce that overlaps the backward)"),
-    ("commit ms", "commit_s", "ms", "from the last gradient to the next step's parameters: the gradient exchange "
-     "(ps: push and the servers' reply; allreduce: DDP's allreduce that the backward waits for at its end) and "
-     "the optimizer step"),
+    (
+        "all-to-all ms",
+        "exchange_s",
+        "ms",
+        "the sharded strategy's all-to-all exchanges among the workers: the ids "
+        "and rows of each lookup in the forward, the row gradients at the step (none under the other strategies)",
+    ),
+    (
+        "compute ms",
+        "compute_s",
+        "ms",
+        "the forward and backward on the worker (under allreduce with the part of "
+        "DDP's allreduce that overlaps the backward)",
+    ),
+    (
+        "commit ms",
+        "commit_s",
+        "ms",
+        "from the last gradient to the next step's parameters: the gradient exchange "
+        "(ps: push and the servers' reply; allreduce: DDP's allreduce that the backward waits for at its end) and "
+        "the optimizer step",
+    ),
     ("KB/step", "bytes_per_step", "kb", "bytes worker 0 sent and received per step"),
-    ("CPU-s/step", "cpu_s_per_step", "{:.3f}", "CPU-seconds of every process of the job (workers and servers) per "
-     "step, from the end of worker 0's warm-up to its last step"),
-    ("CPU wait s/step", "cpu_wait_s_per_step", "{:.3f}", "seconds per step the job's threads were ready to run "
-     "but waited for a CPU (summed over threads; /proc schedstat), over the same steps: the time-slicing of more "
-     "busy threads than this machine's cores, which a machine per rank would not have"),
+    (
+        "CPU-s/step",
+        "cpu_s_per_step",
+        "{:.3f}",
+        "CPU-seconds of every process of the job (workers and servers) per "
+        "step, from the end of worker 0's warm-up to its last step",
+    ),
+    (
+        "CPU wait s/step",
+        "cpu_wait_s_per_step",
+        "{:.3f}",
+        "seconds per step the job's threads were ready to run "
+        "but waited for a CPU (summed over threads; /proc schedstat), over the same steps: the time-slicing of more "
+        "busy threads than this machine's cores, which a machine per rank would not have",
+    ),
     ("worker peak MB", "worker_peak_mb", "{:.0f}", "the largest peak resident memory (VmHWM) of a worker process"),
     ("server peak MB", "server_peak_mb", "{:.0f}", "the same of a server process (0: the run has none)"),
-    ("staleness: pushes", "staleness", "histogram", "async and ssp runs: pushes the servers applied, by how many "
-     "versions behind they were"),
+    (
+        "staleness: pushes",
+        "staleness",
+        "histogram",
+        "async and ssp runs: pushes the servers applied, by how many versions behind they were",
+    ),
 )
 
 
@@ -67,12 +106,15 @@ def warmup_text(warmup: int) -> str:
 
 def legend(warmup: int) -> list[str]:
     """What every column of the table is, as a markdown list."""
-    return [f"Medians per step of worker 0 after its warm-up: {warmup_text(warmup)} of every worker (first calls, "
-            "lazy imports) is left out of every per-step column. The step columns come from the Trainer's record of "
-            "each step; loss, accuracy and samples from what the script passes to gradsync.log.", "",
-            "- run: the strategy, the ps mode, S = the servers, the compression; \"skipped: no tables\": a hybrid "
-            "run on a model with no embedding table that hybrid would serve",
-            *[f"- {heading}: {meaning}" for heading, _, _, meaning in COLUMNS]]
+    return [
+        f"Medians per step of worker 0 after its warm-up: {warmup_text(warmup)} of every worker (first calls, "
+        "lazy imports) is left out of every per-step column. The step columns come from the Trainer's record of "
+        "each step; loss, accuracy and samples from what the script passes to gradsync.log.",
+        "",
+        '- run: the strategy, the ps mode, S = the servers, the compression; "skipped: no tables": a hybrid '
+        "run on a model with no embedding table that hybrid would serve",
+        *[f"- {heading}: {meaning}" for heading, _, _, meaning in COLUMNS],
+    ]
 
 
 PER_STEP, AT_THE_END = "once per step in the training loop", "once after training"
@@ -91,11 +133,16 @@ def missing(runs: list[dict]) -> str | None:
     lacking = [entry for entry in LOGGED if entry[0] not in logged]
     if not finished or not lacking:
         return None
-    calls = [f"gradsync.log({', '.join(call for _, _, call, w in lacking if w == when)}) {when}"
-             for when in (PER_STEP, AT_THE_END) if any(w == when for *_, w in lacking)]
+    calls = [
+        f"gradsync.log({', '.join(call for _, _, call, w in lacking if w == when)}) {when}"
+        for when in (PER_STEP, AT_THE_END)
+        if any(w == when for *_, w in lacking)
+    ]
     measured = "" if logged else " (its step times, bytes, CPU and memory come from the Trainer itself)"
-    return (f"the script logs no {_either(name for name, *_ in lacking)} with gradsync.log, so the report has no "
-            f"{_either(shown for _, shown, *_ in lacking)}{measured}: call {' and '.join(calls)}")
+    return (
+        f"the script logs no {_either(name for name, *_ in lacking)} with gradsync.log, so the report has no "
+        f"{_either(shown for _, shown, *_ in lacking)}{measured}: call {' and '.join(calls)}"
+    )
 
 
 def _either(words) -> str:
@@ -109,19 +156,25 @@ def uneven(runs: list[dict]) -> list[str]:
     logged step is later than the first: 0 or 1, or an earlier run's first)."""
     finished = [r for r in runs if "error" not in r and "skipped" not in r]
     most = max(finished, key=lambda r: r["steps"], default=None)
+    if most is None:  # no finished run
+        return []
     firsts = [r["first_step"] for r in finished if r.get("first_step") is not None]
     first = min([1, *firsts])
     out = []
     for r in finished:
         if r["steps"] < most["steps"]:
-            out.append(f"{r['name']} logged {r['steps']} steps, {most['name']} {most['steps']}: its final loss and "
-                       "medians cover other steps than the other runs', so its row does not compare like for like "
-                       "(did the script stop early, or resume from a snapshot it found?)")
+            out.append(
+                f"{r['name']} logged {r['steps']} steps, {most['name']} {most['steps']}: its final loss and "
+                "medians cover other steps than the other runs', so its row does not compare like for like "
+                "(did the script stop early, or resume from a snapshot it found?)"
+            )
         if r.get("first_step") is not None and r["first_step"] > first:
-            out.append(f"{r['name']} resumed: its first logged step is {r['first_step']}, not {first}, so it "
-                       "continued a training that began before it and its loss curve starts where that one stopped "
-                       "(a snapshot that was in the working directory when compare started: every run starts from "
-                       "a copy of that directory)")
+            out.append(
+                f"{r['name']} resumed: its first logged step is {r['first_step']}, not {first}, so it "
+                "continued a training that began before it and its loss curve starts where that one stopped "
+                "(a snapshot that was in the working directory when compare started: every run starts from "
+                "a copy of that directory)"
+            )
     return out
 
 
@@ -133,23 +186,28 @@ def failures(runs: list[dict], out_dir: str = "") -> list[str]:
         logged = ", ".join(f"worker{w} {n}" for w, n in enumerate(r.get("worker_steps", [])))
         rank = f"{r['failed_rank']} failed" if r.get("failed_rank") else "it failed"
         drawn = " (its loss up to the failure is in loss.png)" if r.get("curve") else ""
-        out.append(f"- {r['name']}: {rank}: {r['error']}; the traceback is in {os.path.join(out_dir, r['failure'])}; "
-                   f"steps logged before the failure: {logged or 'none'}{drawn}")
+        out.append(
+            f"- {r['name']}: {rank}: {r['error']}; the traceback is in {os.path.join(out_dir, r['failure'])}; "
+            f"steps logged before the failure: {logged or 'none'}{drawn}"
+        )
     return out
 
 
 def dense_tables(runs: list[dict]) -> str | None:
     """The note for allreduce runs that averaged embedding tables densely (every row, every step), which is
     not allreduce at its best; None when no run did."""
-    replicated = [r for r in runs if r.get("strategy") in STRATEGIES
-                  and STRATEGIES[r["strategy"]].tables is Tables.REPLICATED]
+    replicated = [
+        r for r in runs if r.get("strategy") in STRATEGIES and STRATEGIES[r["strategy"]].tables is Tables.REPLICATED
+    ]
     count = max(((r.get("model") or {}).get("dense_tables", 0) for r in replicated), default=0)
     if not count:
         return None
-    return (f"allreduce averaged {count} embedding table(s) with dense gradients, every row at every step; "
-            "with large tables a DDP user builds them with nn.Embedding(..., sparse=True) and an optimizer that "
-            "takes sparse gradients (SGD, Adagrad, SparseAdam), so only the touched rows travel: build them so in "
-            "the script to compare against allreduce at its best")
+    return (
+        f"allreduce averaged {count} embedding table(s) with dense gradients, every row at every step; "
+        "with large tables a DDP user builds them with nn.Embedding(..., sparse=True) and an optimizer that "
+        "takes sparse gradients (SGD, Adagrad, SparseAdam), so only the touched rows travel: build them so in "
+        "the script to compare against allreduce at its best"
+    )
 
 
 def summary(runs: list[dict]) -> str:
@@ -168,8 +226,9 @@ def summary(runs: list[dict]) -> str:
     return " ".join(lines)
 
 
-def write_report(meta: dict, runs: list[dict], plots: list[str], out_dir: str,
-                 prediction: dict | None = None) -> tuple[str, str]:
+def write_report(
+    meta: dict, runs: list[dict], plots: list[str], out_dir: str, prediction: dict | None = None
+) -> tuple[str, str]:
     """Write report.json and report.md under `out_dir`; returns their paths. `prediction`
     (`compare.predict.predict`): in report.json, and report.md ends with its verdict."""
     json_path, md_path = os.path.join(out_dir, "report.json"), os.path.join(out_dir, "report.md")
@@ -208,12 +267,16 @@ def _conditions(meta: dict) -> list[str]:
     if meta.get("link"):
         out.append(f"Network: every rank behind an emulated {meta['link']} link (its own namespace, tc tbf).")
     if meta.get("server_link"):
-        out.append(f"Slow server link: each parameter server behind {meta['server_link']} instead (allreduce "
-                   "runs have no servers: only the workers' links count there).")
+        out.append(
+            f"Slow server link: each parameter server behind {meta['server_link']} instead (allreduce "
+            "runs have no servers: only the workers' links count there)."
+        )
     if meta.get("straggler"):
         worker, factor = meta["straggler"].split(":")
         out.append(f"Straggler: worker {worker}'s compute took {factor} times as long in every run.")
     if meta.get("most_processes", 0) > meta.get("cores", 1 << 30):
-        out.append(f"Time-sliced: up to {meta['most_processes']} processes shared {meta['cores']} cores, so "
-                   "compute and communication compete for CPU; on separate machines they would not.")
+        out.append(
+            f"Time-sliced: up to {meta['most_processes']} processes shared {meta['cores']} cores, so "
+            "compute and communication compete for CPU; on separate machines they would not."
+        )
     return [""] + out if out else []

@@ -14,6 +14,7 @@ left out of every per-step figure: the medians, samples/s and CPU per step count
 from the end of the warm-up to the last step. A hybrid run whose model has
 no table to serve (`NoTablesToServe`) is skipped, not failed; so is a sharded run.
 """
+
 from __future__ import annotations
 
 import glob
@@ -29,9 +30,9 @@ import numpy
 
 from gradsync.compare import workdir
 from gradsync.compare.grid import Config
-from gradsync.core.job_names import server_name, worker_name
 from gradsync.core import settings
 from gradsync.core.errors import JobFailed, NoTablesToServe
+from gradsync.core.job_names import server_name, worker_name
 from gradsync.core.strategies import names
 from gradsync.core.waiting import THREAD_STOP_S
 from gradsync.launcher import procfs
@@ -130,8 +131,9 @@ def _between(samples: list[tuple[float, int]], start: float, end: float) -> floa
 def headline(failure: str) -> str:
     """The exception line of a failed job's text (its first line when there is none)."""
     lines = failure.strip().splitlines() or ["the job failed"]
-    return next((line.strip() for line in reversed(lines) if re.match(r"^\s*[\w.]+(Error|Exception|Failed): ", line)),
-                lines[0])
+    return next(
+        (line.strip() for line in reversed(lines) if re.match(r"^\s*[\w.]+(Error|Exception|Failed): ", line)), lines[0]
+    )
 
 
 def read_json(path: str):
@@ -148,10 +150,22 @@ def read_log(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.endswith("\n") and line.strip()]
 
 
-def run(config: Config, script: str, script_args: list[str], workers: int, out_dir: str, timeout: float,
-        warmup: int, progress=None, board_dir: str | None = None, network: dict | None = None,
-        straggler: str | None = None, timeline: bool = False, start: str | None = None,
-        pristine: str | None = None) -> dict:
+def run(
+    config: Config,
+    script: str,
+    script_args: list[str],
+    workers: int,
+    out_dir: str,
+    timeout: float,
+    warmup: int,
+    progress=None,
+    board_dir: str | None = None,
+    network: dict | None = None,
+    straggler: str | None = None,
+    timeline: bool = False,
+    start: str | None = None,
+    pristine: str | None = None,
+) -> dict:
     """Run `config` and return its measurements (a failed run also its `error`, `failed_rank` and `failure`
     file; `skipped`: NO_TABLES for a hybrid or sharded run on a model without tables). `warmup`: steps left out of the
     per-step figures; `board_dir`: where the workers also write TensorBoard scalars, one subdirectory per run;
@@ -168,10 +182,17 @@ def run(config: Config, script: str, script_args: list[str], workers: int, out_d
     if pristine is not None:
         cwd = os.path.join(log_dir, WORKDIR)
         workdir.fresh(pristine, cwd)
+        assert start is not None  # `pristine` is a copy of it
         script = workdir.script_in(script, start, cwd)
-    sampler = Sampler(config.servers, on_sample=(lambda: progress(sum(
-        "record" in line for line in read_log(os.path.join(log_dir, "worker-0.jsonl"))))) if progress else None)
-    variables = {settings.LOG_DIR: log_dir}
+    sampler = Sampler(
+        config.servers,
+        on_sample=(
+            lambda: progress(sum("record" in line for line in read_log(os.path.join(log_dir, "worker-0.jsonl"))))
+        )
+        if progress
+        else None,
+    )
+    variables: dict[settings.Setting, str] = {settings.LOG_DIR: log_dir}
     if board_dir:
         variables[settings.TENSORBOARD_DIR] = os.path.join(board_dir, config.slug)
     if straggler:
@@ -182,8 +203,18 @@ def run(config: Config, script: str, script_args: list[str], workers: int, out_d
     started = time.time()
     failed = None
     try:
-        run_script(script, script_args, workers=workers, timeout=timeout, run_dir=job_dir, environment=variables,
-                   started=sampler.started, cwd=cwd, **(network or {}), **config.settings())
+        run_script(
+            script,
+            script_args,
+            workers=workers,
+            timeout=timeout,
+            run_dir=job_dir,
+            environment=variables,
+            started=sampler.started,
+            cwd=cwd,
+            **(network or {}),
+            **config.settings(),
+        )
     except JobFailed as e:
         failed = e
     finally:
@@ -200,8 +231,11 @@ def run(config: Config, script: str, script_args: list[str], workers: int, out_d
         with open(failure, "w") as f:
             f.write(f"{failed}\n")
         rank = failed.rank
-        result.update(error=headline(str(failed)), failure=os.path.relpath(failure, out_dir),
-                      failed_rank=None if rank is None else f"rank {rank} ({role(rank, config.servers)})")
+        result.update(
+            error=headline(str(failed)),
+            failure=os.path.relpath(failure, out_dir),
+            failed_rank=None if rank is None else f"rank {rank} ({role(rank, config.servers)})",
+        )
     return result
 
 
@@ -232,7 +266,7 @@ def measure(logs: list[list[dict]], sampler: Sampler, warmup: int) -> dict:
         "warmup_steps": warmup,
         "warmup_t": trained[warmup - 1]["t"] if len(trained) >= warmup else None,
         "curve": losses,
-        "final_loss": statistics.fmean(l for _, _, l in losses[-max(1, len(losses) // 10):]) if losses else None,
+        "final_loss": statistics.fmean(v for _, _, v in losses[-max(1, len(losses) // 10) :]) if losses else None,
         "accuracy": next((line["acc"] for line in reversed(lines) if "acc" in line), None),
         "step_s": sum(median(part) for part in STEP_PARTS),
         **{part: median(part) for part in STEP_PARTS},
@@ -259,8 +293,7 @@ def measure(logs: list[list[dict]], sampler: Sampler, warmup: int) -> dict:
 def median_timeline(steps: list[dict]) -> dict | None:
     """The timeline (`metrics.timeline`: {"step", "pieces"}) of the step of median time among `steps` (worker 0's
     after the warm-up, merged lines) that have one; None when none has (GRADSYNC_TIMELINE off)."""
-    timed = sorted((s for s in steps if "timeline" in s),
-                   key=lambda s: sum(s["record"][part] for part in STEP_PARTS))
+    timed = sorted((s for s in steps if "timeline" in s), key=lambda s: sum(s["record"][part] for part in STEP_PARTS))
     return timed[len(timed) // 2]["timeline"] if timed else None
 
 

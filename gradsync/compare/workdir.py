@@ -10,6 +10,7 @@ pyvenv.cfg) and report directories of compare (its MARKER; --out among them); sy
 with a relative target outside the directory made absolute. A script inside the directory runs as its copy
 (`script_in`); a script and data given by an absolute path outside it are used where they are.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,11 @@ SKIPPED_NAMES = {".git", ".hg", ".svn"}
 def skipped(path: str, marker: str) -> bool:
     """Whether directory `path` stays out of the copy: version control, a virtual environment, or a directory
     holding `marker` (a report directory of compare)."""
-    return (os.path.basename(path) in SKIPPED_NAMES or os.path.exists(os.path.join(path, "pyvenv.cfg"))
-            or os.path.exists(os.path.join(path, marker)))
+    return (
+        os.path.basename(path) in SKIPPED_NAMES
+        or os.path.exists(os.path.join(path, "pyvenv.cfg"))
+        or os.path.exists(os.path.join(path, marker))
+    )
 
 
 def _tree(start: str, marker: str):
@@ -39,13 +43,16 @@ def check_size(start: str, marker: str, limit_mb: float) -> None:
     there: a home directory is not walked to its end)."""
     total = 0
     for top, files, _ in _tree(start, marker):
-        total += sum(os.path.getsize(os.path.join(start, top, f)) for f in files
-                     if os.path.isfile(os.path.join(start, top, f)))
+        total += sum(
+            os.path.getsize(os.path.join(start, top, f)) for f in files if os.path.isfile(os.path.join(start, top, f))
+        )
         if total > limit_mb * 2**20:
-            raise ValueError(f"the working directory {start} holds over {limit_mb:g} MB to copy (--copy-limit-mb): "
-                             "each run of compare works in its own copy of it, so run compare from a directory "
-                             "that holds just the script and the files it reads by relative path (give large data "
-                             "by absolute path), or raise --copy-limit-mb")
+            raise ValueError(
+                f"the working directory {start} holds over {limit_mb:g} MB to copy (--copy-limit-mb): "
+                "each run of compare works in its own copy of it, so run compare from a directory "
+                "that holds just the script and the files it reads by relative path (give large data "
+                "by absolute path), or raise --copy-limit-mb"
+            )
 
 
 def snapshot(start: str, dest: str, marker: str) -> None:

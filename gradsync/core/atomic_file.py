@@ -1,5 +1,6 @@
 """Write a file so that readers see the old content or the new, never a torn one; and find the temporary
 files of a writer that died before its rename."""
+
 from __future__ import annotations
 
 import os

@@ -8,6 +8,7 @@ of the same number of bytes, whatever the layer sizes. Workers and servers
 compute the same plan from the same `ModelSpec`, so members of a job exchange
 flat buckets and never names.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -48,14 +49,15 @@ class ModelSpec:
     tables: tuple[TensorSpec, ...] = ()
 
     @classmethod
-    def of(cls, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
-           tables: tuple[TensorSpec, ...] = ()) -> "ModelSpec":
+    def of(
+        cls, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], tables: tuple[TensorSpec, ...] = ()
+    ) -> ModelSpec:
         """Parameters with `requires_grad=False` are frozen: they never change and never travel per step."""
         trainable = {n: p for n, p in params.items() if p.requires_grad}
         frozen = {n: p for n, p in params.items() if not p.requires_grad}
         return cls(_specs(trainable), _specs(buffers), _specs(frozen), tables)
 
-    def difference(self, other: "ModelSpec") -> str | None:
+    def difference(self, other: ModelSpec) -> str | None:
         """A readable description of how `other` differs from this spec, or None if equal."""
         for kind in ("params", "frozen", "buffers", "tables"):
             mine = {t.name: t for t in getattr(self, kind)}
@@ -140,8 +142,9 @@ class Bucket:
         absent = tuple(i for i, g in enumerate(pieces) if g is None)
         if len(absent) == len(pieces):
             return None, absent
-        flat = [torch.zeros(e.numel, dtype=self.dtype) if g is None else g.reshape(-1)
-                for e, g in zip(self.entries, pieces)]
+        flat = [
+            torch.zeros(e.numel, dtype=self.dtype) if g is None else g.reshape(-1) for e, g in zip(self.entries, pieces)
+        ]
         return (compact(flat[0]) if len(flat) == 1 else torch.cat(flat)), absent
 
 
@@ -185,8 +188,7 @@ BALANCE = 1.05
 """A plan of whole parameters is kept when no server holds more than this times the mean bytes."""
 
 
-def plan_buckets(params: tuple[TensorSpec, ...], num_servers: int, cap_bytes: int, split: bool = False
-                 ) -> list[Bucket]:
+def plan_buckets(params: tuple[TensorSpec, ...], num_servers: int, cap_bytes: int, split: bool = False) -> list[Bucket]:
     """Pack parameters into buckets and assign each to a server.
 
     Small parameters share buckets of up to `cap_bytes`; one of `ALONE_BYTES` or more has a bucket of its
@@ -250,8 +252,13 @@ def _whole_plan(params: tuple[TensorSpec, ...], num_servers: int, cap_bytes: int
     groups: list[list[TensorSpec]] = []
     for p in reversed(params):
         current = groups[-1] if groups else None
-        if (current is not None and current[0].dtype == p.dtype and p.nbytes < ALONE_BYTES
-                and current[0].nbytes < ALONE_BYTES and sum(q.nbytes for q in current) + p.nbytes <= cap):
+        if (
+            current is not None
+            and current[0].dtype == p.dtype
+            and p.nbytes < ALONE_BYTES
+            and current[0].nbytes < ALONE_BYTES
+            and sum(q.nbytes for q in current) + p.nbytes <= cap
+        ):
             current.append(p)
         else:
             groups.append([p])
@@ -277,12 +284,13 @@ def _split_plan(params: tuple[TensorSpec, ...], num_servers: int, cap_bytes: int
     quota = math.ceil(sum(p.nbytes for p in params) / num_servers)
     buckets: list[Bucket] = []
     entries: list[Entry] = []
-    dtype = None  # of the open bucket
+    dtype: torch.dtype | None = None  # of the open bucket
     server, used, filled = 0, 0, 0  # used: bytes on this server; filled: bytes in the open bucket
 
     def close() -> None:
         nonlocal entries, filled
         if entries:
+            assert dtype is not None  # set with the bucket's first entry
             buckets.append(Bucket(len(buckets), server, dtype, tuple(entries)))
         entries, filled = [], 0
 

@@ -5,6 +5,7 @@ of the step's gradient is combined from partial sums (`partial`: sum of |g|^p, o
 inf-norm), so parameter servers that each hold a part of the averaged gradient agree on it (`total`), and
 every part is scaled by the same `coefficient`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,11 +24,15 @@ class Clipping:
 
     def __post_init__(self):
         if self.max_norm is not None and not (isinstance(self.max_norm, (int, float)) and self.max_norm > 0):
-            raise ValueError(f"max_grad_norm={self.max_norm!r}: expected a number > 0 (float('inf') measures the "
-                             "norm without clipping), or None for no clipping")
+            raise ValueError(
+                f"max_grad_norm={self.max_norm!r}: expected a number > 0 (float('inf') measures the "
+                "norm without clipping), or None for no clipping"
+            )
         if not (isinstance(self.norm_type, (int, float)) and self.norm_type > 0):
-            raise ValueError(f"grad_norm_type={self.norm_type!r}: expected a number > 0 or float('inf'), as "
-                             "torch.nn.utils.clip_grad_norm_ takes")
+            raise ValueError(
+                f"grad_norm_type={self.norm_type!r}: expected a number > 0 or float('inf'), as "
+                "torch.nn.utils.clip_grad_norm_ takes"
+            )
 
     @property
     def on(self) -> bool:
@@ -60,6 +65,7 @@ class Clipping:
                     "anyway, set `error_if_nonfinite=False`"
                 )
             return 1.0
+        assert self.max_norm is not None  # called only when `on`
         return min(1.0, self.max_norm / (total + 1e-6))
 
     def clip_local(self, tensors: list[torch.Tensor]) -> float:

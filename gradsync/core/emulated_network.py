@@ -1,6 +1,7 @@
 """The emulated network's addresses (`gradsync run --link`, `gradsync.launcher.netem`), and whether this
 network namespace can reach one: shared by the launcher that builds the network and the clients that
 connect into it."""
+
 from __future__ import annotations
 
 import ipaddress

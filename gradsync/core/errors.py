@@ -1,4 +1,5 @@
 """The errors gradsync raises (a failed job, and what both strategies raise), worded in one place."""
+
 from __future__ import annotations
 
 import re
@@ -38,8 +39,10 @@ def nonfinite_error(name: str, worker: int | str) -> GradientError:
 def bad_id_error(table: str, rows: int, bad: int, worker: int) -> IndexError:
     """Worker `worker`'s batch looked up id `bad`, outside table `table`'s rows 0..rows-1 (sharded: every worker
     raises it, having exchanged nothing)."""
-    return IndexError(f"table {table!r} has rows 0..{rows - 1}, but a batch looked up id {bad} on worker {worker}: "
-                      "fix the input ids (nothing was looked up or applied)")
+    return IndexError(
+        f"table {table!r} has rows 0..{rows - 1}, but a batch looked up id {bad} on worker {worker}: "
+        "fix the input ids (nothing was looked up or applied)"
+    )
 
 
 _BAD_ID_ON = re.compile(r"table '.*?' has rows 0\.\.\d+, but a batch looked up id -?\d+ on worker (\d+):")
@@ -70,8 +73,10 @@ def failed_answering(server: int, call: str, worker: int | None) -> str:
 def server_failure_error(server: int, call: str, worker: int | None, error: BaseException) -> RuntimeError:
     """Server `server` failed answering `call` (of `worker`, when known) with `error`, which is its own failure,
     not the call's: what the caller is answered."""
-    return RuntimeError(f"{failed_answering(server, call, worker)} ({type(error).__name__}: {error}): the failure "
-                        "is the server's, headlined with its traceback")
+    return RuntimeError(
+        f"{failed_answering(server, call, worker)} ({type(error).__name__}: {error}): the failure "
+        "is the server's, headlined with its traceback"
+    )
 
 
 def answered_worker(text: str) -> int | None:
@@ -90,7 +95,8 @@ def no_trainer_error(missing: list[int], built: list[int], seconds: float) -> Ru
     return RuntimeError(
         f"{_named(missing)} did not build a gradsync.Trainer within startup_timeout ({seconds:.0f} s) of "
         f"{_named(built)} building its own: every worker must build one (building it is a collective that waits "
-        "for every worker)")
+        "for every worker)"
+    )
 
 
 def outside_join_error(outside: list[int], inside: list[int], seconds: float) -> RuntimeError:
@@ -125,8 +131,10 @@ def left_early_error(worker: int, steps: int, waiting: str) -> RuntimeError:
 
 def step_twice_error(context_id: int) -> RuntimeError:
     """trainer.step(context_id) again for a context it already committed."""
-    return RuntimeError(f"step({context_id}) was already called for this context: call trainer.step(context_id) "
-                        "once per dist_autograd.context(), after its backward")
+    return RuntimeError(
+        f"step({context_id}) was already called for this context: call trainer.step(context_id) "
+        "once per dist_autograd.context(), after its backward"
+    )
 
 
 def init_in_a_child_error() -> RuntimeError:
@@ -134,15 +142,17 @@ def init_in_a_child_error() -> RuntimeError:
     return RuntimeError(
         "gradsync.init() ran while a child process (a DataLoader worker with the 'spawn' or 'forkserver' start "
         "method) imported your script: such children import the main script again, so the training must not run "
-        "at import. Put it under `if __name__ == \"__main__\":` (as python's multiprocessing requires), or use "
+        'at import. Put it under `if __name__ == "__main__":` (as python\'s multiprocessing requires), or use '
         "the DataLoader's default start method"
     )
 
 
 def outside_context_error(context_id: int) -> RuntimeError:
     """trainer.step(context_id) where `context_id` is not the dist_autograd context open now."""
-    return RuntimeError(f"trainer.step({context_id}) was called outside its dist_autograd context: call it inside "
-                        "the `with dist_autograd.context() as cid:` block, after dist_autograd.backward(cid, [loss])")
+    return RuntimeError(
+        f"trainer.step({context_id}) was called outside its dist_autograd context: call it inside "
+        "the `with dist_autograd.context() as cid:` block, after dist_autograd.backward(cid, [loss])"
+    )
 
 
 def optimizer_step_error() -> RuntimeError:
@@ -157,6 +167,8 @@ def optimizer_step_error() -> RuntimeError:
 
 def no_gradients_error(context_id: int) -> RuntimeError:
     """trainer.step(context_id) for a context whose backward produced no gradient."""
-    return RuntimeError(f"step({context_id}) found no gradients in that context: call "
-                        "dist_autograd.backward(context_id, [loss]) in the same dist_autograd.context() before "
-                        "trainer.step(context_id)")
+    return RuntimeError(
+        f"step({context_id}) found no gradients in that context: call "
+        "dist_autograd.backward(context_id, [loss]) in the same dist_autograd.context() before "
+        "trainer.step(context_id)"
+    )

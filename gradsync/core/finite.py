@@ -6,6 +6,7 @@ case. A finite tensor whose sum overflows trips it too, so a tripped sum is
 confirmed by an exact scan of that tensor; a scan that finds nothing was a
 false alarm.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -4,6 +4,7 @@ A parameter server answers every call with a `torch.futures.Future`; a call it
 can answer without waiting (a bad push, a push applied at once) gets one of
 these.
 """
+
 from __future__ import annotations
 
 import torch

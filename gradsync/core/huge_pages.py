@@ -2,6 +2,7 @@
 logs are tens of MB read at random, and on 4 KB pages nearly every probe misses the TLB too (cold probes of an
 index: bench/dynamic_index.py, "pages"). Linux's transparent huge pages in `madvise` or `always` mode;
 elsewhere, or where the kernel refuses, a plain tensor."""
+
 from __future__ import annotations
 
 import ctypes

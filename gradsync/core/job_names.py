@@ -19,7 +19,8 @@ class StoreKeys:
     PROCESS_GROUP = "gradsync/pg"
     RPC = "gradsync/rpc"
     TOKEN = "gradsync/grpc_token"
-    JOB_ID = "gradsync/job_id"  # the job's id, which its run directory's files name (`transport.grpc.endpoint_files.job_id`)
+    # the job's id, which its run directory's files name (`transport.grpc.endpoint_files.job_id`)
+    JOB_ID = "gradsync/job_id"
     PIECE_MB = "gradsync/piece_mb"  # the bucket cap worker 0 chose from the bandwidth it measured (ps)
     PIPELINE = "gradsync/pipeline"  # on | off: whether the job's sync steps go as a pipeline, worker 0's plan (ps)
     GRPC_ADDRESS = "gradsync/grpc/address/{}"

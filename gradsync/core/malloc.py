@@ -17,6 +17,7 @@ holds; a fixed threshold keeps it flat (bench/dynamic.py, memory; BENCHMARKS.md,
 and quality"). Only such servers fix it: above the threshold every block is a fresh mapping, faulted in
 page by page, which a process computing the user's model (a worker) would pay on its large temporaries.
 """
+
 from __future__ import annotations
 
 import ctypes

@@ -6,10 +6,12 @@ the kernel for huge pages (madvise) in the whole 2 MB pages inside a tensor of
 `HUGE_PAGE_MIN_BYTES` or more; elsewhere, or when the kernel declines, the
 tensor simply has plain pages.
 """
+
 from __future__ import annotations
 
 import ctypes
 import mmap
+from collections.abc import Callable
 
 import torch
 
@@ -17,6 +19,7 @@ HUGE_PAGE_MIN_BYTES = 8 << 20
 """Tensors this large ask for huge pages."""
 
 _HUGE_PAGE = 2 << 20
+_madvise: Callable[..., int] | None
 try:
     _libc = ctypes.CDLL(None, use_errno=True)
     _madvise = _libc.madvise

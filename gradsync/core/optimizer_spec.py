@@ -9,6 +9,7 @@ since the options last sent, and `state_by_name` / `state_by_index` convert
 an optimizer state dict between torch's layout (parameter indices in group
 order) and one keyed by parameter name, which is how servers exchange it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -77,23 +78,26 @@ class OptimizerSpec:
     """An optimizer class, its defaults, and per group its options and its parameters' names (None: one
     group of every parameter)."""
 
-    cls: type
+    cls: type[torch.optim.Optimizer]
     defaults: dict
     groups: tuple[dict, ...]
     names: tuple[tuple[str, ...], ...] | None
 
     @classmethod
-    def one_group(cls, optimizer_cls: type, kwargs: dict) -> "OptimizerSpec":
+    def one_group(cls, optimizer_cls: type, kwargs: dict) -> OptimizerSpec:
         """`optimizer_cls(params, **kwargs)` over every parameter it is built with."""
         return cls(optimizer_cls, dict(kwargs), (dict(kwargs),), None)
 
     @classmethod
-    def of(cls, optimizer: torch.optim.Optimizer, model: nn.Module) -> "OptimizerSpec":
+    def of(cls, optimizer: torch.optim.Optimizer, model: nn.Module) -> OptimizerSpec:
         """The spec of `optimizer`, an instance over `model`'s parameters (see `as_optimizer`)."""
         names = {id(p): n for n, p in model.named_parameters()}
-        return cls(type(optimizer), dict(optimizer.defaults),
-                   tuple(group_options(g) for g in optimizer.param_groups),
-                   tuple(tuple(names[id(p)] for p in g["params"]) for g in optimizer.param_groups))
+        return cls(
+            type(optimizer),
+            dict(optimizer.defaults),
+            tuple(group_options(g) for g in optimizer.param_groups),
+            tuple(tuple(names[id(p)] for p in g["params"]) for g in optimizer.param_groups),
+        )
 
     def group_of(self, names) -> dict[str, int]:
         """The group index of each of the parameter `names`."""
@@ -161,13 +165,16 @@ def state_by_name(optimizer: torch.optim.Optimizer, keys: dict[int, str]) -> dic
     for group in optimizer.param_groups:
         for p in group["params"]:
             if p in optimizer.state and optimizer.state[p]:
-                out[keys[id(p)]] = {k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
-                                    for k, v in optimizer.state[p].items()}
+                out[keys[id(p)]] = {
+                    k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
+                    for k, v in optimizer.state[p].items()
+                }
     return out
 
 
-def load_by_name(optimizer: torch.optim.Optimizer, keys: dict[int, str], state: dict[str, dict],
-                 groups: list[dict] | None = None) -> None:
+def load_by_name(
+    optimizer: torch.optim.Optimizer, keys: dict[int, str], state: dict[str, dict], groups: list[dict] | None = None
+) -> None:
     """Load per-parameter `state` keyed by `keys[id(tensor)]` into `optimizer` (through its own
     `load_state_dict`, which casts the values to each parameter's dtype and device); `groups`: the options of
     each group to take too. A parameter missing from `state` starts with no state."""
@@ -181,8 +188,9 @@ def load_by_name(optimizer: torch.optim.Optimizer, keys: dict[int, str], state: 
     param_groups = [dict(g) for g in own["param_groups"]]
     for g, options in enumerate(groups or []):
         param_groups[g].update({k: v for k, v in options.items() if k != "params"})
-    optimizer.load_state_dict({"state": {index[k]: v for k, v in state.items() if k in index},
-                               "param_groups": param_groups})
+    optimizer.load_state_dict(
+        {"state": {index[k]: v for k, v in state.items() if k in index}, "param_groups": param_groups}
+    )
 
 
 def join_state(pieces: dict[str, dict], entries: list[Entry]) -> dict[str, dict]:
@@ -196,8 +204,14 @@ def join_state(pieces: dict[str, dict], entries: list[Entry]) -> dict[str, dict]
         if not all(e.key in pieces for e in parts):
             continue
         first = pieces[parts[0].key]
-        out[name] = {k: (torch.cat([pieces[e.key][k].reshape(-1) for e in parts]).view(parts[0].shape)
-                         if _elementwise(v, parts[0]) else v) for k, v in first.items()}
+        out[name] = {
+            k: (
+                torch.cat([pieces[e.key][k].reshape(-1) for e in parts]).view(parts[0].shape)
+                if _elementwise(v, parts[0])
+                else v
+            )
+            for k, v in first.items()
+        }
     return out
 
 
@@ -208,9 +222,18 @@ def split_state(state: dict[str, dict], entries: list[Entry]) -> dict[str, dict]
         if e.name not in state:
             continue
         whole = state[e.name]
-        out[e.key] = whole if e.whole else {
-            k: (e.piece(v).clone() if isinstance(v, torch.Tensor) and tuple(v.shape) == e.shape and v.dim() > 0
-                else v) for k, v in whole.items()}
+        out[e.key] = (
+            whole
+            if e.whole
+            else {
+                k: (
+                    e.piece(v).clone()
+                    if isinstance(v, torch.Tensor) and tuple(v.shape) == e.shape and v.dim() > 0
+                    else v
+                )
+                for k, v in whole.items()
+            }
+        )
     return out
 
 

@@ -6,8 +6,9 @@ of `gradsync compare`), and `core/transport_capabilities.py` names the strategie
 The worker side of a strategy (a `gradsync.worker.strategy.Strategy`) is named here by its dotted path and
 imported on first use (`StrategyTraits.load`), so the Trainer imports only the job's strategy's module and this
 module imports nothing of gradsync. Code outside this module asks `traits(name)` (or walks `STRATEGIES`) and
-reads a trait, never compares a strategy's name (`tests/test_strategies.py` scans the package for it).
+reads a trait, never compares a strategy's name (`tests/core/test_strategies.py` scans the package for it).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -68,29 +69,67 @@ class StrategyTraits:
         return getattr(importlib.import_module(module), name)
 
 
-STRATEGIES: dict[str, StrategyTraits] = {t.name: t for t in (
-    StrategyTraits("ps", "parameter server", servers=True, process_group=False, modes=("sync", "async", "ssp"),
-                   dense=Dense.SERVERS, tables=Tables.SERVED, needs_tables=False, join=True,
-                   checkpoint=(Saved.SERVER_SHARDS, Saved.WORKER_OPTIONS),
-                   loader="gradsync.worker.ps_strategy.PSStrategy",
-                   keywords=("tables", "table_optimizer", "clipping")),
-    StrategyTraits("allreduce", "DDP", servers=False, process_group=True, modes=("sync",),
-                   dense=Dense.DDP, tables=Tables.REPLICATED, needs_tables=False, join=True,
-                   checkpoint=(Saved.WORKER_DENSE, Saved.WORKER_ROWS),
-                   loader="gradsync.worker.allreduce_strategy.AllreduceStrategy",
-                   keywords=("find_unused_parameters", "clipping", "table_optimizer")),
-    StrategyTraits("hybrid", "embedding tables on the servers, the rest DDP", servers=True, process_group=True,
-                   modes=("sync", "async", "ssp"), dense=Dense.DDP, tables=Tables.SERVED, needs_tables=True,
-                   join=True, checkpoint=(Saved.SERVER_SHARDS, Saved.WORKER_DENSE),
-                   loader="gradsync.worker.hybrid_strategy.HybridStrategy",
-                   keywords=("tables", "table_optimizer", "find_unused_parameters", "clipping")),
-    StrategyTraits("sharded", "no servers: embedding tables split across the workers by row, over all-to-all; the "
-                   "rest DDP", servers=False, process_group=True, modes=("sync",), dense=Dense.DDP,
-                   tables=Tables.SHARDED, needs_tables=True, join=False,
-                   checkpoint=(Saved.WORKER_DENSE, Saved.WORKER_ROWS),
-                   loader="gradsync.worker.sharded_strategy.ShardedStrategy",
-                   keywords=("tables", "table_optimizer", "find_unused_parameters", "clipping")),
-)}
+STRATEGIES: dict[str, StrategyTraits] = {
+    t.name: t
+    for t in (
+        StrategyTraits(
+            "ps",
+            "parameter server",
+            servers=True,
+            process_group=False,
+            modes=("sync", "async", "ssp"),
+            dense=Dense.SERVERS,
+            tables=Tables.SERVED,
+            needs_tables=False,
+            join=True,
+            checkpoint=(Saved.SERVER_SHARDS, Saved.WORKER_OPTIONS),
+            loader="gradsync.worker.ps_strategy.PSStrategy",
+            keywords=("tables", "table_optimizer", "clipping"),
+        ),
+        StrategyTraits(
+            "allreduce",
+            "DDP",
+            servers=False,
+            process_group=True,
+            modes=("sync",),
+            dense=Dense.DDP,
+            tables=Tables.REPLICATED,
+            needs_tables=False,
+            join=True,
+            checkpoint=(Saved.WORKER_DENSE, Saved.WORKER_ROWS),
+            loader="gradsync.worker.allreduce_strategy.AllreduceStrategy",
+            keywords=("find_unused_parameters", "clipping", "table_optimizer"),
+        ),
+        StrategyTraits(
+            "hybrid",
+            "embedding tables on the servers, the rest DDP",
+            servers=True,
+            process_group=True,
+            modes=("sync", "async", "ssp"),
+            dense=Dense.DDP,
+            tables=Tables.SERVED,
+            needs_tables=True,
+            join=True,
+            checkpoint=(Saved.SERVER_SHARDS, Saved.WORKER_DENSE),
+            loader="gradsync.worker.hybrid_strategy.HybridStrategy",
+            keywords=("tables", "table_optimizer", "find_unused_parameters", "clipping"),
+        ),
+        StrategyTraits(
+            "sharded",
+            "no servers: embedding tables split across the workers by row, over all-to-all; the rest DDP",
+            servers=False,
+            process_group=True,
+            modes=("sync",),
+            dense=Dense.DDP,
+            tables=Tables.SHARDED,
+            needs_tables=True,
+            join=False,
+            checkpoint=(Saved.WORKER_DENSE, Saved.WORKER_ROWS),
+            loader="gradsync.worker.sharded_strategy.ShardedStrategy",
+            keywords=("tables", "table_optimizer", "find_unused_parameters", "clipping"),
+        ),
+    )
+}
 """Every strategy by name; the first is the `strategy` setting's default."""
 
 

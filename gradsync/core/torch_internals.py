@@ -2,10 +2,11 @@
 
 Each is used because the public API has no equivalent, said per item. Each function names the private names it
 uses (`_uses`), checked at its first call: a torch without one fails there with one line naming it and the torch
-version (`TorchChanged`), not deep inside a job. `tests/test_torch_internals.py` checks each name and each
+version (`TorchChanged`), not deep inside a job. `tests/core/test_torch_internals.py` checks each name and each
 behaviour against the installed torch; the suite passes on the versions `TESTED_TORCH` lists (setup.py admits
 newer ones, which these checks guard).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -20,6 +21,8 @@ import shutil
 import socket
 import sys
 import tempfile
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -28,13 +31,35 @@ import torch.distributed.rpc as rpc
 TESTED_TORCH = ("2.13", "2.14")
 """The torch versions (major.minor) the whole suite passed on (`make test`, `make test-torch-next`)."""
 
-__all__ = ["TESTED_TORCH", "TorchChanged", "tree_flatten", "tree_unflatten", "start_dist_autograd", "current_context_id",
-           "set_rpc_timeout", "current_rpc_agent", "rpc_init_count", "RPC_STORE_PREFIX", "RPC_MEMBER_LIST",
-           "RPC_JOIN_TOKEN", "rpc_join_token", "RPC_JOIN_DONE", "RPC_TIMEOUT_TEXT", "ddp_shadow_round",
-           "ddp_push_rebuilt_params",
-           "forkserver_pid", "short_fork_server_folder", "fork_fork_server", "forget_fork_server", "cpp_log_level",
-           "take_over_step", "before_clip_grad_norm", "importing_main_for_a_child",
-           "quiet_resource_tracker", "sparse_parts"]
+__all__ = [
+    "TESTED_TORCH",
+    "TorchChanged",
+    "tree_flatten",
+    "tree_unflatten",
+    "start_dist_autograd",
+    "current_context_id",
+    "set_rpc_timeout",
+    "current_rpc_agent",
+    "rpc_init_count",
+    "RPC_STORE_PREFIX",
+    "RPC_MEMBER_LIST",
+    "RPC_JOIN_TOKEN",
+    "rpc_join_token",
+    "RPC_JOIN_DONE",
+    "RPC_TIMEOUT_TEXT",
+    "ddp_shadow_round",
+    "ddp_push_rebuilt_params",
+    "forkserver_pid",
+    "short_fork_server_folder",
+    "fork_fork_server",
+    "forget_fork_server",
+    "cpp_log_level",
+    "take_over_step",
+    "before_clip_grad_norm",
+    "importing_main_for_a_child",
+    "quiet_resource_tracker",
+    "sparse_parts",
+]
 
 
 class TorchChanged(RuntimeError):
@@ -53,13 +78,15 @@ def _require(name: str, user: str) -> None:
             f"gradsync needs {name.replace(':', '.')} (in {user}), which torch {torch.__version__} on Python "
             f"{sys.version.split()[0]} does not have: gradsync was tested on torch {', '.join(TESTED_TORCH)}; "
             f"install one of those (pip install 'torch~={TESTED_TORCH[-1]}.0'), or a gradsync that supports this "
-            "torch") from None
+            "torch"
+        ) from None
 
 
 def _uses(*names: str):
     """Decorator: check the private `names` a function uses ('module:attribute.attribute') at its first call."""
+
     def decorate(fn):
-        checked = []
+        checked: list[bool] = []
 
         @functools.wraps(fn)
         def call(*args, **kwargs):
@@ -69,8 +96,9 @@ def _uses(*names: str):
                 checked.append(True)
             return fn(*args, **kwargs)
 
-        call.private_names = names
+        call.private_names = names  # type: ignore[attr-defined]  # a mark on the wrapper
         return call
+
     return decorate
 
 
@@ -146,8 +174,11 @@ def rpc_join_token(holder: str) -> str:
     return f"Token_for_{holder}_join"
 
 
-@_uses("torch._C._distributed_c10d:Reducer._rebuild_buckets", "torch._C._distributed_c10d:Reducer._get_zeros_like_grad_buckets",
-       "torch._C._distributed_c10d:Reducer._run_comm_hook")
+@_uses(
+    "torch._C._distributed_c10d:Reducer._rebuild_buckets",
+    "torch._C._distributed_c10d:Reducer._get_zeros_like_grad_buckets",
+    "torch._C._distributed_c10d:Reducer._run_comm_hook",
+)
 def ddp_shadow_round(reducer) -> tuple[list, list]:
     """One backward pass's collectives of DDP's `reducer` with zero gradients, for a worker that ran out of
     data (DDP's own `join()` does the same through these calls; it has no form that a dist_autograd
@@ -168,7 +199,8 @@ def ddp_push_rebuilt_params(reducer) -> None:
 @_uses("multiprocessing.forkserver:_forkserver._forkserver_pid")
 def forkserver_pid() -> int:
     """The pid of this process's fork server (the parent of the ranks it starts; no public accessor)."""
-    return multiprocessing.forkserver._forkserver._forkserver_pid
+    server: Any = multiprocessing.forkserver._forkserver  # its private attributes are untyped
+    return server._forkserver_pid
 
 
 @_uses("multiprocessing.util:get_temp_dir")
@@ -186,9 +218,13 @@ def short_fork_server_folder() -> None:
         tempfile.tempdir = saved
 
 
-@_uses("multiprocessing.forkserver:_forkserver._lock", "multiprocessing.forkserver:_forkserver._forkserver_address",
-       "multiprocessing.forkserver:main", "multiprocessing.connection:arbitrary_address",
-       "multiprocessing.util:is_abstract_socket_namespace")
+@_uses(
+    "multiprocessing.forkserver:_forkserver._lock",
+    "multiprocessing.forkserver:_forkserver._forkserver_address",
+    "multiprocessing.forkserver:main",
+    "multiprocessing.connection:arbitrary_address",
+    "multiprocessing.util:is_abstract_socket_namespace",
+)
 def fork_fork_server() -> None:
     """Start multiprocessing's fork server as a fork of this process, which has imported what its children need,
     rather than as a new interpreter that imports it all again (what `forkserver.ensure_running` does). The same
@@ -196,13 +232,13 @@ def fork_fork_server() -> None:
     one (import-time native pools excepted, as in any fork server); once this process has died, however, the
     server removes this process's multiprocessing folder (`util.get_temp_dir`, which holds its socket), which a
     SIGKILLed process leaves. Nothing public starts a fork server from a fork."""
-    server = multiprocessing.forkserver._forkserver
+    server: Any = multiprocessing.forkserver._forkserver  # its private attributes are untyped
     with server._lock:
         if server._forkserver_pid is not None:
             raise RuntimeError("this process has a fork server already")
         multiprocessing.resource_tracker.ensure_running()
         with socket.socket(socket.AF_UNIX) as listener:
-            address = multiprocessing.connection.arbitrary_address("AF_UNIX")
+            address = multiprocessing.connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]  # private
             listener.bind(address)
             if not multiprocessing.util.is_abstract_socket_namespace(address):
                 os.chmod(address, 0o600)
@@ -240,7 +276,7 @@ def forget_fork_server() -> None:
     launcher is gone is closed, so the fork server exits, and its ranks with it, when the launcher dies, not when
     the last rank does. The launcher's resource tracker stays the rank's: it cleans up after a rank that was killed.
     Nothing public resets any of it."""
-    server = multiprocessing.forkserver._forkserver
+    server: Any = multiprocessing.forkserver._forkserver  # its private attributes are untyped
     if server._forkserver_alive_fd is not None:
         os.close(server._forkserver_alive_fd)
     server.__init__()  # the module's functions are bound to this instance: reset it, not replace it
@@ -254,7 +290,7 @@ def cpp_log_level() -> ctypes.c_int32:
     return ctypes.c_int32.in_dll(c10, "FLAGS_caffe2_log_level")
 
 
-def take_over_step(optimizer: torch.optim.Optimizer, step) -> object:
+def take_over_step(optimizer: torch.optim.Optimizer, step) -> Callable[..., Any]:
     """Make `step` the optimizer's `step` (called with the same arguments); returns the step it replaces. torch's
     LR schedulers track an optimizer's steps by wrapping its `step` (marked `_wrapped_by_lr_sched`, setting
     `_opt_called` when called): the new step carries the mark, so a scheduler built later leaves it in place, and
@@ -262,13 +298,14 @@ def take_over_step(optimizer: torch.optim.Optimizer, step) -> object:
     public lets a scheduler watch another step."""
     replaced = optimizer.step
 
+    # the schedulers' marks are private attributes torch's stubs do not declare
     def tracked(*args, **kwargs):
         result = step(*args, **kwargs)
-        optimizer._opt_called = True
+        optimizer._opt_called = True  # type: ignore[attr-defined]
         return result
 
-    tracked._wrapped_by_lr_sched = True
-    optimizer.step = tracked
+    tracked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = tracked  # type: ignore[method-assign]  # the instance's step, replaced
     return replaced
 
 

@@ -2,9 +2,10 @@
 
 The table sits in core, below `config` and `membership`, because the job's checks (`config.Training`) and
 the joining of workers (`membership.newcomers`) read it, and those layers may not import `gradsync.transport`
-(tests/test_layout.py). The transport classes (`gradsync.transport.registry`) declare these same objects as
+(tests/package/test_layout.py). The transport classes (`gradsync.transport.registry`) declare these same objects as
 their `capabilities`, so a capability is written once, here, and each refusal's text is made here from it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,23 +32,44 @@ class Capabilities:
         serves = f"the {'/'.join(self.strategies)} strategy" + ("" if self.compression else " without compression")
         use = f"--strategy {'/'.join(self.strategies)}" + ("" if self.compression else " --compression none")
         other = serving(lambda c: strategy in c.strategies and (c.compression or compression == "none"))
-        return (f"the {self.name} transport serves {serves}, got strategy={strategy!r}, compression={compression!r}: "
-                f"use {use}, or --transport {other}")
+        return (
+            f"the {self.name} transport serves {serves}, got strategy={strategy!r}, compression={compression!r}: "
+            f"use {use}, or --transport {other}"
+        )
 
     def rows_refusal(self) -> str:
         """Why this transport refuses Trainer(tables='rows')."""
-        return (f"the {self.name} transport does not serve embedding tables row by row yet: use --transport "
-                f"{serving(lambda c: c.row_tables)}, or keep the tables dense with Trainer(..., tables='auto' or "
-                "'dense')")
+        return (
+            f"the {self.name} transport does not serve embedding tables row by row yet: use --transport "
+            f"{serving(lambda c: c.row_tables)}, or keep the tables dense with Trainer(..., tables='auto' or "
+            "'dense')"
+        )
 
 
-CAPABILITIES = {c.name: c for c in (
-    Capabilities("rpc", strategies=names(), compression=True, row_tables=True,
-                 joining=True, streams=True, pipelines_on_one_host=True),
-    # the gRPC job calls carry a worker's calls to the servers only: the strategies whose workers need nothing else
-    Capabilities("grpc", strategies=names(lambda t: t.servers and not t.process_group), compression=False,
-                 row_tables=False, joining=False, streams=False, pipelines_on_one_host=False),
-)}
+CAPABILITIES = {
+    c.name: c
+    for c in (
+        Capabilities(
+            "rpc",
+            strategies=names(),
+            compression=True,
+            row_tables=True,
+            joining=True,
+            streams=True,
+            pipelines_on_one_host=True,
+        ),
+        # the gRPC job calls carry a worker's calls to the servers only: the strategies whose workers need nothing else
+        Capabilities(
+            "grpc",
+            strategies=names(lambda t: t.servers and not t.process_group),
+            compression=False,
+            row_tables=False,
+            joining=False,
+            streams=False,
+            pipelines_on_one_host=False,
+        ),
+    )
+}
 """Every transport by name; the first is the `transport` setting's default and serves every strategy (those
 without servers run over it too: their workers start the RPC agent every rank starts)."""
 

@@ -5,10 +5,12 @@ other processes, a process's exit or a file's growth is seen only by looking) po
 gives up quietly when its grace period ends suppresses the TimeoutError; one whose timeout has its own error
 (naming the setting that bounds it and the fix) raises that from it.
 """
+
 from __future__ import annotations
 
 import time
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 T = TypeVar("T")
 
@@ -21,8 +23,9 @@ THREAD_STOP_S = 5.0
 so this only bounds a thread stuck in a call; the caller goes on without it (they are daemon threads)."""
 
 
-def wait_until(condition: Callable[[], T], deadline: float | None, what: str | Callable[[], str],
-               poll: float = POLL_S) -> T:
+def wait_until(
+    condition: Callable[[], T], deadline: float | None, what: str | Callable[[], str], poll: float = POLL_S
+) -> T:
     """Call `condition()` every `poll` seconds until it returns a true value, and return that value.
 
     `deadline` is a `time.monotonic()` time, or None to wait until `condition` returns or raises (a wait whose

@@ -7,6 +7,7 @@ implementation for `torch.compile`; the functions below run the implementation
 of the tensors' device (`ops.call`: eager calls skip the dispatcher, and small
 CUDA inputs of the cheapest ops take the reference).
 """
+
 from .aggregation import aggregate
 from .compression import (
     DEFAULT_BLOCK_SIZE,

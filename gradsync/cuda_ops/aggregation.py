@@ -4,6 +4,7 @@ It normalises the arguments (a stacked tensor becomes a list of views) and
 runs the `gradsync::aggregate` op through `ops.call`: the Triton kernel for
 CUDA tensors, the PyTorch reference for CPU tensors.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -49,5 +50,3 @@ def aggregate(
     if not items:
         raise ValueError("tensors: got an empty list; pass at least one tensor")
     return ops.call("aggregate", items[0].device, items, float(scale), out_dtype)
-
-

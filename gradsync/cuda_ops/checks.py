@@ -5,6 +5,7 @@ all call these checks, so a bad argument gets the same error on every device
 and under `torch.compile`, before any output is written. Each message names
 the argument, the bad value and the fix.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -134,8 +135,7 @@ def quantize_int8_args(x: torch.Tensor, res: torch.Tensor | None, block: int) ->
     return num_blocks(x.numel(), block)
 
 
-def dequantize_aggregate_args(payloads: torch.Tensor, scales: torch.Tensor, block: int,
-                              out_dtype: torch.dtype) -> None:
+def dequantize_aggregate_args(payloads: torch.Tensor, scales: torch.Tensor, block: int, out_dtype: torch.dtype) -> None:
     """`dequantize_aggregate`'s arguments."""
     int8_payloads(payloads, scales, block)
     float_dtype("out_dtype", out_dtype)

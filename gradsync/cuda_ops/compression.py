@@ -14,6 +14,7 @@ exactly the final residual, at most s / 2 per element. A block that holds a
 NaN or Inf gets scale NaN (it decodes to NaN, so the fault is not hidden) and
 a zero residual (so it does not poison later rounds).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -119,15 +120,19 @@ def dequantize_aggregate(
     Returns:
         `scale * sum_k decode(payloads[k], scales[k])` in the payloads' shape.
     """
-    stacked = isinstance(payloads, torch.Tensor)  # then no views of its K rows: they cost more than a small kernel
-    items = None if stacked else list(payloads)
-    k = stacked_count(payloads, "payloads") if stacked else len(items)
-    if not k:
-        raise ValueError("payloads: got an empty list; pass at least one compressed gradient")
-    shape = payloads.shape[1:] if stacked else items[0].shape
-    if stacked:
+    empty = "payloads: got an empty list; pass at least one compressed gradient"
+    if isinstance(payloads, torch.Tensor):  # stacked: no views of its K rows, they cost more than a small kernel
+        k = stacked_count(payloads, "payloads")
+        if not k:
+            raise ValueError(empty)
+        shape = payloads.shape[1:]
         flat_q = payloads.reshape(k, -1)
     else:
+        items = list(payloads)
+        k = len(items)
+        if not k:
+            raise ValueError(empty)
+        shape = items[0].shape
         for i, p in enumerate(items):
             if p.shape != shape:
                 raise ValueError(

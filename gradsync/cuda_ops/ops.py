@@ -8,9 +8,11 @@ The public functions in `aggregation` and `compression` reach them through
 `call`: eager calls go straight to the kernel of the inputs' device, traced
 calls through the op.
 """
+
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 import torch
 from torch.library import custom_op
@@ -28,7 +30,7 @@ def _triton():
         ) from e
 
 
-_OPS = {}
+_OPS: dict[str, Any] = {}
 
 
 def _register(name: str, fake, mutates_args: tuple[str, ...] = ()):

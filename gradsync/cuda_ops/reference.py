@@ -7,6 +7,7 @@ applied last, `floor(v * (127 / amax) + 0.5)` rounding). They run on any
 device, which lets `bench/cuda_ops.py` time them on a GPU as "the plain
 PyTorch way". Inputs are validated with `checks` before anything is written.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -37,9 +38,7 @@ def scaled_cast(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tens
     return (x.to(torch.float32) * scale).to(dtype, memory_format=torch.contiguous_format)
 
 
-def quantize_int8(
-    x: torch.Tensor, residual: torch.Tensor | None, block_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int8(x: torch.Tensor, residual: torch.Tensor | None, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Blockwise int8 quantization of `x + residual`; updates `residual` in place.
 
     See `compression.compress_int8` for the format and the non-finite rule.

@@ -9,6 +9,7 @@ without a GPU.
 
 Non-contiguous inputs are copied to contiguous ones first.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -56,8 +57,16 @@ def _launch_sum(xs: Sequence[torch.Tensor], scale: float, out: torch.Tensor) -> 
             last = start + K.MAX_INPUTS >= len(xs)
             ptrs = group + [group[0]] * (K.MAX_INPUTS - len(group))
             K.sum_kernel[grid](
-                out if last else acc, acc, *ptrs, n, scale if last else 1.0,
-                NUM=len(group), HAS_ACC=start > 0, BLOCK=BLOCK, num_warps=NUM_WARPS, **EXACT,
+                out if last else acc,
+                acc,
+                *ptrs,
+                n,
+                scale if last else 1.0,
+                NUM=len(group),
+                HAS_ACC=start > 0,
+                BLOCK=BLOCK,
+                num_warps=NUM_WARPS,
+                **EXACT,
             )
 
 
@@ -77,14 +86,12 @@ def scaled_cast(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tens
     if n:
         with _on(x.device):
             K.scaled_cast_kernel[(triton.cdiv(n, BLOCK),)](
-            _dense(x), out, n, scale, BLOCK=BLOCK, num_warps=NUM_WARPS, **EXACT
-        )
+                _dense(x), out, n, scale, BLOCK=BLOCK, num_warps=NUM_WARPS, **EXACT
+            )
     return out
 
 
-def quantize_int8(
-    x: torch.Tensor, residual: torch.Tensor | None, block_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int8(x: torch.Tensor, residual: torch.Tensor | None, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton `quantize_int8`; same contract as `reference.quantize_int8`."""
     nb = checks.quantize_int8_args(x, residual, block_size)
     n = x.numel()
@@ -95,9 +102,17 @@ def quantize_int8(
         rows = max(1, QUANT_TILE // block_size)
         with _on(x.device):
             K.quantize_int8_kernel[(triton.cdiv(nb, rows),)](
-                x, residual if residual is not None else x, payload, scales, n, nb,
-                HAS_RESIDUAL=residual is not None, BS=block_size, ROWS=rows,
-                num_warps=max(1, min(NUM_WARPS, rows * block_size // 256)), **EXACT,
+                x,
+                residual if residual is not None else x,
+                payload,
+                scales,
+                n,
+                nb,
+                HAS_RESIDUAL=residual is not None,
+                BS=block_size,
+                ROWS=rows,
+                num_warps=max(1, min(NUM_WARPS, rows * block_size // 256)),
+                **EXACT,
             )
     return payload, scales
 
@@ -114,7 +129,17 @@ def dequantize_aggregate(
         s = scales if scales.stride(1) == 1 else scales.contiguous()
         with _on(out.device):
             K.dequantize_sum_kernel[(triton.cdiv(n, BLOCK),)](
-                q, s, out, n, k, q.stride(0), s.stride(0), scale,
-                BS=block_size, BLOCK=BLOCK, num_warps=NUM_WARPS, **EXACT,
+                q,
+                s,
+                out,
+                n,
+                k,
+                q.stride(0),
+                s.stride(0),
+                scale,
+                BS=block_size,
+                BLOCK=BLOCK,
+                num_warps=NUM_WARPS,
+                **EXACT,
             )
     return out

@@ -9,6 +9,7 @@ memory, so every kernel also runs on CPU tensors under `TRITON_INTERPRET=1`.
 Whether a kernel is compiled or interpreted is fixed when this module is
 imported, by the `TRITON_INTERPRET` environment variable.
 """
+
 from __future__ import annotations
 
 import triton
@@ -22,7 +23,7 @@ MAX_INPUTS = 16
 
 
 @triton.jit
-def _add_input(acc, ptr, offs, mask, I: tl.constexpr, NUM: tl.constexpr):
+def _add_input(acc, ptr, offs, mask, I: tl.constexpr, NUM: tl.constexpr):  # noqa: E741 (I: a constexpr index)
     if I < NUM:
         acc += tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
     return acc
@@ -30,10 +31,29 @@ def _add_input(acc, ptr, offs, mask, I: tl.constexpr, NUM: tl.constexpr):
 
 @triton.jit
 def sum_kernel(
-    out_ptr, acc_ptr,
-    p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15,
-    n, scale,
-    NUM: tl.constexpr, HAS_ACC: tl.constexpr, BLOCK: tl.constexpr,
+    out_ptr,
+    acc_ptr,
+    p0,
+    p1,
+    p2,
+    p3,
+    p4,
+    p5,
+    p6,
+    p7,
+    p8,
+    p9,
+    p10,
+    p11,
+    p12,
+    p13,
+    p14,
+    p15,
+    n,
+    scale,
+    NUM: tl.constexpr,
+    HAS_ACC: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """out = (acc + p0 + ... + p[NUM-1]) * scale, left to right in fp32."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -72,8 +92,15 @@ def scaled_cast_kernel(x_ptr, out_ptr, n, scale, BLOCK: tl.constexpr):
 
 @triton.jit
 def quantize_int8_kernel(
-    x_ptr, res_ptr, q_ptr, scales_ptr, n, num_blocks,
-    HAS_RESIDUAL: tl.constexpr, BS: tl.constexpr, ROWS: tl.constexpr,
+    x_ptr,
+    res_ptr,
+    q_ptr,
+    scales_ptr,
+    n,
+    num_blocks,
+    HAS_RESIDUAL: tl.constexpr,
+    BS: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
     """ROWS blocks of BS elements per program: v = x + res; per-block scale = amax / 127,
     q = floor(v * 127 / amax + 0.5); res = v - q * scale. A block holding NaN/Inf gets
@@ -103,8 +130,16 @@ def quantize_int8_kernel(
 
 @triton.jit
 def dequantize_sum_kernel(
-    q_ptr, scales_ptr, out_ptr, n, k, q_stride, s_stride, scale,
-    BS: tl.constexpr, BLOCK: tl.constexpr,
+    q_ptr,
+    scales_ptr,
+    out_ptr,
+    n,
+    k,
+    q_stride,
+    s_stride,
+    scale,
+    BS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """out[i] = scale * sum_k float32(q[k, i]) * scales[k, i // BS], k in order."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)

@@ -1,22 +1,22 @@
 """Ranks forked from a fork server that imported torch and gradsync once, rather than started as new processes.
 
-A rank started as `python SCRIPT` spends seconds of CPU importing torch, and more importing torch._dynamo (at
-its first optimizer step or DDP: BENCHMARKS.md, "Starting a job"). A launcher starts one fork server
-(multiprocessing's) with `PRELOADED` imported (the command line forks it from itself once it imported them) and forks its ranks from it:
-`gradsync.launch`'s always, `gradsync run`'s unless GRADSYNC_RANK_START is exec. A forked rank first becomes
-what a new process would be (`become_rank`): the rank's environment and no other, dying with the launcher (as
-the fork server does), multiprocessing with no start method and no fork server chosen (`forget_fork_server`: so
-a DataLoader's workers start as in a new process), torch's C++ log level and thread count from that environment
-(torch read both when the fork server imported it), torch's and numpy's global random states its own, and,
-behind --link, its network namespace with /sys showing that network's devices (as `ip netns exec` does).
-`run_script` then runs the script as `python SCRIPT ARGS` does: as `__main__`, its directory first on
-sys.path, and on its way out non-daemon threads joined, atexit functions run and an uncaught exception shown by
-sys.excepthook from the script's first frame.
+A rank started as `python SCRIPT` spends seconds of CPU importing torch, and more importing torch._dynamo (at its first
+optimizer step or DDP: BENCHMARKS.md, "Starting a job"). A launcher starts one fork server (multiprocessing's) with
+`PRELOADED` imported (the command line forks it from itself once it imported them) and forks its ranks from it:
+`gradsync.launch`'s always, `gradsync run`'s unless GRADSYNC_RANK_START is exec. A forked rank first becomes what a new
+process would be (`become_rank`): the rank's environment and no other, dying with the launcher (as the fork server
+does), multiprocessing with no start method and no fork server chosen (`forget_fork_server`: so a DataLoader's workers
+start as in a new process), torch's C++ log level and thread count from that environment (torch read both when the fork
+server imported it), torch's and numpy's global random states its own, and, behind --link, its network namespace with
+/sys showing that network's devices (as `ip netns exec` does). `run_script` then runs the script as `python SCRIPT ARGS`
+does: as `__main__`, its directory first on sys.path, and on its way out non-daemon threads joined, atexit functions run
+and an uncaught exception shown by sys.excepthook from the script's first frame.
 
 What a forked rank does not share with a new process: its command line and initial environment in /proc (the
 command line's, or the fork server's), the variables other than those above that torch reads once at import
 (the launcher's), the hash seed of str (the same in every rank) and stdin (/dev/null).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -32,14 +32,21 @@ import threading
 import types
 from multiprocessing import forkserver
 
-PRELOADED = ("torch", "torch._dynamo", "gradsync.runtime.start", "gradsync.worker.ps_strategy",
-             "gradsync.worker.allreduce_strategy", "gradsync.worker.hybrid_strategy",
-             "gradsync.worker.sharded_strategy", "gradsync.ps.server")
+PRELOADED = (
+    "torch",
+    "torch._dynamo",
+    "gradsync.runtime.start",
+    "gradsync.worker.ps_strategy",
+    "gradsync.worker.allreduce_strategy",
+    "gradsync.worker.hybrid_strategy",
+    "gradsync.worker.sharded_strategy",
+    "gradsync.ps.server",
+)
 """What the fork server imports once for every rank it starts (torch imports torch._dynamo at the first
 optimizer step or DDP)."""
 
 
-def rank_starter(from_here: bool = False) -> tuple[multiprocessing.context.BaseContext, int]:
+def rank_starter(from_here: bool = False) -> tuple[multiprocessing.context.ForkServerContext, int]:
     """The multiprocessing context that forks ranks (a fork server with `PRELOADED` imported, started once per
     process and shared by its jobs), and the pid of the ranks' parent (the fork server).
 
@@ -48,8 +55,12 @@ def rank_starter(from_here: bool = False) -> tuple[multiprocessing.context.BaseC
     job). Only for a process that was `single_threaded()` before it imported torch and has run no torch
     operation since (a fork of a thread's locks, or of an OpenMP pool that ran, can hang the ranks); it still
     falls back to a new interpreter if a Python thread runs now."""
-    from gradsync.core.torch_internals import (fork_fork_server, forkserver_pid, quiet_resource_tracker,
-                                               short_fork_server_folder)
+    from gradsync.core.torch_internals import (
+        fork_fork_server,
+        forkserver_pid,
+        quiet_resource_tracker,
+        short_fork_server_folder,
+    )
 
     context = multiprocessing.get_context("forkserver")
     short_fork_server_folder()
@@ -105,8 +116,9 @@ def run_script(env: dict[str, str], script: str, args: list[str], namespace: str
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.realpath(script))
     main = types.ModuleType("__main__")
-    main.__dict__.update(__file__=path, __builtins__=builtins,
-                         __loader__=importlib.machinery.SourceFileLoader("__main__", path))
+    main.__dict__.update(
+        __file__=path, __builtins__=builtins, __loader__=importlib.machinery.SourceFileLoader("__main__", path)
+    )
     sys.modules["__main__"] = main
     code, interrupted = 0, False
     try:
@@ -119,7 +131,8 @@ def run_script(env: dict[str, str], script: str, args: list[str], namespace: str
         code, interrupted = 1, isinstance(e, KeyboardInterrupt)
         e = e.with_traceback(_from(e.__traceback__, path))
         sys.excepthook(type(e), e, e.__traceback__)
-    threading._shutdown()  # what the interpreter does at exit, in its order: threads, atexit, streams
+    # what the interpreter does at exit, in its order: threads, atexit, streams (threading._shutdown: private)
+    threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()

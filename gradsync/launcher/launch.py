@@ -1,6 +1,7 @@
 """`gradsync.launch`: run a function on every worker of a local job, servers and workers forked from a
 fork server that has imported torch and gradsync once (`launcher.forked`); returns the workers' results.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -46,13 +47,24 @@ def _unpickle_call(call: bytes):
             raise
         raise AttributeError(
             f"{e}: gradsync.launch's function must be defined at the top level of its module, since each rank "
-            "imports the main script again without running its `if __name__ == \"__main__\":` block (nor "
-            "another function's body): move the function there, or into a module of its own") from e
+            'imports the main script again without running its `if __name__ == "__main__":` block (nor '
+            "another function's body): move the function there, or into a module of its own"
+        ) from e
 
 
-def launch(fn, *, strategy: str, workers: int, servers: int | None = None, mode: str = "sync", args: tuple = (),
-           timeout: float | None = None, link: str | None = None, server_link: str | None = None,
-           **settings) -> Results:
+def launch(
+    fn,
+    *,
+    strategy: str,
+    workers: int,
+    servers: int | None = None,
+    mode: str = "sync",
+    args: tuple = (),
+    timeout: float | None = None,
+    link: str | None = None,
+    server_link: str | None = None,
+    **settings,
+) -> Results:
     """Run `fn(*args)` on each worker of a local job and return the results in worker order.
 
     Every rank's environment is this process's at the call, plus the job's settings (as a subprocess's
@@ -84,7 +96,8 @@ def launch(fn, *, strategy: str, workers: int, servers: int | None = None, mode:
         raise RuntimeError(
             "gradsync.launch() was called again while a rank imported your script (each rank imports the "
             "script that called launch, to find the function it runs): put the call under "
-            "`if __name__ == \"__main__\":`")
+            '`if __name__ == "__main__":`'
+        )
     config = job_config("gradsync.launch", strategy, workers, servers, mode, **settings)
     call = pickle.dumps((fn, args))  # here, so that an unpicklable function fails before any rank starts
     with contextlib.ExitStack() as stack:
@@ -97,14 +110,16 @@ def launch(fn, *, strategy: str, workers: int, servers: int | None = None, mode:
             for rank, env in enumerate(rank_environments(config, store.port, run_dir, network)):
                 result_path = os.path.join(run_dir, f"result-{rank}.pt")
                 namespace = network.namespaces[rank] if network else None
-                proc = context.Process(target=_run_function, args=({**os.environ, **env}, call, result_path, namespace),
-                                       daemon=False)
+                proc = context.Process(
+                    target=_run_function, args=({**os.environ, **env}, call, result_path, namespace), daemon=False
+                )
                 proc.start()
                 ranks.append(RankProcess(rank, proc))
             departures = supervise(config, ranks, run_dir, store, timeout)
             paths = [os.path.join(run_dir, f"result-{rank}.pt") for rank in range(config.servers, config.world_size)]
             # fn's return values, any picklable object, from the job's own ranks through a 0700 directory
-            return Results([torch.load(p, weights_only=False) if os.path.exists(p) else None for p in paths],
-                           departures)
+            return Results(
+                [torch.load(p, weights_only=False) if os.path.exists(p) else None for p in paths], departures
+            )
         finally:
             kill_all(ranks)

@@ -6,6 +6,7 @@ lock when the process dies, however it dies (SIGKILL included), so a lease file 
 launcher left behind: the next launcher finds it (`abandoned`) and removes it, or takes its place. The file
 holds what the launcher wrote into it (`holder`): who holds it, for the one refused.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,7 +22,7 @@ class Lease:
     def __init__(self, path: str, content: bytes = b"", take_abandoned: bool = False):
         self.path = path
         making = f"{path}.{os.getpid()}.new"  # locked and written before it gets its name: no one sees it unlocked
-        self._fd = os.open(making, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        self._fd: int | None = os.open(making, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.write(self._fd, content)

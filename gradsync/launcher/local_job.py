@@ -8,6 +8,7 @@ listens in the hub namespace of that network instead, hosted from a thread of th
 (torch's C++ lines meanwhile at the ranks' level: `launcher.torch_logs`). The launcher of an async job over torch
 RPC leaves `join.json` in the run directory for workers that join it (`gradsync run --join`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -20,15 +21,27 @@ import torch.distributed as dist
 
 from gradsync.config import ConfigError, JobConfig, job_keywords, settings_from_env
 from gradsync.core.emulated_network import HUB_ADDRESS
-from gradsync.core.settings import (EARLY_STDERR, ERROR_FILE, LAUNCHER_PID, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, RANK,
-                                    RUN_DIR, STACK_FILE, STORE_IS_HOSTED, TOKEN, WORLD_SIZE)
+from gradsync.core.settings import (
+    EARLY_STDERR,
+    ERROR_FILE,
+    LAUNCHER_PID,
+    LOCAL_RANK,
+    MASTER_ADDR,
+    MASTER_PORT,
+    RANK,
+    RUN_DIR,
+    STACK_FILE,
+    STORE_IS_HOSTED,
+    TOKEN,
+    WORLD_SIZE,
+)
 from gradsync.launcher import netem, torch_logs
 from gradsync.launcher.leases import Lease, abandoned, holder
 from gradsync.membership import newcomers
 from gradsync.membership.member_keys import create_keys
 from gradsync.membership.rank_reports import early_stderr_file, error_file, stack_file
-from gradsync.transport.grpc.endpoint_files import job_id, new_token
 from gradsync.runtime import store as rendezvous
+from gradsync.transport.grpc.endpoint_files import job_id, new_token
 
 HOST = "127.0.0.1"
 """Where a local job's store and ranks listen without an emulated network: loopback only."""
@@ -40,8 +53,9 @@ def host_store(port: int) -> dist.TCPStore:
     return rendezvous.host_store(HOST, port, 60.0, _PORT_FIX)
 
 
-def rank_environments(config: JobConfig, port: int, run_dir: str,
-                      network: netem.Network | None = None) -> list[dict[str, str]]:
+def rank_environments(
+    config: JobConfig, port: int, run_dir: str, network: netem.Network | None = None
+) -> list[dict[str, str]]:
     """The environment of each rank: torchrun's variables plus GRADSYNC_*, and this process's pid, which the
     ranks die with; `network`: the job's emulated network, whose hub holds the store (default: every rank on
     loopback)."""
@@ -60,9 +74,18 @@ def rank_environments(config: JobConfig, port: int, run_dir: str,
         TOKEN.env: TOKEN.read() or new_token(),
         LAUNCHER_PID.env: str(os.getpid()),
     }
-    return [{**base, RANK.env: str(rank), LOCAL_RANK.env: str(rank), **(network.environment(rank) if network else {}),
-             ERROR_FILE.env: error_file(run_dir, rank), STACK_FILE.env: stack_file(run_dir, rank),
-             EARLY_STDERR.env: early_stderr_file(run_dir, rank)} for rank in range(config.world_size)]
+    return [
+        {
+            **base,
+            RANK.env: str(rank),
+            LOCAL_RANK.env: str(rank),
+            **(network.environment(rank) if network else {}),
+            ERROR_FILE.env: error_file(run_dir, rank),
+            STACK_FILE.env: stack_file(run_dir, rank),
+            EARLY_STDERR.env: early_stderr_file(run_dir, rank),
+        }
+        for rank in range(config.world_size)
+    ]
 
 
 def job_config(call, strategy, workers, servers, mode, **chosen) -> JobConfig:
@@ -70,8 +93,9 @@ def job_config(call, strategy, workers, servers, mode, **chosen) -> JobConfig:
     if not isinstance(workers, int) or workers < 1:
         raise ConfigError(f"workers must be a positive integer, got {workers!r}")
     values = settings_from_env(os.environ, strategy)
-    values.update({k: v for k, v in dict(mode=mode, servers=servers, **job_keywords(chosen, call)).items()
-                   if v is not None})
+    values.update(
+        {k: v for k, v in dict(mode=mode, servers=servers, **job_keywords(chosen, call)).items() if v is not None}
+    )
     return JobConfig(world_size=values["servers"] + workers, **values)
 
 
@@ -109,8 +133,10 @@ def hold_run_dir(stack: contextlib.ExitStack, run_dir: str) -> None:
         lease = Lease(path, str(os.getpid()).encode(), take_abandoned=True)
     except FileExistsError:
         pid = holder(path).decode() or "that has just ended"
-        raise ConfigError(f"{run_dir} is the run dir of a running job (its launcher is pid {pid}): give this job "
-                          f"another --run-dir, or wait for pid {pid} to end (or stop it)") from None
+        raise ConfigError(
+            f"{run_dir} is the run dir of a running job (its launcher is pid {pid}): give this job "
+            f"another --run-dir, or wait for pid {pid} to end (or stop it)"
+        ) from None
     stack.callback(lease.release)
     _remove(run_dir, _EARLIER_JOB_FILES)
     stack.callback(_remove, run_dir, _RANK_REPORTS)  # once the ranks are gone, before the lease
@@ -123,14 +149,17 @@ def _remove(run_dir: str, patterns: tuple[str, ...]) -> None:
             os.remove(old)
 
 
-def network_and_store(stack: contextlib.ExitStack, config: JobConfig, port: int, link: str | None,
-                       server_link: str | None) -> tuple[netem.Network | None, dist.TCPStore]:
+def network_and_store(
+    stack: contextlib.ExitStack, config: JobConfig, port: int, link: str | None, server_link: str | None
+) -> tuple[netem.Network | None, dist.TCPStore]:
     """The job's emulated network (removed when `stack` closes) when `link` names a rate, else None; and its
     store, with every rank's heartbeat key: in the network's hub namespace, else on loopback. `server_link`:
     the servers' rate, when it differs from `link`."""
     if server_link is not None and link is None:
-        raise ConfigError(f"--server-link {server_link} needs --link too, the rate of the workers' links: "
-                          f"e.g. --link 1gbit --server-link {server_link}")
+        raise ConfigError(
+            f"--server-link {server_link} needs --link too, the rate of the workers' links: "
+            f"e.g. --link 1gbit --server-link {server_link}"
+        )
     network = None
     if link is None:
         store = host_store(port)

@@ -11,6 +11,7 @@ every link with them. A launcher killed by SIGKILL cannot delete them: each netw
 (`gradsync.launcher.leases`) in LEASES, and the next network created on the machine deletes the namespaces
 of every abandoned lease. Needs root and iproute2 (`ip`, `tc`).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -20,8 +21,9 @@ import secrets
 import shutil
 import subprocess
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 from gradsync.config import ConfigError
 from gradsync.core import settings
@@ -41,8 +43,7 @@ _CLONE_NEWNET = 0x40000000
 _CLONE_NEWNS = 0x00020000  # a mount namespace
 _MS_REC, _MS_SLAVE, _MNT_DETACH = 0x4000, 0x80000, 2
 _UNITS = {"bit": 1, "bps": 8}
-_SCALES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-           "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+_SCALES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 _RATE = re.compile(r"(\d+(?:\.\d+)?)(k|m|g|t|ki|mi|gi|ti)?(bit|bps)", re.IGNORECASE)
 T = TypeVar("T")
 
@@ -54,12 +55,14 @@ class Link:
     bits_per_s: int
 
     @classmethod
-    def parse(cls, rate: str, flag: str = "--link") -> "Link":
+    def parse(cls, rate: str, flag: str = "--link") -> Link:
         """`rate` as tc writes it; errors name `flag`, the option it came from."""
         match = _RATE.fullmatch(rate.strip())
         if not match:
-            raise ConfigError(f"{flag} {rate!r} is not a tc rate: write a number and a unit, e.g. 100mbit, 1gbit, "
-                              "10gbit (bit, kbit, mbit, gbit, tbit; kibit...; bps, kbps, mbps, gbps: bytes/s)")
+            raise ConfigError(
+                f"{flag} {rate!r} is not a tc rate: write a number and a unit, e.g. 100mbit, 1gbit, "
+                "10gbit (bit, kbit, mbit, gbit, tbit; kibit...; bps, kbps, mbps, gbps: bytes/s)"
+            )
         number, scale, unit = match.groups()
         bits = int(float(number) * _SCALES[(scale or "").lower()] * _UNITS[unit.lower()])
         if bits < 8000:
@@ -84,20 +87,26 @@ def require_tools() -> None:
     """Raise ConfigError naming what an emulated network needs and this machine lacks."""
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
-        raise ConfigError(f"--link needs iproute2, but {' and '.join(repr(t) for t in missing)} "
-                          f"{'is' if len(missing) == 1 else 'are'} not on PATH "
-                          f"(PATH={os.environ.get('PATH', '')}): install iproute2, or run without --link")
+        raise ConfigError(
+            f"--link needs iproute2, but {' and '.join(repr(t) for t in missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not on PATH "
+            f"(PATH={os.environ.get('PATH', '')}): install iproute2, or run without --link"
+        )
     if os.geteuid() != 0:
-        raise ConfigError(f"--link creates network namespaces, which needs root (this is uid {os.geteuid()}): "
-                          "run as root, or without --link")
+        raise ConfigError(
+            f"--link creates network namespaces, which needs root (this is uid {os.geteuid()}): "
+            "run as root, or without --link"
+        )
 
 
 def _run(*args: str) -> None:
     done = subprocess.run(args, capture_output=True, text=True, timeout=_CMD_TIMEOUT_S)
     if done.returncode != 0:
-        raise ConfigError(f"--link: `{' '.join(args)}` failed: {done.stderr.strip()} (an emulated network needs "
-                          "CAP_SYS_ADMIN and CAP_NET_ADMIN, and a kernel with veth, bridge and tbf): run on such "
-                          "a machine, or without --link")
+        raise ConfigError(
+            f"--link: `{' '.join(args)}` failed: {done.stderr.strip()} (an emulated network needs "
+            "CAP_SYS_ADMIN and CAP_NET_ADMIN, and a kernel with veth, bridge and tbf): run on such "
+            "a machine, or without --link"
+        )
 
 
 class Network:
@@ -115,7 +124,7 @@ class Network:
         self._created: list[str] = []
         self._lease: Lease | None = None
 
-    def __enter__(self) -> "Network":
+    def __enter__(self) -> Network:
         remove_abandoned()
         os.makedirs(LEASES, exist_ok=True)
         self._lease = Lease(os.path.join(LEASES, f"{self.job}.lease"))
@@ -170,8 +179,13 @@ class Network:
     def environment(self, rank: int) -> dict[str, str]:
         """Where a rank finds the store, the device its RPC and collectives use, where a server's gRPC endpoint
         listens (so that `--transport grpc` workers reach it over the link), and its link's rate."""
-        return {settings.MASTER_ADDR.env: HUB_ADDRESS, "TP_SOCKET_IFNAME": DEVICE, "GLOO_SOCKET_IFNAME": DEVICE,
-                settings.GRPC_HOST.env: self.address(rank), settings.LINK.env: str(self.links[rank])}
+        return {
+            settings.MASTER_ADDR.env: HUB_ADDRESS,
+            "TP_SOCKET_IFNAME": DEVICE,
+            "GLOO_SOCKET_IFNAME": DEVICE,
+            settings.GRPC_HOST.env: self.address(rank),
+            settings.LINK.env: str(self.links[rank]),
+        }
 
     def in_hub(self, fn: Callable[[], T]) -> T:
         """`fn()` on a thread inside the hub namespace: the sockets it opens stay there (the store's)."""
@@ -190,8 +204,12 @@ def enter_as_process(name: str) -> None:
     and a mount namespace of its own whose /sys shows that network's devices (a rank's /sys/class/net/link0)."""
     enter(name)
     libc = ctypes.CDLL(None, use_errno=True)
-    steps = [(libc.unshare, (_CLONE_NEWNS,)), (libc.mount, (b"none", b"/", None, _MS_REC | _MS_SLAVE, None)),
-             (libc.umount2, (b"/sys", _MNT_DETACH)), (libc.mount, (name.encode(), b"/sys", b"sysfs", 0, None))]
+    steps = [
+        (libc.unshare, (_CLONE_NEWNS,)),
+        (libc.mount, (b"none", b"/", None, _MS_REC | _MS_SLAVE, None)),
+        (libc.umount2, (b"/sys", _MNT_DETACH)),
+        (libc.mount, (name.encode(), b"/sys", b"sysfs", 0, None)),
+    ]
     for call, args in steps:
         if call(*args) != 0:
             raise OSError(ctypes.get_errno(), f"{call.__name__}{args} for network namespace {name} failed")
@@ -232,7 +250,7 @@ def remove_abandoned() -> list[str]:
         lease = os.path.join(LEASES, name)
         if not (name.endswith(".lease") and name.startswith(PREFIX) and abandoned(lease)):
             continue
-        job = name[:-len(".lease")]
+        job = name[: -len(".lease")]
         for namespace in leftovers():
             if namespace.startswith(job):
                 _delete(namespace)
@@ -243,5 +261,8 @@ def remove_abandoned() -> list[str]:
 
 def leftovers() -> list[str]:
     """Namespaces named with PREFIX that exist now (none should outlive the job that created them)."""
-    return sorted(name for name in os.listdir("/run/netns") if name.startswith(PREFIX)) \
-        if os.path.isdir("/run/netns") else []
+    return (
+        sorted(name for name in os.listdir("/run/netns") if name.startswith(PREFIX))
+        if os.path.isdir("/run/netns")
+        else []
+    )

@@ -3,6 +3,7 @@
 Each reader returns None (or nothing) for a process that is gone or unreadable, since processes come and
 go while they are read.
 """
+
 from __future__ import annotations
 
 import glob
@@ -93,8 +94,11 @@ def children(parent: int) -> list[int]:
             except OSError:
                 pass
         return pids
-    return [int(path.split("/")[2]) for path in glob.glob("/proc/[0-9]*/stat")
-            if (fields := stat_fields(path)) and int(fields[1]) == parent]
+    return [
+        int(path.split("/")[2])
+        for path in glob.glob("/proc/[0-9]*/stat")
+        if (fields := stat_fields(path)) and int(fields[1]) == parent
+    ]
 
 
 def memory(pid: int | str, field: str = "VmHWM") -> int | None:

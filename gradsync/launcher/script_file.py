@@ -1,4 +1,5 @@
 """The training script's path, checked before any rank starts (and before the command line imports torch)."""
+
 from __future__ import annotations
 
 import os

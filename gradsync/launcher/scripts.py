@@ -3,6 +3,7 @@
 and supervises them; `join_script` starts workers that join a running async ps job
 (`gradsync run --join`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -12,19 +13,34 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch.distributed as dist
 
-from gradsync.core.job_names import StoreKeys
-from gradsync.launcher.script_file import check_script
 from gradsync.core.errors import JobFailed
+from gradsync.core.job_names import StoreKeys
+from gradsync.core.settings import (
+    EARLY_STDERR,
+    ERROR_FILE,
+    JOIN,
+    JOIN_INDEX_FILE,
+    LAUNCHER_PID,
+    RANK_START,
+    RUN_DIR,
+    STDERR_FD,
+    Setting,
+)
 from gradsync.core.waiting import wait_until
-from gradsync.core.settings import (EARLY_STDERR, ERROR_FILE, JOIN, JOIN_INDEX_FILE, LAUNCHER_PID, RANK_START, RUN_DIR,
-                                    STDERR_FD, Setting)
 from gradsync.launcher import forked, netem
-from gradsync.launcher.local_job import (hold_run_dir, job_config, network_and_store, offer_join, rank_environments,
-                                         temporary_run_dir)
+from gradsync.launcher.local_job import (
+    hold_run_dir,
+    job_config,
+    network_and_store,
+    offer_join,
+    rank_environments,
+    temporary_run_dir,
+)
+from gradsync.launcher.script_file import check_script
 from gradsync.launcher.supervision import RankProcess, kill_all, supervise
 from gradsync.membership import newcomers
 from gradsync.membership.departures import Departure
@@ -35,12 +51,25 @@ from gradsync.membership.rank_reports import error_file, recorded_error
 _JOIN_STORE_TIMEOUT_S = 30.0
 
 
-def run_script(script: str, script_args: list[str], *, strategy: str, workers: int, servers: int | None = None,
-               mode: str | None = None, master_port: int = 0, run_dir: str | None = None,
-               timeout: float | None = None, link: str | None = None, server_link: str | None = None,
-               announce: bool = False, environment: dict[Setting, str] | None = None,
-               started: Callable[[list[RankProcess]], None] | None = None, cwd: str | None = None,
-               **settings) -> list[Departure]:
+def run_script(
+    script: str,
+    script_args: list[str],
+    *,
+    strategy: str,
+    workers: int,
+    servers: int | None = None,
+    mode: str | None = None,
+    master_port: int = 0,
+    run_dir: str | None = None,
+    timeout: float | None = None,
+    link: str | None = None,
+    server_link: str | None = None,
+    announce: bool = False,
+    environment: dict[Setting, str] | None = None,
+    started: Callable[[list[RankProcess]], None] | None = None,
+    cwd: str | None = None,
+    **settings,
+) -> list[Departure]:
     """Run `python script args` on every rank (the `gradsync run` command); returns the workers that left an
     elastic job without finishing (`departures`). Raises JobFailed.
 
@@ -70,17 +99,20 @@ def run_script(script: str, script_args: list[str], *, strategy: str, workers: i
             run_dir = temporary_run_dir(stack, "gradsync-run-")
         say(f"run dir {run_dir}")
         if network is not None:
-            servers = "" if server_link is None else f" (servers behind {server_link})"
-            say(f"ranks behind {link} links{servers}; `ip netns exec {network.hub} gradsync status {run_dir}` "
-                "reaches the job")
+            behind = "" if server_link is None else f" (servers behind {server_link})"
+            say(
+                f"ranks behind {link} links{behind}; `ip netns exec {network.hub} gradsync status {run_dir}` "
+                "reaches the job"
+            )
         if offer_join(config, run_dir, store, network):
             say(f"more workers can join: gradsync run --join {run_dir} {script}")
         ranks = []
         try:
             for rank, env in enumerate(rank_environments(config, store.port, run_dir, network=network)):
                 env = {**os.environ, **extra, **env, **({"PWD": cwd} if cwd else {})}
-                ranks.append(RankProcess(rank, _start(context, rank, env, script, script_args, network, cwd),
-                                         group=True))
+                ranks.append(
+                    RankProcess(rank, _start(context, rank, env, script, script_args, network, cwd), group=True)
+                )
             if started is not None:
                 started(ranks)
             return supervise(config, ranks, run_dir, store, timeout)
@@ -94,15 +126,25 @@ def _rank_context():
     return forked.rank_starter()[0] if RANK_START.read() == "fork" else None
 
 
-def _start(context, rank: int, env: dict[str, str], script: str, script_args: list[str],
-           network: netem.Network | None, cwd: str | None = None):
+def _start(
+    context,
+    rank: int,
+    env: dict[str, str],
+    script: str,
+    script_args: list[str],
+    network: netem.Network | None,
+    cwd: str | None = None,
+):
     """The process of rank (or joiner) `rank`, running `python script script_args` in a session of its own with
     environment `env` (in its network namespace behind a link) in working directory `cwd` (None: this
     process's): forked from `context` (`forked.run_script`), or, without one, a new process."""
     if context is not None:
         args = (env, script, script_args, network.namespaces[rank] if network else None)
-        proc = context.Process(target=forked.run_script if cwd is None else _run_in, daemon=False,
-                               args=args if cwd is None else (cwd, *args))
+        proc = context.Process(
+            target=forked.run_script if cwd is None else _run_in,
+            daemon=False,
+            args=args if cwd is None else (cwd, *args),
+        )
         proc.start()
         return proc
     argv = [sys.executable, script, *script_args]
@@ -113,9 +155,15 @@ def _start(context, rank: int, env: dict[str, str], script: str, script_args: li
     launchers = os.dup(2)  # the rank's stderr until gradsync.init(): `rank_reports`
     try:
         with open(env[EARLY_STDERR.env], "wb") as held:
-            return subprocess.Popen(argv, env={**env, STDERR_FD.env: str(launchers)}, stderr=held, cwd=cwd,
-                                    pass_fds=(launchers,), start_new_session=True,
-                                    preexec_fn=dying_with_this_process())
+            return subprocess.Popen(
+                argv,
+                env={**env, STDERR_FD.env: str(launchers)},
+                stderr=held,
+                cwd=cwd,
+                pass_fds=(launchers,),
+                start_new_session=True,
+                preexec_fn=dying_with_this_process(),
+            )
     finally:
         os.close(launchers)
 
@@ -126,8 +174,9 @@ def _run_in(cwd: str, *args) -> None:
     forked.run_script(*args)
 
 
-def join_script(target: str, script: str, script_args: list[str], *, workers: int = 1,
-                timeout: float | None = None) -> None:
+def join_script(
+    target: str, script: str, script_args: list[str], *, workers: int = 1, timeout: float | None = None
+) -> None:
     """Start `workers` processes running `python script args` (forked, as `run_script`'s ranks) that join the
     running async ps job at `target` (its run directory, or its store's HOST:PORT), each as a new worker with the
     job's settings: the `gradsync run --join` command. A joined worker that dies or fails is recorded gone, and
@@ -148,10 +197,14 @@ def join_script(target: str, script: str, script_args: list[str], *, workers: in
         failures: list[str] = []
         try:
             for i in range(workers):
-                env = {**os.environ, JOIN.env: f"{host}:{port}", LAUNCHER_PID.env: str(os.getpid()),
-                       JOIN_INDEX_FILE.env: os.path.join(files, f"index-{i}"),
-                       ERROR_FILE.env: error_file(files, i),
-                       "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+                env = {
+                    **os.environ,
+                    JOIN.env: f"{host}:{port}",
+                    LAUNCHER_PID.env: str(os.getpid()),
+                    JOIN_INDEX_FILE.env: os.path.join(files, f"index-{i}"),
+                    ERROR_FILE.env: error_file(files, i),
+                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+                }
                 joiners.append(RankProcess(i, _start(context, i, env, script, script_args, None), group=True))
             running = list(joiners)
 
@@ -190,8 +243,11 @@ def _joiner_ended(joiner: RankProcess, files: str, store: dist.Store, how: str) 
         how = "exited without calling gradsync.shutdown()"
     try:
         if worker in parse_left(store.get(StoreKeys.LEFT)) or worker in parse_gone(store.get(StoreKeys.GONE)):
-            return [] if code in (0, None) else [_with_traceback(f"worker{worker} (joined) left the job, then {how}",
-                                                                 files, joiner.rank)]
+            return (
+                []
+                if code in (0, None)
+                else [_with_traceback(f"worker{worker} (joined) left the job, then {how}", files, joiner.rank)]
+            )
         record_gone(store, worker, how)
         text = f"worker{worker} (joined) left the job: {how}; the job goes on without it"
     except dist.DistError:

@@ -6,6 +6,7 @@ caused it (`_root_cause`: one killed by a signal, then one that is stopped or si
 record a failure) with its traceback. In an elastic job (async or ssp ps) a worker that dies is a departure,
 not a failure (`departures`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -14,26 +15,33 @@ import signal
 import subprocess
 import sys
 import time
+from typing import cast
 
 import torch.distributed as dist
 
 from gradsync.config import JobConfig
-from gradsync.core.job_names import StoreKeys
 from gradsync.core.errors import JobFailed, answered_worker
+from gradsync.core.job_names import StoreKeys
 from gradsync.core.waiting import POLL_S, wait_until
 from gradsync.launcher import procfs
 from gradsync.membership.departures import Departure, Departures
 from gradsync.membership.heartbeat import NO_TRAINER, Watch, interval
 from gradsync.membership.member_keys import ranks_named, workers_in_order
-from gradsync.membership.rank_reports import (ask_stacks, early_stderr, early_stderr_file, error_file, recorded_error,
-                                              stack_file)
+from gradsync.membership.rank_reports import (
+    ask_stacks,
+    early_stderr,
+    early_stderr_file,
+    error_file,
+    recorded_error,
+    stack_file,
+)
 
 _KILL_GRACE_S = 3.0
 _EXIT_GRACE_S = 10.0  # for a rank that recorded a failure to exit: torch's teardown takes seconds on a busy machine
 _REAP_S = 10.0
 """How long reaping a rank after SIGKILL may take: the kernel ends it at once, unless it waits in uninterruptible
 I/O (state D), which SIGKILL cannot interrupt; the launcher goes on rather than hang on it."""
-_STATES = {
+_STATES: dict[str | None, str] = {
     "T": "its process is stopped (SIGSTOP, SIGTSTP)",
     "t": "its process is stopped by a debugger",
     "D": "its process waits in uninterruptible I/O",
@@ -104,10 +112,12 @@ def _failure_text(config: JobConfig, run_dir: str, rank: int, code: int, recorde
     return text if recorded is None else text + ":\n" + recorded
 
 
-_NOT_PORTED = (": every script that gradsync runs must call gradsync.init() first, and nothing that starts "
-               "torch.distributed itself (a DDP script's dist.init_process_group fails on the port of gradsync's "
-               "store: EADDRINUSE); a script that calls gradsync.launch must call it under "
-               "`if __name__ == \"__main__\":`")
+_NOT_PORTED = (
+    ": every script that gradsync runs must call gradsync.init() first, and nothing that starts "
+    "torch.distributed itself (a DDP script's dist.init_process_group fails on the port of gradsync's "
+    "store: EADDRINUSE); a script that calls gradsync.launch must call it under "
+    '`if __name__ == "__main__":`'
+)
 
 
 def _answered_text(config: JobConfig, ranks: list[RankProcess], run_dir: str, recorded: str) -> str:
@@ -136,7 +146,9 @@ def _before_init_text(config: JobConfig, ranks: list[RankProcess], watch: Watch,
     early = [r for r in ranks if watch.moved[r.rank] is None]
     _let_exit(early, _KILL_GRACE_S, "the ranks that did not reach gradsync.init() to exit")
     failed = [r for r in early if r.exitcode() not in (None, 0)]
-    said = {r.rank: (r.exitcode(), early_stderr(early_stderr_file(run_dir, r.rank))) for r in failed}
+    said = {
+        r.rank: (cast(int, r.exitcode()), early_stderr(early_stderr_file(run_dir, r.rank))) for r in failed
+    }  # exited
     groups: dict[tuple[int, str | None], list[int]] = {}
     for rank, what in said.items():
         groups.setdefault(what, []).append(rank)
@@ -162,8 +174,10 @@ def _before_init_text(config: JobConfig, ranks: list[RankProcess], watch: Watch,
 def _absent_text(config: JobConfig, ranks: list[RankProcess]) -> str:
     """Why the job stopped: `ranks` have not reached gradsync.init() within startup_timeout of their start."""
     exited = [r.rank for r in ranks if r.exitcode() == 0]
-    text = (f"{ranks_named(config, [r.rank for r in ranks])} did not reach gradsync.init() within startup_timeout "
-            f"({config.startup_timeout:.0f} s) of its start, and the other ranks wait for every one")
+    text = (
+        f"{ranks_named(config, [r.rank for r in ranks])} did not reach gradsync.init() within startup_timeout "
+        f"({config.startup_timeout:.0f} s) of its start, and the other ranks wait for every one"
+    )
     if exited:
         text += f" ({ranks_named(config, exited)} exited with code 0 without calling it)"
     return text + ": is the script stuck before gradsync.init(), or does it skip it on some ranks?"
@@ -172,15 +186,26 @@ def _absent_text(config: JobConfig, ranks: list[RankProcess]) -> str:
 def _quit_text(config: JobConfig, rank: RankProcess) -> str:
     """Why worker `rank` stopped the job: it exited without gradsync.shutdown() while the others trained."""
     code = rank.exitcode()
-    how = ("its process hangs in torch's teardown" if code is None else f"code {code}" if code >= 0
-           else f"then torch's teardown ended it with {signal.Signals(-code).name}")
-    said = (f"rank {rank.rank} ({config.role(rank.rank)}) exited ({how}) without gradsync.shutdown() while the "
-            "others were training, so they failed waiting for it: ")
+    how = (
+        "its process hangs in torch's teardown"
+        if code is None
+        else f"code {code}"
+        if code >= 0
+        else f"then torch's teardown ended it with {signal.Signals(-code).name}"
+    )
+    said = (
+        f"rank {rank.rank} ({config.role(rank.rank)}) exited ({how}) without gradsync.shutdown() while the "
+        "others were training, so they failed waiting for it: "
+    )
     if code is not None and code > 0:  # the script caught its own error and exited (hydra's main does)
-        return said + ("its exit status says it failed, and its own output above says why (where a framework "
-                       "catches the exception and exits, e.g. hydra's, HYDRA_FULL_ERROR=1 shows the traceback)")
-    return said + ("every worker must call gradsync.shutdown() when it is done (for uneven data, train inside "
-                   "`with trainer.join():` on every worker, then call it)")
+        return said + (
+            "its exit status says it failed, and its own output above says why (where a framework "
+            "catches the exception and exits, e.g. hydra's, HYDRA_FULL_ERROR=1 shows the traceback)"
+        )
+    return said + (
+        "every worker must call gradsync.shutdown() when it is done (for uneven data, train inside "
+        "`with trainer.join():` on every worker, then call it)"
+    )
 
 
 def _quitters(config: JobConfig, ranks: list[RankProcess], watch: Watch, store: dist.Store) -> list[RankProcess]:
@@ -191,9 +216,13 @@ def _quitters(config: JobConfig, ranks: list[RankProcess], watch: Watch, store: 
     if config.elastic:
         return []
     noted = workers_in_order(store.get(StoreKeys.EXITED))
-    quitters = [r for r in ranks[config.servers:] if watch.moved[r.rank] is not None
-                and r.rank - config.servers not in watch.left
-                and (r.exitcode() == 0 or r.rank - config.servers in noted)]
+    quitters = [
+        r
+        for r in ranks[config.servers :]
+        if watch.moved[r.rank] is not None
+        and r.rank - config.servers not in watch.left
+        and (r.exitcode() == 0 or r.rank - config.servers in noted)
+    ]
     first = {w: i for i, w in reversed(list(enumerate(noted)))}
     return sorted(quitters, key=lambda r: first.get(r.rank - config.servers, len(noted)))  # the first to exit first
 
@@ -201,8 +230,10 @@ def _quitters(config: JobConfig, ranks: list[RankProcess], watch: Watch, store: 
 def _silent_text(config: JobConfig, rank: RankProcess, seconds: float) -> str:
     """Why running `rank` stopped the job: it stopped sending heartbeats."""
     state = _STATES.get(rank.state(), "its process runs, but not its heartbeat thread (a C call holding the GIL?)")
-    return (f"rank {rank.rank} ({config.role(rank.rank)}) stopped responding: no heartbeat for {seconds:.1f} s "
-            f"(step_timeout {config.step_timeout:.0f} s); {state}")
+    return (
+        f"rank {rank.rank} ({config.role(rank.rank)}) stopped responding: no heartbeat for {seconds:.1f} s "
+        f"(step_timeout {config.step_timeout:.0f} s); {state}"
+    )
 
 
 def _recorded_failure(ranks: list[RankProcess], store: dist.Store) -> tuple[int, str] | None:
@@ -219,24 +250,36 @@ def _recorded_failure(ranks: list[RankProcess], store: dist.Store) -> tuple[int,
 def _absent(config: JobConfig, ranks: list[RankProcess], watch: Watch, departed: set[int]) -> list[RankProcess]:
     """Ranks that have not reached gradsync.init() (running, or exited 0) within startup_timeout of their start."""
     now = time.monotonic()
-    return [r for r in ranks if r.rank not in departed and watch.moved[r.rank] is None and r.exitcode() in (None, 0)
-            and now - r.started >= config.startup_timeout]
+    return [
+        r
+        for r in ranks
+        if r.rank not in departed
+        and watch.moved[r.rank] is None
+        and r.exitcode() in (None, 0)
+        and now - r.started >= config.startup_timeout
+    ]
 
 
-def _root_cause(config: JobConfig, ranks: list[RankProcess], watch: Watch, store: dist.Store, run_dir: str,
-                departed: set[int]) -> JobFailed:
+def _root_cause(
+    config: JobConfig, ranks: list[RankProcess], watch: Watch, store: dist.Store, run_dir: str, departed: set[int]
+) -> JobFailed:
     """The failure that explains the others: a worker that ended without gradsync.shutdown() in a job that is
     not elastic; else a rank killed by a signal without recording a failure (it could
     not report); else ranks that never reached gradsync.init() within startup_timeout, workers that never
     built their Trainer, or a running rank that is stopped or silent for half the step timeout (the others
     failed waiting for them); else the first to record a failure; else the lowest failed rank.
     Ranks in `departed` (workers that left an elastic job) are none of these."""
-    failed = [(r.rank, r.exitcode()) for r in ranks if r.exitcode() not in (None, 0) and r.rank not in departed]
+    failed = [  # (rank, exit code) of the ranks that exited, not 0
+        (r.rank, cast(int, r.exitcode())) for r in ranks if r.exitcode() not in (None, 0) and r.rank not in departed
+    ]
     quitters = _quitters(config, ranks, watch, store)
     if quitters:
         followers = [rank for rank, _ in failed if rank != quitters[0].rank]
-        then = "" if not followers else "\nthen " + _failure_text(config, run_dir, followers[0],
-                                                                 ranks[followers[0]].exitcode())
+        then = (
+            ""
+            if not followers
+            else "\nthen " + _failure_text(config, run_dir, followers[0], cast(int, ranks[followers[0]].exitcode()))
+        )
         return JobFailed(_quit_text(config, quitters[0]) + then, quitters[0].rank)
     for rank, code in failed:
         if code < 0 and not os.path.exists(error_file(run_dir, rank)):
@@ -249,7 +292,8 @@ def _root_cause(config: JobConfig, ranks: list[RankProcess], watch: Watch, store
     if recorded is None and watch.moved[follower] is None and recorded_error(run_dir, follower) is None:
         follower, follower_text = _before_init_text(config, ranks, watch, run_dir)
     else:
-        follower_text = _failure_text(config, run_dir, follower, ranks[follower].exitcode(), recorded and recorded[1])
+        code = cast(int, ranks[follower].exitcode())  # read as an exit status, as before: see the report
+        follower_text = _failure_text(config, run_dir, follower, code, recorded and recorded[1])
         answered = _answered_text(config, ranks, run_dir, recorded[1]) if recorded is not None else ""
         follower_text = follower_text.rstrip("\n") + answered if answered else follower_text
     absent = _absent(config, ranks, watch, departed)
@@ -261,18 +305,25 @@ def _root_cause(config: JobConfig, ranks: list[RankProcess], watch: Watch, store
         follower_text = "\n".join(line for line in follower_text.split("\n") if NO_TRAINER not in line)
         return JobFailed(f"{watch.describe_without_trainer(late)}\nthen {follower_text}", config.servers + late[0])
     silent = watch.silent(config.step_timeout / 2)
-    suspects = [r for r in ranks if r.rank != follower and r.rank not in departed
-                and (r.rank in silent or r.state() in ("T", "t"))
-                and r.exitcode() is None]
+    suspects = [
+        r
+        for r in ranks
+        if r.rank != follower
+        and r.rank not in departed
+        and (r.rank in silent or r.state() in ("T", "t"))
+        and r.exitcode() is None
+    ]
     if suspects:
         cause = max(suspects, key=lambda r: silent.get(r.rank, 0.0))
-        return JobFailed(f"{_silent_text(config, cause, silent.get(cause.rank, 0.0))}\nthen {follower_text}",
-                         cause.rank)
+        return JobFailed(
+            f"{_silent_text(config, cause, silent.get(cause.rank, 0.0))}\nthen {follower_text}", cause.rank
+        )
     return JobFailed(follower_text, follower)
 
 
-def supervise(config: JobConfig, ranks: list[RankProcess], run_dir: str, store: dist.Store, timeout: float | None
-              ) -> list[Departure]:
+def supervise(
+    config: JobConfig, ranks: list[RankProcess], run_dir: str, store: dist.Store, timeout: float | None
+) -> list[Departure]:
     """Wait until every rank has exited 0, or, in an elastic job, departed (`departures`); returns the
     departures. Raises JobFailed when one fails (naming the root cause), when every worker of an elastic job
     has departed, when a running rank has not reached gradsync.init() within startup_timeout of its start or
@@ -286,8 +337,9 @@ def supervise(config: JobConfig, ranks: list[RankProcess], run_dir: str, store: 
         while True:
             codes = [r.exitcode() for r in ranks]
             if departures is not None and departures.observe(codes):
-                raise JobFailed(f"every worker left the job, so it cannot finish: {departures.describe()}",
-                                min(departures.found))
+                raise JobFailed(
+                    f"every worker left the job, so it cannot finish: {departures.describe()}", min(departures.found)
+                )
             departed = set(departures.found) if departures is not None else set()
             if all(c == 0 or rank in departed for rank, c in enumerate(codes)):
                 _show_held_stderr(ranks, run_dir)
@@ -301,58 +353,77 @@ def supervise(config: JobConfig, ranks: list[RankProcess], run_dir: str, store: 
             absent = _absent(config, ranks, watch, departed)
             if any(r.exitcode() is None for r in absent):
                 raise JobFailed(_absent_text(config, absent) + _stacks_text(config, ranks, run_dir), absent[0].rank)
-            silent = {rank: s for rank, s in watch.silent(config.step_timeout).items()
-                      if rank < len(codes) and codes[rank] is None}
+            silent = {
+                rank: s
+                for rank, s in watch.silent(config.step_timeout).items()
+                if rank < len(codes) and codes[rank] is None
+            }
             if silent:
-                rank = max(silent, key=silent.get)
+                rank = max(silent, key=silent.__getitem__)
                 quitters = _quitters(config, ranks, watch, store)
                 if quitters:  # silent in torch's teardown
                     raise JobFailed(_quit_text(config, quitters[0]), quitters[0].rank)
-                raise JobFailed(_silent_text(config, ranks[rank], silent[rank]) + _stacks_text(config, ranks, run_dir),
-                                rank)
+                raise JobFailed(
+                    _silent_text(config, ranks[rank], silent[rank]) + _stacks_text(config, ranks, run_dir), rank
+                )
             if deadline is not None and time.monotonic() > deadline:
                 running = [config.role(r.rank) for r, c in zip(ranks, codes) if c is None]
-                raise JobFailed(f"job timed out after {timeout:.0f} s; still running: {', '.join(running)}"
-                                + _stacks_text(config, ranks, run_dir))
+                raise JobFailed(
+                    f"job timed out after {timeout:.0f} s; still running: {', '.join(running)}"
+                    + _stacks_text(config, ranks, run_dir)
+                )
             stalled = watch.stalled(config.stall_report)
             if stalled and (reported is None or any(watch.places[r] != reported[r] for r in stalled)):
                 reported = list(watch.places)
-                print(f"gradsync: {_stalled_text(config, stalled)}{_stacks_text(config, ranks, run_dir)}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"gradsync: {_stalled_text(config, stalled)}{_stacks_text(config, ranks, run_dir)}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             time.sleep(POLL_S)  # its own loop, not wait_until: each look reads heartbeats, departures and stalls,
             # and its end is either outcome (every rank done, or a JobFailed that names the cause)
     except JobFailed:
         raise
     except BaseException:  # stopped by a signal (Ctrl-C, SIGTERM): where each rank was, before they are killed
-        print(f"gradsync: stopping the job; where each rank was:{_stacks_text(config, ranks, run_dir)}",
-              file=sys.stderr, flush=True)
+        print(
+            f"gradsync: stopping the job; where each rank was:{_stacks_text(config, ranks, run_dir)}",
+            file=sys.stderr,
+            flush=True,
+        )
         raise
 
 
 def _stalled_text(config: JobConfig, stalled: dict[int, float]) -> str:
     """Why the launcher shows every rank's stack while the job goes on: `stalled` workers' main threads wait."""
     waits = ", ".join(f"rank {rank} ({config.role(rank)}) for {seconds:.0f} s" for rank, seconds in stalled.items())
-    return (f"no progress: the main thread has stayed at the same place in {waits} (stall_report "
-            f"{config.stall_report:g} s: --stall-report or GRADSYNC_STALL_REPORT); the job goes on; each rank's "
-            "stack:")
+    return (
+        f"no progress: the main thread has stayed at the same place in {waits} (stall_report "
+        f"{config.stall_report:g} s: --stall-report or GRADSYNC_STALL_REPORT); the job goes on; each rank's "
+        "stack:"
+    )
 
 
 def _stacks_text(config: JobConfig, ranks: list[RankProcess], run_dir: str) -> str:
     """Every running rank's Python stack, asked now (`rank_reports.ask_stacks`), each headed with the rank's name;
     '' when none runs."""
     running = [r for r in ranks if r.exitcode() is None]
-    stacks = ask_stacks({f"{config.role(r.rank)} (rank {r.rank})": (r.proc.pid, stack_file(run_dir, r.rank))
-                         for r in running})
-    text = "".join(f"\n{name} stack:\n{text.rstrip()}" if text else
-                   f"\n{name}: no stack (not yet in gradsync.init(), or its process is stopped)"
-                   for name, text in stacks.items())
+    stacks = ask_stacks(
+        {f"{config.role(r.rank)} (rank {r.rank})": (r.proc.pid, stack_file(run_dir, r.rank)) for r in running}
+    )
+    text = "".join(
+        f"\n{name} stack:\n{text.rstrip()}"
+        if text
+        else f"\n{name}: no stack (not yet in gradsync.init(), or its process is stopped)"
+        for name, text in stacks.items()
+    )
     held: dict[str, list[str]] = {}  # what ranks still short of gradsync.init() wrote to stderr, each text once
     for r in running:
         said = early_stderr(early_stderr_file(run_dir, r.rank))
         if said:
             held.setdefault(said, []).append(f"{config.role(r.rank)} (rank {r.rank})")
-    return text + "".join(f"\n{', '.join(names)} wrote before gradsync.init():\n{said.rstrip()}"
-                          for said, names in held.items())
+    return text + "".join(
+        f"\n{', '.join(names)} wrote before gradsync.init():\n{said.rstrip()}" for said, names in held.items()
+    )
 
 
 def _show_held_stderr(ranks: list[RankProcess], run_dir: str) -> None:

@@ -7,6 +7,7 @@ started as a new process finds it in its environment; a process that imported to
 itself: a rank `gradsync.launch` forks from its fork server, and the launcher while it hosts the store of an
 emulated network (the store connects to itself from the hub).
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -7,10 +7,11 @@ the TRAINERS key, so that a worker that never builds one is named, not the worke
 allreduce every worker waits for every worker's Trainer before DDP's construction, and `trainer.join()` for every
 worker to open its block (`wait_for_every_worker`).
 """
+
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -40,14 +41,20 @@ def wait_for_arrivals(store: dist.Store, config: JobConfig) -> None:
             raise RuntimeError(f"another rank failed, stopping: {store.get(StoreKeys.FAILED).decode()[:2000]}")
         return False
 
-    wait_until(arrived, time.monotonic() + config.startup_timeout,
-               lambda: f"{ranks_named(config, missing())} did not reach gradsync.init() within startup_timeout "
-                       f"({config.startup_timeout:.0f} s), and every rank must call it: is its script stuck before "
-                       "gradsync.init(), or was it never started?")
+    wait_until(
+        arrived,
+        time.monotonic() + config.startup_timeout,
+        lambda: (
+            f"{ranks_named(config, missing())} did not reach gradsync.init() within startup_timeout "
+            f"({config.startup_timeout:.0f} s), and every rank must call it: is its script stuck before "
+            "gradsync.init(), or was it never started?"
+        ),
+    )
 
 
-def wait_for_every_worker(store: dist.Store, key: str, workers: int, seconds: float,
-                          late: Callable[[list[int], list[int]], Exception]) -> None:
+def wait_for_every_worker(
+    store: dist.Store, key: str, workers: int, seconds: float, late: Callable[[list[int], list[int]], Exception]
+) -> None:
     """Wait until all `workers` are in the store's `worker,` list `key`: they reached a point every worker must
     reach before a collective that would wait for them without a useful limit (a DDP construction, a join block).
 

@@ -8,6 +8,7 @@ bug in the script and fails the job, as in sync mode; so do a server's death and
 worker. When the job has ended, the servers' final counters (`stats-<shard>.json` in the run directory)
 give the steps each departed worker had taken, and the launcher reports them.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -69,9 +70,10 @@ class Departures:
         every worker of the job (joined ones too) is gone, so it cannot finish."""
         new = False
         for rank in range(self.config.servers, len(codes)):
-            if codes[rank] is None or rank in self.found or rank in self._finished:
+            code = codes[rank]
+            if code is None or rank in self.found or rank in self._finished:
                 continue
-            how = self._how(rank, codes[rank])
+            how = self._how(rank, code)
             if how is None:
                 continue
             worker = rank - self.config.servers

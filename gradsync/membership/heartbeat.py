@@ -19,13 +19,14 @@ torchrun and across machines, every rank can name a silent peer in its own error
 store write and one read per rank per interval. The launcher adds what only it can see: exit codes and
 process states. The heartbeat thread also ends this rank when its launcher is gone (`launcher_death`).
 """
+
 from __future__ import annotations
 
 import datetime
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -65,8 +66,9 @@ class Watch:
         keys = [StoreKeys.ALIVE.format(rank) for rank in range(len(self.counts))]
         keys += [StoreKeys.MOVED.format(rank) for rank in range(self.config.world_size)]
         *counts, left, gone, workers, trainers = store.multi_get(
-            keys + [StoreKeys.LEFT, StoreKeys.GONE, StoreKeys.WORKERS, StoreKeys.TRAINERS])
-        counts, places = counts[:len(self.counts)], counts[len(self.counts):]
+            keys + [StoreKeys.LEFT, StoreKeys.GONE, StoreKeys.WORKERS, StoreKeys.TRAINERS]
+        )
+        counts, places = counts[: len(self.counts)], counts[len(self.counts) :]
         self.read_at = time.monotonic()
         for rank, raw in enumerate(places):
             if int(raw) != self.places[rank] or (self.placed[rank] is None and int(counts[rank])):
@@ -104,17 +106,26 @@ class Watch:
         """{rank: seconds} of the ranks that have beaten, but not for `seconds` up to the last read (a pause of
         this reader never counts against them); workers that left are not expected to beat."""
         gone = {self.config.servers + w for w in self.left}
-        return {rank: self.read_at - moved for rank, moved in enumerate(self.moved)
-                if moved is not None and rank not in gone and self.read_at - moved >= seconds}
+        return {
+            rank: self.read_at - moved
+            for rank, moved in enumerate(self.moved)
+            if moved is not None and rank not in gone and self.read_at - moved >= seconds
+        }
 
     def stalled(self, seconds: float) -> dict[int, float]:
         """{rank: seconds} of the job's first workers whose main thread has stayed at the same place for
         `seconds` up to the last read while their heartbeat went on (none that left)."""
         silent = self.silent(seconds)
         gone = {self.config.servers + w for w in self.left}
-        return {rank: self.read_at - placed for rank, placed in enumerate(self.placed)
-                if rank >= self.config.servers and placed is not None and rank not in gone and rank not in silent
-                and self.read_at - placed >= seconds}
+        return {
+            rank: self.read_at - placed
+            for rank, placed in enumerate(self.placed)
+            if rank >= self.config.servers
+            and placed is not None
+            and rank not in gone
+            and rank not in silent
+            and self.read_at - placed >= seconds
+        }
 
     def absent(self) -> list[int]:
         """The ranks of the job's first processes that have not beaten yet: not yet in `gradsync.init`."""
@@ -128,15 +139,19 @@ class Watch:
         return [w for w in range(self.config.num_workers) if w not in self.trainers and w not in self.left]
 
     def describe_without_trainer(self, workers: list[int]) -> str:
-        first = min(self.trainers, key=self.trainers.get)
-        return (f"{ranks_named(self.config, [self.config.servers + w for w in workers])}: {NO_TRAINER} "
-                f"{self.read_at - self.trainers[first]:.0f} s after {worker_name(first)} began to build "
-                "its own, and every worker must build one (the others wait for it)")
+        first = min(self.trainers, key=self.trainers.__getitem__)
+        return (
+            f"{ranks_named(self.config, [self.config.servers + w for w in workers])}: {NO_TRAINER} "
+            f"{self.read_at - self.trainers[first]:.0f} s after {worker_name(first)} began to build "
+            "its own, and every worker must build one (the others wait for it)"
+        )
 
     def describe(self, silent: dict[int, float]) -> str:
         """One clause per silent rank, naming it."""
-        return "; ".join(f"rank {rank} ({self.config.role(rank)}) has sent no heartbeat for {seconds:.1f} s"
-                         for rank, seconds in silent.items())
+        return "; ".join(
+            f"rank {rank} ({self.config.role(rank)}) has sent no heartbeat for {seconds:.1f} s"
+            for rank, seconds in silent.items()
+        )
 
 
 class Heartbeat:
@@ -145,7 +160,8 @@ class Heartbeat:
     def __init__(self, store: dist.Store, config: JobConfig):
         self.config = config
         self.watch = Watch(config)
-        self._store = store.clone()
+        # Store.clone: missing from torch's stubs
+        self._store = store.clone()  # type: ignore[attr-defined]
         self._store.set_timeout(datetime.timedelta(seconds=config.step_timeout))
         create_keys(self._store, config.world_size, config.num_workers)
         self._listeners: list[Callable[[int, int | None], None]] = []
@@ -191,7 +207,8 @@ class Heartbeat:
 
 def _main_thread_place() -> tuple:
     """Where this process's main thread is: each frame's code and instruction, innermost first."""
-    frame = sys._current_frames().get(threading.main_thread().ident)
+    ident = threading.main_thread().ident
+    frame = None if ident is None else sys._current_frames().get(ident)
     place = []
     while frame is not None:
         place.append((frame.f_code, frame.f_lasti))

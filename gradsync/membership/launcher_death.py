@@ -5,6 +5,7 @@ fork server may take many seconds to wind down after its caller died while the r
 store, would live on. A script the launcher starts as a new process dies with it from before its first line
 (`dying_with_this_process`).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -12,7 +13,7 @@ import os
 import select
 import signal
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from gradsync.core import settings
 

@@ -10,6 +10,7 @@ ssp ps: by the launcher, or by a server for a joined worker gone silent), which 
 exited without `gradsync.shutdown`, in that order; WORKERS, the count of worker indices handed out, so that
 workers that join are watched too. The launcher reads the same keys.
 """
+
 from __future__ import annotations
 
 import torch.distributed as dist
@@ -24,10 +25,11 @@ def create_keys(store: dist.Store, world_size: int, workers: int) -> None:
     for rank in range(world_size):
         store.add(StoreKeys.ALIVE.format(rank), 0)
         store.add(StoreKeys.MOVED.format(rank), 0)
-    store.append(StoreKeys.LEFT, "")
-    store.append(StoreKeys.GONE, "")
-    store.append(StoreKeys.TRAINERS, "")
-    store.append(StoreKeys.EXITED, "")
+    # Store.append: missing from torch's stubs
+    store.append(StoreKeys.LEFT, "")  # type: ignore[attr-defined]
+    store.append(StoreKeys.GONE, "")  # type: ignore[attr-defined]
+    store.append(StoreKeys.TRAINERS, "")  # type: ignore[attr-defined]
+    store.append(StoreKeys.EXITED, "")  # type: ignore[attr-defined]
     store.compare_set(StoreKeys.WORKERS, "", str(workers))
 
 
@@ -57,7 +59,8 @@ def parse_gone(raw: bytes) -> dict[int, str]:
 
 def record_gone(store: dist.Store, worker: int, how: str) -> None:
     """Record that `worker` left an elastic job without gradsync.shutdown() (`how`: 'killed by SIGKILL'...)."""
-    store.append(StoreKeys.GONE, f"{worker}:{how}\n")
+    # Store.append: missing from torch's stubs
+    store.append(StoreKeys.GONE, f"{worker}:{how}\n")  # type: ignore[attr-defined]
 
 
 def staying(store: dist.Store) -> list[int]:

@@ -1,13 +1,14 @@
 """Newcomers: workers that join a running async ps job. Where its store is, its settings, a fresh worker index.
 
-The launcher of an elastic job that runs over torch RPC writes `join.json` (the rendezvous store's address and
-the job's id, mode 0600) into the run directory, and a joining process checks that the store there is that job's; rank 0 of every job publishes its settings (its GRADSYNC_* variables) in
-the store, so that joining a job that takes no newcomers fails at once. A joining process (`gradsync run
---join RUN_DIR script.py`, or GRADSYNC_JOIN=RUN_DIR|HOST:PORT for `gradsync.init()`) connects to the
-store, takes the next worker index (`gradsync/workers`, an atomic counter), creates its heartbeat counter at
-once, and starts as that worker: rank servers + index, RPC name worker<index>. The servers admit its
-registration while the job runs and its first step pulls their current parameters.
+The launcher of an elastic job that runs over torch RPC writes `join.json` (the rendezvous store's address and the job's
+id, mode 0600) into the run directory, and a joining process checks that the store there is that job's; rank 0 of every
+job publishes its settings (its GRADSYNC_* variables) in the store, so that joining a job that takes no newcomers fails
+at once. A joining process (`gradsync run --join RUN_DIR script.py`, or GRADSYNC_JOIN=RUN_DIR|HOST:PORT for
+`gradsync.init()`) connects to the store, takes the next worker index (`gradsync/workers`, an atomic counter), creates
+its heartbeat counter at once, and starts as that worker: rank servers + index, RPC name worker<index>. The servers
+admit its registration while the job runs and its first step pulls their current parameters.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -17,9 +18,9 @@ import os
 import torch.distributed as dist
 
 from gradsync.config import ConfigError, JobConfig, settings_from_env
-from gradsync.core.job_names import StoreKeys
 from gradsync.core import settings
 from gradsync.core.atomic_file import write_atomically
+from gradsync.core.job_names import StoreKeys
 from gradsync.core.transport_capabilities import capabilities
 
 JOIN_FILE = "join.json"
@@ -31,8 +32,8 @@ def joinable(config: JobConfig) -> bool:
 
 
 def write_join_file(run_dir: str, host: str, port: int, job: str) -> None:
-    """Leave the address of the store of job `job` (`transport.grpc.endpoint_files.job_id`) in the run directory (owner-only:
-    the store has no authentication)."""
+    """Leave the address of the store of job `job` (`transport.grpc.endpoint_files.job_id`) in the run directory
+    (owner-only: the store has no authentication)."""
     write_atomically(os.path.join(run_dir, JOIN_FILE), json.dumps({"host": host, "port": port, "job": job}).encode())
 
 
@@ -69,8 +70,9 @@ def connect(target: str, timeout: float) -> tuple[dist.TCPStore, str, int]:
     """
     host, port, job = store_address(target)
     try:
-        store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=timeout))
+        store = dist.TCPStore(
+            host, port, is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout)
+        )
     except dist.DistError as e:
         raise ConnectionError(f"cannot reach the store of the job to join at {host}:{port} (has it ended?): {e}") from e
     served = store.get(StoreKeys.JOB_ID).decode() if job and store.check([StoreKeys.JOB_ID]) else ""
@@ -78,7 +80,8 @@ def connect(target: str, timeout: float) -> tuple[dist.TCPStore, str, int]:
         raise ConnectionError(
             f"the store at {host}:{port} is job {served or '(unnamed)'}'s, not job {job}'s that "
             f"{os.path.join(target, JOIN_FILE)} names: that job has ended and another listens there; give the run "
-            "directory of a running async job")
+            "directory of a running async job"
+        )
     return store, host, port
 
 
@@ -97,8 +100,10 @@ def job_settings(store: dist.Store, host: str, port: int, timeout: float) -> dic
     try:
         store.wait([StoreKeys.JOB], datetime.timedelta(seconds=timeout))
     except dist.DistError as e:
-        raise ConfigError(f"the job at {host}:{port} published no settings within {timeout:.0f} s: is it a "
-                          f"gradsync job, and has its rank 0 started? ({e})") from e
+        raise ConfigError(
+            f"the job at {host}:{port} published no settings within {timeout:.0f} s: is it a "
+            f"gradsync job, and has its rank 0 started? ({e})"
+        ) from e
     values = settings_from_env(json.loads(store.get(StoreKeys.JOB)))
     job = JobConfig(**values, world_size=values["servers"] + 1)
     if not joinable(job):
@@ -137,11 +142,16 @@ def joiner_config(store: dist.Store, host: str, port: int, asked: dict, timeout:
         ConfigError: the job does not take joining workers, or runs other settings than `asked`.
     """
     values = job_settings(store, host, port, timeout)
-    differ = [f"{k}={v!r} (the job runs {values[k]!r}{'' if values[k] is not None else ': chosen at start-up'})"
-              for k, v in asked.items() if v is not None and k in settings.SHARED and v != values[k]]
+    differ = [
+        f"{k}={v!r} (the job runs {values[k]!r}{'' if values[k] is not None else ': chosen at start-up'})"
+        for k, v in asked.items()
+        if v is not None and k in settings.SHARED and v != values[k]
+    ]
     if differ:
-        raise ConfigError(f"joining the job at {host}:{port} with {', '.join(differ)}: leave those settings "
-                          "out, a joining worker takes the job's")
+        raise ConfigError(
+            f"joining the job at {host}:{port} with {', '.join(differ)}: leave those settings "
+            "out, a joining worker takes the job's"
+        )
     values.update({k: v for k, v in asked.items() if v is not None and k not in settings.SHARED})
     index = store.add(StoreKeys.WORKERS, 1) - 1
     rank = values["servers"] + index
@@ -149,5 +159,4 @@ def joiner_config(store: dist.Store, host: str, port: int, asked: dict, timeout:
     path = settings.JOIN_INDEX_FILE.read()
     if path:
         write_atomically(path, str(index).encode())
-    return JobConfig(**values, rank=rank, world_size=rank + 1, master_addr=host, master_port=port,
-                     store_is_hosted=True)
+    return JobConfig(**values, rank=rank, world_size=rank + 1, master_addr=host, master_port=port, store_is_hosted=True)

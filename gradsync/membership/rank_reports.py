@@ -13,6 +13,7 @@ fails before init on every rank (a bad argument, an error at import) is shown on
 ranks, not once per rank. At init the rank writes what it held to the launcher's stderr (STDERR_FD), unless
 another rank of the job wrote the same text already, and writes there from then on (`release_early_stderr`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -109,7 +110,7 @@ def release_early_stderr(store: dist.Store) -> None:
     if held and store.add(StoreKeys.EARLY_STDERR.format(hashlib.sha256(held).hexdigest()), 1) == 1:
         view = memoryview(held)
         while view:
-            view = view[os.write(2, view):]
+            view = view[os.write(2, view) :]
 
 
 def early_stderr(path: str) -> str | None:

@@ -11,6 +11,7 @@ state, and none can start a new round (the next epoch) on a server that still co
 The wait is bounded as the job's other waits are: it fails when another rank failed, when a rank has sent no
 heartbeat for step_timeout, or when a worker left the job (or, in an async or ssp job, died) without joining.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -59,22 +60,26 @@ class Joiner:
             if store.check(keys):
                 return True
             if store.check([StoreKeys.FAILED]):
-                raise RuntimeError(f"another rank failed while {waiting}: "
-                                   f"{store.get(StoreKeys.FAILED).decode()[:2000]}")
+                raise RuntimeError(
+                    f"another rank failed while {waiting}: {store.get(StoreKeys.FAILED).decode()[:2000]}"
+                )
             left = parse_left(store.get(StoreKeys.LEFT))
             if left:
                 worker, steps = next(iter(left.items()))
                 raise RuntimeError(
                     f"{worker_name(worker)} left the job after {steps} steps without joining, and {waiting}: "
-                    "with trainer.join(), every worker must train inside its `with trainer.join():` block")
+                    "with trainer.join(), every worker must train inside its `with trainer.join():` block"
+                )
             gone = parse_gone(store.get(StoreKeys.GONE))
             if gone:  # a worker of an async or ssp job died: it will never join
                 worker, how = next(iter(gone.items()))
                 raise RuntimeError(f"{worker_name(worker)} left the job ({how}) without joining, and {waiting}")
             silent = watch.silent(config.step_timeout)
             if silent:
-                raise RuntimeError(f"{watch.describe(silent)} (step_timeout {config.step_timeout:.0f} s), and "
-                                   f"{waiting}: it is stopped, hung or dead")
+                raise RuntimeError(
+                    f"{watch.describe(silent)} (step_timeout {config.step_timeout:.0f} s), and "
+                    f"{waiting}: it is stopped, hung or dead"
+                )
             return False
 
         wait_until(all_joined, None, waiting)  # bounded by the liveness checks: a silent rank raises
@@ -83,8 +88,13 @@ class Joiner:
 
 def serve(store: dist.Store, server: ParameterServer, num_workers: int) -> None:
     """On a server: tell `server` of every worker that joins, as it joins (a daemon thread of its own)."""
-    threading.Thread(target=_listen, args=(store.clone(), server, num_workers), name="gradsync-joins",
-                     daemon=True).start()
+    threading.Thread(
+        target=_listen,
+        # Store.clone: missing from torch's stubs
+        args=(store.clone(), server, num_workers),  # type: ignore[attr-defined]
+        name="gradsync-joins",
+        daemon=True,
+    ).start()
 
 
 def _listen(store: dist.Store, server: ParameterServer, num_workers: int) -> None:

@@ -12,6 +12,7 @@ say, `gradsync.log(acc=accuracy)` at the end): each call appends a line of its o
 With GRADSYNC_TENSORBOARD_DIR (`compare --log-dir`) the values also go to a TensorBoard events file there.
 Without either it does nothing.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,9 +22,9 @@ import os
 import time
 from typing import TextIO
 
-from gradsync.metrics.tensorboard import EventWriter
 from gradsync.core.settings import LOG_DIR, TENSORBOARD_DIR
 from gradsync.metrics.step_metrics import StepMetrics
+from gradsync.metrics.tensorboard import EventWriter
 
 
 @dataclasses.dataclass
@@ -61,8 +62,13 @@ def _committed() -> None:
     timeline are the objects the strategy may still add to)."""
     flush()
     metrics = CURRENT.metrics
-    CURRENT.pending = {"t": time.monotonic() - CURRENT.started, "wall": time.time(), "step": metrics.steps,
-                       "record": metrics.last()}
+    assert metrics is not None  # a strategy's, which calls this
+    CURRENT.pending = {
+        "t": time.monotonic() - CURRENT.started,
+        "wall": time.time(),
+        "step": metrics.steps,
+        "record": metrics.last(),
+    }
     if metrics.timeline.on:
         CURRENT.pending["timeline"] = metrics.timeline.steps[-1]
 

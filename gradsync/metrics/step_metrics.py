@@ -1,4 +1,5 @@
 """Per-step timings and traffic of a worker, for the comparison table and benchmarks."""
+
 from __future__ import annotations
 
 import collections
@@ -89,8 +90,9 @@ class StepMetrics:
         if self.on_commit is not None:
             self.on_commit()
 
-    def gathered_after_commit(self, what: str, seconds: float, bytes_sent: int, bytes_received: int,
-                              left: float) -> None:
+    def gathered_after_commit(
+        self, what: str, seconds: float, bytes_sent: int, bytes_received: int, left: float
+    ) -> None:
         """An all-gather among the workers that began at `left` (wall clock) after the newest step's commit and
         is over now (sharded: the end of a dynamic table's step): counted in that step as exchange, its lane
         'all-gather `what`' in that step's timeline."""

@@ -5,6 +5,7 @@ the bytes, masked CRC-32C of the bytes) holding `Event` protobufs (wall_time = 1
 file_version = 3, summary = 5 -> Summary.value = 1 -> Value {tag = 1, simple_value = 2}), encoded here
 by hand: the only messages needed are these few fields.
 """
+
 from __future__ import annotations
 
 import os
@@ -57,8 +58,9 @@ def _length_delimited(number: int, data: bytes) -> bytes:
     return _field(number, 2, _varint(len(data)) + data)
 
 
-def event(wall_time: float, step: int, scalars: dict[str, float] | None = None, file_version: str | None = None
-          ) -> bytes:
+def event(
+    wall_time: float, step: int, scalars: dict[str, float] | None = None, file_version: str | None = None
+) -> bytes:
     """An Event protobuf: a file version header, or scalar summaries at `step`."""
     out = _field(1, 1, struct.pack("<d", wall_time)) + _field(2, 0, _varint(step))
     if file_version is not None:

@@ -1,17 +1,15 @@
 """The step timeline (GRADSYNC_TIMELINE, `gradsync compare --timeline`): when each piece of a step left the
 worker, reached and was applied on its server, and came back.
 
-A worker's `Timeline` records one `PieceEvents` per lane and step: under ps each piece (a server's bucket) of
-a step over torch RPC (sync, async, ssp; pieces that left during the backward included), and each server's
-header push (buffers and rows, no gradient);
-under allreduce each bucket DDP exchanges; under sharded also each all-to-all among the workers (a lookup's
-ids with their counts and its rows in the forward, the row gradients at the step: `Timeline.all_to_all`, its `left` and
-`back` around the call, its bytes those to and from the other workers). `left` and `back` are taken on the
-worker; `arrived` (every worker's part of the piece is in) and `applied` (the optimizer stepped on it) on the server, by its
-`PieceStamps`, and sent back in the piece's reply (`Stamped`). Every time is wall-clock seconds
-(`time.time()`): ranks on one machine, or in network namespaces on it, share that clock, so the worker's
-and the server's events are on one axis; across machines the clocks' skew (NTP: milliseconds) shifts
-the server's events against the worker's.
+A worker's `Timeline` records one `PieceEvents` per lane and step: under ps each piece (a server's bucket) of a step
+over torch RPC (sync, async, ssp; pieces that left during the backward included), and each server's header push (buffers
+and rows, no gradient); under allreduce each bucket DDP exchanges; under sharded also each all-to-all among the workers
+(a lookup's ids with their counts and its rows in the forward, the row gradients at the step: `Timeline.all_to_all`, its
+`left` and `back` around the call, its bytes those to and from the other workers). `left` and `back` are taken on the
+worker; `arrived` (every worker's part of the piece is in) and `applied` (the optimizer stepped on it) on the server, by
+its `PieceStamps`, and sent back in the piece's reply (`Stamped`). Every time is wall-clock seconds (`time.time()`):
+ranks on one machine, or in network namespaces on it, share that clock, so the worker's and the server's events are on
+one axis; across machines the clocks' skew (NTP: milliseconds) shifts the server's events against the worker's.
 
 Off, a worker records nothing (`timed` calls straight through) and a server only notes two clock readings
 per piece, which it sends only to a worker that asks. A pipelined step over gRPC records the same lanes
@@ -19,11 +17,13 @@ per piece, which it sends only to a worker that asks. A pipelined step over gRPC
 yet: whole steps (gRPC on one machine, a held sync step under clipping or a GradScaler). Async and ssp
 servers apply a push whole: their pieces have no server events.
 """
+
 from __future__ import annotations
 
 import collections
 import dataclasses
 import time
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 from gradsync.core import settings
@@ -106,25 +106,25 @@ class Timeline:
         self.on = settings.TIMELINE.read() if on is None else on
         self.steps: collections.deque[dict] = collections.deque(maxlen=KEPT_STEPS)
         self._current: list[PieceEvents] = []
-        self._sizes: dict[tuple, float] = {}
+        self._sizes: Mapping[tuple, float] = {}
 
     def begin(self) -> None:
         """A context's first forward: the events of one that ended without a step are dropped."""
         self._current = []
 
-    def expect(self, sizes: dict[tuple, float]) -> None:
+    def expect(self, sizes: Mapping[tuple, float]) -> None:
         """The bytes each lane of the step sends, by (server, bucket or HEAD): read when the step is committed
         (a piece may have left during the backward, before its step knew them)."""
         self._sizes = sizes
 
-    def timed(self, lane: tuple, call, *args, **kwargs):
+    def timed(self, lane: tuple[int, int | None], call, *args, **kwargs):
         """`call(*args, **kwargs)`, a call that returns a torch future, with its lane's events (ps): `left`
         now, the bytes `expect` gives, and when it completes `back`, the reply's bytes and a `Stamped` reply's
         server events (unwrapped). Off: the call alone."""
         events = self.lane(lane)
         return call(*args, **kwargs) if events is None else self._track(events, call, args, kwargs)
 
-    def lane(self, lane: tuple) -> PieceEvents | None:
+    def lane(self, lane: tuple[int, int | None]) -> PieceEvents | None:
         """A ps lane's events, `left` now (gRPC's streams note its reply themselves: `PieceEvents.returned`);
         None when off."""
         if not self.on:
@@ -146,22 +146,25 @@ class Timeline:
         """An all-to-all among the workers that began at `left` (wall clock) and is over now: its lane `what`,
         the bytes it sent to and got from the other workers. Off: nothing."""
         if self.on:
-            self._current.append(PieceEvents(None, None, bytes_sent, left, bytes_received, back=time.time(),
-                                             exchange=f"a2a {what}"))
+            self._current.append(
+                PieceEvents(None, None, bytes_sent, left, bytes_received, back=time.time(), exchange=f"a2a {what}")
+            )
 
     def gathered_after(self, what: str, bytes_sent: float, bytes_received: float, left: float) -> None:
         """An all-gather among the workers that began at `left` after the newest step was kept (`committed`)
         and is over now: its lane 'all-gather `what`' in that step's lanes. Off: nothing."""
         if self.on and self.steps:
-            events = PieceEvents(None, None, bytes_sent, left, bytes_received, back=time.time(),
-                                 exchange=f"all-gather {what}")
+            events = PieceEvents(
+                None, None, bytes_sent, left, bytes_received, back=time.time(), exchange=f"all-gather {what}"
+            )
             self.steps[-1]["pieces"].append(dataclasses.asdict(events) | {"lane": events.lane})
 
     def _track(self, events: PieceEvents, call, args, kwargs):
         """`call`'s future, whose reply completes `events` (already among the step's)."""
 
         def back(fut):
-            value, stamps = fut.value(), ()
+            value = fut.value()
+            stamps: Sequence[float | None] = ()
             if isinstance(value, Stamped):
                 value, *stamps = value
             known = events.bytes_received  # an allreduce bucket's, given at the start
@@ -176,6 +179,7 @@ class Timeline:
             for e in self._current:
                 if e.server is not None:  # a ps lane: its bytes from `expect`
                     e.bytes_sent = self._sizes.get((e.server, e.bucket), 0)
-            self.steps.append({"step": step, "pieces": [dataclasses.asdict(e) | {"lane": e.lane}
-                                                        for e in self._current]})
+            self.steps.append(
+                {"step": step, "pieces": [dataclasses.asdict(e) | {"lane": e.lane} for e in self._current]}
+            )
             self._current, self._sizes = [], {}

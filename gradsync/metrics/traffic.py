@@ -1,5 +1,6 @@
 """Bytes on the wire: the one place for the formulas that the strategies' step metrics and the cost model
 (`gradsync.compare.costmodel`) both use."""
+
 from __future__ import annotations
 
 import pickle

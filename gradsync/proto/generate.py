@@ -3,6 +3,7 @@
 protoc runs with the repository root on its include path, so the generated
 modules import each other as `gradsync.proto.gradsync_pb2`.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,14 @@ def generate(out_dir: str = ROOT) -> None:
 
     os.makedirs(os.path.join(out_dir, "gradsync", "proto"), exist_ok=True)
     code = protoc.main(
-        ["protoc", f"-I{ROOT}", f"--python_out={out_dir}", f"--pyi_out={out_dir}",
-         f"--grpc_python_out={out_dir}", os.path.join(ROOT, PROTO)]
+        [
+            "protoc",
+            f"-I{ROOT}",
+            f"--python_out={out_dir}",
+            f"--pyi_out={out_dir}",
+            f"--grpc_python_out={out_dir}",
+            os.path.join(ROOT, PROTO),
+        ]
     )
     if code != 0:
         raise RuntimeError(f"protoc exited with {code} on {PROTO}: fix the .proto and run again")

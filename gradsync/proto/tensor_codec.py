@@ -20,11 +20,13 @@ Two representations of the same wire format:
   protobuf instead. `decode` takes `Chunk`s and `Tensor` messages alike and copies
   each chunk's data exactly once, into the tensor it returns.
 """
+
 from __future__ import annotations
 
 import math
 import sys
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TypeVar
 
 import torch
 from google.protobuf.message import DecodeError
@@ -41,12 +43,21 @@ CHUNK_BYTES = 1 << 20
 DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
     for d in (
-        torch.float64, torch.float32, torch.float16, torch.bfloat16,
-        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
     )
 }
 
 Key = str | int
+_K = TypeVar("_K", bound=Key)
 """A tensor's address: its name (`Tensor.name`), or the index of a bucket (`Tensor.bucket`)."""
 
 _DATA_FIELD = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
@@ -72,16 +83,31 @@ class Chunk:
 
     __slots__ = ("name", "dtype", "shape", "total_bytes", "offset", "data", "bucket")
 
-    def __init__(self, name: str, dtype: str, shape: tuple[int, ...], total_bytes: int, offset: int, data,
-                 bucket: int | None = None):
+    def __init__(
+        self,
+        name: str,
+        dtype: str,
+        shape: tuple[int, ...],
+        total_bytes: int,
+        offset: int,
+        data,
+        bucket: int | None = None,
+    ):
         self.name, self.dtype, self.shape = name, dtype, shape
         self.total_bytes, self.offset, self.data, self.bucket = total_bytes, offset, data, bucket
 
     @classmethod
-    def of(cls, message: pb.Tensor) -> "Chunk":
+    def of(cls, message: pb.Tensor) -> Chunk:
         # each read of a bytes field makes a copy: read it once
-        return cls(message.name, message.dtype, tuple(message.shape), message.total_bytes, message.offset,
-                   message.data, message.bucket if message.HasField("bucket") else None)
+        return cls(
+            message.name,
+            message.dtype,
+            tuple(message.shape),
+            message.total_bytes,
+            message.offset,
+            message.data,
+            message.bucket if message.HasField("bucket") else None,
+        )
 
     @property
     def key(self) -> Key:
@@ -91,9 +117,7 @@ class Chunk:
                 raise ValueError("Tensor.name is empty: every chunk must name its tensor (or set Tensor.bucket)")
             return self.name
         if self.name:
-            raise ValueError(
-                f"a chunk of bucket {self.bucket} also sets Tensor.name {self.name!r}: set one of the two"
-            )
+            raise ValueError(f"a chunk of bucket {self.bucket} also sets Tensor.name {self.name!r}: set one of the two")
         return self.bucket
 
 
@@ -111,7 +135,8 @@ def _raw(tensor: torch.Tensor) -> tuple[str, list[int], int, memoryview | None]:
     dtype = dtype_name(tensor.dtype)
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)  # no copy for a contiguous CPU tensor
     total = flat.numel() * flat.element_size()
-    raw = memoryview(flat.view(torch.uint8).numpy()) if total else None
+    # numpy's stubs give an ndarray the buffer protocol (`__buffer__`) from Python 3.12 on only
+    raw = memoryview(flat.view(torch.uint8).numpy()) if total else None  # type: ignore[arg-type]
     return dtype, list(tensor.shape), total, raw
 
 
@@ -142,7 +167,7 @@ def encode(key: Key, tensor: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> It
         yield pb.Tensor(**address, dtype=dtype, shape=shape, total_bytes=total, offset=offset, data=data)
 
 
-def encode_all(tensors: dict[Key, torch.Tensor], chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.Tensor]:
+def encode_all(tensors: Mapping[_K, torch.Tensor], chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.Tensor]:
     """The chunks of several tensors, one tensor after the other."""
     for key, tensor in tensors.items():
         yield from encode(key, tensor, chunk_bytes)
@@ -161,8 +186,7 @@ def _chunk_field(message_cls) -> int:
     return message_cls.DESCRIPTOR.fields_by_name["chunk"].number
 
 
-def encode_messages(tensors: dict[Key, torch.Tensor], message_cls,
-                    chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+def encode_messages(tensors: Mapping[_K, torch.Tensor], message_cls, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
     """The serialized messages that carry the chunks of several tensors, one tensor after the other.
 
     Each item parses as `message_cls(chunk=c)` for the chunks `c` of `encode_all(tensors, chunk_bytes)`
@@ -185,7 +209,8 @@ def encode_messages(tensors: dict[Key, torch.Tensor], message_cls,
                 body += bytes([_OFFSET_FIELD << 3]) + _varint(offset)
             if size:
                 body += bytes([_DATA_FIELD << 3 | 2]) + _varint(size)
-            yield b"".join((outer_tag, _varint(len(body) + size), body, raw[offset:end] if size else b""))
+            data = raw[offset:end] if size and raw is not None else b""  # raw: None for an empty tensor only
+            yield b"".join((outer_tag, _varint(len(body) + size), body, data))
 
 
 class _Unrecognised(Exception):
@@ -250,8 +275,15 @@ def parse_message(buf: bytes, message_cls) -> Chunk | None:
     if last is None or last[1:3] != (_DATA_FIELD, 2):
         return None
     head = pb.Tensor.FromString(buf[start : last[0]])  # protobuf keeps the last `data`, as this does
-    return Chunk(head.name, head.dtype, tuple(head.shape), head.total_bytes, head.offset,
-                 memoryview(buf)[last[3] : end], head.bucket if head.HasField("bucket") else None)
+    return Chunk(
+        head.name,
+        head.dtype,
+        tuple(head.shape),
+        head.total_bytes,
+        head.offset,
+        memoryview(buf)[last[3] : end],
+        head.bucket if head.HasField("bucket") else None,
+    )
 
 
 def message_parser(message_cls):
@@ -297,7 +329,8 @@ class _Partial:
             )
         self.out = memory.empty(self.shape, self.dtype)  # huge pages when large: see gradsync.core.memory
         # the tensor's own bytes, writable: each chunk is copied straight into place
-        self.bytes = memoryview(self.out.reshape(-1).view(torch.uint8).numpy()) if self.total else None
+        # numpy's stubs give an ndarray the buffer protocol (`__buffer__`) from Python 3.12 on only
+        self.bytes = memoryview(self.out.reshape(-1).view(torch.uint8).numpy()) if self.total else None  # type: ignore[arg-type]
         self.received = 0
 
     def add(self, chunk: Chunk) -> None:
@@ -321,6 +354,7 @@ class _Partial:
         if size == 0 and self.total != 0:
             raise ValueError(f"{where}: empty Tensor.data in a chunk of a non-empty tensor")
         if size:
+            assert self.bytes is not None  # a non-empty tensor's
             self.bytes[self.received : self.received + size] = data
         self.received += size
 
@@ -329,8 +363,9 @@ class _Partial:
         return self.received == self.total
 
 
-def decode(chunks: Iterable[pb.Tensor | Chunk], max_bytes: int | None = None,
-           max_tensors: int | None = None) -> dict[Key, torch.Tensor]:
+def decode(
+    chunks: Iterable[pb.Tensor | Chunk], max_bytes: int | None = None, max_tensors: int | None = None
+) -> dict[Key, torch.Tensor]:
     """Reassemble tensors from their chunks, in the order they arrive (`decode_each`, gathered).
 
     Returns:
@@ -339,8 +374,9 @@ def decode(chunks: Iterable[pb.Tensor | Chunk], max_bytes: int | None = None,
     return dict(decode_each(chunks, max_bytes, max_tensors))
 
 
-def decode_each(chunks: Iterable[pb.Tensor | Chunk], max_bytes: int | None = None,
-                max_tensors: int | None = None) -> Iterator[tuple[Key, torch.Tensor]]:
+def decode_each(
+    chunks: Iterable[pb.Tensor | Chunk], max_bytes: int | None = None, max_tensors: int | None = None
+) -> Iterator[tuple[Key, torch.Tensor]]:
     """Each tensor as soon as its last chunk arrived: (key, tensor), in the order they arrive.
 
     Args:

@@ -5,8 +5,8 @@ server's dynamic tables after each push it applies (`ps.dynamic_shard`, `alone`)
 `SSPRule` does too (scaled by 1/W) but holds a worker's reply while it is more
 than `staleness` steps ahead of the slowest worker.
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 import torch
 
@@ -15,9 +15,9 @@ from gradsync.core.finite import first_nonfinite
 from gradsync.core.futures import failed, resolved
 from gradsync.ps.averaging import blame, blame_rows, row_staleness, scaled, skipped_entries
 from gradsync.ps.consistency import ConsistencyRule, answer
-from gradsync.ps.messages import Committed, Push, Snapshot
-from gradsync.ps.shard import ShardState
 from gradsync.ps.gradient_codecs import PLAIN
+from gradsync.ps.messages import Committed, Push
+from gradsync.ps.shard import ShardState
 
 
 class AsyncRule(ConsistencyRule):
@@ -28,22 +28,37 @@ class AsyncRule(ConsistencyRule):
     def _refused(self, worker: int, push: Push) -> torch.futures.Future | None:
         """A push that asks to be held for a joint norm: a worker clips its own push."""
         if push.agree is not None:
-            return failed(GradientError(f"worker {worker} asked server {self.shard.shard_id} to hold its push for "
-                                        "a joint norm, which only sync steps have: async workers clip their own push"))
+            return failed(
+                GradientError(
+                    f"worker {worker} asked server {self.shard.shard_id} to hold its push for "
+                    "a joint norm, which only sync steps have: async workers clip their own push"
+                )
+            )
         return None
 
-    def _take(self, worker: int, pulled_version: int, push: Push, checked: list, buffers: dict, wire
-              ) -> tuple[torch.futures.Future, list[tuple]]:
+    def _take(
+        self, worker: int, pulled_version: int, push: Push, checked: list | None, buffers: dict, wire
+    ) -> tuple[torch.futures.Future, list[tuple]]:
         """Apply one worker's push now, with its schedule's changed options. Call with the lock held."""
+        # whole: a head waits in `staging` for its pieces, and comes here with them
+        assert checked is not None and push.absent is not None
         shard, rows = self.shard, push.rows
-        decoded = [None if g is None else scaled(wire.decode(g, b.dtype), self.scale)
-                   for g, b in zip(checked, shard.buckets)]
-        merged = {name: shard.tables[name].current(r.version, r.ids, scaled(r.grads, self.scale))
-                  for name, r in rows.items()}
+        decoded = [
+            None if g is None else scaled(wire.decode(g, b.dtype), self.scale) for g, b in zip(checked, shard.buckets)
+        ]
+        merged = {
+            name: shard.tables[name].current(r.version, r.ids, scaled(r.grads, self.scale)) for name, r in rows.items()
+        }
         error = None
         if first_nonfinite([g for g in decoded if g is not None]) is not None:
-            error = next((e for b, g in enumerate(decoded)
-                          if g is not None and (e := blame(shard, b, g, [(worker, checked[b], wire)]))), None)
+            error = next(
+                (
+                    e
+                    for b, g in enumerate(decoded)
+                    if g is not None and (e := blame(shard, b, g, [(worker, checked[b], wire)]))
+                ),
+                None,
+            )
         error = error or blame_rows(merged, [(worker, rows)])
         if error is not None:
             rejected = shard.rejected(error)
@@ -59,7 +74,7 @@ class AsyncRule(ConsistencyRule):
         shard.stats.pushes_by_worker[worker] = shard.stats.pushes_by_worker.get(worker, 0) + 1
         return resolved(Committed(shard.version)), []
 
-    def worker_left(self, worker: int, steps: int) -> None:
+    def worker_left(self, worker: int, steps: int | None) -> None:
         """Nothing to do: an async step needs no other worker."""
 
     def worker_joined(self, worker: int) -> None:
@@ -114,7 +129,7 @@ class SSPRule(AsyncRule):
         released = Committed(snapshot.version, snapshot=snapshot)
         return [(f, released, None) for f in ready]
 
-    def worker_left(self, worker: int, steps: int) -> None:
+    def worker_left(self, worker: int, steps: int | None) -> None:
         """The slowest clock no longer counts `worker`: those who waited for it go on."""
         with self.shard.lock:
             self.clock.pop(worker, None)

@@ -4,17 +4,21 @@ A push is validated before it is kept (version, bucket payloads, buffers, table 
 changes nothing; a step's bucket means are the sum of its workers' payloads in worker order, scaled once;
 a non-finite mean is blamed on the parameter and the worker that sent NaN/Inf for it.
 """
+
 from __future__ import annotations
+
+from typing import Any, cast
 
 import torch
 
 from gradsync.core.errors import GradientError, nonfinite_error
 from gradsync.core.finite import first_nonfinite
 from gradsync.core.optimizer_spec import same_value
-from gradsync.tables.placement import merge_rows
 from gradsync.cuda_ops import aggregate
+from gradsync.ps.gradient_codecs import WireFormat
 from gradsync.ps.messages import PipelineHead, Push, RowGrads
 from gradsync.ps.shard import ShardState
+from gradsync.tables.placement import merge_rows
 
 
 def check_version(shard: ShardState, worker: int, pulled_version: int, exact: bool) -> None:
@@ -35,8 +39,12 @@ def validated(shard: ShardState, worker: int, pulled_version: int, push: Push, w
     """
     try:
         check_version(shard, worker, pulled_version, exact)
-        checked = (None if isinstance(push, PipelineHead)
-                   else shard.check_gradients(worker, push.payloads, push.absent, wire))
+        checked = (
+            None
+            if isinstance(push, PipelineHead)
+            # a push that is not a head carries its payloads and absence lists
+            else shard.check_gradients(worker, cast(list, push.payloads), cast(list, push.absent), wire)
+        )
         buffers = shard.check_buffers(worker, push.buffers)
         check_rows(shard, worker, push.rows, exact)
     except GradientError:
@@ -53,11 +61,15 @@ def check_rows(shard: ShardState, worker: int, rows: dict, exact: bool) -> None:
     for name, push in rows.items():
         table = shard.tables.get(name)
         if table is None:
-            raise GradientError(f"worker {worker} pushed rows of table {name!r}, which server {shard.shard_id} "
-                                f"does not hold (it holds {sorted(shard.tables)})")
+            raise GradientError(
+                f"worker {worker} pushed rows of table {name!r}, which server {shard.shard_id} "
+                f"does not hold (it holds {sorted(shard.tables)})"
+            )
         if not isinstance(push, RowGrads):
-            raise GradientError(f"worker {worker}: rows of table {name!r} are a {type(push).__name__}, expected "
-                                "gradsync.ps.messages.RowGrads(version, ids, grads)")
+            raise GradientError(
+                f"worker {worker}: rows of table {name!r} are a {type(push).__name__}, expected "
+                "gradsync.ps.messages.RowGrads(version, ids, grads)"
+            )
         check_version(shard, worker, push.version, exact)
         table.check_push(worker, push.ids, push.grads)
 
@@ -87,8 +99,10 @@ def blame_rows(means: dict, pushes: list[tuple[int, dict[str, RowGrads]]]) -> Gr
     if bad is None:
         return None
     name = names[bad]
-    culprit = next((w for w, rows in pushes if name in rows and first_nonfinite([rows[name].grads]) is not None),
-                   "none alone (the average of finite gradients overflowed)")
+    culprit = next(
+        (w for w, rows in pushes if name in rows and first_nonfinite([rows[name].grads]) is not None),
+        "none alone (the average of finite gradients overflowed)",
+    )
     return nonfinite_error(name, culprit)
 
 
@@ -103,8 +117,9 @@ def skipped_entries(shard: ShardState, pushes: list[tuple[list, list]]) -> list[
     return out
 
 
-def blame(shard: ShardState, b: int, mean: torch.Tensor, per_worker: list[tuple[int, object, object]]
-           ) -> GradientError | None:
+def blame(
+    shard: ShardState, b: int, mean: torch.Tensor, per_worker: list[tuple[int, Any, WireFormat]]
+) -> GradientError | None:
     """The error naming the first parameter of bucket `b` whose mean gradient is non-finite and the worker
     that sent NaN/Inf for it (per_worker: (worker, payload, wire)); None when every entry's mean is finite
     (the cheap check was a false alarm)."""
@@ -119,7 +134,7 @@ def blame(shard: ShardState, b: int, mean: torch.Tensor, per_worker: list[tuple[
     return nonfinite_error(entries[bad].name, "none alone (the average of finite gradients overflowed)")
 
 
-def mean(shard: ShardState, b: int, pushes: list[tuple[object, object]], workers: int) -> torch.Tensor | None:
+def mean(shard: ShardState, b: int, pushes: list[tuple[Any, WireFormat]], workers: int) -> torch.Tensor | None:
     """Sum of the workers' (payload, wire) for bucket b divided by `workers`; None when no worker sent one."""
     pushes = [(p, w) for p, w in pushes if p is not None]
     if not pushes:
@@ -158,7 +173,7 @@ def merged_options(pushes: list[tuple[int, dict]]) -> dict[int, dict]:
             for key in sorted(set(mine) | set(other)):
                 if key in mine and key in other and same_value(mine[key], other[key]):
                     continue
-                said = lambda w, c: f"to {c[key]!r}" if key in c else "not at all"  # noqa: E731
+                said = lambda w, c: f"to {c[key]!r}" if key in c else "not at all"  # noqa: E731, B023 (called in this iteration)
                 raise GradientError(
                     f"in the same step worker {first} changed {key!r} of optimizer group {g} {said(first, mine)} and "
                     f"worker {worker} {said(worker, other)}: every worker must drive the schedule alike (the same "

@@ -10,6 +10,7 @@ ahead). `ps.server.make_rule` picks one by the job's mode.
 NaN/Inf is found with one cheap reduction per bucket (`core.finite`); only when it trips are the parameter
 and the worker searched for.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -19,9 +20,9 @@ import torch
 from gradsync.core.errors import GradientError
 from gradsync.core.futures import failed
 from gradsync.ps.averaging import validated
+from gradsync.ps.gradient_codecs import PLAIN
 from gradsync.ps.messages import Push
 from gradsync.ps.shard import ShardState
-from gradsync.ps.gradient_codecs import PLAIN
 
 
 class ConsistencyRule(ABC):
@@ -55,8 +56,9 @@ class ConsistencyRule(ABC):
         return None
 
     @abstractmethod
-    def _take(self, worker: int, pulled_version: int, push: Push, checked: list | None, buffers: dict, wire
-              ) -> tuple[torch.futures.Future, list[tuple]]:
+    def _take(
+        self, worker: int, pulled_version: int, push: Push, checked: list | None, buffers: dict, wire
+    ) -> tuple[torch.futures.Future, list[tuple]]:
         """A checked push (`checked`: its payloads on the shard's device, `buffers` its buffers): the future
         that answers it and the answers to give outside the lock. Call with the lock held."""
 

@@ -26,13 +26,27 @@ rule of the single-process table over this server's ids, bounded by its share of
 A push's row gradient goes only to a row resident since the push's lookups (`current`): a row evicted
 meanwhile, or evicted and created again (fresh), gets none of it (the version of each row's creation: 8 bytes a slot).
 """
+
 from __future__ import annotations
+
+from typing import cast
 
 import torch
 
 from gradsync.core.errors import GradientError, Refusal
-from gradsync.ps.messages import (DynamicSetup, EndStep, Evict, FirstToGo, LoadTables, Lookups, ReadRows, TableCall,
-                                   TablesCounts, TablesState, TablesStep)
+from gradsync.ps.messages import (
+    DynamicSetup,
+    EndStep,
+    Evict,
+    FirstToGo,
+    LoadTables,
+    Lookups,
+    ReadRows,
+    TableCall,
+    TablesCounts,
+    TablesState,
+    TablesStep,
+)
 from gradsync.ps.server_table import ServerTable
 from gradsync.ps.table_shard import TableStats
 from gradsync.tables.dynamic_checkpoint import rehomed
@@ -60,8 +74,8 @@ class DynamicShard(ServerTable):
         self.optimizer = setup.optimizer
         self.table.train_with(self.optimizer)  # its state in every checkpoint, from the first
         self._stats = TableStats()
-        self._ended: tuple[int, tuple[int, int]] | None = None  # (step, its answer) of the last `end`
-        self._smallest: tuple[int, dict] | None = None
+        self._ended: tuple[int, tuple] | None = None  # (step, its answer) of the last `end`
+        self._smallest: tuple[int, tuple[torch.Tensor, ...]] | None = None
         self._evicted = -1
         self._lost = (0, 0)  # the rows evicted and waiting ids forgotten at the last step's end
         self._loads = 0  # the number of the last worker's module load taken (`load`)
@@ -75,16 +89,24 @@ class DynamicShard(ServerTable):
         self._stats.rows = len(t)
         self._stats.bytes = len(t) * t.dim * t.dtype.itemsize + self.optimizer.state_bytes(len(t), t.dim, t.dtype)
         self._stats.admitted, self._stats.filtered, self._stats.evicted = (
-            t.counters["admitted"], t.counters["filtered"], t.counters["evicted"])
+            t.counters["admitted"],
+            t.counters["filtered"],
+            t.counters["evicted"],
+        )
         return self._stats
 
-    def lookup(self, ids: torch.Tensor, counts: torch.Tensor, step: int, version: int = 0
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def lookup(
+        self, ids: torch.Tensor, counts: torch.Tensor, step: int, version: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Step `step`'s lookups (`alone`: the server's step) of the distinct `ids` (each `counts` times), at the
         shard's `version`: their rows (zeros where not admitted) and which are admitted."""
         self._check_ids(ids, "a lookup")
-        if not isinstance(counts, torch.Tensor) or counts.dtype != torch.int64 or counts.shape != ids.shape \
-                or (counts.numel() and int(counts.min()) < 1):
+        if (
+            not isinstance(counts, torch.Tensor)
+            or counts.dtype != torch.int64
+            or counts.shape != ids.shape
+            or (counts.numel() and int(counts.min()) < 1)
+        ):
             raise GradientError(f"a lookup of dynamic table {self.name!r} needs an int64 count >= 1 per id")
         if not self.alone:
             slots = self.table.lookup(ids, step, counts)
@@ -115,22 +137,27 @@ class DynamicShard(ServerTable):
         if unordered >= 0 and ids.unique().numel() != ids.numel():  # ascending: distinct
             raise GradientError(f"{worker}: {what} of dynamic table {self.name!r} repeats ids: send each once")
         if elsewhere >= 0:
-            raise GradientError(f"{worker}: id {int(ids[elsewhere])} of dynamic table {self.name!r} is on server "
-                                f"{int(server_of(ids[elsewhere:elsewhere + 1], self.num_servers))}, not {self.server}")
+            raise GradientError(
+                f"{worker}: id {int(ids[elsewhere])} of dynamic table {self.name!r} is on server "
+                f"{int(server_of(ids[elsewhere : elsewhere + 1], self.num_servers))}, not {self.server}"
+            )
 
     def check_push(self, worker: int, ids, grads) -> None:
         """Validate one worker's row gradients: distinct ids of rows resident here, one row of `dim` each."""
         self._check_ids(ids, "a push", f"worker {worker}")
         t = self.table
-        if not isinstance(grads, torch.Tensor) or tuple(grads.shape) != (ids.numel(), t.dim) \
-                or grads.dtype != t.dtype:
+        if not isinstance(grads, torch.Tensor) or tuple(grads.shape) != (ids.numel(), t.dim) or grads.dtype != t.dtype:
             described = f"{tuple(grads.shape)} {grads.dtype}" if isinstance(grads, torch.Tensor) else type(grads)
-            raise GradientError(f"worker {worker}: row gradients of dynamic table {self.name!r} are {described}, "
-                                f"expected {(ids.numel(), t.dim)} {t.dtype}")
+            raise GradientError(
+                f"worker {worker}: row gradients of dynamic table {self.name!r} are {described}, "
+                f"expected {(ids.numel(), t.dim)} {t.dtype}"
+            )
         absent = ids[self.table.find(ids) < 0]
         if absent.numel() and not self.alone:  # alone: evicted since the lookup (`current`)
-            raise GradientError(f"worker {worker}: a push of dynamic table {self.name!r} has id {int(absent[0])}, "
-                                "which is not resident: push only the ids its lookups admitted this step")
+            raise GradientError(
+                f"worker {worker}: a push of dynamic table {self.name!r} has id {int(absent[0])}, "
+                "which is not resident: push only the ids its lookups admitted this step"
+            )
 
     def apply(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
         """One row optimizer step on the resident `ids` (distinct) with their averaged gradients."""
@@ -161,11 +188,19 @@ class DynamicShard(ServerTable):
             t = self.table
             t.expire(step)
             if self.num_servers == 1:
-                self.evict(step, t.smallest_rows(len(t) - t.capacity)[0],
-                           t.smallest_waiting(len(t.waiting) - t.capacity)[0])
+                self.evict(
+                    step, t.smallest_rows(len(t) - t.capacity)[0], t.smallest_waiting(len(t.waiting) - t.capacity)[0]
+                )
             rows, waiting = len(t), len(t.waiting)
-            self._ended = (step, (rows, waiting, *t.smallest_rows(self._candidates(rows, self._lost[0])),
-                                  *t.smallest_waiting(self._candidates(waiting, self._lost[1]))))
+            self._ended = (
+                step,
+                (
+                    rows,
+                    waiting,
+                    *t.smallest_rows(self._candidates(rows, self._lost[0])),
+                    *t.smallest_waiting(self._candidates(waiting, self._lost[1])),
+                ),
+            )
         return self._ended[1]
 
     def _candidates(self, held: int, lost: int) -> int:
@@ -216,8 +251,10 @@ class DynamicShard(ServerTable):
         return self.holds_all(self._taken)
 
     def missing(self) -> str:
-        return (f"{len(self._taken)} servers' parts of dynamic table {self.name!r}, not every part that server "
-                f"{self.server} needs")
+        return (
+            f"{len(self._taken)} servers' parts of dynamic table {self.name!r}, not every part that server "
+            f"{self.server} needs"
+        )
 
     def restored(self) -> None:
         self.restore(self._taken)
@@ -226,8 +263,10 @@ class DynamicShard(ServerTable):
     def holds_all(self, parts: list[dict]) -> bool:
         """Whether `parts` hold all of this server's ids: every old server's part, or with the same number of
         servers this server's own."""
-        return bool(parts) and (len(parts) == parts[0]["num_servers"] or (
-            parts[0]["num_servers"] == self.num_servers and any(p["server"] == self.server for p in parts)))
+        return bool(parts) and (
+            len(parts) == parts[0]["num_servers"]
+            or (parts[0]["num_servers"] == self.num_servers and any(p["server"] == self.server for p in parts))
+        )
 
     def evict(self, step: int, ids: torch.Tensor, waiting: torch.Tensor) -> None:
         """Evict the rows `ids` and forget the waiting `waiting` for step `step`, once: later calls of the same
@@ -257,7 +296,9 @@ def step_end(tables: dict[str, ServerTable]) -> tuple[int, dict] | None:
     if len(steps) != 1:
         return None
     step = steps.pop()
-    return step, {n: t.end(step) for n, t in ending.items()}
+    assert step is not None  # `ending` holds the tables that end a step
+    # only a dynamic table ends steps (`ServerTable.next_end`)
+    return step, {n: cast(DynamicShard, t).end(step) for n, t in ending.items()}
 
 
 def respond(tables: dict[str, DynamicShard], call: TableCall, holder: str, version: int = 0):
@@ -267,8 +308,9 @@ def respond(tables: dict[str, DynamicShard], call: TableCall, holder: str, versi
         case Lookups(lookups, step, evictions):
             if evictions is not None:
                 respond(tables, evictions, holder)
-            return version, [held(tables, name, holder).lookup(ids, counts, step, version)
-                             for name, ids, counts in lookups]
+            return version, [
+                held(tables, name, holder).lookup(ids, counts, step, version) for name, ids, counts in lookups
+            ]
         case ReadRows(table, ids):
             return held(tables, table, holder).read(ids)
         case EndStep(step):
@@ -288,6 +330,8 @@ def respond(tables: dict[str, DynamicShard], call: TableCall, holder: str, versi
         case TablesStep():
             return {n: t.table.step for n, t in tables.items()}
         case TablesCounts():
-            return {n: (len(t.table), [t.table.counters[k] for k in ("admitted", "filtered", "evicted")])
-                    for n, t in tables.items()}
+            return {
+                n: (len(t.table), [t.table.counters[k] for k in ("admitted", "filtered", "evicted")])
+                for n, t in tables.items()
+            }
     raise Refusal(f"{holder} got {call!r}, which is no call on dynamic tables (ps.messages.TableCall)")

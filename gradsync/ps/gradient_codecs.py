@@ -6,10 +6,16 @@ server `validate`s what arrives and in sync mode turns the K workers'
 payloads into their mean in one fused pass (`mean`:
 `aggregate` for plain and 16-bit payloads, `dequantize_aggregate` for int8).
 """
+
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
+from gradsync.core.buckets import Bucket
+from gradsync.core.errors import GradientError
 from gradsync.cuda_ops import (
     DEFAULT_BLOCK_SIZE,
     Int8Compressed,
@@ -19,8 +25,6 @@ from gradsync.cuda_ops import (
     decompress_int8,
     dequantize_aggregate,
 )
-from gradsync.core.buckets import Bucket
-from gradsync.core.errors import GradientError
 
 
 def _expect(worker: int, bucket: Bucket, what: str, got: torch.Tensor, shape: tuple, dtype: torch.dtype) -> None:
@@ -30,6 +34,25 @@ def _expect(worker: int, bucket: Bucket, what: str, got: torch.Tensor, shape: tu
             f"worker {worker}: {what} of bucket {bucket.index} ({bucket.entries[0].name}, ...) "
             f"is {described}, expected {shape} {dtype}"
         )
+
+
+class WireFormat(Protocol):
+    """How a bucket's gradient travels, on both ends: its payload is a tensor, or an `Int8Compressed`."""
+
+    name: str
+    stateful: bool
+
+    def encode(self, grad: torch.Tensor, key: int) -> Any: ...
+
+    def validate(self, worker: int, bucket: Bucket, payload: Any) -> None: ...
+
+    def decode(self, payload: Any, dtype: torch.dtype) -> torch.Tensor: ...
+
+    def mean(self, payloads: list, dtype: torch.dtype, scale: float) -> torch.Tensor: ...
+
+    def to_device(self, payload: Any, device: torch.device) -> Any: ...
+
+    def nbytes(self, payload: Any) -> int: ...
 
 
 class PlainWire:
@@ -119,9 +142,9 @@ PLAIN = PlainWire()
 """The format of gradients that arrive uncompressed (through distributed autograd, or gRPC pushes)."""
 
 
-def make_wire(compression: str) -> PlainWire | HalfWire | Int8Wire:
+def make_wire(compression: str) -> WireFormat:
     """The wire format for a job's `compression` setting."""
-    formats = {
+    formats: dict[str, Callable[[], WireFormat]] = {
         "none": lambda: PLAIN,
         "fp16": lambda: HalfWire(torch.float16),
         "bf16": lambda: HalfWire(torch.bfloat16),

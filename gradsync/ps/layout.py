@@ -3,6 +3,7 @@
 `ParameterServer.layout()` makes it under the shard's lock, so that a transport's servicer
 (`gradsync.transport.grpc.servicer`) reads names, pieces, tables and limits without reaching into `ShardState`.
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -8,15 +8,19 @@ boundary (`gradsync.transport.grpc.job_calls`, `gradsync.transport.grpc.servicer
 `gradsync.transport.grpc.plain_data` for the setup), so the server's logic sees these
 types whichever transport a job runs.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from gradsync.core.buckets import Bucket, TensorSpec
 from gradsync.core.optimizer_spec import OptimizerSpec
+
+if TYPE_CHECKING:
+    from gradsync.tables.row_optim import RowOptimizer
 
 
 class Snapshot(NamedTuple):
@@ -43,7 +47,7 @@ class TableSetup:
     """This server's rows of worker 0's values (row r on server r % S); None: the server initialises them."""
     padding_idx: int | None
     """The table's padding row (never trained), as `nn.Embedding.padding_idx`."""
-    optimizer: object
+    optimizer: RowOptimizer
     """The row optimizer (`gradsync.RowSGD`, `gradsync.RowAdagrad`)."""
     group: int | None
     """The optimizer group whose schedule sets the row optimizer's lr; None: its own lr throughout."""
@@ -58,7 +62,7 @@ class DynamicSetup:
     settings: dict
     """The `DynamicTable` keywords: dim, capacity, init, admit_after, admit_probability, evict, ttl_steps,
     dtype, seed, name."""
-    optimizer: object
+    optimizer: RowOptimizer
     """The row optimizer (`gradsync.RowSGD`, `gradsync.RowAdagrad`)."""
 
 
@@ -82,14 +86,28 @@ class Setup:
     """The job's servers (a table's rows are spread over all of them)."""
 
     @classmethod
-    def of(cls, buckets: list[Bucket], params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
-           frozen: dict[str, torch.Tensor], optimizer: OptimizerSpec, tables: dict[str, TableSetup] | None = None,
-           num_servers: int = 1) -> Setup:
+    def of(
+        cls,
+        buckets: list[Bucket],
+        params: dict[str, torch.Tensor],
+        buffers: dict[str, torch.Tensor],
+        frozen: dict[str, torch.Tensor],
+        optimizer: OptimizerSpec,
+        tables: dict[str, TableSetup] | None = None,
+        num_servers: int = 1,
+    ) -> Setup:
         """One server's setup: of `params` only those its `buckets` hold, every tensor as a CPU tensor."""
         names = {e.name for b in buckets for e in b.entries}
         cpu = lambda tensors: {n: t.detach().cpu() for n, t in tensors.items()}  # noqa: E731
-        return cls(list(buckets), cpu({n: t for n, t in params.items() if n in names}), cpu(buffers), cpu(frozen),
-                   optimizer, dict(tables or {}), num_servers)
+        return cls(
+            list(buckets),
+            cpu({n: t for n, t in params.items() if n in names}),
+            cpu(buffers),
+            cpu(frozen),
+            optimizer,
+            dict(tables or {}),
+            num_servers,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,8 +169,10 @@ class Push:
 
     def __post_init__(self):
         if (self.payloads is None) != isinstance(self, PipelineHead):
-            raise TypeError("a step whose buckets follow as pieces is a PipelineHead(buffers=..., ...), which "
-                            "carries no gradients; a Push carries them all")
+            raise TypeError(
+                "a step whose buckets follow as pieces is a PipelineHead(buffers=..., ...), which "
+                "carries no gradients; a Push carries them all"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +193,7 @@ class Piece:
     """The server that owns the bucket."""
     bucket: int
     """The bucket's index among that server's buckets."""
-    payload: object
+    payload: Any
     """Its gradient in the wire format; None: no entry of the bucket got one."""
     absent: tuple[int, ...]
     """The indices of the bucket's entries without a gradient."""

@@ -6,18 +6,20 @@ has no gradient this step (the optimizer skips it, as torch.optim does for a
 `.grad` of None); a bucket with no named entry at all is passed as None.
 Names of the shard's buffers carry the worker's updated buffer values.
 """
+
 from __future__ import annotations
 
 import torch
 
 from gradsync.core.errors import GradientError
+from gradsync.ps.gradient_codecs import PLAIN
 from gradsync.ps.messages import Push
 from gradsync.ps.shard import ShardState
-from gradsync.ps.gradient_codecs import PLAIN
 
 
-def bucket_gradients(shard: ShardState, worker: int, grads: dict[str, torch.Tensor]
-                     ) -> tuple[list[torch.Tensor | None], list[tuple[int, ...]]]:
+def bucket_gradients(
+    shard: ShardState, worker: int, grads: dict[str, torch.Tensor]
+) -> tuple[list[torch.Tensor | None], list[tuple[int, ...]]]:
     """One flat gradient (or None) per bucket of `shard`, and the indices of entries without a gradient.
 
     Raises:

@@ -6,6 +6,7 @@ earlier ones from that worker, so one numbered at or below the highest seen for 
 during a backward that another followed, and came late); a whole push numbered `seq` voids every piece that
 worker numbered below it (`Push.seq`).
 """
+
 from __future__ import annotations
 
 

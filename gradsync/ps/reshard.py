@@ -14,6 +14,7 @@ Reading stops once the shard is complete, so with the same layout a server
 reads its own file alone (one saved shard in memory at a time). Values are copied, never recomputed: the restored
 state equals the saved one bit for bit.
 """
+
 from __future__ import annotations
 
 import functools
@@ -35,9 +36,12 @@ def restore_folder(shard: ShardState, folder: str, servers: int, base: str | Non
 
     def state(k: int) -> dict:
         loaded = shard_file.load(os.path.join(folder, f"shard-{k}.ckpt"))
-        full = base and functools.cache(lambda: shard_file.load(os.path.join(base, f"shard-{k}.ckpt"))["tables"])
+        full = (
+            functools.cache(lambda: shard_file.load(os.path.join(base, f"shard-{k}.ckpt"))["tables"]) if base else None
+        )
         for n in [n for n, t in loaded["tables"].items() if "removed" in t]:
-            loaded["tables"][n] = whole(n, loaded["tables"][n], full and (lambda n=n: full()[n]), folder)
+            onto = None if full is None else (lambda n=n, full=full: full()[n])
+            loaded["tables"][n] = whole(n, loaded["tables"][n], onto, folder)
         return loaded
 
     restore(shard, (state(k) for k in order), where=folder)
@@ -55,8 +59,10 @@ def restore(shard: ShardState, states: Iterable[dict], where: str = "the checkpo
         plan = _Gathered(shard)
         for state in states:
             if "entries" not in state:
-                raise ValueError(f"{where} was written by an older gradsync, whose shards do not name their "
-                                 "entries: start without --resume")
+                raise ValueError(
+                    f"{where} was written by an older gradsync, whose shards do not name their "
+                    "entries: start without --resume"
+                )
             plan.take(state)
             if plan.complete():
                 break
@@ -83,8 +89,13 @@ class _Gathered:
         self.shard = shard
         self.entries = [e for b in shard.buckets for e in b.entries]
         names = dict.fromkeys(e.name for e in self.entries)
-        self.span = {n: (min(e.start for e in self.entries if e.name == n),
-                         max(e.start + e.numel for e in self.entries if e.name == n)) for n in names}
+        self.span = {
+            n: (
+                min(e.start for e in self.entries if e.name == n),
+                max(e.start + e.numel for e in self.entries if e.name == n),
+            )
+            for n in names
+        }
         self.needed = {n: sum(e.numel for e in self.entries if e.name == n) for n in self.span}
         self.filled = dict.fromkeys(self.span, 0)  # elements of the shard's entries found
         self.values: dict[str, torch.Tensor] = {}  # by parameter: its span
@@ -104,8 +115,11 @@ class _Gathered:
                 continue
             old = Entry(name, tuple(shape), 0, numel, start)
             self._copy(self.values, name, state["params"][old.key], old)
-            self.filled[name] += sum(max(0, min(start + numel, e.start + e.numel) - max(start, e.start))
-                                     for e in self.entries if e.name == name)
+            self.filled[name] += sum(
+                max(0, min(start + numel, e.start + e.numel) - max(start, e.start))
+                for e in self.entries
+                if e.name == name
+            )
             saved = optimizer["state"].get(old.key)
             if saved is None:
                 continue
@@ -140,14 +154,20 @@ class _Gathered:
 
     def complete(self) -> bool:
         wanted = set(self.shard.buffers) | set(self.shard.frozen)
-        return (all(self.filled[n] == self.needed[n] for n in self.span) and wanted <= set(self.named)
-                and all(t.complete() for t in self.shard.tables.values()))
+        return (
+            all(self.filled[n] == self.needed[n] for n in self.span)
+            and wanted <= set(self.named)
+            and all(t.complete() for t in self.shard.tables.values())
+        )
 
     def check(self, where: str) -> None:
         for name, needed in self.needed.items():
             if self.filled[name] != needed:
-                self._missing(where, f"holds {self.filled[name]} of the {needed} elements of parameter {name!r} "
-                                     f"that server {self.shard.shard_id} needs")
+                self._missing(
+                    where,
+                    f"holds {self.filled[name]} of the {needed} elements of parameter {name!r} "
+                    f"that server {self.shard.shard_id} needs",
+                )
         for name in sorted((set(self.shard.buffers) | set(self.shard.frozen)) - set(self.named)):
             self._missing(where, f"holds no tensor {name!r}")
         for table in self.shard.tables.values():
@@ -155,9 +175,11 @@ class _Gathered:
                 self._missing(where, f"holds {table.missing()}")
 
     def _missing(self, where: str, what: str) -> None:
-        raise ValueError(f"{where} {what}: it was written by another model, or with its embedding tables served "
-                         "another way (Trainer(tables=...)); resume with the model and settings that wrote it, or "
-                         "start without --resume")
+        raise ValueError(
+            f"{where} {what}: it was written by another model, or with its embedding tables served "
+            "another way (Trainer(tables=...)); resume with the model and settings that wrote it, or "
+            "start without --resume"
+        )
 
     def optimizer_state(self) -> Iterator[tuple[str, dict]]:
         """The state of each of the shard's entries, by entry key: cut from the gathered span."""
@@ -166,7 +188,9 @@ class _Gathered:
                 yield e.key, self.kept[e.name]
             elif e.name in self.flat_state or e.name in self.other_state:
                 # every piece gets its own copy: pieces of one parameter on this server step their counts apart
-                other = {k: v.clone() if isinstance(v, torch.Tensor) else v
-                         for k, v in self.other_state.get(e.name, {}).items()}
+                other = {
+                    k: v.clone() if isinstance(v, torch.Tensor) else v
+                    for k, v in self.other_state.get(e.name, {}).items()
+                }
                 cut = {k: self.cut(v, e).clone() for k, v in self.flat_state.get(e.name, {}).items()}
                 yield e.key, {**other, **cut}

@@ -8,6 +8,7 @@ published snapshot of the current version) and pushes (one worker's bucket
 gradients, absent entries and buffers at the version it pulled, in the job's
 wire format), handed to the consistency rule.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,35 +16,55 @@ import os
 import threading
 import traceback
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
 from gradsync.core import malloc, settings
 from gradsync.core.buckets import ModelSpec
-from gradsync.core.errors import (GradientError, Refusal, failed_answering, model_mismatch_error,
-                                  server_failure_error)
+from gradsync.core.errors import GradientError, Refusal, failed_answering, model_mismatch_error, server_failure_error
 from gradsync.core.futures import failed, resolved
 from gradsync.ps import reshard, shard_file
 from gradsync.ps.async_rules import AsyncRule, SSPRule
 from gradsync.ps.consistency import ConsistencyRule
+from gradsync.ps.dynamic_shard import DynamicShard, respond
+from gradsync.ps.gradient_codecs import make_wire
 from gradsync.ps.layout import ShardLayout
-from gradsync.ps.messages import (Committed, DynamicSetup, Lookups, Partial, Piece, PipelineHead, Push, Setup, Snapshot,
-                                   TableCall, TableSetup)
+from gradsync.ps.messages import (
+    Committed,
+    DynamicSetup,
+    Lookups,
+    Partial,
+    Piece,
+    PipelineHead,
+    Push,
+    Setup,
+    Snapshot,
+    TableCall,
+    TableSetup,
+)
 from gradsync.ps.named_grads import push_named
 from gradsync.ps.shard import ShardState
 from gradsync.ps.staging import Staging
 from gradsync.ps.sync_rule import SyncRule
-from gradsync.ps.dynamic_shard import DynamicShard, respond
 from gradsync.ps.table_shard import TableShard
-from gradsync.ps.gradient_codecs import make_wire
 
 
 class ParameterServer:
     """State of one server process; methods are thread-safe."""
 
-    def __init__(self, shard_id: int, num_workers: int, mode: str, nonfinite: str, compression: str = "none",
-                 device: str = "cpu", staleness: int = 0, resume_from: tuple[str, int, str | None] | None = None,
-                 on_failure: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        shard_id: int,
+        num_workers: int,
+        mode: str,
+        nonfinite: str,
+        compression: str = "none",
+        device: str = "cpu",
+        staleness: int = 0,
+        resume_from: tuple[str, int, str | None] | None = None,
+        on_failure: Callable[[str], None] | None = None,
+    ):
         self.shard_id = shard_id
         self.resume_from = resume_from  # (checkpoint folder, the number of servers that wrote it, its full base)
         self._last_full: str | None = None  # the folder of the last full checkpoint written (deltas go onto it)
@@ -90,20 +111,22 @@ class ParameterServer:
             registrations = dict(self._registrations)
             error = self._mismatch(registrations)
             if error is None:
+                assert self._setup is not None  # `_mismatch` refuses a round without worker 0's setup
                 try:
                     self.shard = self._build(self._setup)
                 except (MemoryError, ValueError, OSError) as e:  # a table that does not fit, bad rows, a bad checkpoint
                     error = e
             if error is None:
-                self.rule = make_rule(self.mode, self.shard, self.num_workers, self.nonfinite, self.staleness)
+                shard = self._shard()
+                self.rule = make_rule(self.mode, shard, self.num_workers, self.nonfinite, self.staleness)
                 if not self.pipelined:
-                    self.staging = Staging(len(self.shard.buckets), self._commit)
+                    self.staging = Staging(len(shard.buckets), self._commit)
                 self._setup = None
                 self._reference = registrations[0][0]
                 self.ready.set()
         for _, waiting in registrations.values():
             if error is None:
-                waiting.set_result(self.shard.frozen)
+                waiting.set_result(self._shard().frozen)
             else:
                 waiting.set_exception(error)
         return fut
@@ -111,20 +134,26 @@ class ParameterServer:
     def _admit(self, worker: int, spec: ModelSpec) -> torch.futures.Future:
         """A worker that joins the running job: in async mode, with worker 0's model. Call with `_lock` held."""
         if self.mode != "async":
-            return failed(RuntimeError(
-                f"worker {worker} cannot join: server {self.shard_id} runs a {self.mode} job, whose steps count "
-                f"its {self.num_workers} workers; workers join async jobs (--mode async)"))
+            return failed(
+                RuntimeError(
+                    f"worker {worker} cannot join: server {self.shard_id} runs a {self.mode} job, whose steps count "
+                    f"its {self.num_workers} workers; workers join async jobs (--mode async)"
+                )
+            )
+        assert self._reference is not None  # set with `ready`
         if (diff := self._reference.difference(spec)) is not None:
             return failed(model_mismatch_error(worker, diff))
-        fut = resolved(self.shard.frozen)
+        fut = resolved(self._shard().frozen)
         self._registrations[worker] = (spec, fut)
         return fut
 
     def _build(self, s: Setup) -> ShardState:
         """The shard from worker 0's setup, then, when resuming, its state from the checkpoint folder (written
         by any number of servers: `ps.reshard`)."""
-        tables = {name: _TABLES[type(t)](name, t, self.shard_id, s.num_servers, self.mode != "sync")
-                  for name, t in s.tables.items()}
+        tables = {
+            name: _TABLES[type(t)](name, t, self.shard_id, s.num_servers, self.mode != "sync")
+            for name, t in s.tables.items()
+        }
         if any(t.answers_calls for t in tables.values()):
             malloc.fix_mmap_threshold()  # its RSS follows the rows it holds (core/malloc.py)
         shard = ShardState(self.shard_id, s.buckets, s.params, s.buffers, s.optimizer, self.device, s.frozen, tables)
@@ -161,7 +190,7 @@ class ParameterServer:
         with shard.lock:
             if table not in shard.tables:
                 raise KeyError(f"server {self.shard_id} holds no table {table!r} (it holds {sorted(shard.tables)})")
-            rows = shard.tables[table].pull(ids)
+            rows = _fixed(shard, table).pull(ids)
             shard.stats.bytes_out += rows.nbytes
             return shard.version, rows
 
@@ -187,7 +216,7 @@ class ParameterServer:
         version and counts its rows' bytes)."""
         shard = self._shard()
         with shard.lock:
-            dynamic = {n: t for n, t in shard.tables.items() if t.answers_calls}
+            dynamic = {n: cast(DynamicShard, t) for n, t in shard.tables.items() if t.answers_calls}
             answer = respond(dynamic, call, f"server {self.shard_id}", shard.version)
             if isinstance(call, Lookups):
                 shard.stats.bytes_out += sum(rows.nbytes for rows, _ in answer[1])
@@ -197,7 +226,7 @@ class ParameterServer:
         """A copy of every row of `table` this server holds, in local order."""
         shard = self._shard()
         with shard.lock:
-            return shard.tables[table].indexed_rows().clone()
+            return _fixed(shard, table).indexed_rows().clone()
 
     def push(self, worker: int, pulled_version: int, push: Push, wire=None) -> torch.futures.Future:
         """One worker's step (`Push`) computed at `pulled_version`, its payloads in `wire`'s format (default:
@@ -207,25 +236,29 @@ class ParameterServer:
         the `Snapshot` it goes on from; with `push.agree`, with this server's `Partial` of the held step's
         norm, and `finish` applies it), or fails with the reason.
         """
-        self._shard()
+        shard = self._shard()
         if self.mode != "async" and not 0 <= worker < self.num_workers:
-            return self.rejected(GradientError(
-                f"worker {worker} is not a worker of this job: expected 0 .. {self.num_workers - 1}"
-            ))
+            return self.rejected(
+                GradientError(f"worker {worker} is not a worker of this job: expected 0 .. {self.num_workers - 1}")
+            )
         if worker < 0:  # async: any worker may join and leave, under a non-negative id
             return self.rejected(GradientError(f"worker {worker} is not a worker id: expected an integer >= 0"))
         if self.staging is not None:
             if isinstance(push, PipelineHead):
-                if push.pieces is None or len(push.pieces) != len(self.shard.buckets):
-                    return self.rejected(GradientError(
-                        f"worker {worker} pushed no gradients to server {self.shard_id}, which runs a {self.mode} "
-                        f"job, and named no piece for each of its {len(self.shard.buckets)} buckets"))
+                if push.pieces is None or len(push.pieces) != len(shard.buckets):
+                    return self.rejected(
+                        GradientError(
+                            f"worker {worker} pushed no gradients to server {self.shard_id}, which runs a {self.mode} "
+                            f"job, and named no piece for each of its {len(shard.buckets)} buckets"
+                        )
+                    )
                 return self.staging.head(worker, pulled_version, push)
             if push.seq:
                 self.staging.void(worker, push.seq)
         return self._commit(worker, pulled_version, push, wire)
 
     def _commit(self, worker: int, pulled_version: int, push: Push, wire=None) -> torch.futures.Future:
+        assert self.rule is not None  # set with the shard, before any push is taken
         return self.rule.commit(worker, pulled_version, push, wire or self.wire)
 
     @property
@@ -234,8 +267,7 @@ class ParameterServer:
         the push's reply brings the whole snapshot)."""
         return isinstance(self.rule, SyncRule)
 
-    def push_piece(self, worker: int, pulled_version: int, piece: Piece, stamped: bool = False
-                   ) -> torch.futures.Future:
+    def push_piece(self, worker: int, pulled_version: int, piece: Piece, stamped: bool = False) -> torch.futures.Future:
         """One worker's gradient of this server's bucket `piece.bucket` in a step whose push carries none (in
         the job's wire format). Sync: resolves to the bucket's values after the step, sent as soon as every
         worker's part is in and the bucket is applied; with `stamped`, to a `metrics.timeline.Stamped` of them
@@ -243,31 +275,42 @@ class ParameterServer:
         (`staging`), and answered None at once (the push's reply brings the snapshot)."""
         shard = self._shard()
         if not 0 <= piece.bucket < len(shard.buckets):
-            return self.rejected(GradientError(f"worker {worker} pushed a piece of bucket {piece.bucket} to server "
-                                                f"{self.shard_id}, which holds {len(shard.buckets)} buckets"))
+            return self.rejected(
+                GradientError(
+                    f"worker {worker} pushed a piece of bucket {piece.bucket} to server "
+                    f"{self.shard_id}, which holds {len(shard.buckets)} buckets"
+                )
+            )
         if self.staging is not None:
             if worker < 0 or not piece.seq:
-                return self.rejected(GradientError(
-                    f"worker {worker} pushed an unnumbered piece or a bad worker id to server {self.shard_id}, "
-                    f"which runs a {self.mode} job: its pieces must be numbered (Piece.seq > 0), from a worker >= 0"))
+                return self.rejected(
+                    GradientError(
+                        f"worker {worker} pushed an unnumbered piece or a bad worker id to server {self.shard_id}, "
+                        f"which runs a {self.mode} job: its pieces must be numbered (Piece.seq > 0), from a worker >= 0"
+                    )
+                )
             return self.staging.piece(worker, piece)
         if not 0 <= worker < self.num_workers:
-            return self.rejected(GradientError(
-                f"worker {worker} is not a worker of this job: expected 0 .. {self.num_workers - 1}"))
-        stamps = self.rule.stamps
+            return self.rejected(
+                GradientError(f"worker {worker} is not a worker of this job: expected 0 .. {self.num_workers - 1}")
+            )
+        rule = self.rule
+        assert isinstance(rule, SyncRule)  # no staging: the job's steps go as a pipeline (`pipelined`)
+        stamps = rule.stamps
 
         def reply(applied: torch.futures.Future):
             return stamps.reply(piece.bucket, applied.value(), pulled_version, stamped)  # value(): raises its error
 
-        return self.rule.commit_piece(worker, pulled_version, piece, self.wire).then(reply)
+        return rule.commit_piece(worker, pulled_version, piece, self.wire).then(reply)
 
     def finish(self, worker: int, version: int, coefficient: float | None) -> torch.futures.Future:
         """Apply the held sync step at `version` with its gradients times `coefficient`, or skip it (None):
         see `SyncRule.finish`."""
         self._shard()
         if not isinstance(self.rule, SyncRule):
-            return self.rejected(GradientError(f"server {self.shard_id} runs a {self.mode} job, which holds no "
-                                                "step to finish"))
+            return self.rejected(
+                GradientError(f"server {self.shard_id} runs a {self.mode} job, which holds no step to finish")
+            )
         return self.rule.finish(worker, version, coefficient)
 
     def optimizer_state(self) -> dict:
@@ -287,8 +330,9 @@ class ParameterServer:
             try:
                 shard.load_optimizer_state(state, groups)
             except (ValueError, KeyError, TypeError) as e:
-                raise Refusal(f"the optimizer state does not fit server {self.shard_id}'s optimizer: "
-                              f"{type(e).__name__}: {e}") from e
+                raise Refusal(
+                    f"the optimizer state does not fit server {self.shard_id}'s optimizer: {type(e).__name__}: {e}"
+                ) from e
             shard.restored()
 
     def load_values(self, number: int, flats: list[torch.Tensor], named: dict[str, torch.Tensor]) -> None:
@@ -308,9 +352,12 @@ class ParameterServer:
             targets = {**shard.buffers, **shard.frozen, **tables}
             pairs = list(zip(shard.flats, flats)) + [(targets.get(n), v) for n, v in named.items()]
             if len(flats) != len(shard.flats) or any(t is None or t.shape != v.shape for t, v in pairs):
-                raise Refusal(f"server {self.shard_id} holds {len(shard.flats)} buckets and "
-                              f"{sorted(targets)}: a load of {len(flats)} buckets and {sorted(named)} does not fit")
+                raise Refusal(
+                    f"server {self.shard_id} holds {len(shard.flats)} buckets and "
+                    f"{sorted(targets)}: a load of {len(flats)} buckets and {sorted(named)} does not fit"
+                )
             for target, value in pairs:
+                assert target is not None  # refused above
                 target.copy_(value)
             self._loads = number
             shard.restored()
@@ -324,7 +371,8 @@ class ParameterServer:
             if rule is None:
                 self._refusal = RuntimeError(
                     f"worker {worker} left the job before all {self.num_workers} workers had registered the model "
-                    f"with server {self.shard_id}, which starts serving once every worker has built its Trainer")
+                    f"with server {self.shard_id}, which starts serving once every worker has built its Trainer"
+                )
                 waiting, self._registrations = [f for _, f in self._registrations.values()], {}
         if rule is not None:
             rule.worker_left(worker, steps)
@@ -356,10 +404,11 @@ class ParameterServer:
     def checkpoint(self, directory: str, base: str | None = None) -> tuple[str, int]:
         """Write this shard's state into `directory` (`ps.shard_file`); returns (path, version). `base`: the
         folder of the last full checkpoint this server wrote, onto which its dynamic tables' delta goes."""
-        if base is not None and (self._last_full is None
-                                 or os.path.abspath(base) != os.path.abspath(self._last_full)):
-            raise ValueError(f"server {self.shard_id} was asked for a delta checkpoint onto {base}, and its last full "
-                             f"checkpoint is {self._last_full or 'none'}: write a full one first")
+        if base is not None and (self._last_full is None or os.path.abspath(base) != os.path.abspath(self._last_full)):
+            raise ValueError(
+                f"server {self.shard_id} was asked for a delta checkpoint onto {base}, and its last full "
+                f"checkpoint is {self._last_full or 'none'}: write a full one first"
+            )
         path, version = shard_file.save(self._shard(), directory, full=base is None)
         if base is None:
             self._last_full = directory
@@ -423,7 +472,7 @@ class ParameterServer:
         Raises:
             GradientError: an id that is out of range or that another server holds.
         """
-        return self._shard().tables[table].local(ids)
+        return _fixed(self._shard(), table).local(ids)
 
     def fail(self, text: str) -> None:
         """This server has failed, for the reason `text`: told to `on_failure` once (the first failure is the
@@ -439,8 +488,9 @@ class ParameterServer:
         answered with an error that says so (`server_failure_error`)."""
         if isinstance(error, Refusal):
             return error
-        self.fail("".join(traceback.format_exception(error))
-                  + f"gradsync: {failed_answering(self.shard_id, call, worker)}\n")
+        self.fail(
+            "".join(traceback.format_exception(error)) + f"gradsync: {failed_answering(self.shard_id, call, worker)}\n"
+        )
         return server_failure_error(self.shard_id, call, worker, error)
 
     def _shard(self) -> ShardState:
@@ -449,9 +499,15 @@ class ParameterServer:
         return self.shard
 
 
+def _fixed(shard: ShardState, table: str) -> TableShard:
+    """`shard`'s part of the fixed table `table`: a worker asks rows by index only of its fixed tables."""
+    return cast(TableShard, shard.tables[table])
+
+
 _TABLES = {
-    TableSetup: lambda name, t, server, servers, alone: TableShard(t.spec, server, servers, t.values, t.optimizer,
-                                                                   t.padding_idx, t.group),
+    TableSetup: lambda name, t, server, servers, alone: TableShard(
+        t.spec, server, servers, t.values, t.optimizer, t.padding_idx, t.group
+    ),
     DynamicSetup: lambda name, t, server, servers, alone: DynamicShard(name, t, server, servers, alone=alone),
 }
 """A server's part of a table, built from the table's setup (`ps.server_table.ServerTable`): (name, setup, this
@@ -470,8 +526,7 @@ def _usable_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def make_rule(mode: str, shard: ShardState, num_workers: int, nonfinite: str, staleness: int = 0
-              ) -> ConsistencyRule:
+def make_rule(mode: str, shard: ShardState, num_workers: int, nonfinite: str, staleness: int = 0) -> ConsistencyRule:
     """The consistency rule of `mode` ('sync', 'async', 'ssp') for `shard`."""
     if mode == "ssp":
         return SSPRule(shard, num_workers, nonfinite, staleness)

@@ -2,6 +2,7 @@
 index) or dynamic (`ps.dynamic_shard.DynamicShard`: rows by id), so that the server, its consistency rules,
 checkpoints, restores and layouts call either the same way and never ask which it is. Callers hold the
 shard's lock."""
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -74,3 +75,7 @@ class ServerTable(ABC):
 
     def restored(self) -> None:
         """Once `complete`: nothing, unless the table puts the parts taken together only then."""
+
+    def set_lr(self, lr: float) -> None:
+        """A schedule set the learning rate of its `group` (told only to a table that follows one)."""
+        raise NotImplementedError(f"{type(self).__name__} follows no optimizer group's learning rate")

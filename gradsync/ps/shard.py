@@ -10,10 +10,12 @@ view into the bucket), and an entry that got no gradient this step has
 `.grad = None`, so any `torch.optim` class skips it exactly as it would on the
 model. Callers hold `lock` around anything that must see one version.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import threading
+from typing import cast
 
 import torch
 
@@ -62,13 +64,15 @@ class ShardState:
         self.buckets = list(buckets)
         self.device = torch.device(device)
         self.flats = [b.flatten(params).to(self.device).contiguous() for b in self.buckets]
-        self.entries = [[e.view(flat).requires_grad_(True) for e in b.entries]
-                        for b, flat in zip(self.buckets, self.flats)]
+        self.entries = [
+            [e.view(flat).requires_grad_(True) for e in b.entries] for b, flat in zip(self.buckets, self.flats)
+        ]
         self.params = {e.key: t for b, ts in zip(self.buckets, self.entries) for e, t in zip(b.entries, ts)}
         self.buffers = {n: t.detach().clone().to(self.device) for n, t in buffers.items()}
         self.frozen = {n: t.detach().to("cpu", copy=True) for n, t in (frozen or {}).items()}
-        self.optimizer = optimizer.build([(e.name, t) for b, ts in zip(self.buckets, self.entries)
-                                          for e, t in zip(b.entries, ts)])
+        self.optimizer = optimizer.build(
+            [(e.name, t) for b, ts in zip(self.buckets, self.entries) for e, t in zip(b.entries, ts)]
+        )
         self._keys = {id(t): k for k, t in self.params.items()}
         self.tables = tables or {}
         self.lock = threading.Lock()
@@ -107,15 +111,18 @@ class ShardState:
                 f"worker {worker} sent {len(grads)} bucket gradients ({len(absent)} absence lists) to server "
                 f"{self.shard_id}, which owns {len(self.buckets)} buckets"
             )
-        return [self.check_piece(worker, b, grad, missing, wire)
-                for b, (grad, missing) in enumerate(zip(grads, absent))]
+        return [
+            self.check_piece(worker, b, grad, missing, wire) for b, (grad, missing) in enumerate(zip(grads, absent))
+        ]
 
     def check_piece(self, worker: int, b: int, grad, absent, wire):
         """Validate one worker's payload of bucket `b` (None: no gradient) and its absent entry indices;
         returns the payload on the shard's device. Raises GradientError naming the bucket and the worker."""
         if not isinstance(b, int) or not 0 <= b < len(self.buckets):
-            raise GradientError(f"worker {worker} sent a piece of bucket {b!r} to server {self.shard_id}, which owns "
-                                f"buckets 0..{len(self.buckets) - 1}")
+            raise GradientError(
+                f"worker {worker} sent a piece of bucket {b!r} to server {self.shard_id}, which owns "
+                f"buckets 0..{len(self.buckets) - 1}"
+            )
         bucket = self.buckets[b]
         if any(not isinstance(i, int) or not 0 <= i < len(bucket.entries) for i in absent):
             raise GradientError(
@@ -141,9 +148,13 @@ class ShardState:
                 )
         return {n: v.to(self.device) for n, v in buffers.items()}
 
-    def apply(self, grads: list[torch.Tensor | None], skipped: list[set[int]],
-              buffers: dict[str, torch.Tensor] | None, rows: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
-              ) -> None:
+    def apply(
+        self,
+        grads: list[torch.Tensor | None],
+        skipped: list[set[int]],
+        buffers: dict[str, torch.Tensor] | None,
+        rows: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> None:
         """One optimizer step with these (already averaged) bucket gradients. Entries in `skipped[b]` (and
         every entry of a None bucket) had no gradient from any worker: the optimizer leaves them alone.
         `rows`: per table, the unique local rows and their (averaged) gradients, for its row optimizer.
@@ -177,8 +188,9 @@ class ShardState:
                 tensor.grad = None
             self._fresh[b] = None
 
-    def end_step(self, buffers: dict[str, torch.Tensor] | None,
-                 rows: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+    def end_step(
+        self, buffers: dict[str, torch.Tensor] | None, rows: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+    ) -> None:
         """Close a step whose buckets are applied: the table rows' step, the averaged buffers, the next
         version. Call with `lock` held."""
         for name, (ids, row_grads) in (rows or {}).items():
@@ -193,14 +205,15 @@ class ShardState:
         self._published = None
         if self.buckets and all(f is not None for f in fresh):  # every piece was sent: they are the snapshot
             buffers = {n: b.to("cpu", copy=True) for n, b in self.buffers.items()}
-            self._published = Snapshot(self.version, fresh, buffers)
+            self._published = Snapshot(self.version, cast("list[torch.Tensor]", fresh), buffers)
 
     def piece(self, b: int) -> torch.Tensor:
         """A CPU copy of bucket `b`'s values (a piece's reply; once per step, shared by every worker and by
         the snapshot the step ends at). Call with `lock` held."""
-        if self._fresh[b] is None:
-            self._fresh[b] = memory.cpu_copy(self.flats[b])
-        return self._fresh[b]
+        fresh = self._fresh[b]
+        if fresh is None:
+            fresh = self._fresh[b] = memory.cpu_copy(self.flats[b])
+        return fresh
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """CPU copies of this shard's entries (by entry key), buffers and frozen parameters. Call with `lock` held."""
@@ -220,8 +233,10 @@ class ShardState:
         """The optimizer's per-parameter state by entry key and its groups' options. Call with `lock` held."""
         if self.optimizer is None:
             return {"state": {}, "groups": []}
-        return {"state": state_by_name(self.optimizer, self._keys),
-                "groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]}
+        return {
+            "state": state_by_name(self.optimizer, self._keys),
+            "groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
+        }
 
     def load_optimizer_state(self, state: dict[str, dict], groups: list[dict]) -> None:
         """Replace the optimizer's state with `state` (by entry key) and its groups' options with `groups`.
@@ -238,10 +253,14 @@ class ShardState:
     def layout(self) -> ShardLayout:
         """What the shard holds as plain data (its endpoint's). Call with `lock` held."""
         return ShardLayout(
-            shard_id=self.shard_id, version=self.version, params=list(self.params), frozen=list(self.frozen),
+            shard_id=self.shard_id,
+            version=self.version,
+            params=list(self.params),
+            frozen=list(self.frozen),
             buffers=list(self.buffers),
             tables={n: layout for n, t in self.tables.items() if (layout := t.layout()) is not None},
-            pieces=[e for b in self.buckets for e in b.entries if not e.whole], buckets=len(self.buckets),
+            pieces=[e for b in self.buckets for e in b.entries if not e.whole],
+            buckets=len(self.buckets),
             nbytes=sum(b.nbytes for b in self.buckets) + sum(b.nbytes for b in self.buffers.values()),
         )
 

@@ -13,6 +13,7 @@ temporary file in the target directory, fsyncs it, renames it over
 the new one, never a torn one. `load` refuses a file whose digest does not match.
 `write` and `load` serve any such file (a worker's state in a job checkpoint, `gradsync.runtime.checkpoints`).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -78,8 +79,10 @@ def verify(path: str, expected: str | None = None) -> bytes:
     if hashlib.sha256(data).digest() != digest:
         raise ValueError(f"{path} is corrupt: its SHA-256 does not match the stored digest; use an older checkpoint")
     if expected is not None and digest.hex() != expected:
-        raise ValueError(f"{path} has SHA-256 {digest.hex()}, not {expected}: it was rewritten after the "
-                         "manifest was written; use an older checkpoint")
+        raise ValueError(
+            f"{path} has SHA-256 {digest.hex()}, not {expected}: it was rewritten after the "
+            "manifest was written; use an older checkpoint"
+        )
     return data
 
 
@@ -92,8 +95,10 @@ def stored_digest(path: str) -> str:
 def _digest(head: bytes, path: str) -> bytes:
     """The SHA-256 in the header `head` (a file's first bytes, at least the magic line and the digest)."""
     if not head.startswith(MAGIC) or len(head) < len(MAGIC) + _DIGEST:
-        raise ValueError(f"{path} is not a gradsync checkpoint (bad magic header): pass a file that "
-                         "gradsync wrote (shard-<id>.ckpt, worker-<id>.ckpt)")
+        raise ValueError(
+            f"{path} is not a gradsync checkpoint (bad magic header): pass a file that "
+            "gradsync wrote (shard-<id>.ckpt, worker-<id>.ckpt)"
+        )
     return head[len(MAGIC) : len(MAGIC) + _DIGEST]
 
 
@@ -101,4 +106,3 @@ def load(path: str) -> dict:
     """Read and verify a checkpoint (`verify`); a shard's has keys shard_id, version, entries, params, buffers,
     frozen, optimizer, tables (`capture`)."""
     return torch.load(io.BytesIO(verify(path)), weights_only=True)
-

@@ -10,11 +10,13 @@ so a piece answered only once its push was whole waited for pieces that waited f
 a worker's pieces than the window: a parameter cut into pieces). A sync step needs none of this: its rule
 takes pieces bucket by bucket (`ps.sync_rule`), and a piece there waits only for the other workers' parts.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple, cast
 
 import torch
 
@@ -84,13 +86,14 @@ class Staging:
         if head is None:
             return None
         named = head.push.pieces
+        assert named is not None  # a head that names no piece is refused (`ParameterServer.push`)
         staged = [self._pieces.get((worker, b)) for b in range(self.buckets)]
         if any(p is None or p.seq != named[b] for b, p in enumerate(staged)):
             return None
         del self._heads[worker]
         for b in range(self.buckets):
             del self._pieces[(worker, b)]
-        return head, staged
+        return head, cast("list[Piece]", staged)  # every one here (above)
 
     def _hand_on(self, worker: int, whole: tuple[_Head, list[Piece]] | None) -> None:
         """Commit a completed head as one whole push, and answer the head once the rule has. Outside the lock."""
@@ -98,8 +101,14 @@ class Staging:
             return
         head, staged = whole
         fields = {f.name: getattr(head.push, f.name) for f in dataclasses.fields(Push)}
-        push = Push(**{**fields, "payloads": [p.payload for p in staged],
-                       "absent": [tuple(p.absent) for p in staged], "pieces": None})
+        push = Push(
+            **{
+                **fields,
+                "payloads": [p.payload for p in staged],
+                "absent": [tuple(p.absent) for p in staged],
+                "pieces": None,
+            }
+        )
         committed = self.commit(worker, head.pulled_version, push)
 
         def forward(done: torch.futures.Future) -> None:

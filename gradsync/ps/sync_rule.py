@@ -13,9 +13,10 @@ out of data (`trainer.join()`, told through `gradsync.membership.uneven_data`)
 are not waited for: a step averages over the workers still active, which is
 single-process training on the batches left when batches are of equal size.
 """
+
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -28,10 +29,10 @@ from gradsync.metrics.timeline import PieceStamps
 from gradsync.ps.averaging import blame, blame_rows, check_version, mean, mean_buffers, mean_rows, merged_options
 from gradsync.ps.consistency import ConsistencyRule, answer
 from gradsync.ps.dynamic_shard import step_end
+from gradsync.ps.gradient_codecs import PLAIN, WireFormat
 from gradsync.ps.messages import Agreement, Committed, Partial, Piece, Push
 from gradsync.ps.piece_numbers import PieceNumbers
 from gradsync.ps.shard import ShardState
-from gradsync.ps.gradient_codecs import PLAIN
 
 
 class _Pending(NamedTuple):
@@ -64,9 +65,9 @@ class _Part(NamedTuple):
     """One worker's gradient of one bucket in a sync step: in a whole push (`fut` None), or a piece pushed
     on its own, answered with the bucket's values after the step."""
 
-    payload: object
+    payload: Any
     absent: tuple
-    wire: object
+    wire: WireFormat
     fut: torch.futures.Future | None
     seq: int = 0  # `Piece.seq`
 
@@ -104,12 +105,14 @@ class SyncRule(ConsistencyRule):
         if (refused := self._closed(worker)) is not None:
             return refused
         if worker in self._pending:
-            return self.shard.rejected(GradientError(f"worker {worker} committed twice at version "
-                                                     f"{self.shard.version}"))
+            return self.shard.rejected(
+                GradientError(f"worker {worker} committed twice at version {self.shard.version}")
+            )
         return None
 
-    def _take(self, worker: int, pulled_version: int, push: Push, checked: list | None, buffers: dict, wire
-              ) -> tuple[torch.futures.Future, list[tuple]]:
+    def _take(
+        self, worker: int, pulled_version: int, push: Push, checked: list | None, buffers: dict, wire
+    ) -> tuple[torch.futures.Future, list[tuple]]:
         """Keep the push and its buckets' parts until the step is complete (refused when a piece of this
         worker already brought one of them). Call with the lock held."""
         answers = self._void(worker, push.seq) if checked is not None and push.seq else []
@@ -119,6 +122,7 @@ class SyncRule(ConsistencyRule):
         except GradientError as e:
             return failed(e), answers
         for b, payload in enumerate(checked or ()):
+            assert push.absent is not None  # sent with its payloads
             self._parts[b][worker] = _Part(payload, tuple(push.absent[b]), wire, None)
         fut: torch.futures.Future = torch.futures.Future()
         self._pending[worker] = _Pending(worker, buffers, push.rows, fut, push.options, push.agree, push.pieces)
@@ -174,15 +178,19 @@ class SyncRule(ConsistencyRule):
         if self._failure is not None:
             return failed(self._failure)
         if self._held is not None:
-            return self.shard.rejected(GradientError(
-                f"worker {worker} pushed at version {self.shard.version} while server {self.shard.shard_id} waits "
-                "for the workers to finish the held step (every worker must call finish before its next push)"))
+            return self.shard.rejected(
+                GradientError(
+                    f"worker {worker} pushed at version {self.shard.version} while server {self.shard.shard_id} waits "
+                    "for the workers to finish the held step (every worker must call finish before its next push)"
+                )
+            )
         return None
 
     def _unsent(self, worker: int, b: int) -> None:
         if worker in self._parts[b]:
-            raise GradientError(f"worker {worker} sent bucket {self.shard.buckets[b].index} twice at version "
-                                f"{self.shard.version}")
+            raise GradientError(
+                f"worker {worker} sent bucket {self.shard.buckets[b].index} twice at version {self.shard.version}"
+            )
 
     def finish(self, worker: int, version: int, coefficient: float | None) -> torch.futures.Future:
         """A worker's word on the held step: apply it with every gradient times `coefficient` (the workers'
@@ -193,23 +201,37 @@ class SyncRule(ConsistencyRule):
         with shard.lock:
             held = self._held or self._finishing
             if held is None or version != held.version or worker not in held.workers or worker in held.finished:
-                return failed(GradientError(
-                    f"worker {worker} finished a step at version {version}, but server {shard.shard_id} holds "
-                    + ("no step" if held is None else f"the step at version {held.version} pushed by workers "
-                       f"{sorted(held.workers)}, finished by {sorted(held.finished)}")))
+                return failed(
+                    GradientError(
+                        f"worker {worker} finished a step at version {version}, but server {shard.shard_id} holds "
+                        + (
+                            "no step"
+                            if held is None
+                            else f"the step at version {held.version} pushed by workers "
+                            f"{sorted(held.workers)}, finished by {sorted(held.finished)}"
+                        )
+                    )
+                )
             said = set(held.finished.values())
             if said and said != {coefficient}:
-                return failed(GradientError(
-                    f"worker {worker} finished the step at version {version} with {coefficient!r}, others with "
-                    f"{said.pop()!r}: every worker must compute the same coefficient from the servers' partials"))
+                return failed(
+                    GradientError(
+                        f"worker {worker} finished the step at version {version} with {coefficient!r}, others with "
+                        f"{said.pop()!r}: every worker must compute the same coefficient from the servers' partials"
+                    )
+                )
             if held is self._held:
                 shard.set_options(held.options)
                 if coefficient is None:
                     shard.stats.steps_skipped += 1
                 else:
                     scale = lambda g: g if g is None or coefficient == 1.0 else g * coefficient  # noqa: E731
-                    shard.apply([scale(m) for m in held.means], held.skipped, held.buffers,
-                                {n: (ids, scale(g)) for n, (ids, g) in held.rows.items()})
+                    shard.apply(
+                        [scale(m) for m in held.means],
+                        held.skipped,
+                        held.buffers,
+                        {n: (ids, scale(g)) for n, (ids, g) in held.rows.items()},
+                    )
                 held = held._replace(ended=step_end(shard.tables))
                 self._held, self._finishing = None, held
             held.finished[worker] = coefficient
@@ -228,9 +250,10 @@ class SyncRule(ConsistencyRule):
             answers = self._progress()
         answer(answers)
 
-    def worker_left(self, worker: int, steps: int) -> None:
+    def worker_left(self, worker: int, steps: int | None) -> None:
         """`worker` left the job after `steps` steps: no later step can have all W workers, so the step that
         waits (if any) and every later commit fail at once, naming it."""
+        assert steps is not None  # only an elastic job's worker goes without saying its steps (no sync job)
         with self.shard.lock:
             if self._failure is None:
                 waiting = f"the sync step at version {self.shard.version} on server {self.shard.shard_id}"
@@ -241,8 +264,9 @@ class SyncRule(ConsistencyRule):
 
     def _waiting(self) -> list[torch.futures.Future]:
         """Every future of this step: the pushes', then the pieces'. Call with the lock held."""
-        return [p.fut for p in self._pending.values()] + [p.fut for parts in self._parts for p in parts.values()
-                                                          if p.fut is not None]
+        return [p.fut for p in self._pending.values()] + [
+            p.fut for parts in self._parts for p in parts.values() if p.fut is not None
+        ]
 
     def _reset(self) -> None:
         self._pending, self._parts, self._means = {}, [{} for _ in self.shard.buckets], {}
@@ -258,7 +282,7 @@ class SyncRule(ConsistencyRule):
         shard, workers = self.shard, sorted(self._pending)
         agree = self._pending[workers[0]].agree
         early = self._early and agree is None
-        answers = []
+        answers: list[tuple] = []
         for b, parts in enumerate(self._parts):
             if b in self._means or not all(self._counts(parts, w, b) for w in workers):
                 continue
@@ -310,13 +334,23 @@ class SyncRule(ConsistencyRule):
         skipped = [self._means[b][1] for b in range(len(shard.buckets))]
         buffers = mean_buffers([p.buffers for p in pending])
         pieces = [(b, p.fut) for b, parts in enumerate(self._parts) for p in parts.values() if p.fut is not None]
+        answers: list[tuple]
         if agree is not None:
             options = merged_options([(w, self._pending[w].options) for w in workers])  # checked by the workers
             self._held = _Held(shard.version, means, skipped, buffers, rows, options, set(workers), {})
-            value = Committed(shard.version, partial=Partial(shard.version, Clipping(norm_type=agree.norm_type).partial(
-                [m for m in means if m is not None] + [g for _, g in rows.values()])))
-            answers = [(f, None, GradientError("a held step's buckets come back with its finish, not as pieces"))
-                       for _, f in pieces]
+            value = Committed(
+                shard.version,
+                partial=Partial(
+                    shard.version,
+                    Clipping(norm_type=agree.norm_type).partial(
+                        [m for m in means if m is not None] + [g for _, g in rows.values()]
+                    ),
+                ),
+            )
+            answers = [
+                (f, None, GradientError("a held step's buckets come back with its finish, not as pieces"))
+                for _, f in pieces
+            ]
         else:
             if (error := self._set_options(workers)) is not None:
                 return self._dropped(error, nonfinite=False)
@@ -327,8 +361,12 @@ class SyncRule(ConsistencyRule):
                 self.stamps.applied(range(len(shard.buckets)))
             value = Committed(shard.version, ended=step_end(shard.tables))
             if early:  # the step's pieces are answered; pieces left by a worker that pushed no step are void
-                answers = [(p.fut, None, None) for parts in self._parts for w, p in parts.items()
-                           if p.fut is not None and w not in self._pending]
+                answers = [
+                    (p.fut, None, None)
+                    for parts in self._parts
+                    for w, p in parts.items()
+                    if p.fut is not None and w not in self._pending
+                ]
             else:
                 answers = [(f, shard.piece(b), None) for b, f in pieces]
         self._reset()
@@ -339,13 +377,18 @@ class SyncRule(ConsistencyRule):
         it fails, and every later push with it; with 'skip' nothing of it is applied and every push and piece
         is answered as if it had not come. Call with the lock held."""
         shard = self.shard
+        answers: list[tuple]
         if self.nonfinite == "raise":
             self._failure = error
             answers = [(f, None, error) for f in self._waiting()]
         else:
             shard.stats.steps_skipped += nonfinite
             answers = [(p.fut, Committed(shard.version), None) for p in self._pending.values()]
-            answers += [(p.fut, shard.piece(b), None) for b, parts in enumerate(self._parts) for p in parts.values()
-                        if p.fut is not None]
+            answers += [
+                (p.fut, shard.piece(b), None)
+                for b, parts in enumerate(self._parts)
+                for p in parts.values()
+                if p.fut is not None
+            ]
         self._reset()
         return answers

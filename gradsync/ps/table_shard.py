@@ -5,6 +5,7 @@ indices 0, 1, 2, ... Pulls read rows by local index; a step hands the row
 optimizer the unique local rows and their gradients, and touches nothing
 else. Callers hold the shard's lock.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,8 +17,8 @@ from gradsync.core.buckets import TensorSpec
 from gradsync.core.errors import GradientError
 from gradsync.ps.layout import TableLayout
 from gradsync.ps.server_table import ServerTable
-from gradsync.tables.row_optim import saved_state, take_saved_state
 from gradsync.tables.placement import out_of_range, rows_on
+from gradsync.tables.row_optim import saved_state, take_saved_state
 
 
 @dataclasses.dataclass
@@ -38,8 +39,16 @@ class TableShard(ServerTable):
     """Rows `server`, `server + S`, ... of table `spec`, with their row optimizer (whose lr follows optimizer
     group `group`'s schedule, when it is the exact row-wise form of that group's optimizer)."""
 
-    def __init__(self, spec: TensorSpec, server: int, num_servers: int, values: torch.Tensor | None,
-                 optimizer, padding_idx: int | None = None, group: int | None = None):
+    def __init__(
+        self,
+        spec: TensorSpec,
+        server: int,
+        num_servers: int,
+        values: torch.Tensor | None,
+        optimizer,
+        padding_idx: int | None = None,
+        group: int | None = None,
+    ):
         rows, dim = spec.shape
         self.spec = spec
         self.server, self.num_servers = server, num_servers
@@ -53,8 +62,10 @@ class TableShard(ServerTable):
             if padding_idx is not None and padding_idx % num_servers == server:
                 values[padding_idx // num_servers] = 0
         if tuple(values.shape) != (self.rows, dim) or values.dtype != spec.dtype:
-            raise ValueError(f"table {spec.name!r}: server {server} got rows {tuple(values.shape)} {values.dtype}, "
-                             f"expected {(self.rows, dim)} {spec.dtype}")
+            raise ValueError(
+                f"table {spec.name!r}: server {server} got rows {tuple(values.shape)} {values.dtype}, "
+                f"expected {(self.rows, dim)} {spec.dtype}"
+            )
         self.values = values.contiguous()
         self.state = optimizer.new_state(self.rows, dim, spec.dtype)
         self._stats = TableStats(rows=self.rows, bytes=self.values.nbytes)
@@ -81,8 +92,10 @@ class TableShard(ServerTable):
             raise GradientError(f"{worker}: {what} of table {self.spec.name!r} needs a 1-D int64 tensor of row ids")
         bad = out_of_range(ids, self.rows)
         if bad is not None:
-            raise GradientError(f"{worker}: {what} of table {self.spec.name!r} names local row {bad}, this server "
-                                f"holds 0..{self.rows - 1}")
+            raise GradientError(
+                f"{worker}: {what} of table {self.spec.name!r} names local row {bad}, this server "
+                f"holds 0..{self.rows - 1}"
+            )
 
     def local(self, ids: torch.Tensor) -> torch.Tensor:
         """The local indices of global row ids that this server holds; raises GradientError naming an id
@@ -93,29 +106,42 @@ class TableShard(ServerTable):
             raise GradientError(f"table {self.spec.name!r} has rows 0..{rows - 1}, not {bad}")
         elsewhere = ids[ids % self.num_servers != self.server]
         if elsewhere.numel():
-            raise GradientError(f"row {int(elsewhere[0])} of table {self.spec.name!r} is on server "
-                                f"{int(elsewhere[0]) % self.num_servers}, not {self.server} (row r is on r % "
-                                f"{self.num_servers})")
+            raise GradientError(
+                f"row {int(elsewhere[0])} of table {self.spec.name!r} is on server "
+                f"{int(elsewhere[0]) % self.num_servers}, not {self.server} (row r is on r % "
+                f"{self.num_servers})"
+            )
         return ids // self.num_servers
 
     def check_push(self, worker: int, ids, grads) -> None:
         """Validate one worker's row gradients (unique local ids, one row of the table's dim each)."""
         self.check_ids(ids, "a push", f"worker {worker}")
         dim = self.spec.shape[1]
-        if not isinstance(grads, torch.Tensor) or tuple(grads.shape) != (ids.numel(), dim) \
-                or grads.dtype != self.spec.dtype:
+        if (
+            not isinstance(grads, torch.Tensor)
+            or tuple(grads.shape) != (ids.numel(), dim)
+            or grads.dtype != self.spec.dtype
+        ):
             described = f"{tuple(grads.shape)} {grads.dtype}" if isinstance(grads, torch.Tensor) else type(grads)
-            raise GradientError(f"worker {worker}: row gradients of table {self.spec.name!r} are {described}, "
-                                f"expected {(ids.numel(), dim)} {self.spec.dtype}")
+            raise GradientError(
+                f"worker {worker}: row gradients of table {self.spec.name!r} are {described}, "
+                f"expected {(ids.numel(), dim)} {self.spec.dtype}"
+            )
         if ids.unique().numel() != ids.numel():
-            raise GradientError(f"worker {worker}: a push of table {self.spec.name!r} repeats row ids: sum "
-                                "the gradients of each row first")
+            raise GradientError(
+                f"worker {worker}: a push of table {self.spec.name!r} repeats row ids: sum "
+                "the gradients of each row first"
+            )
 
     def checkpoint(self, full: bool = True) -> dict:
         """Copies of the rows and the row optimizer's state, with the server and number of servers holding them
         (whole, `full` or not: a fixed table keeps no track of what changed)."""
-        return {"values": self.values.clone(), "state": saved_state(self.state),
-                "server": self.server, "num_servers": self.num_servers}
+        return {
+            "values": self.values.clone(),
+            "state": saved_state(self.state),
+            "server": self.server,
+            "num_servers": self.num_servers,
+        }
 
     def take(self, saved: dict) -> None:
         """Take the rows of a `checkpoint()` of this table (written by any server of any number of servers)
@@ -134,8 +160,10 @@ class TableShard(ServerTable):
         return self._taken == self.rows
 
     def missing(self) -> str:
-        return (f"{self._taken} of the {self.rows} rows of embedding table {self.spec.name!r} that server "
-                f"{self.server} needs (served row by row here)")
+        return (
+            f"{self._taken} of the {self.rows} rows of embedding table {self.spec.name!r} that server "
+            f"{self.server} needs (served row by row here)"
+        )
 
     def set_lr(self, lr: float) -> None:
         """A schedule set the learning rate of this table's group."""

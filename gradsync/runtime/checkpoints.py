@@ -20,11 +20,11 @@ pushes (each worker's first N) and the checkpoint is one consistent cut:
 Every file is written atomically with its SHA-256.
 
 Dynamic tables on the servers (ps, hybrid) or on the workers (sharded, allreduce's replicas) with
---checkpoint-full-every N: of the checkpoints a job writes, the first and every N-th after it are full; each one between is a delta
-(`DynamicTable.checkpoint`): its shards (sharded: its worker files) hold the dynamic tables' rows changed or
-evicted since that full checkpoint (everything else whole), and its manifest names the full one's folder as its
-`base`, which must be complete for the delta to be. Lookups change tables on the servers, so every worker waits
-until the servers have written their shards, in sync mode too.
+--checkpoint-full-every N: of the checkpoints a job writes, the first and every N-th after it are full; each one between
+is a delta (`DynamicTable.checkpoint`): its shards (sharded: its worker files) hold the dynamic tables' rows changed or
+evicted since that full checkpoint (everything else whole), and its manifest names the full one's folder as its `base`,
+which must be complete for the delta to be. Lookups change tables on the servers, so every worker waits until the
+servers have written their shards, in sync mode too.
 
 A checkpoint folder belongs to one run: a fresh job (no --resume) makes a run id, every manifest records it,
 and a resume continues it. Rank 0 decides for the job what it continues or starts (`open_run`) and publishes
@@ -39,6 +39,7 @@ the reason for each folder skipped), with any number of servers and workers (the
 refuses one written by a job of another strategy; worker 0 refuses one of another model or optimizer (`check`).
 Temporary files that a writer which died left in step folders are removed on opening.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -57,8 +58,8 @@ import torch
 import torch.distributed as dist
 
 from gradsync.config import ConfigError, JobConfig
-from gradsync.core.job_names import StoreKeys, worker_name
 from gradsync.core.atomic_file import temporaries, write_atomically
+from gradsync.core.job_names import StoreKeys, worker_name
 from gradsync.core.optimizer_spec import group_options
 from gradsync.core.waiting import wait_until
 from gradsync.membership.member_keys import staying
@@ -96,10 +97,16 @@ def describe(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """What a checkpoint's job must match to resume it (`check`): the model, {state_dict key: [shape, dtype]};
     the optimizer, its class and per group its parameters' sizes and its option keys."""
     cls = type(optimizer)
-    return {"model": {k: [list(t.shape), str(t.dtype)] for k, t in module.state_dict().items()},
-            "optimizer": {"class": f"{cls.__module__}.{cls.__qualname__}",
-                          "groups": [{"sizes": [p.numel() for p in g["params"]], "keys": sorted(group_options(g))}
-                                     for g in optimizer.param_groups]}}
+    return {
+        "model": {k: [list(t.shape), str(t.dtype)] for k, t in module.state_dict().items()},
+        "optimizer": {
+            "class": f"{cls.__module__}.{cls.__qualname__}",
+            "groups": [
+                {"sizes": [p.numel() for p in g["params"]], "keys": sorted(group_options(g))}
+                for g in optimizer.param_groups
+            ],
+        },
+    }
 
 
 def base_of(found: Found) -> str | None:
@@ -134,8 +141,10 @@ def open_run(config: JobConfig, store: dist.Store) -> tuple[str, Found | None]:
     try:
         store.wait([StoreKeys.RUN], datetime.timedelta(seconds=config.startup_timeout))
     except dist.DistError:
-        raise RuntimeError(f"rank 0 did not decide within startup_timeout ({config.startup_timeout:.0f} s) which "
-                           "checkpoint this job resumes from or which run it starts (its failure says why)") from None
+        raise RuntimeError(
+            f"rank 0 did not decide within startup_timeout ({config.startup_timeout:.0f} s) which "
+            "checkpoint this job resumes from or which run it starts (its failure says why)"
+        ) from None
     decided = json.loads(store.get(StoreKeys.RUN))
     return decided["run"], decided["path"] and Found(*_manifest(decided["path"]))
 
@@ -169,15 +178,17 @@ def decide(config: JobConfig) -> tuple[str, Found | None]:
     if config.checkpoint_dir and os.path.abspath(config.checkpoint_dir) != os.path.abspath(config.resume):
         _claim(config.checkpoint_dir, run, start_over=False)
     reshaped = (m["servers"], m["workers"]) != (config.servers, config.num_workers)
-    _say(f"resuming run {run} from step {found.step} ({found.path})"
-         + (f", written by {m['servers']} servers and {m['workers']} workers" if reshaped else ""))
+    _say(
+        f"resuming run {run} from step {found.step} ({found.path})"
+        + (f", written by {m['servers']} servers and {m['workers']} workers" if reshaped else "")
+    )
     return run, found
 
 
 def _claim(directory: str, run: str, start_over: bool) -> None:
     """Make `directory` the checkpoint folder of `run`: refuse it when it holds step folders of another run
     (or of none known: unfinished), or with `start_over` remove them first."""
-    runs = {}  # run (None: unknown) -> its step folders
+    runs: dict[str | None, list[str]] = {}  # run (None: unknown) -> its step folders
     for _, path in _step_folders(directory):
         try:
             theirs = _manifest(path)[2].get("run")
@@ -187,8 +198,10 @@ def _claim(directory: str, run: str, start_over: bool) -> None:
             runs.setdefault(theirs, []).append(os.path.basename(path))
     if not runs:
         return
-    held = "; ".join(f"{', '.join(sorted(names))} ({'run ' + r if r else 'no run: unfinished or older'})"
-                     for r, names in runs.items())
+    held = "; ".join(
+        f"{', '.join(sorted(names))} ({'run ' + r if r else 'no run: unfinished or older'})"
+        for r, names in runs.items()
+    )
     if start_over:
         for names in runs.values():
             for name in names:
@@ -210,8 +223,10 @@ def _remove_temporaries(directory: str) -> None:
         size = sum(os.path.getsize(p) for p in left)
         for path in left:
             os.unlink(path)
-        _say(f"removed {len(left)} temporary files ({size / 2**20:.1f} MiB) that a checkpoint writer which died "
-             f"left: {', '.join(os.path.relpath(p, directory) for p in left)}")
+        _say(
+            f"removed {len(left)} temporary files ({size / 2**20:.1f} MiB) that a checkpoint writer which died "
+            f"left: {', '.join(os.path.relpath(p, directory) for p in left)}"
+        )
 
 
 def _say(line: str) -> None:
@@ -222,8 +237,14 @@ def _step_folders(directory: str) -> list[tuple[int, str]]:
     """(step its name says, path) of `directory`'s step folders, newest first ([] when it does not exist)."""
     if not os.path.isdir(directory):
         return []
-    return sorted(((int(m.group(1)), os.path.join(directory, name)) for name in os.listdir(directory)
-                   if (m := _STEP.fullmatch(name)) and os.path.isdir(os.path.join(directory, name))), reverse=True)
+    return sorted(
+        (
+            (int(m.group(1)), os.path.join(directory, name))
+            for name in os.listdir(directory)
+            if (m := _STEP.fullmatch(name)) and os.path.isdir(os.path.join(directory, name))
+        ),
+        reverse=True,
+    )
 
 
 def _manifest(path: str) -> tuple[int, str, dict]:
@@ -236,13 +257,18 @@ def _manifest(path: str) -> tuple[int, str, dict]:
     with open(os.path.join(path, MANIFEST)) as f:
         manifest = json.load(f)
     if "run" not in manifest:
-        raise ValueError(f"its {MANIFEST} names no run (written by an older gradsync): start a new run with "
-                         "--start-over")
-    named = int(_STEP.fullmatch(os.path.basename(os.path.normpath(path))).group(1))
+        raise ValueError(
+            f"its {MANIFEST} names no run (written by an older gradsync): start a new run with --start-over"
+        )
+    folder = _STEP.fullmatch(os.path.basename(os.path.normpath(path)))
+    assert folder is not None  # a step folder: `_step_folders` lists those by name
+    named = int(folder.group(1))
     if manifest["step"] != named:
-        raise ValueError(f"its {MANIFEST} holds step {manifest['step']}, and its name says step {named}: a folder "
-                         "renamed or copied, refused (the step of its state is not the one its name orders it by, "
-                         "and the job would later write that step's files into it)")
+        raise ValueError(
+            f"its {MANIFEST} holds step {manifest['step']}, and its name says step {named}: a folder "
+            "renamed or copied, refused (the step of its state is not the one its name orders it by, "
+            "and the job would later write that step's files into it)"
+        )
     return manifest["step"], path, manifest
 
 
@@ -255,22 +281,26 @@ def latest_complete(directory: str) -> Found:
         ConfigError: the manifests name more than one run.
     """
     if not os.path.isdir(directory):
-        raise FileNotFoundError(f"resume directory {directory!r} does not exist: pass the --checkpoint-dir of "
-                                "the job to resume")
-    manifests, skipped = {}, []
+        raise FileNotFoundError(
+            f"resume directory {directory!r} does not exist: pass the --checkpoint-dir of the job to resume"
+        )
+    manifests: dict[str, tuple[int, str, dict] | Exception] = {}
+    skipped = []
     for _, path in _step_folders(directory):
         try:
             manifests[path] = _manifest(path)
         except (OSError, ValueError, KeyError) as e:
             manifests[path] = e
-    runs = {}
+    runs: dict[str, list[str]] = {}
     for path, read in manifests.items():
         if not isinstance(read, Exception):
             runs.setdefault(read[2]["run"], []).append(os.path.basename(path))
     if len(runs) > 1:
-        raise ConfigError(f"{directory!r} holds the checkpoints of {len(runs)} runs ("
-                          + "; ".join(f"run {r}: {', '.join(sorted(n))}" for r, n in runs.items())
-                          + "), and a resume continues one: move the other runs' step folders out")
+        raise ConfigError(
+            f"{directory!r} holds the checkpoints of {len(runs)} runs ("
+            + "; ".join(f"run {r}: {', '.join(sorted(n))}" for r, n in runs.items())
+            + "), and a resume continues one: move the other runs' step folders out"
+        )
     for path, read in manifests.items():
         try:
             if isinstance(read, Exception):
@@ -278,8 +308,10 @@ def latest_complete(directory: str) -> Found:
             step, _, manifest = read
             written = manifest.get("written", range(manifest["workers"]))  # elastic: the workers still there
             if omitted := [n for n in needed_files(manifest["servers"], written) if n not in manifest["files"]]:
-                raise ValueError(f"its {MANIFEST} does not list {', '.join(omitted)}, which a checkpoint of "
-                                 f"{manifest['servers']} servers and {len(written)} workers needs")
+                raise ValueError(
+                    f"its {MANIFEST} does not list {', '.join(omitted)}, which a checkpoint of "
+                    f"{manifest['servers']} servers and {len(written)} workers needs"
+                )
             for file, digest in manifest["files"].items():
                 shard_file.verify(os.path.join(path, file), digest)
             if "base" in manifest:
@@ -288,9 +320,10 @@ def latest_complete(directory: str) -> Found:
             skipped.append(f"{path}: {e}")
             continue
         return Found(step, path, manifest, tuple(skipped))
-    raise FileNotFoundError(f"no complete checkpoint in {directory!r} (a step-N folder with {MANIFEST} and intact "
-                            "files, every one listed)" + "".join(f"\n  {reason}" for reason in skipped)
-                            + "\nstart without --resume")
+    raise FileNotFoundError(
+        f"no complete checkpoint in {directory!r} (a step-N folder with {MANIFEST} and intact "
+        "files, every one listed)" + "".join(f"\n  {reason}" for reason in skipped) + "\nstart without --resume"
+    )
 
 
 def _check_base(path: str, manifest: dict) -> None:
@@ -307,39 +340,49 @@ def _check_base(path: str, manifest: dict) -> None:
         for file, digest in full["files"].items():
             shard_file.verify(os.path.join(base, file), digest)
     except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"it is a delta onto the full checkpoint {manifest['base']}, which is not usable: {e}") \
-            from None
+        raise ValueError(
+            f"it is a delta onto the full checkpoint {manifest['base']}, which is not usable: {e}"
+        ) from None
 
 
 def check(found: Found, described: dict) -> None:
     """Refuse to resume `found` into the job's model and optimizer (`describe`) when they differ from the
     checkpoint's: raises ValueError naming the first tensor, or the optimizer classes, or the group that
     differs, and the fix."""
-    fix = ("resume with the model and optimizer that wrote it, or start a new run (--start-over, or another "
-           "--checkpoint-dir)")
+    fix = (
+        "resume with the model and optimizer that wrote it, or start a new run (--start-over, or another "
+        "--checkpoint-dir)"
+    )
     theirs, ours = found.manifest["model"], described["model"]
     for key in [*theirs, *(k for k in ours if k not in theirs)]:
         if theirs.get(key) != ours.get(key):
-            raise ValueError(f"{found.path} holds a different model: {key!r} is {theirs.get(key, 'absent')} there "
-                             f"and {ours.get(key, 'absent')} in this job's model ([shape, dtype]): {fix}")
+            raise ValueError(
+                f"{found.path} holds a different model: {key!r} is {theirs.get(key, 'absent')} there "
+                f"and {ours.get(key, 'absent')} in this job's model ([shape, dtype]): {fix}"
+            )
     theirs, ours = found.manifest["optimizer"], described["optimizer"]
     if theirs["class"] != ours["class"]:
         short = [c.rsplit(".", 1)[-1] for c in (theirs["class"], ours["class"])]
         a, b = short if short[0] != short[1] else (theirs["class"], ours["class"])
-        raise ValueError(f"{found.path} was written with the optimizer {a}, and this job builds {b}: its state "
-                         f"(and options) are {a}'s: {fix}")
+        raise ValueError(
+            f"{found.path} was written with the optimizer {a}, and this job builds {b}: its state "
+            f"(and options) are {a}'s: {fix}"
+        )
     if len(theirs["groups"]) != len(ours["groups"]):
-        raise ValueError(f"{found.path} holds {len(theirs['groups'])} parameter groups of {ours['class']}, and "
-                         f"this job's optimizer has {len(ours['groups'])}: {fix}")
+        raise ValueError(
+            f"{found.path} holds {len(theirs['groups'])} parameter groups of {ours['class']}, and "
+            f"this job's optimizer has {len(ours['groups'])}: {fix}"
+        )
     for i, (saved, built) in enumerate(zip(theirs["groups"], ours["groups"])):
         for what, kind in (("sizes", "parameters of sizes"), ("keys", "options")):
             if saved[what] != built[what]:
-                raise ValueError(f"{found.path}'s parameter group {i} holds {kind} {saved[what]}, and this job's "
-                                 f"group {i} {built[what]}: {fix}")
+                raise ValueError(
+                    f"{found.path}'s parameter group {i} holds {kind} {saved[what]}, and this job's "
+                    f"group {i} {built[what]}: {fix}"
+                )
 
 
-def save(store: dist.Store, config: JobConfig, run: str, step: int, strategy, described: dict,
-         start: int = 0) -> None:
+def save(store: dist.Store, config: JobConfig, run: str, step: int, strategy, described: dict, start: int = 0) -> None:
     """Write this worker's part of the checkpoint of `step` of `run` (its model and optimizer `described`); the
     coordinator (worker 0, or in an elastic job the
     lowest of the job's first workers still in it) has the servers write their shards and writes the manifest.
@@ -353,29 +396,51 @@ def save(store: dist.Store, config: JobConfig, run: str, step: int, strategy, de
         return
     path = step_dir(config.checkpoint_dir, step)
     base = full_base(config, step, start) if strategy.writes_deltas else None
-    state = dict(step=step, torch_rng=torch.get_rng_state(), python_rng=random.getstate(),
-                 cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-                 **strategy.local_state(delta=base is not None))
+    state = dict(
+        step=step,
+        torch_rng=torch.get_rng_state(),
+        python_rng=random.getstate(),
+        cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        **strategy.local_state(delta=base is not None),
+    )
     shard_file.write(os.path.join(path, worker_file(me)), state)
     store.set(StoreKeys.CHECKPOINT.format(step, me), "1")
     # the others' pushes, or their lookups of dynamic tables, would go on meanwhile
     held = config.servers > 0 and (config.mode != "sync" or strategy.servers_hold_dynamic)
     while (coordinator := _coordinator(store, config)) != me:
-        if not held or _wait(store, config, [StoreKeys.CHECKPOINT.format(step, "shards")], [coordinator],
-                             f"did not have the servers write their shards of the checkpoint of step {step} in "
-                             f"{path}"):
+        if not held or _wait(
+            store,
+            config,
+            [StoreKeys.CHECKPOINT.format(step, "shards")],
+            [coordinator],
+            f"did not have the servers write their shards of the checkpoint of step {step} in {path}",
+        ):
             return
         # the coordinator left the job before the shards were written: the next one takes over
-    written = _wait(store, config, [StoreKeys.CHECKPOINT.format(step, w) for w in range(config.num_workers)],
-                    list(range(config.num_workers)),
-                    f"did not write its state of the checkpoint of step {step} in {path}")
-    base = base and os.path.basename(step_dir(config.checkpoint_dir, base))
-    shards = strategy.checkpoint_servers(path, base and os.path.join(config.checkpoint_dir, base))
+    written = _wait(
+        store,
+        config,
+        [StoreKeys.CHECKPOINT.format(step, w) for w in range(config.num_workers)],
+        list(range(config.num_workers)),
+        f"did not write its state of the checkpoint of step {step} in {path}",
+    )
+    # the full checkpoint's folder (`full_base`: a step > 0, or None)
+    folder = None if base is None else os.path.basename(step_dir(config.checkpoint_dir, base))
+    shards = strategy.checkpoint_servers(path, None if folder is None else os.path.join(config.checkpoint_dir, folder))
     paths = [p for p, _ in shards.values()] + [os.path.join(path, worker_file(w)) for w in written]
     files = {os.path.basename(p): shard_file.stored_digest(p) for p in paths}
-    manifest = dict(run=run, step=step, strategy=config.strategy, mode=config.mode, servers=config.servers,
-                    workers=config.num_workers, written=written, **described, files=files,
-                    **({"base": base} if base else {}))
+    manifest = dict(
+        run=run,
+        step=step,
+        strategy=config.strategy,
+        mode=config.mode,
+        servers=config.servers,
+        workers=config.num_workers,
+        written=written,
+        **described,
+        files=files,
+        **({"base": folder} if folder else {}),
+    )
     write_atomically(os.path.join(path, MANIFEST), json.dumps(manifest, indent=1).encode())
     if held:
         store.set(StoreKeys.CHECKPOINT.format(step, "shards"), "1")
@@ -396,13 +461,18 @@ def _wait(store: dist.Store, config: JobConfig, keys: list[str], workers: list[i
     Raises:
         TimeoutError: naming the workers still missing, and `what` they did not do.
     """
+
     def missing() -> list[int]:
         here = set(staying(store)) if config.elastic else set(workers)
         return [w for w, k in zip(workers, keys) if w in here and not store.check([k])]
 
-    wait_until(lambda: not missing(), time.monotonic() + config.step_timeout,
-               lambda: f"{', '.join(worker_name(w) for w in missing())} {what} within step_timeout "
-                       f"{config.step_timeout:.0f} s")
+    wait_until(
+        lambda: not missing(),
+        time.monotonic() + config.step_timeout,
+        lambda: (
+            f"{', '.join(worker_name(w) for w in missing())} {what} within step_timeout {config.step_timeout:.0f} s"
+        ),
+    )
     return [w for w, k in zip(workers, keys) if store.check([k])]
 
 

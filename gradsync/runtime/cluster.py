@@ -1,5 +1,6 @@
 """This process's place in the running job: `Cluster`, from `gradsync.init` (`runtime.start`) until
 `gradsync.shutdown` (`runtime.leaving`), and the public `worker_rank` / `num_workers`."""
+
 from __future__ import annotations
 
 import torch.distributed as dist
@@ -10,7 +11,7 @@ from gradsync.membership.heartbeat import Heartbeat
 from gradsync.metrics import scalars
 from gradsync.runtime import checkpoints
 
-_STATE: "Cluster | None" = None
+_STATE: Cluster | None = None
 
 
 class Cluster:
@@ -30,7 +31,8 @@ class Cluster:
     def building_trainer(self) -> None:
         """Note in the store that this worker builds its Trainer, so that a worker that never does is named
         (`heartbeat.Watch.without_trainer`) rather than one that waited for it."""
-        self.store.append(StoreKeys.TRAINERS, f"{self.config.worker_rank},")
+        # Store.append: missing from torch's stubs
+        self.store.append(StoreKeys.TRAINERS, f"{self.config.worker_rank},")  # type: ignore[attr-defined]
 
 
 def running() -> Cluster | None:

@@ -3,6 +3,7 @@
 Under a launcher a rank prints nothing itself (the launcher's headline shows the failure), from the start of
 `gradsync.init`; an uncaught exception exits the process at once (`report_failures`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -11,9 +12,9 @@ import sys
 import threading
 import traceback
 
-from gradsync.core.job_names import StoreKeys
 from gradsync.core import settings
 from gradsync.core.errors import blamed_worker
+from gradsync.core.job_names import StoreKeys
 from gradsync.core.strategies import traits
 from gradsync.metrics import scalars
 from gradsync.runtime.cluster import Cluster
@@ -39,9 +40,11 @@ def report_failures(cluster: Cluster | None) -> None:
 
 
 _NO_PROCESS_GROUP = "Default process group has not been initialized"  # torch's error, e.g. from DistributedSampler
-_SAMPLER_HINT = ("gradsync: the ps strategy has no torch.distributed process group: give DistributedSampler its "
-                 "place explicitly, DistributedSampler(dataset, num_replicas=gradsync.num_workers(), "
-                 "rank=gradsync.worker_rank()) (the same works under every strategy)\n")
+_SAMPLER_HINT = (
+    "gradsync: the ps strategy has no torch.distributed process group: give DistributedSampler its "
+    "place explicitly, DistributedSampler(dataset, num_replicas=gradsync.num_workers(), "
+    "rank=gradsync.worker_rank()) (the same works under every strategy)\n"
+)
 
 
 def say_failure(text: str) -> None:
@@ -87,7 +90,8 @@ def record_failure(cluster: Cluster | None, rank: int, text: str) -> str:
 def exit_now(cluster: Cluster, text: str) -> None:
     """Fail this rank from a thread other than the main one, which waits where no exception can reach it (a
     collective in C++): record `text` and the main thread's stack, and exit the process with status 1."""
-    frame = sys._current_frames().get(threading.main_thread().ident)
+    ident = threading.main_thread().ident
+    frame = None if ident is None else sys._current_frames().get(ident)
     text += "\nThe main thread was here:\n" + "".join(traceback.format_stack(frame))
     say_failure(record_failure(cluster, cluster.config.rank, text))
     os._exit(1)

@@ -1,5 +1,6 @@
 """Leaving the job: `gradsync.shutdown` on a worker, and the wait for every worker to leave (a worker's
 shutdown, bounded; a server's whole job)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -36,8 +37,10 @@ def wait_for_workers(cluster: job.Cluster, deadline: float | None) -> list[int]:
         for rank in [r for r in silent if config.elastic and r >= config.world_size]:
             record_gone(store, rank - config.servers, f"sent no heartbeat for {silent.pop(rank):.0f} s")
         if silent:
-            raise RuntimeError(f"{watch.describe(silent)} (step_timeout {config.step_timeout:.0f} s): it is "
-                               "stopped, hung or dead, and the job cannot go on without it")
+            raise RuntimeError(
+                f"{watch.describe(silent)} (step_timeout {config.step_timeout:.0f} s): it is "
+                "stopped, hung or dead, and the job cannot go on without it"
+            )
         return False
 
     with contextlib.suppress(TimeoutError):  # the caller names the workers still in the job
@@ -65,22 +68,30 @@ def shutdown() -> None:
         try:
             leave()
         except Exception as e:  # noqa: BLE001 -- any failure: said, and the worker leaves all the same
-            print(f"gradsync: worker {config.worker_rank} could not gather its model's tables at shutdown, and "
-                  f"its module keeps them served ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
-    cluster.store.append(StoreKeys.LEFT, f"{config.worker_rank}:{cluster.steps},")
+            print(
+                f"gradsync: worker {config.worker_rank} could not gather its model's tables at shutdown, and "
+                f"its module keeps them served ({type(e).__name__}: {e})",
+                file=sys.stderr,
+                flush=True,
+            )
+    # Store.append: missing from torch's stubs
+    cluster.store.append(StoreKeys.LEFT, f"{config.worker_rank}:{cluster.steps},")  # type: ignore[attr-defined]
     newcomers.note_left(config.worker_rank)
     others = None  # the workers still in the job (None: not waited for)
     try:
         if not config.elastic:
             others = wait_for_workers(cluster, deadline)
         if others:
-            print(f"gradsync: shutdown waited {config.shutdown_timeout:.0f} s (shutdown_timeout) for "
-                  f"{', '.join(worker_name(w) for w in others)} to leave the job; leaving without them",
-                  file=sys.stderr, flush=True)
+            print(
+                f"gradsync: shutdown waited {config.shutdown_timeout:.0f} s (shutdown_timeout) for "
+                f"{', '.join(worker_name(w) for w in others)} to leave the job; leaving without them",
+                file=sys.stderr,
+                flush=True,
+            )
     finally:
         cluster.heartbeat.stop(max(deadline - time.monotonic(), 1.0))
         if cluster.has_process_group:
             dist.destroy_process_group()
-        transport(config.transport).rank.leave(config, cluster.store, max(deadline - time.monotonic(), 1.0),
-                                               at_once=others != [])
-
+        transport(config.transport).rank.leave(
+            config, cluster.store, max(deadline - time.monotonic(), 1.0), at_once=others != []
+        )

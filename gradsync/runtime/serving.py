@@ -5,6 +5,7 @@ arrive first (`install_server`); `serve` then opens the gRPC endpoint for the wo
 the transport do what it needs before the workers' first calls, waits until every worker has left, writes
 the final counters, and exits the process.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,15 @@ def install_server(cluster: Cluster) -> ParameterServer:
 
     resume_from = (resumed.path, resumed.manifest["servers"], checkpoints.base_of(resumed)) if resumed else None
     server = ParameterServer(
-        config.rank, config.num_workers, config.mode, config.nonfinite, config.compression, config.server_device,
-        config.staleness, resume_from, fail,
+        config.rank,
+        config.num_workers,
+        config.mode,
+        config.nonfinite,
+        config.compression,
+        config.server_device,
+        config.staleness,
+        resume_from,
+        fail,
     )
     transport(config.transport).rank.install(server)
     return server

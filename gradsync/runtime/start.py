@@ -10,6 +10,7 @@ second `init()` inside `gradsync.launch`'s function joins the job that runs.
 Every wait here is bounded, and a failure is recorded for the launcher and the
 other ranks (`runtime.failures`).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -20,10 +21,10 @@ import torch
 import torch.distributed as dist
 
 from gradsync.config import ConfigError, JobConfig, job_keywords
-from gradsync.core.job_names import StoreKeys
 from gradsync.core import malloc, settings
-from gradsync.core.settings import ERROR_FILE, JOIN  # by name in init, whose **settings are its keywords
 from gradsync.core.errors import init_in_a_child_error
+from gradsync.core.job_names import StoreKeys
+from gradsync.core.settings import ERROR_FILE, JOIN  # by name in init, whose **settings are its keywords
 from gradsync.core.strategies import traits
 from gradsync.core.torch_internals import importing_main_for_a_child
 from gradsync.membership import newcomers
@@ -39,8 +40,9 @@ from gradsync.runtime.store import connect_store, use_loopback_interfaces
 from gradsync.transport import registry
 
 
-def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=None, transport=None,
-         join=None, **settings) -> None:
+def init(
+    strategy=None, mode=None, servers=None, *, nonfinite=None, compression=None, transport=None, join=None, **settings
+) -> None:
     """Join the job. Every rank must call it.
 
     Args:
@@ -67,14 +69,21 @@ def init(strategy=None, mode=None, servers=None, *, nonfinite=None, compression=
     """
     if importing_main_for_a_child():
         raise init_in_a_child_error()
-    asked = dict(strategy=strategy, mode=mode, servers=servers, nonfinite=nonfinite, compression=compression,
-                 transport=transport, **job_keywords(settings, "gradsync.init"))
+    asked = dict(
+        strategy=strategy,
+        mode=mode,
+        servers=servers,
+        nonfinite=nonfinite,
+        compression=compression,
+        transport=transport,
+        **job_keywords(settings, "gradsync.init"),
+    )
     join = join or JOIN.read()
     if join and job.running() is None:
         job.set_running(_join_running(join, asked))
         return
-    if job.running() is not None:
-        _join_launched(job.running().config, JobConfig.from_env(**asked))
+    if (running := job.running()) is not None:
+        _join_launched(running.config, JobConfig.from_env(**asked))
         return
     _check_launched(strategy)
     if ERROR_FILE.given():  # under gradsync's launcher, which shows it
@@ -130,7 +139,8 @@ def _note_exit_without_shutdown() -> None:
     cluster = job.running()
     if cluster is not None and not cluster.config.is_server:
         try:
-            cluster.store.append(StoreKeys.EXITED, f"{cluster.config.worker_rank},")
+            # Store.append: missing from torch's stubs
+            cluster.store.append(StoreKeys.EXITED, f"{cluster.config.worker_rank},")  # type: ignore[attr-defined]
         except dist.DistError:  # the store is gone: the job has ended
             pass
 
@@ -139,9 +149,11 @@ def _join_launched(running: JobConfig, asked: JobConfig) -> None:
     """A second init() is fine inside `gradsync.launch`'s function when it asks for the job that runs."""
     if not settings.LAUNCHED.read():
         raise RuntimeError("gradsync.init() was already called in this process")
-    differ = [f"{f}={getattr(asked, f)!r} (the job runs {getattr(running, f)!r})"
-              for f in settings.SHARED
-              if getattr(asked, f) != getattr(running, f)]
+    differ = [
+        f"{f}={getattr(asked, f)!r} (the job runs {getattr(running, f)!r})"
+        for f in settings.SHARED
+        if getattr(asked, f) != getattr(running, f)
+    ]
     if differ:
         raise ConfigError(
             f"gradsync.init() inside gradsync.launch asked for {', '.join(differ)}: pass those settings to "
@@ -157,12 +169,14 @@ def _check_launched(strategy: str | None) -> None:
             "gradsync.init() found no launcher (WORLD_SIZE is not set): start the script with `gradsync run "
             "--strategy ps --workers 2 SCRIPT` (or --strategy allreduce, hybrid, sharded), or with torchrun and "
             "GRADSYNC_STRATEGY set, e.g. `GRADSYNC_STRATEGY=ps torchrun --nproc-per-node 3 SCRIPT` (the first "
-            "GRADSYNC_SERVERS ranks, default 1, are the parameter servers)")
+            "GRADSYNC_SERVERS ranks, default 1, are the parameter servers)"
+        )
     if strategy is None and not settings.STRATEGY.given():
         raise ConfigError(
             "no strategy: set GRADSYNC_STRATEGY to ps, allreduce, hybrid or sharded (under torchrun; with ps and "
             "hybrid the first GRADSYNC_SERVERS ranks, default 1, are the parameter servers), or pass "
-            "gradsync.init(strategy=...)")
+            "gradsync.init(strategy=...)"
+        )
 
 
 def process_group_backend() -> str:

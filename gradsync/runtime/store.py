@@ -1,4 +1,5 @@
 """The job's rendezvous store: hosted on rank 0 (or by a launcher) on its address only, reached by every rank."""
+
 from __future__ import annotations
 
 import datetime
@@ -51,8 +52,14 @@ def host_store(host: str, port: int, timeout: float, fix: str) -> dist.TCPStore:
     port = sock.getsockname()[1]
     fd = sock.detach()
     try:
-        return dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                             timeout=datetime.timedelta(seconds=timeout), master_listen_fd=fd)
+        return dist.TCPStore(
+            host,
+            port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=timeout),
+            master_listen_fd=fd,
+        )
     except BaseException:
         os.close(fd)
         raise
@@ -61,15 +68,24 @@ def host_store(host: str, port: int, timeout: float, fix: str) -> dist.TCPStore:
 def connect_store(config: JobConfig) -> dist.TCPStore:
     """Connect to the rendezvous store, hosting it on rank 0 unless a launcher already does."""
     if config.rank == 0 and not config.store_is_hosted:
-        return host_store(config.master_addr, config.master_port, config.startup_timeout,
-                          "pick a free one (MASTER_PORT, or --master-port 0 with gradsync run to let it choose)")
+        return host_store(
+            config.master_addr,
+            config.master_port,
+            config.startup_timeout,
+            "pick a free one (MASTER_PORT, or --master-port 0 with gradsync run to let it choose)",
+        )
     try:
-        return dist.TCPStore(config.master_addr, config.master_port, is_master=False, wait_for_workers=False,
-                             timeout=datetime.timedelta(seconds=config.startup_timeout))
+        return dist.TCPStore(
+            config.master_addr,
+            config.master_port,
+            is_master=False,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=config.startup_timeout),
+        )
     except dist.DistError as e:
         host = "its launcher" if config.store_is_hosted else "rank 0"
         raise TimeoutError(
             f"rank {config.rank} ({config.name}) could not reach the rendezvous store at {config.master_addr}:"
             f"{config.master_port} within startup_timeout ({config.startup_timeout:.0f} s): {host} hosts it; is "
-            f"it running, and are MASTER_ADDR and MASTER_PORT its address? ({e})") from e
-
+            f"it running, and are MASTER_ADDR and MASTER_PORT its address? ({e})"
+        ) from e

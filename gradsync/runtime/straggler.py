@@ -4,11 +4,12 @@ backward take F times as long, by sleeping (F - 1) times their duration before e
 Off the hot path unless asked for: `straggler_of(worker)` is None unless the setting names this worker with a
 factor above 1, and then the Trainer commits through `Straggler.slowed(strategy.step)`; otherwise it calls the
 strategy's step itself."""
+
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from gradsync.core.settings import STRAGGLER
 
@@ -16,8 +17,8 @@ from gradsync.core.settings import STRAGGLER
 def parse(text: str) -> tuple[int, float]:
     """'1:2.0' -> (worker 1, factor 2.0); raises ValueError naming the text and the form."""
     try:
-        worker, factor = text.split(":")
-        worker, factor = int(worker), float(factor)
+        worker_text, factor_text = text.split(":")
+        worker, factor = int(worker_text), float(factor_text)
     except ValueError:
         raise ValueError(f"straggler {text!r}: expected WORKER:FACTOR, e.g. 1:2.0") from None
     if worker < 0 or factor < 1:

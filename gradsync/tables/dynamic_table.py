@@ -39,9 +39,11 @@ last full checkpoint 8 bytes; each id index 16 bytes per bucket, 2 to 4 buckets 
 (`tables.recency_log`: the ids by last step, which LRU eviction, `ttl_steps` and forgetting waiting ids read
 instead of every id) 12 bytes an entry, up to 2 per id, and under LFU up to 2 more in the logs by lookup count.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -51,7 +53,7 @@ from gradsync.tables.id_hash import keyed, unit_interval
 from gradsync.tables.id_index import IdIndex
 from gradsync.tables.recency_log import RecencyLog
 from gradsync.tables.row_init import HashedUniform, checked_init
-from gradsync.tables.row_optim import ROW_OPTIMIZERS, LazyRows
+from gradsync.tables.row_optim import ROW_OPTIMIZERS, LazyRows, RowOptimizer
 
 EVICTION_RULES = ("lru", "lfu")
 LFU_LOGS = 16
@@ -65,25 +67,42 @@ _NONE = torch.zeros(0, dtype=torch.int64).numpy()  # an absent array of the comp
 class DynamicTable:
     """Rows for ids of any int64 value; see the module docstring for the rules. `step` is the next step."""
 
-    def __init__(self, dim: int, *, capacity: int, init: Callable[[torch.Tensor], torch.Tensor],
-                 admit_after: int = 1, admit_probability: float | None = None, evict: str = "lru",
-                 ttl_steps: int | None = None, dtype: torch.dtype = torch.float32, seed: int = 0,
-                 name: str = "dynamic table"):
-        _check_settings(name, dim=dim, capacity=capacity, admit_after=admit_after,
-                        admit_probability=admit_probability, evict=evict, ttl_steps=ttl_steps, dtype=dtype)
+    def __init__(
+        self,
+        dim: int,
+        *,
+        capacity: int,
+        init: Callable[[torch.Tensor], torch.Tensor],
+        admit_after: int = 1,
+        admit_probability: float | None = None,
+        evict: str = "lru",
+        ttl_steps: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        seed: int = 0,
+        name: str = "dynamic table",
+    ):
+        _check_settings(
+            name,
+            dim=dim,
+            capacity=capacity,
+            admit_after=admit_after,
+            admit_probability=admit_probability,
+            evict=evict,
+            ttl_steps=ttl_steps,
+            dtype=dtype,
+        )
         self.dim, self.capacity, self.init, self.dtype, self.seed, self.name = dim, capacity, init, dtype, seed, name
         self.admit_after, self.admit_probability = admit_after, admit_probability
         self.evict, self.ttl_steps = evict, ttl_steps
-        self.optimizer = None
-        self.optimizer_state = None
+        self.optimizer: RowOptimizer | None = None
+        self.optimizer_state: Any = None  # the optimizer's `new_state`: a tensor, `LazyRows` or None
         self.reset()
 
     def reset(self) -> None:
         """Empty: no rows, no waiting ids, step 0, counters 0, fresh optimizer state."""
         self.rows = _IdColumns(weight=((self.dim,), self.dtype), lookups=((), torch.int64))
         self.waiting = _IdColumns(sightings=((), torch.int64))
-        self.by_lookups = ([RecencyLog(self.rows.columns, n) for n in range(LFU_LOGS + 1)]
-                           if self.evict == "lfu" else [])
+        self.by_lookups = [RecencyLog(self.rows.columns, n) for n in range(LFU_LOGS + 1)] if self.evict == "lfu" else []
         self.step = 0
         self.counters = {"admitted": 0, "filtered": 0, "evicted": 0}
         self.optimizer_state = None if self.optimizer is None else self._new_state(self.rows.slots)
@@ -151,14 +170,18 @@ class DynamicTable:
         """Make `optimizer` (gradsync.RowSGD or RowAdagrad) the table's row optimizer, with fresh state for every
         row, unless it is already (refused when it has another)."""
         if not isinstance(optimizer, ROW_OPTIMIZERS):
-            raise TypeError(f"{self.name}: a dynamic table is trained by a row optimizer, got "
-                            f"{type(optimizer).__name__}; pass gradsync.RowSGD(lr=...) or gradsync.RowAdagrad(lr=...)")
+            raise TypeError(
+                f"{self.name}: a dynamic table is trained by a row optimizer, got "
+                f"{type(optimizer).__name__}; pass gradsync.RowSGD(lr=...) or gradsync.RowAdagrad(lr=...)"
+            )
         if self.optimizer is None:
             self.optimizer = optimizer
             self.optimizer_state = self._new_state(self.rows.slots)
         elif optimizer != self.optimizer:
-            raise ValueError(f"{self.name}: trained by {self.optimizer!r}, now given {optimizer!r}; pass the same "
-                             "row optimizer every step (its per-row state belongs to the first)")
+            raise ValueError(
+                f"{self.name}: trained by {self.optimizer!r}, now given {optimizer!r}; pass the same "
+                "row optimizer every step (its per-row state belongs to the first)"
+            )
 
     def end_step(self, step: int) -> None:
         """After step `step`'s update: evict by `ttl_steps` and `capacity`, forget waiting ids beyond capacity."""
@@ -178,18 +201,18 @@ class DynamicTable:
         """The ids of the `count` resident rows that go first by the eviction rule, in that order, and their
         keys ([count, 2] (last step, id) for "lru"; [count, 3] (lookups, last step, id) for "lfu")."""
         if count <= 0:
-            return torch.zeros(0, dtype=torch.int64), torch.zeros(0, 2 if self.evict == "lru" else 3,
-                                                                   dtype=torch.int64)
+            return torch.zeros(0, dtype=torch.int64), torch.zeros(0, 2 if self.evict == "lru" else 3, dtype=torch.int64)
         if self.evict == "lru":
             return self.rows.oldest(count)
         found, left = [], count
         for log in self.by_lookups:
+            assert log.lookups is not None  # an LFU log's: the rows of one lookup count
             slots, steps, ids = log.oldest(left)
             found.append(torch.stack([torch.full_like(steps, log.lookups), steps, ids], 1))
             left -= slots.numel()
             if not left:
-                keys = torch.cat(found)
-                return keys[:, 2].clone(), keys
+                keyed = torch.cat(found)
+                return keyed[:, 2].clone(), keyed
         ids, slots = self.rows.resident()  # rows looked up more than LFU_LOGS times among them: rank every row
         keys = [self.rows.columns["lookups"][slots], self.rows.columns["last_step"][slots], ids]
         chosen = smallest(keys, count)
@@ -238,12 +261,13 @@ class DynamicTable:
     def _state(self, rows: tuple[torch.Tensor, torch.Tensor], waiting: tuple[torch.Tensor, torch.Tensor]):
         """`state()` of the rows and waiting ids given as (ids, slots)."""
         ids, slots = _ascending(*rows)
-        waiting, waiting_slots = _ascending(*waiting)
+        waiting_ids, waiting_slots = _ascending(*waiting)
         return {
-            "ids": ids, "weight": self.weight[slots].clone(),
+            "ids": ids,
+            "weight": self.weight[slots].clone(),
             "last_step": self.rows.columns["last_step"][slots].clone(),
             "lookups": self.rows.columns["lookups"][slots].clone(),
-            "waiting_ids": waiting,
+            "waiting_ids": waiting_ids,
             "waiting_sightings": self.waiting.columns["sightings"][waiting_slots].clone(),
             "waiting_last_step": self.waiting.columns["last_step"][waiting_slots].clone(),
             "step": torch.tensor(self.step),
@@ -256,11 +280,15 @@ class DynamicTable:
         fresh, or with `optimizer` (the table's row optimizer) from `state["optimizer"]` (`checkpoint`)."""
         ids, weight = state["ids"], state["weight"]
         if ids.dtype != torch.int64 or ids.dim() != 1 or ids.unique().numel() != ids.numel():
-            raise ValueError(f"{self.name}: state 'ids' must be distinct int64 ids in a 1-D tensor, got "
-                             f"{ids.dtype} of shape {list(ids.shape)}; load a state saved by a dynamic table")
+            raise ValueError(
+                f"{self.name}: state 'ids' must be distinct int64 ids in a 1-D tensor, got "
+                f"{ids.dtype} of shape {list(ids.shape)}; load a state saved by a dynamic table"
+            )
         if tuple(weight.shape) != (ids.numel(), self.dim) or not weight.dtype.is_floating_point:
-            raise ValueError(f"{self.name}: state 'weight' has shape {list(weight.shape)} and dtype {weight.dtype}; "
-                             f"expected [{ids.numel()}, {self.dim}] floating rows, one per id")
+            raise ValueError(
+                f"{self.name}: state 'weight' has shape {list(weight.shape)} and dtype {weight.dtype}; "
+                f"expected [{ids.numel()}, {self.dim}] floating rows, one per id"
+            )
         self.reset()
         self.step = int(state.get("step", 0))
         counters = state.get("counters", torch.zeros(3, dtype=torch.int64)).tolist()
@@ -286,8 +314,10 @@ class DynamicTable:
 
     def _check_step(self, step: int, call: str) -> None:
         if step < self.step:
-            raise ValueError(f"{self.name}: {call}(step={step}) after step {self.step - 1} ended; steps only go "
-                             f"forward: pass step >= {self.step}")
+            raise ValueError(
+                f"{self.name}: {call}(step={step}) after step {self.step - 1} ended; steps only go "
+                f"forward: pass step >= {self.step}"
+            )
 
     def _admission(self, ids: torch.Tensor, step: int):
         """For distinct ids not resident, looked up at `step`: which are admitted, the slot of each in `waiting`
@@ -335,6 +365,7 @@ class DynamicTable:
         """Rows for the distinct `ids`, with `rows` (None: written by the init) and fresh optimizer state."""
         slots = self.rows.add(ids)
         if rows is None:
+            assert isinstance(self.init, HashedUniform)  # the default init writes the rows (`_initial_rows`)
             self.init.write(ids, self.rows.columns["weight"], slots)
         else:
             self.rows.columns["weight"].index_copy_(0, slots, rows)
@@ -347,7 +378,8 @@ class DynamicTable:
         self.rows.drop(slots)
         self.counters["evicted"] += slots.numel()
 
-    def _new_state(self, slots: int):
+    def _new_state(self, slots: int) -> Any:  # a tensor, `LazyRows` or None, as the optimizer keeps its state
+        assert self.optimizer is not None  # called once the table has its row optimizer
         return self.optimizer.new_state(slots, self.dim, self.dtype)
 
     def _fresh_state(self, slots: torch.Tensor) -> None:
@@ -386,7 +418,7 @@ def smallest(keys: list[torch.Tensor], count: int) -> torch.Tensor:
         chosen.append(below)
         count -= below.numel()
         candidates = candidates[values == threshold]
-    return torch.cat(chosen + [candidates[:max(count, 0)]])
+    return torch.cat(chosen + [candidates[: max(count, 0)]])
 
 
 def _ascending(ids: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -406,8 +438,9 @@ class _IdColumns:
         columns["last_step"] = ((), torch.int64)  # the step its id was last looked up (sighted), `_NEVER` on arrival
         self.base = torch.zeros(0, dtype=torch.int64)  # the ids held at the last full checkpoint
         self.slots = 64
-        self.columns = {name: torch.zeros((self.slots,) + shape, dtype=dtype)
-                        for name, (shape, dtype) in columns.items()}
+        self.columns = {
+            name: torch.zeros((self.slots,) + shape, dtype=dtype) for name, (shape, dtype) in columns.items()
+        }
         self.free = torch.arange(self.slots - 1, -1, -1)  # a stack of the free slots: the next ones at the top,
         self.free_top = self.slots  # `free[:free_top]`; room for every slot, so freeing never copies it
         self.log = RecencyLog(self.columns)
@@ -423,9 +456,18 @@ class _IdColumns:
             self._grow(ids.numel() - self.free_top)
         slots = torch.empty_like(ids)
         c = self.columns
-        self.free_top = _table_loops.claim(self.free.numpy(), self.free_top, ids.numpy(), c["id"].numpy(),
-                                           c["changed"].numpy(), c["held"].numpy(), c["last_step"].numpy(), _NEVER,
-                                           c["lookups"].numpy() if "lookups" in c else _NONE, slots.numpy())
+        self.free_top = _table_loops.claim(
+            self.free.numpy(),
+            self.free_top,
+            ids.numpy(),
+            c["id"].numpy(),
+            c["changed"].numpy(),
+            c["held"].numpy(),
+            c["last_step"].numpy(),
+            _NEVER,
+            c["lookups"].numpy() if "lookups" in c else _NONE,
+            slots.numpy(),
+        )
         self.index.insert(ids, slots)
         return slots
 
@@ -435,11 +477,11 @@ class _IdColumns:
         grown = max(self.slots + extra, 2 * self.slots)
         for name, column in self.columns.items():
             self.columns[name] = huge_pages.empty((grown,) + column.shape[1:], column.dtype)
-            self.columns[name][:self.slots] = column
-            self.columns[name][self.slots:] = 0
+            self.columns[name][: self.slots] = column
+            self.columns[name][self.slots :] = 0
         free = huge_pages.empty((grown,), torch.int64)
-        torch.arange(grown - 1, self.slots - 1, -1, out=free[:grown - self.slots])
-        free[grown - self.slots:grown - self.slots + self.free_top] = self.free[:self.free_top]
+        torch.arange(grown - 1, self.slots - 1, -1, out=free[: grown - self.slots])
+        free[grown - self.slots : grown - self.slots + self.free_top] = self.free[: self.free_top]
         self.free, self.free_top, self.slots = free, grown - self.slots + self.free_top, grown
 
     def touch(self, slots: torch.Tensor, step: int, counts: torch.Tensor | None = None) -> int:
@@ -450,9 +492,14 @@ class _IdColumns:
         fresh = torch.empty_like(slots)
         counted = counts is not None
         fresh_count, skipped = _table_loops.touch(
-            self.columns["last_step"].numpy(), self.columns["changed"].numpy(),
-            self.columns["lookups"].numpy() if counted else _NONE, slots.numpy(),
-            counts.contiguous().numpy() if counted else _NONE, step, fresh.numpy())
+            self.columns["last_step"].numpy(),
+            self.columns["changed"].numpy(),
+            self.columns["lookups"].numpy() if counted else _NONE,
+            slots.numpy(),
+            counts.contiguous().numpy() if counts is not None else _NONE,
+            step,
+            fresh.numpy(),
+        )
         self.log.append(fresh[:fresh_count], step)
         return skipped
 
@@ -478,7 +525,7 @@ class _IdColumns:
 
     def _free(self, slots: torch.Tensor) -> None:
         self.columns["held"].index_fill_(0, slots, False)
-        self.free[self.free_top:self.free_top + slots.numel()] = slots
+        self.free[self.free_top : self.free_top + slots.numel()] = slots
         self.free_top += slots.numel()
 
     def resident(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -500,18 +547,27 @@ class _IdColumns:
 
 def _check_settings(name: str, *, dim, capacity, admit_after, admit_probability, evict, ttl_steps, dtype) -> None:
     """One error naming the first bad setting, its value and what it accepts."""
+
     def whole(value, least: int) -> bool:
         return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
-    bad = (("dim", dim, "an int >= 1") if not whole(dim, 1) else
-           ("capacity", capacity, "the most rows the table holds, an int >= 1") if not whole(capacity, 1) else
-           ("admit_after", admit_after, "an int >= 1 (1: admit on first sight)") if not whole(admit_after, 1) else
-           ("admit_probability", admit_probability, "None or a number in (0, 1]")
-           if admit_probability is not None and not (isinstance(admit_probability, (int, float))
-                                                     and 0 < admit_probability <= 1) else
-           ("evict", evict, "'lru' or 'lfu'") if evict not in EVICTION_RULES else
-           ("ttl_steps", ttl_steps, "None or an int >= 1") if ttl_steps is not None and not whole(ttl_steps, 1) else
-           ("dtype", dtype, "a floating dtype such as torch.float32")
-           if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point) else None)
+    bad = (
+        ("dim", dim, "an int >= 1")
+        if not whole(dim, 1)
+        else ("capacity", capacity, "the most rows the table holds, an int >= 1")
+        if not whole(capacity, 1)
+        else ("admit_after", admit_after, "an int >= 1 (1: admit on first sight)")
+        if not whole(admit_after, 1)
+        else ("admit_probability", admit_probability, "None or a number in (0, 1]")
+        if admit_probability is not None
+        and not (isinstance(admit_probability, (int, float)) and 0 < admit_probability <= 1)
+        else ("evict", evict, "'lru' or 'lfu'")
+        if evict not in EVICTION_RULES
+        else ("ttl_steps", ttl_steps, "None or an int >= 1")
+        if ttl_steps is not None and not whole(ttl_steps, 1)
+        else ("dtype", dtype, "a floating dtype such as torch.float32")
+        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point)
+        else None
+    )
     if bad:
         raise ValueError(f"{name}: {bad[0]}={bad[1]!r} is not accepted; pass {bad[2]}")

@@ -14,6 +14,7 @@ capacity costs the one exchange of counts; one over capacity one more (the ids),
 fell short; under ps the sync push's replies bring the counts (`ps.dynamic_shard.step_end`), so a step costs
 no call under capacity, one over it. A server that holds the whole table (S = 1) evicts by itself in the first.
 """
+
 from __future__ import annotations
 
 from typing import Protocol
@@ -36,8 +37,9 @@ class Holders(Protocol):
         """Each holder evicts, by table, (its row ids, its waiting ids) of `plans`."""
 
 
-def end_step(step: int, capacities: dict[str, int], servers: list[int], holders: Holders,
-             ended: dict | None = None) -> dict[str, tuple[int, int]]:
+def end_step(
+    step: int, capacities: dict[str, int], servers: list[int], holders: Holders, ended: dict | None = None
+) -> dict[str, tuple[int, int]]:
     """End step `step` of the dynamic tables (`capacities`: each table's capacity) held by `servers`, through
     `holders`: each one's `end` (`ended`: those answers by server, already had with the push's replies); where
     the candidates fall short, `first_to_go`; then `evict`. Returns each table's (rows, waiting ids) over all
@@ -49,7 +51,7 @@ def end_step(step: int, capacities: dict[str, int], servers: list[int], holders:
     over = {t: e for t, e in excess.items() if max(e) > 0}
     if not over:
         return totals
-    plan = {s: {} for s in servers}
+    plan: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {s: {} for s in servers}
     for t, (rows, waiting) in over.items():
         evicted = first_overall({s: (ended[s][t][2:4], ended[s][t][0]) for s in servers}, rows)
         forgotten = first_overall({s: (ended[s][t][4:6], ended[s][t][1]) for s in servers}, waiting)
@@ -65,20 +67,23 @@ def end_step(step: int, capacities: dict[str, int], servers: list[int], holders:
 def _asked(step: int, over: dict[str, tuple[int, int]], ended: dict, servers: list[int], holders: Holders) -> dict:
     """The eviction plan by server from each server's own `excess` first (`first_to_go`), every one of them
     held by the chooser: the rule's choice whatever the candidates were."""
-    counts = {s: {t: tuple(min(ended[s][t][k], max(e[k], 0)) for k in (0, 1)) for t, e in over.items()}
-              for s in servers}
+    counts = {
+        s: {t: tuple(min(ended[s][t][k], max(e[k], 0)) for k in (0, 1)) for t, e in over.items()} for s in servers
+    }
     answers = holders.first_to_go(step, counts)
     plan: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {s: {} for s in servers}
     for t, (rows, waiting) in over.items():
         evicted = first_overall({s: (answers[s][t][:2], counts[s][t][0]) for s in servers}, rows)
         forgotten = first_overall({s: (answers[s][t][2:], counts[s][t][1]) for s in servers}, waiting)
+        assert evicted is not None and forgotten is not None  # each server's own first ones are enough
         for s in servers:
             plan[s][t] = (evicted[s], forgotten[s])
     return plan
 
 
-def first_overall(parts: dict[int, tuple[tuple[torch.Tensor, torch.Tensor], int]], count: int
-                  ) -> dict[int, torch.Tensor] | None:
+def first_overall(
+    parts: dict[int, tuple[tuple[torch.Tensor, torch.Tensor], int]], count: int
+) -> dict[int, torch.Tensor] | None:
     """Of every server's ((ids, keys [n, k]) of its n first, in key order, of `held` it holds), the ids of the
     `count` smallest keys overall, by server (a prefix of each server's); None when that is not decided: a server
     that sent fewer than it holds has every one it sent among them (one it did not send might be too).
@@ -94,7 +99,7 @@ def first_overall(parts: dict[int, tuple[tuple[torch.Tensor, torch.Tensor], int]
     start, end = dict.fromkeys(servers, 0), dict(sent)  # each server's run of keys equal so far
     left = count  # still to take beyond each server's `start`
     for k in range(columns[servers[0]].shape[0]):
-        runs = {s: columns[s][k, start[s]:end[s]] for s in servers}
+        runs = {s: columns[s][k, start[s] : end[s]] for s in servers}
         values = torch.cat(list(runs.values()))
         if left == 0 or left >= values.numel():
             break
@@ -108,7 +113,7 @@ def first_overall(parts: dict[int, tuple[tuple[torch.Tensor, torch.Tensor], int]
         taken = min(left, end[s] - start[s])
         start[s] += taken
         left -= taken
-    out = {s: parts[s][0][0][:start[s]].clone() for s in servers}
+    out = {s: parts[s][0][0][: start[s]].clone() for s in servers}
     if any(sent[s] < parts[s][1] and start[s] == sent[s] for s in servers):
         return None
     return out

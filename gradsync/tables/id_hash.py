@@ -6,6 +6,7 @@ the id index's loops); `keyed(ids, *words)` folds further words in, one `mix64` 
 Being a fixed function of the id (no per-process salt), it gives the same answer in every process, under every
 strategy and arrival order.
 """
+
 from __future__ import annotations
 
 import torch
@@ -46,7 +47,7 @@ def keyed(ids: torch.Tensor, *words: int | torch.Tensor) -> torch.Tensor:
 
 def unit_interval(h: torch.Tensor) -> torch.Tensor:
     """The top 53 bits of each hash as a float64 in [0, 1): exact, the same on every machine."""
-    return _shr(h, 11).double() * 2.0 ** -53
+    return _shr(h, 11).double() * 2.0**-53
 
 
 _SERVER_WORD = 0x736572766572  # b"server": keeps placement apart from the index's buckets and the other streams

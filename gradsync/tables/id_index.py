@@ -8,6 +8,7 @@ only with the ids it holds: when an insert would fill more than `MAX_LOAD` of th
 at the size where its ids fill at most half of that (2 to 4 buckets an id). Every int64 is a valid id, -2**63
 and 2**63-1 included.
 """
+
 from __future__ import annotations
 
 import torch

@@ -6,6 +6,7 @@ the parameter servers, row `r` on server `r % S` at local index `r // S`, and
 a worker pulls only the rows its batch looks up. Every other parameter keeps
 the dense bucket path.
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,9 +15,11 @@ from torch import nn
 from gradsync.core.buckets import TensorSpec
 
 TABLE_MODULES = (nn.Embedding, nn.EmbeddingBag)
+TableModule = nn.Embedding | nn.EmbeddingBag
+"""A module of `TABLE_MODULES`."""
 
 
-def find_tables(module: nn.Module) -> dict[str, nn.Module]:
+def find_tables(module: nn.Module) -> dict[str, TableModule]:
     """The embedding modules of `module` served row-wise, by the name of their weight (as in `state_dict`).
 
     A weight shared with another module (tied input/output embeddings), frozen, or not 2-D stays dense.
@@ -24,14 +27,14 @@ def find_tables(module: nn.Module) -> dict[str, nn.Module]:
     users: dict[int, int] = {}
     for _, p in module.named_parameters(remove_duplicate=False):
         users[id(p)] = users.get(id(p), 0) + 1
-    tables = {}
+    tables: dict[str, TableModule] = {}
     for path, sub in module.named_modules():
         if isinstance(sub, TABLE_MODULES) and sub.weight.requires_grad and users.get(id(sub.weight)) == 1:
             tables[f"{path}.weight" if path else "weight"] = sub
     return tables
 
 
-def table_specs(tables: dict[str, nn.Module]) -> tuple[TensorSpec, ...]:
+def table_specs(tables: dict[str, TableModule]) -> tuple[TensorSpec, ...]:
     """Name, (rows, dim) and dtype of each table, in model order."""
     return tuple(TensorSpec(name, tuple(m.weight.shape), m.weight.dtype) for name, m in tables.items())
 
@@ -88,7 +91,7 @@ def merge_rows(pushes: list[tuple[torch.Tensor, torch.Tensor]], scale: float) ->
     return unique, out.mul_(scale)
 
 
-def join_rows(parts: dict[int, torch.Tensor], shape: tuple[int, int], num_servers: int) -> torch.Tensor:
+def join_rows(parts: dict[int, torch.Tensor], shape: tuple[int, ...], num_servers: int) -> torch.Tensor:
     """A whole table from each server's rows (server s's local row i is row s + i * S)."""
     first = next(iter(parts.values()))
     whole = torch.empty(shape, dtype=first.dtype)

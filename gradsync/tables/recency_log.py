@@ -11,6 +11,7 @@ are the first ids by the eviction rule's key. When the log runs out of room the 
 the room doubles over what is left, so the log holds about two entries per id at most and an append costs O(1)
 amortised. Memory: 12 bytes an entry (int32 slot, int64 step).
 """
+
 from __future__ import annotations
 
 import numpy
@@ -47,8 +48,8 @@ class RecencyLog:
         if self.tail + slots.numel() > self.slots.numel():
             self._compact(slots.numel())
         end = self.tail + slots.numel()
-        self.slots[self.tail:end] = slots
-        self.steps[self.tail:end] = step
+        self.slots[self.tail : end] = slots
+        self.steps[self.tail : end] = step
         self.tail = end
 
     def rebuild(self) -> None:
@@ -71,15 +72,24 @@ class RecencyLog:
         out = torch.empty(3, count, dtype=torch.int64)
         c = self.columns
         chosen, self.head = _table_loops.oldest(
-            self.slots.numpy(), self.steps.numpy(), self.head, self.tail, c["held"].numpy(), c["last_step"].numpy(),
-            c["lookups"].numpy() if "lookups" in c else _NO_COUNTS, -1 if self.lookups is None else self.lookups,
-            c["id"].numpy(), count, *out.numpy())
+            self.slots.numpy(),
+            self.steps.numpy(),
+            self.head,
+            self.tail,
+            c["held"].numpy(),
+            c["last_step"].numpy(),
+            c["lookups"].numpy() if "lookups" in c else _NO_COUNTS,
+            -1 if self.lookups is None else self.lookups,
+            c["id"].numpy(),
+            count,
+            *out.numpy(),
+        )
         return tuple(out[:, :chosen])
 
     def pop_until(self, step: int) -> torch.Tensor:
         """The slots of the ids whose last step is `step` or earlier, taken out of the log: the caller lets them
         go."""
-        end = self.head + int(torch.searchsorted(self.steps[self.head:self.tail], step, right=True))
+        end = self.head + int(torch.searchsorted(self.steps[self.head : self.tail], step, right=True))
         slots, _ = self._live(self.head, end)
         self.head = end
         self.ordered = max(self.ordered, end)
@@ -90,8 +100,8 @@ class RecencyLog:
         step."""
         if self.ordered >= self.tail:
             return
-        first = self.steps[self.ordered:self.ordered + 1]
-        start = self.head + int(torch.searchsorted(self.steps[self.head:self.ordered], first))
+        first = self.steps[self.ordered : self.ordered + 1]
+        start = self.head + int(torch.searchsorted(self.steps[self.head : self.ordered], first))
         _table_loops.order(self.slots.numpy(), self.steps.numpy(), start, self.tail, self.columns["id"].numpy())
         self.ordered = self.tail
 
@@ -100,9 +110,16 @@ class RecencyLog:
         slots = torch.empty(end - start, dtype=torch.int64)
         steps = torch.empty(end - start, dtype=torch.int64)
         c = self.columns
-        kept = _table_loops.live(self.slots[start:end].numpy(), self.steps[start:end].numpy(), c["held"].numpy(),
-                                 c["last_step"].numpy(), c["lookups"].numpy() if "lookups" in c else _NO_COUNTS,
-                                 -1 if self.lookups is None else self.lookups, slots.numpy(), steps.numpy())
+        kept = _table_loops.live(
+            self.slots[start:end].numpy(),
+            self.steps[start:end].numpy(),
+            c["held"].numpy(),
+            c["last_step"].numpy(),
+            c["lookups"].numpy() if "lookups" in c else _NO_COUNTS,
+            -1 if self.lookups is None else self.lookups,
+            slots.numpy(),
+            steps.numpy(),
+        )
         return slots[:kept], steps[:kept]
 
     def _compact(self, extra: int) -> None:
@@ -119,5 +136,5 @@ class RecencyLog:
             self.steps = huge_pages.empty((room,), torch.int64)
         self.head, self.tail = 0, slots.numel()
         self.ordered = self.tail
-        self.slots[:self.tail] = slots
-        self.steps[:self.tail] = steps
+        self.slots[: self.tail] = slots
+        self.steps[: self.tail] = steps

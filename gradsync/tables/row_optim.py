@@ -11,6 +11,7 @@ accumulator per row, of the mean squared gradient over the row.
 The user passes one as `Trainer(..., table_optimizer=RowAdagrad(lr=0.05))`;
 it travels to the servers, which call `new_state` and `step`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -97,8 +98,13 @@ class RowAdagrad:
     initial_accumulator_value: float = 0.0
 
     def __post_init__(self):
-        _check(self, lr=self.lr, eps=self.eps, weight_decay=self.weight_decay,
-               initial_accumulator_value=self.initial_accumulator_value)
+        _check(
+            self,
+            lr=self.lr,
+            eps=self.eps,
+            weight_decay=self.weight_decay,
+            initial_accumulator_value=self.initial_accumulator_value,
+        )
 
     def new_state(self, rows: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.full((rows,), self.initial_accumulator_value, dtype=torch.float32)
@@ -116,6 +122,8 @@ class RowAdagrad:
 
 
 ROW_OPTIMIZERS = (RowSGD, RowAdagrad)
+RowOptimizer = RowSGD | RowAdagrad
+"""A row optimizer of `ROW_OPTIMIZERS`."""
 
 
 def saved_state(state: LazyRows | torch.Tensor | None) -> dict[str, torch.Tensor] | torch.Tensor | None:
@@ -142,8 +150,9 @@ def take_saved_state(state: LazyRows | torch.Tensor | None, local: torch.Tensor,
 def _check(optimizer, **values: float) -> None:
     for name, value in values.items():
         if not isinstance(value, (int, float)) or value < 0 or (name == "lr" and value == 0):
-            raise ValueError(f"{type(optimizer).__name__}({name}={value!r}): expected a number "
-                             f"{'> 0' if name == 'lr' else '>= 0'}")
+            raise ValueError(
+                f"{type(optimizer).__name__}({name}={value!r}): expected a number {'> 0' if name == 'lr' else '>= 0'}"
+            )
 
 
 ROW_NEUTRAL_SGD = ("lr", "initial_lr", "foreach", "fused", "differentiable")
@@ -174,8 +183,11 @@ def inexact_part(optimizer_cls: type, options: dict) -> str:
 
 def no_row_form(optimizer_cls: type, options: dict, table: str) -> str:
     """Why table `table` cannot be served row by row with this optimizer, and the ways out."""
-    shown = {k: v for k, v in options.items() if k not in ("foreach", "fused", "differentiable", "capturable")
-             and v not in (None, False)}
+    shown = {
+        k: v
+        for k, v in options.items()
+        if k not in ("foreach", "fused", "differentiable", "capturable") and v not in (None, False)
+    }
     return (
         f"embedding table {table!r} has no exact row-wise form under "
         f"{optimizer_cls.__name__}({', '.join(f'{k}={v!r}' for k, v in shown.items())}): rows a batch does not "

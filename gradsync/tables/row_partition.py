@@ -7,6 +7,7 @@ number of workers, that scatters neighbouring (and popular, low-numbered) ids ov
 stores its rows in ascending id order, so a row's local index is its place among the owner's ids
 (`local_index`). A lookup's unique ids travel to their owners grouped by owner (`ExchangePlan`).
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -6,22 +6,23 @@ serves and leaves. Each transport declares its `Capabilities` (`gradsync.core.tr
 what it lacks is refused from there, before a job or a Trainer starts. `gradsync.transport.registry` finds
 both sides by the `transport` setting's value.
 """
+
 from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
 
 from gradsync.config import JobConfig
 from gradsync.core.buckets import Bucket, ModelSpec
-from gradsync.metrics.timeline import Timeline
 from gradsync.core.transport_capabilities import Capabilities
-from gradsync.ps.messages import Partial, Piece, Push, Setup, Snapshot, TableCall
+from gradsync.metrics.timeline import Timeline
+from gradsync.ps.messages import Partial, Piece, PipelineHead, Push, Setup, Snapshot, TableCall
 from gradsync.ps.server import ParameterServer
-
 
 PROBE_BYTES = 2**20
 """The first large probe message of `link_rate`: 80 ms behind 100 Mbit/s, under a millisecond on loopback."""
@@ -61,13 +62,35 @@ def window(server_buckets: dict[int, list[Bucket]], workers: int) -> int:
     return max(2, math.ceil(IN_FLIGHT_MB * workers * 2**20 / largest))
 
 
+class StepPipeline(Protocol):
+    """A sync step's pieces on their way to the servers, some of which leave during the backward
+    (`worker.streaming`): what `WorkerTransport.pipeline` returns where the transport `streams`."""
+
+    def room(self, server: int) -> bool:
+        """Whether a piece for `server` may leave now, without waiting."""
+        ...
+
+    def send(self, piece: Piece) -> None:
+        """Send `piece` now."""
+        ...
+
+    def finish(self, heads: dict[int, PipelineHead], pieces: list[Piece]) -> dict[int, Snapshot]:
+        """Send each server's head and the other `pieces`, wait for every reply; each server's snapshot."""
+        ...
+
+
 class WorkerTransport(ABC):
     """A worker's calls to every server; each waits (bounded by the job's timeouts) for all servers."""
 
     capabilities: ClassVar[Capabilities]
 
-    def __init__(self, config: JobConfig, store: dist.Store, server_buckets: dict[int, list[Bucket]],
-                 timeline: Timeline | None = None):
+    def __init__(
+        self,
+        config: JobConfig,
+        store: dist.Store,
+        server_buckets: dict[int, list[Bucket]],
+        timeline: Timeline | None = None,
+    ):
         """Args: the job, its rendezvous store, each server's buckets of the shared plan (by server), and where
         `push_pieces` records its lanes' events (the worker's `StepMetrics.timeline`, on when GRADSYNC_TIMELINE
         is; None: nowhere)."""
@@ -101,8 +124,9 @@ class WorkerTransport(ABC):
         after the step (with `Push.agree`, its `Partial` of the held step's norm, and `finish` applies it)."""
 
     @abstractmethod
-    def push_pieces(self, versions: dict[int, int], heads: dict[int, Push], pieces: list[Piece]
-                    ) -> dict[int, Snapshot]:
+    def push_pieces(
+        self, versions: dict[int, int], heads: dict[int, PipelineHead], pieces: list[Piece]
+    ) -> dict[int, Snapshot]:
         """A sync step as pieces: per server a `Push` without gradients (`heads`), then the `Piece`s in the
         forward's order; returns each server's snapshot after the step."""
 
@@ -120,8 +144,7 @@ class WorkerTransport(ABC):
         """Give every server its (state by entry key, group options)."""
 
     @abstractmethod
-    def load_values(self, number: int, parts: dict[int, tuple[list[torch.Tensor], dict[str, torch.Tensor]]]
-                    ) -> None:
+    def load_values(self, number: int, parts: dict[int, tuple[list[torch.Tensor], dict[str, torch.Tensor]]]) -> None:
         """Give every server its values of a worker's `model.load_state_dict(...)`, the load's `number`:
         (bucket tensors, buffers, frozen parameters and table rows by name) (`ParameterServer.load_values`)."""
 
@@ -142,14 +165,15 @@ class WorkerTransport(ABC):
     def close(self) -> None:
         """Release what the transport holds (connections); the job's shutdown stops the servers."""
 
-    def pull_rows_many(self, lookups: list[tuple[str, dict[int, torch.Tensor]]]
-                       ) -> list[dict[int, tuple[int, torch.Tensor]]]:
+    def pull_rows_many(
+        self, lookups: list[tuple[str, dict[int, torch.Tensor]]]
+    ) -> list[dict[int, tuple[int, torch.Tensor]]]:
         """Rows of embedding tables for a forward's waiting lookups, each (table, its unique local row ids per
         server); returns for each lookup, in order, per server (version, rows). A transport with
         `capabilities.row_tables` implements it."""
         raise NotImplementedError(self.capabilities.rows_refusal())
 
-    def table_calls(self, calls: dict[int, TableCall]) -> dict[int, object]:
+    def table_calls(self, calls: Mapping[int, TableCall]) -> dict[int, Any]:
         """A call on the dynamic tables of each server named (`ParameterServer.table_call`); returns each one's
         answer. A transport with `capabilities.row_tables` implements it."""
         raise NotImplementedError(self.capabilities.rows_refusal())
@@ -158,6 +182,11 @@ class WorkerTransport(ABC):
         """Every server's rows of embedding table `table`, in local order. A transport with
         `capabilities.row_tables` implements it."""
         raise NotImplementedError(self.capabilities.rows_refusal())
+
+    def pipeline(self, versions: dict[int, int]) -> StepPipeline:
+        """A sync step's pieces, some of which may leave before the step (during the backward:
+        `worker.streaming`), pulled at `versions`. A transport with `capabilities.streams` implements it."""
+        raise NotImplementedError(f"{type(self).__name__} sends no piece of a step during the backward")
 
 
 class RankTransport(ABC):

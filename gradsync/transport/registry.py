@@ -4,6 +4,7 @@ Code outside `gradsync.transport` asks `transport(name)` (or the capabilities ta
 a transport's name. A transport's module is imported only when it is asked for, so that importing gradsync
 loads no grpc.
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -13,12 +13,15 @@ In a job on an emulated network (`gradsync.launcher.netem`) tensors go through t
 transport too (the `basic` channel): the default `cma` channel copies them
 between the processes' memory directly, around the rate-limited links.
 """
+
 from __future__ import annotations
 
 import functools
 import inspect
 import time
 import warnings
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -26,14 +29,14 @@ import torch.distributed.rpc as rpc
 from torch.distributed.rendezvous import register_rendezvous_handler
 
 from gradsync.config import JobConfig
-from gradsync.core.job_names import StoreKeys, server_name
 from gradsync.core import settings
 from gradsync.core.buckets import ModelSpec
-from gradsync.core.futures import failed
-from gradsync.metrics.timeline import HEAD
 from gradsync.core.errors import Refusal
+from gradsync.core.futures import failed
+from gradsync.core.job_names import StoreKeys, server_name
 from gradsync.core.torch_internals import RPC_TIMEOUT_TEXT, set_rpc_timeout
 from gradsync.core.transport_capabilities import capabilities
+from gradsync.metrics.timeline import HEAD
 from gradsync.ps.messages import Committed, Partial, Piece, PipelineHead, Push, Setup, Snapshot, TableCall
 from gradsync.ps.server import ParameterServer
 from gradsync.transport import rpc_group
@@ -50,7 +53,8 @@ one another."""
 def start_rpc(config: JobConfig, store: dist.Store) -> None:
     """Join the job's RPC world through the rendezvous store (a dynamic group in elastic jobs: `rpc_group`).
     Every rank must call it."""
-    prefixed = dist.PrefixStore(StoreKeys.RPC, store.clone() if config.elastic else store)
+    # Store.clone: missing from torch's stubs
+    prefixed = dist.PrefixStore(StoreKeys.RPC, store.clone() if config.elastic else store)  # type: ignore[attr-defined]
 
     def handler(url, **kwargs):
         yield prefixed, config.rank, config.world_size
@@ -58,10 +62,12 @@ def start_rpc(config: JobConfig, store: dist.Store) -> None:
     register_rendezvous_handler("gradsync", handler)
     # rpc.init_rpc's own all_gather_object trips a deprecation warning inside torch; it is not ours to fix
     warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
-    channels = {"_channels": ["basic"]} if settings.LINK.read() else {}
+    channels: dict[str, Any] = {"_channels": ["basic"]} if settings.LINK.read() else {}
     options = rpc.TensorPipeRpcBackendOptions(
-        init_method="gradsync://", rpc_timeout=config.startup_timeout,
-        num_worker_threads=max(_RPC_THREADS, _RPC_THREADS_PER_RANK * config.world_size), _transports=["uv"],
+        init_method="gradsync://",
+        rpc_timeout=config.startup_timeout,
+        num_worker_threads=max(_RPC_THREADS, _RPC_THREADS_PER_RANK * config.world_size),
+        _transports=["uv"],
         **channels,
     )
     if config.elastic:
@@ -83,11 +89,15 @@ def stop_rpc(timeout: float | None) -> None:
         pass
 
 
-def wait_all(futures: dict[int, torch.futures.Future], what: str, timeout: float) -> dict[int, object]:
+_Key = TypeVar("_Key", int, tuple[int, int])
+
+
+def wait_all(futures: Mapping[_Key, torch.futures.Future], what: str, timeout: float) -> dict[_Key, Any]:
     """Wait for one future per server (or per (server, ...) key); the error names the operation, server and
-    elapsed time."""
+    elapsed time. The values are what the servers' handlers returned."""
     start = time.monotonic()
-    results = {}
+    results: dict[_Key, Any] = {}
+    error: BaseException
     for server, fut in futures.items():
         try:
             result = fut.wait()
@@ -128,7 +138,7 @@ class RpcTransport(WorkerTransport):
 
     capabilities = capabilities("rpc")
 
-    def _call(self, fn, args_of, what: str, timeout: float | None = None) -> dict[int, object]:
+    def _call(self, fn, args_of, what: str, timeout: float | None = None) -> dict[int, Any]:
         timeout = timeout or self.config.step_timeout
         futures = {s: rpc.rpc_async(server_name(s), fn, args=args_of(s), timeout=timeout) for s in self.servers}
         return wait_all(futures, what, timeout)
@@ -140,23 +150,32 @@ class RpcTransport(WorkerTransport):
 
     def register(self, spec: ModelSpec, setups: dict[int, Setup | None]) -> dict[str, torch.Tensor]:
         frozen: dict[str, torch.Tensor] = {}
-        for part in self._call(rpc_register, lambda s: (self.worker, spec, setups[s]), "registering the model",
-                               self.config.startup_timeout).values():
+        for part in self._call(
+            rpc_register, lambda s: (self.worker, spec, setups[s]), "registering the model", self.config.startup_timeout
+        ).values():
             frozen.update(part)
         return frozen
 
     def pull(self) -> dict[int, Snapshot]:
         return self._call(rpc_pull, lambda s: (), "pull")
 
-    def pull_rows_many(self, lookups: list[tuple[str, dict[int, torch.Tensor]]]
-                       ) -> list[dict[int, tuple[int, torch.Tensor]]]:
+    def pull_rows_many(
+        self, lookups: list[tuple[str, dict[int, torch.Tensor]]]
+    ) -> list[dict[int, tuple[int, torch.Tensor]]]:
         """One call per server for every lookup it holds rows of."""
         asked: dict[int, list[tuple[int, str, torch.Tensor]]] = {}
         for i, (table, ids) in enumerate(lookups):
             for s, local in ids.items():
                 asked.setdefault(s, []).append((i, table, local))
-        futures = {s: rpc.rpc_async(server_name(s), rpc_pull_rows_many, args=([(t, ids) for _, t, ids in items],),
-                                    timeout=self.config.step_timeout) for s, items in asked.items()}
+        futures = {
+            s: rpc.rpc_async(
+                server_name(s),
+                rpc_pull_rows_many,
+                args=([(t, ids) for _, t, ids in items],),
+                timeout=self.config.step_timeout,
+            )
+            for s, items in asked.items()
+        }
         tables = ", ".join(repr(t) for t in dict.fromkeys(t for t, _ in lookups))
         answers = wait_all(futures, f"pulling rows of tables {tables}", self.config.step_timeout)
         out: list[dict[int, tuple[int, torch.Tensor]]] = [{} for _ in lookups]
@@ -168,14 +187,15 @@ class RpcTransport(WorkerTransport):
     def push(self, versions: dict[int, int], pushes: dict[int, Push]) -> dict[int, Snapshot | Partial]:
         return self._call(rpc_push, lambda s: (self.worker, versions[s], pushes[s]), "push")
 
-    def push_pieces(self, versions: dict[int, int], heads: dict[int, Push], pieces: list[Piece]
-                    ) -> dict[int, Snapshot]:
+    def push_pieces(
+        self, versions: dict[int, int], heads: dict[int, PipelineHead], pieces: list[Piece]
+    ) -> dict[int, Snapshot]:
         """A sync step as a pipeline: a push per server that carries no gradient (`heads`: payloads None),
         then one call per piece, in the order given, each answered with the bucket's values as soon as its
         server has applied it. Returns each server's snapshot after the step."""
         return self.pipeline(versions).finish(heads, pieces)
 
-    def pipeline(self, versions: dict[int, int]) -> "Pipeline":
+    def pipeline(self, versions: dict[int, int]) -> Pipeline:
         """A sync step's pieces, some of which may leave before the step (during the backward: `worker.streaming`)."""
         return Pipeline(self, versions)
 
@@ -189,16 +209,17 @@ class RpcTransport(WorkerTransport):
     def load_optimizer_state(self, parts: dict[int, tuple[dict, list]]) -> None:
         self._call(rpc_load_optimizer_state, lambda s: parts[s], "loading the optimizer state")
 
-    def load_values(self, number: int, parts: dict[int, tuple[list[torch.Tensor], dict[str, torch.Tensor]]]
-                    ) -> None:
+    def load_values(self, number: int, parts: dict[int, tuple[list[torch.Tensor], dict[str, torch.Tensor]]]) -> None:
         self._call(rpc_load_values, lambda s: (number, *parts[s]), "loading the model's values")
 
     def state(self) -> dict[int, tuple]:
         return self._call(rpc_state, lambda s: (), "state")
 
-    def table_calls(self, calls: dict[int, TableCall]) -> dict[int, object]:
-        futures = {s: rpc.rpc_async(server_name(s), rpc_table_call, args=(call,), timeout=self.config.step_timeout)
-                   for s, call in calls.items()}
+    def table_calls(self, calls: Mapping[int, TableCall]) -> dict[int, Any]:
+        futures = {
+            s: rpc.rpc_async(server_name(s), rpc_table_call, args=(call,), timeout=self.config.step_timeout)
+            for s, call in calls.items()
+        }
         what = ", ".join(sorted({type(c).__name__ for c in calls.values()}))
         return wait_all(futures, f"{what} on dynamic tables", self.config.step_timeout)
 
@@ -240,17 +261,31 @@ class Pipeline:
         t = self.transport
         s, b = piece.server, piece.bucket
         self.futures[(s, b)] = fut = t.timeline.timed(
-            (s, b), rpc.rpc_async, server_name(s), rpc_push_piece, timeout=self.timeout,
-            args=(t.worker, self.versions[s], piece, t.timeline.on))
+            (s, b),
+            rpc.rpc_async,
+            server_name(s),
+            rpc_push_piece,
+            timeout=self.timeout,
+            args=(t.worker, self.versions[s], piece, t.timeline.on),
+        )
         self.flying[s].append(fut)
 
-    def finish(self, heads: dict[int, Push], pieces: list[Piece]) -> dict[int, Snapshot]:
+    def finish(self, heads: dict[int, PipelineHead], pieces: list[Piece]) -> dict[int, Snapshot]:
         """Send each server's head (`Push` with payloads None), then `pieces` in the order given, and wait for
         every piece's reply (sync: the bucket's values once its server applied it) and every head's; returns
         each server's snapshot after the step (async, ssp: the head's reply brings it whole)."""
         t = self.transport
-        replies = {s: t.timeline.timed((s, HEAD), rpc.rpc_async, server_name(s), rpc_push, timeout=self.timeout,
-                                       args=(t.worker, self.versions[s], heads[s])) for s in t.servers}
+        replies = {
+            s: t.timeline.timed(
+                (s, HEAD),
+                rpc.rpc_async,
+                server_name(s),
+                rpc_push,
+                timeout=self.timeout,
+                args=(t.worker, self.versions[s], heads[s]),
+            )
+            for s in t.servers
+        }
         for piece in pieces:
             flying = self.flying[piece.server]
             if len(flying) >= self.transport.window:
@@ -258,8 +293,10 @@ class Pipeline:
             self.send(piece)
         values = wait_all(self.futures, "pushing a piece (bucket)", self.timeout)
         flats = {s: [values[(s, b)] for b in sorted(b for t, b in values if t == s)] for s in t.servers}
-        return {s: snap if snap.flats else snap._replace(flats=flats[s])
-                for s, snap in wait_all(replies, "push", self.timeout).items()}
+        return {
+            s: snap if snap.flats else snap._replace(flats=flats[s])
+            for s, snap in wait_all(replies, "push", self.timeout).items()
+        }
 
 
 class RpcRank(RankTransport):
@@ -296,6 +333,7 @@ def _answering(call: str, later: bool = False):
     it records before the caller sees it. `later`: an async_execution handler, answered with a failed future
     (which comes back to the caller as a value, as every handler's error does: `wait_all`). A handler whose
     first argument is `worker` names the caller."""
+
     def wrap(handler):
         names_worker = next(iter(inspect.signature(handler).parameters), None) == "worker"
 
@@ -333,8 +371,9 @@ def rpc_pull_rows_many(lookups: list[tuple[str, torch.Tensor]]) -> list[tuple[in
     return [_server().pull_rows(table, ids) for table, ids in lookups]
 
 
-def _replied(server: ParameterServer, fut: torch.futures.Future, worker: int, call: str, whole: bool = True
-             ) -> torch.futures.Future:
+def _replied(
+    server: ParameterServer, fut: torch.futures.Future, worker: int, call: str, whole: bool = True
+) -> torch.futures.Future:
     def reply(committed: torch.futures.Future[Committed]) -> Snapshot | Partial:
         value = committed.value()  # raises the push's error, if any, into the reply
         try:

@@ -18,24 +18,31 @@ graceful leave calls every member too. So gradsync runs the group this way:
 - each agent has a store connection of its own (`transport.rpc.start_rpc`): a member answers a joiner by
   reading the store, which must not queue behind a blocking store call of its main thread.
 """
+
 from __future__ import annotations
 
 import contextlib
 import datetime
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from gradsync.config import JobConfig
 from gradsync.core.job_names import StoreKeys, worker_name
+from gradsync.core.torch_internals import (
+    RPC_JOIN_DONE,
+    RPC_JOIN_TOKEN,
+    RPC_MEMBER_LIST,
+    RPC_STORE_PREFIX,
+    current_rpc_agent,
+    rpc_init_count,
+    rpc_join_token,
+)
 from gradsync.core.waiting import wait_until
-from gradsync.core.torch_internals import (RPC_JOIN_DONE, RPC_JOIN_TOKEN, RPC_MEMBER_LIST, RPC_STORE_PREFIX,
-                                           current_rpc_agent, rpc_init_count, rpc_join_token)
 from gradsync.membership.member_keys import parse_gone
-
 
 
 def join(config: JobConfig, store: dist.Store, init: Callable[[], None]) -> None:
@@ -46,11 +53,15 @@ def join(config: JobConfig, store: dist.Store, init: Callable[[], None]) -> None
         store.set(StoreKeys.RPC_SERVING.format(config.rank), "1")
         return
     try:
-        store.wait([StoreKeys.RPC_SERVING.format(s) for s in range(config.servers)],
-                   datetime.timedelta(seconds=config.startup_timeout))
+        store.wait(
+            [StoreKeys.RPC_SERVING.format(s) for s in range(config.servers)],
+            datetime.timedelta(seconds=config.startup_timeout),
+        )
     except dist.DistError as e:
-        raise RuntimeError(f"{config.name}: the servers did not start their RPC agents within "
-                           f"{config.startup_timeout:.0f} s (startup_timeout): {e}") from e
+        raise RuntimeError(
+            f"{config.name}: the servers did not start their RPC agents within "
+            f"{config.startup_timeout:.0f} s (startup_timeout): {e}"
+        ) from e
     torch_store = _torch_store(store, rpc_init_count())
     with _MembershipLock(store, torch_store, config, config.startup_timeout, "startup_timeout"):
         init()
@@ -66,8 +77,11 @@ def leave(config: JobConfig, store: dist.Store, timeout: float) -> None:
     agent = current_rpc_agent()
     deadline = time.monotonic() + timeout
     with contextlib.suppress(TimeoutError):  # e.g. the release of the last autograd context, sent when it closed
-        wait_until(lambda: not int(agent.get_metrics()["agent.client_active_calls"]), deadline,
-                   f"{config.name}'s RPC calls to be answered")
+        wait_until(
+            lambda: not int(agent.get_metrics()["agent.client_active_calls"]),
+            deadline,
+            f"{config.name}'s RPC calls to be answered",
+        )
     try:
         if time.monotonic() < deadline:
             torch_store = _torch_store(store, rpc_init_count() - 1)
@@ -90,8 +104,10 @@ def _unlist(torch_store: dist.Store, config: JobConfig) -> None:
     """Take this worker off torch's list of group members (hold the `_MembershipLock`)."""
     entry, listed = _entry(config), torch_store.get(RPC_MEMBER_LIST).decode()
     if entry not in listed:
-        raise RuntimeError(f"{config.name} is not in torch's list of RPC group members ({listed!r}): this torch "
-                           "keeps dynamic RPC groups differently from torch 2.13, which gradsync expects")
+        raise RuntimeError(
+            f"{config.name} is not in torch's list of RPC group members ({listed!r}): this torch "
+            "keeps dynamic RPC groups differently from torch 2.13, which gradsync expects"
+        )
     torch_store.set(RPC_MEMBER_LIST, listed.replace(entry, "", 1))
 
 
@@ -127,8 +143,9 @@ class _MembershipLock:
         try:
             wait_until(held, time.monotonic() + self.timeout, "the job's RPC group membership")
         except TimeoutError:
-            raise RuntimeError(f"{me} waited {self.timeout:.0f} s ({self.setting}) for {holder} to join or leave "
-                               "the job's RPC group") from None
+            raise RuntimeError(
+                f"{me} waited {self.timeout:.0f} s ({self.setting}) for {holder} to join or leave the job's RPC group"
+            ) from None
         return self
 
     def __exit__(self, *exc):

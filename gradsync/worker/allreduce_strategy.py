@@ -35,6 +35,7 @@ collectives with zeros and applies the same averaged gradients. DDP divides
 by all W, so a step with fewer workers is rescaled by W / active: the mean
 over the active workers, as the parameter servers take it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,25 +51,33 @@ import torch.distributed.autograd as dist_autograd
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradsync.core.job_names import StoreKeys
 from gradsync.core.buckets import ModelSpec
 from gradsync.core.clipping import Clipping
-from gradsync.core.errors import (left_early_error, model_mismatch_error, no_gradients_error, no_trainer_error,
-                                  nonfinite_error, outside_join_error, step_twice_error)
+from gradsync.core.errors import (
+    left_early_error,
+    model_mismatch_error,
+    no_gradients_error,
+    no_trainer_error,
+    nonfinite_error,
+    outside_join_error,
+    step_twice_error,
+)
 from gradsync.core.finite import first_nonfinite
-from gradsync.metrics.traffic import allreduce_bytes, sparse_bytes
+from gradsync.core.job_names import StoreKeys
 from gradsync.core.torch_internals import current_context_id, tree_flatten, tree_unflatten
 from gradsync.membership.arrivals import wait_for_every_worker
+from gradsync.metrics.step_metrics import StepMetrics
+from gradsync.metrics.traffic import allreduce_bytes, sparse_bytes
 from gradsync.runtime.failures import exit_now
+from gradsync.tables.placement import TableModule
 from gradsync.worker import ddp_join
 from gradsync.worker.amp import inverse_scale, record_found_inf
 from gradsync.worker.comm_timing import LastGradient, timed_hook
 from gradsync.worker.ddp_hooks import make_ddp_hook
-from gradsync.metrics.step_metrics import StepMetrics
 from gradsync.worker.model_state import named_tensors, to_state_dict
 from gradsync.worker.replicated_tables import ReplicatedTables
-from gradsync.worker.strategy import Strategy
 from gradsync.worker.served_tables import WORTH_SERVING_SHARE
+from gradsync.worker.strategy import Strategy
 from gradsync.worker.user_optimizer import StepGuard
 
 if TYPE_CHECKING:  # imports point one way: the start-up code (cluster) builds the strategies
@@ -91,10 +100,13 @@ def _sparse_weights(module: nn.Module) -> set[int]:
     return {id(m.weight) for m in _tables(module) if m.sparse}
 
 
-def _tables(module: nn.Module) -> list[nn.Module]:
+def _tables(module: nn.Module) -> list[TableModule]:
     """The embedding tables DDP averages (not those hybrid serves, whose weight it took away)."""
-    return [m for m in module.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))
-            and m.weight is not None and m.weight.requires_grad]
+    return [
+        m
+        for m in module.modules()
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.weight is not None and m.weight.requires_grad
+    ]
 
 
 def _no_buffer_broadcast() -> dict:
@@ -166,15 +178,27 @@ class _Model(nn.Module):
 class AllreduceStrategy(Strategy):
     """DDP + local optimizer. Every worker must construct it (a collective)."""
 
-    def __init__(self, cluster: Cluster, module: nn.Module, optimizer: torch.optim.Optimizer, *,
-                 find_unused_parameters: bool = False, clipping: Clipping = Clipping(), table_optimizer=None,
-                 replicate_dynamic: bool = True):
+    def __init__(
+        self,
+        cluster: Cluster,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        find_unused_parameters: bool = False,
+        clipping: Clipping = Clipping(),
+        table_optimizer=None,
+        replicate_dynamic: bool = True,
+    ):
         """`replicate_dynamic`: keep a replica of every DynamicEmbedding (allreduce); False under hybrid and
         sharded, whose dense part this is and which hold those rows elsewhere."""
         config = cluster.config
-        self.replicas = ReplicatedTables(module if replicate_dynamic else None, table_optimizer,
-                                         config.worker_rank, config.num_workers,
-                                         config.nonfinite)
+        self.replicas = ReplicatedTables(
+            module if replicate_dynamic else None,
+            table_optimizer,
+            config.worker_rank,
+            config.num_workers,
+            config.nonfinite,
+        )
         self.cluster = cluster
         self.config = config
         self.worker = config.worker_rank
@@ -183,8 +207,13 @@ class AllreduceStrategy(Strategy):
         self._begun: int | None = None  # the context of the last step begun
         params, buffers = named_tensors(module)
         # DDP's construction is a collective, bounded only by the step timeout: first every worker's Trainer
-        wait_for_every_worker(cluster.store, StoreKeys.TRAINERS, config.num_workers, config.startup_timeout,
-                              lambda missing, built: no_trainer_error(missing, built, config.startup_timeout))
+        wait_for_every_worker(
+            cluster.store,
+            StoreKeys.TRAINERS,
+            config.num_workers,
+            config.startup_timeout,
+            lambda missing, built: no_trainer_error(missing, built, config.startup_timeout),
+        )
         _check_same_model(ModelSpec.of(params, buffers), self.worker, config.num_workers)
         self.module = module
         self.trainable = [p for p in params.values() if p.requires_grad]  # what DDP averages
@@ -218,8 +247,9 @@ class AllreduceStrategy(Strategy):
         self.rows_bytes = 0  # this step's rows of the sparse tables: this worker's part of their all-gather
         self.sparse = [p for p in self.trainable if id(p) in sparse]
         elements = sum(p.numel() for p in module.parameters())  # dense tables worth compare's note on sparse=True
-        self.dense_tables = sum(not m.sparse and m.weight.numel() >= WORTH_SERVING_SHARE * elements
-                                for m in _tables(module))
+        self.dense_tables = sum(
+            not m.sparse and m.weight.numel() >= WORTH_SERVING_SHARE * elements for m in _tables(module)
+        )
         for p in self.sparse:
             p.register_hook(self._count_rows)
         cluster.heartbeat.on_left(self._peer_left)
@@ -242,10 +272,11 @@ class AllreduceStrategy(Strategy):
             out = self._tie_unused(out)
         return out
 
-    def _peer_left(self, worker: int, steps: int) -> None:
+    def _peer_left(self, worker: int, steps: int | None) -> None:
         """Heartbeat thread: worker `worker` left after `steps` steps. When this worker has begun a later step, or
         has joined and answers the others' steps, those collectives can never complete, and its main thread
         waits in them out of reach: exit now."""
+        assert steps is not None  # only an elastic job's worker goes without saying its steps (none under DDP)
         if self._shadowing or self.started > steps:
             waiting = f"worker {self.worker} (in its step {self.started})"
             exit_now(self.cluster, str(left_early_error(worker, steps, waiting)))
@@ -269,8 +300,12 @@ class AllreduceStrategy(Strategy):
         elements and how many), whose touched rows are all-gathered, and how many tables large enough to matter
         (`WORTH_SERVING_SHARE`) are averaged densely."""
         tables = sum(p.numel() for p in self.sparse)
-        return {"dense": trainable - tables, "tables": tables, "sparse_tables": len(self.sparse),
-                "dense_tables": self.dense_tables}
+        return {
+            "dense": trainable - tables,
+            "tables": tables,
+            "sparse_tables": len(self.sparse),
+            "dense_tables": self.dense_tables,
+        }
 
     def _count_rows(self, grad: torch.Tensor) -> None:
         """Sparse table hook: the bytes of this worker's own rows (distinct rows and their indices, as gloo
@@ -304,16 +339,16 @@ class AllreduceStrategy(Strategy):
             raise no_gradients_error(context_id)
         self._last_context = context_id
         unscale = inverse_scale(scaler)  # the scale the backward ran at: the step updates it
-        coefficient = self._apply([grads.get(p) for p in self.trainable], joined=False, scaler=scaler,
-                                  outside=outside)
+        coefficient = self._apply([grads.get(p) for p in self.trainable], joined=False, scaler=scaler, outside=outside)
         replicas_bytes = self.replicas.step(grads, self.active, unscale, coefficient is not None)
         # the wait for DDP's last buckets after the last gradient is communication: commit, not compute
         wire, self.rows_bytes = self.dense_bytes + self.rows_bytes + replicas_bytes, 0
         self.metrics.committed(start - self.last_gradient.wait_before(start), wire, wire)
         return coefficient
 
-    def _apply(self, averaged: list[torch.Tensor | None], joined: bool, scaler=None,
-               outside: list[float] | None = None) -> float | None:
+    def _apply(
+        self, averaged: list[torch.Tensor | None], joined: bool, scaler=None, outside: list[float] | None = None
+    ) -> float | None:
         """The rest of a step, the same on every worker, active or `joined`: the step's small collective,
         then the optimizer on the averaged gradients, rescaled to the mean over the active workers, unscaled
         by `scaler` and clipped (`dense_step`'s `outside` and answer)."""
@@ -321,7 +356,8 @@ class AllreduceStrategy(Strategy):
             scale = self.config.num_workers / self.active
             averaged = [None if g is None else g * scale for g in averaged]
         suspect = first_nonfinite([g for g in averaged if g is not None]) is not None  # the same on every worker
-        bad_workers, used = [], [True] * len(self.trainable)
+        bad_workers: list[int] = []
+        used = [True] * len(self.trainable)
         if suspect or self.find_unused or self.buffers:
             bad_workers, used = self._sync(joined)
         self.local_nonfinite = False
@@ -333,12 +369,12 @@ class AllreduceStrategy(Strategy):
         with self.steps.open():  # the user's optimizer steps here only (`user_optimizer`)
             if scaler is not None and outside is None:  # an inf/NaN is the scaler's: it skips and backs off
                 scaler.unscale_(self.optimizer)
-                stepped = first_nonfinite([p.grad for p in live]) is None
+                stepped = first_nonfinite([p.grad for p in live if p.grad is not None]) is None
                 self._clip(live)
                 scaler.step(self.optimizer)
                 scaler.update()
                 return 1.0 if stepped else None
-            bad = first_nonfinite([p.grad for p in live]) if suspect and scaler is None else None
+            bad = first_nonfinite([p.grad for p in live if p.grad is not None]) if suspect and scaler is None else None
             if bad is None:
                 if outside is not None and (scaler is not None or self.clipping.on):
                     return self._agreed(live, scaler, outside)
@@ -352,7 +388,7 @@ class AllreduceStrategy(Strategy):
         """The step of a dense part with clipping or a GradScaler: the total norm adds the tables' partial norms
         of the averaged rows (`outside`) to this dense part's, and the dense gradients are clipped by the joint
         coefficient, which it returns for the rows (None: skipped on an inf/NaN)."""
-        grads = [p.grad for p in live]
+        grads = [p.grad for p in live if p.grad is not None]  # every one of `live`
         unscale = inverse_scale(scaler)
         if unscale != 1.0:
             for g in grads:
@@ -377,9 +413,12 @@ class AllreduceStrategy(Strategy):
         return self.ddp.no_sync()
 
     def _clip(self, live: list[torch.Tensor]) -> None:
-        if self.clipping.on:
-            self.grad_norm = float(torch.nn.utils.clip_grad_norm_(
-                live, self.clipping.max_norm, self.clipping.norm_type, self.clipping.error_if_nonfinite))
+        if (max_norm := self.clipping.max_norm) is not None:  # `clipping.on`
+            self.grad_norm = float(
+                torch.nn.utils.clip_grad_norm_(
+                    live, max_norm, self.clipping.norm_type, self.clipping.error_if_nonfinite
+                )
+            )
 
     def _sync(self, joined: bool) -> tuple[list[int], list[bool]]:
         """The step's one collective (every worker must reach it): which workers saw a NaN/Inf in their
@@ -404,11 +443,17 @@ class AllreduceStrategy(Strategy):
         answer the others' steps until every worker has joined. Waits first until every worker has opened
         its block (half the step timeout at most)."""
         key, seconds = StoreKeys.JOIN_ENTERED.format(self.join_rounds), self.config.step_timeout / 2
-        self.cluster.store.append(key, f"{self.worker},")
+        # Store.append: missing from torch's stubs
+        self.cluster.store.append(key, f"{self.worker},")  # type: ignore[attr-defined]
         # a worker that trains outside the block would meet `count_active` with a gradient bucket, a collective
         # mismatch that gloo aborts the process on (SIGABRT) instead of raising
-        wait_for_every_worker(self.cluster.store, key, self.config.num_workers, seconds,
-                              lambda outside, inside: outside_join_error(outside, inside, seconds))
+        wait_for_every_worker(
+            self.cluster.store,
+            key,
+            self.config.num_workers,
+            seconds,
+            lambda outside, inside: outside_join_error(outside, inside, seconds),
+        )
         self.join_rounds += 1
         self.joining = True
         try:
@@ -446,8 +491,11 @@ class AllreduceStrategy(Strategy):
         changed since the last full checkpoint), not in "model"."""
         replicated = self.replicas.keys()
         model = {k: v for k, v in self.module.state_dict().items() if k not in replicated}
-        return {"model": model, "optimizer": self.optimizer.state_dict(),
-                "tables": self.replicas.checkpoint(full=not delta)}
+        return {
+            "model": model,
+            "optimizer": self.optimizer.state_dict(),
+            "tables": self.replicas.checkpoint(full=not delta),
+        }
 
     def load_local_state(self, state: dict) -> None:
         """Take back `local_state()` of a checkpoint taken after step `state["step"]` (the replicas come with
@@ -456,7 +504,7 @@ class AllreduceStrategy(Strategy):
         self.optimizer.load_state_dict(state["optimizer"])
         self.started = state["step"]
 
-    def load_rows(self, saved: Iterable[dict], where: str, full: Callable[[int], dict] | None = None) -> None:
+    def load_rows(self, saved: Iterable[dict], where: str, full: Callable[..., dict] | None = None) -> None:
         """The replicas of the worker file this worker restores from (the first of `saved`); a delta's onto that
         worker's replicas in the full checkpoint (`full()`)."""
         self.replicas.restore(next(iter(saved)).get("tables", {}), full and full().get("tables", {}), where)

@@ -7,6 +7,7 @@ inf/NaN, and updates the scale. `record_found_inf` tells the scaler the
 outcome through its public API (`unscale_`, `step`, `update` of a stand-in
 optimizer), so it backs off or grows exactly as after `scaler.step(optimizer)`.
 """
+
 from __future__ import annotations
 
 import math

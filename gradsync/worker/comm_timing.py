@@ -7,6 +7,7 @@ computed; from then until `trainer.step` the worker computes nothing and waits f
 allreduce strategy counts that wait as commit (with the optimizer step), not as compute. The exchange
 that overlaps the backward stays inside compute: it costs the step nothing beyond the CPU it takes.
 """
+
 from __future__ import annotations
 
 import time

@@ -12,8 +12,9 @@ every rank's payload and scales, and decodes their mean in one pass
 (`dequantize_aggregate`). The hook is called by DDP on every rank for every
 bucket; like any collective, every rank of the group must reach it.
 """
+
 import dataclasses
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,7 @@ class DDPHookState:
 
     compression: str = "none"
     """'none', 'fp16', 'bf16' or 'int8'."""
-    process_group: Optional[dist.ProcessGroup] = None
+    process_group: dist.ProcessGroup | None = None
     """Group to average over; None is the default group (pass DDP's group if it is another)."""
     block_size: int = DEFAULT_BLOCK_SIZE
     """Elements per int8 scale (a power of two); unused by the other compressions."""
@@ -97,7 +98,7 @@ def make_ddp_hook(
     compression: str = "none",
     *,
     block_size: int = DEFAULT_BLOCK_SIZE,
-    process_group: Optional[dist.ProcessGroup] = None,
+    process_group: dist.ProcessGroup | None = None,
 ) -> tuple[DDPHookState, Callable]:
     """Build a mean-producing DDP communication hook.
 

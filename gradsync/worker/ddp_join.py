@@ -13,6 +13,7 @@ parameters, buffers), its `divide_by_initial_world_size=False` does not reach a 
 and its joined rank does not step its optimizer (it broadcasts the parameters at the end, so the optimizer
 state of that worker falls behind).
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradsync.core.torch_internals import ddp_push_rebuilt_params, ddp_shadow_round
+
 
 def count_active(mine: bool, device: torch.device) -> int:
     """The number of workers still active in this step (`mine`: this one is). Every worker must reach it."""

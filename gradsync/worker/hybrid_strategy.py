@@ -12,10 +12,11 @@ the joint batch does; in async mode they apply each worker's rows as they come.
 A worker that ran out of data (`join`) tells the servers first (so no row step
 waits for it), then answers the dense steps the others still take.
 """
+
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -26,15 +27,15 @@ from gradsync.core.clipping import Clipping
 from gradsync.core.errors import NoTablesToServe
 from gradsync.core.optimizer_spec import OptimizerSpec, changed_options, group_options
 from gradsync.membership.uneven_data import Joiner
-from gradsync.ps.messages import Agreement, Push, Setup
+from gradsync.ps.messages import Agreement, Partial, Push, Setup, Snapshot
 from gradsync.transport.registry import transport
 from gradsync.worker.allreduce_strategy import AllreduceStrategy
 from gradsync.worker.amp import inverse_scale
 from gradsync.worker.model_state import ordered
-from gradsync.worker.strategy import Strategy
+from gradsync.worker.plain_module import Attachments
 from gradsync.worker.served_dynamic import find_dynamic, serve_dynamic
 from gradsync.worker.served_tables import serve_tables, why_dense
-from gradsync.worker.plain_module import Attachments
+from gradsync.worker.strategy import Strategy
 
 if TYPE_CHECKING:
     from gradsync.runtime.cluster import Cluster
@@ -43,40 +44,62 @@ if TYPE_CHECKING:
 class HybridStrategy(Strategy):
     """Served tables + DDP. Every worker must construct it (a barrier on the servers and in DDP)."""
 
-    def __init__(self, cluster: Cluster, module: nn.Module, optimizer: torch.optim.Optimizer, *,
-                 tables: str = "auto", table_optimizer=None, find_unused_parameters: bool = False,
-                 clipping: Clipping = Clipping()):
+    def __init__(
+        self,
+        cluster: Cluster,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        tables: str = "auto",
+        table_optimizer=None,
+        find_unused_parameters: bool = False,
+        clipping: Clipping = Clipping(),
+    ):
         config = cluster.config
         worker = config.worker_rank
         self.mode = config.mode
         if clipping.on and config.mode != "sync":
             raise ValueError(
                 f"max_grad_norm={clipping.max_norm} under the hybrid strategy needs --mode sync (the norm adds the "
-                f"servers' averaged row gradients to the dense part's); got --mode {config.mode}")
+                f"servers' averaged row gradients to the dense part's); got --mode {config.mode}"
+            )
         self.keys = list(module.state_dict().keys())
         spec = OptimizerSpec.of(optimizer, module)
         weights = {n: p for n, p in module.named_parameters()}
         dense = why_dense(module, tables, spec, table_optimizer)
         if dense is not None and not find_dynamic(module):  # before any table is taken over or said
-            raise NoTablesToServe(f"the hybrid strategy serves embedding tables from the parameter servers, and "
-                                  f"{dense}")
+            raise NoTablesToServe(
+                f"the hybrid strategy serves embedding tables from the parameter servers, and {dense}"
+            )
         self.attached = Attachments()  # what the module's own copies, saves and loads see (`plain_module`)
-        self.tables, setups = serve_tables(module, tables, config.servers, None, spec, table_optimizer,
-                                           send=worker == 0, attached=self.attached)
+        self.tables, setups = serve_tables(
+            module, tables, config.servers, None, spec, table_optimizer, send=worker == 0, attached=self.attached
+        )
         chosen = transport(config.transport)
-        self.dynamic = serve_dynamic(module, chosen.capabilities, config, table_optimizer,
-                                     setups if worker == 0 else None, self.attached)
+        self.dynamic = serve_dynamic(
+            module, chosen.capabilities, config, table_optimizer, setups if worker == 0 else None, self.attached
+        )
         self.servers = list(range(config.servers))
         self.transport = chosen.worker(config, cluster.store, {s: [] for s in self.servers})
         self.tables.transport = self.dynamic.transport = self.transport
-        self.transport.register(ModelSpec((), (), (), self.tables.specs),
-                                {s: Setup.of([], {}, {}, {}, spec, setups[s], config.servers) if worker == 0
-                                 else None for s in self.servers})
+        self.transport.register(
+            ModelSpec((), (), (), self.tables.specs),
+            {
+                s: Setup.of([], {}, {}, {}, spec, setups[s], config.servers) if worker == 0 else None
+                for s in self.servers
+            },
+        )
         served = {id(weights[t.name]) for t in self.tables.specs}
         for group in optimizer.param_groups:  # the servers train the tables: the local optimizer keeps the rest
             group["params"] = [p for p in group["params"] if id(p) not in served]
-        self.dense = AllreduceStrategy(cluster, module, optimizer, find_unused_parameters=find_unused_parameters,
-                                       clipping=clipping, replicate_dynamic=False)
+        self.dense = AllreduceStrategy(
+            cluster,
+            module,
+            optimizer,
+            find_unused_parameters=find_unused_parameters,
+            clipping=clipping,
+            replicate_dynamic=False,
+        )
         self.model = self.dense.model
         self.optimizer = optimizer
         self._sent = [group_options(g) for g in optimizer.param_groups]  # the options the servers hold
@@ -102,8 +125,9 @@ class HybridStrategy(Strategy):
         self.tables.loaded.clear()
         self.dynamic.discard_load()
 
+    # the base declares an attribute; here a read-only view of the dense part's, which nothing sets
     @property
-    def grad_norm(self) -> float | None:
+    def grad_norm(self) -> float | None:  # type: ignore[override]
         return self.dense.grad_norm
 
     def step(self, context_id: int, scaler=None) -> None:
@@ -122,15 +146,22 @@ class HybridStrategy(Strategy):
             unscale = inverse_scale(scaler)
             rows = {s: {t: r.times(unscale) for t, r in per.items()} for s, per in rows.items()}
             agree = Agreement(self.dense.clipping.norm_type, scaler is not None)
-            partials = self.transport.push(self._versions, {s: Push([], [], {}, rows[s], changes, agree)
-                                                            for s in self.servers})
+            # with `agree`, every server answers its part of the held step's norm
+            partials = cast(
+                "dict[int, Partial]",
+                self.transport.push(
+                    self._versions, {s: Push([], [], {}, rows[s], changes, agree) for s in self.servers}
+                ),
+            )
             coefficient = self.dense.dense_step(context_id, scaler, [partials[s].value for s in self.servers])
+            snapshots: dict[int, Snapshot] | dict[int, Snapshot | Partial]
             snapshots = self.transport.finish({s: p.version for s, p in partials.items()}, coefficient)
         else:
             if not self.dense.step(context_id):  # a NaN/Inf step dropped by nonfinite='skip': drop its rows too
                 rows = {s: {} for s in self.servers}
-            snapshots = self.transport.push(self._versions, {s: Push([], [], {}, rows[s], changes)
-                                                             for s in self.servers})
+            snapshots = self.transport.push(
+                self._versions, {s: Push([], [], {}, rows[s], changes) for s in self.servers}
+            )
         self._versions = {s: snap.version for s, snap in snapshots.items()}
         self.dynamic.end_step(snapshots)
         self.metrics.sent_after_commit(sum(r.nbytes for per in rows.values() for r in per.values()))
@@ -188,4 +219,3 @@ class HybridStrategy(Strategy):
         tables = {**self.tables.full(named), **self.dynamic.state()}
         with self.tables.own_state(), self.dynamic.own_state():
             return ordered(self.dense.state_dict(), tables, self.keys)
-

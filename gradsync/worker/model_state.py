@@ -3,6 +3,7 @@
 Parameters shared under several names (tied weights) are tracked once, under
 their first name; `to_state_dict` restores every key of `model.state_dict()`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -11,7 +12,7 @@ from torch import nn
 
 def named_tensors(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The module's unique parameters and its persistent buffers, by name, in registration order."""
-    params = dict(module.named_parameters())
+    params: dict[str, torch.Tensor] = dict(module.named_parameters())
     keys = module.state_dict(keep_vars=True).keys()
     buffers = {n: b for n, b in module.named_buffers() if n in keys}
     return params, buffers

@@ -16,6 +16,7 @@ directly) raises, naming the operation: it never reads rows that have not arrive
 `WaitingLookups` keeps a forward's waiting lookups for their owner (fixed tables, dynamic tables): at most
 `LOOKUPS_PER_EXCHANGE` wait, and `flush` has the owner turn them all into results at once.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -25,8 +26,17 @@ from torch.utils import _pytree as pytree
 
 from gradsync.tables.row_partition import LOOKUPS_PER_EXCHANGE
 
-_METADATA = {torch.Tensor.shape.__get__, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.ndim.__get__,
-             torch.Tensor.dtype.__get__, torch.Tensor.device.__get__, torch.Tensor.__len__, torch.Tensor.numel}
+# torch's stubs type these descriptors of the class as the values they give an instance
+_METADATA = {
+    torch.Tensor.shape.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.size,
+    torch.Tensor.dim,
+    torch.Tensor.ndim.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.dtype.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.device.__get__,
+    torch.Tensor.__len__,
+    torch.Tensor.numel,
+}
 """What a pending lookup answers from its own shape, fetching nothing."""
 
 
@@ -34,9 +44,12 @@ class PendingRows(torch.Tensor):
     """A lookup's result of `shape` and `dtype` that `flush()` (fetching every waiting lookup's rows) makes
     real (`resolve`)."""
 
+    _flush: Callable[[], None]
+    _value: torch.Tensor | None
+
     @staticmethod
     def __new__(cls, shape: torch.Size, dtype: torch.dtype, flush: Callable[[], None]):
-        out = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device="cpu")
+        out = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=torch.device("cpu"))
         out._flush, out._value = flush, None
         return out
 
@@ -57,8 +70,10 @@ class PendingRows(torch.Tensor):
         if self._value is None:
             self._flush()
         if self._value is None:
-            raise RuntimeError("gradsync: the rows of this table lookup never arrived: the call or exchange that "
-                               "fetched them failed (see the error its forward raised); run the forward again")
+            raise RuntimeError(
+                "gradsync: the rows of this table lookup never arrived: the call or exchange that "
+                "fetched them failed (see the error its forward raised); run the forward again"
+            )
         return self._value
 
     @classmethod
@@ -70,11 +85,14 @@ class PendingRows(torch.Tensor):
         args, kwargs = pytree.tree_map_only(PendingRows, PendingRows.value, (args, kwargs))
         return func(*args, **kwargs)
 
+    # torch's stubs type its disabled default as a plain function; a subclass's is this classmethod (torch's docs)
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise RuntimeError(f"gradsync: {func} was given the result of a served table lookup below torch's Python "
-                           "API, before its rows arrived; pass it through a torch function first (e.g. "
-                           "torch.as_tensor(rows) * 1), and report the call that did this to gradsync")
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        raise RuntimeError(
+            f"gradsync: {func} was given the result of a served table lookup below torch's Python "
+            "API, before its rows arrived; pass it through a torch function first (e.g. "
+            "torch.as_tensor(rows) * 1), and report the call that did this to gradsync"
+        )
 
 
 def resolved(tree):

@@ -18,6 +18,7 @@ there, so that all build the same plan. Each transport measures
 with its own messages (torch RPC, gRPC's JobProbe: `transport.base.link_rate`); one that cannot gets
 `LARGEST_MB`.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -46,8 +47,11 @@ def overhead_s(piece: float, sizes: list[int], servers: int, workers: int, bandw
     """What pieces of `piece` bytes add to a step beyond its link time (see the module): the pipeline's fill,
     the CPU per piece, and the copies of the parameters (of `sizes` bytes) they cut."""
     model = sum(sizes)
-    return (workers * piece / bandwidth + model * PIECE_CPU_S / (servers * piece)
-            + SPLIT_S_PER_BYTE * sum(size for size in sizes if size > piece))
+    return (
+        workers * piece / bandwidth
+        + model * PIECE_CPU_S / (servers * piece)
+        + SPLIT_S_PER_BYTE * sum(size for size in sizes if size > piece)
+    )
 
 
 def best_piece_mb(sizes: list[int], servers: int, workers: int, bandwidth: float | None) -> float:
@@ -82,12 +86,12 @@ def whole_step_overhead_s(sizes: list[int], servers: int, workers: int, bandwidt
 def pipeline_pays(piece: float, sizes: list[int], servers: int, workers: int, bandwidth: float) -> bool:
     """Whether a pipeline of `piece`-byte pieces adds less to a step than going whole (`overhead_s` against
     `whole_step_overhead_s`); each also sends one head or push per server, which cancels out."""
-    return overhead_s(piece, sizes, servers, workers, bandwidth) < whole_step_overhead_s(sizes, servers, workers,
-                                                                                        bandwidth)
+    return overhead_s(piece, sizes, servers, workers, bandwidth) < whole_step_overhead_s(
+        sizes, servers, workers, bandwidth
+    )
 
 
-def step_plan(config: JobConfig, store: dist.Store, sizes: list[int], measure, pipeline: bool
-              ) -> tuple[float, bool]:
+def step_plan(config: JobConfig, store: dist.Store, sizes: list[int], measure, pipeline: bool) -> tuple[float, bool]:
     """The job's piece size in MB and whether its sync steps go as a pipeline (`pipeline`: what `pipelined`
     said). `bucket_cap_mb` when set; else worker 0's choice from `measure()` (the bandwidth to the servers in
     bytes/s, or None) for parameters of `sizes` bytes, and behind a link (the store not on loopback) with the
@@ -98,8 +102,13 @@ def step_plan(config: JobConfig, store: dist.Store, sizes: list[int], measure, p
     if config.worker_rank == 0:  # a worker that joins later has another index
         servers, workers, bandwidth = config.servers, config.num_workers, measure()
         chosen = best_piece_mb(sizes, servers, workers, bandwidth)
-        if (pipeline and bandwidth is not None and config.pipeline == "auto" and not is_loopback(config.master_addr)
-                and not pipeline_pays(chosen * 2**20, sizes, servers, workers, bandwidth)):
+        if (
+            pipeline
+            and bandwidth is not None
+            and config.pipeline == "auto"
+            and not is_loopback(config.master_addr)
+            and not pipeline_pays(chosen * 2**20, sizes, servers, workers, bandwidth)
+        ):
             chosen, pipeline = LARGEST_MB, False
         store.set(StoreKeys.PIECE_MB, repr(chosen))
         store.set(StoreKeys.PIPELINE, "on" if pipeline else "off")

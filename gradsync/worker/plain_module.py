@@ -12,6 +12,7 @@ load its state. Every such change goes through one `Attachments`, which lists th
   raised; every worker loads alike, as under DDP, and a worker's load reaches the servers at once;
 - `detach()` (at `gradsync.shutdown`) makes the module itself ordinary again, holding the final values.
 """
+
 from __future__ import annotations
 
 import copyreg
@@ -90,8 +91,15 @@ class Attachments:
         self._changed.clear()
 
 
-def _load(module: nn.Module, pending: tuple, commit: Callable[[], None], discard: Callable[[], None],
-          state_dict, strict: bool = True, assign: bool = False):
+def _load(
+    module: nn.Module,
+    pending: tuple,
+    commit: Callable[[], None],
+    discard: Callable[[], None],
+    state_dict,
+    strict: bool = True,
+    assign: bool = False,
+):
     """`module.load_state_dict` (`Attachments.on_load`)."""
     for holder in pending:
         holder.loaded.clear()
@@ -114,7 +122,8 @@ def check_gatherable(table: str, shape: tuple, dtype: torch.dtype) -> None:
             f"table {table!r} ({' x '.join(map(str, shape))} {dtype}, {nbytes / 2**30:.1f} GiB) is larger than the "
             f"memory available to this process ({available / 2**30:.1f} GiB), so it cannot be gathered whole into "
             "the module (torch.save(model), copy.deepcopy(model), model.state_dict()): write a job checkpoint "
-            "instead (--checkpoint-dir: each server, or each worker under sharded, writes its own rows)")
+            "instead (--checkpoint-dir: each server, or each worker under sharded, writes its own rows)"
+        )
 
 
 def _plain_state(module: nn.Module, changed: _Changed) -> dict:
@@ -133,4 +142,5 @@ def _plain_state(module: nn.Module, changed: _Changed) -> dict:
 def _reduce(module: nn.Module, changed: _Changed, protocol: int):
     """`module.__reduce_ex__`: an ordinary module of its class, with its plain state (no gradsync object inside,
     and nothing of gradsync needed to load it)."""
-    return copyreg.__newobj__, (type(module),), _plain_state(module, changed)
+    # copyreg.__newobj__: what object.__reduce_ex__ returns, missing from typeshed's copyreg
+    return copyreg.__newobj__, (type(module),), _plain_state(module, changed)  # type: ignore[attr-defined]

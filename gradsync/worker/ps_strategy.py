@@ -20,6 +20,7 @@ snapshot after the step, which the next forward uses without another pull. Froze
 (`requires_grad=False`) never travel after registration. A worker that ran
 out of data (`join`) tells the servers through the store (`gradsync.membership.uneven_data`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,29 +34,37 @@ import torch.distributed.autograd as dist_autograd
 from torch import nn
 from torch.func import functional_call
 
-from gradsync.core.buckets import (Bucket, ModelSpec, assign_tensors, by_server, forward_order, join_pieces,
-                                   may_split, plan_buckets)
+from gradsync.core.buckets import (
+    Bucket,
+    ModelSpec,
+    assign_tensors,
+    by_server,
+    forward_order,
+    join_pieces,
+    may_split,
+    plan_buckets,
+)
 from gradsync.core.clipping import Clipping
 from gradsync.core.errors import no_gradients_error, step_twice_error
 from gradsync.core.finite import first_nonfinite
 from gradsync.core.optimizer_spec import OptimizerSpec, changed_options, group_options
-from gradsync.metrics.timeline import HEAD
 from gradsync.core.torch_internals import current_context_id
-from gradsync.metrics.traffic import head_bytes
 from gradsync.membership.uneven_data import Joiner
-from gradsync.ps.messages import Agreement, Partial, Piece, PipelineHead, Push, Setup, Snapshot
+from gradsync.metrics.step_metrics import StepMetrics
+from gradsync.metrics.timeline import HEAD
+from gradsync.metrics.traffic import head_bytes
 from gradsync.ps.gradient_codecs import make_wire
+from gradsync.ps.messages import Agreement, Partial, Piece, PipelineHead, Push, Setup, Snapshot
 from gradsync.transport.registry import transport
 from gradsync.worker.amp import inverse_scale, record_found_inf
-from gradsync.metrics.step_metrics import StepMetrics
-from gradsync.worker.piece_size import pipelined, step_plan
 from gradsync.worker.model_state import named_tensors, ordered, to_state_dict
+from gradsync.worker.piece_size import pipelined, step_plan
 from gradsync.worker.plain_module import Attachments
+from gradsync.worker.served_dynamic import serve_dynamic
 from gradsync.worker.served_optimizer import ServedState, serve_state
+from gradsync.worker.served_tables import serve_tables
 from gradsync.worker.strategy import Strategy
 from gradsync.worker.streaming import GradientStream, dense, next_seq
-from gradsync.worker.served_dynamic import serve_dynamic
-from gradsync.worker.served_tables import serve_tables
 from gradsync.worker.user_optimizer import StepGuard
 
 if TYPE_CHECKING:  # imports point one way: the start-up code (cluster) builds the strategies
@@ -64,24 +73,33 @@ if TYPE_CHECKING:  # imports point one way: the start-up code (cluster) builds t
 
 def _scaled(grads: dict[str, torch.Tensor], rows: dict, factor: float) -> tuple[dict[str, torch.Tensor], dict]:
     """The dense gradients and row gradients times `factor` (a GradScaler's inverse scale)."""
-    return ({n: g * factor for n, g in grads.items()},
-            {s: {t: r.times(factor) for t, r in per.items()} for s, per in rows.items()})
+    return (
+        {n: g * factor for n, g in grads.items()},
+        {s: {t: r.times(factor) for t, r in per.items()} for s, per in rows.items()},
+    )
 
 
-def whole_params(server_buckets: dict[int, list[Bucket]], flats: dict[int, list[torch.Tensor]]
-                 ) -> dict[str, torch.Tensor]:
+def whole_params(
+    server_buckets: dict[int, list[Bucket]], flats: dict[int, list[torch.Tensor]]
+) -> dict[str, torch.Tensor]:
     """Each parameter from its bucket pieces: a view when it is whole in one bucket, else its pieces joined
     in a new tensor."""
-    entries = [(e, flat) for s, buckets in server_buckets.items() for b, flat in zip(buckets, flats[s])
-               for e in b.entries]
+    entries = [
+        (e, flat) for s, buckets in server_buckets.items() for b, flat in zip(buckets, flats[s]) for e in b.entries
+    ]
     return join_pieces({e.key: e.view(flat) for e, flat in entries}, [e for e, _ in entries if not e.whole])
 
 
 class _Pulled:
     """What one forward runs on: the tensors by name, the trainable leaves by name, each server's version."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], leaves: dict[str, torch.Tensor], versions: dict[int, int],
-                 buffer_names: dict[int, list[str]]):
+    def __init__(
+        self,
+        tensors: dict[str, torch.Tensor],
+        leaves: dict[str, torch.Tensor],
+        versions: dict[int, int],
+        buffer_names: dict[int, list[str]],
+    ):
         self.tensors = tensors
         self.leaves = leaves
         self.versions = versions
@@ -103,7 +121,7 @@ class _Outgoing:
 class PSModel(nn.Module):
     """The user's module, run on parameters pulled from the servers."""
 
-    def __init__(self, module: nn.Module, strategy: "PSStrategy"):
+    def __init__(self, module: nn.Module, strategy: PSStrategy):
         super().__init__()
         self.module = module
         self._strategy = [strategy]  # a list keeps nn.Module from registering it
@@ -116,8 +134,18 @@ class PSModel(nn.Module):
 class PSStrategy(Strategy):
     """Pull / push against the parameter servers. Every worker must construct it (a barrier)."""
 
-    def __init__(self, cluster: Cluster, module: nn.Module, optimizer: torch.optim.Optimizer, *,
-                 tables: str = "auto", table_optimizer=None, clipping: Clipping = Clipping()):
+    model: PSModel
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        tables: str = "auto",
+        table_optimizer=None,
+        clipping: Clipping = Clipping(),
+    ):
         config = cluster.config
         self.config = config
         self.worker = config.worker_rank
@@ -131,10 +159,23 @@ class PSStrategy(Strategy):
             raise ValueError(chosen.capabilities.rows_refusal())
         self.attached = Attachments()  # what the module's own copies, saves and loads see (`plain_module`)
         self.tables, table_setups = serve_tables(
-            module, tables if chosen.capabilities.row_tables else "dense", config.servers, self.metrics, spec,
-            table_optimizer, send=self.worker == 0, attached=self.attached)
-        self.dynamic = serve_dynamic(module, chosen.capabilities, config, table_optimizer,
-                                     table_setups if self.worker == 0 else None, self.attached)
+            module,
+            tables if chosen.capabilities.row_tables else "dense",
+            config.servers,
+            self.metrics,
+            spec,
+            table_optimizer,
+            send=self.worker == 0,
+            attached=self.attached,
+        )
+        self.dynamic = serve_dynamic(
+            module,
+            chosen.capabilities,
+            config,
+            table_optimizer,
+            table_setups if self.worker == 0 else None,
+            self.attached,
+        )
         params, buffers = named_tensors(module)
         self.params, self.buffers = params, buffers  # the user's module's: pointed at the servers' values
         self.spec = ModelSpec.of(params, buffers, self.tables.specs)
@@ -151,8 +192,7 @@ class PSStrategy(Strategy):
         self.wire = make_wire(config.compression)
         self.transport = chosen.worker(config, cluster.store, self.server_buckets, self.metrics.timeline)
         # a step's pieces may leave during the backward (worker.streaming): decided per context from the last
-        self._streams = (chosen.capabilities.streams and self._pipelined and not clipping.on
-                         and not self.wire.stateful)
+        self._streams = chosen.capabilities.streams and self._pipelined and not clipping.on and not self.wire.stateful
         self._stream_next = False
         self._stream: tuple[int, GradientStream] | None = None
         self._quiet = False  # inside trainer.no_sync()
@@ -162,9 +202,14 @@ class PSStrategy(Strategy):
         self.frozen = self._register(params, buffers, spec, table_setups)
         self.model = PSModel(module, self)
         loaded = optimizer.state_dict() if any(optimizer.state.values()) else None  # loaded before the Trainer
+        assert spec.names is not None  # `OptimizerSpec.of` names each group's parameters
         served = ServedState(
-            optimizer, spec.names, {s: [e for b in bs for e in b.entries] for s, bs in self.server_buckets.items()},
-            self.transport.optimizer_state, self.transport.load_optimizer_state)
+            optimizer,
+            spec.names,
+            {s: [e for b in bs for e in b.entries] for s, bs in self.server_buckets.items()},
+            self.transport.optimizer_state,
+            self.transport.load_optimizer_state,
+        )
         serve_state(optimizer, served)
         self.optimizer = optimizer  # the user's own, answering with the servers' state
         self.steps = StepGuard(optimizer, lambda closure=None: None)  # the servers applied the step
@@ -172,7 +217,8 @@ class PSStrategy(Strategy):
         self._last: tuple[int, _Pulled] | None = None
         self._stepped: int | None = None
         self.grad_norm: float | None = None
-        self._next = self._build(self.transport.pull())  # what the next forward runs on, the module points at
+        # what the next forward runs on, the module points at
+        self._next: _Pulled | None = self._build(self.transport.pull())
         self.tables.serving = self.dynamic.serving = True
         self.loads = 0  # the module loads sent to the servers (`_commit_load`)
         self.attached.on_load(module.modules(), (self.tables, self.dynamic), self._commit_load, self._discard_load)
@@ -181,13 +227,20 @@ class PSStrategy(Strategy):
             optimizer.load_state_dict(loaded)
 
     def _register(self, params, buffers, spec: OptimizerSpec, table_setups) -> dict[str, torch.Tensor]:
-        setups = {s: None for s in self.servers}
+        setups: dict[int, Setup | None] = {s: None for s in self.servers}
         if self.worker == 0:
             frozen = {t.name: params[t.name] for t in self.spec.frozen}
             for s in self.servers:
-                mine = lambda tensors: {n: t for n, t in tensors.items() if self.owner[n] == s}  # noqa: E731
-                setups[s] = Setup.of(self.server_buckets[s], params, mine(buffers), mine(frozen), spec,
-                                     table_setups[s], self.config.servers)
+                mine = lambda tensors: {n: t for n, t in tensors.items() if self.owner[n] == s}  # noqa: E731, B023 (used in this iteration)
+                setups[s] = Setup.of(
+                    self.server_buckets[s],
+                    params,
+                    mine(buffers),
+                    mine(frozen),
+                    spec,
+                    table_setups[s],
+                    self.config.servers,
+                )
         return self.transport.register(self.spec, setups)
 
     def _commit_load(self) -> None:
@@ -198,10 +251,16 @@ class PSStrategy(Strategy):
         values = {n: t.detach() for n, t in {**self.params, **self.buffers}.items()}
         self.frozen = {n: values[n] for n in self.frozen}
         self.loads += 1
-        self.transport.load_values(self.loads, {
-            s: ([b.flatten(values) for b in self.server_buckets[s]],
-                {**{n: values[n] for n, owner in self.owner.items() if owner == s}, **self.tables.loaded_rows(s)})
-            for s in self.servers})
+        self.transport.load_values(
+            self.loads,
+            {
+                s: (
+                    [b.flatten(values) for b in self.server_buckets[s]],
+                    {**{n: values[n] for n, owner in self.owner.items() if owner == s}, **self.tables.loaded_rows(s)},
+                )
+                for s in self.servers
+            },
+        )
         self.tables.loaded.clear()
         self.dynamic.commit_load()
         self._last, self._next = None, self._build(self.transport.pull())
@@ -242,9 +301,17 @@ class PSStrategy(Strategy):
         self._stream = None
         if self._streams:
             pipeline = self.transport.pipeline(pulled.versions) if self._stream_next else None
-            self._stream = (context_id, GradientStream(
-                pulled.leaves, self.server_buckets, lambda: dist_autograd.get_gradients(context_id), self._encode,
-                pipeline, lambda: self._quiet))
+            self._stream = (
+                context_id,
+                GradientStream(
+                    pulled.leaves,
+                    self.server_buckets,
+                    lambda: dist_autograd.get_gradients(context_id),
+                    self._encode,
+                    pipeline,
+                    lambda: self._quiet,
+                ),
+            )
 
     def _encode(self, flat: torch.Tensor | None, bucket: Bucket):
         return None if flat is None else self.wire.encode(flat, bucket.index)
@@ -286,17 +353,33 @@ class PSStrategy(Strategy):
             return
         if agree is not None or unscale != 1.0:  # held or unscaled: what left during the backward is void
             streamed = {}
-        out = _Outgoing(*self._pack(grads, streamed), rows=rows, changes=self._changed_options(),
-                        buffers={s: {n: pulled.tensors[n].detach() for n in pulled.buffer_names[s]}
-                                 for s in self.servers})
+        out = _Outgoing(
+            *self._pack(grads, streamed),
+            rows=rows,
+            changes=self._changed_options(),
+            buffers={s: {n: pulled.tensors[n].detach() for n in pulled.buffer_names[s]} for s in self.servers},
+        )
         sizes = self._sizes(out)
         seq = next_seq if self._streams else lambda: 0  # numbered where pieces may have left ahead
+        fresh: dict[int, Snapshot] | dict[int, Snapshot | Partial]
         if agree is None and self._pipelined and (self.config.mode == "sync" or self._streams):
             fresh = self._send_pipelined(pulled, stream, streamed, out, seq, sizes)
         else:  # one call per server
-            fresh = self.transport.push(pulled.versions, {
-                s: Push(out.payloads[s], out.absent[s], out.buffers[s], out.rows.get(s, {}), out.changes, agree,
-                        seq=seq()) for s in self.servers})
+            fresh = self.transport.push(
+                pulled.versions,
+                {
+                    s: Push(
+                        out.payloads[s],
+                        out.absent[s],
+                        out.buffers[s],
+                        out.rows.get(s, {}),
+                        out.changes,
+                        agree,
+                        seq=seq(),
+                    )
+                    for s in self.servers
+                },
+            )
         self._commit(fresh, agree, scaler, stream, streamed, sum(sizes.values()), start)
 
     def _take_stream(self, context_id: int) -> tuple[GradientStream | None, dict]:
@@ -341,24 +424,27 @@ class PSStrategy(Strategy):
     def _pack(self, grads: dict[str, torch.Tensor], streamed: dict) -> tuple[dict[int, list], dict[int, list]]:
         """Each server's buckets as encoded payloads, and the entries each lacks (no gradient); a bucket that
         left during the backward (`streamed`) as it left."""
-        payloads, absent = {}, {}
+        payloads: dict[int, list] = {}
+        absent: dict[int, list] = {}
         for s in self.servers:
             payloads[s], absent[s] = [], []
             for b, bucket in enumerate(self.server_buckets[s]):
                 if (s, b) in streamed:
                     payload, missing = streamed[(s, b)].payload, streamed[(s, b)].absent
                 else:
-                    flat, missing = bucket.pack([e.piece(grads[e.name]) if e.name in grads else None
-                                                 for e in bucket.entries])
+                    flat, missing = bucket.pack(
+                        [e.piece(grads[e.name]) if e.name in grads else None for e in bucket.entries]
+                    )
                     payload = self._encode(flat, bucket)
                 payloads[s].append(payload)
                 absent[s].append(missing)
         return payloads, absent
 
-    def _sizes(self, out: _Outgoing) -> dict[tuple[int, int], int]:
+    def _sizes(self, out: _Outgoing) -> dict[tuple[int, int | None], int]:
         """Bytes on the wire of each (server, bucket) payload, and of each server's head (`HEAD`)."""
-        sizes = {(s, b): self.wire.nbytes(p) for s, per in out.payloads.items() for b, p in enumerate(per)
-                 if p is not None}
+        sizes: dict[tuple[int, int | None], int] = {
+            (s, b): self.wire.nbytes(p) for s, per in out.payloads.items() for b, p in enumerate(per) if p is not None
+        }
         sizes.update({(s, HEAD): head_bytes(out.buffers[s], out.rows.get(s, {})) for s in self.servers})
         return sizes
 
@@ -369,23 +455,45 @@ class PSStrategy(Strategy):
             self._sent = [group_options(g) for g in self.optimizer.param_groups]
         return changes
 
-    def _send_pipelined(self, pulled: _Pulled, stream: GradientStream | None, streamed: dict, out: _Outgoing,
-                        seq, sizes: dict[tuple[int, int], int]) -> dict[int, Snapshot]:
+    def _send_pipelined(
+        self,
+        pulled: _Pulled,
+        stream: GradientStream | None,
+        streamed: dict,
+        out: _Outgoing,
+        seq,
+        sizes: dict[tuple[int, int | None], int],
+    ) -> dict[int, Snapshot]:
         """The pieces that did not leave during the backward, in the forward's order, then each server's head
         (naming the pieces that count when they may have left ahead); each piece back once applied."""
-        pieces = [Piece(s, b, out.payloads[s][b], out.absent[s][b], seq()) for s, b in self._order
-                  if (s, b) not in streamed]
+        pieces = [
+            Piece(s, b, out.payloads[s][b], out.absent[s][b], seq()) for s, b in self._order if (s, b) not in streamed
+        ]
         named = {(p.server, p.bucket): p.seq for p in [*streamed.values(), *pieces]}
-        heads = {s: PipelineHead(buffers=out.buffers[s], rows=out.rows.get(s, {}), options=out.changes, pieces=tuple(
-            named[(s, b)] for b in range(len(self.server_buckets[s]))) if self._streams else None)
-            for s in self.servers}
+        heads = {
+            s: PipelineHead(
+                buffers=out.buffers[s],
+                rows=out.rows.get(s, {}),
+                options=out.changes,
+                pieces=tuple(named[(s, b)] for b in range(len(self.server_buckets[s]))) if self._streams else None,
+            )
+            for s in self.servers
+        }
         self.metrics.timeline.expect(sizes)
         if stream is not None and stream.pipeline is not None:
             return stream.pipeline.finish(heads, pieces)
         return self.transport.push_pieces(pulled.versions, heads, pieces)
 
-    def _commit(self, fresh: dict, agree: Agreement | None, scaler, stream: GradientStream | None, streamed: dict,
-                sent: int, start: float) -> None:
+    def _commit(
+        self,
+        fresh: dict,
+        agree: Agreement | None,
+        scaler,
+        stream: GradientStream | None,
+        streamed: dict,
+        sent: int,
+        start: float,
+    ) -> None:
         """The step's end: the agreed step applied (`_finish`), the replies as the next forward's values, whether
         the next backward streams, the step's bytes, and the user's optimizer stepped (its schedule's count)."""
         if agree is not None:
@@ -396,8 +504,11 @@ class PSStrategy(Strategy):
         self._next = self._build(fresh)
         self._stream_next = stream is not None and scaler is None and not stream.resend
         if stream is not None:  # pieces that left and were superseded: bytes on the link all the same
-            sent += sum(self.wire.nbytes(p.payload) for k, p in stream.sent.items()
-                        if k not in streamed and p.payload is not None)
+            sent += sum(
+                self.wire.nbytes(p.payload)
+                for k, p in stream.sent.items()
+                if k not in streamed and p.payload is not None
+            )
         self.metrics.committed(start, sent, sum(s.nbytes for s in fresh.values()))
         with self.steps.open():
             self.optimizer.step()

@@ -23,9 +23,11 @@ the same) makes the same decisions and updates as an uninterrupted one.
 Cost: the whole table in every worker's memory; per step each worker sends its part (8 bytes per distinct id and
 per occurrence count, 8 + 4 dim bytes per fp32 row gradient, padded to the largest worker's) to the W-1 others.
 """
+
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -51,16 +53,17 @@ class Lookups(NamedTuple):
 class ReplicatedTables:
     """The model's dynamic tables, replicated on every worker. Every worker must call `step` at every step."""
 
-    def __init__(self, module: nn.Module | None, table_optimizer, worker: int, workers: int,
-                 nonfinite: str = "raise"):
+    def __init__(self, module: nn.Module | None, table_optimizer, worker: int, workers: int, nonfinite: str = "raise"):
         """The dynamic tables of `module` (None: none, the rows are held elsewhere)."""
         modules = module.named_modules() if module is not None else ()
         self.layers = {name: m for name, m in modules if isinstance(m, DynamicEmbedding)}
         if self.layers and not isinstance(table_optimizer, ROW_OPTIMIZERS):
             name = next(iter(self.layers))
-            raise ValueError(f"{name!r} is a gradsync.DynamicEmbedding, whose rows a row optimizer trains, and "
-                             f"table_optimizer={table_optimizer!r}: pass gradsync.Trainer(..., table_optimizer="
-                             "gradsync.RowSGD(lr=...)) or gradsync.RowAdagrad(lr=...)")
+            raise ValueError(
+                f"{name!r} is a gradsync.DynamicEmbedding, whose rows a row optimizer trains, and "
+                f"table_optimizer={table_optimizer!r}: pass gradsync.Trainer(..., table_optimizer="
+                "gradsync.RowSGD(lr=...)) or gradsync.RowAdagrad(lr=...)"
+            )
         for name, layer in self.layers.items():
             layer.table.name = f"{name!r} ({layer.table.name})"
             layer.table.train_with(table_optimizer)  # its state in every checkpoint, from the first
@@ -80,8 +83,7 @@ class ReplicatedTables:
         mine = []
         for layer in self.layers.values():
             recorded = layer.take_recorded(grad_of)
-            mine.append(Lookups(recorded.ids, recorded.occurrences, layer.table.ids_at(recorded.slots),
-                                recorded.grads))
+            mine.append(Lookups(recorded.ids, recorded.occurrences, layer.table.ids_at(recorded.slots), recorded.grads))
         return mine
 
     def apply(self, every: list[list[Lookups]], active: int, unscale: float, update: bool) -> None:
@@ -122,12 +124,14 @@ class ReplicatedTables:
         eviction state, step, counters; not `full`: what changed since the last full one) by the module's name."""
         return {name: layer.table.checkpoint(full) for name, layer in self.layers.items()}
 
-    def restore(self, parts: dict[str, dict[str, torch.Tensor]], full: dict[str, dict[str, torch.Tensor]] | None,
-                where: str) -> None:
+    def restore(
+        self, parts: dict[str, dict[str, torch.Tensor]], full: dict[str, dict[str, torch.Tensor]] | None, where: str
+    ) -> None:
         """Take back `checkpoint()`'s tables, each with its row optimizer state; a delta onto the same table's
         part of `full` (the full checkpoint it goes onto, None when there is none: refused, naming `where`)."""
         for name, part in parts.items():
-            self.layers[name].table.load(whole(name, part, full and (lambda n=name: full[n]), where), self.optimizer)
+            onto = (lambda n=name: full[n]) if full else None
+            self.layers[name].table.load(whole(name, part, onto, where), self.optimizer)
 
 
 def exchange(mine: list[Lookups], workers: int) -> tuple[list[list[Lookups]], int]:
@@ -149,10 +153,11 @@ def exchange(mine: list[Lookups], workers: int) -> tuple[list[list[Lookups]], in
         at, float_at = 0, dict.fromkeys(floats, 0)
         for table, (n, k) in enumerate(c.tolist()):
             flat, dtype, dim = ints[worker], mine[table].grads.dtype, mine[table].grads.shape[1]
-            grads = floats[dtype][worker][float_at[dtype]: float_at[dtype] + k * dim].reshape(k, dim)
+            grads = floats[dtype][worker][float_at[dtype] : float_at[dtype] + k * dim].reshape(k, dim)
             float_at[dtype] += k * dim
-            every[table].append(Lookups(flat[at: at + n], flat[at + n: at + 2 * n], flat[at + 2 * n: at + 2 * n + k],
-                                        grads))
+            every[table].append(
+                Lookups(flat[at : at + n], flat[at + n : at + 2 * n], flat[at + 2 * n : at + 2 * n + k], grads)
+            )
             at += 2 * n + k
     return every, (workers - 1) * padded_bytes
 

@@ -21,6 +21,7 @@ In async and ssp mode no step spans the servers: each server steps its part of t
 push it applies, over its share of `capacity` (`ps.dynamic_shard`), and `end_step` only counts. A job
 checkpoint holds the servers' tables (`ps.shard_file`, `ps.reshard`).
 """
+
 from __future__ import annotations
 
 import copy
@@ -28,13 +29,28 @@ import dataclasses
 import functools
 import pickle
 import time
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from gradsync.core.torch_internals import current_context_id
-from gradsync.ps.messages import (DynamicSetup, EndStep, Evict, FirstToGo, LoadTables, Lookups, ReadRows, RowGrads,
-                                   TableCall, TablesCounts, TablesState, TablesStep)
+from gradsync.metrics.step_metrics import StepMetrics
+from gradsync.ps.messages import (
+    DynamicSetup,
+    EndStep,
+    Evict,
+    FirstToGo,
+    LoadTables,
+    Lookups,
+    ReadRows,
+    RowGrads,
+    TableCall,
+    TablesCounts,
+    TablesState,
+    TablesStep,
+)
 from gradsync.tables import global_eviction
 from gradsync.tables.dynamic_checkpoint import rehomed
 from gradsync.tables.dynamic_embedding import DynamicEmbedding
@@ -54,15 +70,18 @@ def find_dynamic(module: nn.Module) -> dict[str, DynamicEmbedding]:
     return {name or "table": m for name, m in module.named_modules() if isinstance(m, DynamicEmbedding)}
 
 
-def serve_dynamic(module: nn.Module, capabilities, config, table_optimizer,
-                  setups: dict[int, dict] | None, attached: Attachments) -> ServedDynamic:
+def serve_dynamic(
+    module: nn.Module, capabilities, config, table_optimizer, setups: dict[int, dict] | None, attached: Attachments
+) -> ServedDynamic:
     """Take over the dynamic tables of `module` for a ps or hybrid job of `config` over a transport of
     `capabilities`, changing the modules through `attached`; worker 0 (`setups` given) adds each table's
     `DynamicSetup` to every server's setups."""
     served = ServedDynamic(module, config.servers, table_optimizer, config.mode)
     if served.modules and not capabilities.row_tables:
-        raise ValueError(f"{next(iter(served.modules))!r} is a gradsync.DynamicEmbedding, whose rows the servers "
-                         f"serve by id: {capabilities.rows_refusal()}")
+        raise ValueError(
+            f"{next(iter(served.modules))!r} is a gradsync.DynamicEmbedding, whose rows the servers "
+            f"serve by id: {capabilities.rows_refusal()}"
+        )
     if setups is not None:
         for name, setup in served.setups().items():
             for per in setups.values():
@@ -92,10 +111,26 @@ class _Lookup:
     """One recording lookup: the distinct ids, which were admitted, their rows (a leaf), each server's version
     and the positions of its ids."""
 
-    def __init__(self, table: str, ids: torch.Tensor, admitted: torch.Tensor, leaf: torch.Tensor,
-                 versions: dict[int, int], where: dict[int, torch.Tensor]):
+    def __init__(
+        self,
+        table: str,
+        ids: torch.Tensor,
+        admitted: torch.Tensor,
+        leaf: torch.Tensor,
+        versions: dict[int, int],
+        where: dict[int, torch.Tensor],
+    ):
         self.table, self.ids, self.admitted, self.leaf, self.versions = table, ids, admitted, leaf, versions
         self.where = where
+
+
+class TableCalls(Protocol):
+    """What answers the calls on the dynamic tables: the job's transport (their rows on the servers), or under
+    sharded the workers' parts (`sharded_dynamic.WorkerParts`)."""
+
+    def table_calls(self, calls: Mapping[int, TableCall]) -> dict[int, Any]:
+        """Each call's answer, by the server (or worker) it went to."""
+        ...
 
 
 class ServedDynamic:
@@ -105,8 +140,8 @@ class ServedDynamic:
         self.modules = find_dynamic(module)
         self.num_servers = num_servers
         self.optimizer = table_optimizer
-        self.transport = None  # set by the strategy before the first forward
-        self.metrics = None  # the strategy's StepMetrics, set with the transport: lookups count as pull
+        self.transport: TableCalls | None = None  # set by the strategy before the first forward
+        self.metrics: StepMetrics | None = None  # the strategy's, set with the transport: lookups count as pull
         self.serving = False  # set by the strategy once the servers answer: the module's state_dict gathers
         self.step = 0  # the step the next recording lookup belongs to (sync)
         self.loaded: set[str] = set()  # the tables a module's load_state_dict loaded, not sent yet
@@ -123,12 +158,14 @@ class ServedDynamic:
             raise ValueError(
                 f"{small[0]!r} is a gradsync.DynamicEmbedding of capacity={self.modules[small[0]].table.capacity}, "
                 f"which --mode {mode} splits among the {num_servers} servers (each bounds its own ids): pass "
-                f"capacity >= {num_servers}, fewer servers, or --mode sync")
+                f"capacity >= {num_servers}, fewer servers, or --mode sync"
+            )
         if not isinstance(table_optimizer, ROW_OPTIMIZERS):
             raise ValueError(
                 f"{name!r} is a gradsync.DynamicEmbedding, whose rows a row optimizer trains: pass "
                 f"Trainer(..., table_optimizer=gradsync.RowSGD(lr=...) or gradsync.RowAdagrad(lr=...)), got "
-                f"{table_optimizer!r}")
+                f"{table_optimizer!r}"
+            )
 
     def setups(self, sent: bool = True) -> dict[str, DynamicSetup]:
         """What registration sends every server of each table (worker 0; not `sent`: what a worker that holds
@@ -141,11 +178,22 @@ class ServedDynamic:
                 try:
                     pickle.dumps(t.init)
                 except Exception as e:  # noqa: BLE001 -- any pickling failure: the same advice
-                    raise ValueError(f"{t.name} ({name!r}): its init {t.init!r} cannot be sent to the servers "
-                                     f"({e}): pass a module-level function or a dataclass instance") from e
-            settings = dict(dim=t.dim, capacity=t.capacity, init=t.init, admit_after=t.admit_after,
-                            admit_probability=t.admit_probability, evict=t.evict, ttl_steps=t.ttl_steps,
-                            dtype=t.dtype, seed=t.seed, name=f"{t.name} ({name!r})")
+                    raise ValueError(
+                        f"{t.name} ({name!r}): its init {t.init!r} cannot be sent to the servers "
+                        f"({e}): pass a module-level function or a dataclass instance"
+                    ) from e
+            settings = dict(
+                dim=t.dim,
+                capacity=t.capacity,
+                init=t.init,
+                admit_after=t.admit_after,
+                admit_probability=t.admit_probability,
+                evict=t.evict,
+                ttl_steps=t.ttl_steps,
+                dtype=t.dtype,
+                seed=t.seed,
+                name=f"{t.name} ({name!r})",
+            )
             out[name] = DynamicSetup(settings, self.optimizer)
         return out
 
@@ -166,7 +214,7 @@ class ServedDynamic:
         check_gatherable(name, (module.table.capacity, module.table.dim), module.table.dtype)
         table = copy.deepcopy(module.table)
         prefix = f"{name}."
-        table.load({k[len(prefix):]: v for k, v in self.state().items() if k.startswith(prefix)})
+        table.load({k[len(prefix) :]: v for k, v in self.state().items() if k.startswith(prefix)})
         return {"table": table, "served": None}
 
     def _loading(self, name: str, module: DynamicEmbedding, incompatible) -> None:
@@ -195,20 +243,31 @@ class ServedDynamic:
             self.modules[name].table.reset()
         self.loaded.clear()
 
-    def _forward(self, name: str, module: DynamicEmbedding, ids: torch.Tensor, offsets=None,
-                 per_sample_weights=None) -> torch.Tensor:
+    def _forward(
+        self, name: str, module: DynamicEmbedding, ids: torch.Tensor, offsets=None, per_sample_weights=None
+    ) -> torch.Tensor:
         ids = module.checked_ids(ids, offsets, per_sample_weights)
         unique, index, counts = torch.unique(ids.reshape(-1), return_inverse=True, return_counts=True)
         context = current_context_id()
         if module.training and torch.is_grad_enabled() and context is not None:
-            return self._recording(_Waiting(name, module, unique, counts, index.reshape(ids.shape),
-                                            resolved((offsets, per_sample_weights)), context))
+            return self._recording(
+                _Waiting(
+                    name,
+                    module,
+                    unique,
+                    counts,
+                    index.reshape(ids.shape),
+                    resolved((offsets, per_sample_weights)),
+                    context,
+                )
+            )
         return module.embed(index.reshape(ids.shape), self._read(name, unique), offsets, per_sample_weights)
 
     def _recording(self, lookup: _Waiting) -> torch.Tensor:
         """A recording lookup's result: pending until one of the forward's lookups is used (`flush`)."""
-        return self._waiting.add(lookup, lookup.module.output_shape(lookup.inverse, lookup.bag[0]),
-                                 lookup.module.table.dtype)
+        return self._waiting.add(
+            lookup, lookup.module.output_shape(lookup.inverse, lookup.bag[0]), lookup.module.table.dtype
+        )
 
     def flush(self) -> None:
         """Look up every waiting lookup's ids and make each one's result real (`_results`)."""
@@ -246,8 +305,10 @@ class ServedDynamic:
             for s, at in where.items():
                 asked.setdefault(s, []).append((w.table, w.ids[at], w.counts[at]))
         evictions, self._evictions = self._evictions, {}
-        answers = self.transport.table_calls({s: Lookups(tuple(lookups), self.step, evictions.get(s))
-                                              for s, lookups in asked.items()})
+        assert self.transport is not None  # set by the strategy before the first forward
+        answers = self.transport.table_calls(
+            {s: Lookups(tuple(lookups), self.step, evictions.get(s)) for s, lookups in asked.items()}
+        )
         out, taken = [], {s: 0 for s in asked}
         for w, where in zip(waiting, wheres):
             rows = self._zeros(w.table, w.ids.numel())
@@ -310,9 +371,12 @@ class ServedDynamic:
             capacities = {name: m.table.capacity for name, m in self.modules.items()}
             servers = list(range(self.num_servers))
             carried = [(replies or {}).get(s) for s in servers]
-            ended = ({s: c.ended[1] for s, c in zip(servers, carried)}
-                     if all(c is not None and c.ended is not None and c.ended[0] == self.step for c in carried)
-                     else None)
+            ends = [None if c is None else c.ended for c in carried]
+            ended = (
+                {s: e[1] for s, e in zip(servers, ends) if e is not None}
+                if all(e is not None and e[0] == self.step for e in ends)
+                else None
+            )
             global_eviction.end_step(self.step, capacities, servers, self, ended)
         self.step += 1
 
@@ -331,11 +395,13 @@ class ServedDynamic:
         """Send the last step's evictions where they still wait (before any call on the servers but a lookup)."""
         if self._evictions:
             evictions, self._evictions = self._evictions, {}
+            assert self.transport is not None  # set by the strategy before the first forward
             self.transport.table_calls(evictions)
 
-    def _call(self, calls: dict[int, TableCall]) -> dict[int, object]:
+    def _call(self, calls: dict[int, TableCall]) -> dict[int, Any]:
         """Calls on the servers' dynamic tables other than a lookup, the last step's evictions sent first."""
         self.send_evictions()
+        assert self.transport is not None  # set by the strategy before the first forward
         return self.transport.table_calls(calls)
 
     def resync(self) -> None:
@@ -370,15 +436,14 @@ class ServedDynamic:
     def _gathered(self, name: str, module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
         """State-dict hook of a dynamic table's module: its state as the servers hold it (inside `own_state`:
         none of its keys, gradsync adds them itself)."""
-        local = [k for k in state_dict if k.startswith(prefix) and "." not in k[len(prefix):]]
+        local = [k for k in state_dict if k.startswith(prefix) and "." not in k[len(prefix) :]]
         for key in local:
             del state_dict[key]
         if self.serving:
             state = self.state()
             for key in local:  # in the module's own order
-                state_dict[key] = state[f"{name}.{key[len(prefix):]}"]
+                state_dict[key] = state[f"{name}.{key[len(prefix) :]}"]
 
     def own_state(self):
         """A block in which gradsync reads the modules' state itself: the hook leaves the tables' keys out."""
         return not_serving(self)
-

@@ -8,9 +8,10 @@ hand-written `group["lr"] = ...` changes what the next step sends the servers (`
 split parameter's pieces joined), and `load_state_dict()` takes such a dict, from gradsync or from
 single-process training, and hands each server its part. Its `step()` is the `user_optimizer.StepGuard`'s.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -29,8 +30,14 @@ class ServedState:
         scatter: sends {server: (state by entry key, group options)} to every server.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, names: tuple[tuple[str, ...], ...],
-                 entries: dict[int, list[Entry]], gather: Callable[[], dict], scatter: Callable[[dict], None]):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        names: tuple[tuple[str, ...], ...],
+        entries: dict[int, list[Entry]],
+        gather: Callable[[], dict],
+        scatter: Callable[[dict], None],
+    ):
         self.param_groups = optimizer.param_groups
         self._names = names
         self._entries = entries
@@ -78,5 +85,6 @@ class ServedState:
 
 def serve_state(optimizer: torch.optim.Optimizer, state: ServedState) -> None:
     """Make `optimizer` answer `state_dict()` and `load_state_dict()` with the servers' `state`."""
-    optimizer.state_dict = state.state_dict
-    optimizer.load_state_dict = state.load_state_dict
+    # the instance's own methods, replaced (the class's stay)
+    optimizer.state_dict = state.state_dict  # type: ignore[method-assign]
+    optimizer.load_state_dict = state.load_state_dict  # type: ignore[method-assign]

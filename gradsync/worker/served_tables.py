@@ -12,25 +12,38 @@ context into each server's push: unique local ids and their summed gradients
 per table. A worker never holds more of a table than the rows its batches
 pulled.
 """
+
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import functools
 import time
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from gradsync.core.optimizer_spec import OptimizerSpec
-from gradsync.tables.row_optim import exact_row_optimizer, inexact_part, no_row_form
-from gradsync.tables.placement import (TABLE_MODULES, check_ids, find_tables, join_rows, merge_rows, split_ids,
-                                       table_specs)
 from gradsync.core.torch_internals import current_context_id
+from gradsync.ps.messages import RowGrads, TableSetup
+from gradsync.tables.placement import (
+    TABLE_MODULES,
+    TableModule,
+    check_ids,
+    find_tables,
+    join_rows,
+    merge_rows,
+    split_ids,
+    table_specs,
+)
+from gradsync.tables.row_optim import exact_row_optimizer, inexact_part, no_row_form
 from gradsync.worker.pending_rows import WaitingLookups, resolved
 from gradsync.worker.plain_module import Attachments, check_gatherable
-from gradsync.ps.messages import RowGrads, TableSetup
+
+if TYPE_CHECKING:
+    from gradsync.transport.base import WorkerTransport
 
 
 class _Lookup:
@@ -44,15 +57,17 @@ class _Lookup:
         self.pulled = pulled
 
 
-def output_shape(module: nn.Module, input: torch.Tensor, offsets=None) -> torch.Size:
+def output_shape(module: TableModule, input: torch.Tensor, offsets=None) -> torch.Size:
     """The shape of `module`'s forward (an `nn.Embedding` or `nn.EmbeddingBag`) of `input` with `offsets`."""
     if not isinstance(module, nn.EmbeddingBag):
         return torch.Size((*input.shape, module.embedding_dim))
     if input.dim() == 2 and offsets is None:
         return torch.Size((input.shape[0], module.embedding_dim))
     if input.dim() != 1 or offsets is None:
-        raise ValueError(f"an EmbeddingBag takes a 2-D input without offsets or a 1-D input with offsets, got a "
-                         f"{input.dim()}-D input {'with' if offsets is not None else 'without'} offsets")
+        raise ValueError(
+            f"an EmbeddingBag takes a 2-D input without offsets or a 1-D input with offsets, got a "
+            f"{input.dim()}-D input {'with' if offsets is not None else 'without'} offsets"
+        )
     return torch.Size((offsets.numel() - int(module.include_last_offset), module.embedding_dim))
 
 
@@ -63,7 +78,7 @@ class _Waiting:
     weights) and the dist_autograd context it was made in."""
 
     table: str
-    module: nn.Module
+    module: TableModule
     ids: torch.Tensor
     inverse: torch.Tensor
     bag: tuple
@@ -73,7 +88,7 @@ class _Waiting:
 class ServedTables:
     """The model's row-wise tables (`tables.placement.find_tables`), looked up through `transport`."""
 
-    def __init__(self, tables: dict[str, nn.Module], num_servers: int, metrics):
+    def __init__(self, tables: dict[str, TableModule], num_servers: int, metrics):
         for name, module in tables.items():
             if module.max_norm is not None:
                 raise ValueError(
@@ -86,7 +101,7 @@ class ServedTables:
         self.dtypes = {t.name: t.dtype for t in self.specs}
         self.num_servers = num_servers
         self.metrics = metrics
-        self.transport = None  # set by the strategy before the first forward
+        self.transport: WorkerTransport | None = None  # set by the strategy before the first forward
         self.serving = False  # set by the strategy once the servers answer: the module's state_dict gathers
         self.loaded: dict[str, torch.Tensor] = {}  # the whole weights a module's load_state_dict took, by table
         self._lookups: dict[int, list[_Lookup]] = {}
@@ -106,7 +121,7 @@ class ServedTables:
             module = self.modules[spec.name]
             weight = module.weight.detach()
             for s in range(self.num_servers):
-                values = None if weight.is_meta else weight[s::self.num_servers].contiguous()
+                values = None if weight.is_meta else weight[s :: self.num_servers].contiguous()
                 out[s][spec.name] = TableSetup(spec, values, module.padding_idx, *rows[spec.name])
         return out
 
@@ -117,7 +132,8 @@ class ServedTables:
         holds its whole weight (`plain_module`)."""
         for spec in self.specs:
             module = self.modules[spec.name]
-            module.weight = None
+            # torch declares the weight a Parameter; a module's parameter may be set to None
+            module.weight = None  # type: ignore[assignment]
             attached.set(module, "forward", functools.partial(self._lookup, spec.name, module))
             attached.hook(module, module.register_state_dict_post_hook(functools.partial(self._gathered, spec)))
             attached.hook(module, module.register_load_state_dict_pre_hook(functools.partial(self._loading, spec)))
@@ -127,6 +143,7 @@ class ServedTables:
         """The whole table `table`, as the servers hold it now."""
         spec = next(s for s in self.specs if s.name == table)
         check_gatherable(table, spec.shape, spec.dtype)
+        assert self.transport is not None  # set by the strategy before the first forward
         return join_rows(self.transport.table_rows(table), spec.shape, self.num_servers)
 
     def _plain(self, spec, module: nn.Module) -> dict:
@@ -139,8 +156,18 @@ class ServedTables:
         if self.serving:
             state_dict[prefix + "weight"] = self.whole(spec.name)
 
-    def _loading(self, spec, module: nn.Module, state_dict: dict, prefix: str, local_metadata, strict,
-                 missing: list, unexpected, errors: list) -> None:
+    def _loading(
+        self,
+        spec,
+        module: nn.Module,
+        state_dict: dict,
+        prefix: str,
+        local_metadata,
+        strict,
+        missing: list,
+        unexpected,
+        errors: list,
+    ) -> None:
         """Load-state-dict pre-hook of a served table's module: its weight taken out of the state dict (a copy in
         `loaded`, which the strategy sends where the rows are trained once the whole load succeeded), checked
         as torch checks a parameter."""
@@ -153,20 +180,22 @@ class ServedTables:
         value = state_dict.pop(key)
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != spec.shape:
             shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            errors.append(f"size mismatch for {key}: copying a param with shape {shape} from checkpoint, the "
-                          f"shape in current model is {torch.Size(spec.shape)}.")
+            errors.append(
+                f"size mismatch for {key}: copying a param with shape {shape} from checkpoint, the "
+                f"shape in current model is {torch.Size(spec.shape)}."
+            )
             return
         self.loaded[spec.name] = value.detach().to("cpu", spec.dtype, copy=True)
 
     def loaded_rows(self, server: int) -> dict[str, torch.Tensor]:
         """Server `server`'s rows of each table a load took (`loaded`), by table."""
-        return {name: weight[server::self.num_servers].contiguous() for name, weight in self.loaded.items()}
+        return {name: weight[server :: self.num_servers].contiguous() for name, weight in self.loaded.items()}
 
     def own_state(self):
         """A block in which gradsync reads the module's state itself: the hook gathers nothing."""
         return not_serving(self)
 
-    def _lookup(self, name: str, module: nn.Module, input: torch.Tensor, offsets=None, per_sample_weights=None):
+    def _lookup(self, name: str, module: TableModule, input: torch.Tensor, offsets=None, per_sample_weights=None):
         """A lookup with gradients waits with the forward's others until one of them is used (`PendingRows`,
         `flush`: their rows fetched together); any other reads its rows at once."""
         self._check(name, input, module.num_embeddings)
@@ -198,21 +227,39 @@ class ServedTables:
         self.flush()
         return resolved(output)
 
-    def _fetch(self, waiting: list[_Waiting]) -> list[tuple[torch.Tensor, dict[int, int]]]:
-        """The rows of waiting lookups, in one call per server for them all (`_pull_all`)."""
+    def _fetch(self, waiting: list[_Waiting]) -> list[tuple[torch.Tensor, Any]]:
+        """The rows of waiting lookups, in one call per server for them all (`_pull_all`), each with what
+        `_Lookup.pulled` keeps."""
         return self._pull_all([(w.table, w.ids) for w in waiting])
 
     @staticmethod
-    def _embed(module: nn.Module, ids: torch.Tensor, inverse: torch.Tensor, leaf: torch.Tensor, offsets=None,
-               per_sample_weights=None) -> torch.Tensor:
+    def _embed(
+        module: TableModule,
+        ids: torch.Tensor,
+        inverse: torch.Tensor,
+        leaf: torch.Tensor,
+        offsets=None,
+        per_sample_weights=None,
+    ) -> torch.Tensor:
         """`module`'s forward on the rows `leaf` of its unique `ids`, the input being `ids[inverse]`."""
         pad = None
         if module.padding_idx is not None:
             at = torch.searchsorted(ids, module.padding_idx)
             pad = int(at) if at < ids.numel() and ids[at] == module.padding_idx else None
         if isinstance(module, nn.EmbeddingBag):
-            return F.embedding_bag(inverse, leaf, offsets, None, module.norm_type, module.scale_grad_by_freq,
-                                   module.mode, False, per_sample_weights, module.include_last_offset, pad)
+            return F.embedding_bag(
+                inverse,
+                leaf,
+                offsets,
+                None,
+                module.norm_type,
+                module.scale_grad_by_freq,
+                module.mode,
+                False,
+                per_sample_weights,
+                module.include_last_offset,
+                pad,
+            )
         return F.embedding(inverse, leaf, pad, None, module.norm_type, module.scale_grad_by_freq, False)
 
     def record(self, context: int, name: str, ids: torch.Tensor, leaf: torch.Tensor, pulled) -> None:
@@ -227,7 +274,7 @@ class ServedTables:
         """Per holder of any of the unique global `ids`: (their positions in `ids`, the ids it is sent)."""
         return split_ids(ids, self.num_servers)
 
-    def _pull(self, name: str, ids: torch.Tensor) -> tuple[torch.Tensor, dict[int, int]]:
+    def _pull(self, name: str, ids: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """The rows of the unique global `ids` of table `name`, in their order, and the version each server
         answered at."""
         return self._pull_all([(name, ids)])[0]
@@ -237,8 +284,10 @@ class ServedTables:
         answered at; one call per server for them all (the time and bytes in the step's metrics, as pull)."""
         start = time.perf_counter()
         wheres = [split_ids(ids, self.num_servers) for _, ids in lookups]
-        answers = self.transport.pull_rows_many([(name, {s: local for s, (_, local) in where.items()})
-                                                 for (name, _), where in zip(lookups, wheres)])
+        assert self.transport is not None  # set by the strategy before the first forward
+        answers = self.transport.pull_rows_many(
+            [(name, {s: local for s, (_, local) in where.items()}) for (name, _), where in zip(lookups, wheres)]
+        )
         out = []
         for (name, ids), where, answer in zip(lookups, wheres, answers):
             if self.num_servers == 1 and answer:
@@ -271,9 +320,12 @@ class ServedTables:
 
     def full(self, named_by_server: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Whole tables from each server's rows (the `state()` of every server), by weight name."""
-        return {spec.name: join_rows({s: named[spec.name] for s, named in named_by_server.items()}, spec.shape,
-                                     self.num_servers)
-                for spec in self.specs}
+        return {
+            spec.name: join_rows(
+                {s: named[spec.name] for s, named in named_by_server.items()}, spec.shape, self.num_servers
+            )
+            for spec in self.specs
+        }
 
 
 WORTH_SERVING_SHARE = 0.1
@@ -284,8 +336,9 @@ the gain is smaller than the spread between runs of one job (BENCHMARKS.md, "How
 while the line would repeat in every run of a model whose small token embedding has no row optimizer."""
 
 
-def choose_tables(module: nn.Module, tables: str, optimizer: OptimizerSpec, table_optimizer,
-                  say: bool) -> tuple[dict[str, nn.Module], dict[str, tuple]]:
+def choose_tables(
+    module: nn.Module, tables: str, optimizer: OptimizerSpec, table_optimizer, say: bool
+) -> tuple[dict[str, TableModule], dict[str, tuple]]:
     """The tables of `module` trained row by row, by weight name, and each one's (row optimizer, the optimizer
     group whose schedule its learning rate follows, or None).
 
@@ -296,7 +349,8 @@ def choose_tables(module: nn.Module, tables: str, optimizer: OptimizerSpec, tabl
     """
     found = find_tables(module) if tables in ("auto", "rows") else {}
     group_of = optimizer.group_of(found)
-    chosen, rows = {}, {}
+    chosen: dict[str, TableModule] = {}
+    rows: dict[str, tuple] = {}
     for name, table in found.items():
         options = optimizer.groups[group_of[name]]
         exact = exact_row_optimizer(optimizer.cls, options)
@@ -304,17 +358,19 @@ def choose_tables(module: nn.Module, tables: str, optimizer: OptimizerSpec, tabl
             if tables == "rows":
                 raise ValueError(no_row_form(optimizer.cls, options, name))
             if say and table.weight.numel() >= WORTH_SERVING_SHARE * sum(p.numel() for p in module.parameters()):
-                print(f"gradsync: embedding table {name!r} {tuple(table.weight.shape)} stays in the dense path "
-                      f"(tables='auto'): {inexact_part(optimizer.cls, options)} has no exact row-wise form; serve "
-                      f"it row by row with {ROW_OPTIMIZER_FIX}", flush=True)
+                print(
+                    f"gradsync: embedding table {name!r} {tuple(table.weight.shape)} stays in the dense path "
+                    f"(tables='auto'): {inexact_part(optimizer.cls, options)} has no exact row-wise form; serve "
+                    f"it row by row with {ROW_OPTIMIZER_FIX}",
+                    flush=True,
+                )
             continue
         chosen[name] = table
         rows[name] = (table_optimizer, None) if table_optimizer is not None else (exact, group_of[name])
     return chosen, rows
 
 
-ROW_OPTIMIZER_FIX = ("Trainer(..., table_optimizer=gradsync.RowSGD(lr=..., momentum=...)) or "
-                     "gradsync.RowAdagrad(lr=...)")
+ROW_OPTIMIZER_FIX = "Trainer(..., table_optimizer=gradsync.RowSGD(lr=..., momentum=...)) or gradsync.RowAdagrad(lr=...)"
 
 
 def why_dense(module: nn.Module, tables: str, optimizer: OptimizerSpec, table_optimizer) -> str | None:
@@ -324,15 +380,20 @@ def why_dense(module: nn.Module, tables: str, optimizer: OptimizerSpec, table_op
     the fixes."""
     if choose_tables(module, tables, optimizer, table_optimizer, say=False)[0]:
         return None
-    found = {f"{path}.weight" if path else "weight": m for path, m in module.named_modules()
-             if isinstance(m, TABLE_MODULES)}
+    found = {
+        f"{path}.weight" if path else "weight": m for path, m in module.named_modules() if isinstance(m, TABLE_MODULES)
+    }
     if not found:
-        return ("this model has no embedding table (nn.Embedding, nn.EmbeddingBag, gradsync.DynamicEmbedding): use "
-                "--strategy allreduce")
+        return (
+            "this model has no embedding table (nn.Embedding, nn.EmbeddingBag, gradsync.DynamicEmbedding): use "
+            "--strategy allreduce"
+        )
     shown = {name: f"{name!r} {tuple(table.weight.shape)}" for name, table in found.items()}
     if tables == "dense":
-        return (f"tables='dense' keeps every table of this model dense ({', '.join(shown.values())}). Fix: build "
-                "the Trainer with tables='auto' (the default); or use --strategy allreduce")
+        return (
+            f"tables='dense' keeps every table of this model dense ({', '.join(shown.values())}). Fix: build "
+            "the Trainer with tables='auto' (the default); or use --strategy allreduce"
+        )
     users: dict[int, list[str]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         users.setdefault(id(p), []).append(name)
@@ -345,16 +406,24 @@ def why_dense(module: nn.Module, tables: str, optimizer: OptimizerSpec, table_op
             reasons.append(f"{shown[name]} is tied to {', '.join(map(repr, tied))}, which trains it in the dense path")
         else:
             options = optimizer.groups[optimizer.group_of([name])[name]]
-            reasons.append(f"{shown[name]} trains with {inexact_part(optimizer.cls, options)}, which has no exact "
-                           "row-wise form")
+            reasons.append(
+                f"{shown[name]} trains with {inexact_part(optimizer.cls, options)}, which has no exact row-wise form"
+            )
             fixes = [f"give the tables a row optimizer, {ROW_OPTIMIZER_FIX}"]
     fix = "; or ".join([*fixes, "use --strategy allreduce"])
     return f"every table of this model stays dense: {'; '.join(reasons)}. Fix: {fix}"
 
 
-def serve_tables(module: nn.Module, tables: str, num_servers: int, metrics, optimizer: OptimizerSpec,
-                 table_optimizer, send: bool, attached: Attachments
-                 ) -> tuple[ServedTables, dict[int, dict[str, TableSetup]]]:
+def serve_tables(
+    module: nn.Module,
+    tables: str,
+    num_servers: int,
+    metrics,
+    optimizer: OptimizerSpec,
+    table_optimizer,
+    send: bool,
+    attached: Attachments,
+) -> tuple[ServedTables, dict[int, dict[str, TableSetup]]]:
     """Take over the tables of `module` that are served row by row (`choose_tables`), changing the modules
     through `attached`, and return them with what registration sends each server of them (only when `send`:
     worker 0)."""

@@ -22,12 +22,14 @@ A job checkpoint holds each worker's parts in its own file, in the form a server
 same worker's part of the full one at a resume); a resume takes each worker's ids from its own file alone with
 as many workers as wrote it, else from every writer's, re-homed by `server_of(id, W')` (`DynamicShard.restore`).
 """
+
 from __future__ import annotations
 
 import functools
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,6 +56,7 @@ its module path)."""
 
 def _answer_of(call: TableCall, step: int, timeout: float):
     """RPC handler: this worker's answer to `call` once it has ended `step` steps."""
+    assert _HELD is not None  # a worker with sharded dynamic tables answers it
     return _HELD.answered_after(call, step, timeout)
 
 
@@ -64,8 +67,9 @@ class ShardedDynamic(ServedDynamic):
     def __init__(self, module: nn.Module, table_optimizer, mode: str, worker: int, workers: int, timeout: float):
         super().__init__(module, workers, table_optimizer, mode)
         self.worker, self.timeout = worker, timeout
-        self.parts = {name: DynamicShard(name, setup, worker, workers)
-                      for name, setup in self.setups(sent=False).items()}
+        self.parts = {
+            name: DynamicShard(name, setup, worker, workers) for name, setup in self.setups(sent=False).items()
+        }
         self.tables: ShardedTables | None = None  # set by the strategy before the first forward: the routes
         self.transport = WorkerParts(self)  # `ServedDynamic`'s calls on the servers go to the workers' parts
         self._ended = threading.Condition()
@@ -92,9 +96,11 @@ class ShardedDynamic(ServedDynamic):
     def _record(self, context: int, name: str, ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         plan = ExchangePlan.placed(server_of(ids, self.num_servers), self.num_servers)
         sent = torch.stack([ids, counts], 1)[plan.order]
-        rows, route = self.tables.route(name, sent, plan, functools.partial(self._look_up, name))
+        tables = self.tables
+        assert tables is not None  # set by the strategy before the first forward
+        rows, route = tables.route(name, sent, plan, functools.partial(self._look_up, name))
         rows.requires_grad_()
-        self.tables.record(context, name, ids, rows, route)
+        tables.record(context, name, ids, rows, route)
         return rows
 
     def _look_up(self, name: str, asked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,8 +111,9 @@ class ShardedDynamic(ServedDynamic):
         rows, _ = self.parts[name].lookup(ids, counts, self.step)
         return asked[:, 0], rows[inverse]
 
-    def admitted(self, received: dict[str, tuple[torch.Tensor, torch.Tensor]]
-                 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def admitted(
+        self, received: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Of `ShardedTables.exchange_grads`' rows of the dynamic tables (ids, gradients), those of the ids
         admitted this step (resident here; the others read zeros and get no update)."""
         out = {}
@@ -125,8 +132,9 @@ class ShardedDynamic(ServedDynamic):
         since the last full one)."""
         return {name: part.checkpoint(full) for name, part in self.parts.items()}
 
-    def restore(self, saved: Iterable[dict[str, dict]], where: str,
-                full: Callable[[int], dict[str, dict]] | None = None) -> None:
+    def restore(
+        self, saved: Iterable[dict[str, dict]], where: str, full: Callable[[int], dict[str, dict]] | None = None
+    ) -> None:
         """Take this worker's ids of each table, with their rows, row optimizer state and admission and eviction
         state, from the `checkpoint()`s of the workers of a checkpoint (`saved`, this worker's own first: with
         as many workers as wrote it, its own part alone is read), written by any number of workers; the next
@@ -143,26 +151,29 @@ class ShardedDynamic(ServedDynamic):
         for tables in saved:
             for name, part in tables.items():
                 if name in parts:
-                    onto = full and (lambda k=part["server"], n=name: full(k)[n])  # the writer's full part
+                    # the writer's full part
+                    onto = None if full is None else (lambda k=part["server"], n=name: full(k)[n])
                     parts[name].append(whole(name, part, onto, where))
             if all(self.parts[n].holds_all(p) for n, p in parts.items()):
                 break
         else:
             name = next(n for n, p in parts.items() if not self.parts[n].holds_all(p))
-            raise ValueError(f"{where} holds {len(parts[name])} workers' parts of dynamic table {name!r}, not every "
-                             f"part worker {self.worker} takes its ids from: it was written by another model, or "
-                             "by a job that checkpointed no dynamic table; resume with the model that wrote it, or "
-                             "start without --resume")
+            raise ValueError(
+                f"{where} holds {len(parts[name])} workers' parts of dynamic table {name!r}, not every "
+                f"part worker {self.worker} takes its ids from: it was written by another model, or "
+                "by a job that checkpointed no dynamic table; resume with the model that wrote it, or "
+                "start without --resume"
+            )
         with self._ended:
-            for name, part in self.parts.items():
-                part.restore(parts[name])
+            for name, held in self.parts.items():
+                held.restore(parts[name])
             self.step = max(part.table.step for part in self.parts.values())
             self._ended.notify_all()
 
-    def end_step(self) -> None:
+    def end_step(self, replies: dict | None = None) -> None:
         """End the step on every worker's part (a collective): `ServedDynamic.end_step`, with the workers'
         answers gathered."""
-        super().end_step()
+        super().end_step(replies)
         with self._ended:
             self._ended.notify_all()
 
@@ -178,8 +189,10 @@ class ShardedDynamic(ServedDynamic):
         """This worker's answer to `call` (a read, the state, the counts) once it has ended `step` steps."""
         with self._ended:
             if not self._ended.wait_for(lambda: self.step >= step, timeout):
-                raise TimeoutError(f"worker {self.worker} was asked for its dynamic tables after step {step} and had "
-                                   f"ended {self.step} steps after {timeout:.0f} s")
+                raise TimeoutError(
+                    f"worker {self.worker} was asked for its dynamic tables after step {step} and had "
+                    f"ended {self.step} steps after {timeout:.0f} s"
+                )
             return self.respond(call)
 
 
@@ -192,7 +205,7 @@ class WorkerParts:
     def __init__(self, holder: ShardedDynamic):
         self.holder = holder
 
-    def table_calls(self, calls: dict[int, TableCall]) -> dict[int, object]:
+    def table_calls(self, calls: Mapping[int, TableCall]) -> dict[int, Any]:
         h = self.holder
         if type(calls.get(h.worker)) in _GATHERED:
             every = [None] * h.num_servers
@@ -200,10 +213,14 @@ class WorkerParts:
             dist.all_gather_object(every, h.respond(calls[h.worker]))
             if h.metrics is not None:  # after the step's commit: counted in that step
                 wire = object_gather_bytes(every)
-                h.metrics.gathered_after_commit(_GATHERED[type(calls[h.worker])], time.perf_counter() - started,
-                                                wire, wire, left)
+                h.metrics.gathered_after_commit(
+                    _GATHERED[type(calls[h.worker])], time.perf_counter() - started, wire, wire, left
+                )
             return dict(enumerate(every))
-        futures = {w: rpc.rpc_async(worker_name(w), _answer_of, args=(call, h.step, h.timeout), timeout=2 * h.timeout)
-                   for w, call in calls.items() if w != h.worker}
+        futures = {
+            w: rpc.rpc_async(worker_name(w), _answer_of, args=(call, h.step, h.timeout), timeout=2 * h.timeout)
+            for w, call in calls.items()
+            if w != h.worker
+        }
         out = {h.worker: h.respond(calls[h.worker])} if h.worker in calls else {}
         return {**out, **{w: fut.wait() for w, fut in futures.items()}}

@@ -13,10 +13,11 @@ coefficient, unless the dense step was dropped (a NaN/Inf under nonfinite='skip'
 in some worker's own row gradients raises on every worker before anything is applied (nonfinite='raise'),
 or drops the rows of that step (nonfinite='skip'), as hybrid's servers do.
 """
+
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,9 +45,17 @@ if TYPE_CHECKING:
 class ShardedStrategy(Strategy):
     """Tables split by row over all-to-all + DDP. Every worker must construct it (collectives)."""
 
-    def __init__(self, cluster: Cluster, module: nn.Module, optimizer: torch.optim.Optimizer, *,
-                 tables: str = "auto", table_optimizer=None, find_unused_parameters: bool = False,
-                 clipping: Clipping = Clipping()):
+    def __init__(
+        self,
+        cluster: Cluster,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        tables: str = "auto",
+        table_optimizer=None,
+        find_unused_parameters: bool = False,
+        clipping: Clipping = Clipping(),
+    ):
         config = cluster.config
         self.config = config
         self.keys = list(module.state_dict().keys())
@@ -56,10 +65,12 @@ class ShardedStrategy(Strategy):
         if dense is not None and not find_dynamic(module):  # before any table is taken over or said
             raise NoTablesToServe(f"the sharded strategy splits embedding tables across the workers, and {dense}")
         chosen, rows = choose_tables(module, tables, spec, table_optimizer, say=config.worker_rank == 0)
-        self.dynamic = ShardedDynamic(module, table_optimizer, config.mode, config.worker_rank, config.num_workers,
-                                      config.step_timeout)
-        self.tables = ShardedTables(chosen, rows, config.worker_rank, config.num_workers, config.step_timeout,
-                                    dynamic=self.dynamic.modules)
+        self.dynamic = ShardedDynamic(
+            module, table_optimizer, config.mode, config.worker_rank, config.num_workers, config.step_timeout
+        )
+        self.tables = ShardedTables(
+            chosen, rows, config.worker_rank, config.num_workers, config.step_timeout, dynamic=self.dynamic.modules
+        )
         self.dynamic.tables = self.tables
         values = {t.name: weights[t.name] for t in self.tables.specs}
         self.attached = Attachments()  # what the module's own copies, saves and loads see (`plain_module`)
@@ -68,8 +79,14 @@ class ShardedStrategy(Strategy):
         split = {id(w) for w in values.values()}
         for group in optimizer.param_groups:  # the owners train the tables: the local optimizer keeps the rest
             group["params"] = [p for p in group["params"] if id(p) not in split]
-        self.dense = AllreduceStrategy(cluster, module, optimizer, find_unused_parameters=find_unused_parameters,
-                                       clipping=clipping, replicate_dynamic=False)
+        self.dense = AllreduceStrategy(
+            cluster,
+            module,
+            optimizer,
+            find_unused_parameters=find_unused_parameters,
+            clipping=clipping,
+            replicate_dynamic=False,
+        )
         self.tables.take_rows(values)  # once every worker has built its Trainer (DDP's wait)
         self.attached.hook(module, module.register_forward_hook(self.tables.forward_ended))
         self.attached.on_load(module.modules(), (self.tables, self.dynamic), self._commit_load, self._discard_load)
@@ -81,16 +98,18 @@ class ShardedStrategy(Strategy):
         self.tables.metrics = self.dynamic.metrics = self.metrics
         self.tables.serving = self.dynamic.serving = True
 
+    # the base declares an attribute; here a read-only view of the dense part's, which nothing sets
     @property
-    def grad_norm(self) -> float | None:
+    def grad_norm(self) -> float | None:  # type: ignore[override]
         return self.dense.grad_norm
 
     def step(self, context_id: int, scaler=None) -> None:
         """Send the row gradients to their owners, step the dense part (with the joint norm under clipping or
         a GradScaler) and apply the owners' rows."""
         agreeing = scaler is not None or self.dense.clipping.on
-        received, nonfinite = self.tables.exchange_grads(context_id, dist_autograd.get_gradients(context_id),
-                                                         inverse_scale(scaler))
+        received, nonfinite = self.tables.exchange_grads(
+            context_id, dist_autograd.get_gradients(context_id), inverse_scale(scaler)
+        )
         if nonfinite and scaler is None:  # every worker knows it: all raise, or all drop the rows
             if self.config.nonfinite == "raise":
                 table = next(iter(nonfinite))
@@ -129,7 +148,8 @@ class ShardedStrategy(Strategy):
         raise NotImplementedError(
             "trainer.join() is not supported under the sharded strategy: every lookup exchanges ids and rows with "
             "every worker, so a worker that ran out of data would stall the others; give every worker the same "
-            "number of batches (drop_last, or DistributedSampler), or use --strategy hybrid")
+            "number of batches (drop_last, or DistributedSampler), or use --strategy hybrid"
+        )
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         tables = {**self.tables.full(), **self.dynamic.state()}
@@ -145,8 +165,11 @@ class ShardedStrategy(Strategy):
         every table with their row optimizer state, and its part of every dynamic table (`delta`: what changed
         in it since the last full checkpoint)."""
         with self.tables.own_state(), self.dynamic.own_state():
-            return {**self.dense.local_state(), "rows": self.tables.checkpoint(),
-                    "dynamic": self.dynamic.checkpoint(full=not delta)}
+            return {
+                **self.dense.local_state(),
+                "rows": self.tables.checkpoint(),
+                "dynamic": self.dynamic.checkpoint(full=not delta),
+            }
 
     def load_local_state(self, state: dict) -> None:
         """Take back the dense part of `local_state()` (the dynamic tables' local keys, which it leaves out, as
@@ -155,13 +178,20 @@ class ShardedStrategy(Strategy):
             self.dense.load_local_state({**state, "model": {**self.dynamic.local_keys(), **state["model"]}})
         self.tables.applied = state["step"]
 
-    def load_rows(self, saved: Iterable[dict], where: str, full: Callable[[int], dict] | None = None) -> None:
+    def load_rows(self, saved: Iterable[dict], where: str, full: Callable[..., dict] | None = None) -> None:
         """Take this worker's rows and ids from the checkpoint's worker files `saved` (`ShardedTables.restore`,
         `ShardedDynamic.restore`: by the row partition and the id hash of this job's workers, whatever number of
         workers wrote them; a delta's dynamic parts onto those of worker files `full(k)`), reading each file
         once, and no more of them than those need."""
         read: list[dict] = []
-        files = (read.append(state) or state for state in saved)
+        files = _kept(saved, read)
         self.tables.restore((state["rows"] for state in files), where)
         base = full and (lambda k: full(k).get("dynamic", {}))
         self.dynamic.restore((state.get("dynamic", {}) for state in itertools.chain(read, files)), where, base)
+
+
+def _kept(files: Iterable[dict], read: list[dict]) -> Iterator[dict]:
+    """`files`, each one appended to `read` as it is read (`load_rows` reads each file once)."""
+    for state in files:
+        read.append(state)
+        yield state

@@ -34,6 +34,7 @@ The whole tables (`trainer.state_dict()`, and the user's module's `state_dict()`
 over torch RPC: each owner answers with its rows once it has applied as many steps as the asking worker,
 so a worker that gathers alone (worker 0 saving the model) gets one consistent step.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,7 +43,8 @@ import math
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,9 +54,10 @@ from torch import nn
 from gradsync.core.errors import bad_id_error
 from gradsync.core.finite import first_nonfinite
 from gradsync.core.job_names import worker_name
-from gradsync.tables.placement import check_id_dtype, check_ids, merge_rows, out_of_range
-from gradsync.tables.row_optim import saved_state, take_saved_state
-from gradsync.tables.row_partition import LOOKUPS_PER_EXCHANGE as BATCH, ExchangePlan, local_index, owned_rows, owners
+from gradsync.tables.placement import TableModule, check_id_dtype, check_ids, merge_rows, out_of_range
+from gradsync.tables.row_optim import RowOptimizer, saved_state, take_saved_state
+from gradsync.tables.row_partition import LOOKUPS_PER_EXCHANGE as BATCH
+from gradsync.tables.row_partition import ExchangePlan, local_index, owned_rows, owners
 from gradsync.worker.pending_rows import resolved
 from gradsync.worker.plain_module import check_gatherable
 from gradsync.worker.served_tables import ServedTables
@@ -83,8 +86,8 @@ class _Shard:
 
     owned: torch.Tensor
     values: torch.Tensor
-    state: object
-    optimizer: object
+    state: Any  # what `optimizer.new_state` made, which its `step` takes: `LazyRows`, a tensor or None
+    optimizer: RowOptimizer
     group: int | None  # the optimizer group whose learning rate the rows follow (an exact row form), or None
 
 
@@ -128,19 +131,28 @@ def _answer(shard: _Shard, asked: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 def _rows_of(table: str, step: int, timeout: float) -> tuple[torch.Tensor, torch.Tensor]:
     """RPC handler: this worker's rows of `table` (ids, values) once it has applied `step` steps."""
+    assert _HELD is not None  # a worker with sharded tables answers it
     return _HELD.rows_of(table, step, timeout)
 
 
 def _rows_at(table: str, ids: torch.Tensor, step: int, timeout: float) -> torch.Tensor:
     """RPC handler: this worker's rows `ids` of `table` once it has applied `step` steps."""
+    assert _HELD is not None  # a worker with sharded tables answers it
     return _HELD.rows_of(table, step, timeout, ids)[1]
 
 
 class ShardedTables(ServedTables):
     """The model's row-wise tables (`served_tables.choose_tables`), split by row across the workers."""
 
-    def __init__(self, tables: dict[str, nn.Module], rows: dict[str, tuple], worker: int, workers: int,
-                 timeout: float, dynamic: Iterable[str] = ()):
+    def __init__(
+        self,
+        tables: dict[str, TableModule],
+        rows: dict[str, tuple],
+        worker: int,
+        workers: int,
+        timeout: float,
+        dynamic: Iterable[str] = (),
+    ):
         """`dynamic`: the names of the model's dynamic tables, whose lookups go along `route` too
         (`worker.sharded_dynamic`)."""
         super().__init__(tables, workers, None)
@@ -153,7 +165,7 @@ class ShardedTables(ServedTables):
         self.capacity = 0  # id elements per worker in every tagged exchange (`_meta`): the same on every worker
         self._stepped = threading.Condition()
 
-    def take_rows(self, weights: dict[str, torch.Tensor]) -> None:
+    def take_rows(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Keep this worker's rows of each table of worker 0's `weights` (by table; a collective), with a fresh
         row optimizer state; this worker then answers the others' gathers."""
         global _HELD
@@ -161,8 +173,9 @@ class ShardedTables(ServedTables):
             owned = owned_rows(spec.shape[0], self.worker, self.workers)
             optimizer, group = self.rows[spec.name]
             values = self._scatter(spec, weights[spec.name], self.modules[spec.name].padding_idx, owned)
-            self.shards[spec.name] = _Shard(owned, values, optimizer.new_state(owned.numel(), spec.shape[1],
-                                                                                spec.dtype), optimizer, group)
+            self.shards[spec.name] = _Shard(
+                owned, values, optimizer.new_state(owned.numel(), spec.shape[1], spec.dtype), optimizer, group
+            )
         _HELD = self
 
     def _scatter(self, spec, weight: torch.Tensor, padding_idx: int | None, owned: torch.Tensor) -> torch.Tensor:
@@ -183,8 +196,9 @@ class ShardedTables(ServedTables):
             send, counts = weight.new_empty((0, spec.shape[1])), [0] * self.workers
         return _exchange(send, counts, [owned.numel() if w == 0 else 0 for w in range(self.workers)])
 
-    def _all_to_all(self, what: str, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]
-                    ) -> torch.Tensor:
+    def _all_to_all(
+        self, what: str, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]
+    ) -> torch.Tensor:
         """`_exchange`, counted in the step's metrics as exchange time and the bytes that went to and came from
         the other workers (a worker's block to itself stays in memory), and recorded as the lane
         `what` of the step timeline."""
@@ -197,8 +211,14 @@ class ShardedTables(ServedTables):
         self.metrics.timeline.all_to_all(what, sent, got, left)
         return out
 
-    def _meta(self, tags: list[int], ints: list[list[int]], flag: tuple[int, int, int], lane: str,
-              blocks: tuple[torch.Tensor, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _meta(
+        self,
+        tags: list[int],
+        ints: list[list[int]],
+        flag: tuple[int, int, int],
+        lane: str,
+        blocks: tuple[torch.Tensor, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Send worker w the ints `ints[w]` (one per tag), `flag` (set, value, index) and the first `capacity`
         elements of `blocks[w]` (a batch of lookups' ids for it; none for the other exchanges), tagged with the
         exchange each worker is at (`tags`: the tables of a batch of lookups, in order; [`_STEP`];
@@ -214,24 +234,25 @@ class ShardedTables(ServedTables):
         capacity, flags = self.capacity, 1 + 2 * BATCH
         meta = torch.zeros(self.workers, HEADER + capacity, dtype=torch.int64)
         meta[:, 0] = len(tags)
-        meta[:, 1:1 + BATCH] = torch.tensor(tags + [_NONE] * (BATCH - len(tags)))
-        meta[:, 1 + BATCH:1 + BATCH + len(tags)] = torch.tensor(ints, dtype=torch.int64).view(self.workers, -1)
-        meta[:, flags:flags + 3] = torch.tensor(flag)
+        meta[:, 1 : 1 + BATCH] = torch.tensor(tags + [_NONE] * (BATCH - len(tags)))
+        meta[:, 1 + BATCH : 1 + BATCH + len(tags)] = torch.tensor(ints, dtype=torch.int64).view(self.workers, -1)
+        meta[:, flags : flags + 3] = torch.tensor(flag)
         meta[:, flags + 3] = max((block.numel() for block in blocks), default=0)
         for w, block in enumerate(blocks):
             head = block[:capacity]
-            meta[w, HEADER:HEADER + head.numel()] = head
+            meta[w, HEADER : HEADER + head.numel()] = head
         theirs = self._all_to_all(lane, meta, [1] * self.workers, [1] * self.workers)
         self.capacity = max(capacity, min(ID_CAPACITY, int(theirs[:, flags + 3].max())))
-        if (other := (theirs[:, :1 + BATCH] != meta[0, :1 + BATCH]).any(1).nonzero().view(-1)).numel():
+        if (other := (theirs[:, : 1 + BATCH] != meta[0, : 1 + BATCH]).any(1).nonzero().view(-1)).numel():
             w = int(other[0])
             raise RuntimeError(
                 f"worker {self.worker} is at {self._tag(tags)} and worker {w} at "
-                f"{self._tag(theirs[w, 1:1 + int(theirs[w, 0])].tolist())}: every worker must look up every "
+                f"{self._tag(theirs[w, 1 : 1 + int(theirs[w, 0])].tolist())}: every worker must look up every "
                 "sharded table in every forward, in the same order (each lookup is an exchange with every worker); "
                 "call a table with an empty batch where a worker has no ids for it (nothing was looked up or "
-                "applied)")
-        return theirs[:, 1 + BATCH:1 + 2 * BATCH], theirs[:, flags:flags + 4], theirs[:, HEADER:]
+                "applied)"
+            )
+        return theirs[:, 1 + BATCH : 1 + 2 * BATCH], theirs[:, flags : flags + 4], theirs[:, HEADER:]
 
     def _tag(self, tags: list[int]) -> str:
         """The exchange tagged `tags`, in words."""
@@ -268,12 +289,24 @@ class ShardedTables(ServedTables):
         asks = []
         for w in waiting:
             plan = ExchangePlan.of(w.ids, self.workers)
-            asks.append(_Ask(w.table, w.ids[plan.order], plan, functools.partial(_answer, self.shards[w.table]),
-                             out_of_range(w.ids, self.modules[w.table].num_embeddings)))
+            asks.append(
+                _Ask(
+                    w.table,
+                    w.ids[plan.order],
+                    plan,
+                    functools.partial(_answer, self.shards[w.table]),
+                    out_of_range(w.ids, self.modules[w.table].num_embeddings),
+                )
+            )
         return self._route_all(asks)
 
-    def route(self, name: str, sent: torch.Tensor, plan: ExchangePlan,
-              answer: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, _Route]:
+    def route(
+        self,
+        name: str,
+        sent: torch.Tensor,
+        plan: ExchangePlan,
+        answer: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    ) -> tuple[torch.Tensor, _Route]:
         """A lookup of table `name` at once (a collective; the waiting lookups are fetched first): `sent` (a row
         per unique id, grouped by owner as `plan` says) goes to the owners, each owner's `answer(what it was
         sent)` -> (the rows' keys there, their values) comes back; returns the values in the order of `plan`'s
@@ -291,27 +324,39 @@ class ShardedTables(ServedTables):
         to = [torch.cat([b[w] for b in blocks]) for w in range(self.workers)]  # every lookup's ids for worker w
         bad = next(((i, a.bad) for i, a in enumerate(asks) if a.bad is not None), None)
         capacity, names = self.capacity, "+".join(a.name for a in asks)
-        counts, flags, heads = self._meta([self._index[a.name] for a in asks],
-                                          [[b[w].numel() for b in blocks] for w in range(self.workers)],
-                                          (1, bad[1], bad[0]) if bad else (0, 0, 0), f"{names} ids", tuple(to))
+        counts, flags, heads = self._meta(
+            [self._index[a.name] for a in asks],
+            [[b[w].numel() for b in blocks] for w in range(self.workers)],
+            (1, bad[1], bad[0]) if bad else (0, 0, 0),
+            f"{names} ids",
+            tuple(to),
+        )
         if (culprits := flags[:, 0].nonzero().view(-1)).numel():
             w = int(culprits[0])
             table = asks[int(flags[w, 2])].name
             raise bad_id_error(table, self.modules[table].num_embeddings, int(flags[w, 1]), w)
-        elements = counts[:, :len(asks)].sum(1).tolist()
-        parts = [heads[w, :min(n, capacity)] for w, n in enumerate(elements)]
+        elements = counts[:, : len(asks)].sum(1).tolist()
+        parts = [heads[w, : min(n, capacity)] for w, n in enumerate(elements)]
         if int(flags[:, 3].max()) > capacity:  # some worker's block did not fit: the rest of every block
             rest = [max(0, n - capacity) for n in elements]
-            more = self._all_to_all(f"{names} more ids", torch.cat([b[capacity:] for b in to]),
-                                    [max(0, b.numel() - capacity) for b in to], rest)
+            more = self._all_to_all(
+                f"{names} more ids",
+                torch.cat([b[capacity:] for b in to]),
+                [max(0, b.numel() - capacity) for b in to],
+                rest,
+            )
             parts = [torch.cat(pair) for pair in zip(parts, more.split(rest))]
-        asked = [part.split(counts[w, :len(asks)].tolist()) for w, part in enumerate(parts)]  # by worker, lookup
+        asked = [part.split(counts[w, : len(asks)].tolist()) for w, part in enumerate(parts)]  # by worker, lookup
         answers = []
         for i, (a, n) in enumerate(zip(asks, widths)):
             keys, rows = a.answer(torch.cat([asked[w][i] for w in range(self.workers)]).view(-1, *a.sent.shape[1:]))
             answers.append(([int(counts[w, i]) // n for w in range(self.workers)], keys, rows))
-        got = self._rows_exchange(f"{names} rows", [rows for _, _, rows in answers],
-                                  [asked_counts for asked_counts, _, _ in answers], [a.plan.counts for a in asks])
+        got = self._rows_exchange(
+            f"{names} rows",
+            [rows for _, _, rows in answers],
+            [asked_counts for asked_counts, _, _ in answers],
+            [a.plan.counts for a in asks],
+        )
         out = []
         for a, (asked_counts, keys, rows), mine in zip(asks, answers, got):
             values = rows.new_empty((a.plan.order.numel(), *rows.shape[1:]))
@@ -324,9 +369,16 @@ class ShardedTables(ServedTables):
         this worker's steps (each call bounded by the step timeout); an id outside the table refused here."""
         check_ids(name, ids, self.modules[name].num_embeddings)
         owner = owners(ids, self.workers)
-        futures = {w: rpc.rpc_async(worker_name(w), _rows_at, args=(name, ids[owner == w], self.applied,
-                                                                     self.timeout), timeout=2 * self.timeout)
-                   for w in range(self.workers) if w != self.worker and bool((owner == w).any())}
+        futures = {
+            w: rpc.rpc_async(
+                worker_name(w),
+                _rows_at,
+                args=(name, ids[owner == w], self.applied, self.timeout),
+                timeout=2 * self.timeout,
+            )
+            for w in range(self.workers)
+            if w != self.worker and bool((owner == w).any())
+        }
         shard = self.shards[name]
         values = shard.values.new_empty((ids.numel(), shard.values.shape[1]))
         mine = owner == self.worker
@@ -335,8 +387,9 @@ class ShardedTables(ServedTables):
             values[owner == w] = fut.wait()
         return values
 
-    def exchange_grads(self, context_id: int, grads: dict[torch.Tensor, torch.Tensor], scale: float
-                       ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, int]]:
+    def exchange_grads(
+        self, context_id: int, grads: dict[torch.Tensor, torch.Tensor], scale: float
+    ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, int]]:
         """Send the owners the gradients of this context's lookups (`grads`, dist_autograd's) times `scale`,
         back the routes their ids took (`_Route`): one exchange of flags for the step, then the gradients of
         each lookup. Returns this owner's rows of each table, (local indices, gradient summed over the workers
@@ -351,38 +404,48 @@ class ShardedTables(ServedTables):
             g = lk.leaf.new_zeros(lk.leaf.shape) if g is None else g * scale if scale != 1.0 else g
             sending.append(g[lk.pulled.plan.order])
         bad = next((i for i, g in enumerate(sending) if first_nonfinite([g]) is not None), None)
-        made, flags, _ = self._meta([_STEP], [[len(lookups)]] * self.workers,
-                                    (bad is not None, 0, bad or 0), "grad flags")
+        made, flags, _ = self._meta(
+            [_STEP], [[len(lookups)]] * self.workers, (bad is not None, 0, bad or 0), "grad flags"
+        )
         if (other := (made[:, 0] != len(lookups)).nonzero().view(-1)).numel():
             w = int(other[0])
-            raise RuntimeError(f"worker {w} looked up {int(made[w, 0])} sharded tables in this step and worker "
-                               f"{self.worker} {len(lookups)}: every worker must look up every sharded table in "
-                               "every forward (nothing was applied)")
+            raise RuntimeError(
+                f"worker {w} looked up {int(made[w, 0])} sharded tables in this step and worker "
+                f"{self.worker} {len(lookups)}: every worker must look up every sharded table in "
+                "every forward (nothing was applied)"
+            )
         nonfinite = {}
         if (flagged := flags[:, 0].nonzero().view(-1)).numel():
             first = int(flags[flagged, 2].min())
             nonfinite[lookups[first].table] = int(flagged[flags[flagged, 2] == first][0])
         parts: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # by table: (local rows, their gradients)
-        home = self._rows_exchange("row grads", sending, [lk.pulled.plan.counts for lk in lookups],
-                                   [lk.pulled.asked_counts for lk in lookups])  # each in `_Route.asked`'s order
+        home = self._rows_exchange(
+            "row grads", sending, [lk.pulled.plan.counts for lk in lookups], [lk.pulled.asked_counts for lk in lookups]
+        )  # each in `_Route.asked`'s order
         for lk, got in zip(lookups, home):
             parts.setdefault(lk.table, []).append((lk.pulled.asked, got))
         return {name: merge_rows(got, 1.0 / self.workers) for name, got in parts.items() if got}, nonfinite
 
-    def _rows_exchange(self, lane: str, sending: list[torch.Tensor], send_counts: list[list[int]],
-                       recv_counts: list[list[int]]) -> list[torch.Tensor]:
+    def _rows_exchange(
+        self, lane: str, sending: list[torch.Tensor], send_counts: list[list[int]], recv_counts: list[list[int]]
+    ) -> list[torch.Tensor]:
         """One all-to-all of several lookups' rows, as bytes (tables may differ in dim and dtype), lane `lane`:
         `send_counts[i][w]` rows of `sending[i]` (grouped by worker) go to worker w, `recv_counts[i][w]` come
         from it. Returns, per lookup, the rows received, in worker order, of `sending[i]`'s dtype and row shape."""
         if not sending:
             return []
         row_bytes = [t.element_size() * math.prod(t.shape[1:]) for t in sending]
-        blocks = [t.reshape(-1).view(torch.uint8).split([c * n for c in counts])
-                  for t, counts, n in zip(sending, send_counts, row_bytes)]
+        blocks = [
+            t.reshape(-1).view(torch.uint8).split([c * n for c in counts])
+            for t, counts, n in zip(sending, send_counts, row_bytes)
+        ]
         back = [[c * n for c in counts] for counts, n in zip(recv_counts, row_bytes)]
-        got = self._all_to_all(lane, torch.cat([b[w] for w in range(self.workers) for b in blocks]),
-                               [sum(b[w].numel() for b in blocks) for w in range(self.workers)],
-                               [sum(b[w] for b in back) for w in range(self.workers)])
+        got = self._all_to_all(
+            lane,
+            torch.cat([b[w] for w in range(self.workers) for b in blocks]),
+            [sum(b[w].numel() for b in blocks) for w in range(self.workers)],
+            [sum(b[w] for b in back) for w in range(self.workers)],
+        )
         chunks = got.split([b[w] for w in range(self.workers) for b in back])  # by worker, then lookup
         out = []
         for i, t in enumerate(sending):
@@ -390,8 +453,12 @@ class ShardedTables(ServedTables):
             out.append(rows.view(t.dtype).view(-1, *t.shape[1:]))
         return out
 
-    def apply(self, received: dict[str, tuple[torch.Tensor, torch.Tensor]], coefficient: float,
-              optimizer: torch.optim.Optimizer) -> None:
+    def apply(
+        self,
+        received: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        coefficient: float,
+        optimizer: torch.optim.Optimizer,
+    ) -> None:
         """One row optimizer step of each table on this owner's rows of `exchange_grads` times `coefficient`
         (the learning rate of a table's exact row form follows its group's schedule); `received` {}: a
         skipped step, which counts all the same."""
@@ -399,11 +466,13 @@ class ShardedTables(ServedTables):
             for name, (local, grads) in received.items():
                 shard = self.shards[name]
                 if shard.group is not None and optimizer.param_groups[shard.group]["lr"] != shard.optimizer.lr:
-                    shard.optimizer = dataclasses.replace(shard.optimizer,
-                                                          lr=float(optimizer.param_groups[shard.group]["lr"]))
+                    shard.optimizer = dataclasses.replace(
+                        shard.optimizer, lr=float(optimizer.param_groups[shard.group]["lr"])
+                    )
                 if local.numel():
-                    shard.optimizer.step(shard.values, shard.state, local, grads * coefficient
-                                         if coefficient != 1.0 else grads)
+                    shard.optimizer.step(
+                        shard.values, shard.state, local, grads * coefficient if coefficient != 1.0 else grads
+                    )
             self.applied += 1
             self._stepped.notify_all()
 
@@ -417,8 +486,10 @@ class ShardedTables(ServedTables):
 
     def checkpoint(self) -> dict[str, dict]:
         """Copies of this worker's rows of each table (ids, values) and of their row optimizer state."""
-        return {name: {"ids": shard.owned.clone(), "values": shard.values.clone(), "state": saved_state(shard.state)}
-                for name, shard in self.shards.items()}
+        return {
+            name: {"ids": shard.owned.clone(), "values": shard.values.clone(), "state": saved_state(shard.state)}
+            for name, shard in self.shards.items()
+        }
 
     def restore(self, saved: Iterable[dict[str, dict]], where: str) -> None:
         """Take this worker's rows of each table, with their row optimizer state, from the `checkpoint()`s of
@@ -441,10 +512,12 @@ class ShardedTables(ServedTables):
             if all(taken[name] == shard.owned.numel() for name, shard in self.shards.items()):
                 return
         name = next(n for n, shard in self.shards.items() if taken[n] != shard.owned.numel())
-        raise ValueError(f"{where} holds {taken[name]} of the {self.shards[name].owned.numel()} rows of table "
-                         f"{name!r} that worker {self.worker} owns: it was written by another model, or with its "
-                         "tables split another way (Trainer(tables=...)); resume with the model and settings that "
-                         "wrote it, or start without --resume")
+        raise ValueError(
+            f"{where} holds {taken[name]} of the {self.shards[name].owned.numel()} rows of table "
+            f"{name!r} that worker {self.worker} owns: it was written by another model, or with its "
+            "tables split another way (Trainer(tables=...)); resume with the model and settings that "
+            "wrote it, or start without --resume"
+        )
 
     def commit_load(self) -> None:
         """After a module's `load_state_dict` succeeded: this worker's rows of each table it loaded (every worker
@@ -455,14 +528,17 @@ class ShardedTables(ServedTables):
                 shard.values.copy_(weight[shard.owned])
         self.loaded.clear()
 
-    def rows_of(self, table: str, step: int, timeout: float, ids: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows_of(
+        self, table: str, step: int, timeout: float, ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """This worker's rows of `table` (ids, a copy of the values; with `ids`, those of its rows) once it has
         applied `step` steps."""
         with self._stepped:
             if not self._stepped.wait_for(lambda: self.applied >= step, timeout):
-                raise TimeoutError(f"worker {self.worker} was asked for its rows of table {table!r} after step "
-                                   f"{step} and had applied {self.applied} steps after {timeout:.0f} s")
+                raise TimeoutError(
+                    f"worker {self.worker} was asked for its rows of table {table!r} after step "
+                    f"{step} and had applied {self.applied} steps after {timeout:.0f} s"
+                )
             shard = self.shards[table]
             if ids is None:
                 return shard.owned, shard.values.clone()
@@ -473,9 +549,13 @@ class ShardedTables(ServedTables):
         RPC to every other worker, each bounded by the step timeout)."""
         spec = next(s for s in self.specs if s.name == table)
         check_gatherable(table, spec.shape, spec.dtype)
-        futures = {w: rpc.rpc_async(worker_name(w), _rows_of, args=(table, self.applied, self.timeout),
-                                    timeout=2 * self.timeout)
-                   for w in range(self.workers) if w != self.worker}
+        futures = {
+            w: rpc.rpc_async(
+                worker_name(w), _rows_of, args=(table, self.applied, self.timeout), timeout=2 * self.timeout
+            )
+            for w in range(self.workers)
+            if w != self.worker
+        }
         out = torch.empty(spec.shape, dtype=spec.dtype)
         shard = self.shards[table]
         out[shard.owned] = shard.values

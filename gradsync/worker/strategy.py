@@ -4,6 +4,7 @@ Every strategy implements `Strategy`; the Trainer (and a job checkpoint,
 `gradsync.runtime.checkpoints`, with `local_state` / `load_local_state` / `load_rows`) calls these
 and nothing else, so it never asks which strategy it holds.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -60,7 +61,7 @@ class Strategy(ABC):
     def load_local_state(self, state: dict) -> None:
         """Take back `local_state()` from a checkpoint."""
 
-    def load_rows(self, saved: Iterable[dict], where: str, full: Callable[[int], dict] | None = None) -> None:
+    def load_rows(self, saved: Iterable[dict], where: str, full: Callable[..., dict] | None = None) -> None:
         """Take the table rows this worker holds from the worker files of a checkpoint (`saved`, loaded as they
         are read, the one it restores from first; `where` names the checkpoint; `full(k)`: of a delta
         checkpoint, worker k's file of the full one it goes onto, `full()` that of the file it restores from):

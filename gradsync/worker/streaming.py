@@ -13,12 +13,13 @@ by the context; a step that then travels whole (a GradScaler) voids the pieces (
 inside `trainer.no_sync()` send nothing, and a bucket they touched waits for the step. Whether to stream is
 decided per context by the worker (`PSStrategy`): after a step that needed neither of those fixes.
 """
+
 from __future__ import annotations
 
 import itertools
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -44,8 +45,15 @@ class GradientStream:
     hook, once the context holds it (a reference held past the hook would make the context copy the
     gradient instead of taking it). The last bucket the backward completes travels with the step."""
 
-    def __init__(self, leaves: dict[str, torch.Tensor], buckets: dict[int, list[Bucket]], gradients, encode,
-                 pipeline, quiet: Callable[[], bool]):
+    def __init__(
+        self,
+        leaves: dict[str, torch.Tensor],
+        buckets: dict[int, list[Bucket]],
+        gradients,
+        encode,
+        pipeline,
+        quiet: Callable[[], bool],
+    ):
         self.leaves = leaves
         self.buckets = buckets
         self.gradients = gradients
@@ -71,6 +79,7 @@ class GradientStream:
         def on_grad(grad: torch.Tensor) -> None:
             with self._lock:
                 self._produced(name)
+
         return on_grad
 
     def _produced(self, name: str) -> None:

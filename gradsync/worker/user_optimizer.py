@@ -12,11 +12,12 @@ step clips nothing either (under allreduce it measures the previous step's gradi
 first call inside a dist_autograd context, outside gradsync's own step, is named once, by worker 0, with the fix
 (`Trainer(..., max_grad_norm=)`).
 """
+
 from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -59,9 +60,11 @@ class StepGuard:
         return self._run(closure)
 
 
-_LEFTOVER_CLIPPING = ("gradsync: clip_grad_norm_ was called inside a dist_autograd context: it clipped nothing, since "
-                      "the step's gradients live in the context, not in .grad. Pass max_grad_norm= to "
-                      "gradsync.Trainer (trainer.grad_norm is the norm before clipping) and remove the call")
+_LEFTOVER_CLIPPING = (
+    "gradsync: clip_grad_norm_ was called inside a dist_autograd context: it clipped nothing, since "
+    "the step's gradients live in the context, not in .grad. Pass max_grad_norm= to "
+    "gradsync.Trainer (trainer.grad_norm is the norm before clipping) and remove the call"
+)
 _watching: list[bool] = []
 
 

@@ -10,20 +10,31 @@ DEADLINE_EXCEEDED, a call whose client sends nothing of its request stream, or r
 nothing of its reply stream, for the caller's idle limit. The service raises `Refused`
 for any call it turns down; its handler turns it into the status code.
 """
+
 from __future__ import annotations
 
 import contextlib
 import hmac
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import grpc
 
 from gradsync.core.waiting import THREAD_STOP_S
 
-JOB_CALLS = frozenset({"JobPull", "JobPush", "JobFinish", "JobOptimizerState", "JobLoadOptimizerState",
-                       "JobLoadValues", "JobCheckpoint", "JobProbe"})
+JOB_CALLS = frozenset(
+    {
+        "JobPull",
+        "JobPush",
+        "JobFinish",
+        "JobOptimizerState",
+        "JobLoadOptimizerState",
+        "JobLoadValues",
+        "JobCheckpoint",
+        "JobProbe",
+    }
+)
 
 
 class Refused(Exception):
@@ -88,8 +99,10 @@ class IdleWatch:
 
     def requests(self, request_iterator, context, limit: float, what: str) -> Iterator:
         """`request_iterator`, each wait for its next message bounded by `limit` seconds."""
-        details = (f"{what}: the client sent nothing for {limit:g} s, the endpoint's limit for an idle request "
-                   "stream; send the whole stream at once")
+        details = (
+            f"{what}: the client sent nothing for {limit:g} s, the endpoint's limit for an idle request "
+            "stream; send the whole stream at once"
+        )
         while True:
             with self.waiting(context, limit, details):
                 try:
@@ -157,13 +170,17 @@ class Admission:
             yield role
             return
         if name in JOB_CALLS:
-            raise Refused(grpc.StatusCode.PERMISSION_DENIED,
-                           f"{name} is a call of the job's own workers, which hold the job's member credential; "
-                           "clients outside the job use the named calls (Pull, Push, PullRows, ...)")
+            raise Refused(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{name} is a call of the job's own workers, which hold the job's member credential; "
+                "clients outside the job use the named calls (Pull, Push, PullRows, ...)",
+            )
         if not self._outside.acquire(blocking=False):
-            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"{name}: this endpoint already runs {self.outside_calls} calls from outside the job, "
-                           "as many as it serves at once; retry later")
+            raise Refused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{name}: this endpoint already runs {self.outside_calls} calls from outside the job, "
+                "as many as it serves at once; retry later",
+            )
         try:
             yield role
         finally:

@@ -15,6 +15,7 @@ RESOURCE_EXHAUSTED when the endpoint already serves as many outside calls as it
 takes at once). The job's own workers call through a Client's channels too (`job_calls`); the command line's
 `gradsync status` and `gradsync pull` print and save what it answers (`gradsync.cli.job_status`).
 """
+
 from __future__ import annotations
 
 import os
@@ -28,13 +29,13 @@ from gradsync.core import settings
 from gradsync.core.buckets import Entry, join_pieces
 from gradsync.core.emulated_network import reachable
 from gradsync.core.job_names import server_name
-from gradsync.tables.placement import check_ids, join_rows, split_ids
 from gradsync.proto import gradsync_pb2 as pb
 from gradsync.proto import gradsync_pb2_grpc as pb_grpc
 from gradsync.proto import tensor_codec
+from gradsync.tables.placement import check_ids, join_rows, split_ids
+from gradsync.transport.grpc import tls
 from gradsync.transport.grpc.endpoint_files import read_endpoints
 from gradsync.transport.grpc.reply_streams import read_pulled
-from gradsync.transport.grpc import tls
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 _MAYBE_TLS = re.compile(r"socket closed|handshake|ssl|tls", re.IGNORECASE)
@@ -64,8 +65,13 @@ class Client:
             with); given, the client speaks TLS.
     """
 
-    def __init__(self, address_or_run_dir: str | dict[int, str], token: str | None = None, timeout: float = 10.0,
-                 root_cert: str | None = None):
+    def __init__(
+        self,
+        address_or_run_dir: str | dict[int, str],
+        token: str | None = None,
+        timeout: float = 10.0,
+        root_cert: str | None = None,
+    ):
         self._job = ""  # the job the run directory names, checked at the first call (`_reach`)
         if isinstance(address_or_run_dir, dict):
             self.addresses = dict(address_or_run_dir)
@@ -80,7 +86,8 @@ class Client:
                 raise ConnectionError(
                     f"{address} is inside an emulated network (a job of gradsync run --link), not reachable from "
                     "here: run this inside the job's hub namespace, `ip netns exec gsnet<id>hub gradsync ...` "
-                    "(gradsync run printed it at start; `ip netns list` shows it)")
+                    "(gradsync run printed it at start; `ip netns list` shows it)"
+                )
         if not token:
             raise ValueError(
                 f"no token for {address_or_run_dir!r}: pass token=... (a run directory's grpc-<shard>.json has it)"
@@ -92,8 +99,10 @@ class Client:
         credentials = None
         if self.root_cert is not None:
             if not os.path.isfile(self.root_cert):
-                raise FileNotFoundError(f"no TLS certificate {self.root_cert!r}: give the PEM file the endpoints "
-                                        "serve with (GRADSYNC_TLS_CERT of the job)")
+                raise FileNotFoundError(
+                    f"no TLS certificate {self.root_cert!r}: give the PEM file the endpoints "
+                    "serve with (GRADSYNC_TLS_CERT of the job)"
+                )
             with open(self.root_cert, "rb") as f:
                 credentials = grpc.ssl_channel_credentials(root_certificates=f.read())
         # channels and metadata are public: the job's own calls (gradsync.transport.grpc.job_calls) go through them too
@@ -105,33 +114,46 @@ class Client:
         # Pull and Push move tensors: their chunks go as pre-serialized bytes and come back as views of the
         # received bytes (tensor_codec.encode_messages / message_parser), not through protobuf objects.
         self._pulls = {
-            shard: c.unary_stream(f"/{_SERVICE}/Pull", request_serializer=pb.PullRequest.SerializeToString,
-                                  response_deserializer=tensor_codec.message_parser(pb.PullResponse))
+            shard: c.unary_stream(
+                f"/{_SERVICE}/Pull",
+                request_serializer=pb.PullRequest.SerializeToString,
+                response_deserializer=tensor_codec.message_parser(pb.PullResponse),
+            )
             for shard, c in self.channels.items()
         }
         self._pull_rows = {
-            shard: c.unary_stream(f"/{_SERVICE}/PullRows", request_serializer=pb.PullRowsRequest.SerializeToString,
-                                  response_deserializer=tensor_codec.message_parser(pb.PullResponse))
+            shard: c.unary_stream(
+                f"/{_SERVICE}/PullRows",
+                request_serializer=pb.PullRowsRequest.SerializeToString,
+                response_deserializer=tensor_codec.message_parser(pb.PullResponse),
+            )
             for shard, c in self.channels.items()
         }
         self._pushes = {
-            shard: c.stream_unary(f"/{_SERVICE}/Push", request_serializer=tensor_codec.serialize,
-                                  response_deserializer=pb.PushResponse.FromString)
+            shard: c.stream_unary(
+                f"/{_SERVICE}/Push",
+                request_serializer=tensor_codec.serialize,
+                response_deserializer=pb.PushResponse.FromString,
+            )
             for shard, c in self.channels.items()
         }
         self.metadata = (("authorization", f"Bearer {token}"),)
         self._owners: dict[str, int] | None = None
-        self._pieces: list[tuple] | None = None
+        self._pieces: list[Entry] | None = None
         self._tables: dict[str, dict] | None = None
 
     def error(self, call: str, shard: int, start: float, e: grpc.RpcError) -> Exception:
         """The builtin exception for `call` on `shard` failing with `e`, naming the address and elapsed time
         (since `start`, a `time.monotonic()`), and TLS with its fix when TLS is why (`tls`)."""
         kind = _ERRORS.get(e.code(), RuntimeError)
-        where = (f"{call} on {server_name(shard)} at {self.addresses[shard]} failed after "
-                 f"{time.monotonic() - start:.2f} s")
-        why = tls.mismatch(self.addresses[shard], self.root_cert, min(self.timeout, _TLS_PROBE_S)) \
-            if kind is ConnectionError and _MAYBE_TLS.search(e.details() or "") else None
+        where = (
+            f"{call} on {server_name(shard)} at {self.addresses[shard]} failed after {time.monotonic() - start:.2f} s"
+        )
+        why = (
+            tls.mismatch(self.addresses[shard], self.root_cert, min(self.timeout, _TLS_PROBE_S))
+            if kind is ConnectionError and _MAYBE_TLS.search(e.details() or "")
+            else None
+        )
         return kind(f"{where}: TLS: {why}" if why else f"{where}: {e.code().name}: {e.details()}")
 
     def _reach(self) -> None:
@@ -151,7 +173,8 @@ class Client:
                     raise ConnectionError(
                         f"{self.addresses[shard]} {other} that {os.path.join(self._run_dir, f'grpc-{shard}.json')} "
                         "names: that job has ended and another listens there; give the run directory of a running "
-                        "job (gradsync run prints it at start)")
+                        "job (gradsync run prints it at start)"
+                    )
         except BaseException:
             self._job = job
             raise
@@ -170,11 +193,24 @@ class Client:
         out = {}
         for shard in self._stubs:
             r = self._unary("Health", shard, pb.HealthRequest())
-            out[shard] = {"shard_id": r.shard_id, "ready": r.ready, "version": r.version, "job": r.job,
-                          "parameters": list(r.parameters), "buffers": list(r.buffers),
-                          "pieces": [Entry(p.name, tuple(p.shape), 0, p.numel, p.start) for p in r.pieces],
-                          "tables": {t.name: {"shape": tuple(t.shape), "dtype": t.dtype, "num_servers": t.num_servers,
-                                              "rows_held": t.rows_held} for t in r.tables}}
+            out[shard] = {
+                "shard_id": r.shard_id,
+                "ready": r.ready,
+                "version": r.version,
+                "job": r.job,
+                "parameters": list(r.parameters),
+                "buffers": list(r.buffers),
+                "pieces": [Entry(p.name, tuple(p.shape), 0, p.numel, p.start) for p in r.pieces],
+                "tables": {
+                    t.name: {
+                        "shape": tuple(t.shape),
+                        "dtype": t.dtype,
+                        "num_servers": t.num_servers,
+                        "rows_held": t.rows_held,
+                    }
+                    for t in r.tables
+                },
+            }
         return out
 
     def stats(self) -> dict[int, dict]:
@@ -213,9 +249,14 @@ class Client:
         check_ids(table, ids, info["shape"][0])
         unique, inverse = torch.unique(ids, return_inverse=True)
         parts = split_ids(unique, info["num_servers"])
-        calls = {s: self._pull_rows[s](pb.PullRowsRequest(table=table, ids=unique[where].tolist()),
-                                       timeout=timeout or self.timeout, metadata=self.metadata)
-                 for s, (where, _) in parts.items()}
+        calls = {
+            s: self._pull_rows[s](
+                pb.PullRowsRequest(table=table, ids=unique[where].tolist()),
+                timeout=timeout or self.timeout,
+                metadata=self.metadata,
+            )
+            for s, (where, _) in parts.items()
+        }
         rows = torch.empty(unique.numel(), info["shape"][1], dtype=getattr(torch, info["dtype"]))
         start = time.monotonic()
         for s, call in calls.items():
@@ -236,9 +277,7 @@ class Client:
         """The shard that owns each parameter and buffer (asked once, then cached)."""
         if self._owners is None:
             self._owners = {
-                name: shard
-                for shard, h in self.health().items()
-                for name in h["parameters"] + h["buffers"]
+                name: shard for shard, h in self.health().items() for name in h["parameters"] + h["buffers"]
             }
         return self._owners
 
@@ -251,12 +290,13 @@ class Client:
             raise ValueError(f"no server of this run owns {unknown[:5]}: check the names against model.state_dict()")
         routes: dict[int, list[str]] = {shard: [] for shard in self._stubs}
         for name in names:
-            for shard in (routes if name in tables else [owners[name]]):  # every shard holds rows of a table
+            for shard in routes if name in tables else [owners[name]]:  # every shard holds rows of a table
                 routes[shard].append(name)
         return routes
 
-    def pull_versioned(self, names=None, timeout: float | None = None, whole: bool = True
-                       ) -> tuple[dict[str, torch.Tensor], dict[int, int]]:
+    def pull_versioned(
+        self, names=None, timeout: float | None = None, whole: bool = True
+    ) -> tuple[dict[str, torch.Tensor], dict[int, int]]:
         """Tensors by name from every shard (each shard's at one version), and that version by shard.
 
         Args:
@@ -291,16 +331,18 @@ class Client:
         tensors = join_pieces(tensors, self.pieces())
         for name, info in self.tables().items():  # each shard sent its rows of a table under the table's name
             if name in tensors:
-                tensors[name] = join_rows({s: p[name] for s, p in by_shard.items() if name in p}, info["shape"],
-                                          info["num_servers"])
+                tensors[name] = join_rows(
+                    {s: p[name] for s, p in by_shard.items() if name in p}, info["shape"], info["num_servers"]
+                )
         return tensors, versions
 
     def pull(self, names=None, timeout: float | None = None) -> dict[str, torch.Tensor]:
         """The run's state dict (or the named subset), each shard's part at one version."""
         return self.pull_versioned(names, timeout)[0]
 
-    def push(self, grads: dict[str, torch.Tensor], version: int | dict[int, int], worker: int,
-             timeout: float | None = None) -> dict[int, int]:
+    def push(
+        self, grads: dict[str, torch.Tensor], version: int | dict[int, int], worker: int, timeout: float | None = None
+    ) -> dict[int, int]:
         """Send gradients by parameter name to the shards that own them; returns the version of each of those
         shards once it applied them.
 
@@ -331,8 +373,7 @@ class Client:
 
         start = time.monotonic()
         futures = {
-            shard: self._pushes[shard].future(messages(shard), timeout=timeout or self.timeout,
-                                              metadata=self.metadata)
+            shard: self._pushes[shard].future(messages(shard), timeout=timeout or self.timeout, metadata=self.metadata)
             for shard in routes
         }
         out = {}
@@ -355,7 +396,7 @@ class Client:
         for channel in self.channels.values():
             channel.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:

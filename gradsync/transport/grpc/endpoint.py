@@ -15,17 +15,18 @@ outside the job (written to the run directory); the job's workers hold a second,
 the member token, made by the first server and known only through the store, which
 alone opens the job calls (`gradsync.transport.grpc.servicer`).
 """
+
 from __future__ import annotations
 
 import os
 
 import torch.distributed as dist
 
-from gradsync.core.job_names import StoreKeys
 from gradsync.core import settings
+from gradsync.core.job_names import StoreKeys
+from gradsync.ps.server import ParameterServer
 from gradsync.transport.grpc.endpoint_files import job_id, new_token, write_endpoints
 from gradsync.transport.grpc.server import GrpcEndpoint, serve_grpc
-from gradsync.ps.server import ParameterServer
 
 
 def run_dir() -> str:

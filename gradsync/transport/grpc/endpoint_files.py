@@ -6,6 +6,7 @@ server belongs to (`job_id`), which its Health call answers: a client checks tha
 Files are written atomically (temporary file, fsync, rename) with owner-only
 permissions (0600), because they hold the bearer token.
 """
+
 from __future__ import annotations
 
 import glob
@@ -14,8 +15,8 @@ import os
 import re
 import secrets
 
-from gradsync.core.job_names import StoreKeys
 from gradsync.core.atomic_file import write_atomically
+from gradsync.core.job_names import StoreKeys
 
 _NAME = re.compile(r"grpc-(\d+)\.json$")
 
@@ -64,12 +65,15 @@ def read_endpoints(run_dir: str) -> tuple[dict[int, str], str, str]:
             shard, address, token = int(entry["shard"]), str(entry["address"]), str(entry["token"])
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path} is not a gradsync endpoint file ({e}): delete it or restart that server") from e
-        if shard != int(_NAME.search(path).group(1)):
+        named = _NAME.search(path)
+        assert named is not None  # the files are listed by that name
+        if shard != int(named.group(1)):
             raise ValueError(f"{path} says it is shard {shard}: the file name and its 'shard' field must agree")
         addresses[shard] = address
         tokens.add(token)
         jobs.add(str(entry.get("job", "")))
     if len(tokens) != 1 or len(jobs) != 1:
-        raise ValueError(f"the endpoint files in {run_dir!r} disagree on the token or the job: they are from "
-                         "different runs")
+        raise ValueError(
+            f"the endpoint files in {run_dir!r} disagree on the token or the job: they are from different runs"
+        )
     return addresses, tokens.pop(), jobs.pop()

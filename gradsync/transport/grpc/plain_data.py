@@ -10,6 +10,7 @@ The optimizer class travels as its name, `module:qualname`, and is resolved
 on the server only to a `torch.optim.Optimizer` subclass (a `torch.optim`
 class, or one from a module the server can import).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -60,7 +61,7 @@ def put(store, key: str, obj) -> None:
     data = to_bytes(obj)
     parts = range(0, len(data), STORE_VALUE_BYTES)
     for i, at in enumerate(parts):
-        store.set(f"{key}/part/{i}", data[at:at + STORE_VALUE_BYTES])
+        store.set(f"{key}/part/{i}", data[at : at + STORE_VALUE_BYTES])
     store.set(key, str(len(parts)))
 
 
@@ -113,8 +114,11 @@ def plain_setup(setup: Setup) -> dict:
     """A server's `Setup` as plain data: its fields by name, the `OptimizerSpec` with the class by name and
     each table's setup as its fields."""
     spec = setup.optimizer
-    return dict(_fields(setup), optimizer=dict(_fields(spec), cls=optimizer_name(spec.cls)),
-                tables={n: _fields(t) for n, t in setup.tables.items()})
+    return dict(
+        _fields(setup),
+        optimizer=dict(_fields(spec), cls=optimizer_name(spec.cls)),
+        tables={n: _fields(t) for n, t in setup.tables.items()},
+    )
 
 
 def setup_from_plain(plain: dict) -> Setup:
@@ -145,5 +149,7 @@ def _check_fields(cls, plain, what: str) -> None:
     missing, unknown = sorted(names - set(plain)), sorted(set(plain) - names)
     if missing or unknown:
         said = [f"no field {missing}"] * bool(missing) + [f"the unknown fields {unknown}"] * bool(unknown)
-        raise ValueError(f"{what} has {' and '.join(said)}: expected exactly the fields {sorted(names)} (do the "
-                         "workers and the servers run the same gradsync?)")
+        raise ValueError(
+            f"{what} has {' and '.join(said)}: expected exactly the fields {sorted(names)} (do the "
+            "workers and the servers run the same gradsync?)"
+        )

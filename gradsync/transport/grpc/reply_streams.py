@@ -2,6 +2,7 @@
 tells a chunk from the other items a pipelined JobPush's reply carries). Shared by the outside client's pulls
 (`client`) and the job's own calls (`job_calls`). A failed call raises its grpc.RpcError from the iteration,
 which the caller turns into the builtin error naming the call and the server (`client.Client.error`)."""
+
 from __future__ import annotations
 
 import torch

@@ -1,6 +1,7 @@
 """Serving one parameter server's gRPC service: `serve_grpc` starts a gRPC server whose handlers admit each
 call (`gradsync.transport.grpc.admission`: the two tokens, the outside calls' slots, idle streams) and hand it to the
 `Servicer` (`gradsync.transport.grpc.servicer`); `GrpcEndpoint` is the running endpoint."""
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -13,26 +14,36 @@ from gradsync.transport.grpc.admission import MEMBER, Admission, BearerAuth, Cre
 from gradsync.transport.grpc.servicer import SERVICE, Servicer, request_parser
 
 
-def _guarded(name: str, method, admission: Admission, streaming_request: bool, streaming_response: bool,
-             takes_role: bool, failure):
+def _guarded(
+    name: str,
+    method,
+    admission: Admission,
+    streaming_request: bool,
+    streaming_response: bool,
+    takes_role: bool,
+    failure,
+):
     """The handler of method `name`: admitted (`Admission`), its request and reply streams watched for a client
     that neither sends nor reads, `Refused` turned into the call's status code; any other exception of a
     member's call is told to `failure` (`Servicer.failure`: the server's own failure, or a refusal)."""
+
     def run(request, context, role):
         if streaming_request:
             request = admission.requests(request, context, role, name)
         return method(request, context, role == MEMBER) if takes_role else method(request, context)
 
     if streaming_response:
+
         def call_stream(request, context):
             try:
                 with admission.admitted(name, context) as role:
                     try:
                         yield from admission.replies(run(request, context, role), context, role, name)
                     except Exception as e:
-                        raise failure(e, name) if role == MEMBER else e
+                        raise failure(e, name) if role == MEMBER else e  # noqa: B904 (it may be e itself; e stays the context)
             except Refused as e:
                 context.abort(e.code, str(e))
+
         return call_stream
 
     def call(request, context):
@@ -41,9 +52,10 @@ def _guarded(name: str, method, admission: Admission, streaming_request: bool, s
                 try:
                     return run(request, context, role)
                 except Exception as e:
-                    raise failure(e, name) if role == MEMBER else e
+                    raise failure(e, name) if role == MEMBER else e  # noqa: B904 (it may be e itself; e stays the context)
         except Refused as e:
             context.abort(e.code, str(e))
+
     return call
 
 
@@ -63,8 +75,12 @@ def _handlers(servicer: Servicer, admission: Admission) -> grpc.GenericRpcHandle
         "JobPush": (stream_stream, servicer.job_push, pb.JobPushRequest, tensor_codec.serialize),
         "JobFinish": (unary_stream, servicer.job_finish, pb.JobFinishRequest, tensor_codec.serialize),
         "JobOptimizerState": (unary, servicer.job_optimizer_state, pb.PlainData, pb.PlainData.SerializeToString),
-        "JobLoadOptimizerState": (unary, servicer.job_load_optimizer_state, pb.PlainData,
-                                  pb.PlainData.SerializeToString),
+        "JobLoadOptimizerState": (
+            unary,
+            servicer.job_load_optimizer_state,
+            pb.PlainData,
+            pb.PlainData.SerializeToString,
+        ),
         "JobLoadValues": (unary, servicer.job_load_values, pb.PlainData, pb.PlainData.SerializeToString),
         "JobCheckpoint": (unary, servicer.job_checkpoint, pb.PlainData, pb.PlainData.SerializeToString),
         "JobProbe": (unary, servicer.job_probe, pb.PlainData, pb.PlainData.SerializeToString),
@@ -76,8 +92,15 @@ def _handlers(servicer: Servicer, admission: Admission) -> grpc.GenericRpcHandle
             return method(request, context, *member)
 
         streaming_request = kind in (stream_unary, stream_stream)
-        guarded = _guarded(name, counted, admission, streaming_request, kind in (unary_stream, stream_stream),
-                           takes_role=name == "Push", failure=servicer.failure)
+        guarded = _guarded(
+            name,
+            counted,
+            admission,
+            streaming_request,
+            kind in (unary_stream, stream_stream),
+            takes_role=name == "Push",
+            failure=servicer.failure,
+        )
         return kind(guarded, request_parser(request_cls, chunks=streaming_request), serialize)
 
     return grpc.method_handlers_generic_handler(SERVICE, {n: handler(n, *m) for n, m in methods.items()})
@@ -137,15 +160,21 @@ def serve_grpc(
         The running endpoint.
     """
     if not token:
-        raise ValueError("serve_grpc needs a non-empty token: pass token=gradsync.transport.grpc.endpoint_files.new_token()")
+        raise ValueError(
+            "serve_grpc needs a non-empty token: pass token=gradsync.transport.grpc.endpoint_files.new_token()"
+        )
     if member_token is not None and (not member_token or member_token == token):
-        raise ValueError("member_token must be a non-empty token other than token (new_token() makes one), "
-                         "or None for an endpoint with one credential")
+        raise ValueError(
+            "member_token must be a non-empty token other than token (new_token() makes one), "
+            "or None for an endpoint with one credential"
+        )
     if (tls_cert is None) != (tls_key is None):
         raise ValueError(f"TLS needs both tls_cert and tls_key, got tls_cert={tls_cert!r}, tls_key={tls_key!r}")
     if outside_calls < 1 or idle_timeout <= 0:
-        raise ValueError(f"outside_calls must be >= 1 and idle_timeout > 0 seconds, got outside_calls="
-                         f"{outside_calls!r}, idle_timeout={idle_timeout!r}")
+        raise ValueError(
+            f"outside_calls must be >= 1 and idle_timeout > 0 seconds, got outside_calls="
+            f"{outside_calls!r}, idle_timeout={idle_timeout!r}"
+        )
     credentials = Credentials(token, member_token)
     admission = Admission(credentials, outside_calls, idle_timeout, step_timeout)
     threads = (max_workers or max(8, 2 * server_obj.num_workers + 4)) + outside_calls
@@ -156,7 +185,7 @@ def serve_grpc(
     )
     target = f"{host}:{port}"
     try:
-        if tls_cert is not None:
+        if tls_cert is not None and tls_key is not None:  # both or neither (above)
             with open(tls_key, "rb") as k, open(tls_cert, "rb") as c:
                 tls = grpc.ssl_server_credentials([(k.read(), c.read())])
             bound = server.add_secure_port(target, tls)

@@ -34,13 +34,15 @@ An outside Push may not speak for a member: in sync and ssp jobs it is refused, 
 async jobs it must name a worker id of its own (num_workers .. 65535, none that a
 joined worker registered); every Push carries at least one gradient.
 """
+
 from __future__ import annotations
 
 import collections
 import queue
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
+from typing import cast
 
 import grpc
 import torch
@@ -49,10 +51,10 @@ from google.protobuf.message import DecodeError
 from gradsync.core.errors import GradientError
 from gradsync.proto import gradsync_pb2 as pb
 from gradsync.proto import tensor_codec
-from gradsync.transport.grpc.admission import Refused
-from gradsync.transport.grpc.plain_data import from_bytes, to_bytes
 from gradsync.ps.layout import ShardLayout
 from gradsync.ps.messages import Agreement, Partial, Piece, PipelineHead, Push, Snapshot
+from gradsync.transport.grpc.admission import Refused
+from gradsync.transport.grpc.plain_data import from_bytes, to_bytes
 
 SERVICE = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 MAX_WORKER_ID = (1 << 16) - 1  # the largest worker id a named Push may carry
@@ -125,11 +127,25 @@ class Servicer:
             return pb.HealthResponse(shard_id=self.server.shard_id, ready=False, job=self.job)
         shard = self.server.layout()
         pieces = [pb.Piece(name=e.name, shape=e.shape, start=e.start, numel=e.numel) for e in shard.pieces]
-        tables = [pb.TableInfo(name=n, shape=t.shape, dtype=tensor_codec.dtype_name(t.dtype),
-                               num_servers=t.num_servers, rows_held=t.rows) for n, t in shard.tables.items()]
+        tables = [
+            pb.TableInfo(
+                name=n,
+                shape=t.shape,
+                dtype=tensor_codec.dtype_name(t.dtype),
+                num_servers=t.num_servers,
+                rows_held=t.rows,
+            )
+            for n, t in shard.tables.items()
+        ]
         return pb.HealthResponse(
-            shard_id=shard.shard_id, ready=True, version=shard.version, job=self.job,
-            parameters=shard.params + shard.frozen, buffers=shard.buffers, pieces=pieces, tables=tables,
+            shard_id=shard.shard_id,
+            ready=True,
+            version=shard.version,
+            job=self.job,
+            parameters=shard.params + shard.frozen,
+            buffers=shard.buffers,
+            pieces=pieces,
+            tables=tables,
         )
 
     def get_stats(self, request, context) -> pb.GetStatsResponse:
@@ -140,7 +156,7 @@ class Servicer:
         tables = [pb.TableStats(name=n, **t) for n, t in self.server.table_stats().items()]
         return pb.GetStatsResponse(shard_id=shard.shard_id, calls=calls, tables=tables, **self.server.stats())
 
-    def pull(self, request, context) -> Iterator[pb.PullResponse]:
+    def pull(self, request, context) -> Iterator[pb.PullResponse | bytes]:
         request = _parsed(request)
         shard = self._layout()
         unknown = sorted(set(request.names) - set(shard.names))
@@ -158,8 +174,11 @@ class Servicer:
         header = _header(request_iterator, "PushRequest", "PushHeader")
         try:
             self._check_pusher(header.worker, member)
-            grads = tensor_codec.decode(_chunks(request_iterator, "PushRequest"), max_bytes=shard.nbytes,
-                                        max_tensors=len(shard.params) + len(shard.buffers))
+            grads = tensor_codec.decode(
+                _chunks(request_iterator, "PushRequest"),
+                max_bytes=shard.nbytes,
+                max_tensors=len(shard.params) + len(shard.buffers),
+            )
             buckets = sorted(k for k in grads if isinstance(k, int))
             if buckets:
                 raise ValueError(
@@ -203,12 +222,15 @@ class Servicer:
                 f"push under an id of your own, {workers} .. {MAX_WORKER_ID}, that no worker of the job holds",
             )
 
-    def pull_rows(self, request, context) -> Iterator[pb.PullResponse]:
+    def pull_rows(self, request, context) -> Iterator[pb.PullResponse | bytes]:
         request = _parsed(request)
         shard = self._layout()
         if request.table not in shard.tables:
-            raise Refused(grpc.StatusCode.NOT_FOUND, f"PullRowsRequest.table: server {shard.shard_id} holds no "
-                                                      f"table {request.table!r} (it holds {sorted(shard.tables)})")
+            raise Refused(
+                grpc.StatusCode.NOT_FOUND,
+                f"PullRowsRequest.table: server {shard.shard_id} holds no "
+                f"table {request.table!r} (it holds {sorted(shard.tables)})",
+            )
         try:
             local = self.server.local_rows(request.table, torch.tensor(list(request.ids), dtype=torch.int64))
         except GradientError as e:
@@ -217,20 +239,20 @@ class Servicer:
         yield pb.PullResponse(header=pb.PullHeader(shard_id=shard.shard_id, version=version))
         yield from tensor_codec.encode_messages({request.table: rows}, pb.PullResponse)
 
-    def job_pull(self, request, context) -> Iterator[pb.PullResponse]:
+    def job_pull(self, request, context) -> Iterator[pb.PullResponse | bytes]:
         _parsed(request)
         shard = self._layout()
         yield from _snapshot_messages(shard.shard_id, self.server.pull())
 
-    def job_push(self, request_iterator, context) -> Iterator[pb.PullResponse]:
+    def job_push(self, request_iterator, context) -> Iterator[pb.PullResponse | bytes]:
         shard = self._layout()
         header = _header(request_iterator, "JobPushRequest", "JobPushHeader")
         try:
             yield from self._job_push(shard, header, request_iterator, context)
         except Exception as e:
-            raise self.failure(e, "push", header.worker)
+            raise self.failure(e, "push", header.worker)  # noqa: B904 (it may be e itself; e stays the context)
 
-    def _job_push(self, shard: ShardLayout, header, request_iterator, context) -> Iterator[pb.PullResponse]:
+    def _job_push(self, shard: ShardLayout, header, request_iterator, context) -> Iterator[pb.PullResponse | bytes]:
         buckets = shard.buckets
         absent = [tuple(a.entries) for a in header.absent]
         options = from_bytes(header.options, "JobPushHeader.options") if header.options else {}
@@ -242,32 +264,40 @@ class Servicer:
         except ValueError as e:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
         payloads = [tensors.pop(b, None) for b in range(buckets)]
+        buffers = cast("dict[str, torch.Tensor]", tensors)  # the rest: the buffers, by name
         agree = Agreement(header.norm_type, header.skip_nonfinite) if header.HasField("norm_type") else None
-        fut = self.server.push(header.worker, header.version, Push(payloads, absent, tensors, options=options,
-                                                                   agree=agree))
+        fut = self.server.push(
+            header.worker, header.version, Push(payloads, absent, buffers, options=options, agree=agree)
+        )
         applied = self._applied(fut, header.worker, context)
         yield from _snapshot_messages(shard.shard_id, self.server.reply(applied))
 
-    def _job_push_pieces(self, shard: ShardLayout, header, request_iterator, absent: list[tuple], options: dict,
-                         context) -> Iterator[pb.PullResponse]:
+    def _job_push_pieces(
+        self, shard: ShardLayout, header, request_iterator, absent: list[tuple], options: dict, context
+    ) -> Iterator[pb.PullResponse | bytes]:
         """A JobPush with `pieces` (see the .proto): a thread reads the request stream and hands the server the
         step's head (the buffers, before the first bucket) and each bucket as a `Piece` as soon as its last chunk
         is in; this generator sends each bucket's values as soon as the server applied it, then the head's
         reply (the version and buffers after the step). Every wait is bounded by the step timeout."""
         worker, version = header.worker, header.version
         if not self.server.pipelined or header.HasField("norm_type") or len(absent) != shard.buckets:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, (
-                f"JobPushHeader.pieces to server {shard.shard_id} in {self.server.mode} mode, with norm_type "
-                f"{header.norm_type if header.HasField('norm_type') else 'unset'} and {len(absent)} absence lists "
-                f"for its {shard.buckets} buckets: a pipelined step is for sync mode, holds for no norm and lists "
-                "every bucket"))
+            raise Refused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                (
+                    f"JobPushHeader.pieces to server {shard.shard_id} in {self.server.mode} mode, with norm_type "
+                    f"{header.norm_type if header.HasField('norm_type') else 'unset'} and {len(absent)} absence lists "
+                    f"for its {shard.buckets} buckets: a pipelined step is for sync mode, holds for no norm and lists "
+                    "every bucket"
+                ),
+            )
         answered: queue.SimpleQueue = queue.SimpleQueue()  # (bucket or None for the head, future) or an error
 
         def give(key, fut) -> None:
             fut.add_done_callback(lambda done: answered.put((key, done)))
 
         def read() -> None:
-            buffers, sent = {}, None  # sent: the buckets handed over; None until the head is
+            buffers: dict[str, torch.Tensor] = {}
+            sent: set | None = None  # the buckets handed over; None until the head is
 
             def head() -> set:
                 give(None, self.server.push(worker, version, PipelineHead(buffers=buffers, options=options)))
@@ -277,18 +307,28 @@ class Servicer:
                 for key, tensor in _job_tensors(shard, request_iterator):
                     if isinstance(key, str):
                         if sent is not None:
-                            raise ValueError(f"JobPushRequest: buffer {key!r} came after a bucket; with "
-                                             "JobPushHeader.pieces the buffers come first")
+                            raise ValueError(
+                                f"JobPushRequest: buffer {key!r} came after a bucket; with "
+                                "JobPushHeader.pieces the buffers come first"
+                            )
                         buffers[key] = tensor
                         continue
                     sent = head() if sent is None else sent
-                    give(key, self.server.push_piece(worker, version, Piece(shard.shard_id, key, tensor, absent[key]),
-                                                     stamped=header.timeline))
+                    give(
+                        key,
+                        self.server.push_piece(
+                            worker, version, Piece(shard.shard_id, key, tensor, absent[key]), stamped=header.timeline
+                        ),
+                    )
                     sent.add(key)
                 sent = head() if sent is None else sent
                 for b in sorted(set(range(shard.buckets)) - sent):  # sent no gradient: a piece all the same
-                    give(b, self.server.push_piece(worker, version, Piece(shard.shard_id, b, None, absent[b]),
-                                                   stamped=header.timeline))
+                    give(
+                        b,
+                        self.server.push_piece(
+                            worker, version, Piece(shard.shard_id, b, None, absent[b]), stamped=header.timeline
+                        ),
+                    )
             except Exception as e:  # noqa: BLE001 -- the reply's generator raises it, with its status
                 answered.put(e)
 
@@ -312,21 +352,26 @@ class Servicer:
         try:
             item = answered.get(timeout=timeout)
         except queue.Empty:
-            raise Refused(grpc.StatusCode.DEADLINE_EXCEEDED, (
-                f"push of worker {worker} to server {self.server.shard_id}: a piece was not applied after "
-                f"{timeout:.1f} s (in sync mode every worker must push each step)")) from None
+            raise Refused(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                (
+                    f"push of worker {worker} to server {self.server.shard_id}: a piece was not applied after "
+                    f"{timeout:.1f} s (in sync mode every worker must push each step)"
+                ),
+            ) from None
         if isinstance(item, ValueError):
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(item)) from item
         if isinstance(item, Exception):
             raise item
         return item
 
-    def job_finish(self, request, context) -> Iterator[pb.PullResponse]:
+    def job_finish(self, request, context) -> Iterator[pb.PullResponse | bytes]:
         request = _parsed(request)
         shard = self._layout()
         coefficient = request.coefficient if request.HasField("coefficient") else None
-        applied = self._applied(self.server.finish(request.worker, request.version, coefficient), request.worker,
-                                context)
+        applied = self._applied(
+            self.server.finish(request.worker, request.version, coefficient), request.worker, context
+        )
         yield from _snapshot_messages(shard.shard_id, self.server.reply(applied))
 
     def job_optimizer_state(self, request, context) -> pb.PlainData:
@@ -423,8 +468,9 @@ def _job_tensors(shard: ShardLayout, request_iterator) -> Iterator[tuple[tensor_
         ValueError: naming the message, the tensor and the field or limit.
     """
     buckets = shard.buckets
-    for key, tensor in tensor_codec.decode_each(_chunks(request_iterator, "JobPushRequest"), max_bytes=shard.nbytes,
-                                                max_tensors=buckets + len(shard.buffers)):
+    for key, tensor in tensor_codec.decode_each(
+        _chunks(request_iterator, "JobPushRequest"), max_bytes=shard.nbytes, max_tensors=buckets + len(shard.buffers)
+    ):
         if isinstance(key, int) and key >= buckets:
             raise ValueError(
                 f"JobPushRequest: Tensor.bucket {key} is not a bucket of server {shard.shard_id}, which "
@@ -449,8 +495,7 @@ def _snapshot_messages(shard_id: int, snapshot: Snapshot | Partial) -> Iterator[
     """A `Snapshot` as the job calls send it: a PullHeader, the buckets by index, the buffers by name; a held
     step's `Partial`: a PullHeader alone."""
     if isinstance(snapshot, Partial):
-        yield pb.PullResponse(header=pb.PullHeader(shard_id=shard_id, version=snapshot.version,
-                                                   partial=snapshot.value))
+        yield pb.PullResponse(header=pb.PullHeader(shard_id=shard_id, version=snapshot.version, partial=snapshot.value))
         return
     yield pb.PullResponse(header=pb.PullHeader(shard_id=shard_id, version=snapshot.version))
     tensors: dict[tensor_codec.Key, torch.Tensor] = dict(enumerate(snapshot.flats))

@@ -5,6 +5,7 @@ gRPC reports each as UNAVAILABLE with a detail that names no fix ("Socket closed
 endpoint), so `mismatch` asks the endpoint itself: one TLS handshake trusting anything, one trusting the client's
 certificate.
 """
+
 from __future__ import annotations
 
 import socket
@@ -22,11 +23,15 @@ def mismatch(address: str, root_cert: str | None, timeout: float) -> str | None:
     if root_cert is None:
         return f"the endpoint serves TLS and this client speaks plain gRPC: {FIX_PLAIN}" if serves_tls else None
     if not serves_tls:
-        return (f"the endpoint serves plain gRPC, without TLS, and this client speaks TLS (certificate {root_cert}): "
-                "leave out --tls-cert and unset GRADSYNC_TLS_CERT (Client(root_cert=None))")
+        return (
+            f"the endpoint serves plain gRPC, without TLS, and this client speaks TLS (certificate {root_cert}): "
+            "leave out --tls-cert and unset GRADSYNC_TLS_CERT (Client(root_cert=None))"
+        )
     if _handshake(address, root_cert, timeout) is False:
-        return (f"the endpoint's TLS certificate is not signed by {root_cert}, the certificate this client trusts: "
-                "give the certificate the endpoint serves (the GRADSYNC_TLS_CERT of its job)")
+        return (
+            f"the endpoint's TLS certificate is not signed by {root_cert}, the certificate this client trusts: "
+            "give the certificate the endpoint serves (the GRADSYNC_TLS_CERT of its job)"
+        )
     return None
 
 
