@@ -26,7 +26,7 @@ import torch
 from gradsync.core.buckets import Entry
 from gradsync.ps import shard_file
 from gradsync.ps.shard import ShardState
-from gradsync.tables.dynamic_checkpoint import whole
+from gradsync.tables.dynamic_checkpoint import as_full
 
 
 def restore_folder(shard: ShardState, folder: str, servers: int, base: str | None = None) -> None:
@@ -41,7 +41,7 @@ def restore_folder(shard: ShardState, folder: str, servers: int, base: str | Non
         )
         for n in [n for n, t in loaded["tables"].items() if "removed" in t]:
             onto = None if full is None else (lambda n=n, full=full: full()[n])
-            loaded["tables"][n] = whole(n, loaded["tables"][n], onto, folder)
+            loaded["tables"][n] = as_full(n, loaded["tables"][n], onto, folder)
         return loaded
 
     restore(shard, (state(k) for k in order), where=folder)

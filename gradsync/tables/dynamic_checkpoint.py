@@ -37,8 +37,8 @@ def with_delta(full: dict, delta: dict) -> dict:
     return out
 
 
-def whole(name: str, part: dict, full: Callable[[], dict] | None, where: str) -> dict:
-    """A checkpoint part of dynamic table `name` as a whole: `part` when it is full; a delta put onto `full()`, the
+def as_full(name: str, part: dict, full: Callable[[], dict] | None, where: str) -> dict:
+    """A checkpoint part of dynamic table `name` as a full one: `part` when it is full; a delta put onto `full()`, the
     table's part of the full checkpoint it goes onto (with the delta's server and number of servers, if any).
 
     Raises:

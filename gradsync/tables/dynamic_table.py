@@ -548,23 +548,23 @@ class _IdColumns:
 def _check_settings(name: str, *, dim, capacity, admit_after, admit_probability, evict, ttl_steps, dtype) -> None:
     """One error naming the first bad setting, its value and what it accepts."""
 
-    def whole(value, least: int) -> bool:
+    def at_least(value, least: int) -> bool:
         return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
     bad = (
         ("dim", dim, "an int >= 1")
-        if not whole(dim, 1)
+        if not at_least(dim, 1)
         else ("capacity", capacity, "the most rows the table holds, an int >= 1")
-        if not whole(capacity, 1)
+        if not at_least(capacity, 1)
         else ("admit_after", admit_after, "an int >= 1 (1: admit on first sight)")
-        if not whole(admit_after, 1)
+        if not at_least(admit_after, 1)
         else ("admit_probability", admit_probability, "None or a number in (0, 1]")
         if admit_probability is not None
         and not (isinstance(admit_probability, (int, float)) and 0 < admit_probability <= 1)
         else ("evict", evict, "'lru' or 'lfu'")
         if evict not in EVICTION_RULES
         else ("ttl_steps", ttl_steps, "None or an int >= 1")
-        if ttl_steps is not None and not whole(ttl_steps, 1)
+        if ttl_steps is not None and not at_least(ttl_steps, 1)
         else ("dtype", dtype, "a floating dtype such as torch.float32")
         if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point)
         else None

@@ -216,6 +216,6 @@ class HybridStrategy(Strategy):
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         named = {s: named for s, (_, _, named) in self.transport.state().items()}
-        tables = {**self.tables.full(named), **self.dynamic.state()}
+        tables = {**self.tables.whole_tables(named), **self.dynamic.state()}
         with self.tables.own_state(), self.dynamic.own_state():
             return ordered(self.dense.state_dict(), tables, self.keys)

@@ -6,7 +6,7 @@ load its state. Every such change goes through one `Attachments`, which lists th
 
 - `torch.save(module)`, `pickle.dumps` and `copy.deepcopy(module)` see an ordinary module: each changed module
   reduces to its own class and state without gradsync's attributes and hooks, a table holding its whole rows as
-  they are then (`plain`'s `whole`, gathered from where they are trained);
+  they are then (`plain`, gathered from where they are trained);
 - `module.load_state_dict(...)` (of the model or of any of its modules) takes the values to where they are
   trained once torch has loaded every key without an error (`on_load`), and changes nothing there when it
   raised; every worker loads alike, as under DDP, and a worker's load reaches the servers at once;
@@ -30,19 +30,19 @@ _HOOKS = ("_hooks", "_hooks_with_kwargs", "_hooks_always_called")
 """How the names of an `nn.Module`'s hook dicts end (`_forward_hooks`, `_state_dict_hooks`, ...), each keyed by
 its hooks' handle ids."""
 
-Whole = Callable[[nn.Module], dict]
+PlainState = Callable[[nn.Module], dict]
 """A changed module's plain state: what its `__dict__` takes beside its own (a table's `_parameters` with its whole
 weight, a dynamic table's local table holding every row)."""
 
 
 class _Changed:
     """What gradsync changed of one module: the instance attributes it set, the hooks it registered, its plain
-    state (`Whole`)."""
+    state (`PlainState`)."""
 
     def __init__(self):
         self.attributes: set[str] = set()
         self.hooks: list[RemovableHandle] = []
-        self.whole: Whole | None = None
+        self.plain: PlainState | None = None
 
 
 class Attachments:
@@ -68,9 +68,9 @@ class Attachments:
         """Keep the handle of a hook registered on `module`: a copy or a detached module has none of it."""
         self._of(module).hooks.append(handle)
 
-    def plain(self, module: nn.Module, whole: Whole) -> None:
-        """`module`'s plain state is its own updated by `whole(module)`."""
-        self._of(module).whole = whole
+    def plain(self, module: nn.Module, state: PlainState) -> None:
+        """`module`'s plain state is its own updated by `plain(module)`."""
+        self._of(module).plain = state
 
     def on_load(self, modules, pending: tuple, commit: Callable[[], None], discard: Callable[[], None]) -> None:
         """Each of `modules`' `load_state_dict(...)` is torch's, then `commit()` (the loaded values go where they
@@ -134,8 +134,8 @@ def _plain_state(module: nn.Module, changed: _Changed) -> dict:
     for key, value in state.items():
         if key.endswith(_HOOKS) and isinstance(value, dict) and not ours.isdisjoint(value):
             state[key] = type(value)((k, h) for k, h in value.items() if k not in ours)
-    if changed.whole is not None:
-        state.update(changed.whole(module))
+    if changed.plain is not None:
+        state.update(changed.plain(module))
     return state
 
 

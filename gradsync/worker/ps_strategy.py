@@ -594,6 +594,6 @@ class PSStrategy(Strategy):
         for _, _, named in states.values():
             values.update(named)
         self._point({n: t.clone() for n, t in values.items()})  # the module's own: the state returned is the caller's
-        tables = {**self.tables.full({s: named for s, (_, _, named) in states.items()}), **self.dynamic.state()}
+        tables = {**self.tables.whole_tables({s: named for s, (_, _, named) in states.items()}), **self.dynamic.state()}
         with self.tables.own_state(), self.dynamic.own_state():
             return ordered(to_state_dict(self.model.module, values), tables, self.keys)

@@ -35,7 +35,7 @@ from torch import nn
 
 from gradsync.core.errors import nonfinite_error
 from gradsync.core.finite import first_nonfinite
-from gradsync.tables.dynamic_checkpoint import whole
+from gradsync.tables.dynamic_checkpoint import as_full
 from gradsync.tables.dynamic_embedding import STATE_KEYS, DynamicEmbedding
 from gradsync.tables.row_optim import ROW_OPTIMIZERS
 
@@ -131,7 +131,7 @@ class ReplicatedTables:
         part of `full` (the full checkpoint it goes onto, None when there is none: refused, naming `where`)."""
         for name, part in parts.items():
             onto = (lambda n=name: full[n]) if full else None
-            self.layers[name].table.load(whole(name, part, onto, where), self.optimizer)
+            self.layers[name].table.load(as_full(name, part, onto, where), self.optimizer)
 
 
 def exchange(mine: list[Lookups], workers: int) -> tuple[list[list[Lookups]], int]:

@@ -318,7 +318,7 @@ class ServedTables:
                 out[s][name] = RowGrads(version, local, summed if self.num_servers == 1 else summed[positions])
         return out
 
-    def full(self, named_by_server: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    def whole_tables(self, named_by_server: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Whole tables from each server's rows (the `state()` of every server), by weight name."""
         return {
             spec.name: join_rows(

@@ -40,7 +40,7 @@ from gradsync.core.job_names import worker_name
 from gradsync.metrics.traffic import object_gather_bytes
 from gradsync.ps.dynamic_shard import DynamicShard, respond
 from gradsync.ps.messages import EndStep, Evict, FirstToGo, LoadTables, TableCall
-from gradsync.tables.dynamic_checkpoint import whole
+from gradsync.tables.dynamic_checkpoint import as_full
 from gradsync.tables.id_hash import server_of
 from gradsync.tables.row_partition import ExchangePlan
 from gradsync.worker.served_dynamic import ServedDynamic
@@ -153,7 +153,7 @@ class ShardedDynamic(ServedDynamic):
                 if name in parts:
                     # the writer's full part
                     onto = None if full is None else (lambda k=part["server"], n=name: full(k)[n])
-                    parts[name].append(whole(name, part, onto, where))
+                    parts[name].append(as_full(name, part, onto, where))
             if all(self.parts[n].holds_all(p) for n, p in parts.items()):
                 break
         else:

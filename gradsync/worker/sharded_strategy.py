@@ -152,7 +152,7 @@ class ShardedStrategy(Strategy):
         )
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        tables = {**self.tables.full(), **self.dynamic.state()}
+        tables = {**self.tables.gathered_tables(), **self.dynamic.state()}
         with self.tables.own_state(), self.dynamic.own_state():
             return ordered(self.dense.state_dict(), tables, self.keys)
 

@@ -564,5 +564,6 @@ class ShardedTables(ServedTables):
             out[ids] = values
         return out
 
-    def full(self, named_by_server=None) -> dict[str, torch.Tensor]:
+    def gathered_tables(self) -> dict[str, torch.Tensor]:
+        """Every whole table, gathered from its owners (`whole`)."""
         return {spec.name: self.whole(spec.name) for spec in self.specs}
