@@ -109,7 +109,7 @@ class HybridStrategy(Strategy):
         self._versions = {s: 0 for s in self.servers}
         self.joiner = Joiner(cluster.store, cluster.config, cluster.heartbeat, self.servers)
         self.loads = 0  # the table loads sent to the servers (`_commit_load`)
-        self.attached.on_load(module.modules(), (self.tables, self.dynamic), self._commit_load, self._discard_load)
+        self.attached.on_load(module.modules(), (self.tables, self.dynamic), self._commit_load)
         cluster.leaving.append(self.attached.detach)
 
     def _commit_load(self) -> None:
@@ -118,12 +118,8 @@ class HybridStrategy(Strategy):
         if self.tables.loaded:
             self.loads += 1
             self.transport.load_values(self.loads, {s: ([], self.tables.loaded_rows(s)) for s in self.servers})
-            self.tables.loaded.clear()
+            self.tables.discard_load()
         self.dynamic.commit_load()
-
-    def _discard_load(self) -> None:
-        self.tables.loaded.clear()
-        self.dynamic.discard_load()
 
     # the base declares an attribute; here a read-only view of the dense part's, which nothing sets
     @property

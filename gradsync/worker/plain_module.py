@@ -72,12 +72,15 @@ class Attachments:
         """`module`'s plain state is its own updated by `plain(module)`."""
         self._of(module).plain = state
 
-    def on_load(self, modules, pending: tuple, commit: Callable[[], None], discard: Callable[[], None]) -> None:
+    def on_load(
+        self, modules, holders: tuple, commit: Callable[[], None], refresh: Callable[[], None] = lambda: None
+    ) -> None:
         """Each of `modules`' `load_state_dict(...)` is torch's, then `commit()` (the loaded values go where they
-        are trained) when torch loaded every key without an error, else `discard()`; `pending`: the holders whose
-        `loaded` keeps what a load took for `commit`, emptied before each load."""
+        are trained) when torch loaded every key without an error; `holders`: the tables that keep what a load
+        took for `commit`, each told to forget it (`discard_load`) before a load and after one that raised, and
+        then `refresh()` (the module shown the trained values again)."""
         for module in modules:
-            self.set(module, "load_state_dict", functools.partial(_load, module, pending, commit, discard))
+            self.set(module, "load_state_dict", functools.partial(_load, module, holders, commit, refresh))
 
     def detach(self) -> None:
         """Make every changed module ordinary: its plain state, none of gradsync's attributes and hooks."""
@@ -93,20 +96,22 @@ class Attachments:
 
 def _load(
     module: nn.Module,
-    pending: tuple,
+    holders: tuple,
     commit: Callable[[], None],
-    discard: Callable[[], None],
+    refresh: Callable[[], None],
     state_dict,
     strict: bool = True,
     assign: bool = False,
 ):
     """`module.load_state_dict` (`Attachments.on_load`)."""
-    for holder in pending:
-        holder.loaded.clear()
+    for holder in holders:
+        holder.discard_load()
     try:
         result = type(module).load_state_dict(module, state_dict, strict=strict, assign=assign)
     except BaseException:
-        discard()
+        for holder in holders:
+            holder.discard_load()
+        refresh()
         raise
     commit()
     return result

@@ -221,7 +221,7 @@ class PSStrategy(Strategy):
         self._next: _Pulled | None = self._build(self.transport.pull())
         self.tables.serving = self.dynamic.serving = True
         self.loads = 0  # the module loads sent to the servers (`_commit_load`)
-        self.attached.on_load(module.modules(), (self.tables, self.dynamic), self._commit_load, self._discard_load)
+        self.attached.on_load(module.modules(), (self.tables, self.dynamic), self._commit_load, self._repull)
         cluster.leaving.append(self.attached.detach)
         if self.worker == 0 and loaded is not None:
             optimizer.load_state_dict(loaded)
@@ -261,15 +261,13 @@ class PSStrategy(Strategy):
                 for s in self.servers
             },
         )
-        self.tables.loaded.clear()
+        self.tables.discard_load()
         self.dynamic.commit_load()
         self._last, self._next = None, self._build(self.transport.pull())
 
-    def _discard_load(self) -> None:
-        """After a `load_state_dict` that raised: nothing goes to the servers, and the module shows their values
-        again (torch had loaded some keys)."""
-        self.tables.loaded.clear()
-        self.dynamic.discard_load()
+    def _repull(self) -> None:
+        """After a `load_state_dict` that raised: the module shows the servers' values again (torch had loaded
+        some keys into it)."""
         self._last, self._next = None, self._build(self.transport.pull())
 
     def pulled(self, context_id: int | None) -> _Pulled:

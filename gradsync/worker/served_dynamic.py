@@ -238,7 +238,8 @@ class ServedDynamic:
         self.resync()
 
     def discard_load(self) -> None:
-        """Forget what a module's load took: its own (unused) tables emptied again."""
+        """Forget what a module's load took (it raised, was sent, or another begins): its own (unused) tables
+        emptied again."""
         for name in self.loaded:
             self.modules[name].table.reset()
         self.loaded.clear()

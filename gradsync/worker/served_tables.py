@@ -187,6 +187,10 @@ class ServedTables:
             return
         self.loaded[spec.name] = value.detach().to("cpu", spec.dtype, copy=True)
 
+    def discard_load(self) -> None:
+        """Forget the weights a load took (it raised, or another begins)."""
+        self.loaded.clear()
+
     def loaded_rows(self, server: int) -> dict[str, torch.Tensor]:
         """Server `server`'s rows of each table a load took (`loaded`), by table."""
         return {name: weight[server :: self.num_servers].contiguous() for name, weight in self.loaded.items()}

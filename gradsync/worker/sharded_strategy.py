@@ -89,7 +89,7 @@ class ShardedStrategy(Strategy):
         )
         self.tables.take_rows(values)  # once every worker has built its Trainer (DDP's wait)
         self.attached.hook(module, module.register_forward_hook(self.tables.forward_ended))
-        self.attached.on_load(module.modules(), (self.tables, self.dynamic), self._commit_load, self._discard_load)
+        self.attached.on_load(module.modules(), (self.tables, self.dynamic), self._commit_load)
         cluster.leaving.append(self.attached.detach)
         dist.barrier()  # every worker answers gathers before any asks (tables on the meta device exchange nothing)
         self.model = self.dense.model
@@ -131,10 +131,6 @@ class ShardedStrategy(Strategy):
     def _commit_load(self) -> None:
         self.tables.commit_load()
         self.dynamic.commit_load()
-
-    def _discard_load(self) -> None:
-        self.tables.loaded.clear()
-        self.dynamic.discard_load()
 
     def model_sizes(self, trainable: int) -> dict[str, int]:
         return self.tables.model_sizes(trainable)

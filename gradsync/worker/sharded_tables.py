@@ -526,7 +526,7 @@ class ShardedTables(ServedTables):
             for name, weight in self.loaded.items():
                 shard = self.shards[name]
                 shard.values.copy_(weight[shard.owned])
-        self.loaded.clear()
+        self.discard_load()
 
     def rows_of(
         self, table: str, step: int, timeout: float, ids: torch.Tensor | None = None
