@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import io
-import time
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -51,13 +50,14 @@ def _train(trainer: gradsync.Trainer, steps: int) -> None:
 
 
 def _every_worker_here(name: str) -> None:
-    """Wait until every worker has reached this point (through the job's rendezvous store)."""
-    from gradsync.core.waiting import wait_until
+    """Wait until every worker has reached this point (the job's own barrier in its rendezvous store)."""
+    from gradsync.membership.arrivals import wait_for_every_worker
     from gradsync.runtime import cluster
 
     store, key = cluster.current().store, f"plain_models/{name}"
-    store.add(key, 1)
-    wait_until(lambda: store.add(key, 0) >= gradsync.num_workers(), time.monotonic() + 60, f"every worker at {name}")
+    store.append(key, f"{gradsync.worker_rank()},")
+    wait_for_every_worker(store, key, gradsync.num_workers(), 60,
+                          lambda missing, arrived: TimeoutError(f"workers {missing} never reached {name!r}"))
 
 
 def saved(module: nn.Module) -> bytes:
