@@ -7,6 +7,7 @@ _HOMES = {
     "shutdown": "gradsync.runtime.leaving",
     "worker_rank": "gradsync.runtime.cluster",
     "num_workers": "gradsync.runtime.cluster",
+    "restart_count": "gradsync.runtime.replacement",
     "Trainer": "gradsync.trainer",
     "RowSGD": "gradsync.tables.row_optim",
     "RowAdagrad": "gradsync.tables.row_optim",

@@ -38,6 +38,7 @@ class Placement:
     store_is_hosted: bool = settings.STORE_IS_HOSTED.default
     servers: int = settings.SERVERS.default
     server_device: str = settings.SERVER_DEVICE.default
+    replacement: int = settings.REPLACEMENT.default
 
     def __post_init__(self) -> None:
         self._check_placement()
@@ -83,6 +84,16 @@ class Placement:
     def role(self, rank: int) -> str:
         """RPC name of global rank `rank`: 'ps<i>' for the first `servers` ranks, else 'worker<i>'."""
         return server_name(rank) if rank < self.servers else worker_name(rank - self.servers)
+
+    @property
+    def rpc_identity(self) -> tuple[str, int]:
+        """(name, rank) of this process in the job's RPC group: its role and rank, or, in the n-th replacement of
+        a worker, a name and a rank of its own (`worker1_r2`), which no earlier process of the group held."""
+        if not self.replacement:
+            return self.name, self.rank
+        return f"{self.name}_r{self.replacement}", self.world_size + (self.replacement - 1) * self.num_workers + (
+            self.rank - self.servers
+        )
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -176,8 +187,43 @@ class Checkpointing:
 
 
 @dataclasses.dataclass(kw_only=True)
-class JobConfig(Checkpointing, Timeouts, Training, Placement):  # fields in the order placement, training, ...
-    """Where this process sits in the job and how the job trains: the four concerns, checked together."""
+class Faults:
+    """What the job does when one of its ranks dies (docs/guide.md, "When a rank dies")."""
+
+    worker_loss: str = settings.WORKER_LOSS.default
+    max_restarts: int = settings.MAX_RESTARTS.default
+    restart_timeout: float = settings.RESTART_TIMEOUT.default
+    replicas: int = settings.REPLICAS.default
+
+    def __post_init__(self) -> None:
+        self._check_faults()
+
+    def _check_faults(self) -> None:
+        for s in settings.of("faults"):
+            s.check(getattr(self, s.name))
+        _positive(self, "faults")
+        if self.max_restarts < 0:
+            raise ConfigError(f"max_restarts={self.max_restarts}: pass --max-restarts N with N >= 0 (0: none)")
+        if self.worker_loss == "drop":
+            raise ConfigError(
+                "worker_loss='drop' (going on without a dead worker) is not available yet: pass --worker-loss wait "
+                "(a replacement takes the dead worker's place) or fail"
+            )
+        if self.replicas:
+            raise ConfigError(
+                f"replicas={self.replicas}: servers that keep each other's shards are not available yet; pass "
+                "--replicas 0, and --checkpoint-dir/--checkpoint-every to restart a job whose server died"
+            )
+
+    @property
+    def replaces_workers(self) -> bool:
+        """Whether a worker that dies is replaced and its step waits for the replacement (`worker_loss` wait)."""
+        return self.worker_loss == "wait"
+
+
+@dataclasses.dataclass(kw_only=True)
+class JobConfig(Faults, Checkpointing, Timeouts, Training, Placement):  # fields in the order placement, training, ...
+    """Where this process sits in the job and how the job trains: the five concerns, checked together."""
 
     def __post_init__(self) -> None:
         self._check_training()
@@ -194,6 +240,25 @@ class JobConfig(Checkpointing, Timeouts, Training, Placement):  # fields in the 
         self._check_checkpointing()
         self._check_placement()
         self._check_timeouts()
+        self._check_faults()
+        if self.replaces_workers:
+            refusal = strategy.replacement_refusal(self.strategy, self.mode) or capabilities(
+                self.transport
+            ).replacement_refusal(self.transport)
+            if refusal:
+                raise ConfigError(refusal)
+
+    @property
+    def dynamic_group(self) -> bool:
+        """Whether the job's RPC group takes members while it runs: an elastic job, or one whose dead workers
+        are replaced (`transport.rpc_group`)."""
+        return self.elastic or self.replaces_workers
+
+    @property
+    def call_timeout(self) -> float:
+        """Seconds a worker's call of a step may wait: step_timeout, and restart_timeout more in a job whose
+        step waits for a dead worker's replacement."""
+        return self.step_timeout + (self.restart_timeout if self.replaces_workers else 0.0)
 
     @classmethod
     def from_env(cls, environ=None, **overrides) -> JobConfig:

@@ -14,7 +14,7 @@ from gradsync.core.errors import outside_context_error
 from gradsync.core.optimizer_spec import as_optimizer
 from gradsync.core.torch_internals import current_context_id
 from gradsync.metrics import scalars
-from gradsync.runtime import checkpoints, cluster
+from gradsync.runtime import checkpoints, cluster, replacement
 from gradsync.runtime.straggler import straggler_of
 from gradsync.tables.row_optim import ROW_OPTIMIZERS
 from gradsync.worker.user_optimizer import watch_clipping
@@ -120,7 +120,9 @@ class Trainer:
         self._joining = False
         scalars.watch(self._strategy.metrics, self._strategy.model_sizes(trainable))
         self.start_step = 0
-        if job.resumed is not None:
+        if job.config.replacement:  # a dead worker's replacement: at the step in flight
+            self.start_step = job.steps = replacement.rejoin(job, self._strategy, self._described)
+        elif job.resumed is not None:
             self.start_step = job.steps = checkpoints.restore(job.config, self._strategy, job.resumed)
 
     @property
@@ -160,6 +162,8 @@ class Trainer:
         """
         if current_context_id() != context_id:
             raise outside_context_error(context_id)
+        if self._job.config.replaces_workers:  # for a replacement, should this worker die in this step
+            replacement.record(self._job.store, self._job.config.worker_rank, self._job.steps)
         self._commit(context_id, scaler)
         self._job.steps += 1
         every = self._job.config.checkpoint_every

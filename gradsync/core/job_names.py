@@ -33,6 +33,8 @@ class StoreKeys:
     JOINED = "gradsync/joined/{}"  # event number: the worker that joined
     JOIN_DONE = "gradsync/join_done/{}/{}"  # round, shard: that server saw every worker join that round
     JOIN_ENTERED = "gradsync/join_entered/{}"  # round: `worker,` entries, the workers that opened trainer.join()
+    STEP_BEGUN = "gradsync/step_begun/{}/{}"  # worker, step parity: that worker's step as it began, its RNG states
+    REJOINED = "gradsync/rejoined/{}"  # worker: `replacement:step`, its latest replacement built its Trainer there
 
 
 def server_name(index: int) -> str:

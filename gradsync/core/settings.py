@@ -20,7 +20,7 @@ from typing import Generic, TypeVar, cast
 from gradsync.core.strategies import STRATEGIES, described, listed, names
 from gradsync.core.transport_capabilities import CAPABILITIES
 
-JOB_CONCERNS = ("placement", "training", "timeouts", "checkpointing")
+JOB_CONCERNS = ("placement", "training", "timeouts", "checkpointing", "faults")
 """The concerns of `JobConfig`, one dataclass each; the other concerns are read where they are used."""
 
 
@@ -333,6 +333,69 @@ START_OVER = _S(
     "folders first (without it such a folder is refused)",
     flag="--start-over",
     shared=True,
+)
+# Faults: what a job does when one of its ranks dies.
+WORKER_LOSS = _S(
+    "worker_loss",
+    "GRADSYNC_WORKER_LOSS",
+    str,
+    "fail",
+    "faults",
+    "what a sync ps job does when a worker dies (killed, exits non-zero, or silent past --step-timeout): fail "
+    "(the job fails, naming it), wait (the launcher starts a replacement with the same worker rank, within "
+    "--max-restarts; the step in flight waits for it, and the job ends bit for bit as without the death)",
+    flag="--worker-loss",
+    choices=("fail", "wait", "drop"),
+    label="worker_loss policy",
+    shared=True,
+)
+MAX_RESTARTS = _S(
+    "max_restarts",
+    "GRADSYNC_MAX_RESTARTS",
+    int,
+    0,
+    "faults",
+    "replacements the launcher may start per worker rank (--worker-loss wait); 0: none",
+    flag="--max-restarts",
+    shared=True,
+)
+RESTART_TIMEOUT = _S(
+    "restart_timeout",
+    "GRADSYNC_RESTART_TIMEOUT",
+    float,
+    60.0,
+    "faults",
+    "seconds a replacement may take to rejoin the job (--worker-loss wait); past it the job fails, naming the worker",
+    flag="--restart-timeout",
+    shared=True,
+)
+REPLICAS = _S(
+    "replicas",
+    "GRADSYNC_REPLICAS",
+    int,
+    0,
+    "faults",
+    "ps: 0, or 1 to keep each server's shards on a second server as well",
+    flag="--replicas",
+    shared=True,
+)
+REPLACEMENT = _S(
+    "replacement",
+    "GRADSYNC_REPLACEMENT",
+    int,
+    0,
+    "placement",
+    "n > 0 in the n-th replacement of a worker that died in the running job (--worker-loss wait)",
+    internal=True,
+)
+RESTART_COUNT = _S(
+    "restart_count",
+    "TORCHELASTIC_RESTART_COUNT",
+    int,
+    0,
+    "launcher",
+    "which incarnation of its rank this process is: 0, or n in the n-th replacement (gradsync.restart_count())",
+    internal=True,
 )
 # The process: read where it is used.
 LOCAL_RANK = _S(

@@ -54,6 +54,7 @@ class StrategyTraits:
     tables: Tables  # where the embedding tables train (those Trainer(tables=...) places, DynamicEmbedding)
     needs_tables: bool  # it refuses a model without an embedding table to place (`core.errors.NoTablesToServe`)
     join: bool  # trainer.join() (workers with uneven data) is supported
+    replaced: tuple[str, ...]  # the modes in which a dead worker's replacement takes its place (worker_loss wait)
     checkpoint: tuple[Saved, ...]  # what its job checkpoints hold; () would be no checkpoints
     loader: str  # the dotted path of its worker-side Strategy class, imported on first use
     keywords: tuple[str, ...]  # the Trainer's arguments its class's constructor takes (as keywords)
@@ -62,6 +63,18 @@ class StrategyTraits:
     def checkpoints(self) -> bool:
         """Whether its jobs write checkpoints (`--checkpoint-dir`, `--checkpoint-every`)."""
         return bool(self.checkpoint)
+
+    def replacement_refusal(self, strategy: str, mode: str) -> str | None:
+        """Why a job of this strategy in `mode` cannot replace a dead worker (worker_loss wait); None when it can."""
+        if mode in self.replaced:
+            return None
+        where = names(lambda t: bool(t.replaced))
+        modes = "/".join(sorted({m for t in STRATEGIES.values() for m in t.replaced}))
+        return (
+            f"worker_loss='wait' replaces a dead worker in {'/'.join(where)} jobs of mode {modes} so far, got "
+            f"strategy={strategy!r}, mode={mode!r}: pass --worker-loss fail and --checkpoint-dir/--checkpoint-every "
+            "to resume after a death"
+        )
 
     def load(self) -> type:
         """Its worker-side `Strategy` class, its module imported now (once: Python keeps it)."""
@@ -82,6 +95,7 @@ STRATEGIES: dict[str, StrategyTraits] = {
             tables=Tables.SERVED,
             needs_tables=False,
             join=True,
+            replaced=("sync",),
             checkpoint=(Saved.SERVER_SHARDS, Saved.WORKER_OPTIONS),
             loader="gradsync.worker.ps_strategy.PSStrategy",
             keywords=("tables", "table_optimizer", "clipping"),
@@ -96,6 +110,7 @@ STRATEGIES: dict[str, StrategyTraits] = {
             tables=Tables.REPLICATED,
             needs_tables=False,
             join=True,
+            replaced=(),
             checkpoint=(Saved.WORKER_DENSE, Saved.WORKER_ROWS),
             loader="gradsync.worker.allreduce_strategy.AllreduceStrategy",
             keywords=("find_unused_parameters", "clipping", "table_optimizer"),
@@ -110,6 +125,7 @@ STRATEGIES: dict[str, StrategyTraits] = {
             tables=Tables.SERVED,
             needs_tables=True,
             join=True,
+            replaced=(),
             checkpoint=(Saved.SERVER_SHARDS, Saved.WORKER_DENSE),
             loader="gradsync.worker.hybrid_strategy.HybridStrategy",
             keywords=("tables", "table_optimizer", "find_unused_parameters", "clipping"),
@@ -124,6 +140,7 @@ STRATEGIES: dict[str, StrategyTraits] = {
             tables=Tables.SHARDED,
             needs_tables=True,
             join=False,
+            replaced=(),
             checkpoint=(Saved.WORKER_DENSE, Saved.WORKER_ROWS),
             loader="gradsync.worker.sharded_strategy.ShardedStrategy",
             keywords=("tables", "table_optimizer", "find_unused_parameters", "clipping"),

@@ -24,6 +24,7 @@ class Capabilities:
     joining: bool  # workers joining a running async job
     streams: bool  # a ps step's pieces leave during the backward (`worker.streaming`)
     pipelines_on_one_host: bool  # a sync step is a pipeline of pieces (`pipeline` auto) on loopback too
+    replaces_workers: bool  # a dead worker's replacement rejoins the running job (worker_loss wait)
 
     def job_refusal(self, strategy: str, compression: str) -> str | None:
         """Why this transport cannot run a job of `strategy` with `compression`; None when it can."""
@@ -35,6 +36,15 @@ class Capabilities:
         return (
             f"the {self.name} transport serves {serves}, got strategy={strategy!r}, compression={compression!r}: "
             f"use {use}, or --transport {other}"
+        )
+
+    def replacement_refusal(self, transport: str) -> str | None:
+        """Why this transport cannot take a dead worker's replacement into the running job; None when it can."""
+        if self.replaces_workers:
+            return None
+        return (
+            f"worker_loss='wait' needs a transport that takes a dead worker's replacement into the running job, "
+            f"and the {transport} transport does not yet: use --transport {serving(lambda c: c.replaces_workers)}"
         )
 
     def rows_refusal(self) -> str:
@@ -57,6 +67,7 @@ CAPABILITIES = {
             joining=True,
             streams=True,
             pipelines_on_one_host=True,
+            replaces_workers=True,
         ),
         # the gRPC job calls carry a worker's calls to the servers only: the strategies whose workers need nothing else
         Capabilities(
@@ -67,6 +78,7 @@ CAPABILITIES = {
             joining=False,
             streams=False,
             pipelines_on_one_host=False,
+            replaces_workers=False,
         ),
     )
 }

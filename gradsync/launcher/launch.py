@@ -15,6 +15,7 @@ import torch
 from gradsync.core.settings import LAUNCHED, RANK
 from gradsync.launcher.forked import become_rank, rank_starter
 from gradsync.launcher.local_job import job_config, network_and_store, offer_join, rank_environments, temporary_run_dir
+from gradsync.launcher.restarts import replacement_environment
 from gradsync.launcher.supervision import RankProcess, kill_all, supervise
 from gradsync.membership.departures import Results
 from gradsync.runtime import cluster
@@ -105,17 +106,22 @@ def launch(
         run_dir = temporary_run_dir(stack, "gradsync-launch-")
         offer_join(config, run_dir, store, network)
         context, _ = rank_starter()
-        ranks = []
+        environments = rank_environments(config, store.port, run_dir, network)
+        ranks: list[RankProcess] = []
+
+        def start(rank: int, extra: dict[str, str]) -> RankProcess:
+            result_path = os.path.join(run_dir, f"result-{rank}.pt")
+            namespace = network.namespaces[rank] if network else None
+            env = {**os.environ, **environments[rank], **extra}
+            proc = context.Process(target=_run_function, args=(env, call, result_path, namespace), daemon=False)
+            proc.start()
+            return RankProcess(rank, proc)
+
         try:
-            for rank, env in enumerate(rank_environments(config, store.port, run_dir, network)):
-                result_path = os.path.join(run_dir, f"result-{rank}.pt")
-                namespace = network.namespaces[rank] if network else None
-                proc = context.Process(
-                    target=_run_function, args=({**os.environ, **env}, call, result_path, namespace), daemon=False
-                )
-                proc.start()
-                ranks.append(RankProcess(rank, proc))
-            departures = supervise(config, ranks, run_dir, store, timeout)
+            ranks.extend(start(rank, {}) for rank in range(config.world_size))
+            departures = supervise(
+                config, ranks, run_dir, store, timeout, lambda rank, n: start(rank, replacement_environment(n))
+            )
             paths = [os.path.join(run_dir, f"result-{rank}.pt") for rank in range(config.servers, config.world_size)]
             # fn's return values, any picklable object, from the job's own ranks through a 0700 directory
             return Results(

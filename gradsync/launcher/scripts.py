@@ -40,6 +40,7 @@ from gradsync.launcher.local_job import (
     rank_environments,
     temporary_run_dir,
 )
+from gradsync.launcher.restarts import replacement_environment
 from gradsync.launcher.script_file import check_script
 from gradsync.launcher.supervision import RankProcess, kill_all, supervise
 from gradsync.membership import newcomers
@@ -106,16 +107,20 @@ def run_script(
             )
         if offer_join(config, run_dir, store, network):
             say(f"more workers can join: gradsync run --join {run_dir} {script}")
-        ranks = []
+        environments = rank_environments(config, store.port, run_dir, network=network)
+        ranks: list[RankProcess] = []
+
+        def start(rank: int, more: dict[str, str]) -> RankProcess:
+            env = {**os.environ, **extra, **environments[rank], **more, **({"PWD": cwd} if cwd else {})}
+            return RankProcess(rank, _start(context, rank, env, script, script_args, network, cwd), group=True)
+
         try:
-            for rank, env in enumerate(rank_environments(config, store.port, run_dir, network=network)):
-                env = {**os.environ, **extra, **env, **({"PWD": cwd} if cwd else {})}
-                ranks.append(
-                    RankProcess(rank, _start(context, rank, env, script, script_args, network, cwd), group=True)
-                )
+            ranks.extend(start(rank, {}) for rank in range(config.world_size))
             if started is not None:
                 started(ranks)
-            return supervise(config, ranks, run_dir, store, timeout)
+            return supervise(
+                config, ranks, run_dir, store, timeout, lambda rank, n: start(rank, replacement_environment(n))
+            )
         finally:
             kill_all(ranks)
 

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import cast
 
 import torch.distributed as dist
@@ -24,6 +25,7 @@ from gradsync.core.errors import JobFailed, answered_worker
 from gradsync.core.job_names import StoreKeys
 from gradsync.core.waiting import POLL_S, wait_until
 from gradsync.launcher import procfs
+from gradsync.launcher.restarts import Restarts, death
 from gradsync.membership.departures import Departure, Departures
 from gradsync.membership.heartbeat import NO_TRAINER, Watch, interval
 from gradsync.membership.member_keys import ranks_named, workers_in_order
@@ -322,20 +324,33 @@ def _root_cause(
 
 
 def supervise(
-    config: JobConfig, ranks: list[RankProcess], run_dir: str, store: dist.Store, timeout: float | None
+    config: JobConfig,
+    ranks: list[RankProcess],
+    run_dir: str,
+    store: dist.Store,
+    timeout: float | None,
+    replace: Callable[[int, int], RankProcess] | None = None,
 ) -> list[Departure]:
     """Wait until every rank has exited 0, or, in an elastic job, departed (`departures`); returns the
     departures. Raises JobFailed when one fails (naming the root cause), when every worker of an elastic job
     has departed, when a running rank has not reached gradsync.init() within startup_timeout of its start or
-    has sent no heartbeat for step_timeout, or after `timeout` seconds (None: no limit)."""
+    has sent no heartbeat for step_timeout, or after `timeout` seconds (None: no limit). With worker_loss wait,
+    `replace(rank, number)` starts the `number`-th replacement of a worker that died (`restarts`), within
+    max_restarts."""
     deadline = None if timeout is None else time.monotonic() + timeout
     watch = Watch(config)
     departures = Departures(config, store, run_dir) if config.elastic else None
+    restarts = Restarts(config, store, run_dir, replace) if config.replaces_workers and replace is not None else None
     next_read = 0.0
     reported: list[int] | None = None  # where each worker's main thread was at the last stall report
     try:
         while True:
             codes = [r.exitcode() for r in ranks]
+            if restarts is not None:
+                for rank, code in enumerate(codes):
+                    if code not in (None, 0) and restarts.take(ranks, rank, death(code), watch):
+                        codes[rank] = None
+                restarts.check()
             if departures is not None and departures.observe(codes):
                 raise JobFailed(
                     f"every worker left the job, so it cannot finish: {departures.describe()}", min(departures.found)
@@ -360,6 +375,8 @@ def supervise(
             }
             if silent:
                 rank = max(silent, key=silent.__getitem__)
+                if restarts is not None and _replaced_silent(ranks, rank, silent[rank], restarts, watch):
+                    continue
                 quitters = _quitters(config, ranks, watch, store)
                 if quitters:  # silent in torch's teardown
                     raise JobFailed(_quit_text(config, quitters[0]), quitters[0].rank)
@@ -391,6 +408,16 @@ def supervise(
             flush=True,
         )
         raise
+
+
+def _replaced_silent(ranks: list[RankProcess], rank: int, seconds: float, restarts: Restarts, watch: Watch) -> bool:
+    """Kill the silent worker of `rank` and replace it, when the job's policy allows (`Restarts.take`)."""
+    if not restarts.allows(rank):
+        return False
+    ranks[rank].kill(signal.SIGKILL)
+    _let_exit([ranks[rank]], _REAP_S, f"rank {rank} to end on SIGKILL")
+    how = f"stopped responding (no heartbeat for {seconds:.1f} s, step_timeout {restarts.config.step_timeout:g} s)"
+    return restarts.take(ranks, rank, how + " and was killed", watch)
 
 
 def _stalled_text(config: JobConfig, stalled: dict[int, float]) -> str:

@@ -102,6 +102,10 @@ class Watch:
             self.counts.append(0)
             self.moved.append(noticed)
 
+    def forget(self, rank: int) -> None:
+        """A new process of `rank` (a dead worker's replacement) is starting: it has not beaten yet."""
+        self.moved[rank] = self.placed[rank] = None
+
     def silent(self, seconds: float) -> dict[int, float]:
         """{rank: seconds} of the ranks that have beaten, but not for `seconds` up to the last read (a pause of
         this reader never counts against them); workers that left are not expected to beat."""

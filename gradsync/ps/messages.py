@@ -37,6 +37,22 @@ class Snapshot(NamedTuple):
         return sum(f.nbytes for f in self.flats) + sum(b.nbytes for b in self.buffers.values())
 
 
+class Rejoined(NamedTuple):
+    """A server's answer to a dead worker's replacement (`ParameterServer.rejoin`)."""
+
+    frozen: dict[str, torch.Tensor]
+    """This shard's frozen parameters, as a registration answers."""
+    closed: int
+    """The sync steps this server has closed since it started, for this worker: a step applied on the others'
+    word that still waits for the dead worker's counts as open (its replacement pushes and finishes it)."""
+    begun: Snapshot | None
+    """Where step `closed` began, when the shard has moved past it (that open step); None: the current values."""
+    before: Snapshot | None
+    """Where step `closed - 1` began: the replacement's values where this server is a step ahead of another."""
+    partial: Partial | None
+    """That step's part of its norm, when it was held (clipping, a GradScaler): the replacement's total needs it."""
+
+
 @dataclasses.dataclass(frozen=True)
 class TableSetup:
     """What worker 0 sends a server of one embedding table served row by row."""

@@ -28,3 +28,8 @@ class PieceNumbers:
         """A whole push numbered `seq` came from `worker`: its pieces numbered below it are void."""
         for b in range(self.buckets):
             self._latest[(worker, b)] = max(seq, self._latest.get((worker, b), 0))
+
+    def forget(self, worker: int) -> None:
+        """`worker` was replaced (a new process, numbering its pieces from the start): forget the dead one's."""
+        for b in range(self.buckets):
+            self._latest.pop((worker, b), None)

@@ -38,6 +38,7 @@ from gradsync.ps.messages import (
     Piece,
     PipelineHead,
     Push,
+    Rejoined,
     Setup,
     Snapshot,
     TableCall,
@@ -64,8 +65,10 @@ class ParameterServer:
         staleness: int = 0,
         resume_from: tuple[str, int, str | None] | None = None,
         on_failure: Callable[[str], None] | None = None,
+        replaces_workers: bool = False,
     ):
         self.shard_id = shard_id
+        self.replaces_workers = replaces_workers  # a dead worker's replacement may rejoin (`rejoin`)
         self.resume_from = resume_from  # (checkpoint folder, the number of servers that wrote it, its full base)
         self._last_full: str | None = None  # the folder of the last full checkpoint written (deltas go onto it)
         self.on_failure = on_failure  # told this server's own failure (`fail`), before any worker is
@@ -147,6 +150,26 @@ class ParameterServer:
         self._registrations[worker] = (spec, fut)
         return fut
 
+    def rejoin(self, worker: int, spec: ModelSpec) -> Rejoined:
+        """The replacement of `worker`, which died in this sync job (worker_loss wait), with the model `spec`: what
+        the dead process sent of the step in flight is forgotten (`SyncRule.worker_restarted`).
+
+        Raises:
+            Refusal: this job replaces no worker, `worker` is none of its workers, or `spec` differs from worker
+                0's model.
+        """
+        with self._lock:
+            rule, reference = self.rule, self._reference
+            if not self.replaces_workers or not isinstance(rule, SyncRule) or worker not in self._registrations:
+                raise Refusal(
+                    f"worker {worker} cannot rejoin server {self.shard_id}: it rejoins a sync job with worker_loss "
+                    f"'wait' as one of its {self.num_workers} workers, once every worker has registered"
+                )
+            assert reference is not None  # set with the rule
+            if (diff := reference.difference(spec)) is not None:
+                raise Refusal(str(model_mismatch_error(worker, diff)))
+        return Rejoined(self._shard().frozen, *rule.worker_restarted(worker))
+
     def _build(self, s: Setup) -> ShardState:
         """The shard from worker 0's setup, then, when resuming, its state from the checkpoint folder (written
         by any number of servers: `ps.reshard`)."""
@@ -157,6 +180,7 @@ class ParameterServer:
         if any(t.answers_calls for t in tables.values()):
             malloc.fix_mmap_threshold()  # its RSS follows the rows it holds (core/malloc.py)
         shard = ShardState(self.shard_id, s.buckets, s.params, s.buffers, s.optimizer, self.device, s.frozen, tables)
+        shard.keep_before = self.replaces_workers
         if self.resume_from is not None:
             try:
                 reshard.restore_folder(shard, *self.resume_from)

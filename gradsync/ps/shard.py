@@ -78,6 +78,9 @@ class ShardState:
         self.lock = threading.Lock()
         self.stats = ShardStats()
         self._published: Snapshot | None = None
+        self.keep_before = False  # keep `before` (a job whose dead workers are replaced: `ps.server.rejoin`)
+        self.before: Snapshot | None = None  # with `keep_before`: the snapshot the last closed step began at
+        self.closed = 0  # steps closed (applied or skipped) since the shard was built
         self._fresh: list[torch.Tensor | None] = [None] * len(self.buckets)  # this step's pieces' replies
 
     @property
@@ -169,7 +172,7 @@ class ShardState:
         held."""
         if self.optimizer is None:
             return
-        if len(grads) < len(self.buckets):
+        if len(grads) < len(self.buckets) or self.keep_before:
             self.snapshot()  # a pull while the step's buckets are applied one by one sees the version before it
         for b, grad in grads.items():
             for i, (entry, tensor) in enumerate(zip(self.buckets[b].entries, self.entries[b])):
@@ -193,6 +196,7 @@ class ShardState:
     ) -> None:
         """Close a step whose buckets are applied: the table rows' step, the averaged buffers, the next
         version. Call with `lock` held."""
+        self._closing()
         for name, (ids, row_grads) in (rows or {}).items():
             self.tables[name].apply(ids, row_grads)
         if buffers:
@@ -206,6 +210,18 @@ class ShardState:
         if self.buckets and all(f is not None for f in fresh):  # every piece was sent: they are the snapshot
             buffers = {n: b.to("cpu", copy=True) for n, b in self.buffers.items()}
             self._published = Snapshot(self.version, cast("list[torch.Tensor]", fresh), buffers)
+
+    def skipped_step(self) -> None:
+        """Close a step that changes nothing (skipped for a NaN/Inf, or by the workers' word). Call with `lock`
+        held."""
+        self._closing()
+
+    def _closing(self) -> None:
+        """Count the step that closes now; with `keep_before`, keep the snapshot it began at (published when its
+        first bucket was applied)."""
+        self.closed += 1
+        if self.keep_before:
+            self.before = self.snapshot()
 
     def piece(self, b: int) -> torch.Tensor:
         """A CPU copy of bucket `b`'s values (a piece's reply; once per step, shared by every worker and by

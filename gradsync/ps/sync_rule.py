@@ -30,7 +30,7 @@ from gradsync.ps.averaging import blame, blame_rows, check_version, mean, mean_b
 from gradsync.ps.consistency import ConsistencyRule, answer
 from gradsync.ps.dynamic_shard import step_end
 from gradsync.ps.gradient_codecs import PLAIN, WireFormat
-from gradsync.ps.messages import Agreement, Committed, Partial, Piece, Push
+from gradsync.ps.messages import Agreement, Committed, Partial, Piece, Push, Snapshot
 from gradsync.ps.piece_numbers import PieceNumbers
 from gradsync.ps.shard import ShardState
 
@@ -58,6 +58,7 @@ class _Held(NamedTuple):
     options: dict
     workers: set  # the workers that pushed it
     finished: dict  # worker -> the coefficient it asked for (None: skip)
+    reply: Committed  # what answered each worker's push of it: this server's part of its norm
     ended: tuple | None = None  # once applied or skipped: `Committed.ended`
 
 
@@ -98,10 +99,16 @@ class SyncRule(ConsistencyRule):
         self._finishing: _Held | None = None  # the step applied on the first word, until every worker said it
         self.stamps = PieceStamps(len(shard.buckets))  # the step timeline's server events
         self._numbers = PieceNumbers(len(shard.buckets))  # which numbered pieces still count
+        self._owed: set[int] = set()  # replaced workers whose push of the held step came from the dead process
+        self._last_partial: Partial | None = None  # the norm's part of the last step closed, when it was held
 
     def _refused(self, worker: int, push: Push) -> torch.futures.Future | None:
         """A push of the step (`payloads` None: its buckets come as pieces) is refused when the step failed,
         a step is held, or this worker already pushed it. Call with the lock held."""
+        held = self._held or self._finishing
+        if held is not None and worker in self._owed:  # the replacement's push of it: the same bits
+            self._owed.discard(worker)
+            return resolved(held.reply)
         if (refused := self._closed(worker)) is not None:
             return refused
         if worker in self._pending:
@@ -224,6 +231,7 @@ class SyncRule(ConsistencyRule):
                 shard.set_options(held.options)
                 if coefficient is None:
                     shard.stats.steps_skipped += 1
+                    shard.skipped_step()
                 else:
                     scale = lambda g: g if g is None or coefficient == 1.0 else g * coefficient  # noqa: E731
                     shard.apply(
@@ -233,7 +241,7 @@ class SyncRule(ConsistencyRule):
                         {n: (ids, scale(g)) for n, (ids, g) in held.rows.items()},
                     )
                 held = held._replace(ended=step_end(shard.tables))
-                self._held, self._finishing = None, held
+                self._held, self._finishing, self._last_partial = None, held, held.reply.partial
             held.finished[worker] = coefficient
             if len(held.finished) == len(held.workers):
                 self._finishing = None
@@ -249,6 +257,35 @@ class SyncRule(ConsistencyRule):
                 self._joined = set()
             answers = self._progress()
         answer(answers)
+
+    def worker_restarted(self, worker: int) -> tuple[int, Snapshot | None, Snapshot | None, Partial | None]:
+        """`worker` died and its replacement rejoins: what the dead process sent of the step in flight is
+        forgotten (its parts of buckets already averaged stay in their mean), except a push of a held step, as
+        which the replacement's push of it (the same bits) is answered. Returns `Rejoined`'s closed, begun,
+        before and partial."""
+        shard = self.shard
+        with shard.lock:
+            error = RuntimeError(f"worker {worker} died; its replacement sends its part of the step again")
+            answers = []
+            pending = self._pending.pop(worker, None)
+            if pending is not None:
+                answers.append((pending.fut, None, error))
+            for parts in self._parts:
+                part = parts.pop(worker, None)
+                if part is not None and part.fut is not None:
+                    answers.append((part.fut, None, error))
+            self._numbers.forget(worker)
+            finishing = self._finishing
+            found: tuple[int, Snapshot | None, Snapshot | None, Partial | None]
+            if finishing is not None and worker in finishing.workers and worker not in finishing.finished:
+                self._owed.add(worker)  # applied on the others' word: open for the replacement
+                found = (shard.closed - 1, shard.before, None, None)
+            else:
+                if self._held is not None and worker in self._held.workers:
+                    self._owed.add(worker)
+                found = (shard.closed, None, shard.before, self._last_partial)
+        answer(answers)
+        return found
 
     def worker_left(self, worker: int, steps: int | None) -> None:
         """`worker` left the job after `steps` steps: no later step can have all W workers, so the step that
@@ -337,7 +374,6 @@ class SyncRule(ConsistencyRule):
         answers: list[tuple]
         if agree is not None:
             options = merged_options([(w, self._pending[w].options) for w in workers])  # checked by the workers
-            self._held = _Held(shard.version, means, skipped, buffers, rows, options, set(workers), {})
             value = Committed(
                 shard.version,
                 partial=Partial(
@@ -347,6 +383,7 @@ class SyncRule(ConsistencyRule):
                     ),
                 ),
             )
+            self._held = _Held(shard.version, means, skipped, buffers, rows, options, set(workers), {}, value)
             answers = [
                 (f, None, GradientError("a held step's buckets come back with its finish, not as pieces"))
                 for _, f in pieces
@@ -354,6 +391,7 @@ class SyncRule(ConsistencyRule):
         else:
             if (error := self._set_options(workers)) is not None:
                 return self._dropped(error, nonfinite=False)
+            self._last_partial = None
             if early:
                 shard.end_step(buffers, rows)
             else:
@@ -383,6 +421,8 @@ class SyncRule(ConsistencyRule):
             answers = [(f, None, error) for f in self._waiting()]
         else:
             shard.stats.steps_skipped += nonfinite
+            shard.skipped_step()
+            self._last_partial = None
             answers = [(p.fut, Committed(shard.version), None) for p in self._pending.values()]
             answers += [
                 (p.fut, shard.piece(b), None)

@@ -48,7 +48,6 @@ import functools
 import itertools
 import json
 import os
-import random
 import re
 import shutil
 import sys
@@ -64,6 +63,7 @@ from gradsync.core.optimizer_spec import group_options
 from gradsync.core.waiting import wait_until
 from gradsync.membership.member_keys import staying
 from gradsync.ps import shard_file
+from gradsync.runtime import rng_states
 
 MANIFEST = "MANIFEST.json"
 _STEP = re.compile(r"step-(\d+)")
@@ -396,13 +396,7 @@ def save(store: dist.Store, config: JobConfig, run: str, step: int, strategy, de
         return
     path = step_dir(config.checkpoint_dir, step)
     base = full_base(config, step, start) if strategy.writes_deltas else None
-    state = dict(
-        step=step,
-        torch_rng=torch.get_rng_state(),
-        python_rng=random.getstate(),
-        cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        **strategy.local_state(delta=base is not None),
-    )
+    state = dict(step=step, **rng_states.taken(), **strategy.local_state(delta=base is not None))
     shard_file.write(os.path.join(path, worker_file(me)), state)
     store.set(StoreKeys.CHECKPOINT.format(step, me), "1")
     # the others' pushes, or their lookups of dynamic tables, would go on meanwhile
@@ -489,10 +483,7 @@ def restore(config: JobConfig, strategy, found: Found) -> int:
     source = me if mine else min(written)  # worker 0, unless it had left an elastic job
     state = shard_file.load(os.path.join(found.path, worker_file(source)))
     if mine:
-        torch.set_rng_state(state["torch_rng"])
-        random.setstate(state["python_rng"])
-        if state["cuda_rng"]:
-            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        rng_states.put_back(state)
     strategy.load_local_state(state)
     others = (shard_file.load(os.path.join(found.path, worker_file(w))) for w in written if w != source)
     base = base_of(found)

@@ -44,6 +44,7 @@ def install_server(cluster: Cluster) -> ParameterServer:
         config.staleness,
         resume_from,
         fail,
+        config.replaces_workers,
     )
     transport(config.transport).rank.install(server)
     return server

@@ -101,7 +101,8 @@ def init(
     atexit.register(_note_exit_without_shutdown)
     if config.rank == 0:  # for workers that join (an async job), and to refuse them at once (any other)
         newcomers.publish_settings(store, config)
-    wait_for_arrivals(store, config)
+    if not config.replacement:  # a dead worker's replacement comes into a job whose ranks all arrived
+        wait_for_arrivals(store, config)
     cluster.run, cluster.resumed = checkpoints.open_run(config, store)
     server = install_server(cluster) if config.is_server else None
     registry.transport(config.transport).rank.start(config, store)

@@ -21,7 +21,7 @@ from gradsync.config import JobConfig
 from gradsync.core.buckets import Bucket, ModelSpec
 from gradsync.core.transport_capabilities import Capabilities
 from gradsync.metrics.timeline import Timeline
-from gradsync.ps.messages import Partial, Piece, PipelineHead, Push, Setup, Snapshot, TableCall
+from gradsync.ps.messages import Partial, Piece, PipelineHead, Push, Rejoined, Setup, Snapshot, TableCall
 from gradsync.ps.server import ParameterServer
 
 PROBE_BYTES = 2**20
@@ -120,8 +120,8 @@ class WorkerTransport(ABC):
 
     @abstractmethod
     def push(self, versions: dict[int, int], pushes: dict[int, Push]) -> dict[int, Snapshot | Partial]:
-        """One step: per server, the version it was pulled at and its `Push`; returns every server's snapshot
-        after the step (with `Push.agree`, its `Partial` of the held step's norm, and `finish` applies it)."""
+        """One step: per server named in `pushes`, the version it was pulled at and its `Push`; returns each one's
+        snapshot after the step (with `Push.agree`, its `Partial` of the held step's norm, and `finish` applies it)."""
 
     @abstractmethod
     def push_pieces(
@@ -132,8 +132,8 @@ class WorkerTransport(ABC):
 
     @abstractmethod
     def finish(self, versions: dict[int, int], coefficient: float | None) -> dict[int, Snapshot]:
-        """Apply every server's held step with its gradients times `coefficient` (None: skip it); returns
-        every server's snapshot after it (`SyncRule.finish`)."""
+        """Apply the held step of each server named in `versions` with its gradients times `coefficient` (None:
+        skip it); returns each one's snapshot after it (`SyncRule.finish`)."""
 
     @abstractmethod
     def optimizer_state(self) -> dict[int, dict]:
@@ -182,6 +182,11 @@ class WorkerTransport(ABC):
         """Every server's rows of embedding table `table`, in local order. A transport with
         `capabilities.row_tables` implements it."""
         raise NotImplementedError(self.capabilities.rows_refusal())
+
+    def rejoin(self, spec: ModelSpec) -> dict[int, Rejoined]:
+        """Rejoin every server as the replacement of this worker, which died (`ParameterServer.rejoin`); returns
+        each server's answer. A transport with `capabilities.replaces_workers` implements it."""
+        raise NotImplementedError(self.capabilities.replacement_refusal(self.capabilities.name))
 
     def pipeline(self, versions: dict[int, int]) -> StepPipeline:
         """A sync step's pieces, some of which may leave before the step (during the backward:

@@ -37,7 +37,7 @@ from gradsync.core.job_names import StoreKeys, server_name
 from gradsync.core.torch_internals import RPC_TIMEOUT_TEXT, set_rpc_timeout
 from gradsync.core.transport_capabilities import capabilities
 from gradsync.metrics.timeline import HEAD
-from gradsync.ps.messages import Committed, Partial, Piece, PipelineHead, Push, Setup, Snapshot, TableCall
+from gradsync.ps.messages import Committed, Partial, Piece, PipelineHead, Push, Rejoined, Setup, Snapshot, TableCall
 from gradsync.ps.server import ParameterServer
 from gradsync.transport import rpc_group
 from gradsync.transport.base import RankTransport, WorkerTransport, link_rate
@@ -51,13 +51,15 @@ one another."""
 
 
 def start_rpc(config: JobConfig, store: dist.Store) -> None:
-    """Join the job's RPC world through the rendezvous store (a dynamic group in elastic jobs: `rpc_group`).
+    """Join the job's RPC world through the rendezvous store (a dynamic group in elastic jobs and those whose dead
+    workers are replaced: `rpc_group`).
     Every rank must call it."""
     # Store.clone: missing from torch's stubs
-    prefixed = dist.PrefixStore(StoreKeys.RPC, store.clone() if config.elastic else store)  # type: ignore[attr-defined]
+    prefixed = dist.PrefixStore(StoreKeys.RPC, store.clone() if config.dynamic_group else store)  # type: ignore[attr-defined]
+    name, rank = config.rpc_identity
 
     def handler(url, **kwargs):
-        yield prefixed, config.rank, config.world_size
+        yield prefixed, rank, config.world_size
 
     register_rendezvous_handler("gradsync", handler)
     # rpc.init_rpc's own all_gather_object trips a deprecation warning inside torch; it is not ours to fix
@@ -70,11 +72,11 @@ def start_rpc(config: JobConfig, store: dist.Store) -> None:
         _transports=["uv"],
         **channels,
     )
-    if config.elastic:
-        rpc_group.join(config, store, lambda: rpc.init_rpc(config.name, rank=config.rank, rpc_backend_options=options))
+    if config.dynamic_group:
+        rpc_group.join(config, store, lambda: rpc.init_rpc(name, rank=rank, rpc_backend_options=options))
     else:
         rpc.init_rpc(config.name, rank=config.rank, world_size=config.world_size, rpc_backend_options=options)
-    set_rpc_timeout(config.step_timeout)
+    set_rpc_timeout(config.call_timeout)
 
 
 def stop_rpc(timeout: float | None) -> None:
@@ -138,9 +140,12 @@ class RpcTransport(WorkerTransport):
 
     capabilities = capabilities("rpc")
 
-    def _call(self, fn, args_of, what: str, timeout: float | None = None) -> dict[int, Any]:
-        timeout = timeout or self.config.step_timeout
-        futures = {s: rpc.rpc_async(server_name(s), fn, args=args_of(s), timeout=timeout) for s in self.servers}
+    def _call(self, fn, args_of, what: str, timeout: float | None = None, servers=None) -> dict[int, Any]:
+        timeout = timeout or self.config.call_timeout
+        futures = {
+            s: rpc.rpc_async(server_name(s), fn, args=args_of(s), timeout=timeout)
+            for s in (self.servers if servers is None else servers)
+        }
         return wait_all(futures, what, timeout)
 
     @classmethod
@@ -155,6 +160,9 @@ class RpcTransport(WorkerTransport):
         ).values():
             frozen.update(part)
         return frozen
+
+    def rejoin(self, spec: ModelSpec) -> dict[int, Rejoined]:
+        return self._call(rpc_rejoin, lambda s: (self.worker, spec), "rejoining the job", self.config.startup_timeout)
 
     def pull(self) -> dict[int, Snapshot]:
         return self._call(rpc_pull, lambda s: (), "pull")
@@ -172,12 +180,12 @@ class RpcTransport(WorkerTransport):
                 server_name(s),
                 rpc_pull_rows_many,
                 args=([(t, ids) for _, t, ids in items],),
-                timeout=self.config.step_timeout,
+                timeout=self.config.call_timeout,
             )
             for s, items in asked.items()
         }
         tables = ", ".join(repr(t) for t in dict.fromkeys(t for t, _ in lookups))
-        answers = wait_all(futures, f"pulling rows of tables {tables}", self.config.step_timeout)
+        answers = wait_all(futures, f"pulling rows of tables {tables}", self.config.call_timeout)
         out: list[dict[int, tuple[int, torch.Tensor]]] = [{} for _ in lookups]
         for s, items in asked.items():
             for (i, _, _), answer in zip(items, answers[s]):
@@ -185,7 +193,7 @@ class RpcTransport(WorkerTransport):
         return out
 
     def push(self, versions: dict[int, int], pushes: dict[int, Push]) -> dict[int, Snapshot | Partial]:
-        return self._call(rpc_push, lambda s: (self.worker, versions[s], pushes[s]), "push")
+        return self._call(rpc_push, lambda s: (self.worker, versions[s], pushes[s]), "push", servers=pushes)
 
     def push_pieces(
         self, versions: dict[int, int], heads: dict[int, PipelineHead], pieces: list[Piece]
@@ -201,7 +209,9 @@ class RpcTransport(WorkerTransport):
 
     def finish(self, versions: dict[int, int], coefficient: float | None) -> dict[int, Snapshot]:
         """Apply (or, with None, skip) the held step on every server: see `SyncRule.finish`."""
-        return self._call(rpc_finish, lambda s: (self.worker, versions[s], coefficient), "finishing the step")
+        return self._call(
+            rpc_finish, lambda s: (self.worker, versions[s], coefficient), "finishing the step", servers=versions
+        )
 
     def optimizer_state(self) -> dict[int, dict]:
         return self._call(rpc_optimizer_state, lambda s: (), "reading the optimizer state")
@@ -217,11 +227,11 @@ class RpcTransport(WorkerTransport):
 
     def table_calls(self, calls: Mapping[int, TableCall]) -> dict[int, Any]:
         futures = {
-            s: rpc.rpc_async(server_name(s), rpc_table_call, args=(call,), timeout=self.config.step_timeout)
+            s: rpc.rpc_async(server_name(s), rpc_table_call, args=(call,), timeout=self.config.call_timeout)
             for s, call in calls.items()
         }
         what = ", ".join(sorted({type(c).__name__ for c in calls.values()}))
-        return wait_all(futures, f"{what} on dynamic tables", self.config.step_timeout)
+        return wait_all(futures, f"{what} on dynamic tables", self.config.call_timeout)
 
     def table_rows(self, table: str) -> dict[int, torch.Tensor]:
         return self._call(rpc_table_rows, lambda s: (table,), f"reading table {table!r}")
@@ -246,7 +256,7 @@ class Pipeline:
     def __init__(self, transport: RpcTransport, versions: dict[int, int]):
         self.transport = transport
         self.versions = versions
-        self.timeout = transport.config.step_timeout
+        self.timeout = transport.config.call_timeout
         self.futures: dict[tuple[int, int], torch.futures.Future] = {}  # the last piece sent of each bucket
         self.flying: dict[int, list[torch.futures.Future]] = {s: [] for s in transport.servers}
 
@@ -312,7 +322,7 @@ class RpcRank(RankTransport):
     def leave(self, config: JobConfig, store: dist.Store, timeout: float, at_once: bool = False) -> None:
         """An elastic job's rank leaves its dynamic group once its own calls are answered (`rpc_group.leave`);
         any other rank stops RPC gracefully, which needs every rank, or with `at_once` without waiting."""
-        if config.elastic:
+        if config.dynamic_group:
             rpc_group.leave(config, store, timeout)
         else:
             stop_rpc(None if at_once else timeout)
@@ -354,6 +364,11 @@ def _answering(call: str, later: bool = False):
 @_answering("registration", later=True)
 def rpc_register(worker: int, spec: ModelSpec, setup: Setup | None) -> torch.futures.Future:
     return _server().register(worker, spec, setup)
+
+
+@_answering("rejoin")
+def rpc_rejoin(worker: int, spec: ModelSpec) -> Rejoined:
+    return _server().rejoin(worker, spec)
 
 
 def rpc_probe(payload: torch.Tensor) -> int:

@@ -117,7 +117,8 @@ def _relist(torch_store: dist.Store, config: JobConfig) -> None:
 
 
 def _entry(config: JobConfig) -> str:
-    return f"{config.name}-{config.rank},"
+    name, rank = config.rpc_identity
+    return f"{name}-{rank},"
 
 
 class _MembershipLock:
@@ -130,7 +131,7 @@ class _MembershipLock:
         self.timeout, self.setting = timeout, setting  # seconds to wait for it, and the setting they come from
 
     def __enter__(self):
-        me, holder = self.config.name, ""
+        me, holder = self.config.rpc_identity[0], ""
 
         def held() -> bool:
             nonlocal holder
@@ -149,7 +150,7 @@ class _MembershipLock:
         return self
 
     def __exit__(self, *exc):
-        self.store.compare_set(StoreKeys.RPC_MEMBERSHIP, self.config.name, "")
+        self.store.compare_set(StoreKeys.RPC_MEMBERSHIP, self.config.rpc_identity[0], "")
 
     def _gone(self, holder: str) -> bool:
         gone = parse_gone(self.store.get(StoreKeys.GONE))

@@ -96,10 +96,10 @@ def step_plan(config: JobConfig, store: dist.Store, sizes: list[int], measure, p
     said). `bucket_cap_mb` when set; else worker 0's choice from `measure()` (the bandwidth to the servers in
     bytes/s, or None) for parameters of `sizes` bytes, and behind a link (the store not on loopback) with the
     `pipeline` setting auto a pipeline only where it pays, else whole steps of the largest buckets; published
-    in the store for the others."""
+    in the store for the others (and worker 0's replacement, which takes the plan the job runs)."""
     if config.bucket_cap_mb is not None:
         return config.bucket_cap_mb, pipeline
-    if config.worker_rank == 0:  # a worker that joins later has another index
+    if config.worker_rank == 0 and not config.replacement:  # a worker that joins later has another index
         servers, workers, bandwidth = config.servers, config.num_workers, measure()
         chosen = best_piece_mb(sizes, servers, workers, bandwidth)
         if (

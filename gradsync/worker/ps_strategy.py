@@ -27,13 +27,14 @@ import contextlib
 import dataclasses
 import math
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed.autograd as dist_autograd
 from torch import nn
 from torch.func import functional_call
 
+from gradsync.config import ConfigError
 from gradsync.core.buckets import (
     Bucket,
     ModelSpec,
@@ -54,7 +55,7 @@ from gradsync.metrics.step_metrics import StepMetrics
 from gradsync.metrics.timeline import HEAD
 from gradsync.metrics.traffic import head_bytes
 from gradsync.ps.gradient_codecs import make_wire
-from gradsync.ps.messages import Agreement, Partial, Piece, PipelineHead, Push, Setup, Snapshot
+from gradsync.ps.messages import Agreement, Partial, Piece, PipelineHead, Push, Rejoined, Setup, Snapshot
 from gradsync.transport.registry import transport
 from gradsync.worker.amp import inverse_scale, record_found_inf
 from gradsync.worker.model_state import named_tensors, ordered, to_state_dict
@@ -199,7 +200,21 @@ class PSStrategy(Strategy):
         self.joiner = Joiner(cluster.store, cluster.config, cluster.heartbeat, self.servers)
         self.tables.transport = self.dynamic.transport = self.transport  # built after the tables (their specs)
         self.dynamic.metrics = self.metrics  # its lookups count as pull, not compute
-        self.frozen = self._register(params, buffers, spec, table_setups)
+        self.replaced = config.replacement > 0  # this process replaces a worker that died (worker_loss wait)
+        self._late: dict[int, Rejoined] = {}  # a replacement's servers that closed its first step before it came
+        self._late_values: set[int] = set()  # those whose values come after a held first step's finish
+        self.rejoined_at: int | None = None  # a replacement: the steps the servers closed before it rejoined
+        by_rows = sorted({*self.tables.modules, *self.dynamic.modules})
+        if config.replaces_workers and by_rows:
+            raise ConfigError(
+                "worker_loss='wait' replaces dead workers of models whose parameters the servers hold whole, and this "
+                f"model has embedding tables served by rows ({by_rows}): build the Trainer with tables='dense', or "
+                "pass --worker-loss fail"
+            )
+        if self.replaced:
+            self.frozen, first = self._rejoin()
+        else:
+            self.frozen, first = self._register(params, buffers, spec, table_setups), None
         self.model = PSModel(module, self)
         loaded = optimizer.state_dict() if any(optimizer.state.values()) else None  # loaded before the Trainer
         assert spec.names is not None  # `OptimizerSpec.of` names each group's parameters
@@ -218,12 +233,12 @@ class PSStrategy(Strategy):
         self._stepped: int | None = None
         self.grad_norm: float | None = None
         # what the next forward runs on, the module points at
-        self._next: _Pulled | None = self._build(self.transport.pull())
+        self._next: _Pulled | None = self._build(first or self.transport.pull())
         self.tables.serving = self.dynamic.serving = True
         self.loads = 0  # the module loads sent to the servers (`_commit_load`)
         self.attached.on_load(module.modules(), (self.tables, self.dynamic), self._commit_load, self._repull)
         cluster.leaving.append(self.attached.detach)
-        if self.worker == 0 and loaded is not None:
+        if self.worker == 0 and loaded is not None and not self.replaced:  # the servers hold it already
             optimizer.load_state_dict(loaded)
 
     def _register(self, params, buffers, spec: OptimizerSpec, table_setups) -> dict[str, torch.Tensor]:
@@ -242,6 +257,24 @@ class PSStrategy(Strategy):
                     self.config.servers,
                 )
         return self.transport.register(self.spec, setups)
+
+    def _rejoin(self) -> tuple[dict[str, torch.Tensor], dict[int, Snapshot]]:
+        """A replacement rejoins the servers (`ParameterServer.rejoin`): the frozen parameters, and what its first
+        forward runs on, each server's values as the step in flight began (a server that closed that step before
+        the replacement came answers with the values it had before, and takes no part of it again: `_late`)."""
+        answers = self.transport.rejoin(self.spec)
+        first = min(a.closed for a in answers.values())
+        if any(a.closed > first + 1 or (a.closed > first and a.before is None) for a in answers.values()):
+            raise RuntimeError(
+                f"worker {self.worker}'s replacement found the servers at different steps "
+                f"({ {s: a.closed for s, a in answers.items()} } closed), more than the one step a worker's death "
+                "can leave between them"
+            )
+        self._late = {s: a for s, a in answers.items() if a.closed > first}
+        current = self.transport.pull()
+        values = {s: cast(Snapshot, a.before) if s in self._late else a.begun or current[s] for s, a in answers.items()}
+        self.rejoined_at = first
+        return {n: t for a in answers.values() for n, t in a.frozen.items()}, values
 
     def _commit_load(self) -> None:
         """After the module's `load_state_dict` succeeded: its values go to the servers (each its buckets, buffers,
@@ -360,7 +393,9 @@ class PSStrategy(Strategy):
         sizes = self._sizes(out)
         seq = next_seq if self._streams else lambda: 0  # numbered where pieces may have left ahead
         fresh: dict[int, Snapshot] | dict[int, Snapshot | Partial]
-        if agree is None and self._pipelined and (self.config.mode == "sync" or self._streams):
+        if self._late:  # a replacement's first step: whole, to the servers that have not closed it
+            fresh = self._push_rejoined(pulled, out, agree)
+        elif agree is None and self._pipelined and (self.config.mode == "sync" or self._streams):
             fresh = self._send_pipelined(pulled, stream, streamed, out, seq, sizes)
         else:  # one call per server
             fresh = self.transport.push(
@@ -379,6 +414,23 @@ class PSStrategy(Strategy):
                 },
             )
         self._commit(fresh, agree, scaler, stream, streamed, sum(sizes.values()), start)
+
+    def _push_rejoined(self, pulled: _Pulled, out: _Outgoing, agree: Agreement | None) -> dict:
+        """A replacement's first step: one whole push to each server that has not closed it; the others (`_late`)
+        closed it with the dead process's part (the same bits) and answer with their values now, or, when it was
+        held, with their part of its norm, its finish going to the others alone (`_finish`)."""
+        late, self._late = self._late, {}
+        pushes = {
+            s: Push(out.payloads[s], out.absent[s], out.buffers[s], out.rows.get(s, {}), out.changes, agree)
+            for s in self.servers
+            if s not in late
+        }
+        fresh = self.transport.push({s: pulled.versions[s] for s in pushes}, pushes) if pushes else {}
+        if agree is not None:
+            self._late_values = set(late)
+            return {**fresh, **{s: cast(Partial, a.partial) for s, a in late.items()}}
+        current = self.transport.pull()
+        return {s: fresh[s] if s in fresh else current[s] for s in self.servers}
 
     def _take_stream(self, context_id: int) -> tuple[GradientStream | None, dict]:
         """This context's stream, closed, and the pieces that left during its backward ({(server, bucket):
@@ -519,7 +571,12 @@ class PSStrategy(Strategy):
         coefficient = self.clipping.coefficient(total) if self.clipping.on else 1.0
         if self.clipping.on:
             self.grad_norm = total
-        fresh = self.transport.finish({s: p.version for s, p in partials.items()}, coefficient if finite else None)
+        late, self._late_values = self._late_values, set()  # a replacement's first step: closed there already
+        fresh = self.transport.finish(
+            {s: p.version for s, p in partials.items() if s not in late}, coefficient if finite else None
+        )
+        if late:
+            fresh.update({s: snap for s, snap in self.transport.pull().items() if s in late})
         if scaler is not None:
             record_found_inf(scaler, not finite)
         return fresh

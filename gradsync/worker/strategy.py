@@ -25,12 +25,15 @@ class Strategy(ABC):
         optimizer: what LR schedules drive (`Trainer.optimizer`).
         metrics: per-step timings and bytes.
         grad_norm: the total norm before clipping of the last step (with clipping; else None).
+        rejoined_at: in a dead worker's replacement, the steps the job had closed before it rejoined (its
+            first step is the next); None in any other process.
     """
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
     metrics: StepMetrics
     grad_norm: float | None
+    rejoined_at: int | None = None
 
     @abstractmethod
     def step(self, context_id: int, scaler=None):

@@ -218,7 +218,7 @@ class GrpcTransport(WorkerTransport):
             s: self._pushes[s](
                 self._step(versions[s], pushes[s]), timeout=self.config.step_timeout, metadata=self.client.metadata
             )
-            for s in self.servers
+            for s in pushes
         }
         return {s: self._snapshot("JobPush", s, call, start) for s, call in calls.items()}
 
@@ -281,7 +281,7 @@ class GrpcTransport(WorkerTransport):
                 timeout=self.config.step_timeout,
                 metadata=self.client.metadata,
             )
-            for s in self.servers
+            for s in versions
         }
         return {s: self._whole("JobFinish", s, call, start) for s, call in calls.items()}
 

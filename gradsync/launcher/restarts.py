@@ -1,0 +1,113 @@
+"""Replacing a sync ps job's dead workers (worker_loss wait), as its launcher sees them.
+
+`supervision.supervise` asks `Restarts.take` about each worker that died (killed, exited non-zero, or silent past
+step_timeout, which the launcher kills first). Within max_restarts for that worker, it clears what the dead
+process left for its launcher (its error file, the job's failure it recorded, its exit note), starts the
+replacement with the same rank (GRADSYNC_REPLACEMENT and TORCHELASTIC_RESTART_COUNT set to its number:
+`runtime.replacement`) and says so in one line; `check` says, in one more, when each replacement has rejoined (its
+Trainer built) and at which step it continues, and fails the job naming the worker when one has not within
+restart_timeout of the death.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from gradsync.config import JobConfig
+from gradsync.core.errors import JobFailed
+from gradsync.core.job_names import StoreKeys
+from gradsync.core.settings import REPLACEMENT, RESTART_COUNT
+from gradsync.membership.heartbeat import Watch
+from gradsync.membership.member_keys import workers_in_order
+from gradsync.membership.rank_reports import error_file
+from gradsync.runtime import replacement
+
+
+def replacement_environment(number: int) -> dict[str, str]:
+    """The variables that make a worker's process its `number`-th replacement."""
+    return {REPLACEMENT.env: str(number), RESTART_COUNT.env: str(number)}
+
+
+def death(code: int) -> str:
+    """How a rank's process ended, from its exit status (negative: the signal that ended it)."""
+    return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+
+
+class Restarts:
+    """The replacements of one job's dead workers: how many each worker rank has had, which are on their way."""
+
+    def __init__(self, config: JobConfig, store: dist.Store, run_dir: str, start: Callable[[int, int], object]):
+        """`start(rank, number)`: the `number`-th replacement of worker rank `rank`, started (a RankProcess)."""
+        self.config, self.store, self.run_dir, self.start = config, store, run_dir, start
+        self.counts: dict[int, int] = {}  # rank -> replacements started
+        self.coming: dict[int, tuple[int, float, str]] = {}  # rank -> (replacement number, when its worker died, how)
+        self.began = time.monotonic()
+
+    def take(self, ranks: list, rank: int, how: str, watch: Watch) -> bool:
+        """Replace the worker of `rank`, which died (`how`), when the job's policy allows; False when it does not
+        (a server, no restarts left): the job fails."""
+        if not self.allows(rank):
+            return False
+        config, number = self.config, self.counts.get(rank, 0) + 1
+        self._forget(rank)
+        ranks[rank] = self.start(rank, number)
+        watch.forget(rank)
+        self.counts[rank] = number
+        self.coming[rank] = (number, time.monotonic(), how)
+        print(
+            f"gradsync: {config.role(rank)} (rank {rank}) {how}, {time.monotonic() - self.began:.1f} s into the "
+            f"job; starting its replacement (restart {number} of {config.max_restarts}): the step in flight waits "
+            "for it",
+            file=sys.stderr,
+            flush=True,
+        )
+        return True
+
+    def allows(self, rank: int) -> bool:
+        """Whether the worker of `rank` may be replaced now: a worker with restarts left."""
+        return rank >= self.config.servers and self.counts.get(rank, 0) < self.config.max_restarts
+
+    def check(self) -> None:
+        """Say which replacements have rejoined since the last look.
+
+        Raises:
+            JobFailed: a replacement has not rejoined within restart_timeout of its worker's death, naming it.
+        """
+        config = self.config
+        for rank, (number, died, how) in list(self.coming.items()):
+            step = replacement.rejoined(self.store, rank - config.servers, number)
+            waited = time.monotonic() - died
+            if step is not None:
+                del self.coming[rank]
+                print(
+                    f"gradsync: {config.role(rank)} (rank {rank}) replaced {waited:.1f} s after it died; the "
+                    f"replacement continues from step {step}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            elif waited > config.restart_timeout:
+                raise JobFailed(
+                    f"rank {rank} ({config.role(rank)}) {how}, and its replacement did not rejoin the job within "
+                    f"restart_timeout ({config.restart_timeout:g} s; --restart-timeout)",
+                    rank,
+                )
+
+    def _forget(self, rank: int) -> None:
+        """Clear what the dead process of `rank` left for its launcher: its error file, the job's failure when it
+        recorded it, its note of an exit without gradsync.shutdown()."""
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(error_file(self.run_dir, rank))
+        store = self.store
+        if store.check([StoreKeys.FAILED]) and store.get(StoreKeys.FAILED).decode().startswith(f"rank {rank}:"):
+            store.delete_key(StoreKeys.FAILED)
+        worker = rank - self.config.servers
+        exited = workers_in_order(store.get(StoreKeys.EXITED))
+        if worker in exited:
+            store.set(StoreKeys.EXITED, "".join(f"{w}," for w in exited if w != worker))

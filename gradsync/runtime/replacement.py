@@ -1,0 +1,89 @@
+"""Replacing a dead worker of a sync ps job (worker_loss wait): what each worker leaves for a replacement, and
+what a replacement takes.
+
+Each worker of such a job records, as each `trainer.step` begins, the step and its RNG states in the rendezvous
+store (`record`), under one of two keys by the step's parity, so that the record of the step before the one in
+flight is always there, whenever the worker dies. The launcher starts a dead worker's replacement with
+GRADSYNC_REPLACEMENT=n and TORCHELASTIC_RESTART_COUNT=n (as torchrun would set it); the replacement joins the
+running job's RPC group under a name of its own (`JobConfig.rpc_identity`) and rejoins the servers
+(`ParameterServer.rejoin`), which forget what the dead process had sent of the step in flight and say how many
+steps each has closed. It starts at the step in flight (`trainer.start_step`) from the servers' values as of that
+step (a server that has closed it already answers with the values it had before), and the RNG states recorded as
+the step before it began (`take`: `trainer.step` draws none, so they are the states as the step in flight began).
+Once its Trainer is built, it says so (`say_rejoined`), which the launcher reports.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from gradsync.core import settings
+from gradsync.core.job_names import StoreKeys
+from gradsync.runtime import checkpoints, rng_states
+from gradsync.transport.grpc.plain_data import from_bytes, to_bytes
+
+
+def rejoin(cluster, strategy, described: dict) -> int:
+    """The step a replacement's Trainer starts at (`strategy.rejoined_at` steps after the job's first), with its
+    RNG states as of that step and, when the job resumed, the checkpoint's optimizer options; when that step is a
+    checkpoint's, this worker's part of it written (the dead process may have died writing it)."""
+    config, store = cluster.config, cluster.store
+    first = cluster.resumed.step if cluster.resumed is not None else 0
+    start = first + strategy.rejoined_at
+    if cluster.resumed is not None:
+        checkpoints.restore(config, strategy, cluster.resumed)
+    if start > first:
+        take(store, config.worker_rank, start)
+        every = config.checkpoint_every
+        if every and start % every == 0:
+            checkpoints.save(store, config, cluster.run, start, strategy, described, first)
+    say_rejoined(store, config.worker_rank, config.replacement, start)
+    return start
+
+
+def restart_count() -> int:
+    """0 in a worker's first process; n in its n-th replacement (TORCHELASTIC_RESTART_COUNT, as torchrun sets it)."""
+    return settings.RESTART_COUNT.read()
+
+
+def record(store: dist.Store, worker: int, step: int) -> None:
+    """Leave `worker`'s RNG states as step `step` begins (its trainer.step) for a replacement."""
+    record = to_bytes((step, rng_states.taken()))
+    store.set(StoreKeys.STEP_BEGUN.format(worker, step % 2), record)  # type: ignore[arg-type]  # bytes: torch's stub says str
+
+
+def take(store: dist.Store, worker: int, step: int) -> None:
+    """Put back the RNG states `worker` recorded as step `step - 1` began: its states as step `step` began.
+
+    Raises:
+        RuntimeError: the record is of another step (the dead worker recorded no such step).
+    """
+    key = StoreKeys.STEP_BEGUN.format(worker, (step - 1) % 2)
+    recorded, states = from_bytes(store.get(key), f"worker {worker}'s record of its step")
+    if recorded != step - 1:
+        raise RuntimeError(
+            f"worker {worker}'s replacement starts at step {step}, and the dead worker's last record is of step "
+            f"{recorded}, not {step - 1}: its RNG states as of step {step} are lost"
+        )
+    rng_states.put_back(states)
+
+
+def last_recorded(store: dist.Store, worker: int) -> int | None:
+    """The latest step `worker` recorded as it began (None: none yet)."""
+    keys = [StoreKeys.STEP_BEGUN.format(worker, parity) for parity in (0, 1)]
+    steps = [from_bytes(store.get(k), "a worker's record of its step")[0] for k in keys if store.check([k])]
+    return max(steps, default=None)
+
+
+def say_rejoined(store: dist.Store, worker: int, replacement: int, step: int) -> None:
+    """Tell the launcher that `worker`'s `replacement`-th replacement has built its Trainer, at `step`."""
+    store.set(StoreKeys.REJOINED.format(worker), f"{replacement}:{step}")
+
+
+def rejoined(store: dist.Store, worker: int, replacement: int) -> int | None:
+    """The step `worker`'s `replacement`-th replacement continues from, once it has rejoined; else None."""
+    key = StoreKeys.REJOINED.format(worker)
+    if not store.check([key]):
+        return None
+    number, _, step = store.get(key).decode().partition(":")
+    return int(step) if int(number) == replacement else None

@@ -1,0 +1,102 @@
+"""Loops in which a worker dies once, at a chosen point of a chosen step, for the tests of worker_loss wait: its
+first process dies there, its replacement trains on from `trainer.start_step`, and every worker returns where it
+started, which process it was and the job's final state."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import NamedTuple
+
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.nn.functional as F
+
+import gradsync
+from gradsync.runtime import checkpoints
+from gradsync.transport import rpc
+from jobs import batch, make_mlp
+
+POINTS = ("forward", "backward", "pieces", "pushed", "one server", "finish", "checkpoint")
+
+
+class Death(NamedTuple):
+    """Worker `worker`'s first process dies (SIGKILL) in step `step`: in its 'forward', in its 'backward', between
+    the 'pieces' of its push (the first sent, the others not), once it has 'pushed' the step (before the reply),
+    once its whole push reached server 0 alone ('one server': whole steps), once its word on a held step reached
+    server 0 alone ('finish': clipping), or writing its part of the 'checkpoint' after the step."""
+
+    worker: int
+    step: int
+    point: str
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _arm(death: Death, trainer: gradsync.Trainer, model: torch.nn.Module, step: list[int]) -> None:
+    """Make this process die at `death`'s point when it reaches its step (`step[0]`: the step now)."""
+    now = lambda: step[0] == death.step  # noqa: E731
+    if death.point == "forward":
+        model[2].register_forward_pre_hook(lambda *a: _die() if now() else None)
+    elif death.point == "backward":
+        model[2].register_full_backward_hook(lambda *a: _die() if now() else None)
+    elif death.point == "pieces":
+        send, sent = rpc.Pipeline.send, []
+
+        def send_one(pipeline, piece):
+            if now() and sent:
+                _die()
+            send(pipeline, piece)
+            sent.append(piece) if now() else None
+
+        rpc.Pipeline.send = send_one
+    elif death.point == "pushed":
+        wait_all = rpc.wait_all
+
+        def pushed_then_die(futures, what, timeout):
+            if now() and what in ("push", "pushing a piece (bucket)"):
+                time.sleep(0.5)  # the messages are on the servers
+                _die()
+            return wait_all(futures, what, timeout)
+
+        rpc.wait_all = pushed_then_die
+    elif death.point in ("one server", "finish"):
+        call, fn = rpc.rpc.rpc_async, rpc.rpc_push if death.point == "one server" else rpc.rpc_finish
+
+        def reach_one(to, called, *args, **kwargs):
+            if now() and called is fn and to == "ps1":
+                time.sleep(0.5)  # its message to ps0 is there
+                _die()
+            return call(to, called, *args, **kwargs)
+
+        rpc.rpc.rpc_async = reach_one
+    elif death.point == "checkpoint":
+        write = checkpoints.shard_file.write
+
+        def write_then_die(path, state):
+            write(path, state)
+            if step[0] == death.step and os.path.basename(path).startswith("worker-"):
+                _die()
+
+        checkpoints.shard_file.write = write_then_die
+
+
+def train(death: Death | None, steps: int, clip: float | None = None) -> tuple[int, int, dict]:
+    """The MLP with AdamW (and `clip`: clipping at that norm) for `steps` steps on worker w's batches of each step,
+    with dropout drawing on the RNG; `death` strikes in the first process of its worker. Returns (start step,
+    restart count, final state)."""
+    me = gradsync.worker_rank()
+    model = make_mlp()
+    model.insert(1, torch.nn.Dropout(0.1))  # the RNG a replacement must continue
+    trainer = gradsync.Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01), max_grad_norm=clip)
+    step = [trainer.start_step]
+    if death is not None and death.worker == me and gradsync.restart_count() == 0:
+        _arm(death, trainer, model, step)
+    for step[0] in range(trainer.start_step, steps):
+        x, y = batch(step[0], me)
+        with dist_autograd.context() as cid:
+            dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
+            trainer.step(cid)
+    return trainer.start_step, gradsync.restart_count(), trainer.state_dict()
