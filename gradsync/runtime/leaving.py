@@ -33,7 +33,7 @@ def wait_for_workers(cluster: job.Cluster, deadline: float | None) -> list[int]:
             return True
         if store.check([StoreKeys.FAILED]):
             raise RuntimeError(f"another rank failed, stopping: {store.get(StoreKeys.FAILED).decode()[:2000]}")
-        silent = watch.silent(config.step_timeout) if deadline is None else {}
+        silent = watch.silent(config.call_timeout) if deadline is None else {}
         for rank in [r for r in silent if config.elastic and r >= config.world_size]:
             record_gone(store, rank - config.servers, f"sent no heartbeat for {silent.pop(rank):.0f} s")
         if silent:

@@ -87,14 +87,14 @@ def test_a_mistyped_option_gets_its_commands_usage_and_the_closest_option(comman
                                     f"mean {meant}?)")
 
 
-def test_run_keeps_every_option_it_had_and_adds_bucket_cap_mb_pipeline_start_over_and_checkpoint_full_every():
+def test_run_keeps_every_option_it_had_and_adds_the_newer_ones():
     run = cli._parser()._subparsers._group_actions[0].choices["run"]
     options = {o for a in run._actions for o in a.option_strings}
     assert options == {"-h", "--help", "--strategy", "--workers", "--join", "--servers", "--mode", "--staleness",
                        "--nonfinite", "--compression", "--transport", "--server-device", "--bucket-cap-mb",
                        "--pipeline", "--startup-timeout", "--step-timeout", "--stall-report", "--shutdown-timeout",
                        "--checkpoint-dir", "--checkpoint-every", "--checkpoint-full-every", "--resume", "--start-over",
-                       "--master-port",
+                       "--worker-loss", "--max-restarts", "--restart-timeout", "--replicas", "--master-port",
                        "--run-dir", "--timeout", "--link", "--server-link"}
     chosen = cli.job_settings(cli.parse_args(["run", "--strategy", "ps", "--workers", "1", "--start-over", __file__]))
     assert chosen["start_over"] is True  # a flag without a value

@@ -3,6 +3,7 @@ first process dies there, its replacement trains on from `trainer.start_step`, a
 started, which process it was and the job's final state."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -17,14 +18,15 @@ from gradsync.runtime import checkpoints
 from gradsync.transport import rpc
 from jobs import batch, make_mlp
 
-POINTS = ("forward", "backward", "pieces", "pushed", "one server", "finish", "checkpoint")
+POINTS = ("forward", "backward", "pieces", "pushed", "one server", "finish", "checkpoint", "stop")
 
 
 class Death(NamedTuple):
     """Worker `worker`'s first process dies (SIGKILL) in step `step`: in its 'forward', in its 'backward', between
     the 'pieces' of its push (the first sent, the others not), once it has 'pushed' the step (before the reply),
     once its whole push reached server 0 alone ('one server': whole steps), once its word on a held step reached
-    server 0 alone ('finish': clipping), or writing its part of the 'checkpoint' after the step."""
+    server 0 alone ('finish': clipping), or writing its part of the 'checkpoint' after the step; or it 'stop's
+    (SIGSTOP) in its forward, silent until the launcher kills it."""
 
     worker: int
     step: int
@@ -38,8 +40,9 @@ def _die() -> None:
 def _arm(death: Death, trainer: gradsync.Trainer, model: torch.nn.Module, step: list[int]) -> None:
     """Make this process die at `death`'s point when it reaches its step (`step[0]`: the step now)."""
     now = lambda: step[0] == death.step  # noqa: E731
-    if death.point == "forward":
-        model[2].register_forward_pre_hook(lambda *a: _die() if now() else None)
+    if death.point in ("forward", "stop"):
+        sig = signal.SIGKILL if death.point == "forward" else signal.SIGSTOP
+        model[2].register_forward_pre_hook(lambda *a: os.kill(os.getpid(), sig) if now() else None)
     elif death.point == "backward":
         model[2].register_full_backward_hook(lambda *a: _die() if now() else None)
     elif death.point == "pieces":
@@ -83,20 +86,30 @@ def _arm(death: Death, trainer: gradsync.Trainer, model: torch.nn.Module, step: 
         checkpoints.shard_file.write = write_then_die
 
 
-def train(death: Death | None, steps: int, clip: float | None = None) -> tuple[int, int, dict]:
-    """The MLP with AdamW (and `clip`: clipping at that norm) for `steps` steps on worker w's batches of each step,
-    with dropout drawing on the RNG; `death` strikes in the first process of its worker. Returns (start step,
+def starts_at(death: Death, clip: float | None) -> int:
+    """The step the replacement of the process `death` ends continues from: the step it died in, or the next when
+    every server had closed that step (its push applied, or its checkpoint's step)."""
+    return death.step + (death.point == "checkpoint" or (death.point == "pushed" and clip is None))
+
+
+def train(deaths: tuple[Death, ...], steps: int, clip: float | None = None, micro: int = 1) -> tuple[int, int, dict]:
+    """The MLP with dropout (drawing on the RNG) and AdamW (with `clip`: clipping at that norm) for `steps` steps on
+    worker w's batches of each step, each in `micro` micro-batches (`trainer.no_sync()` but the last). The n-th
+    process of a worker dies as `deaths[i]` says, `i` the n-th of `deaths` naming that worker. Returns (start step,
     restart count, final state)."""
     me = gradsync.worker_rank()
     model = make_mlp()
     model.insert(1, torch.nn.Dropout(0.1))  # the RNG a replacement must continue
     trainer = gradsync.Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01), max_grad_norm=clip)
     step = [trainer.start_step]
-    if death is not None and death.worker == me and gradsync.restart_count() == 0:
-        _arm(death, trainer, model, step)
+    mine = [d for d in deaths if d.worker == me]
+    if gradsync.restart_count() < len(mine):
+        _arm(mine[gradsync.restart_count()], trainer, model, step)
     for step[0] in range(trainer.start_step, steps):
         x, y = batch(step[0], me)
         with dist_autograd.context() as cid:
-            dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
+            for i, (xs, ys) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
+                with trainer.no_sync() if i < micro - 1 else contextlib.nullcontext():
+                    dist_autograd.backward(cid, [F.cross_entropy(trainer.model(xs), ys) / micro])
             trainer.step(cid)
     return trainer.start_step, gradsync.restart_count(), trainer.state_dict()

@@ -1,0 +1,138 @@
+"""worker_loss wait: a sync ps job whose worker dies keeps its servers and other workers, the launcher starts a
+replacement with the same rank, the step in flight waits for it, and the job ends bit for bit as without the
+death, wherever in the step the worker died."""
+import glob
+import os
+import re
+
+import pytest
+import torch
+
+import gradsync
+from gradsync.ps import shard_file
+from helpers import SUPPORT, run_cli
+from replaced import Death, starts_at, train
+from sparse_models import train_clicks
+
+pytestmark = pytest.mark.job
+
+STEPS = 10
+SHAPES = {  # servers, workers, settings, clipping, micro-batches, deaths: several per job, one after the other
+    "pipelined pieces, one server": (
+        1, 2, dict(bucket_cap_mb=0.0005), None, 2,
+        (Death(1, 1, "forward"), Death(1, 3, "backward"), Death(1, 5, "pieces"), Death(1, 7, "pushed")),
+    ),
+    "whole steps, two servers, three workers": (
+        2, 3, dict(pipeline="off", step_timeout=3.0), None, 1,
+        (Death(1, 2, "one server"), Death(2, 4, "stop"), Death(0, 6, "pushed"), Death(1, 8, "backward")),
+    ),
+    "clipping and checkpoints, two servers": (
+        2, 2, dict(checkpoint_every=3), 0.5, 1,
+        (Death(1, 2, "finish"), Death(1, 4, "pushed"), Death(0, 6, "one server"), Death(1, 8, "checkpoint")),
+    ),
+}
+
+
+def _checkpoints(directory) -> dict:
+    """Every shard and worker file of every step folder, loaded, by (folder, file); but Python's `random` state,
+    which every process seeds anew (the script draws none of it)."""
+    return {(os.path.basename(os.path.dirname(p)), os.path.basename(p)):
+            {k: v for k, v in shard_file.load(p).items() if k != "python_rng"}
+            for p in sorted(glob.glob(os.path.join(directory, "step-*", "*.ckpt")))}
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_job_ends_bit_for_bit_as_without_the_deaths(launch, shape, tmp_path, capfd):
+    servers, workers, settings, clip, micro, deaths = SHAPES[shape]
+    runs = {}
+    for run in ("clean", "died"):
+        saved = {"checkpoint_dir": str(tmp_path / run)} if "checkpoint_every" in settings else {}
+        runs[run] = launch(train, strategy="ps", workers=workers, servers=servers, timeout=200,
+                           args=(() if run == "clean" else deaths, STEPS, clip, micro),
+                           worker_loss="wait", max_restarts=len(deaths), **settings, **saved)
+    err = capfd.readouterr().err
+    for w, ((_, _, clean), (start, restarts, died)) in enumerate(zip(runs["clean"], runs["died"])):
+        mine = [d for d in deaths if d.worker == w]
+        assert restarts == len(mine) and start == (starts_at(mine[-1], clip) if mine else 0), (w, start, restarts)
+        assert clean.keys() == died.keys() and all(torch.equal(clean[k], died[k]) for k in clean), w
+    for d in deaths:
+        rank = servers + d.worker
+        how = "stopped responding" if d.point == "stop" else "was killed by SIGKILL"
+        assert re.search(rf"gradsync: worker{d.worker} \(rank {rank}\) {how}.* starting its replacement", err), err
+        assert f"replacement continues from step {starts_at(d, clip)}" in err, err
+    assert err.count("starting its replacement") == err.count("replaced ") == len(deaths), err
+    if "checkpoint_every" in settings:  # the checkpoint a worker died writing is whole, and each is the clean run's
+        clean, died = _checkpoints(tmp_path / "clean"), _checkpoints(tmp_path / "died")
+        assert len(clean) == 3 * (servers + workers) and _equal(clean, died)
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_dying_past_its_restarts_fails_the_job_naming_it(launch):
+    deaths = (Death(1, 1, "forward"), Death(1, 3, "backward"))
+    with pytest.raises(gradsync.JobFailed) as failed:
+        launch(train, strategy="ps", workers=2, servers=1, timeout=100, args=(deaths, STEPS),
+               worker_loss="wait", max_restarts=1)
+    assert str(failed.value).startswith("rank 2 (worker1) failed with signal SIGKILL"), str(failed.value)
+    assert failed.value.rank == 2
+
+
+def late_trainer(steps: int) -> int:
+    """`train` whose replacements never come: a replacement waits before building its Trainer."""
+    if gradsync.restart_count():
+        import time
+        time.sleep(60)
+    return train((Death(1, 2, "forward"),), steps)[0]
+
+
+@pytest.mark.timeout(120)
+def test_a_replacement_that_does_not_rejoin_in_time_fails_the_job_naming_the_worker(launch):
+    with pytest.raises(gradsync.JobFailed) as failed:
+        launch(late_trainer, strategy="ps", workers=2, servers=1, timeout=100, args=(STEPS,),
+               worker_loss="wait", max_restarts=1, restart_timeout=3.0)
+    assert str(failed.value).startswith(
+        "rank 2 (worker1) was killed by SIGKILL, and its replacement did not rejoin the job within restart_timeout "
+        "(3 s; --restart-timeout)"), str(failed.value)
+
+
+@pytest.mark.timeout(120)
+def test_tables_served_by_rows_are_refused_once_with_the_fix(launch):
+    with pytest.raises(gradsync.JobFailed) as failed:
+        launch(train_clicks, strategy="ps", workers=2, servers=1, timeout=100, args=("sgd", 3),
+               worker_loss="wait", max_restarts=1)
+    text = str(failed.value)
+    assert "worker_loss='wait' replaces dead workers of models whose parameters the servers hold whole" in text
+    assert "tables='dense'" in text and text.count("worker_loss='wait' replaces") == 1, text
+
+
+@pytest.mark.timeout(180)
+def test_gradsync_run_replaces_a_worker_started_as_a_new_process(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        f"import sys, torch\nsys.path.insert(0, {str(SUPPORT)!r})\nimport gradsync\nfrom replaced import Death, train\n"
+        "gradsync.init()\n"
+        "deaths = (Death(1, int(sys.argv[2]), 'backward'),) if len(sys.argv) > 2 else ()\n"
+        "start, restarts, state = train(deaths, 6)\n"
+        "torch.save((start, restarts, state), f'{sys.argv[1]}-{gradsync.worker_rank()}.pt')\n"
+        "gradsync.shutdown()\n")
+    runs = {}
+    for run, death in (("clean", []), ("died", ["3"])):
+        done = run_cli("run", "--strategy", "ps", "--workers", "2", "--worker-loss", "wait", "--max-restarts", "1",
+                       str(script), str(tmp_path / run), *death, timeout=150, env={"GRADSYNC_RANK_START": "exec"})
+        assert done.returncode == 0, done.stderr
+        runs[run] = [torch.load(tmp_path / f"{run}-{w}.pt") for w in range(2)]
+    assert "gradsync: worker1 (rank 2) was killed by SIGKILL" in done.stderr
+    assert "replacement continues from step 3" in done.stderr
+    assert [r[:2] for r in runs["died"]] == [(0, 0), (3, 1)]
+    for (_, _, clean), (_, _, died) in zip(runs["clean"], runs["died"]):
+        assert all(torch.equal(clean[k], died[k]) for k in clean)
