@@ -131,12 +131,6 @@ class Training:
             )
         _positive(self, "training")
 
-    @property
-    def elastic(self) -> bool:
-        """An async or ssp ps job: a worker that dies or leaves does not stop it, and (async, over torch RPC)
-        a new worker may join it while it runs (docs/guide.md, "Elastic async workers")."""
-        return not traits(self.strategy).process_group and self.mode != "sync"
-
 
 @dataclasses.dataclass(kw_only=True)
 class Timeouts:
@@ -204,10 +198,11 @@ class Faults:
         _positive(self, "faults")
         if self.max_restarts < 0:
             raise ConfigError(f"max_restarts={self.max_restarts}: pass --max-restarts N with N >= 0 (0: none)")
-        if self.worker_loss == "drop":
+        if self.worker_loss == "drop" and self.max_restarts:
             raise ConfigError(
-                "worker_loss='drop' (going on without a dead worker) is not available yet: pass --worker-loss wait "
-                "(a replacement takes the dead worker's place) or fail"
+                f"worker_loss='drop' with max_restarts={self.max_restarts}: a dropped worker's replacement is not "
+                "available yet; pass --max-restarts 0 (the job goes on without the dead worker), or --worker-loss wait "
+                "(a replacement takes its place)"
             )
         if self.replicas:
             raise ConfigError(
@@ -241,12 +236,18 @@ class JobConfig(Faults, Checkpointing, Timeouts, Training, Placement):  # fields
         self._check_placement()
         self._check_timeouts()
         self._check_faults()
+        refusal = strategy.worker_loss_refusal(self.worker_loss, self.mode)
         if self.replaces_workers:
-            refusal = strategy.replacement_refusal(self.strategy, self.mode) or capabilities(
-                self.transport
-            ).replacement_refusal(self.transport)
-            if refusal:
-                raise ConfigError(refusal)
+            refusal = refusal or capabilities(self.transport).replacement_refusal(self.transport)
+        if refusal:
+            raise ConfigError(refusal)
+
+    @property
+    def elastic(self) -> bool:
+        """An async or ssp ps job, or one with worker_loss drop: a worker that dies or leaves does not stop it,
+        and (async, over torch RPC) a new worker may join it while it runs (docs/guide.md, "Elastic async
+        workers", "When a rank dies")."""
+        return not traits(self.strategy).process_group and (self.mode != "sync" or self.worker_loss == "drop")
 
     @property
     def dynamic_group(self) -> bool:

@@ -55,6 +55,7 @@ class StrategyTraits:
     needs_tables: bool  # it refuses a model without an embedding table to place (`core.errors.NoTablesToServe`)
     join: bool  # trainer.join() (workers with uneven data) is supported
     replaced: tuple[str, ...]  # the modes in which a dead worker's replacement takes its place (worker_loss wait)
+    dropped: tuple[str, ...]  # the modes in which a job goes on without a dead worker (worker_loss drop)
     checkpoint: tuple[Saved, ...]  # what its job checkpoints hold; () would be no checkpoints
     loader: str  # the dotted path of its worker-side Strategy class, imported on first use
     keywords: tuple[str, ...]  # the Trainer's arguments its class's constructor takes (as keywords)
@@ -64,16 +65,16 @@ class StrategyTraits:
         """Whether its jobs write checkpoints (`--checkpoint-dir`, `--checkpoint-every`)."""
         return bool(self.checkpoint)
 
-    def replacement_refusal(self, strategy: str, mode: str) -> str | None:
-        """Why a job of this strategy in `mode` cannot replace a dead worker (worker_loss wait); None when it can."""
-        if mode in self.replaced:
+    def worker_loss_refusal(self, policy: str, mode: str) -> str | None:
+        """Why a job of this strategy in `mode` cannot take a worker's death with `policy` ('wait': a replacement
+        takes its place; 'drop': the job goes on without it); None when it can ('fail' always can)."""
+        trait = {"wait": "replaced", "drop": "dropped"}.get(policy)
+        if trait is None or mode in getattr(self, trait):
             return None
-        where = names(lambda t: bool(t.replaced))
-        modes = "/".join(sorted({m for t in STRATEGIES.values() for m in t.replaced}))
+        where = [f"{t.name} {'/'.join(getattr(t, trait))}" for t in STRATEGIES.values() if getattr(t, trait)]
         return (
-            f"worker_loss='wait' replaces a dead worker in {'/'.join(where)} jobs of mode {modes} so far, got "
-            f"strategy={strategy!r}, mode={mode!r}: pass --worker-loss fail and --checkpoint-dir/--checkpoint-every "
-            "to resume after a death"
+            f"worker_loss={policy!r} is available for {', '.join(where)} jobs so far, got strategy={self.name!r}, "
+            f"mode={mode!r}: pass --worker-loss fail and --checkpoint-dir/--checkpoint-every to resume after a death"
         )
 
     def load(self) -> type:
@@ -96,6 +97,7 @@ STRATEGIES: dict[str, StrategyTraits] = {
             needs_tables=False,
             join=True,
             replaced=("sync",),
+            dropped=("sync", "async", "ssp"),
             checkpoint=(Saved.SERVER_SHARDS, Saved.WORKER_OPTIONS),
             loader="gradsync.worker.ps_strategy.PSStrategy",
             keywords=("tables", "table_optimizer", "clipping"),
@@ -111,6 +113,7 @@ STRATEGIES: dict[str, StrategyTraits] = {
             needs_tables=False,
             join=True,
             replaced=(),
+            dropped=(),
             checkpoint=(Saved.WORKER_DENSE, Saved.WORKER_ROWS),
             loader="gradsync.worker.allreduce_strategy.AllreduceStrategy",
             keywords=("find_unused_parameters", "clipping", "table_optimizer"),
@@ -126,6 +129,7 @@ STRATEGIES: dict[str, StrategyTraits] = {
             needs_tables=True,
             join=True,
             replaced=(),
+            dropped=(),
             checkpoint=(Saved.SERVER_SHARDS, Saved.WORKER_DENSE),
             loader="gradsync.worker.hybrid_strategy.HybridStrategy",
             keywords=("tables", "table_optimizer", "find_unused_parameters", "clipping"),
@@ -141,6 +145,7 @@ STRATEGIES: dict[str, StrategyTraits] = {
             needs_tables=True,
             join=False,
             replaced=(),
+            dropped=(),
             checkpoint=(Saved.WORKER_DENSE, Saved.WORKER_ROWS),
             loader="gradsync.worker.sharded_strategy.ShardedStrategy",
             keywords=("tables", "table_optimizer", "find_unused_parameters", "clipping"),

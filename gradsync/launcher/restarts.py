@@ -55,6 +55,7 @@ class Restarts:
         (a server, no restarts left): the job fails."""
         if not self.allows(rank):
             return False
+        self._say_rejoined(rank)  # a replacement that rejoined and died again between two looks: said first
         config, number = self.config, self.counts.get(rank, 0) + 1
         self._forget(rank)
         ranks[rank] = self.start(rank, number)
@@ -81,23 +82,30 @@ class Restarts:
             JobFailed: a replacement has not rejoined within restart_timeout of its worker's death, naming it.
         """
         config = self.config
-        for rank, (number, died, how) in list(self.coming.items()):
-            step = replacement.rejoined(self.store, rank - config.servers, number)
-            waited = time.monotonic() - died
-            if step is not None:
-                del self.coming[rank]
-                print(
-                    f"gradsync: {config.role(rank)} (rank {rank}) replaced {waited:.1f} s after it died; the "
-                    f"replacement continues from step {step}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            elif waited > config.restart_timeout:
+        for rank, (_, died, how) in list(self.coming.items()):
+            if not self._say_rejoined(rank) and time.monotonic() - died > config.restart_timeout:
                 raise JobFailed(
                     f"rank {rank} ({config.role(rank)}) {how}, and its replacement did not rejoin the job within "
                     f"restart_timeout ({config.restart_timeout:g} s; --restart-timeout)",
                     rank,
                 )
+
+    def _say_rejoined(self, rank: int) -> bool:
+        """Say that the replacement of `rank` on its way has rejoined, once it has; whether it has."""
+        if rank not in self.coming:
+            return False
+        number, died, _ = self.coming[rank]
+        step = replacement.rejoined(self.store, rank - self.config.servers, number)
+        if step is None:
+            return False
+        del self.coming[rank]
+        print(
+            f"gradsync: {self.config.role(rank)} (rank {rank}) replaced {time.monotonic() - died:.1f} s after it "
+            f"died; the replacement continues from step {step}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return True
 
     def _forget(self, rank: int) -> None:
         """Clear what the dead process of `rank` left for its launcher: its error file, the job's failure when it

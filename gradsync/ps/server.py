@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import threading
 import traceback
 from collections.abc import Callable
@@ -65,10 +66,11 @@ class ParameterServer:
         staleness: int = 0,
         resume_from: tuple[str, int, str | None] | None = None,
         on_failure: Callable[[str], None] | None = None,
-        replaces_workers: bool = False,
+        worker_loss: str = "fail",
     ):
         self.shard_id = shard_id
-        self.replaces_workers = replaces_workers  # a dead worker's replacement may rejoin (`rejoin`)
+        self.replaces_workers = worker_loss == "wait"  # a dead worker's replacement may rejoin (`rejoin`)
+        self.worker_loss = worker_loss
         self.resume_from = resume_from  # (checkpoint folder, the number of servers that wrote it, its full base)
         self._last_full: str | None = None  # the folder of the last full checkpoint written (deltas go onto it)
         self.on_failure = on_failure  # told this server's own failure (`fail`), before any worker is
@@ -121,7 +123,9 @@ class ParameterServer:
                     error = e
             if error is None:
                 shard = self._shard()
-                self.rule = make_rule(self.mode, shard, self.num_workers, self.nonfinite, self.staleness)
+                self.rule = make_rule(
+                    self.mode, shard, self.num_workers, self.nonfinite, self.staleness, self.worker_loss == "drop"
+                )
                 if not self.pipelined:
                     self.staging = Staging(len(shard.buckets), self._commit)
                 self._setup = None
@@ -439,12 +443,12 @@ class ParameterServer:
         return path, version
 
     def stats(self) -> dict:
-        """This server's counters (version, pushes applied/rejected, staleness, bytes)."""
+        """This server's counters (version, pushes applied/rejected, staleness, bytes), its process id and host."""
         shard = self._shard()
         with shard.lock:
             stats = dataclasses.asdict(shard.stats)
         stats["workers_seen"] = sorted(stats["workers_seen"])
-        return stats
+        return {**stats, "pid": os.getpid(), "host": socket.gethostname()}
 
     def table_stats(self) -> dict[str, dict]:
         """Per embedding table on this server: rows and bytes held, rows pulled and pushed, largest staleness."""
@@ -550,8 +554,13 @@ def _usable_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def make_rule(mode: str, shard: ShardState, num_workers: int, nonfinite: str, staleness: int = 0) -> ConsistencyRule:
-    """The consistency rule of `mode` ('sync', 'async', 'ssp') for `shard`."""
+def make_rule(
+    mode: str, shard: ShardState, num_workers: int, nonfinite: str, staleness: int = 0, drop: bool = False
+) -> ConsistencyRule:
+    """The consistency rule of `mode` ('sync', 'async', 'ssp') for `shard`; `drop`: a sync step goes on without
+    a worker that died (worker_loss drop)."""
     if mode == "ssp":
         return SSPRule(shard, num_workers, nonfinite, staleness)
-    return {"sync": SyncRule, "async": AsyncRule}[mode](shard, num_workers, nonfinite)
+    if mode == "sync":
+        return SyncRule(shard, num_workers, nonfinite, drop)
+    return AsyncRule(shard, num_workers, nonfinite)

@@ -42,6 +42,7 @@ class ShardStats:
     staleness_histogram: dict = dataclasses.field(default_factory=dict)  # version staleness -> applied pushes
     max_lead: int = 0  # ssp: most steps a pushing worker was ahead of the slowest
     pushes_by_worker: dict = dataclasses.field(default_factory=dict)  # async, ssp: worker -> its applied pushes
+    steps_without: dict = dataclasses.field(default_factory=dict)  # worker_loss drop: step closed -> dead workers
     bytes_in: int = 0
     bytes_out: int = 0
 

@@ -86,9 +86,12 @@ class SyncRule(ConsistencyRule):
 
     exact = True
 
-    def __init__(self, shard: ShardState, num_workers: int, nonfinite: str):
+    def __init__(self, shard: ShardState, num_workers: int, nonfinite: str, drop: bool = False):
         super().__init__(shard, num_workers, nonfinite)
-        self._early = nonfinite == "raise" and may_split(type(shard.optimizer))
+        self._drop = drop  # worker_loss drop: a dead worker's step goes on without it (`worker_left`)
+        # a bucket applied before its step closes would keep the part of a worker that dies later in the step
+        self._early = nonfinite == "raise" and may_split(type(shard.optimizer)) and not drop
+        self._gone: set[int] = set()  # workers that died (worker_loss drop): no later step waits for them
         self._pending: dict[int, _Pending] = {}
         self._parts: list[dict[int, _Part]] = [{} for _ in shard.buckets]  # this step's, by bucket and worker
         self._means: dict[int, tuple[torch.Tensor | None, set[int]]] = {}  # buckets averaged: (mean, skipped)
@@ -104,7 +107,7 @@ class SyncRule(ConsistencyRule):
 
     def _refused(self, worker: int, push: Push) -> torch.futures.Future | None:
         """A push of the step (`payloads` None: its buckets come as pieces) is refused when the step failed,
-        a step is held, or this worker already pushed it. Call with the lock held."""
+        a step is held, this worker already pushed it or has died. Call with the lock held."""
         held = self._held or self._finishing
         if held is not None and worker in self._owed:  # the replacement's push of it: the same bits
             self._owed.discard(worker)
@@ -180,10 +183,14 @@ class SyncRule(ConsistencyRule):
         return [] if old is None or old.fut is None else [(old.fut, None, None)]
 
     def _closed(self, worker: int) -> torch.futures.Future | None:
-        """The failed future that answers any push or piece now, if any: the step failed, or one is held.
-        Call with the lock held."""
+        """The failed future that answers any push or piece now, if any: the step failed, one is held, or the
+        worker has died (what it sent before is dropped). Call with the lock held."""
         if self._failure is not None:
             return failed(self._failure)
+        if worker in self._gone:
+            return self.shard.rejected(
+                GradientError(f"worker {worker} left the job: server {self.shard.shard_id} takes nothing more of it")
+            )
         if self._held is not None:
             return self.shard.rejected(
                 GradientError(
@@ -253,7 +260,7 @@ class SyncRule(ConsistencyRule):
         them are active again (the next round: another epoch)."""
         with self.shard.lock:
             self._joined.add(worker)
-            if len(self._joined) == self.num_workers:
+            if self._joined >= set(range(self.num_workers)) - self._gone:
                 self._joined = set()
             answers = self._progress()
         answer(answers)
@@ -288,8 +295,13 @@ class SyncRule(ConsistencyRule):
         return found
 
     def worker_left(self, worker: int, steps: int | None) -> None:
-        """`worker` left the job after `steps` steps: no later step can have all W workers, so the step that
-        waits (if any) and every later commit fail at once, naming it."""
+        """`worker` left the job after `steps` steps (None: it died). With worker_loss drop, the step that
+        waits goes on without what it sent of that step, each bucket averaged over the workers left
+        (`ShardStats.steps_without` records the step), and so do the later steps. Else no later step can have
+        all W workers, so the step that waits (if any) and every later commit fail at once, naming it."""
+        if self._drop:
+            self._drop_worker(worker)
+            return
         assert steps is not None  # only an elastic job's worker goes without saying its steps (no sync job)
         with self.shard.lock:
             if self._failure is None:
@@ -297,6 +309,20 @@ class SyncRule(ConsistencyRule):
                 self._failure = left_early_error(worker, steps, waiting)
             answers = [(f, None, self._failure) for f in self._waiting()]
             self._reset()
+        answer(answers)
+
+    def _drop_worker(self, worker: int) -> None:
+        """The step in flight, and every later one, without `worker` (worker_loss drop)."""
+        with self.shard.lock:
+            self._gone.add(worker)
+            error = GradientError(f"worker {worker} left the job; the step goes on without it")
+            answers = [] if (pending := self._pending.pop(worker, None)) is None else [(pending.fut, None, error)]
+            for parts in self._parts:
+                part = parts.pop(worker, None)
+                if part is not None and part.fut is not None:
+                    answers.append((part.fut, None, error))
+            self._means = {}  # averaged with its part: again without it (no bucket is applied before the step closes)
+            answers += self._progress()
         answer(answers)
 
     def _waiting(self) -> list[torch.futures.Future]:
@@ -313,7 +339,7 @@ class SyncRule(ConsistencyRule):
         """Average (and, when it may, apply) every bucket whose parts are all in, once every active worker
         has pushed; close the step when every bucket is averaged. Returns the answers to give outside the
         lock: (future, value, error). Call with the lock held."""
-        active = self.num_workers - len(self._joined)
+        active = self.num_workers - len(self._joined | self._gone)
         if not self._pending or len(self._pending) < active:
             return []
         shard, workers = self.shard, sorted(self._pending)
@@ -363,6 +389,8 @@ class SyncRule(ConsistencyRule):
         with the lock held."""
         shard = self.shard
         pending = [self._pending[w] for w in workers]
+        if self._gone - self._joined:  # this step's index among those closed, and the dead workers it lacks
+            shard.stats.steps_without[shard.closed] = sorted(self._gone)
         rows = mean_rows(shard, pending, len(pending))
         error = blame_rows(rows, [(p.worker, p.rows) for p in pending])
         if error is not None and not (agree is not None and agree.skip_nonfinite):

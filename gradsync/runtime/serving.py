@@ -44,7 +44,7 @@ def install_server(cluster: Cluster) -> ParameterServer:
         config.staleness,
         resume_from,
         fail,
-        config.replaces_workers,
+        config.worker_loss,
     )
     transport(config.transport).rank.install(server)
     return server

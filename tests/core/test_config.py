@@ -1,4 +1,6 @@
 """JobConfig: environment parsing and clear refusals."""
+import re
+
 import pytest
 
 from gradsync.config import ConfigError, JobConfig
@@ -48,3 +50,28 @@ def test_sharded_has_no_servers_unless_asked():
 def test_bad_environment_is_refused_with_the_value_and_the_fix(env, match):
     with pytest.raises(ConfigError, match=match):
         JobConfig.from_env(env)
+
+
+@pytest.mark.parametrize("settings,refusal", [
+    (dict(worker_loss="drop"), "worker_loss='drop' (going on without a dead worker) is not available yet"),
+    (dict(replicas=1), "replicas=1: servers that keep each other's shards are not available yet"),
+    (dict(max_restarts=-1), "max_restarts=-1: pass --max-restarts N with N >= 0"),
+    (dict(worker_loss="gone"), "unknown worker_loss policy 'gone': expected one of 'fail', 'wait', 'drop'"),
+    (dict(worker_loss="wait", mode="async"),
+     "worker_loss='wait' replaces a dead worker in ps jobs of mode sync so far, got strategy='ps', mode='async'"),
+    (dict(worker_loss="wait", strategy="allreduce", servers=0),
+     "worker_loss='wait' replaces a dead worker in ps jobs of mode sync so far, got strategy='allreduce'"),
+    (dict(worker_loss="wait", transport="grpc"),
+     "the grpc transport does not yet: use --transport rpc"),
+])
+def test_fault_settings_are_refused_with_the_fix(settings, refusal):
+    with pytest.raises(ConfigError, match=re.escape(refusal)):
+        JobConfig(world_size=3, **settings)
+
+
+def test_a_replacement_has_a_name_and_rank_of_its_own_in_the_rpc_group():
+    assert JobConfig(world_size=4, servers=1, rank=2).rpc_identity == ("worker1", 2)
+    assert JobConfig(world_size=4, servers=1, rank=2, replacement=1).rpc_identity == ("worker1_r1", 5)
+    assert JobConfig(world_size=4, servers=1, rank=2, replacement=2).rpc_identity == ("worker1_r2", 8)
+    waits = JobConfig(world_size=3, worker_loss="wait", step_timeout=5.0, restart_timeout=7.0)
+    assert waits.dynamic_group and waits.call_timeout == 12.0 and JobConfig(world_size=3).call_timeout == 60.0

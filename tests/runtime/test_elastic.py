@@ -10,7 +10,7 @@ import torch.distributed as dist
 import gradsync
 from elastic_jobs import (GRAD, LR, SIZE, Constant, die_before_the_trainer, kill_the_server_at,
                           train_until_killed_mid_push, train_while_a_worker_joins)
-from faults import Fault, train_with_fault
+from fault_injection import Fault, train_with_fault
 from gradsync.core import settings
 from gradsync.membership import heartbeat, newcomers
 from gradsync.config import ConfigError, JobConfig

@@ -6,7 +6,7 @@ import pytest
 
 import gradsync
 from gradsync.config import ConfigError
-from faults import Fault, read_stamp, train_with_fault
+from fault_injection import Fault, read_stamp, train_with_fault
 from jobs import build_mismatched, reference_mlp, reference_skipping, train_mlp_stats, train_with_nan
 from helpers import REFUSED_SCRIPT, max_diff, run_cli
 

@@ -14,7 +14,7 @@ import pytest
 
 import gradsync
 import killed_launcher
-from faults import Fault, read_stamp, train_then_leave, train_with_fault
+from fault_injection import Fault, read_stamp, train_then_leave, train_with_fault
 from gradsync.runtime import cluster
 from gradsync.runtime.store import connect_store
 from gradsync.config import JobConfig
@@ -135,9 +135,9 @@ def test_run_takes_timeouts_from_flags_and_environment_and_removes_its_run_dir(t
 def test_a_worker_exception_in_async_mode_is_the_headline(tmp_path):
     script = tmp_path / "async_raise.py"
     script.write_text(f"import sys; sys.path.insert(0, {SUPPORT!r})\n"
-                      "import gradsync, faults\n"
+                      "import gradsync, fault_injection\n"
                       "gradsync.init()\n"
-                      "faults.train_with_fault(faults.Fault(1, 3, 'raise'), 30)\n"
+                      "fault_injection.train_with_fault(fault_injection.Fault(1, 3, 'raise'), 30)\n"
                       "gradsync.shutdown()\n")
     done = run_cli("run", "--strategy", "ps", "--mode", "async", "--workers", "2", str(script), timeout=80)
     assert done.returncode == 1
@@ -155,8 +155,8 @@ def test_a_worker_exception_in_async_mode_is_the_headline(tmp_path):
                          ids=["allreduce", "allreduce in join", "ps", "ps over grpc"])
 def test_a_worker_that_exits_without_shutdown_is_the_headline_not_the_healthy_one(strategy, servers, join, transport,
                                                                                    tmp_path):
-    train = "faults.train_in_join" if join else "faults.train_with_fault"
-    body = f"gradsync.init()\n{train}(faults.Fault(1, 3, 'exit'), 30)\ngradsync.shutdown()\n"
+    train = "fault_injection.train_in_join" if join else "fault_injection.train_with_fault"
+    body = f"gradsync.init()\n{train}(fault_injection.Fault(1, 3, 'exit'), 30)\ngradsync.shutdown()\n"
     stderr, headline = run_failing_script(tmp_path, body, "--strategy", strategy, "--workers", "2", "--step-timeout",
                                           str(STEP_TIMEOUT), "--transport", transport)
     # how the leaving process ends is torch's teardown's choice: exit 0, SIGABRT, or a hang until it is killed
@@ -168,7 +168,7 @@ def test_a_worker_that_exits_without_shutdown_is_the_headline_not_the_healthy_on
 @pytest.mark.job
 @pytest.mark.timeout(180)
 def test_an_allreduce_worker_training_outside_join_is_explained_not_an_abort(tmp_path):
-    body = "gradsync.init()\nfaults.train_in_join(faults.Fault(-1, -1, 'none'), 10, outside=1)\ngradsync.shutdown()\n"
+    body = "gradsync.init()\nfault_injection.train_in_join(fault_injection.Fault(-1, -1, 'none'), 10, outside=1)\ngradsync.shutdown()\n"
     stderr, headline = run_failing_script(tmp_path, body, "--strategy", "allreduce", "--workers", "2",
                                           "--step-timeout", str(STEP_TIMEOUT))
     assert headline.startswith("gradsync: rank 1 (worker1) failed"), stderr  # the worker outside, not worker 0
@@ -179,9 +179,9 @@ def test_an_allreduce_worker_training_outside_join_is_explained_not_an_abort(tmp
 _FOREVER = """import sys
 sys.path.insert(0, {support!r})
 {pid_file}
-import gradsync, faults
+import gradsync, fault_injection
 gradsync.init()
-faults.train_with_fault(faults.Fault(0, 2, "mark", {pids!r}), 10**6)
+fault_injection.train_with_fault(fault_injection.Fault(0, 2, "mark", {pids!r}), 10**6)
 """
 
 

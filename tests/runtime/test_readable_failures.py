@@ -6,14 +6,14 @@ import re
 import pytest
 
 import gradsync
-from faults import train_resumable
+from fault_injection import train_resumable
 from helpers import run_cli, run_failing_script
 
 pytestmark = pytest.mark.job  # every test here starts processes
 
 
 
-TRAIN = "gradsync.init()\nfaults.train_with_fault(faults.Fault(1, 3, 'raise'), 30)\ngradsync.shutdown()\n"
+TRAIN = "gradsync.init()\nfault_injection.train_with_fault(fault_injection.Fault(1, 3, 'raise'), 30)\ngradsync.shutdown()\n"
 
 
 @pytest.mark.timeout(180)
@@ -38,7 +38,7 @@ def test_a_resume_mismatch_is_said_once(launch, tmp_path):
     directory = str(tmp_path / "checkpoints")
     launch(train_resumable, strategy="ps", workers=2, servers=1, args=(5, "sgd"), checkpoint_dir=directory,
            checkpoint_every=5, step_timeout=20, timeout=150)
-    body = "gradsync.init()\nfaults.train_resumable(5, 'sgd')\ngradsync.shutdown()\n"
+    body = "gradsync.init()\nfault_injection.train_resumable(5, 'sgd')\ngradsync.shutdown()\n"
     stderr, headline = run_failing_script(tmp_path, body, "--strategy", "allreduce", "--workers", "2", "--resume",
                                           directory)
     assert headline.startswith("gradsync: rank "), stderr
@@ -60,7 +60,7 @@ def test_an_exception_in_a_servers_handler_is_headlined_on_that_server_with_the_
                                                                                                    tmp_path):
     """The server's traceback once, in its own headline (not printed raw by torch RPC or gRPC); the worker whose
     push it was answering follows in one line."""
-    body = ("faults.break_push(1)\ngradsync.init()\nfaults.train_with_fault(faults.Fault(-1, -1, 'none'), 5)\n"
+    body = ("fault_injection.break_push(1)\ngradsync.init()\nfault_injection.train_with_fault(fault_injection.Fault(-1, -1, 'none'), 5)\n"
             "gradsync.shutdown()\n")
     stderr, headline = run_failing_script(tmp_path, body, "--strategy", "ps", "--transport", transport,
                                           "--workers", "2", "--step-timeout", "30")
@@ -140,7 +140,7 @@ def test_a_server_killed_before_init_is_said_to_be_without_a_traceback_or_init_a
 
 _CAUGHT = """gradsync.init()
 try:
-    faults.train_with_fault(faults.Fault(1, 3, 'raise'), 30)
+    fault_injection.train_with_fault(fault_injection.Fault(1, 3, 'raise'), 30)
 except RuntimeError as e:  # as hydra's main does: print the error, exit with a status
     print(f"Error executing job: {e}", file=sys.stderr, flush=True)
     sys.exit(1)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import gradsync
-from faults import build_wider, train_resumable
+from fault_injection import build_wider, train_resumable
 from resumable import train_clicks
 from gradsync.config import ConfigError, JobConfig
 from gradsync.ps import shard_file
@@ -98,7 +98,7 @@ def _script(tmp_path) -> str:
     script = tmp_path / "train.py"
     script.write_text(
         f"import sys; sys.path[:0] = [{SUPPORT!r}, {ROOT!r}]\n"
-        "import torch, gradsync\nfrom faults import train_resumable\n"
+        "import torch, gradsync\nfrom fault_injection import train_resumable\n"
         "gradsync.init()\nresult = train_resumable(int(sys.argv[1]), sys.argv[2])\n"
         "if gradsync.worker_rank() == 0:\n    torch.save(result, sys.argv[3])\ngradsync.shutdown()\n"
     )
@@ -171,7 +171,7 @@ def test_a_changed_optimizer_is_one_refusal_on_worker_0_naming_both_classes(stra
                                                                                tmp_path):
     directory = str(tmp_path / "checkpoints")
     _launch(strategy, servers, written, steps=EVERY, checkpoint_dir=directory, checkpoint_every=EVERY)
-    body = f"gradsync.init()\nfaults.train_resumable(8, {built!r})\ngradsync.shutdown()\n"
+    body = f"gradsync.init()\nfault_injection.train_resumable(8, {built!r})\ngradsync.shutdown()\n"
     stderr, headline = run_failing_script(tmp_path, body, "--strategy", strategy, "--servers", str(servers),
                                           "--workers", "2", "--resume", directory)
     names = {"adam": "Adam", "sgd": "SGD"}

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import gradsync
-from faults import Fault
+from fault_injection import Fault
 from resumable import by_name, saved, train_clicks, train_mlp_with_fault
 from helpers import max_diff
 

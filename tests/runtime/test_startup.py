@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import gradsync
-from faults import sample_without_arguments, train_without_one_trainer
+from fault_injection import sample_without_arguments, train_without_one_trainer
 from gradsync.config import ConfigError, JobConfig
 from gradsync.core.job_names import StoreKeys
 from gradsync.membership.arrivals import wait_for_arrivals
@@ -56,9 +56,9 @@ _LATE = """import os, sys, time
 if os.environ["RANK"] == "{late}":
     time.sleep(3600)  # stuck before gradsync.init()
 sys.path.insert(0, {support!r})
-import gradsync, faults
+import gradsync, fault_injection
 gradsync.init()
-faults.train_with_fault(faults.Fault(-1, -1, "none"), 3)
+fault_injection.train_with_fault(fault_injection.Fault(-1, -1, "none"), 3)
 gradsync.shutdown()
 """
 

@@ -11,7 +11,7 @@ import torch
 import gradsync
 from gradsync.ps import shard_file
 from helpers import SUPPORT, run_cli
-from replaced import Death, starts_at, train
+from replaced import Death, reference, starts_at, train, train_dropping
 from sparse_models import train_clicks
 
 pytestmark = pytest.mark.job
@@ -136,3 +136,18 @@ def test_gradsync_run_replaces_a_worker_started_as_a_new_process(tmp_path):
     assert [r[:2] for r in runs["died"]] == [(0, 0), (3, 1)]
     for (_, _, clean), (_, _, died) in zip(runs["clean"], runs["died"]):
         assert all(torch.equal(clean[k], died[k]) for k in clean)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("point", ["forward", "pieces"])
+def test_with_drop_the_job_goes_on_without_the_dead_worker_as_the_mean_of_the_others(launch, point, capfd):
+    workers, death = 3, Death(1, 4, point)
+    results = launch(train_dropping, strategy="ps", workers=workers, servers=2, timeout=100, args=(death, STEPS),
+                     worker_loss="drop", bucket_cap_mb=0.0005)
+    assert results[1] is None and [d.worker for d in results.departures] == [1]
+    (state, without), (other, _) = results[0], results[2]
+    assert without[0] == without[1] and all(torch.equal(state[k], other[k]) for k in state)
+    assert without[0] == {step: [1] for step in range(4, STEPS)}  # from the step it died in on
+    expected = reference(STEPS, workers, without[0])
+    assert all(torch.allclose(state[k], expected[k], atol=1e-5) for k in expected)
+    assert "gradsync: worker1 (rank 3) left (killed by SIGKILL)" in capfd.readouterr().err

@@ -100,9 +100,9 @@ def train_constant_and_stats(steps: int, size: int) -> tuple[dict[str, torch.Ten
 
 def train_until_killed_mid_push(kill_at: int, size: int, withheld: int) -> dict | None:
     """`Constant(size)` over two servers or more: worker 1 is killed during its push of step `kill_at`
-    (`faults.die_mid_push`: every server but `withheld` gets it whole, `withheld` its head and first piece);
+    (`fault_injection.die_mid_push`: every server but `withheld` gets it whole, `withheld` its head and first piece);
     worker 0 steps until server 0 has applied that push, and returns the servers' counters and the state."""
-    from faults import die_mid_push
+    from fault_injection import die_mid_push
 
     trainer = gradsync.Trainer(Constant(size), torch.optim.SGD, lr=LR)
     if gradsync.worker_rank() == 1:

@@ -110,7 +110,7 @@ def run_failing_script(tmp_path, body: str, *flags: str) -> tuple[str, str]:
     """`gradsync run FLAGS script` of a script that imports the tests' helpers, then runs `body`, and fails
     with one headline, not an unexplained signal; returns (its stderr, the headline: from `gradsync: rank`)."""
     script = tmp_path / "job.py"
-    script.write_text(f"import sys; sys.path.insert(0, {SUPPORT!r})\nimport gradsync, faults, jobs\n{body}")
+    script.write_text(f"import sys; sys.path.insert(0, {SUPPORT!r})\nimport gradsync, fault_injection, jobs\n{body}")
     done = run_cli("run", *flags, str(script), timeout=170)
     assert done.returncode == 1, done.stderr
     assert len(HEADLINE.findall(done.stderr)) == 1, done.stderr

@@ -238,7 +238,7 @@ def train_mlp_and_stats(steps: int, lr: float = 0.1, momentum: float = 0.0, slow
 def forever(pids: str) -> None:
     """A worker's body that never ends: after 2 steps (every rank is up) worker 0 notes every rank's pid
     (the fork server's children)."""
-    from faults import batch, make_mlp
+    from fault_injection import batch, make_mlp
     from gradsync.launcher import procfs
 
     me, step = gradsync.worker_rank(), 0

@@ -113,3 +113,35 @@ def train(deaths: tuple[Death, ...], steps: int, clip: float | None = None, micr
                     dist_autograd.backward(cid, [F.cross_entropy(trainer.model(xs), ys) / micro])
             trainer.step(cid)
     return trainer.start_step, gradsync.restart_count(), trainer.state_dict()
+
+
+def train_dropping(death: Death, steps: int) -> tuple[dict, dict]:
+    """The plain MLP with AdamW for `steps` steps on worker w's batches of each step; `death` kills its worker
+    (worker_loss drop: the job goes on without it). Returns (final state, the steps each server went on without a
+    worker: {server: {step: workers}})."""
+    me = gradsync.worker_rank()
+    model = make_mlp()
+    trainer = gradsync.Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+    step = [trainer.start_step]
+    if death.worker == me:
+        _arm(death, trainer, model, step)
+    for step[0] in range(trainer.start_step, steps):
+        x, y = batch(step[0], me)
+        with dist_autograd.context() as cid:
+            dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
+            trainer.step(cid)
+    return trainer.state_dict(), {s: st["steps_without"] for s, st in trainer.server_stats().items()}
+
+
+def reference(steps: int, workers: int, without: dict[int, list[int]]) -> dict:
+    """Single-process training of `train_dropping`'s model on each step's batches of the workers applied then (all
+    `workers`, less those `without` names for that step)."""
+    model = make_mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for step in range(steps):
+        applied = [w for w in range(workers) if w not in without.get(step, [])]
+        x, y = (torch.cat(t) for t in zip(*(batch(step, w) for w in applied)))
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return model.state_dict()

@@ -11,7 +11,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.nn.functional as F
 
 import gradsync
-from faults import Fault, kill_job
+from fault_injection import Fault, kill_job
 from gradsync.core.buckets import Entry, join_pieces
 from gradsync.core.optimizer_spec import join_state
 from gradsync.tables.placement import join_rows

@@ -226,6 +226,7 @@ class Client:
             out[shard]["calls"] = dict(r.calls)
             out[shard]["staleness_histogram"] = dict(r.staleness_histogram)
             out[shard]["pushes_by_worker"] = dict(r.pushes_by_worker)
+            out[shard]["steps_without"] = {step: list(w.ids) for step, w in r.steps_without.items()}
             out[shard]["tables"] = {
                 t.name: {f.name: getattr(t, f.name) for f in t.DESCRIPTOR.fields if f.name != "name"} for t in r.tables
             }

@@ -154,7 +154,9 @@ class Servicer:
         with self._calls_lock:
             calls = dict(self.calls)
         tables = [pb.TableStats(name=n, **t) for n, t in self.server.table_stats().items()]
-        return pb.GetStatsResponse(shard_id=shard.shard_id, calls=calls, tables=tables, **self.server.stats())
+        stats = self.server.stats()
+        without = {step: pb.Workers(ids=ids) for step, ids in stats.pop("steps_without").items()}
+        return pb.GetStatsResponse(shard_id=shard.shard_id, calls=calls, tables=tables, steps_without=without, **stats)
 
     def pull(self, request, context) -> Iterator[pb.PullResponse | bytes]:
         request = _parsed(request)

@@ -1,0 +1,183 @@
+"""What a worker's death costs a sync job: gradsync ps with `--worker-loss wait` (a replacement takes the dead
+worker's place, forked or started as a new process), `--worker-loss drop` (the job goes on without it), and
+`fail` with `--resume` from the last checkpoint, beside torchft DDP (its outside baseline: run with
+`--torchft-python`, the python of the venv bench/requirements-torchft.txt builds), and what each policy costs a
+step without a death.
+
+The workload (bench/faults_job.py, bench/faults_torchft.py): a 1,055,242-parameter MLP with AdamW, W = 2 (ps: one
+server), each worker's seeded batch of 64 per step, `--compute-s` of emulated compute before each step's forward
+(0.15 s), `--steps` steps (150); worker 1 SIGKILLed at step `--kill-at` (60) as the step begins ('between') or inside
+its backward ('mid'). Per configuration, the wall seconds of the job; time lost = that wall minus the same system's
+wall without a death, medians of `--repeats` interleaved runs. Samples lost: the batches no step applied (drop: the
+dead worker's from its death on; torchft: those its survivor committed alone, or discarded). Steps redone: steps a
+resume trained again. Whether the final parameters equal the clean run's (sha256). A restart-from-checkpoint
+starts the job again 1 s after its failure; torchft's replacement starts 1 s after the driver sees the death
+(its bench script). Then, without a death and with `--compute-s 0`, the median trainer.step time of `fail`, `wait`
+and `drop` jobs, interleaved: each policy's cost per step. Run it alone. Writes bench/results/faults.json (or
+--out) and prints a markdown table.
+
+    .venv/bin/python bench/faults.py [--steps 150] [--kill-at 60] [--compute-s 0.15] [--repeats 2]
+        [--torchft-python /work/ftvenv/bin/python] [--cost-steps 200] [--out bench/results/faults.json]
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from measure import machine  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results", "faults.json")
+JOB = os.path.join(HERE, "faults_job.py")
+TORCHFT = os.path.join(HERE, "faults_torchft.py")
+CHECKPOINT_EVERY = 16
+GRADSYNC = {  # configuration: (the death's point or None, gradsync run options, the ranks' start)
+    "ps, no death": (None, ["--worker-loss", "fail"], "fork"),
+    "ps wait, death between steps": ("forward", ["--worker-loss", "wait", "--max-restarts", "1"], "fork"),
+    "ps wait, death mid-step": ("backward", ["--worker-loss", "wait", "--max-restarts", "1"], "fork"),
+    "ps wait, new process, death mid-step": ("backward", ["--worker-loss", "wait", "--max-restarts", "1"], "exec"),
+    "ps drop, death mid-step": ("backward", ["--worker-loss", "drop"], "fork"),
+    "ps fail, then --resume (checkpoint every 16)": ("backward", ["--worker-loss", "fail"], "fork"),
+}
+
+
+def _gradsync(log: str, options: list[str], start: str, job: list[str], extra: list[str] = ()) -> float:
+    """One `gradsync run` of the job script; its wall seconds (it may fail: a death under fail)."""
+    env = {**os.environ, "GRADSYNC_RANK_START": start, "OMP_NUM_THREADS": "1"}
+    began = time.monotonic()
+    subprocess.run([sys.executable, "-m", "gradsync.cli", "run", "--strategy", "ps", "--workers", "2", *options,
+                    *extra, JOB, "--log", log, *job], env=env, capture_output=True, text=True, timeout=900)
+    return time.monotonic() - began
+
+
+def _steps(log: str) -> list[dict]:
+    lines = []
+    for path in sorted(glob.glob(f"{log}-[0-9].jsonl")):
+        with open(path) as f:
+            lines += [json.loads(line) for line in f]
+    return lines
+
+
+def run_gradsync(name: str, args, work: str) -> dict:
+    """One run of configuration `name`: wall, samples lost, steps redone, final sha256."""
+    point, options, start = GRADSYNC[name]
+    log = os.path.join(work, "log")
+    job = ["--steps", str(args.steps), "--compute-s", str(args.compute_s)]
+    if point is not None:
+        job += ["--kill-at", str(args.kill_at), "--kill-in", point]
+    if "--resume" in name:
+        ckpt = os.path.join(work, "ckpt")
+        saved = ["--checkpoint-dir", ckpt, "--checkpoint-every", str(CHECKPOINT_EVERY)]
+        wall = _gradsync(log, options, start, job, saved)
+        time.sleep(1.0)
+        wall += 1.0 + _gradsync(log, options, start, job[:4], [*saved, "--resume", ckpt])
+    else:
+        wall = _gradsync(log, options, start, job)
+    with open(f"{log}-final.json") as f:
+        final = json.load(f)
+    return {"wall_s": wall, "samples_lost": _samples_lost(log, args.steps), "steps_redone": _redone(log),
+            "sha256": final["sha256"]}
+
+
+def _samples_lost(log: str, steps: int) -> int:
+    """The batches of 64 no worker's process committed (drop: the dead worker's from its death on)."""
+    lost = 0
+    for worker in (0, 1):
+        with open(f"{log}-{worker}.jsonl") as f:
+            lost += steps - len({json.loads(line)["step"] for line in f})
+    return 64 * lost
+
+
+def _redone(log: str) -> int:
+    """Steps worker 0 committed more than once (a resume trains the steps since its checkpoint again)."""
+    with open(f"{log}-0.jsonl") as f:
+        done = [json.loads(line)["step"] for line in f]
+    return len(done) - len(set(done))
+
+
+def run_torchft(scenario: str, args, work: str) -> dict:
+    out = os.path.join(work, "torchft.json")
+    began = time.monotonic()
+    subprocess.run([args.torchft_python, TORCHFT, "--scenario", scenario, "--steps", str(args.steps),
+                    "--kill-at", str(args.kill_at), "--compute-s", str(args.compute_s), "--out", out],
+                   capture_output=True, text=True, timeout=900)
+    with open(out) as f:
+        found = json.load(f)
+    return {"wall_s": found.get("wall_s", time.monotonic() - began), "samples_lost": 64 * found.get("dropped", 0),
+            "steps_redone": found.get("steps_redone", 0), "sha256": found.get("sha256", ""), "crashed": found.get("crashed", False),
+            "restarts": found.get("restarts", 0)}
+
+
+def step_cost(args) -> dict:
+    """Median trainer.step seconds of fail, wait and drop jobs without a death and without compute, interleaved."""
+    medians: dict[str, list[float]] = {"fail": [], "wait": [], "drop": []}
+    for _ in range(args.repeats):
+        for policy in medians:
+            with tempfile.TemporaryDirectory() as work:
+                log = os.path.join(work, "log")
+                _gradsync(log, ["--worker-loss", policy], "fork", ["--steps", str(args.cost_steps), "--compute-s", "0"])
+                medians[policy].append(statistics.median(ln["step_s"] for ln in _steps(log)[20:]))
+    fail = statistics.median(medians["fail"])
+    return {p: {"step_ms": 1e3 * statistics.median(v), "x_fail": statistics.median(v) / fail}
+            for p, v in medians.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--kill-at", type=int, default=60)
+    parser.add_argument("--compute-s", type=float, default=0.15)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--cost-steps", type=int, default=200)
+    parser.add_argument("--torchft-python", default=None)
+    parser.add_argument("--out", default=RESULTS)
+    args = parser.parse_args()
+    runs: dict[str, list[dict]] = {}
+    torchft = ["none", "between", "mid"] if args.torchft_python else []
+    for _ in range(args.repeats):
+        for name in GRADSYNC:
+            with tempfile.TemporaryDirectory() as work:
+                runs.setdefault(name, []).append(run_gradsync(name, args, work))
+        for scenario in torchft:
+            with tempfile.TemporaryDirectory() as work:
+                runs.setdefault(f"torchft DDP, {scenario}", []).append(run_torchft(scenario, args, work))
+    clean = {"ps": statistics.median(r["wall_s"] for r in runs["ps, no death"])}
+    if torchft:
+        clean["torchft"] = statistics.median(r["wall_s"] for r in runs["torchft DDP, none"])
+    table = {}
+    for name, rs in runs.items():
+        base = clean["torchft" if name.startswith("torchft") else "ps"]
+        wall = statistics.median(r["wall_s"] for r in rs)
+        table[name] = {"wall_s": wall, "time_lost_s": wall - base, "samples_lost": max(r["samples_lost"] for r in rs),
+                       "steps_redone": max(r["steps_redone"] for r in rs),
+                       "same_result": all(r["sha256"] == rs[0]["sha256"] for r in rs) and (
+                           name.startswith("torchft") or rs[0]["sha256"] == runs["ps, no death"][0]["sha256"]),
+                       "runs": rs}
+    cost = step_cost(args)
+    result = {"command": " ".join(["bench/faults.py", *sys.argv[1:]]), "machine": machine(),
+              "workload": {"parameters": 1055242, "workers": 2, "servers": 1, "batch": 64, "steps": args.steps,
+                           "kill_at": args.kill_at, "compute_s": args.compute_s, "repeats": args.repeats},
+              "deaths": table, "step_cost": cost}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print("| configuration | wall s | time lost s | samples lost | steps redone | result as without the death |")
+    print("|---|---|---|---|---|---|")
+    for name, row in table.items():
+        print(f"| {name} | {row['wall_s']:.1f} | {row['time_lost_s']:.1f} | {row['samples_lost']} | "
+              f"{row['steps_redone']} | {'yes' if row['same_result'] else 'no'} |")
+    print("\n| policy, no death | trainer.step ms | x fail |\n|---|---|---|")
+    for policy, row in cost.items():
+        print(f"| {policy} | {row['step_ms']:.2f} | {row['x_fail']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
