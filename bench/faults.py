@@ -53,8 +53,10 @@ def _gradsync(log: str, options: list[str], start: str, job: list[str], extra: l
     """One `gradsync run` of the job script; its wall seconds (it may fail: a death under fail)."""
     env = {**os.environ, "GRADSYNC_RANK_START": start, "OMP_NUM_THREADS": "1"}
     began = time.monotonic()
-    subprocess.run([sys.executable, "-m", "gradsync.cli", "run", "--strategy", "ps", "--workers", "2", *options,
-                    *extra, JOB, "--log", log, *job], env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run([sys.executable, "-m", "gradsync.cli", "run", "--strategy", "ps", "--workers", "2", *options,
+                           *extra, JOB, "--log", log, *job], env=env, capture_output=True, text=True, timeout=900)
+    if done.returncode and ("--kill-at" not in job or "fail" not in options):
+        raise RuntimeError(f"gradsync run {' '.join(options + list(extra))} failed:\n{done.stderr[-3000:]}")
     return time.monotonic() - began
 
 

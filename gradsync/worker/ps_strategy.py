@@ -201,6 +201,7 @@ class PSStrategy(Strategy):
         self.tables.transport = self.dynamic.transport = self.transport  # built after the tables (their specs)
         self.dynamic.metrics = self.metrics  # its lookups count as pull, not compute
         self.replaced = config.replacement > 0  # this process replaces a worker that died (worker_loss wait)
+        self._rejoining = False  # a replacement, before its first step
         self._late: dict[int, Rejoined] = {}  # a replacement's servers that closed its first step before it came
         self._late_values: set[int] = set()  # those whose values come after a held first step's finish
         self.rejoined_at: int | None = None  # a replacement: the steps the servers closed before it rejoined
@@ -271,6 +272,7 @@ class PSStrategy(Strategy):
                 "can leave between them"
             )
         self._late = {s: a for s, a in answers.items() if a.closed > first}
+        self._rejoining = True
         current = self.transport.pull()
         values = {s: cast(Snapshot, a.before) if s in self._late else a.begun or current[s] for s, a in answers.items()}
         self.rejoined_at = first
@@ -393,7 +395,7 @@ class PSStrategy(Strategy):
         sizes = self._sizes(out)
         seq = next_seq if self._streams else lambda: 0  # numbered where pieces may have left ahead
         fresh: dict[int, Snapshot] | dict[int, Snapshot | Partial]
-        if self._late:  # a replacement's first step: whole, to the servers that have not closed it
+        if self._rejoining:  # a replacement's first step: whole, to the servers that have not closed it
             fresh = self._push_rejoined(pulled, out, agree)
         elif agree is None and self._pipelined and (self.config.mode == "sync" or self._streams):
             fresh = self._send_pipelined(pulled, stream, streamed, out, seq, sizes)
@@ -416,10 +418,12 @@ class PSStrategy(Strategy):
         self._commit(fresh, agree, scaler, stream, streamed, sum(sizes.values()), start)
 
     def _push_rejoined(self, pulled: _Pulled, out: _Outgoing, agree: Agreement | None) -> dict:
-        """A replacement's first step: one whole push to each server that has not closed it; the others (`_late`)
-        closed it with the dead process's part (the same bits) and answer with their values now, or, when it was
-        held, with their part of its norm, its finish going to the others alone (`_finish`)."""
-        late, self._late = self._late, {}
+        """A replacement's first step: one whole push to each server that has not closed it (whole, never pieces:
+        the others' pieces of the step left in the order their backward made them, and a pipeline's window
+        waiting on its oldest piece in another order would wait on them while they wait on it); the others
+        (`_late`) closed it with the dead process's part (the same bits) and answer with their values now, or,
+        when it was held, with their part of its norm, its finish going to the others alone (`_finish`)."""
+        late, self._late, self._rejoining = self._late, {}, False
         pushes = {
             s: Push(out.payloads[s], out.absent[s], out.buffers[s], out.rows.get(s, {}), out.changes, agree)
             for s in self.servers

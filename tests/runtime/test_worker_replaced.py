@@ -17,17 +17,20 @@ from sparse_models import train_clicks
 pytestmark = pytest.mark.job
 
 STEPS = 10
-SHAPES = {  # servers, workers, settings, clipping, micro-batches, deaths: several per job, one after the other
+SHAPES = {  # servers, workers, settings, clipping, micro-batches, width, deaths: several per job, one after another
     "pipelined pieces, one server": (
-        1, 2, dict(bucket_cap_mb=0.0005), None, 2,
+        1, 2, dict(bucket_cap_mb=0.0005), None, 2, 16,
         (Death(1, 1, "forward"), Death(1, 3, "backward"), Death(1, 5, "pieces"), Death(1, 7, "pushed")),
     ),
+    "pieces streamed in the backward, more than a window of them": (  # 1 MB: 5 pieces, a window of 2
+        1, 2, dict(bucket_cap_mb=0.25), None, 1, 512, (Death(1, 3, "forward"), Death(1, 6, "backward")),
+    ),
     "whole steps, two servers, three workers": (
-        2, 3, dict(pipeline="off", step_timeout=3.0), None, 1,
+        2, 3, dict(pipeline="off", step_timeout=3.0), None, 1, 16,
         (Death(1, 2, "one server"), Death(2, 4, "stop"), Death(0, 6, "pushed"), Death(1, 8, "backward")),
     ),
     "clipping and checkpoints, two servers": (
-        2, 2, dict(checkpoint_every=3), 0.5, 1,
+        2, 2, dict(checkpoint_every=3), 0.5, 1, 16,
         (Death(1, 2, "finish"), Death(1, 4, "pushed"), Death(0, 6, "one server"), Death(1, 8, "checkpoint")),
     ),
 }
@@ -54,12 +57,12 @@ def _equal(a, b) -> bool:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_the_job_ends_bit_for_bit_as_without_the_deaths(launch, shape, tmp_path, capfd):
-    servers, workers, settings, clip, micro, deaths = SHAPES[shape]
+    servers, workers, settings, clip, micro, hidden, deaths = SHAPES[shape]
     runs = {}
     for run in ("clean", "died"):
         saved = {"checkpoint_dir": str(tmp_path / run)} if "checkpoint_every" in settings else {}
         runs[run] = launch(train, strategy="ps", workers=workers, servers=servers, timeout=200,
-                           args=(() if run == "clean" else deaths, STEPS, clip, micro),
+                           args=(() if run == "clean" else deaths, STEPS, clip, micro, hidden),
                            worker_loss="wait", max_restarts=len(deaths), **settings, **saved)
     err = capfd.readouterr().err
     for w, ((_, _, clean), (start, restarts, died)) in enumerate(zip(runs["clean"], runs["died"])):

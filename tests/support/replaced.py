@@ -92,13 +92,14 @@ def starts_at(death: Death, clip: float | None) -> int:
     return death.step + (death.point == "checkpoint" or (death.point == "pushed" and clip is None))
 
 
-def train(deaths: tuple[Death, ...], steps: int, clip: float | None = None, micro: int = 1) -> tuple[int, int, dict]:
+def train(deaths: tuple[Death, ...], steps: int, clip: float | None = None, micro: int = 1,
+          hidden: int = 16) -> tuple[int, int, dict]:
     """The MLP with dropout (drawing on the RNG) and AdamW (with `clip`: clipping at that norm) for `steps` steps on
-    worker w's batches of each step, each in `micro` micro-batches (`trainer.no_sync()` but the last). The n-th
+    worker w's batches of each step, each in `micro` micro-batches (`trainer.no_sync()` but the last), `hidden` wide. The n-th
     process of a worker dies as `deaths[i]` says, `i` the n-th of `deaths` naming that worker. Returns (start step,
     restart count, final state)."""
     me = gradsync.worker_rank()
-    model = make_mlp()
+    model = make_mlp(hidden=hidden)
     model.insert(1, torch.nn.Dropout(0.1))  # the RNG a replacement must continue
     trainer = gradsync.Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01), max_grad_norm=clip)
     step = [trainer.start_step]
