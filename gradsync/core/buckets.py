@@ -181,6 +181,14 @@ def may_split(optimizer_cls: type) -> bool:
     return optimizer_cls in ELEMENTWISE_OPTIMIZERS
 
 
+def applied_early(optimizer_cls: type, nonfinite: str, drops_workers: bool) -> bool:
+    """Whether a sync step's bucket is applied, and its pieces answered, as soon as every worker's part of it is in
+    (else at the step's end): stepping buckets apart is one step (`may_split`), no later piece can void the step
+    (nonfinite 'raise'), and no worker's part can be taken out of it later (worker_loss 'drop'). The server's
+    rule (`ps.sync_rule`) and the worker's window of pieces in flight (`transport.base.window`) both read it."""
+    return may_split(optimizer_cls) and nonfinite == "raise" and not drops_workers
+
+
 ALONE_BYTES = 1 << 20
 """A parameter (or piece) this large is a bucket of its own: a worker sends its gradient without packing it."""
 

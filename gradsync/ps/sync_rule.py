@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from gradsync.core.buckets import may_split
+from gradsync.core.buckets import applied_early
 from gradsync.core.clipping import Clipping
 from gradsync.core.errors import GradientError, left_early_error
 from gradsync.core.finite import first_nonfinite
@@ -89,8 +89,7 @@ class SyncRule(ConsistencyRule):
     def __init__(self, shard: ShardState, num_workers: int, nonfinite: str, drop: bool = False):
         super().__init__(shard, num_workers, nonfinite)
         self._drop = drop  # worker_loss drop: a dead worker's step goes on without it (`worker_left`)
-        # a bucket applied before its step closes would keep the part of a worker that dies later in the step
-        self._early = nonfinite == "raise" and may_split(type(shard.optimizer)) and not drop
+        self._early = applied_early(type(shard.optimizer), nonfinite, drop)
         self._gone: set[int] = set()  # workers that died (worker_loss drop): no later step waits for them
         self._pending: dict[int, _Pending] = {}
         self._parts: list[dict[int, _Part]] = [{} for _ in shard.buckets]  # this step's, by bucket and worker

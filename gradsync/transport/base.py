@@ -55,9 +55,12 @@ is what measured best at every W (bench/linkfloor.py; BENCHMARKS.md, "The window
 transports keep it (`window`)."""
 
 
-def window(server_buckets: dict[int, list[Bucket]], workers: int) -> int:
+def window(server_buckets: dict[int, list[Bucket]], workers: int, early: bool = True) -> int:
     """How many pieces a worker keeps unanswered per server: `IN_FLIGHT_MB` x `workers` of the largest, at
-    least two."""
+    least two; all of them when a piece is answered only at its step's end (not `early`: `core.buckets.applied_early`),
+    since the oldest one's answer waits for the last."""
+    if not early:
+        return max((len(per) for per in server_buckets.values()), default=1)
     largest = max((b.nbytes for per in server_buckets.values() for b in per), default=1)
     return max(2, math.ceil(IN_FLIGHT_MB * workers * 2**20 / largest))
 
@@ -90,17 +93,18 @@ class WorkerTransport(ABC):
         store: dist.Store,
         server_buckets: dict[int, list[Bucket]],
         timeline: Timeline | None = None,
+        early: bool = True,
     ):
-        """Args: the job, its rendezvous store, each server's buckets of the shared plan (by server), and where
+        """Args: the job, its rendezvous store, each server's buckets of the shared plan (by server), where
         `push_pieces` records its lanes' events (the worker's `StepMetrics.timeline`, on when GRADSYNC_TIMELINE
-        is; None: nowhere)."""
+        is; None: nowhere), and whether the servers answer a piece as soon as its bucket is applied (`window`)."""
         self.timeline = Timeline(on=False) if timeline is None else timeline
         self.config = config
         self.store = store
         self.worker = config.worker_rank
         self.servers = list(server_buckets)
         self.server_buckets = server_buckets
-        self.window = window(server_buckets, config.num_workers)  # pieces unanswered per server
+        self.window = window(server_buckets, config.num_workers, early)  # pieces unanswered per server
 
     @classmethod
     def bandwidth(cls, config: JobConfig, store: dist.Store) -> float | None:

@@ -38,6 +38,7 @@ from gradsync.config import ConfigError
 from gradsync.core.buckets import (
     Bucket,
     ModelSpec,
+    applied_early,
     assign_tensors,
     by_server,
     forward_order,
@@ -191,7 +192,8 @@ class PSStrategy(Strategy):
         self._order = [(b.server, self.server_buckets[b.server].index(b)) for b in forward_order(self.buckets)]
         self.owner = assign_tensors(self.spec.buffers + self.spec.frozen, config.servers)
         self.wire = make_wire(config.compression)
-        self.transport = chosen.worker(config, cluster.store, self.server_buckets, self.metrics.timeline)
+        early = applied_early(spec.cls, config.nonfinite, config.worker_loss == "drop")
+        self.transport = chosen.worker(config, cluster.store, self.server_buckets, self.metrics.timeline, early)
         # a step's pieces may leave during the backward (worker.streaming): decided per context from the last
         self._streams = chosen.capabilities.streams and self._pipelined and not clipping.on and not self.wire.stateful
         self._stream_next = False

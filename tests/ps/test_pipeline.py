@@ -1,11 +1,14 @@
 """The pipelined sync step: a server applies a piece once every worker's part of it is in and answers it
 at once, while later pieces are still on their way (checked by events, never by timings); a step whose
 pieces are smaller than a parameter ends where single-process training ends."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 import gradsync
 from gradsync.core.errors import GradientError
+from gradsync.transport.base import window
 from gradsync.ps.sync_rule import SyncRule
 from gradsync.ps.messages import Piece, PipelineHead, Push
 from jobs import reference_mlp, train_mlp
@@ -86,6 +89,21 @@ def test_pieces_smaller_than_a_parameter_match_single_process_training(launch, s
     reference = reference_mlp(10, 2)
     for state in states:
         assert max_diff(state, reference) <= 1e-5
+
+
+def test_pieces_answered_at_the_steps_end_are_never_held_back_by_a_window():
+    buckets = {0: [SimpleNamespace(nbytes=2**20) for _ in range(7)], 1: [SimpleNamespace(nbytes=2**20)]}
+    assert window(buckets, workers=2) == 2  # answered as they are applied: two pieces in flight suffice
+    assert window(buckets, workers=2, early=False) == 7  # answered once the last is in: all of them
+
+
+@pytest.mark.job
+@pytest.mark.timeout(120)
+def test_a_step_that_a_nan_may_skip_goes_as_more_pieces_than_a_window(launch):
+    states = launch(train_mlp, strategy="ps", workers=2, servers=1, args=(4, 0.1, 0.9, 512), timeout=100,
+                    bucket_cap_mb=0.25, nonfinite="skip", step_timeout=20)  # 1 MB: 5 pieces, held to the step's end
+    reference = reference_mlp(4, 2, hidden=512)
+    assert all(max_diff(state, reference) <= 1e-5 for state in states)
 
 
 @pytest.mark.job

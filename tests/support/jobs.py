@@ -46,9 +46,9 @@ def run_loop(trainer: gradsync.Trainer, steps: int, log: bool = False, pause_s: 
     return steps
 
 
-def train_mlp(steps: int, lr: float = 0.1, momentum: float = 0.9) -> dict[str, torch.Tensor]:
-    """Train the MLP with SGD on every worker; returns the final state dict."""
-    trainer = gradsync.Trainer(make_mlp(), torch.optim.SGD, lr=lr, momentum=momentum)
+def train_mlp(steps: int, lr: float = 0.1, momentum: float = 0.9, hidden: int = HIDDEN) -> dict[str, torch.Tensor]:
+    """Train the MLP (`hidden` wide) with SGD on every worker; returns the final state dict."""
+    trainer = gradsync.Trainer(make_mlp(hidden=hidden), torch.optim.SGD, lr=lr, momentum=momentum)
     run_loop(trainer, steps)
     return trainer.state_dict()
 

@@ -129,8 +129,9 @@ class GrpcTransport(WorkerTransport):
         store: dist.Store,
         server_buckets: dict[int, list[Bucket]],
         timeline: Timeline | None = None,
+        early: bool = True,
     ):
-        super().__init__(config, store, server_buckets, timeline)
+        super().__init__(config, store, server_buckets, timeline, early)
         self.frozen: dict[int, dict[str, torch.Tensor]] = {}
         self.client = _client(config, store)
         snapshot = tensor_codec.message_parser(pb.PullResponse)  # chunks as views of the received bytes
