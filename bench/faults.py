@@ -1,6 +1,6 @@
 """What a worker's death costs a sync job: gradsync ps with `--worker-loss wait` (a replacement takes the dead
 worker's place, forked or started as a new process), `--worker-loss drop` (the job goes on without it), and
-`fail` with `--resume` from the last checkpoint, beside torchft DDP (its outside baseline: run with
+`fail` with `--resume` from the last checkpoint (`--checkpoint-every`, 16), beside torchft DDP (its outside baseline: run with
 `--torchft-python`, the python of the venv bench/requirements-torchft.txt builds), and what each policy costs a
 step without a death.
 
@@ -16,7 +16,7 @@ starts the job again 1 s after its failure; torchft's replacement starts 1 s aft
 and `drop` jobs, interleaved: each policy's cost per step. Run it alone. Writes bench/results/faults.json (or
 --out) and prints a markdown table.
 
-    .venv/bin/python bench/faults.py [--steps 150] [--kill-at 60] [--compute-s 0.15] [--repeats 2]
+    .venv/bin/python bench/faults.py [--steps 150] [--kill-at 60] [--compute-s 0.15] [--repeats 2] [--checkpoint-every 16]
         [--torchft-python /work/ftvenv/bin/python] [--cost-steps 200] [--out bench/results/faults.json]
 """
 from __future__ import annotations
@@ -38,14 +38,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "faults.json")
 JOB = os.path.join(HERE, "faults_job.py")
 TORCHFT = os.path.join(HERE, "faults_torchft.py")
-CHECKPOINT_EVERY = 16
 GRADSYNC = {  # configuration: (the death's point or None, gradsync run options, the ranks' start)
     "ps, no death": (None, ["--worker-loss", "fail"], "fork"),
     "ps wait, death between steps": ("forward", ["--worker-loss", "wait", "--max-restarts", "1"], "fork"),
     "ps wait, death mid-step": ("backward", ["--worker-loss", "wait", "--max-restarts", "1"], "fork"),
     "ps wait, new process, death mid-step": ("backward", ["--worker-loss", "wait", "--max-restarts", "1"], "exec"),
     "ps drop, death mid-step": ("backward", ["--worker-loss", "drop"], "fork"),
-    "ps fail, then --resume (checkpoint every 16)": ("backward", ["--worker-loss", "fail"], "fork"),
+    "ps fail, then --resume": ("backward", ["--worker-loss", "fail"], "fork"),
 }
 
 
@@ -77,7 +76,7 @@ def run_gradsync(name: str, args, work: str) -> dict:
         job += ["--kill-at", str(args.kill_at), "--kill-in", point]
     if "--resume" in name:
         ckpt = os.path.join(work, "ckpt")
-        saved = ["--checkpoint-dir", ckpt, "--checkpoint-every", str(CHECKPOINT_EVERY)]
+        saved = ["--checkpoint-dir", ckpt, "--checkpoint-every", str(args.checkpoint_every)]
         wall = _gradsync(log, options, start, job, saved)
         time.sleep(1.0)
         wall += 1.0 + _gradsync(log, options, start, job[:4], [*saved, "--resume", ckpt])
@@ -138,10 +137,12 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=60)
     parser.add_argument("--compute-s", type=float, default=0.15)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--checkpoint-every", type=int, default=16)
     parser.add_argument("--cost-steps", type=int, default=200)
     parser.add_argument("--torchft-python", default=None)
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args()
+    load = os.getloadavg()
     runs: dict[str, list[dict]] = {}
     torchft = ["none", "between", "mid"] if args.torchft_python else []
     for _ in range(args.repeats):
@@ -158,15 +159,15 @@ def main() -> None:
     for name, rs in runs.items():
         base = clean["torchft" if name.startswith("torchft") else "ps"]
         wall = statistics.median(r["wall_s"] for r in rs)
+        clean_sha = runs["torchft DDP, none" if name.startswith("torchft") else "ps, no death"][0]["sha256"]
         table[name] = {"wall_s": wall, "time_lost_s": wall - base, "samples_lost": max(r["samples_lost"] for r in rs),
                        "steps_redone": max(r["steps_redone"] for r in rs),
-                       "same_result": all(r["sha256"] == rs[0]["sha256"] for r in rs) and (
-                           name.startswith("torchft") or rs[0]["sha256"] == runs["ps, no death"][0]["sha256"]),
-                       "runs": rs}
+                       "same_result": all(r["sha256"] == clean_sha for r in rs), "runs": rs}
     cost = step_cost(args)
-    result = {"command": " ".join(["bench/faults.py", *sys.argv[1:]]), "machine": machine(),
+    result = {"command": " ".join(["bench/faults.py", *sys.argv[1:]]), "machine": machine(load),
               "workload": {"parameters": 1055242, "workers": 2, "servers": 1, "batch": 64, "steps": args.steps,
-                           "kill_at": args.kill_at, "compute_s": args.compute_s, "repeats": args.repeats},
+                           "kill_at": args.kill_at, "compute_s": args.compute_s, "repeats": args.repeats,
+                           "checkpoint_every": args.checkpoint_every},
               "deaths": table, "step_cost": cost}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
