@@ -53,24 +53,27 @@ def train(epochs: int = 10, batch_size: int = 64, lr: float = 0.05) -> dict:
     trainer = gradsync.Trainer(model, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9))
     bar = Progress(epochs * steps_per_epoch, f"worker {me}", enabled=me == 0)
     start, losses = time.perf_counter(), []
-    for epoch in range(epochs):
-        order = mine[torch.randperm(len(mine), generator=torch.Generator().manual_seed(epoch * 100 + me))]
-        for step in range(steps_per_epoch):
-            idx = order[step * batch_size : (step + 1) * batch_size]
-            with dist_autograd.context() as cid:
-                loss = F.cross_entropy(trainer.model(x_train[idx]), y_train[idx])
-                dist_autograd.backward(cid, [loss])
-                trainer.step(cid)
-            losses.append(loss.item())
-            gradsync.log(loss=loss.item(), samples=len(idx))  # for gradsync compare; nothing otherwise
-            bar.update(f"loss {loss.item():.3f}")
+    order = lambda epoch: mine[torch.randperm(len(mine), generator=torch.Generator().manual_seed(epoch * 100 + me))]  # noqa: E731
+    # from trainer.start_step: 0, or the step a resumed job (--resume) or a dead worker's replacement starts at
+    for at in range(trainer.start_step, epochs * steps_per_epoch):
+        epoch, step = divmod(at, steps_per_epoch)
+        if step == 0 or at == trainer.start_step:
+            shuffled = order(epoch)
+        idx = shuffled[step * batch_size : (step + 1) * batch_size]
+        with dist_autograd.context() as cid:
+            loss = F.cross_entropy(trainer.model(x_train[idx]), y_train[idx])
+            dist_autograd.backward(cid, [loss])
+            trainer.step(cid)
+        losses.append(loss.item())
+        gradsync.log(loss=loss.item(), samples=len(idx))  # for gradsync compare; nothing otherwise
+        bar.update(f"loss {loss.item():.3f}")
     elapsed = time.perf_counter() - start
     trainer.model.eval()
     with torch.no_grad():
         accuracy = (trainer.model(x_test).argmax(1) == y_test).float().mean().item()
     gradsync.log(acc=accuracy)
     return {
-        "final_loss": sum(losses[-steps_per_epoch:]) / steps_per_epoch,
+        "final_loss": sum(losses[-steps_per_epoch:]) / len(losses[-steps_per_epoch:]),
         "test_accuracy": accuracy,
         "samples_per_s": workers * len(losses) * batch_size / elapsed,
         **trainer.metrics.summary(),

@@ -58,6 +58,7 @@ def _table(first: dict[int, list[str]], stats: dict[int, dict]) -> str:
         "steps skipped",
         "max staleness",
         "staleness: pushes",
+        "workers replaced: times",
         "MB in",
         "MB out",
     ]
@@ -74,11 +75,12 @@ def _table(first: dict[int, list[str]], stats: dict[int, dict]) -> str:
                     str(s["steps_skipped"]),
                     str(s["max_staleness"]),
                     " ".join(f"{k}:{v}" for k, v in sorted(s["staleness_histogram"].items())) or "-",
+                    " ".join(f"{k}:{v}" for k, v in sorted(s.get("workers_replaced", {}).items())) or "-",
                     f"{s['bytes_in'] / 1e6:.1f}",
                     f"{s['bytes_out'] / 1e6:.1f}",
                 ]
                 if s
-                else ["-"] * 8
+                else ["-"] * 9
             )
         )
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

@@ -212,13 +212,14 @@ class ParameterServer:
             shard.stats.bytes_out += snapshot.nbytes
         return snapshot
 
-    def pull_rows(self, table: str, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
-        """(version, a copy of the local rows `ids` of `table`)."""
+    def pull_rows(self, table: str, ids: torch.Tensor, before: bool = False) -> tuple[int, torch.Tensor]:
+        """(version, a copy of the local rows `ids` of `table`); `before`: as the last closed step began (a dead
+        worker's replacement redoing that step: `TableShard.pull`)."""
         shard = self._shard()
         with shard.lock:
             if table not in shard.tables:
                 raise KeyError(f"server {self.shard_id} holds no table {table!r} (it holds {sorted(shard.tables)})")
-            rows = _fixed(shard, table).pull(ids)
+            rows = _fixed(shard, table).pull(ids, before)
             shard.stats.bytes_out += rows.nbytes
             return shard.version, rows
 

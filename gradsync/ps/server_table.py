@@ -39,6 +39,11 @@ class ServerTable(ABC):
         rows come and go (a dynamic table's)."""
         return ids, grads
 
+    def closing(self, keep_before: bool) -> None:
+        """A sync step closes now, before its rows are applied; `keep_before`: keep what `apply` changes, for the
+        lookups of a dead worker's replacement that redoes this step (`TableShard.pull` before it). Nothing by
+        default."""
+
     def pushed_alone(self) -> None:
         """After an async or ssp push is applied: nothing, unless the table ends its own steps there."""
 

@@ -43,6 +43,7 @@ class ShardStats:
     max_lead: int = 0  # ssp: most steps a pushing worker was ahead of the slowest
     pushes_by_worker: dict = dataclasses.field(default_factory=dict)  # async, ssp: worker -> its applied pushes
     steps_without: dict = dataclasses.field(default_factory=dict)  # worker_loss drop: step closed -> dead workers
+    workers_replaced: dict = dataclasses.field(default_factory=dict)  # worker_loss wait: worker -> its replacements
     bytes_in: int = 0
     bytes_out: int = 0
 
@@ -223,6 +224,8 @@ class ShardState:
         self.closed += 1
         if self.keep_before:
             self.before = self.snapshot()
+        for table in self.tables.values():
+            table.closing(self.keep_before)
 
     def piece(self, b: int) -> torch.Tensor:
         """A CPU copy of bucket `b`'s values (a piece's reply; once per step, shared by every worker and by

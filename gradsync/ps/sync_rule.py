@@ -281,6 +281,7 @@ class SyncRule(ConsistencyRule):
                 if part is not None and part.fut is not None:
                     answers.append((part.fut, None, error))
             self._numbers.forget(worker)
+            shard.stats.workers_replaced[worker] = shard.stats.workers_replaced.get(worker, 0) + 1
             finishing = self._finishing
             found: tuple[int, Snapshot | None, Snapshot | None, Partial | None]
             if finishing is not None and worker in finishing.workers and worker not in finishing.finished:

@@ -70,6 +70,8 @@ class TableShard(ServerTable):
         self.state = optimizer.new_state(self.rows, dim, spec.dtype)
         self._stats = TableStats(rows=self.rows, bytes=self.values.nbytes)
         self._taken = 0  # rows taken from checkpoint parts (`take`)
+        self._keep_before = False  # keep the rows the step that closes now changes (`closing`)
+        self._before: tuple[torch.Tensor, torch.Tensor] | None = None  # those rows, ascending, and their old values
 
     @property
     def stats(self) -> TableStats:
@@ -81,11 +83,20 @@ class TableShard(ServerTable):
     def indexed_rows(self) -> torch.Tensor:
         return self.values
 
-    def pull(self, ids: torch.Tensor) -> torch.Tensor:
-        """A copy of the local rows `ids`."""
+    def pull(self, ids: torch.Tensor, before: bool = False) -> torch.Tensor:
+        """A copy of the local rows `ids`; `before`: as they were when the last closed step began (`closing`)."""
         self.check_ids(ids, "pull")
         self._stats.rows_pulled += ids.numel()
-        return self.values.index_select(0, ids)
+        rows = self.values.index_select(0, ids)
+        if before and self._before is not None:
+            changed, old = self._before  # the rows the last step changed, ascending, and their values before it
+            at = torch.searchsorted(changed, ids).clamp_(max=max(len(changed) - 1, 0))
+            hit = changed[at] == ids if len(changed) else torch.zeros_like(ids, dtype=torch.bool)
+            rows[hit] = old[at[hit]]
+        return rows
+
+    def closing(self, keep_before: bool) -> None:
+        self._keep_before, self._before = keep_before, None
 
     def check_ids(self, ids, what: str, worker: int | str = "a client") -> None:
         if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1:
@@ -170,7 +181,11 @@ class TableShard(ServerTable):
         self.optimizer = dataclasses.replace(self.optimizer, lr=float(lr))
 
     def apply(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
-        """One row optimizer step on the unique local rows `ids`."""
+        """One row optimizer step on the unique local rows `ids` (with `closing`'s keep_before, their values
+        before it kept)."""
+        if self._keep_before:
+            changed = ids.sort().values
+            self._before = (changed, self.values.index_select(0, changed))
         if ids.numel():
             self.optimizer.step(self.values, self.state, ids, grads)
             self._stats.rows_pushed += ids.numel()

@@ -20,7 +20,6 @@ import torch.distributed as dist
 from gradsync.core import settings
 from gradsync.core.job_names import StoreKeys
 from gradsync.runtime import checkpoints, rng_states
-from gradsync.transport.grpc.plain_data import from_bytes, to_bytes
 
 
 def rejoin(cluster, strategy, described: dict) -> int:
@@ -48,7 +47,7 @@ def restart_count() -> int:
 
 def record(store: dist.Store, worker: int, step: int) -> None:
     """Leave `worker`'s RNG states as step `step` begins (its trainer.step) for a replacement."""
-    record = to_bytes((step, rng_states.taken()))
+    record = rng_states.packed(step)
     store.set(StoreKeys.STEP_BEGUN.format(worker, step % 2), record)  # type: ignore[arg-type]  # bytes: torch's stub says str
 
 
@@ -59,20 +58,13 @@ def take(store: dist.Store, worker: int, step: int) -> None:
         RuntimeError: the record is of another step (the dead worker recorded no such step).
     """
     key = StoreKeys.STEP_BEGUN.format(worker, (step - 1) % 2)
-    recorded, states = from_bytes(store.get(key), f"worker {worker}'s record of its step")
+    recorded, states = rng_states.unpacked(store.get(key))
     if recorded != step - 1:
         raise RuntimeError(
             f"worker {worker}'s replacement starts at step {step}, and the dead worker's last record is of step "
             f"{recorded}, not {step - 1}: its RNG states as of step {step} are lost"
         )
     rng_states.put_back(states)
-
-
-def last_recorded(store: dist.Store, worker: int) -> int | None:
-    """The latest step `worker` recorded as it began (None: none yet)."""
-    keys = [StoreKeys.STEP_BEGUN.format(worker, parity) for parity in (0, 1)]
-    steps = [from_bytes(store.get(k), "a worker's record of its step")[0] for k in keys if store.check([k])]
-    return max(steps, default=None)
 
 
 def say_rejoined(store: dist.Store, worker: int, replacement: int, step: int) -> None:

@@ -170,10 +170,11 @@ class WorkerTransport(ABC):
         """Release what the transport holds (connections); the job's shutdown stops the servers."""
 
     def pull_rows_many(
-        self, lookups: list[tuple[str, dict[int, torch.Tensor]]]
+        self, lookups: list[tuple[str, dict[int, torch.Tensor]]], before: frozenset[int] = frozenset()
     ) -> list[dict[int, tuple[int, torch.Tensor]]]:
         """Rows of embedding tables for a forward's waiting lookups, each (table, its unique local row ids per
-        server); returns for each lookup, in order, per server (version, rows). A transport with
+        server); returns for each lookup, in order, per server (version, rows); from the servers in `before`, the
+        rows as their last closed step began (a dead worker's replacement redoing it). A transport with
         `capabilities.row_tables` implements it."""
         raise NotImplementedError(self.capabilities.rows_refusal())
 

@@ -168,7 +168,7 @@ class RpcTransport(WorkerTransport):
         return self._call(rpc_pull, lambda s: (), "pull")
 
     def pull_rows_many(
-        self, lookups: list[tuple[str, dict[int, torch.Tensor]]]
+        self, lookups: list[tuple[str, dict[int, torch.Tensor]]], before: frozenset[int] = frozenset()
     ) -> list[dict[int, tuple[int, torch.Tensor]]]:
         """One call per server for every lookup it holds rows of."""
         asked: dict[int, list[tuple[int, str, torch.Tensor]]] = {}
@@ -179,7 +179,7 @@ class RpcTransport(WorkerTransport):
             s: rpc.rpc_async(
                 server_name(s),
                 rpc_pull_rows_many,
-                args=([(t, ids) for _, t, ids in items],),
+                args=([(t, ids) for _, t, ids in items], s in before),
                 timeout=self.config.call_timeout,
             )
             for s, items in asked.items()
@@ -382,8 +382,8 @@ def rpc_pull() -> Snapshot:
 
 
 @_answering("pull of rows")
-def rpc_pull_rows_many(lookups: list[tuple[str, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
-    return [_server().pull_rows(table, ids) for table, ids in lookups]
+def rpc_pull_rows_many(lookups: list[tuple[str, torch.Tensor]], before: bool = False) -> list[tuple[int, torch.Tensor]]:
+    return [_server().pull_rows(table, ids, before) for table, ids in lookups]
 
 
 def _replied(

@@ -207,12 +207,11 @@ class PSStrategy(Strategy):
         self._late: dict[int, Rejoined] = {}  # a replacement's servers that closed its first step before it came
         self._late_values: set[int] = set()  # those whose values come after a held first step's finish
         self.rejoined_at: int | None = None  # a replacement: the steps the servers closed before it rejoined
-        by_rows = sorted({*self.tables.modules, *self.dynamic.modules})
-        if config.replaces_workers and by_rows:
+        if config.replaces_workers and self.dynamic.modules:
             raise ConfigError(
-                "worker_loss='wait' replaces dead workers of models whose parameters the servers hold whole, and this "
-                f"model has embedding tables served by rows ({by_rows}): build the Trainer with tables='dense', or "
-                "pass --worker-loss fail"
+                "worker_loss='wait' replaces dead workers of models without dynamic tables so far, and this model "
+                f"has {sorted(self.dynamic.modules)} (gradsync.DynamicEmbedding): pass --worker-loss fail with "
+                "--checkpoint-dir/--checkpoint-every to resume after a death"
             )
         if self.replaced:
             self.frozen, first = self._rejoin()
@@ -274,7 +273,7 @@ class PSStrategy(Strategy):
                 "can leave between them"
             )
         self._late = {s: a for s, a in answers.items() if a.closed > first}
-        self._rejoining = True
+        self._rejoining, self.tables.before = True, frozenset(self._late)
         current = self.transport.pull()
         values = {s: cast(Snapshot, a.before) if s in self._late else a.begun or current[s] for s, a in answers.items()}
         self.rejoined_at = first
@@ -425,7 +424,7 @@ class PSStrategy(Strategy):
         waiting on its oldest piece in another order would wait on them while they wait on it); the others
         (`_late`) closed it with the dead process's part (the same bits) and answer with their values now, or,
         when it was held, with their part of its norm, its finish going to the others alone (`_finish`)."""
-        late, self._late, self._rejoining = self._late, {}, False
+        late, self._late, self._rejoining, self.tables.before = self._late, {}, False, frozenset()
         pushes = {
             s: Push(out.payloads[s], out.absent[s], out.buffers[s], out.rows.get(s, {}), out.changes, agree)
             for s in self.servers

@@ -102,6 +102,7 @@ class ServedTables:
         self.num_servers = num_servers
         self.metrics = metrics
         self.transport: WorkerTransport | None = None  # set by the strategy before the first forward
+        self.before: frozenset[int] = frozenset()  # servers whose rows a replacement's first step takes as before
         self.serving = False  # set by the strategy once the servers answer: the module's state_dict gathers
         self.loaded: dict[str, torch.Tensor] = {}  # the whole weights a module's load_state_dict took, by table
         self._lookups: dict[int, list[_Lookup]] = {}
@@ -290,7 +291,8 @@ class ServedTables:
         wheres = [split_ids(ids, self.num_servers) for _, ids in lookups]
         assert self.transport is not None  # set by the strategy before the first forward
         answers = self.transport.pull_rows_many(
-            [(name, {s: local for s, (_, local) in where.items()}) for (name, _), where in zip(lookups, wheres)]
+            [(name, {s: local for s, (_, local) in where.items()}) for (name, _), where in zip(lookups, wheres)],
+            self.before,
         )
         out = []
         for (name, ids), where, answer in zip(lookups, wheres, answers):

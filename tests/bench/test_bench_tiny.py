@@ -124,6 +124,23 @@ def test_step_time_times_ps_against_allreduce(tmp_path):
 
 
 @pytest.mark.job
+@pytest.mark.timeout(240)
+def test_faults_measures_each_policy_on_a_death_and_its_cost_per_step(tmp_path):
+    out = tmp_path / "faults.json"
+    printed = _run("faults.py", "--steps", "4", "--kill-at", "2", "--compute-s", "0", "--repeats", "1",
+                   "--checkpoint-every", "1", "--cost-steps", "22", "--out", str(out), timeout=230)
+    result = json.loads(out.read_text())
+    deaths, cost = result["deaths"], result["step_cost"]
+    assert len(deaths) == 6 and all(_positive(row["wall_s"]) and math.isfinite(row["time_lost_s"])
+                                    for row in deaths.values())
+    for name, row in deaths.items():  # wait and a resume end where the job without the death ends; drop does not
+        assert row["same_result"] is ("drop" not in name), name
+        assert row["samples_lost"] == (2 * 64 if "drop" in name else 0), name  # worker 1's steps 2 and 3
+    assert all(_positive(row["step_ms"], row["x_fail"]) for row in cost.values()) and cost["fail"]["x_fail"] == 1.0
+    assert "| ps wait, death mid-step |" in printed
+
+
+@pytest.mark.job
 @pytest.mark.timeout(120)
 def test_transport_measures_rpc_grpc_and_the_copy_reference(tmp_path):
     out = tmp_path / "transport.json"

@@ -11,8 +11,8 @@ import torch
 import gradsync
 from gradsync.ps import shard_file
 from helpers import SUPPORT, run_cli
-from replaced import Death, reference, starts_at, train, train_dropping
-from sparse_models import train_clicks
+from dynamic_jobs import train_resumable
+from replaced import Death, reference, starts_at, train, train_clicks, train_dropping
 
 pytestmark = pytest.mark.job
 
@@ -65,10 +65,12 @@ def test_the_job_ends_bit_for_bit_as_without_the_deaths(launch, shape, tmp_path,
                            args=(() if run == "clean" else deaths, STEPS, clip, micro, hidden),
                            worker_loss="wait", max_restarts=len(deaths), **settings, **saved)
     err = capfd.readouterr().err
-    for w, ((_, _, clean), (start, restarts, died)) in enumerate(zip(runs["clean"], runs["died"])):
+    for w, ((_, _, clean, _), (start, restarts, died, replaced)) in enumerate(zip(runs["clean"], runs["died"])):
         mine = [d for d in deaths if d.worker == w]
         assert restarts == len(mine) and start == (starts_at(mine[-1], clip) if mine else 0), (w, start, restarts)
         assert clean.keys() == died.keys() and all(torch.equal(clean[k], died[k]) for k in clean), w
+        counts = {d.worker: sum(e.worker == d.worker for e in deaths) for d in deaths}
+        assert replaced == {s: counts for s in range(servers)}, replaced  # each server's count, in the status
     for d in deaths:
         rank = servers + d.worker
         how = "stopped responding" if d.point == "stop" else "was killed by SIGKILL"
@@ -108,14 +110,25 @@ def test_a_replacement_that_does_not_rejoin_in_time_fails_the_job_naming_the_wor
         "(3 s; --restart-timeout)"), str(failed.value)
 
 
+@pytest.mark.timeout(180)
+def test_tables_served_by_rows_end_bit_for_bit_as_without_the_deaths(launch):
+    deaths = (Death(1, 2, "one server"), Death(0, 4, "forward"), Death(1, 6, "pushed"))  # ps0 a step ahead first
+    runs = [launch(train_clicks, strategy="ps", workers=2, servers=2, timeout=150, args=(died, 8),
+                   worker_loss="wait", max_restarts=2, pipeline="off")
+            for died in ((), deaths)]
+    assert [start for start, _ in runs[1]] == [4, 7]
+    for (_, clean), (_, died) in zip(*runs):
+        assert clean.keys() == died.keys() and all(torch.equal(clean[k], died[k]) for k in clean)
+
+
 @pytest.mark.timeout(120)
-def test_tables_served_by_rows_are_refused_once_with_the_fix(launch):
+def test_dynamic_tables_are_refused_once_with_the_fix(launch):
     with pytest.raises(gradsync.JobFailed) as failed:
-        launch(train_clicks, strategy="ps", workers=2, servers=1, timeout=100, args=("sgd", 3),
+        launch(train_resumable, strategy="ps", workers=2, servers=1, timeout=100, args=(3,),
                worker_loss="wait", max_restarts=1)
     text = str(failed.value)
-    assert "worker_loss='wait' replaces dead workers of models whose parameters the servers hold whole" in text
-    assert "tables='dense'" in text and text.count("worker_loss='wait' replaces") == 1, text
+    assert "worker_loss='wait' replaces dead workers of models without dynamic tables so far" in text
+    assert text.count("worker_loss='wait' replaces") == 1, text
 
 
 @pytest.mark.timeout(180)
@@ -125,8 +138,8 @@ def test_gradsync_run_replaces_a_worker_started_as_a_new_process(tmp_path):
         f"import sys, torch\nsys.path.insert(0, {str(SUPPORT)!r})\nimport gradsync\nfrom replaced import Death, train\n"
         "gradsync.init()\n"
         "deaths = (Death(1, int(sys.argv[2]), 'backward'),) if len(sys.argv) > 2 else ()\n"
-        "start, restarts, state = train(deaths, 6)\n"
-        "torch.save((start, restarts, state), f'{sys.argv[1]}-{gradsync.worker_rank()}.pt')\n"
+        "done = train(deaths, 6)\n"
+        "torch.save(done, f'{sys.argv[1]}-{gradsync.worker_rank()}.pt')\n"
         "gradsync.shutdown()\n")
     runs = {}
     for run, death in (("clean", []), ("died", ["3"])):
@@ -137,7 +150,7 @@ def test_gradsync_run_replaces_a_worker_started_as_a_new_process(tmp_path):
     assert "gradsync: worker1 (rank 2) was killed by SIGKILL" in done.stderr
     assert "replacement continues from step 3" in done.stderr
     assert [r[:2] for r in runs["died"]] == [(0, 0), (3, 1)]
-    for (_, _, clean), (_, _, died) in zip(runs["clean"], runs["died"]):
+    for (_, _, clean, _), (_, _, died, _) in zip(runs["clean"], runs["died"]):
         assert all(torch.equal(clean[k], died[k]) for k in clean)
 
 

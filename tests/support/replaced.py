@@ -17,6 +17,7 @@ import gradsync
 from gradsync.runtime import checkpoints
 from gradsync.transport import rpc
 from jobs import batch, make_mlp
+from sparse_models import ClickNet, click_batch
 
 POINTS = ("forward", "backward", "pieces", "pushed", "one server", "finish", "checkpoint", "stop")
 
@@ -37,14 +38,15 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _arm(death: Death, trainer: gradsync.Trainer, model: torch.nn.Module, step: list[int]) -> None:
-    """Make this process die at `death`'s point when it reaches its step (`step[0]`: the step now)."""
+def _arm(death: Death, layer: torch.nn.Module, step: list[int]) -> None:
+    """Make this process die at `death`'s point when it reaches its step (`step[0]`: the step now); `layer`: the
+    model's layer whose forward or backward it dies in."""
     now = lambda: step[0] == death.step  # noqa: E731
     if death.point in ("forward", "stop"):
         sig = signal.SIGKILL if death.point == "forward" else signal.SIGSTOP
-        model[2].register_forward_pre_hook(lambda *a: os.kill(os.getpid(), sig) if now() else None)
+        layer.register_forward_pre_hook(lambda *a: os.kill(os.getpid(), sig) if now() else None)
     elif death.point == "backward":
-        model[2].register_full_backward_hook(lambda *a: _die() if now() else None)
+        layer.register_full_backward_hook(lambda *a: _die() if now() else None)
     elif death.point == "pieces":
         send, sent = rpc.Pipeline.send, []
 
@@ -93,11 +95,11 @@ def starts_at(death: Death, clip: float | None) -> int:
 
 
 def train(deaths: tuple[Death, ...], steps: int, clip: float | None = None, micro: int = 1,
-          hidden: int = 16) -> tuple[int, int, dict]:
+          hidden: int = 16) -> tuple[int, int, dict, dict]:
     """The MLP with dropout (drawing on the RNG) and AdamW (with `clip`: clipping at that norm) for `steps` steps on
     worker w's batches of each step, each in `micro` micro-batches (`trainer.no_sync()` but the last), `hidden` wide. The n-th
     process of a worker dies as `deaths[i]` says, `i` the n-th of `deaths` naming that worker. Returns (start step,
-    restart count, final state)."""
+    restart count, final state, each server's count of each worker's replacements)."""
     me = gradsync.worker_rank()
     model = make_mlp(hidden=hidden)
     model.insert(1, torch.nn.Dropout(0.1))  # the RNG a replacement must continue
@@ -105,7 +107,7 @@ def train(deaths: tuple[Death, ...], steps: int, clip: float | None = None, micr
     step = [trainer.start_step]
     mine = [d for d in deaths if d.worker == me]
     if gradsync.restart_count() < len(mine):
-        _arm(mine[gradsync.restart_count()], trainer, model, step)
+        _arm(mine[gradsync.restart_count()], model[2], step)
     for step[0] in range(trainer.start_step, steps):
         x, y = batch(step[0], me)
         with dist_autograd.context() as cid:
@@ -113,7 +115,8 @@ def train(deaths: tuple[Death, ...], steps: int, clip: float | None = None, micr
                 with trainer.no_sync() if i < micro - 1 else contextlib.nullcontext():
                     dist_autograd.backward(cid, [F.cross_entropy(trainer.model(xs), ys) / micro])
             trainer.step(cid)
-    return trainer.start_step, gradsync.restart_count(), trainer.state_dict()
+    replaced = {s: st["workers_replaced"] for s, st in trainer.server_stats().items()}
+    return trainer.start_step, gradsync.restart_count(), trainer.state_dict(), replaced
 
 
 def train_dropping(death: Death, steps: int) -> tuple[dict, dict]:
@@ -125,7 +128,7 @@ def train_dropping(death: Death, steps: int) -> tuple[dict, dict]:
     trainer = gradsync.Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01))
     step = [trainer.start_step]
     if death.worker == me:
-        _arm(death, trainer, model, step)
+        _arm(death, model[2], step)
     for step[0] in range(trainer.start_step, steps):
         x, y = batch(step[0], me)
         with dist_autograd.context() as cid:
@@ -146,3 +149,22 @@ def reference(steps: int, workers: int, without: dict[int, list[int]]) -> dict:
         F.cross_entropy(model(x), y).backward()
         optimizer.step()
     return model.state_dict()
+
+
+def train_clicks(deaths: tuple[Death, ...], steps: int) -> tuple[int, dict]:
+    """ClickNet (two tables served by rows, lazy momentum rows) with SGD momentum on its MLP, each worker's click
+    batch of each step; deaths as `train`'s. Returns (start step, final state)."""
+    me = gradsync.worker_rank()
+    model = ClickNet()
+    trainer = gradsync.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                               table_optimizer=gradsync.RowSGD(lr=0.1, momentum=0.9))
+    step = [trainer.start_step]
+    mine = [d for d in deaths if d.worker == me]
+    if gradsync.restart_count() < len(mine):
+        _arm(mine[gradsync.restart_count()], model.mlp, step)
+    for step[0] in range(trainer.start_step, steps):
+        bag, ids, dense, y = click_batch(step[0], me)
+        with dist_autograd.context() as cid:
+            dist_autograd.backward(cid, [F.binary_cross_entropy_with_logits(trainer.model(bag, ids, dense), y)])
+            trainer.step(cid)
+    return trainer.start_step, trainer.state_dict()
