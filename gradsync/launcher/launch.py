@@ -12,10 +12,12 @@ import traceback
 
 import torch
 
+from gradsync.config import JobConfig
+from gradsync.core.errors import JobFailed
 from gradsync.core.settings import LAUNCHED, RANK
 from gradsync.launcher.forked import become_rank, rank_starter
 from gradsync.launcher.local_job import job_config, network_and_store, offer_join, rank_environments, temporary_run_dir
-from gradsync.launcher.restarts import replacement_environment
+from gradsync.launcher.restarts import job_restart, replacement_environment
 from gradsync.launcher.supervision import RankProcess, kill_all, supervise
 from gradsync.membership.departures import Results
 from gradsync.runtime import cluster
@@ -101,12 +103,28 @@ def launch(
         )
     config = job_config("gradsync.launch", strategy, workers, servers, mode, **settings)
     call = pickle.dumps((fn, args))  # here, so that an unpicklable function fails before any rank starts
+    restarts = 0
+    while True:
+        try:
+            return _launched(config, call, timeout, link, server_link, restarts)
+        except JobFailed as failure:  # a server died: the whole job again from its checkpoint, when it may
+            again = job_restart(config, failure, restarts)
+            if again is None:
+                raise
+            config, restarts = again, restarts + 1
+
+
+def _launched(
+    config: JobConfig, call: bytes, timeout: float | None, link: str | None, server_link: str | None, restarts: int
+):
+    """One run of the job `launch` starts (the `restarts`-th restart of the whole job): its ranks, supervised;
+    their results."""
     with contextlib.ExitStack() as stack:
         network, store = network_and_store(stack, config, 0, link, server_link)
         run_dir = temporary_run_dir(stack, "gradsync-launch-")
         offer_join(config, run_dir, store, network)
         context, _ = rank_starter()
-        environments = rank_environments(config, store.port, run_dir, network)
+        environments = rank_environments(config, store.port, run_dir, network, restarts)
         ranks: list[RankProcess] = []
 
         def start(rank: int, extra: dict[str, str]) -> RankProcess:

@@ -29,6 +29,7 @@ from gradsync.core.settings import (
     MASTER_ADDR,
     MASTER_PORT,
     RANK,
+    RESTART_COUNT,
     RUN_DIR,
     STACK_FILE,
     STORE_IS_HOSTED,
@@ -54,11 +55,11 @@ def host_store(port: int) -> dist.TCPStore:
 
 
 def rank_environments(
-    config: JobConfig, port: int, run_dir: str, network: netem.Network | None = None
+    config: JobConfig, port: int, run_dir: str, network: netem.Network | None = None, restarts: int = 0
 ) -> list[dict[str, str]]:
     """The environment of each rank: torchrun's variables plus GRADSYNC_*, and this process's pid, which the
     ranks die with; `network`: the job's emulated network, whose hub holds the store (default: every rank on
-    loopback)."""
+    loopback); `restarts`: the whole job's restarts so far (TORCHELASTIC_RESTART_COUNT, as torchrun sets it)."""
     base = {
         **config.to_env(),
         MASTER_ADDR.env: HOST,
@@ -73,6 +74,7 @@ def rank_environments(
         RUN_DIR.env: run_dir,
         TOKEN.env: TOKEN.read() or new_token(),
         LAUNCHER_PID.env: str(os.getpid()),
+        RESTART_COUNT.env: str(restarts),
     }
     return [
         {

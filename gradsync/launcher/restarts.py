@@ -1,4 +1,5 @@
-"""Replacing a sync ps job's dead workers (worker_loss wait), as its launcher sees them.
+"""Replacing a sync ps job's dead workers (worker_loss wait), as its launcher sees them; and a job whose server
+died run again from its checkpoint (`job_restart`, with max_restarts).
 
 `supervision.supervise` asks `Restarts.take` about each worker that died (killed, exited non-zero, or silent past
 step_timeout, which the launcher kills first). Within max_restarts for that worker, it clears what the dead
@@ -12,6 +13,7 @@ restart_timeout of the death.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import sys
@@ -20,14 +22,38 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from gradsync.config import JobConfig
+from gradsync.config import ConfigError, JobConfig
 from gradsync.core.errors import JobFailed
 from gradsync.core.job_names import StoreKeys
 from gradsync.core.settings import REPLACEMENT, RESTART_COUNT
 from gradsync.membership.heartbeat import Watch
 from gradsync.membership.member_keys import workers_in_order
 from gradsync.membership.rank_reports import error_file
-from gradsync.runtime import replacement
+from gradsync.runtime import checkpoints, replacement
+
+
+def job_restart(config: JobConfig, failure: JobFailed, restarts: int) -> JobConfig | None:
+    """The settings to run the whole job again with, from its latest complete checkpoint, when a server caused
+    `failure` and the job may restart (`restarts` so far < max_restarts, a checkpoint in checkpoint_dir): said in
+    one line, every worker then redoes the steps it took after the checkpoint's; None when it may not (the job
+    fails as it is)."""
+    if failure.rank is None or failure.rank >= config.servers or restarts >= config.max_restarts:
+        return None
+    if not config.checkpoint_dir:
+        return None
+    try:
+        found = checkpoints.latest_complete(config.checkpoint_dir)
+    except (FileNotFoundError, ConfigError):
+        return None
+    headline = str(failure).partition("\n")[0].rstrip(":")
+    print(
+        f"gradsync: {headline}; restarting the whole job from its checkpoint of step {found.step} ({found.path}; "
+        f"restart {restarts + 1} of {config.max_restarts}): every worker redoes the steps it took after step "
+        f"{found.step}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return dataclasses.replace(config, resume=config.checkpoint_dir, start_over=False)
 
 
 def replacement_environment(number: int) -> dict[str, str]:
@@ -70,6 +96,15 @@ class Restarts:
             flush=True,
         )
         return True
+
+    def spent(self, failure: JobFailed) -> JobFailed:
+        """`failure`, whose cause is a worker with no restart left, saying so after its headline."""
+        rank = failure.rank
+        if rank is None or rank < self.config.servers:
+            return failure
+        headline, _, rest = str(failure).partition("\n")
+        said = f" ({self.counts.get(rank, 0)} of max_restarts {self.config.max_restarts} restarts spent)"
+        return JobFailed(headline.rstrip(":") + said + (":" if headline.endswith(":") else "") + "\n" + rest, rank)
 
     def allows(self, rank: int) -> bool:
         """Whether the worker of `rank` may be replaced now: a worker with restarts left."""

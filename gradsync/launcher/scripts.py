@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
+from gradsync.config import JobConfig
 from gradsync.core.errors import JobFailed
 from gradsync.core.job_names import StoreKeys
 from gradsync.core.settings import (
@@ -40,7 +41,7 @@ from gradsync.launcher.local_job import (
     rank_environments,
     temporary_run_dir,
 )
-from gradsync.launcher.restarts import replacement_environment
+from gradsync.launcher.restarts import job_restart, replacement_environment
 from gradsync.launcher.script_file import check_script
 from gradsync.launcher.supervision import RankProcess, kill_all, supervise
 from gradsync.membership import newcomers
@@ -87,6 +88,48 @@ def run_script(
     Other settings left None come from the GRADSYNC_* environment, else their defaults.
     """
     config = job_config("run_script", strategy, workers, servers, mode, **settings)
+    restarts = 0
+    while True:
+        try:
+            return _run_once(
+                config,
+                script,
+                script_args,
+                master_port,
+                run_dir,
+                timeout,
+                link,
+                server_link,
+                announce,
+                environment,
+                started,
+                cwd,
+                restarts,
+            )
+        except JobFailed as failure:  # a server died: the whole job again from its checkpoint, when it may
+            again = job_restart(config, failure, restarts)
+            if again is None:
+                raise
+            config, restarts = again, restarts + 1
+
+
+def _run_once(
+    config: JobConfig,
+    script: str,
+    script_args: list[str],
+    master_port: int,
+    run_dir: str | None,
+    timeout: float | None,
+    link: str | None,
+    server_link: str | None,
+    announce: bool,
+    environment: dict[Setting, str] | None,
+    started: Callable[[list[RankProcess]], None] | None,
+    cwd: str | None,
+    restarts: int,
+) -> list[Departure]:
+    """One run of the job `run_script` starts (its arguments; the `restarts`-th restart of the whole job): its
+    ranks, supervised."""
     context = _rank_context()
     extra = {setting.env: value for setting, value in (environment or {}).items()}
     say = (lambda text: print(f"gradsync: {text}", file=sys.stderr, flush=True)) if announce else (lambda text: None)
@@ -107,7 +150,7 @@ def run_script(
             )
         if offer_join(config, run_dir, store, network):
             say(f"more workers can join: gradsync run --join {run_dir} {script}")
-        environments = rank_environments(config, store.port, run_dir, network=network)
+        environments = rank_environments(config, store.port, run_dir, network, restarts)
         ranks: list[RankProcess] = []
 
         def start(rank: int, more: dict[str, str]) -> RankProcess:

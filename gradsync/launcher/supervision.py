@@ -364,7 +364,8 @@ def supervise(
                 watch.read(store)
                 next_read = time.monotonic() + interval(config.step_timeout)
             if failed:
-                raise _root_cause(config, ranks, watch, store, run_dir, departed)
+                failure = _root_cause(config, ranks, watch, store, run_dir, departed)
+                raise failure if restarts is None else restarts.spent(failure)
             absent = _absent(config, ranks, watch, departed)
             if any(r.exitcode() is None for r in absent):
                 raise JobFailed(_absent_text(config, absent) + _stacks_text(config, ranks, run_dir), absent[0].rank)

@@ -12,7 +12,7 @@ import gradsync
 from gradsync.ps import shard_file
 from helpers import SUPPORT, run_cli
 from dynamic_jobs import train_resumable
-from replaced import Death, reference, starts_at, train, train_clicks, train_dropping
+from replaced import Death, reference, starts_at, train, train_clicks, train_dropping, train_killing_a_server
 
 pytestmark = pytest.mark.job
 
@@ -88,7 +88,8 @@ def test_a_worker_dying_past_its_restarts_fails_the_job_naming_it(launch):
     with pytest.raises(gradsync.JobFailed) as failed:
         launch(train, strategy="ps", workers=2, servers=1, timeout=100, args=(deaths, STEPS),
                worker_loss="wait", max_restarts=1)
-    assert str(failed.value).startswith("rank 2 (worker1) failed with signal SIGKILL"), str(failed.value)
+    assert str(failed.value).startswith("rank 2 (worker1) failed with signal SIGKILL (1 of max_restarts 1 restarts "
+                                        "spent)"), str(failed.value)
     assert failed.value.rank == 2
 
 
@@ -167,3 +168,18 @@ def test_with_drop_the_job_goes_on_without_the_dead_worker_as_the_mean_of_the_ot
     expected = reference(STEPS, workers, without[0])
     assert all(torch.allclose(state[k], expected[k], atol=1e-5) for k in expected)
     assert "gradsync: worker1 (rank 3) left (killed by SIGKILL)" in capfd.readouterr().err
+
+
+@pytest.mark.timeout(180)
+def test_a_dead_server_restarts_the_whole_job_from_its_checkpoint(launch, tmp_path, capfd):
+    runs = {}
+    for run, kill_at in (("clean", -1), ("died", 7)):
+        runs[run] = launch(train_killing_a_server, strategy="ps", workers=2, servers=2, timeout=150, args=(kill_at, 10),
+                           checkpoint_dir=str(tmp_path / run), checkpoint_every=3, max_restarts=1, step_timeout=10.0)
+    err = capfd.readouterr().err
+    assert re.search(r"gradsync: rank 0 \(ps0\) failed with signal SIGKILL; restarting the whole job from its "
+                     r"checkpoint of step 6 \(.*step-00000006; restart 1 of 1\): every worker redoes the steps it "
+                     r"took after step 6", err), err
+    assert [r[:2] for r in runs["died"]] == [(6, 1), (6, 1)]
+    for (_, _, clean), (_, _, died) in zip(runs["clean"], runs["died"]):
+        assert all(torch.equal(clean[k], died[k]) for k in clean)

@@ -168,3 +168,19 @@ def train_clicks(deaths: tuple[Death, ...], steps: int) -> tuple[int, dict]:
             dist_autograd.backward(cid, [F.binary_cross_entropy_with_logits(trainer.model(bag, ids, dense), y)])
             trainer.step(cid)
     return trainer.start_step, trainer.state_dict()
+
+
+def train_killing_a_server(kill_at: int, steps: int) -> tuple[int, int, dict]:
+    """The plain MLP with AdamW from `trainer.start_step`; in the job's first run, worker 0 SIGKILLs server 0 (its
+    pid from `trainer.server_stats()`) as it reaches `kill_at`. Returns (start step, restart count, final state)."""
+    me = gradsync.worker_rank()
+    model = make_mlp()
+    trainer = gradsync.Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+    for step in range(trainer.start_step, steps):
+        if me == 0 and step == kill_at and gradsync.restart_count() == 0:
+            os.kill(trainer.server_stats()[0]["pid"], signal.SIGKILL)
+        x, y = batch(step, me)
+        with dist_autograd.context() as cid:
+            dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
+            trainer.step(cid)
+    return trainer.start_step, gradsync.restart_count(), trainer.state_dict()
