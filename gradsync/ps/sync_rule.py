@@ -278,7 +278,7 @@ class SyncRule(ConsistencyRule):
                 answers.append((pending.fut, None, error))
             for parts in self._parts:
                 part = parts.pop(worker, None)
-                if part is not None and part.fut is not None:
+                if part is not None and part.fut is not None and not part.fut.done():  # (answered if applied)
                     answers.append((part.fut, None, error))
             self._numbers.forget(worker)
             shard.stats.workers_replaced[worker] = shard.stats.workers_replaced.get(worker, 0) + 1
@@ -319,7 +319,7 @@ class SyncRule(ConsistencyRule):
             answers = [] if (pending := self._pending.pop(worker, None)) is None else [(pending.fut, None, error)]
             for parts in self._parts:
                 part = parts.pop(worker, None)
-                if part is not None and part.fut is not None:
+                if part is not None and part.fut is not None and not part.fut.done():
                     answers.append((part.fut, None, error))
             self._means = {}  # averaged with its part: again without it (no bucket is applied before the step closes)
             answers += self._progress()

@@ -53,14 +53,17 @@ def test_bad_environment_is_refused_with_the_value_and_the_fix(env, match):
 
 
 @pytest.mark.parametrize("settings,refusal", [
-    (dict(worker_loss="drop"), "worker_loss='drop' (going on without a dead worker) is not available yet"),
+    (dict(worker_loss="drop", max_restarts=2), "worker_loss='drop' with max_restarts=2: a dropped worker's "
+                                               "replacement is not available yet"),
+    (dict(worker_loss="drop", strategy="allreduce", servers=0),
+     "worker_loss='drop' is available for ps sync/async/ssp jobs so far, got strategy='allreduce'"),
     (dict(replicas=1), "replicas=1: servers that keep each other's shards are not available yet"),
     (dict(max_restarts=-1), "max_restarts=-1: pass --max-restarts N with N >= 0"),
     (dict(worker_loss="gone"), "unknown worker_loss policy 'gone': expected one of 'fail', 'wait', 'drop'"),
     (dict(worker_loss="wait", mode="async"),
-     "worker_loss='wait' replaces a dead worker in ps jobs of mode sync so far, got strategy='ps', mode='async'"),
+     "worker_loss='wait' is available for ps sync jobs so far, got strategy='ps', mode='async'"),
     (dict(worker_loss="wait", strategy="allreduce", servers=0),
-     "worker_loss='wait' replaces a dead worker in ps jobs of mode sync so far, got strategy='allreduce'"),
+     "worker_loss='wait' is available for ps sync jobs so far, got strategy='allreduce'"),
     (dict(worker_loss="wait", transport="grpc"),
      "the grpc transport does not yet: use --transport rpc"),
 ])

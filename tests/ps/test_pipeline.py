@@ -118,3 +118,42 @@ def test_edge_models_with_pieces_smaller_than_a_parameter_match_single_process(l
     states = launch(train_edge, strategy="ps", workers=2, servers=2, args=(case, steps), step_timeout=30,
                     timeout=100, bucket_cap_mb=0.0005)  # 512-byte pieces
     check_parity(case, states, 2, steps)
+
+
+def test_a_replaced_workers_parts_of_the_step_in_flight_are_forgotten_and_the_closed_step_kept():
+    shard = make_pieced_shard()
+    shard.keep_before = True
+    rule = SyncRule(shard, num_workers=2, nonfinite="raise")
+    start = [f.clone() for f in shard.flats]
+    heads = [rule.commit(w, 0, PipelineHead()) for w in (0, 1)]
+    for w in (0, 1):  # bucket 0 applied with both; worker 1 dies having sent bucket 1 too
+        rule.commit_piece(w, 0, Piece(0, 0, piece_part(w, 0, shard), (), seq=5))
+    rule.commit_piece(1, 0, Piece(0, 1, piece_part(1, 1, shard), (), seq=6))
+    closed, begun, before, partial = rule.worker_restarted(1)
+    assert (closed, begun, before, partial) == (0, None, None, None)
+    with pytest.raises(RuntimeError, match="worker 1 died"):
+        heads[1].wait()
+    # its replacement's first step goes whole (`PSStrategy._push_rejoined`): bucket 0 counts once
+    heads[1] = rule.commit(1, 0, Push([piece_part(1, b, shard) for b in range(4)], [()] * 4))
+    others = [rule.commit_piece(0, 0, Piece(0, b, piece_part(0, b, shard), ())) for b in (1, 2, 3)]
+    assert [h.wait().version for h in heads] == [1, 1] and all(f.done() for f in others)
+    expected = [s - 0.5 * (piece_part(0, b, shard) + piece_part(1, b, shard)) / 2 for b, s in enumerate(start)]
+    assert all(torch.equal(f, e) for f, e in zip(shard.flats, expected))  # each bucket once, both workers' parts
+    closed, begun, before, _ = rule.worker_restarted(0)
+    assert closed == 1 and begun is None and all(torch.equal(a, b) for a, b in zip(before.flats, start))
+
+
+def test_with_drop_a_dead_workers_part_leaves_the_step_which_averages_the_others():
+    shard = make_pieced_shard()
+    rule = SyncRule(shard, num_workers=3, nonfinite="raise", drop=True)
+    start = [f.clone() for f in shard.flats]
+    heads = {w: rule.commit(w, 0, PipelineHead()) for w in (0, 1, 2)}
+    parts = {(w, b): rule.commit_piece(w, 0, Piece(0, b, piece_part(w, b, shard), ())) for w in (0, 2) for b in range(4)}
+    rule.commit_piece(1, 0, Piece(0, 0, piece_part(1, 0, shard), ()))  # worker 1's first piece, then it dies
+    assert not any(f.done() for f in parts.values())  # under drop nothing is applied before the step closes
+    rule.worker_left(1, None)
+    assert heads[0].wait().version == heads[2].wait().version == 1 and shard.stats.steps_without == {0: [1]}
+    expected = [s - 0.5 * (piece_part(0, b, shard) + piece_part(2, b, shard)) / 2 for b, s in enumerate(start)]
+    assert all(torch.equal(f, e) for f, e in zip(shard.flats, expected))
+    with pytest.raises(GradientError, match="worker 1 left the job"):
+        rule.commit(1, 1, PipelineHead()).wait()

@@ -142,7 +142,8 @@ class FakeTransport:
         self.calls += len(ids)
         return {s: (7, self.tables[table][local * self.servers + s].clone()) for s, local in ids.items()}
 
-    def pull_rows_many(self, lookups):
+    def pull_rows_many(self, lookups, before=frozenset()):
+        assert not before  # no replacement here
         self.batches.append([table for table, _ in lookups])
         return [self.pull_rows(table, ids) for table, ids in lookups]
 
