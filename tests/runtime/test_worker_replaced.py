@@ -27,7 +27,8 @@ SHAPES = {  # servers, workers, settings, clipping, micro-batches, width, deaths
     ),
     "whole steps, two servers, three workers": (
         2, 3, dict(pipeline="off", step_timeout=3.0), None, 1, 16,
-        (Death(1, 2, "one server"), Death(2, 4, "stop"), Death(0, 6, "pushed"), Death(1, 8, "backward")),
+        (Death(1, 2, "one server"), Death(2, 4, "stop"), Death(0, 6, "forward"), Death(2, 6, "backward"),
+         Death(1, 8, "backward")),  # two at once at step 6
     ),
     "clipping and checkpoints, two servers": (
         2, 2, dict(checkpoint_every=3), 0.5, 1, 16,
