@@ -120,8 +120,10 @@ class Trainer:
         self._joining = False
         scalars.watch(self._strategy.metrics, self._strategy.model_sizes(trainable))
         self.start_step = 0
+        self._continues = False  # a replacement before its first step (its GradScaler takes the others' state)
         if job.config.replacement:  # a dead worker's replacement: at the step in flight
             self.start_step = job.steps = replacement.rejoin(job, self._strategy, self._described)
+            self._continues = self.start_step > (job.resumed.step if job.resumed is not None else 0)
         elif job.resumed is not None:
             self.start_step = job.steps = checkpoints.restore(job.config, self._strategy, job.resumed)
 
@@ -162,9 +164,16 @@ class Trainer:
         """
         if current_context_id() != context_id:
             raise outside_context_error(context_id)
-        if self._job.config.replaces_workers:  # for a replacement, should this worker die in this step
-            replacement.record(self._job.store, self._job.config.worker_rank, self._job.steps)
-        self._commit(context_id, scaler)
+        job = self._job
+        if job.config.replaces_workers:  # for a replacement, should this worker die in this step
+            replacement.record(job.store, job.config.worker_rank, job.steps)
+        used: torch.amp.GradScaler | replacement.ContinuedScaler | None = scaler
+        if self._continues and scaler is not None:  # a replacement's first step: the others' scaler state
+            used = replacement.ContinuedScaler(scaler, replacement.scaler_after(job.store, job.config, job.steps - 1))
+        self._continues = False
+        self._commit(context_id, used)
+        if job.config.replaces_workers and scaler is not None:
+            replacement.record_scaler(job.store, job.config.worker_rank, job.steps, scaler)
         self._job.steps += 1
         every = self._job.config.checkpoint_every
         if every and self._job.steps % every == 0:

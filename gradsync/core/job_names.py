@@ -34,6 +34,7 @@ class StoreKeys:
     JOIN_DONE = "gradsync/join_done/{}/{}"  # round, shard: that server saw every worker join that round
     JOIN_ENTERED = "gradsync/join_entered/{}"  # round: `worker,` entries, the workers that opened trainer.join()
     STEP_BEGUN = "gradsync/step_begun/{}/{}"  # worker, step parity: that worker's step as it began, its RNG states
+    SCALER = "gradsync/scaler/{}/{}"  # worker, step parity: `step:JSON`, its GradScaler's state after that step
     REJOINED = "gradsync/rejoined/{}"  # worker: `replacement:step`, its latest replacement built its Trainer there
 
 

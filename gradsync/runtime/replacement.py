@@ -15,10 +15,14 @@ Once its Trainer is built, it says so (`say_rejoined`), which the launcher repor
 
 from __future__ import annotations
 
+import json
+import time
+
 import torch.distributed as dist
 
 from gradsync.core import settings
 from gradsync.core.job_names import StoreKeys
+from gradsync.core.waiting import wait_until
 from gradsync.runtime import checkpoints, rng_states
 
 
@@ -51,6 +55,36 @@ def record(store: dist.Store, worker: int, step: int) -> None:
     store.set(StoreKeys.STEP_BEGUN.format(worker, step % 2), record)  # type: ignore[arg-type]  # bytes: torch's stub says str
 
 
+def record_scaler(store: dist.Store, worker: int, step: int, scaler) -> None:
+    """Leave the state `worker`'s GradScaler has after step `step` (its scale and growth count), which every
+    worker's has alike (each step's found-inf is the job's), for a replacement (`scaler_after`)."""
+    state = {k: scaler.state_dict()[k] for k in ("scale", "_growth_tracker")}
+    store.set(StoreKeys.SCALER.format(worker, step % 2), f"{step}:{json.dumps(state)}")
+
+
+def scaler_after(store: dist.Store, config, step: int) -> dict:
+    """The GradScaler state after step `step`, as any worker left it (the dead one, or a live one once it has
+    taken that step), within step_timeout.
+
+    Raises:
+        TimeoutError: no worker left it in time.
+    """
+    keys = [StoreKeys.SCALER.format(w, step % 2) for w in range(config.num_workers)]
+    found: list[dict] = []
+
+    def left() -> bool:
+        for key in keys:
+            if store.check([key]):
+                recorded, _, state = store.get(key).decode().partition(":")
+                if int(recorded) == step:
+                    found.append(json.loads(state))
+                    return True
+        return False
+
+    wait_until(left, time.monotonic() + config.call_timeout, f"a worker's GradScaler state after step {step}")
+    return found[0]
+
+
 def take(store: dist.Store, worker: int, step: int) -> None:
     """Put back the RNG states `worker` recorded as step `step - 1` began: its states as step `step` began.
 
@@ -65,6 +99,23 @@ def take(store: dist.Store, worker: int, step: int) -> None:
             f"{recorded}, not {step - 1}: its RNG states as of step {step} are lost"
         )
     rng_states.put_back(states)
+
+
+class ContinuedScaler:
+    """A replacement's GradScaler in its first step, `step`: the loss was scaled by its own scale (`get_scale`), and
+    the scaler then takes the state every worker's had after step `step - 1` (`scaler_after`), so that the step's
+    update (`worker.amp.record_found_inf`) leaves it where theirs are. Its found-inf check of that one step is made
+    at its own scale."""
+
+    def __init__(self, scaler, after: dict):
+        self.scaler, self.used = scaler, scaler.get_scale()
+        scaler.load_state_dict({**scaler.state_dict(), **after})
+
+    def get_scale(self) -> float:
+        return self.used
+
+    def __getattr__(self, name: str):
+        return getattr(self.scaler, name)
 
 
 def say_rejoined(store: dist.Store, worker: int, replacement: int, step: int) -> None:

@@ -17,22 +17,25 @@ from replaced import Death, reference, starts_at, train, train_clicks, train_dro
 pytestmark = pytest.mark.job
 
 STEPS = 10
-SHAPES = {  # servers, workers, settings, clipping, micro-batches, width, deaths: several per job, one after another
+SHAPES = {  # servers, workers, settings, clipping, micro-batches, width, GradScaler, deaths: several per job
     "pipelined pieces, one server": (
-        1, 2, dict(bucket_cap_mb=0.0005), None, 2, 16,
+        1, 2, dict(bucket_cap_mb=0.0005), None, 2, 16, False,
         (Death(1, 1, "forward"), Death(1, 3, "backward"), Death(1, 5, "pieces"), Death(1, 7, "pushed")),
     ),
     "pieces streamed in the backward, more than a window of them": (  # 1 MB: 5 pieces, a window of 2
-        1, 2, dict(bucket_cap_mb=0.25), None, 1, 512, (Death(1, 3, "forward"), Death(1, 6, "backward")),
+        1, 2, dict(bucket_cap_mb=0.25), None, 1, 512, False, (Death(1, 3, "forward"), Death(1, 6, "backward")),
     ),
     "whole steps, two servers, three workers": (
-        2, 3, dict(pipeline="off", step_timeout=3.0), None, 1, 16,
+        2, 3, dict(pipeline="off", step_timeout=3.0), None, 1, 16, False,
         (Death(1, 2, "one server"), Death(2, 4, "stop"), Death(0, 6, "forward"), Death(2, 6, "backward"),
          Death(1, 8, "backward")),  # two at once at step 6
     ),
     "clipping and checkpoints, two servers": (
-        2, 2, dict(checkpoint_every=3), 0.5, 1, 16,
+        2, 2, dict(checkpoint_every=3), 0.5, 1, 16, False,
         (Death(1, 2, "finish"), Death(1, 4, "pushed"), Death(0, 6, "one server"), Death(1, 8, "checkpoint")),
+    ),
+    "a GradScaler whose scale grows every 2 steps, two servers": (
+        2, 2, {}, None, 1, 16, True, (Death(1, 3, "forward"), Death(0, 5, "finish"), Death(1, 7, "pushed")),
     ),
 }
 
@@ -58,17 +61,18 @@ def _equal(a, b) -> bool:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_the_job_ends_bit_for_bit_as_without_the_deaths(launch, shape, tmp_path, capfd):
-    servers, workers, settings, clip, micro, hidden, deaths = SHAPES[shape]
+    servers, workers, settings, clip, micro, hidden, scaled, deaths = SHAPES[shape]
+    held = clip is not None or scaled
     runs = {}
     for run in ("clean", "died"):
         saved = {"checkpoint_dir": str(tmp_path / run)} if "checkpoint_every" in settings else {}
         runs[run] = launch(train, strategy="ps", workers=workers, servers=servers, timeout=200,
-                           args=(() if run == "clean" else deaths, STEPS, clip, micro, hidden),
+                           args=(() if run == "clean" else deaths, STEPS, clip, micro, hidden, scaled),
                            worker_loss="wait", max_restarts=len(deaths), **settings, **saved)
     err = capfd.readouterr().err
     for w, ((_, _, clean, _), (start, restarts, died, replaced)) in enumerate(zip(runs["clean"], runs["died"])):
         mine = [d for d in deaths if d.worker == w]
-        assert restarts == len(mine) and start == (starts_at(mine[-1], clip) if mine else 0), (w, start, restarts)
+        assert restarts == len(mine) and start == (starts_at(mine[-1], held) if mine else 0), (w, start, restarts)
         assert clean.keys() == died.keys() and all(torch.equal(clean[k], died[k]) for k in clean), w
         counts = {d.worker: sum(e.worker == d.worker for e in deaths) for d in deaths}
         assert replaced == {s: counts for s in range(servers)}, replaced  # each server's count, in the status
@@ -76,7 +80,7 @@ def test_the_job_ends_bit_for_bit_as_without_the_deaths(launch, shape, tmp_path,
         rank = servers + d.worker
         how = "stopped responding" if d.point == "stop" else "was killed by SIGKILL"
         assert re.search(rf"gradsync: worker{d.worker} \(rank {rank}\) {how}.* starting its replacement", err), err
-        assert f"replacement continues from step {starts_at(d, clip)}" in err, err
+        assert f"replacement continues from step {starts_at(d, held)}" in err, err
     assert err.count("starting its replacement") == err.count("replaced ") == len(deaths), err
     if "checkpoint_every" in settings:  # the checkpoint a worker died writing is whole, and each is the clean run's
         clean, died = _checkpoints(tmp_path / "clean"), _checkpoints(tmp_path / "died")

@@ -88,18 +88,20 @@ def _arm(death: Death, layer: torch.nn.Module, step: list[int]) -> None:
         checkpoints.shard_file.write = write_then_die
 
 
-def starts_at(death: Death, clip: float | None) -> int:
+def starts_at(death: Death, held: bool) -> int:
     """The step the replacement of the process `death` ends continues from: the step it died in, or the next when
-    every server had closed that step (its push applied, or its checkpoint's step)."""
-    return death.step + (death.point == "checkpoint" or (death.point == "pushed" and clip is None))
+    every server had closed that step (its push applied, unless `held` for the workers' word: clipping, a
+    GradScaler; or its checkpoint's step)."""
+    return death.step + (death.point == "checkpoint" or (death.point == "pushed" and not held))
 
 
 def train(deaths: tuple[Death, ...], steps: int, clip: float | None = None, micro: int = 1,
-          hidden: int = 16) -> tuple[int, int, dict, dict]:
+          hidden: int = 16, scaled: bool = False) -> tuple[int, int, dict, dict]:
     """The MLP with dropout (drawing on the RNG) and AdamW (with `clip`: clipping at that norm) for `steps` steps on
-    worker w's batches of each step, each in `micro` micro-batches (`trainer.no_sync()` but the last), `hidden` wide. The n-th
+    worker w's batches of each step, each in `micro` micro-batches (`trainer.no_sync()` but the last), `hidden` wide,
+    with `scaled` the loss scaled by a GradScaler whose scale grows every 2 steps. The n-th
     process of a worker dies as `deaths[i]` says, `i` the n-th of `deaths` naming that worker. Returns (start step,
-    restart count, final state, each server's count of each worker's replacements)."""
+    restart count, final state (with the GradScaler's), each server's count of each worker's replacements)."""
     me = gradsync.worker_rank()
     model = make_mlp(hidden=hidden)
     model.insert(1, torch.nn.Dropout(0.1))  # the RNG a replacement must continue
@@ -108,15 +110,20 @@ def train(deaths: tuple[Death, ...], steps: int, clip: float | None = None, micr
     mine = [d for d in deaths if d.worker == me]
     if gradsync.restart_count() < len(mine):
         _arm(mine[gradsync.restart_count()], model[2], step)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2) if scaled else None
+    scale = (lambda loss: scaler.scale(loss)) if scaler is not None else (lambda loss: loss)  # noqa: E731
     for step[0] in range(trainer.start_step, steps):
         x, y = batch(step[0], me)
         with dist_autograd.context() as cid:
             for i, (xs, ys) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
                 with trainer.no_sync() if i < micro - 1 else contextlib.nullcontext():
-                    dist_autograd.backward(cid, [F.cross_entropy(trainer.model(xs), ys) / micro])
-            trainer.step(cid)
+                    dist_autograd.backward(cid, [scale(F.cross_entropy(trainer.model(xs), ys) / micro)])
+            trainer.step(cid, scaler)
     replaced = {s: st["workers_replaced"] for s, st in trainer.server_stats().items()}
-    return trainer.start_step, gradsync.restart_count(), trainer.state_dict(), replaced
+    state = trainer.state_dict()
+    if scaler is not None:  # its scale and growth count as every worker's: where the clean run's are
+        state.update({f"scaler.{k}": torch.tensor(float(v)) for k, v in scaler.state_dict().items()})
+    return trainer.start_step, gradsync.restart_count(), state, replaced
 
 
 def train_dropping(death: Death, steps: int) -> tuple[dict, dict]:
