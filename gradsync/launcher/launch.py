@@ -13,11 +13,10 @@ import traceback
 import torch
 
 from gradsync.config import JobConfig
-from gradsync.core.errors import JobFailed
 from gradsync.core.settings import LAUNCHED, RANK
 from gradsync.launcher.forked import become_rank, rank_starter
 from gradsync.launcher.local_job import job_config, network_and_store, offer_join, rank_environments, temporary_run_dir
-from gradsync.launcher.restarts import job_restart, replacement_environment
+from gradsync.launcher.restarts import replacement_environment, restarting
 from gradsync.launcher.supervision import RankProcess, kill_all, supervise
 from gradsync.membership.departures import Results
 from gradsync.runtime import cluster
@@ -103,15 +102,7 @@ def launch(
         )
     config = job_config("gradsync.launch", strategy, workers, servers, mode, **settings)
     call = pickle.dumps((fn, args))  # here, so that an unpicklable function fails before any rank starts
-    restarts = 0
-    while True:
-        try:
-            return _launched(config, call, timeout, link, server_link, restarts)
-        except JobFailed as failure:  # a server died: the whole job again from its checkpoint, when it may
-            again = job_restart(config, failure, restarts)
-            if again is None:
-                raise
-            config, restarts = again, restarts + 1
+    return restarting(config, lambda config, restarts: _launched(config, call, timeout, link, server_link, restarts))
 
 
 def _launched(

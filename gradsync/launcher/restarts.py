@@ -19,6 +19,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch.distributed as dist
 
@@ -30,6 +31,22 @@ from gradsync.membership.heartbeat import Watch
 from gradsync.membership.member_keys import workers_in_order
 from gradsync.membership.rank_reports import error_file
 from gradsync.runtime import checkpoints, replacement
+
+_T = TypeVar("_T")
+
+
+def restarting(config: JobConfig, run: Callable[[JobConfig, int], _T]) -> _T:
+    """`run(config, restarts)`: one run of a whole job (the `restarts`-th restart), run again from its checkpoint
+    while a server's death causes its failure and the job may restart (`job_restart`)."""
+    restarts = 0
+    while True:
+        try:
+            return run(config, restarts)
+        except JobFailed as failure:
+            again = job_restart(config, failure, restarts)
+            if again is None:
+                raise
+            config, restarts = again, restarts + 1
 
 
 def job_restart(config: JobConfig, failure: JobFailed, restarts: int) -> JobConfig | None:

@@ -41,7 +41,7 @@ from gradsync.launcher.local_job import (
     rank_environments,
     temporary_run_dir,
 )
-from gradsync.launcher.restarts import job_restart, replacement_environment
+from gradsync.launcher.restarts import replacement_environment, restarting
 from gradsync.launcher.script_file import check_script
 from gradsync.launcher.supervision import RankProcess, kill_all, supervise
 from gradsync.membership import newcomers
@@ -88,29 +88,24 @@ def run_script(
     Other settings left None come from the GRADSYNC_* environment, else their defaults.
     """
     config = job_config("run_script", strategy, workers, servers, mode, **settings)
-    restarts = 0
-    while True:
-        try:
-            return _run_once(
-                config,
-                script,
-                script_args,
-                master_port,
-                run_dir,
-                timeout,
-                link,
-                server_link,
-                announce,
-                environment,
-                started,
-                cwd,
-                restarts,
-            )
-        except JobFailed as failure:  # a server died: the whole job again from its checkpoint, when it may
-            again = job_restart(config, failure, restarts)
-            if again is None:
-                raise
-            config, restarts = again, restarts + 1
+    return restarting(
+        config,
+        lambda config, restarts: _run_once(
+            config,
+            script,
+            script_args,
+            master_port,
+            run_dir,
+            timeout,
+            link,
+            server_link,
+            announce,
+            environment,
+            started,
+            cwd,
+            restarts,
+        ),
+    )
 
 
 def _run_once(

@@ -271,15 +271,7 @@ class SyncRule(ConsistencyRule):
         before and partial."""
         shard = self.shard
         with shard.lock:
-            error = RuntimeError(f"worker {worker} died; its replacement sends its part of the step again")
-            answers = []
-            pending = self._pending.pop(worker, None)
-            if pending is not None:
-                answers.append((pending.fut, None, error))
-            for parts in self._parts:
-                part = parts.pop(worker, None)
-                if part is not None and part.fut is not None and not part.fut.done():  # (answered if applied)
-                    answers.append((part.fut, None, error))
+            answers = self._forget(worker, RuntimeError(f"worker {worker} died; its replacement sends its part again"))
             self._numbers.forget(worker)
             shard.stats.workers_replaced[worker] = shard.stats.workers_replaced.get(worker, 0) + 1
             finishing = self._finishing
@@ -315,15 +307,21 @@ class SyncRule(ConsistencyRule):
         """The step in flight, and every later one, without `worker` (worker_loss drop)."""
         with self.shard.lock:
             self._gone.add(worker)
-            error = GradientError(f"worker {worker} left the job; the step goes on without it")
-            answers = [] if (pending := self._pending.pop(worker, None)) is None else [(pending.fut, None, error)]
-            for parts in self._parts:
-                part = parts.pop(worker, None)
-                if part is not None and part.fut is not None and not part.fut.done():
-                    answers.append((part.fut, None, error))
+            answers = self._forget(worker, GradientError(f"worker {worker} left the job; the step goes on without it"))
             self._means = {}  # averaged with its part: again without it (no bucket is applied before the step closes)
             answers += self._progress()
         answer(answers)
+
+    def _forget(self, worker: int, error: Exception) -> list[tuple]:
+        """Take what `worker` sent of the step in flight out of it (its head, its pieces); the answers (`error`) to
+        give its calls not answered yet (a piece of a bucket applied was). Call with the lock held."""
+        pending = self._pending.pop(worker, None)
+        answers = [] if pending is None else [(pending.fut, None, error)]
+        for parts in self._parts:
+            part = parts.pop(worker, None)
+            if part is not None and part.fut is not None and not part.fut.done():
+                answers.append((part.fut, None, error))
+        return answers
 
     def _waiting(self) -> list[torch.futures.Future]:
         """Every future of this step: the pushes', then the pieces'. Call with the lock held."""

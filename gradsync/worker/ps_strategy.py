@@ -119,6 +119,18 @@ class _Outgoing:
     rows: dict
     changes: dict
 
+    def push(self, server: int, agree: Agreement | None, seq: int = 0) -> Push:
+        """All of it for `server` in one push (numbered `seq`; `agree`: held for the workers' word)."""
+        return Push(
+            self.payloads[server],
+            self.absent[server],
+            self.buffers[server],
+            self.rows.get(server, {}),
+            self.changes,
+            agree,
+            seq=seq,
+        )
+
 
 class PSModel(nn.Module):
     """The user's module, run on parameters pulled from the servers."""
@@ -401,21 +413,7 @@ class PSStrategy(Strategy):
         elif agree is None and self._pipelined and (self.config.mode == "sync" or self._streams):
             fresh = self._send_pipelined(pulled, stream, streamed, out, seq, sizes)
         else:  # one call per server
-            fresh = self.transport.push(
-                pulled.versions,
-                {
-                    s: Push(
-                        out.payloads[s],
-                        out.absent[s],
-                        out.buffers[s],
-                        out.rows.get(s, {}),
-                        out.changes,
-                        agree,
-                        seq=seq(),
-                    )
-                    for s in self.servers
-                },
-            )
+            fresh = self.transport.push(pulled.versions, {s: out.push(s, agree, seq()) for s in self.servers})
         self._commit(fresh, agree, scaler, stream, streamed, sum(sizes.values()), start)
 
     def _push_rejoined(self, pulled: _Pulled, out: _Outgoing, agree: Agreement | None) -> dict:
@@ -425,11 +423,7 @@ class PSStrategy(Strategy):
         (`_late`) closed it with the dead process's part (the same bits) and answer with their values now, or,
         when it was held, with their part of its norm, its finish going to the others alone (`_finish`)."""
         late, self._late, self._rejoining, self.tables.before = self._late, {}, False, frozenset()
-        pushes = {
-            s: Push(out.payloads[s], out.absent[s], out.buffers[s], out.rows.get(s, {}), out.changes, agree)
-            for s in self.servers
-            if s not in late
-        }
+        pushes = {s: out.push(s, agree) for s in self.servers if s not in late}
         fresh = self.transport.push({s: pulled.versions[s] for s in pushes}, pushes) if pushes else {}
         if agree is not None:
             self._late_values = set(late)
