@@ -17,10 +17,10 @@ from gradsync.metrics import scalars
 from gradsync.runtime import checkpoints, cluster, replacement
 from gradsync.runtime.straggler import straggler_of
 from gradsync.tables.row_optim import ROW_OPTIMIZERS
-from gradsync.worker.user_optimizer import watch_clipping
+from gradsync.worker.module.user_optimizer import watch_clipping
 
 if TYPE_CHECKING:  # the strategy's module is imported when the job's strategy is known
-    from gradsync.worker.strategy import Strategy
+    from gradsync.worker.strategies.strategy import Strategy
 
 
 class Trainer:
@@ -52,8 +52,8 @@ class Trainer:
         table_optimizer: the row-wise optimizer of the served tables and of the model's
             `gradsync.DynamicEmbedding` tables (`gradsync.RowSGD`, `gradsync.RowAdagrad`); required with a
             DynamicEmbedding, whose rows ps and hybrid keep on the servers, allreduce as a replica per
-            worker (`worker/replicated_tables.py`) and sharded split over the workers by id
-            (`worker/sharded_dynamic.py`).
+            worker (`worker/rows/replicated.py`) and sharded split over the workers by id
+            (`worker/rows/sharded_dynamic.py`).
         optimizer_kwargs: with an optimizer class: its keyword arguments.
 
     Attributes:
@@ -191,7 +191,7 @@ class Trainer:
         """A block whose backward passes only accumulate, as DDP's `no_sync()`: wrap every micro-batch of a
         context but the last, and allreduce (and hybrid) exchange the gradients once per step instead of once
         per backward. The ps strategy pushes once per step anyway; inside the block it sends nothing during
-        the backward (`gradsync.worker.streaming`).
+        the backward (`gradsync.worker.pipeline.streaming`).
 
             with dist_autograd.context() as cid:
                 with trainer.no_sync():

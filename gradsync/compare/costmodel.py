@@ -34,9 +34,9 @@ elements) and W workers:
   parts of each of its pieces; a worker's link its own:
       server: W / S (row_bytes + max(e c + row_bytes, 4 e)) + W min(c, 4) p
       worker:         row_bytes + max(e c + row_bytes, 4 e)  +   min(c, 4) p
-  bytes = the larger, 2 messages (4 with rows). The CPU a piece costs (`worker.piece_size.PIECE_CPU_S`) is
+  bytes = the larger, 2 messages (4 with rows). The CPU a piece costs (`worker.pipeline.piece_size.PIECE_CPU_S`) is
   part of the fitted fixed cost per step, measured at the fit's W; it grows with W (a server takes W parts of
-  each piece, and pieces chosen by bandwidth, `worker.piece_size`, shrink as 1 / sqrt(W)), which the model
+  each piece, and pieces chosen by bandwidth, `worker.pipeline.piece_size`, shrink as 1 / sqrt(W)), which the model
   does not count. Compression shrinks the push direction.
   With few large pieces the two directions overlap less than this assumes, so it is optimistic there
   (bench/costmodel_link.py; BENCHMARKS.md, "Behind an emulated link", has every ratio).

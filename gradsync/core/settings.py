@@ -220,7 +220,7 @@ BUCKET_CAP_MB: Setting[float | None] = _S(
     "elementwise optimizer the size of the pieces a larger parameter is cut into (a step's pieces "
     "are applied and sent back one by one); unset: chosen at start-up from the bandwidth worker 0 "
     "measures to the servers (small pieces behind a slow link, large ones on a fast one: "
-    "gradsync.worker.piece_size)",
+    "gradsync.worker.pipeline.piece_size)",
     flag="--bucket-cap-mb",
     shared=True,
     default_text="auto",
@@ -235,7 +235,7 @@ PIPELINE = _S(
     "is in (on), or whole (off); auto: on where it pays: off over grpc when the job's store is on this "
     "machine's loopback (no link to overlap: gRPC's pipeline threads then cost more than they save), and "
     "behind a link for a model whose whole step costs less than the pipeline's pieces (with "
-    "bucket_cap_mb unset; gradsync.worker.piece_size)",
+    "bucket_cap_mb unset; gradsync.worker.pipeline.piece_size)",
     flag="--pipeline",
     choices=("auto", "on", "off"),
     shared=True,

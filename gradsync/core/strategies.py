@@ -3,7 +3,7 @@
 The table sits in core, below `config`, the settings table and `compare`, because all of them read it (the
 `strategy` setting's choices, default and help; JobConfig's checks of servers and modes; the grid and cost model
 of `gradsync compare`), and `core/transport_capabilities.py` names the strategies each transport serves from it.
-The worker side of a strategy (a `gradsync.worker.strategy.Strategy`) is named here by its dotted path and
+The worker side of a strategy (a `gradsync.worker.strategies.strategy.Strategy`) is named here by its dotted path and
 imported on first use (`StrategyTraits.load`), so the Trainer imports only the job's strategy's module and this
 module imports nothing of gradsync. Code outside this module asks `traits(name)` (or walks `STRATEGIES`) and
 reads a trait, never compares a strategy's name (`tests/core/test_strategies.py` scans the package for it).
@@ -99,7 +99,7 @@ STRATEGIES: dict[str, StrategyTraits] = {
             replaced=("sync",),
             dropped=("sync", "async", "ssp"),
             checkpoint=(Saved.SERVER_SHARDS, Saved.WORKER_OPTIONS),
-            loader="gradsync.worker.ps_strategy.PSStrategy",
+            loader="gradsync.worker.strategies.ps_strategy.PSStrategy",
             keywords=("tables", "table_optimizer", "clipping"),
         ),
         StrategyTraits(
@@ -115,7 +115,7 @@ STRATEGIES: dict[str, StrategyTraits] = {
             replaced=(),
             dropped=(),
             checkpoint=(Saved.WORKER_DENSE, Saved.WORKER_ROWS),
-            loader="gradsync.worker.allreduce_strategy.AllreduceStrategy",
+            loader="gradsync.worker.strategies.allreduce_strategy.AllreduceStrategy",
             keywords=("find_unused_parameters", "clipping", "table_optimizer"),
         ),
         StrategyTraits(
@@ -131,7 +131,7 @@ STRATEGIES: dict[str, StrategyTraits] = {
             replaced=(),
             dropped=(),
             checkpoint=(Saved.SERVER_SHARDS, Saved.WORKER_DENSE),
-            loader="gradsync.worker.hybrid_strategy.HybridStrategy",
+            loader="gradsync.worker.strategies.hybrid_strategy.HybridStrategy",
             keywords=("tables", "table_optimizer", "find_unused_parameters", "clipping"),
         ),
         StrategyTraits(
@@ -147,7 +147,7 @@ STRATEGIES: dict[str, StrategyTraits] = {
             replaced=(),
             dropped=(),
             checkpoint=(Saved.WORKER_DENSE, Saved.WORKER_ROWS),
-            loader="gradsync.worker.sharded_strategy.ShardedStrategy",
+            loader="gradsync.worker.strategies.sharded_strategy.ShardedStrategy",
             keywords=("tables", "table_optimizer", "find_unused_parameters", "clipping"),
         ),
     )

@@ -22,7 +22,7 @@ class Capabilities:
     compression: bool  # gradients compressed on the wire (--compression other than none)
     row_tables: bool  # embedding tables served row by row (Trainer(tables='rows'), the hybrid strategy)
     joining: bool  # workers joining a running async job
-    streams: bool  # a ps step's pieces leave during the backward (`worker.streaming`)
+    streams: bool  # a ps step's pieces leave during the backward (`worker.pipeline.streaming`)
     pipelines_on_one_host: bool  # a sync step is a pipeline of pieces (`pipeline` auto) on loopback too
     replaces_workers: bool  # a dead worker's replacement rejoins the running job (worker_loss wait)
 

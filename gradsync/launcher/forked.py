@@ -36,10 +36,10 @@ PRELOADED = (
     "torch",
     "torch._dynamo",
     "gradsync.runtime.start",
-    "gradsync.worker.ps_strategy",
-    "gradsync.worker.allreduce_strategy",
-    "gradsync.worker.hybrid_strategy",
-    "gradsync.worker.sharded_strategy",
+    "gradsync.worker.strategies.ps_strategy",
+    "gradsync.worker.strategies.allreduce_strategy",
+    "gradsync.worker.strategies.hybrid_strategy",
+    "gradsync.worker.strategies.sharded_strategy",
     "gradsync.ps.server",
 )
 """What the fork server imports once for every rank it starts (torch imports torch._dynamo at the first

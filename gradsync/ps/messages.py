@@ -109,7 +109,7 @@ class Setup:
         buffers: dict[str, torch.Tensor],
         frozen: dict[str, torch.Tensor],
         optimizer: OptimizerSpec,
-        tables: dict[str, TableSetup] | None = None,
+        tables: dict[str, TableSetup | DynamicSetup] | None = None,
         num_servers: int = 1,
     ) -> Setup:
         """One server's setup: of `params` only those its `buckets` hold, every tensor as a CPU tensor."""
@@ -203,7 +203,7 @@ class PipelineHead(Push):
 @dataclasses.dataclass(frozen=True)
 class Piece:
     """One worker's gradient of one bucket in a sync step whose push carried none (the pipeline), sent as soon
-    as the backward produced it (`worker.streaming`) or with the step."""
+    as the backward produced it (`worker.pipeline.streaming`) or with the step."""
 
     server: int
     """The server that owns the bucket."""

@@ -2,7 +2,7 @@
 its push (a `PipelineHead`, its `pieces` naming each bucket's piece) comes, then hands the rule
 one whole push, as if it had come whole.
 
-The pieces travel while the worker's backward runs (`gradsync.worker.streaming`); the rule still applies the
+The pieces travel while the worker's backward runs (`gradsync.worker.pipeline.streaming`); the rule still applies the
 push at once, in one step, as async and ssp do. A piece is answered (None) as soon as it is kept: the push's
 reply brings the whole snapshot. It must not wait for its push: a worker keeps at most a window of pieces
 unanswered per server (`transport.base.window`) and sends its later pieces only as earlier ones are answered,

@@ -104,8 +104,8 @@ def take(store: dist.Store, worker: int, step: int) -> None:
 class ContinuedScaler:
     """A replacement's GradScaler in its first step, `step`: the loss was scaled by its own scale (`get_scale`), and
     the scaler then takes the state every worker's had after step `step - 1` (`scaler_after`), so that the step's
-    update (`worker.amp.record_found_inf`) leaves it where theirs are. Its found-inf check of that one step is made
-    at its own scale."""
+    update (`worker.module.amp.record_found_inf`) leaves it where theirs are. Its found-inf check of that one step is
+    made at its own scale."""
 
     def __init__(self, scaler, after: dict):
         self.scaler, self.used = scaler, scaler.get_scale()

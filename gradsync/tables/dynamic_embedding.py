@@ -101,7 +101,7 @@ class DynamicEmbedding(nn.Module):
         self._recorded: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         """(ids, distinct slots, their leaf rows) of each recording forward since the last step."""
         self.served = None
-        """Inside a ps or hybrid job (`worker.served_dynamic`): a function answering the resident rows and the
+        """Inside a ps or hybrid job (`worker.rows.served_dynamic`): a function answering the resident rows and the
         counters summed over the servers, which hold the rows; None: the rows are here."""
 
     @property

@@ -17,7 +17,7 @@ import torch
 from gradsync.tables.id_hash import mix64
 
 LOOKUPS_PER_EXCHANGE = 8
-"""The most lookups one exchange of ids carries: a forward's lookups wait together (`worker.pending_rows`)
+"""The most lookups one exchange of ids carries: a forward's lookups wait together (`worker.rows.pending_rows`)
 until one of them is used, or this many wait, and then travel in one exchange of ids and one of rows."""
 _TWO_64 = 1 << 64
 _CHUNK = 1 << 16

@@ -67,7 +67,7 @@ def window(server_buckets: dict[int, list[Bucket]], workers: int, early: bool = 
 
 class StepPipeline(Protocol):
     """A sync step's pieces on their way to the servers, some of which leave during the backward
-    (`worker.streaming`): what `WorkerTransport.pipeline` returns where the transport `streams`."""
+    (`worker.pipeline.streaming`): what `WorkerTransport.pipeline` returns where the transport `streams`."""
 
     def room(self, server: int) -> bool:
         """Whether a piece for `server` may leave now, without waiting."""
@@ -109,7 +109,7 @@ class WorkerTransport(ABC):
     @classmethod
     def bandwidth(cls, config: JobConfig, store: dist.Store) -> float | None:
         """The bytes/s this worker reaches the slowest server at, measured now (before any plan: the piece
-        size is chosen from it, `worker.piece_size`, with `link_rate`); None when this transport does not
+        size is chosen from it, `worker.pipeline.piece_size`, with `link_rate`); None when this transport does not
         measure it."""
         return None
 
@@ -195,7 +195,7 @@ class WorkerTransport(ABC):
 
     def pipeline(self, versions: dict[int, int]) -> StepPipeline:
         """A sync step's pieces, some of which may leave before the step (during the backward:
-        `worker.streaming`), pulled at `versions`. A transport with `capabilities.streams` implements it."""
+        `worker.pipeline.streaming`), pulled at `versions`. A transport with `capabilities.streams` implements it."""
         raise NotImplementedError(f"{type(self).__name__} sends no piece of a step during the backward")
 
 

@@ -204,7 +204,8 @@ class RpcTransport(WorkerTransport):
         return self.pipeline(versions).finish(heads, pieces)
 
     def pipeline(self, versions: dict[int, int]) -> Pipeline:
-        """A sync step's pieces, some of which may leave before the step (during the backward: `worker.streaming`)."""
+        """A sync step's pieces, some of which may leave before the step (during the backward:
+        `worker.pipeline.streaming`)."""
         return Pipeline(self, versions)
 
     def finish(self, versions: dict[int, int], coefficient: float | None) -> dict[int, Snapshot]:
@@ -250,7 +251,7 @@ class Pipeline:
     """One sync step's pieces on their way to the servers, at most a window of them unanswered per server (a
     worker ahead of the others waits for their parts of its oldest piece, which keeps W workers' pushes into
     one server link in step, as BytePS's credits do). During the backward a piece leaves when `room` says
-    its server's window has some (`worker.streaming` never waits); `finish` sends the step's heads and the
+    its server's window has some (`worker.pipeline.streaming` never waits); `finish` sends the step's heads and the
     rest, and waits."""
 
     def __init__(self, transport: RpcTransport, versions: dict[int, int]):

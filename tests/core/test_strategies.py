@@ -14,7 +14,7 @@ from gradsync.config import ConfigError, JobConfig, default_servers
 from gradsync.core import settings
 from gradsync.core.strategies import STRATEGIES, Dense, Saved, Tables, traits
 from gradsync.core.transport_capabilities import CAPABILITIES
-from gradsync.worker.strategy import Strategy
+from gradsync.worker.strategies.strategy import Strategy
 
 PACKAGE = pathlib.Path(gradsync.__file__).parent
 TABLE_MODULE = PACKAGE / "core" / "strategies.py"

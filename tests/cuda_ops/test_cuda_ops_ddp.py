@@ -1,4 +1,4 @@
-"""The allreduce strategy's DDP hooks (`gradsync.worker.ddp_hooks.make_ddp_hook`) in a real
+"""The allreduce strategy's DDP hooks (`gradsync.worker.ddp.ddp_hooks.make_ddp_hook`) in a real
 2-process gloo group on 127.0.0.1, against a plain mean all-reduce.
 
 Each rank trains nothing: for a few steps it runs the same small model on its
@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradsync.launcher.local_job import host_store
-from gradsync.worker.ddp_hooks import make_ddp_hook
+from gradsync.worker.ddp.ddp_hooks import make_ddp_hook
 
 WORLD = 2
 STEPS = 4

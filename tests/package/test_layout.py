@@ -120,3 +120,32 @@ def test_the_architecture_page_names_every_module():
     missing = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
                      if p.name != "__init__.py" and "_pb2" not in p.name and p.name not in drawn)
     assert not missing, f"modules docs/architecture.md's package map does not name: {missing}"
+
+
+WORKER_CONCERNS = {"strategies", "rows", "pipeline", "module", "ddp"}
+"""worker/'s folders: the strategies, the tables trained by rows (a folder of layouts), ps's gradients on their way,
+the user's module and optimizer, DDP's pieces."""
+LAYOUT_HALVES = {"served_tables", "served_dynamic", "sharded_tables", "sharded_dynamic", "pending_rows"}
+"""The modules of worker/rows/ that only a layout reaches (a strategy calls the layout's protocol)."""
+
+
+def test_the_worker_side_is_a_folder_per_concern():
+    worker = PACKAGE / "worker"
+    assert {p.name for p in worker.iterdir() if p.suffix == ".py"} == {"__init__.py"}
+    assert {p.name for p in worker.iterdir() if (p / "__init__.py").exists()} == WORKER_CONCERNS
+
+
+def test_every_row_layout_implements_the_whole_protocol_and_strategies_call_only_it():
+    """A strategy reads as a dense part plus a layout: each layout of worker/rows/ is a `RowLayout` with every
+    method of the protocol, and no strategy imports a layout's halves."""
+    import inspect
+
+    from gradsync.worker.rows import layout, replicated, served, sharded
+
+    for module, name in ((served, "ServedRows"), (sharded, "ShardedRows"), (replicated, "ReplicatedRows")):
+        cls = getattr(module, name)
+        assert issubclass(cls, layout.RowLayout) and not inspect.isabstract(cls), name
+    modules = _modules()
+    reached = sorted(f"{m} imports {i}" for m, p in modules.items() if m.startswith("gradsync.worker.strategies.")
+                     for i in _imports(p, set(modules)) if i.rsplit(".", 1)[-1] in LAYOUT_HALVES)
+    assert not reached, reached

@@ -1,5 +1,5 @@
 """A sync ps loop whose steps change shape (one backward, two, two under no_sync, a skipped step, a
-GradScaler), so that the pieces a worker sends during the backward (`gradsync.worker.streaming`) are sometimes
+GradScaler), so that the pieces a worker sends during the backward (`gradsync.worker.pipeline.streaming`) are sometimes
 right, sometimes superseded, sometimes void; and the same steps on one process."""
 from __future__ import annotations
 

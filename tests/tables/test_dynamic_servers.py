@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import gradsync
-from gradsync.worker.plain_module import Attachments
+from gradsync.worker.module.plain_module import Attachments
 from gradsync.core import malloc
 from gradsync.core.buckets import ModelSpec
 from gradsync.core.errors import GradientError
@@ -31,8 +31,8 @@ from gradsync.tables.placement import merge_rows
 from gradsync.tables.row_init import HashedUniform
 from gradsync.cli.job_status import final_status_table
 from gradsync.tables.dynamic_checkpoint import rehomed, with_delta
-from gradsync.worker import served_dynamic
-from gradsync.worker.served_dynamic import ServedDynamic
+from gradsync.worker.rows import served_dynamic
+from gradsync.worker.rows.served_dynamic import ServedDynamic
 
 DIM, WORKERS = 3, 2
 _RNG = random.Random(5)
@@ -335,8 +335,7 @@ def test_a_sync_push_reply_ends_the_step_and_the_workers_call_no_end():
                                                                                      evict="lru")
         sync_step(servers, 0, 3, ends=False)
         sync_step(reference, 0, 3)
-        served = ServedDynamic(model, 2, optimizer, "sync")
-        served.transport = servers
+        served = ServedDynamic(model, 2, optimizer, "sync", servers, None)
         ended = {s: dynamic_shard.step_end({"t": shard}) for s, shard in servers.shards.items()}
         served.end_step({s: Snapshot(1, [], {}, None if carried is None else (carried, e[1]))
                          for s, e in ended.items()})
@@ -372,8 +371,8 @@ def test_a_forwards_lookups_and_the_last_steps_evictions_go_to_every_server_in_o
     evictions first."""
     model = nn.ModuleDict({"t": gradsync.DynamicEmbedding(DIM, capacity=3),
                            "u": gradsync.DynamicEmbedding(DIM, capacity=3, mode="sum")})
-    served = ServedDynamic(model, 3, gradsync.RowSGD(lr=0.1), "sync")
-    served.transport = transport = _Recording()
+    transport = _Recording()
+    served = ServedDynamic(model, 3, gradsync.RowSGD(lr=0.1), "sync", transport, None)
     plan = {s: {"t": (torch.tensor([s]), torch.zeros(0, dtype=torch.int64))} for s in range(3)}
     served.evict(0, plan)
     ids = torch.tensor([i for i in range(100) if int(server_of(torch.tensor([i]), 3)) != 2][:6])
@@ -417,9 +416,8 @@ class _NoCalls:
 ])
 def test_a_served_table_refuses_bad_ids_before_any_call(ids, error, match):
     model = nn.Sequential(gradsync.DynamicEmbedding(2, capacity=4))
-    served = ServedDynamic(model, 2, gradsync.RowSGD(lr=0.1), "sync")
+    served = ServedDynamic(model, 2, gradsync.RowSGD(lr=0.1), "sync", _NoCalls(), None)
     served.take_over(Attachments())
-    served.transport = _NoCalls()
     with pytest.raises(error, match=match):
         model(ids)
 
@@ -432,9 +430,9 @@ def test_a_served_table_refuses_bad_ids_before_any_call(ids, error, match):
 def test_what_a_served_dynamic_table_refuses(mode, capacity, opt, match):
     model = nn.Sequential(gradsync.DynamicEmbedding(2, capacity=capacity))
     with pytest.raises(ValueError, match=match):
-        ServedDynamic(model, 3, opt, mode)
-    ServedDynamic(model, 3, gradsync.RowSGD(lr=0.1), "sync")  # sync bounds the whole table: any capacity
-    ServedDynamic(model, 2, gradsync.RowSGD(lr=0.1), mode)
+        ServedDynamic(model, 3, opt, mode, None, None)
+    ServedDynamic(model, 3, gradsync.RowSGD(lr=0.1), "sync", None, None)  # sync bounds the whole table: any capacity
+    ServedDynamic(model, 2, gradsync.RowSGD(lr=0.1), mode, None, None)
 
 
 def test_status_and_get_stats_show_each_server_part_and_the_whole_table(tmp_path):

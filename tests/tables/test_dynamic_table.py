@@ -454,10 +454,14 @@ def test_a_sharded_owner_looks_up_every_workers_ids_at_once_and_updates_only_the
     two of them counting one sighting and their lookups summed, give the rows and state of one lookup of the
     joint batch; of the step's gradients only the admitted ids' are kept."""
     import gradsync
-    from gradsync.worker.sharded_dynamic import ShardedDynamic
+    from gradsync.metrics.step_metrics import StepMetrics
+    from gradsync.worker.rows.sharded_dynamic import ShardedDynamic
+    from gradsync.worker.rows.sharded_tables import ShardedTables
 
     model = torch.nn.Sequential(gradsync.DynamicEmbedding(3, capacity=8, admit_after=2, evict="lfu"))
-    owner = ShardedDynamic(model, gradsync.RowSGD(lr=0.1), "sync", 0, 1, 10.0)
+    metrics = StepMetrics()
+    tables = ShardedTables({}, {}, 0, 1, 10.0, metrics, ["0"])
+    owner = ShardedDynamic(model, gradsync.RowSGD(lr=0.1), "sync", 0, 1, 10.0, tables, metrics)
     reference = gradsync.DynamicEmbedding(3, capacity=8, admit_after=2, evict="lfu").table
     first = torch.tensor([[5, 1], [-7, 2], [9, 1]])  # step 0: worker 0's (id, count) rows, then worker 1's
     asked = torch.cat([first, torch.tensor([[-7, 3], [11, 1]])])

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gradsync.worker.pending_rows import PendingRows, resolved
-from gradsync.worker.served_tables import output_shape
+from gradsync.worker.rows.pending_rows import PendingRows, resolved
+from gradsync.worker.rows.served_tables import output_shape
 
 
 class _Lookups:

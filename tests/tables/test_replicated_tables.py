@@ -1,6 +1,6 @@
 """gradsync.DynamicEmbedding under allreduce: a replica per worker. In one process: W replicas, each looking up
 its own part of every step and fed every worker's lookups and row gradients, end every step exactly as one table
-stepped on the joint batch (`DynamicTable.count_lookups`, `ReplicatedTables.apply`); the Trainer's refusals. In
+stepped on the joint batch (`DynamicTable.count_lookups`, `ReplicatedRows.apply`); the Trainer's refusals. In
 jobs (W = 2 and 4): parity with nn.Embedding and the user's AdamW beside it, every replica identical and equal to
 the single-process tables with eviction and admission, the state_dict keys, the bytes, bad ids; a checkpoint
 (a delta onto a full one) resumed bit for bit; a delta with no full one refused."""
@@ -17,7 +17,8 @@ from gradsync.core.errors import GradientError
 from gradsync.tables.dynamic_checkpoint import with_delta
 from gradsync.tables.dynamic_table import DynamicTable
 from gradsync.tables.row_init import HashedUniform
-from gradsync.worker.replicated_tables import ReplicatedTables
+from gradsync.metrics.step_metrics import StepMetrics
+from gradsync.worker.rows.replicated import ReplicatedRows
 
 LOW, HIGH = -2**63, 2**63 - 1
 RULES = [dict(evict="lru", admit_after=2), dict(evict="lfu", ttl_steps=2, admit_after=2, admit_probability=0.6),
@@ -66,7 +67,8 @@ def test_replicas_fed_every_workers_lookups_and_gradients_equal_one_table_on_the
         options = dict(capacity=2 + seed % 3, seed=seed, **rule)
         joint = gradsync.DynamicEmbedding(2, **options)
         layers = [gradsync.DynamicEmbedding(2, **options) for _ in range(workers)]
-        replicas = [ReplicatedTables(torch.nn.ModuleDict({"emb": layer}), optimizer, w, workers)
+        replicas = [ReplicatedRows(torch.nn.ModuleDict({"emb": layer}), optimizer, w, workers, "raise",
+                                   lambda: workers, StepMetrics())
                     for w, layer in enumerate(layers)]
         for ids, weights in split_steps(seed, workers, 12):
             losses = [(layer(torch.tensor(i, dtype=torch.int64)) * torch.tensor(w).unsqueeze(1)).sum() / workers
@@ -78,7 +80,8 @@ def test_replicas_fed_every_workers_lookups_and_gradients_equal_one_table_on_the
             joint.step(optimizer)
             parts = [replica.lookups(lambda rows: rows.grad * workers) for replica in replicas]  # each its sum
             for replica in replicas:
-                replica.apply([[part[0] for part in parts]], workers, 1.0, True)
+                replica.update([[part[0] for part in parts]], workers, 1.0, True)
+                replica.end_step()
             expected = joint.state_dict()
             for layer in layers:
                 state = layer.state_dict()
@@ -91,7 +94,8 @@ def test_replicas_fed_every_workers_lookups_and_gradients_equal_one_table_on_the
 @pytest.mark.parametrize("nonfinite", ["raise", "skip"])
 def test_a_nan_in_one_workers_row_gradients_is_refused_naming_it_or_skipped_on_every_replica(nonfinite):
     layers = [gradsync.DynamicEmbedding(2, capacity=8) for _ in range(2)]
-    replicas = [ReplicatedTables(torch.nn.ModuleDict({"users": layer}), gradsync.RowSGD(lr=1.0), w, 2, nonfinite)
+    replicas = [ReplicatedRows(torch.nn.ModuleDict({"users": layer}), gradsync.RowSGD(lr=1.0), w, 2, nonfinite,
+                               lambda: 2, StepMetrics())
                 for w, layer in enumerate(layers)]
     for layer, ids, scale in zip(layers, ([3, 4], [4, 5]), (1.0, float("nan"))):
         (layer(torch.tensor(ids)).sum() * scale).backward()
@@ -99,9 +103,10 @@ def test_a_nan_in_one_workers_row_gradients_is_refused_naming_it_or_skipped_on_e
     for replica, layer in zip(replicas, layers):
         if nonfinite == "raise":
             with pytest.raises(GradientError, match=r"'users.weight' from worker 1.*nonfinite='skip'"):
-                replica.apply([[part[0] for part in parts]], 2, 1.0, True)
+                replica.update([[part[0] for part in parts]], 2, 1.0, True)
             continue
-        replica.apply([[part[0] for part in parts]], 2, 1.0, True)
+        replica.update([[part[0] for part in parts]], 2, 1.0, True)
+        replica.end_step()
         state = layer.state_dict()  # the step's lookups counted, its rows as created
         assert state["ids"].tolist() == [3, 4, 5] and state["lookups"].tolist() == [1, 2, 1]
         assert torch.equal(state["weight"], HashedUniform(2)(torch.tensor([3, 4, 5]))) and state["step"] == 1
@@ -110,8 +115,8 @@ def test_a_nan_in_one_workers_row_gradients_is_refused_naming_it_or_skipped_on_e
 def test_a_dynamic_table_without_a_row_optimizer_is_refused_naming_it():
     model = torch.nn.ModuleDict({"users": gradsync.DynamicEmbedding(2, capacity=4)})
     with pytest.raises(ValueError, match=r"'users' is a gradsync.DynamicEmbedding.*table_optimizer=None.*RowSGD"):
-        ReplicatedTables(model, None, 0, 2)
-    ReplicatedTables(model, gradsync.RowSGD(lr=0.1), 0, 2)
+        ReplicatedRows(model, None, 0, 2, "raise", lambda: 2, StepMetrics())
+    ReplicatedRows(model, gradsync.RowSGD(lr=0.1), 0, 2, "raise", lambda: 2, StepMetrics())
     with pytest.raises(TypeError, match=r"'users' \(DynamicEmbedding\(dim=2, capacity=4\)\): ids must be an integer"):
         model["users"](torch.tensor([1.5]))
     assert model["users"].take_recorded().ids.numel() == 0 and model["users"].resident_rows == 0
@@ -120,18 +125,18 @@ def test_a_dynamic_table_without_a_row_optimizer_is_refused_naming_it():
 def test_a_delta_of_the_replicas_goes_onto_its_full_checkpoint_or_is_refused():
     def replicas():
         model = torch.nn.ModuleDict({"users": gradsync.DynamicEmbedding(2, capacity=4)})
-        return model, ReplicatedTables(model, gradsync.RowSGD(lr=0.1), 0, 2)
+        return model, ReplicatedRows(model, gradsync.RowSGD(lr=0.1), 0, 2, "raise", lambda: 2, StepMetrics())
 
     model, written = replicas()
     model["users"].table.lookup(torch.tensor([3, 5, 7]), 0)
-    full = written.checkpoint()
+    full = written.checkpoint(delta=False)
     model["users"].table.lookup(torch.tensor([9, -1]), 1)
     model["users"].table.evict_ids(torch.tensor([5]))
-    delta = written.checkpoint(full=False)
+    delta = written.checkpoint(delta=True)
     _, reader = replicas()
     with pytest.raises(ValueError, match=r"^the checkpoint holds a delta of dynamic table 'users' and names no full"):
-        reader.restore(delta, None, "the checkpoint")
-    reader.restore(delta, full, "the checkpoint")
+        reader.restore([delta], "the checkpoint", None)
+    reader.restore([delta], "the checkpoint", lambda: full)
     assert reader.layers["users"].table.state()["ids"].tolist() == [-1, 3, 7, 9]
 
 

@@ -11,8 +11,8 @@ import torch
 
 import gradsync
 from gradsync.tables.row_partition import owners
-from gradsync.worker import pending_rows, sharded_tables
-from gradsync.worker.sharded_tables import HEADER, ID_CAPACITY
+from gradsync.worker.rows import pending_rows, sharded_tables
+from gradsync.worker.rows.sharded_tables import HEADER, ID_CAPACITY
 from helpers import check_timeline_order, max_diff
 from dynamic_models import TABLES, dyn_batch, reference_dynamic, reference_first_sight, train_sharded
 from sharded_models import DIM, ROWS_EMB, BagNet, Case, bag_batch, reference_bags, train_bags

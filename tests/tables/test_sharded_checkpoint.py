@@ -17,8 +17,9 @@ from gradsync.config import ConfigError, JobConfig
 from gradsync.ps import shard_file
 from gradsync.runtime import checkpoints
 from gradsync.tables.id_hash import server_of
-from gradsync.worker.sharded_dynamic import ShardedDynamic
-from gradsync.worker.sharded_tables import ShardedTables
+from gradsync.metrics.step_metrics import StepMetrics
+from gradsync.worker.rows.sharded_dynamic import ShardedDynamic
+from gradsync.worker.rows.sharded_tables import ShardedTables
 from helpers import max_diff
 from sharded_models import SeenNet, train_resumed
 
@@ -29,7 +30,8 @@ OPTIMIZERS = {"acc": gradsync.RowAdagrad(lr=0.1), "momentum": gradsync.RowSGD(lr
 def _tables(worker: int, workers: int) -> ShardedTables:
     """Worker `worker`'s rows of one table per row optimizer, built on the meta device (no collective)."""
     modules = {f"{name}.weight": nn.Embedding(ROWS, DIM, device="meta") for name in OPTIMIZERS}
-    tables = ShardedTables(modules, {f"{n}.weight": (o, None) for n, o in OPTIMIZERS.items()}, worker, workers, 1.0)
+    rows = {f"{n}.weight": (o, None) for n, o in OPTIMIZERS.items()}
+    tables = ShardedTables(modules, rows, worker, workers, 1.0, StepMetrics())
     tables.take_rows({name: module.weight for name, module in modules.items()})
     return tables
 
@@ -97,7 +99,8 @@ def _dynamic(worker: int, workers: int, ids: torch.Tensor | None = None) -> Shar
     """Worker `worker`'s part of a dynamic table '0'; with `ids`, holding its ids of them (row: id / 2^60) at
     step 7 (no collective)."""
     model = nn.Sequential(gradsync.DynamicEmbedding(DIM, capacity=100))
-    dynamic = ShardedDynamic(model, gradsync.RowAdagrad(lr=0.1), "sync", worker, workers, 1.0)
+    tables = ShardedTables({}, {}, worker, workers, 1.0, StepMetrics(), ["0"])
+    dynamic = ShardedDynamic(model, gradsync.RowAdagrad(lr=0.1), "sync", worker, workers, 1.0, tables, None)
     if ids is not None:
         mine = ids[server_of(ids, workers) == worker]
         dynamic.parts["0"].table.load({"ids": mine, "weight": mine.unsqueeze(1).expand(-1, DIM) / 2**60, "step": 7})

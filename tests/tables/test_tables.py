@@ -8,7 +8,7 @@ import torch.distributed.autograd as dist_autograd
 from torch import nn
 
 import gradsync
-from gradsync.worker.plain_module import Attachments
+from gradsync.worker.module.plain_module import Attachments
 from gradsync.core.optimizer_spec import OptimizerSpec
 from gradsync.core.buckets import TensorSpec
 from gradsync.core.errors import GradientError
@@ -20,7 +20,7 @@ from gradsync.ps.messages import Push, RowGrads
 from gradsync.ps.shard import ShardState
 from gradsync.ps.table_shard import TableShard
 from gradsync.metrics.step_metrics import StepMetrics
-from gradsync.worker.served_tables import ServedTables
+from gradsync.worker.rows.served_tables import ServedTables
 
 
 class Mixed(nn.Module):
@@ -161,8 +161,8 @@ def test_lookups_match_the_dense_modules_and_sum_duplicate_rows(servers):
     reference = copy.deepcopy(emb), copy.deepcopy(bag)
     expected = lookups(*reference)
     expected.backward()
-    served = ServedTables({"emb": emb, "bag": bag}, servers, StepMetrics())
-    served.transport = FakeTransport({"emb": emb.weight.detach().clone(), "bag": bag.weight.detach().clone()}, servers)
+    transport = FakeTransport({"emb": emb.weight.detach().clone(), "bag": bag.weight.detach().clone()}, servers)
+    served = ServedTables({"emb": emb, "bag": bag}, servers, StepMetrics(), transport)
     served.take_over(Attachments())
     assert emb.weight is None and not list(emb.parameters())  # the worker holds no table
     try:
@@ -257,7 +257,7 @@ def test_table_that_does_not_fit_is_refused(monkeypatch):
 def test_max_norm_is_refused_clearly():
     with pytest.raises(ValueError,
                        match=r"table 'e' has max_norm=1.0: .* build it without max_norm, or .*tables='dense'"):
-        ServedTables({"e": nn.Embedding(3, 2, max_norm=1.0)}, 1, StepMetrics())
+        ServedTables({"e": nn.Embedding(3, 2, max_norm=1.0)}, 1, StepMetrics(), None)
 
 
 @pytest.mark.parametrize("optimizer", [RowSGD(lr=1.0, momentum=0.5), RowAdagrad(lr=0.1)])
@@ -317,8 +317,8 @@ def test_hybrid_and_sharded_refuse_a_model_without_a_table_to_serve_naming_why_a
     from types import SimpleNamespace
 
     from gradsync.core.errors import NoTablesToServe
-    from gradsync.worker.hybrid_strategy import HybridStrategy
-    from gradsync.worker.sharded_strategy import ShardedStrategy
+    from gradsync.worker.strategies.hybrid_strategy import HybridStrategy
+    from gradsync.worker.strategies.sharded_strategy import ShardedStrategy
 
     model = nn.Sequential(nn.Embedding(400, 8), nn.Linear(8, 300))  # the table: over a tenth of the model
     momentum = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -336,7 +336,7 @@ def test_hybrid_and_sharded_refuse_a_model_without_a_table_to_serve_naming_why_a
 
 
 def test_why_every_table_stays_dense_names_each_table_and_each_cause():
-    from gradsync.worker.served_tables import why_dense
+    from gradsync.worker.rows.choice import why_dense
 
     mixed = Mixed()
     spec = OptimizerSpec.of(torch.optim.SGD(mixed.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4), mixed)
@@ -364,13 +364,13 @@ def test_why_every_table_stays_dense_names_each_table_and_each_cause():
 
 @pytest.mark.parametrize("rows,said", [(400, True), (20, False)])
 def test_a_table_left_dense_is_named_only_when_it_is_a_tenth_of_the_model_or_more(capsys, rows, said):
-    from gradsync.worker.served_tables import WORTH_SERVING_SHARE, serve_tables
+    from gradsync.worker.rows.choice import WORTH_SERVING_SHARE, choose_tables
 
     model = nn.Sequential(nn.Embedding(rows, 8), nn.Linear(8, 300))  # 2,700 parameters beside the table
     share = rows * 8 / sum(p.numel() for p in model.parameters())
     assert (share >= WORTH_SERVING_SHARE) == said  # 400 rows: 54% of the model; 20 rows: 6%
     spec = OptimizerSpec.of(torch.optim.AdamW(model.parameters()), model)
-    tables, _ = serve_tables(model, "auto", 1, None, spec, None, send=True, attached=Attachments())
-    assert not tables.specs  # AdamW has no exact row-wise form: the table stays dense either way
+    chosen, _ = choose_tables(model, "auto", spec, None, say=True)
+    assert not chosen  # AdamW has no exact row-wise form: the table stays dense either way
     out = capsys.readouterr().out
     assert out.count("embedding table '0.weight'") == (1 if said else 0)

@@ -19,7 +19,7 @@ from gradsync.transport.grpc import servicer
 from gradsync.ps.server import ParameterServer
 from gradsync.transport import registry
 from gradsync.transport.base import RankTransport, WorkerTransport
-from gradsync.worker.ps_strategy import PSStrategy
+from gradsync.worker.strategies.ps_strategy import PSStrategy
 
 NAMES = registry.names()
 STRATEGIES = settings.STRATEGY.choices

@@ -9,7 +9,7 @@ import gradsync
 from gradsync.config import JobConfig
 from gradsync.core.job_names import StoreKeys
 from gradsync.core.transport_capabilities import capabilities
-from gradsync.worker.piece_size import (LARGEST_MB, PIECE_CPU_S, SMALLEST_MB, SPLIT_S_PER_BYTE, best_piece_mb,
+from gradsync.worker.pipeline.piece_size import (LARGEST_MB, PIECE_CPU_S, SMALLEST_MB, SPLIT_S_PER_BYTE, best_piece_mb,
                                         overhead_s, pipeline_pays, pipelined, step_plan, whole_step_overhead_s)
 
 MB = 2**20

@@ -1,10 +1,10 @@
-"""The user's module stays an ordinary PyTorch module under every strategy and table layout (`worker.plain_module`):
+"""The user's module stays an ordinary PyTorch module under every strategy and table layout (`worker.module.plain_module`):
 a fixed table served by rows (ps, hybrid) or split over the workers (sharded), a dynamic table on the servers, the
 workers or as replicas (allreduce), a dense head. One job per layout (`plain_models.plain_module_job`)."""
 import pytest
 import torch
 
-from gradsync.worker.plain_module import check_gatherable
+from gradsync.worker.module.plain_module import check_gatherable
 
 from jobs import make_mlp
 from plain_models import ROWS, TableNet, dense_load_job, plain_copies, plain_module_job

@@ -58,7 +58,7 @@ def test_schedules_and_clipping_reach_every_server_exactly_with_sgd(launch, stra
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("pipeline", ["on", "off"])
 def test_a_schedule_without_clipping_matches_single_process_in_pieces_and_in_whole_steps(launch, pipeline):
-    """The two sync ps steps a job may plan (`worker.piece_size.step_plan`): the options a scheduler changes
+    """The two sync ps steps a job may plan (`worker.pipeline.piece_size.step_plan`): the options a scheduler changes
     travel with the pieces' head, or with the whole push."""
     results = launch(train, strategy="ps", workers=2, servers=2, pipeline=pipeline,
                      args=(STEPS, "sgd", "onecycle", None), timeout=280)

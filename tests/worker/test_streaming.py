@@ -1,4 +1,4 @@
-"""Gradients that leave during the backward (`gradsync.worker.streaming`): a bucket's piece leaves once the
+"""Gradients that leave during the backward (`gradsync.worker.pipeline.streaming`): a bucket's piece leaves once the
 backward has produced every entry's gradient; a numbered piece supersedes the same bucket's earlier ones, the
 step's head names the one that counts and a whole push voids them; and a loop whose steps change shape (two
 backwards, no_sync, a skipped step, a GradScaler) still ends where single-process training ends."""
@@ -14,7 +14,7 @@ from gradsync.core.futures import resolved
 from gradsync.core.optimizer_spec import OptimizerSpec
 from gradsync.ps.staging import Staging
 from gradsync.ps.sync_rule import SyncRule
-from gradsync.worker.streaming import GradientStream
+from gradsync.worker.pipeline.streaming import GradientStream
 from helpers import max_diff
 from shards import make_pieced_shard, piece_part
 from streaming_loops import PATTERN, reference_shapes, train_shapes

@@ -1,4 +1,4 @@
-"""The user's own optimizer object under a Trainer (`gradsync.worker.user_optimizer`), in one process: its step
+"""The user's own optimizer object under a Trainer (`gradsync.worker.module.user_optimizer`), in one process: its step
 runs only inside a trainer's step, LR schedulers built on it before or after still count each step, and a
 clip_grad_norm_ left inside a dist_autograd context is named once."""
 import warnings
@@ -8,8 +8,8 @@ import torch
 import torch.distributed.autograd as dist_autograd
 
 from gradsync.core import torch_internals as ti
-from gradsync.worker import user_optimizer
-from gradsync.worker.user_optimizer import StepGuard
+from gradsync.worker.module import user_optimizer
+from gradsync.worker.module.user_optimizer import StepGuard
 
 
 def _sgd():

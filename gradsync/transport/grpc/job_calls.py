@@ -11,7 +11,7 @@ whose reply is the server's snapshot after the step, which the next forward uses
 without a pull (as over torch RPC); a sync step without clipping or a GradScaler is a
 pipeline inside that stream (`JobPushHeader.pieces`: each bucket applied and sent
 back while the next is still coming up). Worker 0 times the link with JobProbe calls
-for the piece size (`worker.piece_size`). Its capabilities: the ps strategy, no
+for the piece size (`worker.pipeline.piece_size`). Its capabilities: the ps strategy, no
 compression, no row-wise tables, no joining workers
 (`gradsync.core.transport_capabilities`).
 """

@@ -8,14 +8,14 @@ parameter's gradient once and knows which parameters got none. `step` reads
 the gradients from the dist_autograd context, packs them into the bucket plan
 (with the entries that got no gradient listed), encodes them (`ps.gradient_codecs`) and
 pushes them: in sync mode without clipping or a GradScaler as pieces (unless
-the job's plan, `worker.piece_size.step_plan`, sends steps whole: gRPC on one
+the job's plan, `worker.pipeline.piece_size.step_plan`, sends steps whole: gRPC on one
 machine, or a model too small for a pipeline to pay behind its link), one
 call per bucket in the forward's order, each answered with that bucket's
 values once its server has applied it (`transport.rpc.Pipeline`); else one
 call per server. Over torch RPC most pieces leave during the backward, from a
 `GradientStream` on the context's leaves (sync, async and ssp; async and ssp
 servers keep them until the push names them). The bucket plan's size comes
-from `worker.piece_size` when `bucket_cap_mb` is unset. The replies make the
+from `worker.pipeline.piece_size` when `bucket_cap_mb` is unset. The replies make the
 snapshot after the step, which the next forward uses without another pull. Frozen parameters
 (`requires_grad=False`) never travel after registration. A worker that ran
 out of data (`join`) tells the servers through the store (`gradsync.membership.uneven_data`).
@@ -57,28 +57,22 @@ from gradsync.metrics.timeline import HEAD
 from gradsync.metrics.traffic import head_bytes
 from gradsync.ps.gradient_codecs import make_wire
 from gradsync.ps.messages import Agreement, Partial, Piece, PipelineHead, Push, Rejoined, Setup, Snapshot
+from gradsync.tables.placement import table_specs
 from gradsync.transport.registry import transport
-from gradsync.worker.amp import inverse_scale, record_found_inf
-from gradsync.worker.model_state import named_tensors, ordered, to_state_dict
-from gradsync.worker.piece_size import pipelined, step_plan
-from gradsync.worker.plain_module import Attachments
-from gradsync.worker.served_dynamic import serve_dynamic
-from gradsync.worker.served_optimizer import ServedState, serve_state
-from gradsync.worker.served_tables import serve_tables
-from gradsync.worker.strategy import Strategy
-from gradsync.worker.streaming import GradientStream, dense, next_seq
-from gradsync.worker.user_optimizer import StepGuard
+from gradsync.worker.module.amp import inverse_scale, record_found_inf
+from gradsync.worker.module.model_state import named_tensors, ordered, to_state_dict
+from gradsync.worker.module.plain_module import Attachments
+from gradsync.worker.module.served_optimizer import ServedState, serve_state
+from gradsync.worker.module.user_optimizer import StepGuard
+from gradsync.worker.pipeline.piece_size import pipelined, step_plan
+from gradsync.worker.pipeline.streaming import GradientStream, dense, next_seq
+from gradsync.worker.rows.choice import choose_tables
+from gradsync.worker.rows.served import ServedRows
+from gradsync.worker.strategies.on_servers import OnServers
+from gradsync.worker.strategies.strategy import Strategy
 
 if TYPE_CHECKING:  # imports point one way: the start-up code (cluster) builds the strategies
     from gradsync.runtime.cluster import Cluster
-
-
-def _scaled(grads: dict[str, torch.Tensor], rows: dict, factor: float) -> tuple[dict[str, torch.Tensor], dict]:
-    """The dense gradients and row gradients times `factor` (a GradScaler's inverse scale)."""
-    return (
-        {n: g * factor for n, g in grads.items()},
-        {s: {t: r.times(factor) for t, r in per.items()} for s, per in rows.items()},
-    )
 
 
 def whole_params(
@@ -145,7 +139,7 @@ class PSModel(nn.Module):
         return functional_call(self.module, pulled.tensors, args, kwargs)
 
 
-class PSStrategy(Strategy):
+class PSStrategy(OnServers, Strategy):
     """Pull / push against the parameter servers. Every worker must construct it (a barrier)."""
 
     model: PSModel
@@ -171,28 +165,12 @@ class PSStrategy(Strategy):
         chosen = transport(config.transport)
         if tables == "rows" and not chosen.capabilities.row_tables:
             raise ValueError(chosen.capabilities.rows_refusal())
-        self.attached = Attachments()  # what the module's own copies, saves and loads see (`plain_module`)
-        self.tables, table_setups = serve_tables(
-            module,
-            tables if chosen.capabilities.row_tables else "dense",
-            config.servers,
-            self.metrics,
-            spec,
-            table_optimizer,
-            send=self.worker == 0,
-            attached=self.attached,
-        )
-        self.dynamic = serve_dynamic(
-            module,
-            chosen.capabilities,
-            config,
-            table_optimizer,
-            table_setups if self.worker == 0 else None,
-            self.attached,
+        row_tables, row_options = choose_tables(
+            module, tables if chosen.capabilities.row_tables else "dense", spec, table_optimizer, say=self.worker == 0
         )
         params, buffers = named_tensors(module)
-        self.params, self.buffers = params, buffers  # the user's module's: pointed at the servers' values
-        self.spec = ModelSpec.of(params, buffers, self.tables.specs)
+        params = {n: p for n, p in params.items() if n not in row_tables}  # their weights leave the module
+        self.spec = ModelSpec.of(params, buffers, table_specs(row_tables))
         sizes = [t.nbytes for t in self.spec.params]
         pipeline = pipelined(config, chosen.capabilities)
         measure = lambda: chosen.worker.bandwidth(config, cluster.store) if pipeline else None  # noqa: E731
@@ -206,29 +184,42 @@ class PSStrategy(Strategy):
         self.wire = make_wire(config.compression)
         early = applied_early(spec.cls, config.nonfinite, config.worker_loss == "drop")
         self.transport = chosen.worker(config, cluster.store, self.server_buckets, self.metrics.timeline, early)
-        # a step's pieces may leave during the backward (worker.streaming): decided per context from the last
+        self.attached = Attachments()  # what the module's own copies, saves and loads see (`plain_module`)
+        self.rows = ServedRows(
+            module,
+            row_tables,
+            row_options,
+            config=config,
+            capabilities=chosen.capabilities,
+            table_optimizer=table_optimizer,
+            optimizer=optimizer,
+            transport=self.transport,
+            metrics=self.metrics,
+            attached=self.attached,
+            send=self.worker == 0,
+        )
+        self.params, self.buffers = named_tensors(module)  # the user's module's: pointed at the servers' values
+        # a step's pieces may leave during the backward (worker.pipeline.streaming): decided per context from the last
         self._streams = chosen.capabilities.streams and self._pipelined and not clipping.on and not self.wire.stateful
         self._stream_next = False
         self._stream: tuple[int, GradientStream] | None = None
         self._quiet = False  # inside trainer.no_sync()
         self.joiner = Joiner(cluster.store, cluster.config, cluster.heartbeat, self.servers)
-        self.tables.transport = self.dynamic.transport = self.transport  # built after the tables (their specs)
-        self.dynamic.metrics = self.metrics  # its lookups count as pull, not compute
         self.replaced = config.replacement > 0  # this process replaces a worker that died (worker_loss wait)
         self._rejoining = False  # a replacement, before its first step
         self._late: dict[int, Rejoined] = {}  # a replacement's servers that closed its first step before it came
         self._late_values: set[int] = set()  # those whose values come after a held first step's finish
         self.rejoined_at: int | None = None  # a replacement: the steps the servers closed before it rejoined
-        if config.replaces_workers and self.dynamic.modules:
+        if config.replaces_workers and self.rows.holds_dynamic:
             raise ConfigError(
                 "worker_loss='wait' replaces dead workers of models without dynamic tables so far, and this model "
-                f"has {sorted(self.dynamic.modules)} (gradsync.DynamicEmbedding): pass --worker-loss fail with "
+                f"has {sorted(self.rows.dynamic.modules)} (gradsync.DynamicEmbedding): pass --worker-loss fail with "
                 "--checkpoint-dir/--checkpoint-every to resume after a death"
             )
         if self.replaced:
             self.frozen, first = self._rejoin()
         else:
-            self.frozen, first = self._register(params, buffers, spec, table_setups), None
+            self.frozen, first = self._register(params, buffers, spec), None
         self.model = PSModel(module, self)
         loaded = optimizer.state_dict() if any(optimizer.state.values()) else None  # loaded before the Trainer
         assert spec.names is not None  # `OptimizerSpec.of` names each group's parameters
@@ -248,14 +239,13 @@ class PSStrategy(Strategy):
         self.grad_norm: float | None = None
         # what the next forward runs on, the module points at
         self._next: _Pulled | None = self._build(first or self.transport.pull())
-        self.tables.serving = self.dynamic.serving = True
-        self.loads = 0  # the module loads sent to the servers (`_commit_load`)
-        self.attached.on_load(module.modules(), (self.tables, self.dynamic), self._commit_load, self._repull)
+        self.rows.begin_serving()
+        self.attached.on_load(module.modules(), (self.rows,), self._commit_load, self._repull)
         cluster.leaving.append(self.attached.detach)
         if self.worker == 0 and loaded is not None and not self.replaced:  # the servers hold it already
             optimizer.load_state_dict(loaded)
 
-    def _register(self, params, buffers, spec: OptimizerSpec, table_setups) -> dict[str, torch.Tensor]:
+    def _register(self, params, buffers, spec: OptimizerSpec) -> dict[str, torch.Tensor]:
         setups: dict[int, Setup | None] = {s: None for s in self.servers}
         if self.worker == 0:
             frozen = {t.name: params[t.name] for t in self.spec.frozen}
@@ -267,7 +257,7 @@ class PSStrategy(Strategy):
                     mine(buffers),
                     mine(frozen),
                     spec,
-                    table_setups[s],
+                    self.rows.setups[s],
                     self.config.servers,
                 )
         return self.transport.register(self.spec, setups)
@@ -285,7 +275,8 @@ class PSStrategy(Strategy):
                 "can leave between them"
             )
         self._late = {s: a for s, a in answers.items() if a.closed > first}
-        self._rejoining, self.tables.before = True, frozenset(self._late)
+        self._rejoining = True
+        self.rows.take_before(frozenset(self._late))
         current = self.transport.pull()
         values = {s: cast(Snapshot, a.before) if s in self._late else a.begun or current[s] for s, a in answers.items()}
         self.rejoined_at = first
@@ -298,19 +289,12 @@ class PSStrategy(Strategy):
         self.params, self.buffers = named_tensors(self.model.module)  # new objects after load_state_dict(assign=)
         values = {n: t.detach() for n, t in {**self.params, **self.buffers}.items()}
         self.frozen = {n: values[n] for n in self.frozen}
-        self.loads += 1
-        self.transport.load_values(
-            self.loads,
-            {
-                s: (
-                    [b.flatten(values) for b in self.server_buckets[s]],
-                    {**{n: values[n] for n, owner in self.owner.items() if owner == s}, **self.tables.loaded_rows(s)},
-                )
-                for s in self.servers
-            },
+        self.rows.commit_load(
+            lambda s: (
+                [b.flatten(values) for b in self.server_buckets[s]],
+                {n: values[n] for n, owner in self.owner.items() if owner == s},
+            )
         )
-        self.tables.discard_load()
-        self.dynamic.commit_load()
         self._last, self._next = None, self._build(self.transport.pull())
 
     def _repull(self) -> None:
@@ -340,7 +324,7 @@ class PSStrategy(Strategy):
         return pulled
 
     def _listen(self, context_id: int, pulled: _Pulled) -> None:
-        """Hook this context's backward (`worker.streaming`): its pieces leave as they are ready when the last
+        """Hook this context's backward (`worker.pipeline.streaming`): its pieces leave as they are ready when the last
         step showed it safe, else it is only watched."""
         if self._stream is not None:
             self._stream[1].close()
@@ -388,11 +372,9 @@ class PSStrategy(Strategy):
         pulled = self._pulled_for(context_id)
         start = time.perf_counter()
         stream, streamed = self._take_stream(context_id)
-        grads, rows = self._gradients(context_id, pulled)
+        grads, rows = self._gradients(context_id, pulled, scaler)
         self._last, self._stepped = None, context_id
         unscale = inverse_scale(scaler)
-        if unscale != 1.0:
-            grads, rows = _scaled(grads, rows, unscale)
         agree = self._agreement(scaler)
         if agree is None and self._dropped_here(grads, rows, scaler):
             self.metrics.committed(start, 0, 0)
@@ -422,7 +404,8 @@ class PSStrategy(Strategy):
         waiting on its oldest piece in another order would wait on them while they wait on it); the others
         (`_late`) closed it with the dead process's part (the same bits) and answer with their values now, or,
         when it was held, with their part of its norm, its finish going to the others alone (`_finish`)."""
-        late, self._late, self._rejoining, self.tables.before = self._late, {}, False, frozenset()
+        late, self._late, self._rejoining = self._late, {}, False
+        self.rows.take_before(frozenset())
         pushes = {s: out.push(s, agree) for s in self.servers if s not in late}
         fresh = self.transport.push({s: pulled.versions[s] for s in pushes}, pushes) if pushes else {}
         if agree is not None:
@@ -439,13 +422,14 @@ class PSStrategy(Strategy):
         stream, self._stream = self._stream[1], None
         return stream, stream.close()
 
-    def _gradients(self, context_id: int, pulled: _Pulled) -> tuple[dict[str, torch.Tensor], dict]:
-        """The context's dense gradients by parameter name, and its tables' row gradients by server."""
+    def _gradients(self, context_id: int, pulled: _Pulled, scaler) -> tuple[dict[str, torch.Tensor], dict]:
+        """The context's dense gradients by parameter name, and its tables' row gradients by server, unscaled by
+        `scaler` (a GradScaler)."""
         by_leaf = dist_autograd.get_gradients(context_id)
         grads = {n: dense(by_leaf[leaf]) for n, leaf in pulled.leaves.items() if leaf in by_leaf}
-        rows = self.tables.row_grads(context_id, by_leaf)
-        for s, per in self.dynamic.row_grads(context_id, by_leaf).items():
-            rows[s].update(per)
+        rows = self.rows.gradients(context_id, by_leaf, scaler).pushes
+        if (unscale := inverse_scale(scaler)) != 1.0:
+            grads = {n: g * unscale for n, g in grads.items()}
         if not grads and not any(rows.values()):
             raise no_gradients_error(context_id)
         return grads, rows
@@ -549,7 +533,7 @@ class PSStrategy(Strategy):
             fresh = self._finish(fresh, scaler)
         elif scaler is not None:
             record_found_inf(scaler, False)
-        self.dynamic.end_step(fresh)
+        self.rows.end_step(fresh)
         self._next = self._build(fresh)
         self._stream_next = stream is not None and scaler is None and not stream.resend
         if stream is not None:  # pieces that left and were superseded: bytes on the link all the same
@@ -581,25 +565,13 @@ class PSStrategy(Strategy):
         return fresh
 
     def model_sizes(self, trainable: int) -> dict[str, int]:
-        """The tables' sizes (`ServedTables.model_sizes`) and the largest piece's elements (the cost model's)."""
-        return {**self.tables.model_sizes(trainable), "largest_piece": max((b.numel for b in self.buckets), default=0)}
-
-    def server_stats(self) -> dict[int, dict]:
-        self.dynamic.send_evictions()
-        return self.transport.stats()
-
-    def checkpoint_servers(self, directory: str, base: str | None = None) -> dict[int, tuple[str, int]]:
-        self.dynamic.send_evictions()
-        return self.transport.checkpoint(directory, base)
-
-    @property
-    def servers_hold_dynamic(self) -> bool:
-        return bool(self.dynamic.modules)
+        """The tables' sizes (`RowLayout.model_sizes`) and the largest piece's elements (the cost model's)."""
+        return {**self.rows.model_sizes(trainable), "largest_piece": max((b.numel for b in self.buckets), default=0)}
 
     @contextlib.contextmanager
     def no_sync(self):
         """`Trainer.no_sync`: the gradients travel once per step anyway; backward passes inside it send nothing
-        ahead of the step (`worker.streaming`)."""
+        ahead of the step (`worker.pipeline.streaming`)."""
         self._quiet = True
         try:
             yield
@@ -613,10 +585,10 @@ class PSStrategy(Strategy):
         tables' lookups go on at the step the servers are at (their last step's evictions sent before this worker
         says it joined: a worker that joined earlier looks up next without them)."""
         yield
-        self.dynamic.send_evictions()
+        self.rows.settle()
         self.joiner.announce()
         self.joiner.wait()
-        self.dynamic.resync()
+        self.rows.resume(None)
         self._last = None
         self._next = self._build(self.transport.pull())
 
@@ -640,7 +612,7 @@ class PSStrategy(Strategy):
         options (a schedule's lr), which the next push sends every server (tables whose rows follow a group)."""
         for group, options in zip(self.optimizer.param_groups, state["groups"]):
             group.update(options)
-        self.dynamic.resync()
+        self.rows.resume(state["step"])
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         states = self.transport.state()
@@ -648,6 +620,6 @@ class PSStrategy(Strategy):
         for _, _, named in states.values():
             values.update(named)
         self._point({n: t.clone() for n, t in values.items()})  # the module's own: the state returned is the caller's
-        tables = {**self.tables.whole_tables({s: named for s, (_, _, named) in states.items()}), **self.dynamic.state()}
-        with self.tables.own_state(), self.dynamic.own_state():
+        tables = self.rows.state(states)
+        with self.rows.own_state():
             return ordered(to_state_dict(self.model.module, values), tables, self.keys)

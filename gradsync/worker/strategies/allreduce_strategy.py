@@ -7,7 +7,7 @@ are averaged over the workers at each step, the same rule the parameter
 servers use, so both strategies compute the same thing.
 
 A `gradsync.DynamicEmbedding` is no DDP parameter: every worker keeps a replica of its table, and `step`
-exchanges the step's lookups and row gradients after the dense step (`worker.replicated_tables`).
+exchanges the step's lookups and row gradients after the dense step (`worker.rows.replicated`).
 
 NaN/Inf: a hook on each parameter checks this worker's own gradient before
 DDP averages it (one cheap sum, `core.finite`), and `step` checks the
@@ -70,15 +70,15 @@ from gradsync.metrics.step_metrics import StepMetrics
 from gradsync.metrics.traffic import allreduce_bytes, sparse_bytes
 from gradsync.runtime.failures import exit_now
 from gradsync.tables.placement import TableModule
-from gradsync.worker import ddp_join
-from gradsync.worker.amp import inverse_scale, record_found_inf
-from gradsync.worker.comm_timing import LastGradient, timed_hook
-from gradsync.worker.ddp_hooks import make_ddp_hook
-from gradsync.worker.model_state import named_tensors, to_state_dict
-from gradsync.worker.replicated_tables import ReplicatedTables
-from gradsync.worker.served_tables import WORTH_SERVING_SHARE
-from gradsync.worker.strategy import Strategy
-from gradsync.worker.user_optimizer import StepGuard
+from gradsync.worker.ddp import ddp_join
+from gradsync.worker.ddp.comm_timing import LastGradient, timed_hook
+from gradsync.worker.ddp.ddp_hooks import make_ddp_hook
+from gradsync.worker.module.amp import inverse_scale, record_found_inf
+from gradsync.worker.module.model_state import named_tensors, to_state_dict
+from gradsync.worker.module.user_optimizer import StepGuard
+from gradsync.worker.rows.choice import WORTH_SERVING_SHARE
+from gradsync.worker.rows.replicated import ReplicatedRows
+from gradsync.worker.strategies.strategy import Strategy
 
 if TYPE_CHECKING:  # imports point one way: the start-up code (cluster) builds the strategies
     from gradsync.runtime.cluster import Cluster
@@ -175,6 +175,19 @@ class _Model(nn.Module):
         return self.ddp.module
 
 
+def wait_for_trainers(cluster: Cluster) -> None:
+    """Wait until every worker has begun to build its Trainer (the start-up timeout), before a collective that
+    would wait for them bounded only by the step timeout; a worker that never builds one is named."""
+    config = cluster.config
+    wait_for_every_worker(
+        cluster.store,
+        StoreKeys.TRAINERS,
+        config.num_workers,
+        config.startup_timeout,
+        lambda missing, built: no_trainer_error(missing, built, config.startup_timeout),
+    )
+
+
 class AllreduceStrategy(Strategy):
     """DDP + local optimizer. Every worker must construct it (a collective)."""
 
@@ -188,32 +201,29 @@ class AllreduceStrategy(Strategy):
         clipping: Clipping = Clipping(),
         table_optimizer=None,
         replicate_dynamic: bool = True,
+        metrics: StepMetrics | None = None,
     ):
         """`replicate_dynamic`: keep a replica of every DynamicEmbedding (allreduce); False under hybrid and
-        sharded, whose dense part this is and which hold those rows elsewhere."""
+        sharded, whose dense part this is and which hold those rows elsewhere (`metrics`: theirs, which their
+        tables count in too)."""
         config = cluster.config
-        self.replicas = ReplicatedTables(
+        self.cluster = cluster
+        self.config = config
+        self.worker = config.worker_rank
+        self.metrics = metrics or StepMetrics()
+        self.rows = ReplicatedRows(
             module if replicate_dynamic else None,
             table_optimizer,
             config.worker_rank,
             config.num_workers,
             config.nonfinite,
+            lambda: self.active,
+            self.metrics,
         )
-        self.cluster = cluster
-        self.config = config
-        self.worker = config.worker_rank
-        self.metrics = StepMetrics()
         self.started = 0  # steps begun: contexts with a training forward (with grad)
         self._begun: int | None = None  # the context of the last step begun
         params, buffers = named_tensors(module)
-        # DDP's construction is a collective, bounded only by the step timeout: first every worker's Trainer
-        wait_for_every_worker(
-            cluster.store,
-            StoreKeys.TRAINERS,
-            config.num_workers,
-            config.startup_timeout,
-            lambda missing, built: no_trainer_error(missing, built, config.startup_timeout),
-        )
+        wait_for_trainers(cluster)  # DDP's construction is a collective, bounded only by the step timeout
         _check_same_model(ModelSpec.of(params, buffers), self.worker, config.num_workers)
         self.module = module
         self.trainable = [p for p in params.values() if p.requires_grad]  # what DDP averages
@@ -320,10 +330,15 @@ class AllreduceStrategy(Strategy):
 
     def step(self, context_id: int, scaler=None) -> bool:
         """Apply the optimizer to the averaged gradients of `context_id` (unscaled by `scaler`, a GradScaler,
-        and clipped, as a single-process loop does). Every worker must call it, once per context, after
-        `dist_autograd.backward` in that context. Returns False when the step was dropped for a NaN/Inf
-        (nonfinite='skip', or an inf/NaN under the scaler), the same on every worker."""
-        return self.dense_step(context_id, scaler) is not None
+        and clipped, as a single-process loop does), then the dynamic tables' rows to every replica
+        (`rows.replicated`). Every worker must call it, once per context, after `dist_autograd.backward` in
+        that context. Returns False when the step was dropped for a NaN/Inf (nonfinite='skip', or an inf/NaN
+        under the scaler), the same on every worker."""
+        rows = self.rows.gradients(context_id, dist_autograd.get_gradients(context_id), scaler)
+        coefficient, start = self._dense(context_id, scaler, None)
+        self.rows.end_step(self.rows.apply(rows, coefficient))
+        self._committed(start)
+        return coefficient is not None
 
     def dense_step(self, context_id: int, scaler=None, outside: list[float] | None = None) -> float | None:
         """`step` as the dense part of a strategy whose tables are held elsewhere (hybrid, sharded): `outside`,
@@ -331,6 +346,12 @@ class AllreduceStrategy(Strategy):
         clipping or a GradScaler (None: the tables' rows are not clipped with the dense layers). Returns the
         coefficient the dense gradients were multiplied by, which the tables' rows take too (1.0 without
         `outside`), or None when the step was dropped, the same on every worker."""
+        coefficient, start = self._dense(context_id, scaler, outside)
+        self._committed(start)
+        return coefficient
+
+    def _dense(self, context_id: int, scaler, outside: list[float] | None) -> tuple[float | None, float]:
+        """The dense layers' step (`dense_step`'s answer), and when it began."""
         if context_id == self._last_context:
             raise step_twice_error(context_id)
         start = time.perf_counter()
@@ -338,13 +359,13 @@ class AllreduceStrategy(Strategy):
         if not grads:
             raise no_gradients_error(context_id)
         self._last_context = context_id
-        unscale = inverse_scale(scaler)  # the scale the backward ran at: the step updates it
-        coefficient = self._apply([grads.get(p) for p in self.trainable], joined=False, scaler=scaler, outside=outside)
-        replicas_bytes = self.replicas.step(grads, self.active, unscale, coefficient is not None)
-        # the wait for DDP's last buckets after the last gradient is communication: commit, not compute
-        wire, self.rows_bytes = self.dense_bytes + self.rows_bytes + replicas_bytes, 0
+        return self._apply([grads.get(p) for p in self.trainable], joined=False, scaler=scaler, outside=outside), start
+
+    def _committed(self, start: float) -> None:
+        """The step's record: the wait for DDP's last buckets after the last gradient is communication (commit,
+        not compute)."""
+        wire, self.rows_bytes = self.dense_bytes + self.rows_bytes, 0
         self.metrics.committed(start - self.last_gradient.wait_before(start), wire, wire)
-        return coefficient
 
     def _apply(
         self, averaged: list[torch.Tensor | None], joined: bool, scaler=None, outside: list[float] | None = None
@@ -474,8 +495,8 @@ class AllreduceStrategy(Strategy):
                 self.started += 1  # a step this worker takes part in: it counts, as the others' do
                 self.cluster.steps += 1
                 grads = ddp_join.shadow_buckets(self.ddp)
-                applied = self._apply([grads.get(p) for p in self.trainable], joined=True) is not None
-                self.replicas.step({}, self.active, 1.0, applied)
+                coefficient = self._apply([grads.get(p) for p in self.trainable], joined=True)
+                self.rows.end_step(self.rows.apply(self.rows.gradients(None, {}), coefficient))
         finally:
             self._shadowing = False
         if self.counters:
@@ -483,33 +504,29 @@ class AllreduceStrategy(Strategy):
 
     @property
     def writes_deltas(self) -> bool:
-        return bool(self.replicas.layers)
+        return self.rows.holds_dynamic
 
     def local_state(self, delta: bool = False) -> dict:
         """What a checkpoint keeps of this worker: the model's and the optimizer's state; the dynamic tables'
-        replicas under "tables", with their row optimizer state (`ReplicatedTables.checkpoint`; `delta`: what
+        replicas under "tables", with their row optimizer state (`ReplicatedRows.checkpoint`; `delta`: what
         changed since the last full checkpoint), not in "model"."""
-        replicated = self.replicas.keys()
+        replicated = self.rows.keys()
         model = {k: v for k, v in self.module.state_dict().items() if k not in replicated}
-        return {
-            "model": model,
-            "optimizer": self.optimizer.state_dict(),
-            "tables": self.replicas.checkpoint(full=not delta),
-        }
+        return {"model": model, "optimizer": self.optimizer.state_dict(), **self.rows.checkpoint(delta)}
 
     def load_local_state(self, state: dict) -> None:
         """Take back `local_state()` of a checkpoint taken after step `state["step"]` (the replicas come with
         `load_rows`)."""
-        self.module.load_state_dict({**self.replicas.state(), **state["model"]})  # the replicas' keys as they are
+        self.module.load_state_dict({**self.rows.state(), **state["model"]})  # the replicas' keys as they are
         self.optimizer.load_state_dict(state["optimizer"])
         self.started = state["step"]
 
     def load_rows(self, saved: Iterable[dict], where: str, full: Callable[..., dict] | None = None) -> None:
         """The replicas of the worker file this worker restores from (the first of `saved`); a delta's onto that
         worker's replicas in the full checkpoint (`full()`)."""
-        self.replicas.restore(next(iter(saved)).get("tables", {}), full and full().get("tables", {}), where)
+        self.rows.restore(saved, where, full)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         params, buffers = named_tensors(self.module)
         values = {n: t.detach().clone() for n, t in {**params, **buffers}.items()}
-        return to_state_dict(self.module, {**values, **self.replicas.state()})
+        return to_state_dict(self.module, {**values, **self.rows.state()})

@@ -26,18 +26,24 @@ per occurrence count, 8 + 4 dim bytes per fp32 row gradient, padded to the large
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import NamedTuple
+import contextlib
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from gradsync.core.clipping import Clipping
 from gradsync.core.errors import nonfinite_error
 from gradsync.core.finite import first_nonfinite
+from gradsync.metrics.step_metrics import StepMetrics
 from gradsync.tables.dynamic_checkpoint import as_full
 from gradsync.tables.dynamic_embedding import STATE_KEYS, DynamicEmbedding
 from gradsync.tables.row_optim import ROW_OPTIMIZERS
+from gradsync.worker.module.amp import inverse_scale
+from gradsync.worker.rows.layout import RowLayout
 
 
 class Lookups(NamedTuple):
@@ -50,11 +56,23 @@ class Lookups(NamedTuple):
     grads: torch.Tensor
 
 
-class ReplicatedTables:
-    """The model's dynamic tables, replicated on every worker. Every worker must call `step` at every step."""
+class ReplicatedRows(RowLayout):
+    """The model's dynamic tables, replicated on every worker. Every worker must call `apply` at every step."""
 
-    def __init__(self, module: nn.Module | None, table_optimizer, worker: int, workers: int, nonfinite: str = "raise"):
-        """The dynamic tables of `module` (None: none, the rows are held elsewhere)."""
+    specs = ()  # no fixed table: DDP averages those (dense, or with sparse=True gradients)
+
+    def __init__(
+        self,
+        module: nn.Module | None,
+        table_optimizer,
+        worker: int,
+        workers: int,
+        nonfinite: str,
+        active: Callable[[], int],
+        metrics: StepMetrics,
+    ):
+        """The dynamic tables of `module` (None: none, the rows are held elsewhere); `active()`: how many workers
+        take part in the step (fewer in a `trainer.join()` block)."""
         modules = module.named_modules() if module is not None else ()
         self.layers = {name: m for name, m in modules if isinstance(m, DynamicEmbedding)}
         if self.layers and not isinstance(table_optimizer, ROW_OPTIMIZERS):
@@ -68,15 +86,30 @@ class ReplicatedTables:
             layer.table.name = f"{name!r} ({layer.table.name})"
             layer.table.train_with(table_optimizer)  # its state in every checkpoint, from the first
         self.optimizer, self.worker, self.workers, self.nonfinite = table_optimizer, worker, workers, nonfinite
+        self.active, self.metrics = active, metrics
 
-    def step(self, grads: dict[torch.Tensor, torch.Tensor], active: int, unscale: float, update: bool) -> int:
-        """Exchange this step's lookups and row gradients (`grads`: the context's, by leaf tensor), then `apply`.
-        Returns the bytes this worker sent."""
+    @property
+    def holds_dynamic(self) -> bool:
+        return bool(self.layers)
+
+    def gradients(self, context_id, grads, scaler=None) -> tuple[list[Lookups], float]:
+        """This worker's part of the step, per table (`lookups`), and the scaler's inverse scale: no exchange
+        yet (`apply` makes it after the dense step, in every worker's order, a joined one's too)."""
+        return self.lookups(grads.get), inverse_scale(scaler)
+
+    def partial_norms(self, step, clipping: Clipping) -> None:
+        return None
+
+    def apply(self, step: tuple[list[Lookups], float], coefficient: float | None) -> Any:
+        """Exchange the step's lookups and row gradients, then steps 1 and 2 of the module docstring (the bytes
+        sent counted as the step's exchange)."""
         if not self.layers:
-            return 0
-        every, sent = exchange(self.lookups(grads.get), self.workers)
-        self.apply(every, active, unscale, update)
-        return sent
+            return None
+        started = time.perf_counter()
+        every, sent = exchange(step[0], self.workers)
+        self.metrics.exchanged(time.perf_counter() - started, sent, sent)
+        self.update(every, self.active(), step[1], coefficient is not None)
+        return None
 
     def lookups(self, grad_of: Callable[[torch.Tensor], torch.Tensor | None]) -> list[Lookups]:
         """This worker's part of the step, per table (the gradient of a forward's rows is `grad_of(rows)`)."""
@@ -86,10 +119,10 @@ class ReplicatedTables:
             mine.append(Lookups(recorded.ids, recorded.occurrences, layer.table.ids_at(recorded.slots), recorded.grads))
         return mine
 
-    def apply(self, every: list[list[Lookups]], active: int, unscale: float, update: bool) -> None:
-        """Steps 1-3 of the module docstring on every table, from each table's parts of every worker (in worker
-        order): the mean gradient over the `active` workers times `unscale` is applied if `update` and it is
-        finite (a NaN/Inf raises, naming the first worker that sent one, or with nonfinite='skip' leaves the
+    def update(self, every: list[list[Lookups]], active: int, unscale: float, update: bool) -> None:
+        """Steps 1 and 2 of the module docstring on every table, from each table's parts of every worker (in
+        worker order): the mean gradient over the `active` workers times `unscale` is applied if `update` and it
+        is finite (a NaN/Inf raises, naming the first worker that sent one, or with nonfinite='skip' leaves the
         table's rows as they are for this step)."""
         for (name, layer), parts in zip(self.layers.items(), every):
             table, step = layer.table, layer.table.step
@@ -106,7 +139,11 @@ class ReplicatedTables:
                 grads = torch.cat([p.grads for p in parts])
                 summed = grads.new_zeros((grad_ids.numel(), table.dim)).index_add_(0, inverse, grads)
                 table.apply(self.optimizer, table.find(grad_ids), summed.mul_(unscale / active))
-            table.end_step(step)
+
+    def end_step(self, replies=None) -> None:
+        """Step 3 of the module docstring on every table: its step's end (`DynamicTable.end_step`: eviction)."""
+        for layer in self.layers.values():
+            layer.table.end_step(layer.table.step)
 
     def state(self) -> dict[str, torch.Tensor]:
         """Every table's state, keyed as in the user's `model.state_dict()` (`<name>.ids`, `<name>.weight`, ...)."""
@@ -119,19 +156,32 @@ class ReplicatedTables:
         """The keys of `state()`."""
         return {f"{name}.{key}" if name else key for name in self.layers for key in STATE_KEYS}
 
-    def checkpoint(self, full: bool = True) -> dict[str, dict[str, torch.Tensor]]:
-        """Every table's checkpoint part (`DynamicTable.checkpoint`: rows, row optimizer state, admission and
-        eviction state, step, counters; not `full`: what changed since the last full one) by the module's name."""
-        return {name: layer.table.checkpoint(full) for name, layer in self.layers.items()}
+    @contextlib.contextmanager
+    def own_state(self):
+        """The replicas are the modules' own tables: their state is the modules' state."""
+        yield
 
-    def restore(
-        self, parts: dict[str, dict[str, torch.Tensor]], full: dict[str, dict[str, torch.Tensor]] | None, where: str
-    ) -> None:
-        """Take back `checkpoint()`'s tables, each with its row optimizer state; a delta onto the same table's
-        part of `full` (the full checkpoint it goes onto, None when there is none: refused, naming `where`)."""
+    def checkpoint(self, delta: bool) -> dict:
+        """Every table's checkpoint part under "tables" (`DynamicTable.checkpoint`: rows, row optimizer state,
+        admission and eviction state, step, counters; `delta`: what changed since the last full one) by the
+        module's name."""
+        return {"tables": {name: layer.table.checkpoint(not delta) for name, layer in self.layers.items()}}
+
+    def restore(self, saved: Iterable[dict], where: str, full: Callable[..., dict] | None) -> None:
+        """Take back `checkpoint()`'s tables from the worker file this worker restores from (the first of
+        `saved`: every replica is the same), each with its row optimizer state; a delta onto the same table's
+        part of that worker's file of the full checkpoint (`full()`; refused, naming `where`, without one)."""
+        parts = next(iter(saved)).get("tables", {})
+        onto_file = full().get("tables", {}) if full else None
         for name, part in parts.items():
-            onto = (lambda n=name: full[n]) if full else None
+            onto = (lambda n=name: onto_file[n]) if onto_file else None
             self.layers[name].table.load(as_full(name, part, onto, where), self.optimizer)
+
+    def resume(self, step: int | None) -> None:
+        """Nothing: each replica holds its own step."""
+
+    def commit_load(self) -> None:
+        """Nothing: a module's load loads its replica itself."""
 
 
 def exchange(mine: list[Lookups], workers: int) -> tuple[list[list[Lookups]], int]:

@@ -37,14 +37,15 @@ import torch.distributed.rpc as rpc
 from torch import nn
 
 from gradsync.core.job_names import worker_name
+from gradsync.metrics.step_metrics import StepMetrics
 from gradsync.metrics.traffic import object_gather_bytes
 from gradsync.ps.dynamic_shard import DynamicShard, respond
 from gradsync.ps.messages import EndStep, Evict, FirstToGo, LoadTables, TableCall
 from gradsync.tables.dynamic_checkpoint import as_full
 from gradsync.tables.id_hash import server_of
 from gradsync.tables.row_partition import ExchangePlan
-from gradsync.worker.served_dynamic import ServedDynamic
-from gradsync.worker.sharded_tables import ShardedTables
+from gradsync.worker.rows.served_dynamic import ServedDynamic
+from gradsync.worker.rows.sharded_tables import ShardedTables
 
 _GATHERED = {EndStep: "end", FirstToGo: "smallest"}
 """The calls of a step's end that every worker makes together, answered by an all-gather: its timeline lane."""
@@ -64,13 +65,24 @@ class ShardedDynamic(ServedDynamic):
     """The model's dynamic tables, worker `worker` of `workers` holding its ids of each; lookups along `tables`'
     routes. Every worker must construct it, look its tables up and end every step."""
 
-    def __init__(self, module: nn.Module, table_optimizer, mode: str, worker: int, workers: int, timeout: float):
-        super().__init__(module, workers, table_optimizer, mode)
+    def __init__(
+        self,
+        module: nn.Module,
+        table_optimizer,
+        mode: str,
+        worker: int,
+        workers: int,
+        timeout: float,
+        tables: ShardedTables,
+        metrics: StepMetrics | None,
+    ):
+        """`tables`: the fixed tables, along whose routes the lookups go."""
+        super().__init__(module, workers, table_optimizer, mode, None, metrics)
         self.worker, self.timeout = worker, timeout
         self.parts = {
             name: DynamicShard(name, setup, worker, workers) for name, setup in self.setups(sent=False).items()
         }
-        self.tables: ShardedTables | None = None  # set by the strategy before the first forward: the routes
+        self.tables = tables
         self.transport = WorkerParts(self)  # `ServedDynamic`'s calls on the servers go to the workers' parts
         self._ended = threading.Condition()
 
@@ -97,7 +109,6 @@ class ShardedDynamic(ServedDynamic):
         plan = ExchangePlan.placed(server_of(ids, self.num_servers), self.num_servers)
         sent = torch.stack([ids, counts], 1)[plan.order]
         tables = self.tables
-        assert tables is not None  # set by the strategy before the first forward
         rows, route = tables.route(name, sent, plan, functools.partial(self._look_up, name))
         rows.requires_grad_()
         tables.record(context, name, ids, rows, route)

@@ -1,6 +1,6 @@
 """Worker side of dynamic embedding tables (`gradsync.DynamicEmbedding`) under ps and hybrid: the rows live on
 the servers, an id on server `tables.id_hash.server_of(id, S)`, each server a `DynamicTable` of its ids
-(`ps.dynamic_shard`). Under sharded the workers are its servers (`worker.sharded_dynamic`).
+(`ps.dynamic_shard`). Under sharded the workers are its servers (`worker.rows.sharded_dynamic`).
 
 `ServedDynamic` replaces each such module's forward: a forward that records (training mode, gradients on,
 inside a dist_autograd context) returns a `PendingRows` at once, and the first use of any waiting lookup (or
@@ -58,38 +58,11 @@ from gradsync.tables.id_hash import server_of
 from gradsync.tables.placement import merge_rows
 from gradsync.tables.row_init import checked_init
 from gradsync.tables.row_optim import ROW_OPTIMIZERS
-from gradsync.worker.pending_rows import WaitingLookups, resolved
-from gradsync.worker.plain_module import Attachments, check_gatherable
-from gradsync.worker.served_tables import not_serving
+from gradsync.worker.module.plain_module import Attachments, check_gatherable
+from gradsync.worker.rows.choice import find_dynamic
+from gradsync.worker.rows.pending_rows import WaitingLookups, resolved
 
 _COUNTERS = ("admitted", "filtered", "evicted")
-
-
-def find_dynamic(module: nn.Module) -> dict[str, DynamicEmbedding]:
-    """The `DynamicEmbedding` modules of `module`, by module name."""
-    return {name or "table": m for name, m in module.named_modules() if isinstance(m, DynamicEmbedding)}
-
-
-def serve_dynamic(
-    module: nn.Module, capabilities, config, table_optimizer, setups: dict[int, dict] | None, attached: Attachments
-) -> ServedDynamic:
-    """Take over the dynamic tables of `module` for a ps or hybrid job of `config` over a transport of
-    `capabilities`, changing the modules through `attached`; worker 0 (`setups` given) adds each table's
-    `DynamicSetup` to every server's setups."""
-    served = ServedDynamic(module, config.servers, table_optimizer, config.mode)
-    if served.modules and not capabilities.row_tables:
-        raise ValueError(
-            f"{next(iter(served.modules))!r} is a gradsync.DynamicEmbedding, whose rows the servers "
-            f"serve by id: {capabilities.rows_refusal()}"
-        )
-    if setups is not None:
-        for name, setup in served.setups().items():
-            for per in setups.values():
-                per[name] = setup
-    served.take_over(attached)
-    if served.modules:
-        attached.hook(module, module.register_forward_hook(served.forward_ended))
-    return served
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,13 +109,23 @@ class TableCalls(Protocol):
 class ServedDynamic:
     """The model's dynamic tables, their rows on `num_servers` servers reached through `transport`."""
 
-    def __init__(self, module: nn.Module, num_servers: int, table_optimizer, mode: str):
+    def __init__(
+        self,
+        module: nn.Module,
+        num_servers: int,
+        table_optimizer,
+        mode: str,
+        transport: TableCalls | None,
+        metrics: StepMetrics | None,
+    ):
+        """`transport`: what answers the calls on the tables (None: the subclass's own, `ShardedDynamic`);
+        `metrics`: the strategy's, where lookups count as pull."""
         self.modules = find_dynamic(module)
         self.num_servers = num_servers
         self.optimizer = table_optimizer
-        self.transport: TableCalls | None = None  # set by the strategy before the first forward
-        self.metrics: StepMetrics | None = None  # the strategy's, set with the transport: lookups count as pull
-        self.serving = False  # set by the strategy once the servers answer: the module's state_dict gathers
+        self.transport = transport
+        self.metrics = metrics
+        self.serving = False  # once the servers answer (`RowLayout.begin_serving`): the module's state_dict gathers
         self.step = 0  # the step the next recording lookup belongs to (sync)
         self.loaded: set[str] = set()  # the tables a module's load_state_dict loaded, not sent yet
         self.loads = 0  # the module loads sent (`commit_load`)
@@ -306,7 +289,7 @@ class ServedDynamic:
             for s, at in where.items():
                 asked.setdefault(s, []).append((w.table, w.ids[at], w.counts[at]))
         evictions, self._evictions = self._evictions, {}
-        assert self.transport is not None  # set by the strategy before the first forward
+        assert self.transport is not None  # given at construction, or the subclass's own
         answers = self.transport.table_calls(
             {s: Lookups(tuple(lookups), self.step, evictions.get(s)) for s, lookups in asked.items()}
         )
@@ -396,13 +379,13 @@ class ServedDynamic:
         """Send the last step's evictions where they still wait (before any call on the servers but a lookup)."""
         if self._evictions:
             evictions, self._evictions = self._evictions, {}
-            assert self.transport is not None  # set by the strategy before the first forward
+            assert self.transport is not None  # given at construction, or the subclass's own
             self.transport.table_calls(evictions)
 
     def _call(self, calls: dict[int, TableCall]) -> dict[int, Any]:
         """Calls on the servers' dynamic tables other than a lookup, the last step's evictions sent first."""
         self.send_evictions()
-        assert self.transport is not None  # set by the strategy before the first forward
+        assert self.transport is not None  # given at construction, or the subclass's own
         return self.transport.table_calls(calls)
 
     def resync(self) -> None:
@@ -444,7 +427,3 @@ class ServedDynamic:
             state = self.state()
             for key in local:  # in the module's own order
                 state_dict[key] = state[f"{name}.{key[len(prefix) :]}"]
-
-    def own_state(self):
-        """A block in which gradsync reads the modules' state itself: the hook leaves the tables' keys out."""
-        return not_serving(self)

@@ -1,7 +1,7 @@
 """Worker side of embedding tables split across the workers by row (the sharded strategy), over all-to-all.
 
 Every worker owns the rows `tables.row_partition` gives it and stores only those, with their row optimizer
-state. A lookup with gradients returns at once a `PendingRows` (worker.pending_rows) and waits with the
+state. A lookup with gradients returns at once a `PendingRows` (worker.rows.pending_rows) and waits with the
 forward's other lookups until one of them is used (or `BATCH` wait, or the forward ends): then every waiting
 lookup sends its batch's unique ids to their owners and gets their rows back together, in two
 `all_to_all_single` exchanges among the workers (how many ids each lookup sends each worker, with a flag for
@@ -26,7 +26,7 @@ unrelated exchanges (they are of one size, so such a pair still completes). With
 step makes 5 exchanges (the lookups' 2, the forward's end, the flags, the gradients) besides DDP's allreduce;
 TorchRec's table-wise plan makes 5 too.
 
-A dynamic table's lookups (`worker.sharded_dynamic`) go at once (after the waiting ones) along `route`, tagged
+A dynamic table's lookups (`worker.rows.sharded_dynamic`) go at once (after the waiting ones) along `route`, tagged
 like a table's: (id, count) rows out, which the owner's `DynamicShard` answers; their gradients come back with
 the fixed tables' at the step, keyed by id.
 
@@ -54,13 +54,14 @@ from torch import nn
 from gradsync.core.errors import bad_id_error
 from gradsync.core.finite import first_nonfinite
 from gradsync.core.job_names import worker_name
+from gradsync.metrics.step_metrics import StepMetrics
 from gradsync.tables.placement import TableModule, check_id_dtype, check_ids, merge_rows, out_of_range
 from gradsync.tables.row_optim import RowOptimizer, saved_state, take_saved_state
 from gradsync.tables.row_partition import LOOKUPS_PER_EXCHANGE as BATCH
 from gradsync.tables.row_partition import ExchangePlan, local_index, owned_rows, owners
-from gradsync.worker.pending_rows import resolved
-from gradsync.worker.plain_module import check_gatherable
-from gradsync.worker.served_tables import ServedTables
+from gradsync.worker.module.plain_module import check_gatherable
+from gradsync.worker.rows.pending_rows import resolved
+from gradsync.worker.rows.served_tables import ServedTables
 
 _STEP, _FORWARD_END, _NONE = -1, -2, -3
 """The tags of the step's exchange of flags and of a forward's end (`ShardedTables._meta`); a lookup's is its
@@ -142,7 +143,7 @@ def _rows_at(table: str, ids: torch.Tensor, step: int, timeout: float) -> torch.
 
 
 class ShardedTables(ServedTables):
-    """The model's row-wise tables (`served_tables.choose_tables`), split by row across the workers."""
+    """The model's row-wise tables (`choice.choose_tables`), split by row across the workers."""
 
     def __init__(
         self,
@@ -151,11 +152,12 @@ class ShardedTables(ServedTables):
         worker: int,
         workers: int,
         timeout: float,
+        metrics: StepMetrics,
         dynamic: Iterable[str] = (),
     ):
         """`dynamic`: the names of the model's dynamic tables, whose lookups go along `route` too
-        (`worker.sharded_dynamic`)."""
-        super().__init__(tables, workers, None)
+        (`worker.rows.sharded_dynamic`)."""
+        super().__init__(tables, workers, metrics, None)
         self.worker, self.workers, self.timeout = worker, workers, timeout
         self.rows = rows
         self.looked_up = [spec.name for spec in self.specs] + list(dynamic)  # by exchange tag
@@ -272,9 +274,6 @@ class ShardedTables(ServedTables):
         self.flush()
         self._meta([_FORWARD_END], [[0]] * self.workers, (0, 0, 0), "forward end")
         return resolved(output)
-
-    def model_sizes(self, trainable: int) -> dict[str, int]:
-        return {**super().model_sizes(trainable), "sharded_tables": len(self.specs)}
 
     def _check(self, name: str, ids: torch.Tensor, rows: int) -> None:
         check_id_dtype(name, ids)  # the range is checked by every worker together, in `flush`

@@ -3,7 +3,7 @@
 `ServedTables` takes each table's weight out of the user's module (worker 0
 first hands its values to the servers, row `r` to server `r % S`) and
 replaces the module's forward. A lookup with gradients returns at once a
-`PendingRows` (worker.pending_rows) and waits with the forward's other lookups
+`PendingRows` (worker.rows.pending_rows) and waits with the forward's other lookups
 until one of them is used: then their batches' unique ids are pulled together
 (one call per server holding any, for every waiting lookup), and each runs
 `F.embedding` / `F.embedding_bag` on its rows as a leaf tensor, remembered
@@ -15,7 +15,6 @@ pulled.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import time
@@ -25,22 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradsync.core.optimizer_spec import OptimizerSpec
 from gradsync.core.torch_internals import current_context_id
+from gradsync.metrics.step_metrics import StepMetrics
 from gradsync.ps.messages import RowGrads, TableSetup
-from gradsync.tables.placement import (
-    TABLE_MODULES,
-    TableModule,
-    check_ids,
-    find_tables,
-    join_rows,
-    merge_rows,
-    split_ids,
-    table_specs,
-)
-from gradsync.tables.row_optim import exact_row_optimizer, inexact_part, no_row_form
-from gradsync.worker.pending_rows import WaitingLookups, resolved
-from gradsync.worker.plain_module import Attachments, check_gatherable
+from gradsync.tables.placement import TableModule, check_ids, join_rows, merge_rows, split_ids, table_specs
+from gradsync.worker.module.plain_module import Attachments, check_gatherable
+from gradsync.worker.rows.pending_rows import WaitingLookups, resolved
 
 if TYPE_CHECKING:
     from gradsync.transport.base import WorkerTransport
@@ -88,7 +77,10 @@ class _Waiting:
 class ServedTables:
     """The model's row-wise tables (`tables.placement.find_tables`), looked up through `transport`."""
 
-    def __init__(self, tables: dict[str, TableModule], num_servers: int, metrics):
+    def __init__(
+        self, tables: dict[str, TableModule], num_servers: int, metrics: StepMetrics, transport: WorkerTransport | None
+    ):
+        """`transport`: the job's, which serves the rows (None: the subclass holds them, `ShardedTables`)."""
         for name, module in tables.items():
             if module.max_norm is not None:
                 raise ValueError(
@@ -101,17 +93,12 @@ class ServedTables:
         self.dtypes = {t.name: t.dtype for t in self.specs}
         self.num_servers = num_servers
         self.metrics = metrics
-        self.transport: WorkerTransport | None = None  # set by the strategy before the first forward
+        self.transport = transport
         self.before: frozenset[int] = frozenset()  # servers whose rows a replacement's first step takes as before
-        self.serving = False  # set by the strategy once the servers answer: the module's state_dict gathers
+        self.serving = False  # once the servers answer (`RowLayout.begin_serving`): the module's state_dict gathers
         self.loaded: dict[str, torch.Tensor] = {}  # the whole weights a module's load_state_dict took, by table
         self._lookups: dict[int, list[_Lookup]] = {}
         self._waiting = WaitingLookups(self._results)  # lookups whose rows are not fetched yet (`flush`)
-
-    def model_sizes(self, trainable: int) -> dict[str, int]:
-        """What `gradsync compare --predict` models of `trainable` elements: dense, and in served tables."""
-        served = sum(t.numel for t in self.specs)
-        return {"dense": trainable - served, "tables": served}
 
     def setups(self, rows: dict[str, tuple]) -> dict[int, dict[str, TableSetup]]:
         """Per server, what registration sends of each table: its rows of worker 0's values (None for a
@@ -144,7 +131,7 @@ class ServedTables:
         """The whole table `table`, as the servers hold it now."""
         spec = next(s for s in self.specs if s.name == table)
         check_gatherable(table, spec.shape, spec.dtype)
-        assert self.transport is not None  # set by the strategy before the first forward
+        assert self.transport is not None  # served tables are given theirs
         return join_rows(self.transport.table_rows(table), spec.shape, self.num_servers)
 
     def _plain(self, spec, module: nn.Module) -> dict:
@@ -195,10 +182,6 @@ class ServedTables:
     def loaded_rows(self, server: int) -> dict[str, torch.Tensor]:
         """Server `server`'s rows of each table a load took (`loaded`), by table."""
         return {name: weight[server :: self.num_servers].contiguous() for name, weight in self.loaded.items()}
-
-    def own_state(self):
-        """A block in which gradsync reads the module's state itself: the hook gathers nothing."""
-        return not_serving(self)
 
     def _lookup(self, name: str, module: TableModule, input: torch.Tensor, offsets=None, per_sample_weights=None):
         """A lookup with gradients waits with the forward's others until one of them is used (`PendingRows`,
@@ -289,7 +272,7 @@ class ServedTables:
         answered at; one call per server for them all (the time and bytes in the step's metrics, as pull)."""
         start = time.perf_counter()
         wheres = [split_ids(ids, self.num_servers) for _, ids in lookups]
-        assert self.transport is not None  # set by the strategy before the first forward
+        assert self.transport is not None  # served tables are given theirs
         answers = self.transport.pull_rows_many(
             [(name, {s: local for s, (_, local) in where.items()}) for (name, _), where in zip(lookups, wheres)],
             self.before,
@@ -332,122 +315,3 @@ class ServedTables:
             )
             for spec in self.specs
         }
-
-
-WORTH_SERVING_SHARE = 0.1
-"""The share of the model's parameters from which a table left dense is worth a line (here; and compare's note
-on allreduce without `sparse=True`, `AllreduceStrategy.model_sizes`): moving only its touched rows can
-save at most its share of the bytes a step moves (a batch's rows instead of the whole table), so below a tenth
-the gain is smaller than the spread between runs of one job (BENCHMARKS.md, "How these figures are measured"),
-while the line would repeat in every run of a model whose small token embedding has no row optimizer."""
-
-
-def choose_tables(
-    module: nn.Module, tables: str, optimizer: OptimizerSpec, table_optimizer, say: bool
-) -> tuple[dict[str, TableModule], dict[str, tuple]]:
-    """The tables of `module` trained row by row, by weight name, and each one's (row optimizer, the optimizer
-    group whose schedule its learning rate follows, or None).
-
-    tables='auto' takes a table when a row optimizer applies to it: `table_optimizer`, or the exact row-wise
-    form of its group's optimizer (plain SGD, whose learning rate then follows the group's schedule); any
-    other table stays dense, said once (when `say`) where it matters (`WORTH_SERVING_SHARE`). tables='rows'
-    takes every table and refuses one without a row optimizer; tables='dense' takes none.
-    """
-    found = find_tables(module) if tables in ("auto", "rows") else {}
-    group_of = optimizer.group_of(found)
-    chosen: dict[str, TableModule] = {}
-    rows: dict[str, tuple] = {}
-    for name, table in found.items():
-        options = optimizer.groups[group_of[name]]
-        exact = exact_row_optimizer(optimizer.cls, options)
-        if table_optimizer is None and exact is None:
-            if tables == "rows":
-                raise ValueError(no_row_form(optimizer.cls, options, name))
-            if say and table.weight.numel() >= WORTH_SERVING_SHARE * sum(p.numel() for p in module.parameters()):
-                print(
-                    f"gradsync: embedding table {name!r} {tuple(table.weight.shape)} stays in the dense path "
-                    f"(tables='auto'): {inexact_part(optimizer.cls, options)} has no exact row-wise form; serve "
-                    f"it row by row with {ROW_OPTIMIZER_FIX}",
-                    flush=True,
-                )
-            continue
-        chosen[name] = table
-        rows[name] = (table_optimizer, None) if table_optimizer is not None else (exact, group_of[name])
-    return chosen, rows
-
-
-ROW_OPTIMIZER_FIX = "Trainer(..., table_optimizer=gradsync.RowSGD(lr=..., momentum=...)) or gradsync.RowAdagrad(lr=...)"
-
-
-def why_dense(module: nn.Module, tables: str, optimizer: OptimizerSpec, table_optimizer) -> str | None:
-    """None when `choose_tables` takes a table of `module`; else the end of the refusal of a strategy that needs
-    one (hybrid, sharded; the caller checks for a `DynamicEmbedding`): each embedding table and why it stays
-    dense (tables='dense', frozen, tied to another layer, its optimizer without an exact row-wise form), then
-    the fixes."""
-    if choose_tables(module, tables, optimizer, table_optimizer, say=False)[0]:
-        return None
-    found = {
-        f"{path}.weight" if path else "weight": m for path, m in module.named_modules() if isinstance(m, TABLE_MODULES)
-    }
-    if not found:
-        return (
-            "this model has no embedding table (nn.Embedding, nn.EmbeddingBag, gradsync.DynamicEmbedding): use "
-            "--strategy allreduce"
-        )
-    shown = {name: f"{name!r} {tuple(table.weight.shape)}" for name, table in found.items()}
-    if tables == "dense":
-        return (
-            f"tables='dense' keeps every table of this model dense ({', '.join(shown.values())}). Fix: build "
-            "the Trainer with tables='auto' (the default); or use --strategy allreduce"
-        )
-    users: dict[int, list[str]] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        users.setdefault(id(p), []).append(name)
-    reasons, fixes = [], []
-    for name, table in found.items():
-        tied = [other for other in users[id(table.weight)] if other != name]
-        if not table.weight.requires_grad:
-            reasons.append(f"{shown[name]} is frozen (requires_grad=False): nothing trains it")
-        elif tied:
-            reasons.append(f"{shown[name]} is tied to {', '.join(map(repr, tied))}, which trains it in the dense path")
-        else:
-            options = optimizer.groups[optimizer.group_of([name])[name]]
-            reasons.append(
-                f"{shown[name]} trains with {inexact_part(optimizer.cls, options)}, which has no exact row-wise form"
-            )
-            fixes = [f"give the tables a row optimizer, {ROW_OPTIMIZER_FIX}"]
-    fix = "; or ".join([*fixes, "use --strategy allreduce"])
-    return f"every table of this model stays dense: {'; '.join(reasons)}. Fix: {fix}"
-
-
-def serve_tables(
-    module: nn.Module,
-    tables: str,
-    num_servers: int,
-    metrics,
-    optimizer: OptimizerSpec,
-    table_optimizer,
-    send: bool,
-    attached: Attachments,
-) -> tuple[ServedTables, dict[int, dict[str, TableSetup]]]:
-    """Take over the tables of `module` that are served row by row (`choose_tables`), changing the modules
-    through `attached`, and return them with what registration sends each server of them (only when `send`:
-    worker 0)."""
-    served, rows = choose_tables(module, tables, optimizer, table_optimizer, say=send)
-    tables_served = ServedTables(served, num_servers, metrics)
-    setups = tables_served.setups(rows) if send else {s: {} for s in range(num_servers)}
-    tables_served.take_over(attached)
-    if served:
-        attached.hook(module, module.register_forward_hook(tables_served.forward_ended))
-    return tables_served, setups
-
-
-@contextlib.contextmanager
-def not_serving(holder):
-    """A block in which `holder` (served tables of either kind) has `serving` off: its state-dict hooks gather
-    nothing from the servers while gradsync reads the modules' state itself."""
-    serving, holder.serving = holder.serving, False
-    try:
-        yield
-    finally:
-        holder.serving = serving
