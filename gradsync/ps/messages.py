@@ -51,6 +51,9 @@ class Rejoined(NamedTuple):
     """Where step `closed - 1` began: the replacement's values where this server is a step ahead of another."""
     partial: Partial | None
     """That step's part of its norm, when it was held (clipping, a GradScaler): the replacement's total needs it."""
+    options: list[dict]
+    """The optimizer groups' options step `closed` began with (a schedule's lr), which the replacement's first
+    push changes as every worker's does; [] for a shard without dense parameters."""
 
 
 @dataclasses.dataclass(frozen=True)

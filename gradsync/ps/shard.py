@@ -23,7 +23,7 @@ from gradsync.core import memory
 from gradsync.core.buckets import Bucket
 from gradsync.core.errors import GradientError
 from gradsync.core.futures import failed
-from gradsync.core.optimizer_spec import OptimizerSpec, apply_options, load_by_name, state_by_name
+from gradsync.core.optimizer_spec import OptimizerSpec, apply_options, group_options, load_by_name, state_by_name
 from gradsync.ps.layout import ShardLayout
 from gradsync.ps.messages import Snapshot
 from gradsync.ps.server_table import ServerTable
@@ -82,6 +82,8 @@ class ShardState:
         self._published: Snapshot | None = None
         self.keep_before = False  # keep `before` (a job whose dead workers are replaced: `ps.server.rejoin`)
         self.before: Snapshot | None = None  # with `keep_before`: the snapshot the last closed step began at
+        self.before_options: list[dict] = []  # with `keep_before`: the groups' options the last closed step began with
+        self._began_options: list[dict] | None = None  # those the step in flight began with; None: the current ones
         self.closed = 0  # steps closed (applied or skipped) since the shard was built
         self._fresh: list[torch.Tensor | None] = [None] * len(self.buckets)  # this step's pieces' replies
 
@@ -223,7 +225,8 @@ class ShardState:
         first bucket was applied)."""
         self.closed += 1
         if self.keep_before:
-            self.before = self.snapshot()
+            self.before, self.before_options = self.snapshot(), self.began_options()
+            self._began_options = None
         for table in self.tables.values():
             table.closing(self.keep_before)
 
@@ -243,11 +246,20 @@ class ShardState:
 
     def set_options(self, changes: dict[int, dict]) -> None:
         """Take a schedule's new group options ({group index: {option: value}}). Call with `lock` held."""
+        if self.keep_before and self._began_options is None:
+            self._began_options = self.began_options()
         if self.optimizer is not None:
             apply_options(self.optimizer, changes)
         for table in self.tables.values():
             if table.group in changes and "lr" in changes[table.group]:
                 table.set_lr(changes[table.group]["lr"])
+
+    def began_options(self) -> list[dict]:
+        """The optimizer groups' options the step in flight began with (with `keep_before`; else the current
+        ones), [] without an optimizer. Call with `lock` held."""
+        if self._began_options is not None:
+            return self._began_options
+        return [group_options(g) for g in self.optimizer.param_groups] if self.optimizer is not None else []
 
     def optimizer_state(self) -> dict:
         """The optimizer's per-parameter state by entry key and its groups' options. Call with `lock` held."""

@@ -264,25 +264,25 @@ class SyncRule(ConsistencyRule):
             answers = self._progress()
         answer(answers)
 
-    def worker_restarted(self, worker: int) -> tuple[int, Snapshot | None, Snapshot | None, Partial | None]:
+    def worker_restarted(self, worker: int) -> tuple[int, Snapshot | None, Snapshot | None, Partial | None, list[dict]]:
         """`worker` died and its replacement rejoins: what the dead process sent of the step in flight is
         forgotten (its parts of buckets already averaged stay in their mean), except a push of a held step, as
         which the replacement's push of it (the same bits) is answered. Returns `Rejoined`'s closed, begun,
-        before and partial."""
+        before, partial and options."""
         shard = self.shard
         with shard.lock:
             answers = self._forget(worker, RuntimeError(f"worker {worker} died; its replacement sends its part again"))
             self._numbers.forget(worker)
             shard.stats.workers_replaced[worker] = shard.stats.workers_replaced.get(worker, 0) + 1
             finishing = self._finishing
-            found: tuple[int, Snapshot | None, Snapshot | None, Partial | None]
+            found: tuple[int, Snapshot | None, Snapshot | None, Partial | None, list[dict]]
             if finishing is not None and worker in finishing.workers and worker not in finishing.finished:
                 self._owed.add(worker)  # applied on the others' word: open for the replacement
-                found = (shard.closed - 1, shard.before, None, None)
+                found = (shard.closed - 1, shard.before, None, None, shard.before_options)
             else:
                 if self._held is not None and worker in self._held.workers:
                     self._owed.add(worker)
-                found = (shard.closed, None, shard.before, self._last_partial)
+                found = (shard.closed, None, shard.before, self._last_partial, shard.began_options())
         answer(answers)
         return found
 

@@ -129,8 +129,8 @@ def test_a_replaced_workers_parts_of_the_step_in_flight_are_forgotten_and_the_cl
     for w in (0, 1):  # bucket 0 applied with both; worker 1 dies having sent bucket 1 too
         rule.commit_piece(w, 0, Piece(0, 0, piece_part(w, 0, shard), (), seq=5))
     rule.commit_piece(1, 0, Piece(0, 1, piece_part(1, 1, shard), (), seq=6))
-    closed, begun, before, partial = rule.worker_restarted(1)
-    assert (closed, begun, before, partial) == (0, None, None, None)
+    closed, begun, before, partial, options = rule.worker_restarted(1)
+    assert (closed, begun, before, partial) == (0, None, None, None) and options[0]["lr"] == 0.5
     with pytest.raises(RuntimeError, match="worker 1 died"):
         heads[1].wait()
     # its replacement's first step goes whole (`PSStrategy._push_rejoined`): bucket 0 counts once
@@ -139,8 +139,20 @@ def test_a_replaced_workers_parts_of_the_step_in_flight_are_forgotten_and_the_cl
     assert [h.wait().version for h in heads] == [1, 1] and all(f.done() for f in others)
     expected = [s - 0.5 * (piece_part(0, b, shard) + piece_part(1, b, shard)) / 2 for b, s in enumerate(start)]
     assert all(torch.equal(f, e) for f, e in zip(shard.flats, expected))  # each bucket once, both workers' parts
-    closed, begun, before, _ = rule.worker_restarted(0)
+    closed, begun, before, _, _ = rule.worker_restarted(0)
     assert closed == 1 and begun is None and all(torch.equal(a, b) for a, b in zip(before.flats, start))
+
+
+def test_a_shard_keeps_the_options_its_step_began_with_for_a_replacement():
+    """A schedule's change applied in the step in flight: a replacement's first push changes the options from
+    those the step began with, as every worker's push does (`ShardState.began_options`)."""
+    shard = make_pieced_shard()
+    shard.keep_before = True
+    assert shard.began_options()[0]["lr"] == 0.5
+    shard.set_options({0: {"lr": 0.25}})  # the step in flight's push changed the lr
+    assert shard.began_options()[0]["lr"] == 0.5 and shard.optimizer.param_groups[0]["lr"] == 0.25
+    shard.skipped_step()  # the step closes
+    assert shard.before_options[0]["lr"] == 0.5 and shard.began_options()[0]["lr"] == 0.25
 
 
 def test_with_drop_a_dead_workers_part_leaves_the_step_which_averages_the_others():

@@ -12,7 +12,8 @@ import gradsync
 from gradsync.ps import shard_file
 from helpers import SUPPORT, run_cli
 from dynamic_jobs import train_resumable
-from replaced import Death, reference, starts_at, train, train_clicks, train_dropping, train_killing_a_server
+from replaced import (Death, reference, starts_at, train, train_clicks, train_dropping, train_killing_a_server,
+                      train_real_loop)
 
 pytestmark = pytest.mark.job
 
@@ -125,6 +126,21 @@ def test_tables_served_by_rows_end_bit_for_bit_as_without_the_deaths(launch):
     assert [start for start, _ in runs[1]] == [4, 7]
     for (_, clean), (_, died) in zip(*runs):
         assert clean.keys() == died.keys() and all(torch.equal(clean[k], died[k]) for k in clean)
+
+
+@pytest.mark.timeout(180)
+def test_a_real_loop_ends_bit_for_bit_as_without_the_deaths(launch):
+    """Parameter groups with their own lr and weight decay, an lr schedule set from the step that holds for two
+    steps (a replacement of an odd step changes no option, as the others change none), a frozen layer,
+    BatchNorm's running statistics and a layer unused on odd steps."""
+    deaths = (Death(1, 3, "backward"), Death(0, 5, "forward"), Death(1, 7, "pushed"))
+    runs = [launch(train_real_loop, strategy="ps", workers=2, servers=2, timeout=150, args=(died, 10),
+                   worker_loss="wait", max_restarts=2)
+            for died in ((), deaths)]
+    assert [start for start, _ in runs[1]] == [5, 8]
+    for (_, clean), (_, died) in zip(*runs):
+        assert clean.keys() == died.keys() and all(torch.equal(clean[k], died[k]) for k in clean)
+    assert not torch.equal(runs[1][0][1]["norm.running_mean"], torch.zeros(16))  # the statistics moved
 
 
 @pytest.mark.timeout(120)

@@ -126,6 +126,45 @@ def train(deaths: tuple[Death, ...], steps: int, clip: float | None = None, micr
     return trainer.start_step, gradsync.restart_count(), state, replaced
 
 
+class _Net(torch.nn.Module):
+    """A model as real loops have them: a frozen stem, BatchNorm (running statistics: buffers the servers
+    average), a layer used only on even steps, and a head."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem, self.norm = torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16)
+        self.body, self.even, self.head = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
+        self.stem.requires_grad_(False)
+
+    def forward(self, x, step: int):
+        h = torch.relu(self.body(torch.relu(self.norm(self.stem(x)))))
+        return self.head(h + self.even(h) if step % 2 == 0 else h)
+
+
+def train_real_loop(deaths: tuple[Death, ...], steps: int) -> tuple[int, dict]:
+    """`_Net` with AdamW over two parameter groups (their own lr and weight decay), whose lr halves every 2
+    steps, set from the step at the top of the loop (as a resumed script sets its schedule); deaths as `train`'s.
+    Returns (start step, final state)."""
+    me = gradsync.worker_rank()
+    model = _Net()
+    groups = [{"params": [*model.body.parameters(), *model.even.parameters()], "lr": 0.02, "weight_decay": 0.1},
+              {"params": [*model.norm.parameters(), *model.head.parameters()], "lr": 0.01, "weight_decay": 0.0}]
+    trainer = gradsync.Trainer(model, torch.optim.AdamW(groups))
+    step = [trainer.start_step]
+    mine = [d for d in deaths if d.worker == me]
+    if gradsync.restart_count() < len(mine):
+        _arm(mine[gradsync.restart_count()], model.body, step)
+    for step[0] in range(trainer.start_step, steps):
+        for group, lr in zip(trainer.optimizer.param_groups, (0.02, 0.01)):
+            group["lr"] = lr * 0.5 ** (step[0] // 2)
+        x, y = batch(step[0], me)
+        with dist_autograd.context() as cid:
+            dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x, step[0]), y)])
+            trainer.step(cid)
+    return trainer.start_step, trainer.state_dict()
+
+
 def train_dropping(death: Death, steps: int) -> tuple[dict, dict]:
     """The plain MLP with AdamW for `steps` steps on worker w's batches of each step; `death` kills its worker
     (worker_loss drop: the job goes on without it). Returns (final state, the steps each server went on without a

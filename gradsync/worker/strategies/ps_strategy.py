@@ -208,6 +208,7 @@ class PSStrategy(OnServers, Strategy):
         self.replaced = config.replacement > 0  # this process replaces a worker that died (worker_loss wait)
         self._rejoining = False  # a replacement, before its first step
         self._late: dict[int, Rejoined] = {}  # a replacement's servers that closed its first step before it came
+        self._rejoined_options: list[dict] = []  # a replacement: the groups' options its first step began with
         self._late_values: set[int] = set()  # those whose values come after a held first step's finish
         self.rejoined_at: int | None = None  # a replacement: the steps the servers closed before it rejoined
         if config.replaces_workers and self.rows.holds_dynamic:
@@ -234,6 +235,8 @@ class PSStrategy(OnServers, Strategy):
         self.optimizer = optimizer  # the user's own, answering with the servers' state
         self.steps = StepGuard(optimizer, lambda closure=None: None)  # the servers applied the step
         self._sent = [group_options(g) for g in optimizer.param_groups]  # the options the servers hold
+        if self.replaced and self._rejoined_options:
+            self._sent = self._rejoined_options
         self._last: tuple[int, _Pulled] | None = None
         self._stepped: int | None = None
         self.grad_norm: float | None = None
@@ -275,6 +278,8 @@ class PSStrategy(OnServers, Strategy):
                 "can leave between them"
             )
         self._late = {s: a for s, a in answers.items() if a.closed > first}
+        # the options the servers held as the step began: what its push changes (`_changed_options`)
+        self._rejoined_options = next((a.options for a in answers.values() if a.closed == first and a.options), [])
         self._rejoining = True
         self.rows.take_before(frozenset(self._late))
         current = self.transport.pull()
