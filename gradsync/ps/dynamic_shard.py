@@ -305,7 +305,7 @@ def respond(tables: dict[str, DynamicShard], call: TableCall, holder: str, versi
     """`holder`'s answer to `call` on its parts of dynamic tables (`tables`, by name; `version`: the holder's, which
     a lookup answers with): each `TableCall` says what it answers."""
     match call:
-        case Lookups(lookups, step, evictions):
+        case Lookups(lookups, step, evictions, _):
             if evictions is not None:
                 respond(tables, evictions, holder)
             return version, [

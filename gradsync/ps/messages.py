@@ -264,6 +264,9 @@ class Lookups:
     lookups: tuple[tuple[str, torch.Tensor, torch.Tensor], ...]
     step: int
     evictions: Evict | None = None
+    worker: int | None = None
+    """The worker looking up (with worker_loss wait, a replacement's lookups are answered as its dead process's
+    were: `ps.lookup_replay`); None: no worker's (a test, a tool)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,6 +31,7 @@ from gradsync.ps.consistency import ConsistencyRule
 from gradsync.ps.dynamic_shard import DynamicShard, respond
 from gradsync.ps.gradient_codecs import make_wire
 from gradsync.ps.layout import ShardLayout
+from gradsync.ps.lookup_replay import LookupReplay
 from gradsync.ps.messages import (
     Committed,
     DynamicSetup,
@@ -70,6 +71,7 @@ class ParameterServer:
     ):
         self.shard_id = shard_id
         self.replaces_workers = worker_loss == "wait"  # a dead worker's replacement may rejoin (`rejoin`)
+        self._replay = LookupReplay() if self.replaces_workers else None  # its dynamic tables' lookups again
         self.worker_loss = worker_loss
         self.resume_from = resume_from  # (checkpoint folder, the number of servers that wrote it, its full base)
         self._last_full: str | None = None  # the folder of the last full checkpoint written (deltas go onto it)
@@ -172,7 +174,11 @@ class ParameterServer:
             assert reference is not None  # set with the rule
             if (diff := reference.difference(spec)) is not None:
                 raise Refusal(str(model_mismatch_error(worker, diff)))
-        return Rejoined(self._shard().frozen, *rule.worker_restarted(worker))
+        shard = self._shard()
+        with shard.lock:
+            if self._replay is not None:
+                self._replay.restarted(worker)
+        return Rejoined(shard.frozen, *rule.worker_restarted(worker))
 
     def _build(self, s: Setup) -> ShardState:
         """The shard from worker 0's setup, then, when resuming, its state from the checkpoint folder (written
@@ -246,7 +252,11 @@ class ParameterServer:
         shard = self._shard()
         with shard.lock:
             dynamic = {n: cast(DynamicShard, t) for n, t in shard.tables.items() if t.answers_calls}
-            answer = respond(dynamic, call, f"server {self.shard_id}", shard.version)
+            holder = f"server {self.shard_id}"
+            if isinstance(call, Lookups) and self._replay is not None:
+                answer = self._replay.answer(call, lambda: respond(dynamic, call, holder, shard.version))
+            else:
+                answer = respond(dynamic, call, holder, shard.version)
             if isinstance(call, Lookups):
                 shard.stats.bytes_out += sum(rows.nbytes for rows, _ in answer[1])
             return answer

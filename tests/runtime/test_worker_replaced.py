@@ -11,9 +11,8 @@ import torch
 import gradsync
 from gradsync.ps import shard_file
 from helpers import SUPPORT, run_cli
-from dynamic_jobs import train_resumable
-from replaced import (Death, reference, starts_at, train, train_clicks, train_dropping, train_killing_a_server,
-                      train_real_loop)
+from replaced import (Death, reference, starts_at, train, train_clicks, train_dropping, train_dynamic_tables,
+                      train_killing_a_server, train_real_loop)
 
 pytestmark = pytest.mark.job
 
@@ -143,14 +142,19 @@ def test_a_real_loop_ends_bit_for_bit_as_without_the_deaths(launch):
     assert not torch.equal(runs[1][0][1]["norm.running_mean"], torch.zeros(16))  # the statistics moved
 
 
-@pytest.mark.timeout(120)
-def test_dynamic_tables_are_refused_once_with_the_fix(launch):
-    with pytest.raises(gradsync.JobFailed) as failed:
-        launch(train_resumable, strategy="ps", workers=2, servers=1, timeout=100, args=(3,),
-               worker_loss="wait", max_restarts=1)
-    text = str(failed.value)
-    assert "worker_loss='wait' replaces dead workers of models without dynamic tables so far" in text
-    assert text.count("worker_loss='wait' replaces") == 1, text
+@pytest.mark.timeout(180)
+def test_dynamic_tables_end_bit_for_bit_as_without_the_deaths(launch):
+    """Their ids admitted, counted and evicted as without the deaths: a replacement's lookups of the step in
+    flight are answered as its dead process's were, also by a server a step ahead (`ps.lookup_replay`)."""
+    deaths = (Death(1, 2, "forward"), Death(0, 4, "one server"), Death(1, 6, "backward"), Death(0, 8, "pushed"))
+    runs = [launch(train_dynamic_tables, strategy="ps", workers=2, servers=2, timeout=150, args=(died, 10),
+                   worker_loss="wait", max_restarts=2, pipeline="off")
+            for died in ((), deaths)]
+    assert [start for start, _ in runs[1]] == [9, 6]
+    for (_, clean), (_, died) in zip(*runs):
+        assert clean.keys() == died.keys() and all(torch.equal(clean[k], died[k]) for k in clean)
+    state = runs[1][0][1]
+    assert int(state["tags.counters"][-1]) > 0 and int(state["items.counters"][-1]) > 0  # rows were evicted
 
 
 @pytest.mark.timeout(180)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import gradsync
 from gradsync.runtime import checkpoints
 from gradsync.transport import rpc
+from dynamic_jobs import DIM, LR, TABLE_OPTIMIZERS, Net, dynamic_batch
 from jobs import batch, make_mlp
 from sparse_models import ClickNet, click_batch
 
@@ -212,6 +213,27 @@ def train_clicks(deaths: tuple[Death, ...], steps: int) -> tuple[int, dict]:
         bag, ids, dense, y = click_batch(step[0], me)
         with dist_autograd.context() as cid:
             dist_autograd.backward(cid, [F.binary_cross_entropy_with_logits(trainer.model(bag, ids, dense), y)])
+            trainer.step(cid)
+    return trainer.start_step, trainer.state_dict()
+
+
+def train_dynamic_tables(deaths: tuple[Death, ...], steps: int) -> tuple[int, dict]:
+    """dynamic_jobs.Net (three dynamic tables: admission after sightings and by probability, LRU and LFU
+    eviction, a TTL) with AdamW and RowAdagrad rows, each worker's batch of each step; deaths as `train`'s.
+    Returns (start step, final state, the tables' ids, rows, counts and eviction state included)."""
+    me = gradsync.worker_rank()
+    model = Net(gradsync.DynamicEmbedding(DIM, capacity=1000))
+    trainer = gradsync.Trainer(model, torch.optim.AdamW(model.parameters(), lr=LR),
+                               table_optimizer=TABLE_OPTIMIZERS["adagrad"])
+    step = [trainer.start_step]
+    mine = [d for d in deaths if d.worker == me]
+    if gradsync.restart_count() < len(mine):
+        _arm(mine[gradsync.restart_count()], model.head, step)
+    for step[0] in range(trainer.start_step, steps):
+        users, items, tags, clicks = dynamic_batch(step[0], me)
+        with dist_autograd.context() as cid:
+            loss = F.binary_cross_entropy_with_logits(trainer.model(users, items, tags), clicks)
+            dist_autograd.backward(cid, [loss])
             trainer.step(cid)
     return trainer.start_step, trainer.state_dict()
 

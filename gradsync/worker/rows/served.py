@@ -73,7 +73,9 @@ class ServedRows(FixedAndDynamic):
     ):
         servers = config.servers
         self.fixed = ServedTables(chosen, servers, metrics, transport)
-        self.dynamic = ServedDynamic(module, servers, table_optimizer, config.mode, transport, metrics)
+        self.dynamic = ServedDynamic(
+            module, servers, table_optimizer, config.mode, transport, metrics, config.worker_rank
+        )
         if self.dynamic.modules and not capabilities.row_tables:
             raise ValueError(
                 f"{next(iter(self.dynamic.modules))!r} is a gradsync.DynamicEmbedding, whose rows the servers "
@@ -95,11 +97,17 @@ class ServedRows(FixedAndDynamic):
         self._sent = [group_options(g) for g in optimizer.param_groups]  # the options the servers hold
         self._versions: dict[int, int] | None = {s: 0 for s in self.servers}  # for this layout's next push
         self.loads = 0  # the module loads sent to the servers (`commit_load`)
+        self._rejoining = False  # a dead worker's replacement, before its first step (`take_before`)
 
-    def take_before(self, servers: frozenset[int]) -> None:
-        """A replacement's first step: its lookups on `servers` read the rows as they were before those servers
-        closed the step (`ParameterServer.rejoin`); empty: as they are."""
-        self.fixed.before = servers
+    def take_before(self, servers: frozenset[int] | None) -> None:
+        """A replacement's first step: its lookups of fixed tables on `servers` read the rows as they were before
+        those servers closed the step (`ParameterServer.rejoin`), and its dynamic tables' at the step some
+        server has not ended (the others answer them as they answered its dead process: `ps.lookup_replay`);
+        None: its first step is over."""
+        self._rejoining = servers is not None
+        self.fixed.before = servers or frozenset()
+        if self._rejoining:
+            self.dynamic.resync(newest=False)
 
     def gradients(self, context_id, grads, scaler=None) -> ServedStep:
         rows = self.fixed.row_grads(context_id, grads)
@@ -156,7 +164,7 @@ class ServedRows(FixedAndDynamic):
 
     def resume(self, step: int | None) -> None:
         """The dynamic tables' next lookups at the step the servers are at; the next push at their versions."""
-        self.dynamic.resync()
+        self.dynamic.resync(newest=not self._rejoining)
         self._versions = None
 
     def settle(self) -> None:

@@ -117,14 +117,16 @@ class ServedDynamic:
         mode: str,
         transport: TableCalls | None,
         metrics: StepMetrics | None,
+        worker: int | None = None,
     ):
         """`transport`: what answers the calls on the tables (None: the subclass's own, `ShardedDynamic`);
-        `metrics`: the strategy's, where lookups count as pull."""
+        `metrics`: the strategy's, where lookups count as pull; `worker`: this worker, which its lookups name."""
         self.modules = find_dynamic(module)
         self.num_servers = num_servers
         self.optimizer = table_optimizer
         self.transport = transport
         self.metrics = metrics
+        self.worker = worker
         self.serving = False  # once the servers answer (`RowLayout.begin_serving`): the module's state_dict gathers
         self.step = 0  # the step the next recording lookup belongs to (sync)
         self.loaded: set[str] = set()  # the tables a module's load_state_dict loaded, not sent yet
@@ -291,7 +293,7 @@ class ServedDynamic:
         evictions, self._evictions = self._evictions, {}
         assert self.transport is not None  # given at construction, or the subclass's own
         answers = self.transport.table_calls(
-            {s: Lookups(tuple(lookups), self.step, evictions.get(s)) for s, lookups in asked.items()}
+            {s: Lookups(tuple(lookups), self.step, evictions.get(s), self.worker) for s, lookups in asked.items()}
         )
         out, taken = [], {s: 0 for s in asked}
         for w, where in zip(waiting, wheres):
@@ -388,12 +390,13 @@ class ServedDynamic:
         assert self.transport is not None  # given at construction, or the subclass's own
         return self.transport.table_calls(calls)
 
-    def resync(self) -> None:
+    def resync(self, newest: bool = True) -> None:
         """Take the step the servers' tables are at: after a `trainer.join()` block, in which a worker that ran
-        out of data took fewer steps than the others, and after a resume."""
+        out of data took fewer steps than the others, and after a resume; not `newest`: the step some server
+        has not ended yet (a dead worker's replacement, whose step in flight a server may have ended already)."""
         if self.modules:
             steps = self._call({s: TablesStep() for s in range(self.num_servers)})
-            self.step = max(step for per in steps.values() for step in per.values())
+            self.step = (max if newest else min)(step for per in steps.values() for step in per.values())
 
     def local_keys(self) -> dict[str, torch.Tensor]:
         """The modules' own (unused) tables' state by key, which `own_state` leaves out of a state_dict."""

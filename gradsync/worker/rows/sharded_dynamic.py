@@ -65,6 +65,8 @@ class ShardedDynamic(ServedDynamic):
     """The model's dynamic tables, worker `worker` of `workers` holding its ids of each; lookups along `tables`'
     routes. Every worker must construct it, look its tables up and end every step."""
 
+    worker: int
+
     def __init__(
         self,
         module: nn.Module,
@@ -77,8 +79,8 @@ class ShardedDynamic(ServedDynamic):
         metrics: StepMetrics | None,
     ):
         """`tables`: the fixed tables, along whose routes the lookups go."""
-        super().__init__(module, workers, table_optimizer, mode, None, metrics)
-        self.worker, self.timeout = worker, timeout
+        super().__init__(module, workers, table_optimizer, mode, None, metrics, worker)
+        self.timeout = timeout
         self.parts = {
             name: DynamicShard(name, setup, worker, workers) for name, setup in self.setups(sent=False).items()
         }

@@ -34,7 +34,6 @@ import torch.distributed.autograd as dist_autograd
 from torch import nn
 from torch.func import functional_call
 
-from gradsync.config import ConfigError
 from gradsync.core.buckets import (
     Bucket,
     ModelSpec,
@@ -211,12 +210,6 @@ class PSStrategy(OnServers, Strategy):
         self._rejoined_options: list[dict] = []  # a replacement: the groups' options its first step began with
         self._late_values: set[int] = set()  # those whose values come after a held first step's finish
         self.rejoined_at: int | None = None  # a replacement: the steps the servers closed before it rejoined
-        if config.replaces_workers and self.rows.holds_dynamic:
-            raise ConfigError(
-                "worker_loss='wait' replaces dead workers of models without dynamic tables so far, and this model "
-                f"has {sorted(self.rows.dynamic.modules)} (gradsync.DynamicEmbedding): pass --worker-loss fail with "
-                "--checkpoint-dir/--checkpoint-every to resume after a death"
-            )
         if self.replaced:
             self.frozen, first = self._rejoin()
         else:
@@ -410,7 +403,7 @@ class PSStrategy(OnServers, Strategy):
         (`_late`) closed it with the dead process's part (the same bits) and answer with their values now, or,
         when it was held, with their part of its norm, its finish going to the others alone (`_finish`)."""
         late, self._late, self._rejoining = self._late, {}, False
-        self.rows.take_before(frozenset())
+        self.rows.take_before(None)
         pushes = {s: out.push(s, agree) for s in self.servers if s not in late}
         fresh = self.transport.push({s: pulled.versions[s] for s in pushes}, pushes) if pushes else {}
         if agree is not None:
