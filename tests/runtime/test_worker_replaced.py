@@ -12,7 +12,7 @@ import gradsync
 from gradsync.ps import shard_file
 from helpers import SUPPORT, run_cli
 from replaced import (Death, reference, starts_at, train, train_clicks, train_dropping, train_dynamic_tables,
-                      train_killing_a_server, train_real_loop)
+                      train_joining, train_killing_a_server, train_real_loop)
 
 pytestmark = pytest.mark.job
 
@@ -155,6 +155,16 @@ def test_dynamic_tables_end_bit_for_bit_as_without_the_deaths(launch):
         assert clean.keys() == died.keys() and all(torch.equal(clean[k], died[k]) for k in clean)
     state = runs[1][0][1]
     assert int(state["tags.counters"][-1]) > 0 and int(state["items.counters"][-1]) > 0  # rows were evicted
+
+
+@pytest.mark.timeout(120)
+def test_a_replacement_inside_trainer_join_fails_the_job_with_the_fix(launch):
+    with pytest.raises(gradsync.JobFailed) as failed:
+        launch(train_joining, strategy="ps", workers=2, servers=1, timeout=100, args=(Death(1, 2, "forward"), 5),
+               worker_loss="wait", max_restarts=1)
+    text = str(failed.value)
+    assert "worker 1's replacement (worker_loss='wait') entered trainer.join()" in text and "drop_last" in text
+    assert text.count("entered trainer.join()") == 1, text
 
 
 @pytest.mark.timeout(180)

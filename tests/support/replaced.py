@@ -166,6 +166,24 @@ def train_real_loop(deaths: tuple[Death, ...], steps: int) -> tuple[int, dict]:
     return trainer.start_step, trainer.state_dict()
 
 
+def train_joining(death: Death, steps: int) -> int:
+    """The MLP for `steps` steps inside one `trainer.join()` block; `death` kills its worker. Returns the steps
+    taken."""
+    me = gradsync.worker_rank()
+    model = make_mlp()
+    trainer = gradsync.Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+    step = [trainer.start_step]
+    if death.worker == me and gradsync.restart_count() == 0:
+        _arm(death, model[2], step)
+    with trainer.join():
+        for step[0] in range(trainer.start_step, steps):
+            x, y = batch(step[0], me)
+            with dist_autograd.context() as cid:
+                dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
+                trainer.step(cid)
+    return steps
+
+
 def train_dropping(death: Death, steps: int) -> tuple[dict, dict]:
     """The plain MLP with AdamW for `steps` steps on worker w's batches of each step; `death` kills its worker
     (worker_loss drop: the job goes on without it). Returns (final state, the steps each server went on without a

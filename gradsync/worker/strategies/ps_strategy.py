@@ -581,7 +581,15 @@ class PSStrategy(OnServers, Strategy):
         """`Trainer.join`: on leaving the block, tell the servers and wait for every worker to join; the next
         forward pulls (the replies this worker holds are from before the others' last steps), and the dynamic
         tables' lookups go on at the step the servers are at (their last step's evictions sent before this worker
-        says it joined: a worker that joined earlier looks up next without them)."""
+        says it joined: a worker that joined earlier looks up next without them). Refused in a dead worker's
+        replacement, which cannot know how far into the block its dead process's data had gone."""
+        if self.replaced:
+            raise RuntimeError(
+                f"worker {self.worker}'s replacement (worker_loss='wait') entered trainer.join(): a replacement "
+                "cannot tell how many of the block's batches its dead process had trained on, nor whether it had "
+                "joined; give every worker the same number of batches (drop_last=True, or DistributedSampler) "
+                "instead of trainer.join(), or pass --worker-loss fail with --checkpoint-dir/--checkpoint-every"
+            )
         yield
         self.rows.settle()
         self.joiner.announce()
