@@ -89,7 +89,7 @@ def reference_dynamic(optimizer: str, steps: int, extra: list[int]):
     """Single process on the active workers' batches joined (`active_workers`): users in an nn.Embedding holding
     init(id) for each id in order of first sight, trained by the row optimizer; the other tables local. Returns
     the state, the user ids in that order, the expected bytes per worker of each of the first `steps` steps
-    (`replicated_tables.exchange` beside DDP's dense allreduce) and the eviction tables' counters."""
+    (`replicated.exchange` beside DDP's dense allreduce) and the eviction tables' counters."""
     workers = len(extra)
     batches = [[dynamic_batch(t, w) for w in active] for t, active in enumerate(active_workers(steps, extra))]
     users = list(dict.fromkeys(torch.cat([b[0] for step in batches for b in step]).tolist()))
