@@ -133,7 +133,7 @@ class ServedRows(FixedAndDynamic):
         else:
             replies = self._push(step.pushes if coefficient is not None else {s: {} for s in self.servers})
         self._versions = {s: snap.version for s, snap in replies.items()}
-        self.metrics.sent_after_commit(step.nbytes if coefficient is not None else 0)
+        self.metrics.sent_after_commit(step.nbytes if step.held is not None or coefficient is not None else 0)
         return replies
 
     def _push(self, rows: dict[int, dict[str, RowGrads]], agree: Agreement | None = None) -> dict:
