@@ -89,6 +89,13 @@ def _arm(death: Death, layer: torch.nn.Module, step: list[int]) -> None:
         checkpoints.shard_file.write = write_then_die
 
 
+def _arm_mine(deaths: tuple[Death, ...], layer: torch.nn.Module, step: list[int]) -> None:
+    """Arm this process's death: the n-th process of a worker dies as the n-th of `deaths` naming it says."""
+    mine = [d for d in deaths if d.worker == gradsync.worker_rank()]
+    if gradsync.restart_count() < len(mine):
+        _arm(mine[gradsync.restart_count()], layer, step)
+
+
 def starts_at(death: Death, held: bool) -> int:
     """The step the replacement of the process `death` ends continues from: the step it died in, or the next when
     every server had closed that step (its push applied, unless `held` for the workers' word: clipping, a
@@ -108,9 +115,7 @@ def train(deaths: tuple[Death, ...], steps: int, clip: float | None = None, micr
     model.insert(1, torch.nn.Dropout(0.1))  # the RNG a replacement must continue
     trainer = gradsync.Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01), max_grad_norm=clip)
     step = [trainer.start_step]
-    mine = [d for d in deaths if d.worker == me]
-    if gradsync.restart_count() < len(mine):
-        _arm(mine[gradsync.restart_count()], model[2], step)
+    _arm_mine(deaths, model[2], step)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2) if scaled else None
     scale = (lambda loss: scaler.scale(loss)) if scaler is not None else (lambda loss: loss)  # noqa: E731
     for step[0] in range(trainer.start_step, steps):
@@ -153,9 +158,7 @@ def train_real_loop(deaths: tuple[Death, ...], steps: int) -> tuple[int, dict]:
               {"params": [*model.norm.parameters(), *model.head.parameters()], "lr": 0.01, "weight_decay": 0.0}]
     trainer = gradsync.Trainer(model, torch.optim.AdamW(groups))
     step = [trainer.start_step]
-    mine = [d for d in deaths if d.worker == me]
-    if gradsync.restart_count() < len(mine):
-        _arm(mine[gradsync.restart_count()], model.body, step)
+    _arm_mine(deaths, model.body, step)
     for step[0] in range(trainer.start_step, steps):
         for group, lr in zip(trainer.optimizer.param_groups, (0.02, 0.01)):
             group["lr"] = lr * 0.5 ** (step[0] // 2)
@@ -224,9 +227,7 @@ def train_clicks(deaths: tuple[Death, ...], steps: int) -> tuple[int, dict]:
     trainer = gradsync.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                table_optimizer=gradsync.RowSGD(lr=0.1, momentum=0.9))
     step = [trainer.start_step]
-    mine = [d for d in deaths if d.worker == me]
-    if gradsync.restart_count() < len(mine):
-        _arm(mine[gradsync.restart_count()], model.mlp, step)
+    _arm_mine(deaths, model.mlp, step)
     for step[0] in range(trainer.start_step, steps):
         bag, ids, dense, y = click_batch(step[0], me)
         with dist_autograd.context() as cid:
@@ -244,9 +245,7 @@ def train_dynamic_tables(deaths: tuple[Death, ...], steps: int) -> tuple[int, di
     trainer = gradsync.Trainer(model, torch.optim.AdamW(model.parameters(), lr=LR),
                                table_optimizer=TABLE_OPTIMIZERS["adagrad"])
     step = [trainer.start_step]
-    mine = [d for d in deaths if d.worker == me]
-    if gradsync.restart_count() < len(mine):
-        _arm(mine[gradsync.restart_count()], model.head, step)
+    _arm_mine(deaths, model.head, step)
     for step[0] in range(trainer.start_step, steps):
         users, items, tags, clicks = dynamic_batch(step[0], me)
         with dist_autograd.context() as cid:
