@@ -204,10 +204,10 @@ class Faults:
                 "available yet; pass --max-restarts 0 (the job goes on without the dead worker), or --worker-loss wait "
                 "(a replacement takes its place)"
             )
-        if self.replicas:
+        if self.replicas not in (0, 1):
             raise ConfigError(
-                f"replicas={self.replicas}: servers that keep each other's shards are not available yet; pass "
-                "--replicas 0, and --checkpoint-dir/--checkpoint-every to restart a job whose server died"
+                f"replicas={self.replicas}: pass --replicas 1 (each server's shard kept on the next server too) "
+                "or --replicas 0 (none)"
             )
 
     @property
@@ -241,6 +241,35 @@ class JobConfig(Faults, Checkpointing, Timeouts, Training, Placement):  # fields
             refusal = refusal or capabilities(self.transport).replacement_refusal(self.transport)
         if refusal:
             raise ConfigError(refusal)
+        if self.replicas and (refusal := self._replicas_refusal()):
+            raise ConfigError(refusal)
+
+    def _replicas_refusal(self) -> str | None:
+        """Why this job cannot keep each shard on a second server (`ps.replica`); None when it can."""
+        where = [f"{t.name} {'/'.join(t.replicated)}" for t in STRATEGIES.values() if t.replicated]
+        if self.mode not in traits(self.strategy).replicated or self.transport != "rpc" or self.servers < 2:
+            return (
+                f"replicas=1 with strategy={self.strategy!r}, mode={self.mode!r}, transport={self.transport!r}, "
+                f"servers={self.servers}: a replica of each shard is kept in {', '.join(where)} jobs over torch RPC "
+                "with two servers or more so far; pass --transport rpc --servers 2 (or more), or --replicas 0"
+            )
+        if self.pipeline == "on":
+            return (
+                "replicas=1 with pipeline='on': a replicated shard takes each step whole, so that a step is "
+                "answered only once both copies hold it; pass --pipeline auto (or off), or --replicas 0"
+            )
+        if self.worker_loss != "fail":
+            return (
+                f"replicas=1 with worker_loss={self.worker_loss!r}: servers that keep each other's shards do not "
+                "yet take a worker's death as well; pass --worker-loss fail, or --replicas 0"
+            )
+        return None
+
+    @property
+    def replicated(self) -> bool:
+        """Whether each server's shard is kept on the next server too, which serves it once that server dies
+        (`replicas` 1: `ps.replica`)."""
+        return self.replicas == 1
 
     @property
     def elastic(self) -> bool:
@@ -253,7 +282,7 @@ class JobConfig(Faults, Checkpointing, Timeouts, Training, Placement):  # fields
     def dynamic_group(self) -> bool:
         """Whether the job's RPC group takes members while it runs: an elastic job, or one whose dead workers
         are replaced (`transport.rpc_group`)."""
-        return self.elastic or self.replaces_workers
+        return self.elastic or self.replaces_workers or self.replicated
 
     @property
     def call_timeout(self) -> float:

@@ -35,6 +35,7 @@ class StoreKeys:
     JOIN_ENTERED = "gradsync/join_entered/{}"  # round: `worker,` entries, the workers that opened trainer.join()
     STEP_BEGUN = "gradsync/step_begun/{}/{}"  # worker, step parity: that worker's step as it began, its RNG states
     SCALER = "gradsync/scaler/{}/{}"  # worker, step parity: `step:JSON`, its GradScaler's state after that step
+    SERVED_BY = "gradsync/served_by/{}"  # shard: the server rank that serves it since its own server died (replicas 1)
     REJOINED = "gradsync/rejoined/{}"  # worker: `replacement:step`, its latest replacement built its Trainer there
 
 

@@ -56,6 +56,7 @@ class StrategyTraits:
     join: bool  # trainer.join() (workers with uneven data) is supported
     replaced: tuple[str, ...]  # the modes in which a dead worker's replacement takes its place (worker_loss wait)
     dropped: tuple[str, ...]  # the modes in which a job goes on without a dead worker (worker_loss drop)
+    replicated: tuple[str, ...]  # the modes in which each server's shard is kept on the next server too (replicas 1)
     checkpoint: tuple[Saved, ...]  # what its job checkpoints hold; () would be no checkpoints
     loader: str  # the dotted path of its worker-side Strategy class, imported on first use
     keywords: tuple[str, ...]  # the Trainer's arguments its class's constructor takes (as keywords)
@@ -98,6 +99,7 @@ STRATEGIES: dict[str, StrategyTraits] = {
             join=True,
             replaced=("sync",),
             dropped=("sync", "async", "ssp"),
+            replicated=("sync",),
             checkpoint=(Saved.SERVER_SHARDS, Saved.WORKER_OPTIONS),
             loader="gradsync.worker.strategies.ps_strategy.PSStrategy",
             keywords=("tables", "table_optimizer", "clipping"),
@@ -114,6 +116,7 @@ STRATEGIES: dict[str, StrategyTraits] = {
             join=True,
             replaced=(),
             dropped=(),
+            replicated=(),
             checkpoint=(Saved.WORKER_DENSE, Saved.WORKER_ROWS),
             loader="gradsync.worker.strategies.allreduce_strategy.AllreduceStrategy",
             keywords=("find_unused_parameters", "clipping", "table_optimizer"),
@@ -130,6 +133,7 @@ STRATEGIES: dict[str, StrategyTraits] = {
             join=True,
             replaced=(),
             dropped=(),
+            replicated=(),
             checkpoint=(Saved.SERVER_SHARDS, Saved.WORKER_DENSE),
             loader="gradsync.worker.strategies.hybrid_strategy.HybridStrategy",
             keywords=("tables", "table_optimizer", "find_unused_parameters", "clipping"),
@@ -146,6 +150,7 @@ STRATEGIES: dict[str, StrategyTraits] = {
             join=False,
             replaced=(),
             dropped=(),
+            replicated=(),
             checkpoint=(Saved.WORKER_DENSE, Saved.WORKER_ROWS),
             loader="gradsync.worker.strategies.sharded_strategy.ShardedStrategy",
             keywords=("tables", "table_optimizer", "find_unused_parameters", "clipping"),

@@ -26,6 +26,7 @@ from gradsync.core.job_names import StoreKeys
 from gradsync.core.waiting import POLL_S, wait_until
 from gradsync.launcher import procfs
 from gradsync.launcher.restarts import Restarts, death
+from gradsync.launcher.server_loss import ServerLoss
 from gradsync.membership.departures import Departure, Departures
 from gradsync.membership.heartbeat import NO_TRAINER, Watch, interval
 from gradsync.membership.member_keys import ranks_named, workers_in_order
@@ -341,6 +342,7 @@ def supervise(
     watch = Watch(config)
     departures = Departures(config, store, run_dir) if config.elastic else None
     restarts = Restarts(config, store, run_dir, replace) if config.replaces_workers and replace is not None else None
+    losses = ServerLoss(config, store) if config.replicated else None
     next_read = 0.0
     reported: list[int] | None = None  # where each worker's main thread was at the last stall report
     try:
@@ -351,11 +353,16 @@ def supervise(
                     if code not in (None, 0) and restarts.take(ranks, rank, death(code), watch):
                         codes[rank] = None
                 restarts.check()
+            if losses is not None:
+                for rank, code in enumerate(codes[: config.servers]):
+                    if code not in (None, 0) and rank not in losses.lost:
+                        losses.take(rank, death(code))
             if departures is not None and departures.observe(codes):
                 raise JobFailed(
                     f"every worker left the job, so it cannot finish: {departures.describe()}", min(departures.found)
                 )
             departed = set(departures.found) if departures is not None else set()
+            departed |= set(losses.lost) if losses is not None else set()
             if all(c == 0 or rank in departed for rank, c in enumerate(codes)):
                 _show_held_stderr(ranks, run_dir)
                 return departures.report() if departures is not None else []
@@ -377,6 +384,10 @@ def supervise(
             if silent:
                 rank = max(silent, key=silent.__getitem__)
                 if restarts is not None and _replaced_silent(ranks, rank, silent[rank], restarts, watch):
+                    continue
+                if losses is not None and rank < config.servers:
+                    _kill(ranks[rank])
+                    losses.take(rank, _silent_how(config, silent[rank]))
                     continue
                 quitters = _quitters(config, ranks, watch, store)
                 if quitters:  # silent in torch's teardown
@@ -415,10 +426,20 @@ def _replaced_silent(ranks: list[RankProcess], rank: int, seconds: float, restar
     """Kill the silent worker of `rank` and replace it, when the job's policy allows (`Restarts.take`)."""
     if not restarts.allows(rank):
         return False
-    ranks[rank].kill(signal.SIGKILL)
-    _let_exit([ranks[rank]], _REAP_S, f"rank {rank} to end on SIGKILL")
-    how = f"stopped responding (no heartbeat for {seconds:.1f} s, step_timeout {restarts.config.step_timeout:g} s)"
-    return restarts.take(ranks, rank, how + " and was killed", watch)
+    _kill(ranks[rank])
+    return restarts.take(ranks, rank, _silent_how(restarts.config, seconds), watch)
+
+
+def _kill(rank: RankProcess) -> None:
+    rank.kill(signal.SIGKILL)
+    _let_exit([rank], _REAP_S, f"rank {rank.rank} to end on SIGKILL")
+
+
+def _silent_how(config: JobConfig, seconds: float) -> str:
+    """How a rank the launcher killed for its silence died."""
+    return (
+        f"stopped responding (no heartbeat for {seconds:.1f} s, step_timeout {config.step_timeout:g} s) and was killed"
+    )
 
 
 def _stalled_text(config: JobConfig, stalled: dict[int, float]) -> str:

@@ -17,6 +17,7 @@ import socket
 import threading
 import traceback
 from collections.abc import Callable
+from dataclasses import replace
 from typing import cast
 
 import torch
@@ -47,6 +48,7 @@ from gradsync.ps.messages import (
     TableSetup,
 )
 from gradsync.ps.named_grads import push_named
+from gradsync.ps.replica import StepJournal, StepRecord, replay
 from gradsync.ps.shard import ShardState
 from gradsync.ps.staging import Staging
 from gradsync.ps.sync_rule import SyncRule
@@ -68,8 +70,11 @@ class ParameterServer:
         resume_from: tuple[str, int, str | None] | None = None,
         on_failure: Callable[[str], None] | None = None,
         worker_loss: str = "fail",
+        replicated: bool = False,
     ):
         self.shard_id = shard_id
+        self.replicated = replicated  # replicas 1: the shard is kept on two servers (`ps.replica`)
+        self.send_replica: Callable[[StepRecord], None] | None = None  # the primary's: to its replica's server
         self.replaces_workers = worker_loss == "wait"  # a dead worker's replacement may rejoin (`rejoin`)
         self._replay = LookupReplay() if self.replaces_workers else None  # its dynamic tables' lookups again
         self.worker_loss = worker_loss
@@ -198,6 +203,8 @@ class ParameterServer:
                 error = ValueError(f"server {self.shard_id} cannot restore its shard: {e}")
                 self.fail(f"{type(error).__name__}: {error}\n")
                 raise error from e
+        if self.replicated:
+            shard.journal = StepJournal(self.send_replica)
         return shard
 
     def _mismatch(self, registrations: dict[int, tuple[ModelSpec, torch.futures.Future]]) -> Exception | None:
@@ -267,15 +274,20 @@ class ParameterServer:
         with shard.lock:
             return _fixed(shard, table).indexed_rows().clone()
 
-    def push(self, worker: int, pulled_version: int, push: Push, wire=None) -> torch.futures.Future:
+    def push(
+        self, worker: int, pulled_version: int, push: Push, wire=None, done: int | None = None
+    ) -> torch.futures.Future:
         """One worker's step (`Push`) computed at `pulled_version`, its payloads in `wire`'s format (default:
         the job's); `push.payloads` None: a step whose buckets come as pieces (`push_piece`; async and ssp: it
         waits in `staging` for the pieces `push.pieces` names, then goes to the rule whole).
         Resolves to a `Committed` (in sync mode once all W pushed; in ssp mode once the worker may go on, with
         the `Snapshot` it goes on from; with `push.agree`, with this server's `Partial` of the held step's
-        norm, and `finish` applies it), or fails with the reason.
+        norm, and `finish` applies it), or fails with the reason. `done`: the steps this server has answered the
+        worker closed (replicas 1): a push of a step closed here already is answered as it was (`ps.replica`).
         """
         shard = self._shard()
+        if (closed := self._closed_for(worker, done)) is not None:
+            return resolved(closed if push.agree is not None else replace(closed, partial=None))
         if self.mode != "async" and not 0 <= worker < self.num_workers:
             return self.rejected(
                 GradientError(f"worker {worker} is not a worker of this job: expected 0 .. {self.num_workers - 1}")
@@ -342,15 +354,39 @@ class ParameterServer:
 
         return rule.commit_piece(worker, pulled_version, piece, self.wire).then(reply)
 
-    def finish(self, worker: int, version: int, coefficient: float | None) -> torch.futures.Future:
+    def finish(
+        self, worker: int, version: int, coefficient: float | None, done: int | None = None
+    ) -> torch.futures.Future:
         """Apply the held sync step at `version` with its gradients times `coefficient`, or skip it (None):
-        see `SyncRule.finish`."""
+        see `SyncRule.finish`; `done` as `push`'s."""
         self._shard()
+        if (closed := self._closed_for(worker, done)) is not None:
+            return resolved(replace(closed, partial=None))
         if not isinstance(self.rule, SyncRule):
             return self.rejected(
                 GradientError(f"server {self.shard_id} runs a {self.mode} job, which holds no step to finish")
             )
         return self.rule.finish(worker, version, coefficient)
+
+    def _closed_for(self, worker: int, done: int | None) -> Committed | None:
+        """What answered `worker`'s step in flight, when this copy of the shard has closed it already (its answer
+        was lost with the primary that closed it: `StepJournal.took`), else None."""
+        shard = self._shard()
+        with shard.lock:
+            journal = shard.journal
+            if journal is None or not journal.took(worker, done):
+                return None
+            return Committed(shard.version, partial=journal.partial)
+
+    def replicate(self, record: StepRecord) -> None:
+        """Take a step (or a load) of this shard's primary on another server: this copy is its replica."""
+        shard = self._shard()
+        if record.stats is None:  # a load of the module or the optimizer's state
+            for name, args in record.entries:
+                getattr(self, name)(*args)
+            return
+        with shard.lock:
+            replay(shard, record)
 
     def optimizer_state(self) -> dict:
         """The optimizer's per-parameter state by entry key and its groups' options (CPU copies)."""
@@ -373,6 +409,9 @@ class ParameterServer:
                     f"the optimizer state does not fit server {self.shard_id}'s optimizer: {type(e).__name__}: {e}"
                 ) from e
             shard.restored()
+            if shard.journal is not None:
+                shard.journal.record("load_optimizer_state", state, groups)
+                shard.journal.flush()
 
     def load_values(self, number: int, flats: list[torch.Tensor], named: dict[str, torch.Tensor]) -> None:
         """A worker's `model.load_state_dict(...)`: this shard's buckets (`flats`, as `state()` answers them) and,
@@ -400,6 +439,9 @@ class ParameterServer:
                 target.copy_(value)
             self._loads = number
             shard.restored()
+            if shard.journal is not None:
+                shard.journal.record("load_values", number, flats, named)
+                shard.journal.flush()
 
     def worker_left(self, worker: int, steps: int | None) -> None:
         """`worker` left the job after `steps` steps (told by the heartbeat; None: it died, in an elastic job):

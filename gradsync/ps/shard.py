@@ -26,6 +26,7 @@ from gradsync.core.futures import failed
 from gradsync.core.optimizer_spec import OptimizerSpec, apply_options, group_options, load_by_name, state_by_name
 from gradsync.ps.layout import ShardLayout
 from gradsync.ps.messages import Snapshot
+from gradsync.ps.replica import StepJournal
 from gradsync.ps.server_table import ServerTable
 
 
@@ -86,6 +87,7 @@ class ShardState:
         self._began_options: list[dict] | None = None  # those the step in flight began with; None: the current ones
         self.closed = 0  # steps closed (applied or skipped) since the shard was built
         self._fresh: list[torch.Tensor | None] = [None] * len(self.buckets)  # this step's pieces' replies
+        self.journal: StepJournal | None = None  # replicas 1: what each step changes, for the shard's replica
 
     @property
     def version(self) -> int:
@@ -176,6 +178,8 @@ class ShardState:
         held."""
         if self.optimizer is None:
             return
+        if self.journal is not None:
+            self.journal.record("apply_buckets", {b: g if g is None else g.clone() for b, g in grads.items()}, skipped)
         if len(grads) < len(self.buckets) or self.keep_before:
             self.snapshot()  # a pull while the step's buckets are applied one by one sees the version before it
         for b, grad in grads.items():
@@ -200,6 +204,8 @@ class ShardState:
     ) -> None:
         """Close a step whose buckets are applied: the table rows' step, the averaged buffers, the next
         version. Call with `lock` held."""
+        if self.journal is not None:
+            self.journal.record("end_step", buffers, rows)
         self._closing()
         for name, (ids, row_grads) in (rows or {}).items():
             self.tables[name].apply(ids, row_grads)
@@ -214,11 +220,23 @@ class ShardState:
         if self.buckets and all(f is not None for f in fresh):  # every piece was sent: they are the snapshot
             buffers = {n: b.to("cpu", copy=True) for n, b in self.buffers.items()}
             self._published = Snapshot(self.version, cast("list[torch.Tensor]", fresh), buffers)
+        if self.journal is not None:
+            self.journal.closed(self.stats)
+
+    def taking(self, workers, partial=None) -> None:
+        """The step that closes next took the pushes of `workers` (with `partial`, its norm's part: a held step):
+        counted for a replica (`ps.replica.StepJournal`). Call with `lock` held."""
+        if self.journal is not None:
+            self.journal.closing(workers, partial)
 
     def skipped_step(self) -> None:
         """Close a step that changes nothing (skipped for a NaN/Inf, or by the workers' word). Call with `lock`
         held."""
+        if self.journal is not None:
+            self.journal.record("skipped_step")
         self._closing()
+        if self.journal is not None:
+            self.journal.closed(self.stats)
 
     def _closing(self) -> None:
         """Count the step that closes now; with `keep_before`, keep the snapshot it began at (published when its
@@ -246,6 +264,8 @@ class ShardState:
 
     def set_options(self, changes: dict[int, dict]) -> None:
         """Take a schedule's new group options ({group index: {option: value}}). Call with `lock` held."""
+        if self.journal is not None:
+            self.journal.record("set_options", changes)
         if self.keep_before and self._began_options is None:
             self._began_options = self.began_options()
         if self.optimizer is not None:

@@ -234,6 +234,7 @@ class SyncRule(ConsistencyRule):
                     )
                 )
             if held is self._held:
+                shard.taking(held.workers, held.reply.partial)
                 shard.set_options(held.options)
                 if coefficient is None:
                     shard.stats.steps_skipped += 1
@@ -418,6 +419,7 @@ class SyncRule(ConsistencyRule):
             if (error := self._set_options(workers)) is not None:
                 return self._dropped(error, nonfinite=False)
             self._last_partial = None
+            shard.taking(workers)
             if early:
                 shard.end_step(buffers, rows)
             else:
@@ -447,6 +449,7 @@ class SyncRule(ConsistencyRule):
             answers = [(f, None, error) for f in self._waiting()]
         else:
             shard.stats.steps_skipped += nonfinite
+            shard.taking(self._pending)
             shard.skipped_step()
             self._last_partial = None
             answers = [(p.fut, Committed(shard.version), None) for p in self._pending.values()]

@@ -14,7 +14,7 @@ import sys
 import traceback
 
 from gradsync.core.atomic_file import write_atomically
-from gradsync.membership import uneven_data
+from gradsync.membership import lost_servers, uneven_data
 from gradsync.ps.server import ParameterServer
 from gradsync.runtime import checkpoints
 from gradsync.runtime.cluster import Cluster
@@ -23,53 +23,67 @@ from gradsync.runtime.leaving import wait_for_workers
 from gradsync.transport.registry import transport
 
 
-def install_server(cluster: Cluster) -> ParameterServer:
-    """Create this process's parameter server and make it the target of the job transport's calls. The server's
-    own failure (a shard it cannot restore from the checkpoint the job resumes, an exception inside a handler:
-    `ParameterServer.fail`) fails the job on this server, recorded before the worker that called sees it (the
-    workers fail after it)."""
+def install_server(cluster: Cluster) -> list[ParameterServer]:
+    """Create this process's parameter server and make it the target of the job transport's calls; with
+    replicas, the replica of the shard before too, which its primary keeps as its own (`ps.replica`). Returns
+    them, this server's own first. The servers' own failure (a shard it cannot restore from the checkpoint the
+    job resumes, an exception inside a handler: `ParameterServer.fail`) fails the job on this server, recorded
+    before the worker that called sees it (the workers fail after it)."""
     config, resumed = cluster.config, cluster.resumed
+    rank_side = transport(config.transport).rank
 
     def fail(text: str) -> None:
         say_failure(record_failure(cluster, config.rank, text))
 
     resume_from = (resumed.path, resumed.manifest["servers"], checkpoints.base_of(resumed)) if resumed else None
-    server = ParameterServer(
-        config.rank,
-        config.num_workers,
-        config.mode,
-        config.nonfinite,
-        config.compression,
-        config.server_device,
-        config.staleness,
-        resume_from,
-        fail,
-        config.worker_loss,
-    )
-    transport(config.transport).rank.install(server)
-    return server
+    shards = [config.rank] + ([(config.rank - 1) % config.servers] if config.replicated else [])
+    servers = [
+        ParameterServer(
+            shard,
+            config.num_workers,
+            config.mode,
+            config.nonfinite,
+            config.compression,
+            config.server_device,
+            config.staleness,
+            resume_from,
+            fail,
+            config.worker_loss,
+            config.replicated,
+        )
+        for shard in shards
+    ]
+    if config.replicated:
+        servers[0].send_replica = rank_side.replica(servers[0], config, cluster.store)
+    for server in servers:
+        rank_side.install(server)
+    return servers
 
 
-def serve(cluster: Cluster, server: ParameterServer) -> None:
+def serve(cluster: Cluster, servers: list[ParameterServer]) -> None:
     """Serve until every worker has left, then exit the process: 0, or 1 when the job failed (recorded here,
     unless the failure is this server's own, recorded already: an exception must not leave a process whose RPC
-    agent still runs, as interpreter exit then aborts it)."""
+    agent still runs, as interpreter exit then aborts it). `servers`: this server's own shard first, then the
+    replica it keeps (its counters are written too when it served its shard: `lost_servers`)."""
     from gradsync.transport.grpc.endpoint import start_endpoint  # here: importing gradsync loads no grpc
 
-    config = cluster.config
+    config, server = cluster.config, servers[0]
     rank_side = transport(config.transport).rank
     code = 0
     try:
-        cluster.heartbeat.on_left(server.worker_left)
-        uneven_data.serve(cluster.store, server, config.num_workers)
+        for each in servers:
+            cluster.heartbeat.on_left(each.worker_left)
+            uneven_data.serve(cluster.store, each, config.num_workers)
         endpoint = start_endpoint(server, cluster.store, config.step_timeout)
         rank_side.serve(server, cluster.store, config)
         wait_for_workers(cluster, deadline=None)
-        _write_stats(server)
+        for each in servers:
+            if each is server or lost_servers.moved(cluster.store, each.shard_id) == config.rank:
+                _write_stats(each)
         rank_side.leave(config, cluster.store, config.shutdown_timeout)
         endpoint.stop()
     except BaseException:
-        if not server.failed:
+        if not any(each.failed for each in servers):
             say_failure(record_failure(cluster, config.rank, traceback.format_exc()))
         code = 1
     sys.stdout.flush()

@@ -104,10 +104,10 @@ def init(
     if not config.replacement:  # a dead worker's replacement comes into a job whose ranks all arrived
         wait_for_arrivals(store, config)
     cluster.run, cluster.resumed = checkpoints.open_run(config, store)
-    server = install_server(cluster) if config.is_server else None
+    servers = install_server(cluster) if config.is_server else None
     registry.transport(config.transport).rank.start(config, store)
-    if server is not None:
-        serve(cluster, server)
+    if servers is not None:
+        serve(cluster, servers)
     elif traits(config.strategy).process_group:
         dist.init_process_group(
             process_group_backend(),

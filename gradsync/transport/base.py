@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -22,6 +22,7 @@ from gradsync.core.buckets import Bucket, ModelSpec
 from gradsync.core.transport_capabilities import Capabilities
 from gradsync.metrics.timeline import Timeline
 from gradsync.ps.messages import Partial, Piece, PipelineHead, Push, Rejoined, Setup, Snapshot, TableCall
+from gradsync.ps.replica import StepRecord
 from gradsync.ps.server import ParameterServer
 
 PROBE_BYTES = 2**20
@@ -204,8 +205,14 @@ class RankTransport(ABC):
     starting (`start`) and leaving (`leave`)."""
 
     def install(self, server: ParameterServer) -> None:
-        """Make `server` the target of this process's incoming calls; a server calls it before `start`, so that
-        no call arrives first."""
+        """Make `server` the target of this process's incoming calls of its shard (with replicas a server installs
+        its own shard's and the one it keeps a replica of); a server calls it before `start`, so that no call
+        arrives first."""
+
+    def replica(self, server: ParameterServer, config: JobConfig, store: dist.Store) -> Callable[[StepRecord], None]:
+        """What sends `server`'s closed steps to its shard's replica on the next server (replicas 1: `ps.replica`);
+        only torch RPC keeps replicas (`JobConfig` refuses the others)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no replica of a shard")
 
     @abstractmethod
     def start(self, config: JobConfig, store: dist.Store) -> None:

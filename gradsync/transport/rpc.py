@@ -3,9 +3,12 @@
 Worker side: `RpcTransport`, one asynchronous RPC per server per call. Rank
 side: `RpcRank` starts and stops RPC on every rank; on a server the module-level
 `rpc_*` handlers (torch RPC pickles functions by module path) call the process's
-`ParameterServer`, installed before RPC starts. A
+`ParameterServer` of the shard the call names, installed before RPC starts (with
+replicas, a server holds its own shard and the replica of the one before). A
 step is one RPC per server: the push carries the gradients and its reply the
 next version's snapshot, which the worker's next forward uses without a pull.
+With replicas, a call whose server died goes again to the shard's replica once the
+launcher says it serves the shard (`membership.lost_servers`).
 
 TensorPipe is started with the `uv` transport only: the shared-memory
 transport's reactor thread busy-polls a whole core whenever the process waits.
@@ -20,7 +23,7 @@ import functools
 import inspect
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -32,12 +35,14 @@ from gradsync.config import JobConfig
 from gradsync.core import settings
 from gradsync.core.buckets import ModelSpec
 from gradsync.core.errors import Refusal
-from gradsync.core.futures import failed
+from gradsync.core.futures import failed, resolved
 from gradsync.core.job_names import StoreKeys, server_name
 from gradsync.core.torch_internals import RPC_TIMEOUT_TEXT, set_rpc_timeout
 from gradsync.core.transport_capabilities import capabilities
+from gradsync.membership.lost_servers import moved, replica_server
 from gradsync.metrics.timeline import HEAD
 from gradsync.ps.messages import Committed, Partial, Piece, PipelineHead, Push, Rejoined, Setup, Snapshot, TableCall
+from gradsync.ps.replica import StepRecord
 from gradsync.ps.server import ParameterServer
 from gradsync.transport import rpc_group
 from gradsync.transport.base import RankTransport, WorkerTransport, link_rate
@@ -94,9 +99,16 @@ def stop_rpc(timeout: float | None) -> None:
 _Key = TypeVar("_Key", int, tuple[int, int])
 
 
-def wait_all(futures: Mapping[_Key, torch.futures.Future], what: str, timeout: float) -> dict[_Key, Any]:
+Again = Callable[[int, BaseException], "torch.futures.Future | None"]
+"""The call to server `s` sent again, elsewhere, after `error` (its server died), or None: the error stands."""
+
+
+def wait_all(
+    futures: Mapping[_Key, torch.futures.Future], what: str, timeout: float, again: Again | None = None
+) -> dict[_Key, Any]:
     """Wait for one future per server (or per (server, ...) key); the error names the operation, server and
-    elapsed time. The values are what the servers' handlers returned."""
+    elapsed time. The values are what the servers' handlers returned. `again`: what sends a server's call again
+    when it failed on its way (not a handler's answer: `RpcTransport._again`)."""
     start = time.monotonic()
     results: dict[_Key, Any] = {}
     error: BaseException
@@ -105,6 +117,10 @@ def wait_all(futures: Mapping[_Key, torch.futures.Future], what: str, timeout: f
             result = fut.wait()
         except Exception as e:
             error = e
+            resent = again(server, e) if again is not None and isinstance(server, int) else None
+            if resent is not None:
+                results.update(wait_all({server: resent}, what, timeout, again))
+                continue
         else:
             # a handler's error comes back as a value (`_answering`; torch RPC hands an exception set on an
             # async_execution future back as one too)
@@ -140,13 +156,48 @@ class RpcTransport(WorkerTransport):
 
     capabilities = capabilities("rpc")
 
-    def _call(self, fn, args_of, what: str, timeout: float | None = None, servers=None) -> dict[int, Any]:
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.homes = {s: s for s in self.servers}  # the server rank that serves each shard now (`_again`)
+        self.done = dict.fromkeys(self.servers, 0)  # replicas: the steps each shard answered this worker closed
+        self._held: dict[int, tuple[int, Push]] = {}  # replicas: each shard's push of the held step (`finish`)
+
+    def _send(self, s: int, fn, args: tuple, timeout: float) -> torch.futures.Future:
+        """`fn(s, *args)` on the server that serves shard `s` now."""
+        return rpc.rpc_async(server_name(self.homes[s]), fn, args=(s, *args), timeout=timeout)
+
+    def _call(self, fn, args_of, what: str, timeout: float | None = None, servers=None, first=None) -> dict[int, Any]:
+        """`fn(s, *args_of(s))` on every server (or those of `servers`), waited for; `first(s)`: what is sent
+        again before it when its server died (`_again`)."""
         timeout = timeout or self.config.call_timeout
-        futures = {
-            s: rpc.rpc_async(server_name(s), fn, args=args_of(s), timeout=timeout)
-            for s in (self.servers if servers is None else servers)
-        }
-        return wait_all(futures, what, timeout)
+        futures = {s: self._send(s, fn, args_of(s), timeout) for s in (self.servers if servers is None else servers)}
+        return wait_all(futures, what, timeout, self._again(fn, args_of, timeout, first))
+
+    def _again(self, fn, args_of, timeout: float, first=None) -> Again | None:
+        """With replicas: what sends a call whose server died again, to the shard's replica, once the launcher
+        says it serves the shard (within step_timeout), after `first(s)` when given; None without replicas."""
+        if not self.config.replicated:
+            return None
+
+        def again(s: int, error: BaseException) -> torch.futures.Future | None:
+            home = moved(self.store, s, self.config.step_timeout)
+            if home is None or home == self.homes[s]:
+                return None
+            self.homes[s] = home
+            if first is not None:
+                first(s)
+            return self._send(s, fn, args_of(s), timeout)
+
+        return again
+
+    def _done(self, s: int) -> int | None:
+        return self.done[s] if self.config.replicated else None
+
+    def _answered(self, replies: Mapping[int, Any]) -> None:
+        """Count the steps these replies closed, per shard (replicas: `ps.replica`)."""
+        for s, reply in replies.items():
+            if not isinstance(reply, Partial):
+                self.done[s] += 1
 
     @classmethod
     def bandwidth(cls, config: JobConfig, store: dist.Store) -> float:
@@ -154,10 +205,18 @@ class RpcTransport(WorkerTransport):
         return link_rate(config.servers, lambda s, n: _timed(s, n, config.startup_timeout))
 
     def register(self, spec: ModelSpec, setups: dict[int, Setup | None]) -> dict[str, torch.Tensor]:
-        frozen: dict[str, torch.Tensor] = {}
-        for part in self._call(
-            rpc_register, lambda s: (self.worker, spec, setups[s]), "registering the model", self.config.startup_timeout
-        ).values():
+        """With replicas, on each shard's replica too, which builds the same shard."""
+        timeout, frozen = self.config.startup_timeout, {}
+        futures: dict[Any, torch.futures.Future] = {
+            s: self._send(s, rpc_register, (self.worker, spec, setups[s]), timeout) for s in self.servers
+        }
+        if self.config.replicated:
+            for s in self.servers:
+                to = replica_server(s, self.config.servers)
+                futures[(to, f"replica of shard {s}")] = rpc.rpc_async(
+                    server_name(to), rpc_register, args=(s, self.worker, spec, setups[s]), timeout=timeout
+                )
+        for part in wait_all(futures, "registering the model", timeout).values():
             frozen.update(part)
         return frozen
 
@@ -175,17 +234,13 @@ class RpcTransport(WorkerTransport):
         for i, (table, ids) in enumerate(lookups):
             for s, local in ids.items():
                 asked.setdefault(s, []).append((i, table, local))
-        futures = {
-            s: rpc.rpc_async(
-                server_name(s),
-                rpc_pull_rows_many,
-                args=([(t, ids) for _, t, ids in items], s in before),
-                timeout=self.config.call_timeout,
-            )
-            for s, items in asked.items()
-        }
         tables = ", ".join(repr(t) for t in dict.fromkeys(t for t, _ in lookups))
-        answers = wait_all(futures, f"pulling rows of tables {tables}", self.config.call_timeout)
+        answers = self._call(
+            rpc_pull_rows_many,
+            lambda s: ([(t, ids) for _, t, ids in asked[s]], s in before),
+            f"pulling rows of tables {tables}",
+            servers=asked,
+        )
         out: list[dict[int, tuple[int, torch.Tensor]]] = [{} for _ in lookups]
         for s, items in asked.items():
             for (i, _, _), answer in zip(items, answers[s]):
@@ -193,7 +248,13 @@ class RpcTransport(WorkerTransport):
         return out
 
     def push(self, versions: dict[int, int], pushes: dict[int, Push]) -> dict[int, Snapshot | Partial]:
-        return self._call(rpc_push, lambda s: (self.worker, versions[s], pushes[s]), "push", servers=pushes)
+        replies = self._call(
+            rpc_push, lambda s: (self.worker, versions[s], pushes[s], self._done(s)), "push", servers=pushes
+        )
+        if self.config.replicated:
+            self._answered(replies)
+            self._held = {s: (versions[s], pushes[s]) for s, reply in replies.items() if isinstance(reply, Partial)}
+        return replies
 
     def push_pieces(
         self, versions: dict[int, int], heads: dict[int, PipelineHead], pieces: list[Piece]
@@ -209,10 +270,24 @@ class RpcTransport(WorkerTransport):
         return Pipeline(self, versions)
 
     def finish(self, versions: dict[int, int], coefficient: float | None) -> dict[int, Snapshot]:
-        """Apply (or, with None, skip) the held step on every server: see `SyncRule.finish`."""
-        return self._call(
-            rpc_finish, lambda s: (self.worker, versions[s], coefficient), "finishing the step", servers=versions
+        """Apply (or, with None, skip) the held step on every server: see `SyncRule.finish`. With replicas, a
+        replica that serves a shard whose server died is sent the held push again first, which it may not hold."""
+
+        def push_again(s: int) -> None:
+            version, push = self._held[s]
+            args = (self.worker, version, push, self._done(s))
+            wait_all({s: self._send(s, rpc_push, args, self.config.call_timeout)}, "push", self.config.call_timeout)
+
+        replies = self._call(
+            rpc_finish,
+            lambda s: (self.worker, versions[s], coefficient, self._done(s)),
+            "finishing the step",
+            servers=versions,
+            first=push_again,
         )
+        if self.config.replicated:
+            self._answered(replies)
+        return replies
 
     def optimizer_state(self) -> dict[int, dict]:
         return self._call(rpc_optimizer_state, lambda s: (), "reading the optimizer state")
@@ -227,12 +302,8 @@ class RpcTransport(WorkerTransport):
         return self._call(rpc_state, lambda s: (), "state")
 
     def table_calls(self, calls: Mapping[int, TableCall]) -> dict[int, Any]:
-        futures = {
-            s: rpc.rpc_async(server_name(s), rpc_table_call, args=(call,), timeout=self.config.call_timeout)
-            for s, call in calls.items()
-        }
         what = ", ".join(sorted({type(c).__name__ for c in calls.values()}))
-        return wait_all(futures, f"{what} on dynamic tables", self.config.call_timeout)
+        return self._call(rpc_table_call, lambda s: (calls[s],), f"{what} on dynamic tables", servers=calls)
 
     def table_rows(self, table: str) -> dict[int, torch.Tensor]:
         return self._call(rpc_table_rows, lambda s: (table,), f"reading table {table!r}")
@@ -272,12 +343,7 @@ class Pipeline:
         t = self.transport
         s, b = piece.server, piece.bucket
         self.futures[(s, b)] = fut = t.timeline.timed(
-            (s, b),
-            rpc.rpc_async,
-            server_name(s),
-            rpc_push_piece,
-            timeout=self.timeout,
-            args=(t.worker, self.versions[s], piece, t.timeline.on),
+            (s, b), t._send, s, rpc_push_piece, (t.worker, self.versions[s], piece, t.timeline.on), self.timeout
         )
         self.flying[s].append(fut)
 
@@ -287,14 +353,7 @@ class Pipeline:
         each server's snapshot after the step (async, ssp: the head's reply brings it whole)."""
         t = self.transport
         replies = {
-            s: t.timeline.timed(
-                (s, HEAD),
-                rpc.rpc_async,
-                server_name(s),
-                rpc_push,
-                timeout=self.timeout,
-                args=(t.worker, self.versions[s], heads[s]),
-            )
+            s: t.timeline.timed((s, HEAD), t._send, s, rpc_push, (t.worker, self.versions[s], heads[s]), self.timeout)
             for s in t.servers
         }
         for piece in pieces:
@@ -311,11 +370,29 @@ class Pipeline:
 
 
 class RpcRank(RankTransport):
-    """Every rank joins the RPC world; a server's handlers call its `ParameterServer`."""
+    """Every rank joins the RPC world; a server's handlers call its `ParameterServer`s."""
 
     def install(self, server: ParameterServer) -> None:
-        global _SERVER
-        _SERVER = server
+        _SERVERS[server.shard_id] = server
+
+    def replica(self, server: ParameterServer, config: JobConfig, store: dist.Store) -> Callable[[StepRecord], None]:
+        """What sends `server`'s closed steps to its shard's replica on the next server (`ps.replica`), answered
+        once the replica holds them; once the launcher says that server died, nothing (the shard goes on without
+        a replica)."""
+        to, timeout, alone = replica_server(server.shard_id, config.servers), config.call_timeout, []
+
+        def gone(_: int, error: BaseException) -> torch.futures.Future | None:
+            if moved(store, to, config.step_timeout) is None:
+                return None
+            alone.append(to)
+            return resolved(None)
+
+        def send(record: StepRecord) -> None:
+            if not alone:
+                call = rpc.rpc_async(server_name(to), rpc_replicate, args=(server.shard_id, record), timeout=timeout)
+                wait_all({to: call}, f"keeping the replica of shard {server.shard_id}", timeout, gone)
+
+        return send
 
     def start(self, config: JobConfig, store: dist.Store) -> None:
         start_rpc(config, store)
@@ -329,31 +406,32 @@ class RpcRank(RankTransport):
             stop_rpc(None if at_once else timeout)
 
 
-_SERVER: ParameterServer | None = None  # the target of this process's RPC handlers (`RpcRank.install`)
+_SERVERS: dict[int, ParameterServer] = {}  # by shard: the targets of this process's RPC handlers (`RpcRank.install`)
 
 
-def _server() -> ParameterServer:
-    if _SERVER is None:
-        raise RuntimeError("this process is not a gradsync parameter server")
-    return _SERVER
+def _server(shard: int) -> ParameterServer:
+    server = _SERVERS.get(shard)
+    if server is None:
+        raise RuntimeError(f"this process holds no shard {shard} of a gradsync parameter server")
+    return server
 
 
 def _answering(call: str, later: bool = False):
     """A server's handler of `call` whose exception is answered, not raised (torch RPC would print it raw on the
     server): `ParameterServer.fault` tells a refusal of what the call carries from the server's own failure, which
     it records before the caller sees it. `later`: an async_execution handler, answered with a failed future
-    (which comes back to the caller as a value, as every handler's error does: `wait_all`). A handler whose
-    first argument is `worker` names the caller."""
+    (which comes back to the caller as a value, as every handler's error does: `wait_all`). Every handler's
+    first argument is the shard it calls; one whose second is `worker` names the caller."""
 
     def wrap(handler):
-        names_worker = next(iter(inspect.signature(handler).parameters), None) == "worker"
+        names_worker = list(inspect.signature(handler).parameters)[1:2] == ["worker"]
 
         @functools.wraps(handler)
-        def answer(*args, **kwargs):
+        def answer(shard: int, *args, **kwargs):
             try:
-                return handler(*args, **kwargs)
+                return handler(shard, *args, **kwargs)
             except Exception as e:  # noqa: BLE001 -- the caller is answered with it
-                error = _server().fault(e, call, args[0] if names_worker else None)
+                error = _server(shard).fault(e, call, args[0] if names_worker else None)
                 return failed(error) if later else error
 
         return answer
@@ -363,13 +441,13 @@ def _answering(call: str, later: bool = False):
 
 @rpc.functions.async_execution
 @_answering("registration", later=True)
-def rpc_register(worker: int, spec: ModelSpec, setup: Setup | None) -> torch.futures.Future:
-    return _server().register(worker, spec, setup)
+def rpc_register(shard: int, worker: int, spec: ModelSpec, setup: Setup | None) -> torch.futures.Future:
+    return _server(shard).register(worker, spec, setup)
 
 
 @_answering("rejoin")
-def rpc_rejoin(worker: int, spec: ModelSpec) -> Rejoined:
-    return _server().rejoin(worker, spec)
+def rpc_rejoin(shard: int, worker: int, spec: ModelSpec) -> Rejoined:
+    return _server(shard).rejoin(worker, spec)
 
 
 def rpc_probe(payload: torch.Tensor) -> int:
@@ -378,13 +456,15 @@ def rpc_probe(payload: torch.Tensor) -> int:
 
 
 @_answering("pull")
-def rpc_pull() -> Snapshot:
-    return _server().pull()
+def rpc_pull(shard: int) -> Snapshot:
+    return _server(shard).pull()
 
 
 @_answering("pull of rows")
-def rpc_pull_rows_many(lookups: list[tuple[str, torch.Tensor]], before: bool = False) -> list[tuple[int, torch.Tensor]]:
-    return [_server().pull_rows(table, ids, before) for table, ids in lookups]
+def rpc_pull_rows_many(
+    shard: int, lookups: list[tuple[str, torch.Tensor]], before: bool = False
+) -> list[tuple[int, torch.Tensor]]:
+    return [_server(shard).pull_rows(table, ids, before) for table, ids in lookups]
 
 
 def _replied(
@@ -402,62 +482,71 @@ def _replied(
 
 @rpc.functions.async_execution
 @_answering("push", later=True)
-def rpc_push(worker: int, pulled_version: int, push: Push) -> torch.futures.Future:
-    server = _server()
+def rpc_push(shard: int, worker: int, pulled_version: int, push: Push, done: int | None = None) -> torch.futures.Future:
+    server = _server(shard)
     whole = not isinstance(push, PipelineHead) or not server.pipelined  # async, ssp: pieces come back with the push
-    return _replied(server, server.push(worker, pulled_version, push), worker, "push", whole=whole)
+    return _replied(server, server.push(worker, pulled_version, push, done=done), worker, "push", whole=whole)
 
 
 @rpc.functions.async_execution
 @_answering("push of a piece", later=True)
-def rpc_push_piece(worker: int, pulled_version: int, piece: Piece, stamped: bool = False) -> torch.futures.Future:
+def rpc_push_piece(
+    shard: int, worker: int, pulled_version: int, piece: Piece, stamped: bool = False
+) -> torch.futures.Future:
     """The bucket's values after the step; with `stamped`, its server events too (`metrics.timeline.Stamped`)."""
-    return _server().push_piece(worker, pulled_version, piece, stamped)
+    return _server(shard).push_piece(worker, pulled_version, piece, stamped)
 
 
 @rpc.functions.async_execution
 @_answering("finish of a step", later=True)
-def rpc_finish(worker: int, version: int, coefficient: float | None) -> torch.futures.Future:
-    server = _server()
-    return _replied(server, server.finish(worker, version, coefficient), worker, "finish of a step")
+def rpc_finish(
+    shard: int, worker: int, version: int, coefficient: float | None, done: int | None = None
+) -> torch.futures.Future:
+    server = _server(shard)
+    return _replied(server, server.finish(worker, version, coefficient, done), worker, "finish of a step")
 
 
 @_answering("read of the optimizer state")
-def rpc_optimizer_state() -> dict:
-    return _server().optimizer_state()
+def rpc_optimizer_state(shard: int) -> dict:
+    return _server(shard).optimizer_state()
 
 
 @_answering("load of the optimizer state")
-def rpc_load_optimizer_state(state: dict, groups: list) -> None:
-    _server().load_optimizer_state(state, groups)
+def rpc_load_optimizer_state(shard: int, state: dict, groups: list) -> None:
+    _server(shard).load_optimizer_state(state, groups)
 
 
 @_answering("load of the model's values")
-def rpc_load_values(number: int, flats: list, named: dict) -> None:
-    _server().load_values(number, flats, named)
+def rpc_load_values(shard: int, number: int, flats: list, named: dict) -> None:
+    _server(shard).load_values(number, flats, named)
 
 
 @_answering("call on dynamic tables")
-def rpc_table_call(call: TableCall):
-    return _server().table_call(call)
+def rpc_table_call(shard: int, call: TableCall):
+    return _server(shard).table_call(call)
 
 
 @_answering("read of a table")
-def rpc_table_rows(table: str) -> torch.Tensor:
-    return _server().table_rows(table)
+def rpc_table_rows(shard: int, table: str) -> torch.Tensor:
+    return _server(shard).table_rows(table)
 
 
 @_answering("read of the state")
-def rpc_state() -> tuple:
-    return _server().state()
+def rpc_state(shard: int) -> tuple:
+    return _server(shard).state()
 
 
 @_answering("checkpoint")
-def rpc_checkpoint(directory: str, base: str | None) -> tuple[str, int]:
-    return _server().checkpoint(directory, base)
+def rpc_checkpoint(shard: int, directory: str, base: str | None) -> tuple[str, int]:
+    return _server(shard).checkpoint(directory, base)
 
 
 @_answering("read of the counters")
-def rpc_stats() -> dict:
-    server = _server()
+def rpc_stats(shard: int) -> dict:
+    server = _server(shard)
     return {**server.stats(), "tables": server.table_stats()}
+
+
+@_answering("replica of a step")
+def rpc_replicate(shard: int, record: StepRecord) -> None:
+    _server(shard).replicate(record)

@@ -70,8 +70,8 @@ def best_piece_mb(sizes: list[int], servers: int, workers: int, bandwidth: float
 def pipelined(config: JobConfig, transport: Capabilities) -> bool:
     """Whether a sync step goes as a pipeline of pieces (the `pipeline` setting): with auto, always over a
     transport that `pipelines_on_one_host`, else only when the job's store is not on loopback (the job spans
-    machines, or an emulated link separates its ranks). BENCHMARKS.md, "gRPC against torch RPC"."""
-    if config.pipeline != "auto":
+    machines, or an emulated link separates its ranks); never with replicas. BENCHMARKS.md, "gRPC against torch RPC"."""
+    if config.pipeline != "auto" or config.replicated:  # a replicated shard's step is answered whole (`ps.replica`)
         return config.pipeline == "on"
     return transport.pipelines_on_one_host or not is_loopback(config.master_addr)
 

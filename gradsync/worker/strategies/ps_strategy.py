@@ -197,6 +197,11 @@ class PSStrategy(OnServers, Strategy):
             attached=self.attached,
             send=self.worker == 0,
         )
+        if config.replicated and self.rows.holds_dynamic:
+            raise ValueError(
+                "replicas=1 with a DynamicEmbedding: servers do not yet keep a replica of a dynamic table (its "
+                "admission and eviction); pass --replicas 0, or use a fixed nn.Embedding table"
+            )
         self.params, self.buffers = named_tensors(module)  # the user's module's: pointed at the servers' values
         # a step's pieces may leave during the backward (worker.pipeline.streaming): decided per context from the last
         self._streams = chosen.capabilities.streams and self._pipelined and not clipping.on and not self.wire.stateful

@@ -1,0 +1,77 @@
+"""A shard kept on a second server as well (replicas 1): the step record its primary sends, and its replay.
+
+A shard's primary records, as its `ShardState` changes, every call that changes it (`StepJournal.record`:
+group options, bucket gradients applied, the step's end with its buffers and rows, a skipped step, a loaded
+module or optimizer state), and, once a step closes, before any worker hears of it, sends what the step
+recorded (`StepRecord`) to the server that keeps the shard's replica. There the same calls run on a shard
+built from the same setup (`replay`), in the same order, so the replica is the primary bit for bit. A step
+counts as applied once both copies hold it: when the primary dies, the next server serves the shard.
+
+Each copy counts the closed steps each worker took part in (`StepJournal.taken`), as the worker counts the
+steps each server answered it (`RpcTransport.done`): a worker that sends a call again, to the replica, for a
+step whose answer it lost is answered from the replica's state (`ParameterServer.push`), never counted twice.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import NamedTuple
+
+from gradsync.ps.messages import Partial
+
+
+class StepRecord(NamedTuple):
+    """What a closed step (or a load) changed on a shard, as its primary's calls did it."""
+
+    entries: list[tuple]  # (call name, arguments), in order: `replay`
+    workers: tuple[int, ...]  # the workers whose pushes the step took (none: a load)
+    partial: Partial | None  # its norm's part, when it was held for the workers' word
+    stats: object  # the primary's `ShardStats` after it
+
+
+class StepJournal:
+    """The changes of the step in flight on one shard, sent on (`send`, None: kept nowhere) once it closes."""
+
+    def __init__(self, send: Callable[[StepRecord], None] | None):
+        self.send = send
+        self.entries: list[tuple] = []
+        self.taken: dict[int, int] = {}  # worker -> closed steps that took its push
+        self.partial: Partial | None = None  # the last closed step's norm part, when it was held
+        self._closing: tuple[tuple[int, ...], Partial | None] = ((), None)
+
+    def record(self, name: str, *args) -> None:
+        self.entries.append((name, args))
+
+    def closing(self, workers, partial: Partial | None) -> None:
+        """The step that closes next took the pushes of `workers`; `partial`: its norm's part (a held step)."""
+        self._closing = (tuple(sorted(workers)), partial)
+
+    def closed(self, stats) -> None:
+        """The step has closed: count it for its workers and send what it changed on (the caller holds the shard's
+        lock, so no worker hears of the step before its replica holds it)."""
+        workers, self.partial = self._closing
+        for w in workers:
+            self.taken[w] = self.taken.get(w, 0) + 1
+        self._closing = ((), None)
+        self.flush(workers, stats)
+
+    def flush(self, workers: tuple[int, ...] = (), stats=None) -> None:
+        """Send what is recorded (a load's changes are sent at once, not with a step)."""
+        entries, self.entries = self.entries, []
+        if self.send is not None:
+            self.send(StepRecord(entries, workers, self.partial, copy.deepcopy(stats)))
+
+    def took(self, worker: int, done: int | None) -> bool:
+        """Whether the step in flight of `worker`, which has been answered `done` closed steps by this shard, is
+        closed here already (its answer was lost with the primary that closed it)."""
+        return done is not None and self.taken.get(worker, 0) > done
+
+
+def replay(shard, record: StepRecord) -> None:
+    """Run the calls of `record`, a closed step of its primary, on `shard`, its replica (a `ShardState` with a
+    journal), as the primary ran them; then take the primary's counters. Call with `shard.lock` held."""
+    shard.journal.closing(record.workers, record.partial)
+    for name, args in record.entries:
+        getattr(shard, name)(*args)
+    shard.stats = record.stats

@@ -1,0 +1,108 @@
+"""Loops in which a server dies once, at a chosen point of a chosen step, for the tests of replicas 1: the death
+is armed in that server's process as the job's arguments are unpickled there (`ServerDeath.__reduce__`), before
+`gradsync.init`, and the workers train on and return the job's final state."""
+from __future__ import annotations
+
+import os
+import signal
+from typing import NamedTuple
+
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.nn.functional as F
+
+import gradsync
+from gradsync.ps.server import ParameterServer
+from gradsync.ps.shard import ShardState
+from jobs import batch, make_mlp
+from sparse_models import ClickNet, click_batch
+
+POINTS = ("pushed", "closed", "held")
+
+
+class ServerDeath(NamedTuple):
+    """Server `server`'s process dies (SIGKILL) in step `step` (counted from 0, the steps its shard closed): as
+    worker 1's push of it arrives ('pushed': the step not applied), once the step is applied and its replica holds
+    it, before any worker is answered ('closed'), or as the first word on the held step arrives ('held': clipping,
+    its partials answered, nothing applied)."""
+
+    server: int
+    step: int
+    point: str
+
+    def __reduce__(self):
+        return _armed, tuple(self)
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _armed(server: int, step: int, point: str) -> ServerDeath:
+    """The death, armed when this process is that server."""
+    if int(os.environ.get("RANK", "-1")) == server:
+        _arm(server, step, point)
+    return ServerDeath(server, step, point)
+
+
+def _arm(server: int, step: int, point: str) -> None:
+    now = lambda shard: shard.shard_id == server and shard.closed == step  # noqa: E731
+    if point == "pushed":
+        push = ParameterServer.push
+
+        def dying_push(self, worker, *args, **kwargs):
+            if self.shard is not None and now(self.shard) and worker == 1:
+                _die()
+            return push(self, worker, *args, **kwargs)
+
+        ParameterServer.push = dying_push
+    elif point == "closed":
+        for name in ("end_step", "skipped_step"):
+            def closing(self, *args, _close=getattr(ShardState, name), **kwargs):
+                dies = now(self)
+                _close(self, *args, **kwargs)
+                if dies:
+                    _die()
+
+            setattr(ShardState, name, closing)
+    elif point == "held":
+        finish = ParameterServer.finish
+
+        def dying_finish(self, *args, **kwargs):
+            if now(self.shard):
+                _die()
+            return finish(self, *args, **kwargs)
+
+        ParameterServer.finish = dying_finish
+
+
+def train(death: ServerDeath | None, steps: int, clip: float | None = None) -> tuple[dict, dict]:
+    """The MLP with dropout (drawing on the RNG) and AdamW (with `clip`: clipping at that norm) for `steps` steps on
+    worker w's batches of each step; `death` kills a server. Returns (final state, each server's stats)."""
+    me = gradsync.worker_rank()
+    model = make_mlp()
+    model.insert(1, torch.nn.Dropout(0.1))
+    trainer = gradsync.Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01), max_grad_norm=clip)
+    for step in range(trainer.start_step, steps):
+        x, y = batch(step, me)
+        with dist_autograd.context() as cid:
+            dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
+            trainer.step(cid)
+    return trainer.state_dict(), trainer.server_stats()
+
+
+def train_clicks(death: ServerDeath | None, steps: int) -> tuple[dict, dict]:
+    """ClickNet (two tables served by rows, lazy momentum rows) with SGD momentum on its MLP, a GradScaler whose
+    scale grows every 2 steps, each worker's click batch of each step; `death` as `train`'s."""
+    me = gradsync.worker_rank()
+    model = ClickNet()
+    trainer = gradsync.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                               table_optimizer=gradsync.RowSGD(lr=0.1, momentum=0.9))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    for step in range(trainer.start_step, steps):
+        bag, ids, dense, y = click_batch(step, me)
+        with dist_autograd.context() as cid:
+            loss = F.binary_cross_entropy_with_logits(trainer.model(bag, ids, dense), y)
+            dist_autograd.backward(cid, [scaler.scale(loss)])
+            trainer.step(cid, scaler)
+    return trainer.state_dict(), trainer.server_stats()
