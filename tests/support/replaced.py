@@ -61,11 +61,11 @@ def _arm(death: Death, layer: torch.nn.Module, step: list[int]) -> None:
     elif death.point == "pushed":
         wait_all = rpc.wait_all
 
-        def pushed_then_die(futures, what, timeout):
+        def pushed_then_die(futures, what, timeout, *again):
             if now() and what in ("push", "pushing a piece (bucket)"):
                 time.sleep(0.5)  # the messages are on the servers
                 _die()
-            return wait_all(futures, what, timeout)
+            return wait_all(futures, what, timeout, *again)
 
         rpc.wait_all = pushed_then_die
     elif death.point in ("one server", "finish"):
