@@ -287,8 +287,13 @@ class JobConfig(Faults, Checkpointing, Timeouts, Training, Placement):  # fields
     @property
     def call_timeout(self) -> float:
         """Seconds a worker's call of a step may wait: step_timeout, and restart_timeout more in a job whose
-        step waits for a dead worker's replacement."""
-        return self.step_timeout + (self.restart_timeout if self.replaces_workers else 0.0)
+        step waits for a dead worker's replacement, or step_timeout more in one whose servers keep replicas (a
+        step waits for its replica, or for the launcher's word that the replica's server died)."""
+        return (
+            self.step_timeout
+            + (self.restart_timeout if self.replaces_workers else 0.0)
+            + (self.step_timeout if self.replicated else 0.0)
+        )
 
     @classmethod
     def from_env(cls, environ=None, **overrides) -> JobConfig:

@@ -17,13 +17,14 @@ import torch.distributed as dist
 from gradsync.config import JobConfig
 from gradsync.core.errors import JobFailed
 from gradsync.membership.lost_servers import record_moved, replica_server
+from gradsync.membership.rank_reports import recorded_error
 
 
 class ServerLoss:
     """The servers one job has lost, and where their shards went."""
 
-    def __init__(self, config: JobConfig, store: dist.Store):
-        self.config, self.store = config, store
+    def __init__(self, config: JobConfig, store: dist.Store, run_dir: str):
+        self.config, self.store, self.run_dir = config, store, run_dir
         self.lost: dict[int, str] = {}  # server rank -> how it died
         self.began = time.monotonic()
 
@@ -31,15 +32,18 @@ class ServerLoss:
         """Server `rank` died (`how`): its shard is served by its replica from now on.
 
         Raises:
-            JobFailed: a server died before (some shard has no copy left), naming both.
+            JobFailed: a server died before (some shard has no copy left), naming both, with the failure the
+                second recorded, if any.
         """
         config, name = self.config, f"{self.config.role(rank)} (rank {rank})"
         if self.lost:
             first, said = next(iter(self.lost.items()))
+            recorded = recorded_error(self.run_dir, rank)
             raise JobFailed(
                 f"{name} {how}, {time.monotonic() - self.began:.1f} s into the job, after {config.role(first)} "
                 f"(rank {first}) {said}: with one replica per shard the job survives one server's death, and now "
-                "a shard has no copy left (--replicas 1 keeps each shard on the next server)",
+                "a shard has no copy left (--replicas 1 keeps each shard on the next server)"
+                + (f":\n{recorded}" if recorded else ""),
                 rank,
             )
         to = replica_server(rank, config.servers)

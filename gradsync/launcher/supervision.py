@@ -342,7 +342,7 @@ def supervise(
     watch = Watch(config)
     departures = Departures(config, store, run_dir) if config.elastic else None
     restarts = Restarts(config, store, run_dir, replace) if config.replaces_workers and replace is not None else None
-    losses = ServerLoss(config, store) if config.replicated else None
+    losses = ServerLoss(config, store, run_dir) if config.replicated else None
     next_read = 0.0
     reported: list[int] | None = None  # where each worker's main thread was at the last stall report
     try:

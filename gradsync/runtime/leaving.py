@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from gradsync.core.job_names import StoreKeys, worker_name
 from gradsync.core.waiting import wait_until
-from gradsync.membership import lost_servers, newcomers
+from gradsync.membership import newcomers
 from gradsync.membership.member_keys import record_gone, staying
 from gradsync.runtime import cluster as job
 from gradsync.transport.registry import transport
@@ -36,8 +36,8 @@ def wait_for_workers(cluster: job.Cluster, deadline: float | None) -> list[int]:
         silent = watch.silent(config.call_timeout) if deadline is None else {}
         for rank in [r for r in silent if config.elastic and r >= config.world_size]:
             record_gone(store, rank - config.servers, f"sent no heartbeat for {silent.pop(rank):.0f} s")
-        for rank in lost_servers.lost(store, config.servers) if config.replicated and silent else ():
-            silent.pop(rank, None)  # its shard moved to its replica
+        if config.replicated:  # a silent server's shard moves to its replica, as its launcher decides
+            silent = {rank: s for rank, s in silent.items() if rank >= config.servers}
         if silent:
             raise RuntimeError(
                 f"{watch.describe(silent)} (step_timeout {config.step_timeout:.0f} s): it is "

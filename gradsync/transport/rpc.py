@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -39,6 +40,7 @@ from gradsync.core.futures import failed, resolved
 from gradsync.core.job_names import StoreKeys, server_name
 from gradsync.core.torch_internals import RPC_TIMEOUT_TEXT, set_rpc_timeout
 from gradsync.core.transport_capabilities import capabilities
+from gradsync.core.waiting import POLL_S
 from gradsync.membership.lost_servers import moved, replica_server
 from gradsync.metrics.timeline import HEAD
 from gradsync.ps.messages import Committed, Partial, Piece, PipelineHead, Push, Rejoined, Setup, Snapshot, TableCall
@@ -388,9 +390,16 @@ class RpcRank(RankTransport):
             return resolved(None)
 
         def send(record: StepRecord) -> None:
-            if not alone:
-                call = rpc.rpc_async(server_name(to), rpc_replicate, args=(server.shard_id, record), timeout=timeout)
-                wait_all({to: call}, f"keeping the replica of shard {server.shard_id}", timeout, gone)
+            if alone:
+                return
+            call = rpc.rpc_async(server_name(to), rpc_replicate, args=(server.shard_id, record), timeout=timeout)
+            answered = threading.Event()
+            call.add_done_callback(lambda _: answered.set())
+            while not answered.wait(POLL_S):  # a stopped server answers nothing: the launcher's word ends the wait
+                if moved(store, to) is not None:
+                    alone.append(to)
+                    return
+            wait_all({to: call}, f"keeping the replica of shard {server.shard_id}", timeout, gone)
 
         return send
 

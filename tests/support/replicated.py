@@ -17,14 +17,15 @@ from gradsync.ps.shard import ShardState
 from jobs import batch, make_mlp
 from sparse_models import ClickNet, click_batch
 
-POINTS = ("pushed", "closed", "held")
+POINTS = ("pushed", "closed", "held", "stop")
 
 
 class ServerDeath(NamedTuple):
     """Server `server`'s process dies (SIGKILL) in step `step` (counted from 0, the steps its shard closed): as
     worker 1's push of it arrives ('pushed': the step not applied), once the step is applied and its replica holds
     it, before any worker is answered ('closed'), or as the first word on the held step arrives ('held': clipping,
-    its partials answered, nothing applied)."""
+    its partials answered, nothing applied); or it stops ('stop': SIGSTOP as worker 1's push arrives), silent
+    until the launcher kills it."""
 
     server: int
     step: int
@@ -47,12 +48,12 @@ def _armed(server: int, step: int, point: str) -> ServerDeath:
 
 def _arm(server: int, step: int, point: str) -> None:
     now = lambda shard: shard.shard_id == server and shard.closed == step  # noqa: E731
-    if point == "pushed":
-        push = ParameterServer.push
+    if point in ("pushed", "stop"):
+        push, sig = ParameterServer.push, signal.SIGKILL if point == "pushed" else signal.SIGSTOP
 
         def dying_push(self, worker, *args, **kwargs):
             if self.shard is not None and now(self.shard) and worker == 1:
-                _die()
+                os.kill(os.getpid(), sig)
             return push(self, worker, *args, **kwargs)
 
         ParameterServer.push = dying_push
@@ -76,9 +77,9 @@ def _arm(server: int, step: int, point: str) -> None:
         ParameterServer.finish = dying_finish
 
 
-def train(death: ServerDeath | None, steps: int, clip: float | None = None) -> tuple[dict, dict]:
+def train(deaths: tuple[ServerDeath, ...], steps: int, clip: float | None = None) -> tuple[dict, dict]:
     """The MLP with dropout (drawing on the RNG) and AdamW (with `clip`: clipping at that norm) for `steps` steps on
-    worker w's batches of each step; `death` kills a server. Returns (final state, each server's stats)."""
+    worker w's batches of each step; `deaths` kill servers. Returns (final state, each server's stats)."""
     me = gradsync.worker_rank()
     model = make_mlp()
     model.insert(1, torch.nn.Dropout(0.1))
@@ -91,9 +92,9 @@ def train(death: ServerDeath | None, steps: int, clip: float | None = None) -> t
     return trainer.state_dict(), trainer.server_stats()
 
 
-def train_clicks(death: ServerDeath | None, steps: int) -> tuple[dict, dict]:
+def train_clicks(deaths: tuple[ServerDeath, ...], steps: int) -> tuple[dict, dict]:
     """ClickNet (two tables served by rows, lazy momentum rows) with SGD momentum on its MLP, a GradScaler whose
-    scale grows every 2 steps, each worker's click batch of each step; `death` as `train`'s."""
+    scale grows every 2 steps, each worker's click batch of each step; `deaths` as `train`'s."""
     me = gradsync.worker_rank()
     model = ClickNet()
     trainer = gradsync.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
