@@ -1,8 +1,9 @@
-"""What a worker's death costs a sync job: gradsync ps with `--worker-loss wait` (a replacement takes the dead
-worker's place, forked or started as a new process), `--worker-loss drop` (the job goes on without it), and
-`fail` with `--resume` from the last checkpoint (`--checkpoint-every`, 16), beside torchft DDP (its outside baseline: run with
-`--torchft-python`, the python of the venv bench/requirements-torchft.txt builds), and what each policy costs a
-step without a death.
+"""What a worker's or a server's death costs a sync job: gradsync ps with `--worker-loss wait` (a replacement takes
+the dead worker's place, forked or started as a new process), `--worker-loss drop` (the job goes on without it),
+and `fail` with `--resume` from the last checkpoint (`--checkpoint-every`, 16), beside torchft DDP (its outside
+baseline: run with `--torchft-python`, the python of the venv bench/requirements-torchft.txt builds); a server's
+death (S = 2) with `--replicas 1` (its replica serves its shard) and without (the whole job again from its
+checkpoint); and what each policy costs a step without a death, and replicas at W = 4, S = 2.
 
 The workload (bench/faults_job.py, bench/faults_torchft.py): a 1,055,242-parameter MLP with AdamW, W = 2 (ps: one
 server), each worker's seeded batch of 64 per step, `--compute-s` of emulated compute before each step's forward
@@ -13,11 +14,14 @@ dead worker's from its death on; torchft: those its survivor committed alone, or
 resume trained again. Whether the final parameters equal the clean run's (sha256). A restart-from-checkpoint
 starts the job again 1 s after its failure; torchft's replacement starts 1 s after the driver sees the death
 (its bench script). Then, without a death and with `--compute-s 0`, the median trainer.step time of `fail`, `wait`
-and `drop` jobs, interleaved: each policy's cost per step. Run it alone. Writes bench/results/faults.json (or
+and `drop` jobs, interleaved: each policy's cost per step (trainer.step and the job's CPU-seconds per step); and
+W = 4, S = 2 jobs without and with replicas, on loopback and behind each `--cost-links` rate (a fifth of the
+steps there). `--configs` runs some configurations alone (each with its clean run). Run it alone. Writes bench/results/faults.json (or
 --out) and prints a markdown table.
 
     .venv/bin/python bench/faults.py [--steps 150] [--kill-at 60] [--compute-s 0.15] [--repeats 2] [--checkpoint-every 16]
-        [--torchft-python /work/ftvenv/bin/python] [--cost-steps 200] [--out bench/results/faults.json]
+        [--torchft-python /work/ftvenv/bin/python] [--cost-steps 200] [--cost-links 100mbit] [--configs NAME ...]
+        [--out bench/results/faults.json]
 """
 from __future__ import annotations
 
@@ -38,22 +42,31 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "faults.json")
 JOB = os.path.join(HERE, "faults_job.py")
 TORCHFT = os.path.join(HERE, "faults_torchft.py")
-GRADSYNC = {  # configuration: (the death's point or None, gradsync run options, the ranks' start)
-    "ps, no death": (None, ["--worker-loss", "fail"], "fork"),
-    "ps wait, death between steps": ("forward", ["--worker-loss", "wait", "--max-restarts", "1"], "fork"),
-    "ps wait, death mid-step": ("backward", ["--worker-loss", "wait", "--max-restarts", "1"], "fork"),
-    "ps wait, new process, death mid-step": ("backward", ["--worker-loss", "wait", "--max-restarts", "1"], "exec"),
-    "ps drop, death mid-step": ("backward", ["--worker-loss", "drop"], "fork"),
-    "ps fail, then --resume": ("backward", ["--worker-loss", "fail"], "fork"),
+REPLICAS = ["--servers", "2", "--replicas", "1"]
+GRADSYNC = {  # configuration: (the death's point or None, gradsync run options, the ranks' start, the clean run)
+    "ps, no death": (None, ["--worker-loss", "fail"], "fork", None),
+    "ps wait, death between steps": ("forward", ["--worker-loss", "wait", "--max-restarts", "1"], "fork", "ps, no death"),
+    "ps wait, death mid-step": ("backward", ["--worker-loss", "wait", "--max-restarts", "1"], "fork", "ps, no death"),
+    "ps wait, new process, death mid-step": ("backward", ["--worker-loss", "wait", "--max-restarts", "1"], "exec",
+                                             "ps, no death"),
+    "ps drop, death mid-step": ("backward", ["--worker-loss", "drop"], "fork", "ps, no death"),
+    "ps fail, then --resume": ("backward", ["--worker-loss", "fail"], "fork", "ps, no death"),
+    "ps S=2, no death": (None, ["--servers", "2"], "fork", None),
+    "ps S=2 replicas 1, no death": (None, REPLICAS, "fork", None),
+    "ps S=2 replicas 1, server death mid-step": ("backward", REPLICAS, "fork", "ps S=2 replicas 1, no death"),
+    "ps S=2, server death, whole job again from its checkpoint": ("backward", ["--servers", "2", "--max-restarts", "1"],
+                                                                  "fork", "ps S=2, no death"),
 }
+"""A configuration whose name says "server death" kills server 1 (from worker 0), the others worker 1."""
 
 
-def _gradsync(log: str, options: list[str], start: str, job: list[str], extra: list[str] = ()) -> float:
+def _gradsync(log: str, options: list[str], start: str, job: list[str], extra: list[str] = (), workers: int = 2) -> float:
     """One `gradsync run` of the job script; its wall seconds (it may fail: a death under fail)."""
     env = {**os.environ, "GRADSYNC_RANK_START": start, "OMP_NUM_THREADS": "1"}
     began = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "gradsync.cli", "run", "--strategy", "ps", "--workers", "2", *options,
-                           *extra, JOB, "--log", log, *job], env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run([sys.executable, "-m", "gradsync.cli", "run", "--strategy", "ps", "--workers", str(workers),
+                           *options, *extra, JOB, "--log", log, *job], env=env, capture_output=True, text=True,
+                          timeout=900)
     if done.returncode and ("--kill-at" not in job or "fail" not in options):
         raise RuntimeError(f"gradsync run {' '.join(options + list(extra))} failed:\n{done.stderr[-3000:]}")
     return time.monotonic() - began
@@ -69,17 +82,18 @@ def _steps(log: str) -> list[dict]:
 
 def run_gradsync(name: str, args, work: str) -> dict:
     """One run of configuration `name`: wall, samples lost, steps redone, final sha256."""
-    point, options, start = GRADSYNC[name]
+    point, options, start, _ = GRADSYNC[name]
     log = os.path.join(work, "log")
     job = ["--steps", str(args.steps), "--compute-s", str(args.compute_s)]
     if point is not None:
-        job += ["--kill-at", str(args.kill_at), "--kill-in", point]
-    if "--resume" in name:
-        ckpt = os.path.join(work, "ckpt")
-        saved = ["--checkpoint-dir", ckpt, "--checkpoint-every", str(args.checkpoint_every)]
+        job += ["--kill-at", str(args.kill_at), "--kill-in", point] + (["--kill-server"] if "server death" in name else [])
+    saved = ["--checkpoint-dir", os.path.join(work, "ckpt"), "--checkpoint-every", str(args.checkpoint_every)]
+    if "from its checkpoint" in name:
+        wall = _gradsync(log, options, start, job, saved)
+    elif "--resume" in name:
         wall = _gradsync(log, options, start, job, saved)
         time.sleep(1.0)
-        wall += 1.0 + _gradsync(log, options, start, job[:4], [*saved, "--resume", ckpt])
+        wall += 1.0 + _gradsync(log, options, start, job[:4], [*saved, "--resume", saved[1]])
     else:
         wall = _gradsync(log, options, start, job)
     with open(f"{log}-final.json") as f:
@@ -120,15 +134,46 @@ def run_torchft(scenario: str, args, work: str) -> dict:
 def step_cost(args) -> dict:
     """Median trainer.step seconds of fail, wait and drop jobs without a death and without compute, interleaved."""
     medians: dict[str, list[float]] = {"fail": [], "wait": [], "drop": []}
+    cpu: dict[str, list[float]] = {p: [] for p in medians}
     for _ in range(args.repeats):
         for policy in medians:
             with tempfile.TemporaryDirectory() as work:
                 log = os.path.join(work, "log")
+                began = _cpu()
                 _gradsync(log, ["--worker-loss", policy], "fork", ["--steps", str(args.cost_steps), "--compute-s", "0"])
+                cpu[policy].append((_cpu() - began) / args.cost_steps)
                 medians[policy].append(statistics.median(ln["step_s"] for ln in _steps(log)[20:]))
     fail = statistics.median(medians["fail"])
-    return {p: {"step_ms": 1e3 * statistics.median(v), "x_fail": statistics.median(v) / fail}
-            for p, v in medians.items()}
+    return {p: {"step_ms": 1e3 * statistics.median(v), "x_fail": statistics.median(v) / fail,
+                "cpu_s_per_step": statistics.median(cpu[p])} for p, v in medians.items()}
+
+
+def replication_cost(args) -> dict:
+    """Median trainer.step seconds and CPU-seconds per step of W = 4, S = 2 jobs without and with replicas, on
+    loopback and behind each of `--cost-links`, without a death or compute, interleaved."""
+    out = {}
+    for link in ["loopback", *args.cost_links]:
+        runs: dict[str, list[tuple[float, float]]] = {"replicas 0": [], "replicas 1": []}
+        steps = args.cost_steps if link == "loopback" else args.cost_steps // 5
+        for _ in range(args.repeats):
+            for name in runs:
+                with tempfile.TemporaryDirectory() as work:
+                    log = os.path.join(work, "log")
+                    options = ["--servers", "2", "--replicas", name[-1]] + ([] if link == "loopback" else ["--link", link])
+                    began = _cpu()
+                    _gradsync(log, options, "fork", ["--steps", str(steps), "--compute-s", "0"], workers=4)
+                    cpu = (_cpu() - began) / steps
+                    runs[name].append((statistics.median(ln["step_s"] for ln in _steps(log)[4 * steps // 10:]), cpu))
+        none = statistics.median(s for s, _ in runs["replicas 0"])
+        out[link] = {n: {"step_ms": 1e3 * statistics.median(s for s, _ in v), "x_none": statistics.median(
+            s for s, _ in v) / none, "cpu_s_per_step": statistics.median(c for _, c in v)} for n, v in runs.items()}
+    return out
+
+
+def _cpu() -> float:
+    """CPU-seconds the job processes this script started have used (children reaped)."""
+    usage = os.times()
+    return usage.children_user + usage.children_system
 
 
 def main() -> None:
@@ -139,36 +184,39 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--checkpoint-every", type=int, default=16)
     parser.add_argument("--cost-steps", type=int, default=200)
+    parser.add_argument("--cost-links", nargs="*", default=[], help="also measure replication behind these links")
+    parser.add_argument("--configs", nargs="*", default=list(GRADSYNC), choices=list(GRADSYNC),
+                        help="the configurations to run (each with its clean run)")
     parser.add_argument("--torchft-python", default=None)
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args()
     load = os.getloadavg()
     runs: dict[str, list[dict]] = {}
     torchft = ["none", "between", "mid"] if args.torchft_python else []
+    configs = list(dict.fromkeys(c for name in args.configs for c in (GRADSYNC[name][3], name) if c is not None))
     for _ in range(args.repeats):
-        for name in GRADSYNC:
+        for name in configs:
             with tempfile.TemporaryDirectory() as work:
                 runs.setdefault(name, []).append(run_gradsync(name, args, work))
         for scenario in torchft:
             with tempfile.TemporaryDirectory() as work:
                 runs.setdefault(f"torchft DDP, {scenario}", []).append(run_torchft(scenario, args, work))
-    clean = {"ps": statistics.median(r["wall_s"] for r in runs["ps, no death"])}
-    if torchft:
-        clean["torchft"] = statistics.median(r["wall_s"] for r in runs["torchft DDP, none"])
     table = {}
     for name, rs in runs.items():
-        base = clean["torchft" if name.startswith("torchft") else "ps"]
+        clean = "torchft DDP, none" if name.startswith("torchft") else GRADSYNC[name][3] or name
+        base = statistics.median(r["wall_s"] for r in runs[clean])
         wall = statistics.median(r["wall_s"] for r in rs)
-        clean_sha = runs["torchft DDP, none" if name.startswith("torchft") else "ps, no death"][0]["sha256"]
+        clean_sha = runs[clean][0]["sha256"]
         table[name] = {"wall_s": wall, "time_lost_s": wall - base, "samples_lost": max(r["samples_lost"] for r in rs),
                        "steps_redone": max(r["steps_redone"] for r in rs),
                        "same_result": all(r["sha256"] == clean_sha for r in rs), "runs": rs}
     cost = step_cost(args)
+    replication = replication_cost(args)
     result = {"command": " ".join(["bench/faults.py", *sys.argv[1:]]), "machine": machine(load),
               "workload": {"parameters": 1055242, "workers": 2, "servers": 1, "batch": 64, "steps": args.steps,
                            "kill_at": args.kill_at, "compute_s": args.compute_s, "repeats": args.repeats,
                            "checkpoint_every": args.checkpoint_every},
-              "deaths": table, "step_cost": cost}
+              "deaths": table, "step_cost": cost, "replication_cost": replication}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
@@ -177,9 +225,13 @@ def main() -> None:
     for name, row in table.items():
         print(f"| {name} | {row['wall_s']:.1f} | {row['time_lost_s']:.1f} | {row['samples_lost']} | "
               f"{row['steps_redone']} | {'yes' if row['same_result'] else 'no'} |")
-    print("\n| policy, no death | trainer.step ms | x fail |\n|---|---|---|")
+    print("\n| policy, no death | trainer.step ms | x fail | CPU-s per step |\n|---|---|---|---|")
     for policy, row in cost.items():
-        print(f"| {policy} | {row['step_ms']:.2f} | {row['x_fail']:.3f} |")
+        print(f"| {policy} | {row['step_ms']:.2f} | {row['x_fail']:.3f} | {row['cpu_s_per_step']:.3f} |")
+    print("\n| W = 4, S = 2 | replicas | trainer.step ms | x none | CPU-s per step |\n|---|---|---|---|---|")
+    for link, rows in replication.items():
+        for name, row in rows.items():
+            print(f"| {link} | {name[-1]} | {row['step_ms']:.2f} | {row['x_none']:.3f} | {row['cpu_s_per_step']:.3f} |")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
 """The training script bench/faults.py runs under `gradsync run` (a 1.06M-parameter MLP, AdamW, each worker's seeded
 batch of each step, emulated compute); worker 1's first process SIGKILLs itself at `--kill-at` ('forward': as the
-step begins; 'backward': inside its backward). Each worker appends a JSON line per step it committed to
+step begins; 'backward': inside its backward), or with `--kill-server`, worker 0 SIGKILLs server 1 there. Each worker appends a JSON line per step it committed to
 `--log`-<worker>.jsonl (its wall time, the step's seconds in trainer.step, its process's restart count); worker 0
 writes the final parameters' sha256 to `--log`-final.json.
 
     gradsync run --strategy ps --workers 2 bench/faults_job.py --log PREFIX [--steps 150] [--compute-s 0.15]
-        [--kill-at 60 --kill-in forward|backward]
+        [--kill-at 60 --kill-in forward|backward [--kill-server]]
 """
 from __future__ import annotations
 
@@ -42,19 +42,21 @@ def main() -> None:
     parser.add_argument("--compute-s", type=float, default=0.15)
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--kill-in", choices=("forward", "backward"), default="forward")
+    parser.add_argument("--kill-server", action="store_true", help="worker 0 kills server 1 instead")
     args = parser.parse_args()
     gradsync.init()
     me = gradsync.worker_rank()
     net = model()
     trainer = gradsync.Trainer(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
-    dies = me == 1 and gradsync.restart_count() == 0
+    dies = me == (0 if args.kill_server else 1) and gradsync.restart_count() == 0
+    victim = trainer.server_stats()[1]["pid"] if args.kill_server and dies else os.getpid()
     step = trainer.start_step
     if dies and args.kill_in == "backward":
-        net[2].register_full_backward_hook(lambda *a: os.kill(os.getpid(), signal.SIGKILL) if step == args.kill_at else None)
+        net[2].register_full_backward_hook(lambda *a: os.kill(victim, signal.SIGKILL) if step == args.kill_at else None)
     with open(f"{args.log}-{me}.jsonl", "a") as log:
         for step in range(trainer.start_step, args.steps):
             if dies and step == args.kill_at and args.kill_in == "forward":
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(victim, signal.SIGKILL)
             time.sleep(args.compute_s)
             x, y = batch(step, me)
             with dist_autograd.context() as cid:

@@ -5,7 +5,9 @@ group options, bucket gradients applied, the step's end with its buffers and row
 module or optimizer state), and, once a step closes, before any worker hears of it, sends what the step
 recorded (`StepRecord`) to the server that keeps the shard's replica. There the same calls run on a shard
 built from the same setup (`replay`), in the same order, so the replica is the primary bit for bit. A step
-counts as applied once both copies hold it: when the primary dies, the next server serves the shard.
+counts as applied once both copies hold it: the replica answers a record as it arrives and replays it on a thread
+of its own (`Replays`), in order, before it answers any call of its own; when the primary dies, the next server
+serves the shard.
 
 Each copy counts the closed steps each worker took part in (`StepJournal.taken`), as the worker counts the
 steps each server answered it (`RpcTransport.done`): a worker that sends a call again, to the replica, for a
@@ -15,6 +17,9 @@ step whose answer it lost is answered from the replica's state (`ParameterServer
 from __future__ import annotations
 
 import copy
+import queue
+import threading
+import traceback
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -75,3 +80,32 @@ def replay(shard, record: StepRecord) -> None:
     for name, args in record.entries:
         getattr(shard, name)(*args)
     shard.stats = record.stats
+
+
+class Replays:
+    """A replica's step records, replayed on `shard` in the order they came, on a thread of their own; `failed` is
+    told the traceback of one that cannot be (the server's failure)."""
+
+    def __init__(self, shard, failed: Callable[[str], None]):
+        self.shard, self.failed = shard, failed
+        self._records: queue.Queue[StepRecord] = queue.Queue()
+        threading.Thread(target=self._run, name=f"gradsync-replica-{shard.shard_id}", daemon=True).start()
+
+    def put(self, record: StepRecord) -> None:
+        self._records.put(record)
+
+    def settle(self) -> None:
+        """Wait until every record taken is replayed."""
+        if self._records.unfinished_tasks:
+            self._records.join()
+
+    def _run(self) -> None:
+        while True:
+            record = self._records.get()
+            try:
+                with self.shard.lock:
+                    replay(self.shard, record)
+            except Exception:  # noqa: BLE001 -- the server's failure, told as such
+                self.failed(traceback.format_exc())
+            finally:
+                self._records.task_done()

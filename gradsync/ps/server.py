@@ -48,7 +48,7 @@ from gradsync.ps.messages import (
     TableSetup,
 )
 from gradsync.ps.named_grads import push_named
-from gradsync.ps.replica import StepJournal, StepRecord, replay
+from gradsync.ps.replica import Replays, StepJournal, StepRecord
 from gradsync.ps.shard import ShardState
 from gradsync.ps.staging import Staging
 from gradsync.ps.sync_rule import SyncRule
@@ -75,6 +75,7 @@ class ParameterServer:
         self.shard_id = shard_id
         self.replicated = replicated  # replicas 1: the shard is kept on two servers (`ps.replica`)
         self.send_replica: Callable[[StepRecord], None] | None = None  # the primary's: to its replica's server
+        self._replays: Replays | None = None  # a replica's: the records it takes, replayed in order
         self.replaces_workers = worker_loss == "wait"  # a dead worker's replacement may rejoin (`rejoin`)
         self._replay = LookupReplay() if self.replaces_workers else None  # its dynamic tables' lookups again
         self.worker_loss = worker_loss
@@ -379,14 +380,15 @@ class ParameterServer:
             return Committed(shard.version, partial=journal.partial)
 
     def replicate(self, record: StepRecord) -> None:
-        """Take a step (or a load) of this shard's primary on another server: this copy is its replica."""
-        shard = self._shard()
-        if record.stats is None:  # a load of the module or the optimizer's state
-            for name, args in record.entries:
-                getattr(self, name)(*args)
+        """Take a step (or a load) of this shard's primary on another server: this copy is its replica. A step is
+        replayed after this returns, in order (`Replays`), a load at once."""
+        if self._replays is None:
+            self._replays = Replays(self._shard(), self.fail)
+        if record.stats is not None:
+            self._replays.put(record)
             return
-        with shard.lock:
-            replay(shard, record)
+        for name, args in record.entries:  # a load of the module or the optimizer's state, after the steps before
+            getattr(self, name)(*args)
 
     def optimizer_state(self) -> dict:
         """The optimizer's per-parameter state by entry key and its groups' options (CPU copies)."""
@@ -575,8 +577,11 @@ class ParameterServer:
         return server_failure_error(self.shard_id, call, worker, error)
 
     def _shard(self) -> ShardState:
+        """The shard (a replica's once the records it took are replayed)."""
         if self.shard is None:
             raise RuntimeError(f"server {self.shard_id} has no model yet: every worker must create the Trainer")
+        if self._replays is not None:
+            self._replays.settle()
         return self.shard
 
 
