@@ -85,16 +85,6 @@ class Placement:
         """RPC name of global rank `rank`: 'ps<i>' for the first `servers` ranks, else 'worker<i>'."""
         return server_name(rank) if rank < self.servers else worker_name(rank - self.servers)
 
-    @property
-    def rpc_identity(self) -> tuple[str, int]:
-        """(name, rank) of this process in the job's RPC group: its role and rank, or, in the n-th replacement of
-        a worker, a name and a rank of its own (`worker1_r2`), which no earlier process of the group held."""
-        if not self.replacement:
-            return self.name, self.rank
-        return f"{self.name}_r{self.replacement}", self.world_size + (self.replacement - 1) * self.num_workers + (
-            self.rank - self.servers
-        )
-
 
 @dataclasses.dataclass(kw_only=True)
 class Training:
@@ -270,6 +260,20 @@ class JobConfig(Faults, Checkpointing, Timeouts, Training, Placement):  # fields
         """Whether each server's shard is kept on the next server too, which serves it once that server dies
         (`replicas` 1: `ps.replica`)."""
         return self.replicas == 1
+
+    @property
+    def rpc_identity(self) -> tuple[str, int]:
+        """(name, rank) of this process in the job's RPC group: its role and rank, or, in the n-th replacement of
+        a worker or a server, a name and a rank of its own (`worker1_r2`, `ps1_r1`), which no earlier process of
+        the group held (workers' replacements first, then servers')."""
+        if not self.replacement:
+            return self.name, self.rank
+        if self.is_server:
+            base = self.world_size + self.max_restarts * self.num_workers
+            return f"{self.name}_r{self.replacement}", base + (self.replacement - 1) * self.servers + self.rank
+        return f"{self.name}_r{self.replacement}", self.world_size + (self.replacement - 1) * self.num_workers + (
+            self.rank - self.servers
+        )
 
     @property
     def elastic(self) -> bool:

@@ -35,7 +35,13 @@ class StoreKeys:
     JOIN_ENTERED = "gradsync/join_entered/{}"  # round: `worker,` entries, the workers that opened trainer.join()
     STEP_BEGUN = "gradsync/step_begun/{}/{}"  # worker, step parity: that worker's step as it began, its RNG states
     SCALER = "gradsync/scaler/{}/{}"  # worker, step parity: `step:JSON`, its GradScaler's state after that step
-    SERVED_BY = "gradsync/served_by/{}"  # shard: the server rank that serves it since its own server died (replicas 1)
+    # replicas 1, once a server died: shard -> the RPC name of the server that serves it (its primary), that keeps
+    # its replica ('': none); a dead server's RPC name; server rank -> `replacement:shards` once its replacement
+    # keeps the replicas of those shards
+    SHARD_PRIMARY = "gradsync/shard_primary/{}"
+    SHARD_REPLICA = "gradsync/shard_replica/{}"
+    SERVER_DEAD = "gradsync/server_dead/{}"
+    REPLICAS_KEPT = "gradsync/replicas_kept/{}"
     REJOINED = "gradsync/rejoined/{}"  # worker: `replacement:step`, its latest replacement built its Trainer there
 
 

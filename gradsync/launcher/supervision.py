@@ -342,7 +342,7 @@ def supervise(
     watch = Watch(config)
     departures = Departures(config, store, run_dir) if config.elastic else None
     restarts = Restarts(config, store, run_dir, replace) if config.replaces_workers and replace is not None else None
-    losses = ServerLoss(config, store, run_dir) if config.replicated else None
+    losses = ServerLoss(config, store, replace) if config.replicated else None
     next_read = 0.0
     reported: list[int] | None = None  # where each worker's main thread was at the last stall report
     try:
@@ -355,14 +355,19 @@ def supervise(
                 restarts.check()
             if losses is not None:
                 for rank, code in enumerate(codes[: config.servers]):
-                    if code not in (None, 0) and rank not in losses.lost:
-                        losses.take(rank, death(code))
+                    if code is not None and code < 0 and rank not in losses.down:  # killed: its replica serves
+                        losses.take(ranks, rank, death(code), watch)
+                        codes[rank] = None if rank not in losses.down else code
+                try:
+                    losses.check()
+                except JobFailed as late:  # where the replacement waits
+                    raise JobFailed(str(late) + _stacks_text(config, ranks, run_dir), late.rank) from None
             if departures is not None and departures.observe(codes):
                 raise JobFailed(
                     f"every worker left the job, so it cannot finish: {departures.describe()}", min(departures.found)
                 )
             departed = set(departures.found) if departures is not None else set()
-            departed |= set(losses.lost) if losses is not None else set()
+            departed |= set(losses.down) if losses is not None else set()
             if all(c == 0 or rank in departed for rank, c in enumerate(codes)):
                 _show_held_stderr(ranks, run_dir)
                 return departures.report() if departures is not None else []
@@ -387,7 +392,7 @@ def supervise(
                     continue
                 if losses is not None and rank < config.servers:
                     _kill(ranks[rank])
-                    losses.take(rank, _silent_how(config, silent[rank]))
+                    losses.take(ranks, rank, _silent_how(config, silent[rank]), watch)
                     continue
                 quitters = _quitters(config, ranks, watch, store)
                 if quitters:  # silent in torch's teardown

@@ -9,6 +9,11 @@ counts as applied once both copies hold it: the replica answers a record as it a
 of its own (`Replays`), in order, before it answers any call of its own; when the primary dies, the next server
 serves the shard.
 
+A dead server's replacement copies each shard left without a replica from its primary (`ShardCopy`: the shard's
+state as a checkpoint holds it, and its counters), while the primary keeps the records of the steps after the copy
+(`ReplicaLink.hold`), which it sends once the copy is built there (`ReplicaLink.release`); from then on the
+replacement is that shard's replica.
+
 Each copy counts the closed steps each worker took part in (`StepJournal.taken`), as the worker counts the
 steps each server answered it (`RpcTransport.done`): a worker that sends a call again, to the replica, for a
 step whose answer it lost is answered from the replica's state (`ParameterServer.push`), never counted twice.
@@ -21,9 +26,12 @@ import queue
 import threading
 import traceback
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-from gradsync.ps.messages import Partial
+from gradsync.ps.messages import Partial, Setup
+
+if TYPE_CHECKING:
+    from gradsync.ps.shard import ShardStats
 
 
 class StepRecord(NamedTuple):
@@ -32,7 +40,36 @@ class StepRecord(NamedTuple):
     entries: list[tuple]  # (call name, arguments), in order: `replay`
     workers: tuple[int, ...]  # the workers whose pushes the step took (none: a load)
     partial: Partial | None  # its norm's part, when it was held for the workers' word
-    stats: object  # the primary's `ShardStats` after it
+    stats: ShardStats | None  # the primary's counters after it; None: a load
+
+
+class ShardCopy(NamedTuple):
+    """A shard as its primary holds it, for a server that builds its replica anew."""
+
+    setup: Setup  # what builds a shard of its layout (values to be replaced by `state`'s)
+    state: dict  # `ps.shard_file.captured`
+    stats: ShardStats
+    taken: dict[int, int]  # `StepJournal.taken`
+    partial: Partial | None  # `StepJournal.partial`
+    closed: int  # `ShardState.closed`
+    loads: int  # the number of the last module load taken
+
+
+class ReplicaLink(Protocol):
+    """Where a shard's closed steps go: its replica's server (a transport's, `RankTransport.replica_link`). Every
+    call comes with the shard's lock held."""
+
+    def send(self, record: StepRecord) -> None:
+        """Send `record` there, answered once the replica holds it (nothing when the shard has no replica)."""
+        ...
+
+    def hold(self) -> None:
+        """Keep the records from now on until `release` (a replica is being built from a copy)."""
+        ...
+
+    def release(self, name: str) -> None:
+        """Send the records kept to the server of RPC name `name`, the shard's replica from now on."""
+        ...
 
 
 class StepJournal:

@@ -11,6 +11,7 @@ wire format), handed to the consistency rule.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import socket
@@ -48,7 +49,7 @@ from gradsync.ps.messages import (
     TableSetup,
 )
 from gradsync.ps.named_grads import push_named
-from gradsync.ps.replica import Replays, StepJournal, StepRecord
+from gradsync.ps.replica import Replays, ReplicaLink, ShardCopy, StepJournal, StepRecord
 from gradsync.ps.shard import ShardState
 from gradsync.ps.staging import Staging
 from gradsync.ps.sync_rule import SyncRule
@@ -74,7 +75,8 @@ class ParameterServer:
     ):
         self.shard_id = shard_id
         self.replicated = replicated  # replicas 1: the shard is kept on two servers (`ps.replica`)
-        self.send_replica: Callable[[StepRecord], None] | None = None  # the primary's: to its replica's server
+        self.link: ReplicaLink | None = None  # replicas: where its closed steps go (none while it is a replica)
+        self._layout: Setup | None = None  # replicas: its setup without values, for a replica built anew (`copy_for`)
         self._replays: Replays | None = None  # a replica's: the records it takes, replayed in order
         self.replaces_workers = worker_loss == "wait"  # a dead worker's replacement may rejoin (`rejoin`)
         self._replay = LookupReplay() if self.replaces_workers else None  # its dynamic tables' lookups again
@@ -136,6 +138,8 @@ class ParameterServer:
                 )
                 if not self.pipelined:
                     self.staging = Staging(len(shard.buckets), self._commit)
+                if self.replicated:
+                    self._layout = _without_values(cast(Setup, self._setup))
                 self._setup = None
                 self._reference = registrations[0][0]
                 self.ready.set()
@@ -205,7 +209,7 @@ class ParameterServer:
                 self.fail(f"{type(error).__name__}: {error}\n")
                 raise error from e
         if self.replicated:
-            shard.journal = StepJournal(self.send_replica)
+            shard.journal = StepJournal(None if self.link is None else self.link.send)
         return shard
 
     def _mismatch(self, registrations: dict[int, tuple[ModelSpec, torch.futures.Future]]) -> Exception | None:
@@ -389,6 +393,39 @@ class ParameterServer:
             return
         for name, args in record.entries:  # a load of the module or the optimizer's state, after the steps before
             getattr(self, name)(*args)
+
+    def copy_for(self) -> ShardCopy:
+        """This shard as it is now, for a server that builds its replica anew (`adopt`); the steps after it are
+        kept (`ReplicaLink.hold`) until that server has built it (`keep`)."""
+        shard = self._shard()
+        assert self.link is not None and self._layout is not None and shard.journal is not None  # replicated
+        with shard.lock:
+            journal = shard.journal
+            self.link.hold()
+            state = shard_file.captured(shard)
+            return ShardCopy(
+                _with_values(self._layout), state, copy.deepcopy(shard.stats), dict(journal.taken), journal.partial,
+                shard.closed, self._loads,
+            )  # fmt: skip
+
+    def keep(self, name: str) -> None:
+        """The server of RPC name `name` has built this shard's replica from its copy: the steps since go there,
+        and every step from now on."""
+        shard = self._shard()
+        assert self.link is not None  # replicated
+        with shard.lock:
+            self.link.release(name)
+
+    def adopt(self, copied: ShardCopy) -> None:
+        """Build this shard, a replica, from its primary's copy (`copy_for`)."""
+        shard = self._build(copied.setup)
+        reshard.restore(shard, [copied.state], where=f"the copy of shard {self.shard_id}")
+        assert shard.journal is not None  # replicated
+        shard.stats, shard.closed, self._loads = copied.stats, copied.closed, copied.loads
+        shard.journal.taken, shard.journal.partial = dict(copied.taken), copied.partial
+        self.shard, self._layout = shard, _without_values(copied.setup)
+        self.rule = make_rule(self.mode, shard, self.num_workers, self.nonfinite, self.staleness)
+        self.ready.set()
 
     def optimizer_state(self) -> dict:
         """The optimizer's per-parameter state by entry key and its groups' options (CPU copies)."""
@@ -583,6 +620,26 @@ class ParameterServer:
         if self._replays is not None:
             self._replays.settle()
         return self.shard
+
+
+def _without_values(setup: Setup) -> Setup:
+    """`setup` without its tensors' values (their shapes and dtypes kept, on the meta device), what a replica
+    built from a copy needs (`ParameterServer.copy_for`)."""
+    empty = lambda tensors: {n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in tensors.items()}  # noqa: E731
+    tables: dict[str, TableSetup | DynamicSetup] = {
+        n: dataclasses.replace(t, values=None) for n, t in setup.tables.items() if isinstance(t, TableSetup)
+    }
+    return dataclasses.replace(
+        setup, params=empty(setup.params), buffers=empty(setup.buffers), frozen=empty(setup.frozen), tables=tables
+    )
+
+
+def _with_values(layout: Setup) -> Setup:
+    """`layout` (`_without_values`) with zeros for every tensor (a restore puts in every value)."""
+    zeros = lambda tensors: {n: torch.zeros(t.shape, dtype=t.dtype) for n, t in tensors.items()}  # noqa: E731
+    return dataclasses.replace(
+        layout, params=zeros(layout.params), buffers=zeros(layout.buffers), frozen=zeros(layout.frozen)
+    )
 
 
 def _fixed(shard: ShardState, table: str) -> TableShard:

@@ -35,16 +35,21 @@ def capture(shard: ShardState, full: bool = True) -> dict:
     dynamic tables whole, or with `full` False only what changed since their last full checkpoint
     (`DynamicTable.checkpoint`)."""
     with shard.lock:
-        return {
-            "shard_id": shard.shard_id,
-            "version": shard.version,
-            "entries": [(e.name, list(e.shape), e.start, e.numel) for b in shard.buckets for e in b.entries],
-            "params": {n: p.detach().to("cpu", copy=True) for n, p in shard.params.items()},
-            "buffers": {n: b.to("cpu", copy=True) for n, b in shard.buffers.items()},
-            "frozen": {n: t.clone() for n, t in shard.frozen.items()},
-            "optimizer": shard.optimizer_state(),
-            "tables": {n: t.checkpoint(full) for n, t in shard.tables.items()},
-        }
+        return captured(shard, full)
+
+
+def captured(shard: ShardState, full: bool = True) -> dict:
+    """`capture`'s state, the caller holding `shard.lock`."""
+    return {
+        "shard_id": shard.shard_id,
+        "version": shard.version,
+        "entries": [(e.name, list(e.shape), e.start, e.numel) for b in shard.buckets for e in b.entries],
+        "params": {n: p.detach().to("cpu", copy=True) for n, p in shard.params.items()},
+        "buffers": {n: b.to("cpu", copy=True) for n, b in shard.buffers.items()},
+        "frozen": {n: t.clone() for n, t in shard.frozen.items()},
+        "optimizer": shard.optimizer_state(),
+        "tables": {n: t.checkpoint(full) for n, t in shard.tables.items()},
+    }
 
 
 def save(shard: ShardState, directory: str, full: bool = True) -> tuple[str, int]:

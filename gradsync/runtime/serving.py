@@ -14,7 +14,10 @@ import sys
 import traceback
 
 from gradsync.core.atomic_file import write_atomically
+from gradsync.core.job_names import server_name
 from gradsync.membership import lost_servers, uneven_data
+from gradsync.membership.lost_servers import replica_server
+from gradsync.membership.member_keys import staying
 from gradsync.ps.server import ParameterServer
 from gradsync.runtime import checkpoints
 from gradsync.runtime.cluster import Cluster
@@ -26,37 +29,70 @@ from gradsync.transport.registry import transport
 def install_server(cluster: Cluster) -> list[ParameterServer]:
     """Create this process's parameter server and make it the target of the job transport's calls; with
     replicas, the replica of the shard before too, which its primary keeps as its own (`ps.replica`). Returns
-    them, this server's own first. The servers' own failure (a shard it cannot restore from the checkpoint the
-    job resumes, an exception inside a handler: `ParameterServer.fail`) fails the job on this server, recorded
-    before the worker that called sees it (the workers fail after it)."""
+    them, this server's own first (a dead server's replacement: none yet, `keep_replicas`). The servers' own
+    failure (a shard it cannot restore from the checkpoint the job resumes, an exception inside a handler:
+    `ParameterServer.fail`) fails the job on this server, recorded before the worker that called sees it (the
+    workers fail after it)."""
     config, resumed = cluster.config, cluster.resumed
-    rank_side = transport(config.transport).rank
+    if config.replacement:
+        return []
+    resume_from = (resumed.path, resumed.manifest["servers"], checkpoints.base_of(resumed)) if resumed else None
+    shards = [config.rank] + ([(config.rank - 1) % config.servers] if config.replicated else [])
+    servers = [_server(cluster, shard, resume_from) for shard in shards]
+    if config.replicated:
+        servers[0].link = transport(config.transport).rank.replica_link(
+            config.rank, server_name(replica_server(config.rank, config.servers)), config, cluster.store
+        )
+    for server in servers:
+        transport(config.transport).rank.install(server)
+    return servers
+
+
+def _server(cluster: Cluster, shard: int, resume_from=None) -> ParameterServer:
+    """A parameter server of `shard` in this process (not yet installed); with replicas, with its link to a
+    replica, none yet."""
+    config = cluster.config
 
     def fail(text: str) -> None:
         say_failure(record_failure(cluster, config.rank, text))
 
-    resume_from = (resumed.path, resumed.manifest["servers"], checkpoints.base_of(resumed)) if resumed else None
-    shards = [config.rank] + ([(config.rank - 1) % config.servers] if config.replicated else [])
-    servers = [
-        ParameterServer(
-            shard,
-            config.num_workers,
-            config.mode,
-            config.nonfinite,
-            config.compression,
-            config.server_device,
-            config.staleness,
-            resume_from,
-            fail,
-            config.worker_loss,
-            config.replicated,
-        )
-        for shard in shards
-    ]
+    server = ParameterServer(
+        shard,
+        config.num_workers,
+        config.mode,
+        config.nonfinite,
+        config.compression,
+        config.server_device,
+        config.staleness,
+        resume_from,
+        fail,
+        config.worker_loss,
+        config.replicated,
+    )
     if config.replicated:
-        servers[0].send_replica = rank_side.replica(servers[0], config, cluster.store)
-    for server in servers:
+        server.link = transport(config.transport).rank.replica_link(shard, None, config, cluster.store)
+    return server
+
+
+def keep_replicas(cluster: Cluster) -> list[ParameterServer]:
+    """A dead server's replacement (replicas 1): copy every shard left without a replica from its primary, and
+    keep its replica from then on (`ps.replica`, `membership.lost_servers`); returns their servers."""
+    config, store = cluster.config, cluster.store
+    rank_side, me, timeout = transport(config.transport).rank, config.rpc_identity[0], config.call_timeout
+    shards = [
+        s
+        for s in range(config.servers)
+        if lost_servers.replica(store, s, config.servers) is None and lost_servers.primary(store, s) != me
+    ]
+    servers = []
+    for shard in shards:
+        primary = lost_servers.primary(store, shard)
+        server = _server(cluster, shard)
+        server.adopt(rank_side.copy_shard(shard, primary, timeout))
         rank_side.install(server)
+        rank_side.keep_shard(shard, primary, me, timeout)
+        servers.append(server)
+    lost_servers.record_kept(store, config.rank, config.replacement, shards)
     return servers
 
 
@@ -67,10 +103,12 @@ def serve(cluster: Cluster, servers: list[ParameterServer]) -> None:
     replica it keeps (its counters are written too when it served its shard: `lost_servers`)."""
     from gradsync.transport.grpc.endpoint import start_endpoint  # here: importing gradsync loads no grpc
 
-    config, server = cluster.config, servers[0]
+    config = cluster.config
     rank_side = transport(config.transport).rank
     code = 0
     try:
+        servers = servers or keep_replicas(cluster)
+        server = servers[0]
         for each in servers:
             cluster.heartbeat.on_left(each.worker_left)
             uneven_data.serve(cluster.store, each, config.num_workers)
@@ -78,14 +116,17 @@ def serve(cluster: Cluster, servers: list[ParameterServer]) -> None:
         rank_side.serve(server, cluster.store, config)
         wait_for_workers(cluster, deadline=None)
         for each in servers:
-            if each is server or lost_servers.moved(cluster.store, each.shard_id) == config.rank:
+            if lost_servers.primary(cluster.store, each.shard_id) == config.rpc_identity[0]:
                 _write_stats(each)
         rank_side.leave(config, cluster.store, config.shutdown_timeout)
         endpoint.stop()
     except BaseException:
-        if not any(each.failed for each in servers):
-            say_failure(record_failure(cluster, config.rank, traceback.format_exc()))
-        code = 1
+        if config.replacement and not servers and not staying(cluster.store):
+            code = 0  # the job ended while this replacement copied its shards: nothing is left to keep
+        else:
+            if not any(each.failed for each in servers):
+                say_failure(record_failure(cluster, config.rank, traceback.format_exc()))
+            code = 1
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -22,7 +22,7 @@ from gradsync.core.buckets import Bucket, ModelSpec
 from gradsync.core.transport_capabilities import Capabilities
 from gradsync.metrics.timeline import Timeline
 from gradsync.ps.messages import Partial, Piece, PipelineHead, Push, Rejoined, Setup, Snapshot, TableCall
-from gradsync.ps.replica import StepRecord
+from gradsync.ps.replica import ReplicaLink, ShardCopy
 from gradsync.ps.server import ParameterServer
 
 PROBE_BYTES = 2**20
@@ -209,9 +209,17 @@ class RankTransport(ABC):
         its own shard's and the one it keeps a replica of); a server calls it before `start`, so that no call
         arrives first."""
 
-    def replica(self, server: ParameterServer, config: JobConfig, store: dist.Store) -> Callable[[StepRecord], None]:
-        """What sends `server`'s closed steps to its shard's replica on the next server (replicas 1: `ps.replica`);
-        only torch RPC keeps replicas (`JobConfig` refuses the others)."""
+    def replica_link(self, shard: int, to: str | None, config: JobConfig, store: dist.Store) -> ReplicaLink:
+        """Where shard `shard`'s closed steps go: its replica on the server of RPC name `to` (None: none yet), in a
+        job with replicas (`ps.replica`); only torch RPC keeps replicas (`JobConfig` refuses the others)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no replica of a shard")
+
+    def copy_shard(self, shard: int, primary: str, timeout: float) -> ShardCopy:
+        """A dead server's replacement: shard `shard` as its primary (RPC name `primary`) holds it now."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no replica of a shard")
+
+    def keep_shard(self, shard: int, primary: str, me: str, timeout: float) -> None:
+        """A dead server's replacement (RPC name `me`): tell `shard`'s primary that its replica is built."""
         raise NotImplementedError(f"{type(self).__name__} keeps no replica of a shard")
 
     @abstractmethod

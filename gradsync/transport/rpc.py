@@ -41,10 +41,10 @@ from gradsync.core.job_names import StoreKeys, server_name
 from gradsync.core.torch_internals import RPC_TIMEOUT_TEXT, set_rpc_timeout
 from gradsync.core.transport_capabilities import capabilities
 from gradsync.core.waiting import POLL_S
-from gradsync.membership.lost_servers import moved, replica_server
+from gradsync.membership.lost_servers import dead, primary, replica_server
 from gradsync.metrics.timeline import HEAD
 from gradsync.ps.messages import Committed, Partial, Piece, PipelineHead, Push, Rejoined, Setup, Snapshot, TableCall
-from gradsync.ps.replica import StepRecord
+from gradsync.ps.replica import ReplicaLink, ShardCopy, StepRecord
 from gradsync.ps.server import ParameterServer
 from gradsync.transport import rpc_group
 from gradsync.transport.base import RankTransport, WorkerTransport, link_rate
@@ -160,13 +160,13 @@ class RpcTransport(WorkerTransport):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.homes = {s: s for s in self.servers}  # the server rank that serves each shard now (`_again`)
+        self.homes = {s: server_name(s) for s in self.servers}  # the RPC name of each shard's server now (`_again`)
         self.done = dict.fromkeys(self.servers, 0)  # replicas: the steps each shard answered this worker closed
         self._held: dict[int, tuple[int, Push]] = {}  # replicas: each shard's push of the held step (`finish`)
 
     def _send(self, s: int, fn, args: tuple, timeout: float) -> torch.futures.Future:
         """`fn(s, *args)` on the server that serves shard `s` now."""
-        return rpc.rpc_async(server_name(self.homes[s]), fn, args=(s, *args), timeout=timeout)
+        return rpc.rpc_async(self.homes[s], fn, args=(s, *args), timeout=timeout)
 
     def _call(self, fn, args_of, what: str, timeout: float | None = None, servers=None, first=None) -> dict[int, Any]:
         """`fn(s, *args_of(s))` on every server (or those of `servers`), waited for; `first(s)`: what is sent
@@ -182,10 +182,9 @@ class RpcTransport(WorkerTransport):
             return None
 
         def again(s: int, error: BaseException) -> torch.futures.Future | None:
-            home = moved(self.store, s, self.config.step_timeout)
-            if home is None or home == self.homes[s]:
+            if not dead(self.store, self.homes[s], self.config.step_timeout):
                 return None
-            self.homes[s] = home
+            self.homes[s] = primary(self.store, s)
             if first is not None:
                 first(s)
             return self._send(s, fn, args_of(s), timeout)
@@ -371,37 +370,68 @@ class Pipeline:
         }
 
 
+class RpcReplicaLink:
+    """A shard's closed steps to its replica's server, each answered once the replica holds it (`ps.replica`).
+    A stopped server answers nothing: the launcher's word that it died ends the wait, and the shard goes on
+    without a replica. Every call comes with the shard's lock held."""
+
+    def __init__(self, shard: int, to: str | None, config: JobConfig, store: dist.Store):
+        self.shard, self.to, self.config, self.store = shard, to, config, store
+        self.held: list[StepRecord] | None = None  # the records kept while a replica is built (`hold`)
+
+    def send(self, record: StepRecord) -> None:
+        if self.held is not None:
+            self.held.append(record)
+        elif self.to is not None:
+            to, timeout = self.to, self.config.call_timeout
+            call = rpc.rpc_async(to, rpc_replicate, args=(self.shard, record), timeout=timeout)
+            answered = threading.Event()
+            call.add_done_callback(lambda _: answered.set())
+            while not answered.wait(POLL_S):
+                if dead(self.store, to):
+                    self.to = None
+                    return
+            wait_all({0: call}, f"keeping the replica of shard {self.shard} on {to}", timeout, self._gone)
+
+    def _gone(self, _: int, error: BaseException) -> torch.futures.Future | None:
+        """After a failed send: nothing more to send, once the launcher says the replica's server died."""
+        if self.to is None or not dead(self.store, self.to, self.config.step_timeout):
+            return None
+        self.to = None
+        return resolved(None)
+
+    def hold(self) -> None:
+        self.held = []
+
+    def release(self, name: str) -> None:
+        held, self.held, self.to = self.held or [], None, name
+        for record in held:
+            self.send(record)
+
+
+def _answer(value):
+    """A handler's answer, raised when it is an error (`_answering`)."""
+    if isinstance(value, BaseException):
+        raise _kind(value)(str(value)) from value
+    return value
+
+
 class RpcRank(RankTransport):
     """Every rank joins the RPC world; a server's handlers call its `ParameterServer`s."""
 
     def install(self, server: ParameterServer) -> None:
         _SERVERS[server.shard_id] = server
 
-    def replica(self, server: ParameterServer, config: JobConfig, store: dist.Store) -> Callable[[StepRecord], None]:
-        """What sends `server`'s closed steps to its shard's replica on the next server (`ps.replica`), answered
-        once the replica holds them; once the launcher says that server died, nothing (the shard goes on without
-        a replica)."""
-        to, timeout, alone = replica_server(server.shard_id, config.servers), config.call_timeout, []
+    def replica_link(self, shard: int, to: str | None, config: JobConfig, store: dist.Store) -> ReplicaLink:
+        return RpcReplicaLink(shard, to, config, store)
 
-        def gone(_: int, error: BaseException) -> torch.futures.Future | None:
-            if moved(store, to, config.step_timeout) is None:
-                return None
-            alone.append(to)
-            return resolved(None)
+    def copy_shard(self, shard: int, primary: str, timeout: float) -> ShardCopy:
+        """Shard `shard` as its primary (RPC name `primary`) holds it now, the steps after it kept there."""
+        return _answer(rpc.rpc_sync(primary, rpc_copy, args=(shard,), timeout=timeout))
 
-        def send(record: StepRecord) -> None:
-            if alone:
-                return
-            call = rpc.rpc_async(server_name(to), rpc_replicate, args=(server.shard_id, record), timeout=timeout)
-            answered = threading.Event()
-            call.add_done_callback(lambda _: answered.set())
-            while not answered.wait(POLL_S):  # a stopped server answers nothing: the launcher's word ends the wait
-                if moved(store, to) is not None:
-                    alone.append(to)
-                    return
-            wait_all({to: call}, f"keeping the replica of shard {server.shard_id}", timeout, gone)
-
-        return send
+    def keep_shard(self, shard: int, primary: str, me: str, timeout: float) -> None:
+        """Tell `shard`'s primary that this server (RPC name `me`) has built its replica from its copy."""
+        _answer(rpc.rpc_sync(primary, rpc_keep, args=(shard, me), timeout=timeout))
 
     def start(self, config: JobConfig, store: dist.Store) -> None:
         start_rpc(config, store)
@@ -559,3 +589,13 @@ def rpc_stats(shard: int) -> dict:
 @_answering("replica of a step")
 def rpc_replicate(shard: int, record: StepRecord) -> None:
     _server(shard).replicate(record)
+
+
+@_answering("copy of a shard")
+def rpc_copy(shard: int) -> ShardCopy:
+    return _server(shard).copy_for()
+
+
+@_answering("keeping of a replica")
+def rpc_keep(shard: int, name: str) -> None:
+    _server(shard).keep(name)

@@ -10,7 +10,9 @@ graceful leave calls every member too. So gradsync runs the group this way:
 - servers join first, and each marks it in the store (`RPC_SERVING`); workers wait for all of them, since
   a worker calls servers only;
 - one worker at a time joins (a lock in the store, taken over from a holder recorded gone), and takes
-  itself off torch's list before it lets the next one in: every worker's join calls the servers only;
+  itself off torch's list before it lets the next one in: every worker's join calls the servers only; but in
+  a job whose servers keep replicas (where no worker dies without ending the job), whose dead server's
+  replacement takes the dead one off the list and joins, calling every worker, so that they can reach it;
 - nobody leaves through torch's graceful shutdown: a worker stops its agent once its own calls are
   answered, servers once every worker has left (`leave`), after torch's own leave of the group (which
   marks the agent as shutting down, so that it does not log its closing connections). A server still
@@ -42,6 +44,7 @@ from gradsync.core.torch_internals import (
     rpc_join_token,
 )
 from gradsync.core.waiting import wait_until
+from gradsync.membership import lost_servers
 from gradsync.membership.member_keys import parse_gone
 
 
@@ -49,7 +52,13 @@ def join(config: JobConfig, store: dist.Store, init: Callable[[], None]) -> None
     """Run `init` (this rank's rpc.init_rpc in the dynamic group) in gradsync's order. Every rank of an
     elastic job calls it; a worker that joins the running job too."""
     if config.is_server:
-        init()
+        if config.replacement:  # a dead server's (replicas 1): the dead one is off torch's list before it joins
+            torch_store = _torch_store(store, rpc_init_count())
+            with _MembershipLock(store, torch_store, config, config.startup_timeout, "startup_timeout"):
+                _unlist_dead_servers(torch_store, store)
+                init()
+        else:
+            init()
         store.set(StoreKeys.RPC_SERVING.format(config.rank), "1")
         return
     try:
@@ -65,7 +74,8 @@ def join(config: JobConfig, store: dist.Store, init: Callable[[], None]) -> None
     torch_store = _torch_store(store, rpc_init_count())
     with _MembershipLock(store, torch_store, config, config.startup_timeout, "startup_timeout"):
         init()
-        _unlist(torch_store, config)
+        if not config.replicated:  # with replicas, a dead server's replacement joins and calls every worker
+            _unlist(torch_store, config)
 
 
 def leave(config: JobConfig, store: dist.Store, timeout: float) -> None:
@@ -86,7 +96,7 @@ def leave(config: JobConfig, store: dist.Store, timeout: float) -> None:
         if time.monotonic() < deadline:
             torch_store = _torch_store(store, rpc_init_count() - 1)
             with _MembershipLock(store, torch_store, config, deadline - time.monotonic(), "shutdown_timeout"):
-                if not config.is_server:
+                if not config.is_server and not config.replicated:
                     _relist(torch_store, config)
                 agent.join(shutdown=True)
     except (RuntimeError, IndexError) as e:  # the agent stops all the same, logging its closing connections
@@ -109,6 +119,14 @@ def _unlist(torch_store: dist.Store, config: JobConfig) -> None:
             "keeps dynamic RPC groups differently from torch 2.13, which gradsync expects"
         )
     torch_store.set(RPC_MEMBER_LIST, listed.replace(entry, "", 1))
+
+
+def _unlist_dead_servers(torch_store: dist.Store, store: dist.Store) -> None:
+    """Take the servers recorded dead (`lost_servers.dead`) off torch's list of group members (hold the
+    `_MembershipLock`): a member's join calls every member listed."""
+    entries = [e for e in torch_store.get(RPC_MEMBER_LIST).decode().split(",") if e]
+    kept = [e for e in entries if not lost_servers.dead(store, e.rpartition("-")[0])]
+    torch_store.set(RPC_MEMBER_LIST, "".join(f"{e}," for e in kept))
 
 
 def _relist(torch_store: dist.Store, config: JobConfig) -> None:

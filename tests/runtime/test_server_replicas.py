@@ -35,7 +35,7 @@ def test_the_job_ends_bit_for_bit_as_without_the_server_death(launch, shape, cap
         assert moved["pid"] == stats[(death.server + 1) % servers]["pid"]  # its replica's server serves it
     how = "stopped responding" if death.point == "stop" else "was killed by SIGKILL"
     assert f"ps{death.server} (rank {death.server}) {how}" in err, err
-    assert f"its shard is served by its replica on ps{(death.server + 1) % servers}" in err, err
+    assert f"shard {death.server} is served by its replica on ps{(death.server + 1) % servers}" in err, err
 
 
 @pytest.mark.timeout(120)
@@ -45,5 +45,21 @@ def test_a_second_server_death_fails_the_job_naming_both(launch):
                args=((ServerDeath(1, 2, "pushed"), ServerDeath(0, 5, "pushed")), STEPS))
     assert failed.value.rank == 0
     assert str(failed.value).startswith("ps0 (rank 0) was killed by SIGKILL"), failed.value
-    assert "after ps1 (rank 1) was killed by SIGKILL: with one replica per shard the job survives one server's " \
-           "death, and now a shard has no copy left" in str(failed.value)
+    assert "serving shard 0 alone since ps1 (rank 1) was killed by SIGKILL" in str(failed.value)
+    assert "its last copy is gone, so the job cannot go on" in str(failed.value)
+
+
+@pytest.mark.timeout(180)
+def test_a_dead_server_started_again_keeps_the_replicas_again_and_the_job_survives_the_next_death(launch, capfd):
+    """ps1 dies, its replacement copies both shards from ps0 and keeps their replicas; then ps0 dies, and ps1's
+    replacement serves both: bit for bit as without the deaths (ps0's replacement may come after the job ended)."""
+    deaths = (ServerDeath(1, 2, "pushed"), ServerDeath(0, 8, "pushed", after=1))
+    died = launch(train, strategy="ps", workers=2, servers=2, timeout=150, replicas=1, max_restarts=1,
+                  args=(deaths, 16, 0.5))
+    clean = launch(train, strategy="ps", workers=2, servers=2, timeout=150, replicas=1, args=((), 16, 0.5))
+    err = capfd.readouterr().err
+    for w, ((state, stats), (reference, _)) in enumerate(zip(died, clean)):
+        assert state.keys() == reference.keys() and all(torch.equal(state[k], reference[k]) for k in state), w
+        assert stats[0]["pid"] == stats[1]["pid"] and stats[0]["version"] == stats[1]["version"] == 16
+    assert "ps1 (rank 1) was killed by SIGKILL" in err and "ps0 (rank 0) was killed by SIGKILL" in err, err
+    assert "ps1 (rank 1) replaced" in err and "it keeps the replicas of shards 0, 1 again" in err, err

@@ -3,6 +3,7 @@ is armed in that server's process as the job's arguments are unpickled there (`S
 `gradsync.init`, and the workers train on and return the job's final state."""
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 from typing import NamedTuple
@@ -12,7 +13,9 @@ import torch.distributed.autograd as dist_autograd
 import torch.nn.functional as F
 
 import gradsync
+from gradsync.core.job_names import StoreKeys
 from gradsync.ps.server import ParameterServer
+from gradsync.runtime import cluster
 from gradsync.ps.shard import ShardState
 from jobs import batch, make_mlp
 from sparse_models import ClickNet, click_batch
@@ -25,35 +28,41 @@ class ServerDeath(NamedTuple):
     worker 1's push of it arrives ('pushed': the step not applied), once the step is applied and its replica holds
     it, before any worker is answered ('closed'), or as the first word on the held step arrives ('held': clipping,
     its partials answered, nothing applied); or it stops ('stop': SIGSTOP as worker 1's push arrives), silent
-    until the launcher kills it."""
+    until the launcher kills it. With `after` ('pushed' and 'stop'), not before the replacement of that server
+    keeps its replicas.
+    """
 
     server: int
     step: int
     point: str
+    after: int | None = None
 
     def __reduce__(self):
         return _armed, tuple(self)
 
 
-def _die() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
+def _die(sig=signal.SIGKILL, after: int | None = None) -> None:
+    if after is not None:  # the job's first replacement of that server keeps its replicas
+        store = cluster.running().store
+        store.wait([StoreKeys.REPLICAS_KEPT.format(after)], datetime.timedelta(seconds=60))
+    os.kill(os.getpid(), sig)
 
 
-def _armed(server: int, step: int, point: str) -> ServerDeath:
-    """The death, armed when this process is that server."""
-    if int(os.environ.get("RANK", "-1")) == server:
-        _arm(server, step, point)
-    return ServerDeath(server, step, point)
+def _armed(server: int, step: int, point: str, after: int | None = None) -> ServerDeath:
+    """The death, armed when this process is that server (its first process)."""
+    if int(os.environ.get("RANK", "-1")) == server and not int(os.environ.get("GRADSYNC_REPLACEMENT", "0")):
+        _arm(server, step, point, after)
+    return ServerDeath(server, step, point, after)
 
 
-def _arm(server: int, step: int, point: str) -> None:
+def _arm(server: int, step: int, point: str, after: int | None) -> None:
     now = lambda shard: shard.shard_id == server and shard.closed == step  # noqa: E731
     if point in ("pushed", "stop"):
         push, sig = ParameterServer.push, signal.SIGKILL if point == "pushed" else signal.SIGSTOP
 
         def dying_push(self, worker, *args, **kwargs):
             if self.shard is not None and now(self.shard) and worker == 1:
-                os.kill(os.getpid(), sig)
+                _die(sig, after)
             return push(self, worker, *args, **kwargs)
 
         ParameterServer.push = dying_push
