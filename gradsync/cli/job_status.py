@@ -59,6 +59,7 @@ def _table(first: dict[int, list[str]], stats: dict[int, dict]) -> str:
         "max staleness",
         "staleness: pushes",
         "workers replaced: times",
+        "replica",
         "MB in",
         "MB out",
     ]
@@ -76,11 +77,12 @@ def _table(first: dict[int, list[str]], stats: dict[int, dict]) -> str:
                     str(s["max_staleness"]),
                     " ".join(f"{k}:{v}" for k, v in sorted(s["staleness_histogram"].items())) or "-",
                     " ".join(f"{k}:{v}" for k, v in sorted(s.get("workers_replaced", {}).items())) or "-",
+                    s["replica"] or "none" if "replica" in s else "-",
                     f"{s['bytes_in'] / 1e6:.1f}",
                     f"{s['bytes_out'] / 1e6:.1f}",
                 ]
                 if s
-                else ["-"] * 9
+                else ["-"] * 10
             )
         )
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

@@ -101,7 +101,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("shard_id", "version", "workers_seen", "pushes_applied", "pushes_rejected", "steps_skipped", "max_staleness", "bytes_in", "bytes_out", "calls", "tables", "staleness_histogram", "max_lead", "pushes_by_worker", "pid", "host", "steps_without", "workers_replaced")
+    __slots__ = ("shard_id", "version", "workers_seen", "pushes_applied", "pushes_rejected", "steps_skipped", "max_staleness", "bytes_in", "bytes_out", "calls", "tables", "staleness_histogram", "max_lead", "pushes_by_worker", "pid", "host", "steps_without", "workers_replaced", "replica")
     class CallsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +155,7 @@ class GetStatsResponse(_message.Message):
     HOST_FIELD_NUMBER: _ClassVar[int]
     STEPS_WITHOUT_FIELD_NUMBER: _ClassVar[int]
     WORKERS_REPLACED_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
     shard_id: int
     version: int
     workers_seen: _containers.RepeatedScalarFieldContainer[int]
@@ -173,7 +174,8 @@ class GetStatsResponse(_message.Message):
     host: str
     steps_without: _containers.MessageMap[int, Workers]
     workers_replaced: _containers.ScalarMap[int, int]
-    def __init__(self, shard_id: _Optional[int] = ..., version: _Optional[int] = ..., workers_seen: _Optional[_Iterable[int]] = ..., pushes_applied: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., steps_skipped: _Optional[int] = ..., max_staleness: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., calls: _Optional[_Mapping[str, int]] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., staleness_histogram: _Optional[_Mapping[int, int]] = ..., max_lead: _Optional[int] = ..., pushes_by_worker: _Optional[_Mapping[int, int]] = ..., pid: _Optional[int] = ..., host: _Optional[str] = ..., steps_without: _Optional[_Mapping[int, Workers]] = ..., workers_replaced: _Optional[_Mapping[int, int]] = ...) -> None: ...
+    replica: str
+    def __init__(self, shard_id: _Optional[int] = ..., version: _Optional[int] = ..., workers_seen: _Optional[_Iterable[int]] = ..., pushes_applied: _Optional[int] = ..., pushes_rejected: _Optional[int] = ..., steps_skipped: _Optional[int] = ..., max_staleness: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., calls: _Optional[_Mapping[str, int]] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., staleness_histogram: _Optional[_Mapping[int, int]] = ..., max_lead: _Optional[int] = ..., pushes_by_worker: _Optional[_Mapping[int, int]] = ..., pid: _Optional[int] = ..., host: _Optional[str] = ..., steps_without: _Optional[_Mapping[int, Workers]] = ..., workers_replaced: _Optional[_Mapping[int, int]] = ..., replica: _Optional[str] = ...) -> None: ...
 
 class Workers(_message.Message):
     __slots__ = ("ids",)

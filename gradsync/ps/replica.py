@@ -26,12 +26,9 @@ import queue
 import threading
 import traceback
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from gradsync.ps.messages import Partial, Setup
-
-if TYPE_CHECKING:
-    from gradsync.ps.shard import ShardStats
 
 
 class StepRecord(NamedTuple):
@@ -40,7 +37,7 @@ class StepRecord(NamedTuple):
     entries: list[tuple]  # (call name, arguments), in order: `replay`
     workers: tuple[int, ...]  # the workers whose pushes the step took (none: a load)
     partial: Partial | None  # its norm's part, when it was held for the workers' word
-    stats: ShardStats | None  # the primary's counters after it; None: a load
+    stats: Any  # the primary's `ShardStats` after it; None: a load
 
 
 class ShardCopy(NamedTuple):
@@ -48,7 +45,7 @@ class ShardCopy(NamedTuple):
 
     setup: Setup  # what builds a shard of its layout (values to be replaced by `state`'s)
     state: dict  # `ps.shard_file.captured`
-    stats: ShardStats
+    stats: Any  # its `ShardStats`
     taken: dict[int, int]  # `StepJournal.taken`
     partial: Partial | None  # `StepJournal.partial`
     closed: int  # `ShardState.closed`
@@ -58,6 +55,8 @@ class ShardCopy(NamedTuple):
 class ReplicaLink(Protocol):
     """Where a shard's closed steps go: its replica's server (a transport's, `RankTransport.replica_link`). Every
     call comes with the shard's lock held."""
+
+    to: str | None  # the RPC name of the server that keeps the replica now; None: none
 
     def send(self, record: StepRecord) -> None:
         """Send `record` there, answered once the replica holds it (nothing when the shard has no replica)."""

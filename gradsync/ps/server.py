@@ -535,11 +535,14 @@ class ParameterServer:
         return path, version
 
     def stats(self) -> dict:
-        """This server's counters (version, pushes applied/rejected, staleness, bytes), its process id and host."""
+        """This server's counters (version, pushes applied/rejected, staleness, bytes), its process id and host;
+        with replicas, the RPC name of the server that keeps its replica ('': none)."""
         shard = self._shard()
         with shard.lock:
             stats = dataclasses.asdict(shard.stats)
         stats["workers_seen"] = sorted(stats["workers_seen"])
+        if self.link is not None:  # replicas: where its replica is kept now ('': none)
+            stats["replica"] = self.link.to or ""
         return {**stats, "pid": os.getpid(), "host": socket.gethostname()}
 
     def table_stats(self) -> dict[str, dict]:

@@ -33,6 +33,11 @@ def test_the_job_ends_bit_for_bit_as_without_the_server_death(launch, shape, cap
         moved = stats[death.server]
         assert moved["version"] == runs["clean"][w][1][death.server]["version"]
         assert moved["pid"] == stats[(death.server + 1) % servers]["pid"]  # its replica's server serves it
+        bare = {death.server, (death.server - 1) % servers}  # the dead one's shard, and the one it kept
+        assert {s: st["replica"] for s, st in stats.items()} == {
+            s: "" if s in bare else f"ps{(s + 1) % servers}" for s in range(servers)}
+        assert {s: st["replica"] for s, st in runs["clean"][w][1].items()} == {
+            s: f"ps{(s + 1) % servers}" for s in range(servers)}
     how = "stopped responding" if death.point == "stop" else "was killed by SIGKILL"
     assert f"ps{death.server} (rank {death.server}) {how}" in err, err
     assert f"shard {death.server} is served by its replica on ps{(death.server + 1) % servers}" in err, err

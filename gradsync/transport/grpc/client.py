@@ -216,7 +216,7 @@ class Client:
     def stats(self) -> dict[int, dict]:
         """Per shard: version, workers_seen, pushes_applied/rejected, steps_skipped, max_staleness and the
         staleness histogram, max_lead (ssp), pushes_by_worker (async, ssp), steps_without (worker_loss drop),
-        workers_replaced (worker_loss wait), pid and host, bytes_in/out, the calls its
+        workers_replaced (worker_loss wait), replica (replicas 1), pid and host, bytes_in/out, the calls its
         endpoint received by method name, and per embedding table its rows, bytes, rows pulled and pushed and
         max_staleness."""
         out = {}
@@ -229,6 +229,8 @@ class Client:
             out[shard]["pushes_by_worker"] = dict(r.pushes_by_worker)
             out[shard]["steps_without"] = {step: list(w.ids) for step, w in r.steps_without.items()}
             out[shard]["workers_replaced"] = dict(r.workers_replaced)
+            if not r.HasField("replica"):  # a job without replicas
+                del out[shard]["replica"]
             out[shard]["tables"] = {
                 t.name: {f.name: getattr(t, f.name) for f in t.DESCRIPTOR.fields if f.name != "name"} for t in r.tables
             }
