@@ -38,6 +38,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from measure import machine  # noqa: E402
 
+from gradsync.launcher import procfs  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "faults.json")
 JOB = os.path.join(HERE, "faults_job.py")
@@ -60,16 +62,48 @@ GRADSYNC = {  # configuration: (the death's point or None, gradsync run options,
 """A configuration whose name says "server death" kills server 1 (from worker 0), the others worker 1."""
 
 
-def _gradsync(log: str, options: list[str], start: str, job: list[str], extra: list[str] = (), workers: int = 2) -> float:
-    """One `gradsync run` of the job script; its wall seconds (it may fail: a death under fail)."""
+def _gradsync(log: str, options: list[str], start: str, job: list[str], extra: list[str] = (), workers: int = 2,
+              cpu: list | None = None) -> float:
+    """One `gradsync run` of the job script; its wall seconds (it may fail: a death under fail). With `cpu`, the
+    CPU-seconds every process of the job had used by then (its launcher's descendants), sampled every 0.1 s, are
+    appended to it as (time.time(), seconds)."""
     env = {**os.environ, "GRADSYNC_RANK_START": start, "OMP_NUM_THREADS": "1"}
     began = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "gradsync.cli", "run", "--strategy", "ps", "--workers", str(workers),
-                           *options, *extra, JOB, "--log", log, *job], env=env, capture_output=True, text=True,
-                          timeout=900)
-    if done.returncode and ("--kill-at" not in job or "fail" not in options):
-        raise RuntimeError(f"gradsync run {' '.join(options + list(extra))} failed:\n{done.stderr[-3000:]}")
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "gradsync.cli", "run", "--strategy", "ps", "--workers",
+                                 str(workers), *options, *extra, JOB, "--log", log, *job], env=env,
+                                stdout=subprocess.DEVNULL, stderr=err, text=True)
+        ticks: dict[int, int] = {}
+        while proc.poll() is None and time.monotonic() - began < 900:
+            if cpu is not None:
+                for pid in _descendants(proc.pid):
+                    ticks[pid] = max(ticks.get(pid, 0), procfs.cpu_ticks(f"/proc/{pid}/stat") or 0)
+                cpu.append((time.time(), sum(ticks.values()) / procfs.TICK))
+            time.sleep(0.1)
+        if proc.poll() is None:
+            proc.kill()
+        err.seek(0)
+        if proc.wait() and ("--kill-at" not in job or "fail" not in options):
+            raise RuntimeError(f"gradsync run {' '.join(options + list(extra))} failed:\n{err.read()[-3000:]}")
     return time.monotonic() - began
+
+
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        children = procfs.children(todo.pop())
+        found += children
+        todo += children
+    return found
+
+
+def _cpu_per_step(samples: list, lines: list[dict], workers: int) -> float:
+    """CPU-seconds per step of the job between the steps its `workers`' log `lines` time at the 40th percentile
+    and the last (start-up left out), from `_gradsync`'s samples."""
+    times = sorted(ln["t"] for ln in lines)
+    first, last = times[4 * len(times) // 10], times[-1]
+    at = lambda t: min(samples, key=lambda s: abs(s[0] - t))[1]  # noqa: E731
+    return (at(last) - at(first)) / max(sum(first < t <= last for t in times) / workers, 1)
 
 
 def _steps(log: str) -> list[dict]:
@@ -138,10 +172,10 @@ def step_cost(args) -> dict:
     for _ in range(args.repeats):
         for policy in medians:
             with tempfile.TemporaryDirectory() as work:
-                log = os.path.join(work, "log")
-                began = _cpu()
-                _gradsync(log, ["--worker-loss", policy], "fork", ["--steps", str(args.cost_steps), "--compute-s", "0"])
-                cpu[policy].append((_cpu() - began) / args.cost_steps)
+                log, samples = os.path.join(work, "log"), []
+                _gradsync(log, ["--worker-loss", policy], "fork", ["--steps", str(args.cost_steps), "--compute-s", "0"],
+                          cpu=samples)
+                cpu[policy].append(_cpu_per_step(samples, _steps(log), 2))
                 medians[policy].append(statistics.median(ln["step_s"] for ln in _steps(log)[20:]))
     fail = statistics.median(medians["fail"])
     return {p: {"step_ms": 1e3 * statistics.median(v), "x_fail": statistics.median(v) / fail,
@@ -158,22 +192,18 @@ def replication_cost(args) -> dict:
         for _ in range(args.repeats):
             for name in runs:
                 with tempfile.TemporaryDirectory() as work:
-                    log = os.path.join(work, "log")
+                    log, samples = os.path.join(work, "log"), []
                     options = ["--servers", "2", "--replicas", name[-1]] + ([] if link == "loopback" else ["--link", link])
-                    began = _cpu()
-                    _gradsync(log, options, "fork", ["--steps", str(steps), "--compute-s", "0"], workers=4)
-                    cpu = (_cpu() - began) / steps
-                    runs[name].append((statistics.median(ln["step_s"] for ln in _steps(log)[4 * steps // 10:]), cpu))
+                    _gradsync(log, options, "fork", ["--steps", str(steps), "--compute-s", "0"], workers=4, cpu=samples)
+                    lines = _steps(log)
+                    runs[name].append((statistics.median(ln["step_s"] for ln in lines[4 * len(lines) // 10:]),
+                                       _cpu_per_step(samples, lines, 4)))
         none = statistics.median(s for s, _ in runs["replicas 0"])
         out[link] = {n: {"step_ms": 1e3 * statistics.median(s for s, _ in v), "x_none": statistics.median(
             s for s, _ in v) / none, "cpu_s_per_step": statistics.median(c for _, c in v)} for n, v in runs.items()}
     return out
 
 
-def _cpu() -> float:
-    """CPU-seconds the job processes this script started have used (children reaped)."""
-    usage = os.times()
-    return usage.children_user + usage.children_system
 
 
 def main() -> None:

@@ -62,8 +62,9 @@ class ReplicaLink(Protocol):
         """Send `record` there, answered once the replica holds it (nothing when the shard has no replica)."""
         ...
 
-    def hold(self) -> None:
-        """Keep the records from now on until `release` (a replica is being built from a copy)."""
+    def hold(self, name: str) -> None:
+        """Keep the records from now on until `release` (the server of RPC name `name` builds a replica from a
+        copy; nothing more once it is recorded dead)."""
         ...
 
     def release(self, name: str) -> None:

@@ -376,6 +376,8 @@ class ParameterServer:
     def _closed_for(self, worker: int, done: int | None) -> Committed | None:
         """What answered `worker`'s step in flight, when this copy of the shard has closed it already (its answer
         was lost with the primary that closed it: `StepJournal.took`), else None."""
+        if done is None:  # a job without replicas
+            return None
         shard = self._shard()
         with shard.lock:
             journal = shard.journal
@@ -394,14 +396,14 @@ class ParameterServer:
         for name, args in record.entries:  # a load of the module or the optimizer's state, after the steps before
             getattr(self, name)(*args)
 
-    def copy_for(self) -> ShardCopy:
-        """This shard as it is now, for a server that builds its replica anew (`adopt`); the steps after it are
-        kept (`ReplicaLink.hold`) until that server has built it (`keep`)."""
+    def copy_for(self, name: str) -> ShardCopy:
+        """This shard as it is now, for the server of RPC name `name`, which builds its replica anew (`adopt`); the
+        steps after it are kept (`ReplicaLink.hold`) until that server has built it (`keep`)."""
         shard = self._shard()
         assert self.link is not None and self._layout is not None and shard.journal is not None  # replicated
         with shard.lock:
             journal = shard.journal
-            self.link.hold()
+            self.link.hold(name)
             state = shard_file.captured(shard)
             return ShardCopy(
                 _with_values(self._layout), state, copy.deepcopy(shard.stats), dict(journal.taken), journal.partial,

@@ -88,7 +88,7 @@ def keep_replicas(cluster: Cluster) -> list[ParameterServer]:
     for shard in shards:
         primary = lost_servers.primary(store, shard)
         server = _server(cluster, shard)
-        server.adopt(rank_side.copy_shard(shard, primary, timeout))
+        server.adopt(rank_side.copy_shard(shard, primary, me, timeout))
         rank_side.install(server)
         rank_side.keep_shard(shard, primary, me, timeout)
         servers.append(server)

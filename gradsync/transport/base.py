@@ -214,8 +214,9 @@ class RankTransport(ABC):
         job with replicas (`ps.replica`); only torch RPC keeps replicas (`JobConfig` refuses the others)."""
         raise NotImplementedError(f"{type(self).__name__} keeps no replica of a shard")
 
-    def copy_shard(self, shard: int, primary: str, timeout: float) -> ShardCopy:
-        """A dead server's replacement: shard `shard` as its primary (RPC name `primary`) holds it now."""
+    def copy_shard(self, shard: int, primary: str, me: str, timeout: float) -> ShardCopy:
+        """A dead server's replacement (RPC name `me`): shard `shard` as its primary (RPC name `primary`) holds
+        it now."""
         raise NotImplementedError(f"{type(self).__name__} keeps no replica of a shard")
 
     def keep_shard(self, shard: int, primary: str, me: str, timeout: float) -> None:

@@ -378,8 +378,11 @@ class RpcReplicaLink:
     def __init__(self, shard: int, to: str | None, config: JobConfig, store: dist.Store):
         self.shard, self.to, self.config, self.store = shard, to, config, store
         self.held: list[StepRecord] | None = None  # the records kept while a replica is built (`hold`)
+        self.holder: str | None = None  # the server that builds it
 
     def send(self, record: StepRecord) -> None:
+        if self.held is not None and self.holder is not None and dead(self.store, self.holder):
+            self.held = self.holder = None  # it died building the replica: none
         if self.held is not None:
             self.held.append(record)
         elif self.to is not None:
@@ -400,11 +403,11 @@ class RpcReplicaLink:
         self.to = None
         return resolved(None)
 
-    def hold(self) -> None:
-        self.held = []
+    def hold(self, name: str) -> None:
+        self.held, self.holder = [], name
 
     def release(self, name: str) -> None:
-        held, self.held, self.to = self.held or [], None, name
+        held, self.held, self.holder, self.to = self.held or [], None, None, name
         for record in held:
             self.send(record)
 
@@ -425,9 +428,10 @@ class RpcRank(RankTransport):
     def replica_link(self, shard: int, to: str | None, config: JobConfig, store: dist.Store) -> ReplicaLink:
         return RpcReplicaLink(shard, to, config, store)
 
-    def copy_shard(self, shard: int, primary: str, timeout: float) -> ShardCopy:
-        """Shard `shard` as its primary (RPC name `primary`) holds it now, the steps after it kept there."""
-        return _answer(rpc.rpc_sync(primary, rpc_copy, args=(shard,), timeout=timeout))
+    def copy_shard(self, shard: int, primary: str, me: str, timeout: float) -> ShardCopy:
+        """Shard `shard` as its primary (RPC name `primary`) holds it now, for this server (RPC name `me`); the
+        steps after it are kept there."""
+        return _answer(rpc.rpc_sync(primary, rpc_copy, args=(shard, me), timeout=timeout))
 
     def keep_shard(self, shard: int, primary: str, me: str, timeout: float) -> None:
         """Tell `shard`'s primary that this server (RPC name `me`) has built its replica from its copy."""
@@ -592,8 +596,8 @@ def rpc_replicate(shard: int, record: StepRecord) -> None:
 
 
 @_answering("copy of a shard")
-def rpc_copy(shard: int) -> ShardCopy:
-    return _server(shard).copy_for()
+def rpc_copy(shard: int, name: str) -> ShardCopy:
+    return _server(shard).copy_for(name)
 
 
 @_answering("keeping of a replica")
