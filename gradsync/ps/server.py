@@ -18,7 +18,6 @@ import socket
 import threading
 import traceback
 from collections.abc import Callable
-from dataclasses import replace
 from typing import cast
 
 import torch
@@ -292,7 +291,7 @@ class ParameterServer:
         """
         shard = self._shard()
         if (closed := self._closed_for(worker, done)) is not None:
-            return resolved(closed if push.agree is not None else replace(closed, partial=None))
+            return resolved(closed if push.agree is not None else dataclasses.replace(closed, partial=None))
         if self.mode != "async" and not 0 <= worker < self.num_workers:
             return self.rejected(
                 GradientError(f"worker {worker} is not a worker of this job: expected 0 .. {self.num_workers - 1}")
@@ -366,7 +365,7 @@ class ParameterServer:
         see `SyncRule.finish`; `done` as `push`'s."""
         self._shard()
         if (closed := self._closed_for(worker, done)) is not None:
-            return resolved(replace(closed, partial=None))
+            return resolved(dataclasses.replace(closed, partial=None))
         if not isinstance(self.rule, SyncRule):
             return self.rejected(
                 GradientError(f"server {self.shard_id} runs a {self.mode} job, which holds no step to finish")

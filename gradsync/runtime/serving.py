@@ -37,20 +37,18 @@ def install_server(cluster: Cluster) -> list[ParameterServer]:
     if config.replacement:
         return []
     resume_from = (resumed.path, resumed.manifest["servers"], checkpoints.base_of(resumed)) if resumed else None
-    shards = [config.rank] + ([(config.rank - 1) % config.servers] if config.replicated else [])
-    servers = [_server(cluster, shard, resume_from) for shard in shards]
-    if config.replicated:
-        servers[0].link = transport(config.transport).rank.replica_link(
-            config.rank, server_name(replica_server(config.rank, config.servers)), config, cluster.store
-        )
+    servers = [_server(cluster, config.rank, resume_from, server_name(replica_server(config.rank, config.servers)))]
+    if config.replicated:  # the shard whose replica this server keeps
+        kept = next(s for s in range(config.servers) if replica_server(s, config.servers) == config.rank)
+        servers.append(_server(cluster, kept, resume_from))
     for server in servers:
         transport(config.transport).rank.install(server)
     return servers
 
 
-def _server(cluster: Cluster, shard: int, resume_from=None) -> ParameterServer:
-    """A parameter server of `shard` in this process (not yet installed); with replicas, with its link to a
-    replica, none yet."""
+def _server(cluster: Cluster, shard: int, resume_from=None, replica: str | None = None) -> ParameterServer:
+    """A parameter server of `shard` in this process (not yet installed); with replicas, with its link to the
+    server of RPC name `replica`, which keeps its replica (None: none yet)."""
     config = cluster.config
 
     def fail(text: str) -> None:
@@ -70,7 +68,7 @@ def _server(cluster: Cluster, shard: int, resume_from=None) -> ParameterServer:
         config.replicated,
     )
     if config.replicated:
-        server.link = transport(config.transport).rank.replica_link(shard, None, config, cluster.store)
+        server.link = transport(config.transport).rank.replica_link(shard, replica, config, cluster.store)
     return server
 
 
