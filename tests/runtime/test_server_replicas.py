@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import gradsync
-from replicated import ServerDeath, train, train_clicks
+from replicated import ServerDeath, train, train_clicks, train_real_loop
 
 pytestmark = pytest.mark.job
 
@@ -15,6 +15,8 @@ SHAPES = {  # function, servers, workers, its arguments after the death, the dea
     "a clipped step held, three servers": (train, 3, 2, (STEPS, 0.5), ServerDeath(0, 4, "held"), {}),
     "tables served by rows and a GradScaler, the step applied but unanswered": (
         train_clicks, 2, 2, (STEPS,), ServerDeath(0, 3, "closed"), {}),
+    "a real loop's model: two groups, an lr schedule, BatchNorm, a frozen layer, an unused branch": (
+        train_real_loop, 2, 2, (STEPS,), ServerDeath(1, 3, "closed"), {}),
     "a server stopped until the launcher kills it": (
         train, 2, 2, (STEPS,), ServerDeath(1, 2, "stop"), dict(step_timeout=3.0)),
 }
@@ -68,3 +70,13 @@ def test_a_dead_server_started_again_keeps_the_replicas_again_and_the_job_surviv
         assert stats[0]["pid"] == stats[1]["pid"] and stats[0]["version"] == stats[1]["version"] == 16
     assert "ps1 (rank 1) was killed by SIGKILL" in err and "ps0 (rank 0) was killed by SIGKILL" in err, err
     assert "ps1 (rank 1) replaced" in err and "it keeps the replicas of shards 0, 1 again" in err, err
+
+
+@pytest.mark.timeout(120)
+def test_replicas_change_nothing_a_job_computes(launch):
+    """The same job with and without replicas ends bit for bit alike (which the suite's parity tests hold to
+    single-process training)."""
+    runs = [launch(train, strategy="ps", workers=2, servers=2, timeout=100, replicas=replicas, args=((), STEPS, 0.5))
+            for replicas in (0, 1)]
+    for (plain, _), (replicated, _) in zip(*runs):
+        assert plain.keys() == replicated.keys() and all(torch.equal(plain[k], replicated[k]) for k in plain)

@@ -18,6 +18,7 @@ from gradsync.ps.server import ParameterServer
 from gradsync.runtime import cluster
 from gradsync.ps.shard import ShardState
 from jobs import batch, make_mlp
+from replaced import _Net
 from sparse_models import ClickNet, click_batch
 
 POINTS = ("pushed", "closed", "held", "stop")
@@ -115,4 +116,23 @@ def train_clicks(deaths: tuple[ServerDeath, ...], steps: int) -> tuple[dict, dic
             loss = F.binary_cross_entropy_with_logits(trainer.model(bag, ids, dense), y)
             dist_autograd.backward(cid, [scaler.scale(loss)])
             trainer.step(cid, scaler)
+    return trainer.state_dict(), trainer.server_stats()
+
+
+def train_real_loop(deaths: tuple[ServerDeath, ...], steps: int) -> tuple[dict, dict]:
+    """`replaced._Net` (a frozen stem, BatchNorm, a layer used only on even steps) with AdamW over two parameter
+    groups of their own lr and weight decay, the lr halved every 2 steps from the loop, each worker's batch of each
+    step; `deaths` as `train`'s."""
+    me = gradsync.worker_rank()
+    model = _Net()
+    groups = [{"params": [*model.body.parameters(), *model.even.parameters()], "lr": 0.02, "weight_decay": 0.1},
+              {"params": [*model.norm.parameters(), *model.head.parameters()], "lr": 0.01, "weight_decay": 0.0}]
+    trainer = gradsync.Trainer(model, torch.optim.AdamW(groups))
+    for step in range(trainer.start_step, steps):
+        for group, lr in zip(trainer.optimizer.param_groups, (0.02, 0.01)):
+            group["lr"] = lr * 0.5 ** (step // 2)
+        x, y = batch(step, me)
+        with dist_autograd.context() as cid:
+            dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x, step), y)])
+            trainer.step(cid)
     return trainer.state_dict(), trainer.server_stats()
