@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import gradsync
+from helpers import checkpoint_files, same
 from replicated import ServerDeath, train, train_clicks, train_real_loop
 
 pytestmark = pytest.mark.job
@@ -43,6 +44,22 @@ def test_the_job_ends_bit_for_bit_as_without_the_server_death(launch, shape, cap
     how = "stopped responding" if death.point == "stop" else "was killed by SIGKILL"
     assert f"ps{death.server} (rank {death.server}) {how}" in err, err
     assert f"shard {death.server} is served by its replica on ps{(death.server + 1) % servers}" in err, err
+
+
+@pytest.mark.timeout(180)
+def test_a_server_dying_as_it_writes_its_checkpoint_leaves_every_checkpoint_whole(launch, tmp_path, capfd):
+    """ps1 writes its shard's file of step 6's checkpoint and dies before it answers: its replica's server writes
+    the shard again, and every checkpoint, like the job's end, is the clean run's bit for bit."""
+    runs = {run: launch(train, strategy="ps", workers=2, servers=2, timeout=150, replicas=1, checkpoint_every=3,
+                        checkpoint_dir=str(tmp_path / run),
+                        args=(() if run == "clean" else (ServerDeath(1, 5, "checkpoint"),), STEPS))
+            for run in ("clean", "died")}
+    for (clean, _), (died, stats) in zip(runs["clean"], runs["died"]):
+        assert clean.keys() == died.keys() and all(torch.equal(clean[k], died[k]) for k in clean)
+        assert stats[1]["pid"] == stats[0]["pid"]
+    assert "ps1 (rank 1) was killed by SIGKILL" in capfd.readouterr().err
+    clean, died = checkpoint_files(tmp_path / "clean"), checkpoint_files(tmp_path / "died")
+    assert {folder for folder, _ in clean} == {"step-00000003", "step-00000006"} and same(clean, died), sorted(died)
 
 
 @pytest.mark.timeout(120)

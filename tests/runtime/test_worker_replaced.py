@@ -1,16 +1,13 @@
 """worker_loss wait: a sync ps job whose worker dies keeps its servers and other workers, the launcher starts a
 replacement with the same rank, the step in flight waits for it, and the job ends bit for bit as without the
 death, wherever in the step the worker died."""
-import glob
-import os
 import re
 
 import pytest
 import torch
 
 import gradsync
-from gradsync.ps import shard_file
-from helpers import SUPPORT, run_cli
+from helpers import SUPPORT, checkpoint_files, run_cli, same
 from replaced import (Death, reference, starts_at, train, train_clicks, train_dropping, train_dynamic_tables,
                       train_joining, train_killing_a_server, train_real_loop)
 
@@ -40,24 +37,6 @@ SHAPES = {  # servers, workers, settings, clipping, micro-batches, width, GradSc
 }
 
 
-def _checkpoints(directory) -> dict:
-    """Every shard and worker file of every step folder, loaded, by (folder, file); but Python's `random` state,
-    which every process seeds anew (the script draws none of it)."""
-    return {(os.path.basename(os.path.dirname(p)), os.path.basename(p)):
-            {k: v for k, v in shard_file.load(p).items() if k != "python_rng"}
-            for p in sorted(glob.glob(os.path.join(directory, "step-*", "*.ckpt")))}
-
-
-def _equal(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, list | tuple):
-        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    return a == b
-
-
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_the_job_ends_bit_for_bit_as_without_the_deaths(launch, shape, tmp_path, capfd):
@@ -83,8 +62,8 @@ def test_the_job_ends_bit_for_bit_as_without_the_deaths(launch, shape, tmp_path,
         assert f"replacement continues from step {starts_at(d, held)}" in err, err
     assert err.count("starting its replacement") == err.count("replaced ") == len(deaths), err
     if "checkpoint_every" in settings:  # the checkpoint a worker died writing is whole, and each is the clean run's
-        clean, died = _checkpoints(tmp_path / "clean"), _checkpoints(tmp_path / "died")
-        assert len(clean) == 3 * (servers + workers) and _equal(clean, died)
+        clean, died = checkpoint_files(tmp_path / "clean"), checkpoint_files(tmp_path / "died")
+        assert len(clean) == 3 * (servers + workers) and same(clean, died)
 
 
 @pytest.mark.timeout(120)

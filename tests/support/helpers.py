@@ -1,12 +1,13 @@
 """What the test files share that is not a fixture: where things are (ROOT, SUPPORT), comparing state dicts,
 running the command line (`run_cli`: every test that runs `gradsync ...` in a subprocess does it through here),
-waiting for a condition, marking a test that needs root, telling whether a process is gone, processes that take
+comparing checkpoint files, waiting for a condition, marking a test that needs root, telling whether a process is gone, processes that take
 turns on one CPU, a self-signed certificate, what a job must not print. Test files import these from here, never
 from one another (tests/conftest.py puts this folder, tests/support/, on sys.path, for the tests and for the ranks
 they spawn; a script a test writes puts SUPPORT on its own sys.path)."""
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import re
 import subprocess
@@ -31,6 +32,29 @@ def max_diff(a: dict, b: dict) -> float:
     """The largest absolute difference between two state dicts with the same keys in the same order."""
     assert list(a) == list(b)
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def checkpoint_files(directory) -> dict:
+    """Every shard and worker file of every step folder of a checkpoint directory, loaded, by (folder, file); but
+    Python's `random` state, which every process seeds anew (the test scripts draw none of it)."""
+    from gradsync.ps import shard_file
+
+    return {(os.path.basename(os.path.dirname(p)), os.path.basename(p)):
+            {k: v for k, v in shard_file.load(p).items() if k != "python_rng"}
+            for p in sorted(glob.glob(os.path.join(directory, "step-*", "*.ckpt")))}
+
+
+def same(a, b) -> bool:
+    """Whether two loaded checkpoints (nested dicts, lists and tensors) are equal bit for bit, dtypes too."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 REFUSED_SCRIPT = os.path.join(SUPPORT, "compare_script.py")

@@ -21,15 +21,16 @@ from jobs import batch, make_mlp
 from replaced import _Net
 from sparse_models import ClickNet, click_batch
 
-POINTS = ("pushed", "closed", "held", "stop")
+POINTS = ("pushed", "closed", "held", "checkpoint", "stop")
 
 
 class ServerDeath(NamedTuple):
     """Server `server`'s process dies (SIGKILL) in step `step` (counted from 0, the steps its shard closed): as
     worker 1's push of it arrives ('pushed': the step not applied), once the step is applied and its replica holds
     it, before any worker is answered ('closed'), or as the first word on the held step arrives ('held': clipping,
-    its partials answered, nothing applied); or it stops ('stop': SIGSTOP as worker 1's push arrives), silent
-    until the launcher kills it. With `after` ('pushed' and 'stop'), not before the replacement of that server
+    its partials answered, nothing applied), or once it has written its shard's file of the checkpoint after the
+    step, before it answers ('checkpoint'); or it stops ('stop': SIGSTOP as worker 1's push arrives), silent until
+    the launcher kills it. With `after` ('pushed' and 'stop'), not before the replacement of that server
     keeps its replicas.
     """
 
@@ -85,6 +86,16 @@ def _arm(server: int, step: int, point: str, after: int | None) -> None:
             return finish(self, *args, **kwargs)
 
         ParameterServer.finish = dying_finish
+    elif point == "checkpoint":
+        checkpoint = ParameterServer.checkpoint
+
+        def dying_checkpoint(self, *args, **kwargs):
+            written = checkpoint(self, *args, **kwargs)
+            if self.shard_id == server and self.shard.closed == step + 1:
+                _die()
+            return written
+
+        ParameterServer.checkpoint = dying_checkpoint
 
 
 def train(deaths: tuple[ServerDeath, ...], steps: int, clip: float | None = None) -> tuple[dict, dict]:
