@@ -186,8 +186,9 @@ def _absent_text(config: JobConfig, ranks: list[RankProcess]) -> str:
     return text + ": is the script stuck before gradsync.init(), or does it skip it on some ranks?"
 
 
-def _quit_text(config: JobConfig, rank: RankProcess) -> str:
-    """Why worker `rank` stopped the job: it exited without gradsync.shutdown() while the others trained."""
+def _quit_text(config: JobConfig, rank: RankProcess, seen: bool = False) -> str:
+    """Why worker `rank` stopped the job: it exited without gradsync.shutdown() while the others trained (`seen`:
+    the launcher saw it exit, before anyone failed waiting for it)."""
     code = rank.exitcode()
     how = (
         "its process hangs in torch's teardown"
@@ -196,9 +197,10 @@ def _quit_text(config: JobConfig, rank: RankProcess) -> str:
         if code >= 0
         else f"then torch's teardown ended it with {signal.Signals(-code).name}"
     )
-    said = (
-        f"rank {rank.rank} ({config.role(rank.rank)}) exited ({how}) without gradsync.shutdown() while the "
-        "others were training, so they failed waiting for it: "
+    said = f"rank {rank.rank} ({config.role(rank.rank)}) exited ({how}) without gradsync.shutdown()" + (
+        ", so the job cannot end (the servers wait for it to leave): "
+        if seen
+        else " while the others were training, so they failed waiting for it: "
     )
     if code is not None and code > 0:  # the script caught its own error and exited (hydra's main does)
         return said + (
@@ -344,6 +346,7 @@ def supervise(
     restarts = Restarts(config, store, run_dir, replace) if config.replaces_workers and replace is not None else None
     losses = ServerLoss(config, store, replace) if config.replicated else None
     next_read = 0.0
+    exited: set[int] = set()  # worker ranks seen exiting 0 (`_quitter_seen`)
     reported: list[int] | None = None  # where each worker's main thread was at the last stall report
     try:
         while True:
@@ -378,6 +381,8 @@ def supervise(
             if failed:
                 failure = _root_cause(config, ranks, watch, store, run_dir, departed)
                 raise failure if restarts is None else restarts.spent(failure)
+            if quitter := _quitter_seen(config, ranks, codes, watch, store, exited):
+                raise JobFailed(_quit_text(config, quitter, seen=True), quitter.rank)
             absent = _absent(config, ranks, watch, departed)
             if any(r.exitcode() is None for r in absent):
                 raise JobFailed(_absent_text(config, absent) + _stacks_text(config, ranks, run_dir), absent[0].rank)
@@ -425,6 +430,20 @@ def supervise(
             flush=True,
         )
         raise
+
+
+def _quitter_seen(
+    config: JobConfig, ranks: list[RankProcess], codes: list, watch: Watch, store: dist.Store, exited: set[int]
+) -> RankProcess | None:
+    """A worker of a sync job with servers seen exiting 0 without gradsync.shutdown() since the last look (the
+    servers wait for every worker's leave, so the job fails now, not once their wait times out); None when none. A
+    worker that left wrote so before it exited, which a read of the store after its exit sees."""
+    new = {r for r in range(config.servers, len(codes)) if codes[r] == 0} - exited
+    if config.elastic or not config.servers or not new:
+        return None
+    exited |= new
+    watch.read(store)
+    return next((q for q in _quitters(config, ranks, watch, store) if q.rank in new), None)
 
 
 def _replaced_silent(ranks: list[RankProcess], rank: int, seconds: float, restarts: Restarts, watch: Watch) -> bool:

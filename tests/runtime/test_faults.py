@@ -21,7 +21,7 @@ from gradsync.config import JobConfig
 from gradsync.launcher import procfs
 from gradsync.launcher.local_job import host_store, temporary_run_dir
 from gradsync.membership.heartbeat import Heartbeat
-from helpers import CLI, SUPPORT, gone as _gone, run_cli, run_failing_script
+from helpers import CLI, HEADLINE, SUPPORT, gone as _gone, run_cli, run_failing_script
 
 STEP_TIMEOUT = 4.0
 SLACK = 8.0  # heartbeat period, the launcher's poll, killing the ranks, on a loaded 2-core machine
@@ -161,8 +161,31 @@ def test_a_worker_that_exits_without_shutdown_is_the_headline_not_the_healthy_on
                                           str(STEP_TIMEOUT), "--transport", transport)
     # how the leaving process ends is torch's teardown's choice: exit 0, SIGABRT, or a hang until it is killed
     assert re.match(rf"gradsync: rank {servers + 1} \(worker1\) exited \((code 0|then torch's teardown ended it with "
-                    r"SIGABRT|its process hangs in torch's teardown)\) without gradsync.shutdown\(\) while the others "
-                    "were training", headline), stderr
+                    r"SIGABRT|its process hangs in torch's teardown)\) without gradsync.shutdown\(\)( while the "
+                    r"others were training|, so the job cannot end)", headline), stderr
+
+
+@pytest.mark.job
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["sync", "ssp"])
+def test_a_ps_script_that_ends_without_shutdown_fails_at_once_not_after_the_step_timeout(mode, tmp_path):
+    """Every worker trains to the end and exits without gradsync.shutdown(): the first seen is named as soon as it
+    has exited, long before step_timeout (60 s) would end the servers' wait for it to leave; in an elastic job (ssp)
+    it is a departure, and the last one's ends the job."""
+    script = tmp_path / "job.py"
+    script.write_text(f"import sys; sys.path.insert(0, {SUPPORT!r})\nimport gradsync, fault_injection\n"
+                      "gradsync.init()\nfault_injection.train_with_fault(fault_injection.Fault(-1, -1, 'none'), 3)\n")
+    done = run_cli("run", "--strategy", "ps", "--mode", mode, "--workers", "2", "--step-timeout", "60", str(script),
+                   timeout=40)
+    assert done.returncode == 1, done.stderr
+    if mode == "ssp":
+        assert "every worker left the job, so it cannot finish: worker" in done.stderr, done.stderr
+        assert "exited without calling gradsync.shutdown()" in done.stderr, done.stderr
+        return
+    assert re.search(r"gradsync: rank [12] \(worker[01]\) exited \(code 0\) without gradsync.shutdown\(\), so the job "
+                     r"cannot end \(the servers wait for it to leave\): every worker must call gradsync.shutdown\(\)",
+                     done.stderr), done.stderr
+    assert len(HEADLINE.findall(done.stderr)) == 1, done.stderr
 
 
 @pytest.mark.job
