@@ -1,4 +1,4 @@
-"""Replacing a sync ps job's dead workers (worker_loss wait), as its launcher sees them; and a job whose server
+"""Replacing a ps job's dead workers (worker_loss wait), as its launcher sees them; and a job whose server
 died run again from its checkpoint (`job_restart`, with max_restarts).
 
 `supervision.supervise` asks `Restarts.take` about each worker that died (killed, exited non-zero, or silent past
@@ -73,6 +73,14 @@ def job_restart(config: JobConfig, failure: JobFailed, restarts: int) -> JobConf
     return dataclasses.replace(config, resume=config.checkpoint_dir, start_over=False)
 
 
+_meanwhile = {
+    "sync": "the step in flight waits for it",
+    "ssp": "the others go on within the staleness bound",
+    "async": "the others go on",
+}
+"""What the job does while a dead worker's replacement starts, by mode."""
+
+
 def replacement_environment(number: int) -> dict[str, str]:
     """The variables that make a worker's process its `number`-th replacement."""
     return {REPLACEMENT.env: str(number), RESTART_COUNT.env: str(number)}
@@ -107,8 +115,7 @@ class Restarts:
         self.coming[rank] = (number, time.monotonic(), how)
         print(
             f"gradsync: {config.role(rank)} (rank {rank}) {how}, {time.monotonic() - self.began:.1f} s into the "
-            f"job; starting its replacement (restart {number} of {config.max_restarts}): the step in flight waits "
-            "for it",
+            f"job; starting its replacement (restart {number} of {config.max_restarts}): {_meanwhile[config.mode]}",
             file=sys.stderr,
             flush=True,
         )

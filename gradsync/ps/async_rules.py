@@ -3,7 +3,9 @@
 `AsyncRule` applies each worker's gradient as it arrives and tracks staleness, and ends a step of the
 server's dynamic tables after each push it applies (`ps.dynamic_shard`, `alone`);
 `SSPRule` does too (scaled by 1/W) but holds a worker's reply while it is more
-than `staleness` steps ahead of the slowest worker.
+than `staleness` steps ahead of the slowest worker. With worker_loss wait, a dead worker's replacement goes on
+after the pushes of it each server applied (`worker_restarted`); under ssp its clock stays, so the others wait
+for it as for the dead one.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ class AsyncRule(ConsistencyRule):
     """Apply each worker's gradient as it arrives, under the shard lock."""
 
     scale = 1.0  # of each push's gradients
+
+    def __init__(self, shard: ShardState, num_workers: int, nonfinite: str):
+        super().__init__(shard, num_workers, nonfinite)
+        self.taken: dict[int, int] = {}  # pushes applied per worker since the shard was built
 
     def _refused(self, worker: int, push: Push) -> torch.futures.Future | None:
         """A push that asks to be held for a joint norm: a worker clips its own push."""
@@ -72,7 +78,17 @@ class AsyncRule(ConsistencyRule):
         for table in shard.tables.values():  # a dynamic table's own step per push applied (`ps.dynamic_shard`)
             table.pushed_alone()
         shard.stats.pushes_by_worker[worker] = shard.stats.pushes_by_worker.get(worker, 0) + 1
+        self.taken[worker] = self.taken.get(worker, 0) + 1
         return resolved(Committed(shard.version)), []
+
+    def worker_restarted(self, worker: int) -> tuple[int, None, None, None, list[dict]]:
+        """`worker` died and its replacement takes its place (worker_loss wait): it goes on after the pushes of
+        it applied here, from the current values. Returns `Rejoined`'s closed, begun, before, partial and
+        options."""
+        shard = self.shard
+        with shard.lock:
+            shard.stats.workers_replaced[worker] = shard.stats.workers_replaced.get(worker, 0) + 1
+            return self.taken.get(worker, 0), None, None, None, []
 
     def worker_left(self, worker: int, steps: int | None) -> None:
         """Nothing to do: an async step needs no other worker."""

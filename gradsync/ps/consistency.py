@@ -14,6 +14,7 @@ and the worker searched for.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 import torch
 
@@ -69,6 +70,11 @@ class ConsistencyRule(ABC):
     @abstractmethod
     def worker_joined(self, worker: int) -> None:
         """`worker` ran out of data this round (`trainer.join()`)."""
+
+    @abstractmethod
+    def worker_restarted(self, worker: int) -> tuple[int, Any, Any, Any, list[dict]]:
+        """`worker` died and its replacement takes its place (worker_loss wait): `Rejoined`'s closed, begun,
+        before, partial and options."""
 
 
 def answer(answers: list[tuple]) -> None:

@@ -78,7 +78,8 @@ class ParameterServer:
         self._layout: Setup | None = None  # replicas: its setup without values, for a replica built anew (`copy_for`)
         self._replays: Replays | None = None  # a replica's: the records it takes, replayed in order
         self.replaces_workers = worker_loss == "wait"  # a dead worker's replacement may rejoin (`rejoin`)
-        self._replay = LookupReplay() if self.replaces_workers else None  # its dynamic tables' lookups again
+        # its dynamic tables' lookups of a sync step again
+        self._replay = LookupReplay() if self.replaces_workers and mode == "sync" else None
         self.worker_loss = worker_loss
         self.resume_from = resume_from  # (checkpoint folder, the number of servers that wrote it, its full base)
         self._last_full: str | None = None  # the folder of the last full checkpoint written (deltas go onto it)
@@ -166,8 +167,9 @@ class ParameterServer:
         return fut
 
     def rejoin(self, worker: int, spec: ModelSpec) -> Rejoined:
-        """The replacement of `worker`, which died in this sync job (worker_loss wait), with the model `spec`: what
-        the dead process sent of the step in flight is forgotten (`SyncRule.worker_restarted`).
+        """The replacement of `worker`, which died in this job (worker_loss wait), with the model `spec`: what the
+        dead process sent of the step in flight is forgotten (`SyncRule.worker_restarted`); under async and ssp,
+        the pieces of a push it did not finish (`AsyncRule.worker_restarted`).
 
         Raises:
             Refusal: this job replaces no worker, `worker` is none of its workers, or `spec` differs from worker
@@ -175,9 +177,9 @@ class ParameterServer:
         """
         with self._lock:
             rule, reference = self.rule, self._reference
-            if not self.replaces_workers or not isinstance(rule, SyncRule) or worker not in self._registrations:
+            if not self.replaces_workers or rule is None or worker not in self._registrations:
                 raise Refusal(
-                    f"worker {worker} cannot rejoin server {self.shard_id}: it rejoins a sync job with worker_loss "
+                    f"worker {worker} cannot rejoin server {self.shard_id}: it rejoins a job with worker_loss "
                     f"'wait' as one of its {self.num_workers} workers, once every worker has registered"
                 )
             assert reference is not None  # set with the rule
@@ -187,6 +189,8 @@ class ParameterServer:
         with shard.lock:
             if self._replay is not None:
                 self._replay.restarted(worker)
+        if self.staging is not None and self.mode != "sync":  # the pieces of a push the dead process did not finish
+            self.staging.forget(worker)
         return Rejoined(shard.frozen, *rule.worker_restarted(worker))
 
     def _build(self, s: Setup) -> ShardState:
@@ -199,7 +203,7 @@ class ParameterServer:
         if any(t.answers_calls for t in tables.values()):
             malloc.fix_mmap_threshold()  # its RSS follows the rows it holds (core/malloc.py)
         shard = ShardState(self.shard_id, s.buckets, s.params, s.buffers, s.optimizer, self.device, s.frozen, tables)
-        shard.keep_before = self.replaces_workers
+        shard.keep_before = self.replaces_workers and self.mode == "sync"
         if self.resume_from is not None:
             try:
                 reshard.restore_folder(shard, *self.resume_from)

@@ -70,10 +70,12 @@ class Staging:
             self._drop(worker)
 
     def forget(self, worker: int) -> None:
-        """`worker` left the job: drop what it left here (a push it had not completed is never applied)."""
+        """`worker` left the job, or died and its replacement comes: drop what it left here (a push it had not
+        completed is never applied) and its pieces' numbers (the replacement numbers its own)."""
         with self._lock:
             self._drop(worker)
             self._heads.pop(worker, None)
+            self._numbers.forget(worker)
 
     def _drop(self, worker: int) -> None:
         """Drop every piece `worker` left here. Call with the lock held."""

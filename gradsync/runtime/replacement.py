@@ -1,4 +1,4 @@
-"""Replacing a dead worker of a sync ps job (worker_loss wait): what each worker leaves for a replacement, and
+"""Replacing a dead worker of a ps job (worker_loss wait): what each worker leaves for a replacement, and
 what a replacement takes.
 
 Each worker of such a job records, as each `trainer.step` begins, the step and its RNG states in the rendezvous

@@ -8,7 +8,7 @@ import torch
 
 import gradsync
 from helpers import SUPPORT, checkpoint_files, run_cli, same
-from replaced import (Death, reference, starts_at, train, train_clicks, train_dropping, train_dynamic_tables,
+from replaced import (Death, reference, starts_at, train, train_async, train_clicks, train_dropping, train_dynamic_tables,
                       train_joining, train_killing_a_server, train_real_loop)
 
 pytestmark = pytest.mark.job
@@ -64,6 +64,27 @@ def test_the_job_ends_bit_for_bit_as_without_the_deaths(launch, shape, tmp_path,
     if "checkpoint_every" in settings:  # the checkpoint a worker died writing is whole, and each is the clean run's
         clean, died = checkpoint_files(tmp_path / "clean"), checkpoint_files(tmp_path / "died")
         assert len(clean) == 3 * (servers + workers) and same(clean, died)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_async_and_ssp_replacements_go_on_after_the_pushes_the_servers_applied(launch, mode, capfd):
+    """A dead worker's replacement takes its rank, not a departure: it goes on after the pushes of it the servers
+    applied, so each server applies exactly one push of it per step (also where it died with its push applied on
+    both servers, or on one of two: `one server`); under ssp the others wait for it within the staleness bound."""
+    deaths = (Death(1, 2, "forward"), Death(1, 4, "one server"), Death(1, 6, "pushed"))
+    done = launch(train_async, strategy="ps", mode=mode, workers=2, servers=2, timeout=150, args=(deaths, 10),
+                  worker_loss="wait", max_restarts=3,
+                  **(dict(staleness=1) if mode == "ssp" else {}))
+    (start0, restarts0, _), (start, restarts, pushed) = done
+    assert (start0, restarts0, start, restarts) == (0, 0, 7, 3)
+    assert {s: p for s, (p, _) in pushed.items()} == {0: 10, 1: 10}, pushed
+    if mode == "ssp":
+        assert all(lead <= 1 for _, lead in pushed.values()), pushed
+    err = capfd.readouterr().err
+    going_on = "the others go on within the staleness bound" if mode == "ssp" else "the others go on"
+    assert err.count(f"starting its replacement (restart") == 3 and f": {going_on}" in err, err
+    assert [f"continues from step {s}" in err for s in (2, 4, 7)] == [True] * 3 and "left the job" not in err, err
 
 
 @pytest.mark.timeout(120)

@@ -132,6 +132,26 @@ def train(deaths: tuple[Death, ...], steps: int, clip: float | None = None, micr
     return trainer.start_step, gradsync.restart_count(), state, replaced
 
 
+def train_async(deaths: tuple[Death, ...], steps: int) -> tuple[int, int, dict]:
+    """`train`'s MLP, AdamW and deaths in an async or ssp job. Returns (start step, restart count, each server's
+    pushes of this worker and largest lead of a worker over the slowest)."""
+    me = gradsync.worker_rank()
+    model = make_mlp()
+    model.insert(1, torch.nn.Dropout(0.1))
+    trainer = gradsync.Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+    step = [trainer.start_step]
+    _arm_mine(deaths, model[2], step)
+    for step[0] in range(trainer.start_step, steps):
+        x, y = batch(step[0], me)
+        with dist_autograd.context() as cid:
+            dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
+            trainer.step(cid)
+    stats = trainer.server_stats()
+    return trainer.start_step, gradsync.restart_count(), {
+        s: (st["pushes_by_worker"].get(me, st["pushes_by_worker"].get(str(me))), st["max_lead"])
+        for s, st in stats.items()}
+
+
 class _Net(torch.nn.Module):
     """A model as real loops have them: a frozen stem, BatchNorm (running statistics: buffers the servers
     average), a layer used only on even steps, and a head."""

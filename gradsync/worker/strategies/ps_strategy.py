@@ -266,10 +266,13 @@ class PSStrategy(OnServers, Strategy):
     def _rejoin(self) -> tuple[dict[str, torch.Tensor], dict[int, Snapshot]]:
         """A replacement rejoins the servers (`ParameterServer.rejoin`): the frozen parameters, and what its first
         forward runs on, each server's values as the step in flight began (a server that closed that step before
-        the replacement came answers with the values it had before, and takes no part of it again: `_late`)."""
+        the replacement came answers with the values it had before, and takes no part of it again: `_late`).
+        Under async and ssp, it goes on from the current values, after the fewest pushes of it a server applied: a
+        server that applied one more takes no part of its first step."""
         answers = self.transport.rejoin(self.spec)
         first = min(a.closed for a in answers.values())
-        if any(a.closed > first + 1 or (a.closed > first and a.before is None) for a in answers.values()):
+        sync = self.config.mode == "sync"  # async, ssp: each server's pushes of it, from the current values
+        if any(a.closed > first + 1 or (sync and a.closed > first and a.before is None) for a in answers.values()):
             raise RuntimeError(
                 f"worker {self.worker}'s replacement found the servers at different steps "
                 f"({ {s: a.closed for s, a in answers.items()} } closed), more than the one step a worker's death "
@@ -279,9 +282,10 @@ class PSStrategy(OnServers, Strategy):
         # the options the servers held as the step began: what its push changes (`_changed_options`)
         self._rejoined_options = next((a.options for a in answers.values() if a.closed == first and a.options), [])
         self._rejoining = True
-        self.rows.take_before(frozenset(self._late))
+        self.rows.take_before(frozenset(self._late) if sync else None)
         current = self.transport.pull()
-        values = {s: cast(Snapshot, a.before) if s in self._late else a.begun or current[s] for s, a in answers.items()}
+        before = self._late if sync else {}
+        values = {s: cast(Snapshot, a.before) if s in before else a.begun or current[s] for s, a in answers.items()}
         self.rejoined_at = first
         return {n: t for a in answers.values() for n, t in a.frozen.items()}, values
 
