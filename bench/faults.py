@@ -3,7 +3,8 @@ the dead worker's place, forked or started as a new process), `--worker-loss dro
 and `fail` with `--resume` from the last checkpoint (`--checkpoint-every`, 16), beside torchft DDP (its outside
 baseline: run with `--torchft-python`, the python of the venv bench/requirements-torchft.txt builds); a server's
 death (S = 2) with `--replicas 1` (its replica serves its shard) and without (the whole job again from its
-checkpoint); and what each policy costs a step without a death, and replicas at W = 4, S = 2.
+checkpoint); an async job's worker death, the worker departing (as async jobs do without `wait`) or replaced
+(`--worker-loss wait`); and what each policy costs a step without a death, and replicas at W = 4, S = 2.
 
 The workload (bench/faults_job.py, bench/faults_torchft.py): a 1,055,242-parameter MLP with AdamW, W = 2 (ps: one
 server), each worker's seeded batch of 64 per step, `--compute-s` of emulated compute before each step's forward
@@ -53,6 +54,10 @@ GRADSYNC = {  # configuration: (the death's point or None, gradsync run options,
                                              "ps, no death"),
     "ps drop, death mid-step": ("backward", ["--worker-loss", "drop"], "fork", "ps, no death"),
     "ps fail, then --resume": ("backward", ["--worker-loss", "fail"], "fork", "ps, no death"),
+    "ps async, no death": (None, ["--mode", "async"], "fork", None),
+    "ps async, death mid-step, the worker departs": ("backward", ["--mode", "async"], "fork", "ps async, no death"),
+    "ps async wait, death mid-step": ("backward", ["--mode", "async", "--worker-loss", "wait", "--max-restarts", "1"],
+                                      "fork", "ps async, no death"),
     "ps S=2, no death": (None, ["--servers", "2"], "fork", None),
     "ps S=2 replicas 1, no death": (None, REPLICAS, "fork", None),
     "ps S=2 replicas 1, server death mid-step": ("backward", REPLICAS, "fork", "ps S=2 replicas 1, no death"),
