@@ -146,6 +146,25 @@ def changed_options(groups: list[dict], sent: list[dict]) -> dict[int, dict]:
     return out
 
 
+class SentOptions:
+    """The optimizer groups' options as the servers last heard them (a worker sends only what changed)."""
+
+    def __init__(self, sent: list[dict]):
+        self.sent = sent
+
+    @classmethod
+    def of(cls, groups: list[dict]) -> SentOptions:
+        """Those of `groups` (param_groups), as the servers hold them."""
+        return cls([group_options(g) for g in groups])
+
+    def take(self, groups: list[dict]) -> dict[int, dict]:
+        """The `changed_options` of `groups` since the servers last heard them, which they hear now."""
+        changes = changed_options(groups, self.sent)
+        if changes:
+            self.sent = [group_options(g) for g in groups]
+        return changes
+
+
 def same_value(a, b) -> bool:
     """Whether two option values are equal (tensors by value)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):

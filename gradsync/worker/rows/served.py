@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from gradsync.core.clipping import Clipping
-from gradsync.core.optimizer_spec import changed_options, group_options
+from gradsync.core.optimizer_spec import SentOptions
 from gradsync.metrics.step_metrics import StepMetrics
 from gradsync.ps.messages import Agreement, DynamicSetup, Partial, Push, RowGrads, Snapshot, TableSetup
 from gradsync.tables.placement import TableModule
@@ -94,7 +94,7 @@ class ServedRows(FixedAndDynamic):
         if self.dynamic.modules:
             attached.hook(module, module.register_forward_hook(self.dynamic.forward_ended))
         self.transport, self.metrics, self.optimizer = transport, metrics, optimizer
-        self._sent = [group_options(g) for g in optimizer.param_groups]  # the options the servers hold
+        self._sent = SentOptions.of(optimizer.param_groups)
         self._versions: dict[int, int] | None = {s: 0 for s in self.servers}  # for this layout's next push
         self.loads = 0  # the module loads sent to the servers (`commit_load`)
         self._rejoining = False  # a dead worker's replacement, before its first step (`take_before`)
@@ -137,9 +137,7 @@ class ServedRows(FixedAndDynamic):
         return replies
 
     def _push(self, rows: dict[int, dict[str, RowGrads]], agree: Agreement | None = None) -> dict:
-        changes = changed_options(self.optimizer.param_groups, self._sent)
-        if changes:
-            self._sent = [group_options(g) for g in self.optimizer.param_groups]
+        changes = self._sent.take(self.optimizer.param_groups)
         if self._versions is None:  # after a resume or a join: the versions the servers are at
             self._versions = {s: snap.version for s, snap in self.transport.pull().items()}
         pushes = {s: Push([], [], {}, rows[s], changes, agree) for s in self.servers}

@@ -48,7 +48,7 @@ from gradsync.core.buckets import (
 from gradsync.core.clipping import Clipping
 from gradsync.core.errors import no_gradients_error, step_twice_error
 from gradsync.core.finite import first_nonfinite
-from gradsync.core.optimizer_spec import OptimizerSpec, changed_options, group_options
+from gradsync.core.optimizer_spec import OptimizerSpec, SentOptions, group_options
 from gradsync.core.torch_internals import current_context_id
 from gradsync.membership.uneven_data import Joiner
 from gradsync.metrics.step_metrics import StepMetrics
@@ -232,9 +232,9 @@ class PSStrategy(OnServers, Strategy):
         serve_state(optimizer, served)
         self.optimizer = optimizer  # the user's own, answering with the servers' state
         self.steps = StepGuard(optimizer, lambda closure=None: None)  # the servers applied the step
-        self._sent = [group_options(g) for g in optimizer.param_groups]  # the options the servers hold
+        self._sent = SentOptions.of(optimizer.param_groups)
         if self.replaced and self._rejoined_options:
-            self._sent = self._rejoined_options
+            self._sent = SentOptions(self._rejoined_options)
         self._last: tuple[int, _Pulled] | None = None
         self._stepped: int | None = None
         self.grad_norm: float | None = None
@@ -279,7 +279,7 @@ class PSStrategy(OnServers, Strategy):
                 "can leave between them"
             )
         self._late = {s: a for s, a in answers.items() if a.closed > first}
-        # the options the servers held as the step began: what its push changes (`_changed_options`)
+        # the options the servers held as the step began: what its push changes (`SentOptions`)
         self._rejoined_options = next((a.options for a in answers.values() if a.closed == first and a.options), [])
         self._rejoining = True
         self.rows.take_before(frozenset(self._late) if sync else None)
@@ -379,9 +379,9 @@ class PSStrategy(OnServers, Strategy):
         pulled = self._pulled_for(context_id)
         start = time.perf_counter()
         stream, streamed = self._take_stream(context_id)
-        grads, rows = self._gradients(context_id, pulled, scaler)
-        self._last, self._stepped = None, context_id
         unscale = inverse_scale(scaler)
+        grads, rows = self._gradients(context_id, pulled, scaler, unscale)
+        self._last, self._stepped = None, context_id
         agree = self._agreement(scaler)
         if agree is None and self._dropped_here(grads, rows, scaler):
             self.metrics.committed(start, 0, 0)
@@ -391,7 +391,7 @@ class PSStrategy(OnServers, Strategy):
         out = _Outgoing(
             *self._pack(grads, streamed),
             rows=rows,
-            changes=self._changed_options(),
+            changes=self._sent.take(self.optimizer.param_groups),
             buffers={s: {n: pulled.tensors[n].detach() for n in pulled.buffer_names[s]} for s in self.servers},
         )
         sizes = self._sizes(out)
@@ -429,13 +429,15 @@ class PSStrategy(OnServers, Strategy):
         stream, self._stream = self._stream[1], None
         return stream, stream.close()
 
-    def _gradients(self, context_id: int, pulled: _Pulled, scaler) -> tuple[dict[str, torch.Tensor], dict]:
-        """The context's dense gradients by parameter name, and its tables' row gradients by server, unscaled by
-        `scaler` (a GradScaler)."""
+    def _gradients(
+        self, context_id: int, pulled: _Pulled, scaler, unscale: float
+    ) -> tuple[dict[str, torch.Tensor], dict]:
+        """The context's dense gradients by parameter name, times `unscale` (1 / `scaler`'s scale), and its tables'
+        row gradients by server, unscaled by `scaler` (a GradScaler)."""
         by_leaf = dist_autograd.get_gradients(context_id)
         grads = {n: dense(by_leaf[leaf]) for n, leaf in pulled.leaves.items() if leaf in by_leaf}
         rows = self.rows.gradients(context_id, by_leaf, scaler).pushes
-        if (unscale := inverse_scale(scaler)) != 1.0:
+        if unscale != 1.0:
             grads = {n: g * unscale for n, g in grads.items()}
         if not grads and not any(rows.values()):
             raise no_gradients_error(context_id)
@@ -487,13 +489,6 @@ class PSStrategy(OnServers, Strategy):
         }
         sizes.update({(s, HEAD): head_bytes(out.buffers[s], out.rows.get(s, {})) for s in self.servers})
         return sizes
-
-    def _changed_options(self) -> dict:
-        """The optimizer groups' options changed since the servers last heard them (an LR schedule's lr)."""
-        changes = changed_options(self.optimizer.param_groups, self._sent)
-        if changes:
-            self._sent = [group_options(g) for g in self.optimizer.param_groups]
-        return changes
 
     def _send_pipelined(
         self,
