@@ -86,6 +86,16 @@ def replacement_environment(number: int) -> dict[str, str]:
     return {REPLACEMENT.env: str(number), RESTART_COUNT.env: str(number)}
 
 
+def say_replaced(config: JobConfig, rank: int, died: float, then: str) -> None:
+    """The launcher's line that the replacement of `rank`, which died at `died` (time.monotonic()), has taken its
+    place, and what it does (`then`)."""
+    print(
+        f"gradsync: {config.role(rank)} (rank {rank}) replaced {time.monotonic() - died:.1f} s after it died; {then}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def death(code: int) -> str:
     """How a rank's process ended, from its exit status (negative: the signal that ended it)."""
     return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
@@ -158,12 +168,7 @@ class Restarts:
         if step is None:
             return False
         del self.coming[rank]
-        print(
-            f"gradsync: {self.config.role(rank)} (rank {rank}) replaced {time.monotonic() - died:.1f} s after it "
-            f"died; the replacement continues from step {step}",
-            file=sys.stderr,
-            flush=True,
-        )
+        say_replaced(self.config, rank, died, f"the replacement continues from step {step}")
         return True
 
     def _forget(self, rank: int) -> None:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from gradsync.config import JobConfig
 from gradsync.core.errors import JobFailed
 from gradsync.core.job_names import server_name
+from gradsync.launcher.restarts import say_replaced
 from gradsync.membership import lost_servers
 from gradsync.membership.heartbeat import Watch
 
@@ -112,9 +113,4 @@ class ServerLoss:
             for s in kept:
                 self.replica[s] = rank
             del self.coming[rank]
-            print(
-                f"gradsync: {self.config.role(rank)} (rank {rank}) replaced {time.monotonic() - died:.1f} s after it "
-                f"died; it keeps the replicas of shards {', '.join(map(str, kept))} again",
-                file=sys.stderr,
-                flush=True,
-            )
+            say_replaced(self.config, rank, died, f"it keeps the replicas of shards {', '.join(map(str, kept))} again")
