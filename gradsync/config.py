@@ -248,10 +248,11 @@ class JobConfig(Faults, Checkpointing, Timeouts, Training, Placement):  # fields
                 "replicas=1 with pipeline='on': a replicated shard takes each step whole, so that a step is "
                 "answered only once both copies hold it; pass --pipeline auto (or off), or --replicas 0"
             )
-        if self.worker_loss != "fail":
+        if self.worker_loss == "drop":
             return (
-                f"replicas=1 with worker_loss={self.worker_loss!r}: servers that keep each other's shards do not "
-                "yet take a worker's death as well; pass --worker-loss fail, or --replicas 0"
+                "replicas=1 with worker_loss='drop': servers that keep each other's shards do not yet go on "
+                "without a dead worker; pass --worker-loss wait (a replacement takes its place) or fail, or "
+                "--replicas 0"
             )
         return None
 

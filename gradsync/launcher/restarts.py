@@ -27,6 +27,7 @@ from gradsync.config import ConfigError, JobConfig
 from gradsync.core.errors import JobFailed
 from gradsync.core.job_names import StoreKeys
 from gradsync.core.settings import REPLACEMENT, RESTART_COUNT
+from gradsync.membership import lost_servers
 from gradsync.membership.heartbeat import Watch
 from gradsync.membership.member_keys import workers_in_order
 from gradsync.membership.rank_reports import error_file
@@ -118,6 +119,10 @@ class Restarts:
             return False
         self._say_rejoined(rank)  # a replacement that rejoined and died again between two looks: said first
         config, number = self.config, self.counts.get(rank, 0) + 1
+        if config.replicated:  # it stays listed in the RPC group, where joining processes take it off
+            lost_servers.record_dead(
+                self.store, dataclasses.replace(config, rank=rank, replacement=number - 1).rpc_identity[0]
+            )
         self._forget(rank)
         ranks[rank] = self.start(rank, number)
         watch.forget(rank)

@@ -45,13 +45,14 @@ def record_replica(store: dist.Store, shard: int, name: str | None) -> None:
 
 
 def record_dead(store: dist.Store, name: str) -> None:
-    """The server process of RPC name `name` died; record where its shards went first."""
+    """The process of RPC name `name` died: a server's (record where its shards went first), or in a job with
+    replicas a worker's (a joining process takes it off torch's list of members: `transport.rpc_group`)."""
     store.set(StoreKeys.SERVER_DEAD.format(name), "1")
 
 
 def dead(store: dist.Store, name: str, timeout: float = 0.0) -> bool:
-    """Whether the server process of RPC name `name` died, waiting up to `timeout` seconds for its launcher's
-    word."""
+    """Whether the process of RPC name `name` (`record_dead`) died, waiting up to `timeout` seconds for its
+    launcher's word."""
     key = StoreKeys.SERVER_DEAD.format(name)
     try:
         if timeout > 0:

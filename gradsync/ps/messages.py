@@ -54,6 +54,9 @@ class Rejoined(NamedTuple):
     options: list[dict]
     """The optimizer groups' options step `closed` began with (a schedule's lr), which the replacement's first
     push changes as every worker's does; [] for a shard without dense parameters."""
+    taken: int | None = None
+    """With replicas: the closed steps of this shard that took this worker's push (`StepJournal.taken`), which
+    the replacement counts as answered (`RpcTransport.done`)."""
 
 
 @dataclasses.dataclass(frozen=True)

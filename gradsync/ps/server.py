@@ -191,7 +191,10 @@ class ParameterServer:
                 self._replay.restarted(worker)
         if self.staging is not None and self.mode != "sync":  # the pieces of a push the dead process did not finish
             self.staging.forget(worker)
-        return Rejoined(shard.frozen, *rule.worker_restarted(worker))
+        rejoined = Rejoined(shard.frozen, *rule.worker_restarted(worker))
+        with shard.lock:
+            journal = shard.journal
+            return rejoined if journal is None else rejoined._replace(taken=journal.taken.get(worker, 0))
 
     def _build(self, s: Setup) -> ShardState:
         """The shard from worker 0's setup, then, when resuming, its state from the checkpoint folder (written
@@ -368,7 +371,8 @@ class ParameterServer:
         """Apply the held sync step at `version` with its gradients times `coefficient`, or skip it (None):
         see `SyncRule.finish`; `done` as `push`'s."""
         self._shard()
-        if (closed := self._closed_for(worker, done)) is not None:
+        waits = isinstance(self.rule, SyncRule) and self.rule.awaits_word(worker, version)  # applied or not
+        if not waits and (closed := self._closed_for(worker, done)) is not None:
             return resolved(dataclasses.replace(closed, partial=None))
         if not isinstance(self.rule, SyncRule):
             return self.rejected(

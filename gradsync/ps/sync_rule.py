@@ -254,6 +254,13 @@ class SyncRule(ConsistencyRule):
                 self._finishing = None
             return resolved(Committed(held.version + (coefficient is not None), ended=held.ended))
 
+    def awaits_word(self, worker: int, version: int) -> bool:
+        """Whether the held step at `version` waits for `worker`'s word: it pushed the step and has not said how to
+        finish it (the step may be applied already, on another worker's word)."""
+        with self.shard.lock:
+            held = self._held or self._finishing
+            return held is not None and held.version == version and worker in set(held.workers) - set(held.finished)
+
     def worker_joined(self, worker: int) -> None:
         """`worker` has no more data this round (it left its `trainer.join()` block): later steps average over
         the others, and a step that waited only for it is applied now. Once every worker has joined, all of

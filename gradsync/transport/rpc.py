@@ -160,7 +160,8 @@ class RpcTransport(WorkerTransport):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.homes = {s: server_name(s) for s in self.servers}  # the RPC name of each shard's server now (`_again`)
+        # the RPC name of each shard's server now (`_again`), where a replacement starts too
+        self.homes = {s: primary(self.store, s) if self.config.replicated else server_name(s) for s in self.servers}
         self.done = dict.fromkeys(self.servers, 0)  # replicas: the steps each shard answered this worker closed
         self._held: dict[int, tuple[int, Push]] = {}  # replicas: each shard's push of the held step (`finish`)
 
@@ -222,7 +223,14 @@ class RpcTransport(WorkerTransport):
         return frozen
 
     def rejoin(self, spec: ModelSpec) -> dict[int, Rejoined]:
-        return self._call(rpc_rejoin, lambda s: (self.worker, spec), "rejoining the job", self.config.startup_timeout)
+        """With replicas, the steps each shard took of this worker count as answered (`ps.replica`)."""
+        answers = self._call(
+            rpc_rejoin, lambda s: (self.worker, spec), "rejoining the job", self.config.startup_timeout
+        )
+        for s, answer in answers.items():
+            if answer.taken is not None:
+                self.done[s] = answer.taken
+        return answers
 
     def pull(self) -> dict[int, Snapshot]:
         return self._call(rpc_pull, lambda s: (), "pull")

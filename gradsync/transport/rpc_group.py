@@ -11,8 +11,9 @@ graceful leave calls every member too. So gradsync runs the group this way:
   a worker calls servers only;
 - one worker at a time joins (a lock in the store, taken over from a holder recorded gone), and takes
   itself off torch's list before it lets the next one in: every worker's join calls the servers only; but in
-  a job whose servers keep replicas (where no worker dies without ending the job), whose dead server's
-  replacement takes the dead one off the list and joins, calling every worker, so that they can reach it;
+  a job whose servers keep replicas, whose dead server's replacement takes the dead one off the list and
+  joins, calling every worker, so that they can reach it (so does a dead worker's replacement there: each
+  takes the dead processes its launcher recorded off the list first);
 - nobody leaves through torch's graceful shutdown: a worker stops its agent once its own calls are
   answered, servers once every worker has left (`leave`), after torch's own leave of the group (which
   marks the agent as shutting down, so that it does not log its closing connections). A server still
@@ -55,7 +56,7 @@ def join(config: JobConfig, store: dist.Store, init: Callable[[], None]) -> None
         if config.replacement:  # a dead server's (replicas 1): the dead one is off torch's list before it joins
             torch_store = _torch_store(store, rpc_init_count())
             with _MembershipLock(store, torch_store, config, config.startup_timeout, "startup_timeout"):
-                _unlist_dead_servers(torch_store, store)
+                _unlist_dead(torch_store, store)
                 init()
         else:
             init()
@@ -73,6 +74,8 @@ def join(config: JobConfig, store: dist.Store, init: Callable[[], None]) -> None
         ) from e
     torch_store = _torch_store(store, rpc_init_count())
     with _MembershipLock(store, torch_store, config, config.startup_timeout, "startup_timeout"):
+        if config.replicated and config.replacement:  # dead workers stay listed: a join would call them
+            _unlist_dead(torch_store, store)
         init()
         if not config.replicated:  # with replicas, a dead server's replacement joins and calls every worker
             _unlist(torch_store, config)
@@ -121,9 +124,9 @@ def _unlist(torch_store: dist.Store, config: JobConfig) -> None:
     torch_store.set(RPC_MEMBER_LIST, listed.replace(entry, "", 1))
 
 
-def _unlist_dead_servers(torch_store: dist.Store, store: dist.Store) -> None:
-    """Take the servers recorded dead (`lost_servers.dead`) off torch's list of group members (hold the
-    `_MembershipLock`): a member's join calls every member listed."""
+def _unlist_dead(torch_store: dist.Store, store: dist.Store) -> None:
+    """Take the processes recorded dead (`lost_servers.dead`: servers, and workers of a job with replicas) off
+    torch's list of group members (hold the `_MembershipLock`): a member's join calls every member listed."""
     entries = [e for e in torch_store.get(RPC_MEMBER_LIST).decode().split(",") if e]
     kept = [e for e in entries if not lost_servers.dead(store, e.rpartition("-")[0])]
     torch_store.set(RPC_MEMBER_LIST, "".join(f"{e}," for e in kept))

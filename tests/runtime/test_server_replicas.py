@@ -6,7 +6,8 @@ import torch
 
 import gradsync
 from helpers import checkpoint_files, same
-from replicated import ServerDeath, train, train_clicks, train_real_loop
+from replaced import Death
+from replicated import ServerDeath, train, train_clicks, train_real_loop, train_with_worker_deaths
 
 pytestmark = pytest.mark.job
 
@@ -97,3 +98,18 @@ def test_replicas_change_nothing_a_job_computes(launch):
             for replicas in (0, 1)]
     for (plain, _), (replicated, _) in zip(*runs):
         assert plain.keys() == replicated.keys() and all(torch.equal(plain[k], replicated[k]) for k in plain)
+
+
+@pytest.mark.timeout(180)
+def test_a_job_with_replicas_and_replaced_workers_survives_both_deaths_bit_for_bit(launch, capfd):
+    """`--worker-loss wait` with replicas: worker 1 dies (its replacement takes its place), then server 1 (its
+    replica serves), then the replacement dies in turn: bit for bit as the same job without the deaths."""
+    settings = dict(strategy="ps", workers=2, servers=2, timeout=150, replicas=1, worker_loss="wait", max_restarts=2)
+    died = launch(train_with_worker_deaths, **settings,
+                  args=((ServerDeath(1, 5, "pushed"),), (Death(1, 2, "backward"), Death(1, 7, "forward")), 10))
+    clean = launch(train_with_worker_deaths, **settings, args=((), (), 10))
+    for w, (state, reference) in enumerate(zip(died, clean)):
+        assert state.keys() == reference.keys() and all(torch.equal(state[k], reference[k]) for k in state), w
+    err = capfd.readouterr().err
+    assert err.count("worker1 (rank 3) was killed by SIGKILL") == 2 and "ps1 (rank 1) was killed by SIGKILL" in err
+    assert "replacement continues from step 2" in err and "replacement continues from step 7" in err, err

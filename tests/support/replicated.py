@@ -147,3 +147,11 @@ def train_real_loop(deaths: tuple[ServerDeath, ...], steps: int) -> tuple[dict, 
             dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x, step), y)])
             trainer.step(cid)
     return trainer.state_dict(), trainer.server_stats()
+
+
+def train_with_worker_deaths(deaths: tuple[ServerDeath, ...], worker_deaths: tuple, steps: int) -> dict:
+    """`replaced.train` (worker deaths, clipping at 0.5) in a job whose servers die as `deaths` say: its final
+    state."""
+    from replaced import train as train_replaced
+
+    return train_replaced(worker_deaths, steps, 0.5)[2]
