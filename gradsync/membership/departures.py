@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from gradsync.config import JobConfig
 from gradsync.core.job_names import StoreKeys
+from gradsync.membership import lost_servers
 from gradsync.membership.member_keys import parse_gone, parse_left, record_gone
 from gradsync.membership.rank_reports import error_file
 
@@ -78,6 +79,8 @@ class Departures:
                 continue
             worker = rank - self.config.servers
             record_gone(self.store, worker, how)
+            if self.config.replicated:  # it stays listed in the RPC group, where joining processes take it off
+                lost_servers.record_dead(self.store, self.config.role(rank))
             self.found[rank] = Departure(worker, rank, how, time.monotonic() - self.start)
             print(f"gradsync: {self.found[rank]}; the job goes on without it", file=sys.stderr, flush=True)
             new = True

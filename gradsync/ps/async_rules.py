@@ -73,12 +73,13 @@ class AsyncRule(ConsistencyRule):
         shard.stats.max_staleness = max(shard.stats.max_staleness, stale)
         shard.stats.staleness_histogram[stale] = shard.stats.staleness_histogram.get(stale, 0) + 1
         row_staleness(shard, rows)
+        shard.stats.pushes_by_worker[worker] = shard.stats.pushes_by_worker.get(worker, 0) + 1  # (a replica's too)
+        self.taken[worker] = self.taken.get(worker, 0) + 1
+        shard.taking((worker,))
         shard.set_options(push.options)
         shard.apply(decoded, skipped_entries(shard, [(checked, push.absent)]), buffers, merged)
         for table in shard.tables.values():  # a dynamic table's own step per push applied (`ps.dynamic_shard`)
             table.pushed_alone()
-        shard.stats.pushes_by_worker[worker] = shard.stats.pushes_by_worker.get(worker, 0) + 1
-        self.taken[worker] = self.taken.get(worker, 0) + 1
         return resolved(Committed(shard.version)), []
 
     def worker_restarted(self, worker: int) -> tuple[int, None, None, None, list[dict]]:

@@ -59,8 +59,8 @@ def test_bad_environment_is_refused_with_the_value_and_the_fix(env, match):
      "worker_loss='drop' is available for ps sync/async/ssp jobs so far, got strategy='allreduce'"),
     (dict(replicas=2), "replicas=2: pass --replicas 1"),
     (dict(replicas=1), "replicas=1 with strategy='ps', mode='sync', transport='rpc', servers=1: a replica of "
-                       "each shard is kept in ps sync jobs over torch RPC with two servers or more so far"),
-    (dict(replicas=1, servers=2, mode="async"), "mode='async'"),
+                       "each shard is kept in ps sync/async jobs over torch RPC with two servers or more so far"),
+    (dict(replicas=1, servers=2, mode="ssp"), "mode='ssp'"),
     (dict(replicas=1, servers=2, transport="grpc"), "transport='grpc'"),
     (dict(replicas=1, servers=2, pipeline="on"), "replicas=1 with pipeline='on'"),
     (dict(replicas=1, servers=2, worker_loss="drop"),

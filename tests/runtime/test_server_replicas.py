@@ -1,6 +1,6 @@
-"""replicas 1: every shard is kept on the next server too, a step is answered once both copies hold it, and when a
-server dies its shard's replica serves it: the job ends bit for bit as without the death, wherever in the step the
-server died."""
+"""replicas 1: every shard is kept on the next server too, a step (async: a push) is answered once both copies hold
+it, and when a server dies its shard's replica serves it: the job ends bit for bit as without the death, wherever in
+the step the server died (async: with one worker, whose pushes come in one order)."""
 import pytest
 import torch
 
@@ -19,6 +19,9 @@ SHAPES = {  # function, servers, workers, its arguments after the death, the dea
         train_clicks, 2, 2, (STEPS,), ServerDeath(0, 3, "closed"), {}),
     "a real loop's model: two groups, an lr schedule, BatchNorm, a frozen layer, an unused branch": (
         train_real_loop, 2, 2, (STEPS,), ServerDeath(1, 3, "closed"), {}),
+    "async, one worker: a push as it arrives": (train, 2, 1, (STEPS,), ServerDeath(1, 3, "pushed"), dict(mode="async")),
+    "async, one worker: a push applied but unanswered": (
+        train, 2, 1, (STEPS,), ServerDeath(0, 4, "closed"), dict(mode="async")),
     "a server stopped until the launcher kills it": (
         train, 2, 2, (STEPS,), ServerDeath(1, 2, "stop"), dict(step_timeout=3.0)),
 }
@@ -113,3 +116,15 @@ def test_a_job_with_replicas_and_replaced_workers_survives_both_deaths_bit_for_b
     err = capfd.readouterr().err
     assert err.count("worker1 (rank 3) was killed by SIGKILL") == 2 and "ps1 (rank 1) was killed by SIGKILL" in err
     assert "replacement continues from step 2" in err and "replacement continues from step 7" in err, err
+
+
+@pytest.mark.timeout(120)
+def test_an_async_job_applies_each_push_once_through_a_server_death(launch):
+    """Two async workers, server 1 dead after it applied a push whose record its replica held, before it answered:
+    each shard applies each worker's every push exactly once (the re-sent one is answered from the replica)."""
+    done = launch(train, strategy="ps", mode="async", workers=2, servers=2, timeout=100, replicas=1,
+                  args=((ServerDeath(1, 7, "closed"),), STEPS))
+    last = max((stats for _, stats in done), key=lambda stats: stats[0]["version"])
+    assert {s: (st["version"], st["pushes_by_worker"]) for s, st in last.items()} == {
+        s: (2 * STEPS, {0: STEPS, 1: STEPS}) for s in (0, 1)}, last
+    assert last[1]["pid"] == last[0]["pid"]

@@ -63,7 +63,7 @@ def _arm(server: int, step: int, point: str, after: int | None) -> None:
         push, sig = ParameterServer.push, signal.SIGKILL if point == "pushed" else signal.SIGSTOP
 
         def dying_push(self, worker, *args, **kwargs):
-            if self.shard is not None and now(self.shard) and worker == 1:
+            if self.shard is not None and now(self.shard) and worker == min(1, self.num_workers - 1):
                 _die(sig, after)
             return push(self, worker, *args, **kwargs)
 
