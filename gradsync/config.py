@@ -188,12 +188,6 @@ class Faults:
         _positive(self, "faults")
         if self.max_restarts < 0:
             raise ConfigError(f"max_restarts={self.max_restarts}: pass --max-restarts N with N >= 0 (0: none)")
-        if self.worker_loss == "drop" and self.max_restarts:
-            raise ConfigError(
-                f"worker_loss='drop' with max_restarts={self.max_restarts}: a dropped worker's replacement is not "
-                "available yet; pass --max-restarts 0 (the job goes on without the dead worker), or --worker-loss wait "
-                "(a replacement takes its place)"
-            )
         if self.replicas not in (0, 1):
             raise ConfigError(
                 f"replicas={self.replicas}: pass --replicas 1 (each server's shard kept on the next server too) "
@@ -204,6 +198,12 @@ class Faults:
     def replaces_workers(self) -> bool:
         """Whether a worker that dies is replaced and its step waits for the replacement (`worker_loss` wait)."""
         return self.worker_loss == "wait"
+
+    @property
+    def readmits_workers(self) -> bool:
+        """Whether a worker that dies is replaced by one that joins the job at a step boundary, which goes on
+        without it until then (`worker_loss` drop with max_restarts)."""
+        return self.worker_loss == "drop" and self.max_restarts > 0
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -227,7 +227,13 @@ class JobConfig(Faults, Checkpointing, Timeouts, Training, Placement):  # fields
         self._check_timeouts()
         self._check_faults()
         refusal = strategy.worker_loss_refusal(self.worker_loss, self.mode)
-        if self.replaces_workers:
+        if self.worker_loss == "drop" and self.max_restarts and self.mode != "sync":
+            refusal = refusal or (
+                f"worker_loss='drop' with max_restarts={self.max_restarts} and mode={self.mode!r}: a dropped "
+                "worker's replacement joins a sync job at a step boundary; under async and ssp pass --worker-loss "
+                "wait, whose replacement takes the dead worker's rank and goes on at once"
+            )
+        if self.replaces_workers or self.readmits_workers:
             refusal = refusal or capabilities(self.transport).replacement_refusal(self.transport)
         if refusal:
             raise ConfigError(refusal)
@@ -292,11 +298,12 @@ class JobConfig(Faults, Checkpointing, Timeouts, Training, Placement):  # fields
     @property
     def call_timeout(self) -> float:
         """Seconds a worker's call of a step may wait: step_timeout, and restart_timeout more in a job whose
-        step waits for a dead worker's replacement, or step_timeout more in one whose servers keep replicas (a
-        step waits for its replica, or for the launcher's word that the replica's server died)."""
+        step waits for a dead worker's replacement (wait; drop: from the step it joins at), or step_timeout more
+        in one whose servers keep replicas (a step waits for its replica, or for the launcher's word that the
+        replica's server died)."""
         return (
             self.step_timeout
-            + (self.restart_timeout if self.replaces_workers else 0.0)
+            + (self.restart_timeout if self.replaces_workers or self.readmits_workers else 0.0)
             + (self.step_timeout if self.replicated else 0.0)
         )
 

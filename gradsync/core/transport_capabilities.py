@@ -43,7 +43,8 @@ class Capabilities:
         if self.replaces_workers:
             return None
         return (
-            f"worker_loss='wait' needs a transport that takes a dead worker's replacement into the running job, "
+            "replacing a dead worker (--max-restarts with --worker-loss wait, or drop) needs a transport that takes "
+            "the replacement into the running job, "
             f"and the {transport} transport does not yet: use --transport {serving(lambda c: c.replaces_workers)}"
         )
 

@@ -1,5 +1,5 @@
-"""Replacing a ps job's dead workers (worker_loss wait), as its launcher sees them; and a job whose server
-died run again from its checkpoint (`job_restart`, with max_restarts).
+"""Replacing a ps job's dead workers (worker_loss wait, or drop with max_restarts), as its launcher sees them;
+and a job whose server died run again from its checkpoint (`job_restart`, with max_restarts).
 
 `supervision.supervise` asks `Restarts.take` about each worker that died (killed, exited non-zero, or silent past
 step_timeout, which the launcher kills first). Within max_restarts for that worker, it clears what the dead
@@ -7,7 +7,8 @@ process left for its launcher (its error file, the job's failure it recorded, it
 replacement with the same rank (GRADSYNC_REPLACEMENT and TORCHELASTIC_RESTART_COUNT set to its number:
 `runtime.replacement`) and says so in one line; `check` says, in one more, when each replacement has rejoined (its
 Trainer built) and at which step it continues, and fails the job naming the worker when one has not within
-restart_timeout of the death.
+restart_timeout of the death. Under drop, the dead worker is recorded gone (the job goes on without it) and,
+once its replacement has joined, back (`member_keys.record_back`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from gradsync.core.job_names import StoreKeys
 from gradsync.core.settings import REPLACEMENT, RESTART_COUNT
 from gradsync.membership import lost_servers
 from gradsync.membership.heartbeat import Watch
-from gradsync.membership.member_keys import workers_in_order
+from gradsync.membership.member_keys import record_back, record_gone, workers_in_order
 from gradsync.membership.rank_reports import error_file
 from gradsync.runtime import checkpoints, replacement
 
@@ -81,6 +82,9 @@ _meanwhile = {
 }
 """What the job does while a dead worker's replacement starts, by mode."""
 
+_WITHOUT = "the job goes on without it, and the replacement joins at a step boundary"
+"""What a sync job with worker_loss drop does while a dead worker's replacement starts."""
+
 
 def replacement_environment(number: int) -> dict[str, str]:
     """The variables that make a worker's process its `number`-th replacement."""
@@ -110,6 +114,7 @@ class Restarts:
         self.config, self.store, self.run_dir, self.start = config, store, run_dir, start
         self.counts: dict[int, int] = {}  # rank -> replacements started
         self.coming: dict[int, tuple[int, float, str]] = {}  # rank -> (replacement number, when its worker died, how)
+        self.late: set[int] = set()  # drop: replacements stopped because the job ended before they joined
         self.began = time.monotonic()
 
     def take(self, ranks: list, rank: int, how: str, watch: Watch) -> bool:
@@ -119,6 +124,8 @@ class Restarts:
             return False
         self._say_rejoined(rank)  # a replacement that rejoined and died again between two looks: said first
         config, number = self.config, self.counts.get(rank, 0) + 1
+        if config.readmits_workers:  # the job goes on without it until its replacement joins
+            record_gone(self.store, rank - config.servers, how)
         if config.replicated:  # it stays listed in the RPC group, where joining processes take it off
             lost_servers.record_dead(
                 self.store, dataclasses.replace(config, rank=rank, replacement=number - 1).rpc_identity[0]
@@ -130,11 +137,32 @@ class Restarts:
         self.coming[rank] = (number, time.monotonic(), how)
         print(
             f"gradsync: {config.role(rank)} (rank {rank}) {how}, {time.monotonic() - self.began:.1f} s into the "
-            f"job; starting its replacement (restart {number} of {config.max_restarts}): {_meanwhile[config.mode]}",
+            f"job; starting its replacement (restart {number} of {config.max_restarts}): "
+            + (_WITHOUT if config.readmits_workers else _meanwhile[config.mode]),
             file=sys.stderr,
             flush=True,
         )
         return True
+
+    def stop_late(self, ranks: list, codes: list[int | None]) -> None:
+        """Under drop: once every other worker has finished (exited 0), the job has ended without the replacements
+        still on their way; stop each (once, saying so: it counts as finished, `late`) and set its code to None."""
+        config = self.config
+        others = [c for r, c in enumerate(codes) if r >= config.servers and r not in self.coming and r not in self.late]
+        if config.readmits_workers and self.coming and others and all(code == 0 for code in others):
+            for rank in list(self.coming):
+                del self.coming[rank]
+                if ranks[rank].exitcode() is None:
+                    ranks[rank].kill(signal.SIGKILL)
+                self.late.add(rank)
+                print(
+                    f"gradsync: the job ended before the replacement of {config.role(rank)} (rank {rank}) joined it; "
+                    "it was stopped",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        for rank in self.late:
+            codes[rank] = None
 
     def spent(self, failure: JobFailed) -> JobFailed:
         """`failure`, whose cause is a worker with no restart left, saying so after its headline."""
@@ -173,7 +201,10 @@ class Restarts:
         if step is None:
             return False
         del self.coming[rank]
-        say_replaced(self.config, rank, died, f"the replacement continues from step {step}")
+        if self.config.readmits_workers:
+            record_back(self.store, rank - self.config.servers)
+        joins = "joins the job at step" if self.config.readmits_workers else "continues from step"
+        say_replaced(self.config, rank, died, f"the replacement {joins} {step}")
         return True
 
     def _forget(self, rank: int) -> None:

@@ -337,13 +337,14 @@ def supervise(
     """Wait until every rank has exited 0, or, in an elastic job, departed (`departures`); returns the
     departures. Raises JobFailed when one fails (naming the root cause), when every worker of an elastic job
     has departed, when a running rank has not reached gradsync.init() within startup_timeout of its start or
-    has sent no heartbeat for step_timeout, or after `timeout` seconds (None: no limit). With worker_loss wait,
-    `replace(rank, number)` starts the `number`-th replacement of a worker that died (`restarts`), within
-    max_restarts."""
+    has sent no heartbeat for step_timeout, or after `timeout` seconds (None: no limit). With worker_loss wait
+    (or drop, with max_restarts), `replace(rank, number)` starts the `number`-th replacement of a worker that
+    died (`restarts`), within max_restarts."""
     deadline = None if timeout is None else time.monotonic() + timeout
     watch = Watch(config)
     departures = Departures(config, store, run_dir) if config.elastic else None
-    restarts = Restarts(config, store, run_dir, replace) if config.replaces_workers and replace is not None else None
+    replaces = config.replaces_workers or config.readmits_workers
+    restarts = Restarts(config, store, run_dir, replace) if replaces and replace is not None else None
     losses = ServerLoss(config, store, replace) if config.replicated else None
     next_read = 0.0
     exited: set[int] = set()  # worker ranks seen exiting 0 (`_quitter_seen`)
@@ -352,6 +353,7 @@ def supervise(
         while True:
             codes = [r.exitcode() for r in ranks]
             if restarts is not None:
+                restarts.stop_late(ranks, codes)
                 for rank, code in enumerate(codes):
                     if code not in (None, 0) and restarts.take(ranks, rank, death(code), watch):
                         codes[rank] = None
@@ -371,6 +373,7 @@ def supervise(
                 )
             departed = set(departures.found) if departures is not None else set()
             departed |= set(losses.down) if losses is not None else set()
+            departed |= restarts.late if restarts is not None else set()
             if all(c == 0 or rank in departed for rank, c in enumerate(codes)):
                 _show_held_stderr(ranks, run_dir)
                 return departures.report() if departures is not None else []

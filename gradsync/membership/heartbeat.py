@@ -33,7 +33,7 @@ import torch.distributed as dist
 from gradsync.config import JobConfig
 from gradsync.core.job_names import StoreKeys, worker_name
 from gradsync.membership.launcher_death import watch_launcher
-from gradsync.membership.member_keys import create_keys, parse_gone, parse_left, parse_workers, ranks_named
+from gradsync.membership.member_keys import create_keys, deaths, parse_gone, parse_left, parse_workers, ranks_named
 
 
 def interval(step_timeout: float) -> float:
@@ -54,15 +54,16 @@ class Watch:
         self.moved: list[float | None] = [None] * config.world_size  # None: has not beaten yet
         self.read_at = time.monotonic()
         self.left: dict[int, int | None] = {}  # worker: steps it had taken (None: gone, see `gone`)
-        self.gone: dict[int, str] = {}
+        self.gone: dict[int, str] = {}  # workers gone now: how they went
+        self._deaths: dict[int, int] = {}  # worker: its processes that died (`member_keys.deaths`)
         self._noticed: dict[int, float] = {}  # rank of a joined worker: when this watch first saw its index
         self.trainers: dict[int, float] = {}  # worker: when this watch first saw it begin to build its Trainer
         self.places = [0] * config.world_size  # of the job's first ranks: MOVED, where each worker's main thread is
         self.placed: list[float | None] = [None] * config.world_size  # when `places` last changed, from the first beat
 
-    def read(self, store: dist.Store) -> dict[int, int | None]:
-        """Read every counter and the leavers; returns {worker: steps, or None when it is gone} of those that
-        left since the last read."""
+    def read(self, store: dist.Store) -> list[tuple[int, int | None]]:
+        """Read every counter and the leavers; returns (worker, steps) of those that left since the last read,
+        steps None for each of its processes that died (a worker's replacements may die too)."""
         keys = [StoreKeys.ALIVE.format(rank) for rank in range(len(self.counts))]
         keys += [StoreKeys.MOVED.format(rank) for rank in range(self.config.world_size)]
         *counts, left, gone, workers, trainers = store.multi_get(
@@ -79,12 +80,18 @@ class Watch:
             if int(raw) != self.counts[rank]:
                 self.counts[rank], self.moved[rank] = int(raw), self.read_at
         self._watch_joined(store, self.config.servers + int(workers))
-        new: dict[int, int | None] = {w: s for w, s in parse_left(left).items() if w not in self.left}
-        for worker, how in parse_gone(gone).items():
-            if worker not in self.left and worker not in new:
-                new[worker] = None
-                self.gone[worker] = how
+        new: list[tuple[int, int | None]] = [(w, s) for w, s in parse_left(left).items() if w not in self.left]
         self.left.update(new)
+        now = parse_gone(gone)
+        for worker in [w for w in self.gone if w not in now]:  # back: its replacement joined the job again
+            del self.gone[worker], self.left[worker]
+        for worker, how in now.items():
+            if worker not in self.left:
+                self.left[worker], self.gone[worker] = None, how
+        for worker, count in deaths(gone).items():
+            if worker in self.gone or worker not in self.left:  # each of its deaths since the last read
+                new += [(worker, None)] * (count - self._deaths.get(worker, 0))
+            self._deaths[worker] = count
         return new
 
     def _watch_joined(self, store: dist.Store, ranks: int) -> None:
@@ -201,8 +208,8 @@ class Heartbeat:
                         self._store.add(moved, 1)
                 left = self.watch.read(self._store)
             except dist.DistError:  # the store is gone: the job is ending, or its host died
-                left = {}
-            for worker, steps in left.items():
+                left = []
+            for worker, steps in left:
                 for listener in self._listeners:
                     listener(worker, steps)
             if self._stop.wait(interval(self.config.step_timeout)):

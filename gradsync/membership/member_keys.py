@@ -48,19 +48,42 @@ def workers_in_order(raw: bytes) -> list[int]:
     return [int(w) for w in raw.decode().split(",") if w]
 
 
+BACK = "+back"
+"""What a GONE line says of a worker whose replacement joined the job again (`record_back`)."""
+
+
 def parse_gone(raw: bytes) -> dict[int, str]:
-    """{worker: how it went} from the `worker:how` lines of the GONE key (the first line per worker)."""
+    """{worker: how it went} of the workers gone now, from the lines of the GONE key: a worker's first death since
+    it was last back (`record_back`)."""
     gone: dict[int, str] = {}
     for line in raw.decode().splitlines():
         worker, _, how = line.partition(":")
-        gone.setdefault(int(worker), how)
+        if how == BACK:
+            gone.pop(int(worker), None)
+        else:
+            gone.setdefault(int(worker), how)
     return gone
+
+
+def deaths(raw: bytes) -> dict[int, int]:
+    """{worker: how many of its processes died} from the GONE key's lines (a worker's replacements die too)."""
+    counts: dict[int, int] = {}
+    for line in raw.decode().splitlines():
+        worker, _, how = line.partition(":")
+        if how != BACK:
+            counts[int(worker)] = counts.get(int(worker), 0) + 1
+    return counts
 
 
 def record_gone(store: dist.Store, worker: int, how: str) -> None:
     """Record that `worker` left an elastic job without gradsync.shutdown() (`how`: 'killed by SIGKILL'...)."""
     # Store.append: missing from torch's stubs
     store.append(StoreKeys.GONE, f"{worker}:{how}\n")  # type: ignore[attr-defined]
+
+
+def record_back(store: dist.Store, worker: int) -> None:
+    """Record that `worker`, gone, is in the job again: its replacement joined it (worker_loss drop)."""
+    store.append(StoreKeys.GONE, f"{worker}:{BACK}\n")  # type: ignore[attr-defined]
 
 
 def staying(store: dist.Store) -> list[int]:

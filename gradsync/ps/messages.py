@@ -59,6 +59,21 @@ class Rejoined(NamedTuple):
     the replacement counts as answered (`RpcTransport.done`)."""
 
 
+class Readmitted(NamedTuple):
+    """A server's answer to a dead worker's replacement asking to join a sync job at a step (worker_loss drop:
+    `ParameterServer.readmit`)."""
+
+    frozen: dict[str, torch.Tensor]
+    """This shard's frozen parameters, as a registration answers."""
+    taken: bool
+    """Whether it takes the replacement's part of that step and of every later one."""
+    closed: int
+    """The steps this server has closed; -1 while it has not yet heard of the death (ask again)."""
+    options: list[dict]
+    """The optimizer groups' options of the step in flight, which the replacement's first push changes as every
+    worker's does; [] for a shard without dense parameters."""
+
+
 @dataclasses.dataclass(frozen=True)
 class TableSetup:
     """What worker 0 sends a server of one embedding table served row by row."""

@@ -41,6 +41,7 @@ from gradsync.ps.messages import (
     Piece,
     PipelineHead,
     Push,
+    Readmitted,
     Rejoined,
     Setup,
     Snapshot,
@@ -195,6 +196,29 @@ class ParameterServer:
         with shard.lock:
             journal = shard.journal
             return rejoined if journal is None else rejoined._replace(taken=journal.taken.get(worker, 0))
+
+    def readmit(self, worker: int, spec: ModelSpec, number: int, step: int) -> Readmitted:
+        """The `number`-th replacement of `worker`, whose process died in this sync job (worker_loss drop), with the
+        model `spec`, asking to take part in the steps from `step` on (`SyncRule.readmit`).
+
+        Raises:
+            Refusal: this job drops no worker, `worker` is none of its workers, or `spec` differs from worker 0's
+                model.
+        """
+        with self._lock:
+            rule, reference = self.rule, self._reference
+            if not isinstance(rule, SyncRule) or self.worker_loss != "drop" or worker not in self._registrations:
+                raise Refusal(
+                    f"worker {worker} cannot join server {self.shard_id} again: a replacement joins a sync job with "
+                    f"worker_loss 'drop' as one of its {self.num_workers} workers, once every worker has registered"
+                )
+            assert reference is not None  # set with the rule
+            if (diff := reference.difference(spec)) is not None:
+                raise Refusal(str(model_mismatch_error(worker, diff)))
+        taken, closed = rule.readmit(worker, number, step)
+        shard = self._shard()
+        with shard.lock:
+            return Readmitted(shard.frozen, taken, closed, shard.began_options())
 
     def _build(self, s: Setup) -> ShardState:
         """The shard from worker 0's setup, then, when resuming, its state from the checkpoint folder (written

@@ -91,6 +91,8 @@ class SyncRule(ConsistencyRule):
         self._drop = drop  # worker_loss drop: a dead worker's step goes on without it (`worker_left`)
         self._early = applied_early(type(shard.optimizer), nonfinite, drop)
         self._gone: set[int] = set()  # workers that died (worker_loss drop): no later step waits for them
+        self._deaths: dict[int, int] = {}  # worker_loss drop: worker -> its processes that died, as told here
+        self._back: dict[int, int] = {}  # worker_loss drop: a dead worker's replacement -> the step it joins at
         self._pending: dict[int, _Pending] = {}
         self._parts: list[dict[int, _Part]] = [{} for _ in shard.buckets]  # this step's, by bucket and worker
         self._means: dict[int, tuple[torch.Tensor | None, set[int]]] = {}  # buckets averaged: (mean, skipped)
@@ -186,6 +188,7 @@ class SyncRule(ConsistencyRule):
         worker has died (what it sent before is dropped). Call with the lock held."""
         if self._failure is not None:
             return failed(self._failure)
+        self._returned()
         if worker in self._gone:
             return self.shard.rejected(
                 GradientError(f"worker {worker} left the job: server {self.shard.shard_id} takes nothing more of it")
@@ -294,13 +297,41 @@ class SyncRule(ConsistencyRule):
         answer(answers)
         return found
 
+    def readmit(self, worker: int, number: int, step: int) -> tuple[bool, int]:
+        """Take `worker`'s `number`-th replacement (worker_loss drop) into the steps from `step` on: (whether it is
+        taken, the steps closed here). Taken unless this server closed `step` already (the replacement asks
+        again, from a later step), or has not yet heard of the death it replaces (closed -1: it asks again; so
+        too for a replacement that died since). The step it was taken at before is moved to `step` when that
+        one has not got its part yet (another server had closed it)."""
+        with self.shard.lock:
+            if self._deaths.get(worker, 0) != number:  # not heard of yet, or that replacement died too
+                return False, -1
+            self._returned()
+            closed = self.shard.closed
+            if step < closed or (worker not in self._gone and step == closed):
+                return step == closed, closed
+            self._gone.add(worker)  # not waited for until `step` begins
+            self._back[worker] = step
+            self._returned()
+            answers = self._progress()
+        answer(answers)
+        return True, closed
+
+    def _returned(self) -> None:
+        """Wait for each replacement taken at the step in flight (`readmit`) from now on. Call with the lock
+        held."""
+        for worker, step in list(self._back.items()):
+            if self.shard.closed >= step:
+                self._gone.discard(worker)
+                del self._back[worker]
+
     def worker_left(self, worker: int, steps: int | None) -> None:
         """`worker` left the job after `steps` steps (None: it died). With worker_loss drop, the step that
         waits goes on without what it sent of that step, each bucket averaged over the workers left
         (`ShardStats.steps_without` records the step), and so do the later steps. Else no later step can have
         all W workers, so the step that waits (if any) and every later commit fail at once, naming it."""
         if self._drop:
-            self._drop_worker(worker)
+            self._drop_worker(worker, died=steps is None)
             return
         assert steps is not None  # only an elastic job's worker goes without saying its steps (no sync job)
         with self.shard.lock:
@@ -311,10 +342,14 @@ class SyncRule(ConsistencyRule):
             self._reset()
         answer(answers)
 
-    def _drop_worker(self, worker: int) -> None:
-        """The step in flight, and every later one, without `worker` (worker_loss drop)."""
+    def _drop_worker(self, worker: int, died: bool) -> None:
+        """The step in flight, and every later one, without `worker` (worker_loss drop), until a replacement
+        taken after this death (`readmit`) joins."""
         with self.shard.lock:
+            self._deaths[worker] = self._deaths.get(worker, 0) + died
             self._gone.add(worker)
+            self._back.pop(worker, None)
+            self._numbers.forget(worker)  # a replacement numbers its pieces from the start
             answers = self._forget(worker, GradientError(f"worker {worker} left the job; the step goes on without it"))
             self._means = {}  # averaged with its part: again without it (no bucket is applied before the step closes)
             answers += self._progress()
@@ -345,6 +380,7 @@ class SyncRule(ConsistencyRule):
         """Average (and, when it may, apply) every bucket whose parts are all in, once every active worker
         has pushed; close the step when every bucket is averaged. Returns the answers to give outside the
         lock: (future, value, error). Call with the lock held."""
+        self._returned()
         active = self.num_workers - len(self._joined | self._gone)
         if not self._pending or len(self._pending) < active:
             return []

@@ -1,5 +1,5 @@
-"""Replacing a dead worker of a ps job (worker_loss wait): what each worker leaves for a replacement, and
-what a replacement takes.
+"""Replacing a dead worker of a ps job (worker_loss wait; drop with max_restarts): what each worker leaves for a
+replacement, and what a replacement takes.
 
 Each worker of such a job records, as each `trainer.step` begins, the step and its RNG states in the rendezvous
 store (`record`), under one of two keys by the step's parity, so that the record of the step before the one in
@@ -10,7 +10,9 @@ running job's RPC group under a name of its own (`JobConfig.rpc_identity`) and r
 steps each has closed. It starts at the step in flight (`trainer.start_step`) from the servers' values as of that
 step (a server that has closed it already answers with the values it had before), and the RNG states recorded as
 the step before it began (`take`: `trainer.step` draws none, so they are the states as the step in flight began).
-Once its Trainer is built, it says so (`say_rejoined`), which the launcher reports.
+Once its Trainer is built, it says so (`say_rejoined`), which the launcher reports. Under worker_loss drop, the
+job goes on without the dead worker, and its replacement joins it at a step boundary (`PSStrategy._readmit`), with
+the RNG states its script gives it; a GradScaler's state is taken from the others as under wait.
 """
 
 from __future__ import annotations
@@ -27,15 +29,15 @@ from gradsync.runtime import checkpoints, rng_states
 
 
 def rejoin(cluster, strategy, described: dict) -> int:
-    """The step a replacement's Trainer starts at (`strategy.rejoined_at` steps after the job's first), with its
-    RNG states as of that step and, when the job resumed, the checkpoint's optimizer options; when that step is a
+    """The step a replacement's Trainer starts at (`strategy.rejoined_at` steps after the job's first), with (wait)
+    its RNG states as of that step and, when the job resumed, the checkpoint's optimizer options; when that step is a
     checkpoint's, this worker's part of it written (the dead process may have died writing it)."""
     config, store = cluster.config, cluster.store
     first = cluster.resumed.step if cluster.resumed is not None else 0
     start = first + strategy.rejoined_at
     if cluster.resumed is not None:
         checkpoints.restore(config, strategy, cluster.resumed)
-    if start > first:
+    if start > first and config.replaces_workers:  # drop: a replacement joins later, with its own RNG states
         take(store, config.worker_rank, start)
         every = config.checkpoint_every
         if every and start % every == 0:

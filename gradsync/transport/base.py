@@ -21,7 +21,7 @@ from gradsync.config import JobConfig
 from gradsync.core.buckets import Bucket, ModelSpec
 from gradsync.core.transport_capabilities import Capabilities
 from gradsync.metrics.timeline import Timeline
-from gradsync.ps.messages import Partial, Piece, PipelineHead, Push, Rejoined, Setup, Snapshot, TableCall
+from gradsync.ps.messages import Partial, Piece, PipelineHead, Push, Readmitted, Rejoined, Setup, Snapshot, TableCall
 from gradsync.ps.replica import ReplicaLink, ShardCopy
 from gradsync.ps.server import ParameterServer
 
@@ -192,6 +192,12 @@ class WorkerTransport(ABC):
     def rejoin(self, spec: ModelSpec) -> dict[int, Rejoined]:
         """Rejoin every server as the replacement of this worker, which died (`ParameterServer.rejoin`); returns
         each server's answer. A transport with `capabilities.replaces_workers` implements it."""
+        raise NotImplementedError(self.capabilities.replacement_refusal(self.capabilities.name))
+
+    def readmit(self, spec: ModelSpec, number: int, step: int) -> dict[int, Readmitted]:
+        """Ask every server to take this worker's `number`-th replacement into the steps from `step` on
+        (`ParameterServer.readmit`: worker_loss drop); returns each server's answer. A transport with
+        `capabilities.replaces_workers` implements it."""
         raise NotImplementedError(self.capabilities.replacement_refusal(self.capabilities.name))
 
     def pipeline(self, versions: dict[int, int]) -> StepPipeline:

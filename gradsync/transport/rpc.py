@@ -43,7 +43,18 @@ from gradsync.core.transport_capabilities import capabilities
 from gradsync.core.waiting import POLL_S
 from gradsync.membership.lost_servers import dead, primary, replica_server
 from gradsync.metrics.timeline import HEAD
-from gradsync.ps.messages import Committed, Partial, Piece, PipelineHead, Push, Rejoined, Setup, Snapshot, TableCall
+from gradsync.ps.messages import (
+    Committed,
+    Partial,
+    Piece,
+    PipelineHead,
+    Push,
+    Readmitted,
+    Rejoined,
+    Setup,
+    Snapshot,
+    TableCall,
+)
 from gradsync.ps.replica import ReplicaLink, ShardCopy, StepRecord
 from gradsync.ps.server import ParameterServer
 from gradsync.transport import rpc_group
@@ -231,6 +242,14 @@ class RpcTransport(WorkerTransport):
             if answer.taken is not None:
                 self.done[s] = answer.taken
         return answers
+
+    def readmit(self, spec: ModelSpec, number: int, step: int) -> dict[int, Readmitted]:
+        return self._call(
+            rpc_readmit,
+            lambda s: (self.worker, spec, number, step),
+            "joining the job again",
+            self.config.startup_timeout,
+        )
 
     def pull(self) -> dict[int, Snapshot]:
         return self._call(rpc_pull, lambda s: (), "pull")
@@ -499,6 +518,11 @@ def rpc_register(shard: int, worker: int, spec: ModelSpec, setup: Setup | None) 
 @_answering("rejoin")
 def rpc_rejoin(shard: int, worker: int, spec: ModelSpec) -> Rejoined:
     return _server(shard).rejoin(worker, spec)
+
+
+@_answering("readmission")
+def rpc_readmit(shard: int, worker: int, spec: ModelSpec, number: int, step: int) -> Readmitted:
+    return _server(shard).readmit(worker, spec, number, step)
 
 
 def rpc_probe(payload: torch.Tensor) -> int:

@@ -53,8 +53,9 @@ def test_bad_environment_is_refused_with_the_value_and_the_fix(env, match):
 
 
 @pytest.mark.parametrize("settings,refusal", [
-    (dict(worker_loss="drop", max_restarts=2), "worker_loss='drop' with max_restarts=2: a dropped worker's "
-                                               "replacement is not available yet"),
+    (dict(worker_loss="drop", max_restarts=2, mode="ssp"), "worker_loss='drop' with max_restarts=2 and mode='ssp': "
+                                                           "a dropped worker's replacement joins a sync job at a step"),
+    (dict(worker_loss="drop", max_restarts=1, transport="grpc"), "the grpc transport does not yet: use --transport"),
     (dict(worker_loss="drop", strategy="allreduce", servers=0),
      "worker_loss='drop' is available for ps sync/async/ssp jobs so far, got strategy='allreduce'"),
     (dict(replicas=2), "replicas=2: pass --replicas 1"),
@@ -83,3 +84,5 @@ def test_a_replacement_has_a_name_and_rank_of_its_own_in_the_rpc_group():
     assert JobConfig(world_size=4, servers=1, rank=2, replacement=2).rpc_identity == ("worker1_r2", 8)
     waits = JobConfig(world_size=3, worker_loss="wait", step_timeout=5.0, restart_timeout=7.0)
     assert waits.dynamic_group and waits.call_timeout == 12.0 and JobConfig(world_size=3).call_timeout == 60.0
+    readmits = JobConfig(world_size=3, worker_loss="drop", max_restarts=1, step_timeout=5.0, restart_timeout=7.0)
+    assert readmits.readmits_workers and not readmits.replaces_workers and readmits.call_timeout == 12.0

@@ -169,3 +169,37 @@ def test_with_drop_a_dead_workers_part_leaves_the_step_which_averages_the_others
     assert all(torch.equal(f, e) for f, e in zip(shard.flats, expected))
     with pytest.raises(GradientError, match="worker 1 left the job"):
         rule.commit(1, 1, PipelineHead()).wait()
+
+
+def test_with_drop_a_replacement_joins_at_the_step_every_server_takes_it_at():
+    shard = make_pieced_shard()
+    rule = SyncRule(shard, num_workers=3, nonfinite="raise", drop=True)
+
+    def push(workers, seq=0):
+        heads = {w: rule.commit(w, shard.version, PipelineHead()) for w in workers}
+        for w in workers:
+            for b in range(4):
+                rule.commit_piece(w, shard.version, Piece(0, b, piece_part(w, b, shard), (), seq))
+        return heads
+
+    rule.commit_piece(1, 0, Piece(0, 0, piece_part(1, 0, shard), (), 7))  # numbered 7, then its process died
+    rule.worker_left(1, None)
+    assert rule.readmit(1, 2, 1) == (False, -1)  # a second death this server has not heard of
+    push((0, 2))
+    assert rule.readmit(1, 1, 0) == (False, 1)  # step 0 is closed here: the replacement asks from a later one
+    assert rule.readmit(1, 1, 2) == (True, 1)  # taken from step 2 on; step 1 still goes without it
+    assert all(h.done() for h in push((0, 2)).values())
+    assert rule.readmit(1, 1, 2) == (True, 2)  # step 2 has begun: it waits for the replacement
+    start = [f.clone() for f in shard.flats]
+    heads = push((0, 2))
+    assert not any(h.done() for h in heads.values())
+    heads |= push((1,), seq=1)  # the replacement numbers its pieces from the start
+    assert all(h.done() for h in heads.values()) and all(h.wait().version == 3 for h in heads.values()) and sorted(shard.stats.steps_without) == [0, 1]
+    expected = [s - 0.5 * sum(piece_part(w, b, shard) for w in range(3)) / 3 for b, s in enumerate(start)]
+    assert all(torch.equal(f, e) for f, e in zip(shard.flats, expected))  # the mean over all three again
+    heads = push((0, 2))
+    assert rule.readmit(1, 1, 4) == (True, 3)  # moved to step 4 (another server had closed 3): 3 goes without it
+    assert all(h.done() for h in heads.values()) and shard.stats.steps_without[3] == [1]
+    rule.worker_left(1, None)  # the replacement died before step 4: the servers no longer wait for it
+    assert rule.readmit(1, 1, 4) == (False, -1)  # the process that asked is dead
+    assert all(h.done() for h in push((0, 2)).values()) and shard.stats.steps_without[4] == [1]

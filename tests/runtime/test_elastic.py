@@ -19,7 +19,7 @@ from gradsync.launcher.scripts import _joiner_ended
 from gradsync.launcher.supervision import RankProcess
 from gradsync.core.buckets import ModelSpec, by_server, plan_buckets
 from gradsync.membership.heartbeat import Watch
-from gradsync.membership.member_keys import create_keys, record_gone, staying
+from gradsync.membership.member_keys import create_keys, record_back, record_gone, staying
 from gradsync.transport.grpc.endpoint_files import job_id
 from grpc_harness import make_server, model_state, served
 from helpers import run_cli
@@ -156,12 +156,27 @@ def test_a_gone_worker_counts_as_left_and_joined_workers_are_watched(monkeypatch
     assert (joiner.rank, joiner.world_size, joiner.worker_rank, joiner.name) == (3, 4, 2, "worker2")
     record_gone(store, 1, "killed by SIGKILL")
     watch = Watch(config)
-    assert watch.read(store) == {1: None} and watch.gone == {1: "killed by SIGKILL"}
+    assert watch.read(store) == [(1, None)] and watch.gone == {1: "killed by SIGKILL"}
     assert staying(store) == [0, 2] and len(watch.counts) == 4  # the joiner is watched from now on
     store.add(StoreKeys.ALIVE.format(0), 1)
     now[0] += 0.2
     watch.read(store)
     assert sorted(watch.silent(0.1)) == [3]  # worker 1 is gone: not silent; worker 2 has not beaten
+
+
+def test_a_worker_back_in_the_job_is_watched_again_and_each_death_is_told_once():
+    store = _store()
+    config = JobConfig(strategy="ps", servers=1, world_size=4, worker_loss="drop", max_restarts=2)
+    create_keys(store, config.world_size, config.num_workers)
+    watch = Watch(config)
+    record_gone(store, 1, "killed by SIGKILL")
+    assert watch.read(store) == [(1, None)] and staying(store) == [0, 2]
+    record_back(store, 1)  # its replacement joined
+    assert watch.read(store) == [] and watch.gone == {} and 1 not in watch.left and staying(store) == [0, 1, 2]
+    record_gone(store, 1, "exited with code 3")
+    record_gone(store, 1, "killed by SIGKILL")  # the next replacement died before it joined
+    assert watch.read(store) == [(1, None), (1, None)] and watch.gone == {1: "exited with code 3"}
+    assert watch.read(store) == [] and staying(store) == [0, 2]
 
 
 def test_joining_refuses_jobs_that_take_no_workers_and_other_settings(tmp_path):

@@ -191,18 +191,30 @@ def test_gradsync_run_replaces_a_worker_started_as_a_new_process(tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("point", ["forward", "pieces"])
-def test_with_drop_the_job_goes_on_without_the_dead_worker_as_the_mean_of_the_others(launch, point, capfd):
-    workers, death = 3, Death(1, 4, point)
-    results = launch(train_dropping, strategy="ps", workers=workers, servers=2, timeout=100, args=(death, STEPS),
-                     worker_loss="drop", bucket_cap_mb=0.0005)
-    assert results[1] is None and [d.worker for d in results.departures] == [1]
-    (state, without), (other, _) = results[0], results[2]
+@pytest.mark.parametrize("point,restarts", [("forward", 0), ("pieces", 1)])
+def test_with_drop_the_job_goes_on_without_the_dead_worker_as_the_mean_of_the_others(launch, point, restarts, capfd):
+    """Without restarts, to the end; with one, until its replacement joins at a step boundary."""
+    workers, death = 3, Death(1, 2, point)
+    results = launch(train_dropping, strategy="ps", workers=workers, servers=2, timeout=100,
+                     args=(death, STEPS, 0.3), worker_loss="drop", max_restarts=restarts, bucket_cap_mb=0.0005)
+    err = capfd.readouterr().err
+    if restarts:
+        start = results[1][2]
+        assert 2 < start < STEPS and not results.departures, start
+        assert ("gradsync: worker1 (rank 3) was killed by SIGKILL" in err and "starting its replacement (restart 1 "
+                "of 1): the job goes on without it, and the replacement joins at a step boundary" in err), err
+        assert f"the replacement joins the job at step {start}" in err
+    else:
+        start = STEPS
+        assert results[1] is None and [d.worker for d in results.departures] == [1]
+        assert "gradsync: worker1 (rank 3) left (killed by SIGKILL)" in err
+    (state, without, _), (other, _, _) = results[0], results[2]
     assert without[0] == without[1] and all(torch.equal(state[k], other[k]) for k in state)
-    assert without[0] == {step: [1] for step in range(4, STEPS)}  # from the step it died in on
+    assert without[0] == {step: [1] for step in range(2, start)}  # from the step it died in on
     expected = reference(STEPS, workers, without[0])
     assert all(torch.allclose(state[k], expected[k], atol=1e-5) for k in expected)
-    assert "gradsync: worker1 (rank 3) left (killed by SIGKILL)" in capfd.readouterr().err
+    if restarts:
+        assert all(torch.equal(state[k], results[1][0][k]) for k in state)
 
 
 @pytest.mark.timeout(180)
@@ -218,3 +230,16 @@ def test_a_dead_server_restarts_the_whole_job_from_its_checkpoint(launch, tmp_pa
     assert [r[:2] for r in runs["died"]] == [(6, 1), (6, 1)]
     for (_, _, clean), (_, _, died) in zip(runs["clean"], runs["died"]):
         assert all(torch.equal(clean[k], died[k]) for k in clean)
+
+
+@pytest.mark.timeout(120)
+def test_with_drop_a_replacement_that_comes_after_the_last_step_is_stopped_and_the_job_ends(launch, capfd):
+    death = Death(1, STEPS - 1, "forward")
+    results = launch(train_dropping, strategy="ps", workers=3, servers=1, timeout=100, args=(death, STEPS, 0.0, 5.0),
+                     worker_loss="drop", max_restarts=1)
+    assert results[1] is None and not results.departures
+    state, without, _ = results[0]
+    assert without[0] == {STEPS - 1: [1]}
+    expected = reference(STEPS, 3, without[0])
+    assert all(torch.allclose(state[k], expected[k], atol=1e-5) for k in expected)
+    assert "gradsync: the job ended before the replacement of worker1 (rank 2) joined it" in capfd.readouterr().err

@@ -207,12 +207,14 @@ def train_joining(death: Death, steps: int) -> int:
     return steps
 
 
-def train_dropping(death: Death, steps: int) -> tuple[dict, dict]:
-    """The plain MLP with AdamW for `steps` steps on worker w's batches of each step; `death` kills its worker
-    (worker_loss drop: the job goes on without it). Returns (final state, the steps each server went on without a
-    worker: {server: {step: workers}})."""
+def train_dropping(death: Death, steps: int, pace: float = 0.0, late: float = 0.0) -> tuple[dict, dict, int]:
+    """The plain MLP with AdamW for `steps` steps on worker w's batches of each step, each step at least `pace`
+    seconds; `death` kills its worker (worker_loss drop: the job goes on without it), whose replacement waits
+    `late` seconds before it builds its Trainer. Returns (final state, the steps each server went on without a
+    worker: {server: {step: workers}}, the step this process started at)."""
     me = gradsync.worker_rank()
     model = make_mlp()
+    time.sleep(late if gradsync.restart_count() else 0.0)
     trainer = gradsync.Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01))
     step = [trainer.start_step]
     if death.worker == me:
@@ -222,7 +224,9 @@ def train_dropping(death: Death, steps: int) -> tuple[dict, dict]:
         with dist_autograd.context() as cid:
             dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
             trainer.step(cid)
-    return trainer.state_dict(), {s: st["steps_without"] for s, st in trainer.server_stats().items()}
+        time.sleep(pace)
+    without = {s: st["steps_without"] for s, st in trainer.server_stats().items()}
+    return trainer.state_dict(), without, trainer.start_step
 
 
 def reference(steps: int, workers: int, without: dict[int, list[int]]) -> dict:

@@ -50,12 +50,13 @@ from gradsync.core.errors import no_gradients_error, step_twice_error
 from gradsync.core.finite import first_nonfinite
 from gradsync.core.optimizer_spec import OptimizerSpec, SentOptions, group_options
 from gradsync.core.torch_internals import current_context_id
+from gradsync.core.waiting import wait_until
 from gradsync.membership.uneven_data import Joiner
 from gradsync.metrics.step_metrics import StepMetrics
 from gradsync.metrics.timeline import HEAD
 from gradsync.metrics.traffic import head_bytes
 from gradsync.ps.gradient_codecs import make_wire
-from gradsync.ps.messages import Agreement, Partial, Piece, PipelineHead, Push, Rejoined, Setup, Snapshot
+from gradsync.ps.messages import Agreement, Partial, Piece, PipelineHead, Push, Readmitted, Rejoined, Setup, Snapshot
 from gradsync.tables.placement import table_specs
 from gradsync.transport.registry import transport
 from gradsync.worker.module.amp import inverse_scale, record_found_inf
@@ -216,7 +217,7 @@ class PSStrategy(OnServers, Strategy):
         self._late_values: set[int] = set()  # those whose values come after a held first step's finish
         self.rejoined_at: int | None = None  # a replacement: the steps the servers closed before it rejoined
         if self.replaced:
-            self.frozen, first = self._rejoin()
+            self.frozen, first = self._readmit() if config.readmits_workers else self._rejoin()
         else:
             self.frozen, first = self._register(params, buffers, spec), None
         self.model = PSModel(module, self)
@@ -288,6 +289,31 @@ class PSStrategy(OnServers, Strategy):
         values = {s: cast(Snapshot, a.before) if s in before else a.begun or current[s] for s, a in answers.items()}
         self.rejoined_at = first
         return {n: t for a in answers.values() for n, t in a.frozen.items()}, values
+
+    def _readmit(self) -> tuple[dict[str, torch.Tensor], dict[int, Snapshot]]:
+        """A replacement of a sync job that went on without its dead process (worker_loss drop) joins it at a step
+        boundary (`ParameterServer.readmit`): the step after the furthest server's step in flight (again from a
+        later one when a server has closed it by then), taken once every server has begun it, within
+        restart_timeout. Returns the frozen parameters and each server's values as that step begins (no server
+        applies any of it before the replacement's part is in: `applied_early` under drop)."""
+        asked = [0]
+
+        def begun() -> dict[int, Readmitted]:  # {} until every server has begun the step asked
+            answers = self.transport.readmit(self.spec, self.config.replacement, asked[0])
+            if all(a.taken and a.closed == asked[0] for a in answers.values()):
+                return answers
+            if any(not a.taken and a.closed > asked[0] for a in answers.values()):
+                asked[0] = max(a.closed for a in answers.values()) + 1
+            return {}
+
+        answers = wait_until(
+            begun,
+            time.monotonic() + self.config.restart_timeout,
+            lambda: f"worker {self.worker}'s replacement joining the job at step {asked[0]} (restart_timeout)",
+        )
+        self._rejoined_options = next((a.options for a in answers.values() if a.options), [])
+        self.rejoined_at = asked[0]
+        return {n: t for a in answers.values() for n, t in a.frozen.items()}, self.transport.pull()
 
     def _commit_load(self) -> None:
         """After the module's `load_state_dict` succeeded: its values go to the servers (each its buckets, buffers,
