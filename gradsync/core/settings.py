@@ -343,7 +343,9 @@ WORKER_LOSS = _S(
     "faults",
     "what a sync ps job does when a worker dies (killed, exits non-zero, or silent past --step-timeout): fail "
     "(the job fails, naming it), wait (the launcher starts a replacement with the same worker rank, within "
-    "--max-restarts; the step in flight waits for it, and the job ends bit for bit as without the death)",
+    "--max-restarts; the step in flight waits for it, and the job ends bit for bit as without the death), drop "
+    "(the job goes on without it, each step the mean of the live workers' batches; with --max-restarts a "
+    "replacement joins at a step boundary)",
     flag="--worker-loss",
     choices=("fail", "wait", "drop"),
     label="worker_loss policy",
@@ -355,7 +357,8 @@ MAX_RESTARTS = _S(
     int,
     0,
     "faults",
-    "replacements the launcher may start per worker rank (--worker-loss wait); 0: none",
+    "replacements the launcher may start per rank: a worker's (--worker-loss wait or drop), a server's "
+    "(--replicas 1), or the whole job from its checkpoint after a server's death; 0: none",
     flag="--max-restarts",
     shared=True,
 )
@@ -365,7 +368,8 @@ RESTART_TIMEOUT = _S(
     float,
     60.0,
     "faults",
-    "seconds a replacement may take to rejoin the job (--worker-loss wait); past it the job fails, naming the worker",
+    "seconds a replacement may take to rejoin the job (--worker-loss wait or drop); past it the job fails, naming "
+    "the worker",
     flag="--restart-timeout",
     shared=True,
 )
