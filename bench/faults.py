@@ -1,5 +1,6 @@
 """What a worker's or a server's death costs a sync job: gradsync ps with `--worker-loss wait` (a replacement takes
-the dead worker's place, forked or started as a new process), `--worker-loss drop` (the job goes on without it),
+the dead worker's place, forked or started as a new process), `--worker-loss drop` (the job goes on without it;
+with `--max-restarts`, until its replacement joins at a step boundary),
 and `fail` with `--resume` from the last checkpoint (`--checkpoint-every`, 16), beside torchft DDP (its outside
 baseline: run with `--torchft-python`, the python of the venv bench/requirements-torchft.txt builds); a server's
 death (S = 2) with `--replicas 1` (its replica serves its shard) and without (the whole job again from its
@@ -53,6 +54,8 @@ GRADSYNC = {  # configuration: (the death's point or None, gradsync run options,
     "ps wait, new process, death mid-step": ("backward", ["--worker-loss", "wait", "--max-restarts", "1"], "exec",
                                              "ps, no death"),
     "ps drop, death mid-step": ("backward", ["--worker-loss", "drop"], "fork", "ps, no death"),
+    "ps drop with restarts, death mid-step": ("backward", ["--worker-loss", "drop", "--max-restarts", "1"], "fork",
+                                              "ps, no death"),
     "ps fail, then --resume": ("backward", ["--worker-loss", "fail"], "fork", "ps, no death"),
     "ps async, no death": (None, ["--mode", "async"], "fork", None),
     "ps async, death mid-step, the worker departs": ("backward", ["--mode", "async"], "fork", "ps async, no death"),

@@ -312,6 +312,7 @@ class SyncRule(ConsistencyRule):
                 return step == closed, closed
             self._gone.add(worker)  # not waited for until `step` begins
             self._back[worker] = step
+            self.shard.stats.workers_replaced[worker] = number
             self._returned()
             answers = self._progress()
         answer(answers)

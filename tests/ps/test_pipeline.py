@@ -188,6 +188,7 @@ def test_with_drop_a_replacement_joins_at_the_step_every_server_takes_it_at():
     push((0, 2))
     assert rule.readmit(1, 1, 0) == (False, 1)  # step 0 is closed here: the replacement asks from a later one
     assert rule.readmit(1, 1, 2) == (True, 1)  # taken from step 2 on; step 1 still goes without it
+    assert shard.stats.workers_replaced == {1: 1}  # in gradsync status
     assert all(h.done() for h in push((0, 2)).values())
     assert rule.readmit(1, 1, 2) == (True, 2)  # step 2 has begun: it waits for the replacement
     start = [f.clone() for f in shard.flats]

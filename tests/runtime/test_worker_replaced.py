@@ -210,7 +210,7 @@ def test_with_drop_the_job_goes_on_without_the_dead_worker_as_the_mean_of_the_ot
         assert "gradsync: worker1 (rank 3) left (killed by SIGKILL)" in err
     (state, without, _), (other, _, _) = results[0], results[2]
     assert without[0] == without[1] and all(torch.equal(state[k], other[k]) for k in state)
-    assert without[0] == {step: [1] for step in range(2, start)}  # from the step it died in on
+    assert without[0] == {step: [1] for step in range(2, start)}  # from the step it died in on, until it joined
     expected = reference(STEPS, workers, without[0])
     assert all(torch.allclose(state[k], expected[k], atol=1e-5) for k in expected)
     if restarts:
