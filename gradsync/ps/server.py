@@ -176,16 +176,7 @@ class ParameterServer:
             Refusal: this job replaces no worker, `worker` is none of its workers, or `spec` differs from worker
                 0's model.
         """
-        with self._lock:
-            rule, reference = self.rule, self._reference
-            if not self.replaces_workers or rule is None or worker not in self._registrations:
-                raise Refusal(
-                    f"worker {worker} cannot rejoin server {self.shard_id}: it rejoins a job with worker_loss "
-                    f"'wait' as one of its {self.num_workers} workers, once every worker has registered"
-                )
-            assert reference is not None  # set with the rule
-            if (diff := reference.difference(spec)) is not None:
-                raise Refusal(str(model_mismatch_error(worker, diff)))
+        rule = self._replacing(worker, spec, self.replaces_workers, "wait")
         shard = self._shard()
         with shard.lock:
             if self._replay is not None:
@@ -205,20 +196,32 @@ class ParameterServer:
             Refusal: this job drops no worker, `worker` is none of its workers, or `spec` differs from worker 0's
                 model.
         """
-        with self._lock:
-            rule, reference = self.rule, self._reference
-            if not isinstance(rule, SyncRule) or self.worker_loss != "drop" or worker not in self._registrations:
-                raise Refusal(
-                    f"worker {worker} cannot join server {self.shard_id} again: a replacement joins a sync job with "
-                    f"worker_loss 'drop' as one of its {self.num_workers} workers, once every worker has registered"
-                )
-            assert reference is not None  # set with the rule
-            if (diff := reference.difference(spec)) is not None:
-                raise Refusal(str(model_mismatch_error(worker, diff)))
+        rule = self._replacing(worker, spec, self.worker_loss == "drop" and self.mode == "sync", "drop")
+        assert isinstance(rule, SyncRule)  # a sync job's
         taken, closed = rule.readmit(worker, number, step)
         shard = self._shard()
         with shard.lock:
             return Readmitted(shard.frozen, taken, closed, shard.began_options())
+
+    def _replacing(self, worker: int, spec: ModelSpec, allowed: bool, policy: str) -> ConsistencyRule:
+        """The rule a replacement of `worker` with the model `spec` comes into, in a job whose `policy` replaces
+        dead workers (`allowed`: this job's).
+
+        Raises:
+            Refusal: not `allowed`, not yet serving, `worker` is none of its workers, or `spec` differs from worker
+                0's model.
+        """
+        with self._lock:
+            rule, reference = self.rule, self._reference
+            if not allowed or rule is None or worker not in self._registrations:
+                raise Refusal(
+                    f"worker {worker}'s replacement cannot join server {self.shard_id}: it joins a job with "
+                    f"worker_loss '{policy}' as one of its {self.num_workers} workers, once every worker has registered"
+                )
+            assert reference is not None  # set with the rule
+            if (diff := reference.difference(spec)) is not None:
+                raise Refusal(str(model_mismatch_error(worker, diff)))
+        return rule
 
     def _build(self, s: Setup) -> ShardState:
         """The shard from worker 0's setup, then, when resuming, its state from the checkpoint folder (written
