@@ -205,6 +205,12 @@ class Faults:
         without it until then (`worker_loss` drop with max_restarts)."""
         return self.worker_loss == "drop" and self.max_restarts > 0
 
+    @property
+    def restarts_workers(self) -> bool:
+        """Whether the launcher starts a replacement for a worker that dies (`replaces_workers` or
+        `readmits_workers`)."""
+        return self.replaces_workers or self.readmits_workers
+
 
 @dataclasses.dataclass(kw_only=True)
 class JobConfig(Faults, Checkpointing, Timeouts, Training, Placement):  # fields in the order placement, training, ...
@@ -227,13 +233,13 @@ class JobConfig(Faults, Checkpointing, Timeouts, Training, Placement):  # fields
         self._check_timeouts()
         self._check_faults()
         refusal = strategy.worker_loss_refusal(self.worker_loss, self.mode)
-        if self.worker_loss == "drop" and self.max_restarts and self.mode != "sync":
+        if self.readmits_workers and self.mode != "sync":
             refusal = refusal or (
                 f"worker_loss='drop' with max_restarts={self.max_restarts} and mode={self.mode!r}: a dropped "
                 "worker's replacement joins a sync job at a step boundary; under async and ssp pass --worker-loss "
                 "wait, whose replacement takes the dead worker's rank and goes on at once"
             )
-        if self.replaces_workers or self.readmits_workers:
+        if self.restarts_workers:
             refusal = refusal or capabilities(self.transport).replacement_refusal(self.transport)
         if refusal:
             raise ConfigError(refusal)
@@ -303,7 +309,7 @@ class JobConfig(Faults, Checkpointing, Timeouts, Training, Placement):  # fields
         replica's server died)."""
         return (
             self.step_timeout
-            + (self.restart_timeout if self.replaces_workers or self.readmits_workers else 0.0)
+            + (self.restart_timeout if self.restarts_workers else 0.0)
             + (self.step_timeout if self.replicated else 0.0)
         )
 

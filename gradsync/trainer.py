@@ -172,7 +172,7 @@ class Trainer:
             used = replacement.ContinuedScaler(scaler, replacement.scaler_after(job.store, job.config, job.steps - 1))
         self._continues = False
         self._commit(context_id, used)
-        if (job.config.replaces_workers or job.config.readmits_workers) and scaler is not None:
+        if job.config.restarts_workers and scaler is not None:
             replacement.record_scaler(job.store, job.config.worker_rank, job.steps, scaler)
         self._job.steps += 1
         every = self._job.config.checkpoint_every

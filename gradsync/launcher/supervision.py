@@ -343,8 +343,7 @@ def supervise(
     deadline = None if timeout is None else time.monotonic() + timeout
     watch = Watch(config)
     departures = Departures(config, store, run_dir) if config.elastic else None
-    replaces = config.replaces_workers or config.readmits_workers
-    restarts = Restarts(config, store, run_dir, replace) if replaces and replace is not None else None
+    restarts = Restarts(config, store, run_dir, replace) if config.restarts_workers and replace is not None else None
     losses = ServerLoss(config, store, replace) if config.replicated else None
     next_read = 0.0
     exited: set[int] = set()  # worker ranks seen exiting 0 (`_quitter_seen`)

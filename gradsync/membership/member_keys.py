@@ -52,26 +52,29 @@ BACK = "+back"
 """What a GONE line says of a worker whose replacement joined the job again (`record_back`)."""
 
 
+def _gone_lines(raw: bytes) -> list[tuple[int, str]]:
+    """(worker, how it went, or BACK) of each `worker:how` line of the GONE key, in order."""
+    return [(int(worker), how) for worker, _, how in (line.partition(":") for line in raw.decode().splitlines())]
+
+
 def parse_gone(raw: bytes) -> dict[int, str]:
     """{worker: how it went} of the workers gone now, from the lines of the GONE key: a worker's first death since
     it was last back (`record_back`)."""
     gone: dict[int, str] = {}
-    for line in raw.decode().splitlines():
-        worker, _, how = line.partition(":")
+    for worker, how in _gone_lines(raw):
         if how == BACK:
-            gone.pop(int(worker), None)
+            gone.pop(worker, None)
         else:
-            gone.setdefault(int(worker), how)
+            gone.setdefault(worker, how)
     return gone
 
 
 def deaths(raw: bytes) -> dict[int, int]:
     """{worker: how many of its processes died} from the GONE key's lines (a worker's replacements die too)."""
     counts: dict[int, int] = {}
-    for line in raw.decode().splitlines():
-        worker, _, how = line.partition(":")
+    for worker, how in _gone_lines(raw):
         if how != BACK:
-            counts[int(worker)] = counts.get(int(worker), 0) + 1
+            counts[worker] = counts.get(worker, 0) + 1
     return counts
 
 

@@ -64,7 +64,7 @@ class Readmitted(NamedTuple):
     `ParameterServer.readmit`)."""
 
     frozen: dict[str, torch.Tensor]
-    """This shard's frozen parameters, as a registration answers."""
+    """This shard's frozen parameters, as a registration answers, once it has begun that step ({} before)."""
     taken: bool
     """Whether it takes the replacement's part of that step and of every later one."""
     closed: int

@@ -200,8 +200,8 @@ class ParameterServer:
         assert isinstance(rule, SyncRule)  # a sync job's
         taken, closed = rule.readmit(worker, number, step)
         shard = self._shard()
-        with shard.lock:
-            return Readmitted(shard.frozen, taken, closed, shard.began_options())
+        with shard.lock:  # the frozen parameters once it has begun that step: the answer the replacement keeps
+            return Readmitted(shard.frozen if taken and closed == step else {}, taken, closed, shard.began_options())
 
     def _replacing(self, worker: int, spec: ModelSpec, allowed: bool, policy: str) -> ConsistencyRule:
         """The rule a replacement of `worker` with the model `spec` comes into, in a job whose `policy` replaces
