@@ -9,7 +9,7 @@ import torch
 import gradsync
 from helpers import SUPPORT, checkpoint_files, run_cli, same
 from replaced import (Death, reference, starts_at, train, train_async, train_clicks, train_dropping, train_dynamic_tables,
-                      train_joining, train_killing_a_server, train_real_loop)
+                      train_joining, train_killing_a_server, train_real_loop, reference_real_loop)
 
 pytestmark = pytest.mark.job
 
@@ -136,8 +136,8 @@ def test_a_real_loop_ends_bit_for_bit_as_without_the_deaths(launch):
     runs = [launch(train_real_loop, strategy="ps", workers=2, servers=2, timeout=150, args=(died, 10),
                    worker_loss="wait", max_restarts=2)
             for died in ((), deaths)]
-    assert [start for start, _ in runs[1]] == [5, 8]
-    for (_, clean), (_, died) in zip(*runs):
+    assert [start for start, _, _ in runs[1]] == [5, 8]
+    for (_, clean, _), (_, died, _) in zip(*runs):
         assert clean.keys() == died.keys() and all(torch.equal(clean[k], died[k]) for k in clean)
     assert not torch.equal(runs[1][0][1]["norm.running_mean"], torch.zeros(16))  # the statistics moved
 
@@ -243,3 +243,19 @@ def test_with_drop_a_replacement_that_comes_after_the_last_step_is_stopped_and_t
     expected = reference(STEPS, 3, without[0])
     assert all(torch.allclose(state[k], expected[k], atol=1e-5) for k in expected)
     assert "gradsync: the job ended before the replacement of worker1 (rank 2) joined it" in capfd.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_with_drop_and_restarts_a_real_loop_is_single_process_training_on_the_batches_applied(launch, capfd):
+    """Two parameter groups on an lr schedule set from the step, a frozen layer, BatchNorm, a layer unused on odd
+    steps: worker 1 killed in step 2's backward, its replacement joining a few steps later."""
+    results = launch(train_real_loop, strategy="ps", workers=3, servers=2, timeout=100, args=((Death(1, 2, "backward"),),
+                     STEPS, 0.3), worker_loss="drop", max_restarts=1)
+    start = results[1][0]
+    assert 2 < start < STEPS and f"the replacement joins the job at step {start}" in capfd.readouterr().err
+    assert all(without == {step: [1] for step in range(2, start)} for _, _, without in results)
+    state = results[0][1]
+    assert all(all(torch.equal(state[k], other[k]) for k in state) for _, other, _ in results[1:])
+    expected = reference_real_loop(STEPS, 3, results[0][2])
+    assert all(torch.allclose(state[k].float(), expected[k].float(), atol=1e-5) for k in expected), max(
+        (state[k].float() - expected[k].float()).abs().max().item() for k in expected)

@@ -4,6 +4,7 @@ started, which process it was and the job's final state."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import signal
 import time
@@ -168,25 +169,58 @@ class _Net(torch.nn.Module):
         return self.head(h + self.even(h) if step % 2 == 0 else h)
 
 
-def train_real_loop(deaths: tuple[Death, ...], steps: int) -> tuple[int, dict]:
-    """`_Net` with AdamW over two parameter groups (their own lr and weight decay), whose lr halves every 2
-    steps, set from the step at the top of the loop (as a resumed script sets its schedule); deaths as `train`'s.
-    Returns (start step, final state)."""
+def _real_loop_optimizer(model: _Net) -> torch.optim.AdamW:
+    """AdamW over two parameter groups of `model`, with their own lr and weight decay."""
+    return torch.optim.AdamW([
+        {"params": [*model.body.parameters(), *model.even.parameters()], "lr": 0.02, "weight_decay": 0.1},
+        {"params": [*model.norm.parameters(), *model.head.parameters()], "lr": 0.01, "weight_decay": 0.0}])
+
+
+def _schedule(optimizer: torch.optim.Optimizer, step: int) -> None:
+    """Each group's lr halves every 2 steps, set from the step (as a resumed script sets its schedule)."""
+    for group, lr in zip(optimizer.param_groups, (0.02, 0.01)):
+        group["lr"] = lr * 0.5 ** (step // 2)
+
+
+def train_real_loop(deaths: tuple[Death, ...], steps: int, pace: float = 0.0) -> tuple[int, dict, dict]:
+    """`_Net` with `_real_loop_optimizer` on `_schedule`, each step at least `pace` seconds; deaths as `train`'s.
+    Returns (start step, final state, the steps server 0 went on without a worker: {step: workers})."""
     me = gradsync.worker_rank()
     model = _Net()
-    groups = [{"params": [*model.body.parameters(), *model.even.parameters()], "lr": 0.02, "weight_decay": 0.1},
-              {"params": [*model.norm.parameters(), *model.head.parameters()], "lr": 0.01, "weight_decay": 0.0}]
-    trainer = gradsync.Trainer(model, torch.optim.AdamW(groups))
+    trainer = gradsync.Trainer(model, _real_loop_optimizer(model))
     step = [trainer.start_step]
     _arm_mine(deaths, model.body, step)
     for step[0] in range(trainer.start_step, steps):
-        for group, lr in zip(trainer.optimizer.param_groups, (0.02, 0.01)):
-            group["lr"] = lr * 0.5 ** (step[0] // 2)
+        _schedule(trainer.optimizer, step[0])
         x, y = batch(step[0], me)
         with dist_autograd.context() as cid:
             dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x, step[0]), y)])
             trainer.step(cid)
-    return trainer.start_step, trainer.state_dict()
+        time.sleep(pace)
+    return trainer.start_step, trainer.state_dict(), trainer.server_stats()[0]["steps_without"]
+
+
+def reference_real_loop(steps: int, workers: int, without: dict[int, list[int]]) -> dict:
+    """`train_real_loop` in one process, each step's workers applied then (all `workers`, less those `without`
+    names) simulated: each computes its gradient and BatchNorm statistics on its own batch from the same values,
+    and the step applies the mean of their gradients and of their floating buffers (the integer ones as the
+    first worker's), as the servers do."""
+    model = _Net()
+    optimizer = _real_loop_optimizer(model)
+    for step in range(steps):
+        applied = [w for w in range(workers) if w not in without.get(step, [])]
+        copies = [copy.deepcopy(model) for _ in applied]
+        for w, each in zip(applied, copies):
+            x, y = batch(step, w)
+            F.cross_entropy(each(x, step), y).backward()
+        for p, *theirs in zip(model.parameters(), *(c.parameters() for c in copies)):
+            grads = [q.grad for q in theirs if q.grad is not None]
+            p.grad = torch.stack(grads).sum(0) / len(applied) if grads else None
+        for (name, b), *theirs in zip(model.named_buffers(), *(c.buffers() for c in copies)):
+            b.copy_(torch.stack(theirs).mean(0) if b.is_floating_point() else theirs[0])
+        _schedule(optimizer, step)
+        optimizer.step()
+    return model.state_dict()
 
 
 def train_joining(death: Death, steps: int) -> int:
