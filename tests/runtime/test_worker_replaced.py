@@ -1,6 +1,7 @@
 """worker_loss wait: a sync ps job whose worker dies keeps its servers and other workers, the launcher starts a
 replacement with the same rank, the step in flight waits for it, and the job ends bit for bit as without the
 death, wherever in the step the worker died."""
+import json
 import re
 
 import pytest
@@ -191,12 +192,16 @@ def test_gradsync_run_replaces_a_worker_started_as_a_new_process(tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("point,restarts", [("forward", 0), ("pieces", 1)])
-def test_with_drop_the_job_goes_on_without_the_dead_worker_as_the_mean_of_the_others(launch, point, restarts, capfd):
-    """Without restarts, to the end; with one, until its replacement joins at a step boundary."""
+@pytest.mark.parametrize("point,restarts", [("forward", 0), ("pieces", 1), ("pushed", 1), ("checkpoint", 1)])
+def test_with_drop_the_job_goes_on_without_the_dead_worker_as_the_mean_of_the_others(launch, point, restarts, capfd,
+                                                                                     tmp_path):
+    """Without restarts, to the end; with one, until its replacement joins at a step boundary. A worker that dies
+    after its push of a step reached every server (or as it writes its part of that step's checkpoint) is in that
+    step."""
     workers, death = 3, Death(1, 2, point)
+    saved = dict(checkpoint_dir=str(tmp_path), checkpoint_every=3) if point == "checkpoint" else {}  # after step 2
     results = launch(train_dropping, strategy="ps", workers=workers, servers=2, timeout=100,
-                     args=(death, STEPS, 0.3), worker_loss="drop", max_restarts=restarts, bucket_cap_mb=0.0005)
+                     args=(death, STEPS, 0.3), worker_loss="drop", max_restarts=restarts, bucket_cap_mb=0.0005, **saved)
     err = capfd.readouterr().err
     if restarts:
         start = results[1][2]
@@ -210,11 +215,15 @@ def test_with_drop_the_job_goes_on_without_the_dead_worker_as_the_mean_of_the_ot
         assert "gradsync: worker1 (rank 3) left (killed by SIGKILL)" in err
     (state, without, _), (other, _, _) = results[0], results[2]
     assert without[0] == without[1] and all(torch.equal(state[k], other[k]) for k in state)
-    assert without[0] == {step: [1] for step in range(2, start)}  # from the step it died in on, until it joined
+    first = 2 + (point in ("pushed", "checkpoint"))  # from the step it died in on (or the next), until it joined
+    assert without[0] == {step: [1] for step in range(first, start)}
     expected = reference(STEPS, workers, without[0])
     assert all(torch.allclose(state[k], expected[k], atol=1e-5) for k in expected)
     if restarts:
         assert all(torch.equal(state[k], results[1][0][k]) for k in state)
+    if saved:  # the checkpoint it died writing is whole without its part, and the replacement's later ones with it
+        written = {c: json.loads((tmp_path / f"step-{c:08d}" / "MANIFEST.json").read_text())["written"] for c in (3, 9)}
+        assert written == {3: [0, 2], 9: [0, 1, 2]}, written
 
 
 @pytest.mark.timeout(180)
