@@ -10,6 +10,7 @@ state, and none can start a new round (the next epoch) on a server that still co
 
 The wait is bounded as the job's other waits are: it fails when another rank failed, when a rank has sent no
 heartbeat for step_timeout, or when a worker left the job (or, in an async or ssp job, died) without joining.
+Under worker_loss drop a worker that died counts as joined: the steps go on without it, and so does the round.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from gradsync.config import JobConfig
 from gradsync.core.job_names import StoreKeys, worker_name
 from gradsync.core.waiting import wait_until
-from gradsync.membership.heartbeat import Heartbeat
+from gradsync.membership.heartbeat import Heartbeat, interval
 from gradsync.membership.member_keys import parse_gone, parse_left
 
 if TYPE_CHECKING:
@@ -70,8 +71,8 @@ class Joiner:
                     f"{worker_name(worker)} left the job after {steps} steps without joining, and {waiting}: "
                     "with trainer.join(), every worker must train inside its `with trainer.join():` block"
                 )
-            gone = parse_gone(store.get(StoreKeys.GONE))
-            if gone:  # a worker of an async or ssp job died: it will never join
+            gone = parse_gone(store.get(StoreKeys.GONE)) if config.worker_loss != "drop" else {}
+            if gone:  # a worker of an async or ssp job died: it will never join (under drop it counts as joined)
                 worker, how = next(iter(gone.items()))
                 raise RuntimeError(f"{worker_name(worker)} left the job ({how}) without joining, and {waiting}")
             silent = watch.silent(config.step_timeout)
@@ -86,31 +87,36 @@ class Joiner:
         self.round += 1
 
 
-def serve(store: dist.Store, server: ParameterServer, num_workers: int) -> None:
+def serve(store: dist.Store, server: ParameterServer, config: JobConfig) -> None:
     """On a server: tell `server` of every worker that joins, as it joins (a daemon thread of its own)."""
     threading.Thread(
         target=_listen,
         # Store.clone: missing from torch's stubs
-        args=(store.clone(), server, num_workers),  # type: ignore[attr-defined]
+        args=(store.clone(), server, config),  # type: ignore[attr-defined]
         name="gradsync-joins",
         daemon=True,
     ).start()
 
 
-def _listen(store: dist.Store, server: ParameterServer, num_workers: int) -> None:
+def _listen(store: dist.Store, server: ParameterServer, config: JobConfig) -> None:
+    """A round is over once every worker has joined, or (worker_loss drop) every worker the server's steps do not go
+    on without: then its mark. Under drop it looks again every heartbeat interval, for a worker that dies once the
+    others have joined ends the round too."""
     event, rounds, joined = 1, 0, set()
+    wait = datetime.timedelta(seconds=interval(config.step_timeout)) if config.worker_loss == "drop" else _LISTEN
+    everyone = set(range(config.num_workers))
     while True:
         key = StoreKeys.JOINED.format(event)
         try:
-            store.wait([key], _LISTEN)
+            store.wait([key], wait)
             worker = int(store.get(key))
+            event += 1
+            server.worker_joined(worker)
+            joined.add(worker)
         except dist.DistStoreError:  # no join within the wait: wait again
-            continue
+            pass
         except dist.DistError:  # the store is gone: the job is ending
             return
-        event += 1
-        server.worker_joined(worker)
-        joined.add(worker)
-        if len(joined) == num_workers:
+        if joined and joined | server.dropped() >= everyone:
             store.set(StoreKeys.JOIN_DONE.format(rounds, server.shard_id), "1")
             rounds, joined = rounds + 1, set()

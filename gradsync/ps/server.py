@@ -537,6 +537,10 @@ class ParameterServer:
         for fut in waiting:
             fut.set_exception(self._refusal)
 
+    def dropped(self) -> frozenset[int]:
+        """The workers this server's steps go on without now (worker_loss drop: `SyncRule.dropped`)."""
+        return self.rule.dropped if isinstance(self.rule, SyncRule) else frozenset()
+
     def worker_joined(self, worker: int) -> None:
         """`worker` ran out of data this round (`trainer.join()`, told by `gradsync.membership.uneven_data`)."""
         if self.rule is not None:

@@ -270,10 +270,20 @@ class SyncRule(ConsistencyRule):
         them are active again (the next round: another epoch)."""
         with self.shard.lock:
             self._joined.add(worker)
-            if self._joined >= set(range(self.num_workers)) - self._gone:
-                self._joined = set()
+            self._end_round()
             answers = self._progress()
         answer(answers)
+
+    def _end_round(self) -> None:
+        """Once every worker still in the job has joined, all of them are active again. Call with the lock held."""
+        if self._joined >= set(range(self.num_workers)) - self._gone:
+            self._joined = set()
+
+    @property
+    def dropped(self) -> frozenset[int]:
+        """The workers the steps go on without now (worker_loss drop)."""
+        with self.shard.lock:
+            return frozenset(self._gone)
 
     def worker_restarted(self, worker: int) -> tuple[int, Snapshot | None, Snapshot | None, Partial | None, list[dict]]:
         """`worker` died and its replacement rejoins: what the dead process sent of the step in flight is
@@ -351,6 +361,8 @@ class SyncRule(ConsistencyRule):
             self._gone.add(worker)
             self._back.pop(worker, None)
             self._numbers.forget(worker)  # a replacement numbers its pieces from the start
+            if self._joined:  # the others may all have joined: the round is over
+                self._end_round()
             answers = self._forget(worker, GradientError(f"worker {worker} left the job; the step goes on without it"))
             self._means = {}  # averaged with its part: again without it (no bucket is applied before the step closes)
             answers += self._progress()

@@ -109,7 +109,7 @@ def serve(cluster: Cluster, servers: list[ParameterServer]) -> None:
         server = servers[0]
         for each in servers:
             cluster.heartbeat.on_left(each.worker_left)
-            uneven_data.serve(cluster.store, each, config.num_workers)
+            uneven_data.serve(cluster.store, each, config)
         endpoint = start_endpoint(server, cluster.store, config.step_timeout)
         rank_side.serve(server, cluster.store, config)
         wait_for_workers(cluster, deadline=None)

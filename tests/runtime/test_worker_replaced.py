@@ -10,6 +10,7 @@ import torch
 import gradsync
 from helpers import SUPPORT, checkpoint_files, run_cli, same
 from replaced import (Death, reference, starts_at, train, train_async, train_clicks, train_dropping, train_dynamic_tables,
+                      train_joining_dropping,
                       train_joining, train_killing_a_server, train_real_loop, reference_real_loop)
 
 pytestmark = pytest.mark.job
@@ -239,6 +240,25 @@ def test_a_dead_server_restarts_the_whole_job_from_its_checkpoint(launch, tmp_pa
     assert [r[:2] for r in runs["died"]] == [(6, 1), (6, 1)]
     for (_, _, clean), (_, _, died) in zip(runs["clean"], runs["died"]):
         assert all(torch.equal(clean[k], died[k]) for k in clean)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("batches,death,closed", [((10, 10, 7), Death(1, 2, "forward"), 11),
+                                                  ((5, 10, 5), Death(1, 7, "forward"), 8)])
+def test_with_drop_trainer_join_counts_a_dead_worker_as_joined(launch, batches, death, closed):
+    """Uneven data inside `trainer.join()`: worker 1 dies before the others join, or once they all have (then its
+    death ends the round); then a step of every live worker (the next round). The servers close `closed` steps."""
+    results = launch(train_joining_dropping, strategy="ps", workers=3, servers=2, timeout=100, args=(death, batches),
+                     worker_loss="drop")
+    assert results[1] is None and [d.worker for d in results.departures] == [1]
+    (state, without), (other, _) = results[0], results[2]
+    assert all(torch.equal(state[k], other[k]) for k in state)
+    assert without == {step: [1] for step in range(death.step, closed)}  # the steps closed while it was gone
+    last = max(batches)  # the step after the block, whose batches are those of step `last`
+    applied = {s: [w for w in range(3) if (s < batches[w] or s == last) and not (w == 1 and s >= death.step)]
+               for s in range(last + 1)}
+    expected = reference(last + 1, 3, {s: [w for w in range(3) if w not in applied[s]] for s in applied})
+    assert all(torch.allclose(state[k], expected[k], atol=1e-5) for k in expected)
 
 
 @pytest.mark.timeout(120)

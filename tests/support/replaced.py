@@ -241,6 +241,29 @@ def train_joining(death: Death, steps: int) -> int:
     return steps
 
 
+def train_joining_dropping(death: Death, batches: tuple[int, ...]) -> tuple[dict, dict]:
+    """The MLP with AdamW inside one `trainer.join()` block, worker w on its batches of steps 0..batches[w] - 1,
+    then one step more on its batch of step max(batches), every worker active again; `death` kills its worker
+    (worker_loss drop). Returns (final state, server 0's steps without a worker)."""
+    me = gradsync.worker_rank()
+    model = make_mlp()
+    trainer = gradsync.Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+    step = [0]
+    if death.worker == me:
+        _arm(death, model[2], step)
+    with trainer.join():
+        for step[0] in range(batches[me]):
+            x, y = batch(step[0], me)
+            with dist_autograd.context() as cid:
+                dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
+                trainer.step(cid)
+    x, y = batch(max(batches), me)
+    with dist_autograd.context() as cid:
+        dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x), y)])
+        trainer.step(cid)
+    return trainer.state_dict(), trainer.server_stats()[0]["steps_without"]
+
+
 def train_dropping(death: Death, steps: int, pace: float = 0.0, late: float = 0.0) -> tuple[dict, dict, int]:
     """The plain MLP with AdamW for `steps` steps on worker w's batches of each step, each step at least `pace`
     seconds; `death` kills its worker (worker_loss drop: the job goes on without it), whose replacement waits
@@ -265,11 +288,13 @@ def train_dropping(death: Death, steps: int, pace: float = 0.0, late: float = 0.
 
 def reference(steps: int, workers: int, without: dict[int, list[int]]) -> dict:
     """Single-process training of `train_dropping`'s model on each step's batches of the workers applied then (all
-    `workers`, less those `without` names for that step)."""
+    `workers`, less those `without` names for that step; a step none applied is no step)."""
     model = make_mlp()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     for step in range(steps):
         applied = [w for w in range(workers) if w not in without.get(step, [])]
+        if not applied:
+            continue
         x, y = (torch.cat(t) for t in zip(*(batch(step, w) for w in applied)))
         optimizer.zero_grad()
         F.cross_entropy(model(x), y).backward()

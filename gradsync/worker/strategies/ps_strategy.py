@@ -615,7 +615,8 @@ class PSStrategy(OnServers, Strategy):
         replacement, which cannot know how far into the block its dead process's data had gone."""
         if self.replaced:
             raise RuntimeError(
-                f"worker {self.worker}'s replacement (worker_loss='wait') entered trainer.join(): a replacement "
+                f"worker {self.worker}'s replacement (worker_loss={self.config.worker_loss!r}) entered trainer.join(): "
+                "a replacement "
                 "cannot tell how many of the block's batches its dead process had trained on, nor whether it had "
                 "joined; give every worker the same number of batches (drop_last=True, or DistributedSampler) "
                 "instead of trainer.join(), or pass --worker-loss fail with --checkpoint-dir/--checkpoint-every"
