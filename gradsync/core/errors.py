@@ -172,3 +172,20 @@ def no_gradients_error(context_id: int) -> RuntimeError:
         "dist_autograd.backward(context_id, [loss]) in the same dist_autograd.context() before "
         "trainer.step(context_id)"
     )
+
+
+def not_replaced_error(what: str) -> ValueError:
+    """An allreduce job with worker_loss wait whose model or loop has `what`, which a replacement cannot rejoin yet."""
+    return ValueError(
+        f"worker_loss='wait' under the allreduce strategy with {what}: a dead worker's replacement does not rejoin "
+        "such a job yet; pass --worker-loss fail with --checkpoint-dir/--checkpoint-every to resume after a death, "
+        "or use the ps strategy, whose replacements take those too"
+    )
+
+
+def no_survivor_error(workers: int) -> RuntimeError:
+    """Every worker of an allreduce job with worker_loss wait died at once: none holds the job's state."""
+    return RuntimeError(
+        f"all {workers} workers of the job died at once, so no live worker holds the state their replacements "
+        "would continue from: resume the job from its latest checkpoint (--resume)"
+    )

@@ -17,6 +17,12 @@ class StoreKeys:
     RPC_SERVING = "gradsync/rpc_serving/{}"  # server s is in the dynamic RPC group of an elastic job
     RPC_MEMBERSHIP = "gradsync/rpc_membership"  # the rank that joins or leaves that group now
     PROCESS_GROUP = "gradsync/pg"
+    # allreduce with worker_loss wait: generations of the workers' group (`worker.ddp.generations`): the latest
+    # number the launcher gave (+1 as it starts a replacement); a generation's registered members; the state a
+    # survivor left for the replacements of a generation
+    GENERATION = "gradsync/generation"
+    GENERATION_MEMBERS = "gradsync/generation/{}/members"
+    HEALING = "gradsync/generation/{}/healing"
     RPC = "gradsync/rpc"
     TOKEN = "gradsync/grpc_token"
     # the job's id, which its run directory's files name (`transport.grpc.endpoint_files.job_id`)

@@ -10,6 +10,7 @@ newer ones, which these checks guard).
 from __future__ import annotations
 
 import ctypes
+import datetime
 import functools
 import importlib
 import multiprocessing.connection
@@ -25,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 
@@ -59,6 +61,7 @@ __all__ = [
     "importing_main_for_a_child",
     "quiet_resource_tracker",
     "sparse_parts",
+    "gloo_group",
 ]
 
 
@@ -128,6 +131,24 @@ def current_context_id() -> int | None:
         return dist_autograd._current_context()._context_id()
     except RuntimeError:
         return None
+
+
+@_uses(
+    "torch.distributed:ProcessGroup._set_default_backend",
+    "torch.distributed:ProcessGroup._register_backend",
+    "torch.distributed:ProcessGroupGloo._set_sequence_number_for_group",
+)
+def gloo_group(store, rank: int, size: int, timeout: datetime.timedelta) -> dist.ProcessGroup:
+    """A gloo process group of `size` ranks over `store` (its keys under a prefix of the caller's), made without
+    the default group: `dist.new_group` is a collective of every rank of that group, which a group formed after
+    a death cannot call. Its collectives are its own methods (`group.allreduce([t])`): `dist.broadcast` and
+    others refuse a group that `dist.new_group` did not register."""
+    group = dist.ProcessGroup(store, rank, size)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    backend = dist.ProcessGroupGloo(store, rank, size, timeout)
+    backend._set_sequence_number_for_group()
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    return group
 
 
 @_uses("torch:Tensor._values", "torch:Tensor._indices")

@@ -1,4 +1,4 @@
-"""Replacing a ps job's dead workers (worker_loss wait, or drop with max_restarts), as its launcher sees them;
+"""Replacing a job's dead workers (worker_loss wait, or drop with max_restarts), as its launcher sees them;
 and a job whose server died run again from its checkpoint (`job_restart`, with max_restarts).
 
 `supervision.supervise` asks `Restarts.take` about each worker that died (killed, exited non-zero, or silent past
@@ -28,6 +28,7 @@ from gradsync.config import ConfigError, JobConfig
 from gradsync.core.errors import JobFailed
 from gradsync.core.job_names import StoreKeys
 from gradsync.core.settings import REPLACEMENT, RESTART_COUNT
+from gradsync.core.strategies import traits
 from gradsync.membership import lost_servers
 from gradsync.membership.heartbeat import Watch
 from gradsync.membership.member_keys import record_back, record_gone, workers_in_order
@@ -131,6 +132,8 @@ class Restarts:
                 self.store, dataclasses.replace(config, rank=rank, replacement=number - 1).rpc_identity[0]
             )
         self._forget(rank)
+        if traits(config.strategy).process_group:  # the survivors and the replacement form the next generation
+            self.store.add(StoreKeys.GENERATION, 1)
         ranks[rank] = self.start(rank, number)
         watch.forget(rank)
         self.counts[rank] = number

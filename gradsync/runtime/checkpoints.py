@@ -52,6 +52,7 @@ import re
 import shutil
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -126,7 +127,8 @@ def full_base(config: JobConfig, step: int, start: int) -> int | None:
 
 def open_run(config: JobConfig, store: dist.Store) -> tuple[str, Found | None]:
     """The run this job checkpoints ('' without --checkpoint-dir) and the checkpoint it resumes from (None
-    without --resume): decided by rank 0 (`decide`), published in the store, read by the other ranks.
+    without --resume): decided by rank 0's first process (`decide`), published in the store, read by the other
+    ranks and by replacements.
 
     Raises:
         FileNotFoundError, ConfigError: on rank 0, the refusals of `decide`.
@@ -134,7 +136,7 @@ def open_run(config: JobConfig, store: dist.Store) -> tuple[str, Found | None]:
     """
     if not (config.checkpoint_dir or config.resume):
         return "", None
-    if config.rank == 0:
+    if config.rank == 0 and not config.replacement:  # a replacement of rank 0 reads what its first process decided
         run, found = decide(config)
         store.set(StoreKeys.RUN, json.dumps({"run": run, "path": found and found.path}))
         return run, found
@@ -417,6 +419,7 @@ def save(store: dist.Store, config: JobConfig, run: str, step: int, strategy, de
         [StoreKeys.CHECKPOINT.format(step, w) for w in range(config.num_workers)],
         list(range(config.num_workers)),
         f"did not write its state of the checkpoint of step {step} in {path}",
+        strategy.between_steps,  # a worker that died writing its part: its replacement writes it, once healed
     )
     # the full checkpoint's folder (`full_base`: a step > 0, or None)
     folder = None if base is None else os.path.basename(step_dir(config.checkpoint_dir, base))
@@ -448,15 +451,23 @@ def _coordinator(store: dist.Store, config: JobConfig) -> int:
     return min((w for w in staying(store) if w < config.num_workers), default=0)
 
 
-def _wait(store: dist.Store, config: JobConfig, keys: list[str], workers: list[int], what: str) -> list[int]:
+def _wait(
+    store: dist.Store,
+    config: JobConfig,
+    keys: list[str],
+    workers: list[int],
+    what: str,
+    meanwhile: Callable[[], None] = lambda: None,
+) -> list[int]:
     """Wait up to step_timeout until each key is set or its worker has left an elastic job (died, or finished
-    its steps first); returns the workers whose key is set.
+    its steps first), calling `meanwhile()` at each look; returns the workers whose key is set.
 
     Raises:
         TimeoutError: naming the workers still missing, and `what` they did not do.
     """
 
     def missing() -> list[int]:
+        meanwhile()
         here = set(staying(store)) if config.elastic else set(workers)
         return [w for w, k in zip(workers, keys) if w in here and not store.check([k])]
 

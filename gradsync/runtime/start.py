@@ -108,7 +108,7 @@ def init(
     registry.transport(config.transport).rank.start(config, store)
     if servers is not None:
         serve(cluster, servers)
-    elif traits(config.strategy).process_group:
+    elif traits(config.strategy).process_group and not config.replaces_workers:  # else by generation: the strategy's
         dist.init_process_group(
             process_group_backend(),
             store=dist.PrefixStore(StoreKeys.PROCESS_GROUP, store),

@@ -68,8 +68,8 @@ def test_bad_environment_is_refused_with_the_value_and_the_fix(env, match):
      "replicas=1 with worker_loss='drop': servers that keep each other's shards do not yet go on without a dead"),
     (dict(max_restarts=-1), "max_restarts=-1: pass --max-restarts N with N >= 0"),
     (dict(worker_loss="gone"), "unknown worker_loss policy 'gone': expected one of 'fail', 'wait', 'drop'"),
-    (dict(worker_loss="wait", strategy="allreduce", servers=0),
-     "worker_loss='wait' is available for ps sync/async/ssp jobs so far, got strategy='allreduce'"),
+    (dict(worker_loss="wait", strategy="sharded", servers=0),
+     "worker_loss='wait' is available for ps sync/async/ssp, allreduce sync jobs so far, got strategy='sharded'"),
     (dict(worker_loss="wait", transport="grpc"),
      "the grpc transport does not yet: use --transport rpc"),
 ])

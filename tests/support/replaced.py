@@ -13,15 +13,15 @@ from typing import NamedTuple
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.nn.functional as F
-
 import gradsync
 from gradsync.runtime import checkpoints
 from gradsync.transport import rpc
+from gradsync.worker.ddp.kept_averaging import KeptAveraging
 from dynamic_jobs import DIM, LR, TABLE_OPTIMIZERS, Net, dynamic_batch
 from jobs import batch, make_mlp
 from sparse_models import ClickNet, click_batch
 
-POINTS = ("forward", "backward", "pieces", "pushed", "one server", "finish", "checkpoint", "stop")
+POINTS = ("forward", "backward", "pieces", "pushed", "one server", "finish", "checkpoint", "stop", "allreduce", "stepped")
 
 
 class Death(NamedTuple):
@@ -29,7 +29,8 @@ class Death(NamedTuple):
     the 'pieces' of its push (the first sent, the others not), once it has 'pushed' the step (before the reply),
     once its whole push reached server 0 alone ('one server': whole steps), once its word on a held step reached
     server 0 alone ('finish': clipping), or writing its part of the 'checkpoint' after the step; or it 'stop's
-    (SIGSTOP) in its forward, silent until the launcher kills it."""
+    (SIGSTOP) in its forward, silent until the launcher kills it. Under allreduce: once its second bucket's
+    'allreduce' began, or once its step is done ('stepped': before the next)."""
 
     worker: int
     step: int
@@ -79,6 +80,25 @@ def _arm(death: Death, layer: torch.nn.Module, step: list[int]) -> None:
             return call(to, called, *args, **kwargs)
 
         rpc.rpc.rpc_async = reach_one
+    elif death.point == "allreduce":
+        average = KeptAveraging._average
+
+        def average_then_die(averaging, kept, b):
+            average(averaging, kept, b)
+            if now() and b == 1:  # its first bucket on the way: the others wait in it
+                time.sleep(0.2)
+                _die()
+
+        KeptAveraging._average = average_then_die
+    elif death.point == "stepped":
+        trainer_step = gradsync.Trainer.step
+
+        def step_then_die(trainer, *args):
+            trainer_step(trainer, *args)
+            if now():
+                _die()
+
+        gradsync.Trainer.step = step_then_die
     elif death.point == "checkpoint":
         write = checkpoints.shard_file.write
 
@@ -182,12 +202,13 @@ def _schedule(optimizer: torch.optim.Optimizer, step: int) -> None:
         group["lr"] = lr * 0.5 ** (step // 2)
 
 
-def train_real_loop(deaths: tuple[Death, ...], steps: int, pace: float = 0.0) -> tuple[int, dict, dict]:
+def train_real_loop(deaths: tuple[Death, ...], steps: int, pace: float = 0.0, **trainer_keywords) -> tuple[int, dict, dict]:
     """`_Net` with `_real_loop_optimizer` on `_schedule`, each step at least `pace` seconds; deaths as `train`'s.
-    Returns (start step, final state, the steps server 0 went on without a worker: {step: workers})."""
+    Returns (start step, final state, the steps server 0 went on without a worker: {step: workers}; {} without
+    servers)."""
     me = gradsync.worker_rank()
     model = _Net()
-    trainer = gradsync.Trainer(model, _real_loop_optimizer(model))
+    trainer = gradsync.Trainer(model, _real_loop_optimizer(model), **trainer_keywords)
     step = [trainer.start_step]
     _arm_mine(deaths, model.body, step)
     for step[0] in range(trainer.start_step, steps):
@@ -197,7 +218,8 @@ def train_real_loop(deaths: tuple[Death, ...], steps: int, pace: float = 0.0) ->
             dist_autograd.backward(cid, [F.cross_entropy(trainer.model(x, step[0]), y)])
             trainer.step(cid)
         time.sleep(pace)
-    return trainer.start_step, trainer.state_dict(), trainer.server_stats()[0]["steps_without"]
+    stats = trainer.server_stats()
+    return trainer.start_step, trainer.state_dict(), stats[0]["steps_without"] if stats else {}
 
 
 def reference_real_loop(steps: int, workers: int, without: dict[int, list[int]]) -> dict:

@@ -34,12 +34,22 @@ active workers first; a worker that ran out of data answers the others'
 collectives with zeros and applies the same averaged gradients. DDP divides
 by all W, so a step with fewer workers is rescaled by W / active: the mean
 over the active workers, as the parameter servers take it.
+
+A dead worker replaced (worker_loss wait): DDP's group is this worker alone and the averaging is gradsync's own
+hook over the workers' generation group (`worker.ddp.kept_averaging`, `worker.ddp.generations`), which keeps each
+step's own gradients. When a collective fails, the step in flight waits in `step` for the next generation, in which
+the replacement joins: the workers agree on the earliest step in flight (`_agree`), a survivor that has not applied
+it sends its model and optimizer state to the replacement through the store (`_send_state`, `_heal`), and the
+survivors average their kept gradients of that step again (one that had applied it already takes part and drops
+the result), while the replacement computes its part in the same layout: the step ends as it would have.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import inspect
+import io
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -57,14 +67,16 @@ from gradsync.core.errors import (
     left_early_error,
     model_mismatch_error,
     no_gradients_error,
+    no_survivor_error,
     no_trainer_error,
     nonfinite_error,
+    not_replaced_error,
     outside_join_error,
     step_twice_error,
 )
 from gradsync.core.finite import first_nonfinite
 from gradsync.core.job_names import StoreKeys
-from gradsync.core.torch_internals import current_context_id, tree_flatten, tree_unflatten
+from gradsync.core.torch_internals import current_context_id, gloo_group, tree_flatten, tree_unflatten
 from gradsync.membership.arrivals import wait_for_every_worker
 from gradsync.metrics.step_metrics import StepMetrics
 from gradsync.metrics.traffic import allreduce_bytes, sparse_bytes
@@ -73,6 +85,8 @@ from gradsync.tables.placement import TableModule
 from gradsync.worker.ddp import ddp_join
 from gradsync.worker.ddp.comm_timing import LastGradient, timed_hook
 from gradsync.worker.ddp.ddp_hooks import make_ddp_hook
+from gradsync.worker.ddp.generations import Generations
+from gradsync.worker.ddp.kept_averaging import KeptAveraging
 from gradsync.worker.module.amp import inverse_scale, record_found_inf
 from gradsync.worker.module.model_state import named_tensors, to_state_dict
 from gradsync.worker.module.user_optimizer import StepGuard
@@ -84,10 +98,18 @@ if TYPE_CHECKING:  # imports point one way: the start-up code (cluster) builds t
     from gradsync.runtime.cluster import Cluster
 
 
-def _check_same_model(spec: ModelSpec, worker: int, num_workers: int) -> None:
-    """Every worker must reach this: compares each worker's model with worker 0's."""
+_FIRST_BUCKET_BYTES = 1 << 20
+"""The averaging's first bucket under worker_loss wait, small so that its allreduce starts early (as DDP's)."""
+
+_BUCKET_BYTES = 25 << 20
+"""The averaging's other buckets without bucket_cap_mb (DDP's default)."""
+
+
+def _check_same_model(spec: ModelSpec, num_workers: int, group: dist.ProcessGroup | None) -> None:
+    """Every worker must reach this: compares each worker's model with worker 0's (over `group`; None: the
+    default group)."""
     specs: list = [None] * num_workers
-    dist.all_gather_object(specs, spec)
+    dist.all_gather_object(specs, spec, group=group)
     for other, theirs in enumerate(specs):
         diff = specs[0].difference(theirs)
         if diff is not None:
@@ -116,17 +138,17 @@ def _no_buffer_broadcast() -> dict:
     return {"broadcast_buffers": False}
 
 
-def _allreduce_mean(tensors: Sequence[torch.Tensor], workers: int) -> None:
-    """Average `tensors` in place over the workers: one flattened allreduce per dtype, none for no tensors.
-    Every worker must reach it."""
-    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+def _allreduce_mean(tensors: Sequence[torch.Tensor], workers: int, group: dist.ProcessGroup | None = None) -> None:
+    """Average `tensors` in place over the workers of `group` (None: the default group): one flattened allreduce
+    per dtype, none for no tensors. Every worker must reach it."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
-        groups.setdefault(t.dtype, []).append(t)
-    for group in groups.values():
-        flat = torch.cat([t.reshape(-1) for t in group])
-        dist.all_reduce(flat)
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for alike in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in alike])
+        dist.all_reduce(flat, group=group)
         flat.div_(workers)
-        for t, mean in zip(group, flat.split([t.numel() for t in group])):
+        for t, mean in zip(alike, flat.split([t.numel() for t in alike])):
             t.copy_(mean.view_as(t))
 
 
@@ -224,7 +246,10 @@ class AllreduceStrategy(Strategy):
         self._begun: int | None = None  # the context of the last step begun
         params, buffers = named_tensors(module)
         wait_for_trainers(cluster)  # DDP's construction is a collective, bounded only by the step timeout
-        _check_same_model(ModelSpec.of(params, buffers), self.worker, config.num_workers)
+        # worker_loss wait: the workers' group by generation, formed anew after each death
+        self.generations = Generations(cluster.store, config) if config.replaces_workers else None
+        if not config.replacement:
+            _check_same_model(ModelSpec.of(params, buffers), config.num_workers, self._group())
         self.module = module
         self.trainable = [p for p in params.values() if p.requires_grad]  # what DDP averages
         self.names = {p: n for n, p in params.items()}
@@ -237,9 +262,15 @@ class AllreduceStrategy(Strategy):
         self.find_unused = find_unused_parameters
         self._used: set[int] = set()  # ids of the parameters this step's forward passes used
         self._last_context: int | None = None
-        self.ddp = DDP(module, **_no_buffer_broadcast())
+        self.averaging: KeptAveraging | None = None
+        self._kept_sync: dict[int, list[torch.Tensor]] = {}  # worker_loss wait: each step's own sync inputs
+        self._buffers_began: dict[str, torch.Tensor] = {}  # worker_loss wait: the buffers as the step in flight began
+        if self.generations is not None:
+            self._replaced_ddp(module)
+        else:
+            self.ddp = DDP(module, **_no_buffer_broadcast())
         # else DDP's built-in allreduce: it divides by W as it copies, no extra pass (the timeline needs a hook)
-        if config.compression != "none" or self.metrics.timeline.on:
+        if self.averaging is None and (config.compression != "none" or self.metrics.timeline.on):
             hook_state, hook = make_ddp_hook(config.compression)
             self.ddp.register_comm_hook(hook_state, timed_hook(hook, self.metrics.timeline, config.compression))
         self.local_nonfinite = False
@@ -263,6 +294,154 @@ class AllreduceStrategy(Strategy):
         for p in self.sparse:
             p.register_hook(self._count_rows)
         cluster.heartbeat.on_left(self._peer_left)
+        if self.generations is not None:
+            self._check_replaceable()
+            self._heal() if config.replacement else self._broadcast_first()
+
+    def _group(self) -> dist.ProcessGroup | None:
+        """The group the workers' collectives go over: the generation's (worker_loss wait), else the default."""
+        return self.generations.group if self.generations is not None else None
+
+    def _replaced_ddp(self, module: nn.Module) -> None:
+        """DDP over this worker alone, averaged by the kept averaging's hook over the generation group."""
+        config = self.config
+        alone = dist.PrefixStore(
+            f"{StoreKeys.PROCESS_GROUP}/alone/{self.worker}/{config.replacement}", self.cluster.store
+        )
+        timeout = datetime.timedelta(seconds=config.step_timeout)
+        self.ddp = DDP(module, process_group=gloo_group(alone, 0, 1, timeout), **_no_buffer_broadcast())
+        cap = int(config.bucket_cap_mb * 2**20) if config.bucket_cap_mb else _BUCKET_BYTES
+        self.averaging = KeptAveraging(
+            self.trainable, (min(cap, _FIRST_BUCKET_BYTES), cap), config.num_workers, self._group, lambda: self.started
+        )
+        self.ddp.register_comm_hook(None, self.averaging.hook)
+
+    def _check_replaceable(self) -> None:
+        """Refuse what a replacement cannot rejoin yet (worker_loss wait)."""
+        if self.sparse:
+            raise not_replaced_error("an embedding table with sparse=True")
+        if self.rows.holds_dynamic:
+            raise not_replaced_error("a gradsync.DynamicEmbedding")
+        if self.config.compression != "none":
+            raise not_replaced_error(f"compression={self.config.compression!r}")
+
+    def _broadcast_first(self) -> None:
+        """Make every worker's parameters and buffers worker 0's, as DDP's construction does over its group."""
+        group = self._group()
+        assert group is not None
+        with torch.no_grad():
+            for t in [*self.module.parameters(), *self.module.buffers()]:
+                group.broadcast(t.data, 0).wait()
+
+    def _agree(self, in_flight: int | None) -> tuple[int, int, list[int]]:
+        """The collective that opens a generation: each worker's step in flight (`self.started`; None: a
+        replacement, which holds none). Returns (the earliest of them, the lowest worker in that step, the
+        replacements)."""
+        workers = self.config.num_workers
+        told = torch.zeros(2 * workers, dtype=torch.int64)
+        told[self.worker] = int(in_flight is None)
+        told[workers + self.worker] = in_flight or 0
+        group = self._group()
+        assert group is not None
+        group.allreduce([told]).wait()
+        new = [w for w in range(workers) if told[w]]
+        steps = {w: int(told[workers + w]) for w in range(workers) if w not in new}
+        if not steps:
+            raise no_survivor_error(workers)
+        earliest = min(steps.values())
+        return earliest, min(w for w, s in steps.items() if s == earliest), new
+
+    def _healing_key(self) -> str:
+        assert self.generations is not None
+        return StoreKeys.HEALING.format(self.generations.number)
+
+    def _send_state(self, in_step: bool) -> None:
+        """Leave this worker's model and optimizer state as its step in flight began (`in_step`: the forward
+        has since updated its buffers, BatchNorm's statistics; else as the next step begins) for the
+        replacements."""
+        model = self.module.state_dict()
+        if in_step:
+            model.update({n: b for n, b in self._buffers_began.items() if n in model})
+        buffer = io.BytesIO()
+        torch.save({"model": model, "optimizer": self.optimizer.state_dict()}, buffer)
+        self.cluster.store.set(self._healing_key(), buffer.getvalue())  # type: ignore[arg-type]  # bytes
+
+    def _heal(self) -> None:
+        """A replacement: form the next generation with the others, and take the state a survivor left of the
+        earliest step in flight, which this process begins (`rejoined_at`), within restart_timeout."""
+        assert self.generations is not None
+        config = self.config
+        deadline = time.monotonic() + config.restart_timeout
+        while True:
+            self.generations.form(deadline)
+            try:
+                in_flight, _, _ = self._agree(None)
+                key = self._healing_key()
+                self.cluster.store.wait([key], datetime.timedelta(seconds=max(deadline - time.monotonic(), 1.0)))
+                state = torch.load(io.BytesIO(self.cluster.store.get(key)), weights_only=True)
+                break
+            except RuntimeError:  # a death in the generation: the next one
+                continue
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.started = in_flight - 1
+        assert self.averaging is not None
+        self.averaging.deferred = True
+        first = self.cluster.resumed.step if self.cluster.resumed is not None else 0
+        self.rejoined_at = self.started - first
+
+    def between_steps(self) -> None:
+        """A replacement coming while this worker waits between steps (for a checkpoint's parts, one of them the
+        dead worker's): form the next generation with it and heal it, as of the step after this worker's."""
+        if self.generations is None or not self.generations.numbered():
+            return
+        deadline = time.monotonic() + self.config.restart_timeout
+        while True:
+            self.generations.form(deadline)
+            try:
+                _, source, new = self._agree(self.started + 1)
+            except RuntimeError:  # another death: the next generation
+                continue
+            if source == self.worker and new:
+                self._send_state(in_step=False)
+            return
+
+    def _averaged_kept(self, averaged: list, scaler) -> list:
+        """The step's averages under worker_loss wait: DDP's (`averaged`), or, in a replacement's first step or
+        after a failed collective, the kept gradients averaged now."""
+        assert self.averaging is not None
+        if self.averaging.deferred:  # a replacement's first step: its loss was scaled by its own GradScaler's scale
+            self.averaging.deferred = False
+            if scaler is not None:
+                self.averaging.rescale(self.started, scaler.state_dict()["scale"] / scaler.get_scale())
+            try:
+                return self.averaging.replay(self.started)
+            except RuntimeError:  # another death
+                self.averaging.broken = True
+        return self._recover() if self.averaging.broken else averaged
+
+    def _recover(self) -> list[torch.Tensor]:
+        """After a failed collective of the step in flight: form the next generation (within restart_timeout),
+        heal its replacements, average the kept gradients of the earliest step in flight again (dropping the
+        result where this worker had applied it) and then of this one, whose averages it returns."""
+        assert self.generations is not None and self.averaging is not None
+        deadline = time.monotonic() + self.config.restart_timeout
+        in_flight = self.started
+        while True:
+            self.generations.form(deadline)
+            try:
+                earliest, source, new = self._agree(in_flight)
+                if source == self.worker and new:
+                    self._send_state(in_step=True)
+                if in_flight == earliest + 1:
+                    self.averaging.replay(earliest)
+                    if earliest in self._kept_sync:
+                        _allreduce_mean([t.clone() for t in self._kept_sync[earliest]], self.active, self._group())
+                averaged = self.averaging.replay(in_flight)
+            except RuntimeError:  # another death: the next generation
+                continue
+            self.averaging.broken = False
+            return averaged
 
     def _forward(self, *args, **kwargs):
         self.metrics.pulled(0.0, 0)  # marks the start of the step
@@ -271,6 +450,8 @@ class AllreduceStrategy(Strategy):
         if context is not None:
             if context != self._begun:  # the step's first forward (micro-batches share its context)
                 self.started, self._begun = self.started + 1, context
+                if self.generations is not None:  # a replacement heals from the buffers as the step began
+                    self._buffers_began = {n: b.clone() for n, b in self.module.named_buffers()}
             if self.joining:
                 self.active = ddp_join.count_active(True, self.trainable[0].device)
         try:
@@ -359,7 +540,10 @@ class AllreduceStrategy(Strategy):
         if not grads:
             raise no_gradients_error(context_id)
         self._last_context = context_id
-        return self._apply([grads.get(p) for p in self.trainable], joined=False, scaler=scaler, outside=outside), start
+        averaged = [grads.get(p) for p in self.trainable]
+        if self.averaging is not None:
+            averaged = self._averaged_kept(averaged, scaler)
+        return self._apply(averaged, joined=False, scaler=scaler, outside=outside), start
 
     def _committed(self, start: float) -> None:
         """The step's record: the wait for DDP's last buckets after the last gradient is communication (commit,
@@ -454,15 +638,35 @@ class AllreduceStrategy(Strategy):
             if joined:
                 for b in self.buffers:
                     b.zero_()
-            _allreduce_mean([flags, *self.buffers], self.active)
+            self._average_sync([flags, *self.buffers])
         seen = flags.gt(0).tolist()
         return [w for w in range(workers) if seen[w]], seen[workers:] or [True] * len(self.trainable)
+
+    def _average_sync(self, tensors: list[torch.Tensor]) -> None:
+        """The step's small collective on `tensors`; under worker_loss wait, kept for a replay and, should a
+        worker die, done again once its replacement has joined."""
+        if self.averaging is None:
+            _allreduce_mean(tensors, self.active)
+            return
+        kept = [t.clone() for t in tensors]
+        self._kept_sync = {n: k for n, k in self._kept_sync.items() if n == self.started - 1}
+        self._kept_sync[self.started] = kept
+        while True:
+            try:
+                _allreduce_mean(tensors, self.active, self._group())
+                return
+            except RuntimeError:  # a worker died: again with its replacement, from the kept inputs
+                for t, k in zip(tensors, kept):
+                    t.copy_(k)
+                self._recover()
 
     @contextlib.contextmanager
     def join(self, joined: Callable[[], None] = lambda: None):
         """`Trainer.join`: count the active workers at each step; on leaving the block, call `joined`, then
         answer the others' steps until every worker has joined. Waits first until every worker has opened
         its block (half the step timeout at most)."""
+        if self.generations is not None:
+            raise not_replaced_error("trainer.join()")
         key, seconds = StoreKeys.JOIN_ENTERED.format(self.join_rounds), self.config.step_timeout / 2
         # Store.append: missing from torch's stubs
         self.cluster.store.append(key, f"{self.worker},")  # type: ignore[attr-defined]
@@ -516,7 +720,9 @@ class AllreduceStrategy(Strategy):
 
     def load_local_state(self, state: dict) -> None:
         """Take back `local_state()` of a checkpoint taken after step `state["step"]` (the replicas come with
-        `load_rows`)."""
+        `load_rows`); a replacement keeps the later state a live worker gave it (`_heal`)."""
+        if self.rejoined_at is not None:
+            return
         self.module.load_state_dict({**self.rows.state(), **state["model"]})  # the replicas' keys as they are
         self.optimizer.load_state_dict(state["optimizer"])
         self.started = state["step"]

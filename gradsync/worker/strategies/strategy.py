@@ -39,6 +39,10 @@ class Strategy(ABC):
     def step(self, context_id: int, scaler=None):
         """Commit the step of `context_id` once, after its backward (see `Trainer.step`)."""
 
+    def between_steps(self) -> None:
+        """Called while this worker waits between two steps outside any collective (for the others' parts of a
+        checkpoint): the allreduce strategy heals a dead worker's replacement there."""
+
     @abstractmethod
     def no_sync(self) -> AbstractContextManager:
         """`Trainer.no_sync`: a block whose backward passes only accumulate."""
