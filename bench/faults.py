@@ -5,7 +5,8 @@ and `fail` with `--resume` from the last checkpoint (`--checkpoint-every`, 16), 
 baseline: run with `--torchft-python`, the python of the venv bench/requirements-torchft.txt builds); a server's
 death (S = 2) with `--replicas 1` (its replica serves its shard) and without (the whole job again from its
 checkpoint); an async job's worker death, the worker departing (as async jobs do without `wait`) or replaced
-(`--worker-loss wait`); and what each policy costs a step without a death, and replicas at W = 4, S = 2.
+(`--worker-loss wait`); gradsync allreduce with `wait` (the survivors and the replacement form a new group) and
+with `fail` and `--resume`; and what each policy costs a step without a death, and replicas at W = 4, S = 2.
 
 The workload (bench/faults_job.py, bench/faults_torchft.py): a 1,055,242-parameter MLP with AdamW, W = 2 (ps: one
 server), each worker's seeded batch of 64 per step, `--compute-s` of emulated compute before each step's forward
@@ -23,7 +24,7 @@ steps there). `--configs` runs some configurations alone (each with its clean ru
 
     .venv/bin/python bench/faults.py [--steps 150] [--kill-at 60] [--compute-s 0.15] [--repeats 2] [--checkpoint-every 16]
         [--torchft-python /work/ftvenv/bin/python] [--cost-steps 200] [--cost-links 100mbit] [--configs NAME ...]
-        [--out bench/results/faults.json]
+        [--costs step replication] [--out bench/results/faults.json]
 """
 from __future__ import annotations
 
@@ -47,6 +48,8 @@ RESULTS = os.path.join(HERE, "results", "faults.json")
 JOB = os.path.join(HERE, "faults_job.py")
 TORCHFT = os.path.join(HERE, "faults_torchft.py")
 REPLICAS = ["--servers", "2", "--replicas", "1"]
+ALLREDUCE = ["--strategy", "allreduce", "--servers", "0"]
+WAIT = ["--worker-loss", "wait", "--max-restarts", "1"]
 GRADSYNC = {  # configuration: (the death's point or None, gradsync run options, the ranks' start, the clean run)
     "ps, no death": (None, ["--worker-loss", "fail"], "fork", None),
     "ps wait, death between steps": ("forward", ["--worker-loss", "wait", "--max-restarts", "1"], "fork", "ps, no death"),
@@ -66,6 +69,11 @@ GRADSYNC = {  # configuration: (the death's point or None, gradsync run options,
     "ps S=2 replicas 1, server death mid-step": ("backward", REPLICAS, "fork", "ps S=2 replicas 1, no death"),
     "ps S=2, server death, whole job again from its checkpoint": ("backward", ["--servers", "2", "--max-restarts", "1"],
                                                                   "fork", "ps S=2, no death"),
+    "allreduce, no death": (None, [*ALLREDUCE, "--worker-loss", "fail"], "fork", None),
+    "allreduce wait, death between steps": ("forward", [*ALLREDUCE, *WAIT], "fork", "allreduce, no death"),
+    "allreduce wait, death mid-step": ("backward", [*ALLREDUCE, *WAIT], "fork", "allreduce, no death"),
+    "allreduce wait, new process, death mid-step": ("backward", [*ALLREDUCE, *WAIT], "exec", "allreduce, no death"),
+    "allreduce fail, then --resume": ("backward", [*ALLREDUCE, "--worker-loss", "fail"], "fork", "allreduce, no death"),
 }
 """A configuration whose name says "server death" kills server 1 (from worker 0), the others worker 1."""
 
@@ -173,21 +181,36 @@ def run_torchft(scenario: str, args, work: str) -> dict:
             "restarts": found.get("restarts", 0)}
 
 
+POLICIES = {  # a job without a death: its options
+    "ps fail": ["--worker-loss", "fail"],
+    "ps wait": ["--worker-loss", "wait"],
+    "ps drop": ["--worker-loss", "drop"],
+    "allreduce fail": [*ALLREDUCE, "--worker-loss", "fail"],
+    "allreduce wait": [*ALLREDUCE, "--worker-loss", "wait"],
+}
+
+
 def step_cost(args) -> dict:
-    """Median trainer.step seconds of fail, wait and drop jobs without a death and without compute, interleaved."""
-    medians: dict[str, list[float]] = {"fail": [], "wait": [], "drop": []}
-    cpu: dict[str, list[float]] = {p: [] for p in medians}
+    """Per policy without a death and without compute, interleaved: the median trainer.step seconds, the median
+    wall seconds a step (worker 0's steps' end to end: allreduce averages in the backward), that against the same
+    strategy's `fail`, and the job's CPU-seconds per step."""
+    runs: dict[str, list[tuple[float, float, float]]] = {p: [] for p in POLICIES}
     for _ in range(args.repeats):
-        for policy in medians:
+        for policy, options in POLICIES.items():
             with tempfile.TemporaryDirectory() as work:
                 log, samples = os.path.join(work, "log"), []
-                _gradsync(log, ["--worker-loss", policy], "fork", ["--steps", str(args.cost_steps), "--compute-s", "0"],
-                          cpu=samples)
-                cpu[policy].append(_cpu_per_step(samples, _steps(log), 2))
-                medians[policy].append(statistics.median(ln["step_s"] for ln in _steps(log)[20:]))
-    fail = statistics.median(medians["fail"])
-    return {p: {"step_ms": 1e3 * statistics.median(v), "x_fail": statistics.median(v) / fail,
-                "cpu_s_per_step": statistics.median(cpu[p])} for p, v in medians.items()}
+                _gradsync(log, options, "fork", ["--steps", str(args.cost_steps), "--compute-s", "0"], cpu=samples)
+                lines = _steps(log)[20:]
+                walls = [b["t"] - a["t"] for a, b in zip(lines, lines[1:])]
+                runs[policy].append((statistics.median(ln["step_s"] for ln in lines), statistics.median(walls),
+                                     _cpu_per_step(samples, _steps(log), 2)))
+    out = {}
+    for policy, rs in runs.items():
+        wall = statistics.median(w for _, w, _ in rs)
+        fail = statistics.median(w for _, w, _ in runs[policy.split()[0] + " fail"])
+        out[policy] = {"step_ms": 1e3 * statistics.median(s for s, _, _ in rs), "wall_step_ms": 1e3 * wall,
+                       "x_fail": wall / fail, "cpu_s_per_step": statistics.median(c for _, _, c in rs)}
+    return out
 
 
 def replication_cost(args) -> dict:
@@ -225,6 +248,8 @@ def main() -> None:
     parser.add_argument("--cost-links", nargs="*", default=[], help="also measure replication behind these links")
     parser.add_argument("--configs", nargs="*", default=list(GRADSYNC), choices=list(GRADSYNC),
                         help="the configurations to run (each with its clean run)")
+    parser.add_argument("--costs", nargs="*", default=["step", "replication"], choices=["step", "replication"],
+                        help="the costs without a death to measure")
     parser.add_argument("--torchft-python", default=None)
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args()
@@ -248,8 +273,8 @@ def main() -> None:
         table[name] = {"wall_s": wall, "time_lost_s": wall - base, "samples_lost": max(r["samples_lost"] for r in rs),
                        "steps_redone": max(r["steps_redone"] for r in rs),
                        "same_result": all(r["sha256"] == clean_sha for r in rs), "runs": rs}
-    cost = step_cost(args)
-    replication = replication_cost(args)
+    cost = step_cost(args) if "step" in args.costs else {}
+    replication = replication_cost(args) if "replication" in args.costs else {}
     result = {"command": " ".join(["bench/faults.py", *sys.argv[1:]]), "machine": machine(load),
               "workload": {"parameters": 1055242, "workers": 2, "servers": 1, "batch": 64, "steps": args.steps,
                            "kill_at": args.kill_at, "compute_s": args.compute_s, "repeats": args.repeats,
@@ -263,9 +288,10 @@ def main() -> None:
     for name, row in table.items():
         print(f"| {name} | {row['wall_s']:.1f} | {row['time_lost_s']:.1f} | {row['samples_lost']} | "
               f"{row['steps_redone']} | {'yes' if row['same_result'] else 'no'} |")
-    print("\n| policy, no death | trainer.step ms | x fail | CPU-s per step |\n|---|---|---|---|")
+    print("\n| policy, no death | trainer.step ms | wall ms a step | x fail | CPU-s per step |\n|---|---|---|---|---|")
     for policy, row in cost.items():
-        print(f"| {policy} | {row['step_ms']:.2f} | {row['x_fail']:.3f} | {row['cpu_s_per_step']:.3f} |")
+        print(f"| {policy} | {row['step_ms']:.2f} | {row['wall_step_ms']:.2f} | {row['x_fail']:.3f} | "
+              f"{row['cpu_s_per_step']:.3f} |")
     print("\n| W = 4, S = 2 | replicas | trainer.step ms | x none | CPU-s per step |\n|---|---|---|---|---|")
     for link, rows in replication.items():
         for name, row in rows.items():

@@ -128,19 +128,21 @@ def test_step_time_times_ps_against_allreduce(tmp_path):
 def test_faults_measures_each_policy_on_a_death_and_its_cost_per_step(tmp_path):
     out = tmp_path / "faults.json"
     configs = ["ps wait, death mid-step", "ps drop, death mid-step", "ps S=2 replicas 1, server death mid-step",
-               "ps S=2, server death, whole job again from its checkpoint"]
+               "ps S=2, server death, whole job again from its checkpoint", "allreduce wait, death mid-step"]
     printed = _run("faults.py", "--steps", "4", "--kill-at", "2", "--compute-s", "0", "--repeats", "1",
                    "--checkpoint-every", "1", "--cost-steps", "22", "--configs", *configs, "--out", str(out),
                    timeout=230)
     result = json.loads(out.read_text())
     deaths, cost = result["deaths"], result["step_cost"]
-    assert set(deaths) == {*configs, "ps, no death", "ps S=2 replicas 1, no death", "ps S=2, no death"}
+    assert set(deaths) == {*configs, "ps, no death", "ps S=2 replicas 1, no death", "ps S=2, no death",
+                           "allreduce, no death"}
     assert all(_positive(row["wall_s"]) and math.isfinite(row["time_lost_s"]) for row in deaths.values())
     for name, row in deaths.items():  # wait and a resume end where the job without the death ends; drop does not
         assert row["same_result"] is ("drop" not in name), name
         assert row["samples_lost"] == (2 * 64 if "drop" in name else 0), name  # worker 1's steps 2 and 3
-    assert all(_positive(row["step_ms"], row["x_fail"], row["cpu_s_per_step"]) for row in cost.values())
-    assert cost["fail"]["x_fail"] == 1.0
+    assert all(_positive(row["step_ms"], row["wall_step_ms"], row["x_fail"], row["cpu_s_per_step"])
+               for row in cost.values())
+    assert cost["ps fail"]["x_fail"] == cost["allreduce fail"]["x_fail"] == 1.0 and "allreduce wait" in cost
     replicas = result["replication_cost"]["loopback"]
     assert replicas["replicas 0"]["x_none"] == 1.0 and _positive(replicas["replicas 1"]["x_none"])
     assert "| ps wait, death mid-step |" in printed and "| loopback | 1 |" in printed

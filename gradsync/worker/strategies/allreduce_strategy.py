@@ -39,7 +39,7 @@ A dead worker replaced (worker_loss wait): DDP's group is this worker alone and 
 hook over the workers' generation group (`worker.ddp.kept_averaging`, `worker.ddp.generations`), which keeps each
 step's own gradients. When a collective fails, the step in flight waits in `step` for the next generation, in which
 the replacement joins: the workers agree on the earliest step in flight (`_agree`), a survivor that has not applied
-it sends its model and optimizer state to the replacement through the store (`_send_state`, `_heal`), and the
+it sends its model and optimizer state to the replacement over the new group (`_send_state`, `_heal`), and the
 survivors average their kept gradients of that step again (one that had applied it already takes part and drops
 the result), while the replacement computes its part in the same layout: the step ends as it would have.
 """
@@ -355,16 +355,31 @@ class AllreduceStrategy(Strategy):
         assert self.generations is not None
         return StoreKeys.HEALING.format(self.generations.number)
 
-    def _send_state(self, in_step: bool) -> None:
-        """Leave this worker's model and optimizer state as its step in flight began (`in_step`: the forward
-        has since updated its buffers, BatchNorm's statistics; else as the next step begins) for the
-        replacements."""
+    def _send_state(self, in_step: bool, new: list[int]) -> None:
+        """Send this worker's model and optimizer state as its step in flight began (`in_step`: the forward has
+        since updated its buffers, BatchNorm's statistics; else as the next step begins) to the replacements
+        `new`: its size through the store, its bytes over the group."""
         model = self.module.state_dict()
         if in_step:
             model.update({n: b for n, b in self._buffers_began.items() if n in model})
         buffer = io.BytesIO()
         torch.save({"model": model, "optimizer": self.optimizer.state_dict()}, buffer)
-        self.cluster.store.set(self._healing_key(), buffer.getvalue())  # type: ignore[arg-type]  # bytes
+        data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+        self.cluster.store.set(self._healing_key(), str(data.numel()))
+        group = self._group()
+        assert group is not None
+        for worker in new:
+            group.send([data], worker, 0).wait()
+
+    def _take_state(self, source: int, deadline: float) -> dict:
+        """The state `source` sends (`_send_state`), within `deadline` (time.monotonic())."""
+        key = self._healing_key()
+        self.cluster.store.wait([key], datetime.timedelta(seconds=max(deadline - time.monotonic(), 1.0)))
+        data = torch.empty(int(self.cluster.store.get(key)), dtype=torch.uint8)
+        group = self._group()
+        assert group is not None
+        group.recv([data], source, 0).wait()
+        return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
 
     def _heal(self) -> None:
         """A replacement: form the next generation with the others, and take the state a survivor left of the
@@ -375,10 +390,8 @@ class AllreduceStrategy(Strategy):
         while True:
             self.generations.form(deadline)
             try:
-                in_flight, _, _ = self._agree(None)
-                key = self._healing_key()
-                self.cluster.store.wait([key], datetime.timedelta(seconds=max(deadline - time.monotonic(), 1.0)))
-                state = torch.load(io.BytesIO(self.cluster.store.get(key)), weights_only=True)
+                in_flight, source, _ = self._agree(None)
+                state = self._take_state(source, deadline)
                 break
             except RuntimeError:  # a death in the generation: the next one
                 continue
@@ -403,7 +416,7 @@ class AllreduceStrategy(Strategy):
             except RuntimeError:  # another death: the next generation
                 continue
             if source == self.worker and new:
-                self._send_state(in_step=False)
+                self._send_state(False, new)
             return
 
     def _averaged_kept(self, averaged: list, scaler) -> list:
@@ -432,7 +445,7 @@ class AllreduceStrategy(Strategy):
             try:
                 earliest, source, new = self._agree(in_flight)
                 if source == self.worker and new:
-                    self._send_state(in_step=True)
+                    self._send_state(True, new)
                 if in_flight == earliest + 1:
                     self.averaging.replay(earliest)
                     if earliest in self._kept_sync:
