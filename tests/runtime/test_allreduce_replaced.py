@@ -6,8 +6,10 @@ import re
 
 import pytest
 import torch
+
+import gradsync
 from helpers import checkpoint_files, same
-from replaced import Death, reference_real_loop, train, train_real_loop
+from replaced import Death, reference_real_loop, train, train_clicks, train_real_loop
 
 pytestmark = pytest.mark.job
 
@@ -70,3 +72,25 @@ def test_a_real_loop_ends_bit_for_bit_as_without_the_deaths_and_as_one_process(l
     assert all(all(torch.equal(died[k], other[k]) for k in died) for _, other, _ in runs[1])
     expected = reference_real_loop(STEPS, 2, {})
     assert all(torch.allclose(died[k].float(), expected[k].float(), atol=1e-5) for k in expected)
+
+
+@pytest.mark.timeout(120)
+def test_every_worker_dying_at_once_fails_the_job_saying_none_holds_the_state(launch):
+    """No survivor to heal from: the replacements say so, and the job fails once the restarts are spent, rather
+    than waiting for a worker that never comes."""
+    with pytest.raises(gradsync.JobFailed, match="no live worker holds the state their replacements would continue "
+                                                 r"from: resume the job from its latest checkpoint \(--resume\)"):
+        launch(train, strategy="allreduce", workers=2, servers=0, timeout=100, worker_loss="wait", max_restarts=1,
+               args=((Death(0, 2, "forward"), Death(1, 2, "forward")), STEPS))
+
+
+@pytest.mark.timeout(120)
+def test_tables_with_sparse_gradients_end_bit_for_bit_as_without_the_deaths(launch):
+    """nn.EmbeddingBag and nn.Embedding with sparse=True: their sparse gradients averaged one by one after the
+    buckets, in the same order on every worker, and kept for a replay as the dense ones."""
+    deaths = (Death(1, 2, "backward"), Death(0, 4, "allreduce"))
+    runs = [launch(train_clicks, strategy="allreduce", workers=2, servers=0, timeout=100, worker_loss="wait",
+                   max_restarts=2, args=(d, STEPS, True)) for d in ((), deaths)]
+    assert [start for start, _ in runs[1]] == [4, 2]
+    for (_, clean), (_, died) in zip(*runs):
+        assert all(torch.equal(clean[k], died[k]) for k in clean)

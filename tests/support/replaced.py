@@ -81,11 +81,12 @@ def _arm(death: Death, layer: torch.nn.Module, step: list[int]) -> None:
 
         rpc.rpc.rpc_async = reach_one
     elif death.point == "allreduce":
-        average = KeptAveraging._average
+        average, calls = KeptAveraging._average, []
 
-        def average_then_die(averaging, kept, b):
-            average(averaging, kept, b)
-            if now() and b == 1:  # its first bucket on the way: the others wait in it
+        def average_then_die(averaging, *args):
+            average(averaging, *args)
+            calls.append(step[0]) if now() else None
+            if len(calls) == 2:  # its second bucket on the way: the others wait in it
                 time.sleep(0.2)
                 _die()
 
@@ -324,11 +325,12 @@ def reference(steps: int, workers: int, without: dict[int, list[int]]) -> dict:
     return model.state_dict()
 
 
-def train_clicks(deaths: tuple[Death, ...], steps: int) -> tuple[int, dict]:
-    """ClickNet (two tables served by rows, lazy momentum rows) with SGD momentum on its MLP, each worker's click
-    batch of each step; deaths as `train`'s. Returns (start step, final state)."""
+def train_clicks(deaths: tuple[Death, ...], steps: int, sparse: bool = False) -> tuple[int, dict]:
+    """ClickNet (two tables served by rows, lazy momentum rows; under allreduce, `sparse`: with sparse=True) with
+    SGD momentum on its MLP, each worker's click batch of each step; deaths as `train`'s. Returns (start step,
+    final state)."""
     me = gradsync.worker_rank()
-    model = ClickNet()
+    model = ClickNet(sparse=sparse)
     trainer = gradsync.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                table_optimizer=gradsync.RowSGD(lr=0.1, momentum=0.9))
     step = [trainer.start_step]

@@ -311,15 +311,15 @@ class AllreduceStrategy(Strategy):
         timeout = datetime.timedelta(seconds=config.step_timeout)
         self.ddp = DDP(module, process_group=gloo_group(alone, 0, 1, timeout), **_no_buffer_broadcast())
         cap = int(config.bucket_cap_mb * 2**20) if config.bucket_cap_mb else _BUCKET_BYTES
+        caps = (min(cap, _FIRST_BUCKET_BYTES), cap)
+        sparse = _sparse_weights(module)
         self.averaging = KeptAveraging(
-            self.trainable, (min(cap, _FIRST_BUCKET_BYTES), cap), config.num_workers, self._group, lambda: self.started
+            self.trainable, caps, sparse, config.num_workers, self._group, lambda: self.started
         )
         self.ddp.register_comm_hook(None, self.averaging.hook)
 
     def _check_replaceable(self) -> None:
         """Refuse what a replacement cannot rejoin yet (worker_loss wait)."""
-        if self.sparse:
-            raise not_replaced_error("an embedding table with sparse=True")
         if self.rows.holds_dynamic:
             raise not_replaced_error("a gradsync.DynamicEmbedding")
         if self.config.compression != "none":
@@ -333,19 +333,29 @@ class AllreduceStrategy(Strategy):
             for t in [*self.module.parameters(), *self.module.buffers()]:
                 group.broadcast(t.data, 0).wait()
 
-    def _agree(self, in_flight: int | None) -> tuple[int, int, list[int]]:
-        """The collective that opens a generation: each worker's step in flight (`self.started`; None: a
-        replacement, which holds none). Returns (the earliest of them, the lowest worker in that step, the
-        replacements)."""
+    def _agree(self, in_flight: int | None, deadline: float) -> tuple[int, int, list[int]]:
+        """Form the next generation and take its first collective (again in a later one while a death ends it),
+        by `deadline`: each worker's step in flight (`self.started`; None: a replacement, which holds none).
+        Returns (the earliest of them, the lowest worker in that step, the replacements).
+
+        Raises:
+            RuntimeError: every worker is a replacement (`no_survivor_error`).
+        """
+        assert self.generations is not None
         workers = self.config.num_workers
         told = torch.zeros(2 * workers, dtype=torch.int64)
         told[self.worker] = int(in_flight is None)
         told[workers + self.worker] = in_flight or 0
-        group = self._group()
-        assert group is not None
-        group.allreduce([told]).wait()
-        new = [w for w in range(workers) if told[w]]
-        steps = {w: int(told[workers + w]) for w in range(workers) if w not in new}
+        while True:
+            self.generations.form(deadline)
+            agreed = told.clone()
+            try:
+                self.generations.group.allreduce([agreed]).wait()  # type: ignore[union-attr]  # formed
+                break
+            except RuntimeError:  # a death in the generation: the next one
+                continue
+        new = [w for w in range(workers) if agreed[w]]
+        steps = {w: int(agreed[workers + w]) for w in range(workers) if w not in new}
         if not steps:
             raise no_survivor_error(workers)
         earliest = min(steps.values())
@@ -388,9 +398,8 @@ class AllreduceStrategy(Strategy):
         config = self.config
         deadline = time.monotonic() + config.restart_timeout
         while True:
-            self.generations.form(deadline)
+            in_flight, source, _ = self._agree(None, deadline)
             try:
-                in_flight, source, _ = self._agree(None)
                 state = self._take_state(source, deadline)
                 break
             except RuntimeError:  # a death in the generation: the next one
@@ -410,14 +419,13 @@ class AllreduceStrategy(Strategy):
             return
         deadline = time.monotonic() + self.config.restart_timeout
         while True:
-            self.generations.form(deadline)
+            _, source, new = self._agree(self.started + 1, deadline)
             try:
-                _, source, new = self._agree(self.started + 1)
+                if source == self.worker and new:
+                    self._send_state(False, new)
+                return
             except RuntimeError:  # another death: the next generation
                 continue
-            if source == self.worker and new:
-                self._send_state(False, new)
-            return
 
     def _averaged_kept(self, averaged: list, scaler) -> list:
         """The step's averages under worker_loss wait: DDP's (`averaged`), or, in a replacement's first step or
@@ -441,9 +449,8 @@ class AllreduceStrategy(Strategy):
         deadline = time.monotonic() + self.config.restart_timeout
         in_flight = self.started
         while True:
-            self.generations.form(deadline)
+            earliest, source, new = self._agree(in_flight, deadline)
             try:
-                earliest, source, new = self._agree(in_flight)
                 if source == self.worker and new:
                     self._send_state(True, new)
                 if in_flight == earliest + 1:
