@@ -32,7 +32,7 @@ from gradsync.core.strategies import traits
 from gradsync.membership import lost_servers
 from gradsync.membership.heartbeat import Watch
 from gradsync.membership.member_keys import record_back, record_gone, workers_in_order
-from gradsync.membership.rank_reports import error_file
+from gradsync.membership.rank_reports import error_file, recorded_error
 from gradsync.runtime import checkpoints, replacement
 
 _T = TypeVar("_T")
@@ -125,6 +125,9 @@ class Restarts:
             return False
         self._say_rejoined(rank)  # a replacement that rejoined and died again between two looks: said first
         config, number = self.config, self.counts.get(rank, 0) + 1
+        error = recorded_error(self.run_dir, rank)  # an exception of its own: said, since its file is cleared
+        if error:
+            how += f" ({error.strip().splitlines()[-1]})"
         if config.readmits_workers:  # the job goes on without it until its replacement joins
             record_gone(self.store, rank - config.servers, how)
         if config.replicated:  # it stays listed in the RPC group, where joining processes take it off

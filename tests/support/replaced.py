@@ -29,8 +29,8 @@ class Death(NamedTuple):
     the 'pieces' of its push (the first sent, the others not), once it has 'pushed' the step (before the reply),
     once its whole push reached server 0 alone ('one server': whole steps), once its word on a held step reached
     server 0 alone ('finish': clipping), or writing its part of the 'checkpoint' after the step; or it 'stop's
-    (SIGSTOP) in its forward, silent until the launcher kills it. Under allreduce: once its second bucket's
-    'allreduce' began, or once its step is done ('stepped': before the next)."""
+    (SIGSTOP) in its forward, silent until the launcher kills it. Under allreduce: in the step's 'allreduce', its
+    first bucket averaged and the second not yet sent, or once its step is done ('stepped': before the next)."""
 
     worker: int
     step: int
@@ -84,11 +84,11 @@ def _arm(death: Death, layer: torch.nn.Module, step: list[int]) -> None:
         average, calls = KeptAveraging._average, []
 
         def average_then_die(averaging, *args):
-            average(averaging, *args)
-            calls.append(step[0]) if now() else None
-            if len(calls) == 2:  # its second bucket on the way: the others wait in it
+            if now() and calls:  # its first bucket averaged, the second not begun: the others wait in it
                 time.sleep(0.2)
                 _die()
+            calls.append(step[0]) if now() else None
+            average(averaging, *args)
 
         KeptAveraging._average = average_then_die
     elif death.point == "stepped":

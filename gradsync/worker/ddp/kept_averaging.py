@@ -24,8 +24,8 @@ import torch
 
 
 class Layout:
-    """The averaging's buckets: the trainable parameters in reverse order, the first bucket at most `caps[0]`
-    bytes and the others `caps[1]` (a larger parameter alone), each of one dtype."""
+    """The averaging's buckets: the trainable parameters in reverse order, each bucket closed once it holds
+    `caps[0]` bytes or more (the first) or `caps[1]` (the others), as DDP's, each of one dtype."""
 
     def __init__(self, params: list[torch.Tensor], caps: tuple[int, int], sparse: AbstractSet[int] = frozenset()):
         """`sparse`: the ids of the parameters whose gradients are sparse (tables with sparse=True): no bucket's,
@@ -34,14 +34,12 @@ class Layout:
         self.buckets: list[list[int]] = [[]]  # indices into params
         size = 0
         for i in reversed([i for i, p in enumerate(params) if id(p) not in sparse]):
-            nbytes = params[i].numel() * params[i].element_size()
-            cap = caps[len(self.buckets) > 1]
-            other_dtype = self.buckets[-1] and params[self.buckets[-1][0]].dtype != params[i].dtype
-            if self.buckets[-1] and (size + nbytes > cap or other_dtype):
+            full = size >= caps[len(self.buckets) > 1]  # as DDP's: a bucket closes once it holds its cap or more
+            if self.buckets[-1] and (full or params[self.buckets[-1][0]].dtype != params[i].dtype):
                 self.buckets.append([])
                 size = 0
             self.buckets[-1].append(i)
-            size += nbytes
+            size += params[i].numel() * params[i].element_size()
         self.dtypes = [params[b[0]].dtype for b in self.buckets]
         self.where: dict[int, tuple[int, int, int]] = {}  # id(param) -> (bucket, offset, elements)
         self.sizes: list[int] = []
@@ -95,11 +93,12 @@ class KeptAveraging:
         workers: int,
         group: Callable,
         step: Callable[[], int],
+        began: Callable[[], None],
     ):
         """`caps`, `sparse`: the `Layout`'s; `group()`: the group to average over now; `step()`: the number of the
-        step in flight."""
+        step in flight; `began()`: called as a step's first bucket comes, before any of its averaging."""
         self.layout = Layout(params, caps, sparse)
-        self.workers, self.group, self.step = workers, group, step
+        self.workers, self.group, self.step, self.began = workers, group, step, began
         self.kept: dict[int, _Step] = {}
         self.broken = False  # a collective of the step in flight failed
         self.deferred = False  # a replacement's first step: averaged in `replay`, once its GradScaler is known
@@ -112,6 +111,7 @@ class KeptAveraging:
             reused = self.kept.get(number - 2)
             self.kept = {n: s for n, s in self.kept.items() if n == number - 1}
             self.kept[number] = _Step(self.layout, reused)
+            self.began()
         step = self.kept[number]
         params, grads, spans = bucket.parameters(), bucket.gradients(), set()
         if bucket.buffer().is_sparse:  # a table with sparse=True: a bucket of its own

@@ -80,6 +80,7 @@ from gradsync.core.torch_internals import current_context_id, gloo_group, tree_f
 from gradsync.membership.arrivals import wait_for_every_worker
 from gradsync.metrics.step_metrics import StepMetrics
 from gradsync.metrics.traffic import allreduce_bytes, sparse_bytes
+from gradsync.runtime import replacement
 from gradsync.runtime.failures import exit_now
 from gradsync.tables.placement import TableModule
 from gradsync.worker.ddp import ddp_join
@@ -313,8 +314,11 @@ class AllreduceStrategy(Strategy):
         cap = int(config.bucket_cap_mb * 2**20) if config.bucket_cap_mb else _BUCKET_BYTES
         caps = (min(cap, _FIRST_BUCKET_BYTES), cap)
         sparse = _sparse_weights(module)
+        # each step's RNG states for a replacement, before any of its gradients leave (trainer.step records them
+        # too, later: the others may finish the step before this worker reaches it)
+        record = lambda: replacement.record(self.cluster.store, self.worker, self.cluster.steps)  # noqa: E731
         self.averaging = KeptAveraging(
-            self.trainable, caps, sparse, config.num_workers, self._group, lambda: self.started
+            self.trainable, caps, sparse, config.num_workers, self._group, lambda: self.started, record
         )
         self.ddp.register_comm_hook(None, self.averaging.hook)
 
