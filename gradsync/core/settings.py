@@ -341,10 +341,11 @@ WORKER_LOSS = _S(
     str,
     "fail",
     "faults",
-    "what a sync ps job does when a worker dies (killed, exits non-zero, or silent past --step-timeout): fail "
-    "(the job fails, naming it), wait (the launcher starts a replacement with the same worker rank, within "
-    "--max-restarts; the step in flight waits for it, and the job ends bit for bit as without the death), drop "
-    "(the job goes on without it, each step the mean of the live workers' batches; with --max-restarts a "
+    "what a sync ps or allreduce job does when a worker dies (killed, exits non-zero, or silent past "
+    "--step-timeout): fail (the job fails, naming it), wait (the launcher starts a replacement with the same worker "
+    "rank, within --max-restarts; the step in flight waits for it, and the job ends bit for bit as without the "
+    "death), drop (ps only: "
+    "the job goes on without it, each step the mean of the live workers' batches; with --max-restarts a "
     "replacement joins at a step boundary)",
     flag="--worker-loss",
     choices=("fail", "wait", "drop"),
