@@ -165,7 +165,7 @@ class Trainer:
         if current_context_id() != context_id:
             raise outside_context_error(context_id)
         job = self._job
-        if job.config.replaces_workers and not self._strategy.records_rng:  # for a replacement, should this die
+        if job.config.replaces_workers:  # for a replacement, should this worker die in this step
             replacement.record(job.store, job.config.worker_rank, job.steps)
         used: torch.amp.GradScaler | replacement.ContinuedScaler | None = scaler
         if self._continues and scaler is not None:  # a replacement's first step: the others' scaler state

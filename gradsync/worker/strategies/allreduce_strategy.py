@@ -303,12 +303,6 @@ class AllreduceStrategy(Strategy):
         """The group the workers' collectives go over: the generation's (worker_loss wait), else the default."""
         return self.generations.group if self.generations is not None else None
 
-    def _generation_group(self) -> dist.ProcessGroup:
-        """The generation's group, once formed (worker_loss wait)."""
-        group = self._group()
-        assert group is not None
-        return group
-
     def _replaced_ddp(self, module: nn.Module) -> None:
         """DDP over this worker alone, averaged by the kept averaging's hook over the generation group."""
         config = self.config
@@ -320,9 +314,8 @@ class AllreduceStrategy(Strategy):
         cap = int(config.bucket_cap_mb * 2**20) if config.bucket_cap_mb else _BUCKET_BYTES
         caps = (min(cap, _FIRST_BUCKET_BYTES), cap)
         sparse = _sparse_weights(module)
-        # each step's RNG states for a replacement, before any of its gradients leave (not in trainer.step: the
-        # others may finish the step before this worker reaches it)
-        self.records_rng = True
+        # each step's RNG states for a replacement, before any of its gradients leave (trainer.step records them
+        # too, later: the others may finish the step before this worker reaches it)
         record = lambda: replacement.record(self.cluster.store, self.worker, self.cluster.steps)  # noqa: E731
         self.averaging = KeptAveraging(
             self.trainable, caps, sparse, config.num_workers, self._group, lambda: self.started, record
@@ -338,9 +331,11 @@ class AllreduceStrategy(Strategy):
 
     def _broadcast_first(self) -> None:
         """Make every worker's parameters and buffers worker 0's, as DDP's construction does over its group."""
+        group = self._group()
+        assert group is not None
         with torch.no_grad():
             for t in [*self.module.parameters(), *self.module.buffers()]:
-                self._generation_group().broadcast(t.data, 0).wait()
+                group.broadcast(t.data, 0).wait()
 
     def _agree(self, in_flight: int | None, deadline: float) -> tuple[int, int, list[int]]:
         """Form the next generation and take its first collective (again in a later one while a death ends it),
@@ -359,7 +354,7 @@ class AllreduceStrategy(Strategy):
             self.generations.form(deadline)
             agreed = told.clone()
             try:
-                self._generation_group().allreduce([agreed]).wait()
+                self.generations.group.allreduce([agreed]).wait()  # type: ignore[union-attr]  # formed
                 break
             except RuntimeError:  # a death in the generation: the next one
                 continue
@@ -385,15 +380,19 @@ class AllreduceStrategy(Strategy):
         torch.save({"model": model, "optimizer": self.optimizer.state_dict()}, buffer)
         data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
         self.cluster.store.set(self._healing_key(), str(data.numel()))
+        group = self._group()
+        assert group is not None
         for worker in new:
-            self._generation_group().send([data], worker, 0).wait()
+            group.send([data], worker, 0).wait()
 
     def _take_state(self, source: int, deadline: float) -> dict:
         """The state `source` sends (`_send_state`), within `deadline` (time.monotonic())."""
         key = self._healing_key()
         self.cluster.store.wait([key], datetime.timedelta(seconds=max(deadline - time.monotonic(), 1.0)))
         data = torch.empty(int(self.cluster.store.get(key)), dtype=torch.uint8)
-        self._generation_group().recv([data], source, 0).wait()
+        group = self._group()
+        assert group is not None
+        group.recv([data], source, 0).wait()
         return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
 
     def _heal(self) -> None:
@@ -671,7 +670,7 @@ class AllreduceStrategy(Strategy):
         """The step's small collective on `tensors`; under worker_loss wait, kept for a replay and, should a
         worker die, done again once its replacement has joined."""
         if self.averaging is None:
-            _allreduce_mean(tensors, self.active)  # the default group
+            _allreduce_mean(tensors, self.active)
             return
         kept = [t.clone() for t in tensors]
         self._kept_sync = {n: k for n, k in self._kept_sync.items() if n == self.started - 1}

@@ -34,7 +34,6 @@ class Strategy(ABC):
     metrics: StepMetrics
     grad_norm: float | None
     rejoined_at: int | None = None
-    records_rng: bool = False  # it records each step's RNG states for a replacement itself (else trainer.step does)
 
     @abstractmethod
     def step(self, context_id: int, scaler=None):
